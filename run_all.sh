@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Every lesson in order, each under torchrun with its world size, then a summary table.
+# A lesson exits non-zero when its claim does not hold; so does this script if any lesson did.
+set -u
+cd "$(dirname "$0")"
+export OMP_NUM_THREADS=1  # one thread per rank, as torchrun would set (and without its banner)
+
+# lesson file | world size | claim | extra arguments
+LESSONS=(
+  "01_model_parallel.py|4|split gradients and parameters equal the unsplit model's; one rank computes at a time|"
+)
+
+mkdir -p runs
+summary=runs/summary.tsv
+: > "$summary"
+failed=0
+for entry in "${LESSONS[@]}"; do
+  IFS='|' read -r file nproc claim extra <<< "$entry"
+  echo
+  echo "=== torchrun --nproc-per-node $nproc lessons/$file $extra"
+  start=$SECONDS
+  # --standalone: a private rendezvous on a free port, so two runs on one machine never collide.
+  # shellcheck disable=SC2086
+  torchrun --standalone --nproc-per-node "$nproc" "lessons/$file" $extra 2>&1 | tee "runs/${file%.py}.log"
+  status=${PIPESTATUS[0]}
+  [ "$status" -eq 0 ] && result=PASS || { result="FAIL (exit $status)"; failed=1; }
+  printf '%s\t%s\t%s\t%s\t%s\n' "${file%.py}" "$nproc" "$claim" "$result" "$((SECONDS - start))" >> "$summary"
+done
+
+python - "$summary" <<'PY'
+import sys
+from rich.console import Console
+from rich.table import Table
+table = Table(title="distlab: every lesson, every claim", title_justify="left")
+for col in ("lesson", "world size", "claim", "result", "seconds"):
+    table.add_column(col, justify="right" if col in ("world size", "seconds") else "left")
+for line in open(sys.argv[1]):
+    lesson, nproc, claim, result, secs = line.rstrip("\n").split("\t")
+    table.add_row(lesson, nproc, claim, f"[green]{result}[/]" if result == "PASS" else f"[red]{result}[/]", secs)
+Console(width=140).print(table)
+PY
+exit $failed

@@ -1,0 +1,1 @@
+"""Model and pipeline parallelism: stages, point-to-point transfers, schedules and their runner."""

@@ -1,0 +1,93 @@
+"""Who computes when: per-rank spans of work, gathered to rank 0, checked and drawn.
+
+Each rank records (label, start, end) around its compute with `time.perf_counter()`, which on Linux
+reads CLOCK_MONOTONIC, one clock for every process on the machine, so spans from different ranks on
+one node line up. (Across nodes the clocks differ; the spans of each rank stay meaningful.)
+
+From the gathered spans: the largest number of ranks computing at the same instant (1 for naive
+model parallelism: the point of lesson 01), and each rank's busy fraction of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch.distributed as dist
+from rich.text import Text
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    label: str
+    start: float
+    end: float
+    step: int = 0
+
+
+class Timeline:
+    """Spans of work on one rank."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.spans: list[Span] = []
+
+    @contextmanager
+    def span(self, label: str, step: int = 0) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(self.rank, label, start, time.perf_counter(), step))
+
+    def gather(self) -> list[Span]:
+        """Every rank's spans, on every rank, sorted by start time (a collective: call on all ranks)."""
+        per_rank: list[list[Span]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(per_rank, self.spans)
+        return sorted((s for spans in per_rank for s in spans), key=lambda s: s.start)
+
+
+def max_concurrency(spans: list[Span]) -> int:
+    """The most spans open at one instant (a sweep over start/end events; an end at the same
+    instant as a start closes first, so back-to-back spans do not count as overlapping)."""
+    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans],
+                    key=lambda e: (e[0], e[1]))
+    open_now = peak = 0
+    for _, delta in events:
+        open_now += delta
+        peak = max(peak, open_now)
+    return peak
+
+
+def busy_fractions(spans: list[Span], world_size: int) -> list[float]:
+    """Per rank: time inside spans / the whole window from the first start to the last end."""
+    t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+    busy = [0.0] * world_size
+    for s in spans:
+        busy[s.rank] += s.end - s.start
+    return [b / (t1 - t0) for b in busy]
+
+
+def render(spans: list[Span], world_size: int, width: int = 80) -> Text:
+    """A text Gantt chart: one row per rank, one column per time bucket, the span's label where the
+    rank is busy ('F' forward, 'B' backward) and '.' where it idles."""
+    t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+    scale = width / max(t1 - t0, 1e-12)
+    rows = [["."] * width for _ in range(world_size)]
+    for s in spans:
+        a = min(width - 1, int((s.start - t0) * scale))
+        b = max(a + 1, min(width, int(round((s.end - t0) * scale))))
+        for i in range(a, b):
+            rows[s.rank][i] = s.label[0]
+    text = Text()
+    colors = {"F": "cyan", "B": "magenta"}
+    for rank, row in enumerate(rows):
+        text.append(f"rank {rank} ")
+        for ch in row:
+            text.append(ch, style=colors.get(ch, "dim"))
+        text.append("\n")
+    text.append(f"       {t1 - t0:.4f} s from left to right")
+    return text

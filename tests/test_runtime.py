@@ -1,0 +1,69 @@
+"""spawn and process-group setup: results come back in rank order, a failing rank is named, none hang."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlab.runtime import SpawnError, choose_backend, free_port, spawn
+
+
+def _rank_and_sum(rt, offset):
+    t = torch.tensor([float(rt.rank)])
+    dist.all_reduce(t)
+    return rt.rank + offset, rt.world_size, t.item()
+
+
+def _fail_on_rank_one(rt):
+    if rt.rank == 1:
+        raise RuntimeError("boom on purpose")
+    # The others block on a message rank 1 will never send: spawn must not wait for the group's
+    # timeout, let alone forever.
+    t = torch.zeros(1)
+    dist.recv(t, src=1)
+
+
+def _exit_hard(rt):
+    if rt.rank == 0:
+        import os
+        os._exit(3)
+    dist.barrier()
+
+
+def test_spawn_returns_each_ranks_result_in_order():
+    assert spawn(_rank_and_sum, 3, 10) == [(10, 3, 3.0), (11, 3, 3.0), (12, 3, 3.0)]
+
+
+def test_spawn_reports_failing_rank_with_traceback_and_does_not_hang():
+    start = time.monotonic()
+    with pytest.raises(SpawnError) as info:
+        spawn(_fail_on_rank_one, 3, timeout_s=60)
+    assert info.value.rank == 1
+    assert "boom on purpose" in str(info.value) and "Traceback" in info.value.child_traceback
+    assert time.monotonic() - start < 30, "the blocked ranks should be terminated, not waited for"
+
+
+def test_spawn_reports_a_rank_that_dies_without_a_traceback():
+    with pytest.raises(SpawnError, match="exited with code 3") as info:
+        spawn(_exit_hard, 2, timeout_s=60)
+    assert info.value.rank == 0
+
+
+def test_spawn_rejects_empty_world():
+    with pytest.raises(ValueError, match="world_size"):
+        spawn(_rank_and_sum, 0, 0)
+
+
+def test_free_port_is_a_usable_port():
+    assert 0 < free_port() < 65536
+
+
+def test_backend_choice():
+    assert choose_backend("cpu", 4) == ("gloo", "cpu")
+    if torch.cuda.device_count() < 4:
+        assert choose_backend("auto", 4) == ("gloo", "cpu")
+        with pytest.raises(ValueError, match="one GPU per rank"):
+            choose_backend("cuda", 4)
+    with pytest.raises(ValueError, match="device must be one of"):
+        choose_backend("tpu", 1)

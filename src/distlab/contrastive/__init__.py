@@ -1,0 +1,1 @@
+"""Contrastive (CLIP) learning under data parallelism: losses, gathers, GradCache, the streamed step."""

@@ -154,7 +154,10 @@ def part_one(args, dtype) -> bool:
     # Memory against the chunk size, at this batch.
     chunks = [int(v) for v in args.memory_chunks.split(",")]
     plain_mib, plain_largest = peak(model, plain_step, x, y, tau)
-    table = Table(title=f"Peak memory of one step, N = {n} (tensor storage, PeakMemory)", title_justify="left")
+    grads_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+    table = Table(title=f"Peak memory of one step, N = {n} (tensor storage, PeakMemory)", title_justify="left",
+                  caption=f"every step also allocates the parameter gradients: {grads_mib:.1f} MiB",
+                  caption_justify="left")
     for col in ("method", "peak MiB", "largest tensor MiB"):
         table.add_column(col, justify="left" if col == "method" else "right")
     table.add_row("plain autograd", f"{plain_mib:.1f}", f"{plain_largest:.1f}")
@@ -185,7 +188,7 @@ def part_one(args, dtype) -> bool:
     if args.memory_json:
         with open(args.memory_json, "w") as f:
             json.dump({"by_chunk": {"batch": n, "plain": plain_mib, **{str(k): v[0] for k, v in by_chunk.items()}},
-                       "by_batch": by_batch}, f)
+                       "by_batch": by_batch, "parameter_gradients": grads_mib}, f)
 
     # The price: time of a step at the same batch.
     reps = args.repeats
@@ -202,8 +205,9 @@ def part_one(args, dtype) -> bool:
         table.add_row(name, f"{s:.3f}", f"{s / plain_s:.2f}x")
     print0(table)
     print0(f"GradCache = plain + one no-grad forward: predicted {(plain_s + forward) / plain_s:.2f}x at chunk = N, "
-           "which is not plain training: it still runs every sample twice. Small chunks cost more again: "
-           "many small matrix products use the hardware worse than one large one.")
+           "which is not plain training: it still runs every sample twice. Small chunks cost more again: every "
+           "chunk's backward adds into the whole parameter gradient, and small matrix products use the "
+           "hardware worse than large ones.")
     print0(f"[bold]Part 1 {'PASS' if exact and memory_ok else 'FAIL'}[/]: gradients "
            f"{'equal' if exact else 'DO NOT equal'} the full batch's; peak memory at chunk {min(chunks)} "
            f"{'below' if memory_ok else 'NOT below'} plain autograd's")

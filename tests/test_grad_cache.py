@@ -25,6 +25,16 @@ from distlab.models import TwoTower, paired_data
 N, TAU, SEED = 13, 0.1, 7
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread, as torchrun and spawn give each rank: on a small shared CPU, two threads
+    per op mostly wait for each other (the memory test runs 25x slower with them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rep_clip_loss(rep_x, rep_y, tau=TAU):
     """The CLIP loss on raw representations: GradCache caches dL/d(rep), normalisation included."""
     return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
@@ -315,6 +325,9 @@ BAD_INPUT = {
     "dict values of unequal length": (lambda: _bad()({"a": x13, "b": x13[:5]}, y13), "disagree on the batch size"),
     "patches that do not add up": (lambda: split_inputs({**image_batch(4, 0), "pixel_values": torch.zeros(3, 5)}, 2),
                                    "patch rows but image_grid_thw describes"),
+    "two images for one sample": (lambda: split_inputs({**image_batch(4, 0), "input_ids": torch.zeros(2, 3),
+                                                         "attention_mask": torch.ones(2, 3)}, 2),
+                                  "4 rows for 2 samples: one image per sample"),
     "a model returning a string": (lambda: GradCache([_Str(), _Str()], 4, rep_clip_loss)(x13, y13),
                                    "representation must be a tensor"),
     "a loss that is not a scalar": (lambda: _bad(loss_fn=lambda a, b: a - b)(x13, y13), "scalar tensor"),

@@ -77,9 +77,11 @@ def patches_per_image(image_grid_thw: Tensor) -> Tensor:
 def _split_vlm(model_input: Mapping, chunk_size: int) -> list[dict]:
     pixels, grid = model_input[PIXELS], model_input[GRID]
     per_image = patches_per_image(grid)
-    # Every other tensor (and the grid itself: one image per sample) has B rows.
-    batch = _common_batch({k: v for k, v in model_input.items() if k != PIXELS and v is not None},
-                          "the VLM input (every value but pixel_values)")
+    others = {k: v for k, v in model_input.items() if k not in (PIXELS, GRID) and v is not None}
+    batch = _common_batch(others, "the VLM input") if others else len(grid)
+    if len(grid) != batch:
+        raise ValueError(f"image_grid_thw has {len(grid)} rows for {batch} samples: one image per sample "
+                         "is supported (give GradCache a split_input_fn for several)")
     if _rows(pixels, PIXELS) != int(per_image.sum()):
         raise ValueError(f"pixel_values has {pixels.shape[0]} patch rows but image_grid_thw describes "
                          f"{int(per_image.sum())} (sum of t*h*w over {len(per_image)} images)")

@@ -8,6 +8,7 @@ export OMP_NUM_THREADS=1  # one thread per rank, as torchrun would set (and with
 # lesson file | world size | claim | extra arguments
 LESSONS=(
   "01_model_parallel.py|4|split gradients and parameters equal the unsplit model's; one rank computes at a time|"
+  "08_grad_cache.py|2|chunked GradCache gradients equal the full batch's, in one process and under DDP; memory set by the chunk|"
 )
 
 mkdir -p runs

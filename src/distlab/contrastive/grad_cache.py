@@ -1,0 +1,244 @@
+"""GradCache (Gao et al. 2021): the gradient of a contrastive loss over a batch far larger than fits.
+
+A contrastive loss L(r_1 .. r_N) couples every sample to every other, so it cannot be cut into
+micro-batches whose gradients add up. But the parameters theta reach L only through the
+representations r_i = f_theta(x_i), and those are small (N x d). The chain rule splits the work:
+
+    dL/dtheta = sum_i (dL/dr_i) . (dr_i/dtheta)
+
+1. `forward_no_grad`: run the model over the batch in chunks of C samples *without* a graph and keep
+   only the representations R (N x d). Memory: one chunk's activations at a time.
+2. `build_cache`: compute L(R) on detached leaves, backward to the leaves: the cache G = dL/dR (N x d).
+   The model is not involved; this costs the loss alone (its N x N logits matrix included).
+3. `forward_backward`: for every chunk again, recompute r = f_theta(x_chunk) *with* a graph and back-
+   propagate the surrogate s = <r, g_chunk> (the dot product over all entries). ds/dtheta =
+   g_chunk . dr/dtheta, and the chunks' gradients add up to dL/dtheta exactly, the identity above.
+
+Step 3 recomputes step 1, so anything random in the model (dropout) must draw the same numbers both
+times, or the gradient belongs to a different function than the loss. Step 1 snapshots the random
+state before each chunk in a `RandContext` (CPU and every CUDA device the chunk lives on) and step 3
+replays it. The cost: one extra forward per step, about 4/3 of a plain step when backward ~ 2 forward.
+
+Under DDP every rank caches its own C-sample chunks of its N/P samples; the loss gathers the
+representations of all ranks with a gather whose backward sums over ranks (lesson 07), so G holds
+sum_r dL_r/dR_local, and DDP's average of the parameter gradients is d(mean_r L_r)/dtheta, the global
+batch's gradient. `no_sync_except_last=True` turns off DDP's all-reduce for every chunk but the last,
+where the accumulated gradient is reduced once. A model that appears twice in `models` (one tower for
+both sides) is reduced once too: only its last chunk of its last use synchronises.
+
+Mixed precision: `fp16=True` runs the model under float16 autocast and needs a GradScaler; the cache
+is the *scaled* loss's gradient, so the parameter gradients come out scaled and the caller does
+`scaler.step(optimizer); scaler.update()` as usual. `bf16=True` runs under bfloat16 autocast and
+needs no scaler. In both, the loss sees the representations upcast to float32.
+
+The interface is the reference library's (luyug/GradCache): GradCache(models, chunk_sizes, loss_fn,
+split_input_fn, get_rep_fn, fp16, scaler), split_inputs, get_input_tensors, model_call, get_reps,
+compute_loss, forward_no_grad, build_cache, forward_backward, cache_step(*inputs,
+no_sync_except_last, **loss_kwargs) -> loss, and __call__ = cache_step. Where ours differs:
+- the surrogate is taken in float32 *or wider*: the reference casts it to float32, which costs a
+  float64 run its exactness;
+- the cache is cut by the rows each chunk actually produced, not by chunk_size, so a custom
+  split_input_fn may cut unevenly;
+- dict values of unequal length and VLM patch counts are refused, where zip() would silently drop
+  samples; VLM dicts (pixel_values + image_grid_thw) are cut per image (`split_inputs.py`);
+- bad input raises ValueError (an `assert` vanishes under `python -O`); autocast is
+  `torch.autocast(device_type)`, so it runs on CPU as on GPU;
+- a model used twice is all-reduced once under no_sync_except_last, not once per use.
+
+What seed 002 gets wrong: with batch_size == chunk_size GradCache does *not* "degenerate to plain
+training": it still runs every sample twice (lesson 08 times it). And "memory for 2 samples only"
+forgets the loss: its N x N logits live in build_cache whatever the chunk (lesson 09 removes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import nullcontext
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distlab.contrastive.rand_context import RandContext
+from distlab.contrastive.split_inputs import check_chunk_size, split_inputs
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def default_rep(model_out: Any) -> Tensor:
+    """The representation in a model's output: the tensor itself; else `pooler_output`; else the
+    first token of `last_hidden_state` (CLS pooling, as DPR/Tevatron); else the first element of a
+    tuple or list. Attributes (HF ModelOutput) and dict keys are both looked up, with `is None`."""
+    if isinstance(model_out, Tensor):
+        return model_out
+    for key in ("pooler_output", "last_hidden_state"):
+        value = model_out.get(key) if isinstance(model_out, Mapping) else getattr(model_out, key, None)
+        if value is not None:  # never `a or b`: a tensor of several elements has no truth value
+            return value[:, 0] if key == "last_hidden_state" and value.dim() == 3 else value
+    if isinstance(model_out, (tuple, list)) and model_out and isinstance(model_out[0], Tensor):
+        return model_out[0]
+    return model_out  # not a tensor: get_reps refuses it with a clear message
+
+
+class GradCache:
+    """Gradient cache over `models` (one per loss argument; the same module may appear twice).
+    Optimizer steps are the caller's; gradients accumulate into `.grad` like any backward."""
+
+    def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int],
+                 loss_fn: Callable[..., Tensor], split_input_fn: Callable[[Any, int], Any] | None = None,
+                 get_rep_fn: Callable[[Any], Tensor] | None = None, fp16: bool = False,
+                 scaler: torch.amp.GradScaler | None = None, bf16: bool = False):
+        if isinstance(models, nn.Module) or not isinstance(models, (list, tuple)) or not models:
+            raise ValueError("models must be a non-empty list of modules, one per loss argument "
+                             f"(got {type(models).__name__}); for one shared tower pass [model, model]")
+        if not all(isinstance(m, nn.Module) for m in models):
+            raise ValueError(f"every model must be an nn.Module, got {[type(m).__name__ for m in models]}")
+        self.models = list(models)
+        if isinstance(chunk_sizes, (list, tuple)):
+            if len(chunk_sizes) != len(self.models):
+                raise ValueError(f"chunk_sizes has {len(chunk_sizes)} entries for {len(self.models)} "
+                                 "models: give one int for all, or one per model")
+            self.chunk_sizes = [check_chunk_size(c) for c in chunk_sizes]
+        else:
+            self.chunk_sizes = [check_chunk_size(chunk_sizes)] * len(self.models)
+        self.loss_fn, self.split_input_fn, self.get_rep_fn = loss_fn, split_input_fn, get_rep_fn
+        if fp16 and bf16:
+            raise ValueError("fp16 and bf16 exclude each other")
+        if fp16 and scaler is None:
+            raise ValueError("fp16 needs a GradScaler: GradCache(..., fp16=True, scaler=torch.amp.GradScaler())")
+        if scaler is not None and not fp16:
+            raise ValueError("a scaler is only used with fp16=True (bf16 and float32 need none)")
+        self.fp16, self.bf16, self.scaler = fp16, bf16, scaler
+        self.amp_dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+
+    def __call__(self, *model_inputs: Any, **kwargs: Any) -> Tensor:
+        return self.cache_step(*model_inputs, **kwargs)
+
+    # --- the pieces -----------------------------------------------------------------------------
+
+    def split_inputs(self, model_input: Any, chunk_size: int) -> list:
+        """Chunks of `model_input`: the user's `split_input_fn` if given, else `split_inputs.py`."""
+        if self.split_input_fn is not None:
+            return list(self.split_input_fn(model_input, chunk_size))
+        return split_inputs(model_input, chunk_size)
+
+    def get_input_tensors(self, model_input: Any) -> list[Tensor]:
+        """Every tensor in a (nested) input: where the chunk lives, for RandContext."""
+        if isinstance(model_input, Tensor):
+            return [model_input]
+        if isinstance(model_input, Mapping):
+            model_input = list(model_input.values())
+        if isinstance(model_input, (list, tuple)):
+            return [t for item in model_input for t in self.get_input_tensors(item)]
+        return []
+
+    def _autocast(self, model: nn.Module):
+        if self.amp_dtype is None:
+            return nullcontext()
+        param = next(model.parameters(), None)
+        return torch.autocast(param.device.type if param is not None else "cpu", dtype=self.amp_dtype)
+
+    def model_call(self, model: nn.Module, model_input: Any) -> Any:
+        """model(x), model(*list) or model(**dict), under autocast when fp16/bf16."""
+        with self._autocast(model):
+            if isinstance(model_input, Tensor):
+                return model(model_input)
+            if isinstance(model_input, (list, tuple)):
+                return model(*model_input)
+            if isinstance(model_input, Mapping):
+                return model(**model_input)
+        raise ValueError(f"cannot call a model on a chunk of type {type(model_input).__name__}: a "
+                         "split_input_fn must return tensors, lists/tuples or dicts")
+
+    def get_reps(self, model_out: Any) -> Tensor:
+        reps = self.get_rep_fn(model_out) if self.get_rep_fn is not None else default_rep(model_out)
+        if not isinstance(reps, Tensor) or reps.dim() == 0:
+            raise ValueError(f"the representation must be a tensor with a sample axis, got "
+                             f"{type(reps).__name__}: pass get_rep_fn to pick it out of the model's output")
+        return reps
+
+    def compute_loss(self, *reps: Tensor, **loss_kwargs: Any) -> Tensor:
+        loss = self.loss_fn(*reps, **loss_kwargs)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                             + (f" of shape {list(loss.shape)}" if isinstance(loss, Tensor) else ""))
+        return loss
+
+    def _forward_chunks(self, model: nn.Module, chunks: list) -> tuple[list[Tensor], list[RandContext]]:
+        reps, states = [], []
+        with torch.no_grad():
+            for chunk in chunks:
+                states.append(RandContext(*self.get_input_tensors(chunk)))  # before the draw
+                reps.append(self.get_reps(self.model_call(model, chunk)))
+        return reps, states
+
+    def forward_no_grad(self, model: nn.Module, model_inputs: list) -> tuple[Tensor, list[RandContext]]:
+        """Step 1: representations of all chunks (concatenated) and each chunk's random state."""
+        reps, states = self._forward_chunks(model, model_inputs)
+        return torch.cat(reps), states
+
+    def build_cache(self, *reps: Tensor, **loss_kwargs: Any) -> tuple[list[Tensor], Tensor]:
+        """Step 2: (dL/dR per model, the loss). The gradient is of the scaled loss under fp16."""
+        leaves = [(r.float() if r.dtype in LOW_PRECISION else r).detach().requires_grad_() for r in reps]
+        loss = self.compute_loss(*leaves, **loss_kwargs)
+        (self.scaler.scale(loss) if self.fp16 else loss).backward()
+        # A representation the loss ignores gets a zero gradient, not a crash on None.
+        cache = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        return cache, loss.detach()
+
+    def forward_backward(self, model: nn.Module, model_inputs: list, cached_gradients: Sequence[Tensor],
+                         random_states: Sequence[RandContext], no_sync_except_last: bool = False) -> None:
+        """Step 3: recompute each chunk with its replayed random state; backward <r, g>."""
+        if not len(model_inputs) == len(cached_gradients) == len(random_states):
+            raise ValueError(f"{len(model_inputs)} chunks, {len(cached_gradients)} cached gradients and "
+                             f"{len(random_states)} random states: they must pair up")
+        if no_sync_except_last:
+            _check_ddp([model])
+        last = len(model_inputs) - 1
+        for i, (chunk, grad, state) in enumerate(zip(model_inputs, cached_gradients, random_states)):
+            with model.no_sync() if no_sync_except_last and i < last else nullcontext():
+                with state:
+                    reps = self.get_reps(self.model_call(model, chunk))
+                if reps.shape != grad.shape:
+                    raise ValueError(f"chunk {i}: the recomputed representation has shape {list(reps.shape)}, "
+                                     f"the cached gradient {list(grad.shape)}")
+                # At least float32 (float64 stays float64), and outside any autocast the caller opened.
+                dtype = torch.promote_types(torch.promote_types(reps.dtype, grad.dtype), torch.float32)
+                with torch.autocast(reps.device.type, enabled=False):
+                    surrogate = torch.dot(reps.flatten().to(dtype), grad.flatten().to(dtype))
+                surrogate.backward()
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def cache_step(self, *model_inputs: Any, no_sync_except_last: bool = False, **loss_kwargs: Any) -> Tensor:
+        """Steps 1-3 over one batch per model: the gradients of loss_fn(*reps, **loss_kwargs) with
+        respect to every model's parameters are accumulated into `.grad`. Returns the loss (detached)."""
+        if len(model_inputs) != len(self.models):
+            raise ValueError(f"cache_step got {len(model_inputs)} inputs for {len(self.models)} models")
+        if no_sync_except_last:
+            _check_ddp(self.models)
+        # Every input is cut (and checked) before the first forward, hence before any collective.
+        chunked = [self.split_inputs(x, c) for x, c in zip(model_inputs, self.chunk_sizes)]
+        for i, chunks in enumerate(chunked):
+            if not chunks:
+                raise ValueError(f"the input of model {i} split into no chunks")
+
+        all_reps, all_states = zip(*(self._forward_chunks(m, c) for m, c in zip(self.models, chunked)))
+        cache, loss = self.build_cache(*(torch.cat(r) for r in all_reps), **loss_kwargs)
+
+        last_use = {id(m): i for i, m in enumerate(self.models)}
+        for i, (model, chunks, reps, states) in enumerate(zip(self.models, chunked, all_reps, all_states)):
+            grads = cache[i].split([r.shape[0] for r in reps])  # the rows each chunk really produced
+            # A model used again later waits for its last use to synchronise.
+            defer = no_sync_except_last and last_use[id(model)] != i
+            with model.no_sync() if defer else nullcontext():
+                self.forward_backward(model, chunks, grads, states, no_sync_except_last=no_sync_except_last)
+        return loss
+
+
+def _check_ddp(models: Sequence[nn.Module]) -> None:
+    plain = [i for i, m in enumerate(models) if not isinstance(m, DistributedDataParallel)]
+    if plain:
+        raise ValueError(f"no_sync_except_last=True needs every model wrapped in DistributedDataParallel; "
+                         f"model(s) {plain} are not")

@@ -1,0 +1,346 @@
+"""GradCache in one process: the gradients of the full batch, whatever the input and the chunking.
+
+The reference is a deep copy trained with plain autograd on the whole batch. With dropout on, it runs
+the batch through the model in the same chunks, in the same order, from the same seed (that is what
+fixes the masks) but with a graph, in one backward of one loss: no cache, no RandContext, no second
+pass. Float64 throughout (rtol 1e-10, atol 1e-12) unless a test states otherwise.
+"""
+
+import copy
+from collections import UserDict
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distlab.contrastive.grad_cache as grad_cache_module
+from distlab.compare import all_ok, compare, grads_of
+from distlab.contrastive.grad_cache import GradCache, default_rep
+from distlab.contrastive.losses import clip_loss
+from distlab.contrastive.split_inputs import split_inputs
+from distlab.models import TwoTower, paired_data
+
+N, TAU, SEED = 13, 0.1, 7
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread, as torchrun and spawn give each rank: on a small shared CPU, two threads
+    per op mostly wait for each other (the memory test runs 25x slower with them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rep_clip_loss(rep_x, rep_y, tau=TAU):
+    """The CLIP loss on raw representations: GradCache caches dL/d(rep), normalisation included."""
+    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
+
+
+def call(model, chunk):
+    return model(**chunk) if isinstance(chunk, dict) else model(chunk)
+
+
+def reference(models, batches, loss_fn, chunked_batches=None, seed=SEED):
+    """Plain autograd on deep copies; `chunked_batches` (with dropout) replays the chunk order."""
+    copies = {id(m): copy.deepcopy(m) for m in models}
+    torch.manual_seed(seed)
+    if chunked_batches is None:
+        reps = [default_rep(call(copies[id(m)], b)) for m, b in zip(models, batches)]
+    else:
+        reps = [torch.cat([default_rep(call(copies[id(m)], c)) for c in chunks])
+                for m, chunks in zip(models, chunked_batches)]
+    loss = loss_fn(*reps)
+    loss.backward()
+    grads = {}
+    for i, m in enumerate(dict.fromkeys(models)):  # distinct models, in order
+        grads.update(grads_of(copies[id(m)], prefix=f"model{i}."))
+    return grads, loss.detach()
+
+
+def grads_of_models(models):
+    grads = {}
+    for i, m in enumerate(dict.fromkeys(models)):
+        grads.update(grads_of(m, prefix=f"model{i}."))
+    return grads
+
+
+def rows(batch, chunk):
+    return [batch[a:a + chunk] for a in range(0, len(batch), chunk)]
+
+
+# --- tensors and lists, one and two models ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, N])  # 4 and 5 do not divide 13; 13 is one chunk
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_two_towers_equal_the_full_batch(chunk, dropout):
+    model = TwoTower(dropout=dropout, seed=1)
+    models = [model.encoder_x, model.encoder_y]
+    x, y = paired_data(N, seed=2)
+    chunked = [rows(x, chunk), rows(y, chunk)] if dropout else None
+    ref_grads, ref_loss = reference(models, [x, y], rep_clip_loss, chunked)
+
+    torch.manual_seed(SEED)
+    loss = GradCache(models, chunk, rep_clip_loss)(x, y)
+    assert all_ok(compare(ref_grads, grads_of_models(models)))
+    assert torch.allclose(loss, ref_loss, rtol=1e-10, atol=0)
+
+
+def test_one_shared_tower_with_a_chunk_size_per_side_and_list_inputs():
+    tower = TwoTower(dim_x=12, dim_y=12, dropout=0.3, seed=1).encoder_x
+    x, y = paired_data(N, dim_x=12, dim_y=12, seed=2)
+    ref_grads, ref_loss = reference([tower, tower], [x, y], rep_clip_loss, [rows(x, 3), rows(y, 5)])
+
+    torch.manual_seed(SEED)
+    loss = GradCache([tower, tower], [3, 5], rep_clip_loss)([x], [y])  # model(*[x]): the list path
+    assert all_ok(compare(ref_grads, grads_of_models([tower])))
+    assert torch.allclose(loss, ref_loss, rtol=1e-10, atol=0)
+
+
+def test_without_rand_context_dropout_gradients_are_wrong(monkeypatch):
+    """Why RandContext exists: the recompute draws fresh masks, so its gradient is of another function."""
+    class NoReplay:
+        def __init__(self, *inputs): pass
+        def __enter__(self): return self
+        def __exit__(self, *exc): return None
+
+    monkeypatch.setattr(grad_cache_module, "RandContext", NoReplay)
+    for dropout, expect_ok in ((0.0, True), (0.3, False)):
+        model = TwoTower(dropout=dropout, seed=1)
+        models = [model.encoder_x, model.encoder_y]
+        x, y = paired_data(N, seed=2)
+        ref_grads, ref_loss = reference(models, [x, y], rep_clip_loss, [rows(x, 4), rows(y, 4)])
+        torch.manual_seed(SEED)
+        loss = GradCache(models, 4, rep_clip_loss)(x, y)
+        assert torch.allclose(loss, ref_loss)  # the loss is right either way: only gradients show it
+        result = compare(ref_grads, grads_of_models(models))
+        assert all_ok(result) == expect_ok
+        if not expect_ok:
+            assert max(r.max_rel for r in result) > 1e-2  # not a rounding error: a different function
+
+
+# --- dicts and VLM-style inputs -----------------------------------------------------------------------
+
+
+@dataclass
+class Output:
+    """A HF-like model output: the representation is found by name, never by `a or b`."""
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+
+
+class ToyVLM(nn.Module):
+    """Text (token ids + mask) and, when given, one image per sample as flattened patches, Qwen-VL
+    style: image i owns t*h*w consecutive rows of pixel_values. Mean-pools both, then a head."""
+
+    def __init__(self, vocab=11, patch_dim=5, hidden=16, embed=6, dropout=0.0, pooled=True):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.tokens = nn.Embedding(vocab, hidden, dtype=torch.float64)
+        self.patch = nn.Linear(patch_dim, hidden, dtype=torch.float64)
+        self.head = nn.Sequential(nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, embed, dtype=torch.float64))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+        self.pooled = pooled
+
+    def forward(self, input_ids, attention_mask, pixel_values=None, image_grid_thw=None):
+        mask = attention_mask.unsqueeze(-1).to(torch.float64)
+        h = (self.tokens(input_ids) * mask).sum(1) / mask.sum(1)
+        if pixel_values is not None:
+            counts = image_grid_thw.prod(1).tolist()
+            h = h + torch.stack([p.mean(0) for p in self.patch(pixel_values).split(counts)])
+        out = self.head(h)
+        if self.pooled:
+            return Output(last_hidden_state=out.unsqueeze(1).expand(-1, 3, -1), pooler_output=out)
+        return Output(last_hidden_state=torch.cat([out.unsqueeze(1), torch.zeros_like(out).unsqueeze(1)], 1))
+
+
+def text_batch(n, seed, length=7, vocab=11):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, length + 1, (n,), generator=gen)
+    return {"input_ids": torch.randint(0, vocab, (n, length), generator=gen),
+            "attention_mask": (torch.arange(length) < lengths[:, None]).long()}
+
+
+def image_batch(n, seed, patch_dim=5):
+    gen = torch.Generator().manual_seed(seed + 100)
+    grid = torch.stack([torch.ones(n, dtype=torch.long), torch.randint(1, 3, (n,), generator=gen),
+                        torch.randint(1, 4, (n,), generator=gen)], dim=1)  # 1 to 6 patches per image
+    pixels = torch.randn(int(grid.prod(1).sum()), patch_dim, generator=gen, dtype=torch.float64)
+    return {**text_batch(n, seed), "pixel_values": pixels, "image_grid_thw": grid}
+
+
+def vlm_rows(batch, chunk):
+    """The test's own VLM slicing: per-image patch blocks, regrouped by sample range."""
+    per_image = list(batch["pixel_values"].split(batch["image_grid_thw"].prod(1).tolist()))
+    out = []
+    for a in range(0, len(batch["input_ids"]), chunk):
+        b = a + chunk
+        out.append({"input_ids": batch["input_ids"][a:b], "attention_mask": batch["attention_mask"][a:b],
+                    "pixel_values": torch.cat(per_image[a:b]), "image_grid_thw": batch["image_grid_thw"][a:b]})
+    return out
+
+
+def dict_rows(batch, chunk):
+    return [{k: v[a:a + chunk] for k, v in batch.items()} for a in range(0, len(batch["input_ids"]), chunk)]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("pooled", [True, False])
+def test_one_vlm_for_text_queries_and_image_documents(dropout, pooled):
+    """Seed section 9.2: one model encodes text-only dict queries and VLM dict documents."""
+    vlm = ToyVLM(dropout=dropout, pooled=pooled)
+    queries, docs = text_batch(N, seed=4), image_batch(N, seed=5)
+    chunked = [dict_rows(queries, 4), vlm_rows(docs, 3)] if dropout else None
+    ref_grads, ref_loss = reference([vlm, vlm], [queries, docs], rep_clip_loss, chunked)
+
+    torch.manual_seed(SEED)
+    loss = GradCache([vlm, vlm], [4, 3], rep_clip_loss)(queries, UserDict(docs))
+    assert all_ok(compare(ref_grads, grads_of_models([vlm])))
+    assert torch.allclose(loss, ref_loss, rtol=1e-10, atol=0)
+
+
+def test_patches_given_to_the_wrong_samples_are_caught():
+    """Guard for the test above: patches handed to the wrong samples change the gradients, so the
+    VLM comparison can fail."""
+    vlm = ToyVLM()
+    queries, docs = text_batch(N, seed=4), image_batch(N, seed=5)
+    ref_grads, _ = reference([vlm, vlm], [queries, docs], rep_clip_loss)
+
+    def naive_split(batch, chunk):  # patches taken from the wrong offset: wrong, yet no error
+        if "pixel_values" not in batch:
+            return split_inputs(batch, chunk)
+        counts = batch["image_grid_thw"].prod(1)
+        parts = []
+        for a in range(0, len(batch["input_ids"]), chunk):
+            part = {k: v[a:a + chunk] for k, v in batch.items() if k != "pixel_values"}
+            n_patches = int(counts[a:a + chunk].sum())  # the right count, from the wrong place
+            part["pixel_values"] = batch["pixel_values"][a * 2:a * 2 + n_patches]
+            parts.append(part)
+        return parts
+
+    GradCache([vlm, vlm], [4, 3], rep_clip_loss, split_input_fn=naive_split)(queries, docs)
+    assert not all_ok(compare(ref_grads, grads_of_models([vlm])))
+
+
+def test_split_inputs_gives_each_chunk_its_own_images_patches():
+    docs = image_batch(7, seed=1)
+    per_image = docs["pixel_values"].split(docs["image_grid_thw"].prod(1).tolist())
+    chunks = split_inputs(docs, 3)
+    assert [len(c["input_ids"]) for c in chunks] == [3, 3, 1]
+    for c, start in zip(chunks, (0, 3, 6)):
+        assert torch.equal(c["pixel_values"], torch.cat(per_image[start:start + 3]))
+        assert list(c) == list(docs)  # keys in the caller's order
+    # A CLIP-style pixel_values [B, C, H, W] (no grid) is cut on dim 0; None rides along.
+    clip = {"pixel_values": torch.zeros(5, 3, 2, 2), "attention_mask": None}
+    assert [c["pixel_values"].shape[0] for c in split_inputs(clip, 2)] == [2, 2, 1]
+    assert all(c["attention_mask"] is None for c in split_inputs(clip, 2))
+
+
+# --- mixed precision ------------------------------------------------------------------------------------
+
+# Stated tolerances, max |a - r| / max |r| per gradient tensor against float32 plain autograd: float16
+# keeps 11 significant bits (~5e-4 relative per rounding), bfloat16 8 bits (~4e-3); the errors of a
+# few matmuls add up to some 1e-3 and 1e-2. Measured here (torch 2.13, CPU): fp16 8.6e-4, bf16 9.4e-3
+# for the gradients; 3e-5 and 6e-5 for the loss (computed in float32 from the low-precision reps).
+MIXED_TOLERANCE = {"fp16": 5e-3, "bf16": 3e-2}
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_mixed_precision_stays_close_to_float32(mode):
+    model = TwoTower(hidden=64, embed_dim=16, dropout=0.1, seed=1, dtype=torch.float32)
+    models = [model.encoder_x, model.encoder_y]
+    x, y = paired_data(64, seed=2, dtype=torch.float32)
+    ref_grads, ref_loss = reference(models, [x, y], rep_clip_loss, [rows(x, 16), rows(y, 16)])
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) if mode == "fp16" else None
+    cache = GradCache(models, 16, rep_clip_loss, fp16=mode == "fp16", scaler=scaler, bf16=mode == "bf16")
+    torch.manual_seed(SEED)
+    loss = cache(x, y)
+    grads = grads_of_models(models)
+    if scaler is not None:  # the gradients are of the scaled loss, as with any GradScaler
+        grads = {n: g / scaler.get_scale() for n, g in grads.items()}
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    worst = max(r.max_rel for r in compare(ref_grads, grads, rtol=0, atol=0))
+    assert worst < MIXED_TOLERANCE[mode], f"{mode}: max relative gradient error {worst:.2e}"
+    assert abs(loss.item() - ref_loss.item()) < MIXED_TOLERANCE[mode] * ref_loss.item()
+    assert worst > 1e-6  # it really ran in low precision (float32 would agree to ~1e-7)
+
+
+def test_fp16_scaler_step_trains_like_float32():
+    """The caller's usual AMP step works on GradCache's scaled gradients."""
+    model = TwoTower(hidden=64, seed=1, dtype=torch.float32)
+    models = [model.encoder_x, model.encoder_y]
+    x, y = paired_data(64, seed=2, dtype=torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    cache = GradCache(models, 16, rep_clip_loss, fp16=True, scaler=scaler)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        losses.append(cache(x, y).item())
+        scaler.step(optimizer)
+        scaler.update()
+    assert losses[-1] < losses[0]
+
+
+# --- representations and bad input --------------------------------------------------------------------
+
+
+def test_representations_are_found_without_tensor_truthiness():
+    """Seed section 10.1: `a or b` on tensors raises; every lookup here is `is None`."""
+    pooled, hidden = torch.randn(4, 3), torch.randn(4, 5, 3)
+    assert default_rep(Output(hidden, pooled)) is pooled
+    assert torch.equal(default_rep(Output(hidden, None)), hidden[:, 0])
+    assert torch.equal(default_rep({"pooler_output": None, "last_hidden_state": hidden}), hidden[:, 0])
+    assert default_rep((pooled, hidden)) is pooled
+
+
+def _bad(**kw):
+    model = TwoTower()
+    settings = dict(models=[model.encoder_x, model.encoder_y], chunk_sizes=4, loss_fn=rep_clip_loss)
+    return GradCache(**{**settings, **kw})
+
+
+x13, y13 = paired_data(N)
+BAD_INPUT = {
+    "chunk sizes for three models, two models": (lambda: _bad(chunk_sizes=[4, 4, 4]), "3 entries for 2 models"),
+    "chunk size zero": (lambda: _bad(chunk_sizes=0), "positive int"),
+    "chunk size True": (lambda: _bad(chunk_sizes=[4, True]), "positive int"),
+    "a bare module": (lambda: _bad(models=TwoTower().encoder_x), "non-empty list of modules"),
+    "fp16 without scaler": (lambda: _bad(fp16=True), "needs a GradScaler"),
+    "scaler without fp16": (lambda: _bad(scaler=torch.amp.GradScaler("cpu")), "only used with fp16"),
+    "fp16 and bf16": (lambda: _bad(fp16=True, bf16=True, scaler=torch.amp.GradScaler("cpu")), "exclude"),
+    "one input for two models": (lambda: _bad()(x13), "1 inputs for 2 models"),
+    "no_sync_except_last without DDP": (lambda: _bad()(x13, y13, no_sync_except_last=True),
+                                        r"DistributedDataParallel; model\(s\) \[0, 1\]"),
+    "a string input": (lambda: _bad()("thirteen pairs", y13), "type str"),
+    "a set input": (lambda: _bad()({x13}, y13), "type set"),
+    "a dict holding a list": (lambda: _bad()({"x": [1, 2]}, y13), "type list .*key 'x'"),
+    "dict values of unequal length": (lambda: _bad()({"a": x13, "b": x13[:5]}, y13), "disagree on the batch size"),
+    "patches that do not add up": (lambda: split_inputs({**image_batch(4, 0), "pixel_values": torch.zeros(3, 5)}, 2),
+                                   "patch rows but image_grid_thw describes"),
+    "two images for one sample": (lambda: split_inputs({**image_batch(4, 0), "input_ids": torch.zeros(2, 3),
+                                                         "attention_mask": torch.ones(2, 3)}, 2),
+                                  "4 rows for 2 samples: one image per sample"),
+    "a model returning a string": (lambda: GradCache([_Str(), _Str()], 4, rep_clip_loss)(x13, y13),
+                                   "representation must be a tensor"),
+    "a loss that is not a scalar": (lambda: _bad(loss_fn=lambda a, b: a - b)(x13, y13), "scalar tensor"),
+}
+
+
+class _Str(nn.Module):
+    def forward(self, x):
+        return "not a tensor"
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=list(BAD_INPUT))
+def test_bad_input_gets_a_clear_error(case):
+    make, message = BAD_INPUT[case]
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -14,6 +14,7 @@ error instead of hanging forever.
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -105,6 +106,10 @@ def distributed(device: str = "auto", timeout_s: float | None = None) -> Iterato
     try:
         yield Runtime(rank, world_size, local_rank, backend, dev)
     finally:
+        # A DDP model is freed only by the cycle collector; freed *after* its group is destroyed,
+        # its reducer takes the process down at exit ("terminate called without an active
+        # exception", about every other run on gloo). Collect while the group is still alive.
+        gc.collect()
         dist.destroy_process_group()
 
 

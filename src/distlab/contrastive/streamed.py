@@ -15,10 +15,10 @@ The step, one function per phase:
      every rank streams all N^2 similarities, and takes each tile's row *and* column LSE (the seed
      streams S twice, once per direction; once is enough). "sharded": each rank streams only its own
      C rows of S and its own C columns (2CN similarities, 2/P of N^2), then a third, tiny all-gather
-     of 2N floats shares a and b.
+     of 2N floats (and one loss partial per rank) shares a and b.
   C  `phase_c_embedding_grads`: G_x, G_y of one micro-batch from the closed forms, streamed over the
-     global dimension in chunks of M: the only temporaries are B x M tiles (S, then P + Q in place);
-     nothing of size N x N, C x N or B x N is ever made.
+     global dimension in chunks of M: the only temporaries are B x M tiles (S, then P + Q - 2I in
+     place); nothing of size N x N, C x N or B x N is ever made.
   D  `phase_d_backward`: recompute the micro-batch with grad through the DDP model under the RNG state
      saved in A (the same dropout masks), and back-propagate the VJP of P * <Z', G>.
   E  `phase_e_sync_point`: every micro-batch but the last runs under `model.no_sync()`, so DDP
@@ -32,14 +32,24 @@ any Z, the model's normalisation (if any) is differentiated through in D, and ev
 S - LSE <= 0, so no tile overflows however large S gets. Unit norm only bounds the logits to
 |S_ij| <= 1/tau; the returned loss and gradients are those of whatever `forward` returns.
 
+Precision. a_i and S_ii are both of size 1/tau (100 at tau = 0.01), so a_i - S_ii = -log P_ii and
+P_ii + Q_ii - 2 computed as written cancel most of float32's digits once the model is confident.
+Phase B therefore reads S_ii from the very tile whose running max it is compared with (exactly 0 apart
+when the positive is the max) and keeps nll_i = -log P_ii; the loss is the mean of the nlls and the
+diagonal of P + Q - 2I is expm1(-nll_x) + expm1(-nll_y). float32 then matches float32 autograd.
+
 Cost per rank: matmul work 6 C N d in the sharded variant (2 C N d in B, 4 C N d in C: one tile
 product and one accumulation per direction), the same as lesson 07's C x N loss and its backward;
-memory O(N d + max(B, M) M) instead of lesson 07's O(C N).
+memory O(N d + max(B, M) M) instead of lesson 07's O(C N). The replicated Phase B costs N^2 d
+instead of 2 C N d (equal at P = 2, twice as much at P = 4); sharded is the default.
 
 What seed 001 gets wrong or leaves open: its Phase B slices S_{R,:} are M x N (only one dimension is
 streamed), so its memory still grows with N M; here both dimensions are streamed. It names the
-micro-batch and the chunk both "M"; here B is the micro-batch, M the chunk. It leaves dropout out:
-without replaying the RNG, D would differentiate a different function than the loss A reported.
+micro-batch and the chunk both "M"; here B is the micro-batch, M the chunk. Its Phase D calls
+backward per micro-batch under DDP, which all-reduces every time unless all but the last run under
+no_sync; its "two sync points" need Phase E's no_sync. It leaves dropout out: without replaying the
+RNG, D would differentiate a different function than the loss A reported. And it computes
+a_i - S_ii and P_ii + Q_ii - 2 as written (see Precision).
 """
 
 from __future__ import annotations
@@ -168,24 +178,29 @@ class Embedded:
     rng: list[RandContext]     # the random state each micro-batch's forward started from
 
 
+def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather this rank's C x d embeddings into N x d Z_x and Z_y, in rank order: one collective
+    for both (z_x | z_y side by side, split again as views: matmul reads a row stride of 2d as is)."""
+    local = torch.cat((z_x, z_y), dim=1)
+    gathered = local.new_empty((n, local.shape[1]))
+    dist.all_gather_single(gathered, local)
+    d = z_x.shape[1]
+    return gathered[:, :d], gathered[:, d:]
+
+
 def phase_a_embed(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor,
                   cfg: StreamConfig) -> Embedded:
     """No-grad embeddings of the local C pairs, B at a time; then one all-gather [sync 1]."""
     micro = chunks(cfg.local, cfg.b)
     module = model.module  # no-grad: no DDP bookkeeping needed (and no buffer broadcast)
-    rng, parts = [], []
+    rng, z_x, z_y = [], [], []
     with torch.no_grad():
         for rows in micro:
             rng.append(RandContext(local_x[rows], local_y[rows]))
-            z_x, z_y = check_embeddings(module(local_x[rows], local_y[rows]), rows.stop - rows.start)
-            parts.append(torch.cat((z_x, z_y), dim=1))   # z_x | z_y side by side: one gather for both
-    local = torch.cat(parts)
-    del parts
-    gathered = local.new_empty((cfg.n, local.shape[1]))
-    dist.all_gather_single(gathered, local)           # sync 1
-    d = local.shape[1] // 2
-    # Views, not copies: matmul reads rows with a stride of 2d as they are.
-    return Embedded(gathered[:, :d], gathered[:, d:], micro, rng)
+            out = check_embeddings(module(local_x[rows], local_y[rows]), rows.stop - rows.start)
+            z_x.append(out[0])
+            z_y.append(out[1])
+    return Embedded(*gather_pairs(torch.cat(z_x), torch.cat(z_y), cfg.n), micro, rng)   # sync 1
 
 
 @dataclass

@@ -5,7 +5,9 @@ A collective that only some ranks reach waits for the others until the process g
 every rank holds identically (the config, the world size, the model's type and attributes) or that
 every rank can hold up against the same yardstick: its own batch against N / P. A rank whose local
 batch is not N / P raises; if every rank's batch is off (the usual bug: a wrong GLOBAL_BATCH_SIZE, or
-a sampler that is not a DistributedSampler), every rank raises the same error.
+a sampler that is not a DistributedSampler), every rank raises the same error. If only some ranks'
+data is off, the others cannot know without a collective: they fail in the first all-gather (gloo:
+the peer closed its connection; nccl: the process group's timeout) instead of hanging forever.
 
 Config keys (seed 000): GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (M), TAU, and
 the optional PHASE_B, "sharded" (default) or "replicated". A misspelt key is reported with the

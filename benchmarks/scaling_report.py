@@ -59,7 +59,7 @@ def write_markdown(path: Path, meta: dict, results: dict, summary: dict, goals: 
             for m in methods:
                 r = results[part][m][i]
                 cells.append(f"{r['peak_bytes'] / 2**20:.1f} / {r['time_s']:.3f}" if "peak_bytes" in r else
-                             "over cap" + (f" (~{r['predicted_peak_bytes'] / 2**30:.1f} GiB)"
+                             "over cap" + (f" (~{r['predicted_peak_bytes'] / 2**30:.2f} GiB predicted)"
                                            if r.get("predicted_peak_bytes") else ""))
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("| largest N within cap | " + " | ".join(

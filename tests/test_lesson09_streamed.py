@@ -19,8 +19,8 @@ def _torchrun(nproc, *args):
 
 
 def test_lesson_passes_with_uneven_micro_batches_and_replicated_phase_b():
-    # C = 32 pairs per rank in micro-batches of 7 (the last one 4), chunks of 10 over N = 96.
-    run = _torchrun(3, "--global-batch", "96", "--micro-batch", "7", "--chunk", "10", "--epochs", "2",
+    # C = 48 pairs per rank in micro-batches of 7 (the last one 6), chunks of 10 over N = 96.
+    run = _torchrun(2, "--global-batch", "96", "--micro-batch", "7", "--chunk", "10", "--epochs", "2",
                     "--dataset-size", "384", "--phase-b", "replicated")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "PASS" in run.stdout and "Epoch 1, Step 3" in run.stdout

@@ -9,6 +9,7 @@ export OMP_NUM_THREADS=1  # one thread per rank, as torchrun would set (and with
 LESSONS=(
   "01_model_parallel.py|4|split gradients and parameters equal the unsplit model's; one rank computes at a time|"
   "08_grad_cache.py|2|chunked GradCache gradients equal the full batch's, in one process and under DDP; memory set by the chunk|"
+  "09_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
 )
 
 mkdir -p runs

@@ -1,0 +1,289 @@
+"""Per-rank peak memory and time of exact contrastive (CLIP) training against the global batch N.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/contrastive_scaling.py          # P = 2
+    torchrun --standalone --nproc-per-node 4 benchmarks/contrastive_scaling.py --sizes 1024 2048 4096 8192
+
+Methods, all exact (their gradients are checked against each other at the smallest N):
+  05  global x global: every rank gathers Z and computes the whole N x N loss (lesson 05)
+  07  local x global: C x N logits, gather_with_grad (its backward sums over ranks) (lesson 07)
+  08  GradCache: the C x N loss on gathered cached representations and its backward (lesson 08's
+      loss machinery; its whole step adds the chunked no-grad forward and the chunked recompute)
+  09  the streamed five-phase step, Phase B sharded and replicated (lesson 09)
+
+Two measurements per method and N. "loss": the machinery that turns this rank's C x d embeddings
+into dL/dZ_local (gathers included). "step": a whole DDP training step of a small two-tower encoder
+(64 -> 256 -> d per tower) on C pairs per rank, backward and SGD step included. Memory is the peak of
+tensor storage the call allocated on this rank (`distlab.memory.PeakMemory`, on any device; plus
+`torch.cuda.max_memory_allocated` on GPUs), taken in its own run, since watching every op slows
+small ops down; time is the wall clock of the slowest rank, the median of --repeats runs, methods
+interleaved so that load on a shared machine hits them alike. A method is not run at an N where its
+predicted peak (extrapolated from the two previous N with the measured exponent) exceeds --cap-gib.
+Writes benchmarks/results/contrastive_scaling_p{P}.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distlab.contrastive.gather import gather_plain, gather_with_grad
+from distlab.contrastive.losses import clip_loss, local_clip_loss
+from distlab.contrastive.streamed import (chunks, gather_pairs, phase_b_normalisers,
+                                          phase_c_embedding_grads, Embedded)
+from distlab.contrastive.streamed_config import parse_config
+from distlab.memory import PeakMemory
+from distlab.models import TwoTower
+from distlab.runtime import add_runtime_args, distributed, print0, run_main
+from distributed_clip import distributed_train_step
+
+sys.path.insert(0, str(Path(__file__).parent))
+from scaling_report import summarise, targets, write_markdown, write_plot  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+METHODS = ("05 global x global", "07 local x global", "08 GradCache", "09 streamed, sharded B",
+           "09 streamed, replicated B")
+TAU = 0.07
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss machinery: this rank's C x d embeddings in, dL/dZ_local out (up to each method's scale)
+# ---------------------------------------------------------------------------------------------
+
+
+def loss_05(z_x, z_y, n, rank, world, micro, chunk):
+    lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
+    clip_loss(gather_plain(lx), gather_plain(ly), TAU).backward()  # the whole N x N on every rank
+    return lx.grad, ly.grad
+
+
+def loss_07(z_x, z_y, n, rank, world, micro, chunk):
+    lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
+    c = len(z_x)
+    local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), TAU, rank * c).backward()
+    return lx.grad / world, ly.grad / world  # the mean of the P local losses is L
+
+
+def loss_08(z_x, z_y, n, rank, world, micro, chunk):
+    # GradCache: the representations were computed without grad and cached; the loss runs on them
+    # as leaves, and their gradient is what the chunked recompute will back-propagate.
+    reps_x, reps_y = z_x.detach().requires_grad_(), z_y.detach().requires_grad_()
+    c = len(z_x)
+    loss = local_clip_loss(reps_x, reps_y, gather_with_grad(reps_x), gather_with_grad(reps_y), TAU, rank * c)
+    loss.backward()
+    return reps_x.grad / world, reps_y.grad / world
+
+
+def _loss_09(z_x, z_y, n, rank, world, micro, chunk, variant):
+    cfg = parse_config({"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": chunk,
+                        "TAU": TAU, "PHASE_B": variant}, world, rank)
+    emb = Embedded(*gather_pairs(z_x, z_y, n), chunks(cfg.local, cfg.b), [])
+    norm = phase_b_normalisers(emb.z_x, emb.z_y, cfg)
+    g_x, g_y = torch.empty_like(z_x), torch.empty_like(z_y)
+    for rows in emb.micro:  # in the step each micro-batch's G goes straight into its backward
+        g_x[rows], g_y[rows] = phase_c_embedding_grads(emb, norm, rows, cfg)
+    return g_x, g_y
+
+
+LOSSES = dict(zip(METHODS, (loss_05, loss_07, loss_08,
+                            lambda *a: _loss_09(*a, variant="sharded"),
+                            lambda *a: _loss_09(*a, variant="replicated"))))
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole training step with a small encoder
+# ---------------------------------------------------------------------------------------------
+
+
+def step_fn(method, model, optimizer, x, y, n, rank, world, micro, chunk):
+    c = len(x)
+    if method.startswith("09"):
+        variant = "sharded" if "sharded" in method else "replicated"
+        return distributed_train_step(model, optimizer, x, y, {
+            "GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": chunk, "TAU": TAU,
+            "PHASE_B": variant})
+    optimizer.zero_grad(set_to_none=True)
+    if method.startswith("08"):  # chunked no-grad forward, loss on cached reps, chunked recompute
+        with torch.no_grad():
+            reps = [model.module(x[s], y[s]) for s in chunks(c, micro)]
+        rx, ry = (torch.cat([r[i] for r in reps]).requires_grad_() for i in (0, 1))
+        loss = local_clip_loss(rx, ry, gather_with_grad(rx), gather_with_grad(ry), TAU, rank * c)
+        loss.backward()
+        parts = chunks(c, micro)
+        for k, s in enumerate(parts):
+            ctx = model.no_sync() if k < len(parts) - 1 else torch.enable_grad()
+            with ctx:
+                zx, zy = model(x[s], y[s])
+                torch.autograd.backward((zx, zy), (rx.grad[s], ry.grad[s]))
+    else:
+        zx, zy = model(x, y)
+        if method.startswith("05"):
+            loss = clip_loss(gather_plain(zx), gather_plain(zy), TAU) * world  # DDP averages P copies
+        else:
+            loss = local_clip_loss(zx, zy, gather_with_grad(zx), gather_with_grad(zy), TAU, rank * c)
+        loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_memory(fn, device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with PeakMemory() as mem:
+        fn()
+    out = {"peak_bytes": mem.peak_bytes, "largest_bytes": mem.largest_bytes}
+    if device.type == "cuda":
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+    peaks = torch.tensor([out["peak_bytes"], out["largest_bytes"]], dtype=torch.float64, device=device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank
+    out["peak_bytes"], out["largest_bytes"] = int(peaks[0]), int(peaks[1])
+    return out
+
+
+def measure_time(fn, device) -> float:
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
+    return elapsed.item()
+
+
+def predicted_peak(history: list[tuple[int, int]], n: int) -> float | None:
+    """Extrapolate from the last two measured (N, peak) with their own exponent."""
+    if len(history) < 2:
+        return None
+    (n0, p0), (n1, p1) = history[-2:]
+    slope = math.log(p1 / p0) / math.log(n1 / n0)
+    return p1 * (n / n1) ** slope
+
+
+def local_embeddings(n: int, d: int, rank: int, world: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's C rows of one global pair of unit-norm N x d embeddings (rows seeded per rank)."""
+    gen = torch.Generator().manual_seed(1000 * n + rank)
+    z_x = F.normalize(torch.randn(n // world, d, generator=gen, dtype=dtype), dim=1)
+    z_y = F.normalize(z_x + torch.randn(n // world, d, generator=gen, dtype=dtype), dim=1)
+    return z_x, z_y
+
+
+def check_methods_agree(rt, args, dtype) -> float:
+    """At the smallest N every method's dL/dZ_local is the same: the benchmark compares exact methods."""
+    n = args.sizes[0]
+    z_x, z_y = (z.to(rt.device) for z in local_embeddings(n, args.dim, rt.rank, rt.world_size, dtype))
+    ref = torch.cat(loss_07(z_x, z_y, n, rt.rank, rt.world_size, args.micro, args.chunk))
+    worst = 0.0
+    for method in args.methods:
+        got = torch.cat(LOSSES[method](z_x, z_y, n, rt.rank, rt.world_size, args.micro, args.chunk))
+        worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
+def run_part(part: str, rt, args, dtype) -> dict:
+    results = {m: [] for m in args.methods}
+    for n in args.sizes:
+        c = n // rt.world_size
+        calls, models = {}, {}
+        for method in args.methods:
+            done = [(r["n"], r["peak_bytes"]) for r in results[method] if "peak_bytes" in r]
+            guess = predicted_peak(done, n)
+            if guess is not None and guess > args.cap_gib * 2 ** 30 or any(r.get("skipped") for r in results[method]):
+                results[method].append({"n": n, "skipped": True, "predicted_peak_bytes": guess})
+                continue
+            if part == "loss":
+                z = [t.to(rt.device) for t in local_embeddings(n, args.dim, rt.rank, rt.world_size, dtype)]
+                calls[method] = (lambda m=method, z=z: LOSSES[m](*z, n, rt.rank, rt.world_size,
+                                                                 args.micro, args.chunk))
+            else:
+                gen = torch.Generator().manual_seed(n + rt.rank)
+                x, y = (torch.randn(c, 64, generator=gen, dtype=dtype).to(rt.device) for _ in range(2))
+                model = DDP(TwoTower(64, 64, hidden=256, embed_dim=args.dim, dtype=dtype).to(rt.device),
+                            device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+                opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+                models[method] = model
+                calls[method] = (lambda m=method, model=model, opt=opt, x=x, y=y: step_fn(
+                    m, model, opt, x, y, n, rt.rank, rt.world_size, args.micro, args.chunk))
+                calls[method]()  # warm-up: DDP's first iteration, lazy allocations
+        mems = {m: measure_memory(fn, rt.device) for m, fn in calls.items()}
+        times = {m: [] for m in calls}
+        for _ in range(args.repeats):
+            for m, fn in calls.items():  # interleaved: a burst of load hits every method
+                times[m].append(measure_time(fn, rt.device))
+        for m in calls:
+            results[m].append({"n": n, **mems[m], "time_s": statistics.median(times[m]), "times_s": times[m]})
+            print0(f"{part:4s} N={n:6d} {m:26s} peak {mems[m]['peak_bytes'] / 2**20:9.1f} MiB  "
+                   f"largest {mems[m]['largest_bytes'] / 2**20:9.1f} MiB  time {statistics.median(times[m]):8.3f} s")
+        del calls, models
+    return results
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--micro", type=int, default=512, help="B for lessons 08 and 09")
+    parser.add_argument("--chunk", type=int, default=2048, help="M for lesson 09")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cap-gib", type=float, default=4.0, help="per-rank peak memory cap")
+    parser.add_argument("--parts", nargs="+", choices=("loss", "step"), default=["loss", "step"])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--out", help="output path without suffix (default: results/contrastive_scaling_p{P})")
+    return add_runtime_args(parser).parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    dtype = getattr(torch, args.dtype)
+    with distributed(args.device) as rt:
+        if any(n % rt.world_size for n in args.sizes):
+            raise ValueError(f"every N in --sizes must be divisible by P={rt.world_size}")
+        device = (torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else
+                  f"CPU {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
+                  f"{torch.get_num_threads()} thread(s) per rank")
+        meta = {"world": rt.world_size, "dim": args.dim, "micro": args.micro, "chunk": args.chunk,
+                "dtype": args.dtype, "tau": TAU, "cap_gib": args.cap_gib, "sizes": args.sizes, "repeats": args.repeats,
+                "device": device, "torch": torch.__version__, "backend": rt.backend,
+                "command": f"torchrun --standalone --nproc-per-node {rt.world_size} benchmarks/contrastive_scaling.py "
+                           + " ".join(sys.argv[1:])}
+        worst = check_methods_agree(rt, args, dtype)
+        print0(f"all methods' dL/dZ_local agree at N={args.sizes[0]}: max relative difference {worst:.1e}")
+        if worst > (1e-4 if dtype == torch.float32 else 1e-10):
+            raise RuntimeError(f"methods disagree ({worst:.1e}): the benchmark would compare different things")
+        results = {part: run_part(part, rt, args, dtype) for part in args.parts}
+        summary = summarise(results, args.cap_gib * 2 ** 30)
+        goals = targets(results) if "loss" in results else {}
+        if rt.is_first:
+            out = Path(args.out) if args.out else RESULTS / f"contrastive_scaling_p{rt.world_size}"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            payload = {"meta": meta, "agreement_max_rel": worst, "results": results, "summary": summary,
+                       "targets": goals}
+            out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+            write_markdown(out.with_suffix(".md"), meta, results, summary, goals)
+            write_plot(out.with_suffix(".png"), meta, results)
+            print0(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from rich.table import Table
 
 from distlab.compare import compare, comparison_table, tolerances
 from distlab.contrastive.ddp_steps import GLOBAL_METHODS, first_step_gradients
@@ -49,7 +50,6 @@ from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.report import gradient_error, method_table
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
-from rich.table import Table
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 SEED_CODE = {

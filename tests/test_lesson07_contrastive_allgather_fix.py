@@ -3,6 +3,7 @@ differentiable gather make local x global exact; the cost figures follow their f
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from distlab.compare import all_ok, compare
 from distlab.contrastive.cost import logits_per_rank, loss_cost, ring_elements
@@ -28,7 +29,6 @@ def test_every_fix_gives_the_full_batch_gradient(world_size):
 
 def _unequal_batches(rt):
     """Rank r gets C + r pairs: DDP runs the encoders happily; the loss must refuse on every rank."""
-    from torch.nn.parallel import DistributedDataParallel
     x, y = paired_data(N, seed=SEED)
     rows = slice(0, 3 + rt.rank)
     try:

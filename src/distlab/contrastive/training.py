@@ -89,13 +89,15 @@ def _train(model: nn.Module, eval_model: nn.Module, step_fn: Callable[[torch.Ten
 def train_single_process(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor],
                          held_out: tuple[torch.Tensor, torch.Tensor], batches: list[torch.Tensor],
                          tau: float, optimizer: str, lr: float, eval_every: int,
-                         on_step: StepCallback | None = None) -> TrainRun:
-    """The reference run: a deep copy of `model`, the whole global batch, plain autograd on clip_loss."""
+                         on_step: StepCallback | None = None, loss_fn=clip_loss) -> TrainRun:
+    """The reference run: a deep copy of `model`, the whole global batch, plain autograd on
+    `loss_fn(z_x, z_y, tau)` (clip_loss; a notebook passes the detached-blocks loss to see what the
+    plain gather would do at a P this machine cannot run)."""
     model = copy.deepcopy(model)
     x, y = train
 
     def step_fn(idx: torch.Tensor) -> float:
-        loss = clip_loss(*model(x[idx], y[idx]), tau)
+        loss = loss_fn(*model(x[idx], y[idx]), tau)
         loss.backward()
         return loss.item()
 

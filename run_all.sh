@@ -8,6 +8,9 @@ export OMP_NUM_THREADS=1  # one thread per rank, as torchrun would set (and with
 # lesson file | world size | claim | extra arguments
 LESSONS=(
   "01_model_parallel.py|4|split gradients and parameters equal the unsplit model's; one rank computes at a time|"
+  "05_contrastive_global.py|4|plain gather = exactly 1/P of the full-batch gradient; P*L and sum-backward gather exact|"
+  "06_contrastive_local_naive.py|4|plain gather's gradient is wrong (= detached blocks); fixed gather trains like one process|"
+  "07_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"
   "08_grad_cache.py|2|chunked GradCache gradients equal the full batch's, in one process and under DDP; memory set by the chunk|"
   "09_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
 )

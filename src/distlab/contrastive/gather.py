@@ -11,9 +11,16 @@ differ in backward, where rank r receives dL_r/d(gathered), the gradient of *its
   sum_r dL_r/d(gathered), and keeps this rank's slice. `backward="reduce_scatter"` gets the same slice
   with a reduce-scatter, which moves (P-1)/P * N*d numbers per rank instead of the all-reduce's
   2 (P-1)/P * N*d: half the traffic, and no rank keeps slices it throws away.
-- `gather_library`: torch's own autograd all-gather. torch 2.13 deprecates
-  `torch.distributed.nn.functional.all_gather` in favour of the functional collectives'
-  `all_gather_single_autograd`, whose backward is a reduce-scatter sum: the same fix.
+- `gather_library`: torch's own differentiable all-gather. torch 2.13 deprecates
+  `torch.distributed.nn.functional.all_gather` and its warning names the replacement,
+  `torch.distributed._functional_collectives.all_gather_single`: its op has an autograd formula
+  registered (`all_gather_into_tensor_backward`, a reduce-scatter with sum), so the plain functional
+  gather is the fix (`all_gather_single_autograd` is now only an alias of it).
+
+Traffic, for a ring: the backward all-reduce moves 2 (P-1)/P * N*d numbers per rank, the
+reduce-scatter (P-1)/P * N*d. That is NCCL's picture. gloo (the CPU backend) implements
+`reduce_scatter_tensor` as an all-reduce of a copy followed by taking this rank's chunk
+(`ProcessGroupGloo::reduce_scatter_tensor_coalesced`), so on CPU both cost the same.
 
 Seed 003's bugs, fixed here: CODE BLOCK 1 and 2 gather `feature1` into `all_feature2`; its AllGather
 backward slices with `rank` (a global it never defines) instead of `ctx.rank`.
@@ -85,5 +92,5 @@ def gather_with_grad(tensor: torch.Tensor, backward: str = "reduce_scatter") -> 
 
 
 def gather_library(tensor: torch.Tensor) -> torch.Tensor:
-    """torch's autograd all-gather (functional collectives), the one to use in real code."""
-    return funcol.all_gather_single_autograd(tensor.contiguous(), 0, dist.group.WORLD)
+    """torch's differentiable all-gather (functional collectives), the one to use in real code."""
+    return funcol.all_gather_single(tensor.contiguous(), 0, dist.group.WORLD)

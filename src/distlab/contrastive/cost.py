@@ -1,0 +1,96 @@
+"""What a contrastive step costs each rank: logits, memory, communication (lesson 07).
+
+Logits. Global x global (lesson 05): one N x N matmul per rank (N^2 entries), then a softmax over
+its rows and one over its columns (2 N^2 exponentials). Local x global: the C x N rows of S and the
+C x N rows of S^T, two matmuls of 2 C N = 2 N^2 / P entries in all, and softmaxes over just those
+(2 C N exponentials: P times fewer). No tensor is bigger than C x N. At P = 2 the matmul work is
+the same as global x global; the softmax work and the largest tensor are already halved.
+
+Communication per rank, per gathered N x d tensor (two per step: z_x and z_y), counted in elements
+as a ring algorithm moves them (each rank sends and receives this many):
+
+    forward all_gather               (P-1)/P * N d
+    backward all_reduce (seed 003)  2(P-1)/P * N d    (a reduce-scatter and an all-gather)
+    backward reduce_scatter          (P-1)/P * N d
+
+The all-reduce's second half gives every rank the summed gradient of every block, of which it keeps
+only its own: the reduce-scatter is the same answer with half the traffic. That is how NCCL runs them;
+gloo runs reduce_scatter_tensor as an all-reduce of a copy (see `distlab.contrastive.gather`), so the
+measured CPU times do not show the saving.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab.contrastive.ddp_steps import contrastive_loss
+from distlab.memory import PeakMemory
+
+
+def ring_elements(p: int, n: int, d: int) -> dict[str, float]:
+    """Elements each rank sends (= receives) per gathered N x d tensor, for a ring of P ranks."""
+    share = (p - 1) / p * n * d
+    return {"all_gather (forward)": share, "all_reduce (backward)": 2 * share, "reduce_scatter (backward)": share}
+
+
+def logits_per_rank(n: int, p: int, similarity: str) -> dict[str, int]:
+    """Similarity entries one rank's matmuls produce, and entries its softmaxes exponentiate."""
+    if similarity == "global":
+        return {"matmul": n * n, "softmax": 2 * n * n}
+    return {"matmul": 2 * (n // p) * n, "softmax": 2 * (n // p) * n}
+
+
+def loss_cost(z_x: torch.Tensor, z_y: torch.Tensor, tau: float, method: str,
+              repeats: int = 5) -> dict[str, float]:
+    """Largest single tensor and peak extra bytes of this rank's loss forward + backward (from its
+    embeddings on), and the median seconds over `repeats` runs (slowest rank)."""
+    z_x, z_y = z_x.detach().requires_grad_(), z_y.detach().requires_grad_()
+
+    def once() -> None:
+        loss, _ = contrastive_loss(z_x, z_y, tau, method, check=False)
+        loss.backward()
+        z_x.grad = z_y.grad = None
+
+    once()  # warm-up: first-call allocations and connections
+    with PeakMemory() as mem:
+        once()
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        once()
+        seconds.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"largest_bytes": mem.largest_bytes, "peak_bytes": mem.peak_bytes, "seconds": slowest.item()}
+
+
+def collective_seconds(n: int, d: int, dtype: torch.dtype, device: torch.device,
+                       repeats: int = 10) -> dict[str, float]:
+    """Median seconds (slowest rank) of the backward collectives on one N x d gradient."""
+    p = dist.get_world_size()
+    grad = torch.randn(n, d, dtype=dtype, device=device)
+    mine = torch.empty(n // p, d, dtype=dtype, device=device)
+    ops = {"all_reduce (backward)": lambda: dist.all_reduce(grad.clone()),
+           "reduce_scatter (backward)": lambda: dist.reduce_scatter_single(mine, grad)}
+    out = {}
+    for name, op in ops.items():
+        op()  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            op()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[name] = slowest.item()
+    return out

@@ -1,0 +1,72 @@
+"""Single-process references for the DDP contrastive steps: no process group, no gather.
+
+- `full_batch_gradients`: a deep copy of the model on the whole global batch, plain autograd on
+  `clip_loss`. Every exact variant of lessons 05 and 07 must reproduce it.
+- `detached_blocks_gradients`: what lesson 06's plain gather really computes, written out in one
+  process without any of its code: split the batch into P blocks; for block r, the symmetric loss
+  over the rows of block r in which only block r's embeddings carry gradient (the other blocks are
+  detached constants); average over r. Its gradient is
+
+      1/P * sum_r  dL_r/dz_r * dz_r/dtheta,
+
+  the true gradient 1/P * sum_r sum_s dL_s/dz_r * dz_r/dtheta minus the s != r terms.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distlab.compare import grads_of
+from distlab.contrastive.losses import check_temperature, clip_loss
+
+
+def full_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         tau: float) -> tuple[float, dict[str, torch.Tensor]]:
+    """(L, dL/dtheta) of a deep copy of `model` on the whole batch (the original is untouched)."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    loss = clip_loss(*model(x, y), tau)
+    loss.backward()
+    return loss.item(), grads_of(model)
+
+
+def _only_block_carries_grad(z: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Same values as z; gradient flows only into z[rows]."""
+    mask = torch.zeros(len(z), 1, dtype=z.dtype, device=z.device)
+    mask[rows] = 1
+    return z.detach() + mask * (z - z.detach())
+
+
+def detached_blocks_loss(z_x: torch.Tensor, z_y: torch.Tensor, tau: float, world_size: int) -> torch.Tensor:
+    """1/P * sum_r (block r's rows of the symmetric loss, every other block's embeddings detached).
+
+    Its value is the global loss L; its gradient is what DDP with the plain gather computes.
+    """
+    check_temperature(tau)
+    n = len(z_x)
+    if n % world_size:
+        raise ValueError(f"N = {n} must split evenly into {world_size} blocks")
+    c = n // world_size
+    labels = torch.arange(n, device=z_x.device)
+    total = z_x.new_zeros(())
+    for r in range(world_size):
+        rows = slice(r * c, (r + 1) * c)
+        zx_r, zy_r = _only_block_carries_grad(z_x, rows), _only_block_carries_grad(z_y, rows)
+        s = zx_r @ zy_r.T / tau
+        # Block r's rows of S (x -> y) and of S^T (y -> x), the mean over its C rows.
+        total = total + (F.cross_entropy(s[rows], labels[rows]) + F.cross_entropy(s.T[rows], labels[rows])) / 2
+    return total / world_size
+
+
+def detached_blocks_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tau: float,
+                              world_size: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """(L, gradient of `detached_blocks_loss`) on a deep copy of `model` over the whole batch."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    loss = detached_blocks_loss(*model(x, y), tau, world_size)
+    loss.backward()
+    return loss.item(), grads_of(model)

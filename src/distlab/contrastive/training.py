@@ -1,0 +1,122 @@
+"""Training the two-tower model for a fixed number of steps, single-process or under DDP, and
+measuring what it learned (lesson 06's three runs).
+
+All runs see the same data: a training set of `paired_data` pairs, and at step t the same global
+batch of N pairs drawn from it (`batch_schedule`, a seeded generator; rank r takes rows
+r*C ... r*C + C - 1). They start from the same weights and use the same optimizer, so the runs differ
+only in the gradient they step with.
+
+`retrieval_accuracy` is top-1 retrieval on held-out pairs (drawn with another seed from the same
+"world"): the fraction of x_i whose nearest z_y is y_i, averaged with the y -> x direction. Chance is
+1 / (number of held-out pairs).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from distlab.compare import params_of
+from distlab.contrastive.ddp_steps import ddp_step, local_block
+from distlab.contrastive.losses import clip_loss
+
+OPTIMIZERS = ("sgd", "adam")
+StepCallback = Callable[[int, float], None]
+
+
+@dataclass
+class TrainRun:
+    losses: list[float] = field(default_factory=list)      # the global loss L at every step
+    eval_steps: list[int] = field(default_factory=list)    # steps after which accuracy was measured
+    accuracies: list[float] = field(default_factory=list)  # held-out top-1 retrieval accuracy
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
+
+
+@torch.no_grad()
+def retrieval_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean of x -> y and y -> x top-1 retrieval accuracy among the given pairs."""
+    was_training = model.training
+    model.eval()
+    z_x, z_y = model(x, y)
+    model.train(was_training)
+    s = z_x @ z_y.T
+    target = torch.arange(len(x), device=x.device)
+    return ((s.argmax(1) == target).double().mean() + (s.argmax(0) == target).double().mean()).item() / 2
+
+
+def batch_schedule(n_train: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """The global batch (indices into the training set) of every step: epochs of seeded permutations."""
+    if not 1 <= batch_size <= n_train:
+        raise ValueError(f"the batch size must be between 1 and the training set size {n_train}, got {batch_size}")
+    gen = torch.Generator().manual_seed(seed)
+    per_epoch = n_train // batch_size
+    batches: list[torch.Tensor] = []
+    while len(batches) < steps:
+        order = torch.randperm(n_train, generator=gen)
+        batches.extend(order[i * batch_size:(i + 1) * batch_size] for i in range(per_epoch))
+    return batches[:steps]
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def _train(model: nn.Module, eval_model: nn.Module, step_fn: Callable[[torch.Tensor], float],
+           batches: list[torch.Tensor], held_out: tuple[torch.Tensor, torch.Tensor],
+           optimizer: torch.optim.Optimizer, eval_every: int, on_step: StepCallback | None) -> TrainRun:
+    run = TrainRun()
+    for step, idx in enumerate(batches):
+        optimizer.zero_grad(set_to_none=True)
+        run.losses.append(step_fn(idx))
+        optimizer.step()
+        if (step + 1) % eval_every == 0 or step + 1 == len(batches):
+            run.eval_steps.append(step + 1)
+            run.accuracies.append(retrieval_accuracy(eval_model, *held_out))
+        if on_step is not None:
+            on_step(step, run.losses[-1])
+    run.params = params_of(eval_model)
+    return run
+
+
+def train_single_process(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor],
+                         held_out: tuple[torch.Tensor, torch.Tensor], batches: list[torch.Tensor],
+                         tau: float, optimizer: str, lr: float, eval_every: int,
+                         on_step: StepCallback | None = None, loss_fn=clip_loss) -> TrainRun:
+    """The reference run: a deep copy of `model`, the whole global batch, plain autograd on
+    `loss_fn(z_x, z_y, tau)` (clip_loss; a notebook passes the detached-blocks loss to see what the
+    plain gather would do at a P this machine cannot run)."""
+    model = copy.deepcopy(model)
+    x, y = train
+
+    def step_fn(idx: torch.Tensor) -> float:
+        loss = loss_fn(*model(x[idx], y[idx]), tau)
+        loss.backward()
+        return loss.item()
+
+    return _train(model, model, step_fn, batches, held_out, make_optimizer(optimizer, model.parameters(), lr),
+                  eval_every, on_step)
+
+
+def train_ddp(ddp_model: nn.Module, rank: int, world_size: int, method: str,
+              train: tuple[torch.Tensor, torch.Tensor], held_out: tuple[torch.Tensor, torch.Tensor],
+              batches: list[torch.Tensor], tau: float, optimizer: str, lr: float, eval_every: int,
+              on_step: StepCallback | None = None) -> TrainRun:
+    """The same steps under DDP: each rank takes its C rows of every global batch; `ddp_step` with
+    `method` computes the loss and DDP averages the gradients. Every rank ends with the same weights
+    (and measures the same accuracy)."""
+    x, y = train
+
+    def step_fn(idx: torch.Tensor) -> float:
+        local = local_block(idx, rank, world_size)
+        return ddp_step(ddp_model, x[local], y[local], tau, method)
+
+    return _train(ddp_model, ddp_model.module, step_fn, batches, held_out,
+                  make_optimizer(optimizer, ddp_model.parameters(), lr), eval_every, on_step)

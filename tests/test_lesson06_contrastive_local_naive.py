@@ -1,0 +1,70 @@
+"""Lesson 06: local x global with the plain gather. Its gradient is far from the full-batch one and
+equal to what the lesson says it computes: each rank's local loss with the other ranks' embeddings
+detached, averaged over ranks (computed here in one process, without any of the distributed code).
+Training with it follows its own path; training with the fix follows the single process exactly."""
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from distlab.compare import all_ok, compare
+from distlab.contrastive.ddp_steps import first_step_gradients
+from distlab.contrastive.reference import detached_blocks_gradients, full_batch_gradients
+from distlab.contrastive.report import gradient_error
+from distlab.contrastive.training import batch_schedule, train_ddp, train_single_process
+from distlab.models import TwoTower, paired_data
+from distlab.runtime import spawn
+
+N, TAU, SEED = 12, 0.1, 5
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_plain_gather_computes_the_detached_blocks_gradient(world_size):
+    per_rank = spawn(first_step_gradients, world_size, ("local_plain",), N, TAU, seed=SEED)
+    x, y = paired_data(N, seed=SEED)
+    ref_loss, ref_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU)
+    detached_loss, detached_grads = detached_blocks_gradients(TwoTower(seed=SEED), x, y, TAU, world_size)
+    assert detached_loss == pytest.approx(ref_loss, rel=1e-12)  # same loss value, different gradient
+    for results in per_rank:
+        loss, grads = results["local_plain"]
+        assert loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12)  # the forward pass is right
+        assert all_ok(compare(detached_grads, grads))  # float64: rtol 1e-10, atol 1e-12
+        if world_size == 1:
+            assert all_ok(compare(ref_grads, grads))  # nothing to lose with one rank
+        else:
+            far = gradient_error(ref_grads, grads)
+            assert far.max_rel > 0.1 and not far.ok, far  # far from the reference, not a rounding slip
+
+
+def test_detached_blocks_differs_from_the_reference_for_every_p_above_one():
+    """Guard for the test above: the two single-process references are not secretly the same."""
+    x, y = paired_data(N, seed=SEED)
+    _, ref = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU)
+    for p in (2, 3, 4):
+        _, det = detached_blocks_gradients(TwoTower(seed=SEED), x, y, TAU, p)
+        assert not all_ok(compare(ref, det))
+
+
+TRAIN, HELD_OUT, STEPS = 48, 24, 6
+
+
+def _data():
+    return paired_data(TRAIN, seed=SEED), paired_data(HELD_OUT, seed=SEED + 1), batch_schedule(TRAIN, N, STEPS, SEED)
+
+
+def _train(rt, method):
+    train, held_out, batches = _data()
+    ddp = DistributedDataParallel(TwoTower(seed=SEED))
+    return train_ddp(ddp, rt.rank, rt.world_size, method, train, held_out, batches, TAU, "adam", 0.01, eval_every=3)
+
+
+@pytest.mark.parametrize("method, exact", [("local_reduce_scatter", True), ("local_plain", False)])
+def test_training_with_the_fix_follows_the_single_process(method, exact):
+    runs = spawn(_train, 3, method)
+    train, held_out, batches = _data()
+    single = train_single_process(TwoTower(seed=SEED), train, held_out, batches, TAU, "adam", 0.01, eval_every=3)
+    losses = torch.tensor(runs[0].losses, dtype=torch.float64)
+    assert all_ok(compare(single.params, runs[0].params)) == exact
+    assert torch.allclose(losses, torch.tensor(single.losses, dtype=torch.float64), rtol=1e-10, atol=1e-12) == exact
+    assert all(all_ok(compare(runs[0].params, r.params)) for r in runs)  # DDP keeps the replicas equal
+    assert single.losses[-1] < single.losses[0]  # it trains, so matching trajectories mean something

@@ -25,16 +25,6 @@ from distlab.models import TwoTower, paired_data
 N, TAU, SEED = 13, 0.1, 7
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, as torchrun and spawn give each rank: on a small shared CPU, two threads
-    per op mostly wait for each other (the memory test runs 25x slower with them)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def rep_clip_loss(rep_x, rep_y, tau=TAU):
     """The CLIP loss on raw representations: GradCache caches dL/d(rep), normalisation included."""
     return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)

@@ -26,16 +26,6 @@ from distlab.runtime import spawn
 P, N, CHUNK, TAU, SEED = 2, 22, 4, 0.1, 11  # 11 pairs per rank in chunks of 4, 4, 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, as torchrun and spawn give each rank: on a small shared CPU, two threads
-    per op mostly wait for each other (the memory test runs 25x slower with them)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def rep_clip_loss(rep_x, rep_y, tau=TAU):
     return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
 

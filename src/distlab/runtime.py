@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -102,7 +103,7 @@ def distributed(device: str = "auto", timeout_s: float | None = None) -> Iterato
     # Every optimizer imports torch._dynamo on construction; imported for the first time while a
     # group exists, it keeps gloo's threads alive past destroy_process_group, and the process then
     # aborts at exit now and then (3 of 29 runs of lesson 04). Imported before the group: never.
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")  # (`import torch._dynamo` here would shadow `torch`)
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=timeout,
         device_id=dev if kind == "cuda" else None,

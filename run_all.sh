@@ -8,6 +8,9 @@ export OMP_NUM_THREADS=1  # one thread per rank, as torchrun would set (and with
 # lesson file | world size | claim | extra arguments
 LESSONS=(
   "01_model_parallel.py|4|split gradients and parameters equal the unsplit model's; one rank computes at a time|"
+  "02_gpipe_checkpoint.py|2|GPipe with and without checkpointing equals the unsplit model; bubble (P-1)/(M+P-1); checkpointing cuts saved activations|"
+  "03_one_f_one_b.py|4|1F1B equals the unsplit model; same bubble as GPipe; at most min(M, P-s) micro-batches in flight|--micro-batches 7"
+  "04_torch_pipelining.py|4|PyTorch's ScheduleGPipe and Schedule1F1B equal ours and the unsplit model and run our order|"
 )
 
 mkdir -p runs

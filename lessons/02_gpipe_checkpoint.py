@@ -1,6 +1,6 @@
 """Lesson 02: GPipe. Micro-batches fill the pipeline; activation checkpointing trades compute for memory.
 
-    torchrun --nproc-per-node 2 lessons/02_gpipe_checkpoint.py --micro-batches 8 --checkpoint-segments 4
+    torchrun --nproc-per-node 2 lessons/02_gpipe_checkpoint.py --micro-batches 8 --checkpoint-segments 2
 
 The idea. Lesson 01 sends the whole batch down the stages, so P - 1 of P ranks always wait. GPipe
 cuts the batch of N rows into M micro-batches; stage s forwards micro-batch i while stage s+1
@@ -20,7 +20,10 @@ no error, and the scale n_i / N is what makes it exact. M must be between 1 and 
 
 The memory. Every stage holds the saved activations of all M micro-batches until its first
 backward. `checkpoint_sequential(layers, K, use_reentrant=False)` keeps only the input of each of
-its first K - 1 segments and reruns them in backward: less memory, more forward compute. Both are
+its first K - 1 segments and reruns them in backward: less memory, more forward compute. For our
+Linear + Tanh layers autograd saves one activation per layer (the Tanh output, which is also the
+next layer's input), and PyTorch reruns only what backward needs, so a checkpointed segment of g
+layers saves g - 1 activations and reruns g - 1 layers; a one-layer segment saves nothing. Both are
 measured here: the bytes that pass through `torch.autograd.graph.saved_tensors_hooks`, and the
 layer forward calls (a forward hook fires again on every recomputation).
 
@@ -60,7 +63,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batches", type=int, default=8, help="M, from 1 to the batch size")
-    parser.add_argument("--checkpoint-segments", type=int, default=4,
+    parser.add_argument("--checkpoint-segments", type=int, default=2,
                         help="K >= 2 checkpoint_sequential segments per stage for the checkpointed run")
     parser.add_argument("--layers", type=int, default=16, help="layers of the MLP (P <= layers)")
     parser.add_argument("--width", type=int, default=128, help="hidden width")
@@ -140,6 +143,10 @@ def main() -> int:
             memory.add_row(str(s), str(len(bounds[s])), str(ip), f"{sp / 2**10:,.1f} KiB",
                            f"{sc / 2**10:,.1f} KiB", f"{sc / sp:.2f}", str(fp), str(fc), f"{fc / fp - 1:+.0%}")
         print0(memory)
+        if not any(len(b) // min(k, len(b)) >= 2 for b in bounds):
+            print0(f"[yellow]note:[/] with K={k} every checkpointed segment is a single layer, and for this "
+                   "model a single layer saves nothing (its input and output are kept anyway); "
+                   "use K <= layers per stage / 2")
 
         last = [s for s in plain.spans if s.step == args.steps - 1]
         print0(f"\n[bold]Who computes when in the last step[/] (measured, without checkpointing):")

@@ -7,7 +7,8 @@ the first N mod M get one row more, so any N >= M works). On stage s, action
   B(i): resume backpropagation from the loss (last stage) or from the received output gradient,
         send the gradient of the input back. Parameter gradients accumulate over micro-batches.
 Transfers go through `p2p.comm_plan`/`p2p.exchange`: sends of one action posted together with the
-receives of the next, so no schedule deadlocks (see p2p.py for why blocking send/recv would).
+receives of the next, so neither GPipe nor 1F1B deadlocks for any P and M (p2p.py says why blocking
+send/recv would; the tests replay every rank's plan to show it).
 
 The loss over a step is the mean over the whole batch. A per-micro-batch loss l_i is a mean over
 its n_i rows, and
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch._dynamo  # noqa: F401  (before any process group exists: see the note below)
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,12 @@ from distlab.pipeline.probe import StageProbe
 from distlab.pipeline.schedules import Action, make_schedule
 from distlab.runtime import Runtime
 from distlab.timeline import Span, Timeline
+
+# Why torch._dynamo is imported above. Building the first optimizer imports it, and in torch 2.13 an
+# import of torch._dynamo while a process group exists keeps that group (and gloo's threads) alive
+# after destroy_process_group; at process exit the still-running threads then abort the process now
+# and then ("terminate called without an active exception", 3 of 29 runs of lesson 04 here, after
+# every check had passed). Imported before the group is made, nothing outlives it.
 
 
 def microbatch_sizes(batch_size: int, num_microbatches: int) -> list[int]:
@@ -151,17 +159,25 @@ class PipelineRun:
     layer_forwards: int = 0         # with probe=True: layer forward calls in the first step
 
 
-def train_pipeline(rt: Runtime, widths: tuple[int, ...], batch_size: int, steps: int, lr: float,
-                   schedule: str = "gpipe", microbatches: int = 1, checkpoint_segments: int = 0,
-                   seed: int = 0, dtype: torch.dtype = torch.float64, scale_loss: bool = True,
-                   input_features: int | None = None, probe: bool = False,
-                   gather_spans: bool = True) -> PipelineRun:
-    """`steps` SGD steps of `layered_mlp(widths, seed)` split over the ranks and run by the named
-    schedule on M micro-batches of one regression batch (MSE, the mean over the whole batch)."""
+@dataclass
+class Prepared:
+    """One rank's share of a pipeline run, validated and ready for `pipeline_step`."""
+
+    stage: Stage
+    actions: list[Action]
+    x_mbs: list[torch.Tensor]
+    target_mbs: list[torch.Tensor]
+    shapes: list[list[torch.Size]]
+
+
+def prepare(rt: Runtime, widths: tuple[int, ...], batch_size: int, schedule: str, microbatches: int,
+            checkpoint_segments: int = 0, seed: int = 0, dtype: torch.dtype = torch.float64,
+            input_features: int | None = None) -> Prepared:
+    """Build the model, the batch and this rank's stage, schedule and shapes from the seed."""
     # Everything is validated on every rank from what every rank knows, before any message:
     # bad input fails the same way everywhere instead of leaving some rank waiting in a receive.
-    if batch_size < 1 or steps < 1:
-        raise ValueError(f"batch_size and steps must be >= 1, got {batch_size} and {steps}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     actions = make_schedule(schedule, rt.world_size, microbatches)[rt.rank]
     sizes = microbatch_sizes(batch_size, microbatches)
     check_checkpoint_segments(checkpoint_segments)
@@ -169,23 +185,38 @@ def train_pipeline(rt: Runtime, widths: tuple[int, ...], batch_size: int, steps:
     stages = split_stages(model, rt.world_size)
     x, target = regression_batch(batch_size, input_features or widths[0], widths[-1],
                                  seed=seed, dtype=dtype)
-    x_mbs, target_mbs = torch.tensor_split(x, microbatches), torch.tensor_split(target, microbatches)
     by_size = {n: boundary_shapes(stages, (n, *x.shape[1:]), dtype) for n in set(sizes)}
-    shapes = [by_size[n] for n in sizes]  # uneven micro-batches: shapes differ in the batch dim
-
     stage = stages[rt.rank]
     stage.module.to(rt.device)
     # With NCCL, a batch_isend_irecv that is the group's first collective must involve every rank,
     # and ours involve two. One barrier first makes every later batch a legal subset.
     dist.barrier()
+    return Prepared(stage, actions, list(torch.tensor_split(x, microbatches)),
+                    list(torch.tensor_split(target, microbatches)),
+                    [by_size[n] for n in sizes])  # uneven micro-batches: shapes differ in the batch dim
+
+
+def train_pipeline(rt: Runtime, widths: tuple[int, ...], batch_size: int, steps: int, lr: float,
+                   schedule: str = "gpipe", microbatches: int = 1, checkpoint_segments: int = 0,
+                   seed: int = 0, dtype: torch.dtype = torch.float64, scale_loss: bool = True,
+                   input_features: int | None = None, probe: bool = False,
+                   gather_spans: bool = True) -> PipelineRun:
+    """`steps` SGD steps of `layered_mlp(widths, seed)` split over the ranks and run by the named
+    schedule on M micro-batches of one regression batch (MSE, the mean over the whole batch)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    run = prepare(rt, widths, batch_size, schedule, microbatches, checkpoint_segments, seed, dtype,
+                  input_features)
+    stage = run.stage
     stage_probe = StageProbe(stage.module) if probe else None
     optimizer = torch.optim.SGD(stage.module.parameters(), lr=lr)
     timeline = Timeline(rt.rank)
     losses, first_grads, peak, layer_forwards = [], {}, 0, 0
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        result = pipeline_step(stage, rt.world_size, actions, x_mbs, target_mbs, shapes, F.mse_loss,
-                               rt.device, checkpoint_segments, scale_loss, timeline, step, stage_probe)
+        result = pipeline_step(stage, rt.world_size, run.actions, run.x_mbs, run.target_mbs, run.shapes,
+                               F.mse_loss, rt.device, checkpoint_segments, scale_loss, timeline, step,
+                               stage_probe)
         if result.loss is not None:
             losses.append(result.loss)
         peak = max(peak, result.peak_in_flight)

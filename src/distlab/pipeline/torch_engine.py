@@ -22,7 +22,9 @@ Where it differs from our runner (torch 2.13):
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,19 +48,28 @@ class TorchPipelineRun:
     planned: list[Action] = field(default_factory=list)        # what schedule.pipeline_order says
 
 
-def _record(stage, executed: list[Action]) -> None:
-    """Log every forward and backward the schedule runs on this stage, in order."""
+@contextmanager
+def _recording(stage, log: list[Action]) -> Iterator[None]:
+    """Log every forward and backward the schedule runs on this stage, in order.
+
+    The wrappers hold the stage's bound methods, so while installed they form a reference cycle
+    with the stage; removing them on the way out lets the stage (and the transfer buffers it
+    holds) go when the run ends instead of at the next garbage collection."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
     def forward_one_chunk(chunk_id, *args, **kwargs):
-        executed.append(Action("F", chunk_id))
+        log.append(Action("F", chunk_id))
         return forward(chunk_id, *args, **kwargs)
 
     def backward_one_chunk(chunk_id, *args, **kwargs):
-        executed.append(Action("B", chunk_id))
+        log.append(Action("B", chunk_id))
         return backward(chunk_id, *args, **kwargs)
 
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    try:
+        yield
+    finally:
+        del stage.forward_one_chunk, stage.backward_one_chunk  # back to the class's methods
 
 
 def train_torch_pipeline(rt: Runtime, widths: tuple[int, ...], batch_size: int, steps: int, lr: float,
@@ -86,27 +97,26 @@ def train_torch_pipeline(rt: Runtime, widths: tuple[int, ...], batch_size: int, 
                for a in (runner.pipeline_order or {}).get(rt.rank, [])
                if a is not None and a.computation_type.value in ("F", "B")]
     log: list[Action] = []
-    _record(stage, log)
-
     optimizer = torch.optim.SGD(mine.module.parameters(), lr=lr)
     losses, first_grads, executed = [], {}, []
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        micro_losses: list[torch.Tensor] = []
-        if rt.is_first and rt.is_last:
-            runner.step(x.to(rt.device), target=target.to(rt.device), losses=micro_losses)
-        elif rt.is_first:
-            runner.step(x.to(rt.device))
-        elif rt.is_last:
-            runner.step(target=target.to(rt.device), losses=micro_losses)
-        else:
-            runner.step()
-        if rt.is_last:  # equal micro-batches: the batch mean is the mean of the micro-batch means
-            losses.append(torch.stack(micro_losses).mean().item())
-        if step == 0:
-            first_grads = {n: p.grad.detach().cpu().clone() for n, p in mine.named_parameters()}
-            executed = list(log)
-        optimizer.step()
+    with _recording(stage, log):
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            micro_losses: list[torch.Tensor] = []
+            if rt.is_first and rt.is_last:
+                runner.step(x.to(rt.device), target=target.to(rt.device), losses=micro_losses)
+            elif rt.is_first:
+                runner.step(x.to(rt.device))
+            elif rt.is_last:
+                runner.step(target=target.to(rt.device), losses=micro_losses)
+            else:
+                runner.step()
+            if rt.is_last:  # equal micro-batches: the batch mean is the mean of the micro-batch means
+                losses.append(torch.stack(micro_losses).mean().item())
+            if step == 0:
+                first_grads = {n: p.grad.detach().cpu().clone() for n, p in mine.named_parameters()}
+                executed = list(log)
+            optimizer.step()
 
     shared = torch.tensor(losses if rt.is_last else [0.0] * steps, dtype=torch.float64, device=rt.device)
     dist.broadcast(shared, src=rt.world_size - 1)

@@ -4,9 +4,10 @@
     for P in 1 2 4; do OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node $P benchmarks/pipeline.py; done
     python benchmarks/pipeline.py --report      # table (Markdown) and plot (PNG) from every P's JSON
 
-Each configuration runs `--warmup` untimed steps, then `--repeats` timed steps; a step is timed
-from a barrier to a barrier (and a CUDA synchronize on GPUs), so it covers the slowest rank. We
-report the median and the spread (min..max) because the machine may be shared. P = 1 is the
+Each configuration runs `--warmup` untimed steps; then `--repeats` rounds time one step of every
+configuration in turn (round-robin, so a burst of load from other users of a shared machine hits
+all configurations alike). A step is timed from a barrier to a barrier (and a CUDA synchronize on
+GPUs), so it covers the slowest rank. We report the median and the spread (min..max). P = 1 is the
 unsplit model in one process, the baseline the ideal pipeline is measured against:
 
     ideal(P, M) = T_1 / P * (M + P - 1) / M     (perfect split, no transfer cost, bubble only)
@@ -45,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", type=Path, default=RESULTS)
     return add_runtime_args(parser).parse_args()
 
@@ -61,26 +62,22 @@ def device_name(device: torch.device) -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def time_steps(rt, run, widths, args) -> list[float]:
-    """Seconds per step, from barrier to barrier, for `args.repeats` steps after the warm-up."""
+def time_step(rt, run) -> float:
+    """Seconds for one forward + backward step, from a barrier to a barrier."""
     def sync():
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
         dist.barrier()
 
-    times = []
-    for k in range(args.warmup + args.repeats):
-        for param in run.stage.module.parameters():
-            param.grad = None
-        sync()
-        start = time.perf_counter()
-        pipeline_step(run.stage, rt.world_size, run.actions, run.x_mbs, run.target_mbs, run.shapes,
-                      F.mse_loss, rt.device)
-        sync()
-        if k >= args.warmup:
-            times.append(time.perf_counter() - start)
-    # Every rank measured the same barrier-to-barrier window; rank 0's numbers stand for the step.
-    return times
+    for param in run.stage.module.parameters():
+        param.grad = None
+    sync()
+    start = time.perf_counter()
+    pipeline_step(run.stage, rt.world_size, run.actions, run.x_mbs, run.target_mbs, run.shapes,
+                  F.mse_loss, rt.device)
+    sync()
+    # Every rank measured the same barrier-to-barrier window; rank 0's number stands for the step.
+    return time.perf_counter() - start
 
 
 def measure(args) -> int:
@@ -90,15 +87,23 @@ def measure(args) -> int:
         configs = [("naive", 1)] if p > 1 else [("unsplit", 1)]
         configs += [(name, m) for name in ("gpipe", "1f1b") for m in args.microbatches if p > 1]
         load_before = os.getloadavg()[0]
+        runs = [prepare(rt, widths, args.batch_size, "naive" if name == "unsplit" else name, m,
+                        seed=args.seed, dtype=torch.float32) for name, m in configs]
+        for run in runs:
+            for _ in range(args.warmup):
+                time_step(rt, run)
+        # Round-robin: one step of every configuration per round, so that a burst of load from
+        # other users of the machine slows all of them alike instead of one configuration's run.
+        times: list[list[float]] = [[] for _ in configs]
+        for _ in range(args.repeats):
+            for k, run in enumerate(runs):
+                times[k].append(time_step(rt, run))
         rows = []
-        for name, m in configs:
-            run = prepare(rt, widths, args.batch_size, "naive" if name == "unsplit" else name, m,
-                          seed=args.seed, dtype=torch.float32)
-            times = time_steps(rt, run, widths, args)
-            rows.append({"schedule": name, "M": m, "median_s": statistics.median(times),
-                         "min_s": min(times), "max_s": max(times), "times_s": times})
+        for (name, m), ts in zip(configs, times):
+            rows.append({"schedule": name, "M": m, "median_s": statistics.median(ts),
+                         "min_s": min(ts), "max_s": max(ts), "times_s": ts})
             print0(f"P={p} {name:>7} M={m:>2}: median {rows[-1]['median_s'] * 1e3:8.1f} ms "
-                   f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
+                   f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
         if rt.is_first:
             args.out.mkdir(parents=True, exist_ok=True)
             meta = {"P": p, "backend": rt.backend, "device": device_name(rt.device),
@@ -126,8 +131,8 @@ def report(args) -> int:
         results = {r["meta"]["P"]: r for r in map(lambda f: json.loads(f.read_text()), files)}
         base = results.get(1, {}).get("rows", [{}])[0].get("median_s")
         meta = next(iter(results.values()))["meta"]
-        lines = [f"Step time (forward + backward), median of {meta['repeats']} steps after {meta['warmup']} "
-                 f"warm-up, on {meta['device']} ({meta['backend']}), torch {meta['torch']}; "
+        lines = [f"Step time (forward + backward), median of {meta['repeats']} round-robin steps after "
+                 f"{meta['warmup']} warm-up, on {meta['device']} ({meta['backend']}), torch {meta['torch']}; "
                  f"{meta['layers']} layers of width {meta['width']}, batch {meta['batch_size']}, float32. "
                  "Load average (1 min) before/after each run: " + ", ".join(
                      f"P={p}: {r['meta']['load_average_before']:.1f}/{r['meta']['load_average_after']:.1f}"

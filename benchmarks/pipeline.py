@@ -12,6 +12,9 @@ unsplit model in one process, the baseline the ideal pipeline is measured agains
 
     ideal(P, M) = T_1 / P * (M + P - 1) / M     (perfect split, no transfer cost, bubble only)
 
+which assumes one core (or GPU) per rank: with more ranks than cores (4 ranks on a 2-core laptop)
+no schedule can beat T_1 / cores, and the report says so.
+
 The model is `layered_mlp` (Linear + Tanh layers) in float32, the loss the batch-mean MSE; only
 forward and backward are timed (no optimizer step: it is the same for every schedule).
 """
@@ -46,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
     return add_runtime_args(parser).parse_args()
 
@@ -106,7 +109,7 @@ def measure(args) -> int:
                    f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
         if rt.is_first:
             args.out.mkdir(parents=True, exist_ok=True)
-            meta = {"P": p, "backend": rt.backend, "device": device_name(rt.device),
+            meta = {"P": p, "backend": rt.backend, "device": device_name(rt.device), "cores": os.cpu_count(),
                     "torch": torch.__version__, "layers": args.layers, "width": args.width,
                     "batch_size": args.batch_size, "dtype": "float32", "warmup": args.warmup,
                     "repeats": args.repeats, "load_average_before": load_before,
@@ -131,12 +134,16 @@ def report(args) -> int:
         results = {r["meta"]["P"]: r for r in map(lambda f: json.loads(f.read_text()), files)}
         base = results.get(1, {}).get("rows", [{}])[0].get("median_s")
         meta = next(iter(results.values()))["meta"]
+        cores = meta.get("cores") if device == "cpu" else None
         lines = [f"Step time (forward + backward), median of {meta['repeats']} round-robin steps after "
                  f"{meta['warmup']} warm-up, on {meta['device']} ({meta['backend']}), torch {meta['torch']}; "
                  f"{meta['layers']} layers of width {meta['width']}, batch {meta['batch_size']}, float32. "
                  "Load average (1 min) before/after each run: " + ", ".join(
                      f"P={p}: {r['meta']['load_average_before']:.1f}/{r['meta']['load_average_after']:.1f}"
                      for p, r in sorted(results.items())) + ".", "",
+                 "`ideal` = T_1 / P * (M + P - 1) / M from the unsplit step T_1: one core per rank, no "
+                 "transfer cost, only the bubble." + (f" Rows with P > {cores} cores cannot reach it "
+                 f"(at best T_1 / {cores})." if cores and max(results) > cores else ""), "",
                  "| P | schedule | M | median ms | min..max ms | ideal ms (bubble only) |",
                  "|---:|---|---:|---:|---:|---:|"]
         fig, axes = plt.subplots(1, max(1, len([p for p in results if p > 1])), figsize=(11, 4), squeeze=False)
@@ -156,14 +163,17 @@ def report(args) -> int:
                 ax.errorbar(ms, [r["median_s"] * 1e3 for r in sel],
                             yerr=[[(r["median_s"] - r["min_s"]) * 1e3 for r in sel],
                                   [(r["max_s"] - r["median_s"]) * 1e3 for r in sel]],
-                            fmt=style, capsize=3, label=name.upper() if name == "gpipe" else "1F1B")
+                            fmt=style, capsize=3, label={"gpipe": "GPipe", "1f1b": "1F1B"}[name])
             naive = next(r for r in rows if r["schedule"] == "naive")
-            ax.axhline(naive["median_s"] * 1e3, color="gray", ls=":", label="naive (M=1, lesson 01)")
+            ax.axhline(naive["median_s"] * 1e3, color="gray", ls=":", label="naive (M=1)")
             if base:
                 ms = sorted({r["M"] for r in rows})
                 ax.plot(ms, [base / p * (m + p - 1) / m * 1e3 for m in ms], color="green", alpha=0.6,
                         label="ideal: T1/P (M+P-1)/M")
                 ax.axhline(base * 1e3, color="black", lw=0.8, label="unsplit, one process")
+                if cores and p > cores:
+                    ax.axhline(base / cores * 1e3, color="green", ls="--", lw=0.8,
+                               label=f"T1/{cores}: best possible on {cores} cores")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("micro-batches M")
             ax.set_ylabel("ms per step")

@@ -107,7 +107,7 @@ def main() -> int:
         bubble, formula = timing.bubble_fraction(), (p - 1) / (m + p - 1)
         print0(f"bubble counted from the grid: {bubble:.4f};  (P-1)/(M+P-1) = {formula:.4f}")
         curve = {mm: simulate(gpipe(p, mm)).bubble_fraction() for mm in sorted({1, p, 2 * p, 4 * p, 8 * p, m})}
-        bubbles = Table(title="bubble against M, each counted from its schedule's grid", title_justify="left")
+        bubbles = Table(title="bubble vs M (grids)", title_justify="left")
         for mm in curve:
             bubbles.add_column(f"M={mm}", justify="right")
         bubbles.add_row(*(f"{b:.3f}" for b in curve.values()))

@@ -8,6 +8,9 @@ export OMP_NUM_THREADS=1  # one thread per rank, as torchrun would set (and with
 # lesson file | world size | claim | extra arguments
 LESSONS=(
   "01_model_parallel.py|4|split gradients and parameters equal the unsplit model's; one rank computes at a time|"
+  "02_gpipe_checkpoint.py|2|GPipe with and without checkpointing equals the unsplit model; bubble (P-1)/(M+P-1); checkpointing cuts saved activations|"
+  "03_one_f_one_b.py|4|1F1B equals the unsplit model; same bubble as GPipe; at most min(M, P-s) micro-batches in flight|--micro-batches 7"
+  "04_torch_pipelining.py|4|PyTorch's ScheduleGPipe and Schedule1F1B equal ours and the unsplit model and run our order|"
   "05_contrastive_global.py|4|plain gather = exactly 1/P of the full-batch gradient; P*L and sum-backward gather exact|"
   "06_contrastive_local_naive.py|4|plain gather's gradient is wrong (= detached blocks); fixed gather trains like one process|"
   "07_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"

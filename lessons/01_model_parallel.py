@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab.cli import DTYPES, add_mlp_args, mlp_widths
 from distlab.compare import all_ok, compare, comparison_table, tolerances
 from distlab.models import layered_mlp, regression_batch
 from distlab.pipeline.naive import train_model_parallel
@@ -39,27 +40,19 @@ from distlab.reference import sgd_reference
 from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
 from distlab.timeline import busy_fractions, max_concurrency, render
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8, help="layers of the MLP (P <= layers)")
-    parser.add_argument("--width", type=int, default=256, help="hidden width")
-    parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--input-features", type=int, default=16,
                         help="features per sample; anything but 16 shows the 'does not fit' error")
-    parser.add_argument("--steps", type=int, default=5, help="SGD steps")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--dtype", choices=DTYPES, default="float64")
     parser.add_argument("--timeline-json", help="write every rank's compute spans here (rank 0)")
-    return add_runtime_args(parser).parse_args()
+    return add_runtime_args(add_mlp_args(parser, layers=8, width=256, batch_size=512, steps=5)).parse_args()
 
 
 def main() -> int:
     args = parse_args()
     dtype = DTYPES[args.dtype]
-    widths = (16, *[args.width] * (args.layers - 1), 8)
+    widths = mlp_widths(args)
     with distributed(args.device) as rt:
         print0(f"[bold]Lesson 01: naive model parallelism[/] - {args.layers} layers on "
                f"{rt.world_size} rank(s), backend {rt.backend}, {args.steps} SGD steps, {args.dtype}")

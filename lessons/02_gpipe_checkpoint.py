@@ -42,11 +42,11 @@ import argparse
 import json
 import statistics
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from rich.table import Table
 
+from distlab.cli import DTYPES, add_mlp_args, mlp_widths
 from distlab.models import layered_mlp, regression_batch
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.report import check_runs
@@ -57,22 +57,14 @@ from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print
 from distlab.timeline import busy_fractions, max_concurrency
 from distlab.timeline import render as render_spans
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batches", type=int, default=8, help="M, from 1 to the batch size")
     parser.add_argument("--checkpoint-segments", type=int, default=2,
                         help="K >= 2 checkpoint_sequential segments per stage for the checkpointed run")
-    parser.add_argument("--layers", type=int, default=16, help="layers of the MLP (P <= layers)")
-    parser.add_argument("--width", type=int, default=128, help="hidden width")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3, help="SGD steps")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--dtype", choices=DTYPES, default="float64")
     parser.add_argument("--report-json", help="write the measurements and spans here (rank 0)")
-    return add_runtime_args(parser).parse_args()
+    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, batch_size=256, steps=3)).parse_args()
 
 
 def step_seconds(spans, steps: int) -> float:
@@ -87,7 +79,7 @@ def main() -> int:
     dtype, m, k = DTYPES[args.dtype], args.micro_batches, args.checkpoint_segments
     if k < 2:
         raise ValueError(f"--checkpoint-segments must be >= 2 (this lesson compares 0 with K), got {k}")
-    widths = (16, *[args.width] * (args.layers - 1), 8)
+    widths = mlp_widths(args)
     with distributed(args.device) as rt:
         p = rt.world_size
         print0(f"[bold]Lesson 02: GPipe with activation checkpointing[/] - {args.layers} layers on {p} "
@@ -149,7 +141,7 @@ def main() -> int:
                    "use K <= layers per stage / 2")
 
         last = [s for s in plain.spans if s.step == args.steps - 1]
-        print0(f"\n[bold]Who computes when in the last step[/] (measured, without checkpointing):")
+        print0("\n[bold]Who computes when in the last step[/] (measured, without checkpointing):")
         print0(render_spans(last, p))
         print0(f"most ranks computing at one instant: {max_concurrency(last)}; busy fraction per rank: "
                + ", ".join(f"{f:.0%}" for f in busy_fractions(last, p)))

@@ -33,11 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from rich.table import Table
 
+from distlab.cli import DTYPES, add_mlp_args, mlp_widths
 from distlab.models import layered_mlp, regression_batch
 from distlab.pipeline.report import check_runs
 from distlab.pipeline.runner import microbatch_sizes, train_pipeline
@@ -46,26 +46,18 @@ from distlab.reference import sgd_reference
 from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
 from distlab.timeline import render as render_spans
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batches", type=int, default=8, help="M, from 1 to the batch size")
-    parser.add_argument("--layers", type=int, default=16, help="layers of the MLP (P <= layers)")
-    parser.add_argument("--width", type=int, default=128, help="hidden width")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3, help="SGD steps")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--dtype", choices=DTYPES, default="float64")
     parser.add_argument("--report-json", help="write the measurements and spans here (rank 0)")
-    return add_runtime_args(parser).parse_args()
+    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, batch_size=256, steps=3)).parse_args()
 
 
 def main() -> int:
     args = parse_args()
     dtype, m = DTYPES[args.dtype], args.micro_batches
-    widths = (16, *[args.width] * (args.layers - 1), 8)
+    widths = mlp_widths(args)
     with distributed(args.device) as rt:
         p = rt.world_size
         print0(f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), batch {args.batch_size} "

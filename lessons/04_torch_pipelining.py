@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from rich.table import Table
 
+from distlab.cli import DTYPES, add_mlp_args, mlp_widths
 from distlab.compare import all_ok, compare
 from distlab.models import layered_mlp, regression_batch
 from distlab.pipeline.report import check_runs
@@ -43,21 +43,14 @@ from distlab.pipeline.torch_engine import TORCH_SCHEDULES, train_torch_pipeline
 from distlab.reference import sgd_reference
 from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batches", type=int, default=4, help="M; must divide the batch size")
-    parser.add_argument("--layers", type=int, default=16, help="layers of the MLP (P <= layers)")
-    parser.add_argument("--width", type=int, default=128, help="hidden width")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3, help="SGD steps")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--dtype", choices=DTYPES, default="float64")
     parser.add_argument("--report-json", help="write the per-rank orders here (rank 0)")
-    return add_runtime_args(parser).parse_args()
+    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, batch_size=256, steps=3)).parse_args()
 
 
 def orders(text_of: dict[str, list], p: int, title: str) -> Table:
@@ -78,7 +71,7 @@ def orders(text_of: dict[str, list], p: int, title: str) -> Table:
 def main() -> int:
     args = parse_args()
     dtype, m = DTYPES[args.dtype], args.micro_batches
-    widths = (16, *[args.width] * (args.layers - 1), 8)
+    widths = mlp_widths(args)
     with distributed(args.device) as rt:
         p = rt.world_size
         print0(f"[bold]Lesson 04: torch.distributed.pipelining[/] - {args.layers} layers on {p} rank(s), "

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from rich.table import Table
 
+from distlab.cli import DTYPES
 from distlab.compare import compare, comparison_table, tolerances
 from distlab.contrastive.ddp_steps import GLOBAL_METHODS, first_step_gradients
 from distlab.contrastive.reference import full_batch_gradients
@@ -51,7 +51,6 @@ from distlab.contrastive.report import gradient_error, method_table
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
 SEED_CODE = {
     "global_plain": "CODE BLOCK 1 (feature bug fixed)",
     "global_plain_xP": "CODE BLOCK 1, backward of P * L",

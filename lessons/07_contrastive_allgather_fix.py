@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 
+from distlab.cli import DTYPES
 from distlab.compare import tolerances
 from distlab.contrastive.cost import collective_seconds, logits_per_rank, loss_cost, ring_elements
 from distlab.contrastive.ddp_steps import first_step_gradients
@@ -47,7 +48,6 @@ from distlab.models import TwoTower, paired_data
 from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
 
 FIXES = ("local_all_reduce", "local_reduce_scatter", "local_library")
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
 MIB = 2 ** 20
 
 

@@ -46,6 +46,7 @@ from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.cli import DTYPES
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
@@ -54,7 +55,6 @@ from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
 MIB = 2 ** 20
 
 

@@ -44,6 +44,7 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from distlab.cli import DTYPES
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.streamed import chunks
@@ -51,8 +52,6 @@ from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
 from distributed_clip import distributed_train_step
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def parse_args() -> argparse.Namespace:

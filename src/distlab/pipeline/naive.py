@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab.models import layered_mlp, regression_batch
@@ -99,17 +98,14 @@ def train_model_parallel(rt: Runtime, widths: tuple[int, ...], batch_size: int, 
         if loss is not None:
             losses.append(loss.item())
         if step == 0:
-            first_grads = {n: p.grad.detach().cpu().clone() for n, p in stage.named_parameters()}
+            first_grads = stage.grads()
         optimizer.step()
 
-    # The losses live on the last rank; one broadcast at the end shares them (not one per step,
-    # which would add a synchronisation to the timeline we are measuring).
-    shared = torch.tensor(losses if rt.is_last else [0.0] * steps, dtype=torch.float64, device=rt.device)
-    dist.broadcast(shared, src=rt.world_size - 1)
+    losses = p2p.losses_from_last_stage(losses, steps, rt.device)
     return ModelParallelRun(
         stage=stage.index,
         first_grads=first_grads,
-        params={n: p.detach().cpu().clone() for n, p in stage.named_parameters()},
-        losses=shared.tolist(),
+        params=stage.params(),
+        losses=losses,
         spans=timeline.gather(),
     )

@@ -106,3 +106,13 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Size
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return buffers
+
+
+def losses_from_last_stage(losses: list[float], steps: int, device: torch.device) -> list[float]:
+    """Every step's loss, on every rank. Only the last stage computes it; one broadcast at the end
+    shares the whole list (not one per step, which would add a synchronisation to every step)."""
+    last = dist.get_world_size() - 1
+    shared = torch.tensor(losses if dist.get_rank() == last else [0.0] * steps,
+                          dtype=torch.float64, device=device)
+    dist.broadcast(shared, src=last)
+    return shared.tolist()

@@ -54,6 +54,14 @@ class Stage:
             i, rest = local_name.split(".", 1)
             yield f"{self.layers[int(i)]}.{rest}", param
 
+    def grads(self) -> dict[str, torch.Tensor]:
+        """CPU copies of this stage's gradients, under the unsplit model's names."""
+        return {n: p.grad.detach().cpu().clone() for n, p in self.named_parameters()}
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """CPU copies of this stage's parameters, under the unsplit model's names."""
+        return {n: p.detach().cpu().clone() for n, p in self.named_parameters()}
+
 
 def split_stages(model: nn.Sequential, num_stages: int) -> list[Stage]:
     """The stages of `model`. They share its layer modules (no copy): keep an independent

@@ -214,20 +214,18 @@ def train_pipeline(rt: Runtime, widths: tuple[int, ...], batch_size: int, steps:
             losses.append(result.loss)
         peak = max(peak, result.peak_in_flight)
         if step == 0:
-            first_grads = {n: p.grad.detach().cpu().clone() for n, p in stage.named_parameters()}
+            first_grads = stage.grads()
             layer_forwards = stage_probe.layer_forwards if stage_probe else 0
         optimizer.step()
     if stage_probe:
         stage_probe.remove()
 
-    # The losses live on the last rank; one broadcast at the end shares them.
-    shared = torch.tensor(losses if rt.is_last else [0.0] * steps, dtype=torch.float64, device=rt.device)
-    dist.broadcast(shared, src=rt.world_size - 1)
+    losses = p2p.losses_from_last_stage(losses, steps, rt.device)
     return PipelineRun(
         stage=stage.index,
         first_grads=first_grads,
-        params={n: p.detach().cpu().clone() for n, p in stage.named_parameters()},
-        losses=shared.tolist(),
+        params=stage.params(),
+        losses=losses,
         peak_in_flight=peak,
         spans=timeline.gather() if gather_spans else timeline.spans,
         saved_peak_bytes=stage_probe.peak_bytes if stage_probe else 0,

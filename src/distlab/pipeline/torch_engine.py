@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab.models import layered_mlp, regression_batch
+from distlab.pipeline import p2p
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.schedules import Action
 from distlab.runtime import Runtime
@@ -114,12 +114,9 @@ def train_torch_pipeline(rt: Runtime, widths: tuple[int, ...], batch_size: int, 
             if rt.is_last:  # equal micro-batches: the batch mean is the mean of the micro-batch means
                 losses.append(torch.stack(micro_losses).mean().item())
             if step == 0:
-                first_grads = {n: p.grad.detach().cpu().clone() for n, p in mine.named_parameters()}
+                first_grads = mine.grads()
                 executed = list(log)
             optimizer.step()
 
-    shared = torch.tensor(losses if rt.is_last else [0.0] * steps, dtype=torch.float64, device=rt.device)
-    dist.broadcast(shared, src=rt.world_size - 1)
-    return TorchPipelineRun(mine.index, first_grads,
-                            {n: p.detach().cpu().clone() for n, p in mine.named_parameters()},
-                            shared.tolist(), executed, planned)
+    losses = p2p.losses_from_last_stage(losses, steps, rt.device)
+    return TorchPipelineRun(mine.index, first_grads, mine.params(), losses, executed, planned)

@@ -11,11 +11,11 @@ LESSONS=(
   "02_gpipe_checkpoint.py|2|GPipe with and without checkpointing equals the unsplit model; bubble (P-1)/(M+P-1); checkpointing cuts saved activations|"
   "03_one_f_one_b.py|4|1F1B equals the unsplit model; same bubble as GPipe; at most min(M, P-s) micro-batches in flight|--micro-batches 7"
   "04_torch_pipelining.py|4|PyTorch's ScheduleGPipe and Schedule1F1B equal ours and the unsplit model and run our order|"
-  "05_contrastive_global.py|4|plain gather = exactly 1/P of the full-batch gradient; P*L and sum-backward gather exact|"
-  "06_contrastive_local_naive.py|4|plain gather's gradient is wrong (= detached blocks); fixed gather trains like one process|"
-  "07_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"
-  "08_grad_cache.py|2|chunked GradCache gradients equal the full batch's, in one process and under DDP; memory set by the chunk|"
-  "09_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
+  "07_contrastive_global.py|4|plain gather = exactly 1/P of the full-batch gradient; P*L and sum-backward gather exact|"
+  "08_contrastive_local_naive.py|4|plain gather's gradient is wrong (= detached blocks); fixed gather trains like one process|"
+  "09_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"
+  "10_grad_cache.py|2|chunked GradCache gradients equal the full batch's, in one process and under DDP; memory set by the chunk|"
+  "11_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
 )
 
 mkdir -p runs

@@ -1,7 +1,7 @@
 """The public import path of seed 000: `from distributed_clip import distributed_train_step`.
 
 One exact, memory-streamed optimiser step of symmetric contrastive (CLIP) training under DDP; see
-`distlab.contrastive.streamed` for the five phases and the math, and lesson 09 for a training loop.
+`distlab.contrastive.streamed` for the five phases and the math, and lesson 11 for a training loop.
 
     loss = distributed_train_step(model, optimizer, local_x, local_y, {
         "GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": M, "TAU": tau,

@@ -261,7 +261,7 @@ def _bad_inputs_memory_and_replay(rt):
     }
     messages = {label: _catch(distributed_train_step, *args) for label, args in bad.items()}
 
-    # Memory: the step against lesson 07's C x N loss, at sizes where N x d < B x N.
+    # Memory: the step against lesson 09's C x N loss, at sizes where N x d < B x N.
     with PeakMemory() as step_mem:
         distributed_train_step(ddp, opt, lx, ly, good)
     with PeakMemory() as l07_mem:

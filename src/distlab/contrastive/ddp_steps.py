@@ -1,4 +1,4 @@
-"""One DDP contrastive step, in every variant lessons 05-07 compare.
+"""One DDP contrastive step, in every variant lessons 07-09 compare.
 
 Every rank holds C = N / P pairs of the global batch, runs the DDP-wrapped two-tower model on them
 and gets unit-norm embeddings z_x, z_y (C x d). DDP then *averages* parameter gradients over ranks:
@@ -12,7 +12,7 @@ The global loss is L = clip_loss(Z_x, Z_y) over all N pairs. A variant is exact 
 | `global_plain`         | N x N, every rank | own slice of dL/dZ      | dL/dtheta / P (seed 003's CODE BLOCK 1) |
 | `global_plain_xP`      | N x N, backward of P * L | own slice        | exact                   |
 | `global_sum`           | N x N            | sum over ranks           | exact                   |
-| `local_plain`          | C x N rows       | own slice of dL_r/dZ     | wrong (seed 003's CODE BLOCK 2, lesson 06) |
+| `local_plain`          | C x N rows       | own slice of dL_r/dZ     | wrong (seed 003's CODE BLOCK 2, lesson 08) |
 | `local_all_reduce`     | C x N rows       | all_reduce, own slice    | exact (the seed's fix)  |
 | `local_reduce_scatter` | C x N rows       | reduce_scatter           | exact, half the traffic |
 | `local_library`        | C x N rows       | torch's autograd gather  | exact                   |

@@ -6,7 +6,7 @@ differ in backward, where rank r receives dL_r/d(gathered), the gradient of *its
 - `gather_plain` (seed 003, CODE BLOCK 2): `dist.all_gather` has no autograd; only the local block is
   put back into the result with its graph, so backward keeps the local slice of dL_r/d(gathered) and
   drops what every other rank's loss says about this rank's embeddings. Correct when every rank
-  computes the same global loss (lesson 05), wrong for local x global (lesson 06).
+  computes the same global loss (lesson 07), wrong for local x global (lesson 08).
 - `gather_with_grad(..., backward="all_reduce")` (seed 003's fix): backward sums the gradient over ranks,
   sum_r dL_r/d(gathered), and keeps this rank's slice. `backward="reduce_scatter"` gets the same slice
   with a reduce-scatter, which moves (P-1)/P * N*d numbers per rank instead of the all-reduce's

@@ -20,7 +20,7 @@ state before each chunk in a `RandContext` (CPU and every CUDA device the chunk 
 replays it. The cost: one extra forward per step, about 4/3 of a plain step when backward ~ 2 forward.
 
 Under DDP every rank caches its own C-sample chunks of its N/P samples; the loss gathers the
-representations of all ranks with a gather whose backward sums over ranks (lesson 07), so G holds
+representations of all ranks with a gather whose backward sums over ranks (lesson 09), so G holds
 sum_r dL_r/dR_local, and DDP's average of the parameter gradients is d(mean_r L_r)/dtheta, the global
 batch's gradient. `no_sync_except_last=True` turns off DDP's all-reduce for every chunk but the last,
 where the accumulated gradient is reduced once. A model that appears twice in `models` (one tower for
@@ -46,8 +46,8 @@ no_sync_except_last, **loss_kwargs) -> loss, and __call__ = cache_step. Where ou
 - a model used twice is all-reduced once under no_sync_except_last, not once per use.
 
 What seed 002 gets wrong: with batch_size == chunk_size GradCache does *not* "degenerate to plain
-training": it still runs every sample twice (lesson 08 times it). And "memory for 2 samples only"
-forgets the loss: its N x N logits live in build_cache whatever the chunk (lesson 09 removes them).
+training": it still runs every sample twice (lesson 10 times it). And "memory for 2 samples only"
+forgets the loss: its N x N logits live in build_cache whatever the chunk (lesson 11 removes them).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Single-process references for the DDP contrastive steps: no process group, no gather.
 
 - `full_batch_gradients`: a deep copy of the model on the whole global batch, plain autograd on
-  `clip_loss`. Every exact variant of lessons 05 and 07 must reproduce it.
-- `detached_blocks_gradients`: what lesson 06's plain gather really computes, written out in one
+  `clip_loss`. Every exact variant of lessons 07 and 09 must reproduce it.
+- `detached_blocks_gradients`: what lesson 08's plain gather really computes, written out in one
   process without any of its code: split the batch into P blocks; for block r, the symmetric loss
   over the rows of block r in which only block r's embeddings carry gradient (the other blocks are
   detached constants); average over r. Its gradient is

@@ -39,8 +39,8 @@ when the positive is the max) and keeps nll_i = -log P_ii; the loss is the mean 
 diagonal of P + Q - 2I is expm1(-nll_x) + expm1(-nll_y). float32 then matches float32 autograd.
 
 Cost per rank: matmul work 6 C N d in the sharded variant (2 C N d in B, 4 C N d in C: one tile
-product and one accumulation per direction), the same as lesson 07's C x N loss and its backward;
-memory O(N d + max(B, M) M) instead of lesson 07's O(C N). The replicated Phase B costs N^2 d
+product and one accumulation per direction), the same as lesson 09's C x N loss and its backward;
+memory O(N d + max(B, M) M) instead of lesson 09's O(C N). The replicated Phase B costs N^2 d
 instead of 2 C N d (equal at P = 2, twice as much at P = 4); sharded is the default.
 
 What seed 001 gets wrong or leaves open: its Phase B slices S_{R,:} are M x N (only one dimension is

@@ -1,5 +1,5 @@
 """Training the two-tower model for a fixed number of steps, single-process or under DDP, and
-measuring what it learned (lesson 06's three runs).
+measuring what it learned (lesson 08's three runs).
 
 All runs see the same data: a training set of `paired_data` pairs, and at step t the same global
 batch of N pairs drawn from it (`batch_schedule`, a seeded generator; rank r takes rows

@@ -1,6 +1,6 @@
-"""Lesson 08: GradCache. A contrastive batch far larger than fits, in chunks, with exact gradients.
+"""Lesson 10: GradCache. A contrastive batch far larger than fits, in chunks, with exact gradients.
 
-    torchrun --nproc-per-node 2 lessons/08_grad_cache.py
+    torchrun --nproc-per-node 2 lessons/10_grad_cache.py
 
 The idea. The CLIP loss couples all N samples, so its gradient cannot be summed from micro-batches. But
 the parameters reach the loss only through the representations r_i = f(x_i), N x d numbers, and
@@ -19,14 +19,14 @@ draws the same masks); the peak memory follows the chunk, not the batch, down to
 loss's own N x N logits; and the price is time: an extra no-grad forward per step.
 
 Part 2, P ranks under DDP: each rank runs GradCache on its N/P pairs, the loss gathers the
-representations with lesson 07's gather (backward sums over ranks) and takes its C x N rows; DDP
+representations with lesson 09's gather (backward sums over ranks) and takes its C x N rows; DDP
 averages. The gradients equal the single-process global batch's, and with `no_sync_except_last` each
 model's gradients are all-reduced once per step, counted by a DDP communication hook.
 
 What seed 002 got wrong: it says GradCache with chunk = batch "degenerates to plain training"; it
 still runs every sample twice (the timing table shows it). It promises "memory for 2 samples only",
 forgetting the loss: GradCache still builds the N x N (under DDP C x N) logits, the largest tensor of
-the step, which lesson 09 removes. And its wrapper's RandContext comes from a library whose functional
+the step, which lesson 11 removes. And its wrapper's RandContext comes from a library whose functional
 API saves no CUDA state (ours saves every device the chunk lives on).
 """
 
@@ -83,7 +83,7 @@ def rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch
 
 
 def ddp_rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch.Tensor:
-    """This rank's C rows of the global loss; the gather's backward sums over ranks (lesson 07)."""
+    """This rank's C rows of the global loss; the gather's backward sums over ranks (lesson 09)."""
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
     return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau,
                            offset=dist.get_rank() * len(z_x))
@@ -169,7 +169,7 @@ def part_one(args, dtype) -> bool:
     print0(table)
     print0(f"At chunk {min(chunks)} the largest tensor, {by_chunk[min(chunks)][1]:.1f} MiB, is the loss's N x N "
            f"logits ({n} x {n} x {x.element_size()} B = {logits_mib:.1f} MiB): GradCache shrinks the activations, "
-           "not the loss, which sets the floor (lesson 09 removes it).")
+           "not the loss, which sets the floor (lesson 11 removes it).")
     memory_ok = by_chunk[min(chunks)][0] < plain_mib
 
     # Memory against the batch size, plain vs GradCache at chunk c.
@@ -291,7 +291,7 @@ def main() -> int:
         if args.ddp_batch_size % rt.world_size:
             raise ValueError(f"--ddp-batch-size {args.ddp_batch_size} must be divisible by the world "
                              f"size {rt.world_size}")
-        print0(f"[bold]Lesson 08: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}")
+        print0(f"[bold]Lesson 10: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}")
         # Part 1 runs on rank 0 alone (its timings would fight the other ranks for the cores).
         first = part_one(args, dtype) if rt.is_first else True
         dist.barrier()

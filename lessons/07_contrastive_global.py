@@ -1,7 +1,7 @@
-"""Lesson 05: contrastive (CLIP) learning under DDP, global x global. Every rank gathers all N
+"""Lesson 07: contrastive (CLIP) learning under DDP, global x global. Every rank gathers all N
 embeddings and computes the whole N x N similarity matrix.
 
-    torchrun --nproc-per-node 2 lessons/05_contrastive_global.py     # any P that divides N
+    torchrun --nproc-per-node 2 lessons/07_contrastive_global.py     # any P that divides N
 
 The idea. The symmetric InfoNCE loss does not split over samples: pair i's term has every other
 pair's embeddings in its softmax. With unit-norm Z_x, Z_y (N x d) and S = Z_x Z_y^T / tau,
@@ -20,13 +20,13 @@ gradient) drops exactly this factor. It still "converges": for SGD it is a P-tim
 learning rate, and Adam normalises the gradient scale away. Two exact fixes, both checked here:
 
 - `global_plain_xP`: back-propagate P * L (report L): no extra communication;
-- `global_sum`: a gather whose backward sums the gradient over ranks (lesson 07's AllGather): every
+- `global_sum`: a gather whose backward sums the gradient over ranks (lesson 09's AllGather): every
   rank's copy of L sends its dL/dz_r to rank r, which receives P * dL/dz_r; DDP's average then gives
   sum_r g_r exactly. It costs one reduce-scatter of N x d per gathered tensor in backward.
 
 The cost. Every rank computes the same N x N logits, forward and backward: P * N^2 entries in total
 where N^2 would do, so (P-1)/P of that work is redundant, and each rank holds N x N logits however
-many ranks share the batch. Lesson 07 computes only the rows a rank owns.
+many ranks share the batch. Lesson 09 computes only the rows a rank owns.
 
 The seed's other bugs: its CODE BLOCK 1 gathers `feature1` into `all_feature2` (so the negatives on
 the y side are x embeddings), multiplies Python lists with `torch.matmul` (they need `torch.cat`),
@@ -84,7 +84,7 @@ def main() -> int:
     dtype = DTYPES[args.dtype]
     with distributed(args.device) as rt:
         p, n = rt.world_size, args.batch_size
-        print0(f"[bold]Lesson 05: DDP contrastive, global x global[/] - N = {n} pairs on {p} rank(s) "
+        print0(f"[bold]Lesson 07: DDP contrastive, global x global[/] - N = {n} pairs on {p} rank(s) "
                f"(C = {n / p:g} each), tau = {args.tau}, backend {rt.backend}, {args.dtype}")
         results = first_step_gradients(rt, GLOBAL_METHODS, n, args.tau, seed=args.seed, dtype=dtype)
 

@@ -1,4 +1,4 @@
-"""Lesson 05: global x global under DDP. The plain gather gives exactly 1/P of the full-batch
+"""Lesson 07: global x global under DDP. The plain gather gives exactly 1/P of the full-batch
 gradient (seed 003's CODE BLOCK 1); backward of P * L, or the sum-backward gather, give all of it."""
 
 import pytest

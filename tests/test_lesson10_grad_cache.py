@@ -1,4 +1,4 @@
-"""Lesson 08: GradCache under DDP on P = 2 ranks gives the single-process global batch's gradients,
+"""Lesson 10: GradCache under DDP on P = 2 ranks gives the single-process global batch's gradients,
 with one all-reduce per model and step under no_sync_except_last; its memory follows the chunk.
 
 The reference runs in the parent process: deep copies, plain autograd, one loss over the global batch.

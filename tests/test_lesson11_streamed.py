@@ -1,4 +1,4 @@
-"""Lesson 09 runs under torchrun: its step-1 gradients equal the full batch's, its largest temporary
+"""Lesson 11 runs under torchrun: its step-1 gradients equal the full batch's, its largest temporary
 is below B x N, and a bad config fails with one clear line and exit code 2 on every rank."""
 
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from distlab.runtime import free_port
 
-LESSON = Path(__file__).parent.parent / "lessons" / "09_streamed_five_phase.py"
+LESSON = Path(__file__).parent.parent / "lessons" / "11_streamed_five_phase.py"
 
 
 def _torchrun(nproc, *args):

@@ -1,9 +1,9 @@
-"""Lesson 06: local x global with a plain all_gather (seed 003's CODE BLOCK 2). The loss is right;
+"""Lesson 08: local x global with a plain all_gather (seed 003's CODE BLOCK 2). The loss is right;
 the gradient is not.
 
-    torchrun --nproc-per-node 4 lessons/06_contrastive_local_naive.py     # any P that divides N
+    torchrun --nproc-per-node 4 lessons/08_contrastive_local_naive.py     # any P that divides N
 
-The idea. Lesson 05 had every rank compute all N x N logits. Rank r only needs its own rows: the
+The idea. Lesson 07 had every rank compute all N x N logits. Rank r only needs its own rows: the
 C x N block of S = Z_x Z_y^T / tau for its anchors z_x (x -> y), and the C x N block of S^T for its
 z_y (y -> x), with the positives at columns r*C + i. Its local loss L_r is the mean over those rows,
 and the global loss is their average, L = 1/P sum_r L_r: the forward pass is exact.
@@ -21,7 +21,7 @@ gradient of 1/P sum_r L_r(z_r, other blocks detached), and the lesson checks exa
 single-process computation of it (`detached_blocks_loss`). At P = 1 nothing is lost.
 
 Then it trains: the same data, seed, optimizer and steps for (1) a single process on the full global
-batch, (2) DDP with the plain gather, (3) DDP with the fixed gather (lesson 07). Run (3) must track
+batch, (2) DDP with the plain gather, (3) DDP with the fixed gather (lesson 09). Run (3) must track
 run (1) step by step; run (2) follows its own path. What the seed got wrong: it says the plain
 version "can not converge anymore". On this toy problem it does converge, to a higher global loss and
 about the same held-out retrieval accuracy (see the table it prints), and `--emulate 8,16,48,240`
@@ -138,7 +138,7 @@ def main() -> int:
     dtype = torch.float64
     with distributed(args.device) as rt:
         p, n = rt.world_size, args.batch_size
-        print0(f"[bold]Lesson 06: local x global with a plain all_gather[/] - N = {n} pairs on {p} rank(s) "
+        print0(f"[bold]Lesson 08: local x global with a plain all_gather[/] - N = {n} pairs on {p} rank(s) "
                f"(C = {n / p:g} each), tau = {args.tau}, backend {rt.backend}, float64")
 
         # Part 1: one step's gradient, three ways, against two single-process computations.
@@ -154,7 +154,7 @@ def main() -> int:
         print0(method_table(
             [(f"{NAIVE} (CODE BLOCK 2)", "full-batch reference", naive_err, p == 1),
              (f"{NAIVE} (CODE BLOCK 2)", "blocks with the others detached", naive_vs_detached, True),
-             (f"{FIXED} (lesson 07)", "full-batch reference", fixed_err, True)],
+             (f"{FIXED} (lesson 09)", "full-batch reference", fixed_err, True)],
             "DDP gradients after one step", caption=f"allclose: rtol {rtol:g}, atol {atol:g}"))
         print0(comparison_table(compare(ref_grads, results[NAIVE][1]), f"{NAIVE} per parameter vs the reference",
                                 expect_match=p == 1))

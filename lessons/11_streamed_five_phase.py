@@ -1,7 +1,7 @@
-"""Lesson 09: the streamed five-phase step. Exact CLIP gradients over a global batch N with O(N*d)
+"""Lesson 11: the streamed five-phase step. Exact CLIP gradients over a global batch N with O(N*d)
 memory per rank instead of O(N^2): `from distributed_clip import distributed_train_step`.
 
-    torchrun --nproc-per-node 2 lessons/09_streamed_five_phase.py      # any P dividing the batch
+    torchrun --nproc-per-node 2 lessons/11_streamed_five_phase.py      # any P dividing the batch
 
 The idea. The symmetric InfoNCE over N pairs needs, for its gradient, only the embeddings and two
 vectors of log-normalisers. With S = Z_x Z_y^T / tau, a = row LSE(S), b = column LSE(S):
@@ -119,8 +119,8 @@ def memory_table(mem: PeakMemory, n: int, d: int, local: int, micro: int, chunk:
                           (f"one B x M tile ({min(micro, local)} x {min(chunk, n)})",
                            min(micro, local) * min(chunk, n) * itemsize),
                           (f"B x N ({micro} x {n}): never made", micro * n * itemsize),
-                          (f"C x N ({local} x {n}), lesson 07's logits", local * n * itemsize),
-                          (f"N x N ({n} x {n}), lesson 05's logits", full)):
+                          (f"C x N ({local} x {n}), lesson 09's logits", local * n * itemsize),
+                          (f"N x N ({n} x {n}), lesson 07's logits", full)):
         table.add_row(label, f"{nbytes:,}", f"{nbytes / full:.4f}")
     return table
 
@@ -131,7 +131,7 @@ def main() -> int:
     with distributed(args.device) as rt:
         n, world = args.global_batch, rt.world_size
         local = n // world
-        print0(f"[bold]Lesson 09: the streamed five-phase step[/] - N={n} over {world} rank(s), "
+        print0(f"[bold]Lesson 11: the streamed five-phase step[/] - N={n} over {world} rank(s), "
                f"B={args.micro_batch}, M={args.chunk}, tau={args.tau}, Phase B {args.phase_b}, "
                f"dropout {args.dropout}, backend {rt.backend}, {args.dtype}")
         x, y = paired_data(args.dataset_size, seed=args.seed, dtype=dtype)

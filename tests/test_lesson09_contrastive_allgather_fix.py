@@ -1,4 +1,4 @@
-"""Lesson 07: the sum-backward gather (all_reduce and reduce_scatter forms) and torch's own
+"""Lesson 09: the sum-backward gather (all_reduce and reduce_scatter forms) and torch's own
 differentiable gather make local x global exact; the cost figures follow their formulas."""
 
 import pytest

@@ -1,7 +1,7 @@
-"""Lesson 07: the fix. An all-gather whose backward sums the gradient over ranks makes local x global
+"""Lesson 09: the fix. An all-gather whose backward sums the gradient over ranks makes local x global
 exact again, at C x N logits per rank instead of N x N; then the same with torch's own gather.
 
-    torchrun --nproc-per-node 4 lessons/07_contrastive_allgather_fix.py     # any P that divides N
+    torchrun --nproc-per-node 4 lessons/09_contrastive_allgather_fix.py     # any P that divides N
 
 The idea. Rank r's embeddings z_r enter every rank's local loss L_s. The gathered tensor on rank s is
 G = [z_0; ...; z_{P-1}], and rank s's backward produces dL_s/dG, a gradient for every block. The
@@ -98,7 +98,7 @@ def main() -> int:
     dtype = DTYPES[args.dtype]
     with distributed(args.device) as rt:
         p, n = rt.world_size, args.batch_size
-        print0(f"[bold]Lesson 07: the sum-backward all-gather[/] - N = {n} pairs on {p} rank(s) "
+        print0(f"[bold]Lesson 09: the sum-backward all-gather[/] - N = {n} pairs on {p} rank(s) "
                f"(C = {n / p:g} each), tau = {args.tau}, backend {rt.backend}, {args.dtype}")
         results = first_step_gradients(rt, FIXES + ("local_plain",), n, args.tau, seed=args.seed, dtype=dtype)
         x, y = paired_data(n, seed=args.seed, dtype=dtype)
@@ -106,7 +106,7 @@ def main() -> int:
         errors = {m: gradient_error(ref_grads, results[m][1]) for m in FIXES}
         rtol, atol = tolerances(dtype)
         rows = [(m, "full-batch reference", err, True) for m, err in errors.items()]
-        rows.append(("local_plain (lesson 06)", "full-batch reference", gradient_error(ref_grads, results["local_plain"][1]), p == 1))
+        rows.append(("local_plain (lesson 08)", "full-batch reference", gradient_error(ref_grads, results["local_plain"][1]), p == 1))
         print0(method_table(rows, "DDP gradients after one step", caption=f"allclose: rtol {rtol:g}, atol {atol:g}"))
         losses_ok = all(abs(results[m][0] - ref_loss) <= atol + rtol * abs(ref_loss) for m in FIXES)
         print0(f"loss L: reference {ref_loss:.12f}; " + ", ".join(f"{m} {results[m][0]:.12f}" for m in FIXES))

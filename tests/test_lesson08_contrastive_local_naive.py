@@ -1,4 +1,4 @@
-"""Lesson 06: local x global with the plain gather. Its gradient is far from the full-batch one and
+"""Lesson 08: local x global with the plain gather. Its gradient is far from the full-batch one and
 equal to what the lesson says it computes: each rank's local loss with the other ranks' embeddings
 detached, averaged over ranks (computed here in one process, without any of the distributed code).
 Training with it follows its own path; training with the fix follows the single process exactly."""

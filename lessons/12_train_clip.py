@@ -1,0 +1,232 @@
+"""Lesson 12: train a real CLIP with the streamed step, on scikit-learn's handwritten digits and their
+captions, and classify held-out digits zero-shot.
+
+    torchrun --nproc-per-node 2 lessons/12_train_clip.py        # P = 1, 2, 4: any P dividing N
+
+The idea. CLIP trains an image tower and a text tower so that an image and its caption land close
+together and apart from the other N - 1 captions of the global batch: with unit-norm embeddings
+Z_x (images), Z_y (captions) and a learned logit scale s = exp(logit_scale) = 1/tau,
+
+    S = s Z_x Z_y^T,   L = 1/(2N) sum_i (a_i + b_i - 2 S_ii),   a = row LSE(S), b = column LSE(S)
+
+Nothing in training says "classify": yet embed the ten captions "a photo of the digit zero" ...
+"nine", and each image's nearest caption is a digit classifier that was never trained as one
+(zero-shot). The data ships inside scikit-learn (1,797 8 x 8 images; no download): each training image
+is paired with a caption from a few templates ("a handwritten seven", "the number seven written by
+hand", ...), drawn afresh every epoch; a fifth of the images, every digit in proportion, are held out.
+
+The temperature learns too. dL/dS_ij = (R_ij + Q_ij - 2 [i = j]) / (2N) and S_ij = s z_x_i . z_y_j, so
+dL/ds = sum_ij dL/dS_ij S_ij / s = <G_x, Z_x> / s: a sum over each rank's rows of what the step already
+has, no extra pass over the tiles (the derivation is in `distributed_backward`'s docstring).
+
+The mechanism. `distributed_backward` in src/distributed_clip.py (the phases in
+src/distlab/contrastive/streamed.py) adds the exact global gradient into .grad, like loss.backward();
+the caller owns everything else, as in any CLIP training loop (open_clip's `train_one_epoch`):
+
+    optimizer.zero_grad()
+    with torch.autocast(device, torch.bfloat16, enabled=bf16):
+        loss = distributed_backward(ddp_model, images, captions, config)   # config has no TAU: s is learned
+    clip_grad_norm_(params, 1.0); optimizer.step(); scheduler.step(); model.clamp_logit_scale_()
+
+The data, the tiny word tokenizer, the towers and the zero-shot classifier are in
+src/distlab/contrastive/digits.py; AdamW's decay groups and the warm-up + cosine schedule in
+src/distlab/optim.py. With B >= C every rank's C pairs are one micro-batch and the towers run once per
+step; with B < C each micro-batch runs twice (a no-grad embed, then a recompute with grad).
+
+bf16 autocast helps where the towers' matrix products are large and the hardware has bf16 units
+(GPUs): `--autocast auto` turns it on for CUDA. On the CPU it does not help here: these towers'
+products are tiny, and the casts around them cost more than they save (see the README for the
+measured step times), so auto leaves it off; `--autocast bf16` forces it.
+
+The self-checks. Step 1's gradients, the logit scale's included, equal those of a deep copy trained on
+the whole global batch in one process (plain autograd, the scale an ordinary tensor); held-out
+zero-shot top-1 accuracy must reach MIN_ACCURACY, eight times chance (10%), after training.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+
+import torch
+import torch.nn.functional as F
+from rich.table import Table
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from distlab.cli import fraction, lesson_parser, positive_float, positive_int, require
+from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
+from distlab.console import print0, progress
+from distlab.contrastive.digits import (DigitsCLIP, Tokenizer, caption_table, confusion_matrix,
+                                        draw_captions, load_split, zero_shot)
+from distlab.optim import decay_groups, warmup_cosine
+from distlab.runtime import distributed, run_main
+from distlab.verdict import Verdict
+from distributed_clip import distributed_backward
+
+MIN_ACCURACY = 0.80   # chance is 1 in 10 digits; 8x chance is not luck
+AUTOCAST = ("auto", "bf16", "off")
+
+
+def parse_args():
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--global-batch", type=positive_int, default=256, help="N pairs per step, over P ranks")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=64,
+                        help="B; B >= C = N / P runs the towers once per step")
+    parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T, columns per tile")
+    parser.add_argument("--steps", type=positive_int, default=150, help="optimiser steps")
+    parser.add_argument("--warmup", type=positive_int, default=15, help="warm-up steps of the schedule")
+    parser.add_argument("--lr", type=positive_float, default=5e-3, help="AdamW's peak learning rate")
+    parser.add_argument("--weight-decay", type=positive_float, default=0.1, help="on weight matrices only")
+    parser.add_argument("--clip-norm", type=positive_float, default=1.0, help="max global gradient norm")
+    parser.add_argument("--dim", type=positive_int, default=64, help="d, the embedding width")
+    parser.add_argument("--width", type=positive_int, default=32, help="the towers' width")
+    parser.add_argument("--test-fraction", type=fraction, default=0.2, help="held-out share of each digit")
+    parser.add_argument("--eval-every", type=positive_int, default=10, help="zero-shot evaluation interval")
+    parser.add_argument("--autocast", choices=AUTOCAST, default="auto", help="bf16 autocast; auto: on CUDA only")
+    return parser.parse_args()
+
+
+class Digits:
+    """The split, the tokenised captions, and which rows each rank trains on at each step."""
+
+    def __init__(self, args, rt):
+        self.split = load_split(args.test_fraction, args.seed)
+        self.tokenizer = Tokenizer.for_digits()
+        self.table = caption_table(self.tokenizer)            # 10 digits x templates x words
+        self.rt, self.seed, self.local = rt, args.seed, args.global_batch // rt.world_size
+        self.labels = self.split.train_labels
+
+    def rows(self, epoch: int, rank: int) -> list[torch.Tensor]:
+        """Rank `rank`'s steps in `epoch`: C training rows each (a DistributedSampler's shard).
+        Every rank can rebuild every rank's rows, so the reference needs no communication."""
+        sampler = DistributedSampler(range(len(self.labels)), self.rt.world_size, rank, seed=self.seed,
+                                     drop_last=True)
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler))
+        return list(order[:len(order) // self.local * self.local].split(self.local))
+
+    def batch(self, epoch: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        captions = draw_captions(self.labels, self.table, self.seed * 100_003 + epoch)
+        return self.split.train_images[rows].to(self.rt.device), captions[rows].to(self.rt.device)
+
+    def batches(self):
+        """This rank's (images, caption ids) for every step, epoch after epoch."""
+        for epoch in itertools.count():
+            for rows in self.rows(epoch, self.rt.rank):
+                yield self.batch(epoch, rows)
+
+    def zero_shot(self, model) -> tuple[float, torch.Tensor]:
+        images, labels = self.split.test_images.to(self.rt.device), self.split.test_labels.to(self.rt.device)
+        return zero_shot(model, images, labels, self.tokenizer)
+
+
+def reference_gradients(model: DigitsCLIP, images: torch.Tensor, ids: torch.Tensor) -> tuple[dict, float]:
+    """A deep copy on the whole global batch in one process: plain autograd, s an ordinary tensor."""
+    ref = copy.deepcopy(model)
+    z_x, z_y, s = ref(images, ids)
+    logits = s * z_x @ z_y.T                                          # N x N
+    labels = torch.arange(len(images), device=images.device)
+    loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    loss.backward()
+    return grads_of(ref), loss.item()
+
+
+def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -> None:
+    """Step 1's gradient, in float32 without autocast, against the single-process full batch."""
+    rows = [data.rows(0, r)[0] for r in range(data.rt.world_size)]
+    loss = distributed_backward(ddp, *data.batch(0, rows[data.rt.rank]), config)
+    ref_grads, ref_loss = reference_gradients(model, *data.batch(0, torch.cat(rows)))
+    table = compare(ref_grads, grads_of(model))
+    rtol, atol = tolerances(torch.float32)
+    print0(comparison_table(table, "Step 1 gradients: distributed_backward vs one process on the whole batch",
+                            caption=f"rank 0; allclose with rtol {rtol:g}, atol {atol:g}"))
+    print0(f"step 1 loss: distributed {loss:.7f}, one process {ref_loss:.7f}")
+    verdict.check("step 1's gradients (logit scale included) equal the full batch's",
+                  all_ok(table) and abs(loss - ref_loss) <= atol + rtol * abs(ref_loss))
+    ddp.zero_grad(set_to_none=True)
+
+
+def train(ddp, model, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
+    """The caller-owned loop; returns the curves."""
+    curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    for step, (images, ids) in progress(zip(range(args.steps), data.batches()), args.steps, "training"):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(data.rt.device.type, torch.bfloat16, enabled=bf16):
+            loss = distributed_backward(ddp, images, ids, config)    # the exact global gradient, added
+        torch.nn.utils.clip_grad_norm_(params, args.clip_norm)
+        curves["lr"].append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+        model.clamp_logit_scale_()                                   # s in [1, 100], as open_clip does
+        curves["loss"].append(loss)
+        curves["logit_scale"].append(model.logit_scale.exp().item())
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            curves["eval_step"].append(step + 1)
+            curves["accuracy"].append(data.zero_shot(model)[0])
+    return curves
+
+
+def curve_table(curves: dict) -> Table:
+    table = Table(title="Training (global loss, learned temperature, held-out zero-shot top-1)",
+                  title_justify="left")
+    for column in ("step", "lr", "loss", "s = 1/tau", "tau", "zero-shot"):
+        table.add_column(column, justify="right")
+    shown = curves["eval_step"][:: max(1, len(curves["eval_step"]) // 8)]
+    for step in dict.fromkeys(shown + curves["eval_step"][-1:]):
+        k, s = step - 1, curves["logit_scale"][step - 1]
+        accuracy = curves["accuracy"][curves["eval_step"].index(step)]
+        table.add_row(str(step), f"{curves['lr'][k]:.2e}", f"{curves['loss'][k]:.4f}", f"{s:.2f}",
+                      f"{1 / s:.4f}", f"{accuracy:.1%}")
+    return table
+
+
+def main() -> int:
+    args = parse_args()
+    with distributed(args.device) as rt:
+        n, world = args.global_batch, rt.world_size
+        require(n % world == 0, "--global-batch", f"N={n} must be divisible by P={world}")
+        require(args.warmup < args.steps, "--warmup", f"must be below --steps ({args.steps})")
+        local, verdict = n // world, Verdict(rt)
+        bf16 = args.autocast == "bf16" or (args.autocast == "auto" and rt.device.type == "cuda")
+        data = Digits(args, rt)
+        model = DigitsCLIP(len(data.tokenizer), data.tokenizer.length, args.dim, args.width, args.seed)
+        model = model.to(rt.device)
+        ddp = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+        optimizer = torch.optim.AdamW(decay_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.98),
+                                      eps=1e-6)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
+        config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
+                  "STREAM_CHUNK_SIZE": args.stream_chunk}
+        forwards = "once per step" if args.micro_batch_size >= local else "twice per step (embed, recompute)"
+        print0(f"[bold]Lesson 12: train a CLIP on digits[/] - N={n} over P={world}, C={local}, "
+               f"B={args.micro_batch_size} (towers run {forwards}), T={args.stream_chunk}, d={args.dim}, "
+               f"{len(data.labels)} training / {len(data.split.test_labels)} held-out images, "
+               f"bf16 autocast {'on' if bf16 else 'off'}, backend {rt.backend}")
+        before, s_before = data.zero_shot(model)[0], model.logit_scale.exp().item()
+        check_first_step(ddp, model, data, config, verdict)
+        start = time.perf_counter()
+        curves = train(ddp, model, optimizer, scheduler, data, config, args, bf16)
+        seconds = time.perf_counter() - start
+        after, predictions = data.zero_shot(model)
+        print0(curve_table(curves))
+        s_after = curves["logit_scale"][-1]
+        print0(f"learned temperature: tau = {1 / s_before:.4f} (s = {s_before:.2f}) at the start, "
+               f"tau = {1 / s_after:.4f} (s = {s_after:.2f}) after {args.steps} steps in {seconds:.1f} s")
+        print0(f"zero-shot top-1 on {len(predictions)} held-out digits: {before:.1%} before training, "
+               f"{after:.1%} after (chance 10%)")
+        verdict.check(f"held-out zero-shot accuracy >= {MIN_ACCURACY:.0%} (chance 10%)", after >= MIN_ACCURACY,
+                      f"{after:.1%}")
+        confusion = confusion_matrix(data.split.test_labels, predictions)
+        for key, value in dict(accuracy_before=before, accuracy_after=after, seconds=seconds, world_size=world,
+                               global_batch=n, confusion=confusion, bf16=bf16, **curves).items():
+            verdict.figure(key, value)
+        code = verdict.finish(args.json)
+        print0(f"zero-shot accuracy on held-out digits: {after:.1%}", highlight=False)
+    return code
+
+
+if __name__ == "__main__":
+    run_main(main)

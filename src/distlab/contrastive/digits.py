@@ -34,9 +34,9 @@ TEMPLATES = (
     "a photo of the digit {}",
     "a handwritten {}",
     "the number {} written by hand",
-    "a blurry scan of a {}",
-    "a small grey picture of the digit {}",
-    "someone wrote a {}",
+    "a blurry scan of the digit {}",
+    "a small grey picture of the number {}",
+    "the digit {} written with a pen",
 )
 ZERO_SHOT_TEMPLATE = TEMPLATES[0]
 INIT_LOGIT_SCALE = math.log(1 / 0.07)  # CLIP's initial temperature, tau = 0.07

@@ -17,8 +17,9 @@ Loss machinery (this rank's C x d embeddings in, dL/dZ_local out; no encoder):
                      `phase_c_embedding_grads` for every micro-batch (B = C and B = C/8)
   matmul floor       the same 6 C N d multiply-adds as plain `mm` in C x T tiles (2 C N d for the
                      rows and columns of S, 2 x 2 C N d for the two tile products and accumulations of
-                     G): no exponentials, no reductions, no communication. Every time in the tables is
-                     printed with its ratio to this floor at the same N.
+                     G): no exponentials, no reductions, no communication. It is timed in both parts,
+                     interleaved with the methods, and every time in the tables is printed with its
+                     ratio to the floor of the same part and N.
 
 Memory: the peak of tensor storage a call allocated on a rank (`distlab.memory.PeakMemory`; also
 `torch.cuda.max_memory_allocated` on GPUs), the worst rank, in its own run (watching every op slows
@@ -227,11 +228,13 @@ def calls_at(part: str, n: int, args, rt) -> dict:
         model = make_model(args, rt)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         calls[m] = lambda m=m, model=model, opt=optimizer: train_step(m, model, opt, x, y, rt, args.stream_chunk)
+    z = local_embeddings(n, args.dim, rt)  # the floor again, interleaved with the steps it is the yardstick of
+    calls[FLOOR] = lambda: matmul_floor(*z, rt, args.stream_chunk, FLOOR)
     return calls
 
 
 def run_part(part: str, args, rt) -> dict:
-    results = {m: [] for m in (args.loss_methods if part == "loss" else args.step_methods)}
+    results = {m: [] for m in (args.loss_methods if part == "loss" else [*args.step_methods, FLOOR])}
     for n in args.sizes:
         calls = calls_at(part, n, args, rt)
         for fn in calls.values():
@@ -296,7 +299,9 @@ def main() -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.with_suffix(".json").write_text(json.dumps(
                 {"meta": meta, "agreement_max_rel": agreement, "results": results}, indent=1))
-            print0(write_report(out.with_suffix(".json")), highlight=False)
+            text = write_report(out.with_suffix(".json"))
+            print0(f"wrote {out}.{{json,md,png}}\n" + text[text.index("**Targets**"):], highlight=False,
+                   soft_wrap=True)
     return 0
 
 

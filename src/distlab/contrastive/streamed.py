@@ -211,7 +211,7 @@ def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config:
     if stop_if_not_finite and not math.isfinite(norm.loss):
         raise FloatingPointError(f"the global loss is {norm.loss} (non-finite embeddings on some rank): "
                                  "no gradient was computed and the optimizer did not step")
-    multiplier = surrogate_multiplier(wrapped.reduction_factor, grad_scaler, emb.z_x)
+    multiplier = surrogate_multiplier(check.factor, grad_scaler, emb.z_x)
     last = len(local.micro) - 1
     for k, rows in enumerate(local.micro):
         with full_precision(emb.z_x.device):

@@ -47,6 +47,7 @@ class LocalCheck:
     cfg: StreamConfig | None = None
     wrapped: Wrapped | None = None
     needs: tuple[bool, bool] = (True, True)   # does tower x / tower y have trainable parameters
+    factor: float = 1.0                       # what the wrapper divides the summed gradient by
     problem: str | None = None
 
 
@@ -81,9 +82,10 @@ def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, A
                 "no-grad pass and the recompute). Use B >= C (one forward, exactly plain DDP), put "
                 "BatchNorm in eval mode, or use a normalisation that does not mix samples "
                 "(LayerNorm, GroupNorm)")
+        factor = wrapped.reduction_factor
     except ValueError as err:
         return LocalCheck(problem=str(err))
-    return LocalCheck(cfg, wrapped, needs)
+    return LocalCheck(cfg, wrapped, needs, factor)
 
 
 def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> tuple[torch.Tensor, torch.Tensor, Any]:

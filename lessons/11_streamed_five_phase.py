@@ -194,9 +194,9 @@ def main() -> int:
         config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
                   "STREAM_CHUNK_SIZE": args.stream_chunk, "PHASE_B": args.phase_b}
         cfg = parse_config(config, world, rt.rank)
-        print0(f"[bold]Lesson 11: the streamed five-phase step[/] - N={n} over P={world}, B={cfg.b}, "
-               f"T={cfg.t}, tau={args.tau}, Phase B {cfg.phase_b}, dropout {args.dropout}, {args.dtype}, "
-               f"{rt.backend}\nregime: {regime(cfg)}")
+        print0(f"[bold]Lesson 11: the streamed five-phase step[/]\nN={n} over P={world}, B={cfg.b}, T={cfg.t}, "
+               f"tau={args.tau}, Phase B {cfg.phase_b}, dropout {args.dropout}, {args.dtype}, {rt.backend}\n"
+               f"regime: {regime(cfg)}")
         x, y = paired_data(args.dataset_size, seed=args.seed, dtype=dtype)
         dataset = TensorDataset(x, y)
         sampler = DistributedSampler(dataset, world, rt.rank, shuffle=True, seed=args.seed, drop_last=True)

@@ -6,6 +6,7 @@ others waiting in the all-gather. After all of them, one good step on the same D
 equal the single-process reference: no refused call leaves state behind.
 """
 
+import contextlib
 import math
 
 import torch
@@ -66,6 +67,7 @@ def bad_calls(rt):
         "not a supported wrapper": (Towers(scale_shape=()), lx, ly, good()),
         "no encoders": (DDP(nn.Linear(12, 8, dtype=torch.float64)), lx, ly, good()),
         "x and y sizes differ": (learn, lx, ly[:-1], good()),
+        "called under no_grad": (learn, lx, ly, good()),
     }
 
 
@@ -87,6 +89,7 @@ EXPECTED = {  # label -> what the one message must say (None: ranks may word it 
     "not a supported wrapper": "model must be wrapped in DistributedDataParallel",
     "no encoders": "lacks ['encoder_x', 'encoder_y']",
     "x and y sizes differ": "same number of pairs",
+    "called under no_grad": "called with gradients disabled",
 }
 
 
@@ -94,7 +97,8 @@ def refused_then_good(rt):
     messages = {}
     for label, (model, lx, ly, config) in bad_calls(rt).items():
         try:
-            distributed_backward(model, lx, ly, config)
+            with torch.no_grad() if label == "called under no_grad" else contextlib.nullcontext():
+                distributed_backward(model, lx, ly, config)
             messages[label] = "no error"
         except ValueError as err:
             messages[label] = str(err)

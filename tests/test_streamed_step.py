@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab.compare import all_ok, compare, grads_of, params_of
 from distlab.models import paired_data
 from distlab.spawn import spawn
+from distlab.contrastive.streamed import loss_machinery
 from distributed_clip import distributed_backward, distributed_train_step
 from helpers import STREAMED_N as N
 from helpers import (DROPOUT_SEED, CommHookCounter, Towers, full_batch, local_rows, rank_streams,
@@ -119,6 +120,11 @@ def caller_owned(rt):
     rows = local_rows(rt)
     learn = dict(scale=(), b=5)
 
+    # The loss machinery alone (benchmarks use it): this rank's embeddings in, L and its rows' G out.
+    with torch.no_grad():
+        z_x, z_y = Towers()(x[rows], y[rows])
+    out["machinery"] = loss_machinery(z_x, z_y, config_of(dict(b=5)))
+
     # Forwards: one per pair with B >= C, two with B < C.
     for b in (N // 2, 5):
         model = Towers(scale_shape=(), dropout=0.3)
@@ -199,8 +205,15 @@ def test_caller_owned_loop_clip_accumulation_scaler_and_nan_at_p2():
         for r in results:
             assert_matches(r["exact"][k], ref)
     one = reference(dict(scale=(), b=5), world)
+    z = [t.detach().requires_grad_() for t in Towers()(*paired_data(N, seed=0))]
+    loss = symmetric_infonce(*z, 1 / 0.1)
+    loss.backward()
     dropout_refs = {b: reference(dict(scale=(), b=b, dropout=0.3), world) for b in (N // 2, 5)}
-    for r in results:
+    for rank, r in enumerate(results):
+        machinery_loss, g_x, g_y = r["machinery"]
+        mine = slice(rank * N // world, (rank + 1) * N // world)
+        assert math.isclose(machinery_loss, loss.item(), rel_tol=1e-10)
+        assert all_ok(compare({"G_x": z[0].grad[mine], "G_y": z[1].grad[mine]}, {"G_x": g_x, "G_y": g_y}))
         assert r["rows_b12"] == N // world and r["rows_b5"] == 2 * N // world  # one forward vs recompute
         for b, ref in dropout_refs.items():
             assert all_ok(compare(ref["grads"], r[f"grads_b{b}"])), b

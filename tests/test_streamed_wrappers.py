@@ -53,9 +53,10 @@ def fsdp2_and_lit(rt):
         for module in (model.encoder_x, model.encoder_y, model) if factor is not None else ():
             module.set_gradient_divide_factor(factor)  # sum instead of average: the step must follow
         out[label] = (distributed_backward(model, x[rows], y[rows], config(b)), full_grads(model))
-    for label, b in (("lit recompute", 5), ("lit one forward", N)):
+    for label, b in (("lit recompute", 5), ("lit one forward", N), ("partly frozen", 5)):
         model = Towers(scale_shape=())
-        model.encoder_x.requires_grad_(False)  # a locked image tower
+        frozen = model.encoder_x if label.startswith("lit") else model.encoder_x[0]
+        frozen.requires_grad_(False)  # a locked image tower, or its first layer only
         out[label] = (distributed_backward(DDP(model), x[rows], y[rows], config(b)), full_grads(model))
     return out
 
@@ -67,9 +68,12 @@ def test_fsdp2_and_a_frozen_tower_are_exact():
     lit_model = Towers(scale_shape=())
     lit_model.encoder_x.requires_grad_(False)
     lit_ref = reference_grads(lit_model, world, 5)
+    part_model = Towers(scale_shape=())
+    part_model.encoder_x[0].requires_grad_(False)
+    part_ref = reference_grads(part_model, world, 5)
     for r in results:
         for label, (loss, grads) in r.items():
-            ref_loss, ref = lit_ref if label.startswith("lit") else fsdp_ref
+            ref_loss, ref = lit_ref if label.startswith("lit") else part_ref if label == "partly frozen" else fsdp_ref
             assert math.isclose(loss, ref_loss, rel_tol=1e-10), label
             assert all_ok(compare(ref, grads)), label  # LiT: no gradient for the frozen tower at all
     # Teeth: without the step's P-scaling FSDP2's average would be half the gradient.

@@ -67,7 +67,7 @@ from torch import nn
 from distlab.contrastive.rand_context import RandContext
 from distlab.contrastive.streamed_checks import (LocalCheck, agree_across_ranks, check_locally,
                                                  check_outputs, numbers)
-from distlab.contrastive.streamed_config import StreamConfig
+from distlab.contrastive.streamed_config import StreamConfig, parse_config
 from distlab.contrastive.streamed_kernels import (split_into, streamed_lse, streamed_lse_both,
                                                   streamed_softmax_pair_product)
 from distlab.contrastive.streamed_precision import compute_dtype, full_precision, surrogate_multiplier
@@ -189,6 +189,19 @@ def phase_d_backward(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, grads: 
         # d(m <z, g>)/dz = m g exactly, so this is the surrogate's backward without forming it.
         torch.autograd.backward([z for z, _ in pairs],
                                 [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
+
+
+def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any]) -> tuple[float, Any, Any]:
+    """The step without the encoders, for benchmarks and notebooks: this rank's C x d embeddings in,
+    (L, G_x, G_y) for its rows out (the all-gather, Phase B, Phase C over every micro-batch). TAU
+    is required; no checks, no exchange."""
+    cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
+    micro = [slice(0, len(z_x))]
+    emb = phase_a_gather(LocalForward(micro, [(z_x, z_y, None)], [], kept=False), cfg)
+    with full_precision(emb.z_x.device):
+        norm = phase_b_normalisers(emb, cfg)
+        grads = [phase_c_embedding_grads(emb, norm, rows, cfg, (True, True))[:2] for rows in cfg.micro]
+    return norm.loss, torch.cat([g[0] for g in grads]), torch.cat([g[1] for g in grads])
 
 
 def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],

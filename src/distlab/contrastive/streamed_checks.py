@@ -57,6 +57,9 @@ def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, A
         raise ValueError("the streamed step needs an initialised process group: launch with torchrun "
                          "and call torch.distributed.init_process_group first")
     try:
+        if not torch.is_grad_enabled():
+            raise ValueError("the streamed step was called with gradients disabled (inside torch.no_grad()?): "
+                             "it computes a gradient")
         cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
         wrapped = unwrap(model)
         lacking = [name for name in ("encoder_x", "encoder_y") if not hasattr(wrapped.inner, name)]

@@ -122,7 +122,7 @@ def full_batch_reference(model: nn.Module, x, y, world: int, micro: int, tau: fl
     return grads_of(model), loss.item()
 
 
-def seed_style_loop(ddp, optimizer, loader, config, rt, memory: PeakMemory) -> tuple[list, dict]:
+def classic_loop(ddp, optimizer, loader, config, rt, memory: PeakMemory) -> tuple[list, dict]:
     """The classic loop: sampler epochs, one `distributed_train_step` per batch, rank 0 logs."""
     losses, first = [], {}
     for epoch in range(loader.epochs):
@@ -217,7 +217,7 @@ def main() -> int:
                                               else "distributed_train_step"))
             step_config = config if learnable else config | {"TAU": args.tau}
             losses, first = (caller_owned_loop(ddp, optimizer, loader, step_config, rt, args.max_grad_norm)
-                             if learnable else seed_style_loop(ddp, optimizer, loader, step_config, rt, mem))
+                             if learnable else classic_loop(ddp, optimizer, loader, step_config, rt, mem))
             ref = full_batch_reference(start, first_x, first_y, world, cfg.b, None if learnable else args.tau,
                                        args.seed + 1000)
             check_step_one(verdict, name, first, ref, losses[0], dtype)

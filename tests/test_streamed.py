@@ -26,8 +26,8 @@ def closed_form(z_x, z_y, s, t):
     """Phases B and C on one process (P = 1, one micro-batch): a, b, G_x, G_y, dL/ds."""
     a, nll_x, b, nll_y = streamed_lse_both(z_x, z_y, s, t)
     coef, scale = torch.expm1(-nll_x) + torch.expm1(-nll_y), s / (2 * len(z_x))
-    g_x = streamed_softmax_pair_product(z_x, z_y, a, b, coef, 0, s, t) * scale
-    g_y = streamed_softmax_pair_product(z_y, z_x, b, a, coef, 0, s, t) * scale
+    g_x = streamed_softmax_pair_product(z_x * s, z_y, a, b, coef, 0, t) * scale
+    g_y = streamed_softmax_pair_product(z_y * s, z_x, b, a, coef, 0, t) * scale
     return a, b, g_x, g_y, (z_x * g_x).sum() / s
 
 

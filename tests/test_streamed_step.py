@@ -58,7 +58,7 @@ def reference(case, world, seed_shift=0):
 
 
 def train(rt, case):
-    """The seed-style loop: distributed_train_step on this rank's share of each global batch."""
+    """The classic loop: distributed_train_step on this rank's share of each global batch."""
     model = case_model(case)
     ddp = DDP(model)
     optimizer = optimizer_of(ddp.parameters(), case)

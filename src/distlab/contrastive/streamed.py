@@ -165,11 +165,11 @@ def phase_c_embedding_grads(emb: Embedded, norm: Normalisers, rows: slice, cfg: 
     coef, scale = norm.diag_coef[rows], emb.s / (2 * cfg.n)
     g_x = g_y = g_s = None
     if needs[0] or learnable:
-        g_x = streamed_softmax_pair_product(emb.z_x[glob], emb.z_y, norm.a[glob], norm.b, coef,
-                                            glob.start, emb.s, cfg.t).mul_(scale)
+        g_x = streamed_softmax_pair_product(emb.z_x[glob] * emb.s, emb.z_y, norm.a[glob], norm.b, coef,
+                                            glob.start, cfg.t).mul_(scale)
     if needs[1]:
-        g_y = streamed_softmax_pair_product(emb.z_y[glob], emb.z_x, norm.b[glob], norm.a, coef,
-                                            glob.start, emb.s, cfg.t).mul_(scale)
+        g_y = streamed_softmax_pair_product(emb.z_y[glob] * emb.s, emb.z_x, norm.b[glob], norm.a, coef,
+                                            glob.start, cfg.t).mul_(scale)
     if learnable:
         g_s = (emb.z_x[glob] * g_x).sum() / emb.s      # dL/ds = (1/s) sum_i z_i^x . G_x,i
     return (g_x if needs[0] else None), g_y, g_s

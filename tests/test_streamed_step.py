@@ -142,16 +142,17 @@ def caller_owned(rt):
     opt.step()
     out["clipped"] = params_of(model)
 
-    # Accumulation: the first call under no_sync reduces nothing, the second reduces once.
-    model = Towers(scale_shape=())
-    ddp = DDP(model)
-    counter = CommHookCounter()
-    ddp.register_comm_hook(None, counter.__call__)
-    with ddp.no_sync():
-        distributed_backward(ddp, x[rows], y[rows], config_of(learn))
-    out["hook_after_first"] = counter.calls
-    distributed_backward(ddp, x2[rows], y2[rows], config_of(learn))
-    out["hook_after_second"], out["accumulated"] = counter.calls, grads_of(model)
+    # Accumulation: the first call under no_sync reduces nothing, the second reduces once; in both regimes.
+    for b in (5, N // 2):
+        model = Towers(scale_shape=())
+        ddp = DDP(model)
+        counter = CommHookCounter()
+        ddp.register_comm_hook(None, counter.__call__)
+        with ddp.no_sync():
+            distributed_backward(ddp, x[rows], y[rows], config_of(dict(scale=(), b=b)))
+        out[f"hook_after_first_b{b}"] = counter.calls
+        distributed_backward(ddp, x2[rows], y2[rows], config_of(dict(scale=(), b=b)))
+        out[f"hook_after_second_b{b}"], out[f"accumulated_b{b}"] = counter.calls, grads_of(model)
     plain = DDP(Towers(scale_shape=()))
     plain_counter = CommHookCounter()
     plain.register_comm_hook(None, plain_counter.__call__)
@@ -229,8 +230,10 @@ def test_caller_owned_loop_clip_accumulation_scaler_and_nan_at_p2():
 
         # Accumulation: the sum of the two batches' references, with DDP's all-reduce run once.
         second = reference_on(dict(scale=(), b=5), world, seed=1)
-        assert all_ok(compare({k: one["grads"][k] + second[k] for k in second}, r["accumulated"]))
-        assert r["hook_after_first"] == 0 and r["hook_after_second"] == r["hook_plain_backward"] >= 1
+        for b in (5, N // 2):
+            assert all_ok(compare({k: one["grads"][k] + second[k] for k in second}, r[f"accumulated_b{b}"]))
+            assert r[f"hook_after_first_b{b}"] == 0
+            assert r[f"hook_after_second_b{b}"] == r["hook_plain_backward"] >= 1
 
         # GradScaler.
         assert all_ok(compare({k: 2.0 ** 10 * g for k, g in one["grads"].items()}, r["scaled"]))

@@ -53,6 +53,16 @@ def fsdp2_and_lit(rt):
         for module in (model.encoder_x, model.encoder_y, model) if factor is not None else ():
             module.set_gradient_divide_factor(factor)  # sum instead of average: the step must follow
         out[label] = (distributed_backward(model, x[rows], y[rows], config(b)), full_grads(model))
+    # Accumulation the FSDP2 way: sync off for the first call, on for the second (which reduces both).
+    model = Towers(scale_shape=(1,))
+    for module in (model.encoder_x, model.encoder_y, model):
+        fully_shard(module)
+    x2, y2 = paired_data(N, seed=1)
+    model.set_requires_gradient_sync(False)
+    distributed_backward(model, x[rows], y[rows], config(5))
+    model.set_requires_gradient_sync(True)
+    distributed_backward(model, x2[rows], y2[rows], config(5))
+    out["fsdp2 accumulated"] = full_grads(model)
     for label, b in (("lit recompute", 5), ("lit one forward", N), ("partly frozen", 5)):
         model = Towers(scale_shape=())
         frozen = model.encoder_x if label.startswith("lit") else model.encoder_x[0]
@@ -71,7 +81,10 @@ def test_fsdp2_and_a_frozen_tower_are_exact():
     part_model = Towers(scale_shape=())
     part_model.encoder_x[0].requires_grad_(False)
     part_ref = reference_grads(part_model, world, 5)
+    second = reference_grads(Towers(scale_shape=(1,)), world, 5, seed=1)[1]
     for r in results:
+        accumulated = r.pop("fsdp2 accumulated")
+        assert all_ok(compare({k: v + second[k] for k, v in fsdp_ref[1].items()}, accumulated))
         for label, (loss, grads) in r.items():
             ref_loss, ref = lit_ref if label.startswith("lit") else part_ref if label == "partly frozen" else fsdp_ref
             assert math.isclose(loss, ref_loss, rel_tol=1e-10), label

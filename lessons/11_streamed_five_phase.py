@@ -10,7 +10,9 @@ row/column softmax R_ij = exp(S_ij - a_i), Q_ij = exp(S_ij - b_j) and W = R + Q 
     dL/ds = (1/s) sum_i z_i^x . G_x,i           (a sum over rows: each rank adds its own)
 
 Nothing needs S itself, only a, b (streamed by the online max/sum fold) and products W Z summed over
-tiles of B x T (T = --stream-chunk). The notebook derives both, each step checked numerically.
+tiles of B x T (T = --stream-chunk). The notebook derives both, each step checked numerically. Phases C
+and D are GradCache's idea (luyug/GradCache; Gao et al., https://arxiv.org/abs/2101.06983: gradients at
+the embeddings first, then one VJP per micro-batch), with the cached loss replaced by closed forms.
 
 The mechanism: src/distlab/contrastive/streamed.py, `_run`, which reads top to bottom: A the local
 forward (`phase_a_forward`), one tiny exchange that every rank checks the same way

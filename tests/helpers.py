@@ -3,13 +3,14 @@ test files need. No test file imports another test file; what two of them need l
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-
+import torch
 
 from distlab.spawn import spawn
 
@@ -75,3 +76,63 @@ def no_ellipsis(text: str) -> bool:
     """No table cell cut short: rich marks a cut with '\u2026'."""
     return "\u2026" not in text
 
+
+# -- contrastive lessons 07-09 ------------------------------------------------------------------
+
+
+def load_lesson(filename: str):
+    """A lesson file as a module (its name starts with a digit, so `import` cannot reach it); its
+    `main()` does not run. Loaded once per process."""
+    name = "lesson_" + Path(filename).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, LESSONS / filename)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+GATHER_ROWS, GATHER_COLS = 2, 3
+
+
+def gather_block(rank: int):
+    """Rank r's block for a gather test: distinct values on every rank."""
+    return torch.arange(GATHER_ROWS * GATHER_COLS, dtype=torch.float64).reshape(GATHER_ROWS, GATHER_COLS) + 100 * rank
+
+
+def gather_weights(rank: int, world_size: int):
+    """Rank r's loss is sum(W_r * gathered): its gradient with respect to the gathered tensor is W_r."""
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randn(world_size * GATHER_ROWS, GATHER_COLS, generator=gen, dtype=torch.float64)
+
+
+def gather_forward_and_backward(rt, gather: Callable[[Any], Any]):
+    """(gathered tensor, gradient at this rank's block) when every rank back-propagates its own
+    sum(W_r * gather(block_r))."""
+    local = gather_block(rt.rank).requires_grad_()
+    gathered = gather(local)
+    (gathered * gather_weights(rt.rank, rt.world_size)).sum().backward()
+    return gathered.detach().clone(), local.grad.clone()
+
+
+def assert_gather_result(rank: int, world_size: int, gathered, grad, sums_over_ranks: bool) -> None:
+    """Forward: the blocks in rank order. Backward: this rank's rows of sum_s W_s (a gather whose
+    backward sums over ranks) or of its own W_r (the plain gather), and not the other one."""
+    everything = torch.cat([gather_block(r) for r in range(world_size)])
+    summed = sum(gather_weights(s, world_size) for s in range(world_size))
+    own = gather_weights(rank, world_size)
+    rows = slice(rank * GATHER_ROWS, (rank + 1) * GATHER_ROWS)
+    assert torch.equal(gathered, everything)
+    expected, other = (summed, own) if sums_over_ranks else (own, summed)
+    assert torch.allclose(grad, expected[rows], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(grad, other[rows])
+
+
+def value_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """The message of the ValueError `fn(*args, **kwargs)` raises, or None if it returns (for
+    checks that run several bad inputs in one process group, each raised before any collective)."""
+    try:
+        fn(*args, **kwargs)
+    except ValueError as err:
+        return str(err)
+    return None

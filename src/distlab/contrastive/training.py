@@ -21,15 +21,16 @@ import torch
 from torch import nn
 
 from distlab.compare import params_of
+from distlab.console import progress
 from distlab.contrastive.batch import local_block
 from distlab.contrastive.losses import clip_loss
+from distlab.contrastive.reference import LossFn
 from distlab.contrastive.step import ddp_step
 from distlab.contrastive.variants import Variant
 from distlab.runtime import Runtime
 
 OPTIMIZERS = ("sgd", "adam")
 FINAL_STEPS = 10  # a run's final loss is the mean of L over this many last steps
-StepCallback = Callable[[int, float], None]  # (step, L) after each step
 
 
 @dataclass(frozen=True)
@@ -101,26 +102,25 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
 
 
 def _train(model: nn.Module, eval_model: nn.Module, step_fn: Callable[[torch.Tensor], float],
-           data: TrainData, config: TrainConfig, on_step: StepCallback | None) -> TrainRun:
+           data: TrainData, config: TrainConfig, label: str | None) -> TrainRun:
     """The one loop: zero_grad, the caller's step (forward, loss, backward), optimizer step, and
-    held-out accuracy every `eval_every` steps."""
+    held-out accuracy every `eval_every` steps. With a `label`, progress is shown on rank 0."""
     optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr)
     run = TrainRun()
-    for step, idx in enumerate(data.batches):
+    batches = data.batches if label is None else progress(data.batches, len(data.batches), label)
+    for step, idx in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         run.losses.append(step_fn(idx))
         optimizer.step()
         if (step + 1) % config.eval_every == 0 or step + 1 == len(data.batches):
             run.eval_steps.append(step + 1)
             run.accuracies.append(retrieval_accuracy(eval_model, *data.held_out))
-        if on_step is not None:
-            on_step(step, run.losses[-1])
     run.params = params_of(eval_model)
     return run
 
 
 def train_single_process(model: nn.Module, data: TrainData, config: TrainConfig,
-                         loss_fn=clip_loss, on_step: StepCallback | None = None) -> TrainRun:
+                         loss_fn: LossFn = clip_loss, label: str | None = None) -> TrainRun:
     """The reference run: a deep copy of `model`, the whole global batch, plain autograd on
     `loss_fn(z_x, z_y, tau)` (clip_loss; lesson 08 passes the detached-blocks loss to see what the
     plain gather does at a P this machine cannot run)."""
@@ -132,11 +132,11 @@ def train_single_process(model: nn.Module, data: TrainData, config: TrainConfig,
         loss.backward()
         return loss.item()
 
-    return _train(model, model, step_fn, data, config, on_step)
+    return _train(model, model, step_fn, data, config, label)
 
 
 def train_ddp(rt: Runtime, ddp_model: nn.Module, variant: Variant, data: TrainData, config: TrainConfig,
-              on_step: StepCallback | None = None) -> TrainRun:
+              label: str | None = None) -> TrainRun:
     """The same steps under DDP: each rank takes its C rows of every global batch, `variant` computes
     the loss and DDP averages the gradients. Every rank ends with the same weights (and measures the
     same accuracy)."""
@@ -146,4 +146,4 @@ def train_ddp(rt: Runtime, ddp_model: nn.Module, variant: Variant, data: TrainDa
         local = local_block(idx, rt)
         return ddp_step(rt, ddp_model, x[local], y[local], config.tau, variant)
 
-    return _train(ddp_model, ddp_model.module, step_fn, data, config, on_step)
+    return _train(ddp_model, ddp_model.module, step_fn, data, config, label)

@@ -117,6 +117,7 @@ def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[
     """Lesson 09: what the loss costs one rank; rows of (name, its `global_logits` or `local_logits`,
     its `loss_cost`)."""
     table = _table(f"Per rank, the loss forward + backward from the embeddings (N = {n}, P = {p})",
+                   "global: every rank all N x N logits; local: its C x N rows of S and of S^T; "
                    "S: similarity entries its matmuls produce; exp: entries its softmaxes exponentiate; "
                    f"largest, peak: tensor storage it allocates (PeakMemory), largest / N^2: the largest "
                    f"over an N x N matrix of {elem}-byte floats; time: median of 5, slowest rank")

@@ -70,8 +70,8 @@ def main() -> int:
         p, n = rt.world_size, args.global_batch
         require(n % p == 0, "--global-batch", f"P = {p} ranks must divide N = {n}")
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 07: DDP contrastive, global x global[/] - N = {n} pairs on P = {p} rank(s) "
-               f"(C = {n // p} each), tau = {args.tau}, {args.dtype}, backend {rt.backend}")
+        print0(f"[bold]Lesson 07: DDP contrastive, global x global[/] - N = {n} pairs, P = {p}, C = {n // p}, "
+               f"tau = {args.tau}, {args.dtype}, {rt.backend}", highlight=False)
         ddp = first_step_gradients(rt, VARIANTS, n, args.tau, seed=args.seed, dtype=dtype)
 
         # The independent reference: a deep copy of the model, the whole batch, one process.
@@ -89,7 +89,7 @@ def main() -> int:
         print0(comparison_table(compare(ref, ddp[GLOBAL_SUM.name][1]), "sum-backward, per parameter, vs ref",
                                 caption=f"allclose with rtol {rtol:g}, atol {atol:g}"))
         losses = {v.name: ddp[v.name][0] for v in VARIANTS}
-        print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()))
+        print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()), highlight=False)
         print0(work_table(n, p, model.encoder_x[-1].out_features))
 
         verdict.check("the plain gather gives exactly 1/P of the full-batch gradient", plain_over_p.ok,

@@ -109,9 +109,9 @@ def first_step(rt: Runtime, args, verdict: Verdict) -> None:
     print0(comparison_table(compare(ref, plain), "plain gather, per parameter, vs ref", expect_match=p == 1))
     lost = lost_fraction(model, x, y, args.tau, p)
     print0(f"lost at the embeddings (the s != r terms): ||dL/dZ - plain|| / ||dL/dZ|| = "
-           f"{lost['z_x']:.1%} for z_x, {lost['z_y']:.1%} for z_y")
+           f"{lost['z_x']:.1%} for z_x, {lost['z_y']:.1%} for z_y", highlight=False)
     losses = {"plain": ddp[LOCAL_PLAIN.name][0], "fixed": ddp[LOCAL_SUM.name][0]}
-    print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()))
+    print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()), highlight=False)
     verdict.check("the forward pass is right: both losses equal the reference's",
                   all(abs(v - ref_loss) <= atol + rtol * abs(ref_loss) for v in losses.values()))
     verdict.check("the plain gather's gradient " + ("differs from" if p > 1 else "equals (P = 1)") + " the full batch's",
@@ -175,8 +175,8 @@ def main() -> int:
         p, n = rt.world_size, args.global_batch
         require(n % p == 0, "--global-batch", f"P = {p} ranks must divide N = {n}")
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 08: local x global with a plain all_gather[/] - N = {n} pairs on P = {p} rank(s) "
-               f"(C = {n // p} each), tau = {args.tau}, float64, backend {rt.backend}")
+        print0(f"[bold]Lesson 08: local x global, plain all_gather[/] - N = {n} pairs, P = {p}, C = {n // p}, "
+               f"tau = {args.tau}, float64, {rt.backend}", highlight=False)
         first_step(rt, args, verdict)
 
         train, held_out = (tuple(t.to(rt.device) for t in paired_data(size, seed=seed, dtype=DTYPE))
@@ -186,7 +186,7 @@ def main() -> int:
         start = verdict.figure("start_accuracy",
                                retrieval_accuracy(TwoTower(seed=args.seed, dtype=DTYPE).to(rt.device), *held_out))
         print0(f"\n[bold]Training[/]: {args.steps} steps of N = {n} pairs from {args.train_size}, {args.optimizer} "
-               f"lr {args.lr}; held-out accuracy before training {start:.2%}")
+               f"lr {args.lr}; held-out accuracy before training {start:.2%}", highlight=False)
         training(rt, args, data, config, verdict)
         if args.emulate:
             emulate(rt, args, data, config, verdict)

@@ -109,7 +109,7 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     print0(method_table(rows, "DDP gradients after one step vs the single-process full batch (ref)",
                         caption=f"allclose: rtol {rtol:g}, atol {atol:g}; all_reduce: this lesson's "
                         "AllGatherSumBackward; reduce_scatter: gather_with_grad; torch: all_gather_single"))
-    print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{v.name} {ddp[v.name][0]:.12f}" for v in FIXES))
+    print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{v.name} {ddp[v.name][0]:.12f}" for v in FIXES), highlight=False)
     for v in FIXES:
         verdict.check(f"the {v.name} gather gives the full-batch gradient", errors[v.name].ok,
                       f"max rel err {errors[v.name].max_rel:.1e}")
@@ -145,8 +145,8 @@ def main() -> int:
             n = getattr(args, flag[2:].replace("-", "_"))
             require(n % p == 0, flag, f"P = {p} ranks must divide N = {n}")
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 09: the sum-backward all-gather[/] - N = {args.global_batch} pairs on P = {p} "
-               f"rank(s) (C = {args.global_batch // p} each), tau = {args.tau}, {args.dtype}, backend {rt.backend}")
+        print0(f"[bold]Lesson 09: the sum-backward all-gather[/] - N = {args.global_batch} pairs, P = {p}, "
+               f"C = {args.global_batch // p}, tau = {args.tau}, {args.dtype}, {rt.backend}", highlight=False)
         exactness(rt, args, verdict)
         cost(rt, args, verdict)
         return verdict.finish(args.json)

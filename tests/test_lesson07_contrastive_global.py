@@ -1,6 +1,8 @@
 """Lesson 07: global x global under DDP. The plain gather gives exactly 1/P of the full-batch
 gradient; back-propagating P * L, or the sum-backward gather, gives all of it."""
 
+import sys
+
 import pytest
 
 from distlab.compare import all_ok, compare
@@ -9,6 +11,7 @@ from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_PLAIN, GLOBAL_SUM, GLOBAL_TIMES_P
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
+from helpers import load_lesson, no_ellipsis, torchrun
 
 N, TAU, SEED = 12, 0.1, 4  # N = 12 splits over 1, 2, 3 and 4 ranks
 VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P, GLOBAL_SUM)
@@ -32,3 +35,36 @@ def test_global_x_global_gradients(world_size):
         assert all_ok(compare(ref_grads, results[GLOBAL_SUM.name][1]))
         # The check can fail: with more than one rank the plain gather is not the full gradient.
         assert all_ok(compare(ref_grads, plain)) == (world_size == 1)
+
+
+LESSON = "07_contrastive_global.py"
+
+
+def test_the_lesson_passes_and_reads_whole_at_80_columns():
+    run = torchrun(LESSON, 2, "--global-batch", "48", columns=80)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
+    assert max(len(line) for line in run.stdout.splitlines()) <= 80
+
+
+def test_p_must_divide_n_is_one_line_naming_the_flag():
+    run = torchrun(LESSON, 3, "--global-batch", "10")
+    errors = [line for line in run.stdout.splitlines() if line.startswith("error:")]
+    assert run.returncode != 0 and errors == ["error: --global-batch: P = 3 ranks must divide N = 10"], run.stdout
+
+
+@pytest.mark.parametrize("flag, value", [("--global-batch", "0"), ("--global-batch", "abc"), ("--tau", "nan"),
+                                         ("--tau", "-1"), ("--dtype", "float16")])
+def test_bad_flags_are_refused_before_any_process_group(flag, value, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [LESSON, flag, value])
+    with pytest.raises(SystemExit) as exit_info:
+        load_lesson(LESSON).parse_args()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and f"argument {flag}:" in lines[0], lines
+
+
+def test_help_shows_the_defaults(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [LESSON, "--help"])
+    with pytest.raises(SystemExit):
+        load_lesson(LESSON).parse_args()
+    assert "(default: 384)" in capsys.readouterr().out

@@ -3,6 +3,8 @@ equal to what the lesson says it computes: each rank's local loss with the other
 detached, averaged over ranks (computed here in one process, without any of the distributed code).
 Training with it follows its own path; training with the fix follows the single process exactly."""
 
+import sys
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule,
 from distlab.contrastive.variants import LOCAL_PLAIN, LOCAL_SUM
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
+from helpers import load_lesson, no_ellipsis, torchrun
 
 N, TAU, SEED = 12, 0.1, 5
 
@@ -68,3 +71,37 @@ def test_training_with_the_fix_follows_the_single_process(variant, exact):
     assert torch.allclose(losses, torch.tensor(single.losses, dtype=torch.float64), rtol=1e-10, atol=1e-12) == exact
     assert all(all_ok(compare(runs[0].params, r.params)) for r in runs)  # DDP keeps the replicas equal
     assert single.losses[-1] < single.losses[0]  # it trains, so matching trajectories mean something
+
+
+LESSON = "08_contrastive_local_naive.py"
+
+
+def test_the_lesson_passes_and_reads_whole_at_80_columns():
+    run = torchrun(LESSON, 2, "--global-batch", "24", "--steps", "4", "--train-size", "96", "--held-out", "32",
+                   "--eval-every", "2", "--emulate", "1,4", columns=80)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
+    assert max(len(line) for line in run.stdout.splitlines()) <= 80
+    assert sum("150/150" in line or "4/4" in line for line in run.stdout.splitlines()) == 3  # one line per run
+
+
+@pytest.mark.parametrize("args, flag", [(["--emulate", "abc"], "--emulate"), (["--emulate", "8,0"], "--emulate"),
+                                        (["--emulate", "7"], "--emulate"), (["--global-batch", "0"], "--global-batch"),
+                                        (["--global-batch", "5000"], "--global-batch"), (["--lr", "nan"], "--lr"),
+                                        (["--tau", "0"], "--tau"), (["--steps", "-2"], "--steps"),
+                                        (["--optimizer", "lion"], "--optimizer")])
+def test_bad_flags_are_refused_before_any_process_group(args, flag, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [LESSON, *args])
+    with pytest.raises(SystemExit) as exit_info:
+        load_lesson(LESSON).parse_args()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and f"argument {flag}:" in lines[0], lines
+
+
+def test_emulate_takes_world_sizes_and_help_shows_the_defaults(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [LESSON, "--emulate", "8,16,8,240"])
+    assert load_lesson(LESSON).parse_args().emulate == (8, 16, 240)
+    monkeypatch.setattr(sys, "argv", [LESSON, "--help"])
+    with pytest.raises(SystemExit):
+        load_lesson(LESSON).parse_args()
+    assert "(default: 240)" in capsys.readouterr().out

@@ -39,7 +39,10 @@ def test_committed_outputs_read_whole(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(path):
+def test_notebook_executes(path, monkeypatch):
+    # The lessons the notebook runs (nbhelpers.run_lesson) lay out for 80 columns here, the width of
+    # the narrowest terminal a learner reads them in: no cell of theirs may be cut short there either.
+    monkeypatch.setenv("DISTLAB_LESSON_COLUMNS", "80")
     notebook = nbformat.read(path, as_version=4)
     # Executed in memory, from the notebook's own folder (the notebooks call ../NN_lesson.py);
     # the committed file keeps the outputs of the real run it was saved with.

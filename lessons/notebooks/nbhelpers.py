@@ -19,7 +19,9 @@ LESSONS = Path(__file__).resolve().parent.parent
 def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run `lessons/<lesson>` with `nproc` ranks under torchrun and print what it printed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("COLUMNS", None)  # captured output: the lesson picks its generous captured width
+    env.pop("COLUMNS", None)  # captured output: the lesson picks its generous captured width ...
+    if os.environ.get("DISTLAB_LESSON_COLUMNS"):  # ... unless the test suite asks for a narrow one
+        env["COLUMNS"] = os.environ["DISTLAB_LESSON_COLUMNS"]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", str(nproc), str(LESSONS / lesson), *map(str, args)],
                          capture_output=True, text=True, env=env, cwd=LESSONS.parent)

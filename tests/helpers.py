@@ -136,3 +136,37 @@ def value_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None
     except ValueError as err:
         return str(err)
     return None
+
+
+def parse_lesson_args(lesson: str, *args: str) -> tuple[int | None, Any, str, str]:
+    """A lesson's `parse_args()` on `args`, in this process (no torchrun, no process group):
+    (exit code or None, the parsed namespace or None, what it wrote to stdout, to stderr)."""
+    import contextlib
+    import io
+
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [lesson, *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return None, load_lesson(lesson).parse_args(), out.getvalue(), err.getvalue()
+    except SystemExit as exit_:
+        return exit_.code, None, out.getvalue(), err.getvalue()
+    finally:
+        sys.argv = argv
+
+
+def assert_flag_refused(lesson: str, flag: str, *args: str) -> None:
+    """Bad flags: exit 2 with one line that names `flag`, before any process group exists."""
+    code, _, _, err = parse_lesson_args(lesson, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"argument {flag}:" in lines[0], (code, lines)
+
+
+def assert_lesson_passes_at_80_columns(lesson: str, nproc: int, *args: str) -> str:
+    """The lesson under torchrun at 80 columns: exit 0, every claim held, no line wider than 80 and
+    no table cell cut short. Returns what it printed."""
+    run = torchrun(lesson, nproc, *args, columns=80)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
+    assert max(len(line) for line in run.stdout.splitlines()) <= 80, run.stdout
+    return run.stdout

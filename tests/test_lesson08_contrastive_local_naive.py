@@ -3,8 +3,6 @@ equal to what the lesson says it computes: each rank's local loss with the other
 detached, averaged over ranks (computed here in one process, without any of the distributed code).
 Training with it follows its own path; training with the fix follows the single process exactly."""
 
-import sys
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule,
 from distlab.contrastive.variants import LOCAL_PLAIN, LOCAL_SUM
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
-from helpers import load_lesson, no_ellipsis, torchrun
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args, torchrun
 
 N, TAU, SEED = 12, 0.1, 5
 
@@ -77,12 +75,9 @@ LESSON = "08_contrastive_local_naive.py"
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():
-    run = torchrun(LESSON, 2, "--global-batch", "24", "--steps", "4", "--train-size", "96", "--held-out", "32",
-                   "--eval-every", "2", "--emulate", "1,4", columns=80)
-    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
-    assert max(len(line) for line in run.stdout.splitlines()) <= 80
-    assert sum("150/150" in line or "4/4" in line for line in run.stdout.splitlines()) == 3  # one line per run
+    stdout = assert_lesson_passes_at_80_columns(LESSON, 2, "--global-batch", "24", "--steps", "4", "--train-size", "96",
+                                                "--held-out", "32", "--eval-every", "2", "--emulate", "1,4")
+    assert sum("4/4" in line for line in stdout.splitlines()) == 3  # one progress line per run, no redraws
 
 
 @pytest.mark.parametrize("args, flag", [(["--emulate", "abc"], "--emulate"), (["--emulate", "8,0"], "--emulate"),
@@ -90,18 +85,11 @@ def test_the_lesson_passes_and_reads_whole_at_80_columns():
                                         (["--global-batch", "5000"], "--global-batch"), (["--lr", "nan"], "--lr"),
                                         (["--tau", "0"], "--tau"), (["--steps", "-2"], "--steps"),
                                         (["--optimizer", "lion"], "--optimizer")])
-def test_bad_flags_are_refused_before_any_process_group(args, flag, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [LESSON, *args])
-    with pytest.raises(SystemExit) as exit_info:
-        load_lesson(LESSON).parse_args()
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(lines) == 1 and f"argument {flag}:" in lines[0], lines
+def test_bad_flags_are_refused_before_any_process_group(args, flag):
+    assert_flag_refused(LESSON, flag, *args)
 
 
-def test_emulate_takes_world_sizes_and_help_shows_the_defaults(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [LESSON, "--emulate", "8,16,8,240"])
-    assert load_lesson(LESSON).parse_args().emulate == (8, 16, 240)
-    monkeypatch.setattr(sys, "argv", [LESSON, "--help"])
-    with pytest.raises(SystemExit):
-        load_lesson(LESSON).parse_args()
-    assert "(default: 240)" in capsys.readouterr().out
+def test_emulate_takes_world_sizes_and_help_shows_the_defaults():
+    assert parse_lesson_args(LESSON, "--emulate", "8,16,8,240")[1].emulate == (8, 16, 240)
+    code, _, out, _ = parse_lesson_args(LESSON, "--help")
+    assert code == 0 and "(default: 240)" in out

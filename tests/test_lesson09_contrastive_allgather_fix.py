@@ -2,8 +2,6 @@
 form) and torch's own differentiable gather make local x global exact; the cost figures follow
 their formulas."""
 
-import sys
-
 import pytest
 import torch
 
@@ -16,8 +14,8 @@ from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_SUM
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import Runtime
 from distlab.spawn import spawn
-from helpers import (assert_gather_result, gather_forward_and_backward, load_lesson, no_ellipsis, torchrun,
-                     value_error)
+from helpers import (assert_flag_refused, assert_gather_result, assert_lesson_passes_at_80_columns,
+                     gather_forward_and_backward, load_lesson, value_error)
 
 N, TAU, SEED = 12, 0.1, 6
 LESSON = "09_contrastive_allgather_fix.py"
@@ -89,17 +87,10 @@ def test_cost_formulas():
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():
-    run = torchrun(LESSON, 2, "--global-batch", "48", "--cost-global-batch", "128", "--comm-global-batch", "256",
-                   "--comm-dim", "8", columns=80)
-    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
-    assert max(len(line) for line in run.stdout.splitlines()) <= 80
+    assert_lesson_passes_at_80_columns(LESSON, 2, "--global-batch", "48", "--cost-global-batch", "128",
+                                       "--comm-global-batch", "256", "--comm-dim", "8")
 
 
 @pytest.mark.parametrize("flag, value", [("--cost-global-batch", "0"), ("--comm-dim", "x"), ("--tau", "inf")])
-def test_bad_flags_are_refused_before_any_process_group(flag, value, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [LESSON, flag, value])
-    with pytest.raises(SystemExit) as exit_info:
-        load_lesson(LESSON).parse_args()
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(lines) == 1 and f"argument {flag}:" in lines[0], lines
+def test_bad_flags_are_refused_before_any_process_group(flag, value):
+    assert_flag_refused(LESSON, flag, flag, value)

@@ -1,0 +1,1 @@
+"""Collectives and data parallelism (lesson 06)."""

@@ -75,3 +75,17 @@ def no_ellipsis(text: str) -> bool:
     """No table cell cut short: rich marks a cut with '\u2026'."""
     return "\u2026" not in text
 
+
+
+def load_lesson(name: str):
+    """A lesson file as a module (`load_lesson("06_data_parallel")`), for a test of a mechanism the
+    lesson shows in itself. Loaded once per process; its `main()` does not run."""
+    import importlib.util
+
+    module_name = "lesson_" + name
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, LESSONS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]

@@ -1,17 +1,17 @@
 """What the four collectives compute, what a ring algorithm sends for each, and how long torch's take.
 
-Rank r holds x_r. S is the size in bytes of the *full* tensor: the reduced one (all_reduce,
+Rank r holds x_r. "bytes" is the size of the *full* tensor: the reduced one (all_reduce,
 reduce_scatter's input), the gathered one (all_gather's output), the broadcast one.
 
-| collective     | rank r holds before | rank r holds after          | a ring sends per rank |
-|----------------|---------------------|-----------------------------|-----------------------|
-| all_reduce     | x_r (S bytes)       | sum_q x_q                   | 2 (P-1)/P * S         |
-| all_gather     | x_r (S/P bytes)     | cat(x_0, ..., x_{P-1})      | (P-1)/P * S           |
-| reduce_scatter | x_r (S bytes)       | chunk r of sum_q x_q (S/P)  | (P-1)/P * S           |
-| broadcast      | x_0 on rank 0       | x_0                         | S (all but the last)  |
+| collective     | rank r holds before | rank r holds after            | a ring sends per rank  |
+|----------------|---------------------|-------------------------------|------------------------|
+| all_reduce     | x_r (bytes)         | sum_q x_q                     | 2 (P-1)/P * bytes      |
+| all_gather     | x_r (bytes / P)     | cat(x_0, ..., x_{P-1})        | (P-1)/P * bytes        |
+| reduce_scatter | x_r (bytes)         | chunk r of sum_q x_q (1/P)    | (P-1)/P * bytes        |
+| broadcast      | x_0 on rank 0       | x_0                           | bytes (all but last)   |
 
 A ring all-reduce is a reduce-scatter followed by an all-gather, hence twice the traffic: each rank
-sends P-1 chunks of S/P in each half (`distlab.data_parallel.ring` runs them and counts the bytes).
+sends P-1 chunks of bytes/P in each half (`distlab.data_parallel.ring` runs them, counting bytes).
 A pipelined chain broadcast has every rank but the last forward the whole tensor once. Divided by
 the time, these byte counts are what nccl-tests calls the bus bandwidth
 (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): if the ring formula
@@ -43,7 +43,7 @@ class Collective:
     input_is_chunk: bool                        # rank input: one P-th of the full tensor, else all of it
     run: Callable[[Tensor, int], Tensor]        # torch's collective on this rank's input (P given)
     expected: Callable[[list[Tensor], int], Tensor]  # every rank's input, rank r -> rank r's result
-    ring_fraction: Callable[[int, int], float]  # (P, rank) -> bytes the ring has that rank send / S
+    ring_fraction: Callable[[int, int], float]  # (P, rank) -> what the ring has that rank send / bytes
     formula: str
 
 
@@ -72,14 +72,14 @@ def _broadcast(x: Tensor, p: int) -> Tensor:
 
 
 ALL_REDUCE = Collective("all_reduce", False, _all_reduce, lambda xs, r: torch.stack(xs).sum(0),
-                        lambda p, r: 2 * (p - 1) / p, "2(P-1)/P S")
+                        lambda p, r: 2 * (p - 1) / p, "2(P-1)/P x bytes")
 ALL_GATHER = Collective("all_gather", True, _all_gather, lambda xs, r: torch.cat(xs),
-                        lambda p, r: (p - 1) / p, "(P-1)/P S")
+                        lambda p, r: (p - 1) / p, "(P-1)/P x bytes")
 REDUCE_SCATTER = Collective("reduce_scatter", False, _reduce_scatter,
                             lambda xs, r: torch.stack(xs).sum(0).chunk(len(xs))[r],
-                            lambda p, r: (p - 1) / p, "(P-1)/P S")
+                            lambda p, r: (p - 1) / p, "(P-1)/P x bytes")
 BROADCAST = Collective("broadcast", False, _broadcast, lambda xs, r: xs[0],
-                       lambda p, r: 1.0 if r < p - 1 else 0.0, "S")
+                       lambda p, r: 1.0 if r < p - 1 else 0.0, "bytes")
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)
 
 

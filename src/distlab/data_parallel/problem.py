@@ -45,7 +45,7 @@ class DataParallelConfig:
         return (MLP_IN, *[self.width] * (self.layers - 1), MLP_OUT)
 
 
-def check_config(cfg: DataParallelConfig, rt: Runtime) -> None:
+def check_config(rt: Runtime, cfg: DataParallelConfig) -> None:
     """The same ValueError on every rank, before any collective."""
     require(cfg.global_batch % rt.world_size == 0, "--global-batch",
             f"N = {cfg.global_batch} rows must split evenly over P = {rt.world_size} ranks "

@@ -50,36 +50,34 @@ def _mark(ok: bool, expected: bool = True) -> str:
     return f"[green]{text}[/]" if ok == expected else f"[bold red]{text}[/]"
 
 
-def semantics_table(rows: list[tuple[str, str, float, bool, bool]]) -> Table:
-    """(collective, what rank r ends with, max |torch - one process|, allclose, ring by hand equal)."""
+AFTER = {"all_reduce": "sum_q x_q", "all_gather": "x_0, ..., x_{P-1}",
+         "reduce_scatter": "chunk r of sum_q x_q", "broadcast": "x_0"}
+
+
+def semantics_table(rows: list) -> Table:
+    """What rank r ends with, and whether torch's and the ring's results equal one process's."""
     table = _table("What each collective computes, against one process", (
         "collective", "rank r ends with", "max |err|", "torch", "by hand"))
-    for name, after, err, ok, ring_ok in rows:
-        table.add_row(name, after, f"{err:.1e}", _mark(ok), _mark(ring_ok))
+    for row in rows:
+        table.add_row(row.name, AFTER[row.name], f"{row.max_err:.1e}", _mark(row.ok), _mark(row.ring_ok))
     return table
 
 
-@dataclass(frozen=True)
-class CostRow:
-    name: str
-    formula: str
-    formula_bytes: float   # what the ring formula says one rank sends
-    counted_bytes: int     # what the ring by hand sent (rank 0)
-    seconds: float         # torch's collective, median of the slowest rank
-
-
-def cost_table(rows: list[CostRow], full_bytes: int, baseline: CostRow) -> Table:
-    """Bytes against the ring formula, and torch's time against the bytes' ratio to `baseline`'s."""
-    table = _table(f"Bytes one rank sends and time, S = {full_bytes / MIB:.2f} MiB", (
-        "collective", "ring sends", "MiB", "counted", "ms", "t / t_ag", "bytes / b_ag"),
-        caption="counted: bytes rank 0 sent in the ring by hand (the broadcast's last rank sends "
-                "none); t_ag, b_ag: all_gather's time and bytes; torch's collectives on gloo pick "
-                "their own algorithms")
+def cost_table(rows: list) -> Table:
+    """Bytes against the ring formula, and torch's time against the bytes, both relative to
+    all_gather's (`measure.CollectiveRow`s of one rank)."""
+    base = next(row for row in rows if row.name == "all_gather")
+    table = _table(f"Bytes one rank sends, and time, for a {rows[0].full_bytes / MIB:.2f} MiB tensor", (
+        "collective", "ring: x bytes", "MiB", "counted", "ms", "t / t_ag", "bytes / b_ag"),
+        caption="MiB: the formula; counted: what rank 0 sent in the ring by hand (in the broadcast the "
+                "last rank sends none); t_ag, b_ag: all_gather's time and bytes. gloo picks its own "
+                "algorithms: its reduce_scatter is an all_reduce of a copy")
     for row in rows:
-        time_ratio = f"{row.seconds / baseline.seconds:.2f}" if baseline.seconds > 0 else "-"
-        byte_ratio = f"{row.formula_bytes / baseline.formula_bytes:.2f}" if baseline.formula_bytes else "-"
-        table.add_row(row.name, row.formula, f"{row.formula_bytes / MIB:.2f}", f"{row.counted_bytes / MIB:.2f}",
-                      f"{row.seconds * 1e3:.1f}", time_ratio, byte_ratio)
+        sized = base.formula_bytes > 0  # at P = 1 nothing is sent and the ratios mean nothing
+        table.add_row(row.name, row.formula.replace(" x bytes", "").replace("bytes", "1"), f"{row.formula_bytes / MIB:.2f}",
+                      f"{row.counted_bytes / MIB:.2f}", f"{row.seconds * 1e3:.1f}",
+                      f"{row.seconds / base.seconds:.2f}" if sized else "-",
+                      f"{row.formula_bytes / base.formula_bytes:.2f}" if sized else "-")
     return table
 
 
@@ -95,7 +93,9 @@ def timing_table(times: dict, baseline: str) -> Table:
     """Step and backward time per strategy (`overlap.StepTime`), and what the step took beyond
     `baseline`'s (the communication left exposed)."""
     table = _table("One step: forward, backward, gradient sync (median, slowest rank)", (
-        "strategy", "step ms", "backward ms", "exposed ms"))
+        "strategy", "step ms", "backward ms", "exposed ms"),
+        caption="exposed: step time beyond compute only's; DDP waits for its all-reduces inside "
+                "backward, our hooks in wait() after it")
     for name, t in times.items():
         extra = "" if name == baseline else f"{(t.step_s - times[baseline].step_s) * 1e3:+.1f}"
         table.add_row(name, f"{t.step_s * 1e3:.1f}", f"{t.backward_s * 1e3:.1f}", extra)
@@ -107,7 +107,8 @@ def timeline_table(launched: list[float], done: list[float], sizes: list[int], b
     table = _table(f"One step's buckets, ms from backward's start (it ends at {backward_end:.1f})", (
         "bucket", "MiB", "launched", "completed", "in backward"))
     for i, (start, end, size) in enumerate(zip(launched, done, sizes)):
-        table.add_row(str(i), f"{size / MIB:.2f}", f"{start:.1f}", f"{end:.1f}", "yes" if start < backward_end else "no")
+        table.add_row(str(i), f"{size / MIB:.2f}", f"{start:.1f}", f"{end:.1f}",
+                      "yes" if start < backward_end else "no")
     return table
 
 

@@ -2,16 +2,16 @@
 
 The P ranks stand in a ring; each sends only to its right neighbour (r+1) and receives only from its
 left one (r-1), all at once, so every link carries data in every step and no rank is a hot spot.
-The full tensor is cut into P chunks of S/P bytes.
+The full tensor (`bytes` in size) is cut into P chunks of bytes/P.
 
 - reduce-scatter, P-1 steps: in step k rank r passes its partial sum of chunk (r-k-1) to the right
   and adds the partial sum of chunk (r-k-2) it receives from the left. After P-1 steps chunk r holds
-  every rank's contribution: rank r owns sum_q x_q[chunk r]. Sent: (P-1) * S/P.
+  every rank's contribution: rank r owns sum_q x_q[chunk r]. Sent: (P-1) * bytes/P.
 - all-gather, P-1 steps: in step k rank r passes chunk (r-k) on and receives chunk (r-k-1), which
-  its left neighbour received one step earlier. Sent: (P-1) * S/P.
-- all-reduce = reduce-scatter, then all-gather of the reduced chunks. Sent: 2 (P-1)/P * S.
+  its left neighbour received one step earlier. Sent: (P-1) * bytes/P.
+- all-reduce = reduce-scatter, then all-gather of the reduced chunks. Sent: 2 (P-1)/P * bytes.
 - broadcast, a pipelined chain 0 -> 1 -> ... -> P-1: each rank forwards each piece as soon as it
-  has it. Sent: S by every rank but the last.
+  has it. Sent: bytes, by every rank but the last.
 
 `bytes_sent` counts what this rank handed to `send`: the measured side of the formulas in
 `distlab.data_parallel.collectives`. These are for reading and counting; NCCL and gloo run tuned

@@ -222,6 +222,8 @@ def show_unused(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict) -> None:
                       ("find_unused_parameters", "step 1", "step 2", "step 3"),
                       [(str(flag), *cells) for flag, (cells, _) in outcome.items()]))
     print0(f"without the flag, step 3's forward raised: {outcome[False][1].split('. ')[0]}.", highlight=False)
+    print0("with the flag DDP searches the graph for unused parameters after every forward; in step 1, which "
+           "used them all, it warns on stderr that the search was for nothing", highlight=False)
     expect_step2 = "= one process" if rt.world_size == 1 else "ranks differ"
     verdict.check("unused branch: un-averaged, then an error; with the flag exact",
                   outcome[False][0] == ["= one process", expect_step2, "RuntimeError"]

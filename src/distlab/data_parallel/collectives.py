@@ -79,7 +79,7 @@ REDUCE_SCATTER = Collective("reduce_scatter", False, _reduce_scatter,
                             lambda xs, r: torch.stack(xs).sum(0).chunk(len(xs))[r],
                             lambda p, r: (p - 1) / p, "(P-1)/P x bytes")
 BROADCAST = Collective("broadcast", False, _broadcast, lambda xs, r: xs[0],
-                       lambda p, r: 1.0 if r < p - 1 else 0.0, "bytes")
+                       lambda p, r: 1.0 if r < p - 1 else 0.0, "1 x bytes")
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)
 
 

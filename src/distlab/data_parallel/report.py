@@ -74,7 +74,7 @@ def cost_table(rows: list) -> Table:
                 "algorithms: its reduce_scatter is an all_reduce of a copy")
     for row in rows:
         sized = base.formula_bytes > 0  # at P = 1 nothing is sent and the ratios mean nothing
-        table.add_row(row.name, row.formula.replace(" x bytes", "").replace("bytes", "1"), f"{row.formula_bytes / MIB:.2f}",
+        table.add_row(row.name, row.formula.replace(" x bytes", ""), f"{row.formula_bytes / MIB:.2f}",
                       f"{row.counted_bytes / MIB:.2f}", f"{row.seconds * 1e3:.1f}",
                       f"{row.seconds / base.seconds:.2f}" if sized else "-",
                       f"{row.formula_bytes / base.formula_bytes:.2f}" if sized else "-")

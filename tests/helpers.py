@@ -81,11 +81,12 @@ def no_ellipsis(text: str) -> bool:
 
 
 def load_lesson(filename: str):
-    """A lesson file as a module (its name starts with a digit, so `import` cannot reach it); its
-    `main()` does not run. Loaded once per process."""
+    """A lesson file as a module, `load_lesson("06_data_parallel")` or `load_lesson("07_x.py")` (its
+    name starts with a digit, so `import` cannot reach it); its `main()` does not run. Loaded once
+    per process."""
     name = "lesson_" + Path(filename).stem
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, LESSONS / filename)
+        spec = importlib.util.spec_from_file_location(name, LESSONS / f"{Path(filename).stem}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

@@ -52,7 +52,7 @@ class CommHookCounter:
 
     def __init__(self) -> None:
         self.calls = 0
-        # DDP logs a hook by its name and checks a few by __name__; an instance has neither.
+        # DDP reads a hook's name (to log it and to spot its bf16 hooks), which an instance lacks.
         self.__name__ = self.__qualname__ = type(self).__name__
 
     def __call__(self, state, bucket):

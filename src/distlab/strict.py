@@ -86,13 +86,11 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 def _key(t: torch.Tensor) -> int | None:
-    storage = _storage(t)
-    return None if storage is None else storage._cdata
+    return getattr(_storage(t), "_cdata", None)  # one per storage: views and in-place results share it
 
 
 def _tag(t: torch.Tensor) -> bool | None:
-    storage = _storage(t)
-    return None if storage is None else getattr(storage, _TAG, None)
+    return getattr(_storage(t), _TAG, None)
 
 
 def is_host(t: torch.Tensor) -> bool:

@@ -1,8 +1,8 @@
 """`--device cuda` without a GPU: everything of the GPU path that can be checked on a CPU machine.
 
-1. Every lesson given `--device cuda` on a machine without GPUs stops with one error line that names
-   `--device`, exit code 2, no traceback, and no process group (run in this process: torchrun's
-   variables set by hand, so nothing connects anywhere).
+1. Every lesson given `--device cuda` on a machine without GPUs (or a device no machine has) stops
+   with one error line that names `--device`, exit code 2, no traceback, and no process group (run
+   in this process: torchrun's variables set by hand, so nothing connects anywhere).
 2. `distributed()` on a node that reports GPUs (the count faked) takes the GPU backend
    `cpu:gloo,cuda:nccl`, gives each rank `cuda:LOCAL_RANK`, and binds the group to it; too few GPUs
    for the ranks on the node is the same one-line error. Strict mode there compares real devices.
@@ -35,18 +35,25 @@ def _torchrun_env(monkeypatch, rank: int, world_size: int) -> None:
         monkeypatch.delenv(name, raising=False)                         # fails at once, never waits
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda would run")
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda would run")
+BAD_DEVICES = {  # --device value -> the one error line
+    "cuda": "--device cuda needs one GPU per rank: 2 ranks on this node, 0 GPUs",
+    "tpu": "argument --device: invalid choice: 'tpu'",
+}
+
+
+@pytest.mark.parametrize("value", [pytest.param("cuda", marks=NO_GPU), "tpu"])
 @pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
-def test_device_cuda_without_gpus_is_one_line_naming_the_flag(lesson, monkeypatch, capsys):
+def test_a_device_this_machine_lacks_is_one_line_naming_the_flag(lesson, value, monkeypatch, capsys):
     _torchrun_env(monkeypatch, rank=0, world_size=2)
-    monkeypatch.setattr(sys, "argv", [str(lesson), "--device", "cuda"])
+    monkeypatch.setattr(sys, "argv", [str(lesson), "--device", value])
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(lesson), run_name="__main__")
     out, err = capsys.readouterr()
     text = out + err
     errors = [line for line in text.splitlines() if "error" in line.lower()]
     assert exit_.value.code == 2 and "Traceback" not in text, text
-    assert len(errors) == 1 and "--device cuda needs one GPU per rank: 2 ranks on this node, 0 GPUs" in errors[0]
+    assert len(errors) == 1 and BAD_DEVICES[value] in errors[0], text
     assert not dist.is_initialized()
 
 

@@ -106,7 +106,8 @@ def test_strict_mode_on_a_gpu_node_compares_the_real_devices(monkeypatch):
 
 def _devices(rt):
     """Where each library building block puts what it returns, as strict mode sees it."""
-    from distlab.contrastive.ddp_steps import contrastive_loss
+    from distlab.contrastive.step import contrastive_loss
+    from distlab.contrastive.variants import LOCAL_SUM
     from distlab.contrastive.gather import gather_library, gather_plain, gather_with_grad
     from distlab.contrastive.grad_cache import GradCache
     from distlab.contrastive.losses import clip_loss
@@ -122,7 +123,7 @@ def _devices(rt):
             "gather_plain": gather_plain(z),
             "gather_with_grad": gather_with_grad(z),
             "gather_library": gather_library(z),
-            "contrastive_loss": contrastive_loss(z, z * 2, 0.1, "local_reduce_scatter")[0],
+            "contrastive_loss": contrastive_loss(rt, z, z * 2, 0.1, LOCAL_SUM)[0],
             "streamed.gather_pairs": gather_pairs(z.detach(), z.detach(), 6)[0],
             "losses_from_last_stage (a broadcast)": torch.tensor(
                 p2p.losses_from_last_stage([1.0], 1, rt.device), device=rt.device),

@@ -262,17 +262,21 @@ def _pipeline_torch(rt):
 
 
 def _contrastive_every_ddp_method(rt):
-    from distlab.contrastive.ddp_steps import METHODS, first_step_gradients
-    first_step_gradients(rt, METHODS, batch_size=8, tau=0.1)
+    from distlab.contrastive import variants
+    from distlab.contrastive.step import first_step_gradients
+    every = [variants.GLOBAL_PLAIN, variants.GLOBAL_TIMES_P, variants.GLOBAL_SUM, variants.LOCAL_PLAIN,
+             variants.LOCAL_SUM, variants.LOCAL_LIBRARY]
+    first_step_gradients(rt, every, 8, 0.1)
 
 
 def _contrastive_ddp_training(rt):
-    from distlab.contrastive.training import batch_schedule, train_ddp
+    from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule, train_ddp
+    from distlab.contrastive.variants import LOCAL_SUM
     from distlab.models import TwoTower, paired_data
     ddp = DDP(TwoTower(seed=0).to(rt.device))
-    train, held_out = ([t.to(rt.device) for t in paired_data(n, seed=s)] for n, s in ((16, 1), (8, 2)))
-    train_ddp(ddp, rt.rank, rt.world_size, "local_reduce_scatter", train, held_out,
-              batch_schedule(16, 8, 2, seed=0), 0.1, "adam", 0.01, 1)
+    train, held_out = (tuple(t.to(rt.device) for t in paired_data(n, seed=s)) for n, s in ((16, 1), (8, 2)))
+    data = TrainData(train, held_out, batch_schedule(16, 8, 2, seed=0))
+    train_ddp(rt, ddp, LOCAL_SUM, data, TrainConfig(tau=0.1, optimizer="adam", lr=0.01, eval_every=1), "fixed")
 
 
 def _ddp_rep_clip_loss(rep_x, rep_y, tau):
@@ -316,13 +320,14 @@ def _streamed_step(rt):
 
 def _contrastive_loss_cost(rt):
     from distlab.contrastive.cost import loss_cost
+    from distlab.contrastive.variants import LOCAL_SUM
     z_x, z_y = (F.normalize(torch.randn(4, 3, dtype=torch.float64, device=rt.device), dim=1) for _ in "xy")
-    loss_cost(z_x, z_y, 0.1, "local_reduce_scatter", repeats=1)
+    loss_cost(rt, z_x, z_y, 0.1, LOCAL_SUM, repeats=1)
 
 
 def _contrastive_collective_seconds(rt):
     from distlab.contrastive.cost import collective_seconds
-    collective_seconds(8, 3, torch.float64, rt.device, repeats=1)
+    collective_seconds(rt, 8, 3, torch.float64, repeats=1)
 
 
 def _verdict_finish(rt):
@@ -346,10 +351,7 @@ PATHS = {
     "contrastive: collective timings (09)": _contrastive_collective_seconds,
     "verdict.finish": _verdict_finish,
 }
-KNOWN_BUGS = {  # path -> the device bug strict mode finds there on main (the owner's fix removes the entry)
-    "contrastive: a loss's cost (09)": "contrastive/cost.py:68 all-reduces a timing made without device",
-    "contrastive: collective timings (09)": "contrastive/cost.py:94 all-reduces a timing made without device",
-}
+KNOWN_BUGS: dict[str, str] = {}  # path -> a device bug strict mode finds there (its fix removes the entry)
 
 
 def _blame(err: BaseException) -> str:

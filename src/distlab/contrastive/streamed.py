@@ -109,21 +109,25 @@ def phase_a_forward(wrapped: Wrapped, local_x: torch.Tensor, local_y: torch.Tens
     return LocalForward(micro, outputs, rng, kept=False)
 
 
-def phase_a_gather(local: LocalForward, cfg: StreamConfig) -> Embedded:
-    """All-gather detached copies of this rank's embeddings into N x d Z_x, Z_y [sync 1]: one
-    collective for both (z_x | z_y side by side, in their own dtype when they share one), then
-    upcast to the compute dtype."""
-    z_x = torch.cat([out[0].detach() for out in local.outputs])
-    z_y = torch.cat([out[1].detach() for out in local.outputs])
+def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather this rank's C x d z_x, z_y into N x d Z_x, Z_y in rank order, in the compute dtype:
+    one collective for both (z_x | z_y side by side, in their own dtype when they share one; matmul
+    reads the halves' row stride of 2d as is), upcast after."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
     mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
-    gathered = mine.new_empty((cfg.n, mine.shape[1]))
+    gathered = mine.new_empty((n, mine.shape[1]))
     dist.all_gather_single(gathered, mine)
     gathered = gathered.to(dtype)
+    return gathered[:, :z_x.shape[1]], gathered[:, z_x.shape[1]:]
+
+
+def phase_a_gather(local: LocalForward, cfg: StreamConfig) -> Embedded:
+    """Detached copies of this rank's embeddings, gathered [sync 1]; and the scale s."""
+    z_x = torch.cat([out[0].detach() for out in local.outputs])
+    z_y = torch.cat([out[1].detach() for out in local.outputs])
     s = 1.0 / cfg.tau if cfg.tau is not None else float(local.outputs[0][2].detach().double().reshape(()))
-    d = z_x.shape[1]
-    return Embedded(gathered[:, :d], gathered[:, d:], s)
+    return Embedded(*gather_pairs(z_x, z_y, cfg.n), s)
 
 
 @dataclass

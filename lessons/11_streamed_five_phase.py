@@ -68,7 +68,7 @@ from distributed_clip import distributed_backward, distributed_train_step
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=960, help="N, split over the ranks")
+    parser.add_argument("--global-batch", type=positive_int, default=960, help="N, split over the ranks (P must divide it)")
     parser.add_argument("--micro-batch-size", type=positive_int, default=96, help="B (need not divide N / P)")
     parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T: tiles are B x T")
     parser.add_argument("--tau", type=positive_float, default=0.1, help="temperature of the first loop; "

@@ -7,19 +7,17 @@ import subprocess
 import sys
 
 from distlab.spawn import free_port
-from helpers import LESSONS, no_ellipsis, torchrun
+from helpers import LESSONS, assert_lesson_passes_at_80_columns
 
 LESSON = "11_streamed_five_phase.py"
 
 
 def test_lesson_passes_at_p3_with_its_default_batch_and_uneven_micro_batches():
     # Defaults N = 960, B = 96, T = 128 at P = 3: C = 320 in 4 micro-batches of 80 (never 96, 96, 96, 32).
-    run = torchrun(LESSON, 3, "--epochs", "2", "--dataset-size", "1920", "--phase-b", "replicated", columns=80)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert "regime: recompute (B = 96 < C = 320): 4 micro-batches of 80 pairs" in " ".join(run.stdout.split())
-    assert run.stdout.count("PASS ") == 5 and "every claim holds" in run.stdout
-    assert "Epoch 1, Step 1, Loss" in run.stdout and "learned tau" in run.stdout
-    assert no_ellipsis(run.stdout)
+    out = assert_lesson_passes_at_80_columns(LESSON, 3, "--epochs", "2", "--dataset-size", "1920",
+                                             "--phase-b", "replicated")
+    assert "regime: recompute (B = 96 < C = 320): 4 micro-batches of 80 pairs" in " ".join(out.split())
+    assert out.count("PASS ") == 5 and "Epoch 1, Step 1, Loss" in out and "learned tau" in out
 
 
 def test_a_bad_config_is_one_clear_error_and_exit_code_2():

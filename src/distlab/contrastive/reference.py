@@ -10,11 +10,14 @@
       1/P * sum_r  dL_r/dz_r * dz_r/dtheta,
 
   the true gradient 1/P * sum_r sum_s dL_s/dz_r * dz_r/dtheta minus the s != r terms.
+- `replayed_reference`: the full batch through chosen towers in each rank's micro-batches, from each
+  rank's dropout seed, so dropout draws the masks a chunked step drew (GradCache, lesson 10).
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -70,3 +73,34 @@ def detached_blocks_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor
     loss = detached_blocks_loss(*model(x, y), tau, world_size)
     loss.backward()
     return loss.item(), grads_of(model)
+
+
+def replayed_reference(model: nn.Module, towers: Sequence[str], inputs: Sequence[torch.Tensor],
+                       world_size: int, micro_batch_size: int, loss_fn: Callable[..., torch.Tensor],
+                       dropout_seed: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """(L, dL/dtheta) of plain autograd on a deep copy of `model`, one loss over the whole global batch,
+    with dropout drawing the masks a chunked distributed step drew.
+
+    `towers[k]` names the submodule that encodes `inputs[k]` (one name twice: a shared tower). Rank r
+    owns rows r*C .. (r+1)*C - 1 of every input (C = N / P); its micro-batches of B rows run with a
+    graph from `torch.manual_seed(dropout_seed + r)`, all of tower 0's, then all of tower 1's: the
+    order in which GradCache (lesson 10) draws them in its first pass and replays them in its third.
+    `loss_fn(*reps)` takes the towers' raw N x d outputs. Gradients are keyed by the names in `model`,
+    for the towers used only. The caller's random stream is left as it was.
+    """
+    n = len(inputs[0])
+    if n % world_size:
+        raise ValueError(f"N = {n} must split evenly into {world_size} ranks")
+    c, model = n // world_size, copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    reps: list[list[torch.Tensor]] = [[] for _ in towers]
+    with torch.random.fork_rng(devices=[inputs[0].device.index] if inputs[0].is_cuda else []):
+        for r in range(world_size):
+            torch.manual_seed(dropout_seed + r)
+            for k, (name, x) in enumerate(zip(towers, inputs)):
+                tower, rows = model.get_submodule(name), x[r * c:(r + 1) * c]
+                reps[k] += [tower(part) for part in rows.split(micro_batch_size)]
+    loss = loss_fn(*(torch.cat(r) for r in reps))
+    loss.backward()
+    return loss.item(), {f"{name}.{key}": grad for name in dict.fromkeys(towers)
+                         for key, grad in grads_of(model.get_submodule(name)).items()}

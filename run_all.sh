@@ -4,6 +4,8 @@
 set -u
 cd "$(dirname "$0")"
 export OMP_NUM_THREADS=1  # one thread per rank, as torchrun would set (and without its banner)
+# The lessons write into `tee`, not the terminal: tell them the terminal's width, so their tables fit it.
+if [ -t 1 ] && [ -z "${COLUMNS:-}" ]; then COLUMNS=$(tput cols 2>/dev/null || echo 80); export COLUMNS; fi
 
 # lesson file | world size | claim | extra arguments
 LESSONS=(
@@ -11,11 +13,14 @@ LESSONS=(
   "02_gpipe_checkpoint.py|2|GPipe with and without checkpointing equals the unsplit model; bubble (P-1)/(M+P-1); checkpointing cuts saved activations|"
   "03_one_f_one_b.py|4|1F1B equals the unsplit model; same bubble as GPipe; at most min(M, P-s) micro-batches in flight|--micro-batches 7"
   "04_torch_pipelining.py|4|PyTorch's ScheduleGPipe and Schedule1F1B equal ours and the unsplit model and run our order|"
+  "05_interleaved_zero_bubble.py|4|interleaved 1F1B and zero bubble equal the unsplit model; bubbles match their formulas; torch's seven schedules agree|"
+  "06_data_parallel.py|4|each collective and DDP (by hand, bucketed, torch's) equal one process; averaging is off by P for a loss not split over ranks|"
   "07_contrastive_global.py|4|plain gather = exactly 1/P of the full-batch gradient; P*L and sum-backward gather exact|"
   "08_contrastive_local_naive.py|4|plain gather's gradient is wrong (= detached blocks); fixed gather trains like one process|"
   "09_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"
   "10_grad_cache.py|2|chunked GradCache gradients equal the full batch's, in one process and under DDP; memory set by the chunk|"
   "11_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
+  "12_train_clip.py|2|a CLIP trained with distributed_backward classifies held-out digits zero-shot far above chance|"
 )
 
 mkdir -p runs
@@ -37,14 +42,14 @@ done
 
 python - "$summary" <<'PY'
 import sys
-from rich.console import Console
 from rich.table import Table
+from distlab.console import console
 table = Table(title="distlab: every lesson, every claim", title_justify="left")
-for col in ("lesson", "world size", "claim", "result", "seconds"):
-    table.add_column(col, justify="right" if col in ("world size", "seconds") else "left")
+for col in ("lesson", "P", "claim", "result", "s"):
+    table.add_column(col, justify="right" if col in ("P", "s") else "left", no_wrap=col != "claim")
 for line in open(sys.argv[1]):
     lesson, nproc, claim, result, secs = line.rstrip("\n").split("\t")
     table.add_row(lesson, nproc, claim, f"[green]{result}[/]" if result == "PASS" else f"[red]{result}[/]", secs)
-Console(width=140).print(table)
+console.print(table)
 PY
 exit $failed

@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-features", type=int, default=16,
                         help="features per sample; anything but 16 shows the 'does not fit' error")
     parser.add_argument("--timeline-json", help="write every rank's compute spans here (rank 0)")
-    return add_runtime_args(add_mlp_args(parser, layers=8, width=256, batch_size=512, steps=5)).parse_args()
+    return add_runtime_args(add_mlp_args(parser, layers=8, width=256, global_batch=512, steps=5)).parse_args()
 
 
 def main() -> int:
@@ -56,11 +56,11 @@ def main() -> int:
     with distributed(args.device) as rt:
         print0(f"[bold]Lesson 01: naive model parallelism[/] - {args.layers} layers on "
                f"{rt.world_size} rank(s), backend {rt.backend}, {args.steps} SGD steps, {args.dtype}")
-        run = train_model_parallel(rt, widths, args.batch_size, args.steps, args.lr, seed=args.seed,
+        run = train_model_parallel(rt, widths, args.global_batch, args.steps, args.lr, seed=args.seed,
                                    dtype=dtype, input_features=args.input_features)
 
         # The independent reference: the unsplit model, the whole batch, one process.
-        x, target = regression_batch(args.batch_size, widths[0], widths[-1], seed=args.seed, dtype=dtype)
+        x, target = regression_batch(args.global_batch, widths[0], widths[-1], seed=args.seed, dtype=dtype)
         ref = sgd_reference(layered_mlp(widths, seed=args.seed, dtype=dtype), x, target,
                             F.mse_loss, args.steps, args.lr)
         mine = run.first_grads.keys()

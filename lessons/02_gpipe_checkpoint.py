@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-segments", type=int, default=2,
                         help="K >= 2 checkpoint_sequential segments per stage for the checkpointed run")
     parser.add_argument("--report-json", help="write the measurements and spans here (rank 0)")
-    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, batch_size=256, steps=3)).parse_args()
+    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, global_batch=256, steps=3)).parse_args()
 
 
 def step_seconds(spans, steps: int) -> float:
@@ -83,13 +83,13 @@ def main() -> int:
     with distributed(args.device) as rt:
         p = rt.world_size
         print0(f"[bold]Lesson 02: GPipe with activation checkpointing[/] - {args.layers} layers on {p} "
-               f"rank(s), batch {args.batch_size}, M={m}, backend {rt.backend}, {args.dtype}")
+               f"rank(s), batch {args.global_batch}, M={m}, backend {rt.backend}, {args.dtype}")
         # Both runs validate their input on every rank before any message (M, K, P <= layers).
         common = dict(schedule="gpipe", microbatches=m, seed=args.seed, dtype=dtype, probe=True)
-        plain = train_pipeline(rt, widths, args.batch_size, args.steps, args.lr, **common)
-        ckpt = train_pipeline(rt, widths, args.batch_size, args.steps, args.lr,
+        plain = train_pipeline(rt, widths, args.global_batch, args.steps, args.lr, **common)
+        ckpt = train_pipeline(rt, widths, args.global_batch, args.steps, args.lr,
                               checkpoint_segments=k, **common)
-        sizes = microbatch_sizes(args.batch_size, m)
+        sizes = microbatch_sizes(args.global_batch, m)
         print0(f"micro-batch rows: {sizes}" + ("" if len(set(sizes)) == 1 else
                "  (uneven: each micro-batch loss is scaled by n_i / N, so the step is still exact)"))
 
@@ -106,7 +106,7 @@ def main() -> int:
         print0(bubbles)
 
         # The independent reference: the unsplit model, the whole batch, one process.
-        x, target = regression_batch(args.batch_size, widths[0], widths[-1], seed=args.seed, dtype=dtype)
+        x, target = regression_batch(args.global_batch, widths[0], widths[-1], seed=args.seed, dtype=dtype)
         ref = sgd_reference(layered_mlp(widths, seed=args.seed, dtype=dtype), x, target,
                             F.mse_loss, args.steps, args.lr)
         table, matched = check_runs({"GPipe": plain, f"GPipe + checkpointing, K={k}": ckpt},

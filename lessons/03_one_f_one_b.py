@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batches", type=int, default=8, help="M, from 1 to the batch size")
     parser.add_argument("--report-json", help="write the measurements and spans here (rank 0)")
-    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, batch_size=256, steps=3)).parse_args()
+    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, global_batch=256, steps=3)).parse_args()
 
 
 def main() -> int:
@@ -60,11 +60,11 @@ def main() -> int:
     widths = mlp_widths(args)
     with distributed(args.device) as rt:
         p = rt.world_size
-        print0(f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), batch {args.batch_size} "
-               f"in M={m} micro-batches of {microbatch_sizes(args.batch_size, m)} rows, backend "
+        print0(f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), batch {args.global_batch} "
+               f"in M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows, backend "
                f"{rt.backend}, {args.dtype}")
         common = dict(microbatches=m, seed=args.seed, dtype=dtype, probe=True)
-        runs = {name: train_pipeline(rt, widths, args.batch_size, args.steps, args.lr, schedule=name, **common)
+        runs = {name: train_pipeline(rt, widths, args.global_batch, args.steps, args.lr, schedule=name, **common)
                 for name in ("gpipe", "1f1b")}
 
         # The schedules as data: grids, bubbles, and the in-flight count read off each rank's order.
@@ -77,7 +77,7 @@ def main() -> int:
         print0(f"bubble from the grids: GPipe {bubbles['gpipe']:.4f}, 1F1B {bubbles['1f1b']:.4f}; "
                f"(P-1)/(M+P-1) = {formula:.4f}: the same bubble")
 
-        x, target = regression_batch(args.batch_size, widths[0], widths[-1], seed=args.seed, dtype=dtype)
+        x, target = regression_batch(args.global_batch, widths[0], widths[-1], seed=args.seed, dtype=dtype)
         ref = sgd_reference(layered_mlp(widths, seed=args.seed, dtype=dtype), x, target,
                             F.mse_loss, args.steps, args.lr)
         table, matched = check_runs({"GPipe": runs["gpipe"], "1F1B": runs["1f1b"]}, ref, dtype)

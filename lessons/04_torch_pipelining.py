@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batches", type=int, default=4, help="M; must divide the batch size")
     parser.add_argument("--report-json", help="write the per-rank orders here (rank 0)")
-    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, batch_size=256, steps=3)).parse_args()
+    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, global_batch=256, steps=3)).parse_args()
 
 
 def orders(text_of: dict[str, list], p: int, title: str) -> Table:
@@ -75,24 +75,24 @@ def main() -> int:
     with distributed(args.device) as rt:
         p = rt.world_size
         print0(f"[bold]Lesson 04: torch.distributed.pipelining[/] - {args.layers} layers on {p} rank(s), "
-               f"batch {args.batch_size}, M={m}, backend {rt.backend}, {args.dtype}")
+               f"batch {args.global_batch}, M={m}, backend {rt.backend}, {args.dtype}")
         kwargs = dict(microbatches=m, seed=args.seed, dtype=dtype)
         ours, theirs, refused = {}, {}, {}
         for name in TORCH_SCHEDULES:
             try:  # PyTorch's own validation (1F1B: M >= P) raises on every rank before any message
-                theirs[name] = train_torch_pipeline(rt, widths, args.batch_size, args.steps, args.lr,
+                theirs[name] = train_torch_pipeline(rt, widths, args.global_batch, args.steps, args.lr,
                                                     schedule=name, **kwargs)
             except ValueError as err:
                 if name != "1f1b" or m >= p:
                     raise  # bad input (M does not divide the batch, too many ranks): not a lesson point
                 refused[name] = str(err)
-            ours[name] = train_pipeline(rt, widths, args.batch_size, args.steps, args.lr, schedule=name,
+            ours[name] = train_pipeline(rt, widths, args.global_batch, args.steps, args.lr, schedule=name,
                                         gather_spans=False, **kwargs)
         for name, message in refused.items():
             print0(f"[yellow]PyTorch's Schedule1F1B refuses M={m} < P={p}:[/] {message} "
                    f"(ours runs it: lesson 03)")
 
-        x, target = regression_batch(args.batch_size, widths[0], widths[-1], seed=args.seed, dtype=dtype)
+        x, target = regression_batch(args.global_batch, widths[0], widths[-1], seed=args.seed, dtype=dtype)
         ref = sgd_reference(layered_mlp(widths, seed=args.seed, dtype=dtype), x, target,
                             F.mse_loss, args.steps, args.lr)
         runs = {f"ours, {TITLES[n]}": ours[n] for n in ours}
@@ -125,7 +125,7 @@ def main() -> int:
                             (("ours", schedules[name]), ("executed", executed), ("planned", planned))}
 
         # scale_grads=False with a mean loss: every gradient M times too large.
-        unscaled = train_torch_pipeline(rt, widths, args.batch_size, 1, args.lr, schedule="gpipe",
+        unscaled = train_torch_pipeline(rt, widths, args.global_batch, 1, args.lr, schedule="gpipe",
                                         scale_grads=False, **kwargs)
         mine = unscaled.first_grads.keys()
         times_m = all_ok(compare({n: m * ref.first_grads[n] for n in mine}, unscaled.first_grads))

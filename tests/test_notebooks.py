@@ -1,5 +1,8 @@
-"""Every read-along notebook runs top to bottom, so none can rot."""
+"""Every read-along notebook runs top to bottom, so none can rot, and what it shows reads whole:
+no table cell cut short, no screenful of progress-bar redraws."""
 
+import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -7,6 +10,23 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "lessons" / "notebooks").glob("*.ipynb"))
+SCREENFUL = 40  # lines
+BAR = re.compile(r"━|\d+/\d+ .*\d+:\d\d:\d\d|\d+%\|")  # rich's or tqdm's progress redraws
+
+
+def outputs_text(notebook) -> list[str]:
+    texts = []
+    for cell in notebook["cells"]:
+        for out in cell.get("outputs", []):
+            texts.append("".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", "")))
+    return texts
+
+
+def check_outputs(notebook, name: str) -> None:
+    for text in outputs_text(notebook):
+        assert "\u2026" not in text, f"{name}: an output holds a truncated cell ('\u2026'):\n{text[:2000]}"
+        bars = [line for line in text.splitlines() if BAR.search(line)]
+        assert len(bars) <= SCREENFUL, f"{name}: {len(bars)} progress-bar lines in one output"
 
 
 def test_there_are_notebooks():
@@ -14,9 +34,27 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(path):
+def test_committed_outputs_read_whole(path):
+    check_outputs(json.loads(path.read_text()), path.name)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes(path, monkeypatch):
+    # The lessons the notebook runs (nbhelpers.run_lesson) lay out for 80 columns here, the width of
+    # the narrowest terminal a learner reads them in: no cell of theirs may be cut short there either.
+    monkeypatch.setenv("DISTLAB_LESSON_COLUMNS", "80")
     notebook = nbformat.read(path, as_version=4)
     # Executed in memory, from the notebook's own folder (the notebooks call ../NN_lesson.py);
     # the committed file keeps the outputs of the real run it was saved with.
     NotebookClient(notebook, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
+    check_outputs(notebook, path.name)
+
+
+def test_the_check_can_fail():
+    cell = {"cells": [{"outputs": [{"text": "| global_pla\u2026 |"}]}]}
+    with pytest.raises(AssertionError, match="truncated"):
+        check_outputs(cell, "x")
+    spam = {"cells": [{"outputs": [{"text": "\n".join(["train \u2501\u2501\u2501 3/10"] * 41)}]}]}
+    with pytest.raises(AssertionError, match="progress-bar"):
+        check_outputs(spam, "x")

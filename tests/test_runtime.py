@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab.runtime import SpawnError, choose_backend, free_port, spawn
+from distlab.runtime import GPU_BACKEND, choose_backend
+from distlab.spawn import SpawnError, free_port, spawn
 
 
 def _rank_and_sum(rt, offset):
@@ -67,3 +68,13 @@ def test_backend_choice():
             choose_backend("cuda", 4)
     with pytest.raises(ValueError, match="device must be one of"):
         choose_backend("tpu", 1)
+
+
+def test_gpu_backend_serves_cpu_tensors_too():
+    # On GPUs the group is nccl for CUDA tensors and gloo for CPU ones, chosen without a GPU here.
+    assert GPU_BACKEND == "cpu:gloo,cuda:nccl"
+    assert choose_backend("auto", 2, gpus=2) == (GPU_BACKEND, "cuda")
+    assert choose_backend("cuda", 2, gpus=8) == (GPU_BACKEND, "cuda")
+    assert choose_backend("auto", 4, gpus=2) == ("gloo", "cpu")
+    with pytest.raises(ValueError, match="--device cuda needs one GPU per rank: 4 ranks on this node, 2 GPUs"):
+        choose_backend("cuda", 4, gpus=2)

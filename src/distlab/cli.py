@@ -1,30 +1,95 @@
-"""The command-line flags lessons share, so every lesson spells them, and their defaults, one way.
+"""The command line every lesson shares: one spelling per flag, defaults in `--help`, and bad values
+refused before any process group exists, in one line that names the flag the learner typed.
 
+`lesson_parser(__doc__)` gives a parser with `--device`, `--seed` and `--json`; the argument types
+below reject zero, negatives, NaN and non-numbers with the flag's name ("argument --width: expected a
+positive integer, got '0'"). Checks that need the world size (P divides N, ...) are made after the
+group exists, raise ValueError the same way on every rank before any collective, and name the flag too.
 `DTYPES` names the dtypes for which `distlab.compare` states a tolerance: a lesson offers no dtype it
-could not check. `add_mlp_args` adds the layered-MLP flags of the model-parallel and pipeline lessons
-(01-04); `mlp_widths` turns them into `layered_mlp` widths (16 features in, 8 out).
+could not check. `add_mlp_args` adds the layered-MLP flags of the pipeline lessons (01-05).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import sys
+from typing import Callable
 
 from distlab.compare import TOLERANCES
+from distlab.runtime import DEVICE_CHOICES
 
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in TOLERANCES}
 MLP_IN, MLP_OUT = 16, 8
 
 
-def add_mlp_args(parser: argparse.ArgumentParser, layers: int, width: int, batch_size: int,
+def _number(kind: type, accept: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or (isinstance(value, float) and not math.isfinite(value)) or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    parse.__name__ = what
+    return parse
+
+
+positive_int = _number(int, lambda v: v > 0, "a positive integer")
+nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _number(float, lambda v: v > 0, "a positive finite number")
+finite_float = _number(float, lambda v: True, "a finite number")
+fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after every help text; the description keeps its line breaks."""
+
+
+class LessonParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + error (every rank would print both)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def lesson_parser(doc: str | None) -> LessonParser:
+    """A parser whose description is the docstring's first paragraph, with the shared flags."""
+    parser = LessonParser(description=(doc or "").split("\n\n")[0], formatter_class=_Formatter)
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="auto: nccl + one GPU per rank when the node has enough GPUs, else gloo + CPU")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of weights and data")
+    parser.add_argument("--json", metavar="PATH", help="write the checks and figures here as JSON (rank 0)")
+    return parser
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags every lesson shares (for parsers not made by `lesson_parser`)."""
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="auto: nccl + one GPU per rank when the node has enough GPUs, else gloo + CPU")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of weights and data")
+    return parser
+
+
+def add_mlp_args(parser: argparse.ArgumentParser, layers: int, width: int, global_batch: int,
                  steps: int, lr: float = 0.1) -> argparse.ArgumentParser:
-    parser.add_argument("--layers", type=int, default=layers, help="layers of the MLP (P <= layers)")
-    parser.add_argument("--width", type=int, default=width, help="hidden width")
-    parser.add_argument("--batch-size", type=int, default=batch_size)
-    parser.add_argument("--steps", type=int, default=steps, help="SGD steps")
-    parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--dtype", choices=DTYPES, default="float64")
+    """The layered-MLP flags of the pipeline lessons."""
+    parser.add_argument("--layers", type=positive_int, default=layers, help="layers of the MLP (P <= layers)")
+    parser.add_argument("--width", type=positive_int, default=width, help="hidden width")
+    parser.add_argument("--global-batch", type=positive_int, default=global_batch, help="rows per step, N")
+    parser.add_argument("--steps", type=positive_int, default=steps, help="SGD steps")
+    parser.add_argument("--lr", type=positive_float, default=lr, help="SGD learning rate")
+    parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of weights and data")
     return parser
 
 
 def mlp_widths(args: argparse.Namespace) -> tuple[int, ...]:
     return (MLP_IN, *[args.width] * (args.layers - 1), MLP_OUT)
+
+
+def require(ok: bool, flag: str, message: str) -> None:
+    """A check that needs the world size: the same ValueError on every rank, naming the flag."""
+    if not ok:
+        raise ValueError(f"{flag}: {message}")

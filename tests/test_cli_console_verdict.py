@@ -1,0 +1,65 @@
+"""The shared lesson machinery: flags refused in one line naming the flag, output laid out for the
+width it really has, and a verdict every rank agrees on."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from distlab.cli import add_mlp_args, fraction, lesson_parser, positive_float, positive_int
+from distlab.console import CAPTURED_WIDTH, column_blocks
+from distlab.spawn import spawn
+from distlab.verdict import Verdict
+
+
+@pytest.mark.parametrize("flag, value", [("--width", "0"), ("--width", "-3"), ("--width", "abc"),
+                                         ("--lr", "nan"), ("--lr", "inf"), ("--lr", "0"), ("--steps", "1.5")])
+def test_bad_flag_is_one_line_naming_the_flag(flag, value, capsys):
+    parser = add_mlp_args(lesson_parser("Lesson"), 8, 256, 512, 5)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([flag, value])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"argument {flag}:" in lines[0] and repr(value) in lines[0], lines
+
+
+def test_argument_types_accept_good_values():
+    assert positive_int("3") == 3 and positive_float("0.5") == 0.5 and fraction("0") == 0.0
+    with pytest.raises(Exception):
+        fraction("1")
+
+
+def test_help_shows_defaults():
+    text = add_mlp_args(lesson_parser("Lesson X: a title.\n\nMore."), 8, 256, 512, 5).format_help()
+    assert "(default: 256)" in text and "Lesson X: a title." in text and "More." not in text
+
+
+def test_captured_output_gets_the_generous_width_whatever_force_color_says():
+    code = "from distlab.console import console; print(console.width)"
+    env = {"FORCE_COLOR": "1", "PATH": "", "PYTHONPATH": ":".join(sys.path)}
+    width = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
+    assert int(width) == CAPTURED_WIDTH
+    env["COLUMNS"] = "80"
+    assert int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout) == 80
+
+
+def test_wide_grids_fold_into_blocks_that_fit():
+    blocks = column_blocks(columns=20, cell_width=4, label_width=8, width=40)
+    assert [list(b) for b in blocks] == [list(range(0, 8)), list(range(8, 16)), list(range(16, 20))]
+
+
+def _verdict(rt, fail_on_rank, path):
+    verdict = Verdict(rt)
+    verdict.check("always", True)
+    verdict.check("fails on one rank", rt.rank != fail_on_rank, "detail")
+    verdict.figure("x", 1.5)
+    return verdict.finish(path)
+
+
+def test_a_claim_failing_on_one_rank_fails_everywhere(tmp_path):
+    path = str(tmp_path / "v.json")
+    assert spawn(_verdict, 2, 1, path) == [1, 1]
+    report = json.loads(open(path).read())
+    assert [c["ok"] for c in report["checks"]] == [True, False] and report["figures"] == {"x": 1.5}
+    assert spawn(_verdict, 2, -1, None) == [0, 0]

@@ -185,7 +185,8 @@ def exactness(model: TwoTower, args, device: torch.device) -> dict[str, tuple[bo
         detail = f"max relative error {max(r.max_rel for r in rows):.1e}; loss {loss:.12f} vs {ref_loss:.12f}"
         results[key] = (all_ok(rows) and abs(loss - ref_loss) <= rtol * abs(ref_loss), detail)
         if key == "steps":
-            print0(comparison_table(rows, f"grad_cache_step, {-(-len(x) // b)} micro-batches, vs the full batch",
+            title = f"grad_cache_step, {-(-len(x) // b)} micro-batches, vs the full batch"
+            print0(comparison_table(rows, title,
                                     caption=f"allclose with rtol {rtol:g}, atol {atol:g}; {detail}"))
     return results
 
@@ -196,7 +197,8 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     (x, y), elt = pairs(args, device, n), DTYPES[args.dtype].itemsize
     sizes = sorted({n, max(1, n // 4), b, max(1, b // 4)}, reverse=True)
     plain = peak_mib(model, plain_step, x, y, tau)
-    cached = {s: peak_mib(model, cache_step, x, y, tau, s) for s in progress(sizes, len(sizes), "memory against B")}
+    cached = {s: peak_mib(model, cache_step, x, y, tau, s)
+              for s in progress(sizes, len(sizes), "memory against B")}
     table = Table("step", "peak MiB", "largest tensor MiB", title_justify="left",
                   title=f"Peak memory of one step, N = {n} (tensor storage; parameter gradients included)")
     table.add_row("plain autograd", f"{plain[0]:.1f}", f"{plain[1]:.2f}")
@@ -211,7 +213,8 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
         xm, ym = pairs(args, device, m)
         by_n["plain"].append(peak_mib(model, plain_step, xm, ym, tau)[0])
         by_n["grad_cache"].append(peak_mib(model, cache_step, xm, ym, tau, min(b, m))[0])
-        table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}", f"{m * m * elt / MIB:.2f}")
+        table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}",
+                      f"{m * m * elt / MIB:.2f}")
     print0(table)
     grads = [p.numel() * elt / MIB for p in model.parameters()]
     verdict.figure("memory_mib", {"N": n, "plain": plain[0], "by_B": cached, "by_N": by_n, "B": b,
@@ -221,21 +224,23 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     (peak, largest), logits = cached[min(sizes)], n * n * elt / MIB
     return {"memory": (peak < plain[0], f"B = {min(sizes)}: {peak:.1f} MiB vs {plain[0]:.1f} MiB"),
             "largest": (abs(largest - max(logits, max(grads))) < 1e-9,
-                        f"{largest:.2f} MiB = max(N x N logits {logits:.2f}, largest gradient {max(grads):.2f})")}
+                        f"{largest:.2f} MiB = max(N x N logits {logits:.2f}, "
+                        f"largest gradient {max(grads):.2f})")}
 
 
 def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bool, str]]:
     """Forwarded rows (counted) and the time of one step (measured): plain autograd beside GradCache."""
     n, b, tau = args.global_batch, args.micro_batch_size, args.tau
     x, y = pairs(args, device, n)
-    plain_rows, cached_rows = rows_forwarded(model, plain_step, x, y, tau), rows_forwarded(model, cache_step, x, y, tau, n)
+    plain_rows = rows_forwarded(model, plain_step, x, y, tau)
+    cached_rows = rows_forwarded(model, cache_step, x, y, tau, n)
     seconds = interleaved_seconds(model, {"no-grad forward alone": (forward_only, (x, y)),
                                           "plain autograd": (plain_step, (x, y, tau)),
                                           f"GradCache, B = N = {n}": (cache_step, (x, y, tau, n)),
                                           f"GradCache, B = {b}": (cache_step, (x, y, tau, b))}, args.repeats)
     plain = seconds["plain autograd"]
-    table = Table("step", "seconds", "vs plain", title_justify="left",
-                  title=f"Time of one step, N = {n}, {device.type}: median of {args.repeats}, methods interleaved")
+    table = Table("step", "seconds", "vs plain", title_justify="left", title=f"Time of one step, N = {n}, "
+                  f"{device.type}: median of {args.repeats}, methods interleaved")
     for name, s in seconds.items():
         table.add_row(name, f"{s:.3f}", f"{s / plain:.2f}x")
     print0(table)
@@ -283,7 +288,8 @@ def part_two(args, rt, verdict: Verdict) -> None:
     c, model, (x, y) = n // p, tower_model(args, rt.device), pairs(args, rt.device, n)
     print0(f"\n[bold]Part 2, DDP on {p} rank(s)[/]: N = {n}, C = {c} pairs per rank in micro-batches of "
            f"B = {b}, backend {rt.backend}")
-    ref_loss, ref = replayed_reference(model, TOWERS, (x, y), p, b, partial(rep_clip_loss, tau=tau), args.seed)
+    loss_fn = partial(rep_clip_loss, tau=tau)
+    ref_loss, ref = replayed_reference(model, TOWERS, (x, y), p, b, loss_fn, args.seed)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     towers = [DDP(copy.deepcopy(model.get_submodule(t)), device_ids=device_ids) for t in TOWERS]
     counters = [count_reducing_backwards(t) for t in towers]
@@ -299,12 +305,13 @@ def part_two(args, rt, verdict: Verdict) -> None:
         dist.all_reduce(loss)  # on rt.device, where the loss lives
         loss = loss.item() / p  # the mean of the P local losses is the global loss
         reducing[sync_last] = [counter[0] for counter in counters]
-        rows = compare(ref, {f"{t}.{k}": g for t, tower in zip(TOWERS, towers) for k, g in grads_of(tower.module).items()})
+        mine = {f"{name}.": tower.module for name, tower in zip(TOWERS, towers)}
+        rows = compare(ref, {k: v for prefix, m in mine.items() for k, v in grads_of(m, prefix).items()})
         exact &= all_ok(rows) and abs(loss - ref_loss) <= rtol * abs(ref_loss)
         if sync_last:
             print0(comparison_table(rows, "GradCache under DDP vs the single-process global batch (rank 0)",
-                                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}; loss {loss:.12f} vs "
-                                            f"{ref_loss:.12f}"))
+                                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}; "
+                                            f"loss {loss:.12f} vs {ref_loss:.12f}"))
     per_tower = -(-c // b)
     table = Table("no_sync_except_last", *TOWERS, "expected", title_justify="left",
                   title="Backwards that all-reduced gradients in one step, per tower (DDP comm hook)")

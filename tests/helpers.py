@@ -52,6 +52,8 @@ class CommHookCounter:
 
     def __init__(self) -> None:
         self.calls = 0
+        # DDP reads a hook's name (to log it and to spot its bf16 hooks), which an instance lacks.
+        self.__name__ = self.__qualname__ = type(self).__name__
 
     def __call__(self, state, bucket):
         import torch.distributed as dist

@@ -26,7 +26,8 @@ draws the same masks); the peak memory follows B, not N, down to a floor set by 
 logits; the price is an extra forward of every sample, even at B = N. Part 2, P ranks under DDP: each
 rank caches its C = N/P pairs, the loss gathers the representations with lesson 09's gather (its backward
 sums over ranks), DDP averages: the gradients equal the single-process global batch's, and with
-`no_sync_except_last` each tower's gradient is all-reduced once per step, counted by a DDP comm hook.
+`no_sync_except_last` each tower's gradients are all-reduced in one backward per step, not in every
+micro-batch's (a DDP comm hook counts them).
 
 Two readings of GradCache that do not hold: "with B = N it is plain training" (every sample still runs
 forward twice), and "it needs the memory of B samples" (the loss's N x N logits remain; lesson 11

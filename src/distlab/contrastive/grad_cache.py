@@ -4,7 +4,8 @@ Gao, Zhang, Han and Callan, "Scaling Deep Contrastive Learning Batch Size under 
 (RepL4NLP 2021, https://arxiv.org/abs/2101.06983); reference library luyug/GradCache
 (https://github.com/luyug/GradCache), whose interface this class keeps.
 
-A contrastive loss L(r_1 .. r_n) couples every sample to every other, so it cannot be cut into
+A contrastive loss L(r_1 .. r_n) over the n samples one call sees (n = N in one process, C = N/P on
+a rank under DDP) couples every sample to every other, so it cannot be cut into
 micro-batches whose gradients add up. But the parameters theta reach L only through the
 representations r_i = f_theta(x_i), and those are small (n x d). The chain rule splits the work:
 

@@ -23,7 +23,9 @@ replay is `RandContext` in src/distlab/contrastive/rand_context.py.
 The proof. Part 1, one process (rank 0): both equal the full batch's gradients (a deep copy, plain
 autograd, one loss; its micro-batches run with a graph in the same order from the same seed, so dropout
 draws the same masks); the peak memory follows B, not N, down to a floor set by the loss's own N x N
-logits; the price is an extra forward of every sample, even at B = N. Part 2, P ranks under DDP: each
+logits (when the activations outweigh the parameter gradients, as at the defaults: with tiny towers the
+gradient each micro-batch's backward adds into .grad can cost more than it saves); the price is an extra
+forward of every sample, even at B = N. Part 2, P ranks under DDP: each
 rank caches its C = N/P pairs, the loss gathers the representations with lesson 09's gather (its backward
 sums over ranks), DDP averages: the gradients equal the single-process global batch's, and with
 `no_sync_except_last` each tower's gradients are all-reduced in one backward per step, not in every
@@ -223,7 +225,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
 
     # The floor: what no B removes, the loss's N x N logits (and softmax temporaries) or a weight's gradient.
     (peak, largest), logits = cached[min(sizes)], n * n * elt / MIB
-    return {"memory": (peak < plain[0], f"B = {min(sizes)}: {peak:.1f} MiB vs {plain[0]:.1f} MiB"),
+    return {"memory": (peak < plain[0], f"B = {min(sizes)}: {peak:.1f} MiB, plain autograd {plain[0]:.1f} MiB"),
             "largest": (abs(largest - max(logits, max(grads))) < 1e-9,
                         f"{largest:.2f} MiB = max(N x N logits {logits:.2f}, "
                         f"largest gradient {max(grads):.2f})")}

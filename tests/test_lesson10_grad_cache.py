@@ -8,6 +8,8 @@ over the global batch. Rank r's micro-batches run with a graph from rank r's see
 """
 
 import copy
+import importlib.util
+import sys
 from functools import partial
 
 import pytest
@@ -23,10 +25,11 @@ from distlab.contrastive.reference import replayed_reference
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
-from helpers import CommHookCounter, assert_same_error_on_every_rank
+from helpers import LESSONS, CommHookCounter, assert_same_error_on_every_rank, no_ellipsis, torchrun
 
 P, N, B, TAU, SEED = 2, 22, 4, 0.1, 11  # C = 11 pairs per rank in micro-batches of 4, 4, 3
 C = N // P
+LESSON = "10_grad_cache.py"
 
 
 def rep_clip_loss(rep_x, rep_y, tau=TAU):
@@ -138,3 +141,30 @@ def test_memory_follows_the_micro_batch_not_the_batch():
     cache_64, cache_128 = peak(64, 8), peak(128, 8)
     assert cache_128 < plain_128 / 4
     assert plain_128 - plain_64 > 5 * (cache_128 - cache_64)
+
+
+def test_the_lesson_passes_at_p_3_and_reads_whole_at_80_columns():
+    """P = 3 with N = 96 (C = 32): towers wide enough that activations outweigh the parameter
+    gradients, so every claim, the memory ones included, holds."""
+    run = torchrun(LESSON, 3, "--global-batch", "96", "--micro-batch-size", "8", "--width", "512",
+                   "--repeats", "1", columns=80)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
+    assert max(len(line) for line in run.stdout.splitlines()) <= 80
+
+
+def _lesson():
+    """The lesson file as a module (its name starts with a digit, so `import` cannot reach it)."""
+    spec = importlib.util.spec_from_file_location("lesson_10_grad_cache", LESSONS / LESSON)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flag, value", [("--micro-batch-size", "0"), ("--dropout", "1"), ("--tau", "nan")])
+def test_bad_flags_are_refused_in_one_line_before_any_process_group(flag, value, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [LESSON, flag, value])
+    with pytest.raises(SystemExit) as exit_info:
+        _lesson().parse_args()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and f"argument {flag}:" in lines[0], lines

@@ -58,7 +58,7 @@ from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.contrastive.rand_context import RandContext
-from distlab.contrastive.reference import replayed_reference
+from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
@@ -98,6 +98,14 @@ def tower_model(args, device: torch.device) -> TwoTower:
 def pairs(args, device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = paired_data(n, IN_FEATURES, IN_FEATURES, seed=args.seed, dtype=DTYPES[args.dtype])
     return x.to(device), y.to(device)
+
+
+def reference(model: TwoTower, x, y, args, world_size: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """The full batch in one process, plain autograd; rank r's micro-batches run from rank r's seed in
+    GradCache's order (tower x's, then tower y's), so dropout draws the masks each rank drew."""
+    streams = RankStreams([args.seed + r for r in range(world_size)])
+    forward = as_ranks(streams, args.micro_batch_size, tower_by_tower=True)
+    return full_batch_gradients(model, x, y, args.tau, forward=forward)
 
 
 def rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch.Tensor:
@@ -176,7 +184,7 @@ def exactness(model: TwoTower, args, device: torch.device) -> dict[str, tuple[bo
     """The lesson's three steps and the GradCache class, each against the replayed full batch."""
     (x, y), b = pairs(args, device, args.global_batch), args.micro_batch_size
     loss_fn, towers = partial(rep_clip_loss, tau=args.tau), [model.encoder_x, model.encoder_y]
-    ref_loss, ref = replayed_reference(model, TOWERS, (x, y), 1, b, loss_fn, args.seed)
+    ref_loss, ref = reference(model, x, y, args, world_size=1)
     rtol, atol = tolerances(DTYPES[args.dtype])
     results = {}
     for key, step in (("steps", lambda: grad_cache_step(towers, (x, y), b, loss_fn)),
@@ -291,8 +299,7 @@ def part_two(args, rt, verdict: Verdict) -> None:
     c, model, (x, y) = n // p, tower_model(args, rt.device), pairs(args, rt.device, n)
     print0(f"\n[bold]Part 2, DDP on {p} rank(s)[/]: N = {n}, C = {c} pairs per rank in micro-batches of "
            f"B = {b}, backend {rt.backend}")
-    loss_fn = partial(rep_clip_loss, tau=tau)
-    ref_loss, ref = replayed_reference(model, TOWERS, (x, y), p, b, loss_fn, args.seed)
+    ref_loss, ref = reference(model, x, y, args, world_size=p)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     towers = [DDP(copy.deepcopy(model.get_submodule(t)), device_ids=device_ids) for t in TOWERS]
     counters = [count_reducing_backwards(t) for t in towers]

@@ -1,15 +1,14 @@
 """Lesson 10: GradCache under DDP on P = 2 ranks gives the single-process global batch's gradients,
 with one reducing backward per model and step under no_sync_except_last; its memory follows B.
 
-The reference runs in the parent process (`replayed_reference`): a deep copy, plain autograd, one loss
-over the global batch. Rank r's micro-batches run with a graph from rank r's seed, in GradCache's order
+The reference runs in the parent process (`full_batch_gradients` with `as_ranks`): a deep copy, plain
+autograd, one loss over the global batch. Rank r's micro-batches run with a graph from rank r's seed, in GradCache's order
 (tower x's micro-batches, then tower y's), so dropout draws the masks each rank drew. Float64: rtol
 1e-10, atol 1e-12.
 """
 
+import contextlib
 import copy
-import importlib.util
-import sys
 from functools import partial
 
 import pytest
@@ -21,11 +20,12 @@ from distlab.compare import all_ok, compare, grads_of
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.contrastive.reference import replayed_reference
+from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
-from helpers import LESSONS, CommHookCounter, assert_same_error_on_every_rank, no_ellipsis, torchrun
+from helpers import (CommHookCounter, assert_flag_refused, assert_lesson_passes_at_80_columns,
+                     assert_same_error_on_every_rank, load_lesson)
 
 P, N, B, TAU, SEED = 2, 22, 4, 0.1, 11  # C = 11 pairs per rank in micro-batches of 4, 4, 3
 C = N // P
@@ -41,13 +41,12 @@ def ddp_rep_clip_loss(rep_x, rep_y, offset, tau=TAU):
     return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau, offset)
 
 
-def model():
-    return TwoTower(dim_x=12, dim_y=12, hidden=24, dropout=0.3, seed=5)
-
-
-def towers(shared):
-    """The submodules that encode x and y: one tower twice, or the two encoders."""
-    return ("encoder_x", "encoder_x") if shared else ("encoder_x", "encoder_y")
+def model(shared=False):
+    """Two towers, or one tower that encodes both sides (encoder_y is encoder_x)."""
+    two_tower = TwoTower(dim_x=12, dim_y=12, hidden=24, dropout=0.3, seed=5)
+    if shared:
+        two_tower.encoder_y = two_tower.encoder_x
+    return two_tower
 
 
 def data():
@@ -59,7 +58,8 @@ def mine(rt, x, y):
 
 
 def _ddp_grad_cache(rt, shared):
-    names, source = towers(shared), model()
+    names = ("encoder_x", "encoder_x") if shared else ("encoder_x", "encoder_y")
+    source = model(shared)
     wrapped = {name: DDP(copy.deepcopy(source.get_submodule(name))) for name in names}  # one per module
     counter = CommHookCounter()
     for m in wrapped.values():
@@ -78,7 +78,8 @@ def _ddp_grad_cache(rt, shared):
 
 
 def global_reference(shared):
-    return replayed_reference(model(), towers(shared), data(), P, B, rep_clip_loss, SEED)
+    forward = as_ranks(RankStreams([SEED + r for r in range(P)]), B, tower_by_tower=True)
+    return full_batch_gradients(model(shared), *data(), TAU, forward=forward)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["two towers", "one shared tower"])
@@ -143,28 +144,29 @@ def test_memory_follows_the_micro_batch_not_the_batch():
     assert plain_128 - plain_64 > 5 * (cache_128 - cache_64)
 
 
+def test_the_lessons_own_three_steps_equal_the_full_batch_and_need_the_replay(monkeypatch):
+    """`grad_cache_step`, the mechanism written out in the lesson: exact with dropout on, and wrong
+    when its random states are not replayed (so the comparison can fail)."""
+    lesson = load_lesson(LESSON)
+    for replay, expect_ok in ((True, True), (False, False)):
+        if not replay:  # a RandContext that restores nothing: the recompute draws fresh masks
+            monkeypatch.setattr(lesson, "RandContext", lambda *inputs: contextlib.nullcontext())
+        two_tower, (x, y) = model(), data()
+        forward = as_ranks(RankStreams([SEED]), B, tower_by_tower=True)
+        ref_loss, ref_grads = full_batch_gradients(two_tower, x, y, TAU, forward=forward)
+        torch.manual_seed(SEED)
+        loss = lesson.grad_cache_step([two_tower.encoder_x, two_tower.encoder_y], (x, y), B, rep_clip_loss)
+        assert all_ok(compare(ref_grads, grads_of(two_tower))) == expect_ok
+        assert abs(loss.item() - ref_loss) < 1e-10 * abs(ref_loss)  # the loss is right either way
+
+
 def test_the_lesson_passes_at_p_3_and_reads_whole_at_80_columns():
     """P = 3 with N = 96 (C = 32): towers wide enough that activations outweigh the parameter
     gradients, so every claim, the memory ones included, holds."""
-    run = torchrun(LESSON, 3, "--global-batch", "96", "--micro-batch-size", "8", "--width", "512",
-                   "--repeats", "1", columns=80)
-    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
-    assert max(len(line) for line in run.stdout.splitlines()) <= 80
-
-
-def _lesson():
-    """The lesson file as a module (its name starts with a digit, so `import` cannot reach it)."""
-    spec = importlib.util.spec_from_file_location("lesson_10_grad_cache", LESSONS / LESSON)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    assert_lesson_passes_at_80_columns(LESSON, 3, "--global-batch", "96", "--micro-batch-size", "8",
+                                       "--width", "512", "--repeats", "1")
 
 
 @pytest.mark.parametrize("flag, value", [("--micro-batch-size", "0"), ("--dropout", "1"), ("--tau", "nan")])
-def test_bad_flags_are_refused_in_one_line_before_any_process_group(flag, value, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [LESSON, flag, value])
-    with pytest.raises(SystemExit) as exit_info:
-        _lesson().parse_args()
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(lines) == 1 and f"argument {flag}:" in lines[0], lines
+def test_bad_flags_are_refused_in_one_line_before_any_process_group(flag, value):
+    assert_flag_refused(LESSON, flag, flag, value)

@@ -147,7 +147,7 @@ def caller_owned(rt):
         model = Towers(scale_shape=())
         ddp = DDP(model)
         counter = CommHookCounter()
-        ddp.register_comm_hook(None, counter.__call__)
+        ddp.register_comm_hook(None, counter)
         with ddp.no_sync():
             distributed_backward(ddp, x[rows], y[rows], config_of(dict(scale=(), b=b)))
         out[f"hook_after_first_b{b}"] = counter.calls
@@ -155,7 +155,7 @@ def caller_owned(rt):
         out[f"hook_after_second_b{b}"], out[f"accumulated_b{b}"] = counter.calls, grads_of(model)
     plain = DDP(Towers(scale_shape=()))
     plain_counter = CommHookCounter()
-    plain.register_comm_hook(None, plain_counter.__call__)
+    plain.register_comm_hook(None, plain_counter)
     symmetric_infonce(*plain(x[rows], y[rows])).backward()
     out["hook_plain_backward"] = plain_counter.calls
 

@@ -67,7 +67,7 @@ from torch import nn
 from distlab.contrastive.rand_context import RandContext
 from distlab.contrastive.streamed_checks import (LocalCheck, agree_across_ranks, check_locally,
                                                  check_outputs, numbers)
-from distlab.contrastive.streamed_config import StreamConfig
+from distlab.contrastive.streamed_config import StreamConfig, parse_config
 from distlab.contrastive.streamed_kernels import (split_into, streamed_lse, streamed_lse_both,
                                                   streamed_softmax_pair_product)
 from distlab.contrastive.streamed_precision import compute_dtype, full_precision, surrogate_multiplier
@@ -109,21 +109,25 @@ def phase_a_forward(wrapped: Wrapped, local_x: torch.Tensor, local_y: torch.Tens
     return LocalForward(micro, outputs, rng, kept=False)
 
 
-def phase_a_gather(local: LocalForward, cfg: StreamConfig) -> Embedded:
-    """All-gather detached copies of this rank's embeddings into N x d Z_x, Z_y [sync 1]: one
-    collective for both (z_x | z_y side by side, in their own dtype when they share one), then
-    upcast to the compute dtype."""
-    z_x = torch.cat([out[0].detach() for out in local.outputs])
-    z_y = torch.cat([out[1].detach() for out in local.outputs])
+def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather this rank's C x d z_x, z_y into N x d Z_x, Z_y in rank order, in the compute dtype:
+    one collective for both (z_x | z_y side by side, in their own dtype when they share one; matmul
+    reads the halves' row stride of 2d as is), upcast after."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
     mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
-    gathered = mine.new_empty((cfg.n, mine.shape[1]))
+    gathered = mine.new_empty((n, mine.shape[1]))
     dist.all_gather_single(gathered, mine)
     gathered = gathered.to(dtype)
+    return gathered[:, :z_x.shape[1]], gathered[:, z_x.shape[1]:]
+
+
+def phase_a_gather(local: LocalForward, cfg: StreamConfig) -> Embedded:
+    """Detached copies of this rank's embeddings, gathered [sync 1]; and the scale s."""
+    z_x = torch.cat([out[0].detach() for out in local.outputs])
+    z_y = torch.cat([out[1].detach() for out in local.outputs])
     s = 1.0 / cfg.tau if cfg.tau is not None else float(local.outputs[0][2].detach().double().reshape(()))
-    d = z_x.shape[1]
-    return Embedded(gathered[:, :d], gathered[:, d:], s)
+    return Embedded(*gather_pairs(z_x, z_y, cfg.n), s)
 
 
 @dataclass
@@ -165,11 +169,11 @@ def phase_c_embedding_grads(emb: Embedded, norm: Normalisers, rows: slice, cfg: 
     coef, scale = norm.diag_coef[rows], emb.s / (2 * cfg.n)
     g_x = g_y = g_s = None
     if needs[0] or learnable:
-        g_x = streamed_softmax_pair_product(emb.z_x[glob], emb.z_y, norm.a[glob], norm.b, coef,
-                                            glob.start, emb.s, cfg.t).mul_(scale)
+        g_x = streamed_softmax_pair_product(emb.z_x[glob] * emb.s, emb.z_y, norm.a[glob], norm.b, coef,
+                                            glob.start, cfg.t).mul_(scale)
     if needs[1]:
-        g_y = streamed_softmax_pair_product(emb.z_y[glob], emb.z_x, norm.b[glob], norm.a, coef,
-                                            glob.start, emb.s, cfg.t).mul_(scale)
+        g_y = streamed_softmax_pair_product(emb.z_y[glob] * emb.s, emb.z_x, norm.b[glob], norm.a, coef,
+                                            glob.start, cfg.t).mul_(scale)
     if learnable:
         g_s = (emb.z_x[glob] * g_x).sum() / emb.s      # dL/ds = (1/s) sum_i z_i^x . G_x,i
     return (g_x if needs[0] else None), g_y, g_s
@@ -189,6 +193,19 @@ def phase_d_backward(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, grads: 
         # d(m <z, g>)/dz = m g exactly, so this is the surrogate's backward without forming it.
         torch.autograd.backward([z for z, _ in pairs],
                                 [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
+
+
+def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any]) -> tuple[float, Any, Any]:
+    """The step without the encoders, for benchmarks and notebooks: this rank's C x d embeddings in,
+    (L, G_x, G_y) for its rows out (the all-gather, Phase B, Phase C over every micro-batch). TAU
+    is required; no checks, no exchange."""
+    cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
+    micro = [slice(0, len(z_x))]
+    emb = phase_a_gather(LocalForward(micro, [(z_x, z_y, None)], [], kept=False), cfg)
+    with full_precision(emb.z_x.device):
+        norm = phase_b_normalisers(emb, cfg)
+        grads = [phase_c_embedding_grads(emb, norm, rows, cfg, (True, True))[:2] for rows in cfg.micro]
+    return norm.loss, torch.cat([g[0] for g in grads]), torch.cat([g[1] for g in grads])
 
 
 def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
@@ -211,7 +228,7 @@ def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config:
     if stop_if_not_finite and not math.isfinite(norm.loss):
         raise FloatingPointError(f"the global loss is {norm.loss} (non-finite embeddings on some rank): "
                                  "no gradient was computed and the optimizer did not step")
-    multiplier = surrogate_multiplier(wrapped.reduction_factor, grad_scaler, emb.z_x)
+    multiplier = surrogate_multiplier(check.factor, grad_scaler, emb.z_x)
     last = len(local.micro) - 1
     for k, rows in enumerate(local.micro):
         with full_precision(emb.z_x.device):

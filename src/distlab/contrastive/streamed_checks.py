@@ -47,6 +47,7 @@ class LocalCheck:
     cfg: StreamConfig | None = None
     wrapped: Wrapped | None = None
     needs: tuple[bool, bool] = (True, True)   # does tower x / tower y have trainable parameters
+    factor: float = 1.0                       # what the wrapper divides the summed gradient by
     problem: str | None = None
 
 
@@ -56,6 +57,9 @@ def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, A
         raise ValueError("the streamed step needs an initialised process group: launch with torchrun "
                          "and call torch.distributed.init_process_group first")
     try:
+        if not torch.is_grad_enabled():
+            raise ValueError("the streamed step was called with gradients disabled (inside torch.no_grad()?): "
+                             "it computes a gradient")
         cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
         wrapped = unwrap(model)
         lacking = [name for name in ("encoder_x", "encoder_y") if not hasattr(wrapped.inner, name)]
@@ -81,9 +85,10 @@ def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, A
                 "no-grad pass and the recompute). Use B >= C (one forward, exactly plain DDP), put "
                 "BatchNorm in eval mode, or use a normalisation that does not mix samples "
                 "(LayerNorm, GroupNorm)")
+        factor = wrapped.reduction_factor
     except ValueError as err:
         return LocalCheck(problem=str(err))
-    return LocalCheck(cfg, wrapped, needs)
+    return LocalCheck(cfg, wrapped, needs, factor)
 
 
 def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -57,6 +57,18 @@ class StreamConfig:
         return balanced_chunks(self.local, min(self.b, self.local))
 
 
+def regime(cfg: StreamConfig) -> str:
+    """Which regime a config lands in, and what it costs per rank, in a sentence."""
+    if cfg.one_forward:
+        return (f"one forward (B = {cfg.b} >= C = {cfg.local}): each pair runs through the encoders once, "
+                "with grad; Phase D back-propagates G into that graph (no recompute, no RNG replay); "
+                f"the activations of all {cfg.local} pairs are held from Phase A to D, as plain DDP holds them")
+    sizes = sorted({part.stop - part.start for part in cfg.micro})
+    return (f"recompute (B = {cfg.b} < C = {cfg.local}): {len(cfg.micro)} micro-batches of "
+            f"{' or '.join(map(str, sizes))} pairs; Phase A runs each without grad, Phase D again with grad "
+            "under the same random state: 2 forwards per pair, the activations of one micro-batch at a time")
+
+
 def _int_key(config: Mapping[str, Any], key: str) -> int:
     value = config[key]
     # bool is an int in Python; True as a batch size is a bug, not a 1.

@@ -104,23 +104,22 @@ def streamed_lse_both(z_x: torch.Tensor, z_y: torch.Tensor, scale: float,
     return a, nll_x, b, nll_y
 
 
-def streamed_softmax_pair_product(q: torch.Tensor, k: torch.Tensor, lse_q: torch.Tensor,
+def streamed_softmax_pair_product(q_scaled: torch.Tensor, k: torch.Tensor, lse_q: torch.Tensor,
                                   lse_k: torch.Tensor, diag_coef: torch.Tensor, offset: int,
-                                  scale: float, t: int) -> torch.Tensor:
+                                  t: int) -> torch.Tensor:
     """sum_j W_ij k_j with W_ij = exp(S_ij - lse_q_i) + exp(S_ij - lse_k_j) - 2 [j = offset + i],
-    S_ij = s q_i . k_j; diag_coef_i is the diagonal W_ii, passed in precisely.
+    S_ij = q_scaled_i . k_j (q_scaled = s q); diag_coef_i is the diagonal W_ii, passed in precisely.
 
     With q = Z_x[rows], k = Z_y, lse_q = a[rows], lse_k = b this is ((R + Q - 2I) Z_y)[rows]; with
     q = Z_y[rows], k = Z_x, lse_q = b[rows], lse_k = a it is ((R + Q - 2I)^T Z_x)[rows]. Streamed
     over k in chunks of T: two |q| x T tiles are alive at a time, never a B x N slice.
     """
-    q_scaled = q * scale
-    acc = torch.zeros_like(q)
+    acc = torch.zeros_like(q_scaled)
     for cols in chunks(len(k), t):
         tile = q_scaled @ k[cols].T                       # S, |q| x T
         other = torch.sub(tile, lse_k[cols]).exp_()       # exp(S - lse_k): Q (or R^T)
         tile.sub_(lse_q[:, None]).exp_().add_(other)      # + exp(S - lse_q): R (or Q^T), in place
-        if (hit := _diagonal(offset, cols.start, len(q), cols.stop - cols.start)):
+        if (hit := _diagonal(offset, cols.start, len(q_scaled), cols.stop - cols.start)):
             # R_ii + Q_ii - 2 = expm1(-nll_x) + expm1(-nll_y): no cancellation of two numbers near 2.
             tile[hit].diagonal().copy_(diag_coef[hit[0]])
         acc.addmm_(tile, k[cols])

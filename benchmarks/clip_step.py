@@ -13,8 +13,8 @@ Step (a small two-tower encoder, 64 -> 256 -> d per tower, d = 256, AdamW, float
   streamed, B = C/8  eight micro-batches (a no-grad forward, then a recompute of each); step
 Loss machinery (this rank's C x d embeddings in, dL/dZ_local out; no encoder):
   open_clip recipe   gather_with_grad, local_clip_loss, backward to the embeddings
-  streamed           the library's phases: `phase_a_gather`, `phase_b_normalisers`, and
-                     `phase_c_embedding_grads` for every micro-batch (B = C and B = C/8)
+  streamed           the library's `streamed.loss_machinery`: the all-gather, Phase B, and Phase C
+                     for every micro-batch (B = C and B = C/8), as the step runs them
   matmul floor       the same 6 C N d multiply-adds as plain `mm` in C x T tiles (2 C N d for the
                      rows and columns of S, 2 x 2 C N d for the two tile products and accumulations of
                      G): no exponentials, no reductions, no communication. It is timed in both parts,
@@ -47,13 +47,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab.cli import add_runtime_args, positive_int
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.losses import local_clip_loss
-from distlab.contrastive.streamed import LocalForward, phase_a_gather, phase_b_normalisers, phase_c_embedding_grads
-from distlab.contrastive.streamed_config import parse_config
+from distlab.contrastive.streamed import loss_machinery
 from distlab.contrastive.streamed_kernels import chunks
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower
-from distlab.runtime import distributed, run_main
 from distlab.console import print0
+from distlab.runtime import distributed, run_main
 from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,12 +87,7 @@ def loss_open_clip(z_x, z_y, rt, chunk, method):
 
 def loss_streamed(z_x, z_y, rt, chunk, method):
     c = len(z_x)
-    cfg = parse_config(config(c * rt.world_size, micro_of(method, c), chunk), rt.world_size, rt.rank)
-    emb = phase_a_gather(LocalForward([slice(0, c)], [(z_x, z_y, None)], [], kept=True), cfg)
-    norm = phase_b_normalisers(emb, cfg)
-    g_x, g_y = torch.empty_like(z_x), torch.empty_like(z_y)
-    for rows in cfg.micro:  # in the step each micro-batch's G goes straight into its backward
-        g_x[rows], g_y[rows], _ = phase_c_embedding_grads(emb, norm, rows, cfg, (True, True))
+    _, g_x, g_y = loss_machinery(z_x, z_y, config(c * rt.world_size, micro_of(method, c), chunk))
     return g_x, g_y
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -287,7 +288,9 @@ def main() -> int:
                f"{agreement['step']:.1e}, loss dL/dZ {agreement['loss']:.1e}")
         if max(agreement.values()) > 1e-4:
             raise RuntimeError(f"methods disagree ({agreement}): the benchmark would compare different things")
+        meta["load_average_before"] = os.getloadavg()[0]  # the machine may be shared: say how busy it was
         results = {part: run_part(part, args, rt) for part in args.parts}
+        meta["load_average_after"] = os.getloadavg()[0]
         if rt.is_first:
             out = Path(args.out) if args.out else RESULTS / f"clip_step_p{rt.world_size}"
             out.parent.mkdir(parents=True, exist_ok=True)

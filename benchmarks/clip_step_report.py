@@ -42,7 +42,9 @@ def markdown(data: dict) -> str:
     meta, results = data["meta"], data["results"]
     lines = [f"P = {meta['world']}, d = {meta['dim']}, {meta['dtype']}, T = {meta['stream_chunk']}, "
              f"tau = {meta['tau']}, median of {meta['repeats']} interleaved runs; device: {meta['device']}, "
-             f"torch {meta['torch']}, {meta['backend']}.", "", f"Command: `{meta['command']}`", "",
+             f"torch {meta['torch']}, {meta['backend']}."
+             + (f" Load average (1 min) {meta['load_average_before']:.1f} before, {meta['load_average_after']:.1f} "
+                "after the run." if "load_average_before" in meta else ""), "", f"Command: `{meta['command']}`", "",
              "x floor: the time over the matmul floor's (6 C N d multiply-adds as plain mm), timed in the same part "
              "at the same N, interleaved. "
              "Memory: the peak of tensor storage the call allocated on the worst rank.", ""]

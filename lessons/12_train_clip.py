@@ -39,10 +39,13 @@ src/distlab/contrastive/digits.py; AdamW's decay groups and the warm-up + cosine
 src/distlab/optim.py. With B >= C every rank's C pairs are one micro-batch and the towers run once per
 step; with B < C each micro-batch runs twice (a no-grad embed, then a recompute with grad).
 
-bf16 autocast helps where the towers' matrix products are large and the hardware has bf16 units
-(GPUs): `--autocast auto` turns it on for CUDA. On the CPU it does not help here: these towers'
-products are tiny, and the casts around them cost more than they save (see the README for the
-measured step times), so auto leaves it off; `--autocast bf16` forces it.
+bf16 autocast helps where the towers are a large share of the step and the hardware has bf16 units
+(GPUs): `--autocast auto` turns it on for CUDA. On the CPU it does not help this lesson, so auto leaves
+it off. Measured on a 2-core Xeon with AMX (one thread; notebook 12 measures it again): autocast makes
+the towers' forward + backward 1.3x faster at C = 128 pairs (9.3 -> 7.1 ms) and 1.6x at 1024, but a
+step here is mostly communication and per-call overhead, and 150 steps at P = 2 took as long either
+way (10.0, 10.6, 7.0 s in float32 against 10.7, 9.9, 6.8 s in bf16, interleaved on a shared machine).
+`--autocast bf16` turns it on; the loss machinery runs in float32 under it either way.
 
 The self-checks. Step 1's gradients, the logit scale's included, equal those of a deep copy trained on
 the whole global batch in one process (plain autograd, the scale an ordinary tensor); held-out
@@ -225,7 +228,7 @@ def main() -> int:
                f"T={args.stream_chunk}, d={args.dim}; {len(data.labels)} training, "
                f"{len(data.split.test_labels)} held-out images; bf16 autocast {'on' if bf16 else 'off'}; "
                f"{rt.backend}")
-        before, s_before = data.zero_shot(model)[0], model.logit_scale.exp().item()
+        (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
         check_first_step(ddp, model, data, config, verdict)
         start = time.perf_counter()
         curves = train(ddp, model, optimizer, scheduler, data, config, args, bf16)
@@ -239,9 +242,10 @@ def main() -> int:
                f"{after:.1%} after (chance 10%)")
         verdict.check(f"held-out zero-shot accuracy >= {MIN_ACCURACY:.0%} (chance 10%)", after >= MIN_ACCURACY,
                       f"{after:.1%}")
-        confusion = confusion_matrix(data.split.test_labels, predictions)
+        confusions = {when: confusion_matrix(data.split.test_labels, p) for when, p in (("before", guesses),
+                                                                                      ("after", predictions))}
         for key, value in dict(accuracy_before=before, accuracy_after=after, seconds=seconds, world_size=world,
-                               global_batch=n, confusion=confusion, bf16=bf16, **curves).items():
+                               global_batch=n, confusion=confusions, bf16=bf16, **curves).items():
             verdict.figure(key, value)
         code = verdict.finish(args.json)
         print0(f"zero-shot accuracy on held-out digits: {after:.1%}", highlight=False)

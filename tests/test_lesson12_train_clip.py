@@ -1,6 +1,7 @@
 """Lesson 12 trains a CLIP on scikit-learn's digits with `distributed_backward` under torchrun at P = 2:
-step 1's gradients equal one process's on the whole batch, and held-out zero-shot accuracy clears the
-lesson's stated margin (8x chance) and is printed as the last line. Its pieces, checked one by one: the
+step 1's gradients equal one process's on the whole batch, held-out zero-shot accuracy clears the
+lesson's stated margin (8x chance) and is printed as the last line, and one process on the same global
+batches trains the same model. Its pieces, checked one by one: the
 split, the captions and their tokenizer, the zero-shot classifier, AdamW's groups and the schedule."""
 
 import json
@@ -48,6 +49,16 @@ def test_lesson_trains_a_clip_that_classifies_held_out_digits_at_p2(tmp_path):
         confusion = torch.tensor(figures["confusion"][when])
         assert confusion.shape == (10, 10) and confusion.trace() / confusion.sum() == pytest.approx(
             figures[f"accuracy_{when}"])
+
+    # One process on the same global batches trains the same model: 40 steps of loss and learned scale
+    # agree to float32 rounding (the summation order differs), the accuracy curve exactly.
+    alone = tmp_path / "lesson12_p1.json"
+    run = torchrun(LESSON, 1, "--steps", "40", "--warmup", "4", "--json", str(alone))
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    one = json.loads(alone.read_text())["figures"]
+    assert one["loss"] == pytest.approx(figures["loss"], rel=1e-5)
+    assert one["logit_scale"] == pytest.approx(figures["logit_scale"], rel=1e-5)
+    assert one["accuracy"] == figures["accuracy"]
 
 
 def test_the_accuracy_check_can_fail():

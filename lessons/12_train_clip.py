@@ -42,7 +42,7 @@ step; with B < C each micro-batch runs twice (a no-grad embed, then a recompute 
 bf16 autocast helps where the towers are a large share of the step and the hardware has bf16 units
 (GPUs): `--autocast auto` turns it on for CUDA. On the CPU it does not help this lesson, so auto leaves
 it off. Measured on a 2-core Xeon with AMX (one thread; notebook 12 measures it again): autocast makes
-the towers' forward + backward 1.3x faster at C = 128 pairs (9.3 -> 7.1 ms) and 1.6x at 1024, but a
+the towers' forward + backward 1.2-1.3x faster at C = 128 pairs and 1.4-1.6x at 1024 (three runs), but a
 step here is mostly communication and per-call overhead, and 150 steps at P = 2 took as long either
 way (10.0, 10.6, 7.0 s in float32 against 10.7, 9.9, 6.8 s in bf16, interleaved on a shared machine).
 `--autocast bf16` turns it on; the loss machinery runs in float32 under it either way.

@@ -46,22 +46,21 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.cli import add_runtime_args, positive_int
+from distlab.console import print0
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.losses import local_clip_loss
 from distlab.contrastive.streamed import loss_machinery
 from distlab.contrastive.streamed_kernels import chunks
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower
-from distlab.console import print0
 from distlab.runtime import distributed, run_main
 from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
-from clip_step_report import write_report  # noqa: E402
+from clip_step_report import B_C8, B_EQ_C, FLOOR, OPEN_CLIP, write_report  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TAU = 0.07
-OPEN_CLIP, B_EQ_C, B_C8, FLOOR = "open_clip recipe", "streamed, B = C", "streamed, B = C/8", "matmul floor"
 STEP_METHODS = (OPEN_CLIP, B_EQ_C, B_C8)
 LOSS_METHODS = (OPEN_CLIP, B_EQ_C, B_C8, FLOOR)
 

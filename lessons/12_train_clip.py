@@ -88,7 +88,7 @@ def parse_args():
     parser.add_argument("--steps", type=positive_int, default=150, help="optimiser steps")
     parser.add_argument("--warmup", type=positive_int, default=15, help="warm-up steps of the schedule")
     parser.add_argument("--lr", type=positive_float, default=5e-3, help="AdamW's peak learning rate")
-    parser.add_argument("--weight-decay", type=positive_float, default=0.1, help="on weight matrices only")
+    parser.add_argument("--weight-decay", type=fraction, default=0.1, help="AdamW's, on weight matrices only")
     parser.add_argument("--clip-norm", type=positive_float, default=1.0, help="max global gradient norm")
     parser.add_argument("--dim", type=positive_int, default=64, help="d, the embedding width")
     parser.add_argument("--width", type=positive_int, default=32, help="the towers' width")
@@ -98,6 +98,8 @@ def parse_args():
     args = parser.parse_args()
     if args.warmup >= args.steps:  # needs no P: refused before any process group exists
         parser.error(f"argument --warmup: must be below --steps ({args.steps}), got {args.warmup}")
+    if args.test_fraction == 0:
+        parser.error("argument --test-fraction: the zero-shot claim needs held-out images, got 0")
     return args
 
 
@@ -216,6 +218,7 @@ def main() -> int:
         local, verdict = n // world, Verdict(rt)
         bf16 = args.autocast == "bf16" or (args.autocast == "auto" and rt.device.type == "cuda")
         data = Digits(args, rt)
+        require(n <= len(data.labels), "--global-batch", f"N={n} exceeds the {len(data.labels)} training images")
         model = DigitsCLIP(len(data.tokenizer), data.tokenizer.length, args.dim, args.width, args.seed)
         model = model.to(rt.device)
         ddp = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)

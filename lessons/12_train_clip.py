@@ -164,9 +164,9 @@ def part_table(rows: list, caption: str) -> Table:
 
 def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -> None:
     """Step 1's gradient, in float32 without autocast, against the single-process full batch."""
-    rows = [data.rows(0, r)[0] for r in range(data.rt.world_size)]
-    loss = distributed_backward(ddp, *data.batch(0, rows[data.rt.rank]), config)
-    ref_grads, ref_loss = reference_gradients(model, *data.batch(0, torch.cat(rows)))
+    shards = [data.rows(0, r)[0] for r in range(data.rt.world_size)]         # step 1's rows of every rank
+    loss = distributed_backward(ddp, *data.batch(0, shards[data.rt.rank]), config)
+    ref_grads, ref_loss = reference_gradients(model, *data.batch(0, torch.cat(shards)))
     rows = compare(ref_grads, grads_of(model))
     rtol, atol = tolerances(torch.float32)
     print0(part_table(rows, f"allclose with rtol {rtol:g}, atol {atol:g}; rank 0"))

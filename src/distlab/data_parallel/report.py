@@ -41,7 +41,8 @@ def _table(title: str, columns: tuple[str, ...], caption: str = "") -> Table:
     table = Table(title=title, caption=caption or None, title_justify="left", caption_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold")
+        # The first column names the row: never broken (a narrow terminal wraps the headers instead).
+        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
     return table
 
 
@@ -68,10 +69,11 @@ def cost_table(rows: list) -> Table:
     all_gather's (`measure.CollectiveRow`s of one rank)."""
     base = next(row for row in rows if row.name == "all_gather")
     table = _table(f"Bytes one rank sends, and time, for a {rows[0].full_bytes / MIB:.2f} MiB tensor", (
-        "collective", "ring: x bytes", "MiB", "counted", "ms", "t / t_ag", "bytes / b_ag"),
-        caption="MiB: the formula; counted: what rank 0 sent in the ring by hand (in the broadcast the "
-                "last rank sends none); t_ag, b_ag: all_gather's time and bytes. gloo picks its own "
-                "algorithms: its reduce_scatter is an all_reduce of a copy")
+        "collective", "ring", "MiB", "counted", "ms", "t / t_ag", "b / b_ag"),
+        caption="ring: the formula, in units of the tensor's bytes; MiB: what it gives; counted: what "
+                "rank 0 sent in the ring by hand (in the broadcast the last rank sends none); t_ag, b_ag: "
+                "all_gather's time and bytes. gloo picks its own algorithms: its reduce_scatter is an "
+                "all_reduce of a copy")
     for row in rows:
         sized = base.formula_bytes > 0  # at P = 1 nothing is sent and the ratios mean nothing
         table.add_row(row.name, row.formula.replace(" x bytes", ""), f"{row.formula_bytes / MIB:.2f}",
@@ -104,8 +106,8 @@ def timing_table(times: dict, baseline: str) -> Table:
 
 def timeline_table(launched: list[float], done: list[float], sizes: list[int], backward_end: float) -> Table:
     """Per bucket: its size, and when its all-reduce was launched and completed (ms from backward's start)."""
-    table = _table(f"One step's buckets, ms from backward's start (it ends at {backward_end:.1f})", (
-        "bucket", "MiB", "launched", "completed", "in backward"))
+    table = _table("One step's buckets, ms from backward's start", (
+        "bucket", "MiB", "launched", "completed", "in backward"), caption=f"backward ended at {backward_end:.1f} ms")
     for i, (start, end, size) in enumerate(zip(launched, done, sizes)):
         table.add_row(str(i), f"{size / MIB:.2f}", f"{start:.1f}", f"{end:.1f}",
                       "yes" if start < backward_end else "no")

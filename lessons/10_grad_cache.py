@@ -3,15 +3,16 @@
     torchrun --nproc-per-node 2 lessons/10_grad_cache.py    # any P that divides N (576: P = 1, 2, 3, 4, 6, 8)
 
 The idea. The CLIP loss couples all N pairs, so its gradient is not a sum over micro-batches. But the
-parameters theta reach the loss only through the representations r_i = f_theta(x_i), N x d numbers:
+parameters theta reach the loss only through the representations h_i = f_theta(x_i), N x d numbers
+(the rows of H; a tower's raw output, before the loss normalises it):
 
-    dL/dtheta = sum_i (dL/dr_i) . (dr_i/dtheta)
+    dL/dtheta = sum_i (dL/dh_i) . (dh_i/dtheta)
 
 GradCache (Gao, Zhang, Han, Callan 2021, "Scaling Deep Contrastive Learning Batch Size under Memory
 Limited Setup", https://arxiv.org/abs/2101.06983; library luyug/GradCache, https://github.com/luyug/GradCache)
 computes it in three steps: (1) every representation, micro-batch by micro-batch of B rows, without a
-graph; (2) the loss on them and its gradient G = dL/dR, the cache; (3) every micro-batch again with a
-graph, back-propagating <r, G> of its rows, whose parameter gradient is G . dr/dtheta. Activations live
+graph; (2) the loss on them and its gradient G = dL/dH, the cache; (3) every micro-batch again with a
+graph, back-propagating <h, G> of its rows, whose parameter gradient is G . dh/dtheta. Activations live
 for one micro-batch at a time. Dropout must draw the same masks in (1) and (3): each micro-batch's random
 state is saved in (1) and replayed in (3).
 
@@ -124,12 +125,12 @@ def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
                 rep.append(tower(part))
     leaves = [torch.cat(rep).requires_grad_() for rep in reps]
     loss = loss_fn(*leaves)                                    # (2) the loss on detached leaves:
-    loss.backward()                                            #     leaf.grad = G = dL/dR (n x d)
+    loss.backward()                                            #     leaf.grad = G = dL/dH (n x d)
     for tower, parts, state, leaf in zip(towers, chunks, states, leaves):
         for part, replay, g in zip(parts, state, leaf.grad.split(b)):
             with replay:                                       # (3) again with a graph, same masks
-                r = tower(part)
-            torch.dot(r.flatten(), g.flatten()).backward()     #     d<r, G>/dtheta = G . dr/dtheta
+                h = tower(part)
+            torch.dot(h.flatten(), g.flatten()).backward()     #     d<h, G>/dtheta = G . dh/dtheta
     return loss.detach()
 
 

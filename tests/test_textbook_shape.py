@@ -1,0 +1,61 @@
+"""The code reads as a textbook, and stays that way: a lesson's main() fits on a screen, a module in
+src/ has one job (and so stays short), a function takes few enough arguments to hold in mind, and the
+tests share helpers through tests/helpers.py, never by importing one another."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
+MODULES = sorted((ROOT / "src").rglob("*.py"))
+TESTS = sorted((ROOT / "tests").glob("*.py"))
+MAIN_LINES, MODULE_LINES, PARAMETERS = 50, 300, 7
+
+
+def _functions(path: Path):
+    tree = ast.parse(path.read_text())
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _parameters(fn) -> int:
+    args = fn.args
+    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+    return len([n for n in names if n not in ("self", "cls")])
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_a_lessons_main_fits_on_a_screen(path):
+    mains = [fn for fn in _functions(path) if fn.name == "main"]
+    assert mains, f"{path.name} has no main()"
+    lines = mains[0].end_lineno - mains[0].lineno + 1
+    assert lines <= MAIN_LINES, f"{path.name}: main() is {lines} lines (at most {MAIN_LINES})"
+
+
+def test_modules_are_short_and_signatures_small():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in MODULES
+            if (n := len(p.read_text().splitlines())) > MODULE_LINES]
+    wide = [f"{p.relative_to(ROOT)}:{fn.lineno} {fn.name}() takes {_parameters(fn)}"
+            for p in MODULES for fn in _functions(p) if _parameters(fn) > PARAMETERS]
+    assert not long, f"modules over {MODULE_LINES} lines: {long}"
+    assert not wide, f"functions over {PARAMETERS} parameters: {wide}"
+
+
+def test_no_test_imports_another_test():
+    offenders = []
+    for path in TESTS:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not offenders, offenders
+
+
+def test_the_library_never_imports_a_lesson_or_a_test():
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.split(".")[0] in ("lessons", "tests", "helpers", "nbhelpers")
+                               or n.startswith("test_") for n in names), f"{path}: imports {names}"

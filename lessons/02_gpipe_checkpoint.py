@@ -78,6 +78,7 @@ def memory_table(plain, ckpt, k: int, bounds: list[range]) -> tuple[Table, dict]
                       f"{b.saved_peak_bytes / 2**10:,.0f}", f"{ratios[-1]:.2f}", str(a.layer_forwards),
                       str(b.layer_forwards), f"{b.layer_forwards / a.layer_forwards - 1:+.0%}")
     return table, {"ratios": ratios, "can_save": can_save, "in_flight": [a.peak_in_flight for a in plain],
+                   "saved": [(a.saved_peak_bytes, b.saved_peak_bytes) for a, b in zip(plain, ckpt)],
                    "forwards": [(a.layer_forwards, b.layer_forwards) for a, b in zip(plain, ckpt)]}
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.cli import DTYPES, add_mlp_args, lesson_parser, mlp_widths, positive_int
+from distlab.cli import DTYPES, add_mlp_args, lesson_parser, mlp_widths, positive_int, require
 from distlab.compare import all_ok, compare
 from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table
@@ -122,7 +122,7 @@ def run_all(rt, cfg: PipelineConfig, names, engine) -> dict:
 
 
 def parse_args(argv: list[str] | None = None):
-    parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=32, global_batch=64, steps=2)
+    parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=32, global_batch=64, steps=3)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M; must divide N (PyTorch's runs)")
     parser.add_argument("--stages-per-rank", type=positive_int, default=2, help="v of the interleaved schedules (>= 2)")
     return parser.parse_args(argv)
@@ -131,6 +131,8 @@ def parse_args(argv: list[str] | None = None):
 def main() -> int:
     args = parse_args()
     m, v = args.micro_batches, args.stages_per_rank
+    require(args.global_batch % m == 0, "--micro-batches", f"M={m} must divide N={args.global_batch} "
+            "(--global-batch): PyTorch's schedules take equal micro-batches only (ours: lesson 02)")
     cfg = PipelineConfig(widths=mlp_widths(args), global_batch=args.global_batch, steps=args.steps, lr=args.lr,
                          micro_batches=m, stages_per_rank=v, seed=args.seed, dtype=DTYPES[args.dtype])
     with distributed(args.device) as rt:
@@ -151,42 +153,47 @@ def main() -> int:
         times = verdict.figure("step_ms", {n: 1e3 * step_seconds(r.spans, args.steps) for n, r in ours.items()})
         print0("step time of ours, median over steps 2..: " + ", ".join(f"{SCHEDULES[n].title} {t:.0f} ms"
                for n, t in times.items()) + f" ({p} ranks on this CPU's cores: see the docstring's caveat)")
-        theirs = torch_part(rt, cfg, ref, ours, verdict)
+        theirs = torch_part(rt, cfg, ref, verdict)
         verdict.figure("torch_orders", {n: [[a.label for a in o] for o in theirs[n]] for n in theirs})
         return verdict.finish(args.json)
 
 
-def torch_part(rt, cfg: PipelineConfig, ref, ours: dict, verdict: Verdict) -> dict:
+def torch_part(rt, cfg: PipelineConfig, ref, verdict: Verdict) -> dict:
     """torch's seven schedules: gradients, orders, and where they differ from ours."""
     p, m = rt.world_size, cfg.micro_batches
-    runs = run_all(rt, cfg, THEIRS, TorchStep)
-    label = {n: f"{TORCH_SCHEDULES[n]}" + (f" (v={stages_per_rank(n, cfg.stages_per_rank)})"
-                                            if n in ("zb-h1", "interleaved-zb") else "") for n in THEIRS}
+    configs = {n: cfg.replace(schedule=n, stages_per_rank=stages_per_rank(n, cfg.stages_per_rank)) for n in THEIRS}
+    label = {n: TORCH_SCHEDULES[n] + (f" v={c.stages_per_rank}" if n in ("zb-h1", "interleaved-zb") else "")
+             for n, c in configs.items()}
+    refused = {n: refusals(rt, c, sorted(set(range(1, 2 * p + 2)) | {m})) for n, c in configs.items()}
+    print0("M that PyTorch's constructors refuse at this P (ours run every M, but for interleaved rounds that do "
+           "not divide M): " + "; ".join(f"{label[n]} {sorted(r)}" for n, r in refused.items() if r))
+    verdict.figure("refused", {n: sorted(r) for n, r in refused.items()})
+    runs = {n: train(rt, c, TorchStep(rt, c)) for n, c in configs.items() if m not in refused[n]}
     table, matched = check_runs({label[n]: r for n, r in runs.items()}, ref, cfg.dtype, "PyTorch's against the "
                                 "unsplit model")
     print0(table)
-    verdict.check("each of PyTorch's seven schedules gives the unsplit model's gradients, parameters and losses",
-                  matched)
-    executed = {n: [list(e) for e, _ in gathered((r.executed, r.planned))] for n, r in runs.items()}
-    planned = {n: [list(pl) for _, pl in gathered((r.executed, r.planned))] for n, r in runs.items()}
-    same = [n for n in OURS if executed[n] == make_schedule(n, p, m, stages_per_rank(n, cfg.stages_per_rank))]
+    classes = len({TORCH_SCHEDULES[n] for n in runs})
+    verdict.check(f"each of PyTorch's schedules that takes M={m} ({len(runs)} runs, {classes} classes) gives the "
+                  "unsplit model's gradients, parameters and losses", matched)
+    both = {n: gathered((r.executed, r.planned)) for n, r in runs.items()}
+    executed = {n: [list(e) for e, _ in ranks] for n, ranks in both.items()}
+    shared = [n for n in OURS if n in runs]
+    same = [n for n in shared if executed[n] == make_schedule(n, p, m, configs[n].stages_per_rank)]
+    if "zb-h1" in runs:
+        print0(orders_table({"ours (ZB-H1)": make_schedule("zb-h1", p, m), "PyTorch executed": executed["zb-h1"]},
+                            "ZB-H1: our order and what PyTorch's InterleavedZeroBubble ran (v=1)"))
     print0(f"PyTorch executes our order, rank by rank, for: {', '.join(label[n] for n in same)}")
-    verdict.check("PyTorch executes our order for every schedule we share with it", len(same) == len(OURS),
-                  f"{len(same)} of {len(OURS)}")
-    print0(orders_table({"ours (ZB-V)": make_schedule("zbv", p, m, 2), "PyTorch's DualPipeV, executed":
-                         executed["dualpipev"]}, "one of PyTorch's own: DualPipeV beside ZB-V", labels=True))
-    dual = simulate(executed["dualpipev"])
-    print0(render(dual, "DualPipeV as executed, on our grid:", compact=True))
-    verdict.figure("dualpipev", {"bubble": dual.bubble_fraction(), "ticks": dual.ticks})
-    differs = {n: [r for r in range(p) if planned[n][r] != executed[n][r]] for n in THEIRS}
+    verdict.check("PyTorch executes our order for every schedule we share with it", same == shared,
+                  f"{len(same)} of {len(shared)}")
+    differs = {n: [r for r, (e, pl) in enumerate(ranks) if list(e) != list(pl)] for n, ranks in both.items()}
     print0("pipeline_order, PyTorch's printed plan, differs from what it runs for: "
            + (", ".join(f"{label[n]} (ranks {d})" for n, d in differs.items() if d) or "none"))
-    refused = {n: refusals(rt, cfg.replace(schedule=n, stages_per_rank=stages_per_rank(n, cfg.stages_per_rank)),
-                           list(range(1, 2 * p + 2))) for n in THEIRS}
-    print0("M that PyTorch's constructors refuse at this P (ours run every M from 1, except interleaved "
-           "rounds that do not divide M): " + "; ".join(f"{label[n]} {sorted(r)}" for n, r in refused.items() if r))
-    verdict.figure("refused", {n: sorted(r) for n, r in refused.items()})
-    unscaled_cfg = cfg.replace(schedule="zbv", stages_per_rank=2, steps=1, scale_grads=False)
+    if "dualpipev" in runs:  # one of PyTorch's own, on our grid
+        dual = simulate(executed["dualpipev"])
+        print0(render(dual, f"DualPipeV as PyTorch executed it, on our grid (bubble {dual.bubble_fraction():.4f}):",
+                      compact=True))
+        verdict.figure("dualpipev", {"bubble": dual.bubble_fraction(), "ticks": dual.ticks})
+    unscaled_cfg = configs["zbv"].replace(steps=1, scale_grads=False)
     unscaled = train(rt, unscaled_cfg, TorchStep(rt, unscaled_cfg))
     want = {n: m * g for n, g in ref.first_grads.items() if n in unscaled.first_grads}
     verdict.check(f"ScheduleZBVZeroBubble with scale_grads=False and a mean loss gives M = {m} times the gradient, "

@@ -225,6 +225,15 @@ def test_render_folds_wide_grids_into_blocks_that_fit():
         assert cells.count("0F3") == 1 and cells.count("4B0") == 2  # an unsplit backward takes two ticks
 
 
+def test_compact_grids_share_one_time_axis_and_fold_too():
+    console = Console(width=40, record=True, color_system=None)
+    console.print(render(simulate(gpipe(4, 8)), compact=True, stretch=2, width=40))
+    lines = console.export_text().splitlines()
+    rows = [line for line in lines if line.startswith("rank 0")]
+    assert max(len(line) for line in lines) <= 40
+    assert "".join(line[7:] for line in rows) == "F" * 16 + "." * 18 + "B" * 32  # 33 ticks, two characters each
+
+
 # --- The runner's communication plan, replayed for every rank at once ------------------------
 
 

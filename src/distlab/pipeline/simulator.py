@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from distlab.console import column_blocks
 from distlab.pipeline.schedules import Action, Schedule, check_schedule, num_stages, split_backward
@@ -125,6 +126,15 @@ def _cell(action: Action | None, text: str) -> str:
     return f"[{STYLES[action.kind]}]{text}[/]" if action else f"[dim]{text}[/]"
 
 
+def _compact_row(label: str, row: list[Action | None], first_stage: int, stretch: int) -> Text:
+    """One rank's ticks as characters, runs of one kind in one style (a short, plain output)."""
+    line = Text(label, style="bold")
+    for a in row:
+        char = "." if a is None else a.kind if a.stage == first_stage else a.kind.lower()
+        line.append(char * stretch, style=STYLES[a.kind] if a else "dim")
+    return line
+
+
 def render(timing: Timing, title: str = "", width: int | None = None, compact: bool = False,
            stretch: int = 1) -> Group:
     """The grid as text, one row per rank and one column per tick, '.' where a rank idles; folded
@@ -132,21 +142,24 @@ def render(timing: Timing, title: str = "", width: int | None = None, compact: b
     the micro-batch (F3), and the stage too when a rank holds several (2F3: stage 2). `compact`:
     the kind alone, lower case on a rank's second and later stages, `stretch` characters per tick
     (2 for a one-stage-per-rank grid beside grids of half-size stages: one time axis for all)."""
-    multi = len({a.stage for a in timing.start}) > len(timing.grid)
-    first = [min((a.stage for a in row if a), default=0) for row in timing.grid]
-    text = [[("." if a is None else a.kind if a.stage == first[r] else a.kind.lower()) * stretch if compact
-             else (a.label if multi else str(a)) if a else "." for a in row] for r, row in enumerate(timing.grid)]
-    cell = max(len(c) for row in text for c in row)
-    label = len(f"rank {len(timing.grid) - 1}")
-    gap = 0 if compact else 1
+    label = len(f"rank {len(timing.grid) - 1}") + 1
     parts: list = [title] if title else []
-    for block in column_blocks(timing.ticks, cell + gap, label + 1 - gap, width):
-        table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, 0, 0, gap), show_header=False)
-        table.add_column(justify="left", style="bold", no_wrap=True, min_width=label + 1 - gap)
+    if compact:
+        first = [min((a.stage for a in row if a), default=0) for row in timing.grid]
+        for k, block in enumerate(column_blocks(timing.ticks, stretch, label, width)):
+            parts += [Text(f"t={block.start}")] if k else []
+            parts += [_compact_row(f"rank {r}".ljust(label), row[block.start:block.stop], first[r], stretch)
+                      for r, row in enumerate(timing.grid)]
+        return Group(*parts)
+    multi = len({a.stage for a in timing.start}) > len(timing.grid)
+    text = [[(a.label if multi else str(a)) if a else "." for a in row] for row in timing.grid]
+    cell = max(len(c) for row in text for c in row)
+    for block in column_blocks(timing.ticks, cell + 1, label, width):
+        table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1), show_header=False)
+        table.add_column(justify="left", style="bold", no_wrap=True, min_width=label - 1)
         for _ in block:
             table.add_column(justify="center", no_wrap=True, min_width=cell, max_width=cell)
-        if not compact:
-            table.add_row(f"t={block.start}", *("" for _ in block))
+        table.add_row(f"t={block.start}", *("" for _ in block))
         for r, row in enumerate(timing.grid):
             table.add_row(f"rank {r}", *(_cell(row[t], text[r][t]) for t in block))
         parts.append(table)

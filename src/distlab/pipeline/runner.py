@@ -86,8 +86,9 @@ class PipelineStep:
         self.probe = StageProbe([s.module for s in self.stages]) if cfg.probe else None
         self.peak = self.layer_forwards = 0
         # With NCCL, a batch_isend_irecv that is the group's first collective must involve every rank,
-        # and ours involve two. One barrier first makes every later batch a legal subset.
-        dist.barrier()
+        # and ours involve two. One collective of every rank first, on the device the batches will use
+        # (on GPUs a CPU barrier would go to gloo and leave NCCL uninitialised), makes them legal subsets.
+        dist.all_reduce(torch.zeros(1, device=rt.device))
 
     def __call__(self, step: int) -> float | None:
         self.held: dict[tuple[int, int], list] = {}   # (p, i) -> [input, output or loss, grad of output]

@@ -14,11 +14,11 @@ LESSONS=(
   "03_one_f_one_b.py|4|1F1B equals the unsplit model; same bubble as GPipe; at most min(M, P-r) micro-batches in flight|--micro-batches 7"
   "04_torch_pipelining.py|4|PyTorch's ScheduleGPipe and Schedule1F1B equal ours and the unsplit model and run our order|"
   "05_interleaved_zero_bubble.py|4|interleaved 1F1B and zero bubble equal the unsplit model; bubbles match their formulas; torch's seven schedules agree and run our order|"
-  "06_data_parallel.py|4|each collective and DDP (by hand, bucketed, torch's) equal one process; averaging is off by P for a loss not split over ranks|"
+  "06_data_parallel.py|4|collectives = one process, ring bytes = formula; by hand, buckets, DDP, no_sync = one process; DDP's average: exact for a mean, 1/P for a global loss|"
   "07_contrastive_global.py|4|plain gather = exactly 1/P of the full-batch gradient; P*L and sum-backward gather exact|"
   "08_contrastive_local_naive.py|4|plain gather's gradient is wrong (= detached blocks); fixed gather trains like one process|"
   "09_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"
-  "10_grad_cache.py|2|chunked GradCache gradients equal the full batch's, in one process and under DDP; memory set by the chunk|"
+  "10_grad_cache.py|2|GradCache equals the full batch in one process and the global batch under DDP (one reducing backward per tower); memory set by B; every sample forward twice|"
   "11_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
   "12_train_clip.py|2|a CLIP trained with distributed_backward classifies held-out digits zero-shot far above chance|"
 )

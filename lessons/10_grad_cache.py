@@ -1,107 +1,136 @@
-"""Lesson 10: GradCache. A contrastive batch far larger than fits, in chunks, with exact gradients.
+"""Lesson 10: GradCache. A contrastive batch far larger than fits, in micro-batches, with exact gradients.
 
-    torchrun --nproc-per-node 2 lessons/10_grad_cache.py
+    torchrun --nproc-per-node 2 lessons/10_grad_cache.py    # any P that divides N (576: P = 1, 2, 3, 4, 6, 8)
 
-The idea. The CLIP loss couples all N samples, so its gradient cannot be summed from micro-batches. But
-the parameters reach the loss only through the representations r_i = f(x_i), N x d numbers, and
+The idea. The CLIP loss couples all N pairs, so its gradient is not a sum over micro-batches. But the
+parameters theta reach the loss only through the representations r_i = f_theta(x_i), N x d numbers:
 
-    dL/dtheta = sum_i (dL/dr_i) . (dr_i/dtheta).
+    dL/dtheta = sum_i (dL/dr_i) . (dr_i/dtheta)
 
-GradCache (Gao et al. 2021; `distlab.contrastive.grad_cache`) computes it in three steps: (1) all
-representations, chunk by chunk, without a graph; (2) the loss on them and its gradient G = dL/dR,
-the cache; (3) every chunk again, with a graph, back-propagating <r_chunk, G_chunk>. Activations live
-for one chunk at a time; dropout draws the same masks in (1) and (3) because each chunk's random state
-is saved in (1) and replayed in (3) (`RandContext`).
+GradCache (Gao, Zhang, Han, Callan 2021, "Scaling Deep Contrastive Learning Batch Size under Memory
+Limited Setup", https://arxiv.org/abs/2101.06983; library luyug/GradCache, https://github.com/luyug/GradCache)
+computes it in three steps: (1) every representation, micro-batch by micro-batch of B rows, without a
+graph; (2) the loss on them and its gradient G = dL/dR, the cache; (3) every micro-batch again with a
+graph, back-propagating <r, G> of its rows, whose parameter gradient is G . dr/dtheta. Activations live
+for one micro-batch at a time. Dropout must draw the same masks in (1) and (3): each micro-batch's random
+state is saved in (1) and replayed in (3).
 
-Part 1, one process (rank 0): a batch of N = 512 pairs in chunks of 32. The gradients equal the full
-batch's (a deep copy, plain autograd, the chunks with grad in the same order and seeds, so dropout
-draws the same masks); the peak memory follows the chunk, not the batch, down to a floor set by the
-loss's own N x N logits; and the price is time: an extra no-grad forward per step.
+The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs. The library
+version is `GradCache.cache_step` in src/distlab/contrastive/grad_cache.py (`forward_no_grad`,
+`build_cache`, `forward_backward`; dicts, VLM inputs, mixed precision and DDP's `no_sync` on top); the
+replay is `RandContext` in src/distlab/contrastive/rand_context.py.
 
-Part 2, P ranks under DDP: each rank runs GradCache on its N/P pairs, the loss gathers the
-representations with lesson 09's gather (backward sums over ranks) and takes its C x N rows; DDP
-averages. The gradients equal the single-process global batch's, and with `no_sync_except_last` each
-model's gradients are all-reduced once per step, counted by a DDP communication hook.
+The proof. Part 1, one process (rank 0): both equal the full batch's gradients (a deep copy, plain
+autograd, one loss; its micro-batches run with a graph in the same order from the same seed, so dropout
+draws the same masks); the peak memory follows B, not N, down to a floor set by the loss's own N x N
+logits (when the activations outweigh the parameter gradients, as at the defaults: with tiny towers the
+gradient each micro-batch's backward adds into .grad can cost more than it saves); the price is an extra
+forward of every sample, even at B = N. Part 2, P ranks under DDP: each
+rank caches its C = N/P pairs, the loss gathers the representations with lesson 09's gather (its backward
+sums over ranks), DDP averages: the gradients equal the single-process global batch's, and with
+`no_sync_except_last` each tower's gradients are all-reduced in one backward per step, not in every
+micro-batch's (a DDP comm hook counts them).
 
-What seed 002 got wrong: it says GradCache with chunk = batch "degenerates to plain training"; it
-still runs every sample twice (the timing table shows it). It promises "memory for 2 samples only",
-forgetting the loss: GradCache still builds the N x N (under DDP C x N) logits, the largest tensor of
-the step, which lesson 11 removes. And its wrapper's RandContext comes from a library whose functional
-API saves no CUDA state (ours saves every device the chunk lives on).
+Two readings of GradCache that do not hold: "with B = N it is plain training" (every sample still runs
+forward twice), and "it needs the memory of B samples" (the loss's N x N logits remain; lesson 11
+removes them).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rich.progress import track
 from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.cli import DTYPES
+from distlab.cli import DTYPES, fraction, lesson_parser, positive_float, positive_int, require
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
+from distlab.console import print0, progress
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
+from distlab.contrastive.rand_context import RandContext
+from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
-from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
+from distlab.runtime import distributed, run_main
+from distlab.verdict import Verdict
 
 MIB = 2 ** 20
+IN_FEATURES = 128  # of each view
+TOWERS = ("encoder_x", "encoder_y")
+PART_ONE = {  # rank 0 measures these; every rank records them (the verdict agrees across ranks)
+    "steps": "part 1: the lesson's grad_cache_step gives the full batch's gradients and loss",
+    "class": "part 1: the GradCache class gives the full batch's gradients and loss",
+    "memory": "part 1: peak memory at the smallest B is below plain autograd's",
+    "largest": "part 1: at the smallest B no activation is the largest tensor",
+    "twice": "part 1: with B = N every sample still runs forward twice",
+}
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-size", type=int, default=512, help="part 1: pairs in the batch")
-    parser.add_argument("--chunk-size", type=int, default=32, help="part 1: pairs per GradCache chunk")
-    parser.add_argument("--dim", type=int, default=128, help="part 1: input features per view")
-    parser.add_argument("--hidden", type=int, default=2048, help="part 1: hidden width of each tower")
-    parser.add_argument("--memory-chunks", default="512,128,32,8", help="part 1: chunk sizes to measure")
-    parser.add_argument("--memory-batches", default="64,128,256,512,1024",
-                        help="part 1: batch sizes to measure, plain vs GradCache at --chunk-size")
-    parser.add_argument("--repeats", type=int, default=3, help="part 1: timed steps per method (median)")
-    parser.add_argument("--ddp-batch-size", type=int, default=64, help="part 2: global batch, P divides it")
-    parser.add_argument("--ddp-chunk-size", type=int, default=12, help="part 2: chunk per rank")
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--tau", type=float, default=0.1, help="temperature")
-    parser.add_argument("--dtype", choices=DTYPES, default="float64")
-    parser.add_argument("--memory-json", help="write part 1's memory measurements here (rank 0)")
-    return add_runtime_args(parser).parse_args()
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--global-batch", type=positive_int, default=576,
+                        help="pairs per step, N; P must divide it (576: P = 1, 2, 3, 4, 6, 8, ...)")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=32, help="rows per micro-batch, B")
+    parser.add_argument("--width", type=positive_int, default=2048, help="hidden width of each tower")
+    parser.add_argument("--dim", type=positive_int, default=64, help="embedding width, d")
+    parser.add_argument("--dropout", type=fraction, default=0.1, help="dropout probability in each tower")
+    parser.add_argument("--tau", type=positive_float, default=0.1, help="temperature")
+    parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of weights and data")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed steps per method (median)")
+    return parser.parse_args()
+
+
+def tower_model(args, device: torch.device) -> TwoTower:
+    return TwoTower(IN_FEATURES, IN_FEATURES, args.width, args.dim, args.dropout, args.seed,
+                    DTYPES[args.dtype]).to(device)
+
+
+def pairs(args, device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = paired_data(n, IN_FEATURES, IN_FEATURES, seed=args.seed, dtype=DTYPES[args.dtype])
+    return x.to(device), y.to(device)
+
+
+def reference(model: TwoTower, x, y, args, world_size: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """The full batch in one process, plain autograd; rank r's micro-batches run from rank r's seed in
+    GradCache's order (tower x's, then tower y's), so dropout draws the masks each rank drew."""
+    streams = RankStreams([args.seed + r for r in range(world_size)])
+    forward = as_ranks(streams, args.micro_batch_size, tower_by_tower=True)
+    return full_batch_gradients(model, x, y, args.tau, forward=forward)
 
 
 def rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch.Tensor:
-    """CLIP loss on raw tower outputs (normalising is part of the loss, so part of the cache)."""
+    """CLIP loss on raw tower outputs: normalising is part of the loss, so part of the cache."""
     return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
 
 
-def ddp_rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch.Tensor:
-    """This rank's C rows of the global loss; the gather's backward sums over ranks (lesson 09)."""
-    z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
-    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau,
-                           offset=dist.get_rank() * len(z_x))
-
-
-def chunked_reference(model: TwoTower, shards: list[tuple[torch.Tensor, torch.Tensor]], chunk: int,
-                      tau: float, seeds: list[int]) -> tuple[dict[str, torch.Tensor], float]:
-    """Plain autograd on a deep copy, one loss over the whole (global) batch. Shard s's chunks run
-    with grad from seed s, tower x then tower y, as GradCache's first pass draws them: same masks."""
-    ref = copy.deepcopy(model)
-    reps_x, reps_y = [], []
-    for (x, y), seed in zip(shards, seeds):
-        torch.manual_seed(seed)
-        reps_x += [ref.encoder_x(c) for c in x.split(chunk)]
-        reps_y += [ref.encoder_y(c) for c in y.split(chunk)]
-    loss = rep_clip_loss(torch.cat(reps_x), torch.cat(reps_y), tau)
-    loss.backward()
-    return grads_of(ref), loss.item()
+def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
+    """GradCache's three steps; the parameter gradients of loss_fn(*reps) accumulate into .grad."""
+    chunks = [x.split(b) for x in inputs]                      # micro-batches of B rows
+    states, reps = [[] for _ in towers], [[] for _ in towers]
+    with torch.no_grad():                                      # (1) representations, no graph kept
+        for tower, parts, state, rep in zip(towers, chunks, states, reps):
+            for part in parts:
+                state.append(RandContext(part))                #     the random state before the draw
+                rep.append(tower(part))
+    leaves = [torch.cat(rep).requires_grad_() for rep in reps]
+    loss = loss_fn(*leaves)                                    # (2) the loss on detached leaves:
+    loss.backward()                                            #     leaf.grad = G = dL/dR (n x d)
+    for tower, parts, state, leaf in zip(towers, chunks, states, leaves):
+        for part, replay, g in zip(parts, state, leaf.grad.split(b)):
+            with replay:                                       # (3) again with a graph, same masks
+                r = tower(part)
+            torch.dot(r.flatten(), g.flatten()).backward()     #     d<r, G>/dtheta = G . dr/dtheta
+    return loss.detach()
 
 
 # --- part 1: one process ---------------------------------------------------------------------------
@@ -111,195 +140,217 @@ def plain_step(model: TwoTower, x, y, tau: float) -> None:
     rep_clip_loss(model.encoder_x(x), model.encoder_y(y), tau).backward()
 
 
-def cache_step(model: TwoTower, x, y, tau: float, chunk: int) -> torch.Tensor:
-    return GradCache([model.encoder_x, model.encoder_y], chunk, rep_clip_loss)(x, y, tau=tau)
+def cache_step(model: TwoTower, x, y, tau: float, b: int) -> None:
+    GradCache([model.encoder_x, model.encoder_y], b, rep_clip_loss)(x, y, tau=tau)
 
 
-def peak(model: TwoTower, step, *args) -> tuple[float, float]:
-    """(peak, largest tensor) in MiB of one step, parameter gradients included."""
+@torch.no_grad()
+def forward_only(model: TwoTower, x, y) -> None:
+    model.encoder_x(x), model.encoder_y(y)
+
+
+def peak_mib(model: TwoTower, step, *args) -> tuple[float, float]:
+    """(peak, largest tensor) in MiB of one step's tensor storage, parameter gradients included."""
     model.zero_grad(set_to_none=True)
     with PeakMemory() as mem:
         step(model, *args)
     return mem.peak_bytes / MIB, mem.largest_bytes / MIB
 
 
-def seconds(model: TwoTower, step, *args, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
+def rows_forwarded(model: TwoTower, step, *args) -> int:
+    """Rows that went through encoder_x's forward in one step (a forward hook counts them)."""
+    seen = []
+    handle = model.encoder_x.register_forward_hook(lambda module, inputs, out: seen.append(len(out)))
+    step(model, *args)
+    handle.remove()
+    return sum(seen)
+
+
+def interleaved_seconds(model: TwoTower, steps: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per step; the methods take turns, so a drifting load hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in progress(range(repeats), repeats, "timing"):
+        for name, (step, args) in steps.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            step(model, *args)
+            if args[0].is_cuda:
+                torch.cuda.synchronize(args[0].device)  # kernels run asynchronously
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def exactness(model: TwoTower, args, device: torch.device) -> dict[str, tuple[bool, str]]:
+    """The lesson's three steps and the GradCache class, each against the replayed full batch."""
+    (x, y), b = pairs(args, device, args.global_batch), args.micro_batch_size
+    loss_fn, towers = partial(rep_clip_loss, tau=args.tau), [model.encoder_x, model.encoder_y]
+    ref_loss, ref = reference(model, x, y, args, world_size=1)
+    rtol, atol = tolerances(DTYPES[args.dtype])
+    results = {}
+    for key, step in (("steps", lambda: grad_cache_step(towers, (x, y), b, loss_fn)),
+                      ("class", lambda: GradCache(towers, b, loss_fn)(x, y))):
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        step(model, *args)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        torch.manual_seed(args.seed)  # rank 0's dropout stream, as in the reference
+        loss = step().item()
+        rows = compare(ref, grads_of(model))
+        detail = f"max relative error {max(r.max_rel for r in rows):.1e}; loss {loss:.12f} vs {ref_loss:.12f}"
+        results[key] = (all_ok(rows) and abs(loss - ref_loss) <= rtol * abs(ref_loss), detail)
+        if key == "steps":
+            title = f"grad_cache_step, {-(-len(x) // b)} micro-batches, vs the full batch"
+            print0(comparison_table(rows, title,
+                                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}; {detail}"))
+    return results
 
 
-def part_one(args, dtype) -> bool:
-    n, c, tau = args.batch_size, args.chunk_size, args.tau
-    model = TwoTower(dim_x=args.dim, dim_y=args.dim, hidden=args.hidden, embed_dim=64,
-                     dropout=args.dropout, seed=args.seed, dtype=dtype)
-    x, y = paired_data(n, dim_x=args.dim, dim_y=args.dim, seed=args.seed, dtype=dtype)
-    print0(f"\n[bold]Part 1, one process[/]: N = {n} pairs, chunks of {c}, towers {args.dim} -> "
-           f"{args.hidden} -> 64, dropout {args.dropout}, {args.dtype}")
-
-    ref_grads, ref_loss = chunked_reference(model, [(x, y)], c, tau, seeds=[args.seed + 1])
-    torch.manual_seed(args.seed + 1)
-    loss = cache_step(model, x, y, tau, c).item()
-    rows = compare(ref_grads, grads_of(model))
-    rtol, atol = tolerances(dtype)
-    print0(comparison_table(rows, f"GradCache ({(n + c - 1) // c} chunks) vs the full batch",
-                            caption=f"allclose with rtol {rtol:g}, atol {atol:g}; loss {loss:.12f} vs "
-                                    f"{ref_loss:.12f}"))
-    exact = all_ok(rows) and abs(loss - ref_loss) <= rtol * abs(ref_loss)
-
-    # Memory against the chunk size, at this batch.
-    chunks = [int(v) for v in args.memory_chunks.split(",")]
-    plain_mib, plain_largest = peak(model, plain_step, x, y, tau)
-    grads_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
-    table = Table(title=f"Peak memory of one step, N = {n} (tensor storage, PeakMemory)", title_justify="left",
-                  caption=f"every step also allocates the parameter gradients: {grads_mib:.1f} MiB",
-                  caption_justify="left")
-    for col in ("method", "peak MiB", "largest tensor MiB"):
-        table.add_column(col, justify="left" if col == "method" else "right")
-    table.add_row("plain autograd", f"{plain_mib:.1f}", f"{plain_largest:.1f}")
-    by_chunk = {}
-    for chunk in track(chunks, description="memory vs chunk", disable=dist.get_rank() != 0):
-        by_chunk[chunk] = peak(model, cache_step, x, y, tau, chunk)
-        table.add_row(f"GradCache, chunk {chunk}", *(f"{v:.1f}" for v in by_chunk[chunk]))
-    logits_mib = n * n * x.element_size() / MIB
+def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bool, str]]:
+    """Peak memory against B at this N, and against N at this B: plain autograd beside GradCache."""
+    n, b, tau = args.global_batch, args.micro_batch_size, args.tau
+    (x, y), elt = pairs(args, device, n), DTYPES[args.dtype].itemsize
+    sizes = sorted({n, max(1, n // 4), b, max(1, b // 4)}, reverse=True)
+    plain = peak_mib(model, plain_step, x, y, tau)
+    cached = {s: peak_mib(model, cache_step, x, y, tau, s)
+              for s in progress(sizes, len(sizes), "memory against B")}
+    table = Table("step", "peak MiB", "largest tensor MiB", title_justify="left",
+                  title=f"Peak memory of one step, N = {n} (tensor storage; parameter gradients included)")
+    table.add_row("plain autograd", f"{plain[0]:.1f}", f"{plain[1]:.2f}")
+    for s, (peak, largest) in cached.items():
+        table.add_row(f"GradCache, B = {s}", f"{peak:.1f}", f"{largest:.2f}")
     print0(table)
-    print0(f"At chunk {min(chunks)} the largest tensor, {by_chunk[min(chunks)][1]:.1f} MiB, is the loss's N x N "
-           f"logits ({n} x {n} x {x.element_size()} B = {logits_mib:.1f} MiB): GradCache shrinks the activations, "
-           "not the loss, which sets the floor (lesson 11 removes it).")
-    memory_ok = by_chunk[min(chunks)][0] < plain_mib
 
-    # Memory against the batch size, plain vs GradCache at chunk c.
-    batches = [int(v) for v in args.memory_batches.split(",")]
-    by_batch = {"batch": batches, "plain": [], "grad_cache": [], "chunk": c}
-    table = Table(title=f"Peak MiB against batch size, GradCache at chunk {c}", title_justify="left")
-    for col in ("N", "plain", "GradCache", "N x N logits"):
-        table.add_column(col, justify="right")
-    for b in track(batches, description="memory vs batch", disable=dist.get_rank() != 0):
-        xb, yb = paired_data(b, dim_x=args.dim, dim_y=args.dim, seed=args.seed, dtype=dtype)
-        by_batch["plain"].append(peak(model, plain_step, xb, yb, tau)[0])
-        by_batch["grad_cache"].append(peak(model, cache_step, xb, yb, tau, min(c, b))[0])
-        table.add_row(str(b), f"{by_batch['plain'][-1]:.1f}", f"{by_batch['grad_cache'][-1]:.1f}",
-                      f"{b * b * x.element_size() / MIB:.1f}")
+    by_n = {"N": [max(1, n // 8), max(1, n // 4), max(1, n // 2), n, 2 * n], "plain": [], "grad_cache": []}
+    table = Table("N", "plain", f"GradCache, B = {b}", "N x N logits", title="Peak MiB of one step against N",
+                  title_justify="left")
+    for m in progress(by_n["N"], len(by_n["N"]), "memory against N"):
+        xm, ym = pairs(args, device, m)
+        by_n["plain"].append(peak_mib(model, plain_step, xm, ym, tau)[0])
+        by_n["grad_cache"].append(peak_mib(model, cache_step, xm, ym, tau, min(b, m))[0])
+        table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}",
+                      f"{m * m * elt / MIB:.2f}")
     print0(table)
-    if args.memory_json:
-        with open(args.memory_json, "w") as f:
-            json.dump({"by_chunk": {"batch": n, "plain": plain_mib, **{str(k): v[0] for k, v in by_chunk.items()}},
-                       "by_batch": by_batch, "parameter_gradients": grads_mib}, f)
+    grads = [p.numel() * elt / MIB for p in model.parameters()]
+    verdict.figure("memory_mib", {"N": n, "plain": plain[0], "by_B": cached, "by_N": by_n, "B": b,
+                                  "parameter_gradients": sum(grads)})
 
-    # The price: time of a step at the same batch.
-    reps = args.repeats
-    with torch.no_grad():
-        forward = seconds(model, lambda m, a, b: (m.encoder_x(a), m.encoder_y(b)), x, y, repeats=reps)
-    plain_s = seconds(model, plain_step, x, y, tau, repeats=reps)
-    full_s = seconds(model, cache_step, x, y, tau, n, repeats=reps)
-    chunk_s = seconds(model, cache_step, x, y, tau, c, repeats=reps)
-    table = Table(title=f"Time of one step, N = {n} (median of {reps}, one thread)", title_justify="left")
-    for col in ("step", "seconds", "vs plain"):
-        table.add_column(col, justify="left" if col == "step" else "right")
-    for name, s in (("no-grad forward alone", forward), ("plain autograd", plain_s),
-                    (f"GradCache, chunk {n} (= N)", full_s), (f"GradCache, chunk {c}", chunk_s)):
-        table.add_row(name, f"{s:.3f}", f"{s / plain_s:.2f}x")
+    # The floor: what no B removes, the loss's N x N logits (and softmax temporaries) or a weight's gradient.
+    (peak, largest), logits = cached[min(sizes)], n * n * elt / MIB
+    return {"memory": (peak < plain[0], f"B = {min(sizes)}: {peak:.1f} MiB, plain autograd {plain[0]:.1f} MiB"),
+            "largest": (abs(largest - max(logits, max(grads))) < 1e-9,
+                        f"{largest:.2f} MiB = max(N x N logits {logits:.2f}, "
+                        f"largest gradient {max(grads):.2f})")}
+
+
+def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bool, str]]:
+    """Forwarded rows (counted) and the time of one step (measured): plain autograd beside GradCache."""
+    n, b, tau = args.global_batch, args.micro_batch_size, args.tau
+    x, y = pairs(args, device, n)
+    plain_rows = rows_forwarded(model, plain_step, x, y, tau)
+    cached_rows = rows_forwarded(model, cache_step, x, y, tau, n)
+    seconds = interleaved_seconds(model, {"no-grad forward alone": (forward_only, (x, y)),
+                                          "plain autograd": (plain_step, (x, y, tau)),
+                                          f"GradCache, B = N = {n}": (cache_step, (x, y, tau, n)),
+                                          f"GradCache, B = {b}": (cache_step, (x, y, tau, b))}, args.repeats)
+    plain = seconds["plain autograd"]
+    table = Table("step", "seconds", "vs plain", title_justify="left", title=f"Time of one step, N = {n}, "
+                  f"{device.type}: median of {args.repeats}, methods interleaved")
+    for name, s in seconds.items():
+        table.add_row(name, f"{s:.3f}", f"{s / plain:.2f}x")
     print0(table)
-    print0(f"GradCache = plain + one no-grad forward: predicted {(plain_s + forward) / plain_s:.2f}x at chunk = N, "
-           "which is not plain training: it still runs every sample twice. Small chunks cost more again: every "
-           "chunk's backward adds into the whole parameter gradient, and small matrix products use the "
-           "hardware worse than large ones.")
-    print0(f"[bold]Part 1 {'PASS' if exact and memory_ok else 'FAIL'}[/]: gradients "
-           f"{'equal' if exact else 'DO NOT equal'} the full batch's; peak memory at chunk {min(chunks)} "
-           f"{'below' if memory_ok else 'NOT below'} plain autograd's")
-    return exact and memory_ok
+    print0(f"GradCache at B = N is plain autograd plus one no-grad forward: predicted "
+           f"{(plain + seconds['no-grad forward alone']) / plain:.2f}x. A smaller B costs more again: every "
+           "micro-batch's backward adds into the whole parameter gradient, and small matrix products use "
+           "the hardware worse than large ones.")
+    verdict.figure("seconds", seconds)
+    return {"twice": (cached_rows == 2 * plain_rows,
+                      f"encoder_x ran {cached_rows} rows for N = {n}; plain autograd {plain_rows}")}
+
+
+def part_one(args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bool, str]]:
+    model = tower_model(args, device)
+    print0(f"\n[bold]Part 1, one process[/]: N = {args.global_batch} pairs, B = {args.micro_batch_size}, "
+           f"towers {IN_FEATURES} -> {args.width} -> {args.dim}, dropout {args.dropout}, {args.dtype}")
+    return {**exactness(model, args, device), **memory(model, args, device, verdict),
+            **the_price(model, args, device, verdict)}
 
 
 # --- part 2: DDP -------------------------------------------------------------------------------------
 
 
-def count_reductions(model: DDP) -> dict:
-    """A DDP comm hook that counts the gradient buckets it all-reduces, then all-reduces them."""
-    counter = {"all_reduces": 0}
-
-    def hook(state: dict, bucket):
-        state["all_reduces"] += 1
-        return default_hooks.allreduce_hook(None, bucket)
-
-    model.register_comm_hook(counter, hook)
-    return counter
+def ddp_rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float, offset: int) -> torch.Tensor:
+    """This rank's C rows of the global loss; the gather's backward sums over ranks (lesson 09)."""
+    z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
+    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau, offset)
 
 
-def part_two(args, dtype, rt) -> bool:
-    p, n = rt.world_size, args.ddp_batch_size
-    local, c, tau = n // p, args.ddp_chunk_size, args.tau
-    model = TwoTower(dim_x=12, dim_y=10, hidden=64, embed_dim=16, dropout=args.dropout,
-                     seed=args.seed, dtype=dtype)
-    x, y = paired_data(n, seed=args.seed + 7, dtype=dtype)
-    shards = [(x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]) for r in range(p)]
-    seeds = [args.seed + 100 + r for r in range(p)]  # each rank's dropout stream
-    print0(f"\n[bold]Part 2, DDP on {p} rank(s)[/]: global batch {n}, {local} pairs per rank in chunks "
-           f"of {c}, dropout {args.dropout}, {args.dtype}, backend {rt.backend}")
-    ref_grads, ref_loss = chunked_reference(model, shards, c, tau, seeds)
+def count_reducing_backwards(model: DDP) -> list[int]:
+    """A DDP comm hook counting the backwards in which DDP all-reduced the gradients: DDP may cut
+    them into several buckets (one all-reduce each); the bucket marked last closes one backward."""
+    backwards = [0]
 
-    towers = [DDP(copy.deepcopy(model.encoder_x)), DDP(copy.deepcopy(model.encoder_y))]
-    counters = [count_reductions(t) for t in towers]
-    mine = shards[rt.rank]
-    ok, counts = True, {}
-    rtol, atol = tolerances(dtype)
+    def hook(state, bucket):
+        backwards[0] += bucket.is_last()
+        return default_hooks.allreduce_hook(state, bucket)  # what DDP does without a hook
+
+    model.register_comm_hook(None, hook)
+    return backwards
+
+
+def part_two(args, rt, verdict: Verdict) -> None:
+    p, n, b, tau = rt.world_size, args.global_batch, args.micro_batch_size, args.tau
+    c, model, (x, y) = n // p, tower_model(args, rt.device), pairs(args, rt.device, n)
+    print0(f"\n[bold]Part 2, DDP on {p} rank(s)[/]: N = {n}, C = {c} pairs per rank in micro-batches of "
+           f"B = {b}, backend {rt.backend}")
+    ref_loss, ref = reference(model, x, y, args, world_size=p)
+    device_ids = [rt.device.index] if rt.device.type == "cuda" else None
+    towers = [DDP(copy.deepcopy(model.get_submodule(t)), device_ids=device_ids) for t in TOWERS]
+    counters = [count_reducing_backwards(t) for t in towers]
+    rtol, atol = tolerances(DTYPES[args.dtype])
+    exact, reducing = True, {}
     for sync_last in (True, False):
-        for t, k in zip(towers, counters):
-            t.zero_grad(set_to_none=True)
-            k["all_reduces"] = 0
-        torch.manual_seed(seeds[rt.rank])
-        cache = GradCache(towers, c, ddp_rep_clip_loss)
-        with PeakMemory() as mem:
-            loss = cache(*mine, no_sync_except_last=sync_last, tau=tau)
-        counts[sync_last] = [k["all_reduces"] for k in counters]
-        got = {**grads_of(towers[0].module, "encoder_x."), **grads_of(towers[1].module, "encoder_y.")}
-        rows = compare(ref_grads, got)
-        global_loss = loss.clone()
-        dist.all_reduce(global_loss)
-        global_loss = global_loss.item() / p  # the mean of the P local losses is the global loss
+        for tower, counter in zip(towers, counters):
+            tower.zero_grad(set_to_none=True)
+            counter[0] = 0
+        torch.manual_seed(args.seed + rt.rank)  # rank r's dropout stream, as in the reference
+        loss = GradCache(towers, b, ddp_rep_clip_loss)(x[rt.rank * c:][:c], y[rt.rank * c:][:c], tau=tau,
+                                                       offset=rt.rank * c, no_sync_except_last=sync_last)
+        dist.all_reduce(loss)  # on rt.device, where the loss lives
+        loss = loss.item() / p  # the mean of the P local losses is the global loss
+        reducing[sync_last] = [counter[0] for counter in counters]
+        mine = {f"{name}.": tower.module for name, tower in zip(TOWERS, towers)}
+        rows = compare(ref, {k: v for prefix, m in mine.items() for k, v in grads_of(m, prefix).items()})
+        exact &= all_ok(rows) and abs(loss - ref_loss) <= rtol * abs(ref_loss)
         if sync_last:
             print0(comparison_table(rows, "GradCache under DDP vs the single-process global batch (rank 0)",
-                                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}; loss {global_loss:.12f}"
-                                            f" vs {ref_loss:.12f}"))
-        ok &= all_ok(rows) and abs(global_loss - ref_loss) <= rtol * abs(ref_loss)
-    chunks = (local + c - 1) // c
-    table = Table(title="Gradient all-reduces in one step (DDP comm hook calls), per tower", title_justify="left")
-    for col in ("no_sync_except_last", "encoder_x", "encoder_y", "expected"):
-        table.add_column(col, justify="right")
-    table.add_row("True", *map(str, counts[True]), "1 each")
-    table.add_row("False", *map(str, counts[False]), f"{chunks} each (one per chunk)")
+                                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}; "
+                                            f"loss {loss:.12f} vs {ref_loss:.12f}"))
+    per_tower = -(-c // b)
+    table = Table("no_sync_except_last", *TOWERS, "expected", title_justify="left",
+                  title="Backwards that all-reduced gradients in one step, per tower (DDP comm hook)")
+    table.add_row("True", *map(str, reducing[True]), "1 each")
+    table.add_row("False", *map(str, reducing[False]), f"{per_tower} each, one per micro-batch")
     print0(table)
-    print0(f"Largest tensor of rank 0's step: {mem.largest_bytes / MIB * 1024:.1f} KiB; the C x N logits are "
-           f"{local} x {n} x {x.element_size()} B = {local * n * x.element_size() / 1024:.1f} KiB.")
-    once = counts[True] == [1, 1]
-    print0(f"[bold]Part 2 {'PASS' if ok and once else 'FAIL'}[/]: gradients {'equal' if ok else 'DO NOT equal'} "
-           f"the global batch's (with and without no_sync_except_last); "
-           f"{'one all-reduce' if once else f'{counts[True]} all-reduces'} per tower with no_sync_except_last")
-    return ok and once
+    verdict.figure("reducing_backwards", {"no_sync_except_last": reducing[True], "without": reducing[False]})
+    verdict.check("part 2: GradCache under DDP gives the global batch's gradients and loss", exact,
+                  "with and without no_sync_except_last")
+    verdict.check("part 2: with no_sync_except_last each tower all-reduces in one backward per step",
+                  reducing[True] == [1, 1] and reducing[False] == [per_tower] * 2,
+                  f"{reducing[True]}; without it {reducing[False]}")
 
 
 def main() -> int:
     args = parse_args()
-    dtype = DTYPES[args.dtype]
-    for name in ("batch_size", "chunk_size", "ddp_batch_size", "ddp_chunk_size", "repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     with distributed(args.device) as rt:
-        if args.ddp_batch_size % rt.world_size:
-            raise ValueError(f"--ddp-batch-size {args.ddp_batch_size} must be divisible by the world "
-                             f"size {rt.world_size}")
-        print0(f"[bold]Lesson 10: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}")
-        # Part 1 runs on rank 0 alone (its timings would fight the other ranks for the cores).
-        first = part_one(args, dtype) if rt.is_first else True
+        require(args.global_batch % rt.world_size == 0, "--global-batch",
+                f"N = {args.global_batch} must split evenly over P = {rt.world_size} ranks")
+        verdict = Verdict(rt)
+        print0(f"[bold]Lesson 10: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}, "
+               f"N = {args.global_batch}, B = {args.micro_batch_size}, {args.dtype}")
+        # Part 1 runs on rank 0 alone: its timings would fight the other ranks for the cores.
+        results = part_one(args, rt.device, verdict) if rt.is_first else dict.fromkeys(PART_ONE, (True, ""))
+        for key, claim in PART_ONE.items():
+            verdict.check(claim, *results[key])
         dist.barrier()
-        second = part_two(args, dtype, rt)
-        ok = all_ranks_true(first and second)
-        print0(f"\n[bold]{'PASS' if ok else 'FAIL'}[/]: GradCache gives the full batch's gradients in one "
-               "process and the global batch's under DDP, with memory set by the chunk")
-    return 0 if ok else 1
+        part_two(args, rt, verdict)
+        return verdict.finish(args.json)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,14 @@ test files need. No test file imports another test file; what two of them need l
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-
+import torch
 
 from distlab.spawn import spawn
 
@@ -52,6 +53,8 @@ class CommHookCounter:
 
     def __init__(self) -> None:
         self.calls = 0
+        # DDP reads a hook's name (to log it and to spot its bf16 hooks), which an instance lacks.
+        self.__name__ = self.__qualname__ = type(self).__name__
 
     def __call__(self, state, bucket):
         import torch.distributed as dist
@@ -76,21 +79,103 @@ def no_ellipsis(text: str) -> bool:
     return "\u2026" not in text
 
 
+# -- contrastive lessons 07-09 ------------------------------------------------------------------
 
-# --- pipeline track (lessons 01-05) -----------------------------------------------------------
 
-def load_lesson(name: str):
-    """A lesson file as a module (its name starts with a digit, so `import` cannot load it); the
-    lesson's own mechanism is what its test checks. Cached, so spawned ranks load it once."""
-    import importlib.util
-
-    module_name = "lesson_" + name
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, LESSONS / f"{name}.py")
+def load_lesson(filename: str):
+    """A lesson file as a module, `load_lesson("06_data_parallel")` or `load_lesson("07_x.py")` (its
+    name starts with a digit, so `import` cannot reach it); its `main()` does not run. Loaded once
+    per process."""
+    name = "lesson_" + Path(filename).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, LESSONS / f"{Path(filename).stem}.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules[module_name]
+    return sys.modules[name]
+
+
+GATHER_ROWS, GATHER_COLS = 2, 3
+
+
+def gather_block(rank: int):
+    """Rank r's block for a gather test: distinct values on every rank."""
+    return torch.arange(GATHER_ROWS * GATHER_COLS, dtype=torch.float64).reshape(GATHER_ROWS, GATHER_COLS) + 100 * rank
+
+
+def gather_weights(rank: int, world_size: int):
+    """Rank r's loss is sum(W_r * gathered): its gradient with respect to the gathered tensor is W_r."""
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randn(world_size * GATHER_ROWS, GATHER_COLS, generator=gen, dtype=torch.float64)
+
+
+def gather_forward_and_backward(rt, gather: Callable[[Any], Any]):
+    """(gathered tensor, gradient at this rank's block) when every rank back-propagates its own
+    sum(W_r * gather(block_r))."""
+    local = gather_block(rt.rank).requires_grad_()
+    gathered = gather(local)
+    (gathered * gather_weights(rt.rank, rt.world_size)).sum().backward()
+    return gathered.detach().clone(), local.grad.clone()
+
+
+def assert_gather_result(rank: int, world_size: int, gathered, grad, sums_over_ranks: bool) -> None:
+    """Forward: the blocks in rank order. Backward: this rank's rows of sum_s W_s (a gather whose
+    backward sums over ranks) or of its own W_r (the plain gather), and not the other one."""
+    everything = torch.cat([gather_block(r) for r in range(world_size)])
+    summed = sum(gather_weights(s, world_size) for s in range(world_size))
+    own = gather_weights(rank, world_size)
+    rows = slice(rank * GATHER_ROWS, (rank + 1) * GATHER_ROWS)
+    assert torch.equal(gathered, everything)
+    expected, other = (summed, own) if sums_over_ranks else (own, summed)
+    assert torch.allclose(grad, expected[rows], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(grad, other[rows])
+
+
+def value_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """The message of the ValueError `fn(*args, **kwargs)` raises, or None if it returns (for
+    checks that run several bad inputs in one process group, each raised before any collective)."""
+    try:
+        fn(*args, **kwargs)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def parse_lesson_args(lesson: str, *args: str) -> tuple[int | None, Any, str, str]:
+    """A lesson's `parse_args()` on `args`, in this process (no torchrun, no process group):
+    (exit code or None, the parsed namespace or None, what it wrote to stdout, to stderr)."""
+    import contextlib
+    import io
+
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [lesson, *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return None, load_lesson(lesson).parse_args(), out.getvalue(), err.getvalue()
+    except SystemExit as exit_:
+        return exit_.code, None, out.getvalue(), err.getvalue()
+    finally:
+        sys.argv = argv
+
+
+def assert_flag_refused(lesson: str, flag: str, *args: str) -> None:
+    """Bad flags: exit 2 with one line that names `flag`, before any process group exists."""
+    code, _, _, err = parse_lesson_args(lesson, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"argument {flag}:" in lines[0], (code, lines)
+
+
+def assert_lesson_passes_at_80_columns(lesson: str, nproc: int, *args: str) -> str:
+    """The lesson under torchrun at 80 columns: exit 0, every claim held, no line wider than 80 and
+    no table cell cut short. Returns what it printed."""
+    run = torchrun(lesson, nproc, *args, columns=80)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
+    assert max(len(line) for line in run.stdout.splitlines()) <= 80, run.stdout
+    return run.stdout
+
+
+# -- pipeline lessons 01-05 --------------------------------------------------------------------
 
 
 def merged(runs, field: str) -> dict:

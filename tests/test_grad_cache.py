@@ -183,7 +183,7 @@ def dict_rows(batch, chunk):
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("pooled", [True, False])
 def test_one_vlm_for_text_queries_and_image_documents(dropout, pooled):
-    """Seed section 9.2: one model encodes text-only dict queries and VLM dict documents."""
+    """One model encodes text-only dict queries and VLM dict documents (a retrieval setup)."""
     vlm = ToyVLM(dropout=dropout, pooled=pooled)
     queries, docs = text_batch(N, seed=4), image_batch(N, seed=5)
     chunked = [dict_rows(queries, 4), vlm_rows(docs, 3)] if dropout else None
@@ -249,7 +249,10 @@ def test_mixed_precision_stays_close_to_float32(mode):
     ref_grads, ref_loss = reference(models, [x, y], rep_clip_loss, [rows(x, 16), rows(y, 16)])
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) if mode == "fp16" else None
-    cache = GradCache(models, 16, rep_clip_loss, fp16=mode == "fp16", scaler=scaler, bf16=mode == "bf16")
+    if mode == "fp16":
+        cache = GradCache(models, 16, rep_clip_loss, fp16=True, scaler=scaler)
+    else:
+        cache = GradCache.bfloat16(models, 16, rep_clip_loss)
     torch.manual_seed(SEED)
     loss = cache(x, y)
     grads = grads_of_models(models)
@@ -283,7 +286,7 @@ def test_fp16_scaler_step_trains_like_float32():
 
 
 def test_representations_are_found_without_tensor_truthiness():
-    """Seed section 10.1: `a or b` on tensors raises; every lookup here is `is None`."""
+    """`a or b` on tensors raises (a tensor has no truth value); every lookup here is `is None`."""
     pooled, hidden = torch.randn(4, 3), torch.randn(4, 5, 3)
     assert default_rep(Output(hidden, pooled)) is pooled
     assert torch.equal(default_rep(Output(hidden, None)), hidden[:, 0])
@@ -305,7 +308,8 @@ BAD_INPUT = {
     "a bare module": (lambda: _bad(models=TwoTower().encoder_x), "non-empty list of modules"),
     "fp16 without scaler": (lambda: _bad(fp16=True), "needs a GradScaler"),
     "scaler without fp16": (lambda: _bad(scaler=torch.amp.GradScaler("cpu")), "only used with fp16"),
-    "fp16 and bf16": (lambda: _bad(fp16=True, bf16=True, scaler=torch.amp.GradScaler("cpu")), "exclude"),
+    "fp16 and bf16": (lambda: GradCache.bfloat16([TwoTower().encoder_x] * 2, 4, rep_clip_loss, fp16=True,
+                                                 scaler=torch.amp.GradScaler("cpu")), "excludes fp16"),
     "one input for two models": (lambda: _bad()(x13), "1 inputs for 2 models"),
     "no_sync_except_last without DDP": (lambda: _bad()(x13, y13, no_sync_except_last=True),
                                         r"DistributedDataParallel; model\(s\) \[0, 1\]"),

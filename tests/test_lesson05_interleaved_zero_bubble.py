@@ -5,7 +5,10 @@ torch.distributed.pipelining's seven schedules, which executes our order whereve
 import json
 
 import pytest
-from helpers import equals_reference, merged, no_ellipsis, per_config, torch_step, torchrun, train_each
+from helpers import (
+    assert_flag_refused, assert_lesson_passes_at_80_columns, equals_reference, merged, per_config, torch_step,
+    train_each,
+)
 
 from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
@@ -83,10 +86,12 @@ def test_each_of_torchs_seven_schedules_equals_the_unsplit_model_and_runs_our_or
 
 
 def test_the_lesson_passes_under_torchrun_and_reads_whole_at_80_columns(tmp_path):
-    run = torchrun("05_interleaved_zero_bubble.py", 2, "--json", str(tmp_path / "05.json"), columns=80)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout)
-    assert max(len(line) for line in run.stdout.splitlines()) <= 80
+    assert_lesson_passes_at_80_columns("05_interleaved_zero_bubble.py", 2, "--json", str(tmp_path / "05.json"))
     report = json.loads((tmp_path / "05.json").read_text())
     assert report["passed"] and len(report["checks"]) >= 10
     assert report["figures"]["grids"]["zb-h1"]["bubble"] == pytest.approx(1 / 25)  # (P-1)/(3M+P-1), P=2, M=8
+
+
+def test_flags_are_refused_in_one_line_naming_them():
+    assert_flag_refused("05_interleaved_zero_bubble", "--stages-per-rank", "--stages-per-rank", "0")
+    assert_flag_refused("05_interleaved_zero_bubble", "--micro-batches", "--micro-batches", "x")

@@ -1,15 +1,18 @@
 """Lesson 07: global x global under DDP. The plain gather gives exactly 1/P of the full-batch
-gradient (seed 003's CODE BLOCK 1); backward of P * L, or the sum-backward gather, give all of it."""
+gradient; back-propagating P * L, or the sum-backward gather, gives all of it."""
 
 import pytest
 
 from distlab.compare import all_ok, compare
-from distlab.contrastive.ddp_steps import GLOBAL_METHODS, first_step_gradients
 from distlab.contrastive.reference import full_batch_gradients
+from distlab.contrastive.step import first_step_gradients
+from distlab.contrastive.variants import GLOBAL_PLAIN, GLOBAL_SUM, GLOBAL_TIMES_P
 from distlab.models import TwoTower, paired_data
-from distlab.runtime import spawn
+from distlab.spawn import spawn
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args, torchrun
 
 N, TAU, SEED = 12, 0.1, 4  # N = 12 splits over 1, 2, 3 and 4 ranks
+VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P, GLOBAL_SUM)
 
 
 def _reference():
@@ -18,15 +21,39 @@ def _reference():
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_global_x_global_gradients(world_size):
-    per_rank = spawn(first_step_gradients, world_size, GLOBAL_METHODS, N, TAU, seed=SEED)
+    per_rank = spawn(first_step_gradients, world_size, VARIANTS, N, TAU, seed=SEED)
     ref_loss, ref_grads = _reference()
     for results in per_rank:  # DDP leaves every rank with the same gradients: check each
-        for method, (loss, grads) in results.items():
-            assert loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12), method
-        plain = results["global_plain"][1]
+        for name, (loss, grads) in results.items():
+            assert loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12), name
+        plain = results[GLOBAL_PLAIN.name][1]
         # float64: rtol 1e-10, atol 1e-12
         assert all_ok(compare({n: g / world_size for n, g in ref_grads.items()}, plain))
-        assert all_ok(compare(ref_grads, results["global_plain_xP"][1]))
-        assert all_ok(compare(ref_grads, results["global_sum"][1]))
+        assert all_ok(compare(ref_grads, results[GLOBAL_TIMES_P.name][1]))
+        assert all_ok(compare(ref_grads, results[GLOBAL_SUM.name][1]))
         # The check can fail: with more than one rank the plain gather is not the full gradient.
         assert all_ok(compare(ref_grads, plain)) == (world_size == 1)
+
+
+LESSON = "07_contrastive_global.py"
+
+
+def test_the_lesson_passes_and_reads_whole_at_80_columns():
+    assert_lesson_passes_at_80_columns(LESSON, 2, "--global-batch", "48")
+
+
+def test_p_must_divide_n_is_one_line_naming_the_flag():
+    run = torchrun(LESSON, 3, "--global-batch", "10")
+    errors = [line for line in run.stdout.splitlines() if line.startswith("error:")]
+    assert run.returncode != 0 and errors == ["error: --global-batch: P = 3 ranks must divide N = 10"], run.stdout
+
+
+@pytest.mark.parametrize("flag, value", [("--global-batch", "0"), ("--global-batch", "abc"), ("--tau", "nan"),
+                                         ("--tau", "-1"), ("--dtype", "float16")])
+def test_bad_flags_are_refused_before_any_process_group(flag, value):
+    assert_flag_refused(LESSON, flag, flag, value)
+
+
+def test_help_shows_the_defaults():
+    code, _, out, _ = parse_lesson_args(LESSON, "--help")
+    assert code == 0 and "(default: 384)" in out

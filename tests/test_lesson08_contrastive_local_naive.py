@@ -5,28 +5,30 @@ Training with it follows its own path; training with the fix follows the single 
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from distlab.compare import all_ok, compare
-from distlab.contrastive.ddp_steps import first_step_gradients
-from distlab.contrastive.reference import detached_blocks_gradients, full_batch_gradients
+from distlab.contrastive.reference import DetachedBlocks, full_batch_gradients
 from distlab.contrastive.report import gradient_error
-from distlab.contrastive.training import batch_schedule, train_ddp, train_single_process
+from distlab.contrastive.step import first_step_gradients, wrap_ddp
+from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule, train_ddp, train_single_process
+from distlab.contrastive.variants import LOCAL_PLAIN, LOCAL_SUM
 from distlab.models import TwoTower, paired_data
-from distlab.runtime import spawn
+from distlab.spawn import spawn
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args, torchrun
 
 N, TAU, SEED = 12, 0.1, 5
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_plain_gather_computes_the_detached_blocks_gradient(world_size):
-    per_rank = spawn(first_step_gradients, world_size, ("local_plain",), N, TAU, seed=SEED)
+    per_rank = spawn(first_step_gradients, world_size, (LOCAL_PLAIN,), N, TAU, seed=SEED)
     x, y = paired_data(N, seed=SEED)
     ref_loss, ref_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU)
-    detached_loss, detached_grads = detached_blocks_gradients(TwoTower(seed=SEED), x, y, TAU, world_size)
+    detached_loss, detached_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU,
+                                                         loss_fn=DetachedBlocks(world_size))
     assert detached_loss == pytest.approx(ref_loss, rel=1e-12)  # same loss value, different gradient
     for results in per_rank:
-        loss, grads = results["local_plain"]
+        loss, grads = results[LOCAL_PLAIN.name]
         assert loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12)  # the forward pass is right
         assert all_ok(compare(detached_grads, grads))  # float64: rtol 1e-10, atol 1e-12
         if world_size == 1:
@@ -41,30 +43,53 @@ def test_detached_blocks_differs_from_the_reference_for_every_p_above_one():
     x, y = paired_data(N, seed=SEED)
     _, ref = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU)
     for p in (2, 3, 4):
-        _, det = detached_blocks_gradients(TwoTower(seed=SEED), x, y, TAU, p)
+        _, det = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU, loss_fn=DetachedBlocks(p))
         assert not all_ok(compare(ref, det))
 
 
 TRAIN, HELD_OUT, STEPS = 48, 24, 6
+CONFIG = TrainConfig(tau=TAU, optimizer="adam", lr=0.01, eval_every=3)
 
 
 def _data():
-    return paired_data(TRAIN, seed=SEED), paired_data(HELD_OUT, seed=SEED + 1), batch_schedule(TRAIN, N, STEPS, SEED)
+    return TrainData(paired_data(TRAIN, seed=SEED), paired_data(HELD_OUT, seed=SEED + 1),
+                     batch_schedule(TRAIN, N, STEPS, SEED))
 
 
-def _train(rt, method):
-    train, held_out, batches = _data()
-    ddp = DistributedDataParallel(TwoTower(seed=SEED))
-    return train_ddp(ddp, rt.rank, rt.world_size, method, train, held_out, batches, TAU, "adam", 0.01, eval_every=3)
+def _train(rt, variant):
+    return train_ddp(rt, wrap_ddp(TwoTower(seed=SEED), rt), variant, _data(), CONFIG)
 
 
-@pytest.mark.parametrize("method, exact", [("local_reduce_scatter", True), ("local_plain", False)])
-def test_training_with_the_fix_follows_the_single_process(method, exact):
-    runs = spawn(_train, 3, method)
-    train, held_out, batches = _data()
-    single = train_single_process(TwoTower(seed=SEED), train, held_out, batches, TAU, "adam", 0.01, eval_every=3)
+@pytest.mark.parametrize("variant, exact", [(LOCAL_SUM, True), (LOCAL_PLAIN, False)], ids=["fixed", "plain"])
+def test_training_with_the_fix_follows_the_single_process(variant, exact):
+    runs = spawn(_train, 3, variant)
+    single = train_single_process(TwoTower(seed=SEED), _data(), CONFIG)
     losses = torch.tensor(runs[0].losses, dtype=torch.float64)
     assert all_ok(compare(single.params, runs[0].params)) == exact
     assert torch.allclose(losses, torch.tensor(single.losses, dtype=torch.float64), rtol=1e-10, atol=1e-12) == exact
     assert all(all_ok(compare(runs[0].params, r.params)) for r in runs)  # DDP keeps the replicas equal
     assert single.losses[-1] < single.losses[0]  # it trains, so matching trajectories mean something
+
+
+LESSON = "08_contrastive_local_naive.py"
+
+
+def test_the_lesson_passes_and_reads_whole_at_80_columns():
+    stdout = assert_lesson_passes_at_80_columns(LESSON, 2, "--global-batch", "24", "--steps", "4", "--train-size", "96",
+                                                "--held-out", "32", "--eval-every", "2", "--emulate", "1,4")
+    assert sum("4/4" in line for line in stdout.splitlines()) == 3  # one progress line per run, no redraws
+
+
+@pytest.mark.parametrize("args, flag", [(["--emulate", "abc"], "--emulate"), (["--emulate", "8,0"], "--emulate"),
+                                        (["--emulate", "7"], "--emulate"), (["--global-batch", "0"], "--global-batch"),
+                                        (["--global-batch", "5000"], "--global-batch"), (["--lr", "nan"], "--lr"),
+                                        (["--tau", "0"], "--tau"), (["--steps", "-2"], "--steps"),
+                                        (["--optimizer", "lion"], "--optimizer")])
+def test_bad_flags_are_refused_before_any_process_group(args, flag):
+    assert_flag_refused(LESSON, flag, *args)
+
+
+def test_emulate_takes_world_sizes_and_help_shows_the_defaults():
+    assert parse_lesson_args(LESSON, "--emulate", "8,16,8,240")[1].emulate == (8, 16, 240)
+    code, _, out, _ = parse_lesson_args(LESSON, "--help")
+    assert code == 0 and "(default: 240)" in out

@@ -1,14 +1,19 @@
 """The contrastive building blocks on their own: the losses (stable at small tau, the local rows add
-up to the global loss, bad input refused) and the gathers (what each one's backward returns)."""
+up to the global loss, bad input refused), the gathers (what each one's backward returns), and the
+reference that replays each rank's dropout in one process."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from distlab.contrastive.ddp_steps import contrastive_loss
 from distlab.contrastive.gather import check_same_shape, gather_library, gather_plain, gather_with_grad
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.runtime import spawn
+from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
+from distlab.contrastive.step import contrastive_loss
+from distlab.contrastive.variants import LOCAL_LIBRARY
+from distlab.models import TwoTower, paired_data
+from distlab.spawn import spawn
+from helpers import assert_gather_result, gather_forward_and_backward, value_error
 
 
 def _unit(n, d, seed, dtype=torch.float64):
@@ -97,29 +102,12 @@ def test_mismatched_embeddings_are_refused():
 
 # -- gathers, through processes --------------------------------------------------------------
 
-GATHERS = {"plain": gather_plain, "all_reduce": lambda t: gather_with_grad(t, "all_reduce"),
-           "reduce_scatter": lambda t: gather_with_grad(t, "reduce_scatter"), "library": gather_library}
-ROWS, COLS = 2, 3
-
-
-def _block(rank):
-    return torch.arange(ROWS * COLS, dtype=torch.float64).reshape(ROWS, COLS) + 100 * rank
-
-
-def _weights(rank, world_size):
-    """Rank r's loss is sum(W_r * gathered): its gradient w.r.t. the gathered tensor is W_r."""
-    gen = torch.Generator().manual_seed(rank)
-    return torch.randn(world_size * ROWS, COLS, generator=gen, dtype=torch.float64)
+GATHERS = {"plain": gather_plain, "reduce_scatter": gather_with_grad, "library": gather_library}
+# Lesson 09's own all_reduce form is checked the same way in tests/test_lesson09_*.
 
 
 def _gather_forward_and_backward(rt):
-    out = {}
-    for name, gather in GATHERS.items():
-        local = _block(rt.rank).requires_grad_()
-        gathered = gather(local)
-        (gathered * _weights(rt.rank, rt.world_size)).sum().backward()
-        out[name] = (gathered.detach().clone(), local.grad.clone())
-    return out
+    return {name: gather_forward_and_backward(rt, gather) for name, gather in GATHERS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -129,33 +117,13 @@ def gathered_on_three_ranks():
 
 @pytest.mark.parametrize("name", GATHERS)
 def test_gather_forward_concatenates_and_backward_is_as_documented(name, gathered_on_three_ranks):
-    world_size = 3
-    everything = torch.cat([_block(r) for r in range(world_size)])
-    summed = sum(_weights(s, world_size) for s in range(world_size))
     for rank, per_gather in enumerate(gathered_on_three_ranks):
         gathered, grad = per_gather[name]
-        rows = slice(rank * ROWS, (rank + 1) * ROWS)
-        assert torch.equal(gathered, everything)
         # plain: only this rank's own loss reaches its block; the fixes: every rank's loss does.
-        expected = (_weights(rank, world_size) if name == "plain" else summed)[rows]
-        assert torch.allclose(grad, expected, rtol=1e-12, atol=1e-12)
-        assert not torch.allclose(grad, (summed if name == "plain" else _weights(rank, world_size))[rows])
-
-
-def test_unknown_backward_is_refused():
-    with pytest.raises(ValueError, match="all_reduce' or 'reduce_scatter"):
-        gather_with_grad(torch.zeros(2, 2), backward="sum")
+        assert_gather_result(rank, 3, gathered, grad, sums_over_ranks=name != "plain")
 
 
 # -- bad input: the same ValueError on every rank, never a hang --------------------------------
-
-def _catch(fn, *args):
-    try:
-        fn(*args)
-        return "no error"
-    except ValueError as err:
-        return f"ValueError: {err}"
-
 
 BAD_CASES = {  # case -> words the message must contain
     "embedding size": "one embedding size", "local batch": "equal local batches",
@@ -174,8 +142,8 @@ def _loss_with(rt, case):
     elif case == "tau differs":
         tau = 0.1 if rt.rank else 0.2
     elif case == "z_x vs z_y" and rt.rank == 1:
-        return _catch(contrastive_loss, _unit(c, d, 0), _unit(c, d + 1, 1), tau, "local_library")
-    return _catch(contrastive_loss, _unit(c, d, rt.rank), _unit(c, d, 9 + rt.rank), tau, "local_library")
+        return value_error(contrastive_loss, rt, _unit(c, d, 0), _unit(c, d + 1, 1), tau, LOCAL_LIBRARY)
+    return value_error(contrastive_loss, rt, _unit(c, d, rt.rank), _unit(c, d, 9 + rt.rank), tau, LOCAL_LIBRARY)
 
 
 def _every_case(rt):
@@ -183,7 +151,7 @@ def _every_case(rt):
     the (always matching) check itself, so the group stays usable for the next case."""
     out = {case: _loss_with(rt, case) for case in BAD_CASES}
     out["good input"] = _loss_with(rt, "fine")
-    out["check_same_shape"] = _catch(check_same_shape, torch.zeros(2 + rt.rank, 3))
+    out["check_same_shape"] = value_error(check_same_shape, torch.zeros(2 + rt.rank, 3))
     return out
 
 
@@ -198,16 +166,66 @@ def _messages(results, case):
 
 def test_check_same_shape_fails_on_every_rank(messages_on_three_ranks):
     messages = _messages(messages_on_three_ranks, "check_same_shape")
-    assert len(set(messages)) == 1 and "same shape" in messages[0] and "(2, 3), (3, 3), (4, 3)" in messages[0]
+    assert len(set(messages)) == 1 and messages[0] is not None and "same shape" in messages[0] and "(2, 3), (3, 3), (4, 3)" in messages[0]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_input_fails_on_every_rank(case, messages_on_three_ranks):
     messages = _messages(messages_on_three_ranks, case)
     assert len(set(messages)) == 1, messages
-    assert messages[0].startswith("ValueError") and BAD_CASES[case] in messages[0], messages[0]
+    assert messages[0] is not None and BAD_CASES[case] in messages[0], messages[0]
 
 
 def test_good_input_passes_the_check(messages_on_three_ranks):
     """Guard: the check above is not simply failing everything."""
-    assert _messages(messages_on_three_ranks, "good input") == ["no error"] * 3
+    assert _messages(messages_on_three_ranks, "good input") == [None] * 3
+
+
+# -- the reference with each rank's dropout replayed ----------------------------------------------
+
+REPLAY_SEEDS, REPLAY_N, REPLAY_B = (100, 101), 12, 4
+
+
+def _rank_embeddings(rt, tower_by_tower):
+    """What rank r really computes, two steps in a row: its share in micro-batches of B, from its
+    own stream (torch.manual_seed(seeds[r]) once, then carried on)."""
+    model = TwoTower(dropout=0.3, seed=1)
+    torch.manual_seed(REPLAY_SEEDS[rt.rank])
+    c = REPLAY_N // rt.world_size
+    steps = []
+    for step in range(2):
+        x, y = (t[rt.rank * c:(rt.rank + 1) * c] for t in paired_data(REPLAY_N, seed=step))
+        if tower_by_tower:
+            zx = [F.normalize(model.encoder_x(x[i:i + REPLAY_B]), dim=-1) for i in range(0, c, REPLAY_B)]
+            zy = [F.normalize(model.encoder_y(y[i:i + REPLAY_B]), dim=-1) for i in range(0, c, REPLAY_B)]
+        else:
+            zx, zy = zip(*[model(x[i:i + REPLAY_B], y[i:i + REPLAY_B]) for i in range(0, c, REPLAY_B)])
+        steps.append((torch.cat(zx).detach(), torch.cat(zy).detach()))
+    return steps
+
+
+@pytest.mark.parametrize("tower_by_tower", [False, True], ids=["model per micro-batch", "tower by tower"])
+def test_as_ranks_replays_each_ranks_dropout(tower_by_tower):
+    per_rank = spawn(_rank_embeddings, 2, tower_by_tower)
+    model = TwoTower(dropout=0.3, seed=1)
+    streams = RankStreams(REPLAY_SEEDS)
+    forward = as_ranks(streams, REPLAY_B, tower_by_tower=tower_by_tower)
+    other = as_ranks(RankStreams((7, 8)), REPLAY_B, tower_by_tower=tower_by_tower)
+    outside = torch.get_rng_state()
+    for step in range(2):  # the second step goes on from where each rank's stream stopped
+        x, y = paired_data(REPLAY_N, seed=step)
+        z_x, z_y = forward(model, x, y)
+        assert torch.equal(z_x, torch.cat([r[step][0] for r in per_rank]))
+        assert torch.equal(z_y, torch.cat([r[step][1] for r in per_rank]))
+        assert not torch.equal(other(model, x, y)[0], z_x)  # other streams, other masks: the check has teeth
+    assert torch.equal(torch.get_rng_state(), outside)  # the caller's stream is untouched
+
+
+def test_replayed_reference_is_the_gradient_of_the_replayed_forward():
+    """full_batch_gradients with a replayed forward: dropout on, the loss of those exact embeddings."""
+    model, (x, y) = TwoTower(dropout=0.3, seed=1), paired_data(REPLAY_N, seed=0)
+    loss, grads = full_batch_gradients(model, x, y, 0.1, forward=as_ranks(RankStreams(REPLAY_SEEDS), REPLAY_B))
+    z_x, z_y = as_ranks(RankStreams(REPLAY_SEEDS), REPLAY_B)(model, x, y)
+    assert loss == pytest.approx(clip_loss(z_x, z_y, 0.1).item(), rel=1e-12)
+    assert all(p.grad is None for p in model.parameters())  # a deep copy was trained, not `model`
+    assert loss != pytest.approx(full_batch_gradients(model, x, y, 0.1)[0], rel=1e-6)  # dropout did act

@@ -20,7 +20,7 @@ import gc
 import importlib
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
@@ -79,11 +79,14 @@ def _env_int(name: str, default: int | None = None) -> int:
 
 
 @contextmanager
-def distributed(device: str = "auto", timeout_s: float | None = None) -> Iterator[Runtime]:
+def distributed(device: str = "auto", timeout_s: float | None = None,
+                strict: bool | None = None) -> Iterator[Runtime]:
     """Initialise the default process group from torchrun's environment; destroy it on the way out.
 
     The group is destroyed on success and on exception alike, so a failing lesson releases its
-    sockets (and, on GPUs, its communicators) before the process exits.
+    sockets (and, on GPUs, its communicators) before the process exits. `strict=True` (default:
+    the environment variable DISTLAB_STRICT_DEVICE=1) runs the block in `distlab.strict`'s strict
+    device mode, where a collective on a tensor not on `rt.device` raises.
     """
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -99,7 +102,13 @@ def distributed(device: str = "auto", timeout_s: float | None = None) -> Iterato
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=dev if kind == "cuda" else None)
     try:
-        yield Runtime(rank, world_size, local_rank, backend, dev)
+        with ExitStack() as stack:
+            rt = Runtime(rank, world_size, local_rank, backend, dev)
+            if strict if strict is not None else os.environ.get("DISTLAB_STRICT_DEVICE") == "1":
+                from distlab.strict import strict_device  # (strict imports this module)
+
+                rt = stack.enter_context(strict_device(rt))
+            yield rt
     finally:
         # A DDP model is freed only by the cycle collector; freed *after* its group is destroyed,
         # its reducer takes the process down at exit ("terminate called without an active

@@ -10,7 +10,7 @@ Communication per rank, per gathered N x d tensor (two per step: z_x and z_y), c
 as a ring algorithm moves them (each rank sends and receives this many):
 
     forward all_gather               (P-1)/P * N d
-    backward all_reduce (seed 003)  2(P-1)/P * N d    (a reduce-scatter and an all-gather)
+    backward all_reduce             2(P-1)/P * N d    (a reduce-scatter and an all-gather)
     backward reduce_scatter          (P-1)/P * N d
 
 The all-reduce's second half gives every rank the summed gradient of every block, of which it keeps
@@ -27,8 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from distlab.contrastive.ddp_steps import contrastive_loss
+from distlab.contrastive.variants import Variant
 from distlab.memory import PeakMemory
+from distlab.runtime import Runtime
 
 
 def ring_elements(p: int, n: int, d: int) -> dict[str, float]:
@@ -37,21 +38,32 @@ def ring_elements(p: int, n: int, d: int) -> dict[str, float]:
     return {"all_gather (forward)": share, "all_reduce (backward)": 2 * share, "reduce_scatter (backward)": share}
 
 
-def logits_per_rank(n: int, p: int, similarity: str) -> dict[str, int]:
-    """Similarity entries one rank's matmuls produce, and entries its softmaxes exponentiate."""
-    if similarity == "global":
-        return {"matmul": n * n, "softmax": 2 * n * n}
+def global_logits(n: int) -> dict[str, int]:
+    """Global x global, per rank: the N x N matmul's entries, and the entries its row and column
+    softmaxes exponentiate."""
+    return {"matmul": n * n, "softmax": 2 * n * n}
+
+
+def local_logits(n: int, p: int) -> dict[str, int]:
+    """Local x global, per rank: the C x N rows of S and of S^T, each with its row softmax."""
     return {"matmul": 2 * (n // p) * n, "softmax": 2 * (n // p) * n}
 
 
-def loss_cost(z_x: torch.Tensor, z_y: torch.Tensor, tau: float, method: str,
+def _slowest(seconds: list[float], rt: Runtime) -> float:
+    """The median of this rank's times, maximised over ranks (a step waits for its slowest rank)."""
+    slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64, device=rt.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def loss_cost(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, variant: Variant,
               repeats: int = 5) -> dict[str, float]:
     """Largest single tensor and peak extra bytes of this rank's loss forward + backward (from its
     embeddings on), and the median seconds over `repeats` runs (slowest rank)."""
     z_x, z_y = z_x.detach().requires_grad_(), z_y.detach().requires_grad_()
 
     def once() -> None:
-        loss, _ = contrastive_loss(z_x, z_y, tau, method, check=False)
+        loss, _ = variant(rt, z_x, z_y, tau)
         loss.backward()
         z_x.grad = z_y.grad = None
 
@@ -64,17 +76,14 @@ def loss_cost(z_x: torch.Tensor, z_y: torch.Tensor, tau: float, method: str,
         start = time.perf_counter()
         once()
         seconds.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {"largest_bytes": mem.largest_bytes, "peak_bytes": mem.peak_bytes, "seconds": slowest.item()}
+    return {"largest_bytes": mem.largest_bytes, "peak_bytes": mem.peak_bytes, "seconds": _slowest(seconds, rt)}
 
 
-def collective_seconds(n: int, d: int, dtype: torch.dtype, device: torch.device,
-                       repeats: int = 10) -> dict[str, float]:
+def collective_seconds(rt: Runtime, n: int, d: int, dtype: torch.dtype, repeats: int = 10) -> dict[str, float]:
     """Median seconds (slowest rank) of the backward collectives on one N x d gradient."""
-    p = dist.get_world_size()
+    device = rt.device
     grad = torch.randn(n, d, dtype=dtype, device=device)
-    mine = torch.empty(n // p, d, dtype=dtype, device=device)
+    mine = torch.empty(n // rt.world_size, d, dtype=dtype, device=device)
     ops = {"all_reduce (backward)": lambda: dist.all_reduce(grad.clone()),
            "reduce_scatter (backward)": lambda: dist.reduce_scatter_single(mine, grad)}
     out = {}
@@ -90,7 +99,5 @@ def collective_seconds(n: int, d: int, dtype: torch.dtype, device: torch.device,
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
-        slowest = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        out[name] = slowest.item()
+        out[name] = _slowest(seconds, rt)
     return out

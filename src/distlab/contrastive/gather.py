@@ -1,29 +1,29 @@
 """Gathering embeddings from every rank, and what each gather does to the gradient.
 
-Forward, all three return the N x d concatenation of the ranks' C x d blocks, in rank order. They
-differ in backward, where rank r receives dL_r/d(gathered), the gradient of *its own* loss only:
+Forward, every gather here returns the N x d concatenation of the ranks' C x d blocks, in rank
+order. They differ in backward. On rank s the gathered tensor G = [z_0; ...; z_{P-1}] receives
+dL_s/dG, the gradient of rank s's *own* loss, for every block; rank r's block needs the sum over
+all ranks, sum_s dL_s/dG[rC : (r+1)C].
 
-- `gather_plain` (seed 003, CODE BLOCK 2): `dist.all_gather` has no autograd; only the local block is
-  put back into the result with its graph, so backward keeps the local slice of dL_r/d(gathered) and
-  drops what every other rank's loss says about this rank's embeddings. Correct when every rank
-  computes the same global loss (lesson 07), wrong for local x global (lesson 08).
-- `gather_with_grad(..., backward="all_reduce")` (seed 003's fix): backward sums the gradient over ranks,
-  sum_r dL_r/d(gathered), and keeps this rank's slice. `backward="reduce_scatter"` gets the same slice
-  with a reduce-scatter, which moves (P-1)/P * N*d numbers per rank instead of the all-reduce's
-  2 (P-1)/P * N*d: half the traffic, and no rank keeps slices it throws away.
+- `gather_plain`: `dist.all_gather` has no autograd, so only the local block is put back with its
+  graph and backward keeps rank r's slice of dL_r/dG alone: what every other rank's loss says about
+  rank r's embeddings is dropped. Right when every rank computes the same global loss (lesson 07,
+  up to DDP's 1/P), wrong for local x global (lesson 08).
+- `gather_with_grad`: backward sums over ranks and hands rank r its slice, in one reduce-scatter
+  (`GatherSumBackward`): (P-1)/P * N d numbers sent per rank on a ring. Lesson 09 writes out the
+  same idea with an all_reduce backward (2 (P-1)/P * N d: every rank receives every block's sum and
+  keeps one) and checks both; lessons 10 and 11 import this one.
 - `gather_library`: torch's own differentiable all-gather. torch 2.13 deprecates
   `torch.distributed.nn.functional.all_gather` and its warning names the replacement,
-  `torch.distributed._functional_collectives.all_gather_single`: its op has an autograd formula
-  registered (`all_gather_into_tensor_backward`, a reduce-scatter with sum), so the plain functional
-  gather is the fix (`all_gather_single_autograd` is now only an alias of it).
+  `torch.distributed._functional_collectives.all_gather_single`, whose op has a registered autograd
+  formula (`all_gather_into_tensor_backward`, a reduce-scatter with sum): the one for real code.
 
-Traffic, for a ring: the backward all-reduce moves 2 (P-1)/P * N*d numbers per rank, the
-reduce-scatter (P-1)/P * N*d. That is NCCL's picture. gloo (the CPU backend) implements
-`reduce_scatter_tensor` as an all-reduce of a copy followed by taking this rank's chunk
-(`ProcessGroupGloo::reduce_scatter_tensor_coalesced`), so on CPU both cost the same.
+On gloo (CPU) a reduce-scatter (`reduce_scatter_single`) runs as an all-reduce of a copy followed by taking this rank's
+chunk (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`), so on CPU the two backwards cost the
+same; the halving is NCCL's.
 
-Seed 003's bugs, fixed here: CODE BLOCK 1 and 2 gather `feature1` into `all_feature2`; its AllGather
-backward slices with `rank` (a global it never defines) instead of `ctx.rank`.
+The gathers read the rank from the process group they run on (`dist.get_rank()`): a collective's
+slice is the rank's place in *that* group.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def check_same_shape(tensor: torch.Tensor) -> None:
     """Raise the same ValueError on every rank unless all ranks hold tensors of one shape.
 
     A gather of unequal blocks would hang or scramble; this exchanges only the shapes (a small,
-    always-matching all-gather) so every rank can refuse together.
+    always-matching all-gather, on the tensor's device) so every rank can refuse together.
     """
     max_dims = 8
     if tensor.dim() > max_dims:
@@ -53,42 +53,39 @@ def check_same_shape(tensor: torch.Tensor) -> None:
                          "(rank 0, 1, ...): give each rank an equal share of the global batch")
 
 
-def _gather_blocks(tensor: torch.Tensor) -> torch.Tensor:
-    out = torch.empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]),
-                      dtype=tensor.dtype, device=tensor.device)
+def all_gather_blocks(tensor: torch.Tensor) -> torch.Tensor:
+    """The ranks' C x ... blocks stacked in rank order (P C x ...), no autograd."""
+    out = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
     dist.all_gather_single(out, tensor.contiguous())
     return out
 
 
 def gather_plain(tensor: torch.Tensor) -> torch.Tensor:
-    """`dist.all_gather`, with the local block put back so it keeps its graph (CODE BLOCK 2)."""
-    blocks = list(_gather_blocks(tensor.detach()).chunk(dist.get_world_size()))
+    """`dist.all_gather`, with this rank's block put back so that it keeps its graph."""
+    blocks = list(all_gather_blocks(tensor.detach()).chunk(dist.get_world_size()))
     blocks[dist.get_rank()] = tensor
     return torch.cat(blocks)
 
 
-class _GatherSumBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, backward: str) -> torch.Tensor:
-        ctx.rank, ctx.rows, ctx.backward = dist.get_rank(), tensor.shape[0], backward
-        return _gather_blocks(tensor)
+class GatherSumBackward(torch.autograd.Function):
+    """Forward: all-gather. Backward: one reduce-scatter with sum, so rank r receives
+    sum_s dL_s/dG[rC : (r+1)C], and only that."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        if ctx.backward == "all_reduce":
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-            return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None
-        mine = torch.empty((ctx.rows, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_single(mine, grad, op=dist.ReduceOp.SUM)
-        return mine, None
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.rows = tensor.shape[0]
+        return all_gather_blocks(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        mine = grad.new_empty((ctx.rows, *grad.shape[1:]))
+        dist.reduce_scatter_single(mine, grad.contiguous(), op=dist.ReduceOp.SUM)
+        return mine
 
 
-def gather_with_grad(tensor: torch.Tensor, backward: str = "reduce_scatter") -> torch.Tensor:
-    """All-gather whose backward sums the gradient over ranks ("all_reduce" or "reduce_scatter")."""
-    if backward not in ("all_reduce", "reduce_scatter"):
-        raise ValueError(f"backward must be 'all_reduce' or 'reduce_scatter', got {backward!r}")
-    return _GatherSumBackward.apply(tensor, backward)
+def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """All-gather whose backward sums the gradient over ranks (a reduce-scatter)."""
+    return GatherSumBackward.apply(tensor)
 
 
 def gather_library(tensor: torch.Tensor) -> torch.Tensor:

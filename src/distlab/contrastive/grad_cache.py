@@ -1,53 +1,58 @@
-"""GradCache (Gao et al. 2021): the gradient of a contrastive loss over a batch far larger than fits.
+"""GradCache: the exact gradient of a contrastive loss over a batch far larger than fits in memory.
 
-A contrastive loss L(r_1 .. r_N) couples every sample to every other, so it cannot be cut into
+Gao, Zhang, Han and Callan, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"
+(RepL4NLP 2021, https://arxiv.org/abs/2101.06983); reference library luyug/GradCache
+(https://github.com/luyug/GradCache), whose interface this class keeps.
+
+A contrastive loss L(r_1 .. r_n) over the n samples one call sees (n = N in one process, C = N/P on
+a rank under DDP) couples every sample to every other, so it cannot be cut into
 micro-batches whose gradients add up. But the parameters theta reach L only through the
-representations r_i = f_theta(x_i), and those are small (N x d). The chain rule splits the work:
+representations r_i = f_theta(x_i), and those are small (n x d). The chain rule splits the work:
 
     dL/dtheta = sum_i (dL/dr_i) . (dr_i/dtheta)
 
-1. `forward_no_grad`: run the model over the batch in chunks of C samples *without* a graph and keep
-   only the representations R (N x d). Memory: one chunk's activations at a time.
-2. `build_cache`: compute L(R) on detached leaves, backward to the leaves: the cache G = dL/dR (N x d).
-   The model is not involved; this costs the loss alone (its N x N logits matrix included).
-3. `forward_backward`: for every chunk again, recompute r = f_theta(x_chunk) *with* a graph and back-
-   propagate the surrogate s = <r, g_chunk> (the dot product over all entries). ds/dtheta =
-   g_chunk . dr/dtheta, and the chunks' gradients add up to dL/dtheta exactly, the identity above.
+1. `forward_no_grad`: run the model over the batch in micro-batches of B samples (the chunk size)
+   *without* a graph and keep only the representations R (n x d). Memory: one micro-batch's
+   activations at a time.
+2. `build_cache`: compute L(R) on detached leaves, backward to the leaves: the cache G = dL/dR (n x d).
+   The model is not involved; this costs the loss alone (its n x n logits included).
+3. `forward_backward`: for every micro-batch again, recompute r = f_theta(x_chunk) *with* a graph and
+   back-propagate the surrogate s = <r, G_chunk> (the dot product over all entries). ds/dtheta =
+   G_chunk . dr/dtheta, and the micro-batches' gradients add up to dL/dtheta exactly.
 
 Step 3 recomputes step 1, so anything random in the model (dropout) must draw the same numbers both
 times, or the gradient belongs to a different function than the loss. Step 1 snapshots the random
-state before each chunk in a `RandContext` (CPU and every CUDA device the chunk lives on) and step 3
-replays it. The cost: one extra forward per step, about 4/3 of a plain step when backward ~ 2 forward.
+state before each micro-batch in a `RandContext` (CPU and every CUDA device the chunk lives on) and
+step 3 replays it. The cost: one extra forward per step, about 4/3 of a plain step when backward ~ 2
+forward. Two readings of the method that do not hold: with B = n it is *not* plain training (every
+sample still runs twice), and its memory is *not* that of B samples (the loss's n x n logits remain,
+whatever B; lesson 11 removes them).
 
-Under DDP every rank caches its own C-sample chunks of its N/P samples; the loss gathers the
+Under DDP every rank caches its own C = N/P samples in micro-batches of B; the loss gathers the
 representations of all ranks with a gather whose backward sums over ranks (lesson 09), so G holds
 sum_r dL_r/dR_local, and DDP's average of the parameter gradients is d(mean_r L_r)/dtheta, the global
-batch's gradient. `no_sync_except_last=True` turns off DDP's all-reduce for every chunk but the last,
-where the accumulated gradient is reduced once. A model that appears twice in `models` (one tower for
-both sides) is reduced once too: only its last chunk of its last use synchronises.
+batch's gradient. `no_sync_except_last=True` turns off DDP's all-reduce for every micro-batch but the
+last, where the accumulated gradient is reduced once. A model that appears twice in `models` (one
+tower for both sides) is reduced once too: only its last micro-batch of its last use synchronises.
 
 Mixed precision: `fp16=True` runs the model under float16 autocast and needs a GradScaler; the cache
 is the *scaled* loss's gradient, so the parameter gradients come out scaled and the caller does
-`scaler.step(optimizer); scaler.update()` as usual. `bf16=True` runs under bfloat16 autocast and
-needs no scaler. In both, the loss sees the representations upcast to float32.
+`scaler.step(optimizer); scaler.update()` as usual. `GradCache.bfloat16(...)` runs under bfloat16
+autocast and needs no scaler. In both, the loss sees the representations upcast to float32.
 
-The interface is the reference library's (luyug/GradCache): GradCache(models, chunk_sizes, loss_fn,
-split_input_fn, get_rep_fn, fp16, scaler), split_inputs, get_input_tensors, model_call, get_reps,
-compute_loss, forward_no_grad, build_cache, forward_backward, cache_step(*inputs,
-no_sync_except_last, **loss_kwargs) -> loss, and __call__ = cache_step. Where ours differs:
-- the surrogate is taken in float32 *or wider*: the reference casts it to float32, which costs a
+The interface is luyug/GradCache's: GradCache(models, chunk_sizes, loss_fn, split_input_fn,
+get_rep_fn, fp16, scaler), split_inputs, get_input_tensors, model_call, get_reps, compute_loss,
+forward_no_grad, build_cache, forward_backward, cache_step(*inputs, no_sync_except_last,
+**loss_kwargs) -> loss, and __call__ = cache_step. Where ours differs:
+- the surrogate is taken in float32 *or wider*: the library casts it to float32, which costs a
   float64 run its exactness;
-- the cache is cut by the rows each chunk actually produced, not by chunk_size, so a custom
+- the cache is cut by the rows each micro-batch actually produced, not by chunk_size, so a custom
   split_input_fn may cut unevenly;
 - dict values of unequal length and VLM patch counts are refused, where zip() would silently drop
   samples; VLM dicts (pixel_values + image_grid_thw) are cut per image (`split_inputs.py`);
 - bad input raises ValueError (an `assert` vanishes under `python -O`); autocast is
   `torch.autocast(device_type)`, so it runs on CPU as on GPU;
 - a model used twice is all-reduced once under no_sync_except_last, not once per use.
-
-What seed 002 gets wrong: with batch_size == chunk_size GradCache does *not* "degenerate to plain
-training": it still runs every sample twice (lesson 10 times it). And "memory for 2 samples only"
-forgets the loss: its N x N logits live in build_cache whatever the chunk (lesson 11 removes them).
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class GradCache:
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int],
                  loss_fn: Callable[..., Tensor], split_input_fn: Callable[[Any, int], Any] | None = None,
                  get_rep_fn: Callable[[Any], Tensor] | None = None, fp16: bool = False,
-                 scaler: torch.amp.GradScaler | None = None, bf16: bool = False):
+                 scaler: torch.amp.GradScaler | None = None):
         if isinstance(models, nn.Module) or not isinstance(models, (list, tuple)) or not models:
             raise ValueError("models must be a non-empty list of modules, one per loss argument "
                              f"(got {type(models).__name__}); for one shared tower pass [model, model]")
@@ -103,14 +108,23 @@ class GradCache:
         else:
             self.chunk_sizes = [check_chunk_size(chunk_sizes)] * len(self.models)
         self.loss_fn, self.split_input_fn, self.get_rep_fn = loss_fn, split_input_fn, get_rep_fn
-        if fp16 and bf16:
-            raise ValueError("fp16 and bf16 exclude each other")
         if fp16 and scaler is None:
             raise ValueError("fp16 needs a GradScaler: GradCache(..., fp16=True, scaler=torch.amp.GradScaler())")
         if scaler is not None and not fp16:
-            raise ValueError("a scaler is only used with fp16=True (bf16 and float32 need none)")
-        self.fp16, self.bf16, self.scaler = fp16, bf16, scaler
-        self.amp_dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else None
+            raise ValueError("a scaler is only used with fp16=True (bfloat16 and float32 need none)")
+        self.fp16, self.scaler = fp16, scaler
+        self.amp_dtype = torch.float16 if fp16 else None
+
+    @classmethod
+    def bfloat16(cls, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int],
+                 loss_fn: Callable[..., Tensor], **options: Any) -> "GradCache":
+        """The same cache with the models under bfloat16 autocast. `options`: split_input_fn, get_rep_fn.
+        bfloat16 has float32's exponent range, so the loss needs no scaling (and no GradScaler)."""
+        if options.get("fp16") or options.get("scaler") is not None:
+            raise ValueError("bfloat16 excludes fp16 and its GradScaler (bfloat16 needs no loss scaling)")
+        cache = cls(models, chunk_sizes, loss_fn, **options)
+        cache.amp_dtype = torch.bfloat16
+        return cache
 
     def __call__(self, *model_inputs: Any, **kwargs: Any) -> Tensor:
         return self.cache_step(*model_inputs, **kwargs)
@@ -140,7 +154,7 @@ class GradCache:
         return torch.autocast(param.device.type if param is not None else "cpu", dtype=self.amp_dtype)
 
     def model_call(self, model: nn.Module, model_input: Any) -> Any:
-        """model(x), model(*list) or model(**dict), under autocast when fp16/bf16."""
+        """model(x), model(*list) or model(**dict), under autocast when fp16 or bfloat16."""
         with self._autocast(model):
             if isinstance(model_input, Tensor):
                 return model(model_input)

@@ -11,9 +11,10 @@ snapshots the random state before the first pass and replays it for the second:
         out = model(chunk)
 
 It saves the CPU generator and the generator of every CUDA device that any tensor in the inputs
-lives on (dicts, lists and tuples are searched). GradCache's functional API creates its context
-without the inputs, so on GPUs it saves no CUDA state and the two passes differ; here the inputs are
-always passed. `with state:` forks the generators, so the random stream outside continues as if the
+lives on (dicts, lists and tuples are searched). The functional API of luyug/GradCache
+(`grad_cache.functional.cached`, https://github.com/luyug/GradCache) creates its context without the
+inputs, so on GPUs it saves no CUDA state and the two passes draw different masks; here the inputs
+are always passed. `with state:` forks the generators, so the random stream outside continues as if the
 replay never happened.
 """
 

@@ -1,20 +1,35 @@
-"""Single-process references for the DDP contrastive steps: no process group, no gather.
+"""The single-process references of the contrastive track: no process group, no gather.
 
-- `full_batch_gradients`: a deep copy of the model on the whole global batch, plain autograd on
-  `clip_loss`. Every exact variant of lessons 07 and 09 must reproduce it.
-- `detached_blocks_gradients`: what lesson 08's plain gather really computes, written out in one
-  process without any of its code: split the batch into P blocks; for block r, the symmetric loss
-  over the rows of block r in which only block r's embeddings carry gradient (the other blocks are
+`full_batch_gradients(model, x, y, tau)` is the reference every exact step is checked against: a
+deep copy of the model, the whole global batch, plain autograd on a loss of the N embeddings
+(`clip_loss` unless told otherwise). Two things vary it:
+
+- `loss_fn`: `detached_blocks(P)` is what lesson 08's plain gather really computes, written out in
+  one process without any of its code: split the batch into P blocks; for block r, the symmetric
+  loss over block r's rows in which only block r's embeddings carry gradient (the other blocks are
   detached constants); average over r. Its gradient is
 
-      1/P * sum_r  dL_r/dz_r * dz_r/dtheta,
+      1/P * sum_r dL_r/dz_r * dz_r/dtheta,
 
-  the true gradient 1/P * sum_r sum_s dL_s/dz_r * dz_r/dtheta minus the s != r terms.
+  the true gradient 1/P * sum_r sum_s dL_s/dz_r * dz_r/dtheta without the s != r terms.
+- `forward`: how the N embeddings are made. With dropout, a distributed step's embeddings depend on
+  which random stream drew each mask: rank r runs its C pairs from its own stream, in its own
+  micro-batches and order. `as_ranks(RankStreams(seeds), B)` replays exactly that in one process,
+  "the full-batch reference with each rank's dropout replayed" (lessons 10 and 11 and their tests):
+
+      full_batch_gradients(model, x, y, tau, forward=as_ranks(RankStreams(seeds), B))
+
+  `tower_by_tower=True` replays GradCache's order (a rank's x micro-batches through `encoder_x`,
+  then its y micro-batches through `encoder_y`); the default runs `model(x_b, y_b)` per
+  micro-batch (the streamed step's order). A `RankStreams` carries each stream on from where its
+  last use left it, as a rank's stream does from one step to the next.
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,15 +38,27 @@ from torch import nn
 from distlab.compare import grads_of
 from distlab.contrastive.losses import check_temperature, clip_loss
 
+Embeddings = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]   # (Z_x, Z_y, tau) -> L
+Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], Embeddings]  # (model, X, Y) -> (Z_x, Z_y)
 
-def full_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                         tau: float) -> tuple[float, dict[str, torch.Tensor]]:
+
+def plain_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Embeddings:
+    return model(x, y)
+
+
+def full_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tau: float,
+                         loss_fn: LossFn = clip_loss,
+                         forward: Forward = plain_forward) -> tuple[float, dict[str, torch.Tensor]]:
     """(L, dL/dtheta) of a deep copy of `model` on the whole batch (the original is untouched)."""
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
-    loss = clip_loss(*model(x, y), tau)
+    loss = loss_fn(*forward(model, x, y), tau)
     loss.backward()
     return loss.item(), grads_of(model)
+
+
+# -- what the plain gather computes (lesson 08) -------------------------------------------------
 
 
 def _only_block_carries_grad(z: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -62,11 +89,71 @@ def detached_blocks_loss(z_x: torch.Tensor, z_y: torch.Tensor, tau: float, world
     return total / world_size
 
 
-def detached_blocks_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tau: float,
-                              world_size: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """(L, gradient of `detached_blocks_loss`) on a deep copy of `model` over the whole batch."""
-    model = copy.deepcopy(model)
-    model.zero_grad(set_to_none=True)
-    loss = detached_blocks_loss(*model(x, y), tau, world_size)
-    loss.backward()
-    return loss.item(), grads_of(model)
+class DetachedBlocks:
+    """`detached_blocks_loss` for a fixed P, as a loss of (Z_x, Z_y, tau) (picklable, unlike a lambda)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def __call__(self, z_x: torch.Tensor, z_y: torch.Tensor, tau: float) -> torch.Tensor:
+        return detached_blocks_loss(z_x, z_y, tau, self.world_size)
+
+
+# -- each rank's dropout, replayed in one process -----------------------------------------------
+
+
+class RankStreams:
+    """P ranks' global random streams in one process: rank r's starts as `torch.manual_seed(seeds[r])`
+    would start it, and goes on from where its last use left it."""
+
+    def __init__(self, seeds: Sequence[int]):
+        self.seeds = list(seeds)
+        self.states: list[torch.Tensor | None] = [None] * len(self.seeds)
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    @contextmanager
+    def stream(self, rank: int, device: torch.device) -> Iterator[None]:
+        """Run the block from rank `rank`'s stream; the caller's own stream is left as it was."""
+        cuda = device.type == "cuda"
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            if self.states[rank] is None:
+                torch.manual_seed(self.seeds[rank])
+            elif cuda:
+                torch.cuda.set_rng_state(self.states[rank], device)
+            else:
+                torch.set_rng_state(self.states[rank])
+            yield
+            self.states[rank] = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+
+
+def _micro_batches(n: int, b: int | None) -> list[slice]:
+    b = b or n
+    return [slice(i, min(i + b, n)) for i in range(0, n, b)]
+
+
+def as_ranks(streams: RankStreams, micro_batch_size: int | None = None, tower_by_tower: bool = False) -> Forward:
+    """The forward P ranks run, in one process: rank r's share (rows rC ... rC + C - 1, C = N / P)
+    from rank r's stream, in micro-batches of B rows in order (the whole share when B is None);
+    the embeddings concatenated in rank order."""
+
+    def forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Embeddings:
+        p = len(streams)
+        if len(x) % p:
+            raise ValueError(f"the global batch N = {len(x)} must split evenly over P = {p} ranks")
+        c, parts_x, parts_y = len(x) // p, [], []
+        for r in range(p):
+            x_r, y_r = x[r * c:(r + 1) * c], y[r * c:(r + 1) * c]
+            with streams.stream(r, x.device):
+                if tower_by_tower:  # GradCache: all of tower x's micro-batches, then tower y's
+                    parts_x += [F.normalize(model.encoder_x(x_r[s]), dim=-1) for s in _micro_batches(c, micro_batch_size)]
+                    parts_y += [F.normalize(model.encoder_y(y_r[s]), dim=-1) for s in _micro_batches(c, micro_batch_size)]
+                else:
+                    for s in _micro_batches(c, micro_batch_size):
+                        z_x, z_y = model(x_r[s], y_r[s])
+                        parts_x.append(z_x)
+                        parts_y.append(z_y)
+        return torch.cat(parts_x), torch.cat(parts_y)
+
+    return forward

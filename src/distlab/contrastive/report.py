@@ -1,11 +1,13 @@
-"""How far a gradient is from the reference, in a few numbers a lesson can print (and a notebook plot).
+"""What lessons 07-09 print: how far a gradient is from the reference, and the tables around it.
 
-For gradients g (the method's) and r (the single-process reference), over all parameters at once:
+For gradients g (a variant's) and r (the single-process reference), over all parameters at once:
 
 - max relative error: max over tensors of max |g - r| / max |r| (`distlab.compare`'s figure),
 - norm ratio ||g|| / ||r||: a pure scaling bug shows here as a clean 1/P,
 - cosine(g, r): 1 when g points the same way as r, whatever its length,
 - allclose: every tensor within the dtype's stated tolerance (float64: rtol 1e-10, atol 1e-12).
+
+Every table fits an 80-column terminal: short column names, their meaning in the caption.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import torch
 from rich.table import Table
 
 from distlab.compare import all_ok, compare
+from distlab.contrastive.cost import ring_elements
+from distlab.contrastive.training import FINAL_STEPS, TrainRun
 
 Grads = Mapping[str, torch.Tensor]
+MIB = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -52,14 +57,91 @@ def relative_errors(reference: Grads, actual: Grads) -> dict[str, float]:
             for n, r in reference.items()}
 
 
+def _table(title: str, caption: str) -> Table:
+    return Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+
+
 def method_table(rows: list[tuple[str, str, GradientError, bool]], title: str, caption: str = "") -> Table:
-    """One row per method: (method, against what, its error, whether allclose is what we claim)."""
-    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
-    for column, justify in (("method", "left"), ("compared with", "left"), ("max rel err", "right"),
-                            ("||g|| / ||ref||", "right"), ("cosine", "right"), ("allclose", "center")):
+    """One row per (variant, compared with, its error, whether allclose is what the lesson claims)."""
+    table = _table(title, "ratio: ||g|| / ||ref||; cosine: cos(g, ref)" + (f"; {caption}" if caption else ""))
+    for column, justify in (("variant", "left"), ("vs", "left"), ("max rel err", "right"), ("ratio", "right"),
+                            ("cosine", "right"), ("allclose", "center")):
         table.add_column(column, justify=justify)
-    for method, against, err, expect in rows:
+    for variant, against, err, expect in rows:
         mark = "[green]yes[/]" if err.ok else ("[red]no[/]" if expect else "[yellow]no[/]")
-        table.add_row(method, against, f"{err.max_rel:.2e}", f"{err.norm_ratio:.6f}", f"{err.cosine:.6f}",
+        table.add_row(variant, against, f"{err.max_rel:.2e}", f"{err.norm_ratio:.6f}", f"{err.cosine:.6f}",
                       mark, style=None if err.ok == expect else "bold red")
+    return table
+
+
+def work_table(n: int, p: int, d: int) -> Table:
+    """Lesson 07: every rank computes the same N x N logits; what that costs in all."""
+    table = _table("The redundant work: every rank computes the same N x N logits",
+                   f"N = {n}, d = {d}, P = {p}; exp: entries the row and column softmaxes exponentiate")
+    for column in ("per step", "formula", "one rank", f"all {p} ranks", "needed", "redundant"):
+        table.add_column(column, justify="left" if column in ("per step", "formula") else "right")
+    for what, formula, once in (("S entries", "N^2", n * n), ("multiply-adds", "N^2 d", n * n * d),
+                                ("exp (softmax)", "2 N^2", 2 * n * n)):
+        table.add_row(what, formula, f"{once:,}", f"{p * once:,}", f"{once:,}", f"{(p - 1) * once:,}")
+    return table
+
+
+def training_table(runs: Mapping[str, TrainRun], held_out: int) -> Table:
+    """Lesson 08: the runs side by side, the first one the single-process reference."""
+    table = _table("Three runs: same data, weights, optimizer and steps",
+                   f"final L: the global loss L averaged over the last {FINAL_STEPS} steps; acc: top-1 "
+                   f"retrieval among {held_out} held-out pairs (chance {1 / held_out:.2%}), after the last "
+                   "step and at its best; max gap: largest |L - L of the single process| over all steps")
+    for column in ("run", "L, step 1", "final L", "acc", "best acc", "max gap"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    single = torch.tensor(next(iter(runs.values())).losses, dtype=torch.float64)
+    for name, run in runs.items():
+        gap = (torch.tensor(run.losses, dtype=torch.float64) - single).abs().max().item()
+        table.add_row(name, f"{run.losses[0]:.4f}", f"{run.final_loss:.4f}", f"{run.accuracies[-1]:.2%}",
+                      f"{max(run.accuracies):.2%}", f"{gap:.1e}")
+    return table
+
+
+def emulated_table(results: Mapping[int, Mapping[str, float]], n: int) -> Table:
+    """Lesson 08 --emulate: the plain gather's training at world sizes run in one process."""
+    table = _table("The plain gather at larger P, emulated in one process (detached-blocks loss)",
+                   f"final L: L averaged over the last {FINAL_STEPS} steps; P = 1 is the exact run")
+    for column in ("P", "C = N/P", "final L", "held-out accuracy"):
+        table.add_column(column, justify="right")
+    for q in sorted(results):
+        table.add_row(str(q), str(n // q), f"{results[q]['final_loss']:.4f}", f"{results[q]['accuracy']:.2%}")
+    return table
+
+
+def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[str, float]]], elem: int) -> Table:
+    """Lesson 09: what the loss costs one rank; rows of (name, its `global_logits` or `local_logits`,
+    its `loss_cost`)."""
+    table = _table(f"Per rank, the loss forward + backward from the embeddings (N = {n}, P = {p})",
+                   "global: every rank all N x N logits; local: its C x N rows of S and of S^T; "
+                   "S: similarity entries its matmuls produce; exp: entries its softmaxes exponentiate; "
+                   f"largest, peak: tensor storage it allocates (PeakMemory), largest / N^2: the largest "
+                   f"over an N x N matrix of {elem}-byte floats; time: median of 5, slowest rank")
+    for column in ("loss", "S", "exp", "largest", "/ N^2", "peak", "time"):
+        table.add_column(column, justify="left" if column == "loss" else "right")
+    for name, work, cost in rows:
+        table.add_row(name, f"{work['matmul']:,}", f"{work['softmax']:,}", f"{cost['largest_bytes'] / MIB:.2f} MiB",
+                      f"{cost['largest_bytes'] / (n * n * elem):.3f}", f"{cost['peak_bytes'] / MIB:.1f} MiB",
+                      f"{1e3 * cost['seconds']:.0f} ms")
+    return table
+
+
+def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], backend: str) -> Table:
+    """Lesson 09: traffic per gathered N x d tensor by the ring formulas, and measured time."""
+    note = ("; gloo runs a reduce_scatter as an all_reduce of a copy, so no saving shows on CPU"
+            if "nccl" not in backend else "")
+    table = _table(f"Communication per gathered N x d tensor (ring; N = {n}, d = {d}, P = {p})",
+                   f"sent: elements each rank sends (and receives); measured: median of 10, slowest rank, "
+                   f"{elem}-byte floats on {backend}{note}")
+    for column in ("collective", "sent", "elements", "MiB", "measured"):
+        table.add_column(column, justify="left" if column in ("collective", "sent") else "right")
+    formulas = {"all_gather (forward)": "(P-1)/P N d", "all_reduce (backward)": "2(P-1)/P N d",
+                "reduce_scatter (backward)": "(P-1)/P N d"}
+    for name, elements in ring_elements(p, n, d).items():
+        measured = f"{1e3 * seconds[name]:.2f} ms" if name in seconds else "-"
+        table.add_row(name, formulas[name], f"{elements:,.0f}", f"{elements * elem / MIB:.2f}", measured)
     return table

@@ -1,24 +1,23 @@
-"""Cutting one model input into chunks of `chunk_size` samples, whatever shape the input has.
+"""Cutting one model input into micro-batches of B = `chunk_size` samples, whatever shape it has.
 
-GradCache runs a model on a batch of B samples as ceil(B / chunk_size) smaller calls, so it must cut
-the model's input along the sample axis. What counts as the sample axis depends on the input:
+GradCache runs a model on a batch of n samples as ceil(n / B) smaller calls, so it must cut the
+model's input along the sample axis. What counts as the sample axis depends on the input:
 
-- a tensor `[B, ...]`, or a list / tuple of them (the model is called `model(*chunk)`): dim 0.
+- a tensor `[n, ...]`, or a list / tuple of them (the model is called `model(*chunk)`): dim 0.
 - a dict of tensors (`model(**chunk)`, e.g. `input_ids`, `attention_mask`, CLIP's `pixel_values
-  [B, C, H, W]`): dim 0 of every value. `None` values (a text-only batch's missing images) are passed
+  [n, C, H, W]`): dim 0 of every value. `None` values (a text-only batch's missing images) are passed
   to every chunk unchanged.
 - a VLM-style dict (Qwen2-VL / Qwen3-VL) with `pixel_values` AND `image_grid_thw`: the images'
-  patches are flattened into `pixel_values [total_patches, ...]`, so dim 0 is *not* B. Image i owns
-  t_i * h_i * w_i consecutive rows, where (t_i, h_i, w_i) = image_grid_thw[i]; the chunk of samples
-  [a, b) owns the rows from sum_{i<a} t_i h_i w_i to sum_{i<b} t_i h_i w_i. One image per sample, as
-  in the seed (image_grid_thw has B rows). Cutting `pixel_values` on dim 0 like the other values
-  would hand the images' patches to the wrong samples, or fail deep inside the vision tower (seed
-  section 10.2).
+  patches are flattened into `pixel_values [total_patches, ...]`, so dim 0 is *not* n. Image i owns
+  t_i * h_i * w_i consecutive rows, where (t_i, h_i, w_i) = image_grid_thw[i]; the samples [a, b)
+  own the rows from sum_{i<a} t_i h_i w_i to sum_{i<b} t_i h_i w_i. One image per sample
+  (image_grid_thw has n rows). Cutting `pixel_values` on dim 0 like the other values would hand the
+  images' patches to the wrong samples, or fail deep inside the vision tower.
 
-Everything is checked before a single forward: values of one dict must agree on B, the patch count
+Everything is checked before a single forward: values of one dict must agree on n, the patch count
 must equal the grid's total, and anything else (a string, a set, a nested dict) is refused with a
 ValueError that names the type. Tensors are compared with `is None`, never with `or`: a tensor of
-more than one element has no truth value (seed section 10.1).
+more than one element has no truth value, so `out.pooler_output or out.last_hidden_state` raises.
 """
 
 from __future__ import annotations

@@ -21,11 +21,36 @@ import torch
 from torch import nn
 
 from distlab.compare import params_of
-from distlab.contrastive.ddp_steps import ddp_step, local_block
+from distlab.console import progress
+from distlab.contrastive.batch import local_block
 from distlab.contrastive.losses import clip_loss
+from distlab.contrastive.reference import LossFn
+from distlab.contrastive.step import ddp_step
+from distlab.contrastive.variants import Variant
+from distlab.runtime import Runtime
 
 OPTIMIZERS = ("sgd", "adam")
-StepCallback = Callable[[int, float], None]
+FINAL_STEPS = 10  # a run's final loss is the mean of L over this many last steps
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How every run of a comparison trains: the same tau, optimizer, learning rate and evaluations."""
+
+    tau: float
+    optimizer: str = "adam"   # one of OPTIMIZERS
+    lr: float = 0.01
+    eval_every: int = 10      # held-out accuracy after every this many steps, and after the last
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """What every run of a comparison sees: the training pairs, the held-out pairs, and the global
+    batch (indices into the training pairs) of every step."""
+
+    train: tuple[torch.Tensor, torch.Tensor]
+    held_out: tuple[torch.Tensor, torch.Tensor]
+    batches: list[torch.Tensor]
 
 
 @dataclass
@@ -34,6 +59,13 @@ class TrainRun:
     eval_steps: list[int] = field(default_factory=list)    # steps after which accuracy was measured
     accuracies: list[float] = field(default_factory=list)  # held-out top-1 retrieval accuracy
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
+
+    @property
+    def final_loss(self) -> float:
+        """The run's final loss: L averaged over its last FINAL_STEPS steps (one step's L is one
+        batch's, and batches differ)."""
+        last = self.losses[-FINAL_STEPS:]
+        return sum(last) / len(last)
 
 
 @torch.no_grad()
@@ -70,53 +102,48 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
 
 
 def _train(model: nn.Module, eval_model: nn.Module, step_fn: Callable[[torch.Tensor], float],
-           batches: list[torch.Tensor], held_out: tuple[torch.Tensor, torch.Tensor],
-           optimizer: torch.optim.Optimizer, eval_every: int, on_step: StepCallback | None) -> TrainRun:
+           data: TrainData, config: TrainConfig, label: str | None) -> TrainRun:
+    """The one loop: zero_grad, the caller's step (forward, loss, backward), optimizer step, and
+    held-out accuracy every `eval_every` steps. With a `label`, progress is shown on rank 0."""
+    optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr)
     run = TrainRun()
+    batches = data.batches if label is None else progress(data.batches, len(data.batches), label)
     for step, idx in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         run.losses.append(step_fn(idx))
         optimizer.step()
-        if (step + 1) % eval_every == 0 or step + 1 == len(batches):
+        if (step + 1) % config.eval_every == 0 or step + 1 == len(data.batches):
             run.eval_steps.append(step + 1)
-            run.accuracies.append(retrieval_accuracy(eval_model, *held_out))
-        if on_step is not None:
-            on_step(step, run.losses[-1])
+            run.accuracies.append(retrieval_accuracy(eval_model, *data.held_out))
     run.params = params_of(eval_model)
     return run
 
 
-def train_single_process(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor],
-                         held_out: tuple[torch.Tensor, torch.Tensor], batches: list[torch.Tensor],
-                         tau: float, optimizer: str, lr: float, eval_every: int,
-                         on_step: StepCallback | None = None, loss_fn=clip_loss) -> TrainRun:
+def train_single_process(model: nn.Module, data: TrainData, config: TrainConfig,
+                         loss_fn: LossFn = clip_loss, label: str | None = None) -> TrainRun:
     """The reference run: a deep copy of `model`, the whole global batch, plain autograd on
-    `loss_fn(z_x, z_y, tau)` (clip_loss; a notebook passes the detached-blocks loss to see what the
-    plain gather would do at a P this machine cannot run)."""
+    `loss_fn(z_x, z_y, tau)` (clip_loss; lesson 08 passes the detached-blocks loss to see what the
+    plain gather does at a P this machine cannot run)."""
     model = copy.deepcopy(model)
-    x, y = train
+    x, y = data.train
 
     def step_fn(idx: torch.Tensor) -> float:
-        loss = loss_fn(*model(x[idx], y[idx]), tau)
+        loss = loss_fn(*model(x[idx], y[idx]), config.tau)
         loss.backward()
         return loss.item()
 
-    return _train(model, model, step_fn, batches, held_out, make_optimizer(optimizer, model.parameters(), lr),
-                  eval_every, on_step)
+    return _train(model, model, step_fn, data, config, label)
 
 
-def train_ddp(ddp_model: nn.Module, rank: int, world_size: int, method: str,
-              train: tuple[torch.Tensor, torch.Tensor], held_out: tuple[torch.Tensor, torch.Tensor],
-              batches: list[torch.Tensor], tau: float, optimizer: str, lr: float, eval_every: int,
-              on_step: StepCallback | None = None) -> TrainRun:
-    """The same steps under DDP: each rank takes its C rows of every global batch; `ddp_step` with
-    `method` computes the loss and DDP averages the gradients. Every rank ends with the same weights
-    (and measures the same accuracy)."""
-    x, y = train
+def train_ddp(rt: Runtime, ddp_model: nn.Module, variant: Variant, data: TrainData, config: TrainConfig,
+              label: str | None = None) -> TrainRun:
+    """The same steps under DDP: each rank takes its C rows of every global batch, `variant` computes
+    the loss and DDP averages the gradients. Every rank ends with the same weights (and measures the
+    same accuracy)."""
+    x, y = data.train
 
     def step_fn(idx: torch.Tensor) -> float:
-        local = local_block(idx, rank, world_size)
-        return ddp_step(ddp_model, x[local], y[local], tau, method)
+        local = local_block(idx, rt)
+        return ddp_step(rt, ddp_model, x[local], y[local], config.tau, variant)
 
-    return _train(ddp_model, ddp_model.module, step_fn, batches, held_out,
-                  make_optimizer(optimizer, ddp_model.parameters(), lr), eval_every, on_step)
+    return _train(ddp_model, ddp_model.module, step_fn, data, config, label)

@@ -1,0 +1,15 @@
+"""Collectives and data parallelism (lesson 06), one job per module:
+
+- `collectives`: what all_reduce, all_gather, reduce_scatter and broadcast compute (against one
+  process), the bytes a ring sends for each, timing on the slowest rank;
+- `ring`: the ring algorithms by hand with send/recv, counting the bytes each rank sends;
+- `measure`: every collective run, checked, counted and timed in one pass;
+- `problem`: the model, the global batch and each rank's share, the two losses (a mean over
+  samples, and a log-sum-exp over the whole batch), the gather with the local block's graph;
+- `training`: the data-parallel SGD loop, whatever syncs the gradients;
+- `overlap`: step time of the sync strategies, and one step's bucket timeline;
+- `ddp`: DistributedDataParallel measured: averaging, `no_sync`, `find_unused_parameters`, a global loss;
+- `report`: the tables, laid out for 80 columns.
+
+The lesson's own mechanisms (the all-reduce loop, the gradient buckets) live in the lesson.
+"""

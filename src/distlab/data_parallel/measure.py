@@ -1,0 +1,50 @@
+"""Every collective run once and timed: torch's against one process, the ring by hand against the
+formula, torch's time against the bytes (lesson 06 and its notebook).
+
+`measure_collectives` runs, for each collective in `COLLECTIVES`, torch's version and the ring by
+hand on the same inputs, compares both with the single-process result, counts the bytes the ring
+sent, and times torch's version (median of `repeats`, slowest rank). Every rank returns its own rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distlab.compare import tolerances
+from distlab.data_parallel.collectives import COLLECTIVES, check_collective, full_numel, rank_input, time_call
+from distlab.data_parallel.ring import RING_RUNS, Ring
+from distlab.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    name: str
+    formula: str
+    max_err: float         # max |torch's result - one process's|
+    ok: bool               # torch's result allclose to one process's
+    ring_ok: bool          # the ring by hand's result allclose to one process's
+    formula_bytes: int     # what the ring formula says this rank sends
+    counted_bytes: int     # what the ring by hand sent from this rank
+    seconds: float         # torch's collective: median over the repeats of the slowest rank
+    full_bytes: int        # the full tensor
+
+
+def measure_collectives(rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int, repeats: int) -> list[CollectiveRow]:
+    rtol, atol = tolerances(dtype)
+    n = full_numel(nbytes, rt.world_size, dtype)
+    full_bytes = n * torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for c in COLLECTIVES:
+        x = rank_input(c, n, rt.rank, rt, seed, dtype)
+        got, expected = check_collective(c, rt, n, seed, dtype)
+        ring = Ring(rt)
+        by_hand = RING_RUNS[c](ring, x)
+        seconds = time_call(rt, lambda: c.run(x, rt.world_size), repeats)
+        rows.append(CollectiveRow(
+            c.name, c.formula, (got.cpu() - expected).abs().max().item(),
+            torch.allclose(got.cpu(), expected, rtol=rtol, atol=atol),
+            torch.allclose(by_hand.cpu(), expected, rtol=rtol, atol=atol),
+            round(c.ring_fraction(rt.world_size, rt.rank) * full_bytes), ring.bytes_sent, seconds, full_bytes))
+    return rows

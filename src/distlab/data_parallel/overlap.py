@@ -1,0 +1,102 @@
+"""Timing gradient synchronisation: a step with all-reduces after backward against one that overlaps them.
+
+A strategy is a function `model -> (module to call, sync to run after backward)`. `time_strategies`
+builds one fresh model per strategy and times forward + backward + sync, round-robin over the
+strategies (so a noisy neighbour slows all of them alike), each repetition timed on the slowest rank,
+the median reported. `backward_timeline` records one step: when backward started and ended, and
+when each bucket's all-reduce was launched and completed, in milliseconds from the start of backward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from distlab.data_parallel.collectives import barrier, slowest_median
+from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
+from distlab.runtime import Runtime
+
+Strategy = Callable[[nn.Module], tuple[nn.Module, Callable[[], None]]]
+
+
+def no_communication(model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
+    """The compute alone: what a step would cost if communication were free."""
+    return model, lambda: None
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float      # forward + backward + sync
+    backward_s: float  # loss.backward() alone (with whatever the strategy's hooks do inside it)
+
+
+def _sync_device(rt: Runtime) -> None:
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+
+
+def _one_step(rt: Runtime, module: nn.Module, sync: Callable[[], None], batch: tuple) -> tuple[float, float]:
+    module.zero_grad(set_to_none=True)
+    barrier(rt)
+    start = time.perf_counter()
+    loss = mean_loss(module(batch[0]), batch[1])
+    _sync_device(rt)
+    backward_start = time.perf_counter()
+    loss.backward()
+    _sync_device(rt)
+    backward_end = time.perf_counter()
+    sync()
+    _sync_device(rt)
+    return time.perf_counter() - start, backward_end - backward_start
+
+
+def time_strategies(rt: Runtime, cfg: DataParallelConfig, strategies: dict[str, Strategy],
+                    repeats: int) -> dict[str, StepTime]:
+    """Median seconds of one step, and of its backward, per strategy (slowest rank)."""
+    _, x, target = build(cfg)
+    batch = (shard(x, rt), shard(target, rt))
+    prepared = {name: make(build(cfg)[0].to(rt.device)) for name, make in strategies.items()}
+    steps: dict[str, list[float]] = {name: [] for name in strategies}
+    backwards: dict[str, list[float]] = {name: [] for name in strategies}
+    for repeat in range(repeats + 1):  # the first round warms up (allocations, first connections)
+        for name, (module, sync) in prepared.items():
+            step, backward = _one_step(rt, module, sync, batch)
+            if repeat:
+                steps[name].append(step)
+                backwards[name].append(backward)
+    return {name: StepTime(slowest_median(rt, steps[name]), slowest_median(rt, backwards[name]))
+            for name in strategies}
+
+
+@dataclass
+class Timeline:
+    backward_end_ms: float     # loss.backward() returned (it started at 0)
+    launched_ms: list[float]   # per bucket: when its all-reduce was launched
+    done_ms: list[float]       # per bucket: when its all-reduce completed
+    synced_ms: float           # sync() returned: every gradient averaged
+
+
+def backward_timeline(rt: Runtime, cfg: DataParallelConfig, module: nn.Module, sync: Callable[[], None],
+                      events: dict[str, dict[int, float]]) -> Timeline:
+    """One step, timed. `events` is where the sync mechanism stamps time.perf_counter() per bucket:
+    events["launched"][i], events["done"][i]. Times in ms from the start of backward."""
+    _, x, target = build(cfg)
+    x, target = shard(x, rt), shard(target, rt)
+    module.zero_grad(set_to_none=True)
+    loss = mean_loss(module(x), target)
+    events["launched"].clear()
+    events["done"].clear()
+    barrier(rt)
+    start = time.perf_counter()
+    loss.backward()
+    end = time.perf_counter()
+    sync()
+    synced = time.perf_counter()
+    ms = lambda t: (t - start) * 1e3  # noqa: E731
+    order = sorted(events["launched"])
+    return Timeline(ms(end), [ms(events["launched"][i]) for i in order], [ms(events["done"][i]) for i in order],
+                    ms(synced))

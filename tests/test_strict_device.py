@@ -1,0 +1,408 @@
+"""Strict device mode (`distlab.strict`): a collective on a tensor that is not on `rt.device` raises,
+so a GPU run cannot meet a device mismatch that the CPU suite did not.
+
+On a CPU machine strict mode names the CPU twice: `rt.device` becomes `cpu:0`, the stand-in for the
+GPU, and plain `cpu` is the host, where a tensor made without `device=` lives on a GPU machine.
+First the mode itself, in this process (no group is needed: a refused collective raises before it
+communicates); then, on P = 2 ranks in one spawn, the bug class it exists for is caught, the same
+code written right passes, and every lesson's library path runs in strict mode with tiny sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import _get_current_function_mode_stack
+
+from distlab.runtime import Runtime, all_ranks_true, distributed
+from distlab.spawn import spawn
+from distlab.strict import HOST, STAND_IN, StrictDeviceError, is_host, strict_device
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_RANK = Runtime(rank=0, world_size=1, local_rank=0, backend="gloo", device=torch.device("cpu"))
+
+
+def _is_off() -> bool:
+    return not hasattr(dist.all_reduce, "strict_device") and not _get_current_function_mode_stack()
+
+
+# --- the mode, in this process ---------------------------------------------------------------------
+
+
+def test_host_or_placed_follows_how_a_tensor_was_made():
+    with strict_device(ONE_RANK) as rt:
+        assert rt.device == STAND_IN and STAND_IN != HOST
+        placed = torch.zeros(2, device=rt.device)
+        made = torch.tensor([1.0])
+        host = {
+            "torch.tensor without device": made,
+            "zeros, arange, from_numpy": torch.cat([torch.zeros(1), torch.arange(1.0), torch.from_numpy(np.ones(1))]),
+            "device='cpu'": torch.ones(2, device="cpu"),
+            "a module's parameter": nn.Linear(2, 2).weight,
+            "an op on host tensors": made * 2 + 1,
+            "a view of a host tensor": made[:1],
+            "placed.cpu()": placed.cpu(),
+            "placed.to('cpu')": placed.to("cpu"),
+            "like a host tensor": torch.zeros_like(made),
+        }
+        on_device = {
+            "device=rt.device": placed,
+            "host.to(rt.device)": made.to(rt.device),
+            "host.to(placed)": made.to(placed),
+            "device=placed.device": torch.zeros(2, device=placed.device),
+            "like a placed tensor": torch.empty_like(placed),
+            "an op with a placed input": placed * made.sum(),
+            "module.to(rt.device)": nn.Linear(2, 2).to(rt.device).weight,
+            "a deep copy of a placed module": copy.deepcopy(nn.Linear(2, 2).to(rt.device)).bias,
+            "placed.double()": placed.double(),
+        }
+        for what, t in host.items():
+            assert is_host(t) and t.device == HOST, what
+        for what, t in on_device.items():
+            assert not is_host(t) and t.device == rt.device, what
+        # As on a GPU: a move copies and leaves the original where it was; a no-op move is a no-op.
+        assert is_host(made) and not is_host(placed)
+        assert placed.to(rt.device) is placed and made.cpu() is made
+        assert made.to(rt.device).data_ptr() != made.data_ptr()
+    assert _is_off()
+
+
+COLLECTIVES = {
+    "all_reduce": lambda t, p: dist.all_reduce(t),
+    "broadcast": lambda t, p: dist.broadcast(t, src=0),
+    "all_gather": lambda t, p: dist.all_gather([p, p], t),
+    "all_gather_into_tensor": lambda t, p: dist.all_gather_into_tensor(p, t),
+    "reduce_scatter_tensor": lambda t, p: dist.reduce_scatter_tensor(p, t),
+    "all_to_all_single": lambda t, p: dist.all_to_all_single(p, t),
+    "send": lambda t, p: dist.send(t, dst=1),
+    "irecv": lambda t, p: dist.irecv(t, src=1),
+    "reduce": lambda t, p: dist.reduce(t, dst=0),
+}
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_a_collective_refuses_a_host_tensor_naming_itself_and_both_devices(name):
+    with strict_device(ONE_RANK) as rt:
+        placed = torch.zeros(2, device=rt.device)
+        with pytest.raises(StrictDeviceError, match=rf"torch\.distributed\.{name} got a tensor of shape "
+                                                    r"\[2\] on cpu, but the runtime's device is cpu:0"):
+            COLLECTIVES[name](torch.ones(2), placed)
+        if name.startswith(("all_gather", "reduce_scatter", "all_to_all")):  # the output side too
+            with pytest.raises(StrictDeviceError, match=name):
+                COLLECTIVES[name](placed, torch.zeros(2))
+
+
+def test_an_op_mixing_host_and_device_tensors_is_refused_as_a_gpu_would():
+    with strict_device(ONE_RANK) as rt:
+        layer = nn.Linear(2, 3).to(rt.device)
+        with pytest.raises(StrictDeviceError, match=r"torch\.nn\.functional\.linear \(beside a tensor on cpu:0\) "
+                                                    r"got a tensor of shape \[4, 2\] on cpu"):
+            layer(torch.randn(4, 2))
+        with pytest.raises(StrictDeviceError, match=r"torch\.cat"):
+            torch.cat([torch.zeros(2, device=rt.device), torch.zeros(2)])
+        # What a GPU takes beside its tensors: 0-dim host tensors, host indices, copies and moves.
+        placed, index = torch.arange(6.0, device=rt.device), torch.tensor([0, 2])
+        placed[index] = placed[index] * torch.tensor(2.0)
+        placed.copy_(torch.ones(6))
+        torch.tensor_split(placed, torch.tensor([2, 4]))
+        layer(torch.randn(4, 2).to(rt.device))
+
+
+def test_a_dispatch_mode_inside_strict_mode_changes_nothing():
+    # PeakMemory sees every aten op with its device resolved (device=cpu): strict mode must not
+    # take those for tensors made on the host.
+    from distlab.memory import PeakMemory
+    with strict_device(ONE_RANK) as rt:
+        placed = torch.zeros(3, device=rt.device)
+        with PeakMemory() as mem:
+            doubled, made = placed * 2, torch.zeros(3)
+        assert mem.peak_bytes > 0 and not is_host(doubled) and is_host(made)
+
+
+def test_ddp_refuses_a_module_built_without_a_device():
+    with strict_device(ONE_RANK):
+        with pytest.raises(StrictDeviceError, match=r"DistributedDataParallel \(parameter 'weight' of "
+                                                    r"Linear\) got a tensor of shape \[3, 2\] on cpu"):
+            DDP(nn.Linear(2, 3))
+
+
+def test_strict_mode_leaves_nothing_behind_and_does_not_nest():
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "isend", "all_gather_object")}
+    ddp_init = DDP.__init__
+    with pytest.raises(RuntimeError, match="already on"):
+        with strict_device(ONE_RANK):
+            assert not _is_off()
+            with strict_device(ONE_RANK):
+                pass
+    assert _is_off() and DDP.__init__ is ddp_init
+    assert all(getattr(dist, name) is fn for name, fn in originals.items())
+
+
+def _fake_group(monkeypatch, env_strict: str | None) -> None:
+    """`distributed()` without a real process group: torchrun's variables, init/destroy as no-ops."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    if env_strict is None:
+        monkeypatch.delenv("DISTLAB_STRICT_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("DISTLAB_STRICT_DEVICE", env_strict)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("env, strict, on", [(None, None, False), ("0", None, False), ("1", None, True),
+                                             (None, True, True), ("1", False, False)])
+def test_distributed_turns_strict_mode_on_by_flag_or_environment(monkeypatch, env, strict, on):
+    _fake_group(monkeypatch, env)
+    with distributed("cpu", strict=strict) as rt:
+        assert (rt.device == STAND_IN) is on and _is_off() is not on
+    assert _is_off()
+
+
+# --- on P = 2 ranks: the bug class is caught, right code passes, every library path runs ------------
+
+
+def _flag_made_without_device(rt):
+    """How lessons 01-04 and 10 agreed on a flag before `all_ranks_true` took a device."""
+    t = torch.tensor([1], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+
+
+def _timing_made_without_device(rt):
+    """contrastive/cost.py's slowest-rank reduction of a timing."""
+    slowest = torch.tensor([0.25], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+
+
+def _ddp_of_unplaced_towers(rt):
+    """Lesson 10's towers: deep copies of a model built on the default device, wrapped in DDP."""
+    from distlab.models import TwoTower
+    DDP(copy.deepcopy(TwoTower(seed=0).encoder_x))
+
+
+def _gather_of_a_cpu_copy(rt):
+    """A functional (autograd) all-gather of embeddings moved to the CPU first."""
+    from distlab.contrastive.gather import gather_library
+    gather_library(torch.randn(3, 4, device=rt.device).cpu())
+
+
+def _inputs_left_on_the_host(rt):
+    """Towers on the device, a batch made on the default device: a GPU refuses the first matmul."""
+    from distlab.models import TwoTower, paired_data
+    ddp = DDP(TwoTower(seed=0).to(rt.device))
+    ddp(*paired_data(4, seed=1))
+
+
+def _flag_on_device(rt):
+    assert all_ranks_true(True, rt.device) and not all_ranks_true(rt.rank == 0, rt.device)
+
+
+def _ddp_of_placed_towers(rt):
+    from distlab.models import TwoTower
+    ddp = DDP(copy.deepcopy(TwoTower(seed=0).encoder_x).to(rt.device))
+    ddp(torch.randn(2, 12, dtype=torch.float64, device=rt.device)).sum().backward()
+
+
+def _gather_on_device(rt):
+    from distlab.contrastive.gather import gather_library
+    z = torch.randn(3, 4, device=rt.device, requires_grad=True)
+    gathered = gather_library(z)
+    assert gathered.shape == (6, 4) and gathered.device == rt.device
+    gathered.sum().backward()
+
+
+BUGS = {  # what strict mode must catch: (case, the collective its message must name)
+    "a flag made without device": (_flag_made_without_device, "torch.distributed.all_reduce"),
+    "a timing made without device (cost.py)": (_timing_made_without_device, "torch.distributed.all_reduce"),
+    "DDP of towers built without device (lesson 10)": (_ddp_of_unplaced_towers, "DistributedDataParallel"),
+    "a functional gather of a .cpu() copy": (_gather_of_a_cpu_copy, "_c10d_functional.all_gather_into_tensor"),
+    "a batch left on the host (an op, not a collective)": (_inputs_left_on_the_host,
+                                                           "torch.nn.functional.linear (beside a tensor on cpu:0)"),
+}
+RIGHT = {
+    "all_ranks_true on rt.device": _flag_on_device,
+    "DDP of towers moved to rt.device": _ddp_of_placed_towers,
+    "a functional gather on rt.device": _gather_on_device,
+}
+
+# Library paths, tiny sizes (imports inside: only the ranks need them).
+MLP = (6, 5, 5, 4)
+
+
+def _pipeline_naive(rt):
+    from distlab.pipeline.naive import train_model_parallel
+    train_model_parallel(rt, MLP, batch_size=4, steps=2, lr=0.1)
+
+
+def _pipeline_gpipe_checkpointed(rt):
+    from distlab.pipeline.runner import train_pipeline
+    train_pipeline(rt, MLP, 6, 2, 0.1, schedule="gpipe", microbatches=3, checkpoint_segments=2, probe=True)
+
+
+def _pipeline_one_f_one_b(rt):
+    from distlab.pipeline.runner import train_pipeline
+    train_pipeline(rt, MLP, 5, 2, 0.1, schedule="1f1b", microbatches=3)  # uneven micro-batches
+
+
+def _pipeline_torch(rt):
+    from distlab.pipeline.torch_engine import train_torch_pipeline
+    train_torch_pipeline(rt, MLP, 4, 1, 0.1, schedule="1f1b", microbatches=2)
+
+
+def _contrastive_every_ddp_method(rt):
+    from distlab.contrastive import variants
+    from distlab.contrastive.step import first_step_gradients
+    every = [variants.GLOBAL_PLAIN, variants.GLOBAL_TIMES_P, variants.GLOBAL_SUM, variants.LOCAL_PLAIN,
+             variants.LOCAL_SUM, variants.LOCAL_LIBRARY]
+    first_step_gradients(rt, every, 8, 0.1)
+
+
+def _contrastive_ddp_training(rt):
+    from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule, train_ddp
+    from distlab.contrastive.variants import LOCAL_SUM
+    from distlab.models import TwoTower, paired_data
+    ddp = DDP(TwoTower(seed=0).to(rt.device))
+    train, held_out = (tuple(t.to(rt.device) for t in paired_data(n, seed=s)) for n, s in ((16, 1), (8, 2)))
+    data = TrainData(train, held_out, batch_schedule(16, 8, 2, seed=0))
+    train_ddp(rt, ddp, LOCAL_SUM, data, TrainConfig(tau=0.1, optimizer="adam", lr=0.01, eval_every=1), "fixed")
+
+
+def _ddp_rep_clip_loss(rep_x, rep_y, tau):
+    """Lesson 10's loss: this rank's rows of the global CLIP loss over the sum-backward gather."""
+    from distlab.contrastive.gather import gather_with_grad
+    from distlab.contrastive.losses import local_clip_loss
+    z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
+    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau,
+                           offset=dist.get_rank() * len(z_x))
+
+
+def _grad_cache_under_ddp(rt):
+    """As lesson 10 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
+    from distlab.contrastive.grad_cache import GradCache
+    from distlab.memory import PeakMemory
+    from distlab.models import TwoTower, paired_data
+    from helpers import CommHookCounter
+    model = TwoTower(dropout=0.1, seed=5).to(rt.device)
+    towers = [DDP(model.encoder_x), DDP(model.encoder_y)]
+    counters = [CommHookCounter() for _ in towers]
+    for tower, counter in zip(towers, counters):
+        tower.register_comm_hook(None, counter)
+    rows = slice(4 * rt.rank, 4 * rt.rank + 4)
+    x, y = (t[rows].to(rt.device) for t in paired_data(8, seed=6))
+    with PeakMemory():  # a dispatch mode: its ops reach strict mode's function mode too
+        GradCache(towers, 3, _ddp_rep_clip_loss)(x, y, no_sync_except_last=True, tau=0.1)
+    assert [c.calls for c in counters] == [1, 1]
+
+
+def _streamed_step(rt):
+    from distributed_clip import distributed_train_step
+    from distlab.models import TwoTower, paired_data
+    rows = slice(4 * rt.rank, 4 * rt.rank + 4)
+    for phase_b in ("sharded", "replicated"):
+        ddp = DDP(TwoTower(dropout=0.1, seed=0).to(rt.device))
+        x, y = (t[rows].to(rt.device) for t in paired_data(8, seed=1))
+        config = {"GLOBAL_BATCH_SIZE": 8, "MICRO_BATCH_SIZE": 3, "STREAM_CHUNK_SIZE": 3, "TAU": 0.1,
+                  "PHASE_B": phase_b}
+        distributed_train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), x, y, config)
+
+
+def _contrastive_loss_cost(rt):
+    from distlab.contrastive.cost import loss_cost
+    from distlab.contrastive.variants import LOCAL_SUM
+    z_x, z_y = (F.normalize(torch.randn(4, 3, dtype=torch.float64, device=rt.device), dim=1) for _ in "xy")
+    loss_cost(rt, z_x, z_y, 0.1, LOCAL_SUM, repeats=1)
+
+
+def _contrastive_collective_seconds(rt):
+    from distlab.contrastive.cost import collective_seconds
+    collective_seconds(rt, 8, 3, torch.float64, repeats=1)
+
+
+def _verdict_finish(rt):
+    from distlab.verdict import Verdict
+    verdict = Verdict(rt)
+    verdict.check("a claim every rank makes", True)
+    verdict.figure("a figure", 1.0)
+    assert verdict.finish() == 0
+
+
+PATHS = {
+    "pipeline: naive model parallelism (01)": _pipeline_naive,
+    "pipeline: GPipe runner, checkpointed, probed (02)": _pipeline_gpipe_checkpointed,
+    "pipeline: 1F1B runner, uneven micro-batches (03)": _pipeline_one_f_one_b,
+    "pipeline: torch.distributed.pipelining (04)": _pipeline_torch,
+    "contrastive: every DDP method and gather (07-09)": _contrastive_every_ddp_method,
+    "contrastive: DDP training loop (08)": _contrastive_ddp_training,
+    "contrastive: GradCache under DDP (10)": _grad_cache_under_ddp,
+    "contrastive: streamed step, distributed_clip (11)": _streamed_step,
+    "contrastive: a loss's cost (09)": _contrastive_loss_cost,
+    "contrastive: collective timings (09)": _contrastive_collective_seconds,
+    "verdict.finish": _verdict_finish,
+}
+KNOWN_BUGS: dict[str, str] = {}  # path -> a device bug strict mode finds there (its fix removes the entry)
+
+
+def _blame(err: BaseException) -> str:
+    """file:line of the innermost frame that is neither torch's nor strict mode's: the call at fault."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "site-packages" not in f.filename and not f.filename.endswith("distlab/strict.py")]
+    return f"{os.path.relpath(frames[-1].filename, ROOT)}:{frames[-1].lineno}" if frames else "?"
+
+
+def _run_cases(rt, names):
+    """Each case's outcome on this rank, in strict mode: None if it ran, else the error and its line."""
+    outcomes = {"strict mode off by default": None if _is_off() and rt.device == HOST else "on"}
+    cases = {**{n: f for n, (f, _) in BUGS.items()}, **RIGHT, **PATHS}
+    with strict_device(rt) as srt:
+        for name in names:
+            try:
+                cases[name](srt)
+                outcomes[name] = None
+            except Exception as err:  # noqa: BLE001 - reported per case, the other cases still run
+                outcomes[name] = (type(err).__name__, str(err), _blame(err))
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return spawn(_run_cases, 2, [*BUGS, *RIGHT, *PATHS], timeout_s=30, limit_s=240)
+
+
+def test_strict_mode_is_off_unless_asked(outcomes):
+    assert [o["strict mode off by default"] for o in outcomes] == [None, None]
+
+
+@pytest.mark.parametrize("name", BUGS)
+def test_strict_mode_catches_the_bug_class(outcomes, name):
+    for rank_outcomes in outcomes:
+        kind, message, _ = rank_outcomes[name]
+        assert kind == "StrictDeviceError", message
+        assert BUGS[name][1] in message and " on cpu, but the runtime's device is cpu:0" in message
+
+
+@pytest.mark.parametrize("name", RIGHT)
+def test_the_same_code_on_rt_device_passes(outcomes, name):
+    assert [o[name] for o in outcomes] == [None, None]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    raises=StrictDeviceError, strict=True, reason=KNOWN_BUGS[n])) if n in KNOWN_BUGS else n for n in PATHS])
+def test_every_library_path_runs_in_strict_mode(outcomes, name):
+    for rank_outcomes in outcomes:
+        if rank_outcomes[name] is not None:
+            kind, message, where = rank_outcomes[name]
+            if kind == "StrictDeviceError":
+                raise StrictDeviceError(f"{message} (at {where})")
+            pytest.fail(f"{kind} at {where}: {message}")

@@ -39,9 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.contrastive.gather import gather_plain, gather_with_grad
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.contrastive.streamed import (chunks, gather_pairs, phase_b_normalisers,
-                                          phase_c_embedding_grads, Embedded)
-from distlab.contrastive.streamed_config import parse_config
+from distlab.contrastive.streamed import loss_machinery
+from distlab.contrastive.streamed_kernels import chunks
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower
 from distlab.runtime import add_runtime_args, distributed, print0, run_main
@@ -85,13 +84,8 @@ def loss_08(z_x, z_y, n, rank, world, micro, chunk):
 
 
 def _loss_09(z_x, z_y, n, rank, world, micro, chunk, variant):
-    cfg = parse_config({"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": chunk,
-                        "TAU": TAU, "PHASE_B": variant}, world, rank)
-    emb = Embedded(*gather_pairs(z_x, z_y, n), chunks(cfg.local, cfg.b), [])
-    norm = phase_b_normalisers(emb.z_x, emb.z_y, cfg)
-    g_x, g_y = torch.empty_like(z_x), torch.empty_like(z_y)
-    for rows in emb.micro:  # in the step each micro-batch's G goes straight into its backward
-        g_x[rows], g_y[rows] = phase_c_embedding_grads(emb, norm, rows, cfg)
+    _, g_x, g_y = loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro,
+                                            "STREAM_CHUNK_SIZE": chunk, "TAU": TAU, "PHASE_B": variant})
     return g_x, g_y
 
 

@@ -1,14 +1,17 @@
-"""The public import path of seed 000: `from distributed_clip import distributed_train_step`.
+"""The public import path of the streamed contrastive step: exact, memory-streamed CLIP training.
 
-One exact, memory-streamed optimiser step of symmetric contrastive (CLIP) training under DDP; see
-`distlab.contrastive.streamed` for the five phases and the math, and lesson 11 for a training loop.
+    from distributed_clip import distributed_backward, distributed_train_step
 
-    loss = distributed_train_step(model, optimizer, local_x, local_y, {
-        "GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": M, "TAU": tau,
-        # optional: "PHASE_B": "sharded" (default) or "replicated"
-    })
+    loss = distributed_train_step(model, optimizer, local_x, local_y, config)   # zero_grad, backward, step
+    loss = distributed_backward(model, local_x, local_y, config, grad_scaler=scaler)  # you own the rest
+
+config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": T, "TAU": tau}; leave TAU
+out when model(x, y) returns (z_x, z_y, logit_scale). Optional "PHASE_B": "sharded" (default) or
+"replicated". The model is DDP, torch.compile(DDP) or FSDP2-wrapped, with `encoder_x` and
+`encoder_y` on the wrapped module. See `distlab.contrastive.streamed` for the phases and the math,
+lesson 11 for a training loop, and the README's "Using distributed_clip in your training".
 """
 
-from distlab.contrastive.streamed import distributed_train_step
+from distlab.contrastive.streamed import distributed_backward, distributed_train_step
 
-__all__ = ["distributed_train_step"]
+__all__ = ["distributed_backward", "distributed_train_step"]

@@ -4,7 +4,7 @@
   layer (Linear, then Tanh except for the last), so a cut never separates a Linear from its activation.
 - `regression_batch`: inputs and targets from a fixed random "teacher" network, so the MSE loss a
   pipeline trains on can actually go down.
-- `TwoTower`: the contrastive model of seed 000: `encoder_x`, `encoder_y`, and `forward(x, y)`
+- `TwoTower`: the contrastive model `distributed_clip` expects: `encoder_x`, `encoder_y`, and `forward(x, y)`
   returning L2-normalised embeddings (z_x, z_y); optional dropout.
 - `paired_data`: pairs (x_i, y_i) that are two noisy nonlinear views of one shared latent, so a two-tower
   model can learn to retrieve y_i from x_i and retrieval accuracy means something.
@@ -58,7 +58,7 @@ def regression_batch(batch_size: int, in_features: int, out_features: int, seed:
 
 
 class TwoTower(nn.Module):
-    """Two MLP encoders and L2-normalised outputs: the model contract of seed 000."""
+    """Two MLP encoders and L2-normalised outputs: the model contract of `distributed_clip`."""
 
     def __init__(self, dim_x: int = 12, dim_y: int = 10, hidden: int = 32, embed_dim: int = 8,
                  dropout: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float64):
@@ -79,20 +79,22 @@ class TwoTower(nn.Module):
         return F.normalize(self.encoder_x(x), dim=-1), F.normalize(self.encoder_y(y), dim=-1)
 
 
-def paired_data(n: int, dim_x: int = 12, dim_y: int = 10, latent_dim: int = 6, noise: float = 0.1,
-                seed: int = 0, world_seed: int = 0,
+LATENT_DIM, NOISE, WORLD_SEED = 6, 0.1, 0  # the world every paired data set is drawn from
+
+
+def paired_data(n: int, dim_x: int = 12, dim_y: int = 10, seed: int = 0,
                 dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """n pairs (x_i, y_i): two noisy nonlinear views of one latent u_i ~ N(0, I).
 
-    x = tanh(u A) + noise, y = tanh(u B) + noise. The views A, B come from `world_seed` (so a training
-    set and a held-out set drawn with different `seed`s live in the same world); u and the noise
+    x = tanh(u A) + noise, y = tanh(u B) + noise. The views A, B are fixed (WORLD_SEED), so a training
+    set and a held-out set drawn with different `seed`s live in the same world; u and the noise
     come from `seed`.
     """
-    world = torch.Generator().manual_seed(world_seed)
-    view_x = torch.randn(latent_dim, dim_x, generator=world, dtype=dtype)
-    view_y = torch.randn(latent_dim, dim_y, generator=world, dtype=dtype)
+    world = torch.Generator().manual_seed(WORLD_SEED)
+    view_x = torch.randn(LATENT_DIM, dim_x, generator=world, dtype=dtype)
+    view_y = torch.randn(LATENT_DIM, dim_y, generator=world, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
-    u = torch.randn(n, latent_dim, generator=gen, dtype=dtype)
-    x = torch.tanh(u @ view_x) + noise * torch.randn(n, dim_x, generator=gen, dtype=dtype)
-    y = torch.tanh(u @ view_y) + noise * torch.randn(n, dim_y, generator=gen, dtype=dtype)
+    u = torch.randn(n, LATENT_DIM, generator=gen, dtype=dtype)
+    x = torch.tanh(u @ view_x) + NOISE * torch.randn(n, dim_x, generator=gen, dtype=dtype)
+    y = torch.tanh(u @ view_y) + NOISE * torch.randn(n, dim_y, generator=gen, dtype=dtype)
     return x, y

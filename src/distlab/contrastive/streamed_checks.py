@@ -1,0 +1,194 @@
+"""Checking the streamed step's inputs so that every rank raises the same ValueError, and none hangs.
+
+A collective that only some ranks reach waits for the others until the process group's timeout (or,
+on gloo, fails with "Connection closed by peer" once the rank that raised has exited). So the step
+checks in two stages, and neither lets a rank leave early:
+
+1. `check_locally`, before Phase A's forward: the config, the wrapper, the model contract, frozen
+   towers, BatchNorm. These are facts every rank holds identically in a healthy job, but a rank
+   that finds a problem does not raise yet: it records it and skips its forward.
+2. `agree_across_ranks`, after Phase A's forward and before the first all-gather: one all-gather of
+   a dozen numbers per rank (N, B, TAU or the learnable mode, PHASE_B, the rank's pair counts, the
+   embedding widths and dtypes, the logit scale s, and "I found a problem"). Every rank then reads
+   the same table and raises the same error: a config that differs across ranks (a silently wrong
+   gradient otherwise), a rank whose batch is not N / P, embeddings whose width or dtype differ,
+   an s that is not finite and positive or not the same on every rank. A rank that found a local
+   problem raises its own message; the others say which rank stopped the step.
+
+Limits. A rank without a process group raises at once (there is no one to tell). Under FSDP2 the
+forward itself communicates (it all-gathers the parameters), so ranks whose configs disagree on N
+or B, and so on the number of micro-batches, can meet inside FSDP2's all-gather before they meet
+here; DDP's no-grad forward does not communicate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from distlab.contrastive.streamed_config import PHASE_B_VARIANTS, StreamConfig, parse_config
+from distlab.contrastive.streamed_wrappers import Wrapped, batchnorm_in_training, trainable, unwrap
+
+DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FIELDS = ("problem", "N", "B", "TAU", "PHASE_B", "rows_x", "rows_y", "d_x", "d_y", "dtype_x", "dtype_y",
+          "scale")
+NOT_KNOWN = float("nan")
+LEARNABLE = 0.0  # the TAU field of a rank whose model returns its own logit scale
+
+
+@dataclass
+class LocalCheck:
+    """What stage 1 found on this rank: what the step needs, or the problem (then the rest is None)."""
+
+    cfg: StreamConfig | None = None
+    wrapped: Wrapped | None = None
+    needs: tuple[bool, bool] = (True, True)   # does tower x / tower y have trainable parameters
+    factor: float = 1.0                       # what the wrapper divides the summed gradient by
+    problem: str | None = None
+
+
+def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, Any]) -> LocalCheck:
+    """Stage 1; raises only when there is no process group to join (and so no one to hang)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("the streamed step needs an initialised process group: launch with torchrun "
+                         "and call torch.distributed.init_process_group first")
+    try:
+        if not torch.is_grad_enabled():
+            raise ValueError("the streamed step was called with gradients disabled (inside torch.no_grad()?): "
+                             "it computes a gradient")
+        cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
+        wrapped = unwrap(model)
+        lacking = [name for name in ("encoder_x", "encoder_y") if not hasattr(wrapped.inner, name)]
+        if lacking:
+            raise ValueError(f"{type(wrapped.inner).__name__} lacks {lacking}: the model contract needs "
+                             "encoder_x and encoder_y attributes and forward(x, y) -> (z_x, z_y[, s])")
+        for name, t in (("local_x", local_x), ("local_y", local_y)):
+            if not isinstance(t, torch.Tensor) or t.dim() < 1:
+                raise ValueError(f"{name} must be a tensor with a batch dimension, got {t!r:.60}")
+        if local_x.shape[0] != local_y.shape[0]:
+            raise ValueError(f"local_x and local_y must hold the same number of pairs, got "
+                             f"{local_x.shape[0]} and {local_y.shape[0]}")
+        needs = (trainable(wrapped.inner.encoder_x), trainable(wrapped.inner.encoder_y))
+        if not any(needs):
+            raise ValueError("both towers are frozen (no parameter of encoder_x or encoder_y requires "
+                             "grad): there is nothing for the step to train")
+        bn = batchnorm_in_training(wrapped.inner)
+        if bn and not cfg.one_forward:
+            raise ValueError(
+                f"BatchNorm in training mode ({', '.join(bn[:3])}) with MICRO_BATCH_SIZE B={cfg.b} < "
+                f"C=N/P={cfg.local}: each micro-batch would be normalised over its own B rows instead "
+                "of the rank's C, and the running statistics updated twice per micro-batch (the "
+                "no-grad pass and the recompute). Use B >= C (one forward, exactly plain DDP), put "
+                "BatchNorm in eval mode, or use a normalisation that does not mix samples "
+                "(LayerNorm, GroupNorm)")
+        factor = wrapped.reduction_factor
+    except ValueError as err:
+        return LocalCheck(problem=str(err))
+    return LocalCheck(cfg, wrapped, needs, factor)
+
+
+def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """forward(x, y) must return (z_x, z_y) or (z_x, z_y, s): z of `rows` x d, floating point, one
+    width; s a one-element tensor, and then config must not hold TAU. Returns (z_x, z_y, s or None)."""
+    if not (isinstance(out, (tuple, list)) and len(out) in (2, 3)
+            and all(isinstance(z, torch.Tensor) for z in out)):
+        raise ValueError(f"model(x, y) must return (z_x, z_y) or (z_x, z_y, logit_scale) as tensors, "
+                         f"got {type(out).__name__}")
+    z_x, z_y, s = (*out, None) if len(out) == 2 else out
+    if z_x.dim() != 2 or z_y.dim() != 2 or z_x.shape[1] != z_y.shape[1] or len(z_x) != rows or len(z_y) != rows:
+        raise ValueError(f"model(x, y) must return z_x and z_y of shape (batch, d) with batch {rows} and "
+                         f"one d, got {tuple(z_x.shape)} and {tuple(z_y.shape)}")
+    if not (z_x.is_floating_point() and z_y.is_floating_point()):
+        raise ValueError(f"embeddings must be floating point, got {z_x.dtype} and {z_y.dtype}")
+    if s is not None and (s.numel() != 1 or not s.is_floating_point()):
+        raise ValueError(f"the logit scale model(x, y) returns third must be a one-element floating "
+                         f"tensor, got shape {tuple(s.shape)} {s.dtype}")
+    if s is not None and cfg.tau is not None:
+        raise ValueError(f"config holds TAU={cfg.tau}, but the model returns its own logit scale: "
+                         "leave TAU out of the config (the logits are s * z_x z_y^T with the model's s)")
+    if s is None and cfg.tau is None:
+        raise ValueError("config has no TAU and the model returns no logit scale: pass TAU, or return "
+                         "(z_x, z_y, logit_scale) from forward")
+    return z_x, z_y, s
+
+
+def numbers(check: LocalCheck, local_x: Any, local_y: Any, out: tuple | None) -> list[float]:
+    """This rank's row of the table, NOT_KNOWN where stage 1 stopped before a value existed."""
+    row = dict.fromkeys(FIELDS, NOT_KNOWN)
+    row["problem"] = float(check.problem is not None)
+    if check.cfg is not None:
+        cfg = check.cfg
+        row.update(N=cfg.n, B=cfg.b, TAU=LEARNABLE if cfg.tau is None else cfg.tau,
+                   PHASE_B=PHASE_B_VARIANTS.index(cfg.phase_b))
+    for key, t in (("rows_x", local_x), ("rows_y", local_y)):
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            row[key] = t.shape[0]
+    if out is not None:
+        z_x, z_y, s = out
+        row.update(d_x=z_x.shape[1], d_y=z_y.shape[1], dtype_x=DTYPE_CODES.index(z_x.dtype)
+                   if z_x.dtype in DTYPE_CODES else -1, dtype_y=DTYPE_CODES.index(z_y.dtype)
+                   if z_y.dtype in DTYPE_CODES else -1)
+        row["scale"] = float(s.detach().double().reshape(())) if s is not None else NOT_KNOWN
+    return [float(row[k]) for k in FIELDS]
+
+
+def _column(table: torch.Tensor, key: str) -> list[float]:
+    return table[:, FIELDS.index(key)].tolist()
+
+
+def _differ(values: list[float]) -> bool:
+    known = {v for v in values if not math.isnan(v)}
+    return len(known) > 1
+
+
+def _per_rank(values: list[float], fmt=lambda v: f"{v:g}") -> str:
+    return ", ".join(f"rank {r}: {'?' if math.isnan(v) else fmt(v)}" for r, v in enumerate(values))
+
+
+def agree_across_ranks(check: LocalCheck, row: list[float], device: torch.device) -> None:
+    """Stage 2: the one exchange; raises the same ValueError on every rank, or returns."""
+    world = dist.get_world_size()
+    mine = torch.tensor(row, dtype=torch.float64, device=device)
+    table = mine.new_empty(world * len(row))
+    dist.all_gather_single(table, mine)
+    table = table.view(world, len(row)).cpu()
+    names = {"TAU": lambda v: "learnable scale" if v == LEARNABLE else f"{v:g}",
+             "PHASE_B": lambda v: PHASE_B_VARIANTS[int(v)]}
+    for key in ("N", "B", "TAU", "PHASE_B"):
+        if _differ(_column(table, key)):
+            raise ValueError(f"config differs across ranks, {key if key != 'N' else 'GLOBAL_BATCH_SIZE N'}: "
+                             f"{_per_rank(_column(table, key), names.get(key, lambda v: f'{v:g}'))}; "
+                             "every rank must pass the same config")
+    failed = [r for r, flag in enumerate(_column(table, "problem")) if flag]
+    if check.problem is not None:
+        raise ValueError(check.problem)
+    if failed:
+        raise ValueError(f"rank(s) {failed} rejected their inputs (each raises the reason); every rank "
+                         "stops here, before the first all-gather")
+    _agree_on_batches_and_outputs(table, check.cfg)
+
+
+def _agree_on_batches_and_outputs(table: torch.Tensor, cfg: StreamConfig) -> None:
+    rows = _column(table, "rows_x")
+    if any(r != cfg.local for r in rows):
+        raise ValueError(f"every rank must hold N / P = {cfg.n} / {cfg.world} = {cfg.local} pairs, but "
+                         f"{_per_rank(rows)} (is N right, and does every rank get an equal share, e.g. "
+                         "a DistributedSampler with drop_last=True?)")
+    for key in ("d_x", "d_y", "dtype_x", "dtype_y"):
+        values = _column(table, key)
+        if _differ(values):
+            fmt = (lambda v: str(DTYPE_CODES[int(v)]) if v >= 0 else "other") if "dtype" in key else None
+            raise ValueError(f"the embeddings differ across ranks, {key}: "
+                             f"{_per_rank(values, fmt) if fmt else _per_rank(values)}")
+    if cfg.tau is None:
+        scales = _column(table, "scale")
+        if not all(math.isfinite(v) and v > 0 for v in scales):
+            raise ValueError(f"the logit scale s the model returns must be finite and > 0 on every rank: "
+                             f"{_per_rank(scales, repr)}")
+        if len(set(scales)) > 1:
+            raise ValueError(f"the logit scale s differs across ranks ({_per_rank(scales, repr)}): the "
+                             "replicas are out of sync")

@@ -1,0 +1,126 @@
+"""The streamed step's tensor math on one process: log-sum-exps and softmax products in B x T tiles.
+
+Notation (the README's table): S = s Z_x Z_y^T with the logit scale s = 1/tau; a_i, b_j the row and
+column log-sum-exps of S; R_ij = exp(S_ij - a_i) the row softmax, Q_ij = exp(S_ij - b_j) the column
+softmax; T the stream chunk (`STREAM_CHUNK_SIZE`), so every tile is at most B x T (or T x T).
+
+Nothing here communicates: these functions take gathered embeddings and are tested against autograd
+in one process. `distlab.contrastive.streamed` calls them in its phases B and C.
+
+The streaming log-sum-exp is the online max/sum fold. For a row x split into tiles x^(1), x^(2), ...,
+keep a running max m and a running sum l = sum exp(x - m). Folding in a tile t:
+
+    m' = max(m, max_j t_j),   l' = l exp(m - m') + sum_j exp(t_j - m'),   and at the end LSE = m + log l.
+
+Every exponent is <= 0, so nothing overflows however large S gets, and no row is ever whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chunks(total: int, size: int) -> list[slice]:
+    """[0, size), [size, 2 size), ...; the last one shorter when size does not divide total."""
+    return [slice(start, min(start + size, total)) for start in range(0, total, size)]
+
+
+def split_into(total: int, parts: int) -> list[slice]:
+    """`parts` consecutive slices of [0, total) whose sizes differ by at most one."""
+    small, extra = divmod(total, parts)
+    bounds = [0]
+    for k in range(parts):
+        bounds.append(bounds[-1] + small + (k < extra))
+    return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def balanced_chunks(total: int, most: int) -> list[slice]:
+    """The fewest parts of at most `most` rows, whose sizes differ by at most one: C = 16, B = 5 gives
+    4, 4, 4, 4, not 5, 5, 5, 1 (a 1-row micro-batch wastes a forward and breaks BatchNorm)."""
+    return split_into(total, -(-total // most))
+
+
+def online_fold(run_max: torch.Tensor, run_sum: torch.Tensor, tile: torch.Tensor,
+                dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold a tile (consumed in place) into the running (m, l) along `dim` (see the module docstring)."""
+    new_max = torch.maximum(run_max, tile.amax(dim))
+    run_sum.mul_(torch.exp(run_max - new_max)).add_(tile.sub_(new_max.unsqueeze(dim)).exp_().sum(dim))
+    return new_max, run_sum
+
+
+def _diagonal(start_q: int, start_k: int, rows: int, cols: int) -> tuple[slice, slice] | None:
+    """Where the global diagonal (i, i) crosses a tile of rows [start_q, +rows), cols [start_k, +cols)."""
+    lo, hi = max(start_q, start_k), min(start_q + rows, start_k + cols)
+    return (slice(lo - start_q, hi - start_q), slice(lo - start_k, hi - start_k)) if lo < hi else None
+
+
+def _finish(run_max, run_sum, diag) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse, nll) with nll = lse - diag = -log softmax at the positive. The diagonal is read from the
+    very tile whose max it is compared with, so when the positive is the row's max, max - diag is
+    exactly 0 and nll = log(l) keeps full precision even when it is tiny (a confident model);
+    lse - diag would cancel two numbers of size s."""
+    log_sum = run_sum.log()
+    return run_max + log_sum, (run_max - diag) + log_sum
+
+
+def streamed_lse(q: torch.Tensor, k: torch.Tensor, scale: float, t: int,
+                 offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row LSE of s q k^T and its nll, in tiles of at most T x T. Row i of q is global pair
+    offset + i, so its positive is k[offset + i]. With q = Z_x[mine], k = Z_y: a[mine]; with
+    q = Z_y[mine], k = Z_x: b[mine] (my columns of S are my rows of S^T)."""
+    lse, nll = torch.empty(2, len(q), dtype=q.dtype, device=q.device)
+    for rows in chunks(len(q), t):
+        q_rows = q[rows] * scale
+        run_max = torch.full((len(q_rows),), float("-inf"), dtype=q.dtype, device=q.device)
+        run_sum, diag = torch.zeros_like(run_max), torch.empty_like(run_max)
+        for cols in chunks(len(k), t):
+            tile = q_rows @ k[cols].T
+            if (hit := _diagonal(offset + rows.start, cols.start, len(q_rows), cols.stop - cols.start)):
+                diag[hit[0]] = tile[hit].diagonal()
+            run_max, run_sum = online_fold(run_max, run_sum, tile, dim=1)
+        lse[rows], nll[rows] = _finish(run_max, run_sum, diag)
+    return lse, nll
+
+
+def streamed_lse_both(z_x: torch.Tensor, z_y: torch.Tensor, scale: float,
+                      t: int) -> tuple[torch.Tensor, ...]:
+    """(a, nll_x, b, nll_y): the row and the column LSE of S = s Z_x Z_y^T (with their nlls) from one
+    pass over T x T tiles: each tile feeds its rows' and its columns' running (m, l)."""
+    n, kw = len(z_x), dict(dtype=z_x.dtype, device=z_x.device)
+    col_max, col_sum, col_diag = torch.full((n,), float("-inf"), **kw), torch.zeros(n, **kw), torch.empty(n, **kw)
+    a, nll_x = torch.empty(2, n, **kw)
+    for rows in chunks(n, t):
+        x_rows = z_x[rows] * scale
+        run_max = torch.full((len(x_rows),), float("-inf"), **kw)
+        run_sum, diag = torch.zeros_like(run_max), torch.empty_like(run_max)
+        for cols in chunks(n, t):
+            tile = x_rows @ z_y[cols].T
+            if (hit := _diagonal(rows.start, cols.start, len(x_rows), cols.stop - cols.start)):
+                diag[hit[0]] = col_diag[cols][hit[1]] = tile[hit].diagonal()
+            col_max[cols], col_sum[cols] = online_fold(col_max[cols], col_sum[cols], tile.clone(), dim=0)
+            run_max, run_sum = online_fold(run_max, run_sum, tile, dim=1)
+        a[rows], nll_x[rows] = _finish(run_max, run_sum, diag)
+    b, nll_y = _finish(col_max, col_sum, col_diag)
+    return a, nll_x, b, nll_y
+
+
+def streamed_softmax_pair_product(q_scaled: torch.Tensor, k: torch.Tensor, lse_q: torch.Tensor,
+                                  lse_k: torch.Tensor, diag_coef: torch.Tensor, offset: int,
+                                  t: int) -> torch.Tensor:
+    """sum_j W_ij k_j with W_ij = exp(S_ij - lse_q_i) + exp(S_ij - lse_k_j) - 2 [j = offset + i],
+    S_ij = q_scaled_i . k_j (q_scaled = s q); diag_coef_i is the diagonal W_ii, passed in precisely.
+
+    With q = Z_x[rows], k = Z_y, lse_q = a[rows], lse_k = b this is ((R + Q - 2I) Z_y)[rows]; with
+    q = Z_y[rows], k = Z_x, lse_q = b[rows], lse_k = a it is ((R + Q - 2I)^T Z_x)[rows]. Streamed
+    over k in chunks of T: two |q| x T tiles are alive at a time, never a B x N slice.
+    """
+    acc = torch.zeros_like(q_scaled)
+    for cols in chunks(len(k), t):
+        tile = q_scaled @ k[cols].T                       # S, |q| x T
+        other = torch.sub(tile, lse_k[cols]).exp_()       # exp(S - lse_k): Q (or R^T)
+        tile.sub_(lse_q[:, None]).exp_().add_(other)      # + exp(S - lse_q): R (or Q^T), in place
+        if (hit := _diagonal(offset, cols.start, len(q_scaled), cols.stop - cols.start)):
+            # R_ii + Q_ii - 2 = expm1(-nll_x) + expm1(-nll_y): no cancellation of two numbers near 2.
+            tile[hit].diagonal().copy_(diag_coef[hit[0]])
+        acc.addmm_(tile, k[cols])
+    return acc

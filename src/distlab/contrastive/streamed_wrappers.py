@@ -1,0 +1,122 @@
+"""What the streamed step needs from the data-parallel wrapper: DDP, torch.compile(DDP) or FSDP2.
+
+The step asks a wrapper four things, and `Wrapped` answers them the same way for each:
+
+- `inner`: the module holding `encoder_x` and `encoder_y` (DDP: `ddp.module`; compiled DDP:
+  `compiled._orig_mod.module`; FSDP2: the model itself, since `fully_shard` changes a module's class
+  in place and leaves its attributes where they were).
+- `no_grad_forward`: what Phase A calls without grad. DDP: its module, skipping DDP's bookkeeping
+  and buffer broadcast; compiled DDP and FSDP2: the model itself (FSDP2 must all-gather the
+  parameters, and the compiled model must draw the same dropout masks as its recompute).
+- `accumulating(reduce)`: every micro-batch but the last runs with the wrapper's gradient
+  reduction off (DDP `no_sync()`, FSDP2 `set_requires_gradient_sync(False)`), so the gradients are
+  reduced once, in the last backward. With `reduce=True` the caller's own setting is left alone:
+  a call made inside the caller's `no_sync()` does not reduce at all (gradient accumulation).
+- `reduction_factor`: what the wrapper divides the summed gradient by. DDP averages over its
+  process group (P). FSDP2 divides by its gradient divide factor, which is the data-parallel size
+  unless `set_gradient_divide_factor` changed it. The step scales its surrogate by this factor,
+  so that the wrapper's reduction of the ranks' VJPs is their sum: the global gradient.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+SUPPORTED = "DistributedDataParallel, torch.compile(DistributedDataParallel(model)), or FSDP2 (fully_shard)"
+
+
+def _compiled_inner(model: Any) -> Any:
+    """The module torch.compile wrapped, or None when `model` was not compiled."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    return model._orig_mod if isinstance(model, OptimizedModule) else None
+
+
+def _fsdp_groups(model: nn.Module) -> list:
+    """Every FSDP2 parameter group under `model` (one per `fully_shard` call that owns parameters)."""
+    return [group for module in model.modules() if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+@dataclass(frozen=True)
+class Wrapped:
+    """The caller's model and the parts of it the step uses (see the module docstring)."""
+
+    model: nn.Module
+    kind: str                          # "ddp", "compiled ddp" or "fsdp2"
+    inner: nn.Module
+    no_grad_forward: Callable[..., Any]
+
+    @property
+    def reduction_factor(self) -> float:
+        if self.kind == "fsdp2":
+            factors = set()
+            for group in _fsdp_groups(self.model):
+                size = group.mesh_info.mesh.size()
+                factors.add(float(group.gradient_divide_factor or size))
+            if len(factors) > 1:
+                raise ValueError(f"FSDP2 modules divide gradients by different factors {sorted(factors)}: "
+                                 "the step can scale its surrogate for one factor only")
+            return factors.pop() if factors else 1.0
+        ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model)
+        return float(ddp.process_group.size())
+
+    def accumulating(self, reduce: bool) -> ContextManager:
+        """Gradient reduction off for this backward unless `reduce` (then the caller's setting holds)."""
+        if reduce:
+            return nullcontext()
+        if self.kind == "fsdp2":
+            return _fsdp_no_sync(self.model)
+        ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model)
+        return ddp.no_sync()
+
+
+@contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    """FSDP2's `set_requires_gradient_sync(False)`, restoring each group's own setting afterwards."""
+    groups = _fsdp_groups(model)
+    saved = [(g.reduce_grads, g.all_reduce_grads) for g in groups]
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for group, (reduce_grads, all_reduce_grads) in zip(groups, saved):
+            group.reduce_grads, group.all_reduce_grads = reduce_grads, all_reduce_grads
+
+
+def unwrap(model: Any) -> Wrapped:
+    """Recognise the wrapper; ValueError (the same on every rank) for anything else."""
+    compiled = _compiled_inner(model)
+    if isinstance(model, DistributedDataParallel):
+        return Wrapped(model, "ddp", model.module, model.module)
+    if isinstance(compiled, DistributedDataParallel):
+        return Wrapped(model, "compiled ddp", compiled.module, model)
+    if isinstance(model, FSDPModule):
+        return Wrapped(model, "fsdp2", model, model)
+    what = f"torch.compile({type(compiled).__name__})" if compiled is not None else type(model).__name__
+    raise ValueError(f"model must be wrapped in {SUPPORTED}, got {what}: the wrapper's gradient "
+                     "reduction is the step's second sync point")
+
+
+def trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def batchnorm_in_training(module: nn.Module) -> list[str]:
+    """Names of the BatchNorm layers (SyncBatchNorm included) that are in training mode."""
+    return [name or type(m).__name__ for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+
+
+def first_device(module: nn.Module | None, fallback: Any) -> torch.device:
+    """Where the step's small exchange runs: the parameters' device (on GPUs the nccl side of the
+    group), else the batch's."""
+    for p in module.parameters() if module is not None else ():
+        return p.device
+    return fallback.device if isinstance(fallback, torch.Tensor) else torch.device("cpu")

@@ -1,0 +1,136 @@
+"""Bad input to the streamed step is one clear ValueError on every rank, and nothing hangs.
+
+Each case is a bad call made on every rank of one `spawn` (P = 2); some are bad on one rank only
+(its batch, its TAU, its N, its logit scale), which is where a rank raising alone would leave the
+others waiting in the all-gather. After all of them, one good step on the same DDP model must still
+equal the single-process reference: no refused call leaves state behind.
+"""
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distlab.compare import all_ok, compare, grads_of
+from distlab.models import paired_data
+from distlab.spawn import spawn
+from distributed_clip import distributed_backward, distributed_train_step
+from helpers import STREAMED_N as N
+from helpers import Towers, full_batch, local_rows
+
+
+class RawScale(Towers):
+    """Returns logit_scale itself as s, so a test can make s zero or negative."""
+
+    def forward(self, x, y):
+        z_x, z_y, _ = super().forward(x, y)
+        return z_x, z_y, self.logit_scale
+
+
+def good(b=N // 2, **changes):
+    return {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": b, "STREAM_CHUNK_SIZE": 7} | changes
+
+
+def bad_calls(rt):
+    """label -> (model, local_x, local_y, config): each call is wrong in one way."""
+    rows, other = local_rows(rt), rt.rank == rt.world_size - 1
+    x, y = paired_data(N)
+    lx, ly = x[rows], y[rows]
+    learn, fixed = DDP(Towers(scale_shape=())), DDP(Towers())
+    bn = DDP(Towers(scale_shape=(), batchnorm=True))
+    frozen = Towers(scale_shape=())
+    frozen.encoder_x.requires_grad_(False)
+    frozen.encoder_y.requires_grad_(False)
+    inf_scale, negative, drifted = (DDP(cls(scale_shape=())) for cls in (Towers, RawScale, Towers))
+    with torch.no_grad():
+        inf_scale.module.logit_scale.fill_(float("inf"))
+        negative.module.logit_scale.fill_(0.5 if not other else -0.5)  # s <= 0 on one rank only
+        drifted.module.logit_scale.add_(1e-9 * rt.rank)  # replicas out of sync after DDP's broadcast
+    return {
+        "TAU with a returned scale": (learn, lx, ly, good(TAU=0.1)),
+        "no TAU and no returned scale": (fixed, lx, ly, good()),
+        "TAU differs across ranks": (fixed, lx, ly, good(TAU=0.1 + 0.1 * rt.rank)),
+        "N differs across ranks": (learn, x[:13] if other else lx, y[:13] if other else ly,
+                                   good(GLOBAL_BATCH_SIZE=26 if other else N)),
+        "one rank's batch is short": (learn, lx[:-1] if other else lx, ly[:-1] if other else ly, good()),
+        "BatchNorm in training mode with B < C": (bn, lx, ly, good(b=5)),
+        "both towers frozen": (DDP(frozen), lx, ly, good()),
+        "non-finite scale": (inf_scale, lx, ly, good()),
+        "non-positive scale on one rank": (negative, lx, ly, good()),
+        "scale differs across ranks": (drifted, lx, ly, good()),
+        "missing key": (learn, lx, ly, {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": 4}),
+        "misspelt key": (learn, lx, ly, good() | {"STREAM_CHUNK": 3}),
+        "N not divisible by P": (learn, lx, ly, good(GLOBAL_BATCH_SIZE=N + 1)),
+        "bad PHASE_B on one rank": (learn, lx, ly, good(PHASE_B="both" if other else "sharded")),
+        "not a supported wrapper": (Towers(scale_shape=()), lx, ly, good()),
+        "no encoders": (DDP(nn.Linear(12, 8, dtype=torch.float64)), lx, ly, good()),
+        "x and y sizes differ": (learn, lx, ly[:-1], good()),
+        "called under no_grad": (learn, lx, ly, good()),
+    }
+
+
+EXPECTED = {  # label -> what the one message must say (None: ranks may word it differently)
+    "TAU with a returned scale": "leave TAU out of the config",
+    "no TAU and no returned scale": "config has no TAU and the model returns no logit scale",
+    "TAU differs across ranks": "config differs across ranks, TAU: rank 0: 0.1, rank 1: 0.2",
+    "N differs across ranks": "config differs across ranks, GLOBAL_BATCH_SIZE N: rank 0: 24, rank 1: 26",
+    "one rank's batch is short": "every rank must hold N / P = 24 / 2 = 12 pairs, but rank 0: 12, rank 1: 11",
+    "BatchNorm in training mode with B < C": "B >= C (one forward, exactly plain DDP)",
+    "both towers frozen": "both towers are frozen",
+    "non-finite scale": "must be finite and > 0 on every rank: rank 0: inf, rank 1: inf",
+    "non-positive scale on one rank": "must be finite and > 0 on every rank: rank 0: 0.5, rank 1: -0.5",
+    "scale differs across ranks": "the logit scale s differs across ranks",
+    "missing key": "config is missing ['STREAM_CHUNK_SIZE']",
+    "misspelt key": "did you mean 'STREAM_CHUNK_SIZE'?",
+    "N not divisible by P": "not divisible by the world size P=2",
+    "bad PHASE_B on one rank": None,
+    "not a supported wrapper": "model must be wrapped in DistributedDataParallel",
+    "no encoders": "lacks ['encoder_x', 'encoder_y']",
+    "x and y sizes differ": "same number of pairs",
+    "called under no_grad": "called with gradients disabled",
+}
+
+
+def refused_then_good(rt):
+    messages = {}
+    for label, (model, lx, ly, config) in bad_calls(rt).items():
+        try:
+            with torch.no_grad() if label == "called under no_grad" else contextlib.nullcontext():
+                distributed_backward(model, lx, ly, config)
+            messages[label] = "no error"
+        except ValueError as err:
+            messages[label] = str(err)
+    # The same DDP model, refused above after its one forward ran: a good step is still exact.
+    model = Towers(scale_shape=())
+    ddp = DDP(model)
+    x, y = paired_data(N)
+    rows = local_rows(rt)
+    for config in (good(TAU=0.1), good(b=5, TAU=0.1)):
+        try:
+            distributed_backward(ddp, x[rows], y[rows], config)
+        except ValueError:
+            pass
+    ddp.zero_grad()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    loss = distributed_train_step(ddp, opt, x[rows], y[rows], good())
+    return messages, loss, grads_of(model)
+
+
+def test_every_bad_input_is_one_clear_error_on_every_rank():
+    results = spawn(refused_then_good, 2, timeout_s=60)
+    for label, expected in EXPECTED.items():
+        per_rank = [messages[label] for messages, _, _ in results]
+        assert all(m != "no error" for m in per_rank), (label, per_rank)
+        if expected is None:  # bad on rank 1 only: it says why, rank 0 says who stopped the step
+            assert "PHASE_B" in per_rank[1] and "rank(s) [1] rejected their inputs" in per_rank[0], per_rank
+        else:
+            assert len(set(per_rank)) == 1 and expected in per_rank[0], (label, per_rank)
+    model = Towers(scale_shape=())
+    x, y = paired_data(N)
+    loss = full_batch(model, x, y, 2, N // 2)
+    loss.backward()
+    for _, got_loss, grads in results:
+        assert math.isclose(got_loss, loss.item(), rel_tol=1e-10)
+        assert all_ok(compare(grads_of(model), grads))

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import DTYPES, add_mlp_args, lesson_parser, mlp_widths, positive_int
+from distlab.cli import add_mlp_args, lesson_parser, positive_int
 from distlab.console import print0
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.report import per_tensor
@@ -95,9 +95,7 @@ def parse_args(argv: list[str] | None = None):
 
 def main() -> int:
     args = parse_args()
-    cfg = PipelineConfig(widths=mlp_widths(args), global_batch=args.global_batch, steps=args.steps,
-                         lr=args.lr, seed=args.seed, dtype=DTYPES[args.dtype],
-                         input_features=args.input_features)
+    cfg = PipelineConfig.from_args(args, input_features=args.input_features)
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 01: naive model parallelism[/] - {args.layers} layers on {rt.world_size} "

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.cli import DTYPES, add_mlp_args, lesson_parser, mlp_widths, nonnegative_int, positive_int
+from distlab.cli import add_mlp_args, lesson_parser, nonnegative_int, positive_int
 from distlab.console import print0
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.report import check_runs, gathered
@@ -102,8 +102,7 @@ def main() -> int:
     m, k = args.micro_batches, args.checkpoint_segments
     if k < 2:
         raise ValueError(f"--checkpoint-segments must be >= 2 (this lesson compares K with no checkpointing), got {k}")
-    cfg = PipelineConfig(widths=mlp_widths(args), global_batch=args.global_batch, steps=args.steps, lr=args.lr,
-                         schedule="gpipe", micro_batches=m, seed=args.seed, dtype=DTYPES[args.dtype], probe=True)
+    cfg = PipelineConfig.from_args(args, schedule="gpipe", probe=True)
     with distributed(args.device) as rt:
         p, verdict = rt.world_size, Verdict(rt)
         print0(f"[bold]Lesson 02: GPipe with activation checkpointing[/] - {args.layers} layers on {p} rank(s), "

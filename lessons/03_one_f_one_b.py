@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.cli import DTYPES, add_mlp_args, lesson_parser, mlp_widths, positive_int
+from distlab.cli import add_mlp_args, lesson_parser, positive_int
 from distlab.console import print0
 from distlab.pipeline import schedules
 from distlab.pipeline.report import check_runs, gathered
@@ -86,8 +86,7 @@ def memory_table(runs: dict[str, list], m: int) -> tuple[Table, dict]:
 def main() -> int:
     args = parse_args()
     m = args.micro_batches
-    cfg = PipelineConfig(widths=mlp_widths(args), global_batch=args.global_batch, steps=args.steps, lr=args.lr,
-                         micro_batches=m, seed=args.seed, dtype=DTYPES[args.dtype], probe=True)
+    cfg = PipelineConfig.from_args(args, probe=True)
     with distributed(args.device) as rt:
         p, verdict = rt.world_size, Verdict(rt)
         print0(f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), N={args.global_batch} in "

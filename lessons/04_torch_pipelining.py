@@ -29,7 +29,7 @@ Where PyTorch differs (torch 2.13):
 
 from __future__ import annotations
 
-from distlab.cli import DTYPES, add_mlp_args, lesson_parser, mlp_widths, positive_int
+from distlab.cli import add_mlp_args, lesson_parser, positive_int
 from distlab.compare import all_ok, compare
 from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table
@@ -67,9 +67,8 @@ def both_engines(rt, cfg: PipelineConfig) -> tuple[dict, dict, dict]:
 
 def main() -> int:
     args = parse_args()
-    m = args.micro_batches
-    cfg = PipelineConfig(widths=mlp_widths(args), global_batch=args.global_batch, steps=args.steps, lr=args.lr,
-                         micro_batches=m, seed=args.seed, dtype=DTYPES[args.dtype], gather_spans=False)
+    cfg = PipelineConfig.from_args(args, gather_spans=False)
+    m = cfg.micro_batches
     with distributed(args.device) as rt:
         p, verdict = rt.world_size, Verdict(rt)
         print0(f"[bold]Lesson 04: torch.distributed.pipelining[/] - {args.layers} layers on {p} rank(s), "

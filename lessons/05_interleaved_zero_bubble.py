@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.cli import DTYPES, add_mlp_args, lesson_parser, mlp_widths, positive_int, require
+from distlab.cli import add_mlp_args, lesson_parser, positive_int, require
 from distlab.compare import all_ok, compare
 from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table
@@ -133,8 +133,7 @@ def main() -> int:
     m, v = args.micro_batches, args.stages_per_rank
     require(args.global_batch % m == 0, "--micro-batches", f"M={m} must divide N={args.global_batch} "
             "(--global-batch): PyTorch's schedules take equal micro-batches only (ours: lesson 02)")
-    cfg = PipelineConfig(widths=mlp_widths(args), global_batch=args.global_batch, steps=args.steps, lr=args.lr,
-                         micro_batches=m, stages_per_rank=v, seed=args.seed, dtype=DTYPES[args.dtype])
+    cfg = PipelineConfig.from_args(args, stages_per_rank=v)
     with distributed(args.device) as rt:
         p, verdict = rt.world_size, Verdict(rt)
         print0(f"[bold]Lesson 05: interleaved 1F1B and zero bubble[/] - {args.layers} layers on {p} rank(s), "

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab.cli import DTYPES, mlp_widths
 from distlab.compare import grads_of, params_of
 from distlab.models import DEFAULT_WIDTHS, layered_mlp, regression_batch
 from distlab.pipeline.partition import Stage
@@ -53,6 +54,14 @@ class PipelineConfig:
 
     def replace(self, **changes) -> PipelineConfig:
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_args(cls, args, **changes) -> PipelineConfig:
+        """The run a lesson's flags describe (`distlab.cli.add_mlp_args`, and `--micro-batches` where
+        the lesson has it), with `changes` on top."""
+        return cls(widths=mlp_widths(args), global_batch=args.global_batch, steps=args.steps, lr=args.lr,
+                   micro_batches=getattr(args, "micro_batches", 1), seed=args.seed,
+                   dtype=DTYPES[args.dtype], **changes)
 
 
 def microbatch_sizes(global_batch: int, micro_batches: int) -> list[int]:

@@ -150,6 +150,13 @@ def forward_only(model: TwoTower, x, y) -> None:
     model.encoder_x(x), model.encoder_y(y)
 
 
+def right_aligned(table: Table, first: int = 1) -> Table:
+    """Numbers line up by their digits: columns from `first` on, right-justified."""
+    for column in table.columns[first:]:
+        column.justify = "right"
+    return table
+
+
 def peak_mib(model: TwoTower, step, *args) -> tuple[float, float]:
     """(peak, largest tensor) in MiB of one step's tensor storage, parameter gradients included."""
     model.zero_grad(set_to_none=True)
@@ -216,7 +223,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     table.add_row("plain autograd", f"{plain[0]:.1f}", f"{plain[1]:.2f}")
     for s, (peak, largest) in cached.items():
         table.add_row(f"GradCache, B = {s}", f"{peak:.1f}", f"{largest:.2f}")
-    print0(table)
+    print0(right_aligned(table))
 
     by_n = {"N": [max(1, n // 8), max(1, n // 4), max(1, n // 2), n, 2 * n], "plain": [], "grad_cache": []}
     table = Table("N", "plain", f"GradCache, B = {b}", "N x N logits", title="Peak MiB of one step against N",
@@ -227,7 +234,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
         by_n["grad_cache"].append(peak_mib(model, cache_step, xm, ym, tau, min(b, m))[0])
         table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}",
                       f"{m * m * elt / MIB:.2f}")
-    print0(table)
+    print0(right_aligned(table, first=0))
     grads = [p.numel() * elt / MIB for p in model.parameters()]
     verdict.figure("memory_mib", {"N": n, "plain": plain[0], "by_B": cached, "by_N": by_n, "B": b,
                                   "parameter_gradients": sum(grads)})
@@ -255,7 +262,7 @@ def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> 
                   f"{device.type}: median of {args.repeats}, methods interleaved")
     for name, s in seconds.items():
         table.add_row(name, f"{s:.3f}", f"{s / plain:.2f}x")
-    print0(table)
+    print0(right_aligned(table))
     print0(f"GradCache at B = N is plain autograd plus one no-grad forward: predicted "
            f"{(plain + seconds['no-grad forward alone']) / plain:.2f}x. A smaller B costs more again: every "
            "micro-batch's backward adds into the whole parameter gradient, and small matrix products use "

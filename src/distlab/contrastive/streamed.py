@@ -30,10 +30,13 @@ The phases, one function each:
      floats and P loss partials. "replicated": every rank streams all N^2, rows and columns in one pass.
   C  `phase_c_embedding_grads`: one micro-batch's G_x, G_y (and its share of dL/ds) from the closed
      forms, streamed over the global dimension in B x T tiles: nothing N x N, C x N or B x N is made.
-  D  `phase_d_backward`: the VJP of the micro-batch: back-propagate m G (and m dL/ds) into the kept
-     graph (one forward) or into a recompute under the saved random state (the same dropout masks),
-     where m is the wrapper's reduction factor (times a GradScaler's scale). Towers without trainable
-     parameters get no G and no VJP (LiT).
+     Per micro-batch, C runs once D's outputs exist (`phase_d_outputs`): the kept graph (one forward)
+     or a recompute under the saved random state (the same dropout masks).
+  D  `phase_d_backward`: the VJP of the micro-batch: back-propagate m G (and m dL/ds) into that
+     graph, where m is the wrapper's reduction factor (times a GradScaler's scale). An output that
+     does not require grad (a locked tower, LiT) gets no G and no VJP; which ones do is read from the
+     outputs themselves, since a frozen encoder's embedding may still pass through trainable
+     parameters outside it (open_clip keeps text_projection on the model, not in a text module).
   E  the wrapper's reduction [sync 2]: every micro-batch's backward but the last runs with it off,
      so the gradient is reduced once, by the last backward of D (unless the caller's `no_sync()`
      defers it to a later call: gradient accumulation).
@@ -161,38 +164,51 @@ def phase_b_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
 
 
 def phase_c_embedding_grads(emb: Embedded, norm: Normalisers, rows: slice, cfg: StreamConfig,
-                            needs: tuple[bool, bool]) -> tuple[Any, Any, Any]:
-    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, B x T tiles at a time. A G
-    whose tower is frozen is None (not computed); the share is None with a fixed TAU."""
-    learnable = cfg.tau is None
+                            needs: tuple[bool, bool, bool]) -> tuple[Any, Any, Any]:
+    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, B x T tiles at a time. `needs`
+    says which of z_x, z_y, s require grad; what is not needed is None and not computed (G_x is
+    computed for dL/ds even when z_x needs none)."""
     glob = slice(cfg.offset + rows.start, cfg.offset + rows.stop)
     coef, scale = norm.diag_coef[rows], emb.s / (2 * cfg.n)
     g_x = g_y = g_s = None
-    if needs[0] or learnable:
+    if needs[0] or needs[2]:
         g_x = streamed_softmax_pair_product(emb.z_x[glob] * emb.s, emb.z_y, norm.a[glob], norm.b, coef,
                                             glob.start, cfg.t).mul_(scale)
     if needs[1]:
         g_y = streamed_softmax_pair_product(emb.z_y[glob] * emb.s, emb.z_x, norm.b[glob], norm.a, coef,
                                             glob.start, cfg.t).mul_(scale)
-    if learnable:
+    if needs[2]:
         g_s = (emb.z_x[glob] * g_x).sum() / emb.s      # dL/ds = (1/s) sum_i z_i^x . G_x,i
     return (g_x if needs[0] else None), g_y, g_s
 
 
-def phase_d_backward(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, grads: tuple,
-                     replay: RandContext | tuple, multiplier: torch.Tensor, reduce: bool) -> None:
-    """The micro-batch's VJP: backward of m <(z_x, z_y, s), (G_x, G_y, dL/ds)>, each gradient in its
-    output's dtype. `replay` is the kept outputs (one forward) or the random state to recompute
-    under; the wrapper reduces in this backward only if `reduce` (E)."""
-    with wrapped.accumulating(reduce):
-        if isinstance(replay, RandContext):
-            with replay:
-                out = wrapped.model(x, y)
-            replay = (*out, None) if len(out) == 2 else tuple(out)
-        pairs = [(z, g) for z, g in zip(replay, grads) if g is not None and z is not None and z.requires_grad]
-        # d(m <z, g>)/dz = m g exactly, so this is the surrogate's backward without forming it.
-        torch.autograd.backward([z for z, _ in pairs],
-                                [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
+def phase_d_outputs(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor,
+                    replay: RandContext | tuple) -> tuple:
+    """(z_x, z_y, s or None) with the graph D back-propagates into: the kept outputs (one forward), or
+    a recompute under the random state Phase A saved (the same dropout masks)."""
+    if not isinstance(replay, RandContext):
+        return replay
+    with replay:
+        out = wrapped.model(x, y)
+    return (*out, None) if len(out) == 2 else tuple(out)
+
+
+def needs_of(outputs: tuple) -> tuple[bool, bool, bool]:
+    """Which of (z_x, z_y, s) carry a graph to trainable parameters. Read from the outputs, not from
+    encoder_x / encoder_y: a frozen encoder's embedding can still depend on trainable parameters
+    outside it (open_clip's text_projection and ln_final sit on the model, not in a text module)."""
+    return tuple(z is not None and z.requires_grad for z in outputs)
+
+
+def phase_d_backward(outputs: tuple, grads: tuple, multiplier: torch.Tensor) -> None:
+    """The micro-batch's VJP: backward of m <(z_x, z_y, s), (G_x, G_y, dL/ds)> into `outputs`' graph,
+    each gradient in its output's dtype (m: the wrapper's reduction factor, times a GradScaler's)."""
+    pairs = [(z, g) for z, g in zip(outputs, grads) if g is not None]
+    if not pairs:
+        return
+    # d(m <z, g>)/dz = m g exactly, so this is the surrogate's backward without forming it.
+    torch.autograd.backward([z for z, _ in pairs],
+                            [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
 
 
 def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any]) -> tuple[float, Any, Any]:
@@ -204,7 +220,8 @@ def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, An
     emb = phase_a_gather(LocalForward(micro, [(z_x, z_y, None)], [], kept=False), cfg)
     with full_precision(emb.z_x.device):
         norm = phase_b_normalisers(emb, cfg)
-        grads = [phase_c_embedding_grads(emb, norm, rows, cfg, (True, True))[:2] for rows in cfg.micro]
+        grads = [phase_c_embedding_grads(emb, norm, rows, cfg, (True, True, False))[:2]
+                 for rows in cfg.micro]
     return norm.loss, torch.cat([g[0] for g in grads]), torch.cat([g[1] for g in grads])
 
 
@@ -231,11 +248,14 @@ def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config:
     multiplier = surrogate_multiplier(check.factor, grad_scaler, emb.z_x)
     last = len(local.micro) - 1
     for k, rows in enumerate(local.micro):
-        with full_precision(emb.z_x.device):
-            grads = phase_c_embedding_grads(emb, norm, rows, cfg, check.needs)           # C
-        replay = local.outputs[0] if local.kept else local.rng[k]
-        phase_d_backward(wrapped, local_x[rows], local_y[rows], grads, replay, multiplier,
-                         reduce=k == last)                                                # D; E in the last
+        # E: the wrapper reduces in the last micro-batch's backward only (a recompute's forward must
+        # run inside the same no_sync, where DDP decides whether its backward reduces).
+        with wrapped.accumulating(k == last):
+            outputs = phase_d_outputs(wrapped, local_x[rows], local_y[rows],
+                                      local.outputs[0] if local.kept else local.rng[k])
+            with full_precision(emb.z_x.device):
+                grads = phase_c_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))  # C
+            phase_d_backward(outputs, grads, multiplier)                                   # D
     return norm.loss
 
 

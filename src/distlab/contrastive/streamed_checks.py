@@ -46,7 +46,6 @@ class LocalCheck:
 
     cfg: StreamConfig | None = None
     wrapped: Wrapped | None = None
-    needs: tuple[bool, bool] = (True, True)   # does tower x / tower y have trainable parameters
     factor: float = 1.0                       # what the wrapper divides the summed gradient by
     problem: str | None = None
 
@@ -72,8 +71,7 @@ def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, A
         if local_x.shape[0] != local_y.shape[0]:
             raise ValueError(f"local_x and local_y must hold the same number of pairs, got "
                              f"{local_x.shape[0]} and {local_y.shape[0]}")
-        needs = (trainable(wrapped.inner.encoder_x), trainable(wrapped.inner.encoder_y))
-        if not any(needs):
+        if not (trainable(wrapped.inner.encoder_x) or trainable(wrapped.inner.encoder_y)):
             raise ValueError("both towers are frozen (no parameter of encoder_x or encoder_y requires "
                              "grad): there is nothing for the step to train")
         bn = batchnorm_in_training(wrapped.inner)
@@ -88,7 +86,7 @@ def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, A
         factor = wrapped.reduction_factor
     except ValueError as err:
         return LocalCheck(problem=str(err))
-    return LocalCheck(cfg, wrapped, needs, factor)
+    return LocalCheck(cfg, wrapped, factor)
 
 
 def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -23,8 +23,10 @@ The phases, one function each:
      run once *with* grad through the wrapper; its graph is kept for D, no RNG replay is needed, and
      BatchNorm and dropout behave exactly as in plain DDP training. Recompute (B < C): the C pairs in
      micro-batches of at most B (sizes within one of each other), without grad, each one's random
-     state saved (RandContext). Then `agree_across_ranks` (one tiny exchange; see streamed_checks) and
-     `phase_a_gather`: one all-gather of detached copies, every rank holds Z_x, Z_y [sync 1].
+     state saved (RandContext). Around it two tiny exchanges (see streamed_checks): the config and
+     the batch sizes before it (`agree_before_forward`: a forward may communicate, so no rank runs
+     one unless all do), the outputs after it (`agree_across_ranks`). Then `phase_a_gather`: one
+     all-gather of detached copies, every rank holds Z_x, Z_y [sync 1].
   B  `phase_b_normalisers`: a, b and L in tiles of at most T x T. "sharded" (default): each rank
      streams its own C rows and C columns of S (2CN similarities), then one tiny all-gather of 2N
      floats and P loss partials. "replicated": every rank streams all N^2, rows and columns in one pass.
@@ -68,10 +70,10 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.contrastive.rand_context import RandContext
-from distlab.contrastive.streamed_checks import (LocalCheck, agree_across_ranks, check_locally,
-                                                 check_outputs, numbers)
+from distlab.contrastive.streamed_checks import (agree_across_ranks, agree_before_forward, check_locally,
+                                                 check_outputs)
 from distlab.contrastive.streamed_config import StreamConfig, parse_config
-from distlab.contrastive.streamed_kernels import (split_into, streamed_lse, streamed_lse_both,
+from distlab.contrastive.streamed_kernels import (streamed_lse, streamed_lse_both,
                                                   streamed_softmax_pair_product)
 from distlab.contrastive.streamed_precision import compute_dtype, full_precision, surrogate_multiplier
 from distlab.contrastive.streamed_wrappers import Wrapped, first_device
@@ -101,9 +103,7 @@ def phase_a_forward(wrapped: Wrapped, local_x: torch.Tensor, local_y: torch.Tens
     """One forward with grad (B >= C), or no-grad micro-batches with their random states (B < C)."""
     if cfg.one_forward:
         return LocalForward([slice(0, len(local_x))], [wrapped.model(local_x, local_y)], [], kept=True)
-    # As many micro-batches as the config says, so every rank runs as many forwards (under FSDP2 each
-    # one communicates) even when this rank's batch is the wrong size and is about to be refused.
-    micro = split_into(len(local_x), len(cfg.micro))
+    micro = cfg.micro  # every rank's batch is C (checked before this forward)
     outputs, rng = [], []
     with torch.no_grad():
         for rows in micro:
@@ -228,17 +228,18 @@ def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, An
 def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
          grad_scaler: Any, stop_if_not_finite: bool) -> float:
     check = check_locally(model, local_x, local_y, config)
-    local = None
-    if check.problem is None:
-        local = phase_a_forward(check.wrapped, local_x, local_y, check.cfg)              # A
-        try:
-            local.outputs = [check_outputs(out, rows.stop - rows.start, check.cfg)
-                             for out, rows in zip(local.outputs, local.micro)]
-        except ValueError as err:
-            check, local = LocalCheck(problem=str(err)), None
     device = first_device(check.wrapped.inner if check.wrapped else None, local_x)
-    agree_across_ranks(check, numbers(check, local_x, local_y, local.outputs[0] if local else None), device)
+    agree_before_forward(check, local_x, local_y, device)       # no rank's forward has run yet
     cfg, wrapped = check.cfg, check.wrapped
+    local, failure, by_model = None, None, True
+    try:
+        local = phase_a_forward(wrapped, local_x, local_y, cfg)                          # A
+        by_model = False
+        local.outputs = [check_outputs(out, rows.stop - rows.start, cfg)
+                         for out, rows in zip(local.outputs, local.micro)]
+    except Exception as err:  # noqa: BLE001 - this rank still joins the exchange, then every rank raises
+        local, failure = None, err
+    agree_across_ranks(failure, by_model, local.outputs[0] if local else None, cfg, device)
     emb = phase_a_gather(local, cfg)                                                      # sync 1
     with full_precision(emb.z_x.device):
         norm = phase_b_normalisers(emb, cfg)                                              # B
@@ -271,7 +272,8 @@ def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch
     TAU unless the model returns s, optional PHASE_B ("sharded" | "replicated"). With `grad_scaler`
     (torch.amp.GradScaler) the VJP is scaled as scaler.scale(loss).backward() would scale it. Called
     inside `model.no_sync()` it accumulates without reducing; the next call outside reduces, once.
-    Bad inputs raise the same ValueError on every rank before the first all-gather.
+    Bad inputs raise the same ValueError on every rank before the first all-gather (a RuntimeError
+    when model(x, y) itself raised on some rank).
     """
     return _run(model, local_x, local_y, config, grad_scaler, stop_if_not_finite=False)
 

@@ -43,6 +43,7 @@ BEFORE = ("problem", "N", "B", "TAU", "PHASE_B", "rows_x", "rows_y")
 AFTER = ("problem", "raised", "d_x", "d_y", "dtype_x", "dtype_y", "scale")
 NOT_KNOWN = float("nan")
 LEARNABLE = 0.0  # the TAU field of a rank whose model returns its own logit scale
+KEY_NAMES = {"N": "GLOBAL_BATCH_SIZE N", "B": "MICRO_BATCH_SIZE B"}  # as the caller typed them
 
 
 @dataclass
@@ -189,7 +190,7 @@ def agree_before_forward(check: LocalCheck, local_x: Any, local_y: Any, device: 
              "PHASE_B": lambda v: PHASE_B_VARIANTS[int(v)]}
     for key in ("N", "B", "TAU", "PHASE_B"):
         if _differ(_column(table, BEFORE, key)):
-            raise ValueError(f"config differs across ranks, {key if key != 'N' else 'GLOBAL_BATCH_SIZE N'}: "
+            raise ValueError(f"config differs across ranks, {KEY_NAMES.get(key, key)}: "
                              f"{_per_rank(_column(table, BEFORE, key), names.get(key, lambda v: f'{v:g}'))}; "
                              "every rank must pass the same config")
     _raise_problems(check.problem, _column(table, BEFORE, "problem"), device)

@@ -89,6 +89,11 @@ def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, A
                 "no-grad pass and the recompute). Use B >= C (one forward, exactly plain DDP), put "
                 "BatchNorm in eval mode, or use a normalisation that does not mix samples "
                 "(LayerNorm, GroupNorm)")
+        if wrapped.static_graph and not cfg.one_forward:
+            raise ValueError(f"DDP(static_graph=True) with MICRO_BATCH_SIZE B={cfg.b} < C=N/P={cfg.local}: the "
+                             "recompute runs every micro-batch's backward but the last under no_sync(), which "
+                             "a static-graph DDP does not support. Use B >= C (one forward) or DDP without "
+                             "static_graph")
         factor = wrapped.reduction_factor
     except ValueError as err:
         return LocalCheck(problem=str(err))

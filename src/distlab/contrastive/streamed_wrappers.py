@@ -67,6 +67,12 @@ class Wrapped:
         ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model)
         return float(ddp.process_group.size())
 
+    @property
+    def static_graph(self) -> bool:
+        """DDP(static_graph=True), whose reducer cannot run a backward under no_sync()."""
+        ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model) if self.kind == "compiled ddp" else None
+        return bool(getattr(ddp, "static_graph", False))
+
     def accumulating(self, reduce: bool) -> ContextManager:
         """Gradient reduction off for this backward unless `reduce` (then the caller's setting holds)."""
         if reduce:

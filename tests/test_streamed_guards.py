@@ -31,6 +31,14 @@ class RawScale(Towers):
         return z_x, z_y, self.logit_scale
 
 
+class FloatScale(Towers):
+    """Returns the logit scale as a Python number."""
+
+    def forward(self, x, y):
+        z_x, z_y, s = super().forward(x, y)
+        return z_x, z_y, s.item()
+
+
 def good(b=N // 2, **changes):
     return {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": b, "STREAM_CHUNK_SIZE": 7} | changes
 
@@ -74,6 +82,7 @@ def bad_calls(rt):
         "N not divisible by P": (learn, lx, ly, good(GLOBAL_BATCH_SIZE=N + 1)),
         "bad PHASE_B on one rank": (learn, lx, ly, good(PHASE_B="both" if other else "sharded")),
         "not a supported wrapper": (Towers(scale_shape=()), lx, ly, good()),
+        "scale returned as a float": (DDP(FloatScale(scale_shape=())), lx, ly, good()),
         "no encoders": (DDP(nn.Linear(12, 8, dtype=torch.float64)), lx, ly, good()),
         "x and y sizes differ": (learn, lx, ly[:-1], good()),
         "called under no_grad": (learn, lx, ly, good()),
@@ -101,6 +110,7 @@ EXPECTED = {  # label -> what the one message, the same on every rank, must say
     "N not divisible by P": "not divisible by the world size P=2",
     "bad PHASE_B on one rank": "rank 1: config['PHASE_B'] must be one of ('sharded', 'replicated'), got 'both'",
     "not a supported wrapper": "model must be wrapped in DistributedDataParallel",
+    "scale returned as a float": "as tensors, got a tuple of 3: (Tensor, Tensor, float)",
     "no encoders": "lacks ['encoder_x', 'encoder_y']",
     "x and y sizes differ": "same number of pairs",
     "called under no_grad": "called with gradients disabled",

@@ -100,13 +100,23 @@ def check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, A
     return LocalCheck(cfg, wrapped, factor)
 
 
+def _describe(out: Any) -> str:
+    """What forward returned, in a few words (open_clip's output_dict=True gives a dict, and a model
+    with a logit bias, SigLIP's, a fourth element)."""
+    if isinstance(out, dict):
+        return f"a dict with keys {list(out)[:4]} (return a tuple, e.g. open_clip's output_dict=False)"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)}: ({', '.join(type(z).__name__ for z in out[:4])})"
+    return type(out).__name__
+
+
 def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """forward(x, y) must return (z_x, z_y) or (z_x, z_y, s): z of `rows` x d, floating point, one
     width; s a one-element tensor, and then config must not hold TAU. Returns (z_x, z_y, s or None)."""
     if not (isinstance(out, (tuple, list)) and len(out) in (2, 3)
             and all(isinstance(z, torch.Tensor) for z in out)):
         raise ValueError(f"model(x, y) must return (z_x, z_y) or (z_x, z_y, logit_scale) as tensors, "
-                         f"got {type(out).__name__}")
+                         f"got {_describe(out)}")
     z_x, z_y, s = (*out, None) if len(out) == 2 else out
     if z_x.dim() != 2 or z_y.dim() != 2 or z_x.shape[1] != z_y.shape[1] or len(z_x) != rows or len(z_y) != rows:
         raise ValueError(f"model(x, y) must return z_x and z_y of shape (batch, d) with batch {rows} and "

@@ -8,6 +8,7 @@ plain DDP training on the same batches (the gradient through an autograd-aware a
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -141,8 +142,9 @@ class GatherSummingGrads(torch.autograd.Function):
 
 
 def batchnorm_against_plain_ddp(rt):
-    """Two steps of distributed_train_step with B >= C, and two of plain DDP training on the same
-    batches, from the same model: same gradients, parameters and running statistics."""
+    """Two steps of distributed_train_step with B >= C (and between them one refused for a NaN), and
+    two of plain DDP training on the same batches, from the same model: same gradients, parameters
+    and running statistics."""
     rows = local_rows(rt)
     runs = {}
     for method in ("streamed", "plain ddp"):
@@ -153,6 +155,11 @@ def batchnorm_against_plain_ddp(rt):
         for step in range(2):
             x, y = paired_data(N, seed=step)
             if method == "streamed":
+                if step == 1:  # a step refused for a NaN on rank 1 must leave the running statistics as they were
+                    bad_x = x[rows].clone()
+                    bad_x[0] = float("nan") if rt.rank == 1 else bad_x[0]
+                    with pytest.raises(FloatingPointError):
+                        distributed_train_step(ddp, opt, bad_x, y[rows], config(N // rt.world_size))
                 distributed_train_step(ddp, opt, x[rows], y[rows], config(N // rt.world_size))
             else:
                 opt.zero_grad()

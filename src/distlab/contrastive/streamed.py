@@ -76,7 +76,7 @@ from distlab.contrastive.streamed_config import StreamConfig, parse_config
 from distlab.contrastive.streamed_kernels import (streamed_lse, streamed_lse_both,
                                                   streamed_softmax_pair_product)
 from distlab.contrastive.streamed_precision import compute_dtype, full_precision, surrogate_multiplier
-from distlab.contrastive.streamed_wrappers import Wrapped, first_device
+from distlab.contrastive.streamed_wrappers import Wrapped, batchnorm_snapshot, first_device
 
 
 @dataclass
@@ -231,6 +231,7 @@ def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config:
     device = first_device(check.wrapped.inner if check.wrapped else None, local_x)
     agree_before_forward(check, local_x, local_y, device)       # no rank's forward has run yet
     cfg, wrapped = check.cfg, check.wrapped
+    restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
     local, failure, by_model = None, None, True
     try:
         local = phase_a_forward(wrapped, local_x, local_y, cfg)                          # A
@@ -244,8 +245,10 @@ def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config:
     with full_precision(emb.z_x.device):
         norm = phase_b_normalisers(emb, cfg)                                              # B
     if stop_if_not_finite and not math.isfinite(norm.loss):
+        restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
         raise FloatingPointError(f"the global loss is {norm.loss} (non-finite embeddings on some rank): "
-                                 "no gradient was computed and the optimizer did not step")
+                                 "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
+                                 "are as they were")
     multiplier = surrogate_multiplier(check.factor, grad_scaler, emb.z_x)
     last = len(local.micro) - 1
     for k, rows in enumerate(local.micro):
@@ -283,7 +286,7 @@ def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, l
     """One optimiser step on the exact symmetric InfoNCE of the global batch; returns its loss.
 
     zero_grad, `distributed_backward`, optimizer.step(). A non-finite loss raises FloatingPointError
-    on every rank before any backward, so the parameters are untouched.
+    on every rank before any backward: parameters, optimizer state and BatchNorm statistics untouched.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -120,6 +120,20 @@ def batchnorm_in_training(module: nn.Module) -> list[str]:
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
 
 
+def batchnorm_snapshot(module: nn.Module) -> Callable[[], None]:
+    """Copies of the buffers of every BatchNorm in training mode (running statistics and
+    num_batches_tracked; a few numbers per channel), and a function that puts them back, so that a
+    step refused after its forward leaves no trace of that forward."""
+    saved = [(buf, buf.clone()) for m in module.modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for buf in m.buffers(recurse=False)]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
+    return restore
+
+
 def first_device(module: nn.Module | None, fallback: Any) -> torch.device:
     """Where the step's small exchange runs: the parameters' device (on GPUs the nccl side of the
     group), else the batch's."""

@@ -42,10 +42,10 @@ exactly 1/P of that gradient, both fixes give all of it, and every loss equals t
 from __future__ import annotations
 
 from distlab.cli import DTYPES, lesson_parser, positive_float, positive_int, require
-from distlab.compare import compare, comparison_table, tolerances
+from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.contrastive.report import gradient_error, method_table, work_table
+from distlab.contrastive.report import method_table, work_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_PLAIN, GLOBAL_SUM, GLOBAL_TIMES_P
 from distlab.models import TwoTower, paired_data

@@ -1,40 +1,21 @@
 """The tables lesson 06 prints, laid out to fit 80 columns whole (no cell is ever cut).
 
-`GradientCheck` sums up a gradient against the reference over all parameters at once: the largest
-relative error (max |g - r| / max |r| over the tensors, `distlab.compare`'s figure), the norm ratio
-||g|| / ||r|| (a pure scaling bug shows as a clean 1/P), and allclose at the dtype's tolerance.
+Gradients are summed up by `distlab.compare.gradient_error`: the largest relative error, the norm
+ratio ||g|| / ||r|| (a pure scaling bug shows as a clean 1/P), and allclose at the dtype's tolerance.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 from rich import box
 from rich.table import Table
 
-from distlab.compare import all_ok, compare
+from distlab.compare import GradientError
 
 Grads = Mapping[str, torch.Tensor]
 MIB = 2 ** 20
-
-
-@dataclass(frozen=True)
-class GradientCheck:
-    max_rel: float
-    norm_ratio: float
-    ok: bool
-
-
-def check_gradients(reference: Grads, actual: Grads, scale: float = 1.0) -> GradientCheck:
-    """`actual` against `scale * reference` (scale = 1/P checks a 1/P claim exactly)."""
-    ref = {n: scale * r.detach().cpu() for n, r in reference.items()}
-    rows = compare(ref, actual)
-    flat = lambda g: torch.cat([g[n].detach().double().cpu().flatten() for n in ref])  # noqa: E731
-    norm = flat(ref).norm().item()
-    ratio = flat(actual).norm().item() / norm if norm else float("nan")
-    return GradientCheck(max(row.max_rel for row in rows), ratio, all_ok(rows))
 
 
 def _table(title: str, columns: tuple[str, ...], caption: str = "") -> Table:
@@ -81,7 +62,7 @@ def cost_table(rows: list) -> Table:
     return table
 
 
-def gradient_table(rows: list[tuple[str, str, GradientCheck, bool]], title: str) -> Table:
+def gradient_table(rows: list[tuple[str, str, GradientError, bool]], title: str) -> Table:
     """(what ran, compared with, its check, whether allclose is the claim)."""
     table = _table(title, ("run", "against", "max rel err", "|g| / |ref|", "allclose"))
     for name, against, check, expected in rows:

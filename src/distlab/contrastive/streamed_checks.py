@@ -167,8 +167,9 @@ def _raise_problems(problem: str | None, lengths: list[float], device: torch.dev
     if problem:
         data = problem.encode()
         mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    every = mine.to(device).new_empty(dist.get_world_size() * width)
-    dist.all_gather_single(every, mine.to(device))
+    mine = mine.to(device)
+    every = mine.new_empty(dist.get_world_size() * width)
+    dist.all_gather_single(every, mine)
     every = every.view(-1, width).cpu()
     texts = [bytes(every[r, :int(n)].tolist()).decode() for r, n in enumerate(lengths)]
     by_text: dict[str, list[int]] = {}

@@ -17,12 +17,13 @@ one VJP per micro-batch), with the cached loss replaced by closed forms.
 
 The mechanism: src/distlab/contrastive/streamed.py, `_run`, which reads top to bottom: a tiny
 exchange of the config and batch sizes (`streamed_checks.agree_before_forward`), A the local forward
-(`phase_a_forward`), a second one of what the forward returned (`streamed_checks.agree_across_ranks`:
-every rank checks both the same way, so bad input is one error everywhere), the all-gather of Z_x, Z_y (`phase_a_gather`, sync 1); B the
-normalisers in T x T tiles (`phase_b_normalisers`); per micro-batch C its G (`phase_c_embedding_grads`)
-and D its VJP (`phase_d_backward`), where E, the wrapper's reduction (sync 2), runs in the last
-backward. D back-propagates m G with m = P under DDP: G is the gradient of the global loss, so the
-ranks' VJPs must be summed, and DDP averages (lesson 06). The tile math is in streamed_kernels.py
+(`phase_a_forward`), a second one of what the forward returned
+(`streamed_checks.agree_across_ranks`: every rank checks both the same way, so bad input is one
+error everywhere), the all-gather of Z_x, Z_y (`phase_a_gather`, sync 1); B the normalisers in T x T
+tiles (`phase_b_normalisers`); per micro-batch C its G (`phase_c_embedding_grads`) and D its VJP
+(`phase_d_backward`), where E, the wrapper's reduction (sync 2), runs in the last backward. D
+back-propagates m G with m = P under DDP: G is the gradient of the global loss, so the ranks' VJPs
+must be summed, and DDP averages (lesson 06). The tile math is in streamed_kernels.py
 (`online_fold`, `streamed_softmax_pair_product`).
 
 Two regimes. B >= C (C = N / P): one forward; the rank's pairs run once, with grad, and D back-propagates

@@ -32,10 +32,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from distlab.pipeline.runner import pipeline_step, prepare
-from distlab.runtime import add_runtime_args, distributed, print0, run_main
+from distlab.cli import add_runtime_args, positive_int
+from distlab.console import print0
+from distlab.pipeline.runner import PipelineStep
+from distlab.pipeline.training import PipelineConfig
+from distlab.runtime import distributed, run_main
 
 RESULTS = Path(__file__).parent / "results"
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
@@ -44,12 +46,12 @@ MICROBATCHES = (1, 2, 4, 8, 16, 32)
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", action="store_true", help="merge the JSON files into a table and a plot")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--layers", type=positive_int, default=16)
+    parser.add_argument("--width", type=positive_int, default=512)
+    parser.add_argument("--global-batch", type=positive_int, default=512, help="N rows per step")
+    parser.add_argument("--micro-batches", type=positive_int, nargs="+", default=list(MICROBATCHES), help="values of M")
+    parser.add_argument("--warmup", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
     return add_runtime_args(parser).parse_args()
 
@@ -72,12 +74,12 @@ def time_step(rt, run) -> float:
             torch.cuda.synchronize(rt.device)
         dist.barrier()
 
-    for param in run.stage.module.parameters():
-        param.grad = None
+    for stage in run.stages:
+        for param in stage.module.parameters():
+            param.grad = None
     sync()
     start = time.perf_counter()
-    pipeline_step(run.stage, rt.world_size, run.actions, run.x_mbs, run.target_mbs, run.shapes,
-                  F.mse_loss, rt.device)
+    run(0)
     sync()
     # Every rank measured the same barrier-to-barrier window; rank 0's number stands for the step.
     return time.perf_counter() - start
@@ -88,10 +90,11 @@ def measure(args) -> int:
     with distributed(args.device) as rt:
         p = rt.world_size
         configs = [("naive", 1)] if p > 1 else [("unsplit", 1)]
-        configs += [(name, m) for name in ("gpipe", "1f1b") for m in args.microbatches if p > 1]
+        configs += [(name, m) for name in ("gpipe", "1f1b") for m in args.micro_batches if p > 1]
         load_before = os.getloadavg()[0]
-        runs = [prepare(rt, widths, args.batch_size, "naive" if name == "unsplit" else name, m,
-                        seed=args.seed, dtype=torch.float32) for name, m in configs]
+        base = PipelineConfig(widths=widths, global_batch=args.global_batch, seed=args.seed, dtype=torch.float32)
+        runs = [PipelineStep(rt, base.replace(schedule="gpipe" if name in ("unsplit", "naive") else name,
+                                              micro_batches=m)) for name, m in configs]
         for run in runs:
             for _ in range(args.warmup):
                 time_step(rt, run)
@@ -111,7 +114,7 @@ def measure(args) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             meta = {"P": p, "backend": rt.backend, "device": device_name(rt.device), "cores": os.cpu_count(),
                     "torch": torch.__version__, "layers": args.layers, "width": args.width,
-                    "batch_size": args.batch_size, "dtype": "float32", "warmup": args.warmup,
+                    "global_batch": args.global_batch, "dtype": "float32", "warmup": args.warmup,
                     "repeats": args.repeats, "load_average_before": load_before,
                     "load_average_after": os.getloadavg()[0],
                     "command": f"torchrun --standalone --nproc-per-node {p} benchmarks/pipeline.py"}
@@ -137,7 +140,7 @@ def report(args) -> int:
         cores = meta.get("cores") if device == "cpu" else None
         lines = [f"Step time (forward + backward), median of {meta['repeats']} round-robin steps after "
                  f"{meta['warmup']} warm-up, on {meta['device']} ({meta['backend']}), torch {meta['torch']}; "
-                 f"{meta['layers']} layers of width {meta['width']}, batch {meta['batch_size']}, float32. "
+                 f"{meta['layers']} layers of width {meta['width']}, batch {meta.get('global_batch', meta.get('batch_size'))}, float32. "
                  "Load average (1 min) before/after each run: " + ", ".join(
                      f"P={p}: {r['meta']['load_average_before']:.1f}/{r['meta']['load_average_after']:.1f}"
                      for p, r in sorted(results.items())) + ".", "",

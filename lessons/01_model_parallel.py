@@ -3,101 +3,122 @@ activations forward and their gradients back.
 
     torchrun --nproc-per-node 2 lessons/01_model_parallel.py     # any P from 1 to the layer count
 
-The idea. A model too big for one device is cut into P contiguous stages, one per rank. Rank s
-computes A_s = f_s(A_{s-1}) and sends A_s to rank s+1. The last rank computes the loss L. Backward
-runs the chain rule across each cut: rank s+1 computes dL/dA_s (the gradient of its *input*) and
-sends it back; rank s resumes with `A_s.backward(dL/dA_s)`, which gives
+The idea. A model too big for one device is cut into P contiguous stages, one per rank. Rank p
+computes A_p = f_p(A_{p-1}) and sends A_p to rank p+1; the last rank computes the loss L. A tensor
+that crosses a process boundary arrives as plain numbers, without its graph, so rank p+1 marks
+what it received `requires_grad_()`: its backward then yields dL/dA_p, which it sends back, and rank
+p resumes the backward from it (`A_p.backward(dL/dA_p)`). That is the chain rule across the cut:
 
-    dL/dW_s = dL/dA_s * dA_s/dW_s     and     dL/dA_{s-1} = dL/dA_s * dA_s/dA_{s-1}, sent on to s-1.
+    dL/dW_p = dL/dA_p * dA_p/dW_p     and     dL/dA_{p-1} = dL/dA_p * dA_p/dA_{p-1}, sent on to p-1.
 
 Every parameter lives on one rank, so each rank steps its own optimizer and no gradient is averaged.
 
-The self-check. Every rank also trains an unsplit deep copy of the model on the whole batch in one
-process, and compares its own stage's gradients (after step 1) and parameters (after the last step)
-with the copy's. The spans each rank records show that only one rank computes at any instant: the
-others wait in `recv`. Lesson 02 fills that idle time with micro-batches.
+The mechanism is `ModelParallelStep.__call__` below: the whole send/recv chain, in this file. The
+split is `distlab/pipeline/partition.py: stage_bounds`: the first L mod P stages get one layer more.
+(The tempting `per_rank = ceil(L/P); start = rank * per_rank` leaves the trailing ranks empty: L = 6
+layers on P = 4 ranks gives 2, 2, 2, 0.) The training loop is the track's one loop,
+`distlab/pipeline/training.py: train`.
 
-What seed 004 got wrong: `layers_per_rank = ceil(L/P); start = rank * layers_per_rank` leaves the
-last ranks empty when P does not divide L nicely (L=6, P=4 gives 2, 2, 2, 0); here the first L mod P
-stages get the extra layer. Its loss `output.sum()` also hides the batch scaling; ours is the mean
-squared error over the whole batch, the same number the unsplit model computes.
+The proof. An unsplit deep copy of the model trains on the whole batch in one process; every rank
+compares its stage's gradients (after step 1) and parameters (after the last step) with the copy's,
+and the loss, the mean squared error over the whole batch, with the copy's loss. The spans each rank
+records show that only one rank computes at any instant: the others wait in `recv`. Lesson 02 fills
+that idle time with micro-batches.
 """
 
 from __future__ import annotations
-
-import argparse
-import json
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import DTYPES, add_mlp_args, mlp_widths
-from distlab.compare import all_ok, compare, comparison_table, tolerances
-from distlab.models import layered_mlp, regression_batch
-from distlab.pipeline.naive import train_model_parallel
-from distlab.reference import sgd_reference
-from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
-from distlab.timeline import busy_fractions, max_concurrency, render
+from distlab.cli import add_mlp_args, lesson_parser, positive_int
+from distlab.console import print0
+from distlab.pipeline.partition import boundary_shapes, split_stages
+from distlab.pipeline.report import per_tensor
+from distlab.pipeline.training import PipelineConfig, check_config, problem, train, unsplit_reference
+from distlab.runtime import Runtime, distributed, run_main
+from distlab.timeline import Timeline, busy_fractions, max_concurrency, render
+from distlab.verdict import Verdict
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input-features", type=int, default=16,
-                        help="features per sample; anything but 16 shows the 'does not fit' error")
-    parser.add_argument("--timeline-json", help="write every rank's compute spans here (rank 0)")
-    return add_runtime_args(add_mlp_args(parser, layers=8, width=256, global_batch=512, steps=5)).parse_args()
+class ModelParallelStep:
+    """One step of naive model parallelism on this rank: the whole batch down the stages and back."""
+
+    def __init__(self, rt: Runtime, cfg: PipelineConfig):
+        check_config(cfg)
+        model, self.x, self.target = problem(cfg)
+        every = split_stages(model, rt.world_size)
+        # Every rank derives every cut's shape (and checks the batch fits) before any message.
+        self.shapes = boundary_shapes(every, tuple(self.x.shape), cfg.dtype)
+        self.stages, self.rt, self.timeline = [every[rt.rank]], rt, Timeline(rt.rank)
+        self.stages[0].module.to(rt.device)
+
+    def __call__(self, step: int) -> float | None:
+        stage, dev, span = self.stages[0], self.rt.device, self.timeline.span
+        p, last = stage.index, self.rt.world_size - 1
+        # Forward: receive A_{p-1} (rank 0 starts from the batch), compute A_p, send it on.
+        if p == 0:
+            a_in = self.x.to(dev)
+        else:
+            a_in = torch.empty(self.shapes[p], dtype=self.x.dtype, device=dev)
+            dist.recv(a_in, src=p - 1)
+            a_in.requires_grad_()  # a leaf: its .grad will be dL/dA_{p-1}
+        with span("F", step):
+            a_out = stage.module(a_in)
+        if p < last:
+            dist.send(a_out.detach(), dst=p + 1)
+        # Backward: the last rank starts from the loss, the others from dL/dA_p sent back by p+1.
+        if p == last:
+            with span("B", step):
+                loss = F.mse_loss(a_out, self.target.to(dev))
+                loss.backward()
+        else:
+            grad_out = torch.empty_like(a_out)
+            dist.recv(grad_out, src=p + 1)
+            with span("B", step):
+                a_out.backward(grad_out)
+        if p > 0:
+            dist.send(a_in.grad, dst=p - 1)
+        return loss.item() if p == last else None
+
+    def measurements(self) -> dict:
+        return {}
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = add_mlp_args(lesson_parser(__doc__), layers=8, width=256, global_batch=512, steps=5)
+    parser.add_argument("--input-features", type=positive_int, default=16,
+                        help="features per row; anything but 16 shows the 'does not fit' error")
+    return parser.parse_args(argv)
 
 
 def main() -> int:
     args = parse_args()
-    dtype = DTYPES[args.dtype]
-    widths = mlp_widths(args)
+    cfg = PipelineConfig.from_args(args, input_features=args.input_features)
     with distributed(args.device) as rt:
-        print0(f"[bold]Lesson 01: naive model parallelism[/] - {args.layers} layers on "
-               f"{rt.world_size} rank(s), backend {rt.backend}, {args.steps} SGD steps, {args.dtype}")
-        run = train_model_parallel(rt, widths, args.global_batch, args.steps, args.lr, seed=args.seed,
-                                   dtype=dtype, input_features=args.input_features)
-
-        # The independent reference: the unsplit model, the whole batch, one process.
-        x, target = regression_batch(args.global_batch, widths[0], widths[-1], seed=args.seed, dtype=dtype)
-        ref = sgd_reference(layered_mlp(widths, seed=args.seed, dtype=dtype), x, target,
-                            F.mse_loss, args.steps, args.lr)
-        mine = run.first_grads.keys()
-        rows = {
-            "gradients after step 1": compare({n: ref.first_grads[n] for n in mine}, run.first_grads),
-            f"parameters after {args.steps} steps": compare({n: ref.params[n] for n in mine}, run.params),
-        }
-        every_rows: list[dict] = [{} for _ in range(rt.world_size)]
-        dist.all_gather_object(every_rows, rows)
-
-        rtol, atol = tolerances(dtype)
-        for title in rows:
-            table_rows = [row for per_rank in every_rows for row in per_rank[title]]
-            print0(comparison_table(table_rows, f"{title}: split vs unsplit",
-                                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}"))
-        losses_ok = torch.allclose(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
+        verdict = Verdict(rt)
+        print0(f"[bold]Lesson 01: naive model parallelism[/] - {args.layers} layers on {rt.world_size} "
+               f"rank(s), N={args.global_batch} rows, {args.steps} SGD steps, {args.dtype}, {rt.backend}")
+        run = train(rt, cfg, ModelParallelStep(rt, cfg))
+        ref = unsplit_reference(cfg)
+        tables, matched = per_tensor(run, ref, cfg.dtype)
+        print0(*tables)
         print0("loss per step, split:   " + " ".join(f"{v:.6f}" for v in run.losses))
         print0("loss per step, unsplit: " + " ".join(f"{v:.6f}" for v in ref.losses))
+        verdict.check("every stage's gradients, parameters and the losses equal the unsplit model's", matched)
 
-        peak = max_concurrency(run.spans)
-        # Step 0 pays one-off costs (first connections, allocations); draw the last, steady step.
-        last_step = [s for s in run.spans if s.step == args.steps - 1]
+        # Step 1 pays one-off costs (first connections, allocations); draw the last, steady step.
+        last = [s for s in run.spans if s.step == args.steps - 1]
+        busy = busy_fractions(last, rt.world_size)
         print0(f"\n[bold]Who computes when in step {args.steps}[/] (F forward, B backward, . waiting in recv):")
-        print0(render(last_step, rt.world_size))
-        print0("busy fraction per rank: " + ", ".join(
-            f"rank {r} {f:.0%}" for r, f in enumerate(busy_fractions(last_step, rt.world_size))))
-        print0(f"most ranks computing at one instant: {peak} (naive model parallelism: exactly 1)")
-        if args.timeline_json and rt.is_first:
-            with open(args.timeline_json, "w") as f:
-                json.dump([vars(s) for s in run.spans], f)
-
-        matched = all(all_ok(r) for per_rank in every_rows for r in per_rank.values()) and losses_ok
-        ok = all_ranks_true(matched and peak == 1)
-        print0(f"\n[bold]{'PASS' if ok else 'FAIL'}[/]: split gradients and parameters "
-               f"{'equal' if matched else 'DO NOT equal'} the unsplit model's; "
-               f"{'one rank' if peak == 1 else f'{peak} ranks'} computing at a time")
-    return 0 if ok else 1
+        print0(render(last, rt.world_size))
+        print0("busy fraction per rank: " + ", ".join(f"rank {r} {f:.0%}" for r, f in enumerate(busy)))
+        peak = verdict.figure("most_ranks_computing_at_once", max_concurrency(run.spans))
+        verdict.check("one rank computes at a time", peak == 1, f"at most {peak} at any instant")
+        verdict.figure("busy_fractions", busy)
+        verdict.figure("spans", [vars(s) for s in last])
+        return verdict.finish(args.json)
 
 
 if __name__ == "__main__":

@@ -3,122 +3,125 @@
     torchrun --nproc-per-node 4 lessons/03_one_f_one_b.py --micro-batches 7
 
 The idea. GPipe runs every forward before any backward, so each stage holds the saved activations of
-all M micro-batches at once. 1F1B (PipeDream-flush) lets stage s start a backward as soon as one
-can run: after a warm-up of min(P - s - 1, M) forwards it alternates one forward and one backward,
-then drains the remaining backwards. A micro-batch's activations are freed by its backward, so
+all M micro-batches at once. 1F1B (PipeDream-flush: Narayanan et al. 2021, "Memory-Efficient Pipeline-
+Parallel DNN Training", arXiv 2006.09503) lets rank r start a backward as soon as one can run: after a
+warm-up of min(P - r - 1, M) forwards it alternates one forward and one backward, then drains the
+remaining backwards. A micro-batch's activations are freed by its backward, so
 
-    in flight on stage s:  GPipe M,   1F1B min(M, P - s)        (at most P, whatever M is)
+    in flight on rank r:  GPipe M,   1F1B min(M, P - r)        (at most P, whatever M is)
 
 and the memory no longer grows with M. The bubble does not change: the first forward still needs
 P - 1 ticks to reach the last stage and the last backward P - 1 ticks to come back, so both take
-(M + P - 1)(t_f + t_b) and idle (P - 1)/(M + P - 1) of it. What 1F1B buys is the freedom to raise M
-(which is what shrinks the bubble) without running out of memory.
+(M + P - 1)(t_f + t_b) and idle (P - 1)/(M + P - 1) of it. 1F1B does not shrink the bubble; what it
+buys is the freedom to raise M (which does shrink it) without running out of memory. Lesson 05
+shrinks the bubble itself.
 
-Deadlock. In the steady state stage s sends an activation forward while stage s+1 sends a gradient
+The mechanism is the loop `one_f_one_b` below: the whole schedule, as data. The lesson checks it is
+the library's (`distlab/pipeline/schedules.py: one_f_one_b`, a special case of the interleaved and
+zero-bubble schedules of lesson 05), and `distlab/pipeline/runner.py: PipelineStep` executes it.
+
+Deadlock. In the steady state rank r sends an activation forward while rank r+1 sends a gradient
 back. With blocking send/recv each waits in its send for the other's receive, forever (gloo's send
-is a rendezvous even for one number). The runner posts the sends of one action together with the
-receives of the next in one `batch_isend_irecv` (src/distlab/pipeline/p2p.py); the tests replay every
-rank's plan for P <= 6, M <= 13 and show that blocking transfers in 1F1B's order would deadlock.
+waits for the receive even for one number). The runner posts matching sends and receives together in
+one `batch_isend_irecv`, at the tick of the schedule's own grid where the message travels
+(`distlab/pipeline/p2p.py: comm_plan`); the tests replay every rank's plan for P <= 6, M <= 13 and
+show that blocking transfers in 1F1B's order would deadlock.
 
-M < P is allowed here: the first stages then never reach a steady state and behave like GPipe
+M < P is allowed here: the first ranks then never reach a steady state and behave like GPipe
 (PyTorch's Schedule1F1B refuses M < P; lesson 04). Uneven micro-batches are exact, as in lesson 02.
-
-What seed 004 got wrong. Its section 4.2 says 1F1B "significantly reduces the idle time (the
-bubble)"; it does not, it reduces the memory. Its section 6 rightly says 1F1B needs non-blocking
-sends and receives, but its code only ever runs the GPipe order with blocking ones.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-
-import torch.distributed as dist
-import torch.nn.functional as F
 from rich.table import Table
 
-from distlab.cli import DTYPES, add_mlp_args, mlp_widths
-from distlab.models import layered_mlp, regression_batch
-from distlab.pipeline.report import check_runs
-from distlab.pipeline.runner import microbatch_sizes, train_pipeline
-from distlab.pipeline.schedules import gpipe, one_f_one_b, peak_in_flight, render, simulate
-from distlab.reference import sgd_reference
-from distlab.runtime import add_runtime_args, all_ranks_true, distributed, print0, run_main
+from distlab.cli import add_mlp_args, lesson_parser, positive_int
+from distlab.console import print0
+from distlab.pipeline import schedules
+from distlab.pipeline.report import check_runs, gathered
+from distlab.pipeline.runner import PipelineStep
+from distlab.pipeline.schedules import Action, Schedule, gpipe
+from distlab.pipeline.simulator import peak_in_flight, render, simulate
+from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
+from distlab.runtime import distributed, run_main
 from distlab.timeline import render as render_spans
+from distlab.verdict import Verdict
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--micro-batches", type=int, default=8, help="M, from 1 to the batch size")
-    parser.add_argument("--report-json", help="write the measurements and spans here (rank 0)")
-    return add_runtime_args(add_mlp_args(parser, layers=16, width=128, global_batch=256, steps=3)).parse_args()
+def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
+    """Rank r: warm up with min(P - r - 1, M) forwards, then one forward and one backward in turn
+    (the newest forward, the oldest backward), then the remaining backwards."""
+    schedule = []
+    for r in range(num_ranks):
+        warmup = min(num_ranks - r - 1, microbatches)
+        order = [Action("F", i, r) for i in range(warmup)]
+        for k in range(microbatches - warmup):
+            order += [Action("F", warmup + k, r), Action("B", k, r)]
+        order += [Action("B", i, r) for i in range(microbatches - warmup, microbatches)]
+        schedule.append(order)
+    return schedule
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=128, global_batch=256, steps=3)
+    parser.add_argument("--micro-batches", type=positive_int, default=8, help="M, from 1 to N")
+    return parser.parse_args(argv)
+
+
+def memory_table(runs: dict[str, list], m: int) -> tuple[Table, dict]:
+    """Per rank, measured while running: micro-batches in flight and activation bytes held."""
+    table = Table(title="micro-batches in flight and activation bytes held, per rank (measured while running)",
+                  title_justify="left", caption="saved: peak bytes through saved_tensors_hooks, parameters "
+                  "excluded", caption_justify="left")
+    for col in ("rank", "GPipe in flight", "1F1B in flight", "min(M, P-r)", "GPipe KiB", "1F1B KiB", "ratio"):
+        table.add_column(col, justify="right", overflow="fold")
+    for r, (g, o) in enumerate(zip(runs["gpipe"], runs["1f1b"])):
+        table.add_row(str(r), str(g.peak_in_flight), str(o.peak_in_flight), str(min(m, len(runs["gpipe"]) - r)),
+                      f"{g.saved_peak_bytes / 2**10:,.1f}", f"{o.saved_peak_bytes / 2**10:,.1f}",
+                      f"{o.saved_peak_bytes / g.saved_peak_bytes:.2f}")
+    return table, {name: {"in_flight": [x.peak_in_flight for x in ranks], "saved": [x.saved_peak_bytes for x in ranks]}
+                   for name, ranks in runs.items()}
 
 
 def main() -> int:
     args = parse_args()
-    dtype, m = DTYPES[args.dtype], args.micro_batches
-    widths = mlp_widths(args)
+    m = args.micro_batches
+    cfg = PipelineConfig.from_args(args, probe=True)
     with distributed(args.device) as rt:
-        p = rt.world_size
-        print0(f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), batch {args.global_batch} "
-               f"in M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows, backend "
-               f"{rt.backend}, {args.dtype}")
-        common = dict(microbatches=m, seed=args.seed, dtype=dtype, probe=True)
-        runs = {name: train_pipeline(rt, widths, args.global_batch, args.steps, args.lr, schedule=name, **common)
-                for name in ("gpipe", "1f1b")}
+        p, verdict = rt.world_size, Verdict(rt)
+        print0(f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), N={args.global_batch} in "
+               f"M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows, {args.dtype}, {rt.backend}")
+        orders = {"gpipe": gpipe(p, m), "1f1b": one_f_one_b(p, m)}
+        verdict.check("the loop above is the library's 1F1B (schedules.one_f_one_b)",
+                      orders["1f1b"] == schedules.one_f_one_b(p, m))
+        runs = {name: train(rt, cfg, PipelineStep(rt, cfg, order)) for name, order in orders.items()}
 
-        # The schedules as data: grids, bubbles, and the in-flight count read off each rank's order.
-        schedules = {"gpipe": gpipe(p, m), "1f1b": one_f_one_b(p, m)}
-        timings = {name: simulate(sched) for name, sched in schedules.items()}
+        timings = {name: simulate(order) for name, order in orders.items()}
         for name, title in (("1f1b", "1F1B"), ("gpipe", "GPipe")):
-            print0(render(timings[name], title=f"\n{title}, P={p}, M={m} (unit-time ticks; . idle)"))
-        bubbles = {name: t.bubble_fraction() for name, t in timings.items()}
+            print0(render(timings[name], f"\n{title}, P={p}, M={m} (ticks: F 1, B 2; . idle)"))
+        bubbles = verdict.figure("bubbles", {n: t.bubble_fraction() for n, t in timings.items()})
         formula = (p - 1) / (m + p - 1)
-        print0(f"bubble from the grids: GPipe {bubbles['gpipe']:.4f}, 1F1B {bubbles['1f1b']:.4f}; "
-               f"(P-1)/(M+P-1) = {formula:.4f}: the same bubble")
+        verdict.check("GPipe and 1F1B idle the same share of their grids, (P-1)/(M+P-1)",
+                      all(abs(b - formula) < 1e-12 for b in bubbles.values()),
+                      f"GPipe {bubbles['gpipe']:.4f}, 1F1B {bubbles['1f1b']:.4f}, formula {formula:.4f}")
 
-        x, target = regression_batch(args.global_batch, widths[0], widths[-1], seed=args.seed, dtype=dtype)
-        ref = sgd_reference(layered_mlp(widths, seed=args.seed, dtype=dtype), x, target,
-                            F.mse_loss, args.steps, args.lr)
-        table, matched = check_runs({"GPipe": runs["gpipe"], "1F1B": runs["1f1b"]}, ref, dtype)
+        table, matched = check_runs({"GPipe": runs["gpipe"], "1F1B": runs["1f1b"]}, unsplit_reference(cfg), cfg.dtype)
         print0(table)
-
-        every: list[tuple] = [() for _ in range(p)]
-        dist.all_gather_object(every, tuple(v for r in runs.values()
-                                            for v in (r.peak_in_flight, r.saved_peak_bytes)))
-        expected = {name: peak_in_flight(sched) for name, sched in schedules.items()}
-        memory = Table(title="micro-batches in flight and activation bytes held, per stage (measured while running)",
-                       title_justify="left", caption="saved bytes: peak of the tensors autograd saved "
-                       "(saved_tensors_hooks), parameters excluded", caption_justify="left")
-        for col in ("stage", "GPipe in flight", "1F1B in flight", "min(M, P-s)", "GPipe saved",
-                    "1F1B saved", "1F1B / GPipe"):
-            memory.add_column(col, justify="right")
-        memory_ok = True
-        for s, (in_g, saved_g, in_1, saved_1) in enumerate(every):
-            memory_ok &= in_g == expected["gpipe"][s] == m and in_1 == expected["1f1b"][s] == min(m, p - s)
-            memory_ok &= saved_1 <= saved_g
-            memory.add_row(str(s), str(in_g), str(in_1), str(min(m, p - s)), f"{saved_g / 2**10:,.1f} KiB",
-                           f"{saved_1 / 2**10:,.1f} KiB", f"{saved_1 / saved_g:.2f}")
-        print0(memory)
+        verdict.check("GPipe's and 1F1B's gradients, parameters and losses equal the unsplit model's", matched)
+        table, measured = memory_table({name: gathered(run) for name, run in runs.items()}, m)
+        print0(table)
+        verdict.figure("measured", measured)
+        closed_form = {"gpipe": [m] * p, "1f1b": [min(m, p - r) for r in range(p)]}
+        verdict.check("in flight, measured while running: GPipe M on every rank, 1F1B min(M, P-r) on rank r",
+                      all(measured[n]["in_flight"] == peak_in_flight(orders[n]) == closed_form[n] for n in orders))
+        verdict.check("1F1B holds no more activation bytes than GPipe on any rank",
+                      all(o <= g for o, g in zip(measured["1f1b"]["saved"], measured["gpipe"]["saved"])))
 
         last = [s for s in runs["1f1b"].spans if s.step == args.steps - 1]
         print0("\n[bold]Who computes when in 1F1B's last step[/] (measured; the grid above is the ideal):")
         print0(render_spans(last, p))
-
-        if args.report_json and rt.is_first:
-            with open(args.report_json, "w") as f:
-                json.dump({"P": p, "M": m, "bubbles": bubbles,
-                           "in_flight": {"gpipe": [e[0] for e in every], "1f1b": [e[2] for e in every]},
-                           "saved": {"gpipe": [e[1] for e in every], "1f1b": [e[3] for e in every]},
-                           "spans": {name: [vars(s) for s in r.spans if s.step == args.steps - 1]
-                                     for name, r in runs.items()}}, f)
-
-        bubble_ok = abs(bubbles["gpipe"] - formula) < 1e-12 and abs(bubbles["1f1b"] - formula) < 1e-12
-        ok = all_ranks_true(matched and bubble_ok and memory_ok)
-        print0(f"\n[bold]{'PASS' if ok else 'FAIL'}[/]: 1F1B and GPipe {'equal' if matched else 'DO NOT equal'} "
-               f"the unsplit model; both idle (P-1)/(M+P-1) = {formula:.3f}; 1F1B "
-               f"{'holds' if memory_ok else 'DOES NOT hold'} min(M, P-s) micro-batches on stage s, GPipe all {m}")
-    return 0 if ok else 1
+        verdict.figure("spans", {n: [vars(s) for s in r.spans if s.step == args.steps - 1] for n, r in runs.items()})
+        return verdict.finish(args.json)
 
 
 if __name__ == "__main__":

@@ -69,13 +69,13 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.cli import DTYPES, add_mlp_args, lesson_parser, positive_float, positive_int, require
-from distlab.compare import all_ok, compare, tolerances
+from distlab.compare import all_ok, compare, gradient_error, tolerances
 from distlab.console import print0
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, no_communication, time_strategies
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
-from distlab.data_parallel.report import (MIB, check_gradients, cost_table, gradient_table, rows_table,
+from distlab.data_parallel.report import (MIB, cost_table, gradient_table, rows_table,
                                           semantics_table, timeline_table, timing_table)
 from distlab.data_parallel.training import train
 from distlab.reference import sgd_reference
@@ -163,7 +163,7 @@ def show_data_parallel(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verd
     runs["DDP"] = train(rt, cfg, ddp.wrap(build(cfg)[0], rt), lambda: None)
     rows = []
     for name, run in runs.items():
-        grads, params = check_gradients(ref.first_grads, run.first_grads), all_ok(compare(ref.params, run.params))
+        grads, params = gradient_error(ref.first_grads, run.first_grads), all_ok(compare(ref.params, run.params))
         losses = torch.allclose(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=tolerances(cfg.dtype)[0])
         verdict.check(f"{name}: gradients, losses, parameters = one process's", grads.ok and params and losses)
         rows.append((name, "one process", grads, True))
@@ -200,7 +200,7 @@ def show_ddp(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict, ref_g
     for no_sync in (True, False):
         grads, calls[no_sync] = ddp.accumulate(rt, cfg, k, no_sync)
         rows.append(("no_sync but the last" if no_sync else "every micro-batch synced", "one process",
-                     check_gradients(ref_grads, grads), True))
+                     gradient_error(ref_grads, grads), True))
     print0(gradient_table(rows, f"Gradient accumulation over {k} micro-batches per rank under DDP"))
     print0(f"DDP all-reduce calls (comm hook): {calls[True]} with no_sync, {calls[False]} without")
     verdict.check(f"no_sync: gradients = one process's; all-reduce in 1 of {k} backwards",
@@ -238,9 +238,9 @@ def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp
     loss, plain = ddp.global_loss_gradients(rt, cfg, times_p=False)
     _, scaled = ddp.global_loss_gradients(rt, cfg, times_p=True)
     rows = [("mean loss", "one process", ddp_mean_row[2], True),
-            ("log-sum-exp, L", "one process", check_gradients(ref.first_grads, plain), p == 1),
-            ("log-sum-exp, L", "one process / P", check_gradients(ref.first_grads, plain, 1 / p), True),
-            ("log-sum-exp, P * L", "one process", check_gradients(ref.first_grads, scaled), True)]
+            ("log-sum-exp, L", "one process", gradient_error(ref.first_grads, plain), p == 1),
+            ("log-sum-exp, L", "one process / P", gradient_error(ref.first_grads, plain, 1 / p), True),
+            ("log-sum-exp, P * L", "one process", gradient_error(ref.first_grads, scaled), True)]
     print0(gradient_table(rows, "Under DDP: a mean over samples, and a loss every rank computes whole"))
     ratio, (rtol, atol) = rows[1][2].norm_ratio, tolerances(cfg.dtype)
     same_loss = abs(loss - ref.losses[0]) <= atol + rtol * abs(ref.losses[0])

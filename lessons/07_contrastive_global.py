@@ -18,7 +18,8 @@ The mechanism: src/distlab/contrastive/variants.py, `global_loss` (and `global_l
 the gathers `gather_plain` and `gather_with_grad` of src/distlab/contrastive/gather.py.
 
 The misconception. The full gradient is the SUM over blocks, dL/dtheta = sum_r g_r, but DDP
-AVERAGES: 1/P * sum_r g_r = dL/dtheta / P. The EfficientDDP-4-Contrastive-Train README
+AVERAGES (lesson 06, part 5: right for a mean over samples, not for a loss every rank computes
+whole): 1/P * sum_r g_r = dL/dtheta / P. The EfficientDDP-4-Contrastive-Train README
 (https://github.com/zsnoob/EfficientDDP-4-Contrastive-Train) argues that this design trains exactly
 like one process: after the gather every rank runs the same computation, so the common part of the
 gradient can be factored out and DDP's average restores the non-distributed gradient. The factor it
@@ -42,10 +43,10 @@ exactly 1/P of that gradient, both fixes give all of it, and every loss equals t
 from __future__ import annotations
 
 from distlab.cli import DTYPES, lesson_parser, positive_float, positive_int, require
-from distlab.compare import compare, comparison_table, tolerances
+from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.contrastive.report import gradient_error, method_table, work_table
+from distlab.contrastive.report import method_table, work_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_PLAIN, GLOBAL_SUM, GLOBAL_TIMES_P
 from distlab.models import TwoTower, paired_data

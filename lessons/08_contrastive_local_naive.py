@@ -43,11 +43,11 @@ import torch
 import torch.distributed as dist
 
 from distlab.cli import lesson_parser, positive_float, positive_int, require
-from distlab.compare import compare, comparison_table, tolerances
+from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import DetachedBlocks, full_batch_gradients
-from distlab.contrastive.report import (emulated_table, gradient_error, method_table, relative_errors,
+from distlab.contrastive.report import (emulated_table, method_table, relative_errors,
                                         training_table)
 from distlab.contrastive.step import first_step_gradients, wrap_ddp
 from distlab.contrastive.training import (OPTIMIZERS, TrainConfig, TrainData, batch_schedule,
@@ -172,9 +172,8 @@ def emulate(rt: Runtime, args, data: TrainData, config: TrainConfig, verdict: Ve
 def main() -> int:
     args = parse_args()
     with distributed(args.device) as rt:
-        p, n = rt.world_size, args.global_batch
+        verdict, p, n = Verdict(rt), rt.world_size, args.global_batch
         require(n % p == 0, "--global-batch", f"P = {p} ranks must divide N = {n}")
-        verdict = Verdict(rt)
         print0(f"[bold]Lesson 08: local x global, plain all_gather[/] - N = {n} pairs, P = {p}, C = {n // p}, "
                f"tau = {args.tau}, float64, {rt.backend}", highlight=False)
         first_step(rt, args, verdict)

@@ -4,10 +4,10 @@ exact again, at C x N logits per rank instead of N x N.
     torchrun --nproc-per-node 4 lessons/09_contrastive_allgather_fix.py     # any P that divides N
 
 The idea. Rank r's embeddings z_r enter every rank's local loss L_s. On rank s the gathered tensor is
-G = [z_0; ...; z_{P-1}] (N x d), and rank s's backward produces dL_s/dG, a gradient for every
-block. The chain rule wants, for rank r's block, the sum over all ranks:
+Z = [z_0; ...; z_{P-1}] (N x d: Z_x or Z_y), and rank s's backward produces dL_s/dZ, a gradient for
+every block. The chain rule wants, for rank r's block, the sum over all ranks:
 
-    grad z_r = sum_s dL_s/dG[rC : (r+1)C].
+    grad z_r = sum_s dL_s/dZ[rC : (r+1)C].
 
 So the gather's backward must SUM the incoming gradient over ranks and hand rank r its rows. Then
 DDP's average gives 1/P sum_r sum_s dL_s/dz_r dz_r/dtheta = dL/dtheta with L = 1/P sum_s L_s: exact.
@@ -47,11 +47,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab.cli import DTYPES, lesson_parser, positive_float, positive_int, require
-from distlab.compare import tolerances
+from distlab.compare import gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.contrastive.report import MIB, comm_table, cost_table, gradient_error, method_table
+from distlab.contrastive.report import MIB, comm_table, cost_table, method_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_LIBRARY, LOCAL_PLAIN, LOCAL_SUM, Variant, local_loss
 from distlab.models import TwoTower, paired_data
@@ -64,13 +64,13 @@ class AllGatherSumBackward(torch.autograd.Function):
     def forward(ctx, z: torch.Tensor) -> torch.Tensor:     # z: this rank's C x d block
         ctx.rank, ctx.c = dist.get_rank(), len(z)         # the rank within the group gathered over
         gathered = z.new_empty((dist.get_world_size() * len(z), *z.shape[1:]))
-        dist.all_gather_single(gathered, z.contiguous())  # G: N x d, rank r's rows at rC .. rC + C - 1
+        dist.all_gather_single(gathered, z.contiguous())  # Z: N x d, rank r's rows at rC .. rC + C - 1
         return gathered
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # grad: dL_s/dG on this rank s, N x d
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # grad: dL_s/dZ on this rank s, N x d
         summed = grad.contiguous().clone()                 # (autograd's buffer is not ours to change)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)      # sum_s dL_s/dG, on every rank
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)      # sum_s dL_s/dZ, on every rank
         return summed[ctx.rank * ctx.c:(ctx.rank + 1) * ctx.c]  # grad z_r: this rank's C rows
 
 

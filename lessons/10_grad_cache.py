@@ -3,15 +3,16 @@
     torchrun --nproc-per-node 2 lessons/10_grad_cache.py    # any P that divides N (576: P = 1, 2, 3, 4, 6, 8)
 
 The idea. The CLIP loss couples all N pairs, so its gradient is not a sum over micro-batches. But the
-parameters theta reach the loss only through the representations r_i = f_theta(x_i), N x d numbers:
+parameters theta reach the loss only through the representations h_i = f_theta(x_i), N x d numbers
+(the rows of H; a tower's raw output, before the loss normalises it):
 
-    dL/dtheta = sum_i (dL/dr_i) . (dr_i/dtheta)
+    dL/dtheta = sum_i (dL/dh_i) . (dh_i/dtheta)
 
 GradCache (Gao, Zhang, Han, Callan 2021, "Scaling Deep Contrastive Learning Batch Size under Memory
 Limited Setup", https://arxiv.org/abs/2101.06983; library luyug/GradCache, https://github.com/luyug/GradCache)
 computes it in three steps: (1) every representation, micro-batch by micro-batch of B rows, without a
-graph; (2) the loss on them and its gradient G = dL/dR, the cache; (3) every micro-batch again with a
-graph, back-propagating <r, G> of its rows, whose parameter gradient is G . dr/dtheta. Activations live
+graph; (2) the loss on them and its gradient G = dL/dH, the cache; (3) every micro-batch again with a
+graph, back-propagating <h, G> of its rows, whose parameter gradient is G . dh/dtheta. Activations live
 for one micro-batch at a time. Dropout must draw the same masks in (1) and (3): each micro-batch's random
 state is saved in (1) and replayed in (3).
 
@@ -124,12 +125,12 @@ def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
                 rep.append(tower(part))
     leaves = [torch.cat(rep).requires_grad_() for rep in reps]
     loss = loss_fn(*leaves)                                    # (2) the loss on detached leaves:
-    loss.backward()                                            #     leaf.grad = G = dL/dR (n x d)
+    loss.backward()                                            #     leaf.grad = G = dL/dH (n x d)
     for tower, parts, state, leaf in zip(towers, chunks, states, leaves):
         for part, replay, g in zip(parts, state, leaf.grad.split(b)):
             with replay:                                       # (3) again with a graph, same masks
-                r = tower(part)
-            torch.dot(r.flatten(), g.flatten()).backward()     #     d<r, G>/dtheta = G . dr/dtheta
+                h = tower(part)
+            torch.dot(h.flatten(), g.flatten()).backward()     #     d<h, G>/dtheta = G . dh/dtheta
     return loss.detach()
 
 
@@ -147,6 +148,13 @@ def cache_step(model: TwoTower, x, y, tau: float, b: int) -> None:
 @torch.no_grad()
 def forward_only(model: TwoTower, x, y) -> None:
     model.encoder_x(x), model.encoder_y(y)
+
+
+def right_aligned(table: Table, first: int = 1) -> Table:
+    """Numbers line up by their digits: columns from `first` on, right-justified."""
+    for column in table.columns[first:]:
+        column.justify = "right"
+    return table
 
 
 def peak_mib(model: TwoTower, step, *args) -> tuple[float, float]:
@@ -215,7 +223,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     table.add_row("plain autograd", f"{plain[0]:.1f}", f"{plain[1]:.2f}")
     for s, (peak, largest) in cached.items():
         table.add_row(f"GradCache, B = {s}", f"{peak:.1f}", f"{largest:.2f}")
-    print0(table)
+    print0(right_aligned(table))
 
     by_n = {"N": [max(1, n // 8), max(1, n // 4), max(1, n // 2), n, 2 * n], "plain": [], "grad_cache": []}
     table = Table("N", "plain", f"GradCache, B = {b}", "N x N logits", title="Peak MiB of one step against N",
@@ -226,7 +234,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
         by_n["grad_cache"].append(peak_mib(model, cache_step, xm, ym, tau, min(b, m))[0])
         table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}",
                       f"{m * m * elt / MIB:.2f}")
-    print0(table)
+    print0(right_aligned(table, first=0))
     grads = [p.numel() * elt / MIB for p in model.parameters()]
     verdict.figure("memory_mib", {"N": n, "plain": plain[0], "by_B": cached, "by_N": by_n, "B": b,
                                   "parameter_gradients": sum(grads)})
@@ -254,7 +262,7 @@ def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> 
                   f"{device.type}: median of {args.repeats}, methods interleaved")
     for name, s in seconds.items():
         table.add_row(name, f"{s:.3f}", f"{s / plain:.2f}x")
-    print0(table)
+    print0(right_aligned(table))
     print0(f"GradCache at B = N is plain autograd plus one no-grad forward: predicted "
            f"{(plain + seconds['no-grad forward alone']) / plain:.2f}x. A smaller B costs more again: every "
            "micro-batch's backward adds into the whole parameter gradient, and small matrix products use "

@@ -10,16 +10,21 @@ row/column softmax R_ij = exp(S_ij - a_i), Q_ij = exp(S_ij - b_j) and W = R + Q 
     dL/ds = (1/s) sum_i z_i^x . G_x,i           (a sum over rows: each rank adds its own)
 
 Nothing needs S itself, only a, b (streamed by the online max/sum fold) and products W Z summed over
-tiles of B x T (T = --stream-chunk). The notebook derives both, each step checked numerically. Phases C
-and D are GradCache's idea (luyug/GradCache; Gao et al., https://arxiv.org/abs/2101.06983: gradients at
-the embeddings first, then one VJP per micro-batch), with the cached loss replaced by closed forms.
+tiles of B x T (T = --stream-chunk). The notebook derives both, each step checked numerically. It builds
+on lesson 09 (each rank only its own rows of S) and lesson 10: phases C and D are GradCache's idea
+(luyug/GradCache; Gao et al., https://arxiv.org/abs/2101.06983: gradients at the embeddings first, then
+one VJP per micro-batch), with the cached loss replaced by closed forms.
 
-The mechanism: src/distlab/contrastive/streamed.py, `_run`, which reads top to bottom: A the local
-forward (`phase_a_forward`), one tiny exchange that every rank checks the same way
-(`streamed_checks.agree_across_ranks`), the all-gather of Z_x, Z_y (`phase_a_gather`, sync 1); B the
-normalisers in T x T tiles (`phase_b_normalisers`); per micro-batch C its G (`phase_c_embedding_grads`)
-and D its VJP (`phase_d_backward`), where E, the wrapper's reduction (sync 2), runs in the last
-backward. The tile math is in streamed_kernels.py (`online_fold`, `streamed_softmax_pair_product`).
+The mechanism: src/distlab/contrastive/streamed.py, `_run`, which reads top to bottom: a tiny
+exchange of the config and batch sizes (`streamed_checks.agree_before_forward`), A the local forward
+(`phase_a_forward`), a second one of what the forward returned
+(`streamed_checks.agree_across_ranks`: every rank checks both the same way, so bad input is one
+error everywhere), the all-gather of Z_x, Z_y (`phase_a_gather`, sync 1); B the normalisers in T x T
+tiles (`phase_b_normalisers`); per micro-batch C its G (`phase_c_embedding_grads`) and D its VJP
+(`phase_d_backward`), where E, the wrapper's reduction (sync 2), runs in the last backward. D
+back-propagates m G with m = P under DDP: G is the gradient of the global loss, so the ranks' VJPs
+must be summed, and DDP averages (lesson 06). The tile math is in streamed_kernels.py
+(`online_fold`, `streamed_softmax_pair_product`).
 
 Two regimes. B >= C (C = N / P): one forward; the rank's pairs run once, with grad, and D back-propagates
 into that graph (1 forward per pair; all C pairs' activations held from A to D, as in plain DDP).

@@ -255,3 +255,52 @@ def rank_streams(world, seed=DROPOUT_SEED):
 def local_rows(rt, n=STREAMED_N):
     c = n // rt.world_size
     return slice(rt.rank * c, (rt.rank + 1) * c)
+
+
+# -- pipeline lessons 01-05 --------------------------------------------------------------------
+
+
+def merged(runs, field: str) -> dict:
+    """One rank-merged dict of a per-rank field (`first_grads`, `params`) of pipeline runs."""
+    return {name: t for run in runs for name, t in getattr(run, field).items()}
+
+
+def equals_reference(runs, ref) -> bool:
+    """Every rank's gradients (step 1), parameters (last step) and the losses equal `ref`'s, at the
+    dtype's stated tolerance (float64: rtol 1e-10, atol 1e-12)."""
+    import torch
+
+    from distlab.compare import all_ok, compare
+
+    losses = len(runs[0].losses) == len(ref.losses) and torch.allclose(
+        torch.tensor(runs[0].losses), torch.tensor(ref.losses), rtol=1e-10, atol=1e-12)
+    return (all_ok(compare(ref.first_grads, merged(runs, "first_grads")))
+            and all_ok(compare(ref.params, merged(runs, "params"))) and losses)
+
+
+def train_each(rt, cfgs, make_step=None):
+    """One process group, several pipeline runs (spawning once per configuration costs more than
+    the training): per config its `Run`, or the ValueError's message, as this rank saw it.
+    `make_step(rt, cfg)` builds the step; by default our runner executing `cfg.schedule`."""
+    from distlab.pipeline.runner import PipelineStep
+    from distlab.pipeline.training import train
+
+    out = []
+    for cfg in cfgs:
+        try:
+            out.append(train(rt, cfg, (make_step or PipelineStep)(rt, cfg)))
+        except ValueError as err:
+            out.append(str(err))
+    return out
+
+
+def torch_step(rt, cfg):
+    """PyTorch's engine as a `make_step` for `train_each` (importable by the spawned ranks)."""
+    from distlab.pipeline.torch_engine import TorchStep
+
+    return TorchStep(rt, cfg)
+
+
+def per_config(per_rank: list[list]) -> list[list]:
+    """spawn's per-rank lists of per-config results, as per-config lists of per-rank results."""
+    return [list(ranks) for ranks in zip(*per_rank)]

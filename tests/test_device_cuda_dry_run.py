@@ -125,8 +125,6 @@ def _devices(rt):
             "gather_library": gather_library(z),
             "contrastive_loss": contrastive_loss(rt, z, z * 2, 0.1, LOCAL_SUM)[0],
             "streamed.gather_pairs": gather_pairs(z.detach(), z.detach(), 6)[0],
-            "losses_from_last_stage (a broadcast)": torch.tensor(
-                p2p.losses_from_last_stage([1.0], 1, rt.device), device=rt.device),
         }
         model = TwoTower(seed=0).to(rt.device)
         x, y = (t[:4].to(rt.device) for t in paired_data(8, seed=1))

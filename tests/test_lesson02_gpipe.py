@@ -2,54 +2,32 @@
 like the unsplit model on the whole batch; forgetting the micro-batch scale would not."""
 
 import pytest
-import torch
-import torch.nn.functional as F
+from helpers import equals_reference, load_lesson, merged, per_config, train_each
 
 from distlab.compare import all_ok, compare
-from distlab.models import layered_mlp, regression_batch
-from distlab.pipeline.runner import train_pipeline
-from distlab.reference import sgd_reference
-from distlab.runtime import spawn
+from distlab.pipeline.training import PipelineConfig, unsplit_reference
+from distlab.spawn import spawn
 
 # 16 layers: 8 or 4 per stage, so K = 2 checkpoint segments of 4 or 2 layers really recompute
-# (a one-layer segment of this MLP saves and recomputes nothing; see probe.py).
-WIDTHS = (6, *[8] * 15, 4)
-BATCH, STEPS, LR, SEED = 13, 3, 0.2, 3  # 13 rows: uneven micro-batches for every M > 1
+# (a one-layer segment of this MLP saves and recomputes nothing; see probe.py). N = 13 rows:
+# uneven micro-batches for every M > 1.
+CFG = PipelineConfig(widths=(6, *[8] * 15, 4), global_batch=13, steps=3, lr=0.2, seed=3, probe=True,
+                     gather_spans=False)
 
 
-def _train_configs(rt, schedule, configs, batch=BATCH, steps=STEPS, **kwargs):
-    """One process group, several (M, K) runs: spawning once per configuration costs more than
-    the training itself."""
-    return [train_pipeline(rt, WIDTHS, batch, steps, LR, schedule=schedule, microbatches=m,
-                           checkpoint_segments=k, seed=SEED, probe=True, gather_spans=False, **kwargs)
-            for m, k in configs]
-
-
-def _reference(batch=BATCH, steps=STEPS):
-    x, target = regression_batch(batch, WIDTHS[0], WIDTHS[-1], seed=SEED)
-    return sgd_reference(layered_mlp(WIDTHS, seed=SEED), x, target, F.mse_loss, steps, LR)
-
-
-def _merged(runs, field):
-    return {n: t for run in runs for n, t in getattr(run, field).items()}
-
-
-def check_matrix(schedule, world_size):
-    """Every (M, K) in the issue's matrix equals the reference; returns the runs by (M, K)."""
+def matrix(schedule: str, world_size: int) -> dict:
+    """Every (M, K) of the matrix equals the unsplit model; returns the per-rank runs by (M, K)."""
     ms = sorted({1, world_size - 1, world_size, 2 * world_size + 1})
-    configs = [(m, k) for m in ms for k in (0, 2)]
-    per_rank = spawn(_train_configs, world_size, schedule, configs)
-    ref = _reference()
+    configs = {(m, k): CFG.replace(schedule=schedule, micro_batches=m, checkpoint_segments=k)
+               for m in ms for k in (0, 2)}
+    results = per_config(spawn(train_each, world_size, list(configs.values())))
+    ref = unsplit_reference(CFG)
     assert ref.losses[-1] < ref.losses[0]  # it trains, so equal parameters mean something
-    runs = {}
-    for c, config in enumerate(configs):
-        ranks = [per_rank[r][c] for r in range(world_size)]
-        assert all_ok(compare(ref.first_grads, _merged(ranks, "first_grads"))), config  # 1e-10
-        assert all_ok(compare(ref.params, _merged(ranks, "params"))), config
-        assert torch.allclose(torch.tensor(ranks[0].losses), torch.tensor(ref.losses), rtol=1e-10, atol=0)
-        runs[config] = ranks
+    runs = dict(zip(configs, results))
+    for config, ranks in runs.items():
+        assert equals_reference(ranks, ref), config  # float64: rtol 1e-10, atol 1e-12
     for m in ms:  # checkpointing did something: fewer bytes held, more layer forwards
-        plain, ckpt = runs[(m, 0)], runs[(m, 2)]
+        plain, ckpt = runs[m, 0], runs[m, 2]
         assert all(c.saved_peak_bytes < p.saved_peak_bytes for p, c in zip(plain, ckpt))
         assert all(c.layer_forwards > p.layer_forwards for p, c in zip(plain, ckpt))
     return runs
@@ -57,46 +35,52 @@ def check_matrix(schedule, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpipe_equals_the_unsplit_model_and_holds_all_m_microbatches(world_size):
-    runs = check_matrix("gpipe", world_size)
-    for (m, _), ranks in runs.items():
+    for (m, _), ranks in matrix("gpipe", world_size).items():
         assert [r.peak_in_flight for r in ranks] == [m] * world_size  # measured while running
 
 
 def test_forgetting_the_microbatch_scale_gives_m_times_the_gradient():
-    """The bug a loss curve hides: backward on each micro-batch mean as it is (seed 004) sums M
-    means. Our comparison catches it, and the factor is exactly M for even micro-batches."""
-    m, batch = 4, 12
-    runs = spawn(_train_configs, 2, "gpipe", [(m, 0)], batch=batch, steps=1, scale_loss=False)
-    got = _merged([r[0] for r in runs], "first_grads")
-    ref = _reference(batch=batch, steps=1)
-    assert not all_ok(compare(ref.first_grads, got))
-    assert all_ok(compare({n: m * g for n, g in ref.first_grads.items()}, got))
-
-
-def _errors(rt, cases):
-    """Each bad configuration's error message, as every rank saw it (none may hang)."""
-    messages = []
-    for widths, kwargs in cases:
-        try:
-            train_pipeline(rt, widths, BATCH, 1, LR, **kwargs)
-            messages.append("no error")
-        except ValueError as err:
-            messages.append(str(err))
-    return messages
+    """The bug a loss curve hides: backward on each micro-batch mean as it is sums M means. The
+    comparison catches it, and the factor is exactly M for even micro-batches."""
+    cfg = CFG.replace(global_batch=12, micro_batches=4, steps=1)
+    (runs,) = per_config(spawn(train_each, 2, [cfg.replace(scale_loss=False)]))
+    ref = unsplit_reference(cfg)
+    assert not all_ok(compare(ref.first_grads, merged(runs, "first_grads")))
+    assert all_ok(compare({n: 4 * g for n, g in ref.first_grads.items()}, merged(runs, "first_grads")))
 
 
 def test_bad_input_fails_identically_on_every_rank_before_any_message():
-    cases = [
-        (WIDTHS, dict(microbatches=0)),
-        (WIDTHS, dict(microbatches=BATCH + 1)),
-        (WIDTHS, dict(microbatches=2, checkpoint_segments=1)),
-        (WIDTHS, dict(schedule="1f1b", microbatches=-3)),
-        ((6, 5, 4), dict(microbatches=2)),  # 2 layers on 3 ranks
-        (WIDTHS, dict(microbatches=2, input_features=7)),
-    ]
-    per_rank = spawn(_errors, 3, cases)
-    assert per_rank[0] == per_rank[1] == per_rank[2]
-    expected = ["at least one micro-batch", "at least one sample", "K = 1 would checkpoint nothing",
-                "at least one micro-batch", "more stages than layers", "does not fit the model"]
-    for message, phrase in zip(per_rank[0], expected):
-        assert phrase in message
+    cases = {
+        "at least one micro-batch (--micro-batches)": CFG.replace(micro_batches=0),
+        "every micro-batch needs at least one row": CFG.replace(micro_batches=CFG.global_batch + 1),
+        "K = 1 would checkpoint nothing": CFG.replace(micro_batches=2, checkpoint_segments=1),
+        "more stages than layers": CFG.replace(widths=(6, 5, 4), micro_batches=2),  # 2 layers, 3 ranks
+        "does not fit the model": CFG.replace(micro_batches=2, input_features=7),
+        "takes v in [1] stages per rank": CFG.replace(micro_batches=2, stages_per_rank=2),
+    }
+    for ranks, phrase in zip(per_config(spawn(train_each, 3, list(cases.values()))), cases):
+        assert len(set(ranks)) == 1 and phrase in ranks[0], ranks
+
+
+def test_flags_are_validated_before_any_process_starts(capsys):
+    lesson = load_lesson("02_gpipe_checkpoint")
+    for argv, flag in ((["--micro-batches", "0"], "--micro-batches"), (["--checkpoint-segments", "-1"],
+                       "--checkpoint-segments"), (["--width", "0"], "--width")):
+        with pytest.raises(SystemExit):
+            lesson.parse_args(argv)
+        assert flag in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lesson.parse_args(["--help"])
+    assert "M, from 1 to N (default: 8)" in " ".join(capsys.readouterr().out.split())
+
+
+def _claim(ratios, can_save):
+    return load_lesson("02_gpipe_checkpoint").memory_claim({"ratios": ratios, "can_save": can_save}, 2)
+
+
+def test_the_memory_claim_says_only_what_was_measured():
+    text, ok = _claim([0.63, 0.63], [True, True])
+    assert ok and "0.63x" in text
+    text, ok = _claim([1.0, 1.0], [False, False])  # one-layer segments: no cut, and no claim of one
+    assert ok and "save nothing" in text and "cuts" not in text
+    assert not _claim([1.0, 0.6], [True, True])[1]  # a stage that should have saved and did not

@@ -17,11 +17,11 @@ def test_every_stage_is_contiguous_nonempty_and_first_stages_get_the_extra_layer
         assert sizes == sorted(sizes, reverse=True)
 
 
-def test_seed_formula_would_leave_a_rank_empty_ours_does_not():
+def test_a_ceiling_split_would_leave_a_rank_empty_ours_does_not():
     layers, ranks = 6, 4
-    per_rank = -(-layers // ranks)  # seed 004: ceil(L/P) layers from rank * ceil(L/P)
-    seed_sizes = [max(0, min((r + 1) * per_rank, layers) - r * per_rank) for r in range(ranks)]
-    assert seed_sizes == [2, 2, 2, 0]
+    per_rank = -(-layers // ranks)  # ceil(L/P) layers from rank * ceil(L/P)
+    ceiling_sizes = [max(0, min((r + 1) * per_rank, layers) - r * per_rank) for r in range(ranks)]
+    assert ceiling_sizes == [2, 2, 2, 0]
     assert [len(b) for b in stage_bounds(layers, ranks)] == [2, 2, 1, 1]
 
 
@@ -35,9 +35,11 @@ def test_more_stages_than_layers_is_a_clear_error():
 def test_stages_share_the_models_layers_under_global_names():
     model = layered_mlp((4, 5, 6, 7), seed=0)
     stages = split_stages(model, 2)
-    names = [n for s in stages for n, _ in s.named_parameters()]
-    assert names == [n for n, _ in model.named_parameters()]
+    names = [n for s in stages for n, _ in s.module.named_parameters()]
+    assert names == [n for n, _ in model.named_parameters()]  # '2.weight' on stage 1, as in the model
     assert stages[1].module[0] is model[2]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(stages[1].module(stages[0].module(x)), model(x))
 
 
 def test_boundary_shapes_follow_the_widths_and_reject_a_batch_that_does_not_fit():

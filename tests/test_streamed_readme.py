@@ -33,16 +33,25 @@ def run_snippet(rt, code, n, steps):
             x, y = paired_data(n, seed=seed, dtype=torch.float32)
             yield x[rt.rank * c:(rt.rank + 1) * c], y[rt.rank * c:(rt.rank + 1) * c]
 
-    losses = namespace["train"](model, batches(), n, c // 2, steps)
-    return losses, model.logit_scale.item()
+    made = []
+    adamw = torch.optim.AdamW
+    torch.optim.AdamW = lambda *args, **kwargs: made.append(adamw(*args, **kwargs)) or made[-1]  # this rank only
+    try:
+        losses = namespace["train"](model, batches(), n, c // 2, steps)
+    finally:
+        torch.optim.AdamW = adamw
+    decay_of_scale = [g["weight_decay"] for g in made[0].param_groups
+                      if any(p is model.logit_scale for p in g["params"])]
+    return losses, model.logit_scale.item(), decay_of_scale
 
 
 def test_the_readme_loop_runs_and_trains():
     code = readme_snippet()
     assert "distributed_backward(model, x, y, config, grad_scaler=scaler)" in code
     results = spawn(run_snippet, 2, code, 64, 12, timeout_s=120)
-    (losses, scale), (losses_1, scale_1) = results
+    (losses, scale, decay), (losses_1, scale_1, _) = results
     assert losses == losses_1 and scale == scale_1  # every rank holds the global loss and the same model
+    assert decay == [0.0]  # as open_clip: weight decay would pull the learned scale towards s = 1
     assert len(losses) == 24 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-4:]) < sum(losses[:4]), losses  # it learns (B = C / 2: the recompute regime)
     assert scale != math.log(1 / 0.07)

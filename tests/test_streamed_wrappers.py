@@ -8,8 +8,11 @@ plain DDP training on the same batches (the gradient through an autograd-aware a
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -40,6 +43,26 @@ def reference_grads(model, world, b, n=N, seed=0, autocast=False):
     return loss.item(), {k: v for k, v in grads_of(model).items() if v.abs().sum() > 0 or "logit" in k}
 
 
+class ProjectedTowers(Towers):
+    """open_clip's layout: the text projection is a parameter of the model, outside encoder_y, so
+    a frozen encoder_y does not make z_y constant."""
+
+    def __init__(self):
+        super().__init__(scale_shape=())
+        gen = torch.Generator().manual_seed(1)
+        self.text_projection = nn.Parameter(torch.randn(8, 8, generator=gen, dtype=torch.float64) * 0.4)
+
+    def forward(self, x, y):
+        z_x, z_y, s = super().forward(x, y)
+        return z_x, F.normalize(z_y @ self.text_projection, dim=-1), s
+
+
+def projected_frozen():
+    model = ProjectedTowers()
+    model.encoder_y.requires_grad_(False)  # the text encoder frozen, its projection trained
+    return model
+
+
 def fsdp2_and_lit(rt):
     x, y = paired_data(N)
     rows = local_rows(rt)
@@ -68,6 +91,9 @@ def fsdp2_and_lit(rt):
         frozen = model.encoder_x if label.startswith("lit") else model.encoder_x[0]
         frozen.requires_grad_(False)  # a locked image tower, or its first layer only
         out[label] = (distributed_backward(DDP(model), x[rows], y[rows], config(b)), full_grads(model))
+    for label, b in (("projection outside a frozen encoder", 5), ("projection outside, one forward", N)):
+        model = projected_frozen()
+        out[label] = (distributed_backward(DDP(model), x[rows], y[rows], config(b)), full_grads(model))
     return out
 
 
@@ -82,11 +108,14 @@ def test_fsdp2_and_a_frozen_tower_are_exact():
     part_model.encoder_x[0].requires_grad_(False)
     part_ref = reference_grads(part_model, world, 5)
     second = reference_grads(Towers(scale_shape=(1,)), world, 5, seed=1)[1]
+    projected_ref = reference_grads(projected_frozen(), world, 5)
+    assert "text_projection" in projected_ref[1]
     for r in results:
         accumulated = r.pop("fsdp2 accumulated")
         assert all_ok(compare({k: v + second[k] for k, v in fsdp_ref[1].items()}, accumulated))
         for label, (loss, grads) in r.items():
-            ref_loss, ref = lit_ref if label.startswith("lit") else part_ref if label == "partly frozen" else fsdp_ref
+            ref_loss, ref = (lit_ref if label.startswith("lit") else part_ref if label == "partly frozen"
+                             else projected_ref if label.startswith("projection") else fsdp_ref)
             assert math.isclose(loss, ref_loss, rel_tol=1e-10), label
             assert all_ok(compare(ref, grads)), label  # LiT: no gradient for the frozen tower at all
     # Teeth: without the step's P-scaling FSDP2's average would be half the gradient.
@@ -113,8 +142,9 @@ class GatherSummingGrads(torch.autograd.Function):
 
 
 def batchnorm_against_plain_ddp(rt):
-    """Two steps of distributed_train_step with B >= C, and two of plain DDP training on the same
-    batches, from the same model: same gradients, parameters and running statistics."""
+    """Two steps of distributed_train_step with B >= C (and between them one refused for a NaN), and
+    two of plain DDP training on the same batches, from the same model: same gradients, parameters
+    and running statistics."""
     rows = local_rows(rt)
     runs = {}
     for method in ("streamed", "plain ddp"):
@@ -125,6 +155,11 @@ def batchnorm_against_plain_ddp(rt):
         for step in range(2):
             x, y = paired_data(N, seed=step)
             if method == "streamed":
+                if step == 1:  # a step refused for a NaN on rank 1 must leave the running statistics as they were
+                    bad_x = x[rows].clone()
+                    bad_x[0] = float("nan") if rt.rank == 1 else bad_x[0]
+                    with pytest.raises(FloatingPointError):
+                        distributed_train_step(ddp, opt, bad_x, y[rows], config(N // rt.world_size))
                 distributed_train_step(ddp, opt, x[rows], y[rows], config(N // rt.world_size))
             else:
                 opt.zero_grad()

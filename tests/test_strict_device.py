@@ -238,27 +238,48 @@ RIGHT = {
 }
 
 # Library paths, tiny sizes (imports inside: only the ranks need them).
-MLP = (6, 5, 5, 4)
+
+
+def _pipeline(rt, step_of, **config):
+    """Train a few steps of the pipeline track's loop with the step `step_of(rt, cfg)` builds."""
+    from distlab.pipeline.training import PipelineConfig, train
+    cfg = PipelineConfig(**{"widths": (6, 5, 5, 5, 4), "global_batch": 6, "steps": 2, "lr": 0.1, **config})
+    train(rt, cfg, step_of(rt, cfg))
+
+
+def _ours(rt, cfg):
+    from distlab.pipeline.runner import PipelineStep
+    return PipelineStep(rt, cfg)
+
+
+def _theirs(rt, cfg):
+    from distlab.pipeline.torch_engine import TorchStep
+    return TorchStep(rt, cfg)
 
 
 def _pipeline_naive(rt):
-    from distlab.pipeline.naive import train_model_parallel
-    train_model_parallel(rt, MLP, batch_size=4, steps=2, lr=0.1)
+    from helpers import load_lesson  # lesson 01's send/recv chain lives in the lesson
+    _pipeline(rt, load_lesson("01_model_parallel").ModelParallelStep)
 
 
 def _pipeline_gpipe_checkpointed(rt):
-    from distlab.pipeline.runner import train_pipeline
-    train_pipeline(rt, MLP, 6, 2, 0.1, schedule="gpipe", microbatches=3, checkpoint_segments=2, probe=True)
+    _pipeline(rt, _ours, schedule="gpipe", micro_batches=3, checkpoint_segments=2, probe=True)
 
 
 def _pipeline_one_f_one_b(rt):
-    from distlab.pipeline.runner import train_pipeline
-    train_pipeline(rt, MLP, 5, 2, 0.1, schedule="1f1b", microbatches=3)  # uneven micro-batches
+    _pipeline(rt, _ours, schedule="1f1b", micro_batches=3, global_batch=5)  # uneven micro-batches
+
+
+def _pipeline_zero_bubble(rt):
+    _pipeline(rt, _ours, schedule="zbv", stages_per_rank=2, micro_batches=3, global_batch=5, probe=True)
 
 
 def _pipeline_torch(rt):
-    from distlab.pipeline.torch_engine import train_torch_pipeline
-    train_torch_pipeline(rt, MLP, 4, 1, 0.1, schedule="1f1b", microbatches=2)
+    _pipeline(rt, _theirs, schedule="1f1b", micro_batches=2, global_batch=4, steps=1)
+
+
+def _pipeline_torch_zbv(rt):
+    _pipeline(rt, _theirs, schedule="zbv", stages_per_rank=2, micro_batches=2, global_batch=4, steps=1)
 
 
 def _contrastive_every_ddp_method(rt):
@@ -342,7 +363,9 @@ PATHS = {
     "pipeline: naive model parallelism (01)": _pipeline_naive,
     "pipeline: GPipe runner, checkpointed, probed (02)": _pipeline_gpipe_checkpointed,
     "pipeline: 1F1B runner, uneven micro-batches (03)": _pipeline_one_f_one_b,
+    "pipeline: ZB-V runner, two stages per rank, B/W split (05)": _pipeline_zero_bubble,
     "pipeline: torch.distributed.pipelining (04)": _pipeline_torch,
+    "pipeline: torch.distributed.pipelining, ZBVZeroBubble (05)": _pipeline_torch_zbv,
     "contrastive: every DDP method and gather (07-09)": _contrastive_every_ddp_method,
     "contrastive: DDP training loop (08)": _contrastive_ddp_training,
     "contrastive: GradCache under DDP (10)": _grad_cache_under_ddp,

@@ -3,7 +3,8 @@
 - `run_lesson("02_gpipe_checkpoint.py", 2, "--micro-batches", "8")`: the lesson under torchrun, its
   output shown as the lesson printed it (captured, so laid out at a generous width and with one
   final line instead of progress-bar redraws); raises if the lesson's claim failed.
-- `gantt(ax, rows, ...)`: a schedule or timeline as a Gantt chart (pipeline lessons).
+- `gantt(ax, timing, ...)`: a schedule's simulated grid as a Gantt chart, `timeline(ax, spans, ...)`:
+  measured compute spans the same way (pipeline lessons 01-05).
 """
 
 from __future__ import annotations
@@ -31,3 +32,51 @@ def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> subpr
         if check:
             raise RuntimeError(f"{lesson} exited with {run.returncode}")
     return run
+
+
+# --- pipeline lessons: Gantt charts ----------------------------------------------------------
+
+COLORS = {"F": "tab:blue", "B": "tab:purple", "B split": "tab:red", "W": "tab:green"}
+
+
+def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True) -> None:
+    """One row per rank, one box per action where `distlab.pipeline.simulator.simulate` placed it.
+    Forward blue, unsplit backward purple, split backward (the input's gradient) red, weight
+    gradient green; `stretch` ticks of the x axis per grid tick (2 for a one-stage-per-rank grid
+    beside grids of half-size stages)."""
+    multi = len({a.stage for a in timing.start}) > len(timing.grid)
+    split = {(a.stage, a.microbatch) for a in timing.start if a.kind == "W"}
+    for r, row in enumerate(timing.grid):
+        for action in {a for a in row if a is not None}:
+            start, width = timing.start[action], timing.finish[action] - timing.start[action]
+            kind = "B split" if action.kind == "B" and (action.stage, action.microbatch) in split else action.kind
+            ax.broken_barh([(start * stretch, width * stretch)], (r - 0.4, 0.8), color=COLORS[kind],
+                           edgecolor="white", linewidth=0.5)
+            if labels:
+                ax.text((start + width / 2) * stretch, r, action.label if multi else str(action),
+                        ha="center", va="center", color="white", fontsize=6)
+    ax.set_yticks(range(len(timing.grid)), [f"rank {r}" for r in range(len(timing.grid))])
+    ax.invert_yaxis()
+    ax.set_xlim(0, timing.ticks * stretch)
+    ax.set_title(f"{title}  bubble {timing.bubble_fraction():.3f}" if title else "", fontsize=9, loc="left")
+
+
+def legend(ax) -> None:
+    from matplotlib.patches import Patch
+
+    names = {"F": "forward", "B": "backward (unsplit)", "B split": "B: input gradient", "W": "W: weight gradient"}
+    ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in COLORS.items()], fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def timeline(ax, spans: list[dict], title: str = "") -> None:
+    """Measured compute spans ({rank, label, start, end}) as a Gantt chart in milliseconds."""
+    t0 = min(s["start"] for s in spans)
+    for s in spans:
+        ax.broken_barh([(1e3 * (s["start"] - t0), 1e3 * (s["end"] - s["start"]))], (s["rank"] - 0.4, 0.8),
+                       color=COLORS[s["label"][0]])
+    ranks = sorted({s["rank"] for s in spans})
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds")
+    ax.set_title(title, fontsize=9, loc="left")

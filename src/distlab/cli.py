@@ -76,7 +76,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def add_mlp_args(parser: argparse.ArgumentParser, layers: int, width: int, global_batch: int,
                  steps: int, lr: float = 0.1) -> argparse.ArgumentParser:
     """The layered-MLP flags of the pipeline lessons."""
-    parser.add_argument("--layers", type=positive_int, default=layers, help="layers of the MLP (P <= layers)")
+    parser.add_argument("--layers", type=positive_int, default=layers, help="layers of the MLP (a pipeline needs P <= layers)")
     parser.add_argument("--width", type=positive_int, default=width, help="hidden width")
     parser.add_argument("--global-batch", type=positive_int, default=global_batch, help="rows per step, N")
     parser.add_argument("--steps", type=positive_int, default=steps, help="SGD steps")

@@ -87,3 +87,30 @@ def grads_of(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
 def params_of(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     """Detached copies of every parameter, by name."""
     return {prefix + n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+@dataclass(frozen=True)
+class GradientError:
+    """A whole gradient (every parameter as one vector) against the reference: the largest relative
+    error of any tensor, the norm ratio ||g|| / ||ref|| (0.25 reads "a quarter of it") and the cosine
+    (1 means the same direction), and whether every tensor is allclose."""
+
+    max_rel: float
+    norm_ratio: float
+    cosine: float
+    ok: bool
+
+
+def gradient_error(reference: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor],
+                   scale: float = 1.0) -> GradientError:
+    """`actual` against `scale * reference` (scale = 1/P checks a 1/P claim exactly)."""
+    ref = {n: scale * r.detach().cpu() for n, r in reference.items()}
+    rows = compare(ref, actual)
+    flat_ref, flat = (torch.cat([g[n].detach().double().cpu().flatten() for n in ref]) for g in (ref, actual))
+    norm = flat_ref.norm().item()
+    return GradientError(
+        max_rel=max(row.max_rel for row in rows),
+        norm_ratio=flat.norm().item() / norm if norm else float("nan"),
+        cosine=torch.nn.functional.cosine_similarity(flat, flat_ref, dim=0).item(),
+        ok=all_ok(rows),
+    )

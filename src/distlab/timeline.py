@@ -5,11 +5,13 @@ reads CLOCK_MONOTONIC, one clock for every process on the machine, so spans from
 one node line up. (Across nodes the clocks differ; the spans of each rank stay meaningful.)
 
 From the gathered spans: the largest number of ranks computing at the same instant (1 for naive
-model parallelism: the point of lesson 01), and each rank's busy fraction of the step.
+model parallelism: the point of lesson 01), each rank's busy fraction of the step, and the step's
+duration.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from typing import Iterator
 
 import torch.distributed as dist
 from rich.text import Text
+
+from distlab.console import console
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,11 @@ def busy_fractions(spans: list[Span], world_size: int) -> list[float]:
     return [b / (t1 - t0) for b in busy]
 
 
-def render(spans: list[Span], world_size: int, width: int = 80) -> Text:
-    """A text Gantt chart: one row per rank, one column per time bucket, the span's label where the
-    rank is busy ('F' forward, 'B' backward) and '.' where it idles."""
+def render(spans: list[Span], world_size: int, width: int | None = None) -> Text:
+    """A text Gantt chart: one row per rank, one column per time bucket, the span's kind where the
+    rank is busy ('F' forward, 'B' backward, 'W' weight gradient) and '.' where it idles. `width`
+    buckets; by default as many as fit the output beside the rank labels (at most 100)."""
+    width = width or max(20, min(100, console.width - len(f"rank {world_size - 1} ")))
     t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
     scale = width / max(t1 - t0, 1e-12)
     rows = [["."] * width for _ in range(world_size)]
@@ -83,11 +89,19 @@ def render(spans: list[Span], world_size: int, width: int = 80) -> Text:
         for i in range(a, b):
             rows[s.rank][i] = s.label[0]
     text = Text()
-    colors = {"F": "cyan", "B": "magenta"}
+    colors = {"F": "cyan", "B": "magenta", "W": "green"}
     for rank, row in enumerate(rows):
-        text.append(f"rank {rank} ")
+        text.append(f"rank {rank} ".rjust(len(f"rank {world_size - 1} ")))
         for ch in row:
             text.append(ch, style=colors.get(ch, "dim"))
         text.append("\n")
-    text.append(f"       {t1 - t0:.4f} s from left to right")
+    text.append(" " * len(f"rank {world_size - 1} ") + f"{t1 - t0:.4f} s from left to right")
     return text
+
+
+def step_seconds(spans: list[Span], steps: int) -> float:
+    """Median over the steps after the first (which pays one-off costs) of the time from the first
+    span's start to the last span's end: a step's wall time as the ranks' compute saw it."""
+    per_step = [max(s.end for s in spans if s.step == k) - min(s.start for s in spans if s.step == k)
+                for k in range(min(1, steps - 1), steps)]
+    return statistics.median(per_step)

@@ -1,12 +1,12 @@
 """Gathering embeddings from every rank, and what each gather does to the gradient.
 
 Forward, every gather here returns the N x d concatenation of the ranks' C x d blocks, in rank
-order. They differ in backward. On rank s the gathered tensor G = [z_0; ...; z_{P-1}] receives
-dL_s/dG, the gradient of rank s's *own* loss, for every block; rank r's block needs the sum over
-all ranks, sum_s dL_s/dG[rC : (r+1)C].
+order. They differ in backward. On rank s the gathered tensor Z = [z_0; ...; z_{P-1}] receives
+dL_s/dZ, the gradient of rank s's *own* loss, for every block; rank r's block needs the sum over
+all ranks, sum_s dL_s/dZ[rC : (r+1)C].
 
 - `gather_plain`: `dist.all_gather` has no autograd, so only the local block is put back with its
-  graph and backward keeps rank r's slice of dL_r/dG alone: what every other rank's loss says about
+  graph and backward keeps rank r's slice of dL_r/dZ alone: what every other rank's loss says about
   rank r's embeddings is dropped. Right when every rank computes the same global loss (lesson 07,
   up to DDP's 1/P), wrong for local x global (lesson 08).
 - `gather_with_grad`: backward sums over ranks and hands rank r its slice, in one reduce-scatter
@@ -69,7 +69,7 @@ def gather_plain(tensor: torch.Tensor) -> torch.Tensor:
 
 class GatherSumBackward(torch.autograd.Function):
     """Forward: all-gather. Backward: one reduce-scatter with sum, so rank r receives
-    sum_s dL_s/dG[rC : (r+1)C], and only that."""
+    sum_s dL_s/dZ[rC : (r+1)C], and only that."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:

@@ -4,21 +4,21 @@ Gao, Zhang, Han and Callan, "Scaling Deep Contrastive Learning Batch Size under 
 (RepL4NLP 2021, https://arxiv.org/abs/2101.06983); reference library luyug/GradCache
 (https://github.com/luyug/GradCache), whose interface this class keeps.
 
-A contrastive loss L(r_1 .. r_n) over the n samples one call sees (n = N in one process, C = N/P on
+A contrastive loss L(h_1 .. h_n) over the n samples one call sees (n = N in one process, C = N/P on
 a rank under DDP) couples every sample to every other, so it cannot be cut into
 micro-batches whose gradients add up. But the parameters theta reach L only through the
-representations r_i = f_theta(x_i), and those are small (n x d). The chain rule splits the work:
+representations h_i = f_theta(x_i), and those are small (n x d). The chain rule splits the work:
 
-    dL/dtheta = sum_i (dL/dr_i) . (dr_i/dtheta)
+    dL/dtheta = sum_i (dL/dh_i) . (dh_i/dtheta)
 
 1. `forward_no_grad`: run the model over the batch in micro-batches of B samples (the chunk size)
-   *without* a graph and keep only the representations R (n x d). Memory: one micro-batch's
+   *without* a graph and keep only the representations H (n x d). Memory: one micro-batch's
    activations at a time.
-2. `build_cache`: compute L(R) on detached leaves, backward to the leaves: the cache G = dL/dR (n x d).
+2. `build_cache`: compute L(H) on detached leaves, backward to the leaves: the cache G = dL/dH (n x d).
    The model is not involved; this costs the loss alone (its n x n logits included).
-3. `forward_backward`: for every micro-batch again, recompute r = f_theta(x_chunk) *with* a graph and
-   back-propagate the surrogate s = <r, G_chunk> (the dot product over all entries). ds/dtheta =
-   G_chunk . dr/dtheta, and the micro-batches' gradients add up to dL/dtheta exactly.
+3. `forward_backward`: for every micro-batch again, recompute h = f_theta(x_chunk) *with* a graph and
+   back-propagate the surrogate <h, G_chunk> (the dot product over all entries), whose gradient is
+   G_chunk . dh/dtheta, and the micro-batches' gradients add up to dL/dtheta exactly.
 
 Step 3 recomputes step 1, so anything random in the model (dropout) must draw the same numbers both
 times, or the gradient belongs to a different function than the loss. Step 1 snapshots the random
@@ -30,7 +30,7 @@ whatever B; lesson 11 removes them).
 
 Under DDP every rank caches its own C = N/P samples in micro-batches of B; the loss gathers the
 representations of all ranks with a gather whose backward sums over ranks (lesson 09), so G holds
-sum_r dL_r/dR_local, and DDP's average of the parameter gradients is d(mean_r L_r)/dtheta, the global
+sum_r dL_r/dH_local, and DDP's average of the parameter gradients is d(mean_r L_r)/dtheta, the global
 batch's gradient. `no_sync_except_last=True` turns off DDP's all-reduce for every micro-batch but the
 last, where the accumulated gradient is reduced once. A model that appears twice in `models` (one
 tower for both sides) is reduced once too: only its last micro-batch of its last use synchronises.
@@ -193,7 +193,7 @@ class GradCache:
         return torch.cat(reps), states
 
     def build_cache(self, *reps: Tensor, **loss_kwargs: Any) -> tuple[list[Tensor], Tensor]:
-        """Step 2: (dL/dR per model, the loss). The gradient is of the scaled loss under fp16."""
+        """Step 2: (dL/dH per model, the loss). The gradient is of the scaled loss under fp16."""
         leaves = [(r.float() if r.dtype in LOW_PRECISION else r).detach().requires_grad_() for r in reps]
         loss = self.compute_loss(*leaves, **loss_kwargs)
         (self.scaler.scale(loss) if self.fp16 else loss).backward()
@@ -203,7 +203,7 @@ class GradCache:
 
     def forward_backward(self, model: nn.Module, model_inputs: list, cached_gradients: Sequence[Tensor],
                          random_states: Sequence[RandContext], no_sync_except_last: bool = False) -> None:
-        """Step 3: recompute each chunk with its replayed random state; backward <r, g>."""
+        """Step 3: recompute each chunk with its replayed random state; backward <h, g>."""
         if not len(model_inputs) == len(cached_gradients) == len(random_states):
             raise ValueError(f"{len(model_inputs)} chunks, {len(cached_gradients)} cached gradients and "
                              f"{len(random_states)} random states: they must pair up")

@@ -12,43 +12,17 @@ Every table fits an 80-column terminal: short column names, their meaning in the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 from rich.table import Table
 
-from distlab.compare import all_ok, compare
+from distlab.compare import GradientError
 from distlab.contrastive.cost import ring_elements
 from distlab.contrastive.training import FINAL_STEPS, TrainRun
 
 Grads = Mapping[str, torch.Tensor]
 MIB = 2 ** 20
-
-
-@dataclass(frozen=True)
-class GradientError:
-    max_rel: float
-    norm_ratio: float
-    cosine: float
-    ok: bool
-
-
-def _flat(grads: Grads, names) -> torch.Tensor:
-    return torch.cat([grads[n].detach().double().cpu().flatten() for n in names])
-
-
-def gradient_error(reference: Grads, actual: Grads, scale: float = 1.0) -> GradientError:
-    """Compare `actual` with `scale * reference` (scale = 1/P checks a 1/P claim exactly)."""
-    ref = {n: scale * r for n, r in reference.items()}
-    rows = compare(ref, actual)
-    r, g = _flat(ref, ref), _flat(actual, ref)
-    return GradientError(
-        max_rel=max(row.max_rel for row in rows),
-        norm_ratio=(g.norm() / r.norm()).item(),
-        cosine=torch.nn.functional.cosine_similarity(g, r, dim=0).item(),
-        ok=all_ok(rows),
-    )
 
 
 def relative_errors(reference: Grads, actual: Grads) -> dict[str, float]:

@@ -23,17 +23,22 @@ The phases, one function each:
      run once *with* grad through the wrapper; its graph is kept for D, no RNG replay is needed, and
      BatchNorm and dropout behave exactly as in plain DDP training. Recompute (B < C): the C pairs in
      micro-batches of at most B (sizes within one of each other), without grad, each one's random
-     state saved (RandContext). Then `agree_across_ranks` (one tiny exchange; see streamed_checks) and
-     `phase_a_gather`: one all-gather of detached copies, every rank holds Z_x, Z_y [sync 1].
+     state saved (RandContext). Around it two tiny exchanges (see streamed_checks): the config and
+     the batch sizes before it (`agree_before_forward`: a forward may communicate, so no rank runs
+     one unless all do), the outputs after it (`agree_across_ranks`). Then `phase_a_gather`: one
+     all-gather of detached copies, every rank holds Z_x, Z_y [sync 1].
   B  `phase_b_normalisers`: a, b and L in tiles of at most T x T. "sharded" (default): each rank
      streams its own C rows and C columns of S (2CN similarities), then one tiny all-gather of 2N
      floats and P loss partials. "replicated": every rank streams all N^2, rows and columns in one pass.
   C  `phase_c_embedding_grads`: one micro-batch's G_x, G_y (and its share of dL/ds) from the closed
      forms, streamed over the global dimension in B x T tiles: nothing N x N, C x N or B x N is made.
-  D  `phase_d_backward`: the VJP of the micro-batch: back-propagate m G (and m dL/ds) into the kept
-     graph (one forward) or into a recompute under the saved random state (the same dropout masks),
-     where m is the wrapper's reduction factor (times a GradScaler's scale). Towers without trainable
-     parameters get no G and no VJP (LiT).
+     Per micro-batch, C runs once D's outputs exist (`phase_d_outputs`): the kept graph (one forward)
+     or a recompute under the saved random state (the same dropout masks).
+  D  `phase_d_backward`: the VJP of the micro-batch: back-propagate m G (and m dL/ds) into that
+     graph, where m is the wrapper's reduction factor (times a GradScaler's scale). An output that
+     does not require grad (a locked tower, LiT) gets no G and no VJP; which ones do is read from the
+     outputs themselves, since a frozen encoder's embedding may still pass through trainable
+     parameters outside it (open_clip keeps text_projection on the model, not in a text module).
   E  the wrapper's reduction [sync 2]: every micro-batch's backward but the last runs with it off,
      so the gradient is reduced once, by the last backward of D (unless the caller's `no_sync()`
      defers it to a later call: gradient accumulation).
@@ -65,13 +70,13 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.contrastive.rand_context import RandContext
-from distlab.contrastive.streamed_checks import (LocalCheck, agree_across_ranks, check_locally,
-                                                 check_outputs, numbers)
+from distlab.contrastive.streamed_checks import (agree_across_ranks, agree_before_forward, check_locally,
+                                                 check_outputs)
 from distlab.contrastive.streamed_config import StreamConfig, parse_config
-from distlab.contrastive.streamed_kernels import (split_into, streamed_lse, streamed_lse_both,
+from distlab.contrastive.streamed_kernels import (streamed_lse, streamed_lse_both,
                                                   streamed_softmax_pair_product)
 from distlab.contrastive.streamed_precision import compute_dtype, full_precision, surrogate_multiplier
-from distlab.contrastive.streamed_wrappers import Wrapped, first_device
+from distlab.contrastive.streamed_wrappers import Wrapped, batchnorm_snapshot, first_device
 
 
 @dataclass
@@ -98,9 +103,7 @@ def phase_a_forward(wrapped: Wrapped, local_x: torch.Tensor, local_y: torch.Tens
     """One forward with grad (B >= C), or no-grad micro-batches with their random states (B < C)."""
     if cfg.one_forward:
         return LocalForward([slice(0, len(local_x))], [wrapped.model(local_x, local_y)], [], kept=True)
-    # As many micro-batches as the config says, so every rank runs as many forwards (under FSDP2 each
-    # one communicates) even when this rank's batch is the wrong size and is about to be refused.
-    micro = split_into(len(local_x), len(cfg.micro))
+    micro = cfg.micro  # every rank's batch is C (checked before this forward)
     outputs, rng = [], []
     with torch.no_grad():
         for rows in micro:
@@ -161,38 +164,51 @@ def phase_b_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
 
 
 def phase_c_embedding_grads(emb: Embedded, norm: Normalisers, rows: slice, cfg: StreamConfig,
-                            needs: tuple[bool, bool]) -> tuple[Any, Any, Any]:
-    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, B x T tiles at a time. A G
-    whose tower is frozen is None (not computed); the share is None with a fixed TAU."""
-    learnable = cfg.tau is None
+                            needs: tuple[bool, bool, bool]) -> tuple[Any, Any, Any]:
+    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, B x T tiles at a time. `needs`
+    says which of z_x, z_y, s require grad; what is not needed is None and not computed (G_x is
+    computed for dL/ds even when z_x needs none)."""
     glob = slice(cfg.offset + rows.start, cfg.offset + rows.stop)
     coef, scale = norm.diag_coef[rows], emb.s / (2 * cfg.n)
     g_x = g_y = g_s = None
-    if needs[0] or learnable:
+    if needs[0] or needs[2]:
         g_x = streamed_softmax_pair_product(emb.z_x[glob] * emb.s, emb.z_y, norm.a[glob], norm.b, coef,
                                             glob.start, cfg.t).mul_(scale)
     if needs[1]:
         g_y = streamed_softmax_pair_product(emb.z_y[glob] * emb.s, emb.z_x, norm.b[glob], norm.a, coef,
                                             glob.start, cfg.t).mul_(scale)
-    if learnable:
+    if needs[2]:
         g_s = (emb.z_x[glob] * g_x).sum() / emb.s      # dL/ds = (1/s) sum_i z_i^x . G_x,i
     return (g_x if needs[0] else None), g_y, g_s
 
 
-def phase_d_backward(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, grads: tuple,
-                     replay: RandContext | tuple, multiplier: torch.Tensor, reduce: bool) -> None:
-    """The micro-batch's VJP: backward of m <(z_x, z_y, s), (G_x, G_y, dL/ds)>, each gradient in its
-    output's dtype. `replay` is the kept outputs (one forward) or the random state to recompute
-    under; the wrapper reduces in this backward only if `reduce` (E)."""
-    with wrapped.accumulating(reduce):
-        if isinstance(replay, RandContext):
-            with replay:
-                out = wrapped.model(x, y)
-            replay = (*out, None) if len(out) == 2 else tuple(out)
-        pairs = [(z, g) for z, g in zip(replay, grads) if g is not None and z is not None and z.requires_grad]
-        # d(m <z, g>)/dz = m g exactly, so this is the surrogate's backward without forming it.
-        torch.autograd.backward([z for z, _ in pairs],
-                                [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
+def phase_d_outputs(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor,
+                    replay: RandContext | tuple) -> tuple:
+    """(z_x, z_y, s or None) with the graph D back-propagates into: the kept outputs (one forward), or
+    a recompute under the random state Phase A saved (the same dropout masks)."""
+    if not isinstance(replay, RandContext):
+        return replay
+    with replay:
+        out = wrapped.model(x, y)
+    return (*out, None) if len(out) == 2 else tuple(out)
+
+
+def needs_of(outputs: tuple) -> tuple[bool, bool, bool]:
+    """Which of (z_x, z_y, s) carry a graph to trainable parameters. Read from the outputs, not from
+    encoder_x / encoder_y: a frozen encoder's embedding can still depend on trainable parameters
+    outside it (open_clip's text_projection and ln_final sit on the model, not in a text module)."""
+    return tuple(z is not None and z.requires_grad for z in outputs)
+
+
+def phase_d_backward(outputs: tuple, grads: tuple, multiplier: torch.Tensor) -> None:
+    """The micro-batch's VJP: backward of m <(z_x, z_y, s), (G_x, G_y, dL/ds)> into `outputs`' graph,
+    each gradient in its output's dtype (m: the wrapper's reduction factor, times a GradScaler's)."""
+    pairs = [(z, g) for z, g in zip(outputs, grads) if g is not None]
+    if not pairs:
+        return
+    # d(m <z, g>)/dz = m g exactly, so this is the surrogate's backward without forming it.
+    torch.autograd.backward([z for z, _ in pairs],
+                            [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
 
 
 def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any]) -> tuple[float, Any, Any]:
@@ -204,38 +220,46 @@ def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, An
     emb = phase_a_gather(LocalForward(micro, [(z_x, z_y, None)], [], kept=False), cfg)
     with full_precision(emb.z_x.device):
         norm = phase_b_normalisers(emb, cfg)
-        grads = [phase_c_embedding_grads(emb, norm, rows, cfg, (True, True))[:2] for rows in cfg.micro]
+        grads = [phase_c_embedding_grads(emb, norm, rows, cfg, (True, True, False))[:2]
+                 for rows in cfg.micro]
     return norm.loss, torch.cat([g[0] for g in grads]), torch.cat([g[1] for g in grads])
 
 
 def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
          grad_scaler: Any, stop_if_not_finite: bool) -> float:
     check = check_locally(model, local_x, local_y, config)
-    local = None
-    if check.problem is None:
-        local = phase_a_forward(check.wrapped, local_x, local_y, check.cfg)              # A
-        try:
-            local.outputs = [check_outputs(out, rows.stop - rows.start, check.cfg)
-                             for out, rows in zip(local.outputs, local.micro)]
-        except ValueError as err:
-            check, local = LocalCheck(problem=str(err)), None
     device = first_device(check.wrapped.inner if check.wrapped else None, local_x)
-    agree_across_ranks(check, numbers(check, local_x, local_y, local.outputs[0] if local else None), device)
+    agree_before_forward(check, local_x, local_y, device)       # no rank's forward has run yet
     cfg, wrapped = check.cfg, check.wrapped
+    restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
+    local, failure, by_model = None, None, True
+    try:
+        local = phase_a_forward(wrapped, local_x, local_y, cfg)                          # A
+        by_model = False
+        local.outputs = [check_outputs(out, rows.stop - rows.start, cfg)
+                         for out, rows in zip(local.outputs, local.micro)]
+    except Exception as err:  # noqa: BLE001 - this rank still joins the exchange, then every rank raises
+        local, failure = None, err
+    agree_across_ranks(failure, by_model, local.outputs[0] if local else None, cfg, device)
     emb = phase_a_gather(local, cfg)                                                      # sync 1
     with full_precision(emb.z_x.device):
         norm = phase_b_normalisers(emb, cfg)                                              # B
     if stop_if_not_finite and not math.isfinite(norm.loss):
+        restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
         raise FloatingPointError(f"the global loss is {norm.loss} (non-finite embeddings on some rank): "
-                                 "no gradient was computed and the optimizer did not step")
+                                 "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
+                                 "are as they were")
     multiplier = surrogate_multiplier(check.factor, grad_scaler, emb.z_x)
     last = len(local.micro) - 1
     for k, rows in enumerate(local.micro):
-        with full_precision(emb.z_x.device):
-            grads = phase_c_embedding_grads(emb, norm, rows, cfg, check.needs)           # C
-        replay = local.outputs[0] if local.kept else local.rng[k]
-        phase_d_backward(wrapped, local_x[rows], local_y[rows], grads, replay, multiplier,
-                         reduce=k == last)                                                # D; E in the last
+        # E: the wrapper reduces in the last micro-batch's backward only (a recompute's forward must
+        # run inside the same no_sync, where DDP decides whether its backward reduces).
+        with wrapped.accumulating(k == last):
+            outputs = phase_d_outputs(wrapped, local_x[rows], local_y[rows],
+                                      local.outputs[0] if local.kept else local.rng[k])
+            with full_precision(emb.z_x.device):
+                grads = phase_c_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))  # C
+            phase_d_backward(outputs, grads, multiplier)                                   # D
     return norm.loss
 
 
@@ -251,7 +275,8 @@ def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch
     TAU unless the model returns s, optional PHASE_B ("sharded" | "replicated"). With `grad_scaler`
     (torch.amp.GradScaler) the VJP is scaled as scaler.scale(loss).backward() would scale it. Called
     inside `model.no_sync()` it accumulates without reducing; the next call outside reduces, once.
-    Bad inputs raise the same ValueError on every rank before the first all-gather.
+    Bad inputs raise the same ValueError on every rank before the first all-gather (a RuntimeError
+    when model(x, y) itself raised on some rank).
     """
     return _run(model, local_x, local_y, config, grad_scaler, stop_if_not_finite=False)
 
@@ -261,7 +286,7 @@ def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, l
     """One optimiser step on the exact symmetric InfoNCE of the global batch; returns its loss.
 
     zero_grad, `distributed_backward`, optimizer.step(). A non-finite loss raises FloatingPointError
-    on every rank before any backward, so the parameters are untouched.
+    on every rank before any backward: parameters, optimizer state and BatchNorm statistics untouched.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -84,7 +84,8 @@ def _tau(config: Mapping[str, Any]) -> float | None:
         return None
     tau = config["TAU"]
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
-        raise ValueError(f"config['TAU'] must be a number, got {tau!r} ({type(tau).__name__})")
+        hint = " (for a learned scale leave TAU out of the config)" if tau is None else ""
+        raise ValueError(f"config['TAU'] must be a number, got {tau!r} ({type(tau).__name__}){hint}")
     if not (tau > 0 and math.isfinite(tau)):  # also rejects NaN
         raise ValueError(f"config['TAU'] (temperature) must be a finite number > 0, got {tau}")
     return float(tau)

@@ -67,6 +67,12 @@ class Wrapped:
         ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model)
         return float(ddp.process_group.size())
 
+    @property
+    def static_graph(self) -> bool:
+        """DDP(static_graph=True), whose reducer cannot run a backward under no_sync()."""
+        ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model) if self.kind == "compiled ddp" else None
+        return bool(getattr(ddp, "static_graph", False))
+
     def accumulating(self, reduce: bool) -> ContextManager:
         """Gradient reduction off for this backward unless `reduce` (then the caller's setting holds)."""
         if reduce:
@@ -112,6 +118,20 @@ def batchnorm_in_training(module: nn.Module) -> list[str]:
     """Names of the BatchNorm layers (SyncBatchNorm included) that are in training mode."""
     return [name or type(m).__name__ for name, m in module.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+
+
+def batchnorm_snapshot(module: nn.Module) -> Callable[[], None]:
+    """Copies of the buffers of every BatchNorm in training mode (running statistics and
+    num_batches_tracked; a few numbers per channel), and a function that puts them back, so that a
+    step refused after its forward leaves no trace of that forward."""
+    saved = [(buf, buf.clone()) for m in module.modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for buf in m.buffers(recurse=False)]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for buf, copy in saved:
+                buf.copy_(copy)
+    return restore
 
 
 def first_device(module: nn.Module | None, fallback: Any) -> torch.device:

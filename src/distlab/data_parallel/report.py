@@ -1,47 +1,29 @@
 """The tables lesson 06 prints, laid out to fit 80 columns whole (no cell is ever cut).
 
-`GradientCheck` sums up a gradient against the reference over all parameters at once: the largest
-relative error (max |g - r| / max |r| over the tensors, `distlab.compare`'s figure), the norm ratio
-||g|| / ||r|| (a pure scaling bug shows as a clean 1/P), and allclose at the dtype's tolerance.
+Gradients are summed up by `distlab.compare.gradient_error`: the largest relative error, the norm
+ratio ||g|| / ||r|| (a pure scaling bug shows as a clean 1/P), and allclose at the dtype's tolerance.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 from rich import box
 from rich.table import Table
 
-from distlab.compare import all_ok, compare
+from distlab.compare import GradientError
 
 Grads = Mapping[str, torch.Tensor]
 MIB = 2 ** 20
-
-
-@dataclass(frozen=True)
-class GradientCheck:
-    max_rel: float
-    norm_ratio: float
-    ok: bool
-
-
-def check_gradients(reference: Grads, actual: Grads, scale: float = 1.0) -> GradientCheck:
-    """`actual` against `scale * reference` (scale = 1/P checks a 1/P claim exactly)."""
-    ref = {n: scale * r.detach().cpu() for n, r in reference.items()}
-    rows = compare(ref, actual)
-    flat = lambda g: torch.cat([g[n].detach().double().cpu().flatten() for n in ref])  # noqa: E731
-    norm = flat(ref).norm().item()
-    ratio = flat(actual).norm().item() / norm if norm else float("nan")
-    return GradientCheck(max(row.max_rel for row in rows), ratio, all_ok(rows))
 
 
 def _table(title: str, columns: tuple[str, ...], caption: str = "") -> Table:
     table = Table(title=title, caption=caption or None, title_justify="left", caption_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold")
+        # The first column names the row: never broken (a narrow terminal wraps the headers instead).
+        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
     return table
 
 
@@ -68,10 +50,11 @@ def cost_table(rows: list) -> Table:
     all_gather's (`measure.CollectiveRow`s of one rank)."""
     base = next(row for row in rows if row.name == "all_gather")
     table = _table(f"Bytes one rank sends, and time, for a {rows[0].full_bytes / MIB:.2f} MiB tensor", (
-        "collective", "ring: x bytes", "MiB", "counted", "ms", "t / t_ag", "bytes / b_ag"),
-        caption="MiB: the formula; counted: what rank 0 sent in the ring by hand (in the broadcast the "
-                "last rank sends none); t_ag, b_ag: all_gather's time and bytes. gloo picks its own "
-                "algorithms: its reduce_scatter is an all_reduce of a copy")
+        "collective", "ring", "MiB", "counted", "ms", "t / t_ag", "b / b_ag"),
+        caption="ring: the formula, in units of the tensor's bytes; MiB: what it gives; counted: what "
+                "rank 0 sent in the ring by hand (in the broadcast the last rank sends none); t_ag, b_ag: "
+                "all_gather's time and bytes. gloo picks its own algorithms: its reduce_scatter is an "
+                "all_reduce of a copy")
     for row in rows:
         sized = base.formula_bytes > 0  # at P = 1 nothing is sent and the ratios mean nothing
         table.add_row(row.name, row.formula.replace(" x bytes", ""), f"{row.formula_bytes / MIB:.2f}",
@@ -81,7 +64,7 @@ def cost_table(rows: list) -> Table:
     return table
 
 
-def gradient_table(rows: list[tuple[str, str, GradientCheck, bool]], title: str) -> Table:
+def gradient_table(rows: list[tuple[str, str, GradientError, bool]], title: str) -> Table:
     """(what ran, compared with, its check, whether allclose is the claim)."""
     table = _table(title, ("run", "against", "max rel err", "|g| / |ref|", "allclose"))
     for name, against, check, expected in rows:
@@ -104,8 +87,8 @@ def timing_table(times: dict, baseline: str) -> Table:
 
 def timeline_table(launched: list[float], done: list[float], sizes: list[int], backward_end: float) -> Table:
     """Per bucket: its size, and when its all-reduce was launched and completed (ms from backward's start)."""
-    table = _table(f"One step's buckets, ms from backward's start (it ends at {backward_end:.1f})", (
-        "bucket", "MiB", "launched", "completed", "in backward"))
+    table = _table("One step's buckets, ms from backward's start", (
+        "bucket", "MiB", "launched", "completed", "in backward"), caption=f"backward ended at {backward_end:.1f} ms")
     for i, (start, end, size) in enumerate(zip(launched, done, sizes)):
         table.add_row(str(i), f"{size / MIB:.2f}", f"{start:.1f}", f"{end:.1f}",
                       "yes" if start < backward_end else "no")

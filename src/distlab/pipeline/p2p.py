@@ -1,98 +1,91 @@
-"""Point-to-point transfer of activations (forward) and their gradients (backward) between stages.
+"""Messages between stages: which activation or gradient goes to which rank, batched so that no
+schedule deadlocks.
 
 A tensor that crosses a process boundary leaves its autograd graph behind: the receiver gets plain
-numbers. Stage s+1 therefore marks the received activation `requires_grad_()` so that its backward
-produces d loss / d input, and sends that gradient back; stage s resumes backpropagation from its
-output with `output.backward(received_grad)`. That is the chain rule across the cut:
-    dL/dW_s = (dL/dA_s) (dA_s/dW_s),  with dL/dA_s computed on rank s+1.
+numbers. Stage p + 1 therefore marks a received activation `requires_grad_()`, so that its backward
+yields dL/dA_p, and sends that gradient back; stage p resumes its backward from it. Two stages on
+the same rank (the turn of a V, or P = 1) hand the tensor over locally, cut from the graph the same
+way, with no message. The receiver allocates the buffer from the shapes `partition.boundary_shapes`
+derives; no shape is ever sent.
 
-The receiver allocates the buffer, so it must know the shape: callers pass the shape derived by
-`partition.boundary_shapes` (no shape is ever sent or hard-coded).
+Why batches, and which. With blocking send/recv, 1F1B deadlocks: on P = 2, rank 0 finishes F1 and
+sends its activation while rank 1 finishes B0 and sends its gradient; each `send` waits for the other
+side's `recv` (gloo's send waits for the matching receive even for ten numbers; NCCL's once its
+buffers are full). Posting the sends alone with `isend` is not enough on GPUs either: NCCL runs the
+transfers between two ranks on one stream, in posting order. The cure, which torch.distributed.
+pipelining uses too, is to post matching sends and receives together, in one
+`dist.batch_isend_irecv` (one NCCL group: its transfers progress together), and wait for the batch.
 
-`send`/`recv` block, which is all lesson 01 needs. A pipeline with many micro-batches in flight
-needs `comm_plan` and `exchange` (below): why is explained there.
+Which transfers go together comes from the schedule's own grid (`simulator.simulate`): a message
+travels at the tick its producer finishes. Every rank posts, just before each of its actions, one
+batch with every transfer of the ticks since its previous action started: what it has just
+computed, and what its peers computed meanwhile. Both sides of a message post it for the same tick,
+in the same order (tick, then message), so the k-th message one rank sends another is the k-th that
+one receives, on every transport (NCCL ignores tags); and no rank waits for a transfer its peer
+could only post after waiting for it: a stuck rank would wait on a tick its peer has not reached,
+whose peer would wait on an earlier tick, and so on down to tick 0. Receiving a message before it is
+needed costs a buffer, nothing else. `comm_plan` writes the batches down as data; the tests replay
+every rank's plan against the others for every schedule, P <= 6 and M <= 13.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from distlab.pipeline.schedules import Action
-
-
-def send(tensor: torch.Tensor, dst: int) -> None:
-    """Blocking send of the numbers of `tensor` (never its graph)."""
-    dist.send(tensor.detach().contiguous(), dst=dst)
-
-
-def recv(shape: torch.Size, dtype: torch.dtype, device: torch.device, src: int,
-         requires_grad: bool = False) -> torch.Tensor:
-    """Blocking receive into a fresh buffer; `requires_grad=True` makes it a leaf that collects
-    d loss / d (this tensor) during this stage's backward."""
-    buffer = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(buffer, src=src)
-    return buffer.requires_grad_(requires_grad)
-
-
-# ---------------------------------------------------------------------------------------------
-# Many micro-batches in flight: a communication plan, and batched non-blocking exchange
-# ---------------------------------------------------------------------------------------------
-#
-# With blocking send/recv, 1F1B deadlocks. On P = 2, rank 0 finishes F1 and sends its activation
-# while rank 1 finishes B0 and sends its gradient: each `send` waits for the other side's `recv`,
-# and neither ever gets there. (gloo's send is a rendezvous even for ten numbers: it waits for the
-# matching receive; NCCL's does once its buffers are full.) Posting the sends on their own with
-# `isend` is not enough on GPUs either: NCCL runs every transfer between two ranks on one stream,
-# in posting order, so rank 0's [send F1, recv B0] and rank 1's [send B0, recv F1] still wait on
-# each other. The cure, which torch.distributed.pipelining uses too: keep the sends an action
-# produced, and post them *together* with the receives the next action needs, in one
-# `dist.batch_isend_irecv` (one NCCL group, so all of its transfers progress at once), then wait
-# for all of them. `comm_plan` writes down exactly which transfers go into each batch, as data,
-# so the tests can replay every rank's plan against the others and prove that no schedule deadlocks.
+from distlab.pipeline.schedules import Action, Schedule, num_stages, rank_of
+from distlab.pipeline.simulator import Timing, simulate
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One message: this rank sends to or receives from `peer` the activation (forward) or the
-    gradient (backward) of `microbatch`."""
+    """One message: this rank sends to or receives from `peer` the activation entering `stage`, or
+    the gradient of `stage`'s output, for `microbatch`."""
 
     op: str       # 'send' or 'recv'
     peer: int
     what: str     # 'activation' or 'gradient'
     microbatch: int
+    stage: int    # the stage that consumes it
+
+    @property
+    def message(self) -> tuple[str, int, int]:
+        return self.what, self.stage, self.microbatch
 
 
-def _produces(action: Action, stage: int, num_stages: int) -> list[Transfer]:
-    """What `action` sends once computed: F sends its output on, B the gradient of its input back."""
-    if action.kind == "F" and stage < num_stages - 1:
-        return [Transfer("send", stage + 1, "activation", action.microbatch)]
-    if action.kind == "B" and stage > 0:
-        return [Transfer("send", stage - 1, "gradient", action.microbatch)]
-    return []
+def produces(action: Action, stages: int) -> tuple[str, int] | None:
+    """(what, consuming stage) that `action` hands on: F its output, B its input's gradient."""
+    if action.kind == "F" and action.stage < stages - 1:
+        return "activation", action.stage + 1
+    if action.kind == "B" and action.stage > 0:
+        return "gradient", action.stage - 1
+    return None
 
 
-def _needs(action: Action, stage: int, num_stages: int) -> list[Transfer]:
-    """What `action` must receive before it can compute."""
-    if action.kind == "F" and stage > 0:
-        return [Transfer("recv", stage - 1, "activation", action.microbatch)]
-    if action.kind == "B" and stage < num_stages - 1:
-        return [Transfer("recv", stage + 1, "gradient", action.microbatch)]
-    return []
-
-
-def comm_plan(actions: list[Action], stage: int, num_stages: int) -> list[list[Transfer]]:
-    """len(actions) + 1 batches: batch n is posted and completed just before action n computes
-    (the sends of action n-1 with the receives of action n); the last batch, after the last
-    action, flushes its sends."""
-    batches, pending = [], []
-    for action in actions:
-        batches.append(pending + _needs(action, stage, num_stages))
-        pending = _produces(action, stage, num_stages)
-    batches.append(pending)
-    return batches
+def comm_plan(schedule: Schedule, rank: int, timing: Timing | None = None) -> list[list[Transfer]]:
+    """len(actions) + 1 batches for `rank`: batch n is posted and completed just before action n
+    computes; the last one, after the last action, flushes the last sends. (`timing`: the
+    schedule's `simulate`d grid, when the caller has it already.)"""
+    timing = timing or simulate(schedule)
+    stages, where, actions = num_stages(schedule), rank_of(schedule), schedule[rank]
+    starts = [timing.start[a] for a in actions]
+    batches: list[list[tuple[int, Transfer]]] = [[] for _ in range(len(actions) + 1)]
+    for producer, order in enumerate(schedule):
+        for a in order:
+            made = produces(a, stages)
+            if made is None or where[made[1]] == producer or rank not in (producer, where[made[1]]):
+                continue  # nothing leaves the rank, or the message is none of this rank's business
+            tick = timing.finish[a]
+            if producer == rank:
+                t = Transfer("send", where[made[1]], made[0], a.microbatch, made[1])
+            else:
+                t = Transfer("recv", producer, made[0], a.microbatch, made[1])
+            slot = bisect.bisect_left(starts, tick)  # before the first own action starting at or after it
+            batches[slot].append((tick, t))
+    return [[t for _, t in sorted(batch, key=lambda e: (e[0], e[1].message, e[1].op))] for batch in batches]
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Size, int]],
@@ -106,13 +99,3 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Size
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return buffers
-
-
-def losses_from_last_stage(losses: list[float], steps: int, device: torch.device) -> list[float]:
-    """Every step's loss, on every rank. Only the last stage computes it; one broadcast at the end
-    shares the whole list (not one per step, which would add a synchronisation to every step)."""
-    last = dist.get_world_size() - 1
-    shared = torch.tensor(losses if dist.get_rank() == last else [0.0] * steps,
-                          dtype=torch.float64, device=device)
-    dist.broadcast(shared, src=last)
-    return shared.tolist()

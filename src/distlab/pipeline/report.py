@@ -1,64 +1,93 @@
-"""The self-check the pipeline lessons print: each run against the unsplit single-process model.
+"""The tables the pipeline lessons print: each run against the unsplit model, orders side by side.
 
-Each rank holds only its own stage's gradients and parameters, so each compares its share with the
-reference's, and the rows are gathered to every rank; the verdict is then the same everywhere. One
+Each rank holds only its own stages' gradients and parameters, so each compares its share with the
+reference's and the rows are gathered to every rank; a verdict is then the same everywhere. One
 summary line per run (the largest error over every tensor of every stage) keeps a 16-layer model's
 check readable; lesson 01 prints the per-tensor version.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from rich.table import Table
 
-from distlab.compare import Comparison, compare, tolerances
+from distlab.compare import Comparison, compare, comparison_table, tolerances
+from distlab.pipeline.schedules import Schedule
+from distlab.pipeline.training import Run
 from distlab.reference import ReferenceRun
 
 
-class Trained(Protocol):
-    first_grads: dict[str, torch.Tensor]   # this rank's parameters' gradients after step 1
-    params: dict[str, torch.Tensor]        # this rank's parameters after the last step
-    losses: list[float]                    # every step's whole-batch loss
+def gathered(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank (a collective)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
-def check_runs(runs: dict[str, Trained], ref: ReferenceRun | dict[str, Trained], dtype: torch.dtype,
+def _rows(run: Run | ReferenceRun, ref: Run | ReferenceRun, names) -> tuple[list, list]:
+    return (compare({n: ref.first_grads[n] for n in names}, run.first_grads),
+            compare({n: ref.params[n] for n in names}, run.params))
+
+
+def per_tensor(run: Run, ref: ReferenceRun, dtype: torch.dtype) -> tuple[list[Table], bool]:
+    """Lesson 01's readout: one table of every tensor's gradient, one of every parameter, and
+    whether every tensor and every step's loss matched (the same on all ranks)."""
+    every = gathered(_rows(run, ref, run.first_grads.keys()))
+    rtol, atol = tolerances(dtype)
+    caption = f"allclose with rtol {rtol:g}, atol {atol:g}"
+    tables = [comparison_table([row for rank in every for row in rank[k]], title, caption=caption)
+              for k, title in enumerate(("gradients after step 1: split vs unsplit",
+                                         f"parameters after {len(ref.losses)} steps: split vs unsplit"))]
+    rows = [row for rank in every for part in rank for row in part]
+    losses_ok = torch.allclose(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
+    return tables, all(r.ok for r in rows) and losses_ok
+
+
+def check_runs(runs: dict[str, Run], ref: ReferenceRun | dict[str, Run], dtype: torch.dtype,
                title: str = "") -> tuple[Table, bool]:
     """A table with one row per named run, and whether every run matched (identical on all ranks).
     `ref` is the reference for every run, or a dict with one per run name. A collective: call it
     on every rank with the same run names."""
     refs = ref if isinstance(ref, dict) else {name: ref for name in runs}
-    mine = {}
-    for name, run in runs.items():
-        names = run.first_grads.keys()
-        mine[name] = (compare({n: refs[name].first_grads[n] for n in names}, run.first_grads),
-                      compare({n: refs[name].params[n] for n in names}, run.params))
-    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, mine)
-
+    every = gathered({name: _rows(run, refs[name], run.first_grads.keys()) for name, run in runs.items()})
     rtol, atol = tolerances(dtype)
     steps = len(next(iter(refs.values())).losses)
     table = Table(title=title or "every stage against the unsplit model on the whole batch",
-                  title_justify="left", caption=f"allclose with rtol {rtol:g}, atol {atol:g}, "
-                  "over every tensor of every stage", caption_justify="left")
-    for column in ("run", "grads, step 1: max|a-r|", f"params, step {steps}: max|a-r|",
-                   "losses: max|a-r|", "allclose"):
-        table.add_column(column, justify="left" if column == "run" else "right")
+                  title_justify="left", caption_justify="left",
+                  caption=f"max |a-r| over every tensor of every stage: gradients after step 1, parameters "
+                  f"after step {steps}, every step's loss; allclose with rtol {rtol:g}, atol {atol:g}")
+    for column in ("run", "grads", "params", "losses", "allclose"):
+        table.add_column(column, justify="left" if column == "run" else "right", overflow="fold")
     every_ok = True
     for name, run in runs.items():
-        grads = [row for rank in gathered for row in rank[name][0]]
-        params = [row for rank in gathered for row in rank[name][1]]
-        ref_losses = torch.tensor(refs[name].losses)
-        losses_ok = torch.allclose(torch.tensor(run.losses), ref_losses, rtol=rtol, atol=atol)
-        loss_err = (torch.tensor(run.losses) - ref_losses).abs().max().item()
-        ok = all(r.ok for r in grads + params) and losses_ok
+        grads = [row for rank in every for row in rank[name][0]]
+        params = [row for rank in every for row in rank[name][1]]
+        got, want = torch.tensor(run.losses), torch.tensor(refs[name].losses)
+        ok = all(r.ok for r in grads + params) and torch.allclose(got, want, rtol=rtol, atol=atol)
         every_ok &= ok
-        table.add_row(name, _worst(grads), _worst(params), f"{loss_err:.2e}",
+        table.add_row(name, _worst(grads), _worst(params), f"{(got - want).abs().max().item():.2e}",
                       "[green]yes[/]" if ok else "[red]no[/]", style=None if ok else "bold")
     return table, every_ok
 
 
 def _worst(rows: list[Comparison]) -> str:
     return f"{max(r.max_abs for r in rows):.2e}"
+
+
+def orders_table(orders: dict[str, Schedule], title: str, labels: bool = False) -> Table:
+    """Per rank, one column per named order; a cell that differs from the first column is yellow."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("rank", justify="right", overflow="fold")
+    for name in orders:
+        table.add_column(name, overflow="fold")
+    first = next(iter(orders.values()))
+    for r in range(len(first)):
+        cells = []
+        for k, order in enumerate(orders.values()):
+            text = " ".join(a.label if labels else str(a) for a in order[r])
+            cells.append(text if k == 0 or order[r] == first[r] else f"[yellow]{text}[/]")
+        table.add_row(str(r), *cells)
+    return table

@@ -1,122 +1,159 @@
-"""The same split model run by the real engine: `torch.distributed.pipelining`.
+"""The same split model run by the real engine: `torch.distributed.pipelining` (torch 2.13).
 
-Each rank wraps its stage's `nn.Sequential` in a `PipelineStage` and hands it to a schedule
-(`ScheduleGPipe` or `Schedule1F1B`). Rank 0 calls `schedule.step(x)` with the whole batch, the last
-rank `schedule.step(target=y, losses=...)`, the others `schedule.step()`; the schedule cuts the batch
-into M micro-batches, runs the actions, and does the transfers.
+Each rank wraps each of its stages' `nn.Sequential` in a `PipelineStage(module, p, S, device)` and
+hands them to a schedule class; the rank with stage 0 calls `schedule.step(x)` with the whole batch,
+the rank with the last stage `schedule.step(target=y, losses=...)` (with V placement that is rank 0
+too: `step(x, target=y, losses=...)`), the others `schedule.step()`. The schedule cuts the batch into
+M micro-batches, runs the actions and does the transfers. Its seven schedules, and ours:
 
-Where it differs from our runner (torch 2.13):
-- Loss reduction: it calls backward on each micro-batch's loss as the loss function returns it and,
-  with `scale_grads=True` (the default), divides the gradients by M after the step. For a mean loss
-  that is the mean of the micro-batch means: the batch mean only when all micro-batches have the
-  same size. (Ours scales each loss by n_i / N, exact for any sizes.) `scale_grads=False` is for a
-  sum loss; with a mean loss it gives M times the gradient.
-- Even micro-batches only: a stage infers the shapes it receives from micro-batch 0 and reuses
-  them, so a batch that M does not divide fails inside the step (a shape mismatch on one rank, a
-  closed connection on the others). We refuse it up front instead, on every rank.
-- `Schedule1F1B` refuses M < P in its constructor; ours degenerates gracefully towards GPipe.
-- `schedule.pipeline_order`, its printed per-rank plan, is not what runs: for 1F1B the last rank's
-  plan reads F1 .. F_M instead of F0 .. F_{M-1}. We record the order it *executes* by wrapping the
-  stage's `forward_one_chunk` / `backward_one_chunk`, and compare that with ours.
+    ScheduleGPipe                  gpipe              Schedule1F1B           1f1b
+    ScheduleInterleaved1F1B        interleaved-1f1b   ScheduleLoopedBFS      looped-bfs
+    ScheduleInterleavedZeroBubble  zb-h1 (v = 1), interleaved-zb (v >= 2)
+    ScheduleZBVZeroBubble          zbv                ScheduleDualPipeV      (none of ours)
+
+Where it differs from our runner:
+- Loss reduction: backward on each micro-batch's loss as the loss function returns it, then, with
+  `scale_grads=True` (the default), the gradients divided by M: the mean of the micro-batch means,
+  the batch mean only when all micro-batches have the same size. `scale_grads=False` is meant for
+  a sum loss; with a mean loss it gives M times the gradient. (Ours scales each loss by n_i / N.)
+- Equal micro-batches only: a stage infers the shapes it receives from micro-batch 0, so a batch
+  that M does not divide fails inside the step. We refuse it up front, on every rank.
+- Its constructors refuse some (P, M): Schedule1F1B M < P; the interleaved ones an M whose rounds
+  M // (M // P) do not divide it; DualPipeV M < 2P; ZBV and DualPipeV any v but 2.
+- `schedule.pipeline_order`, the plan it prints, is not always what runs: for Schedule1F1B the last
+  rank's plan reads F1 .. F_M. We record the order it *executes* by wrapping each stage's
+  `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk`.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from distlab.models import layered_mlp, regression_batch
-from distlab.pipeline import p2p
 from distlab.pipeline.partition import boundary_shapes, split_stages
-from distlab.pipeline.schedules import Action
+from distlab.pipeline.schedules import Action, looped, v_shape
+from distlab.pipeline.training import PipelineConfig, check_config, problem
 from distlab.runtime import Runtime
+from distlab.timeline import Timeline
 
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+TORCH_SCHEDULES = {  # our name -> torch's class
+    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS", "zb-h1": "ScheduleInterleavedZeroBubble",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+SINGLE_STAGE = ("gpipe", "1f1b")      # torch's PipelineScheduleSingle: one stage object, not a list
+V_PLACED = ("zbv", "dualpipev")
 
 
-@dataclass
-class TorchPipelineRun:
-    stage: int
-    first_grads: dict[str, torch.Tensor]
-    params: dict[str, torch.Tensor]
-    losses: list[float]                                        # whole-batch loss per step
-    executed: list[Action] = field(default_factory=list)       # compute actions it ran, step 1
-    planned: list[Action] = field(default_factory=list)        # what schedule.pipeline_order says
+def _as_actions(a) -> list[Action]:
+    """torch's _Action as ours (F; B = its I or its full B; W), an overlapped F+B as its two parts;
+    communication and bookkeeping actions as nothing."""
+    kinds = {"F": "F", "B": "B", "I": "B", "W": "W"}
+    if a is None:
+        return []
+    return [Action(kinds[s.computation_type.value], s.microbatch_index, s.stage_index)
+            for s in (a.sub_actions or (a,)) if s.computation_type.value in kinds]
 
 
 @contextmanager
-def _recording(stage, log: list[Action]) -> Iterator[None]:
-    """Log every forward and backward the schedule runs on this stage, in order.
+def _recording(stages, log: list[Action]) -> Iterator[None]:
+    """Log every forward, backward and weight gradient the schedule runs on these stages, in order.
+    The wrappers hold the stages' bound methods, so they are removed on the way out: otherwise the
+    cycle keeps each stage (and its buffers) alive until the next garbage collection."""
+    names = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
-    The wrappers hold the stage's bound methods, so while installed they form a reference cycle
-    with the stage; removing them on the way out lets the stage (and the transfer buffers it
-    holds) go when the run ends instead of at the next garbage collection."""
-    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+    def wrap(stage, name: str, kind: str):
+        method = getattr(stage, name)
 
-    def forward_one_chunk(chunk_id, *args, **kwargs):
-        log.append(Action("F", chunk_id))
-        return forward(chunk_id, *args, **kwargs)
+        def logged(chunk_id, *args, **kwargs):
+            log.append(Action(kind, chunk_id, stage.stage_index))
+            return method(chunk_id, *args, **kwargs)
+        return logged
 
-    def backward_one_chunk(chunk_id, *args, **kwargs):
-        log.append(Action("B", chunk_id))
-        return backward(chunk_id, *args, **kwargs)
-
-    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    for stage in stages:
+        for name, kind in zip(names, "FBW"):
+            setattr(stage, name, wrap(stage, name, kind))
     try:
         yield
     finally:
-        del stage.forward_one_chunk, stage.backward_one_chunk  # back to the class's methods
+        for stage in stages:
+            for name in names:
+                delattr(stage, name)  # back to the class's methods
 
 
-def train_torch_pipeline(rt: Runtime, widths: tuple[int, ...], batch_size: int, steps: int, lr: float,
-                         schedule: str = "gpipe", microbatches: int = 1, seed: int = 0,
-                         dtype: torch.dtype = torch.float64, scale_grads: bool = True) -> TorchPipelineRun:
-    """`steps` SGD steps of `layered_mlp(widths, seed)`, split as ours is, run by PyTorch's schedule."""
-    from torch.distributed import pipelining  # imported here: a second of imports, only when used
+def _wrapped(rt: Runtime, cfg: PipelineConfig, stages: list):
+    """This rank's stages as PipelineStages, placed as the schedule wants them (looped or V)."""
+    from torch.distributed import pipelining  # a second of imports, only when used
 
-    if schedule not in TORCH_SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(TORCH_SCHEDULES)}")
-    if microbatches < 1 or batch_size % microbatches:
-        raise ValueError(f"torch.distributed.pipelining needs equal micro-batches: a batch of {batch_size} "
-                         f"does not split into M={microbatches} (it reuses micro-batch 0's shapes)")
-    model = layered_mlp(widths, seed=seed, dtype=dtype)
-    stages = split_stages(model, rt.world_size)
-    x, target = regression_batch(batch_size, widths[0], widths[-1], seed=seed, dtype=dtype)
-    boundary_shapes(stages, tuple(x.shape), dtype)  # the same "does not fit" check as ours
-    mine = stages[rt.rank]
-    mine.module.to(rt.device)
-    stage = pipelining.PipelineStage(mine.module, rt.rank, rt.world_size, rt.device)
-    # Schedule1F1B raises ValueError for M < P here, on every rank, before any message.
-    runner = getattr(pipelining, TORCH_SCHEDULES[schedule])(
-        stage, microbatches, loss_fn=F.mse_loss, scale_grads=scale_grads)
-    planned = [Action(a.computation_type.value, a.microbatch_index)
-               for a in (runner.pipeline_order or {}).get(rt.rank, [])
-               if a is not None and a.computation_type.value in ("F", "B")]
-    log: list[Action] = []
-    optimizer = torch.optim.SGD(mine.module.parameters(), lr=lr)
-    losses, first_grads, executed = [], {}, []
-    with _recording(stage, log):
-        for step in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            micro_losses: list[torch.Tensor] = []
-            if rt.is_first and rt.is_last:
-                runner.step(x.to(rt.device), target=target.to(rt.device), losses=micro_losses)
-            elif rt.is_first:
-                runner.step(x.to(rt.device))
-            elif rt.is_last:
-                runner.step(target=target.to(rt.device), losses=micro_losses)
-            else:
-                runner.step()
-            if rt.is_last:  # equal micro-batches: the batch mean is the mean of the micro-batch means
-                losses.append(torch.stack(micro_losses).mean().item())
-            if step == 0:
-                first_grads = mine.grads()
-                executed = list(log)
-            optimizer.step()
+    return [pipelining.PipelineStage(s.module.to(rt.device), s.index, cfg.stages_per_rank * rt.world_size,
+                                     rt.device) for s in stages]
 
-    losses = p2p.losses_from_last_stage(losses, steps, rt.device)
-    return TorchPipelineRun(mine.index, first_grads, mine.params(), losses, executed, planned)
+
+def _schedule(cfg: PipelineConfig, wrapped: list, microbatches: int):
+    """torch's schedule object; its constructor's checks raise ValueError on every rank alike."""
+    from torch.distributed import pipelining
+
+    if cfg.schedule not in TORCH_SCHEDULES:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {list(TORCH_SCHEDULES)}")
+    schedule_class = getattr(pipelining, TORCH_SCHEDULES[cfg.schedule])
+    return schedule_class(wrapped[0] if cfg.schedule in SINGLE_STAGE else wrapped, microbatches,
+                          loss_fn=F.mse_loss, scale_grads=cfg.scale_grads)
+
+
+def _my_stages(rt: Runtime, cfg: PipelineConfig, model) -> tuple[list, list]:
+    every = split_stages(model, cfg.stages_per_rank * rt.world_size)
+    placed = v_shape(rt.world_size) if cfg.schedule in V_PLACED else looped(rt.world_size, cfg.stages_per_rank)
+    return every, [every[p] for p in placed[rt.rank]]
+
+
+def refusals(rt: Runtime, cfg: PipelineConfig, microbatches: list[int]) -> dict[int, str]:
+    """The M among `microbatches` that torch's constructor refuses for `cfg.schedule` at this P,
+    with its message. Nothing runs and nothing is sent: the constructors only plan."""
+    _, mine = _my_stages(rt, cfg, problem(cfg)[0])
+    wrapped, refused = _wrapped(rt, cfg, mine), {}
+    for m in microbatches:
+        try:
+            _schedule(cfg, wrapped, m)
+        except ValueError as err:
+            refused[m] = str(err)
+    return refused
+
+
+class TorchStep:
+    """This rank's stages under torch.distributed.pipelining (a `training.Step`)."""
+
+    def __init__(self, rt: Runtime, cfg: PipelineConfig):
+        check_config(cfg)
+        if cfg.global_batch % cfg.micro_batches:
+            raise ValueError(f"torch.distributed.pipelining needs equal micro-batches: N={cfg.global_batch} "
+                             f"(--global-batch) does not split into M={cfg.micro_batches} (--micro-batches); "
+                             "it reuses micro-batch 0's shapes")
+        model, self.x, self.y = problem(cfg)
+        every, self.stages = _my_stages(rt, cfg, model)
+        boundary_shapes(every, tuple(self.x.shape), cfg.dtype)  # the same "does not fit" check as ours
+        self.wrapped = _wrapped(rt, cfg, self.stages)
+        self.schedule = _schedule(cfg, self.wrapped, cfg.micro_batches)
+        order = (self.schedule.pipeline_order or {}).get(rt.rank, [])
+        self.planned = [x for a in order for x in _as_actions(a)]
+        self.first, self.last = every[0] in self.stages, every[-1] in self.stages
+        self.device, self.log, self.executed = rt.device, [], []
+        self.timeline = Timeline(rt.rank)
+
+    def __call__(self, step: int) -> float | None:
+        losses: list[torch.Tensor] = []
+        args = (self.x.to(self.device),) if self.first else ()
+        kwargs = dict(target=self.y.to(self.device), losses=losses) if self.last else {}
+        self.log.clear()
+        with _recording(self.wrapped, self.log):
+            self.schedule.step(*args, **kwargs)
+        if step == 0:
+            self.executed = list(self.log)
+        # Equal micro-batches: the batch mean is the mean of the micro-batch means.
+        return torch.stack(losses).mean().item() if self.last else None
+
+    def measurements(self) -> dict:
+        return dict(executed=self.executed, planned=self.planned)

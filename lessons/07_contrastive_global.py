@@ -42,7 +42,7 @@ exactly 1/P of that gradient, both fixes give all of it, and every loss equals t
 
 from __future__ import annotations
 
-from distlab.cli import DTYPES, lesson_parser, positive_float, positive_int, require
+from distlab.cli import DTYPES, add_contrastive_args, lesson_parser, require
 from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.reference import full_batch_gradients
@@ -57,9 +57,7 @@ VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P, GLOBAL_SUM)
 
 
 def parse_args():
-    parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=384, help="pairs per step, N (P must divide it)")
-    parser.add_argument("--tau", type=positive_float, default=0.1, help="temperature tau")
+    parser = add_contrastive_args(lesson_parser(__doc__), global_batch=384)
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of weights and data")
     return parser.parse_args()
 

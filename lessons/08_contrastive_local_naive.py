@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.cli import lesson_parser, positive_float, positive_int, require
+from distlab.cli import add_contrastive_args, lesson_parser, positive_float, positive_int, require
 from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.losses import clip_loss
@@ -68,9 +68,7 @@ def world_sizes(text: str) -> tuple[int, ...]:
 
 
 def parse_args():
-    parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=240, help="pairs per step, N (P must divide it)")
-    parser.add_argument("--tau", type=positive_float, default=0.1, help="temperature tau")
+    parser = add_contrastive_args(lesson_parser(__doc__), global_batch=240)
     parser.add_argument("--steps", type=positive_int, default=150, help="training steps of each run")
     parser.add_argument("--train-size", type=positive_int, default=4096, help="training pairs (at least N)")
     parser.add_argument("--held-out", type=positive_int, default=512, help="held-out pairs for retrieval accuracy")

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import DTYPES, lesson_parser, positive_float, positive_int, require
+from distlab.cli import DTYPES, add_contrastive_args, lesson_parser, positive_int, require
 from distlab.compare import gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
@@ -83,10 +83,7 @@ FIXES = (LOCAL_ALL_REDUCE, LOCAL_SUM, LOCAL_LIBRARY)
 
 
 def parse_args():
-    parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=384,
-                        help="pairs per step of the exactness check, N (P must divide it)")
-    parser.add_argument("--tau", type=positive_float, default=0.1, help="temperature tau")
+    parser = add_contrastive_args(lesson_parser(__doc__), global_batch=384)
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of the exactness check")
     parser.add_argument("--cost-global-batch", type=positive_int, default=1536,
                         help="N of the memory and time measurement (float32, P must divide it)")

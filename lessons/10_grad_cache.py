@@ -52,7 +52,7 @@ from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.cli import DTYPES, fraction, lesson_parser, positive_float, positive_int, require
+from distlab.cli import DTYPES, add_contrastive_args, fraction, lesson_parser, positive_int, require
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.console import print0, progress
 from distlab.contrastive.gather import gather_with_grad
@@ -78,14 +78,11 @@ PART_ONE = {  # rank 0 measures these; every rank records them (the verdict agre
 
 
 def parse_args() -> argparse.Namespace:
-    parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=576,
-                        help="pairs per step, N; P must divide it (576: P = 1, 2, 3, 4, 6, 8, ...)")
+    parser = add_contrastive_args(lesson_parser(__doc__), global_batch=576)  # 576: P = 1, 2, 3, 4, 6, 8, ...
     parser.add_argument("--micro-batch-size", type=positive_int, default=32, help="rows per micro-batch, B")
     parser.add_argument("--width", type=positive_int, default=2048, help="hidden width of each tower")
     parser.add_argument("--dim", type=positive_int, default=64, help="embedding width, d")
     parser.add_argument("--dropout", type=fraction, default=0.1, help="dropout probability in each tower")
-    parser.add_argument("--tau", type=positive_float, default=0.1, help="temperature")
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of weights and data")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed steps per method (median)")
     return parser.parse_args()

@@ -85,6 +85,14 @@ def add_mlp_args(parser: argparse.ArgumentParser, layers: int, width: int, globa
     return parser
 
 
+def add_contrastive_args(parser: argparse.ArgumentParser, global_batch: int, tau: float = 0.1) -> argparse.ArgumentParser:
+    """The flags of every contrastive lesson with a fixed temperature: N and tau."""
+    parser.add_argument("--global-batch", type=positive_int, default=global_batch,
+                        help="pairs per step, N (P must divide it)")
+    parser.add_argument("--tau", type=positive_float, default=tau, help="temperature tau (logit scale s = 1/tau)")
+    return parser
+
+
 def mlp_widths(args: argparse.Namespace) -> tuple[int, ...]:
     return (MLP_IN, *[args.width] * (args.layers - 1), MLP_OUT)
 

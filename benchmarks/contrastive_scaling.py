@@ -43,7 +43,9 @@ from distlab.contrastive.streamed import loss_machinery
 from distlab.contrastive.streamed_kernels import chunks
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower
-from distlab.runtime import add_runtime_args, distributed, print0, run_main
+from distlab.cli import add_runtime_args
+from distlab.console import print0
+from distlab.runtime import distributed, run_main
 from distributed_clip import distributed_train_step
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -139,13 +139,3 @@ def run_main(main: Callable[[], int]) -> None:
         code = 2
     sys.exit(code)
 
-
-def __getattr__(name: str):
-    # Kept while lessons move to the modules that now hold these (distlab.spawn, distlab.console,
-    # distlab.cli); removed once nothing imports them from here.
-    moved = {"spawn": "distlab.spawn", "SpawnError": "distlab.spawn", "free_port": "distlab.spawn",
-             "print0": "distlab.console", "console": "distlab.console",
-             "add_runtime_args": "distlab.cli"}
-    if name in moved:
-        return getattr(importlib.import_module(moved[name]), name)
-    raise AttributeError(f"module 'distlab.runtime' has no attribute {name!r}")

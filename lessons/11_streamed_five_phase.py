@@ -10,7 +10,7 @@ row/column softmax R_ij = exp(S_ij - a_i), Q_ij = exp(S_ij - b_j) and W = R + Q 
     dL/ds = (1/s) sum_i z_i^x . G_x,i           (a sum over rows: each rank adds its own)
 
 Nothing needs S itself, only a, b (streamed by the online max/sum fold) and products W Z summed over
-tiles of B x T (T = --stream-chunk). The notebook derives both, each step checked numerically. It builds
+tiles of at most T x T (T = --stream-chunk). The notebook derives both, each step checked numerically. It builds
 on lesson 09 (each rank only its own rows of S) and lesson 10: phases C and D are GradCache's idea
 (luyug/GradCache; Gao et al., https://arxiv.org/abs/2101.06983: gradients at the embeddings first, then
 one VJP per micro-batch), with the cached loss replaced by closed forms.
@@ -75,7 +75,7 @@ def parse_args():
     parser = lesson_parser(__doc__)
     parser.add_argument("--global-batch", type=positive_int, default=960, help="N, split over the ranks (P must divide it)")
     parser.add_argument("--micro-batch-size", type=positive_int, default=96, help="B (need not divide N / P)")
-    parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T: tiles are B x T")
+    parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T: tiles are at most T x T")
     parser.add_argument("--tau", type=positive_float, default=0.1, help="temperature of the first loop; "
                         "the second learns s = 1/tau starting from it")
     parser.add_argument("--phase-b", choices=("sharded", "replicated"), default="sharded",
@@ -168,11 +168,10 @@ def memory_table(mem: PeakMemory, n: int, d: int, cfg, itemsize: int) -> Table:
     for column, justify in (("what", "left"), ("bytes", "right"), ("vs N x N", "right")):
         table.add_column(column, justify=justify)
     b, t, full = min(cfg.b, cfg.local), min(cfg.t, n), n * n * itemsize
-    rows = max(b, t)  # Phase B's tiles are T x T, Phase C's B x T
     for label, nbytes in (("largest temporary the step made", mem.largest_bytes),
                           ("peak of everything the step held at once", mem.peak_bytes),
                           (f"gathered Z_x | Z_y (N x 2d = {n} x {2 * d})", n * 2 * d * itemsize),
-                          (f"one tile, max(B, T) x T ({rows} x {t})", rows * t * itemsize),
+                          (f"one tile, T x T ({t} x {t})", t * t * itemsize),
                           (f"B x N ({b} x {n}): never made", b * n * itemsize),
                           (f"C x N ({cfg.local} x {n}), lesson 09's logits", cfg.local * n * itemsize),
                           (f"N x N ({n} x {n}), lesson 07's logits", full)):
@@ -231,7 +230,7 @@ def main() -> int:
             verdict.check(f"{name}: the loss went down ({losses[0]:.3f} -> {losses[-1]:.3f})", losses[-1] < losses[0])
         d, itemsize = model.encoder_x[-1].out_features, torch.empty((), dtype=dtype).element_size()
         print0(memory_table(mem, n, d, cfg, itemsize))
-        tile = max(min(cfg.b, cfg.local), min(cfg.t, n)) * min(cfg.t, n)
+        tile = min(cfg.t, n) * min(cfg.t, n)  # Phase B's T x T; Phase C's rows are blocked at T
         verdict.check("the largest temporary is no bigger than the gathered embeddings or one tile",
                       mem.largest_bytes <= max(n * 2 * d, tile) * itemsize)
         print0(f"learned temperature after {len(losses)} steps: tau = {1 / model.logit_scale.exp().item():.4f}")

@@ -31,7 +31,8 @@ The phases, one function each:
      streams its own C rows and C columns of S (2CN similarities), then one tiny all-gather of 2N
      floats and P loss partials. "replicated": every rank streams all N^2, rows and columns in one pass.
   C  `phase_c_embedding_grads`: one micro-batch's G_x, G_y (and its share of dL/ds) from the closed
-     forms, streamed over the global dimension in B x T tiles: nothing N x N, C x N or B x N is made.
+     forms, in tiles of at most T x T (the micro-batch's rows in blocks of T, the global dimension in
+     chunks of T): nothing N x N, C x N or B x N is made, and the tiles stay cache-sized whatever B is.
      Per micro-batch, C runs once D's outputs exist (`phase_d_outputs`): the kept graph (one forward)
      or a recompute under the saved random state (the same dropout masks).
   D  `phase_d_backward`: the VJP of the micro-batch: back-propagate m G (and m dL/ds) into that
@@ -48,10 +49,10 @@ DDP AVERAGES (divides by P); multiplying the VJP by P turns its average into the
 its gradient divide factor (P unless changed), and m follows it (streamed_wrappers).
 
 What each regime costs per rank. One forward (B >= C): C forwards, C backwards, the activations of all
-C pairs held from A to D (as plain DDP holds them), plus O(N d) embeddings and C x T tiles. Recompute
+C pairs held from A to D (as plain DDP holds them), plus O(N d) embeddings and T x T tiles. Recompute
 (B < C): 2C forwards (the no-grad pass and the recompute), C backwards, the activations of one
-micro-batch of B at a time, plus O(N d) and B x T tiles. Loss machinery either way: 6 C N d
-multiply-adds (2 C N d in B, 4 C N d in C), the same as a C x N local loss and its backward.
+micro-batch of B at a time, plus O(N d) and tiles of at most T x T. Loss machinery either way:
+6 C N d multiply-adds (2 C N d in B, 4 C N d in C), the same as a C x N local loss and its backward.
 
 Precision: streamed_precision (autocast, mixed dtypes; a, b, L, G in float32 or float64). Nothing
 assumes unit-norm embeddings: G is the exact gradient of L for any Z and every exponential is of
@@ -165,7 +166,7 @@ def phase_b_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
 
 def phase_c_embedding_grads(emb: Embedded, norm: Normalisers, rows: slice, cfg: StreamConfig,
                             needs: tuple[bool, bool, bool]) -> tuple[Any, Any, Any]:
-    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, B x T tiles at a time. `needs`
+    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, T x T tiles at a time. `needs`
     says which of z_x, z_y, s require grad; what is not needed is None and not computed (G_x is
     computed for dL/ds even when z_x needs none)."""
     glob = slice(cfg.offset + rows.start, cfg.offset + rows.stop)

@@ -28,7 +28,7 @@ class StreamConfig:
 
     n: int               # N, the global batch
     b: int               # B, the largest micro-batch
-    t: int               # T, the stream chunk (tiles are B x T)
+    t: int               # T, the stream chunk (tiles are at most T x T)
     tau: float | None    # None: the model returns the logit scale s
     phase_b: str         # "sharded" or "replicated"
     world: int           # P

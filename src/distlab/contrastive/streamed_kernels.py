@@ -1,8 +1,9 @@
-"""The streamed step's tensor math on one process: log-sum-exps and softmax products in B x T tiles.
+"""The streamed step's tensor math on one process: log-sum-exps and softmax products in T x T tiles.
 
 Notation (the README's table): S = s Z_x Z_y^T with the logit scale s = 1/tau; a_i, b_j the row and
 column log-sum-exps of S; R_ij = exp(S_ij - a_i) the row softmax, Q_ij = exp(S_ij - b_j) the column
-softmax; T the stream chunk (`STREAM_CHUNK_SIZE`), so every tile is at most B x T (or T x T).
+softmax; T the stream chunk (`STREAM_CHUNK_SIZE`), so every tile is at most T x T
+(rows in blocks of T, columns in chunks of T, whatever the micro-batch B is).
 
 Nothing here communicates: these functions take gathered embeddings and are tested against autograd
 in one process. `distlab.contrastive.streamed` calls them in its phases B and C.
@@ -112,8 +113,20 @@ def streamed_softmax_pair_product(q_scaled: torch.Tensor, k: torch.Tensor, lse_q
 
     With q = Z_x[rows], k = Z_y, lse_q = a[rows], lse_k = b this is ((R + Q - 2I) Z_y)[rows]; with
     q = Z_y[rows], k = Z_x, lse_q = b[rows], lse_k = a it is ((R + Q - 2I)^T Z_x)[rows]. Streamed
-    over k in chunks of T: two |q| x T tiles are alive at a time, never a B x N slice.
+    in tiles of at most T x T (rows of q in blocks of T, k in chunks of T): two tiles are alive at a
+    time, never a B x N slice, and whatever B is the tiles stay cache-sized (a C x T tile at large N
+    falls out of L2 and its element-wise passes run from memory). Each row's sum runs over the same
+    chunks of k in the same order, so blocking the rows changes nothing but the rounding of the mm.
     """
+    acc = torch.empty_like(q_scaled)
+    for rows in chunks(len(q_scaled), t):
+        acc[rows] = _pair_product_rows(q_scaled[rows], k, lse_q[rows], lse_k, diag_coef[rows],
+                                       offset + rows.start, t)
+    return acc
+
+
+def _pair_product_rows(q_scaled, k, lse_q, lse_k, diag_coef, offset, t) -> torch.Tensor:
+    """One block of at most T rows of `streamed_softmax_pair_product`: |q| x T tiles over k."""
     acc = torch.zeros_like(q_scaled)
     for cols in chunks(len(k), t):
         tile = q_scaled @ k[cols].T                       # S, |q| x T

@@ -40,7 +40,6 @@ def _number(kind: type, accept: Callable[[float], bool], what: str) -> Callable[
 positive_int = _number(int, lambda v: v > 0, "a positive integer")
 nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _number(float, lambda v: v > 0, "a positive finite number")
-finite_float = _number(float, lambda v: True, "a finite number")
 fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
@@ -57,10 +56,7 @@ class LessonParser(argparse.ArgumentParser):
 
 def lesson_parser(doc: str | None) -> LessonParser:
     """A parser whose description is the docstring's first paragraph, with the shared flags."""
-    parser = LessonParser(description=(doc or "").split("\n\n")[0], formatter_class=_Formatter)
-    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                        help="auto: nccl + one GPU per rank when the node has enough GPUs, else gloo + CPU")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of weights and data")
+    parser = add_runtime_args(LessonParser(description=(doc or "").split("\n\n")[0], formatter_class=_Formatter))
     parser.add_argument("--json", metavar="PATH", help="write the checks and figures here as JSON (rank 0)")
     return parser
 

@@ -8,17 +8,15 @@ softmax; T the stream chunk (`STREAM_CHUNK_SIZE`), so every tile is at most T x 
 Nothing here communicates: these functions take gathered embeddings and are tested against autograd
 in one process. `distlab.contrastive.streamed` calls them in its phases B and C.
 
-The streaming log-sum-exp is the online max/sum fold. For a row x split into tiles x^(1), x^(2), ...,
-keep a running max m and a running sum l = sum exp(x - m). Folding in a tile t:
-
-    m' = max(m, max_j t_j),   l' = l exp(m - m') + sum_j exp(t_j - m'),   and at the end LSE = m + log l.
-
-Every exponent is <= 0, so nothing overflows however large S gets, and no row is ever whole.
+The streaming log-sum-exp is the online max/sum fold of `distlab.online_softmax` (every exponent <= 0,
+so nothing overflows however large S gets, and no row is ever whole).
 """
 
 from __future__ import annotations
 
 import torch
+
+from distlab.online_softmax import online_fold
 
 
 def chunks(total: int, size: int) -> list[slice]:
@@ -39,14 +37,6 @@ def balanced_chunks(total: int, most: int) -> list[slice]:
     """The fewest parts of at most `most` rows, whose sizes differ by at most one: C = 16, B = 5 gives
     4, 4, 4, 4, not 5, 5, 5, 1 (a 1-row micro-batch wastes a forward and breaks BatchNorm)."""
     return split_into(total, -(-total // most))
-
-
-def online_fold(run_max: torch.Tensor, run_sum: torch.Tensor, tile: torch.Tensor,
-                dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold a tile (consumed in place) into the running (m, l) along `dim` (see the module docstring)."""
-    new_max = torch.maximum(run_max, tile.amax(dim))
-    run_sum.mul_(torch.exp(run_max - new_max)).add_(tile.sub_(new_max.unsqueeze(dim)).exp_().sum(dim))
-    return new_max, run_sum
 
 
 def _diagonal(start_q: int, start_k: int, rows: int, cols: int) -> tuple[slice, slice] | None:

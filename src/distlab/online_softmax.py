@@ -1,0 +1,23 @@
+"""The online max/sum fold: a log-sum-exp computed one tile at a time, never holding the whole row.
+
+For a row x split into tiles x^(1), x^(2), ..., keep a running max m and a running sum
+l = sum exp(x - m). Folding in a tile t:
+
+    m' = max(m, max_j t_j),   l' = l exp(m - m') + sum_j exp(t_j - m'),   and at the end LSE = m + log l.
+
+Every exponent is <= 0, so nothing overflows however large the logits get. The same fold serves the
+streamed contrastive step (log-normalisers of S = s Z_x Z_y^T over T x T tiles) and ring attention
+(partial softmaxes over key/value blocks that arrive one at a time): one implementation, imported by both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def online_fold(run_max: torch.Tensor, run_sum: torch.Tensor, tile: torch.Tensor,
+                dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold a tile (consumed in place) into the running (m, l) along `dim`; returns the new (m, l)."""
+    new_max = torch.maximum(run_max, tile.amax(dim))
+    run_sum.mul_(torch.exp(run_max - new_max)).add_(tile.sub_(new_max.unsqueeze(dim)).exp_().sum(dim))
+    return new_max, run_sum

@@ -305,7 +305,7 @@ def _ddp_rep_clip_loss(rep_x, rep_y, tau):
     from distlab.contrastive.gather import gather_with_grad
     from distlab.contrastive.losses import local_clip_loss
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
-    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau,
+    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / tau,
                            offset=dist.get_rank() * len(z_x))
 
 

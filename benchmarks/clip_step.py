@@ -13,7 +13,7 @@ Step (a small two-tower encoder, 64 -> 256 -> d per tower, d = 256, AdamW, float
   streamed, B = C/8  eight micro-batches (a no-grad forward, then a recompute of each); step
 Loss machinery (this rank's C x d embeddings in, dL/dZ_local out; no encoder):
   open_clip recipe   gather_with_grad, local_clip_loss, backward to the embeddings
-  streamed           the library's `streamed.loss_machinery`: the all-gather, Phase B, and Phase C
+  streamed           the library's `streamed.loss_machinery`: the all-gather, phase 2, and phase 3
                      for every micro-batch (B = C and B = C/8), as the step runs them
   matmul floor       the same 6 C N d multiply-adds as plain `mm` in C x T tiles (2 C N d for the
                      rows and columns of S, 2 x 2 C N d for the two tile products and accumulations of
@@ -96,11 +96,11 @@ def matmul_floor(z_x, z_y, rt, chunk, method):
     k_x, k_y = z_x.repeat(rt.world_size, 1), z_y.repeat(rt.world_size, 1)  # N x d: stand-ins for the gather
     g_x, g_y = torch.zeros_like(z_x), torch.zeros_like(z_y)
     tile = z_x.new_empty(len(z_x), min(chunk, len(k_x)))
-    for cols in chunks(len(k_x), chunk):                   # Phase B's 2 C N d: my rows and my columns of S
+    for cols in chunks(len(k_x), chunk):                   # phase 2's 2 C N d: my rows and my columns of S
         width = cols.stop - cols.start
         torch.mm(z_x, k_y[cols].T, out=tile[:, :width])
         torch.mm(z_y, k_x[cols].T, out=tile[:, :width])
-    for cols in chunks(len(k_x), chunk):                   # Phase C's 4 C N d: a tile and its product
+    for cols in chunks(len(k_x), chunk):                   # phase 3's 4 C N d: a tile and its product
         width = cols.stop - cols.start
         g_x.addmm_(torch.mm(z_x, k_y[cols].T, out=tile[:, :width]), k_y[cols])
         g_y.addmm_(torch.mm(z_y, k_x[cols].T, out=tile[:, :width]), k_x[cols])

@@ -44,6 +44,16 @@ def assert_same_error_on_every_rank(fn: Callable[..., Any], world_size: int, *ar
     return messages[0]
 
 
+def all_ranks_true(flag: bool, device: torch.device) -> bool:
+    """True on every rank iff `flag` is true on every rank: one all_reduce(MIN) on `device` (the
+    right way to agree on a flag; tests/test_strict_device.py's example of code strict mode passes)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 class CommHookCounter:
     """A DDP comm hook that counts the all-reduces DDP launches (one per bucket) and then does
     exactly what DDP would: average the bucket over the ranks.

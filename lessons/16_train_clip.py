@@ -171,8 +171,9 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
     ddp.zero_grad(set_to_none=True)
 
 
-def train(ddp, model, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
+def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
     """The caller-owned loop; returns the curves."""
+    model = ddp.module
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
     params = [p for p in ddp.parameters() if p.requires_grad]
     for step, (images, ids) in progress(zip(range(args.steps), data.batches()), args.steps, "training"):
@@ -231,7 +232,7 @@ def main() -> int:
         (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
         check_first_step(ddp, model, data, config, verdict)
         start = time.perf_counter()
-        curves = train(ddp, model, optimizer, scheduler, data, config, args, bf16)
+        curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
         seconds = time.perf_counter() - start
         after, predictions = data.zero_shot(model)
         print0(curve_table(curves))

@@ -45,12 +45,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.chunks import chunks
 from distlab.cli import add_runtime_args, positive_int
 from distlab.console import print0
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.losses import local_clip_loss
-from distlab.contrastive.streamed import loss_machinery
-from distlab.contrastive.streamed_kernels import chunks
+from distlab.streamed import loss_machinery
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower
 from distlab.runtime import distributed, run_main
@@ -80,7 +80,7 @@ def micro_of(method: str, c: int) -> int:
 
 def loss_open_clip(z_x, z_y, rt, chunk, method):
     lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
-    loss = local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), TAU, rt.rank * len(z_x))
+    loss = local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), 1 / TAU, rt.rank * len(z_x))
     loss.backward()
     return lx.grad / rt.world_size, ly.grad / rt.world_size  # DDP's average: the mean of P local losses
 
@@ -118,7 +118,7 @@ LOSSES = {OPEN_CLIP: loss_open_clip, B_EQ_C: loss_streamed, B_C8: loss_streamed,
 def backward_open_clip(model, x, y, rt):
     """open_clip's ClipLoss(local_loss=True, gather_with_grad=True) and loss.backward() under DDP."""
     z_x, z_y = model(x, y)
-    loss = local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), TAU, rt.rank * len(x))
+    loss = local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / TAU, rt.rank * len(x))
     loss.backward()
     return loss
 

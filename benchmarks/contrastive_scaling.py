@@ -37,10 +37,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.chunks import chunks
 from distlab.contrastive.gather import gather_plain, gather_with_grad
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.contrastive.streamed import loss_machinery
-from distlab.contrastive.streamed_kernels import chunks
+from distlab.streamed import loss_machinery
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower
 from distlab.cli import add_runtime_args
@@ -64,14 +64,14 @@ TAU = 0.07
 
 def loss_05(z_x, z_y, n, rank, world, micro, chunk):
     lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
-    clip_loss(gather_plain(lx), gather_plain(ly), TAU).backward()  # the whole N x N on every rank
+    clip_loss(gather_plain(lx), gather_plain(ly), 1 / TAU).backward()  # the whole N x N on every rank
     return lx.grad, ly.grad
 
 
 def loss_07(z_x, z_y, n, rank, world, micro, chunk):
     lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
     c = len(z_x)
-    local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), TAU, rank * c).backward()
+    local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), 1 / TAU, rank * c).backward()
     return lx.grad / world, ly.grad / world  # the mean of the P local losses is L
 
 
@@ -80,14 +80,14 @@ def loss_08(z_x, z_y, n, rank, world, micro, chunk):
     # as leaves, and their gradient is what the chunked recompute will back-propagate.
     reps_x, reps_y = z_x.detach().requires_grad_(), z_y.detach().requires_grad_()
     c = len(z_x)
-    loss = local_clip_loss(reps_x, reps_y, gather_with_grad(reps_x), gather_with_grad(reps_y), TAU, rank * c)
+    loss = local_clip_loss(reps_x, reps_y, gather_with_grad(reps_x), gather_with_grad(reps_y), 1 / TAU, rank * c)
     loss.backward()
     return reps_x.grad / world, reps_y.grad / world
 
 
 def _loss_09(z_x, z_y, n, rank, world, micro, chunk, variant):
     _, g_x, g_y = loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro,
-                                            "STREAM_CHUNK_SIZE": chunk, "TAU": TAU, "PHASE_B": variant})
+                                            "STREAM_CHUNK_SIZE": chunk, "TAU": TAU, "NORMALISERS": variant})
     return g_x, g_y
 
 
@@ -107,13 +107,13 @@ def step_fn(method, model, optimizer, x, y, n, rank, world, micro, chunk):
         variant = "sharded" if "sharded" in method else "replicated"
         return distributed_train_step(model, optimizer, x, y, {
             "GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": chunk, "TAU": TAU,
-            "PHASE_B": variant})
+            "NORMALISERS": variant})
     optimizer.zero_grad(set_to_none=True)
     if method.startswith("08"):  # chunked no-grad forward, loss on cached reps, chunked recompute
         with torch.no_grad():
             reps = [model.module(x[s], y[s]) for s in chunks(c, micro)]
         rx, ry = (torch.cat([r[i] for r in reps]).requires_grad_() for i in (0, 1))
-        loss = local_clip_loss(rx, ry, gather_with_grad(rx), gather_with_grad(ry), TAU, rank * c)
+        loss = local_clip_loss(rx, ry, gather_with_grad(rx), gather_with_grad(ry), 1 / TAU, rank * c)
         loss.backward()
         parts = chunks(c, micro)
         for k, s in enumerate(parts):
@@ -124,9 +124,9 @@ def step_fn(method, model, optimizer, x, y, n, rank, world, micro, chunk):
     else:
         zx, zy = model(x, y)
         if method.startswith("05"):
-            loss = clip_loss(gather_plain(zx), gather_plain(zy), TAU) * world  # DDP averages P copies
+            loss = clip_loss(gather_plain(zx), gather_plain(zy), 1 / TAU) * world  # DDP averages P copies
         else:
-            loss = local_clip_loss(zx, zy, gather_with_grad(zx), gather_with_grad(zy), TAU, rank * c)
+            loss = local_clip_loss(zx, zy, gather_with_grad(zx), gather_with_grad(zy), 1 / TAU, rank * c)
         loss.backward()
     optimizer.step()
     return loss.item()

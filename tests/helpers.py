@@ -184,6 +184,10 @@ import math  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from distlab.chunks import balanced_chunks  # noqa: E402
+from distlab.contrastive.losses import clip_loss  # noqa: E402
+from distlab.contrastive.reference import RankStreams, as_ranks  # noqa: E402
+
 STREAMED_N = 24  # a global batch divisible by P = 1, 2, 3 and 4
 DROPOUT_SEED = 100  # rank r's dropout stream starts from torch.manual_seed(DROPOUT_SEED + r)
 
@@ -217,39 +221,20 @@ class Towers(nn.Module):
         return (z_x, z_y) if not hasattr(self, "logit_scale") else (z_x, z_y, self.logit_scale.exp())
 
 
-def symmetric_infonce(z_x, z_y, s):
-    logits = s * z_x @ z_y.T
-    labels = torch.arange(len(z_x))
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-
-
-def split_sizes(c, b):
-    """The split the step promises: the fewest micro-batches of at most B rows, sizes within one."""
-    parts = -(-c // min(b, c))
-    return [c // parts + (k < c % parts) for k in range(parts)]
-
-
 def full_batch(model, x, y, world, b, tau=None, streams=None):
-    """The symmetric InfoNCE of the whole global batch, one forward per micro-batch of each rank
-    (rank r's masks drawn from streams[r] when given), the scale s as an ordinary tensor."""
-    c, outs = len(x) // world, []
-    for r in range(world):
-        if streams is not None:
-            torch.set_rng_state(streams[r])
-        start = r * c
-        for size in split_sizes(c, b):
-            outs.append(model(x[start:start + size], y[start:start + size]))
-            start += size
-        if streams is not None:
-            streams[r] = torch.get_rng_state()
-    z_x, z_y = (torch.cat([o[i] for o in outs]) for i in (0, 1))
-    s = outs[0][2] if tau is None else 1 / tau
-    return symmetric_infonce(z_x, z_y, s)
+    """`clip_loss` of the whole global batch, with a graph into `model`: each rank's pairs cut into
+    micro-batches as the step cuts them (`balanced_chunks`, what `StreamConfig.micro` uses), rank r's
+    dropout drawn from `streams` (a RankStreams; fixed seeds when None); the scale s = 1/tau, or the
+    model's own as an ordinary tensor."""
+    c = len(x) // world
+    streams = streams if streams is not None else RankStreams(range(world))
+    z_x, z_y, *scale = as_ranks(streams, balanced_chunks(c, min(b, c)))(model, x, y)
+    return clip_loss(z_x, z_y, scale[0] if tau is None else 1 / tau)
 
 
 def rank_streams(world, seed=DROPOUT_SEED):
-    with torch.random.fork_rng():
-        return [torch.manual_seed(seed + r).get_state() for r in range(world)]
+    """Rank r's dropout stream as `torch.manual_seed(seed + r)` starts it (carried on across steps)."""
+    return RankStreams([seed + r for r in range(world)])
 
 
 def local_rows(rt, n=STREAMED_N):

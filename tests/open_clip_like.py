@@ -20,15 +20,15 @@ of the k losses with grad, so it receives k times dL/ds.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distlab.chunks import balanced_chunks
 from distlab.contrastive.gather import gather_with_grad
-from helpers import split_sizes, symmetric_infonce
+from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 
 IMAGE_DIM, WIDTH, EMBED, VOCAB, CONTEXT = 12, 16, 8, 20, 5
 
@@ -133,24 +133,15 @@ def as_tuple(out) -> tuple:
     return tuple(out[:3])
 
 
-def reference(model: CLIP, images, texts, world: int, b: int, streams=None):
-    """(loss, gradients by name) of the whole batch on a deep copy, plain autograd: one forward per
-    micro-batch of each rank's split (rank r's dropout masks from streams[r] when given)."""
-    model = copy.deepcopy(model)
-    c, outs = len(images) // world, []
-    for r in range(world):
-        if streams is not None:
-            torch.set_rng_state(streams[r])
-        start = r * c
-        for size in split_sizes(c, b):
-            outs.append(as_tuple(model(images[start:start + size], texts[start:start + size])))
-            start += size
-        if streams is not None:
-            streams[r] = torch.get_rng_state()
-    z_x, z_y = (torch.cat([o[i] for o in outs]) for i in (0, 1))
-    loss = symmetric_infonce(z_x, z_y, outs[0][2])
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+def reference(model: CLIP, images, texts, world: int, b: int, streams: RankStreams | None = None):
+    """(loss, gradients by name of the parameters that train) of the whole batch on a deep copy, plain
+    autograd (`full_batch_gradients`): each rank's pairs in the micro-batches the step cuts, rank r's
+    dropout masks from `streams` (`as_ranks`), the model's own scale."""
+    c = len(images) // world
+    ranks = as_ranks(streams if streams is not None else RankStreams(range(world)), balanced_chunks(c, min(b, c)))
+    loss, grads = full_batch_gradients(model, images, texts, None,
+                                       forward=lambda copy, x, y: ranks(lambda *xy: as_tuple(copy(*xy)), x, y))
+    return loss, {n: grads[n] for n, p in model.named_parameters() if p.requires_grad}
 
 
 def grads_by_name(model: nn.Module) -> dict[str, torch.Tensor]:

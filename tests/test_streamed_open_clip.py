@@ -140,7 +140,7 @@ def _die_on_third_gather(original):
     return gather
 
 
-def _rank_that_may_die(rank, world, port, how, results):
+def _rank_that_may_die(rank, world, port, how, results, release):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
@@ -159,6 +159,7 @@ def _rank_that_may_die(rank, world, port, how, results):
     except Exception as err:  # noqa: BLE001 - what the survivor saw, whatever it was
         message = f"{type(err).__name__}: {err}"
     results.put((rank, message, time.monotonic() - start))
+    release.wait(timeout=TIMEOUT_S + 60)  # rank 0 holds the store the other survivors' roll call uses
     results.close()
     results.join_thread()
     os._exit(0)  # no teardown: the group has lost a member
@@ -168,9 +169,11 @@ def survivors_of(how: str, world: int = 3) -> dict[int, tuple[str, float]]:
     """Run one step on `world` ranks in which rank 1 dies (`how`); each survivor's error and how long
     its step took. spawn would stop the survivors once rank 1 dies, so this launches its own."""
     ctx = mp.get_context("forkserver")
-    results = ctx.Queue()
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "distlab"])  # as spawn's
+    results, release = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_rank_that_may_die, args=(r, world, port, how, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_that_may_die, args=(r, world, port, how, results, release))
+             for r in range(world)]
     for p in procs:
         p.start()
     out = {}
@@ -179,6 +182,7 @@ def survivors_of(how: str, world: int = 3) -> dict[int, tuple[str, float]]:
             rank, message, seconds = results.get(timeout=TIMEOUT_S + 60)
             out[rank] = (message, seconds)
     finally:
+        release.set()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -7,7 +7,8 @@ remote process that exited. None of them says which rank, and raised from inside
 like a bug of the step. `naming_dead_peers` catches such an error and holds a roll call through the
 process group's store, which outlives the broken collective: every survivor writes "here" under this
 step's key and waits up to `roll_call_seconds` (5 s, or half the group's timeout if that is shorter)
-for the others. The ranks that never answer are named in one RuntimeError, chained to the backend's.
+for the others. The ranks that never answer are named in one RuntimeError, chained to the backend's;
+when every rank answers, the error was something else, and it is raised as it was.
 The roll call's verdict is each survivor's own: a survivor that reaches the roll call only after that
 window (it was computing, not waiting) may see the early ones as answered and the early ones may have
 named it too; a rank that hung rather than died reads as stopped answering, which it has.
@@ -65,8 +66,9 @@ def naming_dead_peers(group) -> Iterator[None]:
             raise RuntimeError("a peer died during the streamed step's exchanges, and so did the process "
                                "group's store (held by rank 0 unless torchrun's agent holds it): rank 0 "
                                f"stopped answering, or the whole job is going down (backend: {err})") from err
-        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-               if missing else "no rank (every rank answered the roll call) ")
+        if not missing:
+            raise  # every rank answered: the error was not a peer's death (it is passed on as it was)
+        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
         raise RuntimeError(f"{who}stopped answering during the streamed step's exchanges: a peer died (or "
                            f"hung) while this rank, {dist.get_rank()}, waited for it; the step cannot go on "
                            f"(backend: {str(err)[:160]})") from err

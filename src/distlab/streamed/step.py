@@ -99,18 +99,19 @@ def gather_embeddings(local: LocalForward, cfg: StreamConfig) -> Embedded:
     z_x = torch.cat([out[0].detach() for out in local.outputs])
     z_y = torch.cat([out[1].detach() for out in local.outputs])
     s = 1.0 / cfg.tau if cfg.tau is not None else float(local.outputs[0][2].detach().double().reshape(()))
-    return Embedded(*gather_pairs(z_x, z_y, cfg), s)
+    return Embedded(*gather_pairs(z_x, z_y, cfg.n, cfg.group), s)
 
 
-def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, cfg: StreamConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One collective over the wrapper's group for both (z_x | z_y side by side, in their own dtype
-    when they share one; matmul reads the halves' row stride of 2d as is), upcast to the compute
-    dtype after."""
+def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int,
+                 group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One collective over `group` (the wrapper's; None: the world) for both (z_x | z_y side by side,
+    in their own dtype when they share one; matmul reads the halves' row stride of 2d as is), upcast
+    to the compute dtype after."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
     mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
-    gathered = mine.new_empty((cfg.n, mine.shape[1]))
-    dist.all_gather_single(gathered, mine, group=cfg.group)
+    gathered = mine.new_empty((n, mine.shape[1]))
+    dist.all_gather_single(gathered, mine, group=group)
     gathered = gathered.to(dtype)
     return gathered[:, :z_x.shape[1]], gathered[:, z_x.shape[1]:]
 

@@ -4,9 +4,10 @@ The model (tests/open_clip_like.py) has open_clip's attributes and nothing else:
 no `encoder_y`, no subclass. Each case is compared with an independent single-process reference
 (a deep copy on the whole global batch, plain autograd, rtol 1e-10): the tuple it returns by default,
 open_clip_train's `output_dict=True`, and both backbones frozen with the projections, `ln_final`, the
-embeddings and `logit_scale` still trainable. A `logit_bias` (SigLIP's) is refused by name; DDP over a
-subgroup of a world of 4 is exact within each subgroup; a non-finite embedding on rank 1 is named in
-the error on every rank; a rank that dies inside the step leaves the others an error naming it,
+embeddings and `logit_scale` still trainable. A `logit_bias` (SigLIP's) is refused by name; in a world
+of 4 split into two subgroups, DDP over a subgroup and FSDP2 on a subgroup's 1-D mesh are exact within
+each (FSDP2 on the 2-D mesh, HSDP, is one error on every rank); a non-finite embedding on rank 1 is
+named in the error on every rank; a rank that dies inside the step leaves the others an error naming it,
 within the process group's timeout.
 """
 
@@ -18,12 +19,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import all_ok, compare
+from distlab.models import paired_data
 from distlab.spawn import free_port, spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import local_rows
+from helpers import Towers, local_rows
 from open_clip_like import CLIP, freeze_backbones, grads_by_name, image_text_data, reference
 
 N = 12  # C = 6 pairs per rank at P = 2
@@ -94,36 +98,50 @@ def test_a_stock_open_clip_model_drops_in_exactly():
     assert message.startswith("FloatingPointError") and "rank 1" in message and "rank 0" not in message, message
 
 
+def sharded(mesh):
+    """Towers (FSDP2 shards no 0-dim logit scale, so not CLIP) under fully_shard on `mesh`."""
+    model = Towers(scale_shape=(1,))
+    for module in (model.encoder_x, model.encoder_y, model):
+        fully_shard(module, mesh=mesh)
+    return model
+
+
 def subgroups(rt):
-    """World of 4, DDP over subgroups {0, 1} and {2, 3}; each subgroup trains on its own batch."""
+    """World of 4 as two subgroups {0, 1} and {2, 3}, each training on its own batch: DDP over the
+    subgroup, FSDP2 on the subgroup's 1-D mesh; and FSDP2 on the 2-D mesh (HSDP), which is refused."""
     group, _ = dist.new_subgroups(group_size=2)
-    index, member = rt.rank // 2, dist.get_rank(group)
-    images, texts = image_text_data(N, seed=index)
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    member = dist.get_rank(group)
     rows = slice(member * N // 2, (member + 1) * N // 2)
+    images, texts = image_text_data(N, seed=rt.rank // 2)
+    x, y = paired_data(N, seed=rt.rank // 2)
     out = {}
-    for b in (N, 4):
-        model = CLIP(output_dict=True)
+    for label, b in (("ddp", N), ("ddp", 4), ("fsdp2", 4), ("hsdp", 4)):
+        model = CLIP(output_dict=True) if label == "ddp" else sharded(hsdp if label == "hsdp" else hsdp["shard"])
+        batch = (images[rows], texts[rows]) if label == "ddp" else (x[rows], y[rows])
         try:
-            loss = distributed_backward(DDP(model, process_group=group), images[rows], texts[rows], config(b))
-            out[b] = (loss, grads_by_name(model))
+            loss = distributed_backward(DDP(model, process_group=group) if label == "ddp" else model, *batch, config(b))
+            grads = grads_by_name(model)  # FSDP2's shards gathered whole, here where the group is
+            out[label, b] = (loss, {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in grads.items()})
         except ValueError as err:
-            out[b] = str(err)
+            out[label, b] = str(err)
     return out
 
 
-def test_ddp_over_a_subgroup_is_exact_or_refused_on_every_rank():
+def test_ddp_and_fsdp2_over_a_subgroup_are_exact_and_hsdp_is_refused_on_every_rank():
     results = spawn(subgroups, 4, timeout_s=60)
-    for b in (N, 4):
-        per_rank = [r[b] for r in results]
-        if all(isinstance(m, str) for m in per_rank):  # refused: one clear error on every rank
-            assert len(set(per_rank)) == 1 and "process group" in per_rank[0], per_rank
-            continue
-        for rank, got in enumerate(per_rank):
-            assert not isinstance(got, str), (rank, got)
-            images, texts = image_text_data(N, seed=rank // 2)
-            ref_loss, ref = reference(CLIP(output_dict=True), images, texts, 2, b)
-            assert math.isclose(got[0], ref_loss, rel_tol=1e-10), (b, rank)
-            assert all_ok(compare(ref, got[1])), (b, rank)
+    for label, b in (("ddp", N), ("ddp", 4), ("fsdp2", 4)):
+        for rank, r in enumerate(results):
+            got = r[label, b]
+            assert not isinstance(got, str), (label, b, rank, got)
+            if label == "ddp":
+                ref_loss, ref = reference(CLIP(output_dict=True), *image_text_data(N, seed=rank // 2), 2, b)
+            else:
+                ref_loss, ref = reference(Towers(scale_shape=(1,)), *paired_data(N, seed=rank // 2), 2, b)
+            assert math.isclose(got[0], ref_loss, rel_tol=1e-10), (label, b, rank)
+            assert all_ok(compare(ref, got[1])), (label, b, rank)
+    refused = {r["hsdp", 4] for r in results}  # one clear error, the same on every rank
+    assert len(refused) == 1 and "HSDP" in refused.pop(), [r["hsdp", 4] for r in results]
 
 
 # -- a rank that dies inside the step ------------------------------------------------------------

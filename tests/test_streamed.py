@@ -17,7 +17,7 @@ from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_sof
 
 
 def closed_form(z_x, z_y, s, t):
-    """Phases B and C on one process (P = 1, one micro-batch): a, b, G_x, G_y, dL/ds."""
+    """Phases 2 and 3 on one process (P = 1, one micro-batch): a, b, G_x, G_y, dL/ds."""
     a, nll_x, b, nll_y = streamed_lse_both(z_x, z_y, s, t)
     coef, scale = torch.expm1(-nll_x) + torch.expm1(-nll_y), s / (2 * len(z_x))
     g_x = streamed_softmax_pair_product(z_x * s, z_y, a, b, coef, 0, t) * scale

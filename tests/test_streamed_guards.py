@@ -19,8 +19,8 @@ from distlab.compare import all_ok, compare, grads_of
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import STREAMED_N as N
-from helpers import Towers, full_batch, local_rows
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import Towers, full_batch, local_rows
 
 
 class RawScale(Towers):

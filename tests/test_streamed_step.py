@@ -22,8 +22,9 @@ from distlab.models import paired_data
 from distlab.spawn import spawn
 from distlab.streamed import loss_machinery
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import STREAMED_N as N
-from helpers import DROPOUT_SEED, CommHookCounter, Towers, full_batch, local_rows, rank_streams
+from helpers import CommHookCounter
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import DROPOUT_SEED, Towers, full_batch, local_rows, rank_streams
 
 def case_model(case):
     return Towers(scale_shape=case.get("scale"), dropout=case.get("dropout", 0.0))

@@ -21,8 +21,8 @@ from distlab.contrastive.losses import clip_loss
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import STREAMED_N as N
-from helpers import Towers, full_batch, local_rows
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import Towers, full_batch, local_rows
 
 
 def config(b, tau=None, n=N, t=7):

@@ -24,9 +24,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import _get_current_function_mode_stack
 
-from distlab.runtime import Runtime, all_ranks_true, distributed
+from distlab.runtime import Runtime, distributed
 from distlab.spawn import spawn
 from distlab.strict import HOST, STAND_IN, StrictDeviceError, is_host, strict_device
+from helpers import all_ranks_true
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_RANK = Runtime(rank=0, world_size=1, local_rank=0, backend="gloo", device=torch.device("cpu"))

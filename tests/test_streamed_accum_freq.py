@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab.compare import gradient_error
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward
-from helpers import DROPOUT_SEED, local_rows, rank_streams
+from streamed_helpers import DROPOUT_SEED, local_rows, rank_streams
 from open_clip_like import CLIP, accum_freq_backward, grads_by_name, image_text_data, reference
 
 N, ACCUM_FREQ = 24, 3  # P = 2: C = 12 pairs per rank, in 3 batches of B = 4

@@ -27,7 +27,7 @@ from distlab.compare import all_ok, compare
 from distlab.models import paired_data
 from distlab.spawn import free_port, spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import Towers, local_rows
+from streamed_helpers import Towers, local_rows
 from open_clip_like import CLIP, freeze_backbones, grads_by_name, image_text_data, reference
 
 N = 12  # C = 6 pairs per rank at P = 2

@@ -3,14 +3,15 @@ distributed checkpoint that resumes at another P. After lesson 06, which copied 
 
     torchrun --nproc-per-node 4 lessons/07_sharding.py     # any P that divides N (24: P = 1..4)
 
-What a step holds. A model of Psi parameters in b-byte elements keeps weights (b Psi), gradients
-(b Psi) and AdamW's two moments (2 b Psi): 32 Psi bytes in float64. Under mixed precision: bf16
+What a step holds. A model of Psi parameters in e-byte elements keeps weights (e Psi), gradients
+(e Psi) and AdamW's two moments (2 e Psi): 32 Psi bytes in float64. Under mixed precision: bf16
 weights and gradients (2 Psi + 2 Psi), a float32 master copy (4 Psi) that the optimizer steps, and
 float32 moments (8 Psi): 16 Psi. Activations, what autograd saves for backward, grow with a rank's
 C = N / P rows; the model states do not: under data parallelism every rank holds them whole at any
 P. That is where DDP stops scaling, and what ZeRO (Rajbhandari et al., https://arxiv.org/abs/1910.02054)
-shards. Each layer's Psi_u parameters form one flat buffer padded to P ceil(Psi_u / P) elements (the
-pad makes Psi not divisible by P work; it stays 0), rank r owns shard r, S = sum_u ceil(Psi_u / P):
+shards. Layer u's Psi_u parameters form one flat buffer padded to P ceil(Psi_u / P) elements (the pad,
+always 0, makes a Psi_u that P does not divide work); rank r owns shard r: Psi_P = sum_u ceil(Psi_u / P)
+elements of every sharded item (Psi / P when P divides every Psi_u).
 
     ZeRO-1  optimizer states sharded: reduce-scatter each layer's gradient (rank r gets shard r of
             the mean), AdamW steps shard r of the weights, all-gather the updated weights
@@ -20,9 +21,12 @@ pad makes Psi not divisible by P work; it stays 0), rank r owns shard r, S = sum
             forward hook frees it; backward gathers it again (saved-tensor hooks keep only where each
             weight was); the all-gather's backward is the reduce-scatter
 
-Bytes each rank sends per step (rings: lesson 06): DDP's all-reduce 2 (P-1)/P b Psi; ZeRO-1 and -2
-a reduce-scatter and an all-gather, the same; ZeRO-3 two all-gathers and a reduce-scatter, 1.5x.
-`distlab/sharding/accounting.py` holds every formula; the per-rank memory is measured against them.
+Per rank, after a step: DDP e Psi + e Psi + 2 e Psi; ZeRO-1 e Psi + (e Psi + e Psi_P) + 2 e Psi_P
+(+ the shard it steps, e Psi_P); ZeRO-2 e Psi + e Psi_P + 2 e Psi_P (+ e Psi_P); ZeRO-3 4 e Psi_P.
+Bytes each rank sends per step (rings, lesson 06): DDP's all-reduce 2 (P-1) e Psi_P; ZeRO-1 and -2 a
+reduce-scatter and an all-gather, the same; ZeRO-3 two all-gathers and a reduce-scatter, 1.5x, less
+g_0 = (P-1) e ceil(Psi_0 / P): backward never reads the first layer's weights (its input needs no
+gradient), so it is not gathered again. `distlab/sharding/accounting.py` holds every formula.
 
 FSDP2 (`fully_shard`) is ZeRO-3 in PyTorch: same gradients, same states (`distlab/sharding/fsdp.py`
 maps its options onto the stages). `torch.distributed.checkpoint` saves its shards from every rank
@@ -154,19 +158,22 @@ BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}
 def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
     c = cfg.global_batch // rt.world_size
     print0(f"\n[bold]1. What a step holds on each rank (data parallel, C = {c} rows), in KiB[/]")
-    seq, d, heads = 8, 16, 2
-    models = {f"MLP {'-'.join(map(str, cfg.widths))}": (lambda: build_model(cfg), global_batch(cfg, 0),
-                                                        lambda b: accounting.mlp_activations(c, cfg.widths, b)),
-              f"block d={d} h={heads} seq={seq}": (lambda: Block(d, heads), block_batch(cfg.global_batch, seq, d, 0, cfg.dtype),
-                                                   lambda b: accounting.block_activations(c, seq, d, heads, b))}
+    seq, d, heads = 8, 16, 2  # the block: x is (C, seq, d), h = 2 heads
+    models = {  # name: (builder, the global batch, activation bytes at e bytes per element)
+        f"MLP {'-'.join(map(str, cfg.widths))}": (
+            lambda: build_model(cfg).to(rt.device), global_batch(cfg, 0),
+            lambda e: accounting.mlp_activations(c, cfg.widths, e)),
+        f"block d={d} h={heads} seq={seq}": (
+            lambda: Block(d, heads).to(rt.device), block_batch(cfg.global_batch, seq, d, 0, cfg.dtype),
+            lambda e: accounting.block_activations(c, seq, d, heads, e))}
     for name, (build, batch, activations) in models.items():
         x, target = (rows_of(t, rt) for t in batch)
         plain, mixed = holds.plain_step(build, x, target), holds.mixed_step(build, x, target)
         psi, tensors = sum(p.numel() for p in build().parameters()), len(list(build().parameters()))
         f64 = accounting.plain_step(psi, tensors, 8) | {"activations": activations(8)}
         f16 = accounting.mixed_step(psi, tensors) | {"activations": activations(2)}
-        text = {"weights": "b Psi", "gradients": "b Psi", "moments": "2 b Psi", "master copy": "4 Psi",
-                "step counts": "4 x tensors", "activations": "b x C x ..."}
+        text = {"weights": "e Psi", "gradients": "e Psi", "moments": "2 e Psi", "master copy": "4 Psi",
+                "step counts": "4 x tensors", "activations": "e x C x ..."}
         rows = [(k, text[k], f64.get(k, 0), plain.items.get(k, 0), f16[k], mixed.items[k]) for k in f16]
         print0(holds_table(f"{name}: Psi = {psi:,}; peak {plain.peak / 1024:,.1f} (f64), "
                            f"{mixed.peak / 1024:,.1f} KiB (mixed)", rows))
@@ -199,13 +206,13 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
         verdict.check(f"{stage}: PeakMemory's live bytes = held - step counts",
                       run.live_bytes == sum(run.held.values()) - run.held["step counts"])
         expect = accounting.sent(stage, sizes, units[0].shard_numel)
-        sent.append((stage, "3(P-1)bS - (P-1)bS_0" if stage == "ZeRO-3" else "2(P-1) b S", expect, run.sent,
+        sent.append((stage, "3(P-1)e Psi_P - g_0" if stage == "ZeRO-3" else "2(P-1) e Psi_P", expect, run.sent,
                      run.sent / max(1, runs["DDP"].sent)))
         verdict.check(f"{stage}: bytes sent per step = formula", run.sent == expect)
-    print0(memory_table(f"Per rank, KiB (Psi = {sizes.psi:,}, S = {sizes.shard:,}, P = {rt.world_size})", mem))
+    print0(memory_table(f"Per rank, KiB (Psi = {sizes.psi:,}, Psi_P = {sizes.shard:,}, P = {rt.world_size})", mem))
     print0(bytes_table("Bytes each rank sends per step (ring)", sent))
-    print0("ZeRO-3's backward gathers every layer but the first again: the first layer's input needs no "
-           "gradient, so backward never reads its weights (FSDP2 gathers it anyway: 3(P-1)bS).", highlight=False)
+    print0("g_0 = (P-1) e ceil(Psi_0 / P): ZeRO-3's backward gathers every layer again but the first, "
+           "whose input needs no gradient, so backward never reads its weights.", highlight=False)
     verdict.figure("memory", {row[0]: row[1:] for row in mem})
     verdict.figure("sent", {row[0]: row[2:4] for row in sent})
     return runs
@@ -246,14 +253,15 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
     run = save_and_resume(rt, cfg, path[0], cfg.steps, cfg.steps)
     ref = adamw_reference(cfg, 2 * cfg.steps).params
     same = all(torch.equal(run.uninterrupted[k], run.same_p[k]) for k in ref)
+    straight = compare(ref, run.uninterrupted)
     other = compare(run.uninterrupted, run.other_p, 0.0, 1e-12) if run.other_p is not None else []
     worst = max((row.max_abs for row in other), default=0.0)
     print0(rows_table("Every parameter after the last step, against the run that never stopped",
                       ("run", "max |a - uninterrupted|", "claim"),
-                      [("uninterrupted vs one process", f"{max(r.max_abs for r in compare(ref, run.uninterrupted)):.1e}", "1e-10"),
+                      [("uninterrupted vs one process", f"{max(r.max_abs for r in straight):.1e}", "1e-10"),
                        (f"resumed at P = {rt.world_size}", "0 (bit-identical)" if same else "differs", "bit-identical"),
                        (f"resumed at P = {p2}", f"{worst:.1e}" if run.other_p is not None else "(not here)", "1e-12")]))
-    verdict.check("uninterrupted FSDP2 run = one process", all(r.ok for r in compare(ref, run.uninterrupted)))
+    verdict.check("uninterrupted FSDP2 run = one process", all(r.ok for r in straight))
     verdict.check(f"resumed at P = {rt.world_size}: bit-identical to the uninterrupted run", same)
     verdict.check(f"resumed at P = {p2} (resharded): equal to 1e-12", all(r.ok for r in other))
     dist.barrier()

@@ -1,29 +1,29 @@
 """What a training step holds, item by item, in bytes per rank: the formulas lesson 07 checks.
 
-Psi parameters in `tensors` tensors, split into `units` layers; P ranks; b bytes per element of the
-weights, gradients and AdamW moments (8 in float64). A sharded item keeps S = sum_u ceil(Psi_u / P)
-elements per rank (S = Psi / P when P divides every layer's Psi_u; `distlab.sharding.flat`).
+Psi parameters in `tensors` tensors, split into `units` layers; P ranks; e bytes per element of the
+weights, gradients and AdamW moments (8 in float64). A sharded item keeps Psi_P = sum_u ceil(Psi_u / P)
+elements per rank (Psi_P = Psi / P when P divides every layer's Psi_u; `distlab.sharding.flat`).
 
-| item                     | DDP      | ZeRO-1        | ZeRO-2        | ZeRO-3       |
-|--------------------------|----------|---------------|---------------|--------------|
-| weights                  | b Psi    | b Psi         | b Psi         | b S          |
-| gradients                | b Psi    | b Psi + b S   | b S           | b S          |
-| optimizer's shard copy   | -        | b S           | b S           | -            |
-| AdamW moments m, v       | 2 b Psi  | 2 b S         | 2 b S         | 2 b S        |
-| AdamW step counts        | 4 tensors| 4 units       | 4 units       | 4 units      |
+| item                     | DDP       | ZeRO-1              | ZeRO-2     | ZeRO-3     |
+|--------------------------|-----------|---------------------|------------|------------|
+| weights                  | e Psi     | e Psi               | e Psi      | e Psi_P    |
+| gradients                | e Psi     | e Psi + e Psi_P     | e Psi_P    | e Psi_P    |
+| optimizer's shard copy   | -         | e Psi_P             | e Psi_P    | -          |
+| AdamW moments m, v       | 2 e Psi   | 2 e Psi_P           | 2 e Psi_P  | 2 e Psi_P  |
+| AdamW step counts        | 4 tensors | 4 units             | 4 units    | 4 units    |
 
 ZeRO-1 still receives the whole gradient from backward, then reduce-scatters it into a shard (its
-own b S); ZeRO-2 reduce-scatters each layer's gradient as soon as backward has made it and frees the
+own e Psi_P); ZeRO-2 reduce-scatters each layer's gradient as soon as backward has made it and frees the
 whole one; ZeRO-1/2 step a copy of their shard of the weights (the float32 master copy, under mixed
 precision) and all-gather the result into the weights; ZeRO-3's shard is the only copy of the weights.
 
 Mixed precision (bf16 weights and gradients, a float32 master copy and float32 moments) holds
 2 Psi + 2 Psi + 4 Psi + 8 Psi = 16 Psi bytes in DDP, against 8 + 8 + 16 = 32 Psi in float64.
 
-Bytes each rank sends in one step (a ring: `distlab.data_parallel.ring`), b Psi_pad with
-Psi_pad = P S: DDP's all-reduce 2 (P-1)/P b Psi; ZeRO-1 and ZeRO-2 a reduce-scatter of the gradients
-and an all-gather of the weights, 2 (P-1) b S, the same as DDP; ZeRO-3 an all-gather for forward,
-another for backward and a reduce-scatter, 3 (P-1) b S: one and a half times DDP's (less the
+Bytes each rank sends in one step (a ring: `distlab.data_parallel.ring`, over the padded units of
+P Psi_P elements): DDP's all-reduce 2 (P-1)/P e Psi; ZeRO-1 and ZeRO-2 a reduce-scatter of the gradients
+and an all-gather of the weights, 2 (P-1) e Psi_P, the same as DDP; ZeRO-3 an all-gather for forward,
+another for backward and a reduce-scatter, 3 (P-1) e Psi_P: one and a half times DDP's (less the
 first layer's second gather, which backward never needs: `sent`).
 """
 
@@ -42,7 +42,7 @@ class Sizes:
     """What the formulas need about a model on P ranks."""
 
     psi: int       # parameters, Psi
-    shard: int     # S = sum_u ceil(Psi_u / P), one rank's elements of a sharded item
+    shard: int     # Psi_P = sum_u ceil(Psi_u / P), one rank's elements of a sharded item
     tensors: int   # parameter tensors
     units: int     # layers (flat units)
     p: int         # ranks, P
@@ -72,7 +72,7 @@ def held(stage: str, s: Sizes) -> dict[str, int]:
 def sent(stage: str, s: Sizes, first_shard: int = 0) -> int:
     """Bytes one rank sends in one step (a ring). ZeRO-3 gathers a layer again for backward only
     when backward reads its weights: the first layer's input needs no gradient, so its weights are
-    not read (`first_shard` = its S_0 elements, not gathered twice; 0 counts it, as FSDP2 does)."""
+    not read (`first_shard` = its ceil(Psi_0 / P) elements, not gathered twice; 0 counts it, as FSDP2 does)."""
     per_pass = (s.p - 1) * s.shard * s.b  # one reduce-scatter or one all-gather of every unit
     if stage == "ZeRO-3":
         return 3 * per_pass - (s.p - 1) * first_shard * s.b

@@ -2,11 +2,11 @@
 
 A unit is one layer (one child of the model). Its Psi_u parameters, flattened in `named_parameters`
 order, are padded with zeros to P * ceil(Psi_u / P) elements, so that the buffer splits into P equal
-shards of S_u = ceil(Psi_u / P) elements and rank r owns shard r (elements r S_u .. (r+1) S_u - 1).
+shards of ceil(Psi_u / P) elements, and rank r owns shard r.
 Padding is what makes Psi_u not divisible by P work: reduce-scatter and all-gather need equal chunks;
 the pad is zero in the parameters, zero in the gradients, so AdamW (with weight decay) keeps it zero.
 
-One rank holds S = sum_u S_u elements of every sharded item; S = Psi / P exactly when P divides
+One rank holds Psi_P = sum_u ceil(Psi_u / P) elements of every sharded item; Psi_P = Psi / P when P divides
 every Psi_u, and a little more otherwise (at most one element per unit per rank).
 """
 
@@ -27,8 +27,8 @@ class FlatUnit:
         self.shapes = [p.shape for _, p in named]
         self.sizes = [p.numel() for _, p in named]
         self.numel = sum(self.sizes)                        # Psi_u
-        self.shard_numel = math.ceil(self.numel / world_size)  # S_u
-        self.padded = self.shard_numel * world_size         # P S_u
+        self.shard_numel = math.ceil(self.numel / world_size)  # ceil(Psi_u / P)
+        self.padded = self.shard_numel * world_size         # P ceil(Psi_u / P)
         self.rank = rank
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -41,7 +41,7 @@ class FlatUnit:
         return [piece.view(shape) for piece, shape in zip(flat[:self.numel].split(self.sizes), self.shapes)]
 
     def my_shard(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's S_u elements of a padded flat buffer (a view)."""
+        """This rank's ceil(Psi_u / P) elements of a padded flat buffer (a view)."""
         return flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
 
     def named(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -2,17 +2,19 @@
 `distlab.sharding.training`: one `fully_shard` per layer (a layer's weights are all-gathered as one
 group, like ZeRO-3's flat unit), then one on the root. Its parameters become DTensors sharded on
 dim 0 (`Shard(0)`): rank r keeps rows r ceil(rows/P) .. of every parameter, each padded to
-ceil(rows/P) rows, so its bytes per rank are b sum_params ceil(rows/P) x (the other dims).
+ceil(rows/P) rows, so its bytes per rank are e sum_params ceil(rows/P) x (the other dims).
 
 How its options map onto the stages written by hand:
 
-| FSDP2                                        | by hand                                               |
-|----------------------------------------------|-------------------------------------------------------|
-| fully_shard(layer) (reshard_after_forward=True) | ZeRO-3: gathered before forward, freed after it, gathered again for backward |
-| reshard_after_forward=False                  | ZeRO-3 keeping the gathered weights from forward to backward (ZeRO-2's memory in between, one all-gather less) |
-| reshard_after_forward=k (an int)             | freed to shards over k ranks after forward (a smaller gather for backward) |
-| MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) | the sharded fp32 weights are the master copy; bf16 is gathered and computed |
-| set_requires_gradient_sync(False)            | no reduce-scatter (accumulate whole gradients, as `no_sync`) |
+    fully_shard(layer)                  ZeRO-3: gathered before forward, freed after it,
+                                        gathered again for backward
+    reshard_after_forward=False         ZeRO-3 keeping the gathered layer from forward to its
+                                        backward (one all-gather less, more memory between)
+    reshard_after_forward=k (an int)    after forward, resharded over k ranks (a smaller gather)
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)
+                                        the float32 shards are the master copy; bf16 is
+                                        gathered and computed with, gradients reduced in float32
+    set_requires_gradient_sync(False)   no reduce-scatter: accumulate whole gradients (no_sync)
 """
 
 from __future__ import annotations

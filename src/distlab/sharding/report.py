@@ -49,7 +49,8 @@ def agreement_table(title: str, rows: dict[str, tuple[str, Agreement]]):
 def holds_table(title: str, rows: list[tuple[str, str, int, int, int, int]]):
     """item, formula, float64 formula / measured, mixed precision formula / measured (KiB)."""
     return rows_table(title, ("item", "formula", "f64 formula", "measured", "bf16+f32", "measured"),
-                      [(item, text, kib(a), kib(b), kib(c), kib(d)) for item, text, a, b, c, d in rows])
+                      [(item, text, kib(a) if a or b else "-", kib(b) if a or b else "-", kib(c), kib(d))
+                       for item, text, a, b, c, d in rows])
 
 
 def memory_table(title: str, rows: list[tuple[str, int, int, int, int]]):

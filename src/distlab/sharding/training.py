@@ -69,5 +69,6 @@ def run_strategy(rt: Runtime, cfg: ShardingConfig, make: Callable, steps: int | 
     sent = ring.bytes_sent // len(batches) if ring is not None else -1
     mean = torch.tensor(losses, dtype=torch.float64, device=rt.device)
     dist.all_reduce(mean)  # equal shares: the global loss is the mean of the ranks' means
-    trained = Trained(strategy.full_params(), strategy.full_grads(), strategy.full_states(), (mean / rt.world_size).tolist())
+    trained = Trained(strategy.full_params(), strategy.full_grads(), strategy.full_states(),
+                      (mean / rt.world_size).tolist())
     return StrategyRun(trained, held, live, peak, sent)

@@ -209,7 +209,7 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
         sent.append((stage, "3(P-1)e Psi_P - g_0" if stage == "ZeRO-3" else "2(P-1) e Psi_P", expect, run.sent,
                      run.sent / max(1, runs["DDP"].sent)))
         verdict.check(f"{stage}: bytes sent per step = formula", run.sent == expect)
-    print0(memory_table(f"Per rank, KiB (Psi = {sizes.psi:,}, Psi_P = {sizes.shard:,}, P = {rt.world_size})", mem))
+    print0(memory_table(f"Per rank, KiB: Psi = {sizes.psi:,}, Psi_P = {sizes.shard:,}", mem))
     print0(bytes_table("Bytes each rank sends per step (ring)", sent))
     print0("g_0 = (P-1) e ceil(Psi_0 / P): ZeRO-3's backward gathers every layer again but the first, "
            "whose input needs no gradient, so backward never reads its weights.", highlight=False)
@@ -234,7 +234,7 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
                   all(a.ok for _, a in rows.values()))
     print0(memory_table("FSDP2 per rank, KiB", mem))
     print0("FSDP2 frees a gathered layer by resizing its storage to 0 bytes, which PeakMemory does not see: "
-           "its live bytes overstate, and no peak is shown; held counts the live storages.", highlight=False)
+           "its live bytes overstate, and no peak is shown; held counts the live storages.\n", highlight=False)
     verdict.figure("fsdp2_memory", {row[0]: row[1:3] for row in mem})
     print0(rows_table("FSDP2's options and the stages by hand", ("FSDP2", "by hand"), [
         ("fully_shard(layer)", "ZeRO-3: gather, free, gather again"),

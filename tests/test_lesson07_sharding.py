@@ -2,8 +2,8 @@
 (float64, AdamW with weight decay, 3 steps: every parameter, the last gradients, every AdamW state),
 at P = 2, 3, 4 with uneven shards; what each rank holds and sends equals the formulas; a checkpoint
 saved at P = 4 resumes at P = 2 equal to the uninterrupted run (1e-12) and at P = 4 bit-identical.
-One spawn per P (3, 4) runs every strategy; the lesson itself runs under torchrun at P = 2, 80
-columns, making the same claims against one process in its verdict."""
+One spawn per P (3, 4) runs every strategy; the lesson itself runs under torchrun at P = 1 and 2, 80
+columns, making the same claims against one process in its verdict (run_all.sh runs it at P = 4)."""
 
 from __future__ import annotations
 
@@ -115,8 +115,9 @@ def test_every_stage_and_fsdp2_equal_one_process_and_the_formulas(world_size, re
                 assert resume.other_p is None
 
 
-def test_the_lesson_passes_under_torchrun_at_80_columns():
-    out = assert_lesson_passes_at_80_columns("07_sharding.py", 2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_lesson_passes_under_torchrun_at_80_columns(world_size):
+    out = assert_lesson_passes_at_80_columns("07_sharding.py", world_size)
     assert "resumed at P = 1" in out and "0 (bit-identical)" in out
 
 

@@ -1,0 +1,101 @@
+"""One split run against the unsplit reference: the same starting weights, data and masks; the unsplit
+layer trained in one process on the whole batch with plain autograd, the split one on this rank; then
+its output, every gradient and the parameters after the last step compared with the reference's, cut
+as this rank's parameters are cut.
+
+Parts: "mlp", "attention" (x straight in, no dropout) and "block" (LayerNorms, dropout masks,
+residuals). Under sequence parallelism the rank gets its sequence part of x, the target and the masks.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distlab.compare import GradientError, all_ok, compare, gradient_error
+from distlab.memory import PeakMemory
+from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
+from distlab.tensor_parallel.layers import reference_shards
+from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks
+from distlab.tensor_parallel.operators import Comm, Traffic
+from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_masks, seq_part
+from distlab.tensor_parallel.training import Batch, Run, train
+
+PARTS = {"mlp": (lambda b: b.mlp, ParallelMLP), "attention": (lambda b: b.attn, ParallelAttention),
+         "block": (lambda b: b, ParallelBlock)}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A split run against the reference: output, step-1 gradients, parameters after the last step
+    and every step's loss; the bytes this rank sent."""
+
+    output: bool
+    grads: GradientError
+    params: bool
+    losses: bool
+    traffic: Traffic
+
+    @property
+    def ok(self) -> bool:
+        return self.output and self.grads.ok and self.params and self.losses
+
+
+def reference_run(cfg: BlockConfig, part: str, steps: int, lr: float) -> Run:
+    block, x, target = build(cfg)
+    masks = [dropout_masks(cfg, s) for s in range(steps)] if part == "block" else None
+    x.requires_grad_()  # dL/dx is checked too: the gradient the layer before would receive
+    return train(copy.deepcopy(PARTS[part][0](block)), Batch(x, target, x.numel(), masks), steps, lr)
+
+
+def rank_batch(cfg: BlockConfig, part: str, comm: Comm, steps: int, device: torch.device) -> Batch:
+    """This rank's batch: everything under tensor parallelism, its sequence part under sequence parallelism."""
+    _, x, target = build(cfg)
+    masks = [dropout_masks(cfg, s) for s in range(steps)] if part == "block" else None
+    rank, p = dist.get_rank(comm.group), dist.get_world_size(comm.group)
+    if comm.sequence_parallel:
+        x, target = seq_part(x, rank, p), seq_part(target, rank, p)
+        masks = [seq_masks(m, rank, p) for m in masks] if masks is not None else None
+    to = (lambda t: None if t is None else t.to(device))
+    masks = [tuple(map(to, m)) if m is not None else None for m in masks] if masks is not None else None
+    return Batch(to(x).requires_grad_(), to(target), x.numel() * (p if comm.sequence_parallel else 1), masks)
+
+
+def split_module(cfg: BlockConfig, part: str, comm: Comm, device: torch.device):
+    rank, p = dist.get_rank(comm.group), dist.get_world_size(comm.group)
+    return PARTS[part][1](PARTS[part][0](build(cfg)[0]), rank, p, comm).to(device)
+
+
+def split_run(rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float) -> Outcome:
+    """`part` split over comm's group with comm's operators, `steps` SGD steps, against the reference."""
+    model = split_module(cfg, part, comm, rt.device)
+    run = train(model, rank_batch(cfg, part, comm, steps, rt.device), steps, lr,
+                lambda: reduce_sequence_parallel_grads(model, comm))
+    ref = reference_run(cfg, part, steps, lr)
+    rank, p = dist.get_rank(comm.group), dist.get_world_size(comm.group)
+    cut = (lambda t: seq_part(t, rank, p)) if comm.sequence_parallel else (lambda t: t)
+    expected = reference_shards(ref.first_grads, model, rank, p) | {"input": cut(ref.first_grads["input"])}
+    losses = torch.tensor(run.losses, dtype=torch.float64, device=rt.device)
+    if comm.sequence_parallel:  # each rank holds its tokens' share of the loss: add them for the report
+        dist.all_reduce(losses, group=comm.group)
+    return Outcome(
+        output=all_ok(compare({"z": cut(ref.first_output)}, {"z": run.first_output})),
+        grads=gradient_error(expected, run.first_grads),
+        params=all_ok(compare(reference_shards(ref.params, model, rank, p), run.params)),
+        losses=torch.allclose(losses.cpu(), torch.tensor(ref.losses, dtype=torch.float64), rtol=1e-10, atol=0),
+        traffic=comm.traffic)
+
+
+def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm) -> int:
+    """Bytes one block's forward leaves alive on this rank (saved for backward, and its output)."""
+    model = split_module(cfg, "block", comm, rt.device)
+    batch = rank_batch(cfg, "block", comm, 1, rt.device)
+    batch.x.requires_grad_(False)  # the block's own activations only
+    with PeakMemory() as mem:
+        out = model(batch.x, batch.masks[0])
+        live = mem.live_bytes
+    del out
+    return live

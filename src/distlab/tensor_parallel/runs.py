@@ -35,9 +35,11 @@ class Outcome:
 
     output: bool
     grads: GradientError
+    grads_max_abs: float  # the largest |a - r| over every gradient
     params: bool
     losses: bool
     traffic: Traffic
+    run: Run  # this rank's run: its output, gradients and parameters in our layout
 
     @property
     def ok(self) -> bool:
@@ -84,18 +86,36 @@ def split_run(rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float
     return Outcome(
         output=all_ok(compare({"z": cut(ref.first_output)}, {"z": run.first_output})),
         grads=gradient_error(expected, run.first_grads),
+        grads_max_abs=max(row.max_abs for row in compare(expected, run.first_grads)),
         params=all_ok(compare(reference_shards(ref.params, model, rank, p), run.params)),
         losses=torch.allclose(losses.cpu(), torch.tensor(ref.losses, dtype=torch.float64), rtol=1e-10, atol=0),
-        traffic=comm.traffic)
+        traffic=comm.traffic, run=run)
 
 
-def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm) -> int:
-    """Bytes one block's forward leaves alive on this rank (saved for backward, and its output)."""
+def same_runs(ours: Run, theirs: Run) -> bool:
+    """Two runs of the same split (ours, torch's): output, step-1 gradients, final parameters."""
+    return (all_ok(compare({"z": ours.first_output}, {"z": theirs.first_output}))
+            and all_ok(compare(ours.first_grads, theirs.first_grads)) and all_ok(compare(ours.params, theirs.params)))
+
+
+def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm) -> tuple[int, int]:
+    """(saved, peak) bytes of one block's forward on this rank. saved: the distinct storages autograd
+    saves for backward (parameters and inputs not counted) plus the output: what stays alive until
+    backward. peak: `PeakMemory`'s peak of the forward's allocations, temporaries included (its live
+    count at the end is not used: gloo releases a collective's buffers from its own thread, a little
+    later or not, so it varies from run to run)."""
     model = split_module(cfg, "block", comm, rt.device)
     batch = rank_batch(cfg, "block", comm, 1, rt.device)
-    batch.x.requires_grad_(False)  # the block's own activations only
-    with PeakMemory() as mem:
-        out = model(batch.x, batch.masks[0])
-        live = mem.live_bytes
-    del out
-    return live
+    x = batch.x.detach()
+    known = {t.untyped_storage().data_ptr() for t in (x, *batch.masks[0], *model.parameters())}
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in known:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with PeakMemory() as mem, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x, batch.masks[0])
+    return sum(saved.values()) + out.untyped_storage().nbytes(), mem.peak_bytes

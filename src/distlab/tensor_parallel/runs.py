@@ -119,3 +119,15 @@ def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm) -> tuple[int, in
     with PeakMemory() as mem, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x, batch.masks[0])
     return sum(saved.values()) + out.untyped_storage().nbytes(), mem.peak_bytes
+
+
+def block_costs(rt, cfg: BlockConfig) -> dict[str, tuple[float, int, bool]]:
+    """For TP and TP + SP, one step of the block on this rank: (bytes sent, activation bytes kept,
+    equal to the unsplit block) - what the notebook plots against P."""
+    from distlab.tensor_parallel.operators import sequence_parallel, tensor_parallel
+
+    out = {}
+    for name, make in (("TP", tensor_parallel), ("TP + SP", sequence_parallel)):
+        outcome = split_run(rt, cfg, "block", make(), 1, 0.5)
+        out[name] = (float(outcome.traffic.total()), activation_bytes_measured(rt, cfg, make())[0], outcome.ok)
+    return out

@@ -15,14 +15,14 @@ heads per rank, attention head by head, the output projection row) each communic
 
 the two conjugate operators, written out below as autograd Functions (`Copy`, `Reduce`); the
 library's `distlab/tensor_parallel/operators.py` holds the same and is proven equal to them. Bytes per
-rank and step for a, the N x seq x d activation, e bytes an element: 2(P-1)/P a e each way, per MLP
+rank and step, e bytes an element: 2(P-1)/P N seq d e each way (N x seq x d: the activation), per MLP
 and per attention (ring accounting of lesson 06). Heads h and width d_ff must divide by P.
 
 Sequence parallelism. Between those regions the block runs LayerNorms, dropout and residual adds,
 the same work on the same whole tensors on every rank. Cut them along the sequence instead, and
 split each all-reduce into its halves: f-bar = all-gather forward / reduce-scatter backward, g-bar =
 reduce-scatter forward / all-gather backward (`operators.GatherFromSP`, `ScatterToSP`). The bytes are
-the same ((P-1)/P a e + (P-1)/P a e = 2(P-1)/P a e); the region's activations shrink by P; the
+the same ((P-1)/P + (P-1)/P = 2(P-1)/P of N seq d e); the region's activations shrink by P; the
 parameters used on sequence parts (LayerNorms, row biases: 6 d values) get partial gradients, all-
 reduced once after backward. Dropout is exact because the masks of the whole batch are drawn from
 (seed, step), each rank applying its part, the reference all of them (`model.dropout_masks`).
@@ -128,17 +128,21 @@ def show_tensor_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) 
     p = rt.world_size
     outcomes = {part: split_run(rt, cfg, part, by_hand(), args.steps, args.lr) for part in ("mlp", "attention")}
     print0(equality_table(f"Split over P = {p} (the lesson's f and g) against the unsplit layer", outcomes))
-    rows = [(part, _sent(o.traffic), cost.expected_traffic(cfg, part, p, False, args.steps))
+    rows = [(part, _sent(o.traffic), _nonzero(cost.expected_traffic(cfg, part, p, False, args.steps)))
             for part, o in outcomes.items()]
-    print0(bytes_table(f"Bytes rank {rt.rank} sent in {args.steps} steps; formula 2(P-1)/P a e each way "
-                       f"a step, a = N seq d = {cfg.batch * cfg.seq * cfg.dim}, e = 8", rows))
+    print0(bytes_table(f"Bytes rank {rt.rank} sent in {args.steps} steps; formula 2(P-1)/P N seq d e "
+                       f"each way a step, N seq d = {cfg.batch * cfg.seq * cfg.dim}, e = 8", rows))
     verdict.check(f"MLP, attention by heads = unsplit (P = {p}, {args.steps} steps)",
                   all(o.ok for o in outcomes.values()))
-    verdict.check("their bytes per rank = 2(P-1)/P a e each way", all(c == f for _, c, f in rows))
+    verdict.check("their bytes per rank = 2(P-1)/P N seq d e each way", all(c == f for _, c, f in rows))
 
 
 def _sent(traffic: operators.Traffic) -> dict:
-    return {key: value for key, value in traffic.sent.items() if value}
+    return _nonzero(traffic.sent)
+
+
+def _nonzero(bytes_by_key: dict) -> dict:  # at P = 1 nothing is sent: no rows
+    return {key: value for key, value in bytes_by_key.items() if value}
 
 
 SPLITS = {"TP": operators.tensor_parallel, "TP + SP": operators.sequence_parallel}
@@ -150,8 +154,8 @@ def show_sequence_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict
     p = rt.world_size
     outcomes = {name: split_run(rt, cfg, "block", make(), args.steps, args.lr) for name, make in SPLITS.items()}
     print0(equality_table(f"The block on P = {p} against the unsplit block, the same masks", outcomes))
-    rows = [(name, _sent(o.traffic), {k: v for k, v in cost.expected_traffic(
-        cfg, "block", p, name != "TP", args.steps).items() if v}) for name, o in outcomes.items()]
+    rows = [(name, _sent(o.traffic), _nonzero(cost.expected_traffic(cfg, "block", p, name != "TP", args.steps)))
+            for name, o in outcomes.items()]
     print0(bytes_table(f"Bytes rank {rt.rank} sent in {args.steps} steps, and the formulas", rows))
     tp_bytes, sp_bytes = (o.traffic.total("forward") + o.traffic.total("backward") for o in outcomes.values())
     verdict.check(f"the block, TP and TP + SP = unsplit (P = {p}, dropout on)", all(o.ok for o in outcomes.values()))
@@ -164,16 +168,16 @@ def show_memory(rt: Runtime, cfg: BlockConfig, verdict: Verdict) -> None:
     p, (region, gathered, split) = rt.world_size, cost.activation_terms(cfg)
     out = table(f"What one block's forward keeps for backward on rank {rt.rank}, bytes",
                 ("split", "measured", "formula", "=", "peak"),
-                caption=f"formula: S + G + H/P (TP), S/P + G + H/P (TP + SP), elements x 8: "
-                        f"S = N seq (2d+4) = {region}, G = 2 N seq d = {gathered}, H = N seq (4d + 2d_ff) "
-                        f"+ N h seq = {split}. peak: PeakMemory's, temporaries and collective buffers included")
+                caption=f"formula: region + gathered + inside/P (TP), (region + inside)/P + gathered "
+                        f"(TP + SP), elements x 8: region = N seq (2d+4) = {region}, gathered = 2 N seq d = "
+                        f"{gathered}, inside = N seq (4d + 2d_ff) + N h seq = {split}. peak: PeakMemory's, temporaries and collective buffers included")
     measured = {}
     for name, make in SPLITS.items():
         (saved, peak), formula = activation_bytes_measured(rt, cfg, make()), cost.activation_bytes(cfg, p, name != "TP")
         measured[name] = (saved, formula)
         out.add_row(name, f"{saved:,}", f"{int(formula):,}", mark(saved == formula), f"{peak:,}")
     print0(out)
-    verdict.check("activations per rank = S + G + H/P; with SP S/P + G + H/P",
+    verdict.check("activations per rank = the formulas, TP and TP + SP",
                   all(m == f for m, f in measured.values()))
     verdict.figure("activation_bytes", {n: m for n, (m, _) in measured.items()})
 
@@ -215,7 +219,7 @@ def show_two_d(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
     params = all_ok(compare(reference_shards(ref.params, model, where["i_tp"], tp), run.params))
     counted = _sent(model.attn.comm.traffic)
     shard = sum(q.numel() for q in model.parameters())
-    formula = {k: v for k, v in mesh2d.expected_2d_traffic(cfg, rt.world_size, shard).items() if v}
+    formula = _nonzero(mesh2d.expected_2d_traffic(cfg, rt.world_size, shard))
     print0(f"rank {rt.rank}: tensor-parallel group {where['tp_ranks']}, data-parallel group {where['dp_ranks']}")
     print0(bytes_table(f"Bytes rank {rt.rank} sent in one 2-D step ({shard} parameters in its shard)",
                        [(f"{dp} x {tp}", counted, formula)]))

@@ -70,7 +70,7 @@ def _nonzero(bytes_by_key):
     return {k: v for k, v in bytes_by_key.items() if v}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_claim(world_size):
     for rank, ok in enumerate(spawn(_everything, world_size)):
         failed = [name for name, good in ok.items() if not good]
@@ -84,7 +84,7 @@ def test_lesson_passes_at_p4_on_a_2x2_mesh():
 
 
 def test_the_formulas_in_closed_form():
-    # Tensor parallel: 2(P-1)/P a e each way per MLP; sequence parallel: the same, halves of it.
+    # Tensor parallel: 2(P-1)/P N seq d e each way per MLP; sequence parallel: the same, halves of it.
     a_bytes = CFG.batch * CFG.seq * CFG.dim * 8
     tp = cost.expected_traffic(CFG, "mlp", 4, False)
     sp = cost.expected_traffic(CFG, "block", 4, True)

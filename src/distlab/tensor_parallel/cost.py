@@ -1,10 +1,10 @@
 """What tensor and sequence parallelism cost per rank, in closed form (lesson 08).
 
-Bytes (ring accounting of lesson 06; e bytes per element; a = N seq d elements, the block's activation):
+Bytes (ring accounting of lesson 06; e bytes per element; N seq d elements in the block's activation):
 
-    tensor parallel, per MLP or attention, per step:   forward  all-reduce 2(P-1)/P a e  (g)
-                                                       backward all-reduce 2(P-1)/P a e  (f)
-    sequence parallel, the same:                       forward  all-gather (P-1)/P a e + reduce-scatter (P-1)/P a e
+    tensor parallel, per MLP or attention, per step:   forward  all-reduce 2(P-1)/P N seq d e  (g)
+                                                       backward all-reduce 2(P-1)/P N seq d e  (f)
+    sequence parallel, the same:                       forward  all-gather + reduce-scatter, (P-1)/P N seq d e each
                                                        backward reduce-scatter + all-gather, the same
                                                        after backward: all-reduce 2(P-1)/P 6d e (LayerNorms, row biases)
 
@@ -13,15 +13,15 @@ so the activations' bytes are equal; sequence parallelism adds only the 6 d-vect
 Activation memory of one block's forward per rank: what it leaves alive for backward, plus its output
 (elements; torch 2.13's autograd on this block, every tensor it keeps named):
 
-    region between the parallel layers:  S = N seq (2d + 4)   y and z (N seq d each), LN_1 and LN_2's mean
+    between the parallel layers: region   = N seq (2d + 4)   y and z (N seq d each), LN_1 and LN_2's mean
                                              and 1/std (N seq each): cut by P under sequence parallelism
-    gathered inputs of q, k, v and fc1:  G = 2 N seq d        whole on every rank, in both
-    inside the parallel layers:          H = N seq (4d + 2 d_ff) + N h seq    q, k, v, the heads' output,
+    inputs of q, k, v and fc1:   gathered = 2 N seq d        whole on every rank, in both
+    inside the parallel layers:  inside   = N seq (4d + 2 d_ff) + N h seq    q, k, v, the heads' output,
                                              fc1's output and GELU's, softmax's log-sum-exp per head and row
 
-    tensor parallel:   S + G + H / P          sequence parallel:   S / P + G + H / P
+    tensor parallel:   region + gathered + inside / P      sequence parallel:   (region + inside) / P + gathered
 
-(Megatron-LM also keeps G cut, saving each rank's part and all-gathering it again in backward.)
+(Megatron-LM also keeps `gathered` cut, saving each rank's part and all-gathering it again in backward.)
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def expected_traffic(cfg: BlockConfig, part: str, world_size: int, sequence_para
 
 
 def activation_terms(cfg: BlockConfig) -> tuple[int, int, int]:
-    """(S, G, H) of the docstring, in elements."""
+    """(region, gathered, inside) of the docstring, in elements."""
     tokens = cfg.batch * cfg.seq
     return tokens * (2 * cfg.dim + 4), 2 * tokens * cfg.dim, tokens * (4 * cfg.dim + 2 * cfg.ffn + cfg.heads)
 

@@ -8,8 +8,8 @@ within the row, then every gradient all-reduced down the column. The loss share 
 part of the whole batch's mean, so the column SUMS (no 1/dp: each share was divided by the whole
 batch's count already; the same as DDP's average of means).
 
-Bytes per rank and step: tensor parallel 2 x 2 (2(tp-1)/tp) (N/dp) seq d e (two all-reduces each way,
-on its own rows), data parallel 2(dp-1)/dp Psi_r e, Psi_r the rank's parameter count.
+Bytes per rank and step: tensor parallel 2(tp-1)/tp (N/dp) seq d e per all-reduce, two each way
+(attention, MLP; on its own rows), data parallel 2(dp-1)/dp Psi_r e, Psi_r the rank's parameter count.
 """
 
 from __future__ import annotations

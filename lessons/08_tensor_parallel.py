@@ -29,8 +29,10 @@ reduced once after backward. Dropout is exact because the masks of the whole bat
 
 torch's own: the same block under `parallelize_module` with `ColwiseParallel`, `RowwiseParallel`,
 `SequenceParallel` on a `DeviceMesh` over gloo; its parameters become DTensors with placements, and
-DTensor derives the collectives from them (`distlab/tensor_parallel/torch_tp.py` says where they
-differ from ours). Two dimensions: on a dp x tp mesh (`init_device_mesh(..., mesh_dim_names=("dp",
+DTensor derives the collectives from them. It computes what ours does; it communicates differently:
+each ColwiseParallel layer carries its own f, so q, k and v all-reduce their input gradients three
+times where our one f does it once, and under SequenceParallel the LayerNorms' gradients stay
+Partial until the optimizer step all-reduces them, one tensor each (`distlab/tensor_parallel/torch_tp.py`). Two dimensions: on a dp x tp mesh (`init_device_mesh(..., mesh_dim_names=("dp",
 "tp"))`, 2 x 2 at P = 4) each row splits the block, each column holds the same shard on N/dp rows and
 sums its gradients (`distlab/tensor_parallel/mesh2d.py`).
 

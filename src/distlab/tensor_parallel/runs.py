@@ -21,7 +21,7 @@ from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, Par
 from distlab.tensor_parallel.layers import reference_shards
 from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks
 from distlab.tensor_parallel.operators import Comm, Traffic
-from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_masks, seq_part
+from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.tensor_parallel.training import Batch, Run, train
 
 PARTS = {"mlp": (lambda b: b.mlp, ParallelMLP), "attention": (lambda b: b.attn, ParallelAttention),
@@ -58,12 +58,10 @@ def rank_batch(cfg: BlockConfig, part: str, comm: Comm, steps: int, device: torc
     _, x, target = build(cfg)
     masks = [dropout_masks(cfg, s) for s in range(steps)] if part == "block" else None
     rank, p = dist.get_rank(comm.group), dist.get_world_size(comm.group)
-    if comm.sequence_parallel:
-        x, target = seq_part(x, rank, p), seq_part(target, rank, p)
-        masks = [seq_masks(m, rank, p) for m in masks] if masks is not None else None
-    to = (lambda t: None if t is None else t.to(device))
-    masks = [tuple(map(to, m)) if m is not None else None for m in masks] if masks is not None else None
-    return Batch(to(x).requires_grad_(), to(target), x.numel() * (p if comm.sequence_parallel else 1), masks)
+    mine = (lambda t: seq_part(t, rank, p).to(device)) if comm.sequence_parallel else (lambda t: t.to(device))
+    if masks is not None:
+        masks = [None if m is None else tuple(mine(t) for t in m) for m in masks]
+    return Batch(mine(x).requires_grad_(), mine(target), x.numel(), masks)
 
 
 def split_module(cfg: BlockConfig, part: str, comm: Comm, device: torch.device):

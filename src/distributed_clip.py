@@ -7,8 +7,8 @@
 
 config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": T, "TAU": tau}; leave TAU
 out when model(x, y) returns (z_x, z_y, logit_scale). Optional "NORMALISERS": "sharded" (default) or
-"replicated". The model is DDP, torch.compile(DDP) or FSDP2-wrapped, with `encoder_x` and
-`encoder_y` on the wrapped module. See `distlab.streamed.step` for the phases and the math,
+"replicated". The model is DDP, torch.compile(DDP) or FSDP2-wrapped; forward(x, y) returns a tuple
+or open_clip's dict (output_dict=True), so a stock open_clip CLIP drops in. See `distlab.streamed.step` for the phases and the math,
 lesson 14 for a training loop, and the README's "Using distributed_clip in your training".
 """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from distlab.chunks import balanced_chunks
@@ -32,8 +32,9 @@ class StreamConfig:
     t: int               # T, the stream chunk (tiles are at most T x T)
     tau: float | None    # None: the model returns the logit scale s
     normalisers: str     # "sharded" or "replicated"
-    world: int           # P
-    rank: int
+    world: int           # P, the size of the group the wrapper reduces over
+    rank: int            # this rank's place in that group
+    group: Any = field(default=None, compare=False)  # that process group (None: the world)
 
     @property
     def local(self) -> int:
@@ -92,8 +93,10 @@ def _tau(config: Mapping[str, Any]) -> float | None:
     return float(tau)
 
 
-def parse_config(config: Mapping[str, Any], world: int, rank: int) -> StreamConfig:
-    """Check the keys and their values; pure, so it is the same on every rank."""
+def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = None) -> StreamConfig:
+    """Check the keys and their values; pure, so it is the same on every rank. `world` and `rank` are
+    the size of `group` (the process group the wrapper reduces over; None: the world) and this
+    rank's place in it: N is the batch of that group."""
     if not isinstance(config, Mapping):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
     known = REQUIRED + OPTIONAL
@@ -115,4 +118,4 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int) -> StreamConf
     if n % world:
         raise ValueError(f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: "
                          "every rank must hold N / P pairs")
-    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank)
+    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group)

@@ -22,7 +22,8 @@ phase 4  `phase4_outputs`, `phase4_backward`: the micro-batch's outputs with a g
 phase 5  the wrapper's reduction [sync 2]: every micro-batch's backward but the last runs with it off.
 
 The loss-specific math is phases 2 and 3 (with `tiles`); the exchange is `gather_embeddings`; the
-guards are `guards.ready_step`; wrappers, BatchNorm and precision are `wrappers`. Cost per rank:
+guards are `guards.ready_step`; a rank that dies mid-step is named by `peers`; wrappers, BatchNorm and
+precision are `wrappers`. Every exchange runs over the wrapper's process group. Cost per rank:
 6 C N d multiply-adds of loss machinery, O(N d) memory plus tiles of at most T x T.
 """
 
@@ -38,7 +39,8 @@ from torch import nn
 
 from distlab.contrastive.rand_context import RandContext
 from distlab.streamed.config import StreamConfig, parse_config
-from distlab.streamed.guards import Outputs, Ready, ready_step
+from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
+from distlab.streamed.peers import naming_dead_peers
 from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
 from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, surrogate_multiplier
 
@@ -97,17 +99,19 @@ def gather_embeddings(local: LocalForward, cfg: StreamConfig) -> Embedded:
     z_x = torch.cat([out[0].detach() for out in local.outputs])
     z_y = torch.cat([out[1].detach() for out in local.outputs])
     s = 1.0 / cfg.tau if cfg.tau is not None else float(local.outputs[0][2].detach().double().reshape(()))
-    return Embedded(*gather_pairs(z_x, z_y, cfg.n), s)
+    return Embedded(*gather_pairs(z_x, z_y, cfg.n, cfg.group), s)
 
 
-def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One collective for both (z_x | z_y side by side, in their own dtype when they share one; matmul
-    reads the halves' row stride of 2d as is), upcast to the compute dtype after."""
+def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int,
+                 group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One collective over `group` (the wrapper's; None: the world) for both (z_x | z_y side by side,
+    in their own dtype when they share one; matmul reads the halves' row stride of 2d as is), upcast
+    to the compute dtype after."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
     mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
     gathered = mine.new_empty((n, mine.shape[1]))
-    dist.all_gather_single(gathered, mine)
+    dist.all_gather_single(gathered, mine, group=group)
     gathered = gathered.to(dtype)
     return gathered[:, :z_x.shape[1]], gathered[:, z_x.shape[1]:]
 
@@ -126,7 +130,7 @@ def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
             # One tiny all-gather: my a's, my b's and my share of the loss (2C + 1 floats per rank).
             mine = torch.cat((a_own, b_own, (nll_x + nll_y).sum().unsqueeze(0)))
             every = mine.new_empty(cfg.world * len(mine))
-            dist.all_gather_single(every, mine)
+            dist.all_gather_single(every, mine, group=cfg.group)
             every = every.view(cfg.world, len(mine))
             a, b = every[:, :cfg.local].reshape(-1), every[:, cfg.local:2 * cfg.local].reshape(-1)
             total = every[:, -1].sum()  # the same numbers in the same order on every rank
@@ -160,7 +164,7 @@ def phase4_outputs(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, local: Lo
     if local.kept:
         return local.outputs[k]
     with local.rng[k]:
-        out = wrapped.model(x, y)
+        out = as_outputs(wrapped.model(x, y))
     return (*out, None) if len(out) == 2 else tuple(out)
 
 
@@ -191,28 +195,40 @@ def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, An
     return norm.loss, torch.cat([g[0] for g in grads]), torch.cat([g[1] for g in grads])
 
 
+def not_finite(emb: Embedded, cfg: StreamConfig) -> str:
+    """Which ranks' embeddings are not finite, read from the gathered Z_x, Z_y: the same words on every
+    rank, with no exchange."""
+    finite = torch.isfinite(emb.z_x).all(dim=1) & torch.isfinite(emb.z_y).all(dim=1)
+    ranks = dist.get_process_group_ranks(cfg.group or dist.group.WORLD)
+    bad = sorted({ranks[i // cfg.local] for i in (~finite).nonzero().flatten().tolist()})
+    if not bad:
+        return f"every embedding is finite; the logits s z_x . z_y overflowed (s = {emb.s:g})"
+    return f"non-finite embeddings on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+
+
 def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
          grad_scaler: Any, stop_if_not_finite: bool) -> float:
-    ready = ready_step(model, local_x, local_y, config)       # a step every rank agreed to, or one error
-    cfg, wrapped = ready.cfg, ready.wrapped
-    restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
-    local = phase1_forward(ready, local_x, local_y)                                         # phase 1
-    emb = gather_embeddings(local, cfg)                                                     # sync 1
-    norm = phase2_normalisers(emb, cfg)                                                     # phase 2
-    if stop_if_not_finite and not math.isfinite(norm.loss):
-        restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
-        raise FloatingPointError(f"the global loss is {norm.loss} (non-finite embeddings on some rank): "
-                                 "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
-                                 "are as they were")
-    multiplier = surrogate_multiplier(ready.factor, grad_scaler, emb.z_x)
-    for k, rows in enumerate(local.micro):
-        # Phase 5: the wrapper reduces in the last micro-batch's backward only (a recompute's forward
-        # runs inside the same no_sync, where DDP decides whether its backward reduces).
-        with wrapped.accumulating(reduce=k == len(local.micro) - 1):
-            outputs = phase4_outputs(wrapped, local_x[rows], local_y[rows], local, k)
-            grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))        # phase 3
-            phase4_backward(outputs, grads, multiplier)                                     # phase 4
-    return norm.loss
+    with naming_dead_peers(exchange_group(model)):  # a peer that dies in an exchange is named, not echoed
+        ready = ready_step(model, local_x, local_y, config)       # a step every rank agreed to, or one error
+        cfg, wrapped = ready.cfg, ready.wrapped
+        restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
+        local = phase1_forward(ready, local_x, local_y)                                         # phase 1
+        emb = gather_embeddings(local, cfg)                                                     # sync 1
+        norm = phase2_normalisers(emb, cfg)                                                     # phase 2
+        if stop_if_not_finite and not math.isfinite(norm.loss):
+            restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
+            raise FloatingPointError(f"the global loss is {norm.loss} ({not_finite(emb, cfg)}): "
+                                     "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
+                                     "are as they were")
+        multiplier = surrogate_multiplier(ready.factor, grad_scaler, emb.z_x)
+        for k, rows in enumerate(local.micro):
+            # Phase 5: the wrapper reduces in the last micro-batch's backward only (a recompute's forward
+            # runs inside the same no_sync, where DDP decides whether its backward reduces).
+            with wrapped.accumulating(reduce=k == len(local.micro) - 1):
+                outputs = phase4_outputs(wrapped, local_x[rows], local_y[rows], local, k)
+                grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))        # phase 3
+                phase4_backward(outputs, grads, multiplier)                                     # phase 4
+        return norm.loss
 
 
 def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor,
@@ -222,13 +238,16 @@ def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch
     It neither zeroes the gradients nor steps; it returns the global loss as a Python float (computed
     in float32, or float64 for a float64 model), non-finite as it is if some rank's embeddings were.
     `model` is DDP, torch.compile(DDP) or FSDP2-wrapped; its forward(x, y) returns (z_x, z_y) or
-    (z_x, z_y, s) with s the logit scale (then config has no TAU); `encoder_x` and `encoder_y` sit on
-    the wrapped module. config: GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T),
-    TAU unless the model returns s, optional NORMALISERS ("sharded" | "replicated"). With `grad_scaler`
-    (torch.amp.GradScaler) the VJP is scaled as scaler.scale(loss).backward() would scale it. Called
-    inside `model.no_sync()` it accumulates without reducing; the next call outside reduces, once.
-    Bad inputs raise the same ValueError on every rank before the first all-gather (a RuntimeError
-    when model(x, y) itself raised on some rank).
+    (z_x, z_y, s) with s the logit scale (then config has no TAU), or open_clip's dict of them
+    (output_dict=True); what trains is read from the parameters and from which outputs require grad.
+    N is the batch of the wrapper's process group (a DDP subgroup: its ranks only). config:
+    GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T), TAU unless the model returns
+    s, optional NORMALISERS ("sharded" | "replicated"). With `grad_scaler` (torch.amp.GradScaler) the
+    VJP is scaled as scaler.scale(loss).backward() would scale it. Called inside `model.no_sync()` it
+    accumulates without reducing; the next call outside reduces, once. Bad inputs raise the same
+    ValueError on every rank before the first all-gather (a RuntimeError when model(x, y) itself
+    raised on some rank); a rank that dies during the step's exchanges is named in a RuntimeError on
+    the ranks still running (`peers`).
     """
     return _run(model, local_x, local_y, config, grad_scaler, stop_if_not_finite=False)
 

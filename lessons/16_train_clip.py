@@ -83,7 +83,7 @@ def parse_args():
     parser.add_argument("--global-batch", type=positive_int, default=256, help="N pairs per step, over P ranks")
     parser.add_argument("--micro-batch-size", type=positive_int, default=64,
                         help="B; B >= C = N / P runs the towers once per step")
-    parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T, columns per tile")
+    parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T: tiles are at most T x T")
     parser.add_argument("--steps", type=positive_int, default=150, help="optimiser steps")
     parser.add_argument("--warmup", type=positive_int, default=15, help="warm-up steps of the schedule")
     parser.add_argument("--lr", type=positive_float, default=5e-3, help="AdamW's peak learning rate")

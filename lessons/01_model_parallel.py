@@ -70,13 +70,13 @@ class ModelParallelStep:
             dist.send(a_out.detach(), dst=p + 1)
         # Backward: the last rank starts from the loss, the others from dL/dA_p sent back by p+1.
         if p == last:
-            with span("B", step):
+            with span("I", step):
                 loss = F.mse_loss(a_out, self.target.to(dev))
                 loss.backward()
         else:
             grad_out = torch.empty_like(a_out)
             dist.recv(grad_out, src=p + 1)
-            with span("B", step):
+            with span("I", step):
                 a_out.backward(grad_out)
         if p > 0:
             dist.send(a_in.grad, dst=p - 1)
@@ -111,7 +111,7 @@ def main() -> int:
         # Step 1 pays one-off costs (first connections, allocations); draw the last, steady step.
         last = [s for s in run.spans if s.step == args.steps - 1]
         busy = busy_fractions(last, rt.world_size)
-        print0(f"\n[bold]Who computes when in step {args.steps}[/] (F forward, B backward, . waiting in recv):")
+        print0(f"\n[bold]Who computes when in step {args.steps}[/] (F forward, I backward, . waiting in recv):")
         print0(render(last, rt.world_size))
         print0("busy fraction per rank: " + ", ".join(f"rank {r} {f:.0%}" for r, f in enumerate(busy)))
         peak = verdict.figure("most_ranks_computing_at_once", max_concurrency(run.spans))

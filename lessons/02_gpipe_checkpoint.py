@@ -112,7 +112,7 @@ def main() -> int:
         ckpt = train(rt, cfg.replace(checkpoint_segments=k), PipelineStep(rt, cfg.replace(checkpoint_segments=k)))
 
         timing = simulate(gpipe(p, m))
-        print0(render(timing, f"\nGPipe, P={p}, M={m}: one column per tick (F forward 1, B backward 2, . idle)"))
+        print0(render(timing, f"\nGPipe, P={p}, M={m}: one column per tick (F forward 1, I backward 2, . idle)"))
         bubble, formula = verdict.figure("bubble", timing.bubble_fraction()), (p - 1) / (m + p - 1)
         verdict.check("the bubble counted in GPipe's grid is (P-1)/(M+P-1)", abs(bubble - formula) < 1e-12,
                       f"{bubble:.4f} = {formula:.4f}")

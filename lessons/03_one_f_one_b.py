@@ -56,8 +56,8 @@ def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
         warmup = min(num_ranks - r - 1, microbatches)
         order = [Action("F", i, r) for i in range(warmup)]
         for k in range(microbatches - warmup):
-            order += [Action("F", warmup + k, r), Action("B", k, r)]
-        order += [Action("B", i, r) for i in range(microbatches - warmup, microbatches)]
+            order += [Action("F", warmup + k, r), Action("I", k, r)]
+        order += [Action("I", i, r) for i in range(microbatches - warmup, microbatches)]
         schedule.append(order)
     return schedule
 
@@ -98,7 +98,7 @@ def main() -> int:
 
         timings = {name: simulate(order) for name, order in orders.items()}
         for name, title in (("1f1b", "1F1B"), ("gpipe", "GPipe")):
-            print0(render(timings[name], f"\n{title}, P={p}, M={m} (ticks: F 1, B 2; . idle)"))
+            print0(render(timings[name], f"\n{title}, P={p}, M={m} (ticks: F 1, I 2; . idle)"))
         bubbles = verdict.figure("bubbles", {n: t.bubble_fraction() for n, t in timings.items()})
         formula = (p - 1) / (m + p - 1)
         verdict.check("GPipe and 1F1B idle the same share of their grids, (P-1)/(M+P-1)",

@@ -8,7 +8,7 @@ The idea. GPipe and 1F1B idle (P - 1)/(M + P - 1) of every step (lessons 02, 03)
   shorter, so the idle time shrinks v times, for v times the messages: (P - 1)/(v M + P - 1).
 - Zero bubble (Qi et al. 2023, arXiv 2401.10241): split each backward into B, the gradient of the
   stage's input (on the critical path: stage p - 1 waits for it) and W, the weights' gradient (no
-  one waits for it), and run W where 1F1B would idle. With F = B = W = 1 tick, ZB-H1 idles P - 1
+  one waits for it), and run W where 1F1B would idle. With F = I = W = 1 tick, ZB-H1 idles P - 1
   ticks per rank where 1F1B idles 3 (P - 1): a third, at 1F1B's memory (P micro-batches at most).
   ZB-V puts two half-size stages on each rank in a V (r and 2P - 1 - r), so the turn of the V stays
   on one rank: P - 1 ticks of half a stage. Every rank of any schedule here idles at least P - 1
@@ -18,7 +18,7 @@ The idea. GPipe and 1F1B idle (P - 1)/(M + P - 1) of every step (lessons 02, 03)
 The mechanism: the schedules are data, `distlab/pipeline/schedules.py` (`interleaved_1f1b`,
 `zero_bubble`, `zbv`: warm-up, one forward one backward, cool-down, with W held back);
 `distlab/pipeline/simulator.py: simulate` places them on a grid of ticks; `distlab/pipeline/runner.py:
-PipelineStep` executes them, one rank's several stages and their B/W split (`_backward`: the input's
+PipelineStep` executes them, one rank's several stages and their I/W split (`_backward`: the input's
 gradient with `torch.autograd.grad(out, x, g, retain_graph=True)`; `_weight`: the weights' later);
 `distlab/pipeline/p2p.py: comm_plan` batches the messages at the ticks the grid gives them.
 
@@ -58,7 +58,7 @@ def stages_per_rank(name: str, v: int) -> int:
 
 
 def formulas(name: str, p: int, m: int, v: int) -> tuple[float | None, list[int] | None]:
-    """The closed forms (unit ticks F = B = W = 1) of the bubble and of each rank's in-flight count;
+    """The closed forms (unit ticks F = I = W = 1) of the bubble and of each rank's in-flight count;
     None where the schedule's form needs a fuller pipeline (M >= P; ZB-V M >= 2P)."""
     g = m // max(1, m // p)  # the interleaved schedules' round of micro-batches
     if m < p or (name == "zbv" and m < 2 * p):

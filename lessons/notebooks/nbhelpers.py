@@ -36,7 +36,7 @@ def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> subpr
 
 # --- pipeline lessons: Gantt charts ----------------------------------------------------------
 
-COLORS = {"F": "tab:blue", "B": "tab:purple", "B split": "tab:red", "W": "tab:green"}
+COLORS = {"F": "tab:blue", "I": "tab:purple", "I split": "tab:red", "W": "tab:green"}
 
 
 def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True) -> None:
@@ -49,7 +49,7 @@ def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True
     for r, row in enumerate(timing.grid):
         for action in {a for a in row if a is not None}:
             start, width = timing.start[action], timing.finish[action] - timing.start[action]
-            kind = "B split" if action.kind == "B" and (action.stage, action.microbatch) in split else action.kind
+            kind = "I split" if action.kind == "I" and (action.stage, action.microbatch) in split else action.kind
             ax.broken_barh([(start * stretch, width * stretch)], (r - 0.4, 0.8), color=COLORS[kind],
                            edgecolor="white", linewidth=0.5)
             if labels:
@@ -64,7 +64,7 @@ def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True
 def legend(ax) -> None:
     from matplotlib.patches import Patch
 
-    names = {"F": "forward", "B": "backward (unsplit)", "B split": "B: input gradient", "W": "W: weight gradient"}
+    names = {"F": "forward", "I": "backward (unsplit)", "I split": "I: input gradient", "W": "W: weight gradient"}
     ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in COLORS.items()], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
 

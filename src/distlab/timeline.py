@@ -77,7 +77,7 @@ def busy_fractions(spans: list[Span], world_size: int) -> list[float]:
 
 def render(spans: list[Span], world_size: int, width: int | None = None) -> Text:
     """A text Gantt chart: one row per rank, one column per time bucket, the span's kind where the
-    rank is busy ('F' forward, 'B' backward, 'W' weight gradient) and '.' where it idles. `width`
+    rank is busy ('F' forward, 'I' backward, 'W' weight gradient) and '.' where it idles. `width`
     buckets; by default as many as fit the output beside the rank labels (at most 100)."""
     width = width or max(20, min(100, console.width - len(f"rank {world_size - 1} ")))
     t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
@@ -89,7 +89,7 @@ def render(spans: list[Span], world_size: int, width: int | None = None) -> Text
         for i in range(a, b):
             rows[s.rank][i] = s.label[0]
     text = Text()
-    colors = {"F": "cyan", "B": "magenta", "W": "green"}
+    colors = {"F": "cyan", "I": "magenta", "W": "green"}
     for rank, row in enumerate(rows):
         text.append(f"rank {rank} ".rjust(len(f"rank {world_size - 1} ")))
         for ch in row:

@@ -5,7 +5,7 @@ first N mod M get one row more, so any N >= M works). On stage p (S stages in al
 
   F(p, i)  take micro-batch i (p = 0) or the activation stage p-1 produced, compute the stage, keep
            what the backward needs, hand the output to stage p+1. The last stage computes the loss.
-  B(p, i)  the gradient of the stage's input, from the loss (p = S-1) or from the gradient of its
+  I(p, i)  the gradient of the stage's input, from the loss (p = S-1) or from the gradient of its
            output that stage p+1 sent back; hand it to stage p-1. Unless the schedule has a W(p, i),
            the same backward also accumulates the parameters' gradients (`out.backward(g)`).
            Split: `torch.autograd.grad(out, x, g, retain_graph=True)`: the input's gradient only,
@@ -95,7 +95,7 @@ class PipelineStep:
         self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.loss = torch.zeros((), dtype=torch.float64)
-        run = {"F": self._forward, "B": self._backward, "W": self._weight}
+        run = {"F": self._forward, "I": self._backward, "W": self._weight}
         for action, batch in zip(self.actions, self.plan):
             self._post(batch)
             with self.timeline.span(str(action), step):

@@ -86,7 +86,8 @@ def test_each_of_torchs_seven_schedules_equals_the_unsplit_model_and_runs_our_or
 
 
 def test_the_lesson_passes_under_torchrun_and_reads_whole_at_80_columns(tmp_path):
-    assert_lesson_passes_at_80_columns("05_interleaved_zero_bubble.py", 2, "--json", str(tmp_path / "05.json"))
+    assert_lesson_passes_at_80_columns("05_interleaved_zero_bubble.py", 2, "--emulate-ms", "0.5", "--json",
+                                      str(tmp_path / "05.json"))
     report = json.loads((tmp_path / "05.json").read_text())
     assert report["passed"] and len(report["checks"]) >= 10
     assert report["figures"]["grids"]["zb-h1"]["bubble"] == pytest.approx(1 / 25)  # (P-1)/(3M+P-1), P=2, M=8

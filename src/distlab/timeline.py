@@ -5,8 +5,8 @@ reads CLOCK_MONOTONIC, one clock for every process on the machine, so spans from
 one node line up. (Across nodes the clocks differ; the spans of each rank stay meaningful.)
 
 From the gathered spans: the largest number of ranks computing at the same instant (1 for naive
-model parallelism: the point of lesson 01), each rank's busy fraction of the step, and the step's
-duration.
+model parallelism: the point of lesson 01), each rank's busy fraction of the step, the idle share
+(the measured bubble), and the step's duration.
 """
 
 from __future__ import annotations
@@ -73,6 +73,11 @@ def busy_fractions(spans: list[Span], world_size: int) -> list[float]:
     for s in spans:
         busy[s.rank] += s.end - s.start
     return [b / (t1 - t0) for b in busy]
+
+
+def idle_fraction(spans: list[Span], world_size: int) -> float:
+    """The measured bubble: the share of P x the window in which no rank computes, 1 - mean busy."""
+    return 1 - sum(busy_fractions(spans, world_size)) / world_size
 
 
 def render(spans: list[Span], world_size: int, width: int | None = None) -> Text:

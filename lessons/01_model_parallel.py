@@ -14,9 +14,9 @@ p resumes the backward from it (`A_p.backward(dL/dA_p)`). That is the chain rule
 Every parameter lives on one rank, so each rank steps its own optimizer and no gradient is averaged.
 
 The mechanism is `ModelParallelStep.__call__` below: the whole send/recv chain, in this file. The
-split is `distlab/pipeline/partition.py: stage_bounds`: the first L mod P stages get one layer more.
-(The tempting `per_rank = ceil(L/P); start = rank * per_rank` leaves the trailing ranks empty: L = 6
-layers on P = 4 ranks gives 2, 2, 2, 0.) The training loop is the track's one loop,
+split is `distlab/pipeline/partition.py: stage_bounds`: the first (layers mod P) stages get one layer
+more. (The tempting `per_rank = ceil(layers / P); start = rank * per_rank` leaves the trailing ranks
+empty: 6 layers on P = 4 ranks gives 2, 2, 2, 0.) The training loop is the track's one loop,
 `distlab/pipeline/training.py: train`.
 
 The proof. An unsplit deep copy of the model trains on the whole batch in one process; every rank

@@ -5,8 +5,8 @@
 The idea. Lesson 01 sends the whole batch down the stages, so P - 1 of P ranks always wait. GPipe
 (Huang et al. 2019, arXiv 1811.06965) cuts the batch of N rows into M micro-batches; stage p forwards
 micro-batch i while stage p+1 forwards i-1. Every rank runs all M forwards, then all M backwards, and
-steps its optimizer once. With a forward and a backward taking t_f and t_b per micro-batch, the step
-takes (M + P - 1)(t_f + t_b), of which each rank computes M(t_f + t_b), so the idle share, the bubble, is
+steps its optimizer once. With a forward and a backward taking t_F and t_I per micro-batch, the step
+takes (M + P - 1)(t_F + t_I), of which each rank computes M(t_F + t_I), so the idle share, the bubble, is
 
     bubble = (P - 1) / (M + P - 1)        (1 - 1/P for M = 1, lesson 01; towards 0 as M grows).
 
@@ -122,7 +122,7 @@ def show_timing(rt, cfg: PipelineConfig, args, runs: dict, verdict: Verdict) -> 
         idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)
         print0(f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
                f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)")
-    t_plain, t_ckpt = step_seconds(runs["plain"].spans, args.steps), step_seconds(runs["checkpointed"].spans, args.steps)
+    t_plain, t_ckpt = (step_seconds(runs[k].spans, args.steps) for k in ("plain", "checkpointed"))
     print0(f"real CPU step time (median, compute spans): {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
            f"checkpointed ({t_ckpt / t_plain - 1:+.0%}; a shared CPU makes this noisy)")
 

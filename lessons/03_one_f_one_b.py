@@ -12,7 +12,7 @@ remaining backwards. A micro-batch's activations are freed by its backward, so
 
 and the memory no longer grows with M. The bubble does not change: the first forward still needs
 P - 1 ticks to reach the last stage and the last backward P - 1 ticks to come back, so both take
-(M + P - 1)(t_f + t_b) and idle (P - 1)/(M + P - 1) of it. 1F1B does not shrink the bubble; what it
+(M + P - 1)(t_F + t_I) and idle (P - 1)/(M + P - 1) of it. 1F1B does not shrink the bubble; what it
 buys is the freedom to raise M (which does shrink it) without running out of memory. Lesson 05
 shrinks the bubble itself.
 

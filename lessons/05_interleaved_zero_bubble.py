@@ -192,7 +192,7 @@ def parse_args(argv: list[str] | None = None):
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=32, global_batch=64, steps=3)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M; must divide N (PyTorch's runs)")
     parser.add_argument("--stages-per-rank", type=positive_int, default=2, help="v of interleaved 1F1B (>= 2)")
-    emulate.add_args(parser, ms_per_layer=4.0)
+    emulate.add_args(parser, ms_per_layer=10.0)  # half-size stages: their messages would weigh more at 4 ms
     return parser.parse_args(argv)
 
 

@@ -150,8 +150,8 @@ def _fake_stage(p: int, stages: int, ranks: int):
                                              ("interleaved-zb", "ScheduleInterleavedZeroBubble", 2),
                                              ("zbv", "ScheduleZBVZeroBubble", 2)])
 def test_our_orders_are_pytorchs_plans_for_every_m_it_accepts(ours, theirs, v):
-    """torch 2.13's `pipeline_order` (its I is our split I, its B our unsplit I; None cells dropped) equals our schedule for
-    every P <= 6 and M <= 13 its constructor accepts; it refuses the M ours refuses (and, with one
+    """torch 2.13's `pipeline_order` (its I is our split I, its B our unsplit I; None cells dropped)
+    equals our schedule for every P <= 6 and M <= 13 its constructor accepts; it refuses the M ours refuses (and, with one
     stage per rank, ScheduleInterleavedZeroBubble refuses some that ours runs: M = 5 on P = 2)."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import _ComputationType as kind

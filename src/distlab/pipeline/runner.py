@@ -1,11 +1,11 @@
 """Run a schedule: one rank executes its list of actions, for every stage it holds.
 
 The batch of N rows is cut into M micro-batches of n_0 .. n_{M-1} rows (`torch.tensor_split`: the
-first N mod M get one row more, so any N >= M works). On stage p (S stages in all):
+first N mod M get one row more, so any N >= M works). On stage p (vP stages in all):
 
   F(p, i)  take micro-batch i (p = 0) or the activation stage p-1 produced, compute the stage, keep
            what the backward needs, hand the output to stage p+1. The last stage computes the loss.
-  I(p, i)  the gradient of the stage's input, from the loss (p = S-1) or from the gradient of its
+  I(p, i)  the gradient of the stage's input, from the loss (p = vP-1) or from the gradient of its
            output that stage p+1 sent back; hand it to stage p-1. Unless the schedule has a W(p, i),
            the same backward also accumulates the parameters' gradients (`out.backward(g)`).
            Split: `torch.autograd.grad(out, x, g, retain_graph=True)`: the input's gradient only,

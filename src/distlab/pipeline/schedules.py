@@ -1,7 +1,7 @@
 """Pipeline schedules as data: which rank runs which stage's forward, backward and weight gradient,
 in which order. Pure functions; `simulator.py` turns the orders into a grid of ticks.
 
-The model is cut into S = v P stages (p = 0 .. S-1), v per rank. A schedule is, per rank r, an ordered
+The model is cut into vP stages (p = 0 .. vP-1), v per rank. A schedule is, per rank r, an ordered
 list of actions on micro-batches i = 0 .. M-1:
 
     F(p, i)  forward of micro-batch i through stage p
@@ -265,7 +265,7 @@ def make_schedule(name: str, num_ranks: int, microbatches: int, stages_per_rank:
 
 
 def check_schedule(schedule: Schedule) -> int:
-    """M, after checking that the stages 0 .. S-1 each live on one rank and run F and I exactly
+    """M, after checking that the stages 0 .. vP-1 each live on one rank and run F and I exactly
     once per micro-batch (and W at most once, after its I). Raises ValueError otherwise."""
     seen: dict[Action, int] = {}
     for r, order in enumerate(schedule):
@@ -275,7 +275,7 @@ def check_schedule(schedule: Schedule) -> int:
             seen[a] = r
     stages = {a.stage: r for a, r in seen.items()}
     if sorted(stages) != list(range(len(stages))):
-        raise ValueError(f"stages must be 0 .. S-1, got {sorted(stages)}")
+        raise ValueError(f"stages must be 0 .. vP-1, got {sorted(stages)}")
     for a, r in seen.items():
         if stages[a.stage] != r:
             raise ValueError(f"stage {a.stage} runs on more than one rank")

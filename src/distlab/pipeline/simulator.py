@@ -1,11 +1,12 @@
 """When each action of a schedule runs: the unit-time grid, and the bubble and memory read off it.
 
-Every dependency is one of three (S stages, micro-batch i):
+Every dependency is one of three (vP stages, micro-batch i):
     F(p, i) after F(p-1, i)                 its input
     I(p, i) after F(p, i) and I(p+1, i)     its saved activations, and the gradient of its output
     W(p, i) after I(p, i)                   the gradient of its output, kept by I
 `simulate` places each action at its earliest tick under those dependencies, one action at a time
-per rank and in the rank's own order, and returns a grid of P rows and one column per tick whose empty cells are the bubble.
+per rank and in the rank's own order, and returns a grid of P rows and one column per tick whose
+empty cells are the bubble.
 Costs in ticks: a forward t_F, an input gradient t_I, a weight gradient t_W; an unsplit backward
 t_I + t_W. The default t_F = t_I = t_W = 1 is the zero-bubble paper's (a backward costs about twice a forward).
 Transfers are free here; the runner pays for them.
@@ -34,7 +35,7 @@ from distlab.pipeline.schedules import Action, Schedule, check_schedule, num_sta
 
 
 def dependencies(action: Action, stages: int) -> list[Action]:
-    """The actions that must finish before `action` can start (S = `stages`)."""
+    """The actions that must finish before `action` can start (`stages` = vP)."""
     p, i = action.stage, action.microbatch
     if action.kind == "F":
         return [Action("F", i, p - 1)] if p > 0 else []

@@ -1,6 +1,6 @@
 """The same split model run by the real engine: `torch.distributed.pipelining` (torch 2.13).
 
-Each rank wraps each of its stages' `nn.Sequential` in a `PipelineStage(module, p, S, device)` and
+Each rank wraps each of its stages' `nn.Sequential` in a `PipelineStage(module, p, vP, device)` and
 hands them to a schedule class; the rank with stage 0 calls `schedule.step(x)` with the whole batch,
 the rank with the last stage `schedule.step(target=y, losses=...)` (with V placement that is rank 0
 too: `step(x, target=y, losses=...)`), the others `schedule.step()`. The schedule cuts the batch into

@@ -268,8 +268,8 @@ def parse_args():
     parser.add_argument("--bucket-mib", type=positive_float, default=0.5, help="gradient bucket size, MiB")
     parser.add_argument("--accumulation-steps", type=positive_int, default=3,
                         help="micro-batches per rank in the no_sync part (at most C = N / P)")
-    emulate.add_args(parser, ms_per_layer=4.0)
-    parser.add_argument("--link-ms-per-mib", type=positive_float, default=16.0,
+    emulate.add_args(parser, ms_per_layer=10.0)  # long enough that the real compute and all-reduces fit inside
+    parser.add_argument("--link-ms-per-mib", type=positive_float, default=40.0,
                         help="emulated device: ms the link takes per MiB of an all-reduce")
     return parser.parse_args()
 

@@ -72,18 +72,21 @@ def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True
 def legend(ax) -> None:
     from matplotlib.patches import Patch
 
-    names = {"F": "forward", "I": "backward (unsplit)", "I split": "I: input gradient", "W": "W: weight gradient"}
+    names = {"F": "F: forward", "I": "I, unsplit: input and weight gradient", "I split": "I: input gradient",
+             "W": "W: weight gradient"}
     ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in COLORS.items()], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def timeline(ax, spans: list[dict], title: str = "") -> None:
-    """Measured compute spans ({rank, label, start, end}) as a Gantt chart in milliseconds (a
-    backward purple, split or not: the span's label does not say)."""
+    """Measured compute spans ({rank, label, start, end}) as a Gantt chart in milliseconds, coloured
+    as `gantt` does (an I is split, red, when the run has W's)."""
     t0 = min(s["start"] for s in spans)
+    split = any(s["label"][0] == "W" for s in spans)
     for s in spans:
+        kind = "I split" if split and s["label"][0] == "I" else s["label"][0]
         ax.broken_barh([(1e3 * (s["start"] - t0), 1e3 * (s["end"] - s["start"]))], (s["rank"] - 0.4, 0.8),
-                       color=COLORS[s["label"][0]], edgecolor="white", linewidth=0.3)
+                       color=COLORS[kind], edgecolor="white", linewidth=0.3)
     ranks = sorted({s["rank"] for s in spans})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()

@@ -142,6 +142,7 @@ def emulated_overlap(rt: Runtime, cfg: DataParallelConfig, args, buckets_class) 
     hidden = (times["buckets, after backward"].step_s - times["buckets from hooks (overlap)"].step_s) / comm
     predicted = 1 - sizes[-1] / sum(sizes)
     print0(f"emulated device: the hooks hid {hidden:.0%} of the communication's {comm * 1e3:.0f} ms; "
-           f"1 - last bucket's bytes / all bytes = {predicted:.0%}")
+           f"if the link keeps up with backward, 1 - last bucket's bytes / all bytes = {predicted:.0%} (where a "
+           f"bucket took longer than its {args.link_ms_per_mib:g} ms per MiB above, the real all-reduce overran it)")
     return {"step_seconds": {name: vars(t) for name, t in times.items()}, "hidden": hidden, "predicted": predicted,
             "timeline": vars(line) | {"bucket_bytes": sizes}}

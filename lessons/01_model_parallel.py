@@ -7,9 +7,10 @@ The idea. A model too big for one device is cut into P contiguous stages, one pe
 computes A_p = f_p(A_{p-1}) and sends A_p to rank p+1; the last rank computes the loss L. A tensor
 that crosses a process boundary arrives as plain numbers, without its graph, so rank p+1 marks
 what it received `requires_grad_()`: its backward then yields dL/dA_p, which it sends back, and rank
-p resumes the backward from it (`A_p.backward(dL/dA_p)`). That is the chain rule across the cut:
+p resumes the backward from it (`A_p.backward(dL/dA_p)`). That is the chain rule across the cut
+(theta_p: the parameters of stage p):
 
-    dL/dW_p = dL/dA_p * dA_p/dW_p     and     dL/dA_{p-1} = dL/dA_p * dA_p/dA_{p-1}, sent on to p-1.
+    dL/dtheta_p = dL/dA_p * dA_p/dtheta_p     and     dL/dA_{p-1} = dL/dA_p * dA_p/dA_{p-1}, sent on to p-1.
 
 Every parameter lives on one rank, so each rank steps its own optimizer and no gradient is averaged.
 

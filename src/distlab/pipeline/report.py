@@ -1,4 +1,5 @@
-"""The tables the pipeline lessons print: each run against the unsplit model, orders side by side.
+"""What the pipeline lessons print: each run against the unsplit model, orders side by side, and the
+measured timelines of a step (on the real CPU or the emulated device) with their idle share.
 
 Each rank holds only its own stages' gradients and parameters, so each compares its share with the
 reference's and the rows are gathered to every rank; a verdict is then the same everywhere. One

@@ -258,14 +258,16 @@ def show_bytes(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
 
 def memory_formula(rt: Runtime, args) -> tuple[int, int]:
     """Upper bounds on what the ring allocates per rank, in blocks (h x L_seq/P x d_h values), tiles
-    (h x (L_seq/2P)^2) and row vectors (h x L_seq/P). Forward: two k/v pairs (the one in use, the one
-    arriving: 4 blocks), the output o (1), one tile's o-update (1/2), the scores twice, 8 statistics
-    (m, l, their updates). Backward: two k/v pairs and two dk/dv pairs (8 blocks), dq (1), one tile's
-    dq, dk, dv (3/2), three tiles (W, dout v^T, dA), 4 row vectors. Nothing grows with P but the
-    whole sequence's k and v, 2P blocks, which no rank ever holds."""
+    (h x (L_seq/2P)^2) and row vectors (h x L_seq/P). k/v pairs received and held at once: one at
+    P = 2 (the rank's own is an input), two from P = 3 (the one in use, the one arriving). Forward:
+    those, the output o (1 block), one tile's o-update (1/2), the scores twice, 8 statistics (m, l
+    and their updates). Backward: those, two dk/dv pairs (4 blocks), dq (1), one tile's dq, dk, dv
+    (3/2), three tiles (W, dout v^T, dA), 4 row vectors. Nothing grows with P; the whole sequence's
+    k and v are 2P blocks, which no rank ever holds."""
     block, tile = block_bytes(rt, args), tile_bytes(rt, args)
     rows = args.heads * (args.seq_len // rt.world_size) * DTYPES[args.dtype].itemsize
-    return 11 * block // 2 + 2 * tile + 8 * rows, 21 * block // 2 + 3 * tile + 4 * rows
+    kv = 2 * min(rt.world_size - 1, 2) * block
+    return kv + 3 * block // 2 + 2 * tile + 8 * rows, kv + 13 * block // 2 + 3 * tile + 4 * rows
 
 
 def tile_bytes(rt: Runtime, args) -> int:

@@ -194,7 +194,7 @@ def show_exactness(rt: Runtime, args, verdict: Verdict) -> dict:
     return runs
 
 
-def show_timeline(rt: Runtime, args, run: RingRun) -> None:
+def show_timeline(rt: Runtime, args, run: RingRun, verdict: Verdict) -> None:
     print0("\n[bold]2. The ring: whose k/v block each rank holds at each step (tiles computed)[/]")
     p = rt.world_size
     cells = []
@@ -204,6 +204,8 @@ def show_timeline(rt: Runtime, args, run: RingRun) -> None:
                                      for i, s in enumerate(held))))
     print0("causal, zig-zag; a cell: r<s> <its pieces of 2P> (<tiles computed>)", highlight=False)
     print0(rows_table("", ("", *(f"step {i}" for i in range(p))), cells))
+    verdict.figure("timeline", [[{"source": (r - i) % p, "pieces": _pieces((r - i) % p, p, args.seq_len),
+                                  "tiles": run.tallies[r][3 + i]} for i in range(p)] for r in range(p)])
 
 
 def _pieces(rank: int, world_size: int, seq_len: int) -> str:
@@ -322,7 +324,7 @@ def main() -> int:
         print0(f"[bold]Lesson 09: context parallelism, ring attention[/] - P = {rt.world_size}, "
                f"L_seq = {args.seq_len}, h = {args.heads}, d_h = {args.head_dim}, {args.dtype}, {rt.backend}")
         runs = show_exactness(rt, args, verdict)
-        show_timeline(rt, args, runs[("zigzag", True)])
+        show_timeline(rt, args, runs[("zigzag", True)], verdict)
         show_work(rt, args, runs, verdict)
         show_bytes(rt, args, runs, verdict)
         show_memory(rt, args, runs[("zigzag", True)], verdict)

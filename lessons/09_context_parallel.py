@@ -45,7 +45,8 @@ from distlab.console import print0
 from distlab.context_parallel import split as layouts
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
 from distlab.context_parallel.ring import RingExchange
-from distlab.context_parallel.split import SKIP, Layout
+from distlab.context_parallel.cost import Sizes, every_rank
+from distlab.context_parallel.split import SKIP, Layout, piece_label
 from distlab.data_parallel.report import rows_table
 from distlab.memory import PeakMemory
 from distlab.runtime import Runtime, distributed, run_main
@@ -168,12 +169,9 @@ def run_ring(rt: Runtime, inputs: list[torch.Tensor], layout: Layout) -> RingRun
         out.backward(dout)
     local = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     counts = [tally["full"], tally["diagonal"], tally["products"]]
-    counts += [tally[f"step {i}"] for i in range(rt.world_size)]
-    mine = torch.tensor(counts, dtype=torch.int64, device=rt.device)
-    tallies = [torch.empty_like(mine) for _ in range(rt.world_size)]
-    dist.all_gather(tallies, mine)
+    tallies = every_rank(rt, counts + [tally[f"step {i}"] for i in range(rt.world_size)])
     return RingRun({name: gather(rt, t, layout.split).cpu() for name, t in local.items()},
-                   [t.tolist() for t in tallies], (sent_forward, ring.bytes_sent - sent_forward),
+                   tallies, (sent_forward, ring.bytes_sent - sent_forward),
                    (forward.peak_bytes, backward.peak_bytes), max(forward.largest_bytes, backward.largest_bytes))
 
 
@@ -200,17 +198,12 @@ def show_timeline(rt: Runtime, args, run: RingRun, verdict: Verdict) -> None:
     cells = []
     for r in range(p):
         held = [(r - i) % p for i in range(p)]
-        cells.append((f"rank {r}", *(f"r{s} {_pieces(s, p, args.seq_len)} ({run.tallies[r][3 + i]})"
+        cells.append((f"rank {r}", *(f"r{s} {piece_label(s, p, args.seq_len)} ({run.tallies[r][3 + i]})"
                                      for i, s in enumerate(held))))
     print0("causal, zig-zag; a cell: r<s> <its pieces of 2P> (<tiles computed>)", highlight=False)
     print0(rows_table("", ("", *(f"step {i}" for i in range(p))), cells))
-    verdict.figure("timeline", [[{"source": (r - i) % p, "pieces": _pieces((r - i) % p, p, args.seq_len),
+    verdict.figure("timeline", [[{"source": (r - i) % p, "pieces": piece_label((r - i) % p, p, args.seq_len),
                                   "tiles": run.tallies[r][3 + i]} for i in range(p)] for r in range(p)])
-
-
-def _pieces(rank: int, world_size: int, seq_len: int) -> str:
-    size = seq_len // (2 * world_size)
-    return ",".join(str(r.start // size) for r in layouts.pieces_of(rank, world_size, seq_len, "zigzag"))
 
 
 def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
@@ -236,61 +229,29 @@ def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
     verdict.figure("work", counted)
 
 
-def block_bytes(rt: Runtime, args) -> int:
-    """One rank's k (or v, dk, dv) block: h x L_seq/P x d_h values."""
-    return args.heads * (args.seq_len // rt.world_size) * args.head_dim * DTYPES[args.dtype].itemsize
-
-
-def show_bytes(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
+def show_bytes(rt: Runtime, sizes: Sizes, runs: dict, verdict: Verdict) -> None:
     print0("\n[bold]4. Bytes each rank sends, against the formula[/]")
-    p, block = rt.world_size, block_bytes(rt, args)
-    formula = (2 * (p - 1) * block, (2 * (p - 1) + 2 * p) * block if p > 1 else 0)
-    sent = {case: run.bytes_sent for case, run in runs.items()}
-    mine = torch.tensor([list(b) for b in sent.values()], dtype=torch.int64, device=rt.device)
-    every = [torch.empty_like(mine) for _ in range(p)]
-    dist.all_gather(every, mine)
-    ok = all(tuple(row) == formula for t in every for row in t.tolist())
-    verdict.check("bytes sent = 2(P-1) blocks forward, 4P-2 backward", ok)
-    rows = [(f"rank {r}", *(f"{f:,}" for f in every[r][1].tolist())) for r in range(p)]
+    formula = sizes.bytes_sent()
+    every = every_rank(rt, [b for run in runs.values() for b in run.bytes_sent])  # (forward, backward) per case
+    verdict.check("bytes sent = 2(P-1) blocks forward, 4P-2 backward",
+                  all(tuple(sent[i:i + 2]) == formula for sent in every for i in range(0, len(sent), 2)))
+    rows = [(f"rank {r}", f"{sent[2]:,}", f"{sent[3]:,}") for r, sent in enumerate(every)]  # causal zig-zag
     rows.append(("formula", f"{formula[0]:,}", f"{formula[1]:,}"))
-    print0(f"causal zig-zag; a block is h (L_seq/P) d_h values = {block:,} bytes", highlight=False)
+    print0(f"causal zig-zag; a block is h (L_seq/P) d_h values = {sizes.block:,} bytes", highlight=False)
     print0(rows_table("", ("", "forward bytes", "backward bytes"), rows))
-    verdict.figure("bytes", {"block": block, "forward": formula[0], "backward": formula[1]})
+    verdict.figure("bytes", {"block": sizes.block, "forward": formula[0], "backward": formula[1]})
 
 
-def memory_formula(rt: Runtime, args) -> tuple[int, int]:
-    """Upper bounds on what the ring allocates per rank, in blocks (h x L_seq/P x d_h values), tiles
-    (h x (L_seq/2P)^2) and row vectors (h x L_seq/P). k/v pairs received and held at once: one at
-    P = 2 (the rank's own is an input), two from P = 3 (the one in use, the one arriving). Forward:
-    those, the output o (1 block), one tile's o-update (1/2), the scores twice, 8 statistics (m, l
-    and their updates). Backward: those, two dk/dv pairs (4 blocks), dq (1), one tile's dq, dk, dv
-    (3/2), three tiles (W, dout v^T, dA), 4 row vectors. Nothing grows with P; the whole sequence's
-    k and v are 2P blocks, which no rank ever holds."""
-    block, tile = block_bytes(rt, args), tile_bytes(rt, args)
-    rows = args.heads * (args.seq_len // rt.world_size) * DTYPES[args.dtype].itemsize
-    kv = 2 * min(rt.world_size - 1, 2) * block
-    return kv + 3 * block // 2 + 2 * tile + 8 * rows, kv + 13 * block // 2 + 3 * tile + 4 * rows
-
-
-def tile_bytes(rt: Runtime, args) -> int:
-    """One tile of scores, a zig-zag piece against a piece: h x (L_seq/2P)^2 values."""
-    return args.heads * (args.seq_len // (2 * rt.world_size)) ** 2 * DTYPES[args.dtype].itemsize
-
-
-def show_memory(rt: Runtime, args, run: RingRun, verdict: Verdict) -> None:
+def show_memory(rt: Runtime, sizes: Sizes, run: RingRun, verdict: Verdict) -> None:
     print0("\n[bold]5. Memory per rank: k/v blocks in flight, never the whole sequence[/]")
-    formula, whole = memory_formula(rt, args), 2 * rt.world_size * block_bytes(rt, args)
-    largest = max(block_bytes(rt, args), tile_bytes(rt, args))
-    mine = torch.tensor([*run.peak_bytes, run.largest_bytes], dtype=torch.int64, device=rt.device)
-    every = [torch.empty_like(mine) for _ in range(rt.world_size)]
-    dist.all_gather(every, mine)
-    peaks = [t.tolist() for t in every]
+    formula, whole, largest = sizes.memory_bound(), 2 * rt.world_size * sizes.block, max(sizes.block, sizes.tile)
+    peaks = every_rank(rt, [*run.peak_bytes, run.largest_bytes])
     rows = [(f"rank {r}", *(f"{b:,}" for b in row)) for r, row in enumerate(peaks)]
     rows.append(("formula (bound)", f"{formula[0]:,}", f"{formula[1]:,}", f"{largest:,}"))
     print0("bytes allocated inside the ring (distlab.memory.PeakMemory); the whole sequence's k and v "
            f"would be {whole:,}", highlight=False)
     print0(rows_table("", ("", "forward peak", "backward peak", "largest tensor"), rows))
-    verdict.check("peak memory per rank within the formula; no tensor beyond a block or a tile",
+    verdict.check("peak memory per rank within its formula; no tensor over a block or tile",
                   all(f <= formula[0] and b <= formula[1] and big <= largest for f, b, big in peaks))
     verdict.figure("memory", {"peaks": peaks, "formula": formula, "whole_kv": whole, "largest": largest})
 
@@ -326,8 +287,9 @@ def main() -> int:
         runs = show_exactness(rt, args, verdict)
         show_timeline(rt, args, runs[("zigzag", True)], verdict)
         show_work(rt, args, runs, verdict)
-        show_bytes(rt, args, runs, verdict)
-        show_memory(rt, args, runs[("zigzag", True)], verdict)
+        sizes = Sizes(args.heads, args.seq_len, args.head_dim, rt.world_size, DTYPES[args.dtype].itemsize)
+        show_bytes(rt, sizes, runs, verdict)
+        show_memory(rt, sizes, runs[("zigzag", True)], verdict)
         show_fold(verdict)
         return verdict.finish(args.json)
 

@@ -104,3 +104,12 @@ def test_the_online_fold_still_computes_a_log_sum_exp_and_leaves_the_weights():
         assert torch.allclose(tile, (x[:, cols] - run_max.unsqueeze(1)).exp())
     assert torch.allclose(run_max + run_sum.log(), x.logsumexp(1), rtol=1e-12, atol=0)
     assert torch.equal(rescale(torch.tensor(float("-inf")), torch.tensor(2.0)), torch.tensor(0.0))
+
+
+def test_the_cost_formulas_in_blocks():
+    from distlab.context_parallel.cost import Sizes
+
+    sizes = Sizes(heads=2, seq_len=48, head_dim=16, world_size=4, itemsize=8)
+    assert (sizes.block, sizes.tile, sizes.row) == (2 * 12 * 16 * 8, 2 * 6 * 6 * 8, 2 * 12 * 8)
+    assert sizes.bytes_sent() == (6 * sizes.block, 14 * sizes.block)
+    assert Sizes(2, 48, 16, 1, 8).bytes_sent() == (0, 0)

@@ -122,3 +122,9 @@ class Layout:
             out.append((slice(start, start + len(positions)), positions))
             start += len(positions)
         return out
+
+
+def piece_label(rank: int, world_size: int, seq_len: int) -> str:
+    """Which of the 2P zig-zag pieces rank r holds, as text: '0,7' for rank 0 of 4."""
+    size = seq_len // (2 * world_size)
+    return ",".join(str(r.start // size) for r in pieces_of(rank, world_size, seq_len, "zigzag"))

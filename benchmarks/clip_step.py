@@ -6,7 +6,7 @@ machinery against the matmul floor, per-rank time and peak memory.
 
 Step (a small two-tower encoder, 64 -> 256 -> d per tower, d = 256, AdamW, float32, tau = 0.07):
   open_clip recipe   one forward; both towers' C x d embeddings gathered with the sum-backward gather
-                     (`distlab.contrastive.gather.gather_with_grad`, lesson 09); the C x N local loss
+                     (`distlab.contrastive.gather.gather_with_grad`, lesson 12); the C x N local loss
                      (`losses.local_clip_loss`); backward; step. open_clip's
                      ClipLoss(local_loss=True, gather_with_grad=True) under DDP.
   streamed, B = C    `distributed_backward` with MICRO_BATCH_SIZE = C (one forward, the graph kept); step

@@ -4,11 +4,11 @@
     torchrun --standalone --nproc-per-node 4 benchmarks/contrastive_scaling.py --sizes 1024 2048 4096 8192
 
 Methods, all exact (their gradients are checked against each other at the smallest N):
-  05  global x global: every rank gathers Z and computes the whole N x N loss (lesson 07)
-  07  local x global: C x N logits, gather_with_grad (its backward sums over ranks) (lesson 09)
-  08  GradCache: the C x N loss on gathered cached representations and its backward (lesson 10's
+  05  global x global: every rank gathers Z and computes the whole N x N loss (lesson 10)
+  07  local x global: C x N logits, gather_with_grad (its backward sums over ranks) (lesson 12)
+  08  GradCache: the C x N loss on gathered cached representations and its backward (lesson 13's
       loss machinery; its whole step adds the chunked no-grad forward and the chunked recompute)
-  09  the streamed five-phase step, Phase B sharded and replicated (lesson 11)
+  09  the streamed five-phase step, Phase B sharded and replicated (lesson 14)
 
 Two measurements per method and N. "loss": the machinery that turns this rank's C x d embeddings
 into dL/dZ_local (gathers included). "step": a whole DDP training step of a small two-tower encoder
@@ -237,8 +237,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--micro", type=int, default=512, help="B for lessons 10 and 11")
-    parser.add_argument("--chunk", type=int, default=2048, help="M for lesson 11")
+    parser.add_argument("--micro", type=int, default=512, help="B for lessons 13 and 14")
+    parser.add_argument("--chunk", type=int, default=2048, help="M for lesson 14")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cap-gib", type=float, default=4.0, help="per-rank peak memory cap")
     parser.add_argument("--parts", nargs="+", choices=("loss", "step"), default=["loss", "step"])

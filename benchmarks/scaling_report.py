@@ -29,7 +29,7 @@ def summarise(results: dict, cap: float) -> dict:
 
 
 def targets(results: dict, n: int = 16384) -> dict:
-    """The issue's claims at N = 16384: streamed memory <= 1/8 and loss time <= 1.2x of lesson 09's."""
+    """The issue's claims at N = 16384: streamed memory <= 1/8 and loss time <= 1.2x of lesson 12's."""
     at = {m: next((r for r in rows if r["n"] == n and "peak_bytes" in r), None)
           for m, rows in results["loss"].items()}
     base = at.get("07 local x global")
@@ -68,7 +68,7 @@ def write_markdown(path: Path, meta: dict, results: dict, summary: dict, goals: 
             f"{s:.2f}" if (s := summary[part][m]["memory_slope"]) is not None else "-" for m in methods) + " |")
         lines.append("")
     for m, g in goals.items():
-        lines.append(f"- {m} at N = {g['n']}: peak memory {g['memory_vs_07']:.4f} x lesson 09's "
+        lines.append(f"- {m} at N = {g['n']}: peak memory {g['memory_vs_07']:.4f} x lesson 12's "
                      f"(target <= 1/8: {'met' if g['memory_target_met'] else 'MISSED'}), loss-machinery time "
                      f"{g['time_vs_07']:.2f} x (target <= 1.2: {'met' if g['time_target_met'] else 'MISSED'})")
     path.write_text("\n".join(lines) + "\n")

@@ -9,7 +9,7 @@ config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": T,
 out when model(x, y) returns (z_x, z_y, logit_scale). Optional "PHASE_B": "sharded" (default) or
 "replicated". The model is DDP, torch.compile(DDP) or FSDP2-wrapped, with `encoder_x` and
 `encoder_y` on the wrapped module. See `distlab.contrastive.streamed` for the phases and the math,
-lesson 11 for a training loop, and the README's "Using distributed_clip in your training".
+lesson 14 for a training loop, and the README's "Using distributed_clip in your training".
 """
 
 from distlab.contrastive.streamed import distributed_backward, distributed_train_step

@@ -79,7 +79,7 @@ def no_ellipsis(text: str) -> bool:
     return "\u2026" not in text
 
 
-# -- contrastive lessons 07-09 ------------------------------------------------------------------
+# -- contrastive lessons 10-12 ------------------------------------------------------------------
 
 
 def load_lesson(filename: str):
@@ -176,7 +176,7 @@ def assert_lesson_passes_at_80_columns(lesson: str, nproc: int, *args: str) -> s
 
 
 # ---------------------------------------------------------------------------------------------
-# The streamed step (lesson 11, distributed_clip): a small CLIP-like model and its reference
+# The streamed step (lesson 14, distributed_clip): a small CLIP-like model and its reference
 # ---------------------------------------------------------------------------------------------
 
 import math  # noqa: E402

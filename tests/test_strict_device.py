@@ -175,7 +175,7 @@ def test_distributed_turns_strict_mode_on_by_flag_or_environment(monkeypatch, en
 
 
 def _flag_made_without_device(rt):
-    """How lessons 01-04 and 10 agreed on a flag before `all_ranks_true` took a device."""
+    """How lessons 01-04 and 13 agreed on a flag before `all_ranks_true` took a device."""
     t = torch.tensor([1], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
 
@@ -187,7 +187,7 @@ def _timing_made_without_device(rt):
 
 
 def _ddp_of_unplaced_towers(rt):
-    """Lesson 10's towers: deep copies of a model built on the default device, wrapped in DDP."""
+    """Lesson 13's towers: deep copies of a model built on the default device, wrapped in DDP."""
     from distlab.models import TwoTower
     DDP(copy.deepcopy(TwoTower(seed=0).encoder_x))
 
@@ -226,7 +226,7 @@ def _gather_on_device(rt):
 BUGS = {  # what strict mode must catch: (case, the collective its message must name)
     "a flag made without device": (_flag_made_without_device, "torch.distributed.all_reduce"),
     "a timing made without device (cost.py)": (_timing_made_without_device, "torch.distributed.all_reduce"),
-    "DDP of towers built without device (lesson 10)": (_ddp_of_unplaced_towers, "DistributedDataParallel"),
+    "DDP of towers built without device (lesson 13)": (_ddp_of_unplaced_towers, "DistributedDataParallel"),
     "a functional gather of a .cpu() copy": (_gather_of_a_cpu_copy, "_c10d_functional.all_gather_into_tensor"),
     "a batch left on the host (an op, not a collective)": (_inputs_left_on_the_host,
                                                            "torch.nn.functional.linear (beside a tensor on cpu:0)"),
@@ -301,7 +301,7 @@ def _contrastive_ddp_training(rt):
 
 
 def _ddp_rep_clip_loss(rep_x, rep_y, tau):
-    """Lesson 10's loss: this rank's rows of the global CLIP loss over the sum-backward gather."""
+    """Lesson 13's loss: this rank's rows of the global CLIP loss over the sum-backward gather."""
     from distlab.contrastive.gather import gather_with_grad
     from distlab.contrastive.losses import local_clip_loss
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
@@ -310,7 +310,7 @@ def _ddp_rep_clip_loss(rep_x, rep_y, tau):
 
 
 def _grad_cache_under_ddp(rt):
-    """As lesson 10 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
+    """As lesson 13 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
     from distlab.contrastive.grad_cache import GradCache
     from distlab.memory import PeakMemory
     from distlab.models import TwoTower, paired_data
@@ -366,12 +366,12 @@ PATHS = {
     "pipeline: ZB-V runner, two stages per rank, B/W split (05)": _pipeline_zero_bubble,
     "pipeline: torch.distributed.pipelining (04)": _pipeline_torch,
     "pipeline: torch.distributed.pipelining, ZBVZeroBubble (05)": _pipeline_torch_zbv,
-    "contrastive: every DDP method and gather (07-09)": _contrastive_every_ddp_method,
-    "contrastive: DDP training loop (08)": _contrastive_ddp_training,
-    "contrastive: GradCache under DDP (10)": _grad_cache_under_ddp,
-    "contrastive: streamed step, distributed_clip (11)": _streamed_step,
-    "contrastive: a loss's cost (09)": _contrastive_loss_cost,
-    "contrastive: collective timings (09)": _contrastive_collective_seconds,
+    "contrastive: every DDP method and gather (10-12)": _contrastive_every_ddp_method,
+    "contrastive: DDP training loop (11)": _contrastive_ddp_training,
+    "contrastive: GradCache under DDP (13)": _grad_cache_under_ddp,
+    "contrastive: streamed step, distributed_clip (14)": _streamed_step,
+    "contrastive: a loss's cost (12)": _contrastive_loss_cost,
+    "contrastive: collective timings (12)": _contrastive_collective_seconds,
     "verdict.finish": _verdict_finish,
 }
 KNOWN_BUGS: dict[str, str] = {}  # path -> a device bug strict mode finds there (its fix removes the entry)

@@ -4,7 +4,7 @@
 deep copy of the model, the whole global batch, plain autograd on a loss of the N embeddings
 (`clip_loss` unless told otherwise). Two things vary it:
 
-- `loss_fn`: `detached_blocks(P)` is what lesson 08's plain gather really computes, written out in
+- `loss_fn`: `detached_blocks(P)` is what lesson 11's plain gather really computes, written out in
   one process without any of its code: split the batch into P blocks; for block r, the symmetric
   loss over block r's rows in which only block r's embeddings carry gradient (the other blocks are
   detached constants); average over r. Its gradient is
@@ -15,7 +15,7 @@ deep copy of the model, the whole global batch, plain autograd on a loss of the 
 - `forward`: how the N embeddings are made. With dropout, a distributed step's embeddings depend on
   which random stream drew each mask: rank r runs its C pairs from its own stream, in its own
   micro-batches and order. `as_ranks(RankStreams(seeds), B)` replays exactly that in one process,
-  "the full-batch reference with each rank's dropout replayed" (lessons 10 and 11 and their tests):
+  "the full-batch reference with each rank's dropout replayed" (lessons 13 and 14 and their tests):
 
       full_batch_gradients(model, x, y, tau, forward=as_ranks(RankStreams(seeds), B))
 
@@ -58,7 +58,7 @@ def full_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tau
     return loss.item(), grads_of(model)
 
 
-# -- what the plain gather computes (lesson 08) -------------------------------------------------
+# -- what the plain gather computes (lesson 11) -------------------------------------------------
 
 
 def _only_block_carries_grad(z: torch.Tensor, rows: slice) -> torch.Tensor:

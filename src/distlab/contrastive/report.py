@@ -1,4 +1,4 @@
-"""What lessons 07-09 print: how far a gradient is from the reference, and the tables around it.
+"""What lessons 10-12 print: how far a gradient is from the reference, and the tables around it.
 
 For gradients g (a variant's) and r (the single-process reference), over all parameters at once:
 
@@ -49,7 +49,7 @@ def method_table(rows: list[tuple[str, str, GradientError, bool]], title: str, c
 
 
 def work_table(n: int, p: int, d: int) -> Table:
-    """Lesson 07: every rank computes the same N x N logits; what that costs in all."""
+    """Lesson 10: every rank computes the same N x N logits; what that costs in all."""
     table = _table("The redundant work: every rank computes the same N x N logits",
                    f"N = {n}, d = {d}, P = {p}; exp: entries the row and column softmaxes exponentiate")
     for column in ("per step", "formula", "one rank", f"all {p} ranks", "needed", "redundant"):
@@ -61,7 +61,7 @@ def work_table(n: int, p: int, d: int) -> Table:
 
 
 def training_table(runs: Mapping[str, TrainRun], held_out: int) -> Table:
-    """Lesson 08: the runs side by side, the first one the single-process reference."""
+    """Lesson 11: the runs side by side, the first one the single-process reference."""
     table = _table("Three runs: same data, weights, optimizer and steps",
                    f"final L: the global loss L averaged over the last {FINAL_STEPS} steps; acc: top-1 "
                    f"retrieval among {held_out} held-out pairs (chance {1 / held_out:.2%}), after the last "
@@ -77,7 +77,7 @@ def training_table(runs: Mapping[str, TrainRun], held_out: int) -> Table:
 
 
 def emulated_table(results: Mapping[int, Mapping[str, float]], n: int) -> Table:
-    """Lesson 08 --emulate: the plain gather's training at world sizes run in one process."""
+    """Lesson 11 --emulate: the plain gather's training at world sizes run in one process."""
     table = _table("The plain gather at larger P, emulated in one process (detached-blocks loss)",
                    f"final L: L averaged over the last {FINAL_STEPS} steps; P = 1 is the exact run")
     for column in ("P", "C = N/P", "final L", "held-out accuracy"):
@@ -88,7 +88,7 @@ def emulated_table(results: Mapping[int, Mapping[str, float]], n: int) -> Table:
 
 
 def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[str, float]]], elem: int) -> Table:
-    """Lesson 09: what the loss costs one rank; rows of (name, its `global_logits` or `local_logits`,
+    """Lesson 12: what the loss costs one rank; rows of (name, its `global_logits` or `local_logits`,
     its `loss_cost`)."""
     table = _table(f"Per rank, the loss forward + backward from the embeddings (N = {n}, P = {p})",
                    "global: every rank all N x N logits; local: its C x N rows of S and of S^T; "
@@ -105,7 +105,7 @@ def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[
 
 
 def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], backend: str) -> Table:
-    """Lesson 09: traffic per gathered N x d tensor by the ring formulas, and measured time."""
+    """Lesson 12: traffic per gathered N x d tensor by the ring formulas, and measured time."""
     note = ("; gloo runs a reduce_scatter as an all_reduce of a copy, so no saving shows on CPU"
             if "nccl" not in backend else "")
     table = _table(f"Communication per gathered N x d tensor (ring; N = {n}, d = {d}, P = {p})",

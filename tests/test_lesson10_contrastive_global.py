@@ -1,4 +1,4 @@
-"""Lesson 07: global x global under DDP. The plain gather gives exactly 1/P of the full-batch
+"""Lesson 10: global x global under DDP. The plain gather gives exactly 1/P of the full-batch
 gradient; back-propagating P * L, or the sum-backward gather, gives all of it."""
 
 import pytest
@@ -35,7 +35,7 @@ def test_global_x_global_gradients(world_size):
         assert all_ok(compare(ref_grads, plain)) == (world_size == 1)
 
 
-LESSON = "07_contrastive_global.py"
+LESSON = "10_contrastive_global.py"
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():

@@ -1,4 +1,4 @@
-"""Lesson 08: local x global with the plain gather. Its gradient is far from the full-batch one and
+"""Lesson 11: local x global with the plain gather. Its gradient is far from the full-batch one and
 equal to what the lesson says it computes: each rank's local loss with the other ranks' embeddings
 detached, averaged over ranks (computed here in one process, without any of the distributed code).
 Training with it follows its own path; training with the fix follows the single process exactly."""
@@ -71,7 +71,7 @@ def test_training_with_the_fix_follows_the_single_process(variant, exact):
     assert single.losses[-1] < single.losses[0]  # it trains, so matching trajectories mean something
 
 
-LESSON = "08_contrastive_local_naive.py"
+LESSON = "11_contrastive_local_naive.py"
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():

@@ -1,4 +1,4 @@
-"""Lesson 09: the sum-backward gather (the lesson's own all_reduce form, the library's reduce_scatter
+"""Lesson 12: the sum-backward gather (the lesson's own all_reduce form, the library's reduce_scatter
 form) and torch's own differentiable gather make local x global exact; the cost figures follow
 their formulas."""
 
@@ -18,7 +18,7 @@ from helpers import (assert_flag_refused, assert_gather_result, assert_lesson_pa
                      gather_forward_and_backward, load_lesson, value_error)
 
 N, TAU, SEED = 12, 0.1, 6
-LESSON = "09_contrastive_allgather_fix.py"
+LESSON = "12_contrastive_allgather_fix.py"
 
 
 def _fixes_first_step(rt):

@@ -1,4 +1,4 @@
-"""Lesson 10: GradCache under DDP on P = 2 ranks gives the single-process global batch's gradients,
+"""Lesson 13: GradCache under DDP on P = 2 ranks gives the single-process global batch's gradients,
 with one reducing backward per model and step under no_sync_except_last; its memory follows B.
 
 The reference runs in the parent process (`full_batch_gradients` with `as_ranks`): a deep copy, plain
@@ -29,7 +29,7 @@ from helpers import (CommHookCounter, assert_flag_refused, assert_lesson_passes_
 
 P, N, B, TAU, SEED = 2, 22, 4, 0.1, 11  # C = 11 pairs per rank in micro-batches of 4, 4, 3
 C = N // P
-LESSON = "10_grad_cache.py"
+LESSON = "13_grad_cache.py"
 
 
 def rep_clip_loss(rep_x, rep_y, tau=TAU):

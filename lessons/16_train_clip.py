@@ -1,7 +1,7 @@
-"""Lesson 12: train a real CLIP with the streamed step, on scikit-learn's handwritten digits and their
+"""Lesson 16: train a real CLIP with the streamed step, on scikit-learn's handwritten digits and their
 captions, and classify held-out digits zero-shot.
 
-    torchrun --nproc-per-node 2 lessons/12_train_clip.py        # P = 1, 2, 4: any P dividing N
+    torchrun --nproc-per-node 2 lessons/16_train_clip.py        # P = 1, 2, 4: any P dividing N
 
 The idea. CLIP trains an image tower and a text tower so that an image and its caption land close
 together and apart from the other N - 1 captions of the global batch: with unit-norm embeddings
@@ -41,7 +41,7 @@ step; with B < C each micro-batch runs twice (a no-grad embed, then a recompute 
 
 bf16 autocast helps where the towers are a large share of the step and the hardware has bf16 units
 (GPUs): `--autocast auto` turns it on for CUDA. On the CPU it does not help this lesson, so auto leaves
-it off. Measured on a 2-core Xeon with AMX (one thread; notebook 12 measures it again): autocast makes
+it off. Measured on a 2-core Xeon with AMX (one thread; notebook 16 measures it again): autocast makes
 the towers' forward + backward 1.2-1.3x faster at C = 128 pairs and 1.4-1.6x at 1024 (three runs), but a
 step here is mostly communication and per-call overhead, and 150 steps at P = 2 took as long either
 way (10.0, 10.6, 7.0 s in float32 against 10.7, 9.9, 6.8 s in bf16, interleaved on a shared machine).
@@ -228,7 +228,7 @@ def main() -> int:
         config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
                   "STREAM_CHUNK_SIZE": args.stream_chunk}
         forwards = "once a step" if args.micro_batch_size >= local else "twice a step: embed, recompute"
-        print0(f"[bold]Lesson 12: train a CLIP on digits[/] with distributed_backward\n"
+        print0(f"[bold]Lesson 16: train a CLIP on digits[/] with distributed_backward\n"
                f"N={n} over P={world}: C={local}, B={args.micro_batch_size} (the towers run {forwards}), "
                f"T={args.stream_chunk}, d={args.dim}; {len(data.labels)} training, "
                f"{len(data.split.test_labels)} held-out images; bf16 autocast {'on' if bf16 else 'off'}; "

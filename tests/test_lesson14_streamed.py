@@ -1,4 +1,4 @@
-"""Lesson 11 runs under torchrun: both loops' step-1 gradients (the learned scale's included) equal
+"""Lesson 14 runs under torchrun: both loops' step-1 gradients (the learned scale's included) equal
 the full batch's, the loss goes down, the largest temporary is an O(N d) one, at P = 3 with the
 default batch; and a flag that fails a check needing the group is one clear line and exit code 2."""
 
@@ -9,7 +9,7 @@ import sys
 from distlab.spawn import free_port
 from helpers import LESSONS, assert_lesson_passes_at_80_columns
 
-LESSON = "11_streamed_five_phase.py"
+LESSON = "14_streamed_five_phase.py"
 
 
 def test_lesson_passes_at_p3_with_its_default_batch_and_uneven_micro_batches():

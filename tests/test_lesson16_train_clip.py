@@ -1,4 +1,4 @@
-"""Lesson 12 trains a CLIP on scikit-learn's digits with `distributed_backward` under torchrun at P = 2:
+"""Lesson 16 trains a CLIP on scikit-learn's digits with `distributed_backward` under torchrun at P = 2:
 step 1's gradients equal one process's on the whole batch, held-out zero-shot accuracy clears the
 lesson's stated margin (8x chance) and is printed as the last line, and one process on the same global
 batches trains the same model. Its pieces, checked one by one: the
@@ -20,7 +20,7 @@ from distlab.optim import decay_groups, warmup_cosine
 from distlab.spawn import free_port
 from helpers import LESSONS, no_ellipsis, torchrun
 
-LESSON = "12_train_clip.py"
+LESSON = "16_train_clip.py"
 LAST_LINE = re.compile(r"^zero-shot accuracy on held-out digits: (\d+\.\d)%$")
 
 

@@ -1,6 +1,6 @@
-"""Lesson 10: GradCache. A contrastive batch far larger than fits, in micro-batches, with exact gradients.
+"""Lesson 13: GradCache. A contrastive batch far larger than fits, in micro-batches, with exact gradients.
 
-    torchrun --nproc-per-node 2 lessons/10_grad_cache.py    # any P that divides N (576: P = 1, 2, 3, 4, 6, 8)
+    torchrun --nproc-per-node 2 lessons/13_grad_cache.py    # any P that divides N (576: P = 1, 2, 3, 4, 6, 8)
 
 The idea. The CLIP loss couples all N pairs, so its gradient is not a sum over micro-batches. But the
 parameters theta reach the loss only through the representations h_i = f_theta(x_i), N x d numbers
@@ -27,13 +27,13 @@ draws the same masks); the peak memory follows B, not N, down to a floor set by 
 logits (when the activations outweigh the parameter gradients, as at the defaults: with tiny towers the
 gradient each micro-batch's backward adds into .grad can cost more than it saves); the price is an extra
 forward of every sample, even at B = N. Part 2, P ranks under DDP: each
-rank caches its C = N/P pairs, the loss gathers the representations with lesson 09's gather (its backward
+rank caches its C = N/P pairs, the loss gathers the representations with lesson 12's gather (its backward
 sums over ranks), DDP averages: the gradients equal the single-process global batch's, and with
 `no_sync_except_last` each tower's gradients are all-reduced in one backward per step, not in every
 micro-batch's (a DDP comm hook counts them).
 
 Two readings of GradCache that do not hold: "with B = N it is plain training" (every sample still runs
-forward twice), and "it needs the memory of B samples" (the loss's N x N logits remain; lesson 11
+forward twice), and "it needs the memory of B samples" (the loss's N x N logits remain; lesson 14
 removes them).
 """
 
@@ -281,7 +281,7 @@ def part_one(args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bo
 
 
 def ddp_rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float, offset: int) -> torch.Tensor:
-    """This rank's C rows of the global loss; the gather's backward sums over ranks (lesson 09)."""
+    """This rank's C rows of the global loss; the gather's backward sums over ranks (lesson 12)."""
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
     return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau, offset)
 
@@ -347,7 +347,7 @@ def main() -> int:
         require(args.global_batch % rt.world_size == 0, "--global-batch",
                 f"N = {args.global_batch} must split evenly over P = {rt.world_size} ranks")
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 10: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}, "
+        print0(f"[bold]Lesson 13: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}, "
                f"N = {args.global_batch}, B = {args.micro_batch_size}, {args.dtype}")
         # Part 1 runs on rank 0 alone: its timings would fight the other ranks for the cores.
         results = part_one(args, rt.device, verdict) if rt.is_first else dict.fromkeys(PART_ONE, (True, ""))

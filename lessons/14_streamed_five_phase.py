@@ -1,7 +1,7 @@
-"""Lesson 11: the streamed five-phase step. The exact CLIP gradient of a global batch of N pairs with
+"""Lesson 14: the streamed five-phase step. The exact CLIP gradient of a global batch of N pairs with
 O(N d) memory per rank: `from distributed_clip import distributed_backward, distributed_train_step`.
 
-    torchrun --nproc-per-node 2 lessons/11_streamed_five_phase.py    # any P dividing N = 960 (1, 2, 3, 4, ...)
+    torchrun --nproc-per-node 2 lessons/14_streamed_five_phase.py    # any P dividing N = 960 (1, 2, 3, 4, ...)
 
 The idea. With logits S = s Z_x Z_y^T (s = 1/tau, fixed or learned), row/column log-sum-exps a, b,
 row/column softmax R_ij = exp(S_ij - a_i), Q_ij = exp(S_ij - b_j) and W = R + Q - 2I:
@@ -11,7 +11,7 @@ row/column softmax R_ij = exp(S_ij - a_i), Q_ij = exp(S_ij - b_j) and W = R + Q 
 
 Nothing needs S itself, only a, b (streamed by the online max/sum fold) and products W Z summed over
 tiles of at most T x T (T = --stream-chunk). The notebook derives both, each step checked numerically. It builds
-on lesson 09 (each rank only its own rows of S) and lesson 10: phases C and D are GradCache's idea
+on lesson 12 (each rank only its own rows of S) and lesson 13: phases C and D are GradCache's idea
 (luyug/GradCache; Gao et al., https://arxiv.org/abs/2101.06983: gradients at the embeddings first, then
 one VJP per micro-batch), with the cached loss replaced by closed forms.
 
@@ -173,8 +173,8 @@ def memory_table(mem: PeakMemory, n: int, d: int, cfg, itemsize: int) -> Table:
                           (f"gathered Z_x | Z_y (N x 2d = {n} x {2 * d})", n * 2 * d * itemsize),
                           (f"one tile, T x T ({t} x {t})", t * t * itemsize),
                           (f"B x N ({b} x {n}): never made", b * n * itemsize),
-                          (f"C x N ({cfg.local} x {n}), lesson 09's logits", cfg.local * n * itemsize),
-                          (f"N x N ({n} x {n}), lesson 07's logits", full)):
+                          (f"C x N ({cfg.local} x {n}), lesson 12's logits", cfg.local * n * itemsize),
+                          (f"N x N ({n} x {n}), lesson 10's logits", full)):
         table.add_row(label, f"{nbytes:,}", f"{nbytes / full:.4f}")
     return table
 
@@ -200,7 +200,7 @@ def main() -> int:
         config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
                   "STREAM_CHUNK_SIZE": args.stream_chunk, "PHASE_B": args.phase_b}
         cfg = parse_config(config, world, rt.rank)
-        print0(f"[bold]Lesson 11: the streamed five-phase step[/]\nN={n} over P={world}, B={cfg.b}, T={cfg.t}, "
+        print0(f"[bold]Lesson 14: the streamed five-phase step[/]\nN={n} over P={world}, B={cfg.b}, T={cfg.t}, "
                f"tau={args.tau}, Phase B {cfg.phase_b}, dropout {args.dropout}, {args.dtype}, {rt.backend}\n"
                f"regime: {regime(cfg)}")
         x, y = paired_data(args.dataset_size, seed=args.seed, dtype=dtype)

@@ -1,7 +1,7 @@
-"""Lesson 09: the fix. An all-gather whose backward sums the gradient over ranks makes local x global
+"""Lesson 12: the fix. An all-gather whose backward sums the gradient over ranks makes local x global
 exact again, at C x N logits per rank instead of N x N.
 
-    torchrun --nproc-per-node 4 lessons/09_contrastive_allgather_fix.py     # any P that divides N
+    torchrun --nproc-per-node 4 lessons/12_contrastive_allgather_fix.py     # any P that divides N
 
 The idea. Rank r's embeddings z_r enter every rank's local loss L_s. On rank s the gathered tensor is
 Z = [z_0; ...; z_{P-1}] (N x d: Z_x or Z_y), and rank s's backward produces dL_s/dZ, a gradient for
@@ -20,7 +20,7 @@ defines; here both ends use the rank saved in forward). The lesson checks it wit
 
 - `gather_with_grad` (src/distlab/contrastive/gather.py, `GatherSumBackward`): the sum and the
   slice in one reduce_scatter; each rank receives only its summed C rows, the same numbers for half
-  the traffic. Lessons 10 and 11 import this one.
+  the traffic. Lessons 13 and 14 import this one.
 - torch's own differentiable gather (`gather_library`): torch 2.13 deprecates
   `torch.distributed.nn.functional.all_gather` and names
   `torch.distributed._functional_collectives.all_gather_single` as its replacement; that op has a
@@ -36,7 +36,7 @@ instead of 2N^2 (P times fewer), and no tensor larger than C x N. The backward a
 per gathered tensor: ring formulas below, in bytes, and measured times.
 
 The proof: every variant's gradient after one step against a deep copy of the model run on the
-whole global batch in one process; exit non-zero unless the three sums are exact, lesson 08's plain
+whole global batch in one process; exit non-zero unless the three sums are exact, lesson 11's plain
 gather is not (at P > 1), and the largest tensor per rank is C x N instead of N x N.
 """
 
@@ -94,7 +94,7 @@ def parse_args():
 
 
 def exactness(rt: Runtime, args, verdict: Verdict) -> None:
-    """One step of every sum, and of lesson 08's plain gather, against the full-batch reference."""
+    """One step of every sum, and of lesson 11's plain gather, against the full-batch reference."""
     p, n, dtype = rt.world_size, args.global_batch, DTYPES[args.dtype]
     ddp = first_step_gradients(rt, FIXES + (LOCAL_PLAIN,), n, args.tau, seed=args.seed, dtype=dtype)
     ref_loss, ref = full_batch_gradients(TwoTower(seed=args.seed, dtype=dtype),
@@ -102,7 +102,7 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     errors = {v.name: gradient_error(ref, ddp[v.name][1]) for v in FIXES + (LOCAL_PLAIN,)}
     rtol, atol = tolerances(dtype)
     rows = [(v.name, "ref", errors[v.name], True) for v in FIXES]
-    rows.append((f"{LOCAL_PLAIN.name} (08)", "ref", errors[LOCAL_PLAIN.name], p == 1))
+    rows.append((f"{LOCAL_PLAIN.name} (11)", "ref", errors[LOCAL_PLAIN.name], p == 1))
     print0(method_table(rows, "DDP gradients after one step vs the single-process full batch (ref)",
                         caption=f"allclose: rtol {rtol:g}, atol {atol:g}; all_reduce: this lesson's "
                         "AllGatherSumBackward; reduce_scatter: gather_with_grad; torch: all_gather_single"))
@@ -110,7 +110,7 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     for v in FIXES:
         verdict.check(f"the {v.name} gather gives the full-batch gradient", errors[v.name].ok,
                       f"max rel err {errors[v.name].max_rel:.1e}")
-    verdict.check("lesson 08's plain gather " + ("does not" if p > 1 else "does, at P = 1"), errors[LOCAL_PLAIN.name].ok == (p == 1),
+    verdict.check("lesson 11's plain gather " + ("does not" if p > 1 else "does, at P = 1"), errors[LOCAL_PLAIN.name].ok == (p == 1),
                   f"max rel err {errors[LOCAL_PLAIN.name].max_rel:.2e}")
     verdict.check("every loss equals the reference's",
                   all(abs(ddp[v.name][0] - ref_loss) <= atol + rtol * abs(ref_loss) for v in FIXES))
@@ -124,7 +124,7 @@ def cost(rt: Runtime, args, verdict: Verdict) -> None:
     gen = torch.Generator().manual_seed(args.seed + rt.rank)
     z = [F.normalize(torch.randn(n // p, 64, generator=gen), dim=-1).to(rt.device) for _ in range(2)]
     global_cost, local_cost = (loss_cost(rt, *z, args.tau, v) for v in (GLOBAL_SUM, LOCAL_SUM))
-    print0(cost_table(n, p, [("global (07)", global_logits(n), global_cost),
+    print0(cost_table(n, p, [("global (10)", global_logits(n), global_cost),
                              ("local", local_logits(n, p), local_cost)], elem=4))
     seconds = collective_seconds(rt, args.comm_global_batch, args.comm_dim, torch.float32)
     print0(comm_table(p, args.comm_global_batch, args.comm_dim, 4, seconds, rt.backend))
@@ -142,7 +142,7 @@ def main() -> int:
             n = getattr(args, flag[2:].replace("-", "_"))
             require(n % p == 0, flag, f"P = {p} ranks must divide N = {n}")
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 09: the sum-backward all-gather[/] - N = {args.global_batch} pairs, P = {p}, "
+        print0(f"[bold]Lesson 12: the sum-backward all-gather[/] - N = {args.global_batch} pairs, P = {p}, "
                f"C = {args.global_batch // p}, tau = {args.tau}, {args.dtype}, {rt.backend}", highlight=False)
         exactness(rt, args, verdict)
         cost(rt, args, verdict)

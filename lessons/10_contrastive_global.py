@@ -1,7 +1,7 @@
-"""Lesson 07: contrastive (CLIP) learning under DDP, global x global: every rank gathers all N
+"""Lesson 10: contrastive (CLIP) learning under DDP, global x global: every rank gathers all N
 embeddings and computes the whole N x N loss, and DDP's average then gives 1/P of its gradient.
 
-    torchrun --nproc-per-node 4 lessons/07_contrastive_global.py     # any P that divides N
+    torchrun --nproc-per-node 4 lessons/10_contrastive_global.py     # any P that divides N
 
 The idea. The symmetric InfoNCE loss does not split over samples: pair i's term has every other
 pair's embeddings in its softmax. With unit-norm Z_x, Z_y (N x d) and S = Z_x Z_y^T / tau,
@@ -28,12 +28,12 @@ and Adam divides the gradient's scale away. (Its sketch also gathers the x featu
 multiplies Python lists with `torch.matmul`, and has no temperature.) Two exact fixes, both checked:
 
 - back-propagate P * L, report L (`global_loss_times_p`): no extra communication;
-- a gather whose backward sums the gradient over ranks (lesson 09): every rank's copy of L sends its
+- a gather whose backward sums the gradient over ranks (lesson 12): every rank's copy of L sends its
   dL/dz_r to rank r, which receives P * dL/dz_r; DDP's average then gives sum_r g_r exactly.
 
 The cost. Every rank computes the same N x N logits, forward and backward: P N^2 entries in all where
 N^2 would do, so (P-1)/P of that work is redundant, and each rank holds N x N logits however many
-ranks share the batch. Lesson 08 computes only the rows a rank owns.
+ranks share the batch. Lesson 11 computes only the rows a rank owns.
 
 The proof: every variant against a deep copy of the model run on the whole global batch in one
 process (plain autograd on `clip_loss`); the lesson exits non-zero unless the plain gather gives
@@ -69,7 +69,7 @@ def main() -> int:
         p, n = rt.world_size, args.global_batch
         require(n % p == 0, "--global-batch", f"P = {p} ranks must divide N = {n}")
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 07: DDP contrastive, global x global[/] - N = {n} pairs, P = {p}, C = {n // p}, "
+        print0(f"[bold]Lesson 10: DDP contrastive, global x global[/] - N = {n} pairs, P = {p}, C = {n // p}, "
                f"tau = {args.tau}, {args.dtype}, {rt.backend}", highlight=False)
         ddp = first_step_gradients(rt, VARIANTS, n, args.tau, seed=args.seed, dtype=dtype)
 

@@ -1,9 +1,9 @@
-"""Lesson 08: local x global with a plain all_gather. Each rank computes only its own C rows of the
+"""Lesson 11: local x global with a plain all_gather. Each rank computes only its own C rows of the
 logits; the loss is still exact, the gradient is not.
 
-    torchrun --nproc-per-node 4 lessons/08_contrastive_local_naive.py     # any P that divides N
+    torchrun --nproc-per-node 4 lessons/11_contrastive_local_naive.py     # any P that divides N
 
-The idea. Lesson 07 had every rank compute all N x N logits. Rank r only needs its own rows: the
+The idea. Lesson 10 had every rank compute all N x N logits. Rank r only needs its own rows: the
 C x N block of S = Z_x Z_y^T / tau for its anchors z_x (x -> y), and the C x N block of S^T for its
 z_y (y -> x), with the positives at columns rC + i. Its local loss L_r is the mean over those rows,
 and the global loss is their average, L = 1/P sum_r L_r: the forward pass is exact.
@@ -24,7 +24,7 @@ detached), and the lesson checks exactly that against a single-process computati
 (`DetachedBlocks` in src/distlab/contrastive/reference.py). At P = 1 nothing is lost.
 
 What it does to training. Three runs on the same data, weights, optimizer and steps: (1) one process
-on the full global batch, (2) DDP with the plain gather, (3) DDP with the fixed gather of lesson 09.
+on the full global batch, (2) DDP with the plain gather, (3) DDP with the fixed gather of lesson 12.
 Run (3) must track run (1) at every step; run (2) follows its own path. The
 EfficientDDP-4-Contrastive-Train README (https://github.com/zsnoob/EfficientDDP-4-Contrastive-Train)
 reports a fine-tuning run that no longer converged with this gather. On this toy problem it does
@@ -100,7 +100,7 @@ def first_step(rt: Runtime, args, verdict: Verdict) -> None:
     rtol, atol = tolerances(DTYPE)
     print0(method_table([(LOCAL_PLAIN.name, "ref", errors["ref"], p == 1),
                          (LOCAL_PLAIN.name, "detached", errors["detached"], True),
-                         ("fixed (09)", "ref", fixed_err, True)],
+                         ("fixed (12)", "ref", fixed_err, True)],
                         "DDP gradients after one step",
                         caption=f"ref: the single-process full batch; detached: the same with every other "
                         f"block's embeddings detached in each block's rows; allclose: rtol {rtol:g}, atol {atol:g}"))
@@ -172,7 +172,7 @@ def main() -> int:
     with distributed(args.device) as rt:
         verdict, p, n = Verdict(rt), rt.world_size, args.global_batch
         require(n % p == 0, "--global-batch", f"P = {p} ranks must divide N = {n}")
-        print0(f"[bold]Lesson 08: local x global, plain all_gather[/] - N = {n} pairs, P = {p}, C = {n // p}, "
+        print0(f"[bold]Lesson 11: local x global, plain all_gather[/] - N = {n} pairs, P = {p}, C = {n // p}, "
                f"tau = {args.tau}, float64, {rt.backend}", highlight=False)
         first_step(rt, args, verdict)
 

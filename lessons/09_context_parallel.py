@@ -6,7 +6,8 @@ blocks travel a ring, and every rank folds the partial attentions with the onlin
 Rank r holds L_seq/P positions: its queries q_r and, at first, its keys and values k_r, v_r (h heads of
 width d_h). Attention out = softmax(q k^T / sqrt(d_h)) v needs every key for every query. The ring: in
 P steps every rank passes the k/v block it holds to rank r+1 and receives one from r-1; in step i rank
-r holds the block of rank r-i and folds the tile q_r k_{r-i}^T into running (m, l, o):
+r holds the block of rank r-i and folds the tile of scores A = q_r k_{r-i}^T / sqrt(d_h) into running
+statistics per query row, max m, sum l and output o (all three under the same max):
 
     m' = max(m, rowmax A),  l' = l e^(m - m') + rowsum e^(A - m'),  o' = o e^(m - m') + e^(A - m') v,
 
@@ -17,9 +18,10 @@ step its log-normalisers is the fold that merges attention blocks here. One func
 
 Backward (as FlashAttention's): delta = rowsum(dout * out); the k/v blocks go round again, and with
 each travels its gradient accumulator (dk, dv); every rank recomputes the tile's probabilities
-W = e^(A - lse) from the saved lse, adds dq += dA k and dk += dA^T q, dv += W^T dout into the
-travelling accumulators, and passes them on; after P moves they are home. No rank ever holds the
-whole sequence: at most two k/v blocks at once (the one in use, the one arriving).
+W = e^(A - lse) from the saved lse and dA = W * (dout v^T - delta), adds dq += dA k / sqrt(d_h) to
+its own dq and dk += dA^T q / sqrt(d_h), dv += W^T dout to the travelling accumulators, and passes
+them on; after P moves they are home. No rank ever holds the whole sequence: at most two k/v pairs at
+once (the one in use, the one arriving), measured with distlab.memory.PeakMemory against a formula.
 
 Causal attention skips every key after the query. With a contiguous split rank r computes r + 1
 tiles of side L_seq/P (rank P-1 does P times rank 0's work); the zig-zag split (rank r holds pieces
@@ -122,7 +124,7 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- one run of the ring, and the reference ------------------------------------------------------
 
 @dataclass(frozen=True)
 class RingRun:
@@ -194,8 +196,7 @@ def show_exactness(rt: Runtime, args, verdict: Verdict) -> dict:
 
 def show_timeline(rt: Runtime, args, run: RingRun, verdict: Verdict) -> None:
     print0("\n[bold]2. The ring: whose k/v block each rank holds at each step (tiles computed)[/]")
-    p = rt.world_size
-    cells = []
+    p, cells = rt.world_size, []
     for r in range(p):
         held = [(r - i) % p for i in range(p)]
         cells.append((f"rank {r}", *(f"r{s} {piece_label(s, p, args.seq_len)} ({run.tallies[r][3 + i]})"
@@ -263,8 +264,9 @@ def show_fold(verdict: Verdict) -> None:
     from distlab.online_softmax import online_fold
 
     same = attention.online_fold is online_fold is streamed_kernels.online_fold
-    print0("distlab.context_parallel.attention.online_fold is distlab.online_softmax.online_fold is "
-           f"distlab.contrastive.streamed_kernels.online_fold: {same}", highlight=False)
+    for who, fold in (("ring attention", attention.online_fold), ("the streamed step", streamed_kernels.online_fold)):
+        print0(f"the fold {who} calls: {fold.__module__}.{fold.__qualname__}", highlight=False)
+    print0(f"one and the same function object: {same}", highlight=False)
     verdict.check("one online fold for ring attention and lesson 14", same)
 
 

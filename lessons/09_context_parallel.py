@@ -3,7 +3,7 @@ blocks travel a ring, and every rank folds the partial attentions with the onlin
 
     torchrun --nproc-per-node 4 lessons/09_context_parallel.py     # any P with 2P dividing --seq-len
 
-Rank r holds L_seq/P positions: its queries q_r and, at first, its keys and values k_r, v_r (h heads of
+Rank r holds seq/P positions: its queries q_r and, at first, its keys and values k_r, v_r (h heads of
 width d_h). Attention out = softmax(q k^T / sqrt(d_h)) v needs every key for every query. The ring: in
 P steps every rank passes the k/v block it holds to rank r+1 and receives one from r-1; in step i rank
 r holds the block of rank r-i and folds the tile of scores A = q_r k_{r-i}^T / sqrt(d_h) into running
@@ -24,10 +24,10 @@ them on; after P moves they are home. No rank ever holds the whole sequence: at 
 once (the one in use, the one arriving), measured with distlab.memory.PeakMemory against a formula.
 
 Causal attention skips every key after the query. With a contiguous split rank r computes r + 1
-tiles of side L_seq/P (rank P-1 does P times rank 0's work); the zig-zag split (rank r holds pieces
-r and 2P-1-r of 2P) gives every rank 2P - 1 full tiles and 2 diagonals of side L_seq/(2P): equal work.
+tiles of side seq/P (rank P-1 does P times rank 0's work); the zig-zag split (rank r holds pieces
+r and 2P-1-r of 2P) gives every rank 2P - 1 full tiles and 2 diagonals of side seq/(2P): equal work.
 
-Bytes each rank sends, with a block of h (L_seq/P) d_h values: forward 2 (P-1) blocks (k and v,
+Bytes each rank sends, with a block of h (seq/P) d_h values: forward 2 (P-1) blocks (k and v,
 P-1 moves), backward 2 (P-1) + 2P blocks (k and v again; dk and dv, P moves). Everything is checked
 against torch's scaled_dot_product_attention on the whole sequence in one process.
 """
@@ -220,7 +220,7 @@ def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
                       and [t[:2] for t in tallies] == [[w.full, w.diagonal] for w in layout])
         rows += [(f"{split}, rank {r}", f"{t[0]} + {t[1]}", str(t[2]), str(f))
                  for r, (t, f) in enumerate(zip(tallies, formula))]
-    print0("tiles: full + diagonal; formula: zig-zag (2P+1)(L_seq/2P)^2, contiguous (r+1)(L_seq/P)^2",
+    print0("tiles: full + diagonal; formula: zig-zag (2P+1)(seq/2P)^2, contiguous (r+1)(seq/P)^2",
            highlight=False)
     print0(rows_table("", ("", "tiles", "products", "formula"), rows))
     balanced = len(set(counted["zigzag"])) == 1
@@ -238,7 +238,7 @@ def show_bytes(rt: Runtime, sizes: Sizes, runs: dict, verdict: Verdict) -> None:
                   all(tuple(sent[i:i + 2]) == formula for sent in every for i in range(0, len(sent), 2)))
     rows = [(f"rank {r}", f"{sent[2]:,}", f"{sent[3]:,}") for r, sent in enumerate(every)]  # causal zig-zag
     rows.append(("formula", f"{formula[0]:,}", f"{formula[1]:,}"))
-    print0(f"causal zig-zag; a block is h (L_seq/P) d_h values = {sizes.block:,} bytes", highlight=False)
+    print0(f"causal zig-zag; a block is h (seq/P) d_h values = {sizes.block:,} bytes", highlight=False)
     print0(rows_table("", ("", "forward bytes", "backward bytes"), rows))
     verdict.figure("bytes", {"block": sizes.block, "forward": formula[0], "backward": formula[1]})
 
@@ -272,7 +272,7 @@ def show_fold(verdict: Verdict) -> None:
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--seq-len", type=positive_int, default=48, help="sequence length L_seq (2P must divide it)")
+    parser.add_argument("--seq-len", type=positive_int, default=48, help="sequence length seq (2P must divide it)")
     parser.add_argument("--heads", type=positive_int, default=2, help="attention heads h")
     parser.add_argument("--head-dim", type=positive_int, default=16, help="width of a head d_h")
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of q, k, v")
@@ -285,7 +285,7 @@ def main() -> int:
         layouts.check_seq_len(args.seq_len, rt.world_size, "zigzag")  # before any collective
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 09: context parallelism, ring attention[/] - P = {rt.world_size}, "
-               f"L_seq = {args.seq_len}, h = {args.heads}, d_h = {args.head_dim}, {args.dtype}, {rt.backend}")
+               f"seq = {args.seq_len}, h = {args.heads}, d_h = {args.head_dim}, {args.dtype}, {rt.backend}")
         runs = show_exactness(rt, args, verdict)
         show_timeline(rt, args, runs[("zigzag", True)], verdict)
         show_work(rt, args, runs, verdict)

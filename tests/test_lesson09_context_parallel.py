@@ -69,7 +69,7 @@ def test_ring_attention_equals_sdpa_on_the_whole_sequence(runs, world, split, ca
 
 @pytest.mark.parametrize("world", SPAWNED)
 def test_bytes_per_rank_equal_the_formula(runs, world):
-    """A block is h (L_seq/P) d_h float64 values; forward 2(P-1) blocks (k, v), backward 2(P-1)
+    """A block is h (seq/P) d_h float64 values; forward 2(P-1) blocks (k, v), backward 2(P-1)
     (k, v again) + 2P (dk, dv, home after P moves)."""
     block = HEADS * (SEQ // world) * HEAD_DIM * 8
     expected = (2 * (world - 1) * block, (4 * world - 2) * block)

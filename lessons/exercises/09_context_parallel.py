@@ -1,9 +1,9 @@
 """Exercise 09: ring attention's forward (read lessons/09_context_parallel.py first; check your answer
 with `pytest --exercises -k 09`).
 
-The sequence of L_seq positions is split over the P ranks by `layout` (contiguous, or zig-zag: rank r
+The sequence of seq positions is split over the P ranks by `layout` (contiguous, or zig-zag: rank r
 holds pieces r and 2P-1-r of 2P). This rank holds its queries q and, to begin with, its keys and values
-k, v (each h x L_seq/P x d_h). Write `ring_forward`: in P steps, pass the k/v block you hold to rank r+1
+k, v (each h x seq/P x d_h). Write `ring_forward`: in P steps, pass the k/v block you hold to rank r+1
 and receive the next one from r-1 (in step i you hold the block of rank r-i), and fold every tile of
 scores A = q_piece k_piece^T / sqrt(d_h) into running statistics per query row:
 

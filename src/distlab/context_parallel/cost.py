@@ -1,9 +1,9 @@
 """What ring attention costs each rank, by formula: bytes sent and memory held; and the measured side
 gathered from every rank.
 
-Units: a block is one rank's k (or v, dk, dv), h x L_seq/P x d_h values; a tile is the scores of a
-zig-zag piece against a piece, h x (L_seq/2P)^2; a row vector is one statistic per query row,
-h x L_seq/P.
+Units: a block is one rank's k (or v, dk, dv), h x seq/P x d_h values; a tile is the scores of a
+zig-zag piece against a piece, h x (seq/2P)^2; a row vector is one statistic per query row,
+h x seq/P.
 
 Bytes sent per rank. Forward: k and v move P-1 times, 2(P-1) blocks. Backward: k and v move P-1
 times again and dk, dv P times (the last move takes them home), 2(P-1) + 2P = 4P-2 blocks; nothing

@@ -1,19 +1,19 @@
 """Which positions of the sequence each rank holds, and how much causal attention work that gives it.
 
-A sequence of L_seq positions is cut into pieces that the ranks keep for the whole step (their query
+A sequence of seq positions is cut into pieces that the ranks keep for the whole step (their query
 rows, and at the start their key/value rows).
 
-- contiguous: P pieces of L_seq/P; rank r holds piece r.
-- zig-zag: 2P pieces of L_seq/(2P); rank r holds pieces r and 2P-1-r (one early, one late).
+- contiguous: P pieces of seq/P; rank r holds piece r.
+- zig-zag: 2P pieces of seq/(2P); rank r holds pieces r and 2P-1-r (one early, one late).
 
 Causal attention lets position i see the keys j <= i only. A tile of query piece a against key piece b
 (pieces of equal size) is then full (b < a), diagonal (b = a: computed whole, then the upper triangle
 masked) or skipped (b > a). Per rank, counting the query-key products computed (a diagonal tile
 counts whole, as the kernel computes it):
 
-    contiguous  rank r: r full tiles and 1 diagonal of side L_seq/P:   (r + 1) (L_seq/P)^2     unequal
-    zig-zag     every rank: 2P - 1 full tiles and 2 diagonals of side L_seq/(2P):
-                                                                   (2P + 1) (L_seq/(2P))^2  equal
+    contiguous  rank r: r full tiles and 1 diagonal of side seq/P:   (r + 1) (seq/P)^2     unequal
+    zig-zag     every rank: 2P - 1 full tiles and 2 diagonals of side seq/(2P):
+                                                                   (2P + 1) (seq/(2P))^2  equal
 
 Rank P-1 of the contiguous split does P times the work of rank 0 and the step waits for it; the
 zig-zag pairs an early piece (little to see) with a late one (much to see), so every rank does the same.
@@ -32,14 +32,14 @@ FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
 
 
 def check_seq_len(seq_len: int, world_size: int, split: str) -> None:
-    """The split must cut L_seq into equal pieces: the same ValueError on every rank, before any
+    """The split must cut seq into equal pieces: the same ValueError on every rank, before any
     collective, naming the flag."""
     if split not in SPLITS:
         raise ValueError(f"--split: expected one of {SPLITS}, got {split!r}")
     pieces = 2 * world_size if split == "zigzag" else world_size
     what = "2P" if split == "zigzag" else "P"
     require(seq_len % pieces == 0, "--seq-len",
-            f"L_seq = {seq_len} is not divisible by {what} = {pieces} (the {split} split cuts it into "
+            f"seq = {seq_len} is not divisible by {what} = {pieces} (the {split} split cuts it into "
             f"{pieces} equal pieces)")
 
 
@@ -53,7 +53,7 @@ def pieces_of(rank: int, world_size: int, seq_len: int, split: str) -> list[rang
 
 
 def shard(x: torch.Tensor, rank: int, world_size: int, split: str) -> torch.Tensor:
-    """Rank r's rows of x (..., L_seq, d_h) along the sequence dimension (-2), a contiguous copy."""
+    """Rank r's rows of x (..., seq, d_h) along the sequence dimension (-2), a contiguous copy."""
     rows = pieces_of(rank, world_size, x.shape[-2], split)
     return torch.cat([x[..., r.start:r.stop, :] for r in rows], dim=-2).contiguous()
 

@@ -260,11 +260,11 @@ def show_memory(rt: Runtime, sizes: Sizes, run: RingRun, verdict: Verdict) -> No
 def show_fold(verdict: Verdict) -> None:
     print0("\n[bold]6. One fold: ring attention and the streamed contrastive step[/]")
     from distlab.context_parallel import attention
-    from distlab.contrastive import streamed_kernels
+    from distlab.streamed import tiles as streamed_tiles
     from distlab.online_softmax import online_fold
 
-    same = attention.online_fold is online_fold is streamed_kernels.online_fold
-    for who, fold in (("ring attention", attention.online_fold), ("the streamed step", streamed_kernels.online_fold)):
+    same = attention.online_fold is online_fold is streamed_tiles.online_fold
+    for who, fold in (("ring attention", attention.online_fold), ("the streamed step", streamed_tiles.online_fold)):
         print0(f"the fold {who} calls: {fold.__module__}.{fold.__qualname__}", highlight=False)
     print0(f"one and the same function object: {same}", highlight=False)
     verdict.check("one online fold for ring attention and lesson 14", same)

@@ -80,10 +80,10 @@ def test_bytes_per_rank_equal_the_formula(runs, world):
 def test_ring_attention_and_the_streamed_step_import_the_same_fold():
     from distlab import online_softmax
     from distlab.context_parallel import attention
-    from distlab.contrastive import streamed_kernels
+    from distlab.streamed import tiles as streamed_tiles
 
     assert attention.online_fold is online_softmax.online_fold
-    assert streamed_kernels.online_fold is online_softmax.online_fold
+    assert streamed_tiles.online_fold is online_softmax.online_fold
 
 
 def _check(rt, seq_len, split):

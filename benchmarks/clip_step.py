@@ -49,8 +49,8 @@ from distlab.cli import add_runtime_args, positive_int
 from distlab.console import print0
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.losses import local_clip_loss
-from distlab.contrastive.streamed import loss_machinery
-from distlab.contrastive.streamed_kernels import chunks
+from distlab.streamed import loss_machinery
+from distlab.chunks import chunks
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower
 from distlab.runtime import distributed, run_main

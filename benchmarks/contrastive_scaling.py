@@ -39,8 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.contrastive.gather import gather_plain, gather_with_grad
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.contrastive.streamed import loss_machinery
-from distlab.contrastive.streamed_kernels import chunks
+from distlab.streamed import loss_machinery
+from distlab.chunks import chunks
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower
 from distlab.cli import add_runtime_args
@@ -87,7 +87,7 @@ def loss_08(z_x, z_y, n, rank, world, micro, chunk):
 
 def _loss_09(z_x, z_y, n, rank, world, micro, chunk, variant):
     _, g_x, g_y = loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro,
-                                            "STREAM_CHUNK_SIZE": chunk, "TAU": TAU, "PHASE_B": variant})
+                                            "STREAM_CHUNK_SIZE": chunk, "TAU": TAU, "NORMALISERS": variant})
     return g_x, g_y
 
 
@@ -107,7 +107,7 @@ def step_fn(method, model, optimizer, x, y, n, rank, world, micro, chunk):
         variant = "sharded" if "sharded" in method else "replicated"
         return distributed_train_step(model, optimizer, x, y, {
             "GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": chunk, "TAU": TAU,
-            "PHASE_B": variant})
+            "NORMALISERS": variant})
     optimizer.zero_grad(set_to_none=True)
     if method.startswith("08"):  # chunked no-grad forward, loss on cached reps, chunked recompute
         with torch.no_grad():

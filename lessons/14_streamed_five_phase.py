@@ -62,8 +62,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from distlab.cli import DTYPES, fraction, lesson_parser, positive_float, positive_int, require
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.console import print0
-from distlab.contrastive.streamed_config import parse_config, regime
-from distlab.contrastive.streamed_kernels import balanced_chunks
+from distlab.streamed.config import parse_config, regime
+from distlab.chunks import balanced_chunks
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
@@ -78,7 +78,7 @@ def parse_args():
     parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T: tiles are at most T x T")
     parser.add_argument("--tau", type=positive_float, default=0.1, help="temperature of the first loop; "
                         "the second learns s = 1/tau starting from it")
-    parser.add_argument("--phase-b", choices=("sharded", "replicated"), default="sharded",
+    parser.add_argument("--normalisers", choices=("sharded", "replicated"), default="sharded",
                         help="Phase B: each rank its own rows and columns of S, or every rank all of it")
     parser.add_argument("--dataset-size", type=positive_int, default=3840, help="training pairs")
     parser.add_argument("--epochs", type=positive_int, default=2, help="epochs of each loop")
@@ -198,10 +198,10 @@ def main() -> int:
         require(n % world == 0, "--global-batch", f"N={n} must be divisible by the world size P={world}")
         require(args.dataset_size >= n, "--dataset-size", f"must hold at least one global batch (N={n})")
         config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
-                  "STREAM_CHUNK_SIZE": args.stream_chunk, "PHASE_B": args.phase_b}
+                  "STREAM_CHUNK_SIZE": args.stream_chunk, "NORMALISERS": args.normalisers}
         cfg = parse_config(config, world, rt.rank)
         print0(f"[bold]Lesson 14: the streamed five-phase step[/]\nN={n} over P={world}, B={cfg.b}, T={cfg.t}, "
-               f"tau={args.tau}, Phase B {cfg.phase_b}, dropout {args.dropout}, {args.dtype}, {rt.backend}\n"
+               f"tau={args.tau}, normalisers {cfg.normalisers}, dropout {args.dropout}, {args.dtype}, {rt.backend}\n"
                f"regime: {regime(cfg)}")
         x, y = paired_data(args.dataset_size, seed=args.seed, dtype=dtype)
         dataset = TensorDataset(x, y)

@@ -6,12 +6,12 @@
     loss = distributed_backward(model, local_x, local_y, config, grad_scaler=scaler)  # you own the rest
 
 config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": T, "TAU": tau}; leave TAU
-out when model(x, y) returns (z_x, z_y, logit_scale). Optional "PHASE_B": "sharded" (default) or
+out when model(x, y) returns (z_x, z_y, logit_scale). Optional "NORMALISERS": "sharded" (default) or
 "replicated". The model is DDP, torch.compile(DDP) or FSDP2-wrapped, with `encoder_x` and
-`encoder_y` on the wrapped module. See `distlab.contrastive.streamed` for the phases and the math,
+`encoder_y` on the wrapped module. See `distlab.streamed.step` for the phases and the math,
 lesson 14 for a training loop, and the README's "Using distributed_clip in your training".
 """
 
-from distlab.contrastive.streamed import distributed_backward, distributed_train_step
+from distlab.streamed import distributed_backward, distributed_train_step
 
 __all__ = ["distributed_backward", "distributed_train_step"]

@@ -111,7 +111,7 @@ def _devices(rt):
     from distlab.contrastive.gather import gather_library, gather_plain, gather_with_grad
     from distlab.contrastive.grad_cache import GradCache
     from distlab.contrastive.losses import clip_loss
-    from distlab.contrastive.streamed import gather_pairs
+    from distlab.streamed.step import gather_pairs
     from distlab.models import TwoTower, paired_data
     from distlab.pipeline import p2p
 

@@ -15,7 +15,7 @@ LESSON = "14_streamed_five_phase.py"
 def test_lesson_passes_at_p3_with_its_default_batch_and_uneven_micro_batches():
     # Defaults N = 960, B = 96, T = 128 at P = 3: C = 320 in 4 micro-batches of 80 (never 96, 96, 96, 32).
     out = assert_lesson_passes_at_80_columns(LESSON, 3, "--epochs", "2", "--dataset-size", "1920",
-                                             "--phase-b", "replicated")
+                                             "--normalisers", "replicated")
     assert "regime: recompute (B = 96 < C = 320): 4 micro-batches of 80 pairs" in " ".join(out.split())
     assert out.count("PASS ") == 5 and "Epoch 1, Step 1, Loss" in out and "learned tau" in out
 

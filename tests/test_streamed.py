@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from distlab.compare import all_ok, compare
-from distlab.contrastive.streamed_config import parse_config
-from distlab.contrastive.streamed_kernels import (balanced_chunks, streamed_lse, streamed_lse_both,
-                                                  streamed_softmax_pair_product)
+from distlab.streamed.config import parse_config
+from distlab.chunks import balanced_chunks
+from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
 
 
 def symmetric_infonce(z_x, z_y, s):

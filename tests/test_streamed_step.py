@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab.compare import all_ok, compare, grads_of, params_of
 from distlab.models import paired_data
 from distlab.spawn import spawn
-from distlab.contrastive.streamed import loss_machinery
+from distlab.streamed import loss_machinery
 from distributed_clip import distributed_backward, distributed_train_step
 from helpers import STREAMED_N as N
 from helpers import (DROPOUT_SEED, CommHookCounter, Towers, full_batch, local_rows, rank_streams,
@@ -33,7 +33,7 @@ def config_of(case, n=N):
     config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": case["b"], "STREAM_CHUNK_SIZE": case.get("t", 7)}
     if case.get("scale") is None:
         config["TAU"] = 0.1
-    return config | ({"PHASE_B": case["phase_b"]} if "phase_b" in case else {})
+    return config | ({"NORMALISERS": case["normalisers"]} if "normalisers" in case else {})
 
 
 def optimizer_of(params, case):
@@ -82,7 +82,7 @@ def cases(world):
     c = N // world
     return [
         dict(scale=(), b=5, t=7, steps=2),                           # learnable s, B not dividing C
-        dict(scale=(1,), b=c // 2, t=100, phase_b="replicated"),     # B dividing C, T > N
+        dict(scale=(1,), b=c // 2, t=100, normalisers="replicated"),     # B dividing C, T > N
         dict(scale=(), b=c, steps=2, adam=True, dropout=0.3),         # one forward, dropout as in DDP
         dict(b=4, t=5, steps=2, dropout=0.3),                        # TAU, recompute with dropout replay
     ]

@@ -331,11 +331,11 @@ def _streamed_step(rt):
     from distributed_clip import distributed_train_step
     from distlab.models import TwoTower, paired_data
     rows = slice(4 * rt.rank, 4 * rt.rank + 4)
-    for phase_b in ("sharded", "replicated"):
+    for normalisers in ("sharded", "replicated"):
         ddp = DDP(TwoTower(dropout=0.1, seed=0).to(rt.device))
         x, y = (t[rows].to(rt.device) for t in paired_data(8, seed=1))
         config = {"GLOBAL_BATCH_SIZE": 8, "MICRO_BATCH_SIZE": 3, "STREAM_CHUNK_SIZE": 3, "TAU": 0.1,
-                  "PHASE_B": phase_b}
+                  "NORMALISERS": normalisers}
         distributed_train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), x, y, config)
 
 

@@ -1,0 +1,234 @@
+"""The streamed step's guards: one call returns a step every rank agreed to run, or raises the same error
+on every rank.
+
+A collective that only some ranks reach waits for the others until the process group's timeout. A
+forward can be such a collective: DDP's forward with grad broadcasts the module's buffers (BatchNorm's
+running statistics, open_clip's attention mask) and, once, rebuilds its buckets; FSDP2's all-gathers
+the parameters. So no rank leaves early (`distlab.agree`: every rank judges one exchanged table):
+
+1. `ready_step`, before any rank's forward: the config, the wrapper, the model contract, frozen
+   towers, BatchNorm, checked locally; then one all-gather of a few numbers per rank (N, B, TAU or
+   the learnable mode, NORMALISERS, the rank's pair counts, "I found a problem"). A config that
+   differs across ranks (a silently wrong gradient, or ranks in different regimes whose forwards
+   communicate differently), a rank whose batch is not N / P, or any rank's local problem: every
+   rank raises here. Otherwise it returns a `Ready` step.
+2. `Ready.agreed_outputs`, phase 1's forward run inside the guard: the embedding widths and dtypes,
+   the logit scale s (finite, positive, the same on every rank), and whether the forward raised or
+   returned something outside the contract on some rank (that rank still joins the exchange).
+
+A ValueError for bad input; a RuntimeError when model(x, y) itself raised on some rank (on that rank
+chained to the original). A rank without a process group raises at once (there is no one to tell).
+Under FSDP2 a forward that raises on one rank can leave the others inside FSDP2's own all-gathers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from distlab.agree import message_length, per_rank, raise_together, rank_table
+from distlab.streamed.config import NORMALISERS, StreamConfig, parse_config
+from distlab.streamed.wrappers import Wrapped, batchnorm_in_training, first_device, trainable, unwrap
+
+DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BEFORE = ("problem", "N", "B", "TAU", "NORMALISERS", "rows_x", "rows_y")
+AFTER = ("problem", "raised", "d_x", "d_y", "dtype_x", "dtype_y", "scale")
+NOT_KNOWN = float("nan")
+LEARNABLE = 0.0  # the TAU field of a rank whose model returns its own logit scale
+KEY_NAMES = {"N": "GLOBAL_BATCH_SIZE N", "B": "MICRO_BATCH_SIZE B"}  # as the caller typed them
+Outputs = tuple  # (z_x, z_y, s or None), one micro-batch's
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A step every rank agreed to run: its config, the wrapper, what the wrapper divides the summed
+    gradient by (read once, here, where a bad wrapper is refused on every rank), and the device the
+    small exchanges run on."""
+
+    cfg: StreamConfig
+    wrapped: Wrapped
+    factor: float
+    device: torch.device
+
+    def agreed_outputs(self, forward: Callable[[], list], rows: list[int]) -> list[Outputs]:
+        """Run phase 1's `forward` (one output per micro-batch of `rows` pairs), check what it returned,
+        and agree across ranks: the checked (z_x, z_y, s or None) per micro-batch, or the same error
+        on every rank. A rank whose forward raised still joins the exchange, then every rank raises."""
+        try:
+            raw = forward()
+        except Exception as err:  # noqa: BLE001 - this rank joins the exchange before anyone raises
+            _agree_after_forward(self, None, f"model(x, y) raised {type(err).__name__}: {err}", err)
+        try:
+            outputs = [check_outputs(out, n, self.cfg) for out, n in zip(raw, rows)]
+        except ValueError as err:
+            _agree_after_forward(self, None, str(err), None)
+        _agree_after_forward(self, outputs[0], None, None)
+        return outputs
+
+
+def ready_step(model: Any, local_x: Any, local_y: Any, config: Mapping[str, Any]) -> Ready:
+    """The checks before any rank's forward: a `Ready` step on every rank, or the same error on every
+    rank. Raises at once only when there is no process group to join (and so no one to hang)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("the streamed step needs an initialised process group: launch with torchrun "
+                         "and call torch.distributed.init_process_group first")
+    try:
+        ready, problem = _check_locally(model, local_x, local_y, config), None
+        device = ready.device
+    except ValueError as err:
+        ready, problem = None, str(err)
+        device = first_device(_inner_or_none(model), local_x)
+    _agree_before_forward(ready, problem, (local_x, local_y), device)
+    return ready
+
+
+def _inner_or_none(model: Any) -> Any:
+    """The wrapped module, when the wrapper is one the step knows (its parameters' device is where the
+    exchanges run), else None."""
+    try:
+        return unwrap(model).inner
+    except ValueError:
+        return None
+
+
+def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, Any]) -> Ready:
+    """What this rank alone can check; raises ValueError (which `ready_step` exchanges, not raises)."""
+    if not torch.is_grad_enabled():
+        raise ValueError("the streamed step was called with gradients disabled (inside torch.no_grad()?): "
+                         "it computes a gradient")
+    cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
+    wrapped = unwrap(model)
+    lacking = [name for name in ("encoder_x", "encoder_y") if not hasattr(wrapped.inner, name)]
+    if lacking:
+        raise ValueError(f"{type(wrapped.inner).__name__} lacks {lacking}: the model contract needs "
+                         "encoder_x and encoder_y attributes and forward(x, y) -> (z_x, z_y[, s])")
+    for name, t in (("local_x", local_x), ("local_y", local_y)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 1:
+            raise ValueError(f"{name} must be a tensor with a batch dimension, got {t!r:.60}")
+    if local_x.shape[0] != local_y.shape[0]:
+        raise ValueError(f"local_x and local_y must hold the same number of pairs, got "
+                         f"{local_x.shape[0]} and {local_y.shape[0]}")
+    if not (trainable(wrapped.inner.encoder_x) or trainable(wrapped.inner.encoder_y)):
+        raise ValueError("both towers are frozen (no parameter of encoder_x or encoder_y requires "
+                         "grad): there is nothing for the step to train")
+    bn = batchnorm_in_training(wrapped.inner)
+    if bn and not cfg.one_forward:
+        raise ValueError(
+            f"BatchNorm in training mode ({', '.join(bn[:3])}) with MICRO_BATCH_SIZE B={cfg.b} < "
+            f"C=N/P={cfg.local}: each micro-batch would be normalised over its own B rows instead "
+            "of the rank's C, and the running statistics updated twice per micro-batch (the "
+            "no-grad pass and the recompute). Use B >= C (one forward, exactly plain DDP), put "
+            "BatchNorm in eval mode, or use a normalisation that does not mix samples "
+            "(LayerNorm, GroupNorm)")
+    if wrapped.static_graph and not cfg.one_forward:
+        raise ValueError(f"DDP(static_graph=True) with MICRO_BATCH_SIZE B={cfg.b} < C=N/P={cfg.local}: the "
+                         "recompute runs every micro-batch's backward but the last under no_sync(), which "
+                         "a static-graph DDP does not support. Use B >= C (one forward) or DDP without "
+                         "static_graph")
+    return Ready(cfg, wrapped, wrapped.reduction_factor, first_device(wrapped.inner, local_x))
+
+
+def _describe(out: Any) -> str:
+    """What forward returned, in a few words (open_clip's output_dict=True gives a dict, and a model
+    with a logit bias, SigLIP's, a fourth element)."""
+    if isinstance(out, dict):
+        return f"a dict with keys {list(out)[:4]} (return a tuple, e.g. open_clip's output_dict=False)"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)}: ({', '.join(type(z).__name__ for z in out[:4])})"
+    return type(out).__name__
+
+
+def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """forward(x, y) must return (z_x, z_y) or (z_x, z_y, s): z of `rows` x d, floating point, one
+    width; s a one-element tensor, and then config must not hold TAU. Returns (z_x, z_y, s or None)."""
+    if not (isinstance(out, (tuple, list)) and len(out) in (2, 3)
+            and all(isinstance(z, torch.Tensor) for z in out)):
+        raise ValueError(f"model(x, y) must return (z_x, z_y) or (z_x, z_y, logit_scale) as tensors, "
+                         f"got {_describe(out)}")
+    z_x, z_y, s = (*out, None) if len(out) == 2 else out
+    if z_x.dim() != 2 or z_y.dim() != 2 or z_x.shape[1] != z_y.shape[1] or len(z_x) != rows or len(z_y) != rows:
+        raise ValueError(f"model(x, y) must return z_x and z_y of shape (batch, d) with batch {rows} and "
+                         f"one d, got {tuple(z_x.shape)} and {tuple(z_y.shape)}")
+    if not (z_x.is_floating_point() and z_y.is_floating_point()):
+        raise ValueError(f"embeddings must be floating point, got {z_x.dtype} and {z_y.dtype}")
+    if s is not None and (s.numel() != 1 or not s.is_floating_point()):
+        raise ValueError(f"the logit scale model(x, y) returns third must be a one-element floating "
+                         f"tensor, got shape {tuple(s.shape)} {s.dtype}")
+    if s is not None and cfg.tau is not None:
+        raise ValueError(f"config holds TAU={cfg.tau}, but the model returns its own logit scale: "
+                         "leave TAU out of the config (the logits are s * z_x z_y^T with the model's s)")
+    if s is None and cfg.tau is None:
+        raise ValueError("config has no TAU and the model returns no logit scale: pass TAU, or return "
+                         "(z_x, z_y, logit_scale) from forward")
+    return z_x, z_y, s
+
+
+def _agree_before_forward(ready: Ready | None, problem: str | None, batches: tuple, device: torch.device) -> None:
+    """Config, pair counts and local problems, before any rank's forward: the same error on every rank,
+    or return."""
+    row = dict.fromkeys(BEFORE, NOT_KNOWN)
+    row["problem"] = message_length(problem)
+    if ready is not None:
+        cfg = ready.cfg
+        row.update(N=cfg.n, B=cfg.b, TAU=LEARNABLE if cfg.tau is None else cfg.tau,
+                   NORMALISERS=NORMALISERS.index(cfg.normalisers))
+    for key, t in zip(("rows_x", "rows_y"), batches):
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            row[key] = t.shape[0]
+    table = rank_table([row[k] for k in BEFORE], device)
+    column = {key: table[:, BEFORE.index(key)].tolist() for key in BEFORE}
+    names = {"TAU": lambda v: "learnable scale" if v == LEARNABLE else f"{v:g}",
+             "NORMALISERS": lambda v: NORMALISERS[int(v)]}
+    for key in ("N", "B", "TAU", "NORMALISERS"):
+        if _differ(column[key]):
+            raise ValueError(f"config differs across ranks, {KEY_NAMES.get(key, key)}: "
+                             f"{per_rank(column[key], names.get(key, lambda v: f'{v:g}'))}; "
+                             "every rank must pass the same config")
+    raise_together(problem, device, lengths=column["problem"])
+    cfg = ready.cfg
+    if any(r != cfg.local for r in column["rows_x"]):
+        raise ValueError(f"every rank must hold N / P = {cfg.n} / {cfg.world} = {cfg.local} pairs, but "
+                         f"{per_rank(column['rows_x'])} (is N right, and does every rank get an equal share, "
+                         "e.g. a DistributedSampler with drop_last=True?)")
+
+
+def _agree_after_forward(ready: Ready, out: Outputs | None, problem: str | None,
+                         raised: BaseException | None) -> None | NoReturn:
+    """After phase 1's forward, before the first all-gather: this rank's first micro-batch's checked
+    outputs `out`, or its `problem` (then every rank raises; `raised`: what model(x, y) raised)."""
+    row = dict.fromkeys(AFTER, NOT_KNOWN)
+    row.update(problem=message_length(problem), raised=float(raised is not None))
+    if out is not None:
+        z_x, z_y, s = out
+        row.update(d_x=z_x.shape[1], d_y=z_y.shape[1], dtype_x=_dtype_code(z_x), dtype_y=_dtype_code(z_y),
+                   scale=float(s.detach().double().reshape(())) if s is not None else NOT_KNOWN)
+    table = rank_table([row[k] for k in AFTER], ready.device)
+    column = {key: table[:, AFTER.index(key)].tolist() for key in AFTER}
+    error = RuntimeError if any(v == 1.0 for v in column["raised"]) else ValueError
+    raise_together(problem, ready.device, error, raised, lengths=column["problem"])
+    for key in ("d_x", "d_y", "dtype_x", "dtype_y"):
+        if _differ(column[key]):
+            fmt = (lambda v: str(DTYPE_CODES[int(v)]) if v >= 0 else "other") if "dtype" in key else None
+            raise ValueError(f"the embeddings differ across ranks, {key}: "
+                             f"{per_rank(column[key], fmt) if fmt else per_rank(column[key])}")
+    if ready.cfg.tau is None:
+        scales = column["scale"]
+        if not all(math.isfinite(v) and v > 0 for v in scales):
+            raise ValueError(f"the logit scale s the model returns must be finite and > 0 on every rank: "
+                             f"{per_rank(scales, repr)}")
+        if len(set(scales)) > 1:
+            raise ValueError(f"the logit scale s differs across ranks ({per_rank(scales, repr)}): the "
+                             "replicas are out of sync")
+
+
+def _dtype_code(z: torch.Tensor) -> float:
+    return float(DTYPE_CODES.index(z.dtype)) if z.dtype in DTYPE_CODES else -1.0
+
+
+def _differ(values: list[float]) -> bool:
+    """Two known values differ (NaN: a rank that did not know)."""
+    return len({v for v in values if not math.isnan(v)}) > 1

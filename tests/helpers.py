@@ -217,6 +217,31 @@ class Towers(nn.Module):
         return (z_x, z_y) if not hasattr(self, "logit_scale") else (z_x, z_y, self.logit_scale.exp())
 
 
+class SigTowers(Towers):
+    """Towers with SigLIP's head: a learnable logit scale s = exp(logit_scale) (init 10) and logit
+    bias b (init -10, open_clip's init_logit_bias), returned as (z_x, z_y, s, b), or with `as_dict` as
+    open_clip's output_dict."""
+
+    def __init__(self, as_dict=False, scale_shape=(), **kwargs):
+        super().__init__(scale_shape=scale_shape, **kwargs)
+        with torch.no_grad():
+            self.logit_scale.fill_(math.log(10.0))
+        self.logit_bias = nn.Parameter(torch.full(scale_shape, -10.0, dtype=self.logit_scale.dtype))
+        self.as_dict = as_dict
+
+    def forward(self, x, y):
+        z_x, z_y, s = super().forward(x, y)
+        if self.as_dict:
+            return {"image_features": z_x, "text_features": z_y, "logit_scale": s, "logit_bias": self.logit_bias}
+        return z_x, z_y, s, self.logit_bias
+
+
+def sigmoid_loss(z_x, z_y, s, b):
+    """-(1/N) sum_ij log sigma(y_ij S_ij), S = s z_x z_y^T + b, y = +1 on the diagonal, -1 elsewhere."""
+    labels = 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
+    return -F.logsigmoid(labels * (s * z_x @ z_y.T + b)).sum() / len(z_x)
+
+
 def symmetric_infonce(z_x, z_y, s):
     logits = s * z_x @ z_y.T
     labels = torch.arange(len(z_x))
@@ -242,9 +267,10 @@ def full_batch(model, x, y, world, b, tau=None, streams=None):
             start += size
         if streams is not None:
             streams[r] = torch.get_rng_state()
+    outs = [tuple(o.values()) if isinstance(o, dict) else o for o in outs]
     z_x, z_y = (torch.cat([o[i] for o in outs]) for i in (0, 1))
     s = outs[0][2] if tau is None else 1 / tau
-    return symmetric_infonce(z_x, z_y, s)
+    return sigmoid_loss(z_x, z_y, s, outs[0][3]) if len(outs[0]) == 4 else symmetric_infonce(z_x, z_y, s)
 
 
 def rank_streams(world, seed=DROPOUT_SEED):

@@ -95,8 +95,8 @@ def test_emulated_ring_equals_autograd_and_sends_its_formula(loss, world, t):
     assert [e.sent_bytes for e in ends] == [ring_bytes(world, n // world, d, 8, loss)] * world
     # features are posted before the tiles that read them: "post block" precedes "tiles" at each step
     for e in ends[:1] if world > 1 else []:
-        steps = [what for k, what in e.events if k == 0]
-        assert steps[0].startswith("post block") and steps[1].startswith("tiles"), steps
+        steps = [what for k, what, _ in e.events if k == 0]
+        assert steps[0].startswith("post block") and steps[1].startswith("begin tiles"), steps
 
 
 def _ring_on_ranks(rt, n, d):

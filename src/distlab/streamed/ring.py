@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,10 +50,10 @@ class Endpoint:
     world: int
     rank: int
     sent_bytes: int = 0
-    events: list[tuple[int, str]] = field(default_factory=list)   # (step, what) in program order
+    events: list[tuple[int, str, float]] = field(default_factory=list)   # (step, what, when), in order
 
     def log(self, step: int, what: str) -> None:
-        self.events.append((step, what))
+        self.events.append((step, what, time.perf_counter()))
 
     def _count(self, tensors: list[torch.Tensor]) -> None:
         self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
@@ -156,14 +157,16 @@ def ring_pass(ring: Endpoint, ahead: list[torch.Tensor],
         if k < world - 1:                                   # the features go on before the math
             posted = ring.shift(ahead, AHEAD)
             ring.log(k, f"post block {owner} -> {(rank + 1) % world}")
+        ring.log(k, f"begin tiles {rank} x {owner}")
         partial = visit(owner, ahead)
-        ring.log(k, f"tiles {rank} x {owner}")
+        ring.log(k, f"end tiles {rank} x {owner}")
         acc = partial if incoming is None else merge(incoming.wait(), partial)
         incoming = ring.shift(acc, ACC) if world > 1 else _Ready(acc)
         if world > 1:
             ring.log(k, f"post acc {owner} -> {(rank + 1) % world}")
         if posted is not None:
             ahead = posted.wait()
+            ring.log(k, f"got block {(rank - k - 1) % world}")
     return incoming.wait()
 
 

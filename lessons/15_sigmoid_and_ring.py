@@ -3,12 +3,12 @@ an exchange in which no rank ever holds N x d: C x d blocks pass from rank to ra
 
     torchrun --nproc-per-node 2 lessons/15_sigmoid_and_ring.py    # any P; N = C P with C fixed
 
-The sigmoid loss. S = s Z_x Z_y^T + b with a learned scale s and bias b, labels y_ij = +1 on the
-diagonal and -1 elsewhere, L = -(1/N) sum_ij log sigma(y_ij S_ij). No normaliser couples a row, so
+The sigmoid loss. S = s Z_x Z_y^T + beta with a learned scale s and bias beta (not b: b_j is a column
+LSE), labels eps_ij = +1 on the diagonal and -1 elsewhere, L = -(1/N) sum_ij log sigma(eps_ij S_ij). No normaliser couples a row, so
 the gradient is closed-form tile by tile (log sigma via softplus: stable for |S| in the hundreds):
 
-    D_ij = dL/dS_ij = -(1/N) y_ij sigma(-y_ij S_ij)     G_x = s D Z_y     G_y = s D^T Z_x
-    dL/ds = sum_i z_i^x . (D Z_y)_i                      dL/db = sum_ij D_ij
+    D_ij = dL/dS_ij = -(1/N) eps_ij sigma(-eps_ij S_ij)     G_x = s D Z_y     G_y = s D^T Z_x
+    dL/ds = sum_i z_i^x . (D Z_y)_i                      dL/dbeta = sum_ij D_ij
 
 The ring (Inf-CL, Wang et al. 2024, https://arxiv.org/abs/2410.17243; open_clip's `shift` exchange).
 Rank r keeps z_x^r, z_y^r. At step k it holds rank j = r - k's text block: it posts that block to
@@ -22,7 +22,7 @@ W = R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the gath
 
 The mechanism is written out below (`closed_form_grads`, `ring_by_hand`); the library's versions are
 src/distlab/streamed/sigmoid.py and ring.py, wired into `distributed_backward` by what the model
-returns ((z_x, z_y, s, b) selects the sigmoid loss) and by EXCHANGE: "ring" in the config.
+returns ((z_x, z_y, s, beta) selects the sigmoid loss) and by EXCHANGE: "ring" in the config.
 
 The self-check: the closed form against autograd; the hand ring against the library's; every
 {InfoNCE, sigmoid} x {gather, ring} step against a deep copy on the whole batch (plain autograd, each
@@ -69,7 +69,7 @@ def parse_args():
 
 
 class SigLipTwoTower(TwoTower):
-    """TwoTower with SigLIP's head: forward returns (z_x, z_y, s = exp(logit_scale), b), s = 10 and b = -10
+    """TwoTower with SigLIP's head: forward returns (z_x, z_y, s = exp(logit_scale), b), s = 10 and beta = -10
     at the start (open_clip's init_logit_bias); without a bias, (z_x, z_y, s): the InfoNCE."""
 
     def __init__(self, bias: bool, **kwargs):
@@ -83,9 +83,9 @@ class SigLipTwoTower(TwoTower):
         return (z_x, z_y, *head)
 
 
-def sigmoid_loss(z_x, z_y, s, b):
+def sigmoid_loss(z_x, z_y, s, beta):
     labels = 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
-    return -F.logsigmoid(labels * (s * z_x @ z_y.T + b)).sum() / len(z_x)
+    return -F.logsigmoid(labels * (s * z_x @ z_y.T + beta)).sum() / len(z_x)
 
 
 def infonce(z_x, z_y, s):
@@ -93,17 +93,17 @@ def infonce(z_x, z_y, s):
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
-def closed_form_grads(z_x, z_y, s: float, b: float):
-    """(L, G_x, G_y, dL/ds, dL/db) from the formulas above, on the whole N x N (the lesson's check;
+def closed_form_grads(z_x, z_y, s: float, beta: float):
+    """(L, G_x, G_y, dL/ds, dL/dbetaeta) from the formulas above, on the whole N x N (the lesson's check;
     the library does the same in T x T tiles and never makes N x N)."""
     n, labels = len(z_x), 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
-    logits = s * z_x @ z_y.T + b
+    logits = s * z_x @ z_y.T + beta
     d = -labels * torch.sigmoid(-labels * logits) / n                    # D = dL/dS
     g_x, g_y = s * d @ z_y, s * d.T @ z_x
     return F.softplus(-labels * logits).sum() / n, g_x, g_y, (z_x * (d @ z_y)).sum(), d.sum()
 
 
-def ring_by_hand(rt, x, y, s: float, b: float):
+def ring_by_hand(rt, x, y, s: float, beta: float):
     """The sigmoid ring with plain isend/irecv, whole C x C blocks: (G_x, G_y for my pairs, bytes sent).
     The block goes on before the math that reads it; the accumulator after the math that fills it."""
     world, r, c = rt.world_size, rt.rank, len(x)
@@ -115,7 +115,7 @@ def ring_by_hand(rt, x, y, s: float, b: float):
             incoming = torch.empty_like(block)
             reqs, sent = [dist.isend(block, nxt), dist.irecv(incoming, prv)], sent + block.nbytes
         labels = -torch.ones(c, c, dtype=x.dtype) + (2 * torch.eye(c, dtype=x.dtype) if j == r else 0)
-        d = -labels * torch.sigmoid(-labels * (s * x @ block.T + b)) / (c * world)
+        d = -labels * torch.sigmoid(-labels * (s * x @ block.T + beta)) / (c * world)
         g_x += s * d @ block
         mine = s * d.T @ x                                              # my rows' part of G_y of block j
         if acc is not None:
@@ -143,7 +143,7 @@ class _Both:
 
 def whole_batch(model, x, y, world: int, micro: int, dropout_seed: int):
     """Plain autograd on the whole batch, on a deep copy: rank r's pairs in its micro-batches, from rank
-    r's random stream (the masks the step used); s and b are ordinary tensors."""
+    r's random stream (the masks the step used); s and beta are ordinary tensors."""
     model, c, outs = copy.deepcopy(model), len(x) // world, []
     with torch.random.fork_rng():
         for r in range(world):
@@ -165,8 +165,8 @@ def check_closed_form(verdict, n: int, seed: int) -> None:
     auto_loss.backward()
     mine = closed_form_grads(z_x, z_y, 10.0, -10.0)
     worst = max((m - a).abs().max().item() for m, a in zip(mine, [auto_loss] + [t.grad for t in leaves]))
-    print0(f"closed form vs autograd on N = {n}: L, G_x, G_y, dL/ds, dL/db agree to {worst:.1e}")
-    verdict.check("the closed-form sigmoid gradient (D, G_x, G_y, dL/ds, dL/db) equals autograd's", worst < 1e-12)
+    print0(f"closed form vs autograd on N = {n}: L, G_x, G_y, dL/ds, dL/dbetaeta agree to {worst:.1e}")
+    verdict.check("the closed-form sigmoid gradient (D, G_x, G_y, dL/ds, dL/dbetaeta) equals autograd's", worst < 1e-12)
 
 
 def check_ring_by_hand(verdict, rt, c: int, t: int) -> None:
@@ -205,7 +205,7 @@ def check_steps(verdict, rt, args) -> None:
             ref, ref_loss = whole_batch(start, x, y, world, args.micro_batch_size, args.seed + 1000)
             rows = compare(ref, grads_of(model))
             table.add_row(loss_name, exchange, f"{max(r.max_rel for r in rows):.1e}", f"{sent:,}", f"{formula:,}")
-            verdict.check(f"{loss_name}, {exchange}: every gradient (s, b too) and L equal the whole batch's",
+            verdict.check(f"{loss_name}, {exchange}: every gradient (s, beta too) and L equal the whole batch's",
                           all_ok(rows) and abs(loss - ref_loss) <= 1e-10 * abs(ref_loss))
             verdict.check(f"{loss_name}, {exchange}: the bytes sent equal the formula", sent == formula)
     print0(table)

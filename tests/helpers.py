@@ -219,7 +219,7 @@ class Towers(nn.Module):
 
 class SigTowers(Towers):
     """Towers with SigLIP's head: a learnable logit scale s = exp(logit_scale) (init 10) and logit
-    bias b (init -10, open_clip's init_logit_bias), returned as (z_x, z_y, s, b), or with `as_dict` as
+    bias beta (init -10, open_clip's init_logit_bias), returned as (z_x, z_y, s, beta), or with `as_dict` as
     open_clip's output_dict."""
 
     def __init__(self, as_dict=False, scale_shape=(), **kwargs):
@@ -236,10 +236,10 @@ class SigTowers(Towers):
         return z_x, z_y, s, self.logit_bias
 
 
-def sigmoid_loss(z_x, z_y, s, b):
-    """-(1/N) sum_ij log sigma(y_ij S_ij), S = s z_x z_y^T + b, y = +1 on the diagonal, -1 elsewhere."""
+def sigmoid_loss(z_x, z_y, s, beta):
+    """-(1/N) sum_ij log sigma(eps_ij S_ij), S = s z_x z_y^T + beta, eps = +1 on the diagonal, -1 elsewhere."""
     labels = 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
-    return -F.logsigmoid(labels * (s * z_x @ z_y.T + b)).sum() / len(z_x)
+    return -F.logsigmoid(labels * (s * z_x @ z_y.T + beta)).sum() / len(z_x)
 
 
 def symmetric_infonce(z_x, z_y, s):

@@ -1,9 +1,9 @@
 """The sigmoid loss's tile math and the ring passes, against plain autograd on the whole batch.
 
-One process, float64, 1e-10: the closed forms of dL/dS, dL/ds, dL/db (distlab.streamed.sigmoid) and
+One process, float64, 1e-10: the closed forms of dL/dS, dL/ds, dL/dbeta (distlab.streamed.sigmoid) and
 the two InfoNCE ring passes and the sigmoid ring (distlab.streamed.ring), first with P ranks emulated
 in one process, then on real ranks (spawn, gloo, batch_isend_irecv). The bytes each rank sends equal
-ring_bytes. The reference is autograd of L written out plainly, with s and b as ordinary tensors.
+ring_bytes. The reference is autograd of L written out plainly, with s and beta as ordinary tensors.
 """
 
 import pytest
@@ -25,7 +25,7 @@ def embeddings(n, d, spread, seed=0):
 
 
 def autograd_reference(z_x, z_y, s, b, loss):
-    """(L, G_x, G_y, dL/ds, dL/db) by autograd of the loss written on the whole N x N matrix."""
+    """(L, G_x, G_y, dL/ds, dL/dbeta) by autograd of the loss written on the whole N x N matrix."""
     z_x, z_y = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
     s_t = torch.tensor(s, dtype=torch.float64, requires_grad=True)
     b_t = torch.tensor(b, dtype=torch.float64, requires_grad=True)
@@ -61,7 +61,7 @@ def test_sigmoid_gathered_shares_equal_autograd(world, t):
 
 
 def test_sigmoid_stable_for_logits_in_the_hundreds():
-    """|S| up to ~500 (s = 400, b = -100): every number finite and equal to autograd's, whose
+    """|S| up to ~500 (s = 400, beta = -100): every number finite and equal to autograd's, whose
     logsigmoid is the stable reference; a naive float32 log(sigmoid(.)) gives -inf here."""
     z_x, z_y = embeddings(8, 4, 1.0, seed=1)
     s, b = 400.0, -100.0

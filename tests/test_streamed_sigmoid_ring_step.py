@@ -2,9 +2,9 @@
 
 {InfoNCE, sigmoid} x {gather, ring} x {B >= C, B < C with dropout} under `spawn` at P in {1, 2, 3, 4}
 (fewer combinations at P = 1 and 3), each against an independent reference: a deep copy of the model,
-the whole global batch in one process, plain autograd of L with s and b as ordinary tensors (the
+the whole global batch in one process, plain autograd of L with s and beta as ordinary tensors (the
 sigmoid loss is chosen by what the model returns: a 4-tuple or open_clip's dict with logit_bias).
-Float64 to 1e-10, every parameter (s and b included); and the bytes each rank sent equal the formula
+Float64 to 1e-10, every parameter (s and beta included); and the bytes each rank sent equal the formula
 of `distlab.streamed.exchange` for every (loss, exchange, P). Then at P = 2: a frozen tower, FSDP2,
 and bf16 autocast within what plain autograd achieves under the same autocast.
 """

@@ -3,7 +3,7 @@ sigmoid loss is measured and checked against.
 
 Rank r holds its C image and text embeddings. Its loss is its own C x C block with labels (+1 on the
 diagonal, -1 elsewhere) plus, for every other rank's text block, the C x C block with all labels -1
-("negative only"), each block -sum log sigma(y S) / C, S = s z_x z_y^T + b. DDP averages the P ranks:
+("negative only"), each block -sum log sigma(eps S) / C, S = s z_x z_y^T + beta. DDP averages the P ranks:
 1/P sum_r (1/C) sum = (1/N) sum over all N^2 pairs = L. The other ranks' text blocks arrive by
 
   "bidir"   point-to-point exchanges with both neighbours at once: a block travels left and one right,
@@ -67,7 +67,7 @@ class ShiftBoth(torch.autograd.Function):
 
 def block_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
                negative_only: bool) -> torch.Tensor:
-    """-sum log sigma(y S) / C over one C x C block (labels -1, and +1 on the diagonal unless
+    """-sum log sigma(eps S) / C over one C x C block (labels -1, and +1 on the diagonal unless
     negative only): the whole block of logits is made, and autograd keeps it."""
     logits = s * z_x @ z_y.T + b
     labels = -torch.ones_like(logits)

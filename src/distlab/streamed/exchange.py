@@ -4,7 +4,7 @@ rank to rank), and what each rank sends.
 `EXCHANGE: "gather"` (the default) all-gathers z_x | z_y once; the InfoNCE loss then runs phases 2 and
 3 of `step` per micro-batch, the sigmoid loss `sigmoid.sigmoid_gathered` for the rank's C rows (its
 rows and its columns: 4 C N d). `EXCHANGE: "ring"` never gathers: `ring.infonce_ring` (4 C N d) or
-`ring.sigmoid_ring` (3 C N d) give this rank's C rows' G_x, G_y and its shares of dL/ds and dL/db.
+`ring.sigmoid_ring` (3 C N d) give this rank's C rows' G_x, G_y and its shares of dL/ds and dL/dbeta.
 Either way the rank's shares of L are summed by one all-gather of P numbers (the same order on every
 rank, so the same float everywhere).
 
@@ -76,8 +76,8 @@ def summed_over_ranks(part: torch.Tensor) -> float:
 
 def rank_shares(z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, exchange: str,
                 t: int) -> tuple[RankGrads, float]:
-    """This rank's C rows' (G_x, G_y, dL/ds share, dL/db share) and the global L, from its own detached
-    C x d embeddings: a `Logits` (s, b) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
+    """This rank's C rows' (G_x, G_y, dL/ds share, dL/dbeta share) and the global L, from its own detached
+    C x d embeddings: a `Logits` (s, beta) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
     InfoNCE gather runs per micro-batch in `step`). Autocast off; the compute dtype throughout."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     with torch.autocast(z_x.device.type, enabled=False):

@@ -40,7 +40,7 @@ AFTER = ("problem", "raised", "d_x", "d_y", "dtype_x", "dtype_y", "scale", "has_
 NOT_KNOWN = float("nan")
 LEARNABLE = 0.0  # the TAU field of a rank whose model returns its own logit scale
 KEY_NAMES = {"N": "GLOBAL_BATCH_SIZE N", "B": "MICRO_BATCH_SIZE B"}  # as the caller typed them
-Outputs = tuple  # (z_x, z_y, s or None, b or None), one micro-batch's
+Outputs = tuple  # (z_x, z_y, s or None, beta or None), one micro-batch's
 OPEN_CLIP_KEYS = ("image_features", "text_features", "logit_scale", "logit_bias")
 
 
@@ -144,7 +144,7 @@ def _describe(out: Any) -> str:
 
 
 def as_outputs(out: Any) -> Any:
-    """forward's return as (z_x, z_y, s or None, b or None): a tuple of 2, 3 or 4, or open_clip's
+    """forward's return as (z_x, z_y, s or None, beta or None): a tuple of 2, 3 or 4, or open_clip's
     output_dict with its logit_bias (SigLIP); anything else is returned as it is (check_outputs says why)."""
     if isinstance(out, dict) and "logit_bias" in out and all(k in out for k in OPEN_CLIP_KEYS):
         return tuple(out[k] for k in OPEN_CLIP_KEYS)
@@ -154,9 +154,9 @@ def as_outputs(out: Any) -> Any:
 
 
 def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> Outputs:
-    """forward(x, y) must return (z_x, z_y), (z_x, z_y, s) (the InfoNCE) or (z_x, z_y, s, b), or a dict
+    """forward(x, y) must return (z_x, z_y), (z_x, z_y, s) (the InfoNCE) or (z_x, z_y, s, beta), or a dict
     with open_clip's keys and a logit_bias (the sigmoid loss): z of `rows` x d, floating point, one
-    width; s and b one-element tensors, and then config must not hold TAU. Returns (z_x, z_y, s, b)."""
+    width; s and beta one-element tensors, and then config must not hold TAU. Returns (z_x, z_y, s, beta)."""
     raw, out = out, as_outputs(out)
     if not (isinstance(out, tuple) and len(out) == 4 and all(isinstance(z, torch.Tensor) for z in out[:2])
             and all(z is None or isinstance(z, torch.Tensor) for z in out[2:])
@@ -241,7 +241,7 @@ def _agree_after_forward(ready: Ready, out: Outputs | None, problem: str | None,
                              "replicas are out of sync")
     biases = column["bias"]
     if column["has_bias"][0] == 1.0 and (not all(math.isfinite(v) for v in biases) or len(set(biases)) > 1):
-        raise ValueError(f"the logit bias b the model returns must be finite and the same on every rank: "
+        raise ValueError(f"the logit bias beta the model returns must be finite and the same on every rank: "
                          f"{per_rank(biases, repr)}")
 
 

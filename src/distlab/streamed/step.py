@@ -50,7 +50,7 @@ class LocalForward:
     """Phase 1 before the gather: this rank's micro-batches and what the forward returned for each."""
 
     micro: list[slice]                 # local rows of each micro-batch
-    outputs: list[Outputs]             # (z_x, z_y, s or None, b or None) per micro-batch
+    outputs: list[Outputs]             # (z_x, z_y, s or None, beta or None) per micro-batch
     rng: list[RandContext]             # recompute: the random state each forward started from
     kept: bool                         # one forward: outputs carry the graph phase 4 back-propagates into
 
@@ -154,7 +154,7 @@ def phase4_outputs(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, local: Lo
 
 
 def needs_of(outputs: Outputs) -> tuple[bool, ...]:
-    """Which of (z_x, z_y, s, b) carry a graph to trainable parameters. Read from the outputs: a frozen
+    """Which of (z_x, z_y, s, beta) carry a graph to trainable parameters. Read from the outputs: a frozen
     encoder's embedding can still depend on trainable parameters outside it (open_clip's
     text_projection and ln_final sit on the model, not in a text module)."""
     return tuple(z is not None and z.requires_grad for z in outputs)
@@ -181,8 +181,8 @@ def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, An
 
 
 def _shared_grads(shares, rows: slice, last: bool, needs: tuple) -> tuple:
-    """A micro-batch's slice of the rank's shares: G for its rows, and the rank's dL/ds, dL/db share
-    once, with the last micro-batch (s and b are parameters every micro-batch's graph reaches; the
+    """A micro-batch's slice of the rank's shares: G for its rows, and the rank's dL/ds, dL/dbetaeta share
+    once, with the last micro-batch (s and beta are parameters every micro-batch's graph reaches; the
     last backward is the one the wrapper reduces in, so every parameter must take part in it)."""
     grads = (shares.g_x[rows], shares.g_y[rows], shares.g_s if last else None,
              shares.g_b if last else None)

@@ -94,7 +94,7 @@ def infonce(z_x, z_y, s):
 
 
 def closed_form_grads(z_x, z_y, s: float, beta: float):
-    """(L, G_x, G_y, dL/ds, dL/dbetaeta) from the formulas above, on the whole N x N (the lesson's check;
+    """(L, G_x, G_y, dL/ds, dL/dbeta) from the formulas above, on the whole N x N (the lesson's check;
     the library does the same in T x T tiles and never makes N x N)."""
     n, labels = len(z_x), 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
     logits = s * z_x @ z_y.T + beta
@@ -165,8 +165,8 @@ def check_closed_form(verdict, n: int, seed: int) -> None:
     auto_loss.backward()
     mine = closed_form_grads(z_x, z_y, 10.0, -10.0)
     worst = max((m - a).abs().max().item() for m, a in zip(mine, [auto_loss] + [t.grad for t in leaves]))
-    print0(f"closed form vs autograd on N = {n}: L, G_x, G_y, dL/ds, dL/dbetaeta agree to {worst:.1e}")
-    verdict.check("the closed-form sigmoid gradient (D, G_x, G_y, dL/ds, dL/dbetaeta) equals autograd's", worst < 1e-12)
+    print0(f"closed form vs autograd on N = {n}: L, G_x, G_y, dL/ds, dL/dbeta agree to {worst:.1e}")
+    verdict.check("the closed-form sigmoid gradient (D, G_x, G_y, dL/ds, dL/dbeta) equals autograd's", worst < 1e-12)
 
 
 def check_ring_by_hand(verdict, rt, c: int, t: int) -> None:

@@ -181,7 +181,7 @@ def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, An
 
 
 def _shared_grads(shares, rows: slice, last: bool, needs: tuple) -> tuple:
-    """A micro-batch's slice of the rank's shares: G for its rows, and the rank's dL/ds, dL/dbetaeta share
+    """A micro-batch's slice of the rank's shares: G for its rows, and the rank's dL/ds, dL/dbeta share
     once, with the last micro-batch (s and beta are parameters every micro-batch's graph reaches; the
     last backward is the one the wrapper reduces in, so every parameter must take part in it)."""
     grads = (shares.g_x[rows], shares.g_y[rows], shares.g_s if last else None,

@@ -89,6 +89,7 @@ class _Pending:
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
             work.wait()
+        self.works = []  # a finished Work still holds the tensor it sent: let it go now
         return self.bufs
 
 
@@ -162,6 +163,7 @@ def ring_pass(ring: Endpoint, ahead: list[torch.Tensor],
         ring.log(k, f"end tiles {rank} x {owner}")
         acc = partial if incoming is None else merge(incoming.wait(), partial)
         incoming = ring.shift(acc, ACC) if world > 1 else _Ready(acc)
+        del partial, acc  # only the message holds them now: a rank keeps no block longer than it must
         if world > 1:
             ring.log(k, f"post acc {owner} -> {(rank + 1) % world}")
         if posted is not None:

@@ -233,7 +233,9 @@ def _float(t: torch.Tensor) -> float:
 
 def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor,
                          config: Mapping[str, Any], *, grad_scaler: Any = None) -> float:
-    """Add the exact gradient of the global symmetric InfoNCE into `.grad`, like `loss.backward()`.
+    """Add the exact gradient of the global symmetric InfoNCE (or, for a model returning (z_x, z_y, s, beta) or
+    open_clip's dict with a logit_bias, of the sigmoid loss: `sigmoid`) into `.grad`, like `loss.backward()`.
+    EXCHANGE: "ring" in config passes C x d blocks rank to rank instead of gathering N x 2d (`ring`).
 
     It neither zeroes the gradients nor steps; it returns the global loss as a Python float (computed
     in float32, or float64 for a float64 model), non-finite as it is if some rank's embeddings were.

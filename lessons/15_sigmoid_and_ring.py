@@ -49,6 +49,7 @@ from distlab.console import print0
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
+from distlab.streamed import loss_machinery
 from distlab.streamed.exchange import expected_bytes, rank_shares, traffic
 from distlab.streamed.ring import P2PRing, sigmoid_ring
 from distlab.streamed.sigmoid import Logits
@@ -221,10 +222,9 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
         for exchange in EXCHANGES:
             logits = Logits(10.0, -10.0) if loss_name == "sigmoid" else 10.0
             if loss_name == "infonce" and exchange == "gather":
-                from distlab.streamed import loss_machinery as machinery
-                with PeakMemory() as mem:
-                    machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c,
-                                         "STREAM_CHUNK_SIZE": t, "TAU": 0.1})
+                with PeakMemory() as mem:   # phases 2 and 3 of the gathered step
+                    loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c,
+                                              "STREAM_CHUNK_SIZE": t, "TAU": 0.1})
             else:
                 with PeakMemory() as mem:
                     rank_shares(z_x, z_y, logits, exchange, t)

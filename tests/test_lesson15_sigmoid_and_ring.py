@@ -19,8 +19,9 @@ from distlab.contrastive.siglip_recipe import siglip_recipe_loss
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward
-from helpers import STREAMED_N as N
-from helpers import SigTowers, assert_flag_refused, assert_lesson_passes_at_80_columns, full_batch, local_rows
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import SigTowers, full_batch, local_rows
 
 LESSON = "15_sigmoid_and_ring.py"
 

@@ -21,8 +21,8 @@ from distlab.models import paired_data
 from distlab.spawn import spawn
 from distlab.streamed.exchange import expected_bytes, traffic
 from distributed_clip import distributed_backward
-from helpers import STREAMED_N as N
-from helpers import DROPOUT_SEED, SigTowers, Towers, full_batch, local_rows, rank_streams
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import DROPOUT_SEED, SigTowers, Towers, full_batch, local_rows, rank_streams
 
 D = 8  # the Towers' embedding width
 
@@ -72,6 +72,7 @@ def step(rt, case, n=N):
 def reference(case, world, n=N, autocast=False):
     """Plain autograd of L on the whole batch, on a deep copy; each rank's dropout stream replayed."""
     model = copy.deepcopy(prepare(case))
+    model.as_dict = False  # the same numbers as a tuple: the reference unpacks (z_x, z_y, s, beta)
     streams = rank_streams(world) if case.get("dropout") else None
     x, y = paired_data(n, dtype=case.get("dtype", torch.float64))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 
-def rank_table(row: Sequence[float], device: torch.device) -> torch.Tensor:
-    """Every rank's `row` (P x len(row), float64, rank-major), gathered on `device`, read on the CPU."""
+def rank_table(row: Sequence[float], device: torch.device, group=None) -> torch.Tensor:
+    """Every rank's `row` (P x len(row), float64, rank-major), gathered on `device` over `group` (the
+    world by default; ranks are the group's), read on the CPU."""
     mine = torch.tensor([float(v) for v in row], dtype=torch.float64, device=device)
-    table = mine.new_empty(dist.get_world_size() * len(row))
-    dist.all_gather_single(table, mine)
-    return table.view(dist.get_world_size(), len(row)).cpu()
+    table = mine.new_empty(dist.get_world_size(group) * len(row))
+    dist.all_gather_single(table, mine, group=group)
+    return table.view(dist.get_world_size(group), len(row)).cpu()
 
 
 def per_rank(values: Sequence[float], fmt: Callable[[float], str] = lambda v: f"{v:g}") -> str:
@@ -36,12 +37,14 @@ def message_length(problem: str | None) -> float:
 
 
 def raise_together(problem: str | None, device: torch.device, error: type = ValueError,
-                   cause: BaseException | None = None, lengths: Sequence[float] | None = None) -> None:
+                   cause: BaseException | None = None, lengths: Sequence[float] | None = None,
+                   group=None) -> None:
     """Every rank calls this with its own problem (or None). If any rank has one, every rank raises
     `error` with one text naming the ranks and their messages; else every rank returns. `lengths`:
-    every rank's `message_length`, when a `rank_table` already exchanged them (saves a collective)."""
+    every rank's `message_length`, when a `rank_table` already exchanged them (saves a collective);
+    `group`: the process group the ranks are counted in (the world by default)."""
     if lengths is None:
-        lengths = rank_table([message_length(problem)], device)[:, 0].tolist()
+        lengths = rank_table([message_length(problem)], device, group)[:, 0].tolist()
     if not any(lengths):
         return
     width = int(max(lengths))
@@ -50,8 +53,8 @@ def raise_together(problem: str | None, device: torch.device, error: type = Valu
         data = problem.encode()
         mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     mine = mine.to(device)
-    every = mine.new_empty(dist.get_world_size() * width)
-    dist.all_gather_single(every, mine)
+    every = mine.new_empty(dist.get_world_size(group) * width)
+    dist.all_gather_single(every, mine, group=group)
     every = every.view(-1, width).cpu()
     by_text: dict[str, list[int]] = {}
     for r, n in enumerate(lengths):

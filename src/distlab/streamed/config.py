@@ -5,8 +5,7 @@ the model returns its own logit scale s), and the optional NORMALISERS, how phas
 log-normalisers a, b: "sharded" (default; each rank its own C rows and columns of S, then a tiny
 all-gather) or "replicated" (every rank all N^2 similarities, no exchange); and the optional EXCHANGE,
 how the ranks' embeddings meet: "gather" (default; every rank holds N x 2d) or "ring" (C x d blocks
-pass rank to rank, `distlab.streamed.ring`). A misspelt key is reported with the closest known name
-rather than silently ignored.
+pass rank to rank, `distlab.streamed.ring`). A misspelt key is reported with the closest known name rather than silently ignored.
 `parse_config` is pure: given the same dict it raises the same ValueError on every rank.
 """
 
@@ -15,7 +14,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from distlab.chunks import balanced_chunks
@@ -36,8 +35,9 @@ class StreamConfig:
     t: int               # T, the stream chunk (tiles are at most T x T)
     tau: float | None    # None: the model returns the logit scale s
     normalisers: str     # "sharded" or "replicated"
-    world: int           # P
-    rank: int
+    world: int           # P, the size of the group the wrapper reduces over
+    rank: int            # this rank's place in that group
+    group: Any = field(default=None, compare=False)  # that process group (None: the world)
     exchange: str = "gather"   # "gather" or "ring"
 
     @property
@@ -97,8 +97,10 @@ def _tau(config: Mapping[str, Any]) -> float | None:
     return float(tau)
 
 
-def parse_config(config: Mapping[str, Any], world: int, rank: int) -> StreamConfig:
-    """Check the keys and their values; pure, so it is the same on every rank."""
+def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = None) -> StreamConfig:
+    """Check the keys and their values; pure, so it is the same on every rank. `world` and `rank` are
+    the size of `group` (the process group the wrapper reduces over; None: the world) and this
+    rank's place in it: N is the batch of that group."""
     if not isinstance(config, Mapping):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
     known = REQUIRED + OPTIONAL
@@ -123,4 +125,4 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int) -> StreamConf
     if n % world:
         raise ValueError(f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: "
                          "every rank must hold N / P pairs")
-    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, exchange)
+    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange)

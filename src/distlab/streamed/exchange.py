@@ -21,6 +21,7 @@ Per rank, with w the feature dtype's size and c the compute dtype's (float32 or 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,9 +37,9 @@ class Traffic:
 
     sent_bytes: int = 0
 
-    def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
-        dist.all_gather_single(out, mine)
-        self.sent_bytes += (dist.get_world_size() - 1) * mine.numel() * mine.element_size()
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
+        dist.all_gather_single(out, mine, group=group)
+        self.sent_bytes += (dist.get_world_size(group) - 1) * mine.numel() * mine.element_size()
 
 
 traffic = Traffic()
@@ -54,42 +55,45 @@ def expected_bytes(loss: str, exchange: str, shape: tuple[int, int, int], sizes:
     return (world - 1) * (2 * c * d * w + extra)
 
 
-def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather this rank's C x d z_x, z_y into N x d Z_x, Z_y in rank order: one collective for both
-    (z_x | z_y side by side, in their own dtype when they share one; matmul reads the halves' row
+def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int,
+                 group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather this rank's C x d z_x, z_y over `group` (the wrapper's; None: the world) into N x d Z_x,
+    Z_y in rank order: one collective for both (z_x | z_y side by side, in their own dtype when they share one; matmul reads the halves' row
     stride of 2d as is), upcast to the compute dtype after."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
     mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
     gathered = mine.new_empty((n, mine.shape[1]))
-    traffic.all_gather(gathered, mine)
+    traffic.all_gather(gathered, mine, group)
     gathered = gathered.to(dtype)
     return gathered[:, :z_x.shape[1]], gathered[:, z_x.shape[1]:]
 
 
-def summed_over_ranks(part: torch.Tensor) -> float:
+def summed_over_ranks(part: torch.Tensor, group: Any = None) -> float:
     """sum_r part_r, the same float on every rank (one all-gather of P numbers, summed in rank order)."""
-    every = part.reshape(1).new_empty(dist.get_world_size())
-    traffic.all_gather(every, part.reshape(1))
+    every = part.reshape(1).new_empty(dist.get_world_size(group))
+    traffic.all_gather(every, part.reshape(1), group)
     return every.sum().item()
 
 
 def rank_shares(z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, exchange: str,
-                t: int) -> tuple[RankGrads, float]:
+                t: int, group: Any = None) -> tuple[RankGrads, float]:
     """This rank's C rows' (G_x, G_y, dL/ds share, dL/dbeta share) and the global L, from its own detached
     C x d embeddings: a `Logits` (s, beta) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
-    InfoNCE gather runs per micro-batch in `step`). Autocast off; the compute dtype throughout."""
+    InfoNCE gather runs per micro-batch in `step`), over `group` (None: the world). Autocast off; the
+    compute dtype throughout."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     with torch.autocast(z_x.device.type, enabled=False):
         if exchange == "ring":
             x, y = z_x.to(dtype).contiguous(), z_y.to(dtype).contiguous()
-            ring = P2PRing(dist.get_world_size(), dist.get_rank())
+            ring = P2PRing(world, rank, group=group)
             shares = (sigmoid_ring(ring, x, y, logits, t) if isinstance(logits, Logits)
                       else infonce_ring(ring, x, y, logits, t))
             traffic.sent_bytes += ring.sent_bytes
         else:
-            n, c = len(z_x) * dist.get_world_size(), len(z_x)
-            all_x, all_y = gather_pairs(z_x, z_y, n)
-            own = slice(dist.get_rank() * c, dist.get_rank() * c + c)
+            c = len(z_x)
+            all_x, all_y = gather_pairs(z_x, z_y, c * world, group)
+            own = slice(rank * c, rank * c + c)
             shares = sigmoid_gathered(all_x, all_y, logits, own, t)
-        return shares, summed_over_ranks(shares.loss_part)
+        return shares, summed_over_ranks(shares.loss_part, group)

@@ -6,8 +6,8 @@ forward can be such a collective: DDP's forward with grad broadcasts the module'
 running statistics, open_clip's attention mask) and, once, rebuilds its buckets; FSDP2's all-gathers
 the parameters. So no rank leaves early (`distlab.agree`: every rank judges one exchanged table):
 
-1. `ready_step`, before any rank's forward: the config, the wrapper, the model contract, frozen
-   towers, BatchNorm, checked locally; then one all-gather of a few numbers per rank (N, B, TAU or
+1. `ready_step`, before any rank's forward: the config, the wrapper, a trainable parameter,
+   BatchNorm, checked locally; then one all-gather of a few numbers per rank (N, B, TAU or
    the learnable mode, NORMALISERS, the rank's pair counts, "I found a problem"). A config that
    differs across ranks (a silently wrong gradient, or ranks in different regimes whose forwards
    communicate differently), a rank whose batch is not N / P, or any rank's local problem: every
@@ -16,8 +16,9 @@ the parameters. So no rank leaves early (`distlab.agree`: every rank judges one 
    the logit scale s (finite, positive, the same on every rank), and whether the forward raised or
    returned something outside the contract on some rank (that rank still joins the exchange).
 
-A ValueError for bad input; a RuntimeError when model(x, y) itself raised on some rank (on that rank
-chained to the original). A rank without a process group raises at once (there is no one to tell).
+Every exchange runs over the wrapper's process group (a DDP subgroup: its ranks only). A ValueError
+for bad input; a RuntimeError when model(x, y) itself raised on some rank (on that rank chained to the
+original). A rank without a process group raises at once (there is no one to tell).
 Under FSDP2 a forward that raises on one rank can leave the others inside FSDP2's own all-gathers.
 """
 
@@ -41,7 +42,6 @@ NOT_KNOWN = float("nan")
 LEARNABLE = 0.0  # the TAU field of a rank whose model returns its own logit scale
 KEY_NAMES = {"N": "GLOBAL_BATCH_SIZE N", "B": "MICRO_BATCH_SIZE B"}  # as the caller typed them
 Outputs = tuple  # (z_x, z_y, s or None, beta or None), one micro-batch's
-OPEN_CLIP_KEYS = ("image_features", "text_features", "logit_scale", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ class Ready:
     wrapped: Wrapped
     factor: float
     device: torch.device
+
+    @property
+    def group(self) -> Any:
+        """The process group every exchange of the step runs over: the wrapper's."""
+        return self.cfg.group
 
     def agreed_outputs(self, forward: Callable[[], list], rows: list[int]) -> list[Outputs]:
         """Run phase 1's `forward` (one output per micro-batch of `rows` pairs), check what it returned,
@@ -79,21 +84,29 @@ def ready_step(model: Any, local_x: Any, local_y: Any, config: Mapping[str, Any]
                          "and call torch.distributed.init_process_group first")
     try:
         ready, problem = _check_locally(model, local_x, local_y, config), None
-        device = ready.device
+        device, group = ready.device, ready.group
     except ValueError as err:
         ready, problem = None, str(err)
-        device = first_device(_inner_or_none(model), local_x)
-    _agree_before_forward(ready, problem, (local_x, local_y), device)
+        inner, group = _inner_and_group(model)
+        device = first_device(inner, local_x)
+    _agree_before_forward(ready, problem, (local_x, local_y), device, group)
     return ready
 
 
-def _inner_or_none(model: Any) -> Any:
-    """The wrapped module, when the wrapper is one the step knows (its parameters' device is where the
-    exchanges run), else None."""
+def exchange_group(model: Any) -> Any:
+    """The process group the step's exchanges run over: the wrapper's, or the world for a model the
+    step does not know (which every rank refuses together)."""
+    return _inner_and_group(model)[1]
+
+
+def _inner_and_group(model: Any) -> tuple[Any, Any]:
+    """The wrapped module and the wrapper's group, when the wrapper is one the step knows (its
+    parameters' device is where the exchanges run), else (None, the world)."""
     try:
-        return unwrap(model).inner
+        wrapped = unwrap(model)
+        return wrapped.inner, wrapped.group
     except ValueError:
-        return None
+        return None, dist.group.WORLD
 
 
 def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, Any]) -> Ready:
@@ -101,21 +114,18 @@ def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, 
     if not torch.is_grad_enabled():
         raise ValueError("the streamed step was called with gradients disabled (inside torch.no_grad()?): "
                          "it computes a gradient")
-    cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
     wrapped = unwrap(model)
-    lacking = [name for name in ("encoder_x", "encoder_y") if not hasattr(wrapped.inner, name)]
-    if lacking:
-        raise ValueError(f"{type(wrapped.inner).__name__} lacks {lacking}: the model contract needs "
-                         "encoder_x and encoder_y attributes and forward(x, y) -> (z_x, z_y[, s])")
+    group = wrapped.group
+    cfg = parse_config(config, dist.get_world_size(group), dist.get_rank(group), group)
     for name, t in (("local_x", local_x), ("local_y", local_y)):
         if not isinstance(t, torch.Tensor) or t.dim() < 1:
             raise ValueError(f"{name} must be a tensor with a batch dimension, got {t!r:.60}")
     if local_x.shape[0] != local_y.shape[0]:
         raise ValueError(f"local_x and local_y must hold the same number of pairs, got "
                          f"{local_x.shape[0]} and {local_y.shape[0]}")
-    if not (trainable(wrapped.inner.encoder_x) or trainable(wrapped.inner.encoder_y)):
-        raise ValueError("both towers are frozen (no parameter of encoder_x or encoder_y requires "
-                         "grad): there is nothing for the step to train")
+    if not trainable(wrapped.inner):
+        raise ValueError(f"no parameter of {type(wrapped.inner).__name__} requires grad: there is nothing "
+                         "for the step to train")
     bn = batchnorm_in_training(wrapped.inner)
     if bn and not cfg.one_forward:
         raise ValueError(
@@ -133,43 +143,50 @@ def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, 
     return Ready(cfg, wrapped, wrapped.reduction_factor, first_device(wrapped.inner, local_x))
 
 
-def _describe(out: Any) -> str:
-    """What forward returned, in a few words (open_clip's output_dict=True gives a dict, and a model
-    with a logit bias, SigLIP's, a fourth element)."""
-    if isinstance(out, dict):
-        return f"a dict with keys {list(out)[:4]} (return a tuple, e.g. open_clip's output_dict=False)"
-    if isinstance(out, (tuple, list)):
-        return f"a {type(out).__name__} of {len(out)}: ({', '.join(type(z).__name__ for z in out[:4])})"
-    return type(out).__name__
+OPEN_CLIP_KEYS = ("image_features", "text_features", "logit_scale", "logit_bias")  # open_clip's output_dict=True
 
 
 def as_outputs(out: Any) -> Any:
-    """forward's return as (z_x, z_y, s or None, beta or None): a tuple of 2, 3 or 4, or open_clip's
-    output_dict with its logit_bias (SigLIP); anything else is returned as it is (check_outputs says why)."""
-    if isinstance(out, dict) and "logit_bias" in out and all(k in out for k in OPEN_CLIP_KEYS):
-        return tuple(out[k] for k in OPEN_CLIP_KEYS)
+    """forward's result as (z_x, z_y, s or None, beta or None): a tuple or list of 2, 3 or 4 (a fourth,
+    open_clip's logit_bias, selects the sigmoid loss), or open_clip's dict (output_dict=True) by its keys;
+    anything else is left for `check_outputs` to describe."""
+    if isinstance(out, dict):
+        extra = [k for k in out if k not in OPEN_CLIP_KEYS]
+        if "image_features" in out and "text_features" in out and not extra:
+            return tuple(out.get(k) for k in OPEN_CLIP_KEYS)
+        return out
     if isinstance(out, (tuple, list)) and len(out) in (2, 3, 4):
         return tuple(out) + (None,) * (4 - len(out))
     return out
 
 
+def _describe(out: Any) -> str:
+    """What forward returned, in a few words."""
+    if isinstance(out, dict):
+        return (f"a dict with keys {list(out)[:6]} (the step reads open_clip's output_dict: "
+                f"{', '.join(OPEN_CLIP_KEYS)}, nothing else)")
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)}: ({', '.join(type(z).__name__ for z in out[:4])})"
+    return type(out).__name__
+
+
 def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> Outputs:
-    """forward(x, y) must return (z_x, z_y), (z_x, z_y, s) (the InfoNCE) or (z_x, z_y, s, beta), or a dict
-    with open_clip's keys and a logit_bias (the sigmoid loss): z of `rows` x d, floating point, one
-    width; s and beta one-element tensors, and then config must not hold TAU. Returns (z_x, z_y, s, beta)."""
+    """forward(x, y) must return (z_x, z_y), (z_x, z_y, s) (the InfoNCE) or (z_x, z_y, s, beta) (the sigmoid
+    loss), or open_clip's dict of them: z of `rows` x d, floating point, one width; s and beta one-element
+    tensors, and then config must not hold TAU. Returns (z_x, z_y, s or None, beta or None)."""
     raw, out = out, as_outputs(out)
     if not (isinstance(out, tuple) and len(out) == 4 and all(isinstance(z, torch.Tensor) for z in out[:2])
             and all(z is None or isinstance(z, torch.Tensor) for z in out[2:])
             and not (out[3] is not None and out[2] is None)):
-        raise ValueError(f"model(x, y) must return (z_x, z_y), (z_x, z_y, logit_scale) or (z_x, z_y, "
-                         f"logit_scale, logit_bias) as tensors, got {_describe(raw)}")
-    z_x, z_y, s, b = out
+        raise ValueError(f"model(x, y) must return (z_x, z_y), (z_x, z_y, logit_scale) or (z_x, z_y, logit_scale, "
+                         f"logit_bias) as tensors, or open_clip's dict of them, got {_describe(raw)}")
+    z_x, z_y, s, beta = out
     if z_x.dim() != 2 or z_y.dim() != 2 or z_x.shape[1] != z_y.shape[1] or len(z_x) != rows or len(z_y) != rows:
         raise ValueError(f"model(x, y) must return z_x and z_y of shape (batch, d) with batch {rows} and "
                          f"one d, got {tuple(z_x.shape)} and {tuple(z_y.shape)}")
     if not (z_x.is_floating_point() and z_y.is_floating_point()):
         raise ValueError(f"embeddings must be floating point, got {z_x.dtype} and {z_y.dtype}")
-    for name, v in (("scale", s), ("bias", b)):
+    for name, v in (("scale", s), ("bias", beta)):
         if v is not None and (v.numel() != 1 or not v.is_floating_point()):
             raise ValueError(f"the logit {name} model(x, y) returns must be a one-element floating "
                              f"tensor, got shape {tuple(v.shape)} {v.dtype}")
@@ -179,12 +196,13 @@ def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> Outputs:
     if s is None and cfg.tau is None:
         raise ValueError("config has no TAU and the model returns no logit scale: pass TAU, or return "
                          "(z_x, z_y, logit_scale) from forward")
-    return z_x, z_y, s, b
+    return z_x, z_y, s, beta
 
 
-def _agree_before_forward(ready: Ready | None, problem: str | None, batches: tuple, device: torch.device) -> None:
-    """Config, pair counts and local problems, before any rank's forward: the same error on every rank,
-    or return."""
+def _agree_before_forward(ready: Ready | None, problem: str | None, batches: tuple, device: torch.device,
+                          group: Any) -> None:
+    """Config, pair counts and local problems, before any rank's forward: the same error on every rank
+    of `group`, or return."""
     row = dict.fromkeys(BEFORE, NOT_KNOWN)
     row["problem"] = message_length(problem)
     if ready is not None:
@@ -194,7 +212,7 @@ def _agree_before_forward(ready: Ready | None, problem: str | None, batches: tup
     for key, t in zip(("rows_x", "rows_y"), batches):
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             row[key] = t.shape[0]
-    table = rank_table([row[k] for k in BEFORE], device)
+    table = rank_table([row[k] for k in BEFORE], device, group)
     column = {key: table[:, BEFORE.index(key)].tolist() for key in BEFORE}
     names = {"TAU": lambda v: "learnable scale" if v == LEARNABLE else f"{v:g}",
              "NORMALISERS": lambda v: NORMALISERS[int(v)], "EXCHANGE": lambda v: EXCHANGES[int(v)]}
@@ -203,7 +221,7 @@ def _agree_before_forward(ready: Ready | None, problem: str | None, batches: tup
             raise ValueError(f"config differs across ranks, {KEY_NAMES.get(key, key)}: "
                              f"{per_rank(column[key], names.get(key, lambda v: f'{v:g}'))}; "
                              "every rank must pass the same config")
-    raise_together(problem, device, lengths=column["problem"])
+    raise_together(problem, device, lengths=column["problem"], group=group)
     cfg = ready.cfg
     if any(r != cfg.local for r in column["rows_x"]):
         raise ValueError(f"every rank must hold N / P = {cfg.n} / {cfg.world} = {cfg.local} pairs, but "
@@ -218,14 +236,13 @@ def _agree_after_forward(ready: Ready, out: Outputs | None, problem: str | None,
     row = dict.fromkeys(AFTER, NOT_KNOWN)
     row.update(problem=message_length(problem), raised=float(raised is not None))
     if out is not None:
-        z_x, z_y, s, b = out
+        z_x, z_y, s, beta = out
         row.update(d_x=z_x.shape[1], d_y=z_y.shape[1], dtype_x=_dtype_code(z_x), dtype_y=_dtype_code(z_y),
-                   scale=float(s.detach().double().reshape(())) if s is not None else NOT_KNOWN,
-                   has_bias=float(b is not None), bias=_value(b))
-    table = rank_table([row[k] for k in AFTER], ready.device)
+                   scale=_value(s), has_bias=float(beta is not None), bias=_value(beta))
+    table = rank_table([row[k] for k in AFTER], ready.device, ready.group)
     column = {key: table[:, AFTER.index(key)].tolist() for key in AFTER}
     error = RuntimeError if any(v == 1.0 for v in column["raised"]) else ValueError
-    raise_together(problem, ready.device, error, raised, lengths=column["problem"])
+    raise_together(problem, ready.device, error, raised, lengths=column["problem"], group=ready.group)
     for key in ("d_x", "d_y", "dtype_x", "dtype_y", "has_bias"):
         if _differ(column[key]):
             fmt = (lambda v: str(DTYPE_CODES[int(v)]) if v >= 0 else "other") if "dtype" in key else None

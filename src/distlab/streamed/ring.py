@@ -48,7 +48,8 @@ class Endpoint:
     """One rank's view of the ring: whom it sends to, what it sent, and what happened when."""
 
     world: int
-    rank: int
+    rank: int                                  # in `group`
+    group: object = None                       # the process group (None: the world)
     sent_bytes: int = 0
     events: list[tuple[int, str, float]] = field(default_factory=list)   # (step, what, when), in order
 
@@ -74,10 +75,12 @@ class P2PRing(Endpoint):
 
     def shift(self, tensors: list[torch.Tensor], tag: int) -> _Pending:
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        if self.group is not None:  # P2POp names peers by their global rank
+            nxt, prv = dist.get_global_rank(self.group, nxt), dist.get_global_rank(self.group, prv)
         tensors = [t.contiguous() for t in tensors]
         bufs = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, nxt, tag=tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, buf, prv, tag=tag) for buf in bufs]
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, buf, prv, self.group, tag) for buf in bufs]
         self._count(tensors)
         return _Pending(dist.batch_isend_irecv(ops), bufs)
 

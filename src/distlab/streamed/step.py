@@ -22,7 +22,8 @@ phase 4  `phase4_outputs`, `phase4_backward`: the micro-batch's outputs with a g
 phase 5  the wrapper's reduction [sync 2]: every micro-batch's backward but the last runs with it off.
 
 The loss-specific math is phases 2 and 3 (with `tiles`); the exchange is `gather_embeddings`; the
-guards are `guards.ready_step`; wrappers, BatchNorm and precision are `wrappers`. Cost per rank:
+guards are `guards.ready_step`; a rank that dies mid-step is named by `peers`; wrappers, BatchNorm and
+precision are `wrappers`. Every exchange runs over the wrapper's process group. Cost per rank:
 6 C N d multiply-adds of loss machinery, O(N d) memory plus tiles of at most T x T.
 """
 
@@ -39,7 +40,8 @@ from torch import nn
 from distlab.contrastive.rand_context import RandContext
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import gather_pairs, rank_shares, traffic
-from distlab.streamed.guards import Outputs, Ready, as_outputs, ready_step
+from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
+from distlab.streamed.peers import naming_dead_peers
 from distlab.streamed.sigmoid import Logits
 from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
 from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, surrogate_multiplier
@@ -99,7 +101,7 @@ def gather_embeddings(local: LocalForward, cfg: StreamConfig) -> Embedded:
     z_x = torch.cat([out[0].detach() for out in local.outputs])
     z_y = torch.cat([out[1].detach() for out in local.outputs])
     s = 1.0 / cfg.tau if cfg.tau is not None else float(local.outputs[0][2].detach().double().reshape(()))
-    return Embedded(*gather_pairs(z_x, z_y, cfg.n), s)
+    return Embedded(*gather_pairs(z_x, z_y, cfg.n, cfg.group), s)
 
 
 def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
@@ -116,7 +118,7 @@ def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
             # One tiny all-gather: my a's, my b's and my share of the loss (2C + 1 floats per rank).
             mine = torch.cat((a_own, b_own, (nll_x + nll_y).sum().unsqueeze(0)))
             every = mine.new_empty(cfg.world * len(mine))
-            traffic.all_gather(every, mine)
+            traffic.all_gather(every, mine, cfg.group)
             every = every.view(cfg.world, len(mine))
             a, b = every[:, :cfg.local].reshape(-1), every[:, cfg.local:2 * cfg.local].reshape(-1)
             total = every[:, -1].sum()  # the same numbers in the same order on every rank
@@ -180,6 +182,17 @@ def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, An
     return norm.loss, torch.cat([g[0] for g in grads]), torch.cat([g[1] for g in grads])
 
 
+def not_finite(emb: Embedded, cfg: StreamConfig) -> str:
+    """Which ranks' embeddings are not finite, read from the gathered Z_x, Z_y: the same words on every
+    rank, with no exchange."""
+    finite = torch.isfinite(emb.z_x).all(dim=1) & torch.isfinite(emb.z_y).all(dim=1)
+    ranks = dist.get_process_group_ranks(cfg.group or dist.group.WORLD)
+    bad = sorted({ranks[i // cfg.local] for i in (~finite).nonzero().flatten().tolist()})
+    if not bad:
+        return f"every embedding is finite; the logits s z_x . z_y overflowed (s = {emb.s:g})"
+    return f"non-finite embeddings on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+
+
 def _shared_grads(shares, rows: slice, last: bool, needs: tuple) -> tuple:
     """A micro-batch's slice of the rank's shares: G for its rows, and the rank's dL/ds, dL/dbeta share
     once, with the last micro-batch (s and beta are parameters every micro-batch's graph reaches; the
@@ -189,46 +202,48 @@ def _shared_grads(shares, rows: slice, last: bool, needs: tuple) -> tuple:
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
-def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
-         grad_scaler: Any, stop_if_not_finite: bool) -> float:
-    ready = ready_step(model, local_x, local_y, config)       # a step every rank agreed to, or one error
-    cfg, wrapped = ready.cfg, ready.wrapped
-    traffic.sent_bytes = 0
-    restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
-    local = phase1_forward(ready, local_x, local_y)                                         # phase 1
-    s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])
-    sigmoid, shares, emb = local.outputs[0][3] is not None, None, None
-    if sigmoid or cfg.exchange == "ring":  # G for all C rows first (the ring, or the sigmoid loss)
-        z_x, z_y = (torch.cat([out[i].detach() for out in local.outputs]) for i in (0, 1))
-        logits = Logits(s, _float(local.outputs[0][3])) if sigmoid else s
-        shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, cfg.t)
-        like = shares.g_x
-    else:
-        emb = gather_embeddings(local, cfg)                                                 # sync 1
-        norm = phase2_normalisers(emb, cfg)                                                 # phase 2
-        loss, like = norm.loss, emb.z_x
-    if stop_if_not_finite and not math.isfinite(loss):
-        restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
-        raise FloatingPointError(f"the global loss is {loss} (non-finite embeddings on some rank): "
-                                 "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
-                                 "are as they were")
-    multiplier = surrogate_multiplier(ready.factor, grad_scaler, like)
-    for k, rows in enumerate(local.micro):
-        # Phase 5: the wrapper reduces in the last micro-batch's backward only (a recompute's forward
-        # runs inside the same no_sync, where DDP decides whether its backward reduces).
-        last = k == len(local.micro) - 1
-        with wrapped.accumulating(reduce=last):
-            outputs = phase4_outputs(wrapped, local_x[rows], local_y[rows], local, k)
-            if shares is not None:
-                grads = _shared_grads(shares, rows, last, needs_of(outputs))
-            else:
-                grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))    # phase 3
-            phase4_backward(outputs, grads, multiplier)                                     # phase 4
-    return loss
-
-
 def _float(t: torch.Tensor) -> float:
     return float(t.detach().double().reshape(()))
+
+
+def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
+         grad_scaler: Any, stop_if_not_finite: bool) -> float:
+    with naming_dead_peers(exchange_group(model)):  # a peer that dies in an exchange is named, not echoed
+        ready = ready_step(model, local_x, local_y, config)       # a step every rank agreed to, or one error
+        cfg, wrapped = ready.cfg, ready.wrapped
+        traffic.sent_bytes = 0
+        restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
+        local = phase1_forward(ready, local_x, local_y)                                         # phase 1
+        s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])
+        sigmoid, shares, emb = local.outputs[0][3] is not None, None, None
+        if sigmoid or cfg.exchange == "ring":  # G for all C rows first (the ring, or the sigmoid loss)
+            z_x, z_y = (torch.cat([out[i].detach() for out in local.outputs]) for i in (0, 1))
+            logits = Logits(s, _float(local.outputs[0][3])) if sigmoid else s
+            shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, cfg.t, cfg.group)
+            like, why = shares.g_x, "non-finite embeddings on some rank, or logits that overflowed"
+        else:
+            emb = gather_embeddings(local, cfg)                                                 # sync 1
+            norm = phase2_normalisers(emb, cfg)                                                 # phase 2
+            loss, like = norm.loss, emb.z_x
+            why = not_finite(emb, cfg) if not math.isfinite(loss) else ""
+        if stop_if_not_finite and not math.isfinite(loss):
+            restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
+            raise FloatingPointError(f"the global loss is {loss} ({why}): "
+                                     "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
+                                     "are as they were")
+        multiplier = surrogate_multiplier(ready.factor, grad_scaler, like)
+        for k, rows in enumerate(local.micro):
+            # Phase 5: the wrapper reduces in the last micro-batch's backward only (a recompute's forward
+            # runs inside the same no_sync, where DDP decides whether its backward reduces).
+            last = k == len(local.micro) - 1
+            with wrapped.accumulating(reduce=last):
+                outputs = phase4_outputs(wrapped, local_x[rows], local_y[rows], local, k)
+                if shares is not None:
+                    grads = _shared_grads(shares, rows, last, needs_of(outputs))
+                else:
+                    grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))    # phase 3
+                phase4_backward(outputs, grads, multiplier)                                     # phase 4
+        return loss
 
 
 def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor,
@@ -240,13 +255,16 @@ def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch
     It neither zeroes the gradients nor steps; it returns the global loss as a Python float (computed
     in float32, or float64 for a float64 model), non-finite as it is if some rank's embeddings were.
     `model` is DDP, torch.compile(DDP) or FSDP2-wrapped; its forward(x, y) returns (z_x, z_y) or
-    (z_x, z_y, s) with s the logit scale (then config has no TAU); `encoder_x` and `encoder_y` sit on
-    the wrapped module. config: GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T),
-    TAU unless the model returns s, optional NORMALISERS ("sharded" | "replicated"). With `grad_scaler`
-    (torch.amp.GradScaler) the VJP is scaled as scaler.scale(loss).backward() would scale it. Called
-    inside `model.no_sync()` it accumulates without reducing; the next call outside reduces, once.
-    Bad inputs raise the same ValueError on every rank before the first all-gather (a RuntimeError
-    when model(x, y) itself raised on some rank).
+    (z_x, z_y, s) with s the logit scale (then config has no TAU), or open_clip's dict of them
+    (output_dict=True); what trains is read from the parameters and from which outputs require grad.
+    N is the batch of the wrapper's process group (a DDP subgroup: its ranks only). config:
+    GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T), TAU unless the model returns
+    s, optional NORMALISERS ("sharded" | "replicated"). With `grad_scaler` (torch.amp.GradScaler) the
+    VJP is scaled as scaler.scale(loss).backward() would scale it. Called inside `model.no_sync()` it
+    accumulates without reducing; the next call outside reduces, once. Bad inputs raise the same
+    ValueError on every rank before the first all-gather (a RuntimeError when model(x, y) itself
+    raised on some rank); a rank that dies during the step's exchanges is named in a RuntimeError on
+    the ranks still running (`peers`).
     """
     return _run(model, local_x, local_y, config, grad_scaler, stop_if_not_finite=False)
 

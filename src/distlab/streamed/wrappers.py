@@ -1,11 +1,14 @@
 """The streamed step's wrappers: the data-parallel wrapper (DDP, torch.compile(DDP), FSDP2), BatchNorm,
 the device and the precision.
 
-The step asks a wrapper four things, and `Wrapped` answers them the same way for each:
+The step asks a wrapper five things, and `Wrapped` answers them the same way for each:
 
-- `inner`: the module holding `encoder_x` and `encoder_y` (DDP: `ddp.module`; compiled DDP:
-  `compiled._orig_mod.module`; FSDP2: the model itself, since `fully_shard` changes a module's class
-  in place and leaves its attributes where they were).
+- `inner`: the caller's own module, whose parameters say what is trainable (DDP: `ddp.module`;
+  compiled DDP: `compiled._orig_mod.module`; FSDP2: the model itself, since `fully_shard` changes a
+  module's class in place and leaves its attributes where they were).
+- `group`: the process group the wrapper reduces over, which the step gathers over too (DDP's
+  `process_group`, the world unless given; FSDP2: its one 1-D mesh's group). The global batch N is
+  that group's: two DDP subgroups train two independent contrastive batches.
 - `no_grad_forward`: what phase 1 calls without grad. DDP: its module, skipping DDP's bookkeeping
   and buffer broadcast; compiled DDP and FSDP2: the model itself (FSDP2 must all-gather the
   parameters, and the compiled model must draw the same dropout masks as its recompute).
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
@@ -77,6 +81,19 @@ class Wrapped:
             return factors.pop() if factors else 1.0
         ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model)
         return float(ddp.process_group.size())
+
+    @property
+    def group(self) -> Any:
+        """The process group the wrapper averages the gradients over (see the module docstring)."""
+        if self.kind != "fsdp2":
+            return (self.model if self.kind == "ddp" else _compiled_inner(self.model)).process_group
+        meshes = [group.mesh_info.mesh for group in _fsdp_groups(self.model)]
+        if not meshes:
+            return dist.group.WORLD
+        if any(mesh != meshes[0] for mesh in meshes) or meshes[0].ndim != 1:
+            raise ValueError("FSDP2 over a 2-D device mesh (HSDP) or over different meshes: the step gathers "
+                             "and scales over one process group; shard every module on one 1-D mesh")
+        return meshes[0].get_group()
 
     @property
     def static_graph(self) -> bool:

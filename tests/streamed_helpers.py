@@ -55,7 +55,34 @@ def full_batch(model, x, y, world, b, tau=None, streams=None):
     c = len(x) // world
     streams = streams if streams is not None else RankStreams(range(world))
     z_x, z_y, *scale = as_ranks(streams, balanced_chunks(c, min(b, c)))(model, x, y)
+    if len(scale) == 2:  # (s, beta): the sigmoid loss
+        return sigmoid_loss(z_x, z_y, *scale)
     return clip_loss(z_x, z_y, scale[0] if tau is None else 1 / tau)
+
+
+class SigTowers(Towers):
+    """Towers with SigLIP's head: a learnable logit scale s = exp(logit_scale) (init 10) and logit bias
+    beta (init -10, open_clip's init_logit_bias), returned as (z_x, z_y, s, beta), or with `as_dict` as
+    open_clip's output_dict."""
+
+    def __init__(self, as_dict=False, scale_shape=(), **kwargs):
+        super().__init__(scale_shape=scale_shape, **kwargs)
+        with torch.no_grad():
+            self.logit_scale.fill_(math.log(10.0))
+        self.logit_bias = nn.Parameter(torch.full(scale_shape, -10.0, dtype=self.logit_scale.dtype))
+        self.as_dict = as_dict
+
+    def forward(self, x, y):
+        z_x, z_y, s = super().forward(x, y)
+        if self.as_dict:
+            return {"image_features": z_x, "text_features": z_y, "logit_scale": s, "logit_bias": self.logit_bias}
+        return z_x, z_y, s, self.logit_bias
+
+
+def sigmoid_loss(z_x, z_y, s, beta):
+    """-(1/N) sum_ij log sigma(eps_ij S_ij), S = s z_x z_y^T + beta, eps = +1 on the diagonal, -1 elsewhere."""
+    eps = 2 * torch.eye(len(z_x), dtype=z_x.dtype, device=z_x.device) - 1
+    return -F.logsigmoid(eps * (s * z_x @ z_y.T + beta)).sum() / len(z_x)
 
 
 def rank_streams(world, seed=DROPOUT_SEED):

@@ -4,7 +4,8 @@ The model (tests/open_clip_like.py) has open_clip's attributes and nothing else:
 no `encoder_y`, no subclass. Each case is compared with an independent single-process reference
 (a deep copy on the whole global batch, plain autograd, rtol 1e-10): the tuple it returns by default,
 open_clip_train's `output_dict=True`, and both backbones frozen with the projections, `ln_final`, the
-embeddings and `logit_scale` still trainable. A `logit_bias` (SigLIP's) is refused by name; in a world
+embeddings and `logit_scale` still trainable. A `logit_bias` (SigLIP's, tuple or dict) selects the sigmoid
+loss, whose gradients (the bias's included) equal plain autograd's on the whole batch; in a world
 of 4 split into two subgroups, DDP over a subgroup and FSDP2 on a subgroup's 1-D mesh are exact within
 each (FSDP2 on the 2-D mesh, HSDP, is one error on every rank); a non-finite embedding on rank 1 is
 named in the error on every rank; a rank that dies inside the step leaves the others an error naming it,
@@ -27,7 +28,7 @@ from distlab.compare import all_ok, compare
 from distlab.models import paired_data
 from distlab.spawn import free_port, spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from streamed_helpers import Towers, local_rows
+from streamed_helpers import Towers, local_rows, sigmoid_loss
 from open_clip_like import CLIP, freeze_backbones, grads_by_name, image_text_data, reference
 
 N = 12  # C = 6 pairs per rank at P = 2
@@ -64,8 +65,8 @@ def drop_in(rt):
         model = make()
         out[label] = (distributed_backward(DDP(model), images[rows], texts[rows], config(b)), grads_by_name(model))
     for label, output_dict in (("logit_bias, dict", True), ("logit_bias, tuple", False)):
-        model = DDP(CLIP(output_dict=output_dict, logit_bias=-10.0))
-        out[label] = error_of(distributed_backward, model, images[rows], texts[rows], config(4))
+        model = CLIP(output_dict=output_dict, logit_bias=-10.0)
+        out[label] = (distributed_backward(DDP(model), images[rows], texts[rows], config(4)), grads_by_name(model))
     model = DDP(CLIP(output_dict=True))
     poisoned = images[rows].clone()
     if rt.rank == 1:
@@ -87,11 +88,14 @@ def test_a_stock_open_clip_model_drops_in_exactly():
             loss, grads = r[label]
             assert math.isclose(loss, ref_loss, rel_tol=1e-10), label
             assert all_ok(compare(ref, grads)), label  # the same names: nothing frozen got a gradient
+    whole = CLIP(logit_bias=-10.0)  # no dropout: one forward of the whole batch is every rank's forwards
+    sigmoid_ref = sigmoid_loss(*whole(images, texts))
+    sigmoid_ref.backward()
     for label in ("logit_bias, dict", "logit_bias, tuple"):
-        messages = {r[label] for r in results}
-        assert len(messages) == 1, messages
-        message = messages.pop()
-        assert message.startswith("ValueError") and "logit_bias" in message and "sigmoid" in message, message
+        for r in results:
+            loss, grads = r[label]
+            assert math.isclose(loss, sigmoid_ref.item(), rel_tol=1e-10), label
+            assert all_ok(compare(grads_by_name(whole), grads)), label
     messages = {r["nan on rank 1"] for r in results}
     assert len(messages) == 1, messages
     message = messages.pop()

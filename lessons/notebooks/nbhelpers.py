@@ -92,3 +92,40 @@ def timeline(ax, spans: list[dict], title: str = "") -> None:
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds")
     ax.set_title(title, fontsize=9, loc="left")
+
+
+# --- lesson 15: the ring against the gather, on real ranks ----------------------------------
+
+
+def ring_and_gather(rt, c: int, d: int, t: int) -> dict:
+    """On each of P ranks (under distlab.spawn): the loss machinery of {InfoNCE, sigmoid} x {gather,
+    ring} on C x d random embeddings, its peak bytes (PeakMemory) and bytes sent; and the ring's
+    timeline (rank, step, event, time)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from distlab.memory import PeakMemory
+    from distlab.streamed import loss_machinery
+    from distlab.streamed.exchange import rank_shares, traffic
+    from distlab.streamed.ring import P2PRing, sigmoid_ring
+    from distlab.streamed.sigmoid import Logits
+
+    gen = torch.Generator().manual_seed(rt.rank)
+    z_x, z_y = (F.normalize(torch.randn(c, d, generator=gen), dim=1) for _ in range(2))
+    out = {}
+    config = {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c, "STREAM_CHUNK_SIZE": t, "TAU": 0.1}
+    for loss in ("infonce", "sigmoid"):
+        for exchange in ("gather", "ring"):
+            traffic.sent_bytes = 0
+            with PeakMemory() as mem:
+                if (loss, exchange) == ("infonce", "gather"):
+                    loss_machinery(z_x, z_y, config)      # phases 2 and 3 of the gathered step
+                else:
+                    rank_shares(z_x, z_y, Logits(10.0, -10.0) if loss == "sigmoid" else 10.0, exchange, t)
+            out[loss, exchange] = (mem.peak_bytes, traffic.sent_bytes)
+    ring = P2PRing(rt.world_size, rt.rank)
+    dist.barrier()
+    sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
+    out["events"] = [(rt.rank, k, what, when) for k, what, when in ring.events]
+    return out

@@ -3,7 +3,9 @@
 Keys: GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T), TAU (tau; leave it out when
 the model returns its own logit scale s), and the optional NORMALISERS, how phase 2 computes the
 log-normalisers a, b: "sharded" (default; each rank its own C rows and columns of S, then a tiny
-all-gather) or "replicated" (every rank all N^2 similarities, no exchange). A misspelt key is reported with the closest known name rather than silently ignored.
+all-gather) or "replicated" (every rank all N^2 similarities, no exchange); and the optional EXCHANGE,
+how the ranks' embeddings meet: "gather" (default; every rank holds N x 2d) or "ring" (C x d blocks
+pass rank to rank, `distlab.streamed.ring`). A misspelt key is reported with the closest known name rather than silently ignored.
 `parse_config` is pure: given the same dict it raises the same ValueError on every rank.
 """
 
@@ -18,8 +20,9 @@ from typing import Any, Mapping
 from distlab.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE", "STREAM_CHUNK_SIZE")
-OPTIONAL = ("TAU", "NORMALISERS")
+OPTIONAL = ("TAU", "NORMALISERS", "EXCHANGE")
 NORMALISERS = ("sharded", "replicated")
+EXCHANGES = ("gather", "ring")
 DEFAULT_NORMALISERS = "sharded"  # measured faster for P >= 2 (benchmarks/contrastive_scaling.py)
 
 
@@ -35,6 +38,7 @@ class StreamConfig:
     world: int           # P, the size of the group the wrapper reduces over
     rank: int            # this rank's place in that group
     group: Any = field(default=None, compare=False)  # that process group (None: the world)
+    exchange: str = "gather"   # "gather" or "ring"
 
     @property
     def local(self) -> int:
@@ -115,7 +119,10 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = 
     normalisers = config.get("NORMALISERS", DEFAULT_NORMALISERS)
     if normalisers not in NORMALISERS:
         raise ValueError(f"config['NORMALISERS'] must be one of {NORMALISERS}, got {normalisers!r}")
+    exchange = config.get("EXCHANGE", "gather")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"config['EXCHANGE'] must be one of {EXCHANGES}, got {exchange!r}")
     if n % world:
         raise ValueError(f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: "
                          "every rank must hold N / P pairs")
-    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group)
+    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange)

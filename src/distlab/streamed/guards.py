@@ -32,16 +32,16 @@ import torch
 import torch.distributed as dist
 
 from distlab.agree import message_length, per_rank, raise_together, rank_table
-from distlab.streamed.config import NORMALISERS, StreamConfig, parse_config
+from distlab.streamed.config import EXCHANGES, NORMALISERS, StreamConfig, parse_config
 from distlab.streamed.wrappers import Wrapped, batchnorm_in_training, first_device, trainable, unwrap
 
 DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-BEFORE = ("problem", "N", "B", "TAU", "NORMALISERS", "rows_x", "rows_y")
-AFTER = ("problem", "raised", "d_x", "d_y", "dtype_x", "dtype_y", "scale")
+BEFORE = ("problem", "N", "B", "TAU", "NORMALISERS", "EXCHANGE", "rows_x", "rows_y")
+AFTER = ("problem", "raised", "d_x", "d_y", "dtype_x", "dtype_y", "scale", "has_bias", "bias")
 NOT_KNOWN = float("nan")
 LEARNABLE = 0.0  # the TAU field of a rank whose model returns its own logit scale
 KEY_NAMES = {"N": "GLOBAL_BATCH_SIZE N", "B": "MICRO_BATCH_SIZE B"}  # as the caller typed them
-Outputs = tuple  # (z_x, z_y, s or None), one micro-batch's
+Outputs = tuple  # (z_x, z_y, s or None, beta or None), one micro-batch's
 
 
 @dataclass(frozen=True)
@@ -143,24 +143,20 @@ def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, 
     return Ready(cfg, wrapped, wrapped.reduction_factor, first_device(wrapped.inner, local_x))
 
 
-OPEN_CLIP_KEYS = ("image_features", "text_features", "logit_scale")  # open_clip's output_dict=True
-BIAS = ("model(x, y) returns a logit_bias: a logit bias belongs to the sigmoid loss (SigLIP's), and this "
-        "step computes the softmax loss (symmetric InfoNCE), which has none")
+OPEN_CLIP_KEYS = ("image_features", "text_features", "logit_scale", "logit_bias")  # open_clip's output_dict=True
 
 
 def as_outputs(out: Any) -> Any:
-    """forward's result as (z_x, z_y[, s]): a tuple or list as it is, open_clip's dict (output_dict=True)
-    by its keys. A logit_bias, the fourth element of open_clip's tuple or a key of its dict, is
-    refused by name; anything else is left for `check_outputs` to describe."""
+    """forward's result as (z_x, z_y, s or None, beta or None): a tuple or list of 2, 3 or 4 (a fourth,
+    open_clip's logit_bias, selects the sigmoid loss), or open_clip's dict (output_dict=True) by its keys;
+    anything else is left for `check_outputs` to describe."""
     if isinstance(out, dict):
-        if "logit_bias" in out:
-            raise ValueError(f"{BIAS} (the dict has keys {list(out)})")
         extra = [k for k in out if k not in OPEN_CLIP_KEYS]
         if "image_features" in out and "text_features" in out and not extra:
-            return tuple(out[k] for k in OPEN_CLIP_KEYS if k in out)
+            return tuple(out.get(k) for k in OPEN_CLIP_KEYS)
         return out
-    if isinstance(out, (tuple, list)) and len(out) == 4 and all(isinstance(z, torch.Tensor) for z in out):
-        raise ValueError(f"{BIAS} (its fourth output, as open_clip's CLIP returns one when it has a logit_bias)")
+    if isinstance(out, (tuple, list)) and len(out) in (2, 3, 4):
+        return tuple(out) + (None,) * (4 - len(out))
     return out
 
 
@@ -174,31 +170,33 @@ def _describe(out: Any) -> str:
     return type(out).__name__
 
 
-def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """forward(x, y) must return (z_x, z_y) or (z_x, z_y, s), or open_clip's dict of them: z of `rows` x d,
-    floating point, one width; s a one-element tensor, and then config must not hold TAU. Returns
-    (z_x, z_y, s or None)."""
-    out = as_outputs(out)
-    if not (isinstance(out, (tuple, list)) and len(out) in (2, 3)
-            and all(isinstance(z, torch.Tensor) for z in out)):
-        raise ValueError(f"model(x, y) must return (z_x, z_y) or (z_x, z_y, logit_scale) as tensors, or "
-                         f"open_clip's dict of them, got {_describe(out)}")
-    z_x, z_y, s = (*out, None) if len(out) == 2 else out
+def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> Outputs:
+    """forward(x, y) must return (z_x, z_y), (z_x, z_y, s) (the InfoNCE) or (z_x, z_y, s, beta) (the sigmoid
+    loss), or open_clip's dict of them: z of `rows` x d, floating point, one width; s and beta one-element
+    tensors, and then config must not hold TAU. Returns (z_x, z_y, s or None, beta or None)."""
+    raw, out = out, as_outputs(out)
+    if not (isinstance(out, tuple) and len(out) == 4 and all(isinstance(z, torch.Tensor) for z in out[:2])
+            and all(z is None or isinstance(z, torch.Tensor) for z in out[2:])
+            and not (out[3] is not None and out[2] is None)):
+        raise ValueError(f"model(x, y) must return (z_x, z_y), (z_x, z_y, logit_scale) or (z_x, z_y, logit_scale, "
+                         f"logit_bias) as tensors, or open_clip's dict of them, got {_describe(raw)}")
+    z_x, z_y, s, beta = out
     if z_x.dim() != 2 or z_y.dim() != 2 or z_x.shape[1] != z_y.shape[1] or len(z_x) != rows or len(z_y) != rows:
         raise ValueError(f"model(x, y) must return z_x and z_y of shape (batch, d) with batch {rows} and "
                          f"one d, got {tuple(z_x.shape)} and {tuple(z_y.shape)}")
     if not (z_x.is_floating_point() and z_y.is_floating_point()):
         raise ValueError(f"embeddings must be floating point, got {z_x.dtype} and {z_y.dtype}")
-    if s is not None and (s.numel() != 1 or not s.is_floating_point()):
-        raise ValueError(f"the logit scale model(x, y) returns third must be a one-element floating "
-                         f"tensor, got shape {tuple(s.shape)} {s.dtype}")
+    for name, v in (("scale", s), ("bias", beta)):
+        if v is not None and (v.numel() != 1 or not v.is_floating_point()):
+            raise ValueError(f"the logit {name} model(x, y) returns must be a one-element floating "
+                             f"tensor, got shape {tuple(v.shape)} {v.dtype}")
     if s is not None and cfg.tau is not None:
         raise ValueError(f"config holds TAU={cfg.tau}, but the model returns its own logit scale: "
                          "leave TAU out of the config (the logits are s * z_x z_y^T with the model's s)")
     if s is None and cfg.tau is None:
         raise ValueError("config has no TAU and the model returns no logit scale: pass TAU, or return "
                          "(z_x, z_y, logit_scale) from forward")
-    return z_x, z_y, s
+    return z_x, z_y, s, beta
 
 
 def _agree_before_forward(ready: Ready | None, problem: str | None, batches: tuple, device: torch.device,
@@ -210,15 +208,15 @@ def _agree_before_forward(ready: Ready | None, problem: str | None, batches: tup
     if ready is not None:
         cfg = ready.cfg
         row.update(N=cfg.n, B=cfg.b, TAU=LEARNABLE if cfg.tau is None else cfg.tau,
-                   NORMALISERS=NORMALISERS.index(cfg.normalisers))
+                   NORMALISERS=NORMALISERS.index(cfg.normalisers), EXCHANGE=EXCHANGES.index(cfg.exchange))
     for key, t in zip(("rows_x", "rows_y"), batches):
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             row[key] = t.shape[0]
     table = rank_table([row[k] for k in BEFORE], device, group)
     column = {key: table[:, BEFORE.index(key)].tolist() for key in BEFORE}
     names = {"TAU": lambda v: "learnable scale" if v == LEARNABLE else f"{v:g}",
-             "NORMALISERS": lambda v: NORMALISERS[int(v)]}
-    for key in ("N", "B", "TAU", "NORMALISERS"):
+             "NORMALISERS": lambda v: NORMALISERS[int(v)], "EXCHANGE": lambda v: EXCHANGES[int(v)]}
+    for key in ("N", "B", "TAU", "NORMALISERS", "EXCHANGE"):
         if _differ(column[key]):
             raise ValueError(f"config differs across ranks, {KEY_NAMES.get(key, key)}: "
                              f"{per_rank(column[key], names.get(key, lambda v: f'{v:g}'))}; "
@@ -238,14 +236,14 @@ def _agree_after_forward(ready: Ready, out: Outputs | None, problem: str | None,
     row = dict.fromkeys(AFTER, NOT_KNOWN)
     row.update(problem=message_length(problem), raised=float(raised is not None))
     if out is not None:
-        z_x, z_y, s = out
+        z_x, z_y, s, beta = out
         row.update(d_x=z_x.shape[1], d_y=z_y.shape[1], dtype_x=_dtype_code(z_x), dtype_y=_dtype_code(z_y),
-                   scale=float(s.detach().double().reshape(())) if s is not None else NOT_KNOWN)
+                   scale=_value(s), has_bias=float(beta is not None), bias=_value(beta))
     table = rank_table([row[k] for k in AFTER], ready.device, ready.group)
     column = {key: table[:, AFTER.index(key)].tolist() for key in AFTER}
     error = RuntimeError if any(v == 1.0 for v in column["raised"]) else ValueError
     raise_together(problem, ready.device, error, raised, lengths=column["problem"], group=ready.group)
-    for key in ("d_x", "d_y", "dtype_x", "dtype_y"):
+    for key in ("d_x", "d_y", "dtype_x", "dtype_y", "has_bias"):
         if _differ(column[key]):
             fmt = (lambda v: str(DTYPE_CODES[int(v)]) if v >= 0 else "other") if "dtype" in key else None
             raise ValueError(f"the embeddings differ across ranks, {key}: "
@@ -258,6 +256,14 @@ def _agree_after_forward(ready: Ready, out: Outputs | None, problem: str | None,
         if len(set(scales)) > 1:
             raise ValueError(f"the logit scale s differs across ranks ({per_rank(scales, repr)}): the "
                              "replicas are out of sync")
+    biases = column["bias"]
+    if column["has_bias"][0] == 1.0 and (not all(math.isfinite(v) for v in biases) or len(set(biases)) > 1):
+        raise ValueError(f"the logit bias beta the model returns must be finite and the same on every rank: "
+                         f"{per_rank(biases, repr)}")
+
+
+def _value(t: torch.Tensor | None) -> float:
+    return float(t.detach().double().reshape(())) if t is not None else NOT_KNOWN
 
 
 def _dtype_code(z: torch.Tensor) -> float:

@@ -39,10 +39,12 @@ from torch import nn
 
 from distlab.contrastive.rand_context import RandContext
 from distlab.streamed.config import StreamConfig, parse_config
+from distlab.streamed.exchange import gather_pairs, rank_shares, traffic
 from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
 from distlab.streamed.peers import naming_dead_peers
+from distlab.streamed.sigmoid import Logits
 from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
-from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, surrogate_multiplier
+from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, surrogate_multiplier
 
 
 @dataclass
@@ -50,7 +52,7 @@ class LocalForward:
     """Phase 1 before the gather: this rank's micro-batches and what the forward returned for each."""
 
     micro: list[slice]                 # local rows of each micro-batch
-    outputs: list[Outputs]             # (z_x, z_y, s or None) per micro-batch
+    outputs: list[Outputs]             # (z_x, z_y, s or None, beta or None) per micro-batch
     rng: list[RandContext]             # recompute: the random state each forward started from
     kept: bool                         # one forward: outputs carry the graph phase 4 back-propagates into
 
@@ -102,20 +104,6 @@ def gather_embeddings(local: LocalForward, cfg: StreamConfig) -> Embedded:
     return Embedded(*gather_pairs(z_x, z_y, cfg.n, cfg.group), s)
 
 
-def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int,
-                 group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One collective over `group` (the wrapper's; None: the world) for both (z_x | z_y side by side,
-    in their own dtype when they share one; matmul reads the halves' row stride of 2d as is), upcast
-    to the compute dtype after."""
-    dtype = compute_dtype(z_x.dtype, z_y.dtype)
-    wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
-    mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
-    gathered = mine.new_empty((n, mine.shape[1]))
-    dist.all_gather_single(gathered, mine, group=group)
-    gathered = gathered.to(dtype)
-    return gathered[:, :z_x.shape[1]], gathered[:, z_x.shape[1]:]
-
-
 def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
     """a, b over the whole global batch, and L = 1/(2N) sum_i (nll_x_i + nll_y_i), where
     nll_x_i = a_i - S_ii = -log R_ii and nll_y_i = b_i - S_ii = -log Q_ii (autocast off)."""
@@ -130,7 +118,7 @@ def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
             # One tiny all-gather: my a's, my b's and my share of the loss (2C + 1 floats per rank).
             mine = torch.cat((a_own, b_own, (nll_x + nll_y).sum().unsqueeze(0)))
             every = mine.new_empty(cfg.world * len(mine))
-            dist.all_gather_single(every, mine, group=cfg.group)
+            traffic.all_gather(every, mine, cfg.group)
             every = every.view(cfg.world, len(mine))
             a, b = every[:, :cfg.local].reshape(-1), every[:, cfg.local:2 * cfg.local].reshape(-1)
             total = every[:, -1].sum()  # the same numbers in the same order on every rank
@@ -164,12 +152,11 @@ def phase4_outputs(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, local: Lo
     if local.kept:
         return local.outputs[k]
     with local.rng[k]:
-        out = as_outputs(wrapped.model(x, y))
-    return (*out, None) if len(out) == 2 else tuple(out)
+        return as_outputs(wrapped.model(x, y))
 
 
-def needs_of(outputs: Outputs) -> tuple[bool, bool, bool]:
-    """Which of (z_x, z_y, s) carry a graph to trainable parameters. Read from the outputs: a frozen
+def needs_of(outputs: Outputs) -> tuple[bool, ...]:
+    """Which of (z_x, z_y, s, beta) carry a graph to trainable parameters. Read from the outputs: a frozen
     encoder's embedding can still depend on trainable parameters outside it (open_clip's
     text_projection and ln_final sit on the model, not in a text module)."""
     return tuple(z is not None and z.requires_grad for z in outputs)
@@ -206,34 +193,64 @@ def not_finite(emb: Embedded, cfg: StreamConfig) -> str:
     return f"non-finite embeddings on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
 
 
+def _shared_grads(shares, rows: slice, last: bool, needs: tuple) -> tuple:
+    """A micro-batch's slice of the rank's shares: G for its rows, and the rank's dL/ds, dL/dbeta share
+    once, with the last micro-batch (s and beta are parameters every micro-batch's graph reaches; the
+    last backward is the one the wrapper reduces in, so every parameter must take part in it)."""
+    grads = (shares.g_x[rows], shares.g_y[rows], shares.g_s if last else None,
+             shares.g_b if last else None)
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def _float(t: torch.Tensor) -> float:
+    return float(t.detach().double().reshape(()))
+
+
 def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
          grad_scaler: Any, stop_if_not_finite: bool) -> float:
     with naming_dead_peers(exchange_group(model)):  # a peer that dies in an exchange is named, not echoed
         ready = ready_step(model, local_x, local_y, config)       # a step every rank agreed to, or one error
         cfg, wrapped = ready.cfg, ready.wrapped
+        traffic.sent_bytes = 0
         restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
         local = phase1_forward(ready, local_x, local_y)                                         # phase 1
-        emb = gather_embeddings(local, cfg)                                                     # sync 1
-        norm = phase2_normalisers(emb, cfg)                                                     # phase 2
-        if stop_if_not_finite and not math.isfinite(norm.loss):
+        s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])
+        sigmoid, shares, emb = local.outputs[0][3] is not None, None, None
+        if sigmoid or cfg.exchange == "ring":  # G for all C rows first (the ring, or the sigmoid loss)
+            z_x, z_y = (torch.cat([out[i].detach() for out in local.outputs]) for i in (0, 1))
+            logits = Logits(s, _float(local.outputs[0][3])) if sigmoid else s
+            shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, cfg.t, cfg.group)
+            like, why = shares.g_x, "non-finite embeddings on some rank, or logits that overflowed"
+        else:
+            emb = gather_embeddings(local, cfg)                                                 # sync 1
+            norm = phase2_normalisers(emb, cfg)                                                 # phase 2
+            loss, like = norm.loss, emb.z_x
+            why = not_finite(emb, cfg) if not math.isfinite(loss) else ""
+        if stop_if_not_finite and not math.isfinite(loss):
             restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
-            raise FloatingPointError(f"the global loss is {norm.loss} ({not_finite(emb, cfg)}): "
+            raise FloatingPointError(f"the global loss is {loss} ({why}): "
                                      "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
                                      "are as they were")
-        multiplier = surrogate_multiplier(ready.factor, grad_scaler, emb.z_x)
+        multiplier = surrogate_multiplier(ready.factor, grad_scaler, like)
         for k, rows in enumerate(local.micro):
             # Phase 5: the wrapper reduces in the last micro-batch's backward only (a recompute's forward
             # runs inside the same no_sync, where DDP decides whether its backward reduces).
-            with wrapped.accumulating(reduce=k == len(local.micro) - 1):
+            last = k == len(local.micro) - 1
+            with wrapped.accumulating(reduce=last):
                 outputs = phase4_outputs(wrapped, local_x[rows], local_y[rows], local, k)
-                grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))        # phase 3
+                if shares is not None:
+                    grads = _shared_grads(shares, rows, last, needs_of(outputs))
+                else:
+                    grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))    # phase 3
                 phase4_backward(outputs, grads, multiplier)                                     # phase 4
-        return norm.loss
+        return loss
 
 
 def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor,
                          config: Mapping[str, Any], *, grad_scaler: Any = None) -> float:
-    """Add the exact gradient of the global symmetric InfoNCE into `.grad`, like `loss.backward()`.
+    """Add the exact gradient of the global symmetric InfoNCE (or, for a model returning (z_x, z_y, s, beta) or
+    open_clip's dict with a logit_bias, of the sigmoid loss: `sigmoid`) into `.grad`, like `loss.backward()`.
+    EXCHANGE: "ring" in config passes C x d blocks rank to rank instead of gathering N x 2d (`ring`).
 
     It neither zeroes the gradients nor steps; it returns the global loss as a Python float (computed
     in float32, or float64 for a float64 model), non-finite as it is if some rank's embeddings were.

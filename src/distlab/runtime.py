@@ -110,11 +110,37 @@ def distributed(device: str = "auto", timeout_s: float | None = None,
                 rt = stack.enter_context(strict_device(rt))
             yield rt
     finally:
-        # A DDP model is freed only by the cycle collector; freed *after* its group is destroyed,
-        # its reducer takes the process down at exit ("terminate called without an active
-        # exception", about every other run on gloo). Collect while the group is still alive.
-        gc.collect()
-        dist.destroy_process_group()
+        release_process_group()
+
+
+def release_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """Destroy `group` (default: the default group, and with it every group) in the one order that
+    cannot deadlock at exit: what holds the group in C++ first, the group last.
+
+    Why the order matters. A gloo group's destructor waits for its worker threads, and takes the
+    mutex a worker holds while it frees the collective it just finished. If Python has dropped that
+    collective's tensor meanwhile, freeing it is Python's job, so the worker needs the GIL. Torch
+    destroys the group through its Python handle with the GIL released: the worker gets the GIL,
+    finishes, and the destructor goes on. But a DistributedDataParallel's C++ reducer (and the logger
+    that points at it) holds the group too, and frees it with the GIL held: if the reducer is the
+    last owner, the main thread holds the GIL and waits for the mutex while the worker holds the
+    mutex and waits for the GIL, forever (the group's timeout covers collectives, not destructors).
+    Lesson 16 at P = 3 hung so at exit, its DDP outliving the group in `main()`'s frame.
+
+    So: collect garbage while the group is alive (a wrapper that only a cycle keeps dies now); drop
+    the reducer and logger of every DDP that something still holds (after the group is gone the
+    wrapper could not run anyway); destroy the group. Its last owner is then its Python handle.
+    FSDP2 holds its groups only through Python handles, so it needs nothing more.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    gc.collect()
+    every = group is None or group == dist.GroupMember.WORLD
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel) and (every or obj.__dict__.get("process_group") is group):
+            for handle in ("logger", "reducer"):  # the two C++ owners, as DDP's own __getstate__ drops them
+                obj.__dict__.pop(handle, None)
+    dist.destroy_process_group(group)
 
 
 def all_ranks_true(flag: bool, device: torch.device) -> bool:

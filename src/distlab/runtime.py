@@ -20,6 +20,7 @@ import gc
 import importlib
 import os
 import sys
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +32,7 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
+ERROR_GRACE_S = 0.5  # how long the other ranks let rank 0 print a bad-input line first
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ def release_process_group(group: dist.ProcessGroup | None = None) -> None:
     gc.collect()
     every = group is None or group == dist.GroupMember.WORLD
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel) and (every or obj.__dict__.get("process_group") is group):
+        if issubclass(type(obj), DistributedDataParallel) and (every or obj.__dict__.get("process_group") is group):
             for handle in ("logger", "reducer"):  # the two C++ owners, as DDP's own __getstate__ drops them
                 obj.__dict__.pop(handle, None)
     dist.destroy_process_group(group)
@@ -154,7 +156,8 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
 def run_main(main: Callable[[], int]) -> None:
     """Run a lesson's `main()` and exit with its code. A ValueError is bad input, raised the same
     way on every rank before any collective: rank 0 prints it as one line and every rank exits 2,
-    instead of P identical tracebacks."""
+    instead of P identical tracebacks. torchrun stops every rank once one has failed, so the others
+    give rank 0 a moment to print its line before they exit."""
     from distlab.console import console, error_line  # (console imports nothing from here)
 
     try:
@@ -162,6 +165,7 @@ def run_main(main: Callable[[], int]) -> None:
     except ValueError as err:
         if os.environ.get("RANK", "0") == "0":
             console.print(error_line(str(err)), soft_wrap=True)
+        else:
+            time.sleep(ERROR_GRACE_S)
         code = 2
     sys.exit(code)
-

@@ -10,9 +10,7 @@ so tau = 0.01, where logits reach 100, is as stable in float32 as tau = 1.
 
 Under data parallelism rank r owns rows r*C ... r*C + C - 1 of S (C = N / P). Its local loss uses
 those rows of S (x->y) and the same rows of S^T (y->x), averaged over its C rows. Its positives sit
-at column r*C + i, not on the diagonal of its C x N block (the "ground-truth offset" of the
-EfficientDDP-4-Contrastive-Train README,
-https://github.com/zsnoob/EfficientDDP-4-Contrastive-Train). The mean of the P local losses
+at column r*C + i, not on the diagonal of its C x N block. The mean of the P local losses
 is the global loss, which is why DDP's gradient *averaging* is the right reduction for it.
 """
 

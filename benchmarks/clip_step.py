@@ -251,7 +251,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
                         help="global batches N")
     parser.add_argument("--dim", type=positive_int, default=256, help="d, the embedding width")
-    parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T, columns per tile")
+    parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T, the side of a tile (tiles at most T x T)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method and N")
     parser.add_argument("--parts", nargs="+", choices=("step", "loss"), default=["step", "loss"])
     parser.add_argument("--step-methods", nargs="+", choices=STEP_METHODS, default=list(STEP_METHODS))

@@ -86,3 +86,13 @@ def test_a_claim_failing_on_one_rank_fails_everywhere(tmp_path):
     report = json.loads(open(path).read())
     assert [c["ok"] for c in report["checks"]] == [True, False] and report["figures"] == {"x": 1.5}
     assert spawn(_verdict, 2, -1, None) == [0, 0]
+
+
+def test_an_input_width_the_mlp_cannot_take_names_its_flag():
+    import argparse
+
+    from distlab.cli import check_mlp_input
+
+    with pytest.raises(ValueError, match=r"^--input-features: a batch of shape \(N, 5\) does not fit"):
+        check_mlp_input(argparse.Namespace(input_features=5))
+    check_mlp_input(argparse.Namespace(input_features=16), world_size=3)  # fits: no error, whatever P

@@ -135,3 +135,12 @@ def divides_global_batch(args: argparse.Namespace, world_size: int, flag: str = 
     """The commonest rule: P divides the global batch N given by `flag`."""
     n = getattr(args, flag.removeprefix("--").replace("-", "_"))
     require(n % world_size == 0, flag, f"P = {world_size} ranks must divide N = {n}")
+
+
+def check_mlp_input(args: argparse.Namespace, world_size: int | None = None) -> None:
+    """`--input-features` against the layered MLP's first layer (MLP_IN features per row): the "does
+    not fit" error lesson 01 demonstrates, as one line naming the flag before any output. Usable as a
+    rule of `check_flags_against_world` (it ignores P)."""
+    require(args.input_features == MLP_IN, "--input-features",
+            f"a batch of shape (N, {args.input_features}) does not fit the model: its first layer takes "
+            f"{MLP_IN} features per row")

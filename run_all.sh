@@ -15,6 +15,8 @@ LESSONS=(
   "04_torch_pipelining.py|4|PyTorch's ScheduleGPipe and Schedule1F1B equal ours and the unsplit model and run our order|"
   "05_interleaved_zero_bubble.py|4|interleaved 1F1B and zero bubble equal the unsplit model; bubbles match their formulas; torch's seven schedules agree and run our order|"
   "06_data_parallel.py|4|collectives = one process, ring bytes = formula; by hand, buckets, DDP, no_sync = one process; DDP's average: exact for a mean, 1/P for a global loss|"
+  "07_sharding.py|4|model states per item = formulas; ZeRO-1/2/3 by hand and FSDP2 = one process; bytes and memory per rank = formulas; DCP resume at P bit-identical, at P/2 to 1e-12|"
+  "08_tensor_parallel.py|4|f, g (by hand), f-bar, g-bar exact; MLP, attention by heads, block with sequence parallelism = unsplit; bytes and activations = formulas; parallelize_module = ours; 2 x 2 mesh step = one process|"
   "10_contrastive_global.py|4|plain gather = exactly 1/P of the full-batch gradient; backward of P*L exact|"
   "11_contrastive_local_naive.py|4|plain gather's gradient is wrong (= detached blocks); its training, three seeds, against one process|"
   "12_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"

@@ -1,0 +1,302 @@
+"""Lesson 07: what a training step holds, and sharding it: ZeRO-1, -2 and -3 by hand, FSDP2, and a
+distributed checkpoint that resumes at another P. After lesson 06, which copied everything to every rank.
+
+    torchrun --nproc-per-node 4 lessons/07_sharding.py     # any P that divides N (24: P = 1..4)
+
+What a step holds. A model of Psi parameters in e-byte elements keeps weights (e Psi), gradients
+(e Psi) and AdamW's two moments (2 e Psi): 32 Psi bytes in float64. Under mixed precision: bf16
+weights and gradients (2 Psi + 2 Psi), a float32 master copy (4 Psi) that the optimizer steps, and
+float32 moments (8 Psi): 16 Psi. Activations, what autograd saves for backward, grow with a rank's
+C = N / P rows; the model states do not: under data parallelism every rank holds them whole at any
+P. That is where DDP stops scaling, and what ZeRO (Rajbhandari et al., https://arxiv.org/abs/1910.02054)
+shards. Layer u's Psi_u parameters form one flat buffer padded to P ceil(Psi_u / P) elements (the pad,
+always 0, makes a Psi_u that P does not divide work); rank r owns shard r: Psi_P = sum_u ceil(Psi_u / P)
+elements of every sharded item (Psi / P when P divides every Psi_u).
+
+    ZeRO-1  optimizer states sharded: reduce-scatter each layer's gradient (rank r gets shard r of
+            the mean), AdamW steps shard r of the weights, all-gather the updated weights
+    ZeRO-2  gradients sharded too: each layer's reduce-scatter runs from a hook as soon as backward
+            has made its gradient, and the whole gradient is freed
+    ZeRO-3  weights sharded too: a forward pre-hook all-gathers a layer just before it runs, a
+            forward hook frees it; backward gathers it again (saved-tensor hooks keep only where each
+            weight was); the all-gather's backward is the reduce-scatter
+
+Per rank, after a step: DDP e Psi + e Psi + 2 e Psi; ZeRO-1 e Psi + (e Psi + e Psi_P) + 2 e Psi_P
+(+ the shard it steps, e Psi_P); ZeRO-2 e Psi + e Psi_P + 2 e Psi_P (+ e Psi_P); ZeRO-3 4 e Psi_P.
+Bytes each rank sends per step (rings, lesson 06): DDP's all-reduce 2 (P-1) e Psi_P; ZeRO-1 and -2 a
+reduce-scatter and an all-gather, the same; ZeRO-3 two all-gathers and a reduce-scatter, 1.5x, less
+g_0 = (P-1) e ceil(Psi_0 / P): backward never reads the first layer's weights (its input needs no
+gradient), so it is not gathered again. `distlab/sharding/accounting.py` holds every formula.
+
+FSDP2 (`fully_shard`) is ZeRO-3 in PyTorch: same gradients, same states (`distlab/sharding/fsdp.py`
+maps its options onto the stages). `torch.distributed.checkpoint` saves its shards from every rank
+and loads them into any other sharding: saved at P, resumed at P (bit-identical) and at P / 2 (equal
+to float64 rounding), both against a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+
+from distlab.cli import lesson_parser, positive_float, positive_int
+from distlab.compare import compare
+from distlab.console import print0
+from distlab.data_parallel.report import rows_table
+from distlab.runtime import Runtime, distributed, run_main
+from distlab.sharding import accounting, holds
+from distlab.sharding.block import Block, block_batch
+from distlab.sharding.checkpoint import save_and_resume
+from distlab.sharding.ddp import Replicated
+from distlab.sharding.flat import units_of
+from distlab.sharding.fsdp import Fsdp2, fsdp_held
+from distlab.sharding.problem import ShardingConfig, adamw_reference, build_model, check_config, global_batch, rows_of
+from distlab.sharding.report import against, agreement_table, bytes_table, holds_table, memory_table
+from distlab.sharding.training import run_strategy
+from distlab.sharding.zero import STAGE_CLASSES, Sharded
+from distlab.verdict import Verdict
+
+# ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
+# `Sharded` (distlab/sharding/zero.py) holds what all three share: the layers' flat units, this
+# rank's shard of each (an nn.Parameter), AdamW on the shards, and a ring that counts the bytes.
+# The loop: zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step().
+
+def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
+    """Optimizer states sharded; every rank keeps the whole weights and the whole gradient."""
+    z = Sharded(model, rt, cfg)
+
+    def after_backward():  # shard r of each layer's mean gradient, to rank r
+        for unit, layer, shard in zip(z.units, z.layers, z.shards):
+            shard.grad = z.ring.reduce_scatter(unit.flatten([p.grad for p in layer.parameters()])) / rt.world_size
+
+    def after_step():  # every rank's stepped shard, all-gathered into the whole weights
+        with torch.no_grad():
+            for unit, layer, shard in zip(z.units, z.layers, z.shards):
+                for p, new in zip(layer.parameters(), unit.unflatten(z.ring.all_gather(shard.detach()))):
+                    p.copy_(new)
+    z.after_backward, z.after_step = after_backward, after_step
+    return z
+
+
+def zero2(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
+    """ZeRO-1, with each layer's gradient reduce-scattered from backward itself and freed at once."""
+    z = zero1(model, rt, cfg)
+    z.after_backward = lambda: None  # the reduce-scatters ran during backward
+
+    def grad_ready(unit, params, shard, _):
+        if all(q.grad is not None for q in params):  # the layer's whole gradient is in
+            shard.grad = z.ring.reduce_scatter(unit.flatten([q.grad for q in params])) / rt.world_size
+            for q in params:
+                q.grad = None  # freed: only the shard stays
+    for unit, layer, shard in zip(z.units, z.layers, z.shards):
+        params = list(layer.parameters())
+        for p in params:
+            p.register_post_accumulate_grad_hook(functools.partial(grad_ready, unit, params, shard))
+    return z
+
+
+class GatherLayer(torch.autograd.Function):
+    """Forward: all-gather layer i's shards into its whole flat weights. Backward: reduce-scatter the
+    whole flat gradient, / P: this rank's shard of the mean gradient (its .grad)."""
+
+    @staticmethod
+    def forward(ctx, shard, z, i):
+        ctx.z, ctx.i = z, i
+        return z.ring.all_gather(shard.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.z.again.pop(ctx.i, None)  # the layer's backward is over: free what was gathered for it
+        return ctx.z.ring.reduce_scatter(grad.contiguous()) / ctx.z.rt.world_size, None, None
+
+
+def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
+    """Weights sharded too: each layer exists whole only while its forward or backward runs."""
+    z = Sharded(model, rt, cfg)
+    z.again = {}  # layer -> its weights gathered again for backward
+
+    def gather(i, places, layer, args):  # forward pre-hook
+        whole = GatherLayer.apply(z.shards[i], z, i)
+        for (module, name), view in zip(places, z.units[i].unflatten(whole)):
+            setattr(module, name, view)
+        at = whole.untyped_storage().data_ptr()
+
+        def pack(t):  # a gathered weight is not kept for backward, only where it was
+            return (t.shape, t.stride(), t.storage_offset()) if t.untyped_storage().data_ptr() == at else t
+
+        def unpack(saved):  # backward's first use of the layer's weights gathers them again
+            if isinstance(saved, torch.Tensor):
+                return saved
+            if i not in z.again:
+                z.again[i] = z.ring.all_gather(z.shards[i].detach())
+            return z.again[i].as_strided(*saved)
+        z.hooks = saved_tensors_hooks(pack, unpack)
+        z.hooks.__enter__()
+
+    def free(places, layer, args, out):  # forward hook: nothing refers to the whole weights any more
+        z.hooks.__exit__(None, None, None)
+        for module, name in places:
+            setattr(module, name, None)
+    for i, layer in enumerate(z.layers):
+        places = [(m, n) for m in layer.modules() for n, _ in list(m.named_parameters(recurse=False))]
+        for module, name in places:
+            del module._parameters[name]  # the whole weights are gone; the shard is all that is left
+        layer.register_forward_pre_hook(functools.partial(gather, i, places))
+        layer.register_forward_hook(functools.partial(free, places))
+    return z
+
+
+BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}
+
+# ---- the chapter, part by part ------------------------------------------------------------------
+
+def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
+    c = cfg.global_batch // rt.world_size
+    print0(f"\n[bold]1. What a step holds on each rank (data parallel, C = {c} rows), in KiB[/]")
+    seq, d, heads = 8, 16, 2  # the block: x is (C, seq, d), h = 2 heads
+    models = {  # name: (builder, the global batch, activation bytes at e bytes per element)
+        f"MLP {'-'.join(map(str, cfg.widths))}": (
+            lambda: build_model(cfg).to(rt.device), global_batch(cfg, 0),
+            lambda e: accounting.mlp_activations(c, cfg.widths, e)),
+        f"block d={d} h={heads} seq={seq}": (
+            lambda: Block(d, heads).to(rt.device), block_batch(cfg.global_batch, seq, d, 0, cfg.dtype),
+            lambda e: accounting.block_activations(c, seq, d, heads, e))}
+    for name, (build, batch, activations) in models.items():
+        x, target = (rows_of(t, rt) for t in batch)
+        plain, mixed = holds.plain_step(build, x, target), holds.mixed_step(build, x, target)
+        psi, tensors = sum(p.numel() for p in build().parameters()), len(list(build().parameters()))
+        f64 = accounting.plain_step(psi, tensors, 8) | {"activations": activations(8)}
+        f16 = accounting.mixed_step(psi, tensors) | {"activations": activations(2)}
+        text = {"weights": "e Psi", "gradients": "e Psi", "moments": "2 e Psi", "master copy": "4 Psi",
+                "step counts": "4 x tensors", "activations": "e x C x ..."}
+        rows = [(k, text[k], f64.get(k, 0), plain.items.get(k, 0), f16[k], mixed.items[k]) for k in f16]
+        print0(holds_table(f"{name}: Psi = {psi:,}; peak {plain.peak / 1024:,.1f} (f64), "
+                           f"{mixed.peak / 1024:,.1f} KiB (mixed)", rows))
+        verdict.check(f"{name}: every item measured = its formula (float64, bf16 + float32 master)",
+                      all(a == b and e == f for _, _, a, b, e, f in rows))
+        verdict.figure(f"holds {name}", {"psi": psi, "float64": plain.items, "mixed": mixed.items,
+                                         "peak": [plain.peak, mixed.peak]})
+    print0("Activations: the MLP saves its input, each tanh output, the output and the target; the block "
+           "18 x C seq d, the softmax C h seq^2 and the LayerNorms' statistics (accounting.py). They shrink "
+           "with C = N / P; the model states do not.", highlight=False)
+
+
+def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
+    print0(f"\n[bold]2. ZeRO-1, -2, -3 by hand: {cfg.steps} AdamW steps against one process[/]")
+    runs = {"DDP": run_strategy(rt, cfg, Replicated)}
+    for stage, by_hand in BY_HAND.items():
+        runs[stage] = run_strategy(rt, cfg, by_hand)
+        runs[f"{stage} distlab"] = run_strategy(rt, cfg, STAGE_CLASSES[stage])
+    agree = {name: ("one process", against(ref, run.trained)) for name, run in runs.items()}
+    print0(agreement_table("Parameters, last gradients, AdamW states: max |a-r|/max |r|", agree))
+    verdict.check("DDP and ZeRO-1/2/3 (lesson's and distlab's) = one process: parameters, gradients, "
+                  "AdamW states", all(a.ok for _, a in agree.values()))
+    units = units_of(build_model(cfg), rt.rank, rt.world_size)
+    sizes = accounting.Sizes.of(units, rt.world_size, 8)
+    mem, sent = [], []
+    for stage in accounting.STAGES:
+        run, formula = runs[stage], accounting.held(stage, sizes)
+        mem.append((stage, sum(formula.values()), sum(run.held.values()), run.live_bytes, run.peak_bytes))
+        verdict.check(f"{stage}: held per rank = formula, item by item", run.held == formula)
+        verdict.check(f"{stage}: PeakMemory's live bytes = held - step counts",
+                      run.live_bytes == sum(run.held.values()) - run.held["step counts"])
+        expect = accounting.sent(stage, sizes, units[0].shard_numel)
+        sent.append((stage, "3(P-1)e Psi_P - g_0" if stage == "ZeRO-3" else "2(P-1) e Psi_P", expect, run.sent,
+                     run.sent / max(1, runs["DDP"].sent)))
+        verdict.check(f"{stage}: bytes sent per step = formula", run.sent == expect)
+    print0(memory_table(f"Per rank, KiB: Psi = {sizes.psi:,}, Psi_P = {sizes.shard:,}", mem))
+    print0(bytes_table("Bytes each rank sends per step (ring)", sent))
+    print0("g_0 = (P-1) e ceil(Psi_0 / P): ZeRO-3's backward gathers every layer again but the first, "
+           "whose input needs no gradient, so backward never reads its weights.", highlight=False)
+    verdict.figure("memory", {row[0]: row[1:] for row in mem})
+    verdict.figure("sent", {row[0]: row[2:4] for row in sent})
+    return runs
+
+
+def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_run) -> None:
+    print0("\n[bold]3. FSDP2: fully_shard per layer = ZeRO-3 by hand[/]")
+    rows, mem = {}, []
+    for reshard in (True, False):
+        run = run_strategy(rt, cfg, functools.partial(Fsdp2, reshard_after_forward=reshard))
+        name = f"FSDP2 reshard={reshard}"
+        rows[name] = ("ZeRO-3", against(zero3_run.trained, run.trained))
+        rows[f"{name} "] = ("one process", against(ref, run.trained))
+        formula = fsdp_held(build_model(cfg), rt.world_size, rt.rank, 8)
+        verdict.check(f"{name}: held per rank = formula (padded rows)", run.held == formula)
+        mem.append((name, sum(formula.values()), sum(run.held.values()), run.live_bytes, -1))
+    print0(agreement_table("fully_shard per layer, then the root; AdamW on DTensors", rows))
+    verdict.check("FSDP2 = ZeRO-3 by hand = one process: parameters, gradients, AdamW states",
+                  all(a.ok for _, a in rows.values()))
+    print0(memory_table("FSDP2 per rank, KiB", mem))
+    print0("FSDP2 frees a gathered layer by resizing its storage to 0 bytes, which PeakMemory does not see: "
+           "its live bytes overstate, and no peak is shown; held counts the live storages.\n", highlight=False)
+    verdict.figure("fsdp2_memory", {row[0]: row[1:3] for row in mem})
+    print0(rows_table("FSDP2's options and the stages by hand", ("FSDP2", "by hand"), [
+        ("fully_shard(layer)", "ZeRO-3: gather, free, gather again"),
+        ("reshard_after_forward=False", "ZeRO-3, gathered layer kept to backward"),
+        ("reshard_after_forward=k", "after forward, reshard over k ranks"),
+        ("MixedPrecisionPolicy(bf16, f32)", "f32 shards = master; bf16 gathered"),
+        ("set_requires_gradient_sync(False)", "no reduce-scatter (as no_sync)")]))
+
+
+def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) -> None:
+    p2 = max(1, rt.world_size // 2)
+    print0(f"\n[bold]4. A distributed checkpoint: saved at P = {rt.world_size} after {cfg.steps} steps, "
+           f"resumed at P = {rt.world_size} and at P = {p2} for {cfg.steps} more[/]")
+    path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab07-") if rt.is_first else None)]
+    dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
+    run = save_and_resume(rt, cfg, path[0], cfg.steps, cfg.steps)
+    ref = adamw_reference(cfg, 2 * cfg.steps).params
+    same = all(torch.equal(run.uninterrupted[k], run.same_p[k]) for k in ref)
+    straight = compare(ref, run.uninterrupted)
+    other = compare(run.uninterrupted, run.other_p, 0.0, 1e-12) if run.other_p is not None else []
+    worst = max((row.max_abs for row in other), default=0.0)
+    print0(rows_table("Every parameter after the last step, against the run that never stopped",
+                      ("run", "max |a - uninterrupted|", "claim"),
+                      [("uninterrupted vs one process", f"{max(r.max_abs for r in straight):.1e}", "1e-10"),
+                       (f"resumed at P = {rt.world_size}", "0 (bit-identical)" if same else "differs", "bit-identical"),
+                       (f"resumed at P = {p2}", f"{worst:.1e}" if run.other_p is not None else "(not here)", "1e-12")]))
+    verdict.check("uninterrupted FSDP2 run = one process", all(r.ok for r in straight))
+    verdict.check(f"resumed at P = {rt.world_size}: bit-identical to the uninterrupted run", same)
+    verdict.check(f"resumed at P = {p2} (resharded): equal to 1e-12", all(r.ok for r in other))
+    dist.barrier()
+    if rt.is_first and not args.checkpoint_dir:
+        shutil.rmtree(path[0])  # the lesson's own temporary directory
+    verdict.figure("resume", {"same_p_bit_identical": same, "other_p": p2, "other_p_max_abs": worst})
+
+
+def parse_args():
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--global-batch", type=positive_int, default=24, help="rows per step, N")
+    parser.add_argument("--steps", type=positive_int, default=3, help="AdamW steps (and again after the checkpoint)")
+    parser.add_argument("--lr", type=positive_float, default=0.01, help="AdamW learning rate")
+    parser.add_argument("--weight-decay", type=positive_float, default=0.1, help="AdamW weight decay")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="where part 4 saves (kept); default a temporary directory, removed at the end")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    cfg = ShardingConfig(global_batch=args.global_batch, steps=args.steps, lr=args.lr,
+                         weight_decay=args.weight_decay, seed=args.seed)
+    with distributed(args.device) as rt:
+        check_config(rt, cfg)
+        verdict = Verdict(rt)
+        print0(f"[bold]Lesson 07: what a step holds; ZeRO-1/2/3, FSDP2, checkpoints[/] - P = {rt.world_size}, "
+               f"N = {cfg.global_batch} (C = {cfg.global_batch // rt.world_size}), backend {rt.backend}, float64")
+        show_holds(rt, cfg, verdict)
+        ref = adamw_reference(cfg)
+        runs = show_zero(rt, cfg, verdict, ref)
+        show_fsdp2(rt, cfg, verdict, ref, runs["ZeRO-3"])
+        show_checkpoint(rt, cfg, args, verdict)
+        return verdict.finish(args.json)
+
+
+if __name__ == "__main__":
+    run_main(main)

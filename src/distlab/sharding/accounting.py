@@ -1,0 +1,106 @@
+"""What a training step holds, item by item, in bytes per rank: the formulas lesson 07 checks.
+
+Psi parameters in `tensors` tensors, split into `units` layers; P ranks; e bytes per element of the
+weights, gradients and AdamW moments (8 in float64). A sharded item keeps Psi_P = sum_u ceil(Psi_u / P)
+elements per rank (Psi_P = Psi / P when P divides every layer's Psi_u; `distlab.sharding.flat`).
+
+| item                     | DDP       | ZeRO-1              | ZeRO-2     | ZeRO-3     |
+|--------------------------|-----------|---------------------|------------|------------|
+| weights                  | e Psi     | e Psi               | e Psi      | e Psi_P    |
+| gradients                | e Psi     | e Psi + e Psi_P     | e Psi_P    | e Psi_P    |
+| optimizer's shard copy   | -         | e Psi_P             | e Psi_P    | -          |
+| AdamW moments m, v       | 2 e Psi   | 2 e Psi_P           | 2 e Psi_P  | 2 e Psi_P  |
+| AdamW step counts        | 4 tensors | 4 units             | 4 units    | 4 units    |
+
+ZeRO-1 still receives the whole gradient from backward, then reduce-scatters it into a shard (its
+own e Psi_P); ZeRO-2 reduce-scatters each layer's gradient as soon as backward has made it and frees the
+whole one; ZeRO-1/2 step a copy of their shard of the weights (the float32 master copy, under mixed
+precision) and all-gather the result into the weights; ZeRO-3's shard is the only copy of the weights.
+
+Mixed precision (bf16 weights and gradients, a float32 master copy and float32 moments) holds
+2 Psi + 2 Psi + 4 Psi + 8 Psi = 16 Psi bytes in DDP, against 8 + 8 + 16 = 32 Psi in float64.
+
+Bytes each rank sends in one step (a ring: `distlab.data_parallel.ring`, over the padded units of
+P Psi_P elements): DDP's all-reduce 2 (P-1)/P e Psi; ZeRO-1 and ZeRO-2 a reduce-scatter of the gradients
+and an all-gather of the weights, 2 (P-1) e Psi_P, the same as DDP; ZeRO-3 an all-gather for forward,
+another for backward and a reduce-scatter, 3 (P-1) e Psi_P: one and a half times DDP's (less the
+first layer's second gather, which backward never needs: `sent`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distlab.sharding.flat import FlatUnit
+
+STEP_COUNT_BYTES = 4  # AdamW keeps its step count as a float32 scalar tensor per parameter tensor
+STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the formulas need about a model on P ranks."""
+
+    psi: int       # parameters, Psi
+    shard: int     # Psi_P = sum_u ceil(Psi_u / P), one rank's elements of a sharded item
+    tensors: int   # parameter tensors
+    units: int     # layers (flat units)
+    p: int         # ranks, P
+    b: int         # bytes per element
+
+    @classmethod
+    def of(cls, units: list[FlatUnit], p: int, b: int) -> "Sizes":
+        return cls(sum(u.numel for u in units), sum(u.shard_numel for u in units),
+                   sum(len(u.sizes) for u in units), len(units), p, b)
+
+
+def held(stage: str, s: Sizes) -> dict[str, int]:
+    """Bytes of each item one rank holds after a step (gradients not yet zeroed), by stage."""
+    full, shard, steps = s.b * s.psi, s.b * s.shard, STEP_COUNT_BYTES * s.units
+    table = {
+        "DDP": {"weights": full, "gradients": full, "moments": 2 * full,
+                "step counts": STEP_COUNT_BYTES * s.tensors},
+        "ZeRO-1": {"weights": full, "gradients": full + shard, "shard copy": shard, "moments": 2 * shard,
+                   "step counts": steps},
+        "ZeRO-2": {"weights": full, "gradients": shard, "shard copy": shard, "moments": 2 * shard,
+                   "step counts": steps},
+        "ZeRO-3": {"weights": shard, "gradients": shard, "moments": 2 * shard, "step counts": steps},
+    }
+    return table[stage]
+
+
+def sent(stage: str, s: Sizes, first_shard: int = 0) -> int:
+    """Bytes one rank sends in one step (a ring). ZeRO-3 gathers a layer again for backward only
+    when backward reads its weights: the first layer's input needs no gradient, so its weights are
+    not read (`first_shard` = its ceil(Psi_0 / P) elements, not gathered twice; 0 counts it, as FSDP2 does)."""
+    per_pass = (s.p - 1) * s.shard * s.b  # one reduce-scatter or one all-gather of every unit
+    if stage == "ZeRO-3":
+        return 3 * per_pass - (s.p - 1) * first_shard * s.b
+    return 2 * per_pass
+
+
+def plain_step(psi: int, tensors: int, b: int) -> dict[str, int]:
+    """One process (or one DDP rank) training in one dtype of b bytes: the model states."""
+    return {"weights": b * psi, "gradients": b * psi, "moments": 2 * b * psi,
+            "step counts": STEP_COUNT_BYTES * tensors}
+
+
+def mixed_step(psi: int, tensors: int) -> dict[str, int]:
+    """bf16 weights and gradients, a float32 master copy and float32 moments."""
+    return {"weights": 2 * psi, "gradients": 2 * psi, "master copy": 4 * psi, "moments": 8 * psi,
+            "step counts": STEP_COUNT_BYTES * tensors}
+
+
+def block_activations(rows: int, seq: int, d: int, heads: int, b: int) -> int:
+    """Bytes autograd saves in `distlab.sharding.block.Block` (counted op by op): 18 tensors of
+    C x seq x d (input, LN1 output, q, k, v, the heads' merged output, LN2 input and output, the
+    4d-wide fc1 output and GELU output (4 each), output and target), the softmax (C h seq^2), and
+    the two LayerNorms' mean and 1/std (4 C seq)."""
+    return b * (18 * rows * seq * d + rows * heads * seq * seq + 4 * rows * seq)
+
+
+def mlp_activations(rows: int, widths: tuple[int, ...], b: int) -> int:
+    """Bytes autograd saves for backward in `layered_mlp` under a mean-squared-error loss: the input
+    (for the first weight's gradient), each hidden layer's tanh output (tanh's backward needs it,
+    and it is the next Linear's input), and the output and target (the loss's backward)."""
+    return b * rows * (widths[0] + sum(widths[1:-1]) + 2 * widths[-1])

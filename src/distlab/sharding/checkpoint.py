@@ -1,0 +1,95 @@
+"""Distributed checkpoints with `torch.distributed.checkpoint` (DCP): save FSDP2's sharded model and
+optimizer at P ranks, load them at any P' (DCP reshards: every rank reads the pieces its new shards
+cover), and continue with the same global batch order.
+
+`get_state_dict(model, optimizer)` gives both state dicts keyed by parameter name (the optimizer's
+too, not by position), their values DTensors that know how they are sharded; `dcp.save` has every rank
+write its own shards plus one metadata file (rank 0) saying which piece of which tensor is where;
+`dcp.load` fills a fresh model's state dict, sharded however that model is, from those pieces; and
+`set_state_dict` puts them into the model and optimizer. Nothing is gathered on one rank.
+
+Steps are numbered globally and step t trains on `global_batch(cfg, t)` whatever P is: a run resumed
+at step t sees the batches an uninterrupted run sees. At the same P every reduction runs in the same
+order, so the resumed run is bit-identical; at another P the ranks' sums are grouped differently and
+the parameters agree to float64 rounding (1e-12 is asked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from distlab.runtime import Runtime
+from distlab.sharding.fsdp import Fsdp2
+from distlab.sharding.problem import ShardingConfig, build_model, global_batch, loss_fn, rows_of
+
+
+def fsdp_on(rt: Runtime, cfg: ShardingConfig, ranks: int) -> tuple[Fsdp2, Runtime]:
+    """FSDP2 on the first `ranks` ranks (every rank must call: a mesh is made by all); the
+    Runtime those ranks see (P' = `ranks`). Ranks outside it get (None, their Runtime)."""
+    mesh = DeviceMesh(rt.device.type, list(range(ranks)))
+    sub = dataclasses.replace(rt, world_size=ranks)
+    if rt.rank >= ranks:
+        return None, sub
+    return Fsdp2(build_model(cfg).to(rt.device), sub, cfg, mesh=mesh), sub
+
+
+def train_steps(rt: Runtime, cfg: ShardingConfig, strategy: Fsdp2, first: int, steps: int) -> None:
+    """Steps first .. first + steps - 1, this rank's rows of each step's global batch."""
+    for step in range(first, first + steps):
+        x, target = (rows_of(t, rt) for t in global_batch(cfg, step))
+        strategy.zero_grad()
+        loss_fn(strategy.model(x), target).backward()
+        strategy.optimizer.step()
+
+
+def save(path: str, strategy: Fsdp2) -> None:
+    model, optim = get_state_dict(strategy.model, strategy.optimizer)
+    dcp.save({"model": model, "optim": optim}, checkpoint_id=path, process_group=_group(strategy))
+
+
+def load(path: str, strategy: Fsdp2) -> None:
+    """Into a fresh FSDP2 model and optimizer, sharded over however many ranks they live on."""
+    model, optim = get_state_dict(strategy.model, strategy.optimizer)
+    state = {"model": model, "optim": optim}
+    dcp.load(state, checkpoint_id=path, process_group=_group(strategy))
+    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def _group(strategy: Fsdp2):
+    return next(iter(strategy.model.parameters())).device_mesh.get_group()
+
+
+@dataclasses.dataclass
+class ResumeRun:
+    """Every parameter after the last step (CPU): uninterrupted, resumed at P, resumed at P'."""
+
+    uninterrupted: dict[str, torch.Tensor]
+    same_p: dict[str, torch.Tensor]
+    other_p: dict[str, torch.Tensor] | None  # None on ranks outside the P' ranks
+    other_ranks: int
+
+
+def save_and_resume(rt: Runtime, cfg: ShardingConfig, path: str, before: int, after: int) -> ResumeRun:
+    """Train `before` steps at P and save; resume from the checkpoint at P and at P' = max(1, P // 2)
+    for `after` more steps; and the uninterrupted `before + after` steps at P, to compare with."""
+    p, p2 = rt.world_size, max(1, rt.world_size // 2)
+    straight, _ = fsdp_on(rt, cfg, p)
+    train_steps(rt, cfg, straight, 0, before + after)
+    first, _ = fsdp_on(rt, cfg, p)
+    train_steps(rt, cfg, first, 0, before)
+    save(path, first)
+    same, _ = fsdp_on(rt, cfg, p)
+    load(path, same)
+    train_steps(rt, cfg, same, before, after)
+    other, sub = fsdp_on(rt, cfg, p2)
+    if other is not None:
+        load(path, other)
+        train_steps(sub, cfg, other, before, after)
+    return ResumeRun(straight.full_params(), same.full_params(),
+                     other.full_params() if other is not None else None, p2)

@@ -1,0 +1,88 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) on the lesson's model, as a strategy for the loop of
+`distlab.sharding.training`: one `fully_shard` per layer (a layer's weights are all-gathered as one
+group, like ZeRO-3's flat unit), then one on the root. Its parameters become DTensors sharded on
+dim 0 (`Shard(0)`): rank r keeps rows r ceil(rows/P) .. of every parameter, each padded to
+ceil(rows/P) rows, so its bytes per rank are e sum_params ceil(rows/P) x (the other dims).
+
+How its options map onto the stages written by hand:
+
+    fully_shard(layer)                  ZeRO-3: gathered before forward, freed after it,
+                                        gathered again for backward
+    reshard_after_forward=False         ZeRO-3 keeping the gathered layer from forward to its
+                                        backward (one all-gather less, more memory between)
+    reshard_after_forward=k (an int)    after forward, resharded over k ranks (a smaller gather)
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)
+                                        the float32 shards are the master copy; bf16 is
+                                        gathered and computed with, gradients reduced in float32
+    set_requires_gradient_sync(False)   no reduce-scatter: accumulate whole gradients (no_sync)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from distlab.runtime import Runtime
+from distlab.sharding.problem import ShardingConfig, adamw
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+    """fully_shard each layer, then the root (which holds no parameter of its own here)."""
+    for layer in model.children():
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def fsdp_held(model: nn.Module, p: int, rank: int, b: int) -> dict[str, int]:
+    """What rank `rank` holds after a step under FSDP2, by item. Weights and gradients: each
+    parameter's shard padded to ceil(rows / P) rows; AdamW's moments are made like the local shard,
+    which is unpadded: rank r's real rows, min(ceil(rows/P), rows - r ceil(rows/P)), at least 0."""
+    def rows(q: torch.Tensor, padded: bool) -> int:
+        per = math.ceil(q.shape[0] / p)
+        return per if padded else max(0, min(per, q.shape[0] - rank * per))
+    params = list(model.parameters())
+    padded = b * sum(rows(q, True) * (q.numel() // q.shape[0]) for q in params)
+    local = b * sum(rows(q, False) * (q.numel() // q.shape[0]) for q in params)
+    return {"weights": padded, "gradients": padded, "moments": 2 * local, "step counts": 4 * len(params)}
+
+
+class Fsdp2:
+    """The strategy interface of `distlab.sharding.training` around a fully_shard'ed model."""
+
+    ring = None  # FSDP2's collectives run inside torch: not counted by a ring of ours
+
+    def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig, reshard_after_forward: bool = True,
+                 mesh: DeviceMesh | None = None):
+        mesh = mesh if mesh is not None else init_device_mesh(rt.device.type, (rt.world_size,))
+        self.model = shard_model(model, mesh, reshard_after_forward)
+        self.optimizer = adamw(self.model.parameters(), cfg)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def items(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.model.parameters())
+        state = [self.optimizer.state[p] for p in params]
+        return {"weights": [p.to_local() for p in params], "gradients": [p.grad.to_local() for p in params],
+                "moments": [st[k].to_local() for st in state for k in ("exp_avg", "exp_avg_sq")],
+                "step counts": [st["step"] for st in state]}
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().cpu() for n, p in self.model.named_parameters()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad.full_tensor().cpu() for n, p in self.model.named_parameters()}
+
+    def full_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
+                    for k, v in self.optimizer.state[p].items()} for n, p in self.model.named_parameters()}

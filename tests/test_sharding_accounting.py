@@ -1,0 +1,38 @@
+"""The sharding library's pieces without processes: the flat layout pads and round-trips; the byte
+formulas say what the ZeRO paper says (16 Psi under mixed precision, ZeRO-3 sends 1.5x DDP)."""
+
+import torch
+
+from distlab.sharding import accounting
+from distlab.sharding.flat import FlatUnit, units_of
+from distlab.sharding.problem import ShardingConfig, build_model
+
+
+def test_a_flat_unit_pads_to_equal_shards_and_round_trips():
+    model = build_model(ShardingConfig())
+    for p in (1, 2, 3, 4):
+        for unit, layer in zip(units_of(model, p - 1, p), model.children()):
+            params = [q.detach() for q in layer.parameters()]
+            flat = unit.flatten(params)
+            assert flat.numel() == unit.padded == p * unit.shard_numel >= unit.numel > unit.padded - p
+            assert torch.equal(flat[unit.numel:], torch.zeros(unit.padded - unit.numel, dtype=flat.dtype))
+            assert all(torch.equal(a, b) for a, b in zip(unit.unflatten(flat), params))
+            assert torch.equal(unit.my_shard(flat), flat.chunk(p)[p - 1])
+
+
+def test_the_formulas_say_what_zero_says():
+    psi = 1000
+    assert sum(accounting.mixed_step(psi, 0).values()) == 16 * psi  # 2 + 2 + 4 + 8 bytes per parameter
+    assert sum(accounting.plain_step(psi, 0, 8).values()) == 32 * psi
+    even = accounting.Sizes(psi=1200, shard=300, tensors=6, units=3, p=4, b=2)
+    ddp = accounting.sent("DDP", even)
+    assert ddp == 2 * 3 / 4 * 1200 * 2  # 2 (P-1)/P b Psi, the ring all-reduce
+    assert accounting.sent("ZeRO-1", even) == accounting.sent("ZeRO-2", even) == ddp
+    assert accounting.sent("ZeRO-3", even) == 1.5 * ddp
+    held = {stage: sum(accounting.held(stage, even).values()) for stage in accounting.STAGES}
+    assert held["DDP"] > held["ZeRO-1"] > held["ZeRO-2"] > held["ZeRO-3"] == 4 * 2 * 300 + 4 * 3
+
+
+def test_a_unit_is_a_layer():
+    unit = FlatUnit(torch.nn.Linear(3, 2), rank=0, world_size=4)
+    assert (unit.numel, unit.shard_numel, unit.padded) == (8, 2, 8)

@@ -43,11 +43,13 @@ from distlab.console import print0
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.report import method_table, work_table
 from distlab.contrastive.step import first_step_gradients
-from distlab.contrastive.variants import GLOBAL_PLAIN, GLOBAL_TIMES_P
+from distlab.contrastive.gather import gather_plain
+from distlab.contrastive.variants import GLOBAL_PLAIN, Variant, global_loss_times_p
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
 from distlab.verdict import Verdict
 
+GLOBAL_TIMES_P = Variant("plain, P L", global_loss_times_p, gather_plain)  # the fix (exercise 10)
 VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P)
 
 

@@ -83,11 +83,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=20, help="runs of lesson 16 in a row")
     parser.add_argument("--per-lesson", type=int, default=3, help="runs of every lesson")
     parser.add_argument("--limit", type=float, default=600.0, help="seconds before a run counts as hung")
+    parser.add_argument("--only", nargs="*", default=None, metavar="LESSON", help="these lesson files only")
     parser.add_argument("--out", type=Path, default=RESULTS / "teardown_check", help="output stem (.md, .json)")
     args = parser.parse_args()
     runs, load = [], os.getloadavg()
     plan = [LESSON_16] * args.repeat + [(name, LIGHT.get(name, ())) for name in lessons()
-                                        for _ in range(args.per_lesson)]
+                                        if args.only is None or name in args.only for _ in range(args.per_lesson)]
     for k, (lesson, flags) in enumerate(plan, 1):
         runs.append(run_once(lesson, flags, args.limit))
         r = runs[-1]

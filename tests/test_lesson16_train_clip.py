@@ -105,10 +105,11 @@ def test_split_is_stratified_disjoint_and_reproducible():
 
 def test_tokenizer_round_trip_and_unknown_words():
     tokenizer = Tokenizer.for_digits()
-    ids = tokenizer.encode([caption(7), "a handwritten three"])
+    ids = tokenizer.encode([caption(7, TEMPLATES[0]), "a handwritten three", caption(7)])
     words = {i: w for w, i in tokenizer.vocab.items()}
     assert [words[int(i)] for i in ids[0] if i] == "a photo of the digit seven".split()
-    assert ids.shape == (2, tokenizer.length) and (ids[1, 3:] == Tokenizer.PAD).all()
+    assert [words[int(i)] for i in ids[2] if i] == "the handwritten digit seven".split()  # the zero-shot prompt
+    assert ids.shape == (3, tokenizer.length) and (ids[1, 3:] == Tokenizer.PAD).all()
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tokenizer.encode(["a photo of a cat"])
 

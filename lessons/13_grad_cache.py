@@ -52,6 +52,7 @@ from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.chunks import chunks
 from distlab.cli import (DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, fraction,
                          lesson_parser, positive_int)
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
@@ -107,13 +108,13 @@ def reference(model: TwoTower, x, y, args, world_size: int) -> tuple[float, dict
     """The full batch in one process, plain autograd; rank r's micro-batches run from rank r's seed in
     GradCache's order (tower x's, then tower y's), so dropout draws the masks each rank drew."""
     streams = RankStreams([args.seed + r for r in range(world_size)])
-    forward = as_ranks(streams, args.micro_batch_size, tower_by_tower=True)
-    return full_batch_gradients(model, x, y, args.tau, forward=forward)
+    forward = as_ranks(streams, chunks(len(x) // world_size, args.micro_batch_size), tower_by_tower=True)
+    return full_batch_gradients(model, x, y, 1 / args.tau, forward=forward)
 
 
 def rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch.Tensor:
     """CLIP loss on raw tower outputs: normalising is part of the loss, so part of the cache."""
-    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
+    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), 1 / tau)
 
 
 def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
@@ -288,7 +289,7 @@ def part_one(args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bo
 def ddp_rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float, offset: int) -> torch.Tensor:
     """This rank's C rows of the global loss; the gather's backward sums over ranks (lesson 12)."""
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
-    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau, offset)
+    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / tau, offset)
 
 
 def count_reducing_backwards(model: DDP) -> list[int]:

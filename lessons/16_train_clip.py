@@ -18,7 +18,7 @@ and so is the prompt: its template is none of the six (its words all occur in th
 
 The temperature learns too. dL/dS_ij = (R_ij + Q_ij - 2 [i = j]) / (2N) and S_ij = s z_x_i . z_y_j, so
 dL/ds = sum_ij dL/dS_ij S_ij / s = <G_x, Z_x> / s: a sum over each rank's rows of what the step already
-has, no extra pass over the tiles (the derivation is in `distributed_backward`'s docstring).
+has, no extra pass over the tiles (lesson 14 derives it).
 
 What to expect. A batch of N = 256 holds about 26 images of each digit, and for an image every caption
 of its digit is as good a match as its own: the loss cannot fall much below log(N / 10) = 3.2, and
@@ -27,7 +27,7 @@ the digits wants it large; preferring one same-digit caption over another (the i
 template its caption was drawn from) is a mistake, and wants it small.
 
 The mechanism. `distributed_backward` in src/distributed_clip.py (the phases in
-src/distlab/contrastive/streamed.py) adds the exact global gradient into .grad, like loss.backward();
+src/distlab/streamed/step.py) adds the exact global gradient into .grad, like loss.backward();
 the caller owns everything else, as in any CLIP training loop (open_clip's `train_one_epoch`):
 
     optimizer.zero_grad()
@@ -57,12 +57,10 @@ temperatures agree to float32 rounding step by step (the test compares P = 1 and
 
 from __future__ import annotations
 
-import copy
 import itertools
 import time
 
 import torch
-import torch.nn.functional as F
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -72,6 +70,7 @@ from distlab.compare import all_ok, compare, grads_of, tolerances
 from distlab.console import print0, progress
 from distlab.contrastive.digits import (ZERO_SHOT_TEMPLATE, DigitsCLIP, Tokenizer, caption_table,
                                         confusion_matrix, draw_captions, load_split, zero_shot)
+from distlab.contrastive.reference import full_batch_gradients
 from distlab.optim import decay_groups, warmup_cosine
 from distlab.runtime import distributed, run_main
 from distlab.verdict import Verdict
@@ -145,14 +144,10 @@ class Digits:
 
 
 def reference_gradients(model: DigitsCLIP, images: torch.Tensor, ids: torch.Tensor) -> tuple[dict, float]:
-    """A deep copy on the whole global batch in one process: plain autograd, s an ordinary tensor."""
-    ref = copy.deepcopy(model)
-    z_x, z_y, s = ref(images, ids)
-    logits = s * z_x @ z_y.T                                          # N x N
-    labels = torch.arange(len(images), device=images.device)
-    loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-    loss.backward()
-    return grads_of(ref), loss.item()
+    """A deep copy on the whole global batch in one process: plain autograd on `clip_loss`, s an ordinary
+    tensor (the model has no dropout, so no random stream needs replaying)."""
+    loss, grads = full_batch_gradients(model, images, ids, None)
+    return grads, loss
 
 
 def part_table(rows: list, caption: str) -> Table:

@@ -27,7 +27,7 @@ N, TAU, SEED = 13, 0.1, 7
 
 def rep_clip_loss(rep_x, rep_y, tau=TAU):
     """The CLIP loss on raw representations: GradCache caches dL/d(rep), normalisation included."""
-    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
+    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), 1 / tau)
 
 
 def call(model, chunk):

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from distlab.pipeline.p2p import Transfer, comm_plan, produces
 from distlab.pipeline.schedules import (
-    SCHEDULES, Action, check_schedule, gpipe, interleaved_1f1b, looped, make_schedule, naive, one_f_one_b,
+    SCHEDULES, Action, check_schedule, gpipe, interleaved_1f1b, looped, make_schedule, one_f_one_b,
     round_size, v_shape, zbv, zero_bubble,
 )
 from distlab.pipeline.simulator import dependencies, durations, peak_in_flight, render, simulate
@@ -59,16 +59,16 @@ def test_placement_is_looped_or_v_shaped():
 def test_dependencies_are_the_three_of_the_pipeline():
     assert dependencies(Action("F", 5, 2), 4) == [Action("F", 5, 1)]
     assert dependencies(Action("F", 5, 0), 4) == []
-    assert dependencies(Action("B", 5, 2), 4) == [Action("F", 5, 2), Action("B", 5, 3)]
-    assert dependencies(Action("B", 5, 3), 4) == [Action("F", 5, 3)]
-    assert dependencies(Action("W", 5, 1), 4) == [Action("B", 5, 1)]
+    assert dependencies(Action("I", 5, 2), 4) == [Action("F", 5, 2), Action("I", 5, 3)]
+    assert dependencies(Action("I", 5, 3), 4) == [Action("F", 5, 3)]
+    assert dependencies(Action("W", 5, 1), 4) == [Action("I", 5, 1)]
 
 
 def bubble_formula(name: str, p: int, m: int, v: int) -> Fraction:
-    """The closed forms, unit costs (F = B = W = 1 tick, an unsplit backward 2):
-    - GPipe, 1F1B, interleaved 1F1B, looped BFS: each rank idles 3 (P - 1) ticks of T = 3 v M + 3 (P - 1):
+    """The closed forms, unit costs (F = I = W = 1 tick, an unsplit backward 2):
+    - GPipe, 1F1B, interleaved 1F1B, looped BFS: each rank idles 3 (P - 1) ticks of 3 v M + 3 (P - 1):
       (P - 1) / (v M + P - 1), the interleaved ones with v times fewer idle stage-lengths.
-    - ZB-H1, interleaved zero bubble, ZB-V: each rank idles P - 1 ticks of T = 3 v M + P - 1, the floor:
+    - ZB-H1, interleaved zero bubble, ZB-V: each rank idles P - 1 ticks of 3 v M + P - 1, the floor:
       rank P - 1 cannot start before tick P - 1, and every rank has 3 v M ticks of work."""
     if name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"):
         return Fraction(p - 1, v * m + p - 1)
@@ -87,10 +87,10 @@ def test_bubbles_equal_their_closed_forms():
 def test_gpipe_and_1f1b_bubble_holds_for_any_costs_and_any_m():
     for p in PS:
         for m in MS:
-            for f, b, w in [(1, 1, 1), (1, 2, 1), (2, 3, 1), (1, 1, 3)]:
+            for f, i, w in [(1, 1, 1), (1, 2, 1), (2, 3, 1), (1, 1, 3)]:
                 for schedule in (gpipe(p, m), one_f_one_b(p, m)):
-                    timing = simulate(schedule, f, b, w)
-                    assert timing.ticks == (m + p - 1) * (f + b + w)
+                    timing = simulate(schedule, f, i, w)
+                    assert timing.ticks == (m + p - 1) * (f + i + w)
                     assert timing.bubble_fraction() == pytest.approx((p - 1) / (m + p - 1), abs=1e-15)
 
 
@@ -121,18 +121,18 @@ def test_orders_read_as_the_papers_draw_them():
     def text(schedule):
         return [" ".join(a.label for a in order) for order in schedule]
 
-    assert [str(a) for a in one_f_one_b(4, 6)[0]] == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split()
-    assert [str(a) for a in one_f_one_b(4, 6)[3]] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()
-    assert [str(a) for a in one_f_one_b(4, 2)[0]] == "F0 F1 B0 B1".split()  # M < P: no steady state
+    assert [str(a) for a in one_f_one_b(4, 6)[0]] == "F0 F1 F2 F3 I0 F4 I1 F5 I2 I3 I4 I5".split()
+    assert [str(a) for a in one_f_one_b(4, 6)[3]] == "F0 I0 F1 I1 F2 I2 F3 I3 F4 I4 F5 I5".split()
+    assert [str(a) for a in one_f_one_b(4, 2)[0]] == "F0 F1 I0 I1".split()  # M < P: no steady state
     assert text(interleaved_1f1b(2, 4)) == [
-        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
-        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"]
+        "0F0 0F1 2F0 2F1 0F2 2I0 0F3 2I1 2F2 0I0 2F3 0I1 2I2 2I3 0I2 0I3",
+        "1F0 1F1 3F0 3I0 3F1 3I1 1F2 1I0 1F3 1I1 3F2 3I2 3F3 3I3 1I2 1I3"]
     # ZB-H1: the last rank holds back P - 1 = 1 weight gradient, the first none.
-    assert text(zero_bubble(2, 3)) == ["0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2",
-                                       "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2"]
+    assert text(zero_bubble(2, 3)) == ["0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2",
+                                       "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"]
     # ZB-V on P = 2: rank 0 holds stages 0 and 3 (the V's ends), rank 1 stages 1 and 2 (its turn).
-    assert text(zbv(2, 2)) == ["0F0 0F1 3F0 3B0 3W0 3F1 3B1 3W1 0B0 0W0 0B1 0W1",
-                               "1F0 2F0 1F1 2F1 2B0 2W0 1B0 1W0 2B1 2W1 1B1 1W1"]
+    assert text(zbv(2, 2)) == ["0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
+                               "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1"]
 
 
 def _fake_stage(p: int, stages: int, ranks: int):
@@ -150,13 +150,13 @@ def _fake_stage(p: int, stages: int, ranks: int):
                                              ("interleaved-zb", "ScheduleInterleavedZeroBubble", 2),
                                              ("zbv", "ScheduleZBVZeroBubble", 2)])
 def test_our_orders_are_pytorchs_plans_for_every_m_it_accepts(ours, theirs, v):
-    """torch 2.13's `pipeline_order` (its I is our split B; None cells dropped) equals our schedule for
-    every P <= 6 and M <= 13 its constructor accepts; it refuses the M ours refuses (and, with one
+    """torch 2.13's `pipeline_order` (its I is our split I, its B our unsplit I; None cells dropped)
+    equals our schedule for every P <= 6 and M <= 13 its constructor accepts; it refuses the M ours refuses (and, with one
     stage per rank, ScheduleInterleavedZeroBubble refuses some that ours runs: M = 5 on P = 2)."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import _ComputationType as kind
 
-    names = {kind.FORWARD: "F", kind.FULL_BACKWARD: "B", kind.BACKWARD_INPUT: "B", kind.BACKWARD_WEIGHT: "W"}
+    names = {kind.FORWARD: "F", kind.FULL_BACKWARD: "I", kind.BACKWARD_INPUT: "I", kind.BACKWARD_WEIGHT: "W"}
     compared = 0
     for p in PS:
         for m in MS:
@@ -178,20 +178,19 @@ def test_our_orders_are_pytorchs_plans_for_every_m_it_accepts(ours, theirs, v):
     assert compared >= 60
 
 
-def test_naive_is_one_microbatch_and_idles_p_minus_1_of_p():
-    assert naive(3) == gpipe(3, 1)
-    assert simulate(naive(4)).bubble_fraction() == pytest.approx(3 / 4)
+def test_one_microbatch_idles_p_minus_1_of_p():  # lesson 01's naive model parallelism, as a grid
+    assert simulate(gpipe(4, 1)).bubble_fraction() == pytest.approx(3 / 4)
 
 
 def test_a_contradictory_order_is_reported_as_a_deadlock():
     bad = gpipe(2, 2)
-    bad[1] = [Action("F", 0, 1), Action("B", 1, 1), Action("F", 1, 1), Action("B", 0, 1)]  # B1 before F1
-    with pytest.raises(ValueError, match="deadlocks: rank 0 at 0B0, rank 1 at 1B1"):
+    bad[1] = [Action("F", 0, 1), Action("I", 1, 1), Action("F", 1, 1), Action("I", 0, 1)]  # I1 before F1
+    with pytest.raises(ValueError, match="deadlocks: rank 0 at 0I0, rank 1 at 1I1"):
         simulate(bad)
     with pytest.raises(ValueError, match="once for each"):
-        simulate([[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 1)]])
+        simulate([[Action("F", 0, 0), Action("I", 0, 0)], [Action("F", 0, 1)]])
     with pytest.raises(ValueError, match="appears twice"):
-        check_schedule([[Action("F", 0, 0), Action("F", 0, 0), Action("B", 0, 0)]])
+        check_schedule([[Action("F", 0, 0), Action("F", 0, 0), Action("I", 0, 0)]])
 
 
 def test_bad_input_is_a_clear_error():
@@ -222,7 +221,7 @@ def test_render_folds_wide_grids_into_blocks_that_fit():
         assert max(len(line) for line in lines) <= width
         cells = [c for line in lines if line.startswith("rank 0") for c in line.split()[2:]]
         assert len(cells) == timing.ticks  # every tick shown, in blocks, none dropped
-        assert cells.count("0F3") == 1 and cells.count("4B0") == 2  # an unsplit backward takes two ticks
+        assert cells.count("0F3") == 1 and cells.count("4I0") == 2  # an unsplit backward takes two ticks
 
 
 def test_compact_grids_share_one_time_axis_and_fold_too():
@@ -231,7 +230,7 @@ def test_compact_grids_share_one_time_axis_and_fold_too():
     lines = console.export_text().splitlines()
     rows = [line for line in lines if line.startswith("rank 0")]
     assert max(len(line) for line in lines) <= 40
-    assert "".join(line[7:] for line in rows) == "F" * 16 + "." * 18 + "B" * 32  # 33 ticks, two characters each
+    assert "".join(line[7:] for line in rows) == "F" * 16 + "." * 18 + "I" * 32  # 33 ticks, two characters each
 
 
 # --- The runner's communication plan, replayed for every rank at once ------------------------

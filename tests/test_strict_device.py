@@ -24,9 +24,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import _get_current_function_mode_stack
 
-from distlab.runtime import Runtime, all_ranks_true, distributed
+from distlab.runtime import Runtime, distributed
 from distlab.spawn import spawn
 from distlab.strict import HOST, STAND_IN, StrictDeviceError, is_host, strict_device
+from helpers import all_ranks_true
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_RANK = Runtime(rank=0, world_size=1, local_rank=0, backend="gloo", device=torch.device("cpu"))
@@ -305,7 +306,7 @@ def _ddp_rep_clip_loss(rep_x, rep_y, tau):
     from distlab.contrastive.gather import gather_with_grad
     from distlab.contrastive.losses import local_clip_loss
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
-    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau,
+    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / tau,
                            offset=dist.get_rank() * len(z_x))
 
 
@@ -331,11 +332,11 @@ def _streamed_step(rt):
     from distributed_clip import distributed_train_step
     from distlab.models import TwoTower, paired_data
     rows = slice(4 * rt.rank, 4 * rt.rank + 4)
-    for phase_b in ("sharded", "replicated"):
+    for normalisers in ("sharded", "replicated"):
         ddp = DDP(TwoTower(dropout=0.1, seed=0).to(rt.device))
         x, y = (t[rows].to(rt.device) for t in paired_data(8, seed=1))
         config = {"GLOBAL_BATCH_SIZE": 8, "MICRO_BATCH_SIZE": 3, "STREAM_CHUNK_SIZE": 3, "TAU": 0.1,
-                  "PHASE_B": phase_b}
+                  "NORMALISERS": normalisers}
         distributed_train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), x, y, config)
 
 

@@ -74,14 +74,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import emulate
-from distlab.cli import (DTYPES, add_mlp_args, check_flags_against_world, divides_global_batch, lesson_parser,
-                         positive_float, positive_int, require)
+from distlab.cli import (DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float,
+                         positive_int)
 from distlab.compare import all_ok, compare, gradient_error, tolerances
 from distlab.console import print0
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
-from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
+from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
 from distlab.data_parallel.report import (MIB, cost_table, gradient_table, rows_table,
                                           semantics_table, timeline_table, timing_table)
 from distlab.data_parallel.training import train
@@ -278,19 +278,11 @@ def parse_args():
     return parser.parse_args()
 
 
-def world_rules(args, world_size: int) -> None:
-    """P divides N; the no_sync part cuts each rank's C rows into at most C micro-batches."""
-    divides_global_batch(args, world_size)
-    require(args.accumulation_steps <= args.global_batch // world_size, "--accumulation-steps",
-            f"at most C = N / P = {args.global_batch // world_size} micro-batches per rank")
-
-
 def main() -> int:
     args = check_flags_against_world(parse_args(), world_rules)
     cfg = DataParallelConfig(args.global_batch, args.layers, args.width, args.steps, args.lr, args.seed,
                              DTYPES[args.dtype])
     with distributed(args.device) as rt:
-        check_config(rt, cfg)
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 06: collectives and data parallelism[/] - P = {rt.world_size}, N = {cfg.global_batch} "
                f"(C = {cfg.global_batch // rt.world_size}), backend {rt.backend}, {args.dtype}")

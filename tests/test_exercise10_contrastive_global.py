@@ -25,7 +25,7 @@ def _ranks(rt, loss_fn, claims, seed: int) -> None:
     z_x, z_y = (z[rows].clone().requires_grad_() for z in (full_x, full_y))
     loss, value = loss_fn(rt, z_x, z_y, TAU, gather_plain)
     ref_x, ref_y = (z.clone().requires_grad_() for z in (full_x, full_y))
-    ref = clip_loss(ref_x, ref_y, TAU)
+    ref = clip_loss(ref_x, ref_y, 1 / TAU)  # clip_loss takes the logit scale s = 1/tau
     ref.backward()
     claims.check("the reported loss is the full batch's L", abs(float(value) - ref.item()) < 1e-12,
                  f"{float(value):.12f} against {ref.item():.12f}", "report L itself, not P * L")
@@ -41,7 +41,7 @@ def check(answer: Answer) -> None:
 
 def plain_loss(rt, z_x, z_y, tau, gather):
     """A wrong answer: L back-propagated as it is, which DDP's average turns into dL/dtheta / P."""
-    loss = clip_loss(gather(z_x), gather(z_y), tau)
+    loss = clip_loss(gather(z_x), gather(z_y), 1 / tau)
     return loss, loss.detach()
 
 

@@ -11,7 +11,8 @@ flows through its C samples, and dL/dtheta = sum_r g_r. DDP AVERAGES the ranks' 
 1/P sum_r g_r = dL/dtheta / P. Back-propagating P * L instead makes the average the sum.
 
 Hints:
-- `distlab.contrastive.losses.clip_loss(Z_x, Z_y, tau)` is L on the gathered N x d embeddings;
+- `distlab.contrastive.losses.clip_loss(Z_x, Z_y, 1 / tau)` is L on the gathered N x d embeddings (it
+  takes the logit scale s = 1/tau);
 - `rt.world_size` is P;
 - report L, not P * L: the second value is for printing, detached.
 """

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -54,7 +53,7 @@ from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
 from clip_step_report import B_C8, B_EQ_C, FLOOR, OPEN_CLIP, write_report  # noqa: E402
-from measure import local_embeddings, measure_memory, measure_time  # noqa: E402
+from measure import local_embeddings, measure_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TAU = 0.07
@@ -183,15 +182,10 @@ def run_part(part: str, args, rt) -> dict:
         calls = calls_at(part, n, args, rt)
         for fn in calls.values():
             fn()  # warm-up: DDP's first iteration, AdamW's state, lazy allocations
-        mems = {m: measure_memory(fn, rt) for m, fn in calls.items()}
-        times = {m: [] for m in calls}
-        for _ in range(args.repeats):
-            for m, fn in calls.items():  # interleaved: a burst of load hits every method
-                times[m].append(measure_time(fn, rt))
-        for m in calls:
-            results[m].append({"n": n, **mems[m], "time_s": statistics.median(times[m]), "times_s": times[m]})
-            print0(f"{part:4s} N={n:6d} {m:18s} peak {mems[m]['peak_bytes'] / 2**20:8.1f} MiB  "
-                   f"time {statistics.median(times[m]):7.3f} s", highlight=False)
+        for m, got in measure_interleaved(calls, rt, args.repeats).items():
+            results[m].append({"n": n, **got})
+            print0(f"{part:4s} N={n:6d} {m:18s} peak {got['peak_bytes'] / 2**20:8.1f} MiB  "
+                   f"time {got['time_s']:7.3f} s", highlight=False)
         del calls
     return results
 
@@ -201,7 +195,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
                         help="global batches N")
     parser.add_argument("--dim", type=positive_int, default=256, help="d, the embedding width")
-    parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T, the side of a tile (tiles at most T x T)")
+    parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T: tiles are at most T x T")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method and N")
     parser.add_argument("--parts", nargs="+", choices=("step", "loss"), default=["step", "loss"])
     parser.add_argument("--step-methods", nargs="+", choices=STEP_METHODS, default=list(STEP_METHODS))

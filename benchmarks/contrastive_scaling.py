@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from distlab.streamed import loss_machinery
 from distributed_clip import distributed_train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure import local_embeddings, measure_memory, measure_time  # noqa: E402
+from measure import local_embeddings, measure_interleaved  # noqa: E402
 from scaling_report import summarise, targets, write_markdown, write_plot  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -193,15 +192,10 @@ def run_part(part: str, rt, args, dtype) -> dict:
                 calls[method] = (lambda m=method, model=model, opt=opt, x=x, y=y: step_fn(
                     m, model, opt, x, y, at))
                 calls[method]()  # warm-up: DDP's first iteration, lazy allocations
-        mems = {m: measure_memory(fn, rt) for m, fn in calls.items()}
-        times = {m: [] for m in calls}
-        for _ in range(args.repeats):
-            for m, fn in calls.items():  # interleaved: a burst of load hits every method
-                times[m].append(measure_time(fn, rt))
-        for m in calls:
-            results[m].append({"n": n, **mems[m], "time_s": statistics.median(times[m]), "times_s": times[m]})
-            print0(f"{part:4s} N={n:6d} {m:26s} peak {mems[m]['peak_bytes'] / 2**20:9.1f} MiB  "
-                   f"largest {mems[m]['largest_bytes'] / 2**20:9.1f} MiB  time {statistics.median(times[m]):8.3f} s")
+        for m, got in measure_interleaved(calls, rt, args.repeats).items():
+            results[m].append({"n": n, **got})
+            print0(f"{part:4s} N={n:6d} {m:26s} peak {got['peak_bytes'] / 2**20:9.1f} MiB  "
+                   f"largest {got['largest_bytes'] / 2**20:9.1f} MiB  time {got['time_s']:8.3f} s")
         del calls, models
     return results
 

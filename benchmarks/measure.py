@@ -1,5 +1,8 @@
 """What the contrastive benchmarks share: their embeddings, and how they measure a call on every rank.
 
+`measure_interleaved(calls, rt, repeats)`: each call's memory, in a run of its own, then its median time,
+the calls taking turns (a burst of load on a shared machine hits them alike).
+
 Memory is the peak of tensor storage a call allocated (`distlab.memory.PeakMemory`, on any device;
 plus `torch.cuda.max_memory_allocated` on GPUs), the worst rank's; time is the wall clock of the
 slowest rank (a step is as slow as its slowest rank).
@@ -7,6 +10,7 @@ slowest rank (a step is as slow as its slowest rank).
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -56,3 +60,13 @@ def measure_time(fn, rt) -> float:
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     return worst_rank([time.perf_counter() - start], rt)[0]
+
+
+def measure_interleaved(calls: dict, rt, repeats: int) -> dict[str, dict]:
+    """Per call: its memory (`measure_memory`), its median time and every time (`measure_time`)."""
+    mems = {m: measure_memory(fn, rt) for m, fn in calls.items()}
+    times = {m: [] for m in calls}
+    for _ in range(repeats):
+        for m, fn in calls.items():  # interleaved: a burst of load hits every method
+            times[m].append(measure_time(fn, rt))
+    return {m: {**mems[m], "time_s": statistics.median(times[m]), "times_s": times[m]} for m in calls}

@@ -51,14 +51,14 @@ import torch.distributed as dist
 
 from distlab.cli import fraction, lesson_parser, positive_float, positive_int, require
 from distlab.compare import all_ok, compare
-from distlab.console import print0
+from distlab.console import compact_table, print0
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
 from distlab.tensor_parallel.blocks import check_split
 from distlab.tensor_parallel.layers import reference_shards
 from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.operator_checks import check_operator
-from distlab.tensor_parallel.report import COLLECTIVE, bytes_table, equality_table, mark, table
+from distlab.tensor_parallel.report import COLLECTIVE, bytes_table, equality_table, mark
 from distlab.tensor_parallel.runs import activation_bytes_measured, reference_run, same_runs, split_run
 from distlab.verdict import Verdict
 
@@ -110,7 +110,7 @@ def show_operators(rt: Runtime, verdict: Verdict) -> None:
            "g (library)": ("g", operators.ReduceFromTP), "f-bar": ("f-bar", operators.GatherFromSP),
            "g-bar": ("g-bar", operators.ScatterToSP)}
     results = {name: check_operator(rt, math, fn) for name, (math, fn) in ops.items()}
-    out = table("Each operator forward and backward", ("operator", "forward", "backward", "max err", "exact"))
+    out = compact_table("Each operator forward and backward", ("operator", "forward", "backward", "max err", "exact"))
     for name, res in results.items():
         out.add_row(name, *_semantics(res.name), f"{max(res.forward_err, res.backward_err):.0e}", mark(res.ok))
     print0(out)
@@ -168,7 +168,7 @@ def show_sequence_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict
 
 def show_memory(rt: Runtime, cfg: BlockConfig, verdict: Verdict) -> None:
     p, (region, gathered, split) = rt.world_size, cost.activation_terms(cfg)
-    out = table(f"What one block's forward keeps for backward on rank {rt.rank}, bytes",
+    out = compact_table(f"What one block's forward keeps for backward on rank {rt.rank}, bytes",
                 ("split", "measured", "formula", "=", "peak"),
                 caption=f"formula: region + gathered + inside/P (TP), (region + inside)/P + gathered "
                         f"(TP + SP), elements x 8: region = N seq (2d+4) = {region}, gathered = 2 N seq d = "
@@ -187,7 +187,7 @@ def show_memory(rt: Runtime, cfg: BlockConfig, verdict: Verdict) -> None:
 def show_torch(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
     print0("\n[bold]4. torch's parallelize_module on a DeviceMesh (dropout off), against ours[/]")
     cfg = replace(cfg, dropout=0.0)
-    out = table("Collectives launched per step: ours, and torch's (CommDebugMode)",
+    out = compact_table("Collectives launched per step: ours, and torch's (CommDebugMode)",
                 ("split", "phase", "collective", "ours", "torch"),
                 caption="torch: q, k and v each all-reduce their input's gradient (3 where our one f "
                         "before all three needs 1); with SequenceParallel the LayerNorms' gradients stay "

@@ -85,8 +85,7 @@ def parse_args():
     parser.add_argument("--global-batch", type=positive_int, default=256, help="N pairs per step, over P ranks")
     parser.add_argument("--micro-batch-size", type=positive_int, default=64,
                         help="B; B >= C = N / P runs the towers once per step")
-    parser.add_argument("--stream-chunk", type=positive_int, default=128,
-                        help="T, the side of a tile: the step's tiles are at most T x T")
+    parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T: tiles are at most T x T")
     parser.add_argument("--steps", type=positive_int, default=150, help="optimiser steps")
     parser.add_argument("--warmup", type=positive_int, default=15, help="warm-up steps of the schedule")
     parser.add_argument("--lr", type=positive_float, default=5e-3, help="AdamW's peak learning rate")
@@ -177,8 +176,9 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
     ddp.zero_grad(set_to_none=True)
 
 
-def train(ddp, model, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
+def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
     """The caller-owned loop; returns the curves."""
+    model = ddp.module
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
     params = [p for p in ddp.parameters() if p.requires_grad]
     for step, (images, ids) in progress(zip(range(args.steps), data.batches()), args.steps, "training"):
@@ -228,7 +228,7 @@ def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
     (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
     check_first_step(ddp, model, data, config, verdict)
     start = time.perf_counter()
-    curves = train(ddp, model, optimizer, scheduler, data, config, args, bf16)
+    curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
     after, predictions = data.zero_shot(model)
     return dict(curves=curves, seconds=time.perf_counter() - start, before=before, after=after, s_before=s_before,
                 guesses=guesses, predictions=predictions, bf16=bf16)

@@ -55,6 +55,14 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def strict_mode_off() -> bool:
+    """No strict device mode is on in this process (`distlab.strict`): nothing patched, no mode pushed."""
+    import torch.distributed as dist
+    from torch.overrides import _get_current_function_mode_stack
+
+    return not hasattr(dist.all_reduce, "strict_device") and not _get_current_function_mode_stack()
+
+
 class CommHookCounter:
     """A DDP comm hook that counts the all-reduces DDP launches (one per bucket) and then does
     exactly what DDP would: average the bucket over the ranks.

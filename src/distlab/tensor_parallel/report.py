@@ -4,18 +4,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from rich import box
 from rich.table import Table
 
+from distlab.console import compact_table
 from distlab.tensor_parallel.runs import Outcome
-
-
-def table(title: str, columns: tuple[str, ...], caption: str = "") -> Table:
-    out = Table(title=title, caption=caption or None, title_justify="left", caption_justify="left",
-                box=box.SIMPLE_HEAD, pad_edge=False)
-    for i, column in enumerate(columns):
-        out.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
-    return out
 
 
 def mark(ok: bool) -> str:
@@ -25,7 +17,7 @@ def mark(ok: bool) -> str:
 def equality_table(title: str, outcomes: dict[str, Outcome]) -> Table:
     """One row per split run: output, step-1 gradients (the input's too), parameters and losses after
     the steps, each against the unsplit layer in one process."""
-    out = table(title, ("split", "output", "grads: max |a-r|", "params", "losses"),
+    out = compact_table(title, ("split", "output", "grads: max |a-r|", "params", "losses"),
                 caption="every gradient (the input's too) cut as the rank's parameters are; every column "
                         "allclose at float64's rtol 1e-10, atol 1e-12")
     for name, o in outcomes.items():
@@ -35,7 +27,7 @@ def equality_table(title: str, outcomes: dict[str, Outcome]) -> Table:
 
 def bytes_table(title: str, rows: list[tuple[str, dict, dict]]) -> Table:
     """(name, counted, formula) by (direction, collective): the bytes one rank sent, against the formula."""
-    out = table(title, ("split", "direction", "collective", "counted B", "formula B", "="))
+    out = compact_table(title, ("split", "direction", "collective", "counted B", "formula B", "="))
     for name, counted, formula in rows:
         for key in sorted(set(counted) | set(formula)):
             got, want = counted.get(key, Fraction(0)), formula.get(key, Fraction(0))

@@ -52,7 +52,7 @@ from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser,
                          positive_int, stages_fit_layers)
 from distlab.console import print0
 from distlab.pipeline.partition import stage_bounds
-from distlab.pipeline.report import check_runs, gathered, show_measured
+from distlab.pipeline.report import check_runs, emulated_spans, gathered, show_measured
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline import schedules
 from distlab.pipeline.schedules import Action, Schedule
@@ -120,11 +120,8 @@ def show_timing(rt, cfg: PipelineConfig, args, runs: dict, verdict: Verdict) -> 
     spans = {"real CPU": runs["plain"].spans}
     if args.emulate_ms:
         emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
-        emulated = train(rt, emulated_cfg, PipelineStep(rt, emulated_cfg, gpipe(p, m)))
-        table, matched = check_runs({"GPipe on the emulated device": emulated}, unsplit_reference(cfg), cfg.dtype)
-        print0(table)
-        verdict.check("on the emulated device GPipe still computes the unsplit model's gradients", matched)
-        spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated.spans
+        spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated_spans(
+            rt, emulated_cfg, gpipe(p, m), "GPipe", verdict)
     measured = verdict.figure("measured", show_measured("GPipe's last step", spans, p, step))
     if args.emulate_ms:
         idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)

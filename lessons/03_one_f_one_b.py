@@ -45,7 +45,7 @@ from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser,
                          stages_fit_layers)
 from distlab.console import print0
 from distlab.pipeline import schedules
-from distlab.pipeline.report import check_runs, gathered, show_measured
+from distlab.pipeline.report import check_runs, emulated_spans, gathered, show_measured
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule, gpipe
 from distlab.pipeline.simulator import peak_in_flight, render, simulate
@@ -95,11 +95,8 @@ def show_timing(rt, cfg: PipelineConfig, args, real, verdict: Verdict) -> None:
     p, m, spans = rt.world_size, args.micro_batches, {"real CPU": real.spans}
     if args.emulate_ms:
         emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
-        emulated = train(rt, emulated_cfg, PipelineStep(rt, emulated_cfg, one_f_one_b(p, m)))
-        table, matched = check_runs({"1F1B on the emulated device": emulated}, unsplit_reference(cfg), cfg.dtype)
-        print0(table)
-        verdict.check("on the emulated device 1F1B still computes the unsplit model's gradients", matched)
-        spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated.spans
+        spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated_spans(
+            rt, emulated_cfg, one_f_one_b(p, m), "1F1B", verdict)
     measured = verdict.figure("measured_timelines", show_measured("1F1B's last step", spans, p, args.steps - 1))
     if args.emulate_ms:
         idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)

@@ -18,7 +18,8 @@ from rich.table import Table
 from distlab.compare import Comparison, compare, comparison_table, tolerances
 from distlab.console import print0
 from distlab.pipeline.schedules import Schedule
-from distlab.pipeline.training import Run
+from distlab.pipeline.runner import PipelineStep
+from distlab.pipeline.training import Run, train, unsplit_reference
 from distlab.reference import ReferenceRun
 from distlab.timeline import Span, busy_fractions, idle_fraction, max_concurrency
 from distlab.timeline import render as render_spans
@@ -113,3 +114,13 @@ def show_measured(title: str, runs: dict[str, list[Span]], world_size: int, step
         print0(f"most ranks computing at one instant: {out[label]['concurrency']}; busy per rank: "
                + ", ".join(f"{b:.0%}" for b in busy) + f"; idle share (measured bubble): {out[label]['idle']:.3f}")
     return out
+
+
+def emulated_spans(rt, cfg, schedule: Schedule, name: str, verdict) -> list[Span]:
+    """The step run again on the emulated device (`cfg.emulate_ms` per layer-pass, slept): its
+    gradients must still be the unsplit model's (a check); its spans draw the measured timeline."""
+    emulated = train(rt, cfg, PipelineStep(rt, cfg, schedule))
+    table, matched = check_runs({f"{name} on the emulated device": emulated}, unsplit_reference(cfg), cfg.dtype)
+    print0(table)
+    verdict.check(f"on the emulated device {name} still computes the unsplit model's gradients", matched)
+    return emulated.spans

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
 from distlab.spawn import spawn
 
@@ -127,3 +128,26 @@ def exercise_tests(lesson: str, name: str, check: Callable[[Answer], None], wron
             check(blank)
 
     return test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """A contrastive batch for the exercises: unit-norm N x d Z_x, Z_y (float64, N = P C, the same on
+    every rank), this rank's rows, leaf copies of its blocks (z_x, z_y) and of the whole (for the reference)."""
+    full_x: torch.Tensor
+    full_y: torch.Tensor
+    rows: slice
+    z_x: torch.Tensor
+    z_y: torch.Tensor
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, c: int, d: int, seed: int) -> "Embeddings":
+        gen = torch.Generator().manual_seed(seed)
+        full = [torch.nn.functional.normalize(torch.randn(world_size * c, d, generator=gen, dtype=torch.float64), dim=1)
+                for _ in range(2)]
+        rows = slice(rank * c, (rank + 1) * c)
+        return cls(*full, rows, *(z[rows].clone().requires_grad_() for z in full))
+
+    def whole(self) -> tuple:
+        """Leaf copies of the whole Z_x, Z_y: the single-process reference's inputs."""
+        return tuple(z.clone().requires_grad_() for z in (self.full_x, self.full_y))

@@ -11,20 +11,17 @@ import torch
 
 from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.losses import clip_loss
-from exercise_kit import Answer, exercise_tests, judge
+from exercise_kit import Embeddings, Answer, exercise_tests, judge
 
 LESSON, NAME = "10_contrastive_global", "global_loss_times_p"
 P, C, D, TAU = 3, 4, 5, 0.1
 
 
 def _ranks(rt, loss_fn, claims, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    full_x, full_y = (torch.nn.functional.normalize(torch.randn(P * C, D, generator=gen, dtype=torch.float64), dim=1)
-                      for _ in range(2))
-    rows = slice(rt.rank * C, (rt.rank + 1) * C)
-    z_x, z_y = (z[rows].clone().requires_grad_() for z in (full_x, full_y))
+    e = Embeddings.of(rt.rank, P, C, D, seed)
+    full_x, full_y, rows, z_x, z_y = e.full_x, e.full_y, e.rows, e.z_x, e.z_y
     loss, value = loss_fn(rt, z_x, z_y, TAU, gather_plain)
-    ref_x, ref_y = (z.clone().requires_grad_() for z in (full_x, full_y))
+    ref_x, ref_y = e.whole()
     ref = clip_loss(ref_x, ref_y, 1 / TAU)  # clip_loss takes the logit scale s = 1/tau
     ref.backward()
     claims.check("the reported loss is the full batch's L", abs(float(value) - ref.item()) < 1e-12,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.losses import clip_loss
-from exercise_kit import ROOT, Answer, exercise_tests, judge
+from exercise_kit import Embeddings, ROOT, Answer, exercise_tests, judge
 
 LESSON, NAME = "11_contrastive_local_naive", "local_clip_loss"
 P, C, D, S = 3, 4, 5, 10.0
@@ -28,12 +28,10 @@ def _rows_loss(z_x, z_y, rows: slice) -> torch.Tensor:
 
 
 def _ranks(rt, local_clip_loss, claims) -> None:
-    gen = torch.Generator().manual_seed(3)
-    full_x, full_y = (F.normalize(torch.randn(P * C, D, generator=gen, dtype=torch.float64), dim=1) for _ in range(2))
-    rows = slice(rt.rank * C, (rt.rank + 1) * C)
-    z_x, z_y = (z[rows].clone().requires_grad_() for z in (full_x, full_y))
+    e = Embeddings.of(rt.rank, P, C, D, 3)
+    full_x, full_y, rows, z_x, z_y = e.full_x, e.full_y, e.rows, e.z_x, e.z_y
     loss = local_clip_loss(z_x, z_y, gather_plain(z_x), gather_plain(z_y), S, rt.rank * C)
-    ref_x, ref_y = (z.clone().requires_grad_() for z in (full_x, full_y))
+    ref_x, ref_y = e.whole()
     ref = _rows_loss(ref_x, ref_y, rows)
     claims.check("your loss is rank r's rows of the symmetric loss", abs(loss.item() - ref.item()) < 1e-10,
                  f"{loss.item():.12f} vs {ref.item():.12f}",

@@ -11,24 +11,21 @@ import torch
 import torch.distributed as dist
 
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from exercise_kit import Answer, exercise_tests, judge
+from exercise_kit import Embeddings, Answer, exercise_tests, judge
 
 LESSON, NAME = "12_contrastive_allgather_fix", "gather_all_reduce"
 P, C, D, TAU = 3, 4, 5, 0.1
 
 
 def _ranks(rt, gather, claims, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    full_x, full_y = (torch.nn.functional.normalize(torch.randn(P * C, D, generator=gen, dtype=torch.float64), dim=1)
-                      for _ in range(2))
-    rows = slice(rt.rank * C, (rt.rank + 1) * C)
-    z_x, z_y = (z[rows].clone().requires_grad_() for z in (full_x, full_y))
+    e = Embeddings.of(rt.rank, P, C, D, seed)
+    full_x, full_y, rows, z_x, z_y = e.full_x, e.full_y, e.rows, e.z_x, e.z_y
     all_x, all_y = gather(z_x), gather(z_y)
     claims.check("the forward gathers every rank's block in rank order", torch.equal(all_x.detach(), full_x),
                  f"max difference {(all_x.detach() - full_x).abs().max():.1e}",
                  "all_gather_single puts rank r's C rows at r C .. r C + C - 1")
     local_clip_loss(z_x, z_y, all_x, all_y, 1 / TAU, rt.rank * C).backward()
-    ref_x, ref_y = (z.clone().requires_grad_() for z in (full_x, full_y))
+    ref_x, ref_y = e.whole()
     clip_loss(ref_x, ref_y, 1 / TAU).backward()
     for name, got, want in (("z_x", z_x.grad, P * ref_x.grad[rows]), ("z_y", z_y.grad, P * ref_y.grad[rows])):
         err = ((got - want).norm() / want.norm()).item() if got is not None else float("inf")

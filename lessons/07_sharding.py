@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
-from distlab.cli import lesson_parser, positive_float, positive_int
+from distlab.cli import add_optimizer_args, lesson_parser, positive_float, positive_int
 from distlab.compare import compare
 from distlab.console import print0
 from distlab.data_parallel.report import rows_table
@@ -273,8 +273,7 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
 def parse_args():
     parser = lesson_parser(__doc__)
     parser.add_argument("--global-batch", type=positive_int, default=24, help="rows per step, N")
-    parser.add_argument("--steps", type=positive_int, default=3, help="AdamW steps (and again after the checkpoint)")
-    parser.add_argument("--lr", type=positive_float, default=0.01, help="AdamW learning rate")
+    add_optimizer_args(parser, steps=3, lr=0.01, optimizer="AdamW")   # 3 steps, and 3 more after the checkpoint
     parser.add_argument("--weight-decay", type=positive_float, default=0.1, help="AdamW weight decay")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="where part 4 saves (kept); default a temporary directory, removed at the end")
     return parser.parse_args()

@@ -49,7 +49,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from distlab.cli import fraction, lesson_parser, positive_float, positive_int, require
+from distlab.cli import add_optimizer_args, fraction, lesson_parser, positive_int, require
 from distlab.compare import all_ok, compare
 from distlab.console import compact_table, print0
 from distlab.runtime import Runtime, distributed, run_main
@@ -234,11 +234,10 @@ def parse_args():
     parser.add_argument("--global-batch", type=positive_int, default=12, help="sequences per step, N")
     parser.add_argument("--seq-len", type=positive_int, default=12, help="tokens per sequence, seq")
     parser.add_argument("--dim", type=positive_int, default=24, help="model width d (h must divide it)")
+    add_optimizer_args(parser, steps=3, lr=0.5)
     parser.add_argument("--heads", type=positive_int, default=12, help="attention heads h (P must divide it)")
     parser.add_argument("--ffn-width", type=positive_int, default=48, help="MLP hidden width d_ff (P must divide it)")
     parser.add_argument("--dropout", type=fraction, default=0.1, help="dropout probability of the block")
-    parser.add_argument("--steps", type=positive_int, default=3, help="SGD steps")
-    parser.add_argument("--lr", type=positive_float, default=0.5, help="SGD learning rate")
     args = parser.parse_args()
     require(args.dim % args.heads == 0, "--dim", f"d = {args.dim} is not a multiple of h = {args.heads}")
     return args

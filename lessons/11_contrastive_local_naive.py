@@ -43,8 +43,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.cli import (add_contrastive_args, check_flags_against_world, divides_global_batch, lesson_parser,
-                         positive_float, positive_int)
+from distlab.cli import (add_contrastive_args, add_optimizer_args, check_flags_against_world,
+                         divides_global_batch, lesson_parser, positive_int)
 from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.losses import clip_loss
@@ -70,12 +70,11 @@ def world_sizes(text: str) -> tuple[int, ...]:
 
 def parse_args():
     parser = add_contrastive_args(lesson_parser(__doc__), global_batch=240, tau=1.0)
-    parser.add_argument("--steps", type=positive_int, default=150, help="training steps of each run")
     parser.add_argument("--seeds", type=positive_int, default=3, help="training seeds: --seed, --seed + 1, ...")
     parser.add_argument("--train-size", type=positive_int, default=4096, help="training pairs (at least N)")
+    add_optimizer_args(parser, steps=150, lr=0.01, optimizer="each run's")
     parser.add_argument("--held-out", type=positive_int, default=512, help="held-out pairs for retrieval accuracy")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer of every run")
-    parser.add_argument("--lr", type=positive_float, default=0.01, help="learning rate")
     parser.add_argument("--eval-every", type=positive_int, default=10, help="steps between accuracy checks")
     parser.add_argument("--emulate", type=world_sizes, default=(), metavar="P1,P2,...",
                         help="also train with the plain gather's loss at these world sizes, emulated in one "

@@ -7,8 +7,6 @@ factor DDP's average then removes (so the parameters get exactly dL/dtheta)."""
 
 from pathlib import Path
 
-import torch
-
 from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.losses import clip_loss
 from exercise_kit import Embeddings, Answer, exercise_tests, judge
@@ -19,7 +17,7 @@ P, C, D, TAU = 3, 4, 5, 0.1
 
 def _ranks(rt, loss_fn, claims, seed: int) -> None:
     e = Embeddings.of(rt.rank, P, C, D, seed)
-    full_x, full_y, rows, z_x, z_y = e.full_x, e.full_y, e.rows, e.z_x, e.z_y
+    rows, z_x, z_y = e.rows, e.z_x, e.z_y
     loss, value = loss_fn(rt, z_x, z_y, TAU, gather_plain)
     ref_x, ref_y = e.whole()
     ref = clip_loss(ref_x, ref_y, 1 / TAU)  # clip_loss takes the logit scale s = 1/tau

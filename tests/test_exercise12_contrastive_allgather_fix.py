@@ -19,7 +19,7 @@ P, C, D, TAU = 3, 4, 5, 0.1
 
 def _ranks(rt, gather, claims, seed: int) -> None:
     e = Embeddings.of(rt.rank, P, C, D, seed)
-    full_x, full_y, rows, z_x, z_y = e.full_x, e.full_y, e.rows, e.z_x, e.z_y
+    full_x, rows, z_x, z_y = e.full_x, e.rows, e.z_x, e.z_y
     all_x, all_y = gather(z_x), gather(z_y)
     claims.check("the forward gathers every rank's block in rank order", torch.equal(all_x.detach(), full_x),
                  f"max difference {(all_x.detach() - full_x).abs().max():.1e}",

@@ -81,9 +81,16 @@ def add_mlp_args(parser: argparse.ArgumentParser, layers: int, width: int, globa
     parser.add_argument("--layers", type=positive_int, default=layers, help="layers of the MLP (a pipeline needs P <= layers)")
     parser.add_argument("--width", type=positive_int, default=width, help="hidden width")
     parser.add_argument("--global-batch", type=positive_int, default=global_batch, help="rows per step, N")
-    parser.add_argument("--steps", type=positive_int, default=steps, help="SGD steps")
-    parser.add_argument("--lr", type=positive_float, default=lr, help="SGD learning rate")
+    add_optimizer_args(parser, steps, lr)
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of weights and data")
+    return parser
+
+
+def add_optimizer_args(parser: argparse.ArgumentParser, steps: int, lr: float,
+                       optimizer: str = "SGD") -> argparse.ArgumentParser:
+    """--steps and --lr, the two flags every training lesson has (the optimizer named in the help)."""
+    parser.add_argument("--steps", type=positive_int, default=steps, help=f"{optimizer} steps")
+    parser.add_argument("--lr", type=positive_float, default=lr, help=f"{optimizer} learning rate")
     return parser
 
 

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.checkpointing import Checkpoints, add_resume_args, check_resume_args, parameters_sha256
 from distlab.cli import fraction, lesson_parser, positive_float, positive_int, require
 from distlab.compare import all_ok, compare, grads_of, tolerances
 from distlab.console import print0, progress
@@ -95,7 +96,8 @@ def parse_args():
     parser.add_argument("--test-fraction", type=fraction, default=0.2, help="held-out share of each digit")
     parser.add_argument("--eval-every", type=positive_int, default=10, help="zero-shot evaluation interval")
     parser.add_argument("--autocast", choices=AUTOCAST, default="auto", help="bf16 autocast; auto: on CUDA only")
-    args = parser.parse_args()
+    args = add_resume_args(parser).parse_args()   # --checkpoint-dir, --checkpoint-every, --crash-at-step, --crash-rank
+    check_resume_args(parser, args)
     if args.warmup >= args.steps:  # needs no P: refused before any process group exists
         parser.error(f"argument --warmup: must be below --steps ({args.steps}), got {args.warmup}")
     if args.test_fraction == 0:
@@ -127,10 +129,12 @@ class Digits:
         captions = draw_captions(self.labels, self.table, self.seed * 100_003 + epoch)
         return self.split.train_images[rows].to(self.rt.device), captions[rows].to(self.rt.device)
 
-    def batches(self):
-        """This rank's (images, caption ids) for every step, epoch after epoch."""
-        for epoch in itertools.count():
-            for rows in self.rows(epoch, self.rt.rank):
+    def batches(self, first: int = 0):
+        """This rank's (images, caption ids) for every step from step `first` (0-based) on, epoch after
+        epoch: the order is a function of (seed, epoch), so a resumed run needs only the step."""
+        per_epoch = len(self.labels) // (self.local * self.rt.world_size)
+        for epoch in itertools.count(first // per_epoch):
+            for rows in self.rows(epoch, self.rt.rank)[max(0, first - epoch * per_epoch):]:
                 yield self.batch(epoch, rows)
 
     def zero_shot(self, model) -> tuple[float, torch.Tensor]:
@@ -177,10 +181,16 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
 
 
 def train(ddp, model, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
-    """The caller-owned loop; returns the curves."""
+    """The caller-owned loop; returns the curves. With --checkpoint-dir it starts after the newest
+    whole checkpoint, if any, and writes one every --checkpoint-every steps (src/distlab/checkpointing.py)."""
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
     params = [p for p in ddp.parameters() if p.requires_grad]
-    for step, (images, ids) in progress(zip(range(args.steps), data.batches()), args.steps, "training"):
+    checkpoints = Checkpoints.from_args(args, data.rt)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "curves": curves}
+    first = checkpoints.restore(state)                               # and every rank's generators
+    for step, (images, ids) in progress(zip(range(first, args.steps), data.batches(first)), args.steps - first,
+                                        "training"):
+        checkpoints.crash_if_asked(step + 1)                         # --crash-at-step: os._exit here
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(data.rt.device.type, torch.bfloat16, enabled=bf16):
             loss = distributed_backward(ddp, images, ids, config)    # the exact global gradient, added
@@ -194,6 +204,7 @@ def train(ddp, model, optimizer, scheduler, data: Digits, config: dict, args, bf
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curves["eval_step"].append(step + 1)
             curves["accuracy"].append(data.zero_shot(model)[0])
+        checkpoints.after_step(step + 1, state)                      # every K steps: write, verify, rename
     return curves
 
 
@@ -252,6 +263,7 @@ def main() -> int:
         for key, value in dict(accuracy_before=before, accuracy_after=after, seconds=seconds, world_size=world,
                                global_batch=n, confusion=confusions, bf16=bf16, **curves).items():
             verdict.figure(key, value)
+        print0(f"parameters sha256: {parameters_sha256(model)}", highlight=False)  # equal: bit-identical
         code = verdict.finish(args.json)
         print0(f"zero-shot accuracy on held-out digits: {after:.1%}", highlight=False)
     return code

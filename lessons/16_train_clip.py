@@ -47,6 +47,16 @@ step here is mostly communication and per-call overhead, and 150 steps at P = 2 
 way (10.0, 10.6, 7.0 s in float32 against 10.7, 9.9, 6.8 s in bf16, interleaved on a shared machine).
 `--autocast bf16` turns it on; the loss machinery runs in float32 under it either way.
 
+A crash that loses nothing. `--checkpoint-dir DIR` writes everything the run is every
+`--checkpoint-every` steps (model and learned scale, AdamW's moments, the schedule, the curves, every
+rank's random generators; the data order is a function of seed and step) and resumes from the newest
+whole checkpoint it finds; `--crash-at-step 95` kills rank `--crash-rank` (default the last) at step
+95 on torchrun's first attempt. Under `torchrun --max-restarts 1` the run is restarted, resumes and ends
+bit-identical to an uninterrupted one: compare the `parameters sha256` lines (src/distlab/checkpointing.py).
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/16_train_clip.py \
+        --checkpoint-dir /tmp/clip --crash-at-step 95
+
 The self-checks. Step 1's gradients, the logit scale's included, equal those of a deep copy trained on
 the whole global batch in one process (plain autograd, the scale an ordinary tensor); held-out
 zero-shot top-1 accuracy must reach MIN_ACCURACY, eight times chance (10%), after training. The global
@@ -204,7 +214,7 @@ def train(ddp, model, optimizer, scheduler, data: Digits, config: dict, args, bf
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curves["eval_step"].append(step + 1)
             curves["accuracy"].append(data.zero_shot(model)[0])
-        checkpoints.after_step(step + 1, state)                      # every K steps: write, verify, rename
+        checkpoints.after_step(step + 1, state)                      # every --checkpoint-every steps: write, rename
     return curves
 
 

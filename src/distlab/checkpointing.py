@@ -17,12 +17,14 @@ directory to `step-000012` (rename is atomic on POSIX). Reading: the newest `ste
 manifest exists and whose files hash to what it says; a `.partial` or a torn file is skipped. Every
 rank loads the step all of them found (one all_reduce(MIN)).
 
-The fault. `--crash-at-step K` makes rank R (default the last) leave through `os._exit` at the start
-of step K, on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT = 0): no exception, no
-cleanup, no goodbye to the process group, as a killed process. The survivors' next collective finds
-the peer's sockets closed and raises at once (gloo; on NCCL they would wait for the group's timeout),
-and torchrun, which polls its workers every 0.1 s, stops the rest and, with `--max-restarts 1`,
-starts every rank again: they find the checkpoint and go on.
+The fault. `--crash-at-step STEP` makes rank `--crash-rank` (default the last) leave through
+`os._exit` at the start of step STEP, on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT =
+0): no exception, no cleanup, no goodbye to the process group, as a killed process. torchrun polls its
+workers every 0.1 s: it sees the exit, stops the survivors (SIGTERM) within a second, and with
+`--max-restarts 1` starts every rank again; they find the checkpoint and go on. Left alone, a survivor
+would not wait for the group's timeout either: its next gloo collective finds the dead peer's socket
+closed and raises ("Connection reset by peer"). NCCL need not notice a dead peer (not measured here:
+one GPU): a survivor may wait out the group's timeout, which is why torchrun's stop is the fast path.
 """
 
 from __future__ import annotations
@@ -56,11 +58,11 @@ FLAGS = ("checkpoint_dir", "checkpoint_every", "crash_at_step", "crash_rank")
 def add_resume_args(parser: argparse.ArgumentParser, every: int = 10) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="checkpoint here, and resume from the newest whole checkpoint found here")
-    parser.add_argument("--checkpoint-every", type=positive_int, default=every, metavar="K",
+    parser.add_argument("--checkpoint-every", type=positive_int, default=every, metavar="STEPS",
                         help="steps between checkpoints")
-    parser.add_argument("--crash-at-step", type=positive_int, metavar="K",
-                        help="rank --crash-rank exits abruptly at step K, on torchrun's first attempt only")
-    parser.add_argument("--crash-rank", type=int, metavar="R", help="the rank that crashes; default the last")
+    parser.add_argument("--crash-at-step", type=positive_int, metavar="STEP",
+                        help="rank --crash-rank exits abruptly at this step, on torchrun's first attempt only")
+    parser.add_argument("--crash-rank", type=int, metavar="RANK", help="the rank that crashes; default the last")
     return parser
 
 
@@ -72,7 +74,7 @@ def check_resume_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.crash_at_step is not None and args.crash_at_step > args.steps:
         parser.error(f"argument --crash-at-step: must be at most --steps ({args.steps}), got {args.crash_at_step}")
     if args.crash_rank is not None and not 0 <= args.crash_rank < world:
-        parser.error(f"argument --crash-rank: must be a rank, 0 <= R < P = {world}, got {args.crash_rank}")
+        parser.error(f"argument --crash-rank: must be a rank, 0 <= r < P = {world}, got {args.crash_rank}")
 
 
 def parameters_sha256(module: torch.nn.Module) -> str:

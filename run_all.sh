@@ -13,14 +13,17 @@ LESSONS=(
   "02_gpipe_checkpoint.py|2|GPipe with and without checkpointing equals the unsplit model; bubble (P-1)/(M+P-1); checkpointing's saved activations measured|"
   "03_one_f_one_b.py|4|1F1B equals the unsplit model; same bubble as GPipe; at most min(M, P-r) micro-batches in flight|--micro-batches 7"
   "04_torch_pipelining.py|4|PyTorch's ScheduleGPipe and Schedule1F1B equal ours and the unsplit model and run our order|"
-  "05_interleaved_zero_bubble.py|4|interleaved 1F1B and zero bubble equal the unsplit model; bubbles match their formulas; torch's seven schedules agree and run our order|"
+  "05_interleaved_zero_bubble.py|4|interleaved 1F1B and zero bubble equal the unsplit model; bubbles match their formulas; torch's schedules of the same names agree and run our order|"
   "06_data_parallel.py|4|collectives = one process, ring bytes = formula; by hand, buckets, DDP, no_sync = one process; DDP's average: exact for a mean, 1/P for a global loss|"
   "07_sharding.py|4|model states per item = formulas; ZeRO-1/2/3 by hand and FSDP2 = one process; bytes and memory per rank = formulas; DCP resume at P bit-identical, at P/2 to 1e-12|"
+  "08_tensor_parallel.py|4|f, g (by hand), f-bar, g-bar exact; MLP, attention by heads, block with sequence parallelism = unsplit; bytes and activations = formulas; parallelize_module = ours; 2 x 2 mesh step = one process|"
+  "09_context_parallel.py|4|ring attention (zig-zag, causal and not) = SDPA on the whole sequence, forward and backward; zig-zag work equal per rank; bytes and memory per rank = formulas|"
   "10_contrastive_global.py|4|plain gather = exactly 1/P of the full-batch gradient; P*L and sum-backward gather exact|"
   "11_contrastive_local_naive.py|4|plain gather's gradient is wrong (= detached blocks); fixed gather trains like one process|"
   "12_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"
   "13_grad_cache.py|2|GradCache equals the full batch in one process and the global batch under DDP (one reducing backward per tower); memory set by B; every sample forward twice|"
   "14_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
+  "15_sigmoid_and_ring.py|4|sigmoid loss closed form = autograd; {InfoNCE, sigmoid} x {gather, ring} = the whole batch; bytes = formula; ring memory flat in P|"
   "16_train_clip.py|2|step 1 of a CLIP trained with distributed_backward equals one process; held-out zero-shot top-1 >= 80% (8x chance)|"
 )
 

@@ -13,7 +13,7 @@ Step (a small two-tower encoder, 64 -> 256 -> d per tower, d = 256, AdamW, float
   streamed, B = C/8  eight micro-batches (a no-grad forward, then a recompute of each); step
 Loss machinery (this rank's C x d embeddings in, dL/dZ_local out; no encoder):
   open_clip recipe   gather_with_grad, local_clip_loss, backward to the embeddings
-  streamed           the library's `streamed.loss_machinery`: the all-gather, Phase B, and Phase C
+  streamed           the library's `streamed.loss_machinery`: the all-gather, phase 2, and phase 3
                      for every micro-batch (B = C and B = C/8), as the step runs them
   matmul floor       the same 6 C N d multiply-adds as plain `mm` in C x T tiles (2 C N d for the
                      rows and columns of S, 2 x 2 C N d for the two tile products and accumulations of
@@ -35,29 +35,25 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.chunks import chunks
 from distlab.cli import add_runtime_args, positive_int
 from distlab.console import print0
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.losses import local_clip_loss
-from distlab.contrastive.streamed import loss_machinery
-from distlab.contrastive.streamed_kernels import chunks
-from distlab.memory import PeakMemory
 from distlab.models import TwoTower
 from distlab.runtime import distributed, run_main
+from distlab.streamed import loss_machinery
 from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
 from clip_step_report import B_C8, B_EQ_C, FLOOR, OPEN_CLIP, write_report  # noqa: E402
+from measure import local_embeddings, measure_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TAU = 0.07
@@ -80,7 +76,7 @@ def micro_of(method: str, c: int) -> int:
 
 def loss_open_clip(z_x, z_y, rt, chunk, method):
     lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
-    loss = local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), TAU, rt.rank * len(z_x))
+    loss = local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), 1 / TAU, rt.rank * len(z_x))
     loss.backward()
     return lx.grad / rt.world_size, ly.grad / rt.world_size  # DDP's average: the mean of P local losses
 
@@ -96,11 +92,11 @@ def matmul_floor(z_x, z_y, rt, chunk, method):
     k_x, k_y = z_x.repeat(rt.world_size, 1), z_y.repeat(rt.world_size, 1)  # N x d: stand-ins for the gather
     g_x, g_y = torch.zeros_like(z_x), torch.zeros_like(z_y)
     tile = z_x.new_empty(len(z_x), min(chunk, len(k_x)))
-    for cols in chunks(len(k_x), chunk):                   # Phase B's 2 C N d: my rows and my columns of S
+    for cols in chunks(len(k_x), chunk):                   # phase 2's 2 C N d: my rows and my columns of S
         width = cols.stop - cols.start
         torch.mm(z_x, k_y[cols].T, out=tile[:, :width])
         torch.mm(z_y, k_x[cols].T, out=tile[:, :width])
-    for cols in chunks(len(k_x), chunk):                   # Phase C's 4 C N d: a tile and its product
+    for cols in chunks(len(k_x), chunk):                   # phase 3's 4 C N d: a tile and its product
         width = cols.stop - cols.start
         g_x.addmm_(torch.mm(z_x, k_y[cols].T, out=tile[:, :width]), k_y[cols])
         g_y.addmm_(torch.mm(z_y, k_x[cols].T, out=tile[:, :width]), k_x[cols])
@@ -118,7 +114,7 @@ LOSSES = {OPEN_CLIP: loss_open_clip, B_EQ_C: loss_streamed, B_C8: loss_streamed,
 def backward_open_clip(model, x, y, rt):
     """open_clip's ClipLoss(local_loss=True, gather_with_grad=True) and loss.backward() under DDP."""
     z_x, z_y = model(x, y)
-    loss = local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), TAU, rt.rank * len(x))
+    loss = local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / TAU, rt.rank * len(x))
     loss.backward()
     return loss
 
@@ -143,53 +139,6 @@ def make_model(args, rt) -> DDP:
 def local_batch(n: int, rt, dim_in: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(n + rt.rank)
     return tuple(torch.randn(n // rt.world_size, dim_in, generator=gen).to(rt.device) for _ in range(2))
-
-
-def local_embeddings(n: int, d: int, rt) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's C rows of unit-norm N x d embeddings, positives correlated."""
-    gen = torch.Generator().manual_seed(1000 * n + rt.rank)
-    z_x = F.normalize(torch.randn(n // rt.world_size, d, generator=gen), dim=1)
-    z_y = F.normalize(z_x + torch.randn(n // rt.world_size, d, generator=gen), dim=1)
-    return z_x.to(rt.device), z_y.to(rt.device)
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring
-# ---------------------------------------------------------------------------------------------
-
-
-def worst_rank(values: list[float], rt) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=rt.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def measure_memory(fn, rt) -> dict:
-    if rt.device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    with PeakMemory() as mem:
-        fn()
-    values = [mem.peak_bytes, mem.largest_bytes]
-    if rt.device.type == "cuda":
-        values.append(torch.cuda.max_memory_allocated() - base)
-    values = worst_rank(values, rt)
-    out = {"peak_bytes": int(values[0]), "largest_bytes": int(values[1])}
-    if len(values) > 2:
-        out["cuda_peak_bytes"] = int(values[2])
-    return out
-
-
-def measure_time(fn, rt) -> float:
-    dist.barrier()
-    if rt.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if rt.device.type == "cuda":
-        torch.cuda.synchronize()
-    return worst_rank([time.perf_counter() - start], rt)[0]
 
 
 def check_agreement(args, rt) -> dict:
@@ -233,15 +182,10 @@ def run_part(part: str, args, rt) -> dict:
         calls = calls_at(part, n, args, rt)
         for fn in calls.values():
             fn()  # warm-up: DDP's first iteration, AdamW's state, lazy allocations
-        mems = {m: measure_memory(fn, rt) for m, fn in calls.items()}
-        times = {m: [] for m in calls}
-        for _ in range(args.repeats):
-            for m, fn in calls.items():  # interleaved: a burst of load hits every method
-                times[m].append(measure_time(fn, rt))
-        for m in calls:
-            results[m].append({"n": n, **mems[m], "time_s": statistics.median(times[m]), "times_s": times[m]})
-            print0(f"{part:4s} N={n:6d} {m:18s} peak {mems[m]['peak_bytes'] / 2**20:8.1f} MiB  "
-                   f"time {statistics.median(times[m]):7.3f} s", highlight=False)
+        for m, got in measure_interleaved(calls, rt, args.repeats).items():
+            results[m].append({"n": n, **got})
+            print0(f"{part:4s} N={n:6d} {m:18s} peak {got['peak_bytes'] / 2**20:8.1f} MiB  "
+                   f"time {got['time_s']:7.3f} s", highlight=False)
         del calls
     return results
 
@@ -251,7 +195,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
                         help="global batches N")
     parser.add_argument("--dim", type=positive_int, default=256, help="d, the embedding width")
-    parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T, columns per tile")
+    parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T: tiles are at most T x T")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method and N")
     parser.add_argument("--parts", nargs="+", choices=("step", "loss"), default=["step", "loss"])
     parser.add_argument("--step-methods", nargs="+", choices=STEP_METHODS, default=list(STEP_METHODS))

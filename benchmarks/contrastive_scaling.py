@@ -3,12 +3,13 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/contrastive_scaling.py          # P = 2
     torchrun --standalone --nproc-per-node 4 benchmarks/contrastive_scaling.py --sizes 1024 2048 4096 8192
 
-Methods, all exact (their gradients are checked against each other at the smallest N):
-  05  global x global: every rank gathers Z and computes the whole N x N loss (lesson 10)
-  07  local x global: C x N logits, gather_with_grad (its backward sums over ranks) (lesson 12)
-  08  GradCache: the C x N loss on gathered cached representations and its backward (lesson 13's
-      loss machinery; its whole step adds the chunked no-grad forward and the chunked recompute)
-  09  the streamed five-phase step, Phase B sharded and replicated (lesson 14)
+Methods, labelled by their lesson, all exact (their gradients are checked against each other at the
+smallest N):
+  10  global x global: every rank gathers Z and computes the whole N x N loss
+  12  local x global: C x N logits, gather_with_grad (its backward sums over ranks)
+  13  GradCache: the C x N loss on gathered cached representations and its backward (the loss
+      machinery; its whole step adds the chunked no-grad forward and the chunked recompute)
+  14  the streamed five-phase step, its phase 2 (the normalisers a, b) sharded and replicated
 
 Two measurements per method and N. "loss": the machinery that turns this rank's C x d embeddings
 into dL/dZ_local (gathers included). "step": a whole DDP training step of a small two-tower encoder
@@ -27,33 +28,41 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.contrastive.gather import gather_plain, gather_with_grad
-from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.contrastive.streamed import loss_machinery
-from distlab.contrastive.streamed_kernels import chunks
-from distlab.memory import PeakMemory
-from distlab.models import TwoTower
+from distlab.chunks import chunks
 from distlab.cli import add_runtime_args
 from distlab.console import print0
+from distlab.contrastive.gather import gather_plain, gather_with_grad
+from distlab.contrastive.losses import clip_loss, local_clip_loss
+from distlab.models import TwoTower
 from distlab.runtime import distributed, run_main
+from distlab.streamed import loss_machinery
 from distributed_clip import distributed_train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
+from measure import local_embeddings, measure_interleaved  # noqa: E402
 from scaling_report import summarise, targets, write_markdown, write_plot  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-METHODS = ("05 global x global", "07 local x global", "08 GradCache", "09 streamed, sharded B",
-           "09 streamed, replicated B")
+
+
+@dataclass(frozen=True)
+class At:
+    """Where a method runs: the global batch N, this rank of P, the micro-batch B and the chunk T."""
+
+    n: int
+    rank: int
+    world: int
+    micro: int
+    chunk: int
+METHODS = ("10 global x global", "12 local x global", "13 GradCache", "14 streamed, sharded",
+           "14 streamed, replicated")
 TAU = 0.07
 
 
@@ -62,38 +71,38 @@ TAU = 0.07
 # ---------------------------------------------------------------------------------------------
 
 
-def loss_05(z_x, z_y, n, rank, world, micro, chunk):
+def loss_10(z_x, z_y, at: At):
     lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
-    clip_loss(gather_plain(lx), gather_plain(ly), TAU).backward()  # the whole N x N on every rank
+    clip_loss(gather_plain(lx), gather_plain(ly), 1 / TAU).backward()  # the whole N x N on every rank
     return lx.grad, ly.grad
 
 
-def loss_07(z_x, z_y, n, rank, world, micro, chunk):
+def loss_12(z_x, z_y, at: At):
     lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
     c = len(z_x)
-    local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), TAU, rank * c).backward()
-    return lx.grad / world, ly.grad / world  # the mean of the P local losses is L
+    local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), 1 / TAU, at.rank * c).backward()
+    return lx.grad / at.world, ly.grad / at.world  # the mean of the P local losses is L
 
 
-def loss_08(z_x, z_y, n, rank, world, micro, chunk):
+def loss_13(z_x, z_y, at: At):
     # GradCache: the representations were computed without grad and cached; the loss runs on them
     # as leaves, and their gradient is what the chunked recompute will back-propagate.
     reps_x, reps_y = z_x.detach().requires_grad_(), z_y.detach().requires_grad_()
     c = len(z_x)
-    loss = local_clip_loss(reps_x, reps_y, gather_with_grad(reps_x), gather_with_grad(reps_y), TAU, rank * c)
+    loss = local_clip_loss(reps_x, reps_y, gather_with_grad(reps_x), gather_with_grad(reps_y), 1 / TAU, at.rank * c)
     loss.backward()
-    return reps_x.grad / world, reps_y.grad / world
+    return reps_x.grad / at.world, reps_y.grad / at.world
 
 
-def _loss_09(z_x, z_y, n, rank, world, micro, chunk, variant):
-    _, g_x, g_y = loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro,
-                                            "STREAM_CHUNK_SIZE": chunk, "TAU": TAU, "PHASE_B": variant})
+def _loss_14(z_x, z_y, at: At, variant: str):
+    _, g_x, g_y = loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": at.n, "MICRO_BATCH_SIZE": at.micro,
+                                            "STREAM_CHUNK_SIZE": at.chunk, "TAU": TAU, "NORMALISERS": variant})
     return g_x, g_y
 
 
-LOSSES = dict(zip(METHODS, (loss_05, loss_07, loss_08,
-                            lambda *a: _loss_09(*a, variant="sharded"),
-                            lambda *a: _loss_09(*a, variant="replicated"))))
+LOSSES = dict(zip(METHODS, (loss_10, loss_12, loss_13,
+                            lambda *a: _loss_14(*a, variant="sharded"),
+                            lambda *a: _loss_14(*a, variant="replicated"))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,21 +110,21 @@ LOSSES = dict(zip(METHODS, (loss_05, loss_07, loss_08,
 # ---------------------------------------------------------------------------------------------
 
 
-def step_fn(method, model, optimizer, x, y, n, rank, world, micro, chunk):
+def step_fn(method, model, optimizer, x, y, at: At):
     c = len(x)
-    if method.startswith("09"):
+    if method.startswith("14"):
         variant = "sharded" if "sharded" in method else "replicated"
         return distributed_train_step(model, optimizer, x, y, {
-            "GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": chunk, "TAU": TAU,
-            "PHASE_B": variant})
+            "GLOBAL_BATCH_SIZE": at.n, "MICRO_BATCH_SIZE": at.micro, "STREAM_CHUNK_SIZE": at.chunk, "TAU": TAU,
+            "NORMALISERS": variant})
     optimizer.zero_grad(set_to_none=True)
-    if method.startswith("08"):  # chunked no-grad forward, loss on cached reps, chunked recompute
+    if method.startswith("13"):  # chunked no-grad forward, loss on cached reps, chunked recompute
         with torch.no_grad():
-            reps = [model.module(x[s], y[s]) for s in chunks(c, micro)]
+            reps = [model.module(x[s], y[s]) for s in chunks(c, at.micro)]
         rx, ry = (torch.cat([r[i] for r in reps]).requires_grad_() for i in (0, 1))
-        loss = local_clip_loss(rx, ry, gather_with_grad(rx), gather_with_grad(ry), TAU, rank * c)
+        loss = local_clip_loss(rx, ry, gather_with_grad(rx), gather_with_grad(ry), 1 / TAU, at.rank * c)
         loss.backward()
-        parts = chunks(c, micro)
+        parts = chunks(c, at.micro)
         for k, s in enumerate(parts):
             ctx = model.no_sync() if k < len(parts) - 1 else torch.enable_grad()
             with ctx:
@@ -123,10 +132,10 @@ def step_fn(method, model, optimizer, x, y, n, rank, world, micro, chunk):
                 torch.autograd.backward((zx, zy), (rx.grad[s], ry.grad[s]))
     else:
         zx, zy = model(x, y)
-        if method.startswith("05"):
-            loss = clip_loss(gather_plain(zx), gather_plain(zy), TAU) * world  # DDP averages P copies
+        if method.startswith("10"):
+            loss = clip_loss(gather_plain(zx), gather_plain(zy), 1 / TAU) * at.world  # DDP averages P copies
         else:
-            loss = local_clip_loss(zx, zy, gather_with_grad(zx), gather_with_grad(zy), TAU, rank * c)
+            loss = local_clip_loss(zx, zy, gather_with_grad(zx), gather_with_grad(zy), 1 / TAU, at.rank * c)
         loss.backward()
     optimizer.step()
     return loss.item()
@@ -135,35 +144,6 @@ def step_fn(method, model, optimizer, x, y, n, rank, world, micro, chunk):
 # ---------------------------------------------------------------------------------------------
 # Measuring
 # ---------------------------------------------------------------------------------------------
-
-
-def measure_memory(fn, device) -> dict:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    with PeakMemory() as mem:
-        fn()
-    out = {"peak_bytes": mem.peak_bytes, "largest_bytes": mem.largest_bytes}
-    if device.type == "cuda":
-        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated() - base
-    peaks = torch.tensor([out["peak_bytes"], out["largest_bytes"]], dtype=torch.float64, device=device)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # the worst rank
-    out["peak_bytes"], out["largest_bytes"] = int(peaks[0]), int(peaks[1])
-    return out
-
-
-def measure_time(fn, device) -> float:
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
-    return elapsed.item()
 
 
 def predicted_peak(history: list[tuple[int, int]], n: int) -> float | None:
@@ -175,22 +155,15 @@ def predicted_peak(history: list[tuple[int, int]], n: int) -> float | None:
     return p1 * (n / n1) ** slope
 
 
-def local_embeddings(n: int, d: int, rank: int, world: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's C rows of one global pair of unit-norm N x d embeddings (rows seeded per rank)."""
-    gen = torch.Generator().manual_seed(1000 * n + rank)
-    z_x = F.normalize(torch.randn(n // world, d, generator=gen, dtype=dtype), dim=1)
-    z_y = F.normalize(z_x + torch.randn(n // world, d, generator=gen, dtype=dtype), dim=1)
-    return z_x, z_y
-
-
 def check_methods_agree(rt, args, dtype) -> float:
     """At the smallest N every method's dL/dZ_local is the same: the benchmark compares exact methods."""
     n = args.sizes[0]
-    z_x, z_y = (z.to(rt.device) for z in local_embeddings(n, args.dim, rt.rank, rt.world_size, dtype))
-    ref = torch.cat(loss_07(z_x, z_y, n, rt.rank, rt.world_size, args.micro, args.chunk))
+    at = At(n, rt.rank, rt.world_size, args.micro, args.chunk)
+    z_x, z_y = local_embeddings(n, args.dim, rt, dtype)
+    ref = torch.cat(loss_12(z_x, z_y, at))
     worst = 0.0
     for method in args.methods:
-        got = torch.cat(LOSSES[method](z_x, z_y, n, rt.rank, rt.world_size, args.micro, args.chunk))
+        got = torch.cat(LOSSES[method](z_x, z_y, at))
         worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
     return worst
 
@@ -198,7 +171,7 @@ def check_methods_agree(rt, args, dtype) -> float:
 def run_part(part: str, rt, args, dtype) -> dict:
     results = {m: [] for m in args.methods}
     for n in args.sizes:
-        c = n // rt.world_size
+        c, at = n // rt.world_size, At(n, rt.rank, rt.world_size, args.micro, args.chunk)
         calls, models = {}, {}
         for method in args.methods:
             done = [(r["n"], r["peak_bytes"]) for r in results[method] if "peak_bytes" in r]
@@ -207,9 +180,8 @@ def run_part(part: str, rt, args, dtype) -> dict:
                 results[method].append({"n": n, "skipped": True, "predicted_peak_bytes": guess})
                 continue
             if part == "loss":
-                z = [t.to(rt.device) for t in local_embeddings(n, args.dim, rt.rank, rt.world_size, dtype)]
-                calls[method] = (lambda m=method, z=z: LOSSES[m](*z, n, rt.rank, rt.world_size,
-                                                                 args.micro, args.chunk))
+                z = local_embeddings(n, args.dim, rt, dtype)
+                calls[method] = (lambda m=method, z=z: LOSSES[m](*z, at))
             else:
                 gen = torch.Generator().manual_seed(n + rt.rank)
                 x, y = (torch.randn(c, 64, generator=gen, dtype=dtype).to(rt.device) for _ in range(2))
@@ -218,17 +190,12 @@ def run_part(part: str, rt, args, dtype) -> dict:
                 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
                 models[method] = model
                 calls[method] = (lambda m=method, model=model, opt=opt, x=x, y=y: step_fn(
-                    m, model, opt, x, y, n, rt.rank, rt.world_size, args.micro, args.chunk))
+                    m, model, opt, x, y, at))
                 calls[method]()  # warm-up: DDP's first iteration, lazy allocations
-        mems = {m: measure_memory(fn, rt.device) for m, fn in calls.items()}
-        times = {m: [] for m in calls}
-        for _ in range(args.repeats):
-            for m, fn in calls.items():  # interleaved: a burst of load hits every method
-                times[m].append(measure_time(fn, rt.device))
-        for m in calls:
-            results[m].append({"n": n, **mems[m], "time_s": statistics.median(times[m]), "times_s": times[m]})
-            print0(f"{part:4s} N={n:6d} {m:26s} peak {mems[m]['peak_bytes'] / 2**20:9.1f} MiB  "
-                   f"largest {mems[m]['largest_bytes'] / 2**20:9.1f} MiB  time {statistics.median(times[m]):8.3f} s")
+        for m, got in measure_interleaved(calls, rt, args.repeats).items():
+            results[m].append({"n": n, **got})
+            print0(f"{part:4s} N={n:6d} {m:26s} peak {got['peak_bytes'] / 2**20:9.1f} MiB  "
+                   f"largest {got['largest_bytes'] / 2**20:9.1f} MiB  time {got['time_s']:8.3f} s")
         del calls, models
     return results
 
@@ -238,7 +205,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--micro", type=int, default=512, help="B for lessons 13 and 14")
-    parser.add_argument("--chunk", type=int, default=2048, help="M for lesson 14")
+    parser.add_argument("--chunk", type=int, default=2048, help="T for lesson 14: its tiles are at most T x T")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cap-gib", type=float, default=4.0, help="per-rank peak memory cap")
     parser.add_argument("--parts", nargs="+", choices=("loss", "step"), default=["loss", "step"])

@@ -10,10 +10,10 @@ all configurations alike). A step is timed from a barrier to a barrier (and a CU
 GPUs), so it covers the slowest rank. We report the median and the spread (min..max). P = 1 is the
 unsplit model in one process, the baseline the ideal pipeline is measured against:
 
-    ideal(P, M) = T_1 / P * (M + P - 1) / M     (perfect split, no transfer cost, bubble only)
+    ideal(P, M) = t_1 / P * (M + P - 1) / M     (perfect split, no transfer cost, bubble only)
 
 which assumes one core (or GPU) per rank: with more ranks than cores (4 ranks on a 2-core laptop)
-no schedule can beat T_1 / cores, and the report says so.
+no schedule can beat t_1 / cores, and the report says so.
 
 The model is `layered_mlp` (Linear + Tanh layers) in float32, the loss the batch-mean MSE; only
 forward and backward are timed (no optimizer step: it is the same for every schedule).
@@ -144,9 +144,9 @@ def report(args) -> int:
                  "Load average (1 min) before/after each run: " + ", ".join(
                      f"P={p}: {r['meta']['load_average_before']:.1f}/{r['meta']['load_average_after']:.1f}"
                      for p, r in sorted(results.items())) + ".", "",
-                 "`ideal` = T_1 / P * (M + P - 1) / M from the unsplit step T_1: one core per rank, no "
+                 "`ideal` = t_1 / P * (M + P - 1) / M from the unsplit step t_1: one core per rank, no "
                  "transfer cost, only the bubble." + (f" Rows with P > {cores} cores cannot reach it "
-                 f"(at best T_1 / {cores})." if cores and max(results) > cores else ""), "",
+                 f"(at best t_1 / {cores})." if cores and max(results) > cores else ""), "",
                  "| P | schedule | M | median ms | min..max ms | ideal ms (bubble only) |",
                  "|---:|---|---:|---:|---:|---:|"]
         fig, axes = plt.subplots(1, max(1, len([p for p in results if p > 1])), figsize=(11, 4), squeeze=False)
@@ -172,11 +172,11 @@ def report(args) -> int:
             if base:
                 ms = sorted({r["M"] for r in rows})
                 ax.plot(ms, [base / p * (m + p - 1) / m * 1e3 for m in ms], color="green", alpha=0.6,
-                        label="ideal: T1/P (M+P-1)/M")
+                        label="ideal: t1/P (M+P-1)/M")
                 ax.axhline(base * 1e3, color="black", lw=0.8, label="unsplit, one process")
                 if cores and p > cores:
                     ax.axhline(base / cores * 1e3, color="green", ls="--", lw=0.8,
-                               label=f"T1/{cores}: best possible on {cores} cores")
+                               label=f"t1/{cores}: best possible on {cores} cores")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("micro-batches M")
             ax.set_ylabel("ms per step")

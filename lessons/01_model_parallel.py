@@ -7,16 +7,17 @@ The idea. A model too big for one device is cut into P contiguous stages, one pe
 computes A_p = f_p(A_{p-1}) and sends A_p to rank p+1; the last rank computes the loss L. A tensor
 that crosses a process boundary arrives as plain numbers, without its graph, so rank p+1 marks
 what it received `requires_grad_()`: its backward then yields dL/dA_p, which it sends back, and rank
-p resumes the backward from it (`A_p.backward(dL/dA_p)`). That is the chain rule across the cut:
+p resumes the backward from it (`A_p.backward(dL/dA_p)`). That is the chain rule across the cut
+(theta_p: the parameters of stage p):
 
-    dL/dW_p = dL/dA_p * dA_p/dW_p     and     dL/dA_{p-1} = dL/dA_p * dA_p/dA_{p-1}, sent on to p-1.
+    dL/dtheta_p = dL/dA_p * dA_p/dtheta_p     and     dL/dA_{p-1} = dL/dA_p * dA_p/dA_{p-1}, sent on to p-1.
 
 Every parameter lives on one rank, so each rank steps its own optimizer and no gradient is averaged.
 
 The mechanism is `ModelParallelStep.__call__` below: the whole send/recv chain, in this file. The
-split is `distlab/pipeline/partition.py: stage_bounds`: the first L mod P stages get one layer more.
-(The tempting `per_rank = ceil(L/P); start = rank * per_rank` leaves the trailing ranks empty: L = 6
-layers on P = 4 ranks gives 2, 2, 2, 0.) The training loop is the track's one loop,
+split is `distlab/pipeline/partition.py: stage_bounds`: the first (layers mod P) stages get one layer
+more. (The tempting `per_rank = ceil(layers / P); start = rank * per_rank` leaves the trailing ranks
+empty: 6 layers on P = 4 ranks gives 2, 2, 2, 0.) The training loop is the track's one loop,
 `distlab/pipeline/training.py: train`.
 
 The proof. An unsplit deep copy of the model trains on the whole batch in one process; every rank
@@ -70,13 +71,13 @@ class ModelParallelStep:
             dist.send(a_out.detach(), dst=p + 1)
         # Backward: the last rank starts from the loss, the others from dL/dA_p sent back by p+1.
         if p == last:
-            with span("B", step):
+            with span("I", step):
                 loss = F.mse_loss(a_out, self.target.to(dev))
                 loss.backward()
         else:
             grad_out = torch.empty_like(a_out)
             dist.recv(grad_out, src=p + 1)
-            with span("B", step):
+            with span("I", step):
                 a_out.backward(grad_out)
         if p > 0:
             dist.send(a_in.grad, dst=p - 1)
@@ -111,7 +112,7 @@ def main() -> int:
         # Step 1 pays one-off costs (first connections, allocations); draw the last, steady step.
         last = [s for s in run.spans if s.step == args.steps - 1]
         busy = busy_fractions(last, rt.world_size)
-        print0(f"\n[bold]Who computes when in step {args.steps}[/] (F forward, B backward, . waiting in recv):")
+        print0(f"\n[bold]Who computes when in step {args.steps}[/] (F forward, I backward, . waiting in recv):")
         print0(render(last, rt.world_size))
         print0("busy fraction per rank: " + ", ".join(f"rank {r} {f:.0%}" for r, f in enumerate(busy)))
         peak = verdict.figure("most_ranks_computing_at_once", max_concurrency(run.spans))

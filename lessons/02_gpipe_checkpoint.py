@@ -5,8 +5,8 @@
 The idea. Lesson 01 sends the whole batch down the stages, so P - 1 of P ranks always wait. GPipe
 (Huang et al. 2019, arXiv 1811.06965) cuts the batch of N rows into M micro-batches; stage p forwards
 micro-batch i while stage p+1 forwards i-1. Every rank runs all M forwards, then all M backwards, and
-steps its optimizer once. With a forward and a backward taking t_f and t_b per micro-batch, the step
-takes (M + P - 1)(t_f + t_b), of which each rank computes M(t_f + t_b), so the idle share, the bubble, is
+steps its optimizer once. With a forward and a backward taking t_F and t_I per micro-batch, the step
+takes (M + P - 1)(t_F + t_I), of which each rank computes M(t_F + t_I), so the idle share, the bubble, is
 
     bubble = (P - 1) / (M + P - 1)        (1 - 1/P for M = 1, lesson 01; towards 0 as M grows).
 
@@ -29,6 +29,13 @@ layers: a one-layer segment saves nothing. Both are measured: the bytes that pas
 every recomputation). Micro-batches are independent, so any backward order is valid; GPipe here
 runs first in, first out, as PyTorch's does.
 
+Measured. The lesson records when each rank computes, twice: on the real CPU, where P ranks share
+this machine's cores and take turns on them (so the timeline shows the operating system's scheduling
+more than GPipe's), and on an emulated device (`--emulate-ms`, `distlab/emulate.py`): each layer's
+forward or backward pass costs a fixed time in which the rank sleeps instead of holding a core, the
+real math still running inside it. There the ranks overlap as GPipe says, and the measured idle share
+of the step comes out near (P - 1)/(M + P - 1).
+
 The mechanism: the schedule is `distlab/pipeline/schedules.py: gpipe` (data: each rank's list of
 actions), executed by `distlab/pipeline/runner.py: PipelineStep` (its `_forward` scales the loss by
 n_i / N; `stage_forward` calls checkpoint_sequential); `distlab/pipeline/probe.py: StageProbe`
@@ -39,22 +46,23 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from distlab import emulate
 from distlab.cli import add_mlp_args, lesson_parser, nonnegative_int, positive_int
 from distlab.console import print0
 from distlab.pipeline.partition import stage_bounds
-from distlab.pipeline.report import check_runs, gathered
+from distlab.pipeline.report import check_runs, gathered, show_measured
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import gpipe
 from distlab.pipeline.simulator import render, simulate
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
 from distlab.runtime import distributed, run_main
-from distlab.timeline import busy_fractions, max_concurrency, step_seconds
-from distlab.timeline import render as render_spans
+from distlab.timeline import step_seconds
 from distlab.verdict import Verdict
 
 
 def parse_args(argv: list[str] | None = None):
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=128, global_batch=256, steps=3)
+    emulate.add_args(parser, ms_per_layer=4.0)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M, from 1 to N")
     parser.add_argument("--checkpoint-segments", type=nonnegative_int, default=2,
                         help="K >= 2: checkpoint_sequential segments per stage in the checkpointed run")
@@ -97,6 +105,28 @@ def memory_claim(m: dict, k: int) -> tuple[str, bool]:
     return f"stages with K={k} segments of >= 2 layers hold {max(cut):.2f}x or less, one-layer segments 1.00x", ok
 
 
+def show_timing(rt, cfg: PipelineConfig, args, runs: dict, verdict: Verdict) -> None:
+    """The measured timeline of GPipe's last step, on the real CPU and on the emulated device, and
+    the emulated step's idle share against (P-1)/(M+P-1). (Timings are figures, never checks.)"""
+    p, m, step = rt.world_size, args.micro_batches, args.steps - 1
+    spans = {"real CPU": runs["plain"].spans}
+    if args.emulate_ms:
+        emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
+        emulated = train(rt, emulated_cfg, PipelineStep(rt, emulated_cfg))
+        table, matched = check_runs({"GPipe on the emulated device": emulated}, unsplit_reference(cfg), cfg.dtype)
+        print0(table)
+        verdict.check("on the emulated device GPipe still computes the unsplit model's gradients", matched)
+        spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated.spans
+    measured = verdict.figure("measured", show_measured("GPipe's last step", spans, p, step))
+    if args.emulate_ms:
+        idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)
+        print0(f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
+               f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)")
+    t_plain, t_ckpt = (step_seconds(runs[k].spans, args.steps) for k in ("plain", "checkpointed"))
+    print0(f"real CPU step time (median, compute spans): {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
+           f"checkpointed ({t_ckpt / t_plain - 1:+.0%}; a shared CPU makes this noisy)")
+
+
 def main() -> int:
     args = parse_args()
     m, k = args.micro_batches, args.checkpoint_segments
@@ -112,7 +142,7 @@ def main() -> int:
         ckpt = train(rt, cfg.replace(checkpoint_segments=k), PipelineStep(rt, cfg.replace(checkpoint_segments=k)))
 
         timing = simulate(gpipe(p, m))
-        print0(render(timing, f"\nGPipe, P={p}, M={m}: one column per tick (F forward 1, B backward 2, . idle)"))
+        print0(render(timing, f"\nGPipe, P={p}, M={m}: one column per tick (F forward 1, I backward 2, . idle)"))
         bubble, formula = verdict.figure("bubble", timing.bubble_fraction()), (p - 1) / (m + p - 1)
         verdict.check("the bubble counted in GPipe's grid is (P-1)/(M+P-1)", abs(bubble - formula) < 1e-12,
                       f"{bubble:.4f} = {formula:.4f}")
@@ -130,15 +160,7 @@ def main() -> int:
         verdict.check(f"every stage holds all M={m} micro-batches at once", measured["in_flight"] == [m] * p)
         verdict.check(*memory_claim(verdict.figure("memory", measured), k))
 
-        last = [s for s in plain.spans if s.step == args.steps - 1]
-        print0("\n[bold]Who computes when in the last step[/] (measured, without checkpointing):")
-        print0(render_spans(last, p))
-        print0(f"most ranks computing at one instant: {max_concurrency(last)}; busy fraction per rank: "
-               + ", ".join(f"{f:.0%}" for f in busy_fractions(last, p)))
-        t_plain, t_ckpt = step_seconds(plain.spans, args.steps), step_seconds(ckpt.spans, args.steps)
-        print0(f"step time (median, compute spans): {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms checkpointed "
-               f"({t_ckpt / t_plain - 1:+.0%}; a shared CPU makes this noisy)")
-        verdict.figure("spans", [vars(s) for s in last])
+        show_timing(rt, cfg, args, {"plain": plain, "checkpointed": ckpt}, verdict)
         return verdict.finish(args.json)
 
 

@@ -12,7 +12,7 @@ remaining backwards. A micro-batch's activations are freed by its backward, so
 
 and the memory no longer grows with M. The bubble does not change: the first forward still needs
 P - 1 ticks to reach the last stage and the last backward P - 1 ticks to come back, so both take
-(M + P - 1)(t_f + t_b) and idle (P - 1)/(M + P - 1) of it. 1F1B does not shrink the bubble; what it
+(M + P - 1)(t_F + t_I) and idle (P - 1)/(M + P - 1) of it. 1F1B does not shrink the bubble; what it
 buys is the freedom to raise M (which does shrink it) without running out of memory. Lesson 05
 shrinks the bubble itself.
 
@@ -27,6 +27,11 @@ one `batch_isend_irecv`, at the tick of the schedule's own grid where the messag
 (`distlab/pipeline/p2p.py: comm_plan`); the tests replay every rank's plan for P <= 6, M <= 13 and
 show that blocking transfers in 1F1B's order would deadlock.
 
+Measured. The timeline of 1F1B's last step is recorded on the real CPU (P ranks taking turns on
+this machine's cores: mostly scheduling noise) and on an emulated device (`--emulate-ms`,
+`distlab/emulate.py`: each layer's pass costs a fixed time in which the rank sleeps, the real math
+running inside it), where the warm-up, the alternation and the drain show as the grid draws them.
+
 M < P is allowed here: the first ranks then never reach a steady state and behave like GPipe
 (PyTorch's Schedule1F1B refuses M < P; lesson 04). Uneven micro-batches are exact, as in lesson 02.
 """
@@ -35,16 +40,16 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from distlab import emulate
 from distlab.cli import add_mlp_args, lesson_parser, positive_int
 from distlab.console import print0
 from distlab.pipeline import schedules
-from distlab.pipeline.report import check_runs, gathered
+from distlab.pipeline.report import check_runs, gathered, show_measured
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule, gpipe
 from distlab.pipeline.simulator import peak_in_flight, render, simulate
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
 from distlab.runtime import distributed, run_main
-from distlab.timeline import render as render_spans
 from distlab.verdict import Verdict
 
 
@@ -56,8 +61,8 @@ def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
         warmup = min(num_ranks - r - 1, microbatches)
         order = [Action("F", i, r) for i in range(warmup)]
         for k in range(microbatches - warmup):
-            order += [Action("F", warmup + k, r), Action("B", k, r)]
-        order += [Action("B", i, r) for i in range(microbatches - warmup, microbatches)]
+            order += [Action("F", warmup + k, r), Action("I", k, r)]
+        order += [Action("I", i, r) for i in range(microbatches - warmup, microbatches)]
         schedule.append(order)
     return schedule
 
@@ -65,6 +70,7 @@ def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
 def parse_args(argv: list[str] | None = None):
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=128, global_batch=256, steps=3)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M, from 1 to N")
+    emulate.add_args(parser, ms_per_layer=4.0)
     return parser.parse_args(argv)
 
 
@@ -83,6 +89,23 @@ def memory_table(runs: dict[str, list], m: int) -> tuple[Table, dict]:
                    for name, ranks in runs.items()}
 
 
+def show_timing(rt, cfg: PipelineConfig, args, real, verdict: Verdict) -> None:
+    """1F1B's last step measured on the real CPU and on the emulated device (timings: figures only)."""
+    p, m, spans = rt.world_size, args.micro_batches, {"real CPU": real.spans}
+    if args.emulate_ms:
+        emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
+        emulated = train(rt, emulated_cfg, PipelineStep(rt, emulated_cfg, one_f_one_b(p, m)))
+        table, matched = check_runs({"1F1B on the emulated device": emulated}, unsplit_reference(cfg), cfg.dtype)
+        print0(table)
+        verdict.check("on the emulated device 1F1B still computes the unsplit model's gradients", matched)
+        spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated.spans
+    measured = verdict.figure("measured_timelines", show_measured("1F1B's last step", spans, p, args.steps - 1))
+    if args.emulate_ms:
+        idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)
+        print0(f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
+               f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)")
+
+
 def main() -> int:
     args = parse_args()
     m = args.micro_batches
@@ -98,7 +121,7 @@ def main() -> int:
 
         timings = {name: simulate(order) for name, order in orders.items()}
         for name, title in (("1f1b", "1F1B"), ("gpipe", "GPipe")):
-            print0(render(timings[name], f"\n{title}, P={p}, M={m} (ticks: F 1, B 2; . idle)"))
+            print0(render(timings[name], f"\n{title}, P={p}, M={m} (ticks: F 1, I 2; . idle)"))
         bubbles = verdict.figure("bubbles", {n: t.bubble_fraction() for n, t in timings.items()})
         formula = (p - 1) / (m + p - 1)
         verdict.check("GPipe and 1F1B idle the same share of their grids, (P-1)/(M+P-1)",
@@ -117,10 +140,7 @@ def main() -> int:
         verdict.check("1F1B holds no more activation bytes than GPipe on any rank",
                       all(o <= g for o, g in zip(measured["1f1b"]["saved"], measured["gpipe"]["saved"])))
 
-        last = [s for s in runs["1f1b"].spans if s.step == args.steps - 1]
-        print0("\n[bold]Who computes when in 1F1B's last step[/] (measured; the grid above is the ideal):")
-        print0(render_spans(last, p))
-        verdict.figure("spans", {n: [vars(s) for s in r.spans if s.step == args.steps - 1] for n, r in runs.items()})
+        show_timing(rt, cfg, args, runs["1f1b"], verdict)
         return verdict.finish(args.json)
 
 

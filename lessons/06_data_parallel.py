@@ -32,13 +32,18 @@ reduction runs while backward computes the earlier layers; `wait()` comes before
 DDP's reducer does the same in C++. The training loop they plug into is
 `distlab/data_parallel/training.py` (`train`); the timing, `distlab/data_parallel/overlap.py`.
 
-What that buys here, measured (gloo, P = 2 and 4 sharing a 2-core CPU with other jobs; seven runs):
-buckets pay, overlap does not. One all-reduce per parameter tensor made the step 1.2-1.8x as long
-as the same gradients in 0.5 MiB buckets after backward: every message has a fixed cost. Launching
-the buckets from the hooks took 0.9-1.2x the step with the buckets after backward, no reliable gain:
-the all-reduces do run during backward (the timeline shows it), but gloo copies and sums on the
-same cores, and backward ran up to 1.4x longer beside them. On GPUs NCCL runs the all-reduces on
-their own CUDA stream beside the backward kernels; that is where overlap hides communication.
+What that buys, measured twice. On the real CPU (gloo, P ranks sharing this machine's cores with
+other jobs) buckets pay and overlap does not: every message has a fixed cost, so one all-reduce per
+tensor is slower than a few buckets, but gloo copies and sums on the same cores backward computes
+on, so backward slows down beside the all-reduces and the step is about as long either way. On the
+emulated device (`--emulate-ms`, `--link-ms-per-mib`, `distlab/emulate.py`: each layer's forward
+costs a fixed time and its backward twice that, slept inside autograd with the real math running;
+each all-reduce waits its bytes' time on a link thread of its own, then runs) the two no longer
+compete, as on GPUs, where NCCL runs on its own CUDA stream. There the bucket of the last layers
+reduces while backward computes the first ones; only what is still on the link when backward ends
+is exposed. If the link keeps up with backward, all but the last bucket hide:
+
+    hidden share of the communication  ~  1 - (the last bucket's bytes) / (all the bytes).
 
 DDP, measured (`distlab/data_parallel/ddp.py`): it averages; `no_sync()` for gradient accumulation
 (`accumulate`: same gradient, one synchronised backward instead of one per micro-batch, counted by a
@@ -68,12 +73,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab import emulate
 from distlab.cli import DTYPES, add_mlp_args, lesson_parser, positive_float, positive_int, require
 from distlab.compare import all_ok, compare, gradient_error, tolerances
 from distlab.console import print0
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
-from distlab.data_parallel.overlap import backward_timeline, no_communication, time_strategies
+from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
 from distlab.data_parallel.report import (MIB, cost_table, gradient_table, rows_table,
                                           semantics_table, timeline_table, timing_table)
@@ -95,8 +101,8 @@ def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:
 class GradientBuckets:
     """All-reduce the gradients in buckets, each launched from backward as soon as it is full."""
 
-    def __init__(self, model: nn.Module, rt: Runtime, bucket_bytes: float, overlap: bool = True):
-        self.rt, self.overlap = rt, overlap
+    def __init__(self, model: nn.Module, rt: Runtime, bucket_bytes: float, overlap: bool = True, link=None):
+        self.rt, self.overlap, self.link = rt, overlap, link  # link: the emulated wire (emulate.Link), or gloo
         # Backward produces gradients from the last layer to the first; filling the buckets in that
         # order (as DDP does) makes the first bucket complete early in backward.
         self.buckets: list[list[nn.Parameter]] = [[]]
@@ -118,7 +124,8 @@ class GradientBuckets:
 
     def _launch(self, i: int) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])  # one message per bucket
-        work = dist.all_reduce(flat, async_op=True)  # returns at once; the backend reduces meanwhile
+        # Returns at once; the backend (or the emulated link's thread) reduces meanwhile.
+        work = self.link.all_reduce(flat) if self.link else dist.all_reduce(flat, async_op=True)
         self.in_flight.append((i, flat, work))
         self.events["launched"][i] = time.perf_counter()
         work.get_future().then(lambda _: self.events["done"].__setitem__(i, time.perf_counter()))
@@ -191,6 +198,8 @@ def show_overlap(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict) -
                   len(line.launched_ms) == len(sizes) and max(line.launched_ms) < line.backward_end_ms)
     verdict.figure("step_seconds", {name: vars(t) for name, t in seconds.items()})
     verdict.figure("timeline", vars(line) | {"bucket_bytes": sizes})
+    if args.emulate_ms:
+        verdict.figure("emulated", emulated_overlap(rt, cfg, args, GradientBuckets))
 
 
 def show_ddp(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict, ref_grads: dict) -> None:
@@ -259,6 +268,9 @@ def parse_args():
     parser.add_argument("--bucket-mib", type=positive_float, default=0.5, help="gradient bucket size, MiB")
     parser.add_argument("--accumulation-steps", type=positive_int, default=3,
                         help="micro-batches per rank in the no_sync part (at most C = N / P)")
+    emulate.add_args(parser, ms_per_layer=10.0)  # long enough that the real compute and all-reduces fit inside
+    parser.add_argument("--link-ms-per-mib", type=positive_float, default=40.0,
+                        help="emulated device: ms the link takes per MiB of an all-reduce")
     return parser.parse_args()
 
 

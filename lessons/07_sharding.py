@@ -276,15 +276,13 @@ def parse_args():
     parser.add_argument("--steps", type=positive_int, default=3, help="AdamW steps (and again after the checkpoint)")
     parser.add_argument("--lr", type=positive_float, default=0.01, help="AdamW learning rate")
     parser.add_argument("--weight-decay", type=positive_float, default=0.1, help="AdamW weight decay")
-    parser.add_argument("--checkpoint-dir", metavar="DIR",
-                        help="where part 4 saves (kept); default a temporary directory, removed at the end")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="where part 4 saves (kept); default a temporary directory, removed at the end")
     return parser.parse_args()
 
 
 def main() -> int:
     args = parse_args()
-    cfg = ShardingConfig(global_batch=args.global_batch, steps=args.steps, lr=args.lr,
-                         weight_decay=args.weight_decay, seed=args.seed)
+    cfg = ShardingConfig(global_batch=args.global_batch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed)
     with distributed(args.device) as rt:
         check_config(rt, cfg)
         verdict = Verdict(rt)

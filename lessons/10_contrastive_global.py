@@ -75,7 +75,7 @@ def main() -> int:
 
         # The independent reference: a deep copy of the model, the whole batch, one process.
         model = TwoTower(seed=args.seed, dtype=dtype)
-        ref_loss, ref = full_batch_gradients(model, *paired_data(n, seed=args.seed, dtype=dtype), args.tau)
+        ref_loss, ref = full_batch_gradients(model, *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau)
         plain = gradient_error(ref, ddp[GLOBAL_PLAIN.name][1])
         plain_over_p = gradient_error(ref, ddp[GLOBAL_PLAIN.name][1], scale=1 / p)
         fixed = {v.name: gradient_error(ref, ddp[v.name][1]) for v in (GLOBAL_TIMES_P, GLOBAL_SUM)}

@@ -92,8 +92,8 @@ def first_step(rt: Runtime, args, verdict: Verdict) -> None:
     p, n = rt.world_size, args.global_batch
     ddp = first_step_gradients(rt, (LOCAL_PLAIN, LOCAL_SUM), n, args.tau, seed=args.seed, dtype=DTYPE)
     model, (x, y) = TwoTower(seed=args.seed, dtype=DTYPE), paired_data(n, seed=args.seed, dtype=DTYPE)
-    ref_loss, ref = full_batch_gradients(model, x, y, args.tau)
-    _, detached = full_batch_gradients(model, x, y, args.tau, loss_fn=DetachedBlocks(p))
+    ref_loss, ref = full_batch_gradients(model, x, y, 1 / args.tau)
+    _, detached = full_batch_gradients(model, x, y, 1 / args.tau, loss_fn=DetachedBlocks(p))
     plain, fixed = ddp[LOCAL_PLAIN.name][1], ddp[LOCAL_SUM.name][1]
     errors = {"ref": gradient_error(ref, plain), "detached": gradient_error(detached, plain)}
     fixed_err = gradient_error(ref, fixed)
@@ -128,7 +128,7 @@ def lost_fraction(model: TwoTower, x: torch.Tensor, y: torch.Tensor, tau: float,
     grads = {}
     for name, loss_fn in (("true", clip_loss), ("plain", DetachedBlocks(p))):
         a, b = (t.clone().requires_grad_() for t in z)
-        loss_fn(a, b, tau).backward()
+        loss_fn(a, b, 1 / tau).backward()
         grads[name] = (a.grad, b.grad)
     return {tower: ((grads["true"][i] - grads["plain"][i]).norm() / grads["true"][i].norm()).item()
             for i, tower in enumerate(("z_x", "z_y"))}

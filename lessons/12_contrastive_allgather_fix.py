@@ -98,7 +98,7 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     p, n, dtype = rt.world_size, args.global_batch, DTYPES[args.dtype]
     ddp = first_step_gradients(rt, FIXES + (LOCAL_PLAIN,), n, args.tau, seed=args.seed, dtype=dtype)
     ref_loss, ref = full_batch_gradients(TwoTower(seed=args.seed, dtype=dtype),
-                                         *paired_data(n, seed=args.seed, dtype=dtype), args.tau)
+                                         *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau)
     errors = {v.name: gradient_error(ref, ddp[v.name][1]) for v in FIXES + (LOCAL_PLAIN,)}
     rtol, atol = tolerances(dtype)
     rows = [(v.name, "ref", errors[v.name], True) for v in FIXES]

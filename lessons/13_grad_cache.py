@@ -2,56 +2,50 @@
 
     torchrun --nproc-per-node 2 lessons/13_grad_cache.py    # any P that divides N (576: P = 1, 2, 3, 4, 6, 8)
 
-The idea. The CLIP loss couples all N pairs, so its gradient is not a sum over micro-batches. But the
-parameters theta reach the loss only through the representations h_i = f_theta(x_i), N x d numbers
-(the rows of H; a tower's raw output, before the loss normalises it):
+The idea. The CLIP loss couples all N pairs, so its gradient is not a sum over micro-batches. But the parameters
+theta reach the loss only through the representations h_i = f_theta(x_i), N x d numbers (the rows of H; a
+tower's raw output, before the loss normalises it):
 
     dL/dtheta = sum_i (dL/dh_i) . (dh_i/dtheta)
 
-GradCache (Gao, Zhang, Han, Callan 2021, "Scaling Deep Contrastive Learning Batch Size under Memory
-Limited Setup", https://arxiv.org/abs/2101.06983; library luyug/GradCache, https://github.com/luyug/GradCache)
-computes it in three steps: (1) every representation, micro-batch by micro-batch of B rows, without a
-graph; (2) the loss on them and its gradient G = dL/dH, the cache; (3) every micro-batch again with a
-graph, back-propagating <h, G> of its rows, whose parameter gradient is G . dh/dtheta. Activations live
-for one micro-batch at a time. Dropout must draw the same masks in (1) and (3): each micro-batch's random
-state is saved in (1) and replayed in (3).
+GradCache (Gao, Zhang, Han, Callan 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited
+Setup", https://arxiv.org/abs/2101.06983; library luyug/GradCache, https://github.com/luyug/GradCache) computes
+it in three steps: (1) every representation, micro-batch by micro-batch of B rows, without a graph; (2) the loss
+on them and its gradient G = dL/dH, the cache; (3) every micro-batch again with a graph, back-propagating <h, G>
+of its rows, whose parameter gradient is G . dh/dtheta. Activations live for one micro-batch at a time. Dropout
+must draw the same masks in (1) and (3): each micro-batch's random state is saved in (1) and replayed in (3).
 
-The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs. The library
-version is `GradCache.cache_step` in src/distlab/contrastive/grad_cache.py (`forward_no_grad`,
-`build_cache`, `forward_backward`; dicts, VLM inputs, mixed precision and DDP's `no_sync` on top); the
-replay is `RandContext` in src/distlab/contrastive/rand_context.py.
+The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs. The library version
+is `GradCache.cache_step` in src/distlab/contrastive/grad_cache.py (`forward_no_grad`, `build_cache`,
+`forward_backward`; dicts, VLM inputs, mixed precision and DDP's `no_sync` on top); the replay is `RandContext`
+in src/distlab/contrastive/rand_context.py.
 
-The proof. Part 1, one process (rank 0): both equal the full batch's gradients (a deep copy, plain
-autograd, one loss; its micro-batches run with a graph in the same order from the same seed, so dropout
-draws the same masks); the peak memory follows B, not N, down to a floor set by the loss's own N x N
-logits (when the activations outweigh the parameter gradients, as at the defaults: with tiny towers the
-gradient each micro-batch's backward adds into .grad can cost more than it saves); the price is an extra
-forward of every sample, even at B = N. Part 2, P ranks under DDP: each
-rank caches its C = N/P pairs, the loss gathers the representations with lesson 12's gather (its backward
-sums over ranks), DDP averages: the gradients equal the single-process global batch's, and with
-`no_sync_except_last` each tower's gradients are all-reduced in one backward per step, not in every
+The proof. Part 1, one process (rank 0): both equal the full batch's gradients (a deep copy, plain autograd, one
+loss; its micro-batches run with a graph in the same order from the same seed, so dropout draws the same masks);
+the peak memory follows B, not N, down to a floor set by the loss's own N x N logits (when the activations
+outweigh the parameter gradients, as at the defaults: with tiny towers the gradient each micro-batch's backward
+adds into .grad can cost more than it saves); the price is an extra forward of every sample, even at B = N. Part
+2, P ranks under DDP: each rank caches its C = N/P pairs, the loss gathers the representations with lesson 12's
+gather (its backward sums over ranks), DDP averages: the gradients equal the single-process global batch's, and
+with `no_sync_except_last` each tower's gradients are all-reduced in one backward per step, not in every
 micro-batch's (a DDP comm hook counts them).
 
-Two readings of GradCache that do not hold: "with B = N it is plain training" (every sample still runs
-forward twice), and "it needs the memory of B samples" (the loss's N x N logits remain; lesson 14
-removes them).
-"""
+Two readings of GradCache that do not hold: "with B = N it is plain training" (every sample still runs forward
+twice), and "it needs the memory of B samples" (the loss's N x N logits remain; lesson 14 removes them)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from rich.table import Table
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.chunks import chunks
 from distlab.cli import DTYPES, add_contrastive_args, fraction, lesson_parser, positive_int, require
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.console import print0, progress
@@ -60,12 +54,12 @@ from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.contrastive.rand_context import RandContext
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.memory import PeakMemory
+from distlab.data_parallel.ddp import count_reducing_backwards
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
+from distlab.step_cost import MIB, interleaved_seconds, peak_mib, right_aligned, rows_forwarded
 from distlab.verdict import Verdict
 
-MIB = 2 ** 20
 IN_FEATURES = 128  # of each view
 TOWERS = ("encoder_x", "encoder_y")
 PART_ONE = {  # rank 0 measures these; every rank records them (the verdict agrees across ranks)
@@ -102,13 +96,13 @@ def reference(model: TwoTower, x, y, args, world_size: int) -> tuple[float, dict
     """The full batch in one process, plain autograd; rank r's micro-batches run from rank r's seed in
     GradCache's order (tower x's, then tower y's), so dropout draws the masks each rank drew."""
     streams = RankStreams([args.seed + r for r in range(world_size)])
-    forward = as_ranks(streams, args.micro_batch_size, tower_by_tower=True)
-    return full_batch_gradients(model, x, y, args.tau, forward=forward)
+    forward = as_ranks(streams, chunks(len(x) // world_size, args.micro_batch_size), tower_by_tower=True)
+    return full_batch_gradients(model, x, y, 1 / args.tau, forward=forward)
 
 
 def rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch.Tensor:
     """CLIP loss on raw tower outputs: normalising is part of the loss, so part of the cache."""
-    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
+    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), 1 / tau)
 
 
 def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
@@ -131,9 +125,6 @@ def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
     return loss.detach()
 
 
-# --- part 1: one process ---------------------------------------------------------------------------
-
-
 def plain_step(model: TwoTower, x, y, tau: float) -> None:
     rep_clip_loss(model.encoder_x(x), model.encoder_y(y), tau).backward()
 
@@ -145,44 +136,6 @@ def cache_step(model: TwoTower, x, y, tau: float, b: int) -> None:
 @torch.no_grad()
 def forward_only(model: TwoTower, x, y) -> None:
     model.encoder_x(x), model.encoder_y(y)
-
-
-def right_aligned(table: Table, first: int = 1) -> Table:
-    """Numbers line up by their digits: columns from `first` on, right-justified."""
-    for column in table.columns[first:]:
-        column.justify = "right"
-    return table
-
-
-def peak_mib(model: TwoTower, step, *args) -> tuple[float, float]:
-    """(peak, largest tensor) in MiB of one step's tensor storage, parameter gradients included."""
-    model.zero_grad(set_to_none=True)
-    with PeakMemory() as mem:
-        step(model, *args)
-    return mem.peak_bytes / MIB, mem.largest_bytes / MIB
-
-
-def rows_forwarded(model: TwoTower, step, *args) -> int:
-    """Rows that went through encoder_x's forward in one step (a forward hook counts them)."""
-    seen = []
-    handle = model.encoder_x.register_forward_hook(lambda module, inputs, out: seen.append(len(out)))
-    step(model, *args)
-    handle.remove()
-    return sum(seen)
-
-
-def interleaved_seconds(model: TwoTower, steps: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per step; the methods take turns, so a drifting load hits all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in progress(range(repeats), repeats, "timing"):
-        for name, (step, args) in steps.items():
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            step(model, *args)
-            if args[0].is_cuda:
-                torch.cuda.synchronize(args[0].device)  # kernels run asynchronously
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def exactness(model: TwoTower, args, device: torch.device) -> dict[str, tuple[bool, str]]:
@@ -248,8 +201,8 @@ def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> 
     """Forwarded rows (counted) and the time of one step (measured): plain autograd beside GradCache."""
     n, b, tau = args.global_batch, args.micro_batch_size, args.tau
     x, y = pairs(args, device, n)
-    plain_rows = rows_forwarded(model, plain_step, x, y, tau)
-    cached_rows = rows_forwarded(model, cache_step, x, y, tau, n)
+    plain_rows = rows_forwarded(model.encoder_x, plain_step, model, x, y, tau)
+    cached_rows = rows_forwarded(model.encoder_x, cache_step, model, x, y, tau, n)
     seconds = interleaved_seconds(model, {"no-grad forward alone": (forward_only, (x, y)),
                                           "plain autograd": (plain_step, (x, y, tau)),
                                           f"GradCache, B = N = {n}": (cache_step, (x, y, tau, n)),
@@ -277,26 +230,10 @@ def part_one(args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bo
             **the_price(model, args, device, verdict)}
 
 
-# --- part 2: DDP -------------------------------------------------------------------------------------
-
-
 def ddp_rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float, offset: int) -> torch.Tensor:
     """This rank's C rows of the global loss; the gather's backward sums over ranks (lesson 12)."""
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
-    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau, offset)
-
-
-def count_reducing_backwards(model: DDP) -> list[int]:
-    """A DDP comm hook counting the backwards in which DDP all-reduced the gradients: DDP may cut
-    them into several buckets (one all-reduce each); the bucket marked last closes one backward."""
-    backwards = [0]
-
-    def hook(state, bucket):
-        backwards[0] += bucket.is_last()
-        return default_hooks.allreduce_hook(state, bucket)  # what DDP does without a hook
-
-    model.register_comm_hook(None, hook)
-    return backwards
+    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / tau, offset)
 
 
 def part_two(args, rt, verdict: Verdict) -> None:

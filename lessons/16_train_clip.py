@@ -17,7 +17,7 @@ hand", ...), drawn afresh every epoch; a fifth of the images, every digit in pro
 
 The temperature learns too. dL/dS_ij = (R_ij + Q_ij - 2 [i = j]) / (2N) and S_ij = s z_x_i . z_y_j, so
 dL/ds = sum_ij dL/dS_ij S_ij / s = <G_x, Z_x> / s: a sum over each rank's rows of what the step already
-has, no extra pass over the tiles (the derivation is in `distributed_backward`'s docstring).
+has, no extra pass over the tiles (lesson 14 derives it).
 
 What to expect. A batch of N = 256 holds about 26 images of each digit, and for an image every caption
 of its digit is as good a match as its own: the loss cannot fall much below log(N / 10) = 3.2, and
@@ -26,7 +26,7 @@ the digits wants it large; preferring one same-digit caption over another (the i
 template its caption was drawn from) is a mistake, and wants it small.
 
 The mechanism. `distributed_backward` in src/distributed_clip.py (the phases in
-src/distlab/contrastive/streamed.py) adds the exact global gradient into .grad, like loss.backward();
+src/distlab/streamed/step.py) adds the exact global gradient into .grad, like loss.backward();
 the caller owns everything else, as in any CLIP training loop (open_clip's `train_one_epoch`):
 
     optimizer.zero_grad()
@@ -66,12 +66,10 @@ temperatures agree to float32 rounding step by step (the test compares P = 1 and
 
 from __future__ import annotations
 
-import copy
 import itertools
 import time
 
 import torch
-import torch.nn.functional as F
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -81,6 +79,7 @@ from distlab.compare import all_ok, compare, grads_of, tolerances
 from distlab.console import print0, progress
 from distlab.contrastive.digits import (DigitsCLIP, Tokenizer, caption_table, confusion_matrix,
                                         draw_captions, load_split, zero_shot)
+from distlab.contrastive.reference import full_batch_gradients
 from distlab.optim import decay_groups, warmup_cosine
 from distlab.runtime import distributed, run_main
 from distlab.verdict import Verdict
@@ -95,7 +94,7 @@ def parse_args():
     parser.add_argument("--global-batch", type=positive_int, default=256, help="N pairs per step, over P ranks")
     parser.add_argument("--micro-batch-size", type=positive_int, default=64,
                         help="B; B >= C = N / P runs the towers once per step")
-    parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T, columns per tile")
+    parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T: tiles are at most T x T")
     parser.add_argument("--steps", type=positive_int, default=150, help="optimiser steps")
     parser.add_argument("--warmup", type=positive_int, default=15, help="warm-up steps of the schedule")
     parser.add_argument("--lr", type=positive_float, default=5e-3, help="AdamW's peak learning rate")
@@ -153,14 +152,10 @@ class Digits:
 
 
 def reference_gradients(model: DigitsCLIP, images: torch.Tensor, ids: torch.Tensor) -> tuple[dict, float]:
-    """A deep copy on the whole global batch in one process: plain autograd, s an ordinary tensor."""
-    ref = copy.deepcopy(model)
-    z_x, z_y, s = ref(images, ids)
-    logits = s * z_x @ z_y.T                                          # N x N
-    labels = torch.arange(len(images), device=images.device)
-    loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-    loss.backward()
-    return grads_of(ref), loss.item()
+    """A deep copy on the whole global batch in one process: plain autograd on `clip_loss`, s an ordinary
+    tensor (the model has no dropout, so no random stream needs replaying)."""
+    loss, grads = full_batch_gradients(model, images, ids, None)
+    return grads, loss
 
 
 def part_table(rows: list, caption: str) -> Table:
@@ -190,9 +185,10 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
     ddp.zero_grad(set_to_none=True)
 
 
-def train(ddp, model, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
+def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
     """The caller-owned loop; returns the curves. With --checkpoint-dir it starts after the newest
     whole checkpoint, if any, and writes one every --checkpoint-every steps (src/distlab/checkpointing.py)."""
+    model = ddp.module
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
     params = [p for p in ddp.parameters() if p.requires_grad]
     checkpoints = Checkpoints.from_args(args, data.rt)
@@ -257,7 +253,7 @@ def main() -> int:
         (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
         check_first_step(ddp, model, data, config, verdict)
         start = time.perf_counter()
-        curves = train(ddp, model, optimizer, scheduler, data, config, args, bf16)
+        curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
         seconds = time.perf_counter() - start
         after, predictions = data.zero_shot(model)
         print0(curve_table(curves))

@@ -6,12 +6,14 @@
     loss = distributed_backward(model, local_x, local_y, config, grad_scaler=scaler)  # you own the rest
 
 config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": T, "TAU": tau}; leave TAU
-out when model(x, y) returns (z_x, z_y, logit_scale). Optional "PHASE_B": "sharded" (default) or
-"replicated". The model is DDP, torch.compile(DDP) or FSDP2-wrapped, with `encoder_x` and
-`encoder_y` on the wrapped module. See `distlab.contrastive.streamed` for the phases and the math,
+out when model(x, y) returns (z_x, z_y, logit_scale). Optional "NORMALISERS": "sharded" (default) or
+"replicated"; optional "EXCHANGE": "gather" (default) or "ring" (C x d blocks pass rank to rank,
+lesson 15). A model returning (z_x, z_y, logit_scale, logit_bias), or open_clip's output dict with a
+logit_bias, selects the sigmoid loss (SigLIP) instead of the symmetric InfoNCE. The model is DDP, torch.compile(DDP) or FSDP2-wrapped; forward(x, y) returns a tuple
+or open_clip's dict (output_dict=True), so a stock open_clip CLIP drops in. See `distlab.streamed.step` for the phases and the math,
 lesson 14 for a training loop, and the README's "Using distributed_clip in your training".
 """
 
-from distlab.contrastive.streamed import distributed_backward, distributed_train_step
+from distlab.streamed import distributed_backward, distributed_train_step
 
 __all__ = ["distributed_backward", "distributed_train_step"]

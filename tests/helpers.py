@@ -1,5 +1,6 @@
 """What the tests share (CS336's tests/common.py is the model): tiny runners and checks that several
-test files need. No test file imports another test file; what two of them need lives here."""
+test files need. No test file imports another test file; what two of them need lives here (what the
+streamed step's tests share, in streamed_helpers.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,24 @@ def assert_same_error_on_every_rank(fn: Callable[..., Any], world_size: int, *ar
     assert len(set(messages)) == 1, f"ranks disagree: {messages}"
     assert match in messages[0], f"{match!r} not in {messages[0]!r}"
     return messages[0]
+
+
+def all_ranks_true(flag: bool, device: torch.device) -> bool:
+    """True on every rank iff `flag` is true on every rank: one all_reduce(MIN) on `device` (the
+    right way to agree on a flag; tests/test_strict_device.py's example of code strict mode passes)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def strict_mode_off() -> bool:
+    """No strict device mode is on in this process (`distlab.strict`): nothing patched, no mode pushed."""
+    import torch.distributed as dist
+    from torch.overrides import _get_current_function_mode_stack
+
+    return not hasattr(dist.all_reduce, "strict_device") and not _get_current_function_mode_stack()
 
 
 class CommHookCounter:
@@ -176,88 +195,6 @@ def assert_lesson_passes_at_80_columns(lesson: str, nproc: int, *args: str) -> s
     assert "PASS: every claim holds" in run.stdout and no_ellipsis(run.stdout), run.stdout
     assert max(len(line) for line in run.stdout.splitlines()) <= 80, run.stdout
     return run.stdout
-
-
-# ---------------------------------------------------------------------------------------------
-# The streamed step (lesson 14, distributed_clip): a small CLIP-like model and its reference
-# ---------------------------------------------------------------------------------------------
-
-import math  # noqa: E402
-
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-STREAMED_N = 24  # a global batch divisible by P = 1, 2, 3 and 4
-DROPOUT_SEED = 100  # rank r's dropout stream starts from torch.manual_seed(DROPOUT_SEED + r)
-
-
-class Towers(nn.Module):
-    """Two small towers (Linear, [BatchNorm], Tanh, Dropout, Linear) with L2-normalised outputs and,
-    with `scale_shape`, a learnable logit scale s = exp(logit_scale) returned third (open_clip's way).
-    `float32_out` names the towers whose embeddings leave the model in float32 (under autocast)."""
-
-    def __init__(self, scale_shape=None, dropout=0.0, batchnorm=False, dtype=torch.float64,
-                 float32_out=(), seed=0):
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-
-        def tower(dim_in):
-            layers = [nn.Linear(dim_in, 16, dtype=dtype)] + ([nn.BatchNorm1d(16, dtype=dtype)] if batchnorm else [])
-            layers += [nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 8, dtype=dtype)]
-            with torch.no_grad():
-                for p in (q for layer in layers for q in layer.parameters()):
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) * 0.4)
-            return nn.Sequential(*layers)
-
-        self.encoder_x, self.encoder_y = tower(12), tower(10)
-        self.float32_out = float32_out
-        if scale_shape is not None:
-            self.logit_scale = nn.Parameter(torch.full(scale_shape, math.log(1 / 0.07), dtype=dtype))
-
-    def forward(self, x, y):
-        z_x, z_y = F.normalize(self.encoder_x(x), dim=-1), F.normalize(self.encoder_y(y), dim=-1)
-        z_x, z_y = (z.float() if name in self.float32_out else z for z, name in ((z_x, "x"), (z_y, "y")))
-        return (z_x, z_y) if not hasattr(self, "logit_scale") else (z_x, z_y, self.logit_scale.exp())
-
-
-def symmetric_infonce(z_x, z_y, s):
-    logits = s * z_x @ z_y.T
-    labels = torch.arange(len(z_x))
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
-
-
-def split_sizes(c, b):
-    """The split the step promises: the fewest micro-batches of at most B rows, sizes within one."""
-    parts = -(-c // min(b, c))
-    return [c // parts + (k < c % parts) for k in range(parts)]
-
-
-def full_batch(model, x, y, world, b, tau=None, streams=None):
-    """The symmetric InfoNCE of the whole global batch, one forward per micro-batch of each rank
-    (rank r's masks drawn from streams[r] when given), the scale s as an ordinary tensor."""
-    c, outs = len(x) // world, []
-    for r in range(world):
-        if streams is not None:
-            torch.set_rng_state(streams[r])
-        start = r * c
-        for size in split_sizes(c, b):
-            outs.append(model(x[start:start + size], y[start:start + size]))
-            start += size
-        if streams is not None:
-            streams[r] = torch.get_rng_state()
-    z_x, z_y = (torch.cat([o[i] for o in outs]) for i in (0, 1))
-    s = outs[0][2] if tau is None else 1 / tau
-    return symmetric_infonce(z_x, z_y, s)
-
-
-def rank_streams(world, seed=DROPOUT_SEED):
-    with torch.random.fork_rng():
-        return [torch.manual_seed(seed + r).get_state() for r in range(world)]
-
-
-def local_rows(rt, n=STREAMED_N):
-    c = n // rt.world_size
-    return slice(rt.rank * c, (rt.rank + 1) * c)
 
 
 # -- pipeline lessons 01-05 --------------------------------------------------------------------

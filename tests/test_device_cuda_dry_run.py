@@ -111,7 +111,7 @@ def _devices(rt):
     from distlab.contrastive.gather import gather_library, gather_plain, gather_with_grad
     from distlab.contrastive.grad_cache import GradCache
     from distlab.contrastive.losses import clip_loss
-    from distlab.contrastive.streamed import gather_pairs
+    from distlab.streamed.step import gather_pairs
     from distlab.models import TwoTower, paired_data
     from distlab.pipeline import p2p
 
@@ -128,7 +128,7 @@ def _devices(rt):
         }
         model = TwoTower(seed=0).to(rt.device)
         x, y = (t[:4].to(rt.device) for t in paired_data(8, seed=1))
-        cache = GradCache([model.encoder_x, model.encoder_y], 2, lambda a, b: clip_loss(a, b, 0.1))
+        cache = GradCache([model.encoder_x, model.encoder_y], 2, lambda a, b: clip_loss(a, b, 10.0))
         reps, _ = cache.forward_no_grad(model.encoder_x, cache.split_inputs(x, 2))
         got["GradCache.forward_no_grad"] = reps
         got["GradCache.build_cache"] = cache.build_cache(reps, reps.clone())[0][0]

@@ -27,9 +27,9 @@ def _ranks(rt, gather, claims, seed: int) -> None:
     claims.check("the forward gathers every rank's block in rank order", torch.equal(all_x.detach(), full_x),
                  f"max difference {(all_x.detach() - full_x).abs().max():.1e}",
                  "all_gather_single puts rank r's C rows at r C .. r C + C - 1")
-    local_clip_loss(z_x, z_y, all_x, all_y, TAU, rt.rank * C).backward()
+    local_clip_loss(z_x, z_y, all_x, all_y, 1 / TAU, rt.rank * C).backward()
     ref_x, ref_y = (z.clone().requires_grad_() for z in (full_x, full_y))
-    clip_loss(ref_x, ref_y, TAU).backward()
+    clip_loss(ref_x, ref_y, 1 / TAU).backward()
     for name, got, want in (("z_x", z_x.grad, P * ref_x.grad[rows]), ("z_y", z_y.grad, P * ref_y.grad[rows])):
         err = ((got - want).norm() / want.norm()).item() if got is not None else float("inf")
         claims.check(f"the gradient at {name} equals P x the full batch's", err < 1e-10,

@@ -19,7 +19,7 @@ N, B, TAU, SEED = 8, 3, 0.1, 7
 
 
 def _loss(rep_x, rep_y):
-    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), TAU)
+    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), 1 / TAU)
 
 
 def _ranks(rt, grad_cache_step, claims) -> None:

@@ -6,60 +6,18 @@ fixes the masks) but with a graph, in one backward of one loss: no cache, no Ran
 pass. Float64 throughout (rtol 1e-10, atol 1e-12) unless a test states otherwise.
 """
 
-import copy
-from collections import UserDict
-from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import distlab.contrastive.grad_cache as grad_cache_module
-from distlab.compare import all_ok, compare, grads_of
+from distlab.compare import all_ok, compare
 from distlab.contrastive.grad_cache import GradCache, default_rep
-from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.split_inputs import split_inputs
 from distlab.models import TwoTower, paired_data
 
-N, TAU, SEED = 13, 0.1, 7
-
-
-def rep_clip_loss(rep_x, rep_y, tau=TAU):
-    """The CLIP loss on raw representations: GradCache caches dL/d(rep), normalisation included."""
-    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
-
-
-def call(model, chunk):
-    return model(**chunk) if isinstance(chunk, dict) else model(chunk)
-
-
-def reference(models, batches, loss_fn, chunked_batches=None, seed=SEED):
-    """Plain autograd on deep copies; `chunked_batches` (with dropout) replays the chunk order."""
-    copies = {id(m): copy.deepcopy(m) for m in models}
-    torch.manual_seed(seed)
-    if chunked_batches is None:
-        reps = [default_rep(call(copies[id(m)], b)) for m, b in zip(models, batches)]
-    else:
-        reps = [torch.cat([default_rep(call(copies[id(m)], c)) for c in chunks])
-                for m, chunks in zip(models, chunked_batches)]
-    loss = loss_fn(*reps)
-    loss.backward()
-    grads = {}
-    for i, m in enumerate(dict.fromkeys(models)):  # distinct models, in order
-        grads.update(grads_of(copies[id(m)], prefix=f"model{i}."))
-    return grads, loss.detach()
-
-
-def grads_of_models(models):
-    grads = {}
-    for i, m in enumerate(dict.fromkeys(models)):
-        grads.update(grads_of(m, prefix=f"model{i}."))
-    return grads
-
-
-def rows(batch, chunk):
-    return [batch[a:a + chunk] for a in range(0, len(batch), chunk)]
+from grad_cache_helpers import N, SEED, Output, grads_of_models, image_batch, reference, rep_clip_loss, rows
 
 
 # --- tensors and lists, one and two models ----------------------------------------------------------
@@ -111,125 +69,6 @@ def test_without_rand_context_dropout_gradients_are_wrong(monkeypatch):
         assert all_ok(result) == expect_ok
         if not expect_ok:
             assert max(r.max_rel for r in result) > 1e-2  # not a rounding error: a different function
-
-
-# --- dicts and VLM-style inputs -----------------------------------------------------------------------
-
-
-@dataclass
-class Output:
-    """A HF-like model output: the representation is found by name, never by `a or b`."""
-    last_hidden_state: torch.Tensor
-    pooler_output: torch.Tensor | None = None
-
-
-class ToyVLM(nn.Module):
-    """Text (token ids + mask) and, when given, one image per sample as flattened patches, Qwen-VL
-    style: image i owns t*h*w consecutive rows of pixel_values. Mean-pools both, then a head."""
-
-    def __init__(self, vocab=11, patch_dim=5, hidden=16, embed=6, dropout=0.0, pooled=True):
-        super().__init__()
-        gen = torch.Generator().manual_seed(3)
-        self.tokens = nn.Embedding(vocab, hidden, dtype=torch.float64)
-        self.patch = nn.Linear(patch_dim, hidden, dtype=torch.float64)
-        self.head = nn.Sequential(nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, embed, dtype=torch.float64))
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
-        self.pooled = pooled
-
-    def forward(self, input_ids, attention_mask, pixel_values=None, image_grid_thw=None):
-        mask = attention_mask.unsqueeze(-1).to(torch.float64)
-        h = (self.tokens(input_ids) * mask).sum(1) / mask.sum(1)
-        if pixel_values is not None:
-            counts = image_grid_thw.prod(1).tolist()
-            h = h + torch.stack([p.mean(0) for p in self.patch(pixel_values).split(counts)])
-        out = self.head(h)
-        if self.pooled:
-            return Output(last_hidden_state=out.unsqueeze(1).expand(-1, 3, -1), pooler_output=out)
-        return Output(last_hidden_state=torch.cat([out.unsqueeze(1), torch.zeros_like(out).unsqueeze(1)], 1))
-
-
-def text_batch(n, seed, length=7, vocab=11):
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, length + 1, (n,), generator=gen)
-    return {"input_ids": torch.randint(0, vocab, (n, length), generator=gen),
-            "attention_mask": (torch.arange(length) < lengths[:, None]).long()}
-
-
-def image_batch(n, seed, patch_dim=5):
-    gen = torch.Generator().manual_seed(seed + 100)
-    grid = torch.stack([torch.ones(n, dtype=torch.long), torch.randint(1, 3, (n,), generator=gen),
-                        torch.randint(1, 4, (n,), generator=gen)], dim=1)  # 1 to 6 patches per image
-    pixels = torch.randn(int(grid.prod(1).sum()), patch_dim, generator=gen, dtype=torch.float64)
-    return {**text_batch(n, seed), "pixel_values": pixels, "image_grid_thw": grid}
-
-
-def vlm_rows(batch, chunk):
-    """The test's own VLM slicing: per-image patch blocks, regrouped by sample range."""
-    per_image = list(batch["pixel_values"].split(batch["image_grid_thw"].prod(1).tolist()))
-    out = []
-    for a in range(0, len(batch["input_ids"]), chunk):
-        b = a + chunk
-        out.append({"input_ids": batch["input_ids"][a:b], "attention_mask": batch["attention_mask"][a:b],
-                    "pixel_values": torch.cat(per_image[a:b]), "image_grid_thw": batch["image_grid_thw"][a:b]})
-    return out
-
-
-def dict_rows(batch, chunk):
-    return [{k: v[a:a + chunk] for k, v in batch.items()} for a in range(0, len(batch["input_ids"]), chunk)]
-
-
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
-@pytest.mark.parametrize("pooled", [True, False])
-def test_one_vlm_for_text_queries_and_image_documents(dropout, pooled):
-    """One model encodes text-only dict queries and VLM dict documents (a retrieval setup)."""
-    vlm = ToyVLM(dropout=dropout, pooled=pooled)
-    queries, docs = text_batch(N, seed=4), image_batch(N, seed=5)
-    chunked = [dict_rows(queries, 4), vlm_rows(docs, 3)] if dropout else None
-    ref_grads, ref_loss = reference([vlm, vlm], [queries, docs], rep_clip_loss, chunked)
-
-    torch.manual_seed(SEED)
-    loss = GradCache([vlm, vlm], [4, 3], rep_clip_loss)(queries, UserDict(docs))
-    assert all_ok(compare(ref_grads, grads_of_models([vlm])))
-    assert torch.allclose(loss, ref_loss, rtol=1e-10, atol=0)
-
-
-def test_patches_given_to_the_wrong_samples_are_caught():
-    """Guard for the test above: patches handed to the wrong samples change the gradients, so the
-    VLM comparison can fail."""
-    vlm = ToyVLM()
-    queries, docs = text_batch(N, seed=4), image_batch(N, seed=5)
-    ref_grads, _ = reference([vlm, vlm], [queries, docs], rep_clip_loss)
-
-    def naive_split(batch, chunk):  # patches taken from the wrong offset: wrong, yet no error
-        if "pixel_values" not in batch:
-            return split_inputs(batch, chunk)
-        counts = batch["image_grid_thw"].prod(1)
-        parts = []
-        for a in range(0, len(batch["input_ids"]), chunk):
-            part = {k: v[a:a + chunk] for k, v in batch.items() if k != "pixel_values"}
-            n_patches = int(counts[a:a + chunk].sum())  # the right count, from the wrong place
-            part["pixel_values"] = batch["pixel_values"][a * 2:a * 2 + n_patches]
-            parts.append(part)
-        return parts
-
-    GradCache([vlm, vlm], [4, 3], rep_clip_loss, split_input_fn=naive_split)(queries, docs)
-    assert not all_ok(compare(ref_grads, grads_of_models([vlm])))
-
-
-def test_split_inputs_gives_each_chunk_its_own_images_patches():
-    docs = image_batch(7, seed=1)
-    per_image = docs["pixel_values"].split(docs["image_grid_thw"].prod(1).tolist())
-    chunks = split_inputs(docs, 3)
-    assert [len(c["input_ids"]) for c in chunks] == [3, 3, 1]
-    for c, start in zip(chunks, (0, 3, 6)):
-        assert torch.equal(c["pixel_values"], torch.cat(per_image[start:start + 3]))
-        assert list(c) == list(docs)  # keys in the caller's order
-    # A CLIP-style pixel_values [B, C, H, W] (no grid) is cut on dim 0; None rides along.
-    clip = {"pixel_values": torch.zeros(5, 3, 2, 2), "attention_mask": None}
-    assert [c["pixel_values"].shape[0] for c in split_inputs(clip, 2)] == [2, 2, 1]
-    assert all(c["attention_mask"] is None for c in split_inputs(clip, 2))
 
 
 # --- mixed precision ------------------------------------------------------------------------------------

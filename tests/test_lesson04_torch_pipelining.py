@@ -48,5 +48,5 @@ def test_pytorch_printed_1f1b_plan_is_not_what_it_runs():
     """Documented in the lesson: torch 2.13's Schedule1F1B.pipeline_order names F1..F_M on the last
     rank. If a later torch fixes it, this test says so and the lesson's sentence should go."""
     (runs,) = per_config(spawn(train_each, 2, [CFG.replace(schedule="1f1b", micro_batches=2, steps=1)], torch_step))
-    assert [str(a) for a in runs[1].executed] == "F0 B0 F1 B1".split()
-    assert [str(a) for a in runs[1].planned] == "F1 B0 F2 B1".split()
+    assert [str(a) for a in runs[1].executed] == "F0 I0 F1 I1".split()
+    assert [str(a) for a in runs[1].planned] == "F1 I0 F2 I1".split()

@@ -1,5 +1,5 @@
 """Lesson 05: interleaved 1F1B and the zero-bubble schedules, run by our runner (several stages per
-rank, every backward split into B and W), train exactly like the unsplit model; so does each of
+rank, every backward split into I and W), train exactly like the unsplit model; so does each of
 torch.distributed.pipelining's seven schedules, which executes our order wherever we share one."""
 
 import json
@@ -18,7 +18,7 @@ from distlab.pipeline.training import PipelineConfig, unsplit_reference
 from distlab.spawn import spawn
 
 # 9 layers: v P = 8 stages at P = 4 (one stage holds two layers). N = 13 rows: uneven micro-batches
-# for every M > 1 here; K = 2 on some runs, so checkpointing meets the B/W split too.
+# for every M > 1 here; K = 2 on some runs, so checkpointing meets the I/W split too.
 CFG = PipelineConfig(widths=(6, *[8] * 8, 4), global_batch=13, steps=2, lr=0.2, seed=3, gather_spans=False)
 OURS = {"interleaved-1f1b": 2, "zb-h1": 1, "interleaved-zb": 2, "zbv": 2, "looped-bfs": 2}
 
@@ -86,7 +86,8 @@ def test_each_of_torchs_seven_schedules_equals_the_unsplit_model_and_runs_our_or
 
 
 def test_the_lesson_passes_under_torchrun_and_reads_whole_at_80_columns(tmp_path):
-    assert_lesson_passes_at_80_columns("05_interleaved_zero_bubble.py", 2, "--json", str(tmp_path / "05.json"))
+    assert_lesson_passes_at_80_columns("05_interleaved_zero_bubble.py", 2, "--emulate-ms", "0.5", "--json",
+                                      str(tmp_path / "05.json"))
     report = json.loads((tmp_path / "05.json").read_text())
     assert report["passed"] and len(report["checks"]) >= 10
     assert report["figures"]["grids"]["zb-h1"]["bubble"] == pytest.approx(1 / 25)  # (P-1)/(3M+P-1), P=2, M=8

@@ -144,7 +144,8 @@ def test_ranks_that_disagree_about_a_branch_wait_until_the_timeout():
 
 def test_the_lesson_passes_under_torchrun_at_80_columns():
     run = torchrun("06_data_parallel.py", 2, "--global-batch", "24", "--layers", "3", "--width", "8",
-                   "--message-mib", "0.01", "--repeats", "2", "--bucket-mib", "0.0005", columns=80)
+                   "--message-mib", "0.01", "--repeats", "2", "--bucket-mib", "0.0005", "--emulate-ms", "0.5",
+                   columns=80)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "PASS: every claim holds" in run.stdout
     assert "\u2026" not in run.stdout

@@ -16,7 +16,7 @@ VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P, GLOBAL_SUM)
 
 
 def _reference():
-    return full_batch_gradients(TwoTower(seed=SEED), *paired_data(N, seed=SEED), TAU)
+    return full_batch_gradients(TwoTower(seed=SEED), *paired_data(N, seed=SEED), 1 / TAU)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

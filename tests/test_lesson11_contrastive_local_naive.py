@@ -23,8 +23,8 @@ N, TAU, SEED = 12, 0.1, 5
 def test_plain_gather_computes_the_detached_blocks_gradient(world_size):
     per_rank = spawn(first_step_gradients, world_size, (LOCAL_PLAIN,), N, TAU, seed=SEED)
     x, y = paired_data(N, seed=SEED)
-    ref_loss, ref_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU)
-    detached_loss, detached_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU,
+    ref_loss, ref_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, 1 / TAU)
+    detached_loss, detached_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, 1 / TAU,
                                                          loss_fn=DetachedBlocks(world_size))
     assert detached_loss == pytest.approx(ref_loss, rel=1e-12)  # same loss value, different gradient
     for results in per_rank:
@@ -41,9 +41,9 @@ def test_plain_gather_computes_the_detached_blocks_gradient(world_size):
 def test_detached_blocks_differs_from_the_reference_for_every_p_above_one():
     """Guard for the test above: the two single-process references are not secretly the same."""
     x, y = paired_data(N, seed=SEED)
-    _, ref = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU)
+    _, ref = full_batch_gradients(TwoTower(seed=SEED), x, y, 1 / TAU)
     for p in (2, 3, 4):
-        _, det = full_batch_gradients(TwoTower(seed=SEED), x, y, TAU, loss_fn=DetachedBlocks(p))
+        _, det = full_batch_gradients(TwoTower(seed=SEED), x, y, 1 / TAU, loss_fn=DetachedBlocks(p))
         assert not all_ok(compare(ref, det))
 
 

@@ -29,7 +29,7 @@ def _fixes_first_step(rt):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_fix_gives_the_full_batch_gradient(world_size):
     per_rank = spawn(_fixes_first_step, world_size)
-    ref_loss, ref_grads = full_batch_gradients(TwoTower(seed=SEED), *paired_data(N, seed=SEED), TAU)
+    ref_loss, ref_grads = full_batch_gradients(TwoTower(seed=SEED), *paired_data(N, seed=SEED), 1 / TAU)
     names = [v.name for v in load_lesson(LESSON).FIXES]
     for results in per_rank:
         assert list(results) == names

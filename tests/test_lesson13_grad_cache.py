@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.chunks import chunks
 from distlab.compare import all_ok, compare, grads_of
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
@@ -33,12 +34,12 @@ LESSON = "13_grad_cache.py"
 
 
 def rep_clip_loss(rep_x, rep_y, tau=TAU):
-    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), tau)
+    return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), 1 / tau)
 
 
 def ddp_rep_clip_loss(rep_x, rep_y, offset, tau=TAU):
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
-    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), tau, offset)
+    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / tau, offset)
 
 
 def model(shared=False):
@@ -78,8 +79,8 @@ def _ddp_grad_cache(rt, shared):
 
 
 def global_reference(shared):
-    forward = as_ranks(RankStreams([SEED + r for r in range(P)]), B, tower_by_tower=True)
-    return full_batch_gradients(model(shared), *data(), TAU, forward=forward)
+    forward = as_ranks(RankStreams([SEED + r for r in range(P)]), chunks(C, B), tower_by_tower=True)
+    return full_batch_gradients(model(shared), *data(), 1 / TAU, forward=forward)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["two towers", "one shared tower"])
@@ -152,8 +153,8 @@ def test_the_lessons_own_three_steps_equal_the_full_batch_and_need_the_replay(mo
         if not replay:  # a RandContext that restores nothing: the recompute draws fresh masks
             monkeypatch.setattr(lesson, "RandContext", lambda *inputs: contextlib.nullcontext())
         two_tower, (x, y) = model(), data()
-        forward = as_ranks(RankStreams([SEED]), B, tower_by_tower=True)
-        ref_loss, ref_grads = full_batch_gradients(two_tower, x, y, TAU, forward=forward)
+        forward = as_ranks(RankStreams([SEED]), chunks(N, B), tower_by_tower=True)
+        ref_loss, ref_grads = full_batch_gradients(two_tower, x, y, 1 / TAU, forward=forward)
         torch.manual_seed(SEED)
         loss = lesson.grad_cache_step([two_tower.encoder_x, two_tower.encoder_y], (x, y), B, rep_clip_loss)
         assert all_ok(compare(ref_grads, grads_of(two_tower))) == expect_ok

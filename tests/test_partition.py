@@ -19,7 +19,7 @@ def test_every_stage_is_contiguous_nonempty_and_first_stages_get_the_extra_layer
 
 def test_a_ceiling_split_would_leave_a_rank_empty_ours_does_not():
     layers, ranks = 6, 4
-    per_rank = -(-layers // ranks)  # ceil(L/P) layers from rank * ceil(L/P)
+    per_rank = -(-layers // ranks)  # ceil(layers / P) layers from rank * ceil(layers / P)
     ceiling_sizes = [max(0, min((r + 1) * per_rank, layers) - r * per_rank) for r in range(ranks)]
     assert ceiling_sizes == [2, 2, 2, 0]
     assert [len(b) for b in stage_bounds(layers, ranks)] == [2, 2, 1, 1]

@@ -1,5 +1,5 @@
 """Schedules as data, checked without processes: dependencies, bubbles and in-flight counts against
-their closed forms, PyTorch's plans, and that the runner's communication plan cannot deadlock."""
+their closed forms, and PyTorch's plans (tests/test_comm_plan.py: the runner's communication plan)."""
 
 from fractions import Fraction
 
@@ -7,30 +7,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from distlab.pipeline.p2p import Transfer, comm_plan, produces
 from distlab.pipeline.schedules import (
-    SCHEDULES, Action, check_schedule, gpipe, interleaved_1f1b, looped, make_schedule, naive, one_f_one_b,
+    SCHEDULES, Action, check_schedule, gpipe, interleaved_1f1b, looped, make_schedule, one_f_one_b,
     round_size, v_shape, zbv, zero_bubble,
 )
 from distlab.pipeline.simulator import dependencies, durations, peak_in_flight, render, simulate
 from distlab.pipeline.training import PipelineConfig, check_config, microbatch_sizes
-
-PS, MS = range(1, 7), range(1, 14)
-
-
-def every_schedule(vs=(2, 3)):
-    """(name, P, M, v, schedule) for every schedule and every (P, M, v) it allows, P <= 6, M <= 13."""
-    for name, kind in SCHEDULES.items():
-        for v in kind.allowed_v or vs:
-            for p in PS:
-                for m in MS:
-                    try:
-                        yield name, p, m, v, make_schedule(name, p, m, v)
-                    except ValueError as err:
-                        assert "rounds of equal size" in str(err), err  # the only refusal
-
-
-ALL = list(every_schedule())
+from schedule_helpers import ALL, MS, PS
 
 
 def test_every_dependency_holds_and_each_rank_runs_its_order_one_action_at_a_time():
@@ -59,16 +42,16 @@ def test_placement_is_looped_or_v_shaped():
 def test_dependencies_are_the_three_of_the_pipeline():
     assert dependencies(Action("F", 5, 2), 4) == [Action("F", 5, 1)]
     assert dependencies(Action("F", 5, 0), 4) == []
-    assert dependencies(Action("B", 5, 2), 4) == [Action("F", 5, 2), Action("B", 5, 3)]
-    assert dependencies(Action("B", 5, 3), 4) == [Action("F", 5, 3)]
-    assert dependencies(Action("W", 5, 1), 4) == [Action("B", 5, 1)]
+    assert dependencies(Action("I", 5, 2), 4) == [Action("F", 5, 2), Action("I", 5, 3)]
+    assert dependencies(Action("I", 5, 3), 4) == [Action("F", 5, 3)]
+    assert dependencies(Action("W", 5, 1), 4) == [Action("I", 5, 1)]
 
 
 def bubble_formula(name: str, p: int, m: int, v: int) -> Fraction:
-    """The closed forms, unit costs (F = B = W = 1 tick, an unsplit backward 2):
-    - GPipe, 1F1B, interleaved 1F1B, looped BFS: each rank idles 3 (P - 1) ticks of T = 3 v M + 3 (P - 1):
+    """The closed forms, unit costs (F = I = W = 1 tick, an unsplit backward 2):
+    - GPipe, 1F1B, interleaved 1F1B, looped BFS: each rank idles 3 (P - 1) ticks of 3 v M + 3 (P - 1):
       (P - 1) / (v M + P - 1), the interleaved ones with v times fewer idle stage-lengths.
-    - ZB-H1, interleaved zero bubble, ZB-V: each rank idles P - 1 ticks of T = 3 v M + P - 1, the floor:
+    - ZB-H1, interleaved zero bubble, ZB-V: each rank idles P - 1 ticks of 3 v M + P - 1, the floor:
       rank P - 1 cannot start before tick P - 1, and every rank has 3 v M ticks of work."""
     if name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"):
         return Fraction(p - 1, v * m + p - 1)
@@ -87,10 +70,10 @@ def test_bubbles_equal_their_closed_forms():
 def test_gpipe_and_1f1b_bubble_holds_for_any_costs_and_any_m():
     for p in PS:
         for m in MS:
-            for f, b, w in [(1, 1, 1), (1, 2, 1), (2, 3, 1), (1, 1, 3)]:
+            for f, i, w in [(1, 1, 1), (1, 2, 1), (2, 3, 1), (1, 1, 3)]:
                 for schedule in (gpipe(p, m), one_f_one_b(p, m)):
-                    timing = simulate(schedule, f, b, w)
-                    assert timing.ticks == (m + p - 1) * (f + b + w)
+                    timing = simulate(schedule, f, i, w)
+                    assert timing.ticks == (m + p - 1) * (f + i + w)
                     assert timing.bubble_fraction() == pytest.approx((p - 1) / (m + p - 1), abs=1e-15)
 
 
@@ -121,18 +104,18 @@ def test_orders_read_as_the_papers_draw_them():
     def text(schedule):
         return [" ".join(a.label for a in order) for order in schedule]
 
-    assert [str(a) for a in one_f_one_b(4, 6)[0]] == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split()
-    assert [str(a) for a in one_f_one_b(4, 6)[3]] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()
-    assert [str(a) for a in one_f_one_b(4, 2)[0]] == "F0 F1 B0 B1".split()  # M < P: no steady state
+    assert [str(a) for a in one_f_one_b(4, 6)[0]] == "F0 F1 F2 F3 I0 F4 I1 F5 I2 I3 I4 I5".split()
+    assert [str(a) for a in one_f_one_b(4, 6)[3]] == "F0 I0 F1 I1 F2 I2 F3 I3 F4 I4 F5 I5".split()
+    assert [str(a) for a in one_f_one_b(4, 2)[0]] == "F0 F1 I0 I1".split()  # M < P: no steady state
     assert text(interleaved_1f1b(2, 4)) == [
-        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
-        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"]
+        "0F0 0F1 2F0 2F1 0F2 2I0 0F3 2I1 2F2 0I0 2F3 0I1 2I2 2I3 0I2 0I3",
+        "1F0 1F1 3F0 3I0 3F1 3I1 1F2 1I0 1F3 1I1 3F2 3I2 3F3 3I3 1I2 1I3"]
     # ZB-H1: the last rank holds back P - 1 = 1 weight gradient, the first none.
-    assert text(zero_bubble(2, 3)) == ["0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2",
-                                       "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2"]
+    assert text(zero_bubble(2, 3)) == ["0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2",
+                                       "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"]
     # ZB-V on P = 2: rank 0 holds stages 0 and 3 (the V's ends), rank 1 stages 1 and 2 (its turn).
-    assert text(zbv(2, 2)) == ["0F0 0F1 3F0 3B0 3W0 3F1 3B1 3W1 0B0 0W0 0B1 0W1",
-                               "1F0 2F0 1F1 2F1 2B0 2W0 1B0 1W0 2B1 2W1 1B1 1W1"]
+    assert text(zbv(2, 2)) == ["0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
+                               "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1"]
 
 
 def _fake_stage(p: int, stages: int, ranks: int):
@@ -150,13 +133,13 @@ def _fake_stage(p: int, stages: int, ranks: int):
                                              ("interleaved-zb", "ScheduleInterleavedZeroBubble", 2),
                                              ("zbv", "ScheduleZBVZeroBubble", 2)])
 def test_our_orders_are_pytorchs_plans_for_every_m_it_accepts(ours, theirs, v):
-    """torch 2.13's `pipeline_order` (its I is our split B; None cells dropped) equals our schedule for
-    every P <= 6 and M <= 13 its constructor accepts; it refuses the M ours refuses (and, with one
+    """torch 2.13's `pipeline_order` (its I is our split I, its B our unsplit I; None cells dropped)
+    equals our schedule for every P <= 6 and M <= 13 its constructor accepts; it refuses the M ours refuses (and, with one
     stage per rank, ScheduleInterleavedZeroBubble refuses some that ours runs: M = 5 on P = 2)."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import _ComputationType as kind
 
-    names = {kind.FORWARD: "F", kind.FULL_BACKWARD: "B", kind.BACKWARD_INPUT: "B", kind.BACKWARD_WEIGHT: "W"}
+    names = {kind.FORWARD: "F", kind.FULL_BACKWARD: "I", kind.BACKWARD_INPUT: "I", kind.BACKWARD_WEIGHT: "W"}
     compared = 0
     for p in PS:
         for m in MS:
@@ -178,20 +161,19 @@ def test_our_orders_are_pytorchs_plans_for_every_m_it_accepts(ours, theirs, v):
     assert compared >= 60
 
 
-def test_naive_is_one_microbatch_and_idles_p_minus_1_of_p():
-    assert naive(3) == gpipe(3, 1)
-    assert simulate(naive(4)).bubble_fraction() == pytest.approx(3 / 4)
+def test_one_microbatch_idles_p_minus_1_of_p():  # lesson 01's naive model parallelism, as a grid
+    assert simulate(gpipe(4, 1)).bubble_fraction() == pytest.approx(3 / 4)
 
 
 def test_a_contradictory_order_is_reported_as_a_deadlock():
     bad = gpipe(2, 2)
-    bad[1] = [Action("F", 0, 1), Action("B", 1, 1), Action("F", 1, 1), Action("B", 0, 1)]  # B1 before F1
-    with pytest.raises(ValueError, match="deadlocks: rank 0 at 0B0, rank 1 at 1B1"):
+    bad[1] = [Action("F", 0, 1), Action("I", 1, 1), Action("F", 1, 1), Action("I", 0, 1)]  # I1 before F1
+    with pytest.raises(ValueError, match="deadlocks: rank 0 at 0I0, rank 1 at 1I1"):
         simulate(bad)
     with pytest.raises(ValueError, match="once for each"):
-        simulate([[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 1)]])
+        simulate([[Action("F", 0, 0), Action("I", 0, 0)], [Action("F", 0, 1)]])
     with pytest.raises(ValueError, match="appears twice"):
-        check_schedule([[Action("F", 0, 0), Action("F", 0, 0), Action("B", 0, 0)]])
+        check_schedule([[Action("F", 0, 0), Action("F", 0, 0), Action("I", 0, 0)]])
 
 
 def test_bad_input_is_a_clear_error():
@@ -222,7 +204,7 @@ def test_render_folds_wide_grids_into_blocks_that_fit():
         assert max(len(line) for line in lines) <= width
         cells = [c for line in lines if line.startswith("rank 0") for c in line.split()[2:]]
         assert len(cells) == timing.ticks  # every tick shown, in blocks, none dropped
-        assert cells.count("0F3") == 1 and cells.count("4B0") == 2  # an unsplit backward takes two ticks
+        assert cells.count("0F3") == 1 and cells.count("4I0") == 2  # an unsplit backward takes two ticks
 
 
 def test_compact_grids_share_one_time_axis_and_fold_too():
@@ -231,74 +213,4 @@ def test_compact_grids_share_one_time_axis_and_fold_too():
     lines = console.export_text().splitlines()
     rows = [line for line in lines if line.startswith("rank 0")]
     assert max(len(line) for line in lines) <= 40
-    assert "".join(line[7:] for line in rows) == "F" * 16 + "." * 18 + "B" * 32  # 33 ticks, two characters each
-
-
-# --- The runner's communication plan, replayed for every rank at once ------------------------
-
-
-def replay(plans: list[list[list[Transfer]]]) -> bool:
-    """Advance every rank through its batches; a batch completes once every transfer in it has its
-    partner posted (a rendezvous, as gloo's send and NCCL's do). True if every rank finishes.
-    Also checks that the k-th message a rank sends another is the k-th that one receives."""
-    numbered = []
-    for rank, plan in enumerate(plans):
-        counters: dict = {}
-        rows = []
-        for batch in plan:
-            row = []
-            for t in batch:
-                pair = (rank, t.peer) if t.op == "send" else (t.peer, rank)
-                counters[pair, t.op] = counters.get((pair, t.op), 0) + 1
-                row.append((pair, counters[pair, t.op], t))
-            rows.append(row)
-        numbered.append(rows)
-    sends = {(k, n): t for rows in numbered for row in rows for k, n, t in row if t.op == "send"}
-    recvs = {(k, n): t for rows in numbered for row in rows for k, n, t in row if t.op == "recv"}
-    assert sends.keys() == recvs.keys()
-    assert all(sends[k].message == recvs[k].message for k in sends)
-
-    position, posted, progress = [0] * len(plans), set(), True
-    partner = {"send": "recv", "recv": "send"}
-    while progress:
-        progress = False
-        for rank, rows in enumerate(numbered):
-            if position[rank] == len(rows):
-                continue
-            before = len(posted)
-            posted.update((k, n, t.op) for k, n, t in rows[position[rank]])
-            progress |= len(posted) > before
-            if all((k, n, partner[t.op]) in posted for k, n, t in rows[position[rank]]):
-                position[rank] += 1
-                progress = True
-    return all(position[r] == len(numbered[r]) for r in range(len(plans)))
-
-
-def blocking_plan(schedule, rank: int) -> list[list[Transfer]]:
-    """What plain blocking send/recv would do: before each action receive its input, after it send
-    its output, one transfer at a time (lesson 01's chain, applied to a schedule)."""
-    where = {p: r for r, order in enumerate(schedule) for a in order for p in [a.stage]}
-    stages, plan = len(where), []
-    for a in schedule[rank]:
-        source = a.stage - 1 if a.kind == "F" else a.stage + 1
-        if a.kind != "W" and 0 <= source < stages and where[source] != rank:
-            plan.append([Transfer("recv", where[source], "activation" if a.kind == "F" else "gradient",
-                                  a.microbatch, a.stage)])
-        made = produces(a, stages)
-        if made and where[made[1]] != rank:
-            plan.append([Transfer("send", where[made[1]], made[0], a.microbatch, made[1])])
-    return plan
-
-
-def test_the_runners_plan_never_deadlocks_and_matches_every_message():
-    for name, p, m, v, schedule in ALL:
-        timing = simulate(schedule)
-        assert replay([comm_plan(schedule, r, timing) for r in range(p)]), (name, p, m, v)
-
-
-def test_the_replay_catches_the_deadlock_of_blocking_send_recv_in_1f1b():
-    """Guard against a replay that cannot fail: blocking send/recv in 1F1B's order deadlocks, in
-    GPipe's it does not (nobody sends both ways at once)."""
-    assert not replay([blocking_plan(one_f_one_b(2, 3), r) for r in range(2)])
-    assert replay([blocking_plan(gpipe(2, 3), r) for r in range(2)])
-    assert replay([comm_plan(one_f_one_b(2, 3), r) for r in range(2)])
+    assert "".join(line[7:] for line in rows) == "F" * 16 + "." * 18 + "I" * 32  # 33 ticks, two characters each

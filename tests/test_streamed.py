@@ -1,7 +1,7 @@
 """The streamed step's tensor math in one process, against autograd: the log-sum-exps a, b, the
 closed-form G_x, G_y, dL/ds, float32 at tau = 0.01, the micro-batch split, and the config.
 
-The reference is plain autograd on the symmetric InfoNCE written out here with `cross_entropy` (no
+The reference is plain autograd on `clip_loss`, the symmetric InfoNCE through `cross_entropy` (no
 streaming, no closed forms).
 """
 
@@ -9,21 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from distlab.chunks import balanced_chunks
 from distlab.compare import all_ok, compare
-from distlab.contrastive.streamed_config import parse_config
-from distlab.contrastive.streamed_kernels import (balanced_chunks, streamed_lse, streamed_lse_both,
-                                                  streamed_softmax_pair_product)
-
-
-def symmetric_infonce(z_x, z_y, s):
-    """The reference loss: mean over N of the x->y and y->x cross-entropies, logits s z_x z_y^T."""
-    logits = s * z_x @ z_y.T
-    labels = torch.arange(len(z_x))
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+from distlab.contrastive.losses import clip_loss
+from distlab.streamed.config import parse_config
+from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
 
 
 def closed_form(z_x, z_y, s, t):
-    """Phases B and C on one process (P = 1, one micro-batch): a, b, G_x, G_y, dL/ds."""
+    """Phases 2 and 3 on one process (P = 1, one micro-batch): a, b, G_x, G_y, dL/ds."""
     a, nll_x, b, nll_y = streamed_lse_both(z_x, z_y, s, t)
     coef, scale = torch.expm1(-nll_x) + torch.expm1(-nll_y), s / (2 * len(z_x))
     g_x = streamed_softmax_pair_product(z_x * s, z_y, a, b, coef, 0, t) * scale
@@ -40,7 +34,7 @@ def test_closed_form_gradients_equal_autograd(t, unit_norm):
         z_x, z_y = F.normalize(z_x, dim=1), F.normalize(z_y, dim=1)
     leaf_x, leaf_y = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
     s = torch.tensor(14.3, dtype=torch.float64, requires_grad=True)
-    symmetric_infonce(leaf_x, leaf_y, s).backward()
+    clip_loss(leaf_x, leaf_y, s).backward()
     a, b, g_x, g_y, g_s = closed_form(z_x, z_y, 14.3, t)
     logits = 14.3 * z_x @ z_y.T
     assert all_ok(compare({"a": logits.logsumexp(1), "b": logits.logsumexp(0), "g_x": leaf_x.grad,
@@ -58,7 +52,7 @@ def test_the_kernel_check_catches_a_wrong_gradient():
     gen = torch.Generator().manual_seed(0)
     z_x, z_y = (torch.randn(10, 4, generator=gen, dtype=torch.float64) for _ in range(2))
     leaf_x = z_x.clone().requires_grad_()
-    symmetric_infonce(leaf_x, z_y, 2.0).backward()
+    clip_loss(leaf_x, z_y, 2.0).backward()
     _, _, g_x, _, _ = closed_form(z_x, z_y, 2.0, 3)
     one_way = (torch.softmax(2.0 * z_x @ z_y.T, 1) @ z_y - z_y) * 2.0 / (2 * 10)
     assert all_ok(compare({"g": leaf_x.grad}, {"g": g_x}))
@@ -74,9 +68,9 @@ def test_float32_at_tau_001_is_as_precise_as_autograd(confidence):
     z_x, z_y = (F.normalize(torch.randn(300, 16, generator=gen), dim=1) for _ in range(2))
     z_y = F.normalize(z_y + confidence * z_x, dim=1)
     truth = [z.double().requires_grad_() for z in (z_x, z_y)]
-    symmetric_infonce(*truth, 100.0).backward()
+    clip_loss(*truth, 100.0).backward()
     f32 = [z.clone().requires_grad_() for z in (z_x, z_y)]
-    symmetric_infonce(*f32, 100.0).backward()
+    clip_loss(*f32, 100.0).backward()
     _, _, g_x, g_y, _ = closed_form(z_x, z_y, 100.0, 64)
     for got, auto, ref in zip((g_x, g_y), f32, truth):
         ours = ((got.double() - ref.grad).abs().max() / ref.grad.abs().max()).item()

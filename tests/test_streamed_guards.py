@@ -19,8 +19,8 @@ from distlab.compare import all_ok, compare, grads_of
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import STREAMED_N as N
-from helpers import Towers, full_batch, local_rows
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import Towers, full_batch, local_rows
 
 
 class RawScale(Towers):
@@ -39,6 +39,14 @@ class FloatScale(Towers):
         return z_x, z_y, s.item()
 
 
+class DictOut(Towers):
+    """Returns a dict, but not under open_clip's keys."""
+
+    def forward(self, x, y):
+        z_x, z_y, s = super().forward(x, y)
+        return {"z_x": z_x, "z_y": z_y, "s": s}
+
+
 def good(b=N // 2, **changes):
     return {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": b, "STREAM_CHUNK_SIZE": 7} | changes
 
@@ -50,9 +58,8 @@ def bad_calls(rt):
     lx, ly = x[rows], y[rows]
     learn, fixed = DDP(Towers(scale_shape=())), DDP(Towers())
     bn = DDP(Towers(scale_shape=(), batchnorm=True))
-    frozen = Towers(scale_shape=())
-    frozen.encoder_x.requires_grad_(False)
-    frozen.encoder_y.requires_grad_(False)
+    frozen = DDP(Towers(scale_shape=()))  # (DDP refuses to wrap a model with nothing to train)
+    frozen.module.requires_grad_(False)  # frozen after wrapping: no parameter trains, the scale included
     buffered = DDP(Towers(scale_shape=(), batchnorm=True).eval())  # its DDP forward communicates
     inf_scale, negative, drifted = (DDP(cls(scale_shape=())) for cls in (Towers, RawScale, Towers))
     with torch.no_grad():
@@ -72,7 +79,7 @@ def bad_calls(rt):
         "TAU is None": (learn, lx, ly, good(TAU=None)),
         "one rank's batch is short": (learn, lx[:-1] if other else lx, ly[:-1] if other else ly, good()),
         "BatchNorm in training mode with B < C": (bn, lx, ly, good(b=5)),
-        "both towers frozen": (DDP(frozen), lx, ly, good()),
+        "nothing trainable": (frozen, lx, ly, good()),
         "static-graph DDP with B < C": (DDP(Towers(scale_shape=()), static_graph=True), lx, ly, good(b=5)),
         "non-finite scale": (inf_scale, lx, ly, good()),
         "non-positive scale on one rank": (negative, lx, ly, good()),
@@ -80,10 +87,11 @@ def bad_calls(rt):
         "missing key": (learn, lx, ly, {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": 4}),
         "misspelt key": (learn, lx, ly, good() | {"STREAM_CHUNK": 3}),
         "N not divisible by P": (learn, lx, ly, good(GLOBAL_BATCH_SIZE=N + 1)),
-        "bad PHASE_B on one rank": (learn, lx, ly, good(PHASE_B="both" if other else "sharded")),
+        "bad NORMALISERS on one rank": (learn, lx, ly, good(NORMALISERS="both" if other else "sharded")),
         "not a supported wrapper": (Towers(scale_shape=()), lx, ly, good()),
         "scale returned as a float": (DDP(FloatScale(scale_shape=())), lx, ly, good()),
-        "no encoders": (DDP(nn.Linear(12, 8, dtype=torch.float64)), lx, ly, good()),
+        "forward returns one tensor": (DDP(nn.Bilinear(12, 10, 8, dtype=torch.float64)), lx, ly, good()),
+        "a dict without open_clip's keys": (DDP(DictOut(scale_shape=())), lx, ly, good()),
         "x and y sizes differ": (learn, lx, ly[:-1], good()),
         "called under no_grad": (learn, lx, ly, good()),
     }
@@ -100,7 +108,7 @@ EXPECTED = {  # label -> what the one message, the same on every rank, must say
     "TAU is None": "for a learned scale leave TAU out of the config",
     "one rank's batch is short": "every rank must hold N / P = 24 / 2 = 12 pairs, but rank 0: 12, rank 1: 11",
     "BatchNorm in training mode with B < C": "B >= C (one forward, exactly plain DDP)",
-    "both towers frozen": "both towers are frozen",
+    "nothing trainable": "no parameter of Towers requires grad: there is nothing for the step to train",
     "static-graph DDP with B < C": "Use B >= C (one forward) or DDP without static_graph",
     "non-finite scale": "must be finite and > 0 on every rank: rank 0: inf, rank 1: inf",
     "non-positive scale on one rank": "must be finite and > 0 on every rank: rank 0: 0.5, rank 1: -0.5",
@@ -108,10 +116,11 @@ EXPECTED = {  # label -> what the one message, the same on every rank, must say
     "missing key": "config is missing ['STREAM_CHUNK_SIZE']",
     "misspelt key": "did you mean 'STREAM_CHUNK_SIZE'?",
     "N not divisible by P": "not divisible by the world size P=2",
-    "bad PHASE_B on one rank": "rank 1: config['PHASE_B'] must be one of ('sharded', 'replicated'), got 'both'",
+    "bad NORMALISERS on one rank": "rank 1: config['NORMALISERS'] must be one of ('sharded', 'replicated'), got 'both'",
     "not a supported wrapper": "model must be wrapped in DistributedDataParallel",
-    "scale returned as a float": "as tensors, got a tuple of 3: (Tensor, Tensor, float)",
-    "no encoders": "lacks ['encoder_x', 'encoder_y']",
+    "scale returned as a float": "dict of them, got a tuple of 3: (Tensor, Tensor, float)",
+    "forward returns one tensor": "or open_clip's dict of them, got Tensor",
+    "a dict without open_clip's keys": "the step reads open_clip's output_dict",
     "x and y sizes differ": "same number of pairs",
     "called under no_grad": "called with gradients disabled",
 }

@@ -17,13 +17,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import all_ok, compare, grads_of, params_of
+from distlab.contrastive.losses import clip_loss
 from distlab.models import paired_data
 from distlab.spawn import spawn
-from distlab.contrastive.streamed import loss_machinery
+from distlab.streamed import loss_machinery
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import STREAMED_N as N
-from helpers import (DROPOUT_SEED, CommHookCounter, Towers, full_batch, local_rows, rank_streams,
-                     symmetric_infonce)
+from helpers import CommHookCounter
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import DROPOUT_SEED, Towers, full_batch, local_rows, rank_streams
 
 def case_model(case):
     return Towers(scale_shape=case.get("scale"), dropout=case.get("dropout", 0.0))
@@ -33,7 +34,7 @@ def config_of(case, n=N):
     config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": case["b"], "STREAM_CHUNK_SIZE": case.get("t", 7)}
     if case.get("scale") is None:
         config["TAU"] = 0.1
-    return config | ({"PHASE_B": case["phase_b"]} if "phase_b" in case else {})
+    return config | ({"NORMALISERS": case["normalisers"]} if "normalisers" in case else {})
 
 
 def optimizer_of(params, case):
@@ -82,7 +83,7 @@ def cases(world):
     c = N // world
     return [
         dict(scale=(), b=5, t=7, steps=2),                           # learnable s, B not dividing C
-        dict(scale=(1,), b=c // 2, t=100, phase_b="replicated"),     # B dividing C, T > N
+        dict(scale=(1,), b=c // 2, t=100, normalisers="replicated"),     # B dividing C, T > N
         dict(scale=(), b=c, steps=2, adam=True, dropout=0.3),         # one forward, dropout as in DDP
         dict(b=4, t=5, steps=2, dropout=0.3),                        # TAU, recompute with dropout replay
     ]
@@ -156,7 +157,7 @@ def caller_owned(rt):
     plain = DDP(Towers(scale_shape=()))
     plain_counter = CommHookCounter()
     plain.register_comm_hook(None, plain_counter)
-    symmetric_infonce(*plain(x[rows], y[rows])).backward()
+    clip_loss(*plain(x[rows], y[rows])).backward()
     out["hook_plain_backward"] = plain_counter.calls
 
     # GradScaler: unscaled gradients exact; an inf in one rank's batch skips the step, halves the scale.
@@ -207,7 +208,7 @@ def test_caller_owned_loop_clip_accumulation_scaler_and_nan_at_p2():
             assert_matches(r["exact"][k], ref)
     one = reference(dict(scale=(), b=5), world)
     z = [t.detach().requires_grad_() for t in Towers()(*paired_data(N, seed=0))]
-    loss = symmetric_infonce(*z, 1 / 0.1)
+    loss = clip_loss(*z, 1 / 0.1)
     loss.backward()
     dropout_refs = {b: reference(dict(scale=(), b=b, dropout=0.3), world) for b in (N // 2, 5)}
     for rank, r in enumerate(results):

@@ -17,11 +17,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import all_ok, compare, grads_of, params_of
+from distlab.contrastive.losses import clip_loss
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import STREAMED_N as N
-from helpers import Towers, full_batch, local_rows, symmetric_infonce
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import Towers, full_batch, local_rows
 
 
 def config(b, tau=None, n=N, t=7):
@@ -166,7 +167,7 @@ def batchnorm_against_plain_ddp(rt):
                 z_x, z_y, s = ddp(x[rows], y[rows])
                 # The autograd-aware gather sums every rank's dL/dz into the owner: P times the
                 # gradient, which DDP's average brings back to one.
-                loss = symmetric_infonce(GatherSummingGrads.apply(z_x), GatherSummingGrads.apply(z_y), s)
+                loss = clip_loss(GatherSummingGrads.apply(z_x), GatherSummingGrads.apply(z_y), s)
                 loss.backward()
                 opt.step()
             grads.append(grads_of(model))
@@ -188,7 +189,7 @@ def test_batchnorm_with_one_forward_is_exactly_plain_ddp():
         assert all_ok(compare(ref, r["streamed"]["grads"][0]))
     # Teeth: BatchNorm over the whole global batch in one forward is a different function.
     whole = Towers(scale_shape=(), batchnorm=True)
-    symmetric_infonce(*whole(*paired_data(N, seed=0))).backward()
+    clip_loss(*whole(*paired_data(N, seed=0))).backward()
     assert not all_ok(compare(grads_of(whole), results[0]["streamed"]["grads"][0]))
 
 

@@ -1,6 +1,7 @@
-"""The code reads as a textbook, and stays that way: a lesson's main() fits on a screen, a module in
-src/ has one job (and so stays short), a function takes few enough arguments to hold in mind, and the
-tests share helpers through tests/helpers.py, never by importing one another."""
+"""The code reads as a textbook, and stays that way: a lesson's or a benchmark's main() fits on a screen,
+a module (in src/, lessons/, benchmarks/ and tests/ alike) has one job and so stays short, a function takes
+few enough arguments to hold in mind, and the tests share helpers through their helper modules, never by
+importing one another."""
 
 import ast
 from pathlib import Path
@@ -9,8 +10,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
-MODULES = sorted((ROOT / "src").rglob("*.py"))
+BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if "def main(" in p.read_text())
+LIBRARY = sorted((ROOT / "src").rglob("*.py"))
 TESTS = sorted((ROOT / "tests").glob("*.py"))
+MODULES = LIBRARY + sorted((ROOT / "lessons").rglob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py")) + TESTS
 MAIN_LINES, MODULE_LINES, PARAMETERS = 50, 300, 7
 
 
@@ -25,7 +28,7 @@ def _parameters(fn) -> int:
     return len([n for n in names if n not in ("self", "cls")])
 
 
-@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", LESSONS + BENCHMARKS, ids=lambda p: p.stem)
 def test_a_lessons_main_fits_on_a_screen(path):
     mains = [fn for fn in _functions(path) if fn.name == "main"]
     assert mains, f"{path.name} has no main()"
@@ -53,7 +56,7 @@ def test_no_test_imports_another_test():
 
 
 def test_the_library_never_imports_a_lesson_or_a_test():
-    for path in MODULES:
+    for path in LIBRARY:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]

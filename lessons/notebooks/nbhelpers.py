@@ -4,7 +4,7 @@
   output shown as the lesson printed it (captured, so laid out at a generous width and with one
   final line instead of progress-bar redraws); raises if the lesson's claim failed.
 - `gantt(ax, timing, ...)`: a schedule's simulated grid as a Gantt chart, `timeline(ax, spans, ...)`:
-  measured compute spans the same way (pipeline lessons 01-05).
+  measured compute spans the same way (pipeline lessons 01-05, on the real CPU or the emulated device).
 """
 
 from __future__ import annotations
@@ -36,25 +36,33 @@ def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> subpr
 
 # --- pipeline lessons: Gantt charts ----------------------------------------------------------
 
-COLORS = {"F": "tab:blue", "B": "tab:purple", "B split": "tab:red", "W": "tab:green"}
+COLORS = {"F": "tab:blue", "I": "tab:purple", "I split": "tab:red", "W": "tab:green"}
 
 
-def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True) -> None:
+def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True, path: bool = False) -> None:
     """One row per rank, one box per action where `distlab.pipeline.simulator.simulate` placed it.
     Forward blue, unsplit backward purple, split backward (the input's gradient) red, weight
-    gradient green; `stretch` ticks of the x axis per grid tick (2 for a one-stage-per-rank grid
-    beside grids of half-size stages)."""
+    gradient green; a rank's second stage paler. Boxes are labelled with their micro-batch (and,
+    one stage per rank, the kind: F3), short enough not to overlap. `path`: a black line through
+    micro-batch 0's forwards, stage 0 to the last, which draws the placement (ZB-V: a V).
+    `stretch` ticks of the x axis per grid tick (2 for a one-stage-per-rank grid beside grids of
+    half-size stages)."""
     multi = len({a.stage for a in timing.start}) > len(timing.grid)
     split = {(a.stage, a.microbatch) for a in timing.start if a.kind == "W"}
+    first = [min((a.stage for a in row if a), default=0) for row in timing.grid]
     for r, row in enumerate(timing.grid):
         for action in {a for a in row if a is not None}:
             start, width = timing.start[action], timing.finish[action] - timing.start[action]
-            kind = "B split" if action.kind == "B" and (action.stage, action.microbatch) in split else action.kind
+            kind = "I split" if action.kind == "I" and (action.stage, action.microbatch) in split else action.kind
             ax.broken_barh([(start * stretch, width * stretch)], (r - 0.4, 0.8), color=COLORS[kind],
-                           edgecolor="white", linewidth=0.5)
+                           alpha=1.0 if action.stage == first[r] else 0.55, edgecolor="white", linewidth=0.5)
             if labels:
-                ax.text((start + width / 2) * stretch, r, action.label if multi else str(action),
+                ax.text((start + width / 2) * stretch, r, str(action.microbatch) if multi else str(action),
                         ha="center", va="center", color="white", fontsize=6)
+    if path:
+        forwards = sorted((a for a in timing.start if a.kind == "F" and a.microbatch == 0), key=lambda a: a.stage)
+        owner = {a: r for r, row in enumerate(timing.grid) for a in row if a is not None}
+        ax.plot([(timing.start[a] + 0.5) * stretch for a in forwards], [owner[a] for a in forwards], "k-", lw=1.2)
     ax.set_yticks(range(len(timing.grid)), [f"rank {r}" for r in range(len(timing.grid))])
     ax.invert_yaxis()
     ax.set_xlim(0, timing.ticks * stretch)
@@ -64,19 +72,60 @@ def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True
 def legend(ax) -> None:
     from matplotlib.patches import Patch
 
-    names = {"F": "forward", "B": "backward (unsplit)", "B split": "B: input gradient", "W": "W: weight gradient"}
+    names = {"F": "F: forward", "I": "I, unsplit: input and weight gradient", "I split": "I: input gradient",
+             "W": "W: weight gradient"}
     ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in COLORS.items()], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def timeline(ax, spans: list[dict], title: str = "") -> None:
-    """Measured compute spans ({rank, label, start, end}) as a Gantt chart in milliseconds."""
+    """Measured compute spans ({rank, label, start, end}) as a Gantt chart in milliseconds, coloured
+    as `gantt` does (an I is split, red, when the run has W's)."""
     t0 = min(s["start"] for s in spans)
+    split = any(s["label"][0] == "W" for s in spans)
     for s in spans:
+        kind = "I split" if split and s["label"][0] == "I" else s["label"][0]
         ax.broken_barh([(1e3 * (s["start"] - t0), 1e3 * (s["end"] - s["start"]))], (s["rank"] - 0.4, 0.8),
-                       color=COLORS[s["label"][0]])
+                       color=COLORS[kind], edgecolor="white", linewidth=0.3)
     ranks = sorted({s["rank"] for s in spans})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds")
     ax.set_title(title, fontsize=9, loc="left")
+
+
+# --- lesson 15: the ring against the gather, on real ranks ----------------------------------
+
+
+def ring_and_gather(rt, c: int, d: int, t: int) -> dict:
+    """On each of P ranks (under distlab.spawn): the loss machinery of {InfoNCE, sigmoid} x {gather,
+    ring} on C x d random embeddings, its peak bytes (PeakMemory) and bytes sent; and the ring's
+    timeline (rank, step, event, time)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from distlab.memory import PeakMemory
+    from distlab.streamed import loss_machinery
+    from distlab.streamed.exchange import rank_shares, traffic
+    from distlab.streamed.ring import P2PRing, sigmoid_ring
+    from distlab.streamed.sigmoid import Logits
+
+    gen = torch.Generator().manual_seed(rt.rank)
+    z_x, z_y = (F.normalize(torch.randn(c, d, generator=gen), dim=1) for _ in range(2))
+    out = {}
+    config = {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c, "STREAM_CHUNK_SIZE": t, "TAU": 0.1}
+    for loss in ("infonce", "sigmoid"):
+        for exchange in ("gather", "ring"):
+            traffic.sent_bytes = 0
+            with PeakMemory() as mem:
+                if (loss, exchange) == ("infonce", "gather"):
+                    loss_machinery(z_x, z_y, config)      # phases 2 and 3 of the gathered step
+                else:
+                    rank_shares(z_x, z_y, Logits(10.0, -10.0) if loss == "sigmoid" else 10.0, exchange, t)
+            out[loss, exchange] = (mem.peak_bytes, traffic.sent_bytes)
+    ring = P2PRing(rt.world_size, rt.rank)
+    dist.barrier()
+    sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
+    out["events"] = [(rt.rank, k, what, when) for k, what, when in ring.events]
+    return out

@@ -40,6 +40,7 @@ def _number(kind: type, accept: Callable[[float], bool], what: str) -> Callable[
 positive_int = _number(int, lambda v: v > 0, "a positive integer")
 nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _number(float, lambda v: v > 0, "a positive finite number")
+nonnegative_float = _number(float, lambda v: v >= 0, "a finite number >= 0")
 fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 

@@ -20,8 +20,10 @@ import time
 from typing import Any, Iterable, Iterator, TypeVar
 
 import torch.distributed as dist
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 from rich.text import Text
 
 CAPTURED_WIDTH = 120
@@ -90,3 +92,13 @@ def column_blocks(columns: int, cell_width: int, label_width: int, width: int | 
     width = width if width is not None else console.width
     per_block = max(1, (width - label_width) // max(1, cell_width))
     return [range(start, min(start + per_block, columns)) for start in range(0, columns, per_block)]
+
+
+def compact_table(title: str, columns: tuple[str, ...], caption: str = "") -> Table:
+    """A table of numbers that fits a narrow terminal: a simple head, no edge padding, the first column
+    names the row and is never broken (a narrow terminal wraps the headers instead), the others right-aligned."""
+    table = Table(title=title, caption=caption or None, title_justify="left", caption_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
+    return table

@@ -8,6 +8,11 @@ l = sum exp(x - m). Folding in a tile t:
 Every exponent is <= 0, so nothing overflows however large the logits get. The same fold serves the
 streamed contrastive step (log-normalisers of S = s Z_x Z_y^T over T x T tiles) and ring attention
 (partial softmaxes over key/value blocks that arrive one at a time): one implementation, imported by both.
+
+Attention needs one thing more than the sums: an output accumulator o = sum_j exp(x_j - m) v_j kept
+under the same running max, so when m grows to m' it is rescaled by exp(m - m'), the factor that
+rescales l (`rescale`). And it needs the weights exp(t_j - m') themselves: `online_fold` leaves them
+in the tile it consumes, so ring attention reads them there instead of exponentiating twice.
 """
 
 from __future__ import annotations
@@ -15,9 +20,16 @@ from __future__ import annotations
 import torch
 
 
+def rescale(run_max: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
+    """exp(m - m'): what a sum (or an output accumulator) kept under the running max m is multiplied
+    by when the max becomes m' >= m. At the start m = -inf and the factor is 0."""
+    return torch.exp(run_max - new_max)
+
+
 def online_fold(run_max: torch.Tensor, run_sum: torch.Tensor, tile: torch.Tensor,
                 dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold a tile (consumed in place) into the running (m, l) along `dim`; returns the new (m, l)."""
+    """Fold a tile (consumed in place) into the running (m, l) along `dim`; returns the new (m, l).
+    Afterwards the tile holds the weights exp(t - m'), m' the new max."""
     new_max = torch.maximum(run_max, tile.amax(dim))
-    run_sum.mul_(torch.exp(run_max - new_max)).add_(tile.sub_(new_max.unsqueeze(dim)).exp_().sum(dim))
+    run_sum.mul_(rescale(run_max, new_max)).add_(tile.sub_(new_max.unsqueeze(dim)).exp_().sum(dim))
     return new_max, run_sum

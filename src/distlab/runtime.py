@@ -54,10 +54,6 @@ class Runtime:
     def is_first(self) -> bool:
         return self.rank == 0
 
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.world_size - 1
-
 
 def choose_backend(requested: str, local_world_size: int, gpus: int | None = None) -> tuple[str, str]:
     """(backend, device type): the GPU backend when every rank on this node can have its own GPU
@@ -132,14 +128,6 @@ def distributed(device: str = "auto", timeout_s: float | None = None,
         # exception", about every other run on gloo). Collect while the group is still alive.
         gc.collect()
         dist.destroy_process_group()
-
-
-def all_ranks_true(flag: bool, device: torch.device) -> bool:
-    """True on every rank iff `flag` is true on every rank: one all_reduce(MIN) on `device`, so
-    every rank takes the same branch afterwards."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 def run_main(main: Callable[[], int]) -> None:

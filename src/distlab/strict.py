@@ -1,8 +1,9 @@
 """Strict device mode: a collective on a tensor that is not on the runtime's device raises.
 
-The rule (DESIGN.md): every collective runs on `rt.device`. On GPUs a tensor left on the CPU breaks
-it (an nccl group refuses it; `cpu:gloo,cuda:nccl` quietly sends it through gloo, and a gather that
-mixes the two devices fails), yet a CPU-only suite cannot see it: there `rt.device` *is* the CPU.
+The rule (the README's "Two commands"): every collective runs on the rank's device, `rt.device`. On
+GPUs a tensor left on the CPU breaks it (an nccl group refuses it; `cpu:gloo,cuda:nccl` quietly sends
+it through gloo, and a gather that mixes the two devices fails), yet a CPU-only suite cannot see it:
+there `rt.device` *is* the CPU.
 
 The idea: give the CPU two names. In strict mode on CPU `rt.device` is `cpu:0`, the stand-in for
 `cuda:LOCAL_RANK`; plain `cpu` is the host, where an unplaced tensor lives on a GPU machine. Both

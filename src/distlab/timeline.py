@@ -5,8 +5,8 @@ reads CLOCK_MONOTONIC, one clock for every process on the machine, so spans from
 one node line up. (Across nodes the clocks differ; the spans of each rank stay meaningful.)
 
 From the gathered spans: the largest number of ranks computing at the same instant (1 for naive
-model parallelism: the point of lesson 01), each rank's busy fraction of the step, and the step's
-duration.
+model parallelism: the point of lesson 01), each rank's busy fraction of the step, the idle share
+(the measured bubble), and the step's duration.
 """
 
 from __future__ import annotations
@@ -75,9 +75,14 @@ def busy_fractions(spans: list[Span], world_size: int) -> list[float]:
     return [b / (t1 - t0) for b in busy]
 
 
+def idle_fraction(spans: list[Span], world_size: int) -> float:
+    """The measured bubble: the share of P x the window in which no rank computes, 1 - mean busy."""
+    return 1 - sum(busy_fractions(spans, world_size)) / world_size
+
+
 def render(spans: list[Span], world_size: int, width: int | None = None) -> Text:
     """A text Gantt chart: one row per rank, one column per time bucket, the span's kind where the
-    rank is busy ('F' forward, 'B' backward, 'W' weight gradient) and '.' where it idles. `width`
+    rank is busy ('F' forward, 'I' backward, 'W' weight gradient) and '.' where it idles. `width`
     buckets; by default as many as fit the output beside the rank labels (at most 100)."""
     width = width or max(20, min(100, console.width - len(f"rank {world_size - 1} ")))
     t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
@@ -89,7 +94,7 @@ def render(spans: list[Span], world_size: int, width: int | None = None) -> Text
         for i in range(a, b):
             rows[s.rank][i] = s.label[0]
     text = Text()
-    colors = {"F": "cyan", "B": "magenta", "W": "green"}
+    colors = {"F": "cyan", "I": "magenta", "W": "green"}
     for rank, row in enumerate(rows):
         text.append(f"rank {rank} ".rjust(len(f"rank {world_size - 1} ")))
         for ch in row:

@@ -9,8 +9,8 @@ rank's shapes and tau in one small collective and raises the same ValueError on 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from distlab.agree import rank_table
 from distlab.runtime import Runtime
 
 
@@ -31,14 +31,12 @@ def check_inputs(z_x: torch.Tensor, z_y: torch.Tensor, tau: float) -> None:
     small all-gather of fixed size, and all ranks judge the same table.
     """
     slots = 4  # room for up to 3 dimensions per tensor: enough to report a wrong rank
-    meta = torch.full((2 * slots + 1,), -1.0, dtype=torch.float64, device=z_x.device)
+    row = [-1.0] * (2 * slots + 1)
     for i, t in enumerate((z_x, z_y)):
-        meta[i * slots] = t.dim()
         dims = list(t.shape)[:slots - 1]
-        meta[i * slots + 1:i * slots + 1 + len(dims)] = torch.tensor(dims, dtype=torch.float64)
-    meta[-1] = float(tau)
-    table = [torch.empty_like(meta) for _ in range(dist.get_world_size())]
-    dist.all_gather(table, meta)
+        row[i * slots:i * slots + 1 + len(dims)] = [t.dim(), *dims]
+    row[-1] = float(tau)
+    table = rank_table(row, z_x.device)  # every rank judges the same table (distlab.agree)
 
     def shape(row: torch.Tensor, i: int) -> tuple[int, ...]:
         ndim = int(row[i * slots])

@@ -5,8 +5,8 @@ order. They differ in backward. On rank s the gathered tensor Z = [z_0; ...; z_{
 dL_s/dZ, the gradient of rank s's *own* loss, for every block; rank r's block needs the sum over
 all ranks, sum_s dL_s/dZ[rC : (r+1)C].
 
-- `gather_plain`: `dist.all_gather` has no autograd, so only the local block is put back with its
-  graph and backward keeps rank r's slice of dL_r/dZ alone: what every other rank's loss says about
+- `gather_plain`: an all-gather (`dist.all_gather_single`) has no autograd, so only the local block is
+  put back with its graph and backward keeps rank r's slice of dL_r/dZ alone: what every other rank's loss says about
   rank r's embeddings is dropped. Right when every rank computes the same global loss (lesson 10,
   up to DDP's 1/P), wrong for local x global (lesson 11).
 - `gather_with_grad`: backward sums over ranks and hands rank r its slice, in one reduce-scatter
@@ -33,26 +33,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 
-def check_same_shape(tensor: torch.Tensor) -> None:
-    """Raise the same ValueError on every rank unless all ranks hold tensors of one shape.
-
-    A gather of unequal blocks would hang or scramble; this exchanges only the shapes (a small,
-    always-matching all-gather, on the tensor's device) so every rank can refuse together.
-    """
-    max_dims = 8
-    if tensor.dim() > max_dims:
-        raise ValueError(f"tensors of more than {max_dims} dimensions are not supported")
-    mine = torch.full((max_dims + 1,), -1, dtype=torch.int64, device=tensor.device)
-    mine[0] = tensor.dim()
-    mine[1:tensor.dim() + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    shapes = [tuple(t[1:t[0] + 1].tolist()) for t in every]
-    if len(set(shapes)) > 1:
-        raise ValueError(f"every rank must hold a block of the same shape to gather, got {shapes} "
-                         "(rank 0, 1, ...): give each rank an equal share of the global batch")
-
-
 def all_gather_blocks(tensor: torch.Tensor) -> torch.Tensor:
     """The ranks' C x ... blocks stacked in rank order (P C x ...), no autograd."""
     out = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
@@ -61,7 +41,7 @@ def all_gather_blocks(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gather_plain(tensor: torch.Tensor) -> torch.Tensor:
-    """`dist.all_gather`, with this rank's block put back so that it keeps its graph."""
+    """The plain all-gather (no autograd), with this rank's block put back so that it keeps its graph."""
     blocks = list(all_gather_blocks(tensor.detach()).chunk(dist.get_world_size()))
     blocks[dist.get_rank()] = tensor
     return torch.cat(blocks)

@@ -1,10 +1,11 @@
 """The single-process references of the contrastive track: no process group, no gather.
 
-`full_batch_gradients(model, x, y, tau)` is the reference every exact step is checked against: a
-deep copy of the model, the whole global batch, plain autograd on a loss of the N embeddings
-(`clip_loss` unless told otherwise). Two things vary it:
+`full_batch_gradients(model, x, y, s)` is the reference every exact step is checked against: a deep
+copy of the model, the whole global batch, plain autograd on a loss of the N embeddings (`clip_loss`
+with logit scale s = 1/tau unless told otherwise; s = None: the scale the model returns third, open_clip's
+learned one). Two things vary it:
 
-- `loss_fn`: `detached_blocks(P)` is what lesson 11's plain gather really computes, written out in
+- `loss_fn`: `DetachedBlocks(P)` is what lesson 11's plain gather really computes, written out in
   one process without any of its code: split the batch into P blocks; for block r, the symmetric
   loss over block r's rows in which only block r's embeddings carry gradient (the other blocks are
   detached constants); average over r. Its gradient is
@@ -14,10 +15,12 @@ deep copy of the model, the whole global batch, plain autograd on a loss of the 
   the true gradient 1/P * sum_r sum_s dL_s/dz_r * dz_r/dtheta without the s != r terms.
 - `forward`: how the N embeddings are made. With dropout, a distributed step's embeddings depend on
   which random stream drew each mask: rank r runs its C pairs from its own stream, in its own
-  micro-batches and order. `as_ranks(RankStreams(seeds), B)` replays exactly that in one process,
-  "the full-batch reference with each rank's dropout replayed" (lessons 13 and 14 and their tests):
+  micro-batches and order. `as_ranks(RankStreams(seeds), micro)` replays exactly that in one process,
+  "the full-batch reference with each rank's dropout replayed", where `micro` is each rank's cut into
+  micro-batches as the step cuts it (the streamed step's `config.micro`, balanced; GradCache's
+  `chunks(C, B)`):
 
-      full_batch_gradients(model, x, y, tau, forward=as_ranks(RankStreams(seeds), B))
+      full_batch_gradients(model, x, y, s, forward=as_ranks(RankStreams(seeds), micro))
 
   `tower_by_tower=True` replays GradCache's order (a rank's x micro-batches through `encoder_x`,
   then its y micro-batches through `encoder_y`); the default runs `model(x_b, y_b)` per
@@ -29,31 +32,33 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from distlab.compare import grads_of
-from distlab.contrastive.losses import check_temperature, clip_loss
+from distlab.contrastive.losses import check_scale, clip_loss
 
-Embeddings = tuple[torch.Tensor, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]   # (Z_x, Z_y, tau) -> L
-Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], Embeddings]  # (model, X, Y) -> (Z_x, Z_y)
+Embeddings = tuple  # (Z_x, Z_y), or (Z_x, Z_y, s) from a model that returns its logit scale
+LossFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]      # (Z_x, Z_y, s) -> L
+Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], Embeddings]  # (model, X, Y) -> embeddings
 
 
 def plain_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Embeddings:
     return model(x, y)
 
 
-def full_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tau: float,
+def full_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s: float | None,
                          loss_fn: LossFn = clip_loss,
                          forward: Forward = plain_forward) -> tuple[float, dict[str, torch.Tensor]]:
-    """(L, dL/dtheta) of a deep copy of `model` on the whole batch (the original is untouched)."""
+    """(L, dL/dtheta) of a deep copy of `model` on the whole batch (the original is untouched); with
+    s None the model's own scale (returned third by its forward) is used, and its gradient included."""
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
-    loss = loss_fn(*forward(model, x, y), tau)
+    z_x, z_y, *scale = forward(model, x, y)
+    loss = loss_fn(z_x, z_y, scale[0] if s is None else s)
     loss.backward()
     return loss.item(), grads_of(model)
 
@@ -68,12 +73,12 @@ def _only_block_carries_grad(z: torch.Tensor, rows: slice) -> torch.Tensor:
     return z.detach() + mask * (z - z.detach())
 
 
-def detached_blocks_loss(z_x: torch.Tensor, z_y: torch.Tensor, tau: float, world_size: int) -> torch.Tensor:
+def detached_blocks_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: float, world_size: int) -> torch.Tensor:
     """1/P * sum_r (block r's rows of the symmetric loss, every other block's embeddings detached).
 
     Its value is the global loss L; its gradient is what DDP with the plain gather computes.
     """
-    check_temperature(tau)
+    check_scale(s)
     n = len(z_x)
     if n % world_size:
         raise ValueError(f"N = {n} must split evenly into {world_size} blocks")
@@ -83,20 +88,20 @@ def detached_blocks_loss(z_x: torch.Tensor, z_y: torch.Tensor, tau: float, world
     for r in range(world_size):
         rows = slice(r * c, (r + 1) * c)
         zx_r, zy_r = _only_block_carries_grad(z_x, rows), _only_block_carries_grad(z_y, rows)
-        s = zx_r @ zy_r.T / tau
+        logits = s * zx_r @ zy_r.T
         # Block r's rows of S (x -> y) and of S^T (y -> x), the mean over its C rows.
-        total = total + (F.cross_entropy(s[rows], labels[rows]) + F.cross_entropy(s.T[rows], labels[rows])) / 2
+        total = total + (F.cross_entropy(logits[rows], labels[rows]) + F.cross_entropy(logits.T[rows], labels[rows])) / 2
     return total / world_size
 
 
 class DetachedBlocks:
-    """`detached_blocks_loss` for a fixed P, as a loss of (Z_x, Z_y, tau) (picklable, unlike a lambda)."""
+    """`detached_blocks_loss` for a fixed P, as a loss of (Z_x, Z_y, s) (picklable, unlike a lambda)."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
 
-    def __call__(self, z_x: torch.Tensor, z_y: torch.Tensor, tau: float) -> torch.Tensor:
-        return detached_blocks_loss(z_x, z_y, tau, self.world_size)
+    def __call__(self, z_x: torch.Tensor, z_y: torch.Tensor, s: float) -> torch.Tensor:
+        return detached_blocks_loss(z_x, z_y, s, self.world_size)
 
 
 # -- each rank's dropout, replayed in one process -----------------------------------------------
@@ -128,32 +133,30 @@ class RankStreams:
             self.states[rank] = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
 
 
-def _micro_batches(n: int, b: int | None) -> list[slice]:
-    b = b or n
-    return [slice(i, min(i + b, n)) for i in range(0, n, b)]
-
-
-def as_ranks(streams: RankStreams, micro_batch_size: int | None = None, tower_by_tower: bool = False) -> Forward:
+def as_ranks(streams: RankStreams, micro: Sequence[slice] | None = None, tower_by_tower: bool = False) -> Forward:
     """The forward P ranks run, in one process: rank r's share (rows rC ... rC + C - 1, C = N / P)
-    from rank r's stream, in micro-batches of B rows in order (the whole share when B is None);
-    the embeddings concatenated in rank order."""
+    from rank r's stream, in its micro-batches `micro` (local rows, cut as the step cuts them; the
+    whole share when None), in order; the embeddings concatenated in rank order, and the scale the
+    model returns third, if it does (every rank's is the same)."""
 
     def forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Embeddings:
         p = len(streams)
         if len(x) % p:
             raise ValueError(f"the global batch N = {len(x)} must split evenly over P = {p} ranks")
-        c, parts_x, parts_y = len(x) // p, [], []
+        c = len(x) // p
+        parts = micro if micro is not None else [slice(0, c)]
+        outs_x, outs_y, scale = [], [], []
         for r in range(p):
             x_r, y_r = x[r * c:(r + 1) * c], y[r * c:(r + 1) * c]
             with streams.stream(r, x.device):
                 if tower_by_tower:  # GradCache: all of tower x's micro-batches, then tower y's
-                    parts_x += [F.normalize(model.encoder_x(x_r[s]), dim=-1) for s in _micro_batches(c, micro_batch_size)]
-                    parts_y += [F.normalize(model.encoder_y(y_r[s]), dim=-1) for s in _micro_batches(c, micro_batch_size)]
-                else:
-                    for s in _micro_batches(c, micro_batch_size):
-                        z_x, z_y = model(x_r[s], y_r[s])
-                        parts_x.append(z_x)
-                        parts_y.append(z_y)
-        return torch.cat(parts_x), torch.cat(parts_y)
+                    outs_x += [F.normalize(model.encoder_x(x_r[rows]), dim=-1) for rows in parts]
+                    outs_y += [F.normalize(model.encoder_y(y_r[rows]), dim=-1) for rows in parts]
+                    continue
+                for rows in parts:
+                    z_x, z_y, *scale = model(x_r[rows], y_r[rows])
+                    outs_x.append(z_x)
+                    outs_y.append(z_y)
+        return (torch.cat(outs_x), torch.cat(outs_y), *scale)
 
     return forward

@@ -1,4 +1,4 @@
-"""What lessons 10-12 print: how far a gradient is from the reference, and the tables around it.
+"""What lessons 10-14 print: how far a gradient is from the reference, and the tables around it.
 
 For gradients g (a variant's) and r (the single-process reference), over all parameters at once:
 
@@ -118,4 +118,23 @@ def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], 
     for name, elements in ring_elements(p, n, d).items():
         measured = f"{1e3 * seconds[name]:.2f} ms" if name in seconds else "-"
         table.add_row(name, formulas[name], f"{elements:,.0f}", f"{elements * elem / MIB:.2f}", measured)
+    return table
+
+
+def memory_account_table(largest: int, peak: int, n: int, d: int, cfg, itemsize: int) -> Table:
+    """Lesson 14's memory account of one streamed step: what it allocated against the sizes it never
+    makes (B x N, C x N, N x N); `cfg` is the step's StreamConfig."""
+    table = Table(title="Memory account of step 1 (this rank, tensor storage the step allocated)",
+                  title_justify="left")
+    for column, justify in (("what", "left"), ("bytes", "right"), ("vs N x N", "right")):
+        table.add_column(column, justify=justify)
+    b, t, full = min(cfg.b, cfg.local), min(cfg.t, n), n * n * itemsize
+    for label, nbytes in (("largest temporary the step made", largest),
+                          ("peak of everything the step held at once", peak),
+                          (f"gathered Z_x | Z_y (N x 2d = {n} x {2 * d})", n * 2 * d * itemsize),
+                          (f"one tile, T x T ({t} x {t})", t * t * itemsize),
+                          (f"B x N ({b} x {n}): never made", b * n * itemsize),
+                          (f"C x N ({cfg.local} x {n}), lesson 12's logits", cfg.local * n * itemsize),
+                          (f"N x N ({n} x {n}), lesson 10's logits", full)):
+        table.add_row(label, f"{nbytes:,}", f"{nbytes / full:.4f}")
     return table

@@ -48,7 +48,7 @@ def first_step_gradients(rt: Runtime, variants: Sequence[Variant], n: int, tau: 
     """Variant name -> (L, DDP gradients on the CPU) after one step on the first global batch.
 
     The single-process reference for it is
-    `full_batch_gradients(TwoTower(seed), *paired_data(n, seed), tau)`.
+    `full_batch_gradients(TwoTower(seed), *paired_data(n, seed), 1 / tau)`.
     """
     x, y = (local_block(t, rt).to(rt.device) for t in paired_data(n, seed=seed, dtype=dtype))
     ddp = wrap_ddp(TwoTower(seed=seed, dtype=dtype), rt)

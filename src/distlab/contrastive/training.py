@@ -122,13 +122,13 @@ def _train(model: nn.Module, eval_model: nn.Module, step_fn: Callable[[torch.Ten
 def train_single_process(model: nn.Module, data: TrainData, config: TrainConfig,
                          loss_fn: LossFn = clip_loss, label: str | None = None) -> TrainRun:
     """The reference run: a deep copy of `model`, the whole global batch, plain autograd on
-    `loss_fn(z_x, z_y, tau)` (clip_loss; lesson 11 passes the detached-blocks loss to see what the
+    `loss_fn(z_x, z_y, s)` with s = 1/tau (clip_loss; lesson 11 passes the detached-blocks loss to see what the
     plain gather does at a P this machine cannot run)."""
     model = copy.deepcopy(model)
     x, y = data.train
 
     def step_fn(idx: torch.Tensor) -> float:
-        loss = loss_fn(*model(x[idx], y[idx]), config.tau)
+        loss = loss_fn(*model(x[idx], y[idx]), 1 / config.tau)
         loss.backward()
         return loss.item()
 

@@ -45,7 +45,7 @@ Losses = tuple[torch.Tensor, torch.Tensor]        # (loss to back-propagate, L d
 
 def global_loss(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, gather: Gather) -> Losses:
     """Every rank gathers both towers and computes the whole N x N loss: the same L everywhere."""
-    loss = clip_loss(gather(z_x), gather(z_y), tau)
+    loss = clip_loss(gather(z_x), gather(z_y), 1 / tau)
     return loss, loss.detach()
 
 
@@ -61,7 +61,7 @@ def local_loss(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, ga
 
     L is the mean of the P local losses (every rank holds C pairs): one all-reduce of one number.
     """
-    rank_loss = local_clip_loss(z_x, z_y, gather(z_x), gather(z_y), tau, offset=rt.rank * len(z_x))
+    rank_loss = local_clip_loss(z_x, z_y, gather(z_x), gather(z_y), 1 / tau, offset=rt.rank * len(z_x))
     total = rank_loss.detach().clone()  # on rt.device, like the embeddings
     dist.all_reduce(total)
     return rank_loss, total / rt.world_size

@@ -5,6 +5,8 @@
   filled it, and divides by P: the mechanism lesson 06 writes by hand.
 - `count_and_average`: a DDP communication hook that does what DDP's default does (average the
   bucket over the ranks) and counts the calls: one per bucket per synchronised backward.
+  `count_reducing_backwards` counts the backwards that reduced instead (lesson 13: one per step
+  under `no_sync` but the last).
 - `accumulate`: gradient accumulation over micro-batches, with or without `no_sync()`. Without it
   every backward all-reduces; with it only the last one does. Both give the global gradient
   (averaging is linear), so `no_sync` saves communication, not correctness.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -52,6 +55,20 @@ def count_and_average(state, bucket):
     state.calls += 1
     tensor = bucket.buffer().div_(dist.get_world_size())
     return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def count_reducing_backwards(model: DDP) -> list[int]:
+    """A DDP comm hook counting the backwards in which DDP all-reduced the gradients: DDP may cut
+    them into several buckets (one all-reduce each); the bucket marked last closes one backward.
+    Returns the one-element counter the hook increments."""
+    backwards = [0]
+
+    def hook(state, bucket):
+        backwards[0] += bucket.is_last()
+        return default_hooks.allreduce_hook(state, bucket)  # what DDP does without a hook
+
+    model.register_comm_hook(None, hook)
+    return backwards
 
 
 def accumulate(rt: Runtime, cfg: DataParallelConfig, micro_batches: int,

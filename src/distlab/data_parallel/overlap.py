@@ -5,10 +5,14 @@ builds one fresh model per strategy and times forward + backward + sync, round-r
 strategies (so a noisy neighbour slows all of them alike), each repetition timed on the slowest rank,
 the median reported. `backward_timeline` records one step: when backward started and ended, and
 when each bucket's all-reduce was launched and completed, in milliseconds from the start of backward.
+`emulated_overlap` does both on the emulated device (`distlab/emulate.py`), where the all-reduces do
+not compete with backward for the cores: the buckets after backward against from the hooks, and the
+share of the communication the hooks hid against 1 - (last bucket's bytes) / (all bytes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -16,8 +20,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from distlab import emulate
+from distlab.console import print0
 from distlab.data_parallel.collectives import barrier, slowest_median
 from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
+from distlab.data_parallel.report import MIB, timeline_table, timing_table
 from distlab.runtime import Runtime
 
 Strategy = Callable[[nn.Module], tuple[nn.Module, Callable[[], None]]]
@@ -100,3 +107,42 @@ def backward_timeline(rt: Runtime, cfg: DataParallelConfig, module: nn.Module, s
     order = sorted(events["launched"])
     return Timeline(ms(end), [ms(events["launched"][i]) for i in order], [ms(events["done"][i]) for i in order],
                     ms(synced))
+
+
+def emulated_overlap(rt: Runtime, cfg: DataParallelConfig, args, buckets_class) -> dict:
+    """Lesson 06's buckets (`buckets_class(model, rt, bytes, overlap, link)`) on the emulated device:
+    step times without communication, with the buckets after backward and from the hooks; one step's
+    timeline; the hidden share of the communication, measured and predicted. Prints its tables."""
+    device, link = emulate.Device(args.emulate_ms), emulate.Link(args.link_ms_per_mib)
+    cap = args.bucket_mib * MIB
+    # Four rows per rank: the same gradients' bytes (they depend on the layers, not the rows) at a
+    # fraction of the real compute, which would otherwise still compete for the cores.
+    cfg = dataclasses.replace(cfg, global_batch=4 * rt.world_size)
+
+    def on_device(overlap: bool | None) -> Strategy:
+        def make(model: nn.Module):
+            emulate.slow_layers(model, device)
+            return model, (lambda: None) if overlap is None else buckets_class(model, rt, cap, overlap, link).wait
+        return make
+
+    times = time_strategies(rt, cfg, {"compute only": on_device(None), "buckets, after backward": on_device(False),
+                                      "buckets from hooks (overlap)": on_device(True)}, max(2, args.repeats // 3))
+    print0(f"\n[bold]The same on the emulated device[/] ({args.emulate_ms:g} ms per layer-pass, "
+           f"{args.link_ms_per_mib:g} ms per MiB on the link, C = 4 rows per rank):")
+    print0(timing_table(times, baseline="compute only"))
+    model = build(cfg)[0].to(rt.device)
+    on_device(True)(model)
+    buckets = buckets_class(model, rt, cap, True, link)
+    for _ in range(2):  # the second step: the first pays for warming up
+        line = backward_timeline(rt, cfg, model, buckets.wait, buckets.events)
+    sizes = [sum(p.numel() * p.element_size() for p in b) for b in buckets.buckets]
+    print0(timeline_table(line.launched_ms, line.done_ms, sizes, line.backward_end_ms))
+    link.close()
+    comm = times["buckets, after backward"].step_s - times["compute only"].step_s
+    hidden = (times["buckets, after backward"].step_s - times["buckets from hooks (overlap)"].step_s) / comm
+    predicted = 1 - sizes[-1] / sum(sizes)
+    print0(f"emulated device: the hooks hid {hidden:.0%} of the communication's {comm * 1e3:.0f} ms; "
+           f"if the link keeps up with backward, 1 - last bucket's bytes / all bytes = {predicted:.0%} (where a "
+           f"bucket took longer than its {args.link_ms_per_mib:g} ms per MiB above, the real all-reduce overran it)")
+    return {"step_seconds": {name: vars(t) for name, t in times.items()}, "hidden": hidden, "predicted": predicted,
+            "timeline": vars(line) | {"bucket_bytes": sizes}}

@@ -9,22 +9,13 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-from rich import box
 from rich.table import Table
 
 from distlab.compare import GradientError
+from distlab.console import compact_table
 
 Grads = Mapping[str, torch.Tensor]
 MIB = 2 ** 20
-
-
-def _table(title: str, columns: tuple[str, ...], caption: str = "") -> Table:
-    table = Table(title=title, caption=caption or None, title_justify="left", caption_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
-    for i, column in enumerate(columns):
-        # The first column names the row: never broken (a narrow terminal wraps the headers instead).
-        table.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
-    return table
 
 
 def _mark(ok: bool, expected: bool = True) -> str:
@@ -38,7 +29,7 @@ AFTER = {"all_reduce": "sum_q x_q", "all_gather": "x_0, ..., x_{P-1}",
 
 def semantics_table(rows: list) -> Table:
     """What rank r ends with, and whether torch's and the ring's results equal one process's."""
-    table = _table("What each collective computes, against one process", (
+    table = compact_table("What each collective computes, against one process", (
         "collective", "rank r ends with", "max |err|", "torch", "by hand"))
     for row in rows:
         table.add_row(row.name, AFTER[row.name], f"{row.max_err:.1e}", _mark(row.ok), _mark(row.ring_ok))
@@ -49,7 +40,7 @@ def cost_table(rows: list) -> Table:
     """Bytes against the ring formula, and torch's time against the bytes, both relative to
     all_gather's (`measure.CollectiveRow`s of one rank)."""
     base = next(row for row in rows if row.name == "all_gather")
-    table = _table(f"Bytes one rank sends, and time, for a {rows[0].full_bytes / MIB:.2f} MiB tensor", (
+    table = compact_table(f"Bytes one rank sends, and time, for a {rows[0].full_bytes / MIB:.2f} MiB tensor", (
         "collective", "ring", "MiB", "counted", "ms", "t / t_ag", "b / b_ag"),
         caption="ring: the formula, in units of the tensor's bytes; MiB: what it gives; counted: what "
                 "rank 0 sent in the ring by hand (in the broadcast the last rank sends none); t_ag, b_ag: "
@@ -66,7 +57,7 @@ def cost_table(rows: list) -> Table:
 
 def gradient_table(rows: list[tuple[str, str, GradientError, bool]], title: str) -> Table:
     """(what ran, compared with, its check, whether allclose is the claim)."""
-    table = _table(title, ("run", "against", "max rel err", "|g| / |ref|", "allclose"))
+    table = compact_table(title, ("run", "against", "max rel err", "|g| / |ref|", "allclose"))
     for name, against, check, expected in rows:
         table.add_row(name, against, f"{check.max_rel:.1e}", f"{check.norm_ratio:.6f}", _mark(check.ok, expected))
     return table
@@ -75,7 +66,7 @@ def gradient_table(rows: list[tuple[str, str, GradientError, bool]], title: str)
 def timing_table(times: dict, baseline: str) -> Table:
     """Step and backward time per strategy (`overlap.StepTime`), and what the step took beyond
     `baseline`'s (the communication left exposed)."""
-    table = _table("One step: forward, backward, gradient sync (median, slowest rank)", (
+    table = compact_table("One step: forward, backward, gradient sync (median, slowest rank)", (
         "strategy", "step ms", "backward ms", "exposed ms"),
         caption="exposed: step time beyond compute only's; DDP waits for its all-reduces inside "
                 "backward, our hooks in wait() after it")
@@ -87,7 +78,7 @@ def timing_table(times: dict, baseline: str) -> Table:
 
 def timeline_table(launched: list[float], done: list[float], sizes: list[int], backward_end: float) -> Table:
     """Per bucket: its size, and when its all-reduce was launched and completed (ms from backward's start)."""
-    table = _table("One step's buckets, ms from backward's start", (
+    table = compact_table("One step's buckets, ms from backward's start", (
         "bucket", "MiB", "launched", "completed", "in backward"), caption=f"backward ended at {backward_end:.1f} ms")
     for i, (start, end, size) in enumerate(zip(launched, done, sizes)):
         table.add_row(str(i), f"{size / MIB:.2f}", f"{start:.1f}", f"{end:.1f}",
@@ -97,7 +88,7 @@ def timeline_table(launched: list[float], done: list[float], sizes: list[int], b
 
 def rows_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
     """A plain table of pre-formatted rows."""
-    table = _table(title, columns)
+    table = compact_table(title, columns)
     for row in rows:
         table.add_row(*row)
     return table

@@ -9,7 +9,7 @@ way, with no message. The receiver allocates the buffer from the shapes `partiti
 derives; no shape is ever sent.
 
 Why batches, and which. With blocking send/recv, 1F1B deadlocks: on P = 2, rank 0 finishes F1 and
-sends its activation while rank 1 finishes B0 and sends its gradient; each `send` waits for the other
+sends its activation while rank 1 finishes I0 and sends its gradient; each `send` waits for the other
 side's `recv` (gloo's send waits for the matching receive even for ten numbers; NCCL's once its
 buffers are full). Posting the sends alone with `isend` is not enough on GPUs either: NCCL runs the
 transfers between two ranks on one stream, in posting order. The cure, which torch.distributed.
@@ -57,10 +57,10 @@ class Transfer:
 
 
 def produces(action: Action, stages: int) -> tuple[str, int] | None:
-    """(what, consuming stage) that `action` hands on: F its output, B its input's gradient."""
+    """(what, consuming stage) that `action` hands on: F its output, I its input's gradient."""
     if action.kind == "F" and action.stage < stages - 1:
         return "activation", action.stage + 1
-    if action.kind == "B" and action.stage > 0:
+    if action.kind == "I" and action.stage > 0:
         return "gradient", action.stage - 1
     return None
 

@@ -1,9 +1,9 @@
 """Cut an `nn.Sequential` into contiguous stages and derive the shapes at the cuts.
 
-Balanced split: with L layers in S stages (S = v P), the first L mod S stages get ceil(L/S) layers
-and the rest floor(L/S). The tempting `per_rank = ceil(L/S); start = p * per_rank` does not deliver
-that: for L = 6, S = 4 it gives 2, 2, 2, 0 layers, and the last rank holds nothing. Here every stage
-gets at least one layer, for every S from 1 to L.
+Balanced split: with `layers` layers in vP stages, the first (layers mod vP) stages get
+ceil(layers / vP) layers and the rest floor(layers / vP). The tempting `per_rank = ceil(layers / vP);
+start = p * per_rank` does not deliver that: 6 layers in 4 stages give 2, 2, 2, 0 layers, and the
+last rank holds nothing. Here every stage gets at least one layer, for every stage count from 1 to `layers`.
 
 A stage's module keeps the unsplit model's names ('3.0.weight' is layer 3 wherever it lives), so
 `distlab.compare.grads_of(stage.module)` compares with the reference directly.
@@ -61,7 +61,7 @@ def split_stages(model: nn.Sequential, num_stages: int) -> list[Stage]:
 @torch.no_grad()
 def boundary_shapes(stages: list[Stage], batch_shape: tuple[int, ...],
                     dtype: torch.dtype) -> list[torch.Size]:
-    """S + 1 shapes: shapes[p] enters stage p, shapes[S] leaves the last stage.
+    """vP + 1 shapes: shapes[p] enters stage p, shapes[vP] leaves the last stage.
 
     Raises a ValueError naming the stage when a batch of `batch_shape` does not fit the model.
     """

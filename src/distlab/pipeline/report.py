@@ -1,4 +1,5 @@
-"""The tables the pipeline lessons print: each run against the unsplit model, orders side by side.
+"""What the pipeline lessons print: each run against the unsplit model, orders side by side, and the
+measured timelines of a step (on the real CPU or the emulated device) with their idle share.
 
 Each rank holds only its own stages' gradients and parameters, so each compares its share with the
 reference's and the rows are gathered to every rank; a verdict is then the same everywhere. One
@@ -15,9 +16,12 @@ import torch.distributed as dist
 from rich.table import Table
 
 from distlab.compare import Comparison, compare, comparison_table, tolerances
+from distlab.console import print0
 from distlab.pipeline.schedules import Schedule
 from distlab.pipeline.training import Run
 from distlab.reference import ReferenceRun
+from distlab.timeline import Span, busy_fractions, idle_fraction, max_concurrency
+from distlab.timeline import render as render_spans
 
 
 def gathered(value: Any) -> list[Any]:
@@ -91,3 +95,21 @@ def orders_table(orders: dict[str, Schedule], title: str, labels: bool = False) 
             cells.append(text if k == 0 or order[r] == first[r] else f"[yellow]{text}[/]")
         table.add_row(str(r), *cells)
     return table
+
+
+def show_measured(title: str, runs: dict[str, list[Span]], world_size: int, step: int) -> dict:
+    """Print the measured timeline of step `step` of each labelled run ("real CPU", "emulated
+    device ...") with what it shows: the most ranks computing at once, each rank's busy share, and
+    the idle share (the measured bubble). Returns those figures per label."""
+    out = {}
+    for label, spans in runs.items():
+        last = [s for s in spans if s.step == step]
+        busy = busy_fractions(last, world_size)
+        out[label] = dict(concurrency=max_concurrency(last), busy=busy, idle=idle_fraction(last, world_size),
+                          step_ms=1e3 * (max(s.end for s in last) - min(s.start for s in last)),
+                          spans=[vars(s) for s in last])
+        print0(f"\n[bold]{title}, measured on the {label}[/]:")
+        print0(render_spans(last, world_size))
+        print0(f"most ranks computing at one instant: {out[label]['concurrency']}; busy per rank: "
+               + ", ".join(f"{b:.0%}" for b in busy) + f"; idle share (measured bubble): {out[label]['idle']:.3f}")
+    return out

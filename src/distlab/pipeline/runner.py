@@ -1,11 +1,11 @@
 """Run a schedule: one rank executes its list of actions, for every stage it holds.
 
 The batch of N rows is cut into M micro-batches of n_0 .. n_{M-1} rows (`torch.tensor_split`: the
-first N mod M get one row more, so any N >= M works). On stage p (S stages in all):
+first N mod M get one row more, so any N >= M works). On stage p (vP stages in all):
 
   F(p, i)  take micro-batch i (p = 0) or the activation stage p-1 produced, compute the stage, keep
            what the backward needs, hand the output to stage p+1. The last stage computes the loss.
-  B(p, i)  the gradient of the stage's input, from the loss (p = S-1) or from the gradient of its
+  I(p, i)  the gradient of the stage's input, from the loss (p = vP-1) or from the gradient of its
            output that stage p+1 sent back; hand it to stage p-1. Unless the schedule has a W(p, i),
            the same backward also accumulates the parameters' gradients (`out.backward(g)`).
            Split: `torch.autograd.grad(out, x, g, retain_graph=True)`: the input's gradient only,
@@ -17,6 +17,8 @@ first N mod M get one row more, so any N >= M works). On stage p (S stages in al
            torch.distributed.pipelining keeps the intermediate gradients between the two calls.)
 
 Messages between ranks follow `p2p.comm_plan`; two stages on one rank hand tensors over directly.
+With `cfg.emulate_ms` > 0 every action runs on the emulated device (`distlab/emulate.py`): the math,
+then a sleep until the action has taken its fixed time (F, split I, W one unit per layer, unsplit I two).
 
 The loss of a step is the mean over the whole batch. A micro-batch's loss l_i is a mean over its
 n_i rows, and L = (1/N) sum_rows loss(row) = sum_i (n_i / N) l_i, so each l_i is scaled by n_i / N
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
+from distlab.emulate import Device, action_units
 from distlab.pipeline import p2p
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.probe import StageProbe
@@ -82,7 +85,7 @@ class PipelineStep:
         self.x = list(torch.tensor_split(x, cfg.micro_batches))
         self.target = list(torch.tensor_split(target, cfg.micro_batches))
         self.shapes = [by_size[n] for n in sizes]  # uneven micro-batches: shapes differ in rows
-        self.timeline = Timeline(rt.rank)
+        self.timeline, self.emulated = Timeline(rt.rank), Device(cfg.emulate_ms)
         self.probe = StageProbe([s.module for s in self.stages]) if cfg.probe else None
         self.peak = self.layer_forwards = 0
         # With NCCL, a batch_isend_irecv that is the group's first collective must involve every rank,
@@ -95,10 +98,12 @@ class PipelineStep:
         self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.loss = torch.zeros((), dtype=torch.float64)
-        run = {"F": self._forward, "B": self._backward, "W": self._weight}
+        run = {"F": self._forward, "I": self._backward, "W": self._weight}
         for action, batch in zip(self.actions, self.plan):
             self._post(batch)
-            with self.timeline.span(str(action), step):
+            units = action_units(action.kind, (action.stage, action.microbatch) in self.split,
+                                 len(self.modules[action.stage]))
+            with self.timeline.span(str(action), step), self.emulated.pad(units):
                 run[action.kind](action)
         self._post(self.plan[-1])
         if step == 0 and self.probe:

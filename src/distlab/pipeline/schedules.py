@@ -1,14 +1,14 @@
 """Pipeline schedules as data: which rank runs which stage's forward, backward and weight gradient,
 in which order. Pure functions; `simulator.py` turns the orders into a grid of ticks.
 
-The model is cut into S = v P stages (p = 0 .. S-1), v per rank. A schedule is, per rank r, an ordered
+The model is cut into vP stages (p = 0 .. vP-1), v per rank. A schedule is, per rank r, an ordered
 list of actions on micro-batches i = 0 .. M-1:
 
     F(p, i)  forward of micro-batch i through stage p
-    B(p, i)  backward through stage p: the gradient of its input, which stage p - 1 waits for.
-             When the schedule has no W(p, i), B(p, i) also computes the weights' gradient (the
+    I(p, i)  backward through stage p: the gradient of its input, which stage p - 1 waits for.
+             When the schedule has no W(p, i), I(p, i) also computes the weights' gradient (the
              usual, unsplit backward of GPipe and 1F1B).
-    W(p, i)  the weights' gradient of stage p for micro-batch i, split off B(p, i) so that it can
+    W(p, i)  the weights' gradient of stage p for micro-batch i, split off I(p, i) so that it can
              run later, where a rank would otherwise wait (zero-bubble pipelines).
 
 Placement, the stages of rank r: one per rank, p = r (v = 1); looped, r, r + P, .., r + (v-1) P
@@ -25,10 +25,10 @@ The schedules (the orders torch.distributed.pipelining 2.13 executes for the sam
 - `interleaved_1f1b` (v >= 2, looped): the same three phases over v M chunk-actions; forwards go
   through the rank's stages in rounds of g micro-batches (g = P when P divides M). Warm-up
   (v - 1) g + 2 (P - r - 1): the forwards that fit before the rank's first backward can arrive.
-- `zero_bubble` (v = 1: ZB-H1): 1F1B's order with every backward split into B and W, and rank r
+- `zero_bubble` (v = 1: ZB-H1): 1F1B's order with every backward split into I and W, and rank r
   holding back r W's, which then fill the ticks where 1F1B would wait. v >= 2: the interleaved
   version (torch's ScheduleInterleavedZeroBubble).
-- `zbv` (v = 2, V placement): ZB-V, forwards down the V and back up, B and W split.
+- `zbv` (v = 2, V placement): ZB-V, forwards down the V and back up, I and W split.
 - `looped_bfs` (looped, breadth first): all forwards of a rank's first stage, then of its next,
   then every backward in reverse (torch's ScheduleLoopedBFS).
 """
@@ -39,12 +39,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-KINDS = ("F", "B", "W")
+KINDS = ("F", "I", "W")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work: `kind` F, B or W of micro-batch `microbatch` on stage `stage`."""
+    """One unit of work: `kind` F, I or W of micro-batch `microbatch` on stage `stage`."""
 
     kind: str
     microbatch: int
@@ -94,7 +94,7 @@ def rank_of(schedule: Schedule) -> dict[int, int]:
 
 
 def split_backward(schedule: Schedule) -> set[tuple[int, int]]:
-    """The (stage, micro-batch) pairs whose backward is split into B and a later W."""
+    """The (stage, micro-batch) pairs whose backward is split into I and a later W."""
     return {(a.stage, a.microbatch) for order in schedule for a in order if a.kind == "W"}
 
 
@@ -113,12 +113,7 @@ def _check(num_ranks: int, microbatches: int, stages_per_rank: int = 1) -> None:
 def gpipe(num_ranks: int, microbatches: int) -> Schedule:
     """All forwards, then all backwards, on every rank (one stage per rank)."""
     _check(num_ranks, microbatches)
-    return [[Action(kind, i, r) for kind in "FB" for i in range(microbatches)] for r in range(num_ranks)]
-
-
-def naive(num_ranks: int) -> Schedule:
-    """Lesson 01's schedule: the whole batch as one micro-batch."""
-    return gpipe(num_ranks, 1)
+    return [[Action(kind, i, r) for kind in "FI" for i in range(microbatches)] for r in range(num_ranks)]
 
 
 def looped_bfs(num_ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
@@ -127,7 +122,7 @@ def looped_bfs(num_ranks: int, microbatches: int, stages_per_rank: int = 2) -> S
     schedule = []
     for stages in looped(num_ranks, stages_per_rank):
         order = [Action("F", i, p) for p in stages for i in range(microbatches)]
-        order += [Action("B", i, p) for p in reversed(stages) for i in reversed(range(microbatches))]
+        order += [Action("I", i, p) for p in reversed(stages) for i in reversed(range(microbatches))]
         schedule.append(order)
     return schedule
 
@@ -156,8 +151,8 @@ def _chunks(stages: list[int], microbatches: int, group: int, backward: bool) ->
 def _one_f_one_b_order(stages: list[int], microbatches: int, group: int, warmup: int,
                        held_back_w: int | None) -> list[Action]:
     """Warm-up forwards, then one forward and one backward in turn, then the remaining backwards.
-    `held_back_w` None: unsplit backwards. A number h: every backward split into B and W, and W of
-    the oldest B runs as soon as more than h are waiting (the zero-bubble rule)."""
+    `held_back_w` None: unsplit backwards. A number h: every backward split into I and W, and W of
+    the oldest I runs as soon as more than h are waiting (the zero-bubble rule)."""
     forwards = _chunks(stages, microbatches, group, backward=False)
     backwards = _chunks(stages, microbatches, group, backward=True)
     warmup = min(warmup, len(forwards))
@@ -166,7 +161,7 @@ def _one_f_one_b_order(stages: list[int], microbatches: int, group: int, warmup:
     for k, (p, i) in enumerate(backwards):
         if warmup + k < len(forwards):
             order.append(Action("F", forwards[warmup + k][1], forwards[warmup + k][0]))
-        order.append(Action("B", i, p))
+        order.append(Action("I", i, p))
         if held_back_w is not None:
             waiting.append(Action("W", i, p))
             if len(waiting) > held_back_w:
@@ -215,20 +210,20 @@ def zbv(num_ranks: int, microbatches: int) -> Schedule:
         for _ in range(r):                           # the way up starts arriving
             run("F", up), run("F", down)
         for _ in range(num_ranks - r):               # first backwards, straight from the turn
-            run("F", up), run("B", up), run("W", up)
+            run("F", up), run("I", up), run("W", up)
         while count["F", up] < count["F", down] or count["F", down] < n:  # steady state
             if count["F", down] < n:
                 run("F", down)
-            run("B", down), run("W", down), run("F", up), run("B", up), run("W", up)
-        w_down, w_up = count["B", down], count["B", up]
+            run("I", down), run("W", down), run("F", up), run("I", up), run("W", up)
+        w_down, w_up = count["I", down], count["I", up]
         for _ in range(r):                           # drain: input gradients first
-            run("B", down), run("B", up)
+            run("I", down), run("I", up)
         for _ in range(num_ranks - r):
-            run("B", down)
+            run("I", down)
             order.append(Action("W", w_down, down))
             w_down += 1
-        order += [Action("W", i, up) for i in range(w_up, count["B", up])]
-        order += [Action("W", i, down) for i in range(w_down, count["B", down])]
+        order += [Action("W", i, up) for i in range(w_up, count["I", up])]
+        order += [Action("W", i, down) for i in range(w_down, count["I", down])]
         schedule.append([a for a in order if a.microbatch < microbatches])
     return schedule
 
@@ -270,8 +265,8 @@ def make_schedule(name: str, num_ranks: int, microbatches: int, stages_per_rank:
 
 
 def check_schedule(schedule: Schedule) -> int:
-    """M, after checking that the stages 0 .. S-1 each live on one rank and run F and B exactly
-    once per micro-batch (and W at most once, after its B). Raises ValueError otherwise."""
+    """M, after checking that the stages 0 .. vP-1 each live on one rank and run F and I exactly
+    once per micro-batch (and W at most once, after its I). Raises ValueError otherwise."""
     seen: dict[Action, int] = {}
     for r, order in enumerate(schedule):
         for a in order:
@@ -280,13 +275,13 @@ def check_schedule(schedule: Schedule) -> int:
             seen[a] = r
     stages = {a.stage: r for a, r in seen.items()}
     if sorted(stages) != list(range(len(stages))):
-        raise ValueError(f"stages must be 0 .. S-1, got {sorted(stages)}")
+        raise ValueError(f"stages must be 0 .. vP-1, got {sorted(stages)}")
     for a, r in seen.items():
         if stages[a.stage] != r:
             raise ValueError(f"stage {a.stage} runs on more than one rank")
     m = 1 + max(a.microbatch for a in seen)
     for p in stages:
         for i in range(m):
-            if Action("F", i, p) not in seen or Action("B", i, p) not in seen:
-                raise ValueError(f"stage {p} must run F and B once for each of the {m} micro-batches")
+            if Action("F", i, p) not in seen or Action("I", i, p) not in seen:
+                raise ValueError(f"stage {p} must run F and I once for each of the {m} micro-batches")
     return m

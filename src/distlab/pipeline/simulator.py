@@ -1,23 +1,24 @@
 """When each action of a schedule runs: the unit-time grid, and the bubble and memory read off it.
 
-Every dependency is one of three (S stages, micro-batch i):
+Every dependency is one of three (vP stages, micro-batch i):
     F(p, i) after F(p-1, i)                 its input
-    B(p, i) after F(p, i) and B(p+1, i)     its saved activations, and the gradient of its output
-    W(p, i) after B(p, i)                   the gradient of its output, kept by B
+    I(p, i) after F(p, i) and I(p+1, i)     its saved activations, and the gradient of its output
+    W(p, i) after I(p, i)                   the gradient of its output, kept by I
 `simulate` places each action at its earliest tick under those dependencies, one action at a time
-per rank and in the rank's own order, and returns a P x T grid whose empty cells are the bubble.
-Costs in ticks: a forward f, an input gradient b, a weight gradient w; an unsplit backward b + w.
-The default f = b = w = 1 is the zero-bubble paper's (a backward costs about twice a forward).
+per rank and in the rank's own order, and returns a grid of P rows and one column per tick whose
+empty cells are the bubble.
+Costs in ticks: a forward t_F, an input gradient t_I, a weight gradient t_W; an unsplit backward
+t_I + t_W. The default t_F = t_I = t_W = 1 is the zero-bubble paper's (a backward costs about twice a forward).
 Transfers are free here; the runner pays for them.
 
-    bubble fraction   = idle cells / (P T)
+    bubble fraction   = idle cells / (P x ticks)
     peak in flight(r) = most (stage, micro-batch) pairs rank r holds activations for: from its F
-                        until its unsplit B, or its W (a split B still needs them for W)
+                        until its unsplit I, or its W (a split I still needs them for W)
 
 The closed forms, proved against these functions in tests/test_schedules.py for P <= 6, M <= 13:
-    GPipe, 1F1B                     (P - 1) / (M + P - 1)            any f, b, w
-    interleaved 1F1B, v stages      (P - 1) / (v M + P - 1)          P | M, f = 1, b + w = 2
-    ZB-H1                           (P - 1) / (3 M + P - 1)          M >= P, f = b = w = 1
+    GPipe, 1F1B                     (P - 1) / (M + P - 1)            any t_F, t_I, t_W
+    interleaved 1F1B, v stages      (P - 1) / (v M + P - 1)          P | M, t_F = 1, t_I + t_W = 2
+    ZB-H1                           (P - 1) / (3 M + P - 1)          M >= P, t_F = t_I = t_W = 1
     in flight: GPipe M; 1F1B min(M, P - r); ZB-H1 min(M, P); interleaved min(v M, (v - 1) P + 2 (P - r - 1) + 1)
 """
 
@@ -34,18 +35,18 @@ from distlab.pipeline.schedules import Action, Schedule, check_schedule, num_sta
 
 
 def dependencies(action: Action, stages: int) -> list[Action]:
-    """The actions that must finish before `action` can start (S = `stages`)."""
+    """The actions that must finish before `action` can start (`stages` = vP)."""
     p, i = action.stage, action.microbatch
     if action.kind == "F":
         return [Action("F", i, p - 1)] if p > 0 else []
-    if action.kind == "B":
-        return [Action("F", i, p)] + ([Action("B", i, p + 1)] if p < stages - 1 else [])
-    return [Action("B", i, p)]
+    if action.kind == "I":
+        return [Action("F", i, p)] + ([Action("I", i, p + 1)] if p < stages - 1 else [])
+    return [Action("I", i, p)]
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Where `simulate` put every action: start and finish ticks, and the P x T grid (None = idle)."""
+    """Where `simulate` put every action: start and finish ticks, and the grid, P rows of ticks (None = idle)."""
 
     start: dict[Action, int]
     finish: dict[Action, int]
@@ -56,23 +57,23 @@ class Timing:
         return len(self.grid[0])
 
     def bubble_fraction(self) -> float:
-        """Idle cells over all cells: the share of P T rank-ticks nobody computes."""
+        """Idle cells over all cells: the share of the P x ticks rank-ticks nobody computes."""
         idle = sum(cell is None for row in self.grid for cell in row)
         return idle / (len(self.grid) * self.ticks)
 
 
-def durations(schedule: Schedule, f: int = 1, b: int = 1, w: int = 1) -> dict[Action, int]:
+def durations(schedule: Schedule, t_f: int = 1, t_i: int = 1, t_w: int = 1) -> dict[Action, int]:
     split = split_backward(schedule)
-    cost = {"F": f, "W": w}
-    return {a: cost.get(a.kind, b if (a.stage, a.microbatch) in split else b + w)
+    cost = {"F": t_f, "W": t_w}
+    return {a: cost.get(a.kind, t_i if (a.stage, a.microbatch) in split else t_i + t_w)
             for order in schedule for a in order}
 
 
-def simulate(schedule: Schedule, f: int = 1, b: int = 1, w: int = 1) -> Timing:
+def simulate(schedule: Schedule, t_f: int = 1, t_i: int = 1, t_w: int = 1) -> Timing:
     """Place every action at its earliest tick. Raises ValueError when the ranks' orders contradict
     the dependencies: the ranks would wait for each other forever, a deadlock in the schedule."""
     check_schedule(schedule)
-    stages, took = num_stages(schedule), durations(schedule, f, b, w)
+    stages, took = num_stages(schedule), durations(schedule, t_f, t_i, t_w)
     start: dict[Action, int] = {}
     finish: dict[Action, int] = {}
     next_index, free_at = [0] * len(schedule), [0] * len(schedule)
@@ -101,10 +102,6 @@ def simulate(schedule: Schedule, f: int = 1, b: int = 1, w: int = 1) -> Timing:
     return Timing(start, finish, grid)
 
 
-def bubble_fraction(schedule: Schedule, f: int = 1, b: int = 1, w: int = 1) -> float:
-    return simulate(schedule, f, b, w).bubble_fraction()
-
-
 def peak_in_flight(schedule: Schedule) -> list[int]:
     """Per rank: the most (stage, micro-batch) pairs forwarded and not yet released, in its order."""
     split = split_backward(schedule)
@@ -112,14 +109,14 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     for order in schedule:
         held = peak = 0
         for a in order:
-            releases = a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split)
+            releases = a.kind == "W" or (a.kind == "I" and (a.stage, a.microbatch) not in split)
             held += 1 if a.kind == "F" else -1 if releases else 0
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
 
 
-STYLES = {"F": "cyan", "B": "magenta", "W": "green"}
+STYLES = {"F": "cyan", "I": "magenta", "W": "green"}
 
 
 def _cell(action: Action | None, text: str) -> str:

@@ -1,6 +1,6 @@
 """The same split model run by the real engine: `torch.distributed.pipelining` (torch 2.13).
 
-Each rank wraps each of its stages' `nn.Sequential` in a `PipelineStage(module, p, S, device)` and
+Each rank wraps each of its stages' `nn.Sequential` in a `PipelineStage(module, p, vP, device)` and
 hands them to a schedule class; the rank with stage 0 calls `schedule.step(x)` with the whole batch,
 the rank with the last stage `schedule.step(target=y, losses=...)` (with V placement that is rank 0
 too: `step(x, target=y, losses=...)`), the others `schedule.step()`. The schedule cuts the batch into
@@ -50,9 +50,9 @@ V_PLACED = ("zbv", "dualpipev")
 
 
 def _as_actions(a) -> list[Action]:
-    """torch's _Action as ours (F; B = its I or its full B; W), an overlapped F+B as its two parts;
+    """torch's _Action as ours (F; I = its I, or its full backward B; W), an overlapped F+B as its two parts;
     communication and bookkeeping actions as nothing."""
-    kinds = {"F": "F", "B": "B", "I": "B", "W": "W"}
+    kinds = {"F": "F", "B": "I", "I": "I", "W": "W"}  # torch: B full backward, I input gradient
     if a is None:
         return []
     return [Action(kinds[s.computation_type.value], s.microbatch_index, s.stage_index)
@@ -75,7 +75,7 @@ def _recording(stages, log: list[Action]) -> Iterator[None]:
         return logged
 
     for stage in stages:
-        for name, kind in zip(names, "FBW"):
+        for name, kind in zip(names, "FIW"):
             setattr(stage, name, wrap(stage, name, kind))
     try:
         yield

@@ -51,6 +51,7 @@ class PipelineConfig:
     input_features: int | None = None         # other than widths[0]: a batch that does not fit
     probe: bool = False                       # measure saved-activation bytes and layer forwards
     gather_spans: bool = True                 # share every rank's compute spans with every rank
+    emulate_ms: float = 0.0                   # > 0: the emulated device's ms per layer-pass (emulate.py)
 
     def replace(self, **changes) -> PipelineConfig:
         return dataclasses.replace(self, **changes)

@@ -1,8 +1,11 @@
 """The streamed step's config: the dict a caller passes, read into the names the math uses.
 
 Keys: GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T), TAU (tau; leave it out when
-the model returns its own logit scale s), and the optional PHASE_B, "sharded" (default) or
-"replicated". A misspelt key is reported with the closest known name rather than silently ignored.
+the model returns its own logit scale s), and the optional NORMALISERS, how phase 2 computes the
+log-normalisers a, b: "sharded" (default; each rank its own C rows and columns of S, then a tiny
+all-gather) or "replicated" (every rank all N^2 similarities, no exchange); and the optional EXCHANGE,
+how the ranks' embeddings meet: "gather" (default; every rank holds N x 2d) or "ring" (C x d blocks
+pass rank to rank, `distlab.streamed.ring`). A misspelt key is reported with the closest known name rather than silently ignored.
 `parse_config` is pure: given the same dict it raises the same ValueError on every rank.
 """
 
@@ -11,15 +14,16 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from distlab.contrastive.streamed_kernels import balanced_chunks
+from distlab.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE", "STREAM_CHUNK_SIZE")
-OPTIONAL = ("TAU", "PHASE_B")
-PHASE_B_VARIANTS = ("sharded", "replicated")
-DEFAULT_PHASE_B = "sharded"  # measured faster for P >= 2 (benchmarks/contrastive_scaling.py)
+OPTIONAL = ("TAU", "NORMALISERS", "EXCHANGE")
+NORMALISERS = ("sharded", "replicated")
+EXCHANGES = ("gather", "ring")
+DEFAULT_NORMALISERS = "sharded"  # measured faster for P >= 2 (benchmarks/contrastive_scaling.py)
 
 
 @dataclass(frozen=True)
@@ -30,9 +34,11 @@ class StreamConfig:
     b: int               # B, the largest micro-batch
     t: int               # T, the stream chunk (tiles are at most T x T)
     tau: float | None    # None: the model returns the logit scale s
-    phase_b: str         # "sharded" or "replicated"
-    world: int           # P
-    rank: int
+    normalisers: str     # "sharded" or "replicated"
+    world: int           # P, the size of the group the wrapper reduces over
+    rank: int            # this rank's place in that group
+    group: Any = field(default=None, compare=False)  # that process group (None: the world)
+    exchange: str = "gather"   # "gather" or "ring"
 
     @property
     def local(self) -> int:
@@ -46,9 +52,9 @@ class StreamConfig:
 
     @property
     def one_forward(self) -> bool:
-        """B >= C: the rank's pairs are one micro-batch, so Phase A's forward keeps its graph and
-        Phase D back-propagates into it (no recompute). B < C: Phase A runs without grad, Phase D
-        recomputes each micro-batch under the random state Phase A saved."""
+        """B >= C: the rank's pairs are one micro-batch, so phase 1's forward keeps its graph and
+        phase 4 back-propagates into it (no recompute). B < C: phase 1 runs without grad, phase 4
+        recomputes each micro-batch under the random state phase 1 saved."""
         return self.b >= self.local
 
     @property
@@ -61,11 +67,11 @@ def regime(cfg: StreamConfig) -> str:
     """Which regime a config lands in, and what it costs per rank, in a sentence."""
     if cfg.one_forward:
         return (f"one forward (B = {cfg.b} >= C = {cfg.local}): each pair runs through the encoders once, "
-                "with grad; Phase D back-propagates G into that graph (no recompute, no RNG replay); "
-                f"the activations of all {cfg.local} pairs are held from Phase A to D, as plain DDP holds them")
+                "with grad; phase 4 back-propagates G into that graph (no recompute, no RNG replay); "
+                f"the activations of all {cfg.local} pairs are held from phase 1 to 4, as plain DDP holds them")
     sizes = sorted({part.stop - part.start for part in cfg.micro})
     return (f"recompute (B = {cfg.b} < C = {cfg.local}): {len(cfg.micro)} micro-batches of "
-            f"{' or '.join(map(str, sizes))} pairs; Phase A runs each without grad, Phase D again with grad "
+            f"{' or '.join(map(str, sizes))} pairs; phase 1 runs each without grad, phase 4 again with grad "
             "under the same random state: 2 forwards per pair, the activations of one micro-batch at a time")
 
 
@@ -91,8 +97,10 @@ def _tau(config: Mapping[str, Any]) -> float | None:
     return float(tau)
 
 
-def parse_config(config: Mapping[str, Any], world: int, rank: int) -> StreamConfig:
-    """Check the keys and their values; pure, so it is the same on every rank."""
+def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = None) -> StreamConfig:
+    """Check the keys and their values; pure, so it is the same on every rank. `world` and `rank` are
+    the size of `group` (the process group the wrapper reduces over; None: the world) and this
+    rank's place in it: N is the batch of that group."""
     if not isinstance(config, Mapping):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
     known = REQUIRED + OPTIONAL
@@ -108,10 +116,13 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int) -> StreamConf
         raise ValueError(f"config is missing {missing}; it needs {list(REQUIRED)}, and TAU unless the "
                          "model returns its logit scale")
     n, b, t = (_int_key(config, k) for k in REQUIRED)
-    phase_b = config.get("PHASE_B", DEFAULT_PHASE_B)
-    if phase_b not in PHASE_B_VARIANTS:
-        raise ValueError(f"config['PHASE_B'] must be one of {PHASE_B_VARIANTS}, got {phase_b!r}")
+    normalisers = config.get("NORMALISERS", DEFAULT_NORMALISERS)
+    if normalisers not in NORMALISERS:
+        raise ValueError(f"config['NORMALISERS'] must be one of {NORMALISERS}, got {normalisers!r}")
+    exchange = config.get("EXCHANGE", "gather")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"config['EXCHANGE'] must be one of {EXCHANGES}, got {exchange!r}")
     if n % world:
         raise ValueError(f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: "
                          "every rank must hold N / P pairs")
-    return StreamConfig(n, b, t, _tau(config), phase_b, world, rank)
+    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange)

@@ -1,12 +1,12 @@
-"""The streamed step's tensor math on one process: log-sum-exps and softmax products in T x T tiles.
+"""The streamed step's tile math on one process: log-sum-exps by the online fold, G in T x T tiles.
 
-Notation (the README's table): S = s Z_x Z_y^T with the logit scale s = 1/tau; a_i, b_j the row and
-column log-sum-exps of S; R_ij = exp(S_ij - a_i) the row softmax, Q_ij = exp(S_ij - b_j) the column
-softmax; T the stream chunk (`STREAM_CHUNK_SIZE`), so every tile is at most T x T
-(rows in blocks of T, columns in chunks of T, whatever the micro-batch B is).
+Notation (the README's table): S = s Z_x Z_y^T with the logit scale s; a_i, b_j the row and column
+log-sum-exps of S; R_ij = exp(S_ij - a_i) the row softmax, Q_ij = exp(S_ij - b_j) the column
+softmax; T the stream chunk (`STREAM_CHUNK_SIZE`), so every tile is at most T x T (rows in blocks of
+T, columns in chunks of T, whatever the micro-batch B is).
 
 Nothing here communicates: these functions take gathered embeddings and are tested against autograd
-in one process. `distlab.contrastive.streamed` calls them in its phases B and C.
+in one process. `distlab.streamed.step` calls them in its phases 2 and 3.
 
 The streaming log-sum-exp is the online max/sum fold of `distlab.online_softmax` (every exponent <= 0,
 so nothing overflows however large S gets, and no row is ever whole).
@@ -16,27 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from distlab.chunks import chunks
 from distlab.online_softmax import online_fold
-
-
-def chunks(total: int, size: int) -> list[slice]:
-    """[0, size), [size, 2 size), ...; the last one shorter when size does not divide total."""
-    return [slice(start, min(start + size, total)) for start in range(0, total, size)]
-
-
-def split_into(total: int, parts: int) -> list[slice]:
-    """`parts` consecutive slices of [0, total) whose sizes differ by at most one."""
-    small, extra = divmod(total, parts)
-    bounds = [0]
-    for k in range(parts):
-        bounds.append(bounds[-1] + small + (k < extra))
-    return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
-def balanced_chunks(total: int, most: int) -> list[slice]:
-    """The fewest parts of at most `most` rows, whose sizes differ by at most one: C = 16, B = 5 gives
-    4, 4, 4, 4, not 5, 5, 5, 1 (a 1-row micro-batch wastes a forward and breaks BatchNorm)."""
-    return split_into(total, -(-total // most))
 
 
 def _diagonal(start_q: int, start_k: int, rows: int, cols: int) -> tuple[slice, slice] | None:
@@ -98,15 +79,16 @@ def streamed_lse_both(z_x: torch.Tensor, z_y: torch.Tensor, scale: float,
 def streamed_softmax_pair_product(q_scaled: torch.Tensor, k: torch.Tensor, lse_q: torch.Tensor,
                                   lse_k: torch.Tensor, diag_coef: torch.Tensor, offset: int,
                                   t: int) -> torch.Tensor:
-    """sum_j W_ij k_j with W_ij = exp(S_ij - lse_q_i) + exp(S_ij - lse_k_j) - 2 [j = offset + i],
-    S_ij = q_scaled_i . k_j (q_scaled = s q); diag_coef_i is the diagonal W_ii, passed in precisely.
+    """sum_j (exp(S_ij - lse_q_i) + exp(S_ij - lse_k_j) - 2 delta_{j, offset + i}) k_j, with
+    S_ij = q_scaled_i . k_j (q_scaled = s q); diag_coef_i is the diagonal's coefficient, passed in
+    precisely (see `_pair_product_rows`).
 
-    With q = Z_x[rows], k = Z_y, lse_q = a[rows], lse_k = b this is ((R + Q - 2I) Z_y)[rows]; with
-    q = Z_y[rows], k = Z_x, lse_q = b[rows], lse_k = a it is ((R + Q - 2I)^T Z_x)[rows]. Streamed
-    in tiles of at most T x T (rows of q in blocks of T, k in chunks of T): two tiles are alive at a
-    time, never a B x N slice, and whatever B is the tiles stay cache-sized (a C x T tile at large N
-    falls out of L2 and its element-wise passes run from memory). Each row's sum runs over the same
-    chunks of k in the same order, so blocking the rows changes nothing but the rounding of the mm.
+    With q = Z_x[rows], k = Z_y, lse_q = a[rows], lse_k = b this is sum_j (R_ij + Q_ij - 2 delta_ij) z_j^y
+    for those rows (G_x up to s/(2N)); with q = Z_y[rows], k = Z_x, lse_q = b[rows], lse_k = a it is
+    sum_i (R_ij + Q_ij - 2 delta_ij) z_i^x (G_y up to s/(2N)). Streamed in tiles of at most T x T
+    (rows of q in blocks of T, k in chunks of T): two tiles are alive at a time, never a B x N slice,
+    and whatever B is the tiles stay cache-sized. Each row's sum runs over the same chunks of k in the
+    same order, so blocking the rows changes nothing but the rounding of the mm.
     """
     acc = torch.empty_like(q_scaled)
     for rows in chunks(len(q_scaled), t):

@@ -1,11 +1,15 @@
-"""What the streamed step needs from the data-parallel wrapper: DDP, torch.compile(DDP) or FSDP2.
+"""The streamed step's wrappers: the data-parallel wrapper (DDP, torch.compile(DDP), FSDP2), BatchNorm,
+the device and the precision.
 
-The step asks a wrapper four things, and `Wrapped` answers them the same way for each:
+The step asks a wrapper five things, and `Wrapped` answers them the same way for each:
 
-- `inner`: the module holding `encoder_x` and `encoder_y` (DDP: `ddp.module`; compiled DDP:
-  `compiled._orig_mod.module`; FSDP2: the model itself, since `fully_shard` changes a module's class
-  in place and leaves its attributes where they were).
-- `no_grad_forward`: what Phase A calls without grad. DDP: its module, skipping DDP's bookkeeping
+- `inner`: the caller's own module, whose parameters say what is trainable (DDP: `ddp.module`;
+  compiled DDP: `compiled._orig_mod.module`; FSDP2: the model itself, since `fully_shard` changes a
+  module's class in place and leaves its attributes where they were).
+- `group`: the process group the wrapper reduces over, which the step gathers over too (DDP's
+  `process_group`, the world unless given; FSDP2: its one 1-D mesh's group). The global batch N is
+  that group's: two DDP subgroups train two independent contrastive batches.
+- `no_grad_forward`: what phase 1 calls without grad. DDP: its module, skipping DDP's bookkeeping
   and buffer broadcast; compiled DDP and FSDP2: the model itself (FSDP2 must all-gather the
   parameters, and the compiled model must draw the same dropout masks as its recompute).
 - `accumulating(reduce)`: every micro-batch but the last runs with the wrapper's gradient
@@ -16,6 +20,16 @@ The step asks a wrapper four things, and `Wrapped` answers them the same way for
   process group (P). FSDP2 divides by its gradient divide factor, which is the data-parallel size
   unless `set_gradient_divide_factor` changed it. The step scales its surrogate by this factor,
   so that the wrapper's reduction of the ranks' VJPs is their sum: the global gradient.
+
+Precision. Under `torch.autocast` the towers run in bf16 (or fp16), and their embeddings may come out
+in bf16, or in float32 (a tower ending in `.float()` or a LayerNorm); the two towers may differ. The
+step computes a, b, the loss, G and dL/ds in float32, or in float64 when either embedding is float64
+(`compute_dtype`), with autocast off: bf16 logits would round s z_x . z_y (about 14 at tau = 0.07) to
+a step of 0.06, and the loss (4.6452) to 4.625. It gathers each embedding in its own dtype when the
+two agree (bf16 halves the bytes on the wire) and upcasts after (exact), and hands G back in each
+embedding's own dtype, as autograd would. Measured (tests/test_streamed_wrappers.py: bf16 autocast on
+CPU, P = 2, N = 64): the whole gradient is 3.9e-3 (relative) from the float32 model's, against
+4.3e-3 to 4.9e-3 for plain autograd under the same autocast (which rounds its logits to bf16).
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
@@ -66,6 +81,19 @@ class Wrapped:
             return factors.pop() if factors else 1.0
         ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model)
         return float(ddp.process_group.size())
+
+    @property
+    def group(self) -> Any:
+        """The process group the wrapper averages the gradients over (see the module docstring)."""
+        if self.kind != "fsdp2":
+            return (self.model if self.kind == "ddp" else _compiled_inner(self.model)).process_group
+        meshes = [group.mesh_info.mesh for group in _fsdp_groups(self.model)]
+        if not meshes:
+            return dist.group.WORLD
+        if any(mesh != meshes[0] for mesh in meshes) or meshes[0].ndim != 1:
+            raise ValueError("FSDP2 over a 2-D device mesh (HSDP) or over different meshes: the step gathers "
+                             "and scales over one process group; shard every module on one 1-D mesh")
+        return meshes[0].get_group()
 
     @property
     def static_graph(self) -> bool:
@@ -140,3 +168,18 @@ def first_device(module: nn.Module | None, fallback: Any) -> torch.device:
     for p in module.parameters() if module is not None else ():
         return p.device
     return fallback.device if isinstance(fallback, torch.Tensor) else torch.device("cpu")
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float64 if any embedding is float64, else float32 (bf16, fp16 and float32 all compute in it)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def surrogate_multiplier(reduction_factor: float, grad_scaler, like: torch.Tensor) -> torch.Tensor:
+    """The factor every VJP is multiplied by: the wrapper's reduction factor (its average becomes
+    the sum over ranks), times the GradScaler's scale when one is given (scaler.scale(loss) would
+    have multiplied the loss by it). A 0-dim tensor in `like`'s dtype and device."""
+    factor = torch.full((), reduction_factor, dtype=like.dtype, device=like.device)
+    if grad_scaler is not None:
+        factor = grad_scaler.scale(factor).to(like.dtype)
+    return factor

@@ -1,0 +1,300 @@
+"""Lesson 09: context parallelism. The sequence is split over the ranks; query blocks stay, key/value
+blocks travel a ring, and every rank folds the partial attentions with the online max/sum.
+
+    torchrun --nproc-per-node 4 lessons/09_context_parallel.py     # any P with 2P dividing --seq-len
+
+Rank r holds seq/P positions: its queries q_r and, at first, its keys and values k_r, v_r (h heads of
+width d_h). Attention out = softmax(q k^T / sqrt(d_h)) v needs every key for every query. The ring: in
+P steps every rank passes the k/v block it holds to rank r+1 and receives one from r-1; in step i rank
+r holds the block of rank r-i and folds the tile of scores A = q_r k_{r-i}^T / sqrt(d_h) into running
+statistics per query row, max m, sum l and output o (all three under the same max):
+
+    m' = max(m, rowmax A),  l' = l e^(m - m') + rowsum e^(A - m'),  o' = o e^(m - m') + e^(A - m') v,
+
+and ends with out = o / l and lse = m + log l. The send of the next block is posted (batch_isend_irecv)
+before the block math and waited for after it, so the transfer runs beside the compute. The (m, l)
+update is `distlab.online_softmax.online_fold`: the fold that gives lesson 14's streamed contrastive
+step its log-normalisers is the fold that merges attention blocks here. One function, imported by both.
+
+Backward (as FlashAttention's): delta = rowsum(dout * out); the k/v blocks go round again, and with
+each travels its gradient accumulator (dk, dv); every rank recomputes the tile's probabilities
+W = e^(A - lse) from the saved lse and dA = W * (dout v^T - delta), adds dq += dA k / sqrt(d_h) to
+its own dq and dk += dA^T q / sqrt(d_h), dv += W^T dout to the travelling accumulators, and passes
+them on; after P moves they are home. No rank ever holds the whole sequence: at most two k/v pairs at
+once (the one in use, the one arriving), measured with distlab.memory.PeakMemory against a formula.
+
+Causal attention skips every key after the query. With a contiguous split rank r computes r + 1
+tiles of side seq/P (rank P-1 does P times rank 0's work); the zig-zag split (rank r holds pieces
+r and 2P-1-r of 2P) gives every rank 2P - 1 full tiles and 2 diagonals of side seq/(2P): equal work.
+
+Bytes each rank sends, with a block of h (seq/P) d_h values: forward 2 (P-1) blocks (k and v,
+P-1 moves), backward 2 (P-1) + 2P blocks (k and v again; dk and dv, P moves). Everything is checked
+against torch's scaled_dot_product_attention on the whole sequence in one process.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab.cli import DTYPES, lesson_parser, positive_int
+from distlab.compare import all_ok, compare, comparison_table
+from distlab.console import print0
+from distlab.context_parallel import split as layouts
+from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
+from distlab.context_parallel.ring import RingExchange
+from distlab.context_parallel.cost import Sizes, every_rank
+from distlab.context_parallel.split import SKIP, Layout, piece_label
+from distlab.data_parallel.report import rows_table
+from distlab.memory import PeakMemory
+from distlab.runtime import Runtime, distributed, run_main
+from distlab.verdict import Verdict
+
+# ---- the mechanism: ring attention, forward and backward ---------------------------------------
+
+
+def ring_forward(rt: Runtime, ring: RingExchange, q, k, v, layout: Layout, tally: Counter):
+    """(out, lse) of rank r's queries against the whole sequence; k/v blocks travel the ring."""
+    mine = layout.pieces(rt.rank)
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    parts = [Partial.start(out[..., rows, :]) for rows, _ in mine]  # o accumulates in place in out
+    kv = (k, v)
+    for step in range(rt.world_size):
+        source = (rt.rank - step) % rt.world_size  # whose k/v block this rank holds now
+        arriving = ring.post(*kv) if step < rt.world_size - 1 else None  # posted ahead of the math
+        for (rows, positions), part in zip(mine, parts):
+            for cols, key_positions in layout.pieces(source):
+                kind = layouts.tile_kind(positions, key_positions, layout.causal)
+                if kind == SKIP:
+                    continue
+                mask = causal_mask(positions, key_positions, q.device) if layout.causal else None
+                fold_tile(part, q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], mask)
+                tally[kind] += 1
+                tally["products"] += len(positions) * len(key_positions)
+                tally[f"step {step}"] += 1
+        if arriving is not None:
+            kv = tuple(arriving.wait())  # the block we used is dropped: two blocks at most
+    for (rows, _), part in zip(mine, parts):
+        part.finish(lse[..., rows])  # out = o / l, lse = m + log l
+    return out, lse
+
+
+def ring_backward(rt: Runtime, ring: RingExchange, saved: tuple, dout, layout: Layout):
+    """(dq, dk, dv) of rank r's block: dq stays, (dk, dv) travel with their k/v block back home."""
+    q, k, v, out, lse = saved
+    delta = (dout * out).sum(-1)  # rowsum(dout * out) = rowsum(W * (dout v^T)) over all keys
+    dq, kv, dkv = torch.zeros_like(q), (k, v), (torch.zeros_like(k), torch.zeros_like(v))
+    mine = layout.pieces(rt.rank)
+    for step in range(rt.world_size):
+        source = (rt.rank - step) % rt.world_size
+        arriving = ring.post(*kv) if step < rt.world_size - 1 else None
+        for rows, positions in mine:
+            here = Saved(q[..., rows, :], dout[..., rows, :], lse[..., rows], delta[..., rows])
+            for cols, key_positions in layout.pieces(source):
+                if layouts.tile_kind(positions, key_positions, layout.causal) == SKIP:
+                    continue
+                mask = causal_mask(positions, key_positions, q.device) if layout.causal else None
+                d_q, d_k, d_v = tile_grads(here, kv[0][..., cols, :], kv[1][..., cols, :], mask)
+                dq[..., rows, :] += d_q
+                dkv[0][..., cols, :] += d_k
+                dkv[1][..., cols, :] += d_v
+        dkv = tuple(ring.post(*dkv).wait())  # the accumulators move on with their block
+        if arriving is not None:
+            kv = tuple(arriving.wait())
+    return dq, dkv[0], dkv[1]  # after P moves, the accumulators of this rank's own block
+
+
+class RingAttention(torch.autograd.Function):
+    """attention(q, k, v) over the sequence split by `layout`, forward and backward by the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: RingExchange, layout: Layout, tally: Counter):
+        out, lse = ring_forward(ring.rt, ring, q, k, v, layout, tally)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.layout = ring, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = ring_backward(ctx.ring.rt, ctx.ring, ctx.saved_tensors, dout.contiguous(), ctx.layout)
+        return dq, dk, dv, None, None, None
+
+
+# ---- one run of the ring, and the reference ------------------------------------------------------
+
+@dataclass(frozen=True)
+class RingRun:
+    """One ring attention forward + backward: the whole sequence's results gathered from the ranks,
+    what each rank computed and sent, and this rank's peak memory."""
+
+    results: dict
+    tallies: list  # per rank: [full tiles, diagonal tiles, products, tiles at step 0, 1, ...]
+    bytes_sent: tuple  # (forward, backward) of this rank
+    peak_bytes: tuple  # (forward, backward) of this rank
+    largest_bytes: int  # the largest single tensor the ring made, forward or backward
+
+
+def make_inputs(args) -> list[torch.Tensor]:
+    """q, k, v and the upstream gradient dout of the whole sequence, the same on every rank."""
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = (args.heads, args.seq_len, args.head_dim)
+    return [torch.randn(shape, generator=gen, dtype=DTYPES[args.dtype]) for _ in range(4)]
+
+
+def reference(inputs: list[torch.Tensor], causal: bool) -> dict:
+    """One process, the whole sequence: torch's scaled_dot_product_attention and plain autograd."""
+    q, k, v = (t.clone().requires_grad_() for t in inputs[:3])
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out.backward(inputs[3])
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def gather(rt: Runtime, block: torch.Tensor, split: str) -> torch.Tensor:
+    blocks = [torch.empty_like(block) for _ in range(rt.world_size)]
+    dist.all_gather(blocks, block.contiguous())
+    return layouts.unshard(blocks, split)
+
+
+def run_ring(rt: Runtime, inputs: list[torch.Tensor], layout: Layout) -> RingRun:
+    q, k, v, dout = (layouts.shard(t, rt.rank, rt.world_size, layout.split).to(rt.device) for t in inputs)
+    for t in (q, k, v):
+        t.requires_grad_()
+    ring, tally = RingExchange(rt), Counter()
+    with PeakMemory() as forward:
+        out = RingAttention.apply(q, k, v, ring, layout, tally)
+    sent_forward = ring.bytes_sent
+    with PeakMemory() as backward:
+        out.backward(dout)
+    local = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    counts = [tally["full"], tally["diagonal"], tally["products"]]
+    tallies = every_rank(rt, counts + [tally[f"step {i}"] for i in range(rt.world_size)])
+    return RingRun({name: gather(rt, t, layout.split).cpu() for name, t in local.items()},
+                   tallies, (sent_forward, ring.bytes_sent - sent_forward),
+                   (forward.peak_bytes, backward.peak_bytes), max(forward.largest_bytes, backward.largest_bytes))
+
+
+# ---- the chapter, part by part ------------------------------------------------------------------
+
+CASES = (("zigzag", False), ("zigzag", True), ("contiguous", True))
+
+
+def show_exactness(rt: Runtime, args, verdict: Verdict) -> dict:
+    print0("\n[bold]1. Ring attention against scaled_dot_product_attention on the whole sequence[/]")
+    inputs, runs = make_inputs(args), {}
+    for split, causal in CASES:
+        name = f"{split}, {'causal' if causal else 'not causal'}"
+        runs[(split, causal)] = run = run_ring(rt, inputs, Layout(rt.world_size, args.seq_len, split, causal))
+        rows = compare(reference(inputs, causal), run.results)
+        verdict.check(f"{name}: out, dq, dk, dv = SDPA's", all_ok(rows))
+        print0(comparison_table(rows, f"{name}: P = {rt.world_size} ranks, gathered, against one process"))
+    return runs
+
+
+def show_timeline(rt: Runtime, args, run: RingRun, verdict: Verdict) -> None:
+    print0("\n[bold]2. The ring: whose k/v block each rank holds at each step (tiles computed)[/]")
+    p, cells = rt.world_size, []
+    for r in range(p):
+        held = [(r - i) % p for i in range(p)]
+        cells.append((f"rank {r}", *(f"r{s} {piece_label(s, p, args.seq_len)} ({run.tallies[r][3 + i]})"
+                                     for i, s in enumerate(held))))
+    print0("causal, zig-zag; a cell: r<s> <its pieces of 2P> (<tiles computed>)", highlight=False)
+    print0(rows_table("", ("", *(f"step {i}" for i in range(p))), cells))
+    verdict.figure("timeline", [[{"source": (r - i) % p, "pieces": piece_label((r - i) % p, p, args.seq_len),
+                                  "tiles": run.tallies[r][3 + i]} for i in range(p)] for r in range(p)])
+
+
+def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
+    print0("\n[bold]3. Causal work per rank: query-key products computed, zig-zag against contiguous[/]")
+    p, rows, counted = rt.world_size, [], {}
+    for split in layouts.SPLITS:
+        tallies = runs[(split, True)].tallies
+        counted[split] = [t[2] for t in tallies]
+        formula = [layouts.work_formula(r, p, args.seq_len, split, True) for r in range(p)]
+        layout = [layouts.count_work(r, p, args.seq_len, split, True) for r in range(p)]
+        verdict.check(f"{split}: products per rank counted = formula = the layout's count",
+                      counted[split] == formula == [w.products for w in layout]
+                      and [t[:2] for t in tallies] == [[w.full, w.diagonal] for w in layout])
+        rows += [(f"{split}, rank {r}", f"{t[0]} + {t[1]}", str(t[2]), str(f))
+                 for r, (t, f) in enumerate(zip(tallies, formula))]
+    print0("tiles: full + diagonal; formula: zig-zag (2P+1)(seq/2P)^2, contiguous (r+1)(seq/P)^2",
+           highlight=False)
+    print0(rows_table("", ("", "tiles", "products", "formula"), rows))
+    balanced = len(set(counted["zigzag"])) == 1
+    skewed = p == 1 or max(counted["contiguous"]) == p * min(counted["contiguous"])
+    verdict.check("zig-zag: equal work per rank; contiguous: last rank P x first's",
+                  balanced and skewed)
+    verdict.figure("work", counted)
+
+
+def show_bytes(rt: Runtime, sizes: Sizes, runs: dict, verdict: Verdict) -> None:
+    print0("\n[bold]4. Bytes each rank sends, against the formula[/]")
+    formula = sizes.bytes_sent()
+    every = every_rank(rt, [b for run in runs.values() for b in run.bytes_sent])  # (forward, backward) per case
+    verdict.check("bytes sent = 2(P-1) blocks forward, 4P-2 backward",
+                  all(tuple(sent[i:i + 2]) == formula for sent in every for i in range(0, len(sent), 2)))
+    rows = [(f"rank {r}", f"{sent[2]:,}", f"{sent[3]:,}") for r, sent in enumerate(every)]  # causal zig-zag
+    rows.append(("formula", f"{formula[0]:,}", f"{formula[1]:,}"))
+    print0(f"causal zig-zag; a block is h (seq/P) d_h values = {sizes.block:,} bytes", highlight=False)
+    print0(rows_table("", ("", "forward bytes", "backward bytes"), rows))
+    verdict.figure("bytes", {"block": sizes.block, "forward": formula[0], "backward": formula[1]})
+
+
+def show_memory(rt: Runtime, sizes: Sizes, run: RingRun, verdict: Verdict) -> None:
+    print0("\n[bold]5. Memory per rank: k/v blocks in flight, never the whole sequence[/]")
+    formula, whole, largest = sizes.memory_bound(), 2 * rt.world_size * sizes.block, max(sizes.block, sizes.tile)
+    peaks = every_rank(rt, [*run.peak_bytes, run.largest_bytes])
+    rows = [(f"rank {r}", *(f"{b:,}" for b in row)) for r, row in enumerate(peaks)]
+    rows.append(("formula (bound)", f"{formula[0]:,}", f"{formula[1]:,}", f"{largest:,}"))
+    print0("bytes allocated inside the ring (distlab.memory.PeakMemory); the whole sequence's k and v "
+           f"would be {whole:,}", highlight=False)
+    print0(rows_table("", ("", "forward peak", "backward peak", "largest tensor"), rows))
+    verdict.check("peak memory per rank within its formula; no tensor over a block or tile",
+                  all(f <= formula[0] and b <= formula[1] and big <= largest for f, b, big in peaks))
+    verdict.figure("memory", {"peaks": peaks, "formula": formula, "whole_kv": whole, "largest": largest})
+
+
+def show_fold(verdict: Verdict) -> None:
+    print0("\n[bold]6. One fold: ring attention and the streamed contrastive step[/]")
+    from distlab.context_parallel import attention
+    from distlab.streamed import tiles as streamed_tiles
+    from distlab.online_softmax import online_fold
+
+    same = attention.online_fold is online_fold is streamed_tiles.online_fold
+    for who, fold in (("ring attention", attention.online_fold), ("the streamed step", streamed_tiles.online_fold)):
+        print0(f"the fold {who} calls: {fold.__module__}.{fold.__qualname__}", highlight=False)
+    print0(f"one and the same function object: {same}", highlight=False)
+    verdict.check("one online fold for ring attention and lesson 14", same)
+
+
+def parse_args():
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--seq-len", type=positive_int, default=48, help="sequence length seq (2P must divide it)")
+    parser.add_argument("--heads", type=positive_int, default=2, help="attention heads h")
+    parser.add_argument("--head-dim", type=positive_int, default=16, help="width of a head d_h")
+    parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of q, k, v")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    with distributed(args.device) as rt:
+        layouts.check_seq_len(args.seq_len, rt.world_size, "zigzag")  # before any collective
+        verdict = Verdict(rt)
+        print0(f"[bold]Lesson 09: context parallelism, ring attention[/] - P = {rt.world_size}, "
+               f"seq = {args.seq_len}, h = {args.heads}, d_h = {args.head_dim}, {args.dtype}, {rt.backend}")
+        runs = show_exactness(rt, args, verdict)
+        show_timeline(rt, args, runs[("zigzag", True)], verdict)
+        show_work(rt, args, runs, verdict)
+        sizes = Sizes(args.heads, args.seq_len, args.head_dim, rt.world_size, DTYPES[args.dtype].itemsize)
+        show_bytes(rt, sizes, runs, verdict)
+        show_memory(rt, sizes, runs[("zigzag", True)], verdict)
+        show_fold(verdict)
+        return verdict.finish(args.json)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,294 @@
+"""Lesson 15: the sigmoid loss (SigLIP) and the ring. The exact streamed gradient of SigLIP's loss, and
+an exchange in which no rank ever holds N x d: C x d blocks pass from rank to rank.
+
+    torchrun --nproc-per-node 2 lessons/15_sigmoid_and_ring.py    # any P; N = C P with C fixed
+
+The sigmoid loss. S = s Z_x Z_y^T + beta with a learned scale s and bias beta (not b: b_j is a column
+LSE), labels eps_ij = +1 on the diagonal and -1 elsewhere, L = -(1/N) sum_ij log sigma(eps_ij S_ij). No normaliser couples a row, so
+the gradient is closed-form tile by tile (log sigma via softplus: stable for |S| in the hundreds):
+
+    D_ij = dL/dS_ij = -(1/N) eps_ij sigma(-eps_ij S_ij)     G_x = s D Z_y     G_y = s D^T Z_x
+    dL/ds = sum_i z_i^x . (D Z_y)_i                      dL/dbeta = sum_ij D_ij
+
+The ring (Inf-CL, Wang et al. 2024, https://arxiv.org/abs/2410.17243; open_clip's `shift` exchange).
+Rank r keeps z_x^r, z_y^r. At step k it holds rank j = r - k's text block: it posts that block to
+r + 1 *before* the tiles that read it, computes its C x C tiles (G_x for its rows, and D^T z_x^r for
+block j's columns), folds them into j's traveling accumulator and posts that on too; after P hops the
+accumulator is home with G_y. Per rank: (P - 1) C d feature elements and P C d accumulator elements,
+and memory flat in P at fixed C (the gather holds N x 2d, growing with P). The InfoNCE ring is the
+same walk twice: pass 1 folds each tile into the rank's row (m, l) and a traveling column (m, l) (the
+online fold of src/distlab/online_softmax.py, the one lesson 14 streams a and b with), pass 2 forms
+W = R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the gather's 6 C N d.
+
+The mechanism is written out below (`closed_form_grads`, `ring_by_hand`); the library's versions are
+src/distlab/streamed/sigmoid.py and ring.py, wired into `distributed_backward` by what the model
+returns ((z_x, z_y, s, beta) selects the sigmoid loss) and by EXCHANGE: "ring" in the config.
+
+The self-check: the closed form against autograd; the hand ring against the library's; every
+{InfoNCE, sigmoid} x {gather, ring} step against a deep copy on the whole batch (plain autograd, each
+rank's dropout replayed); the bytes each rank sent against the formula; the ring's memory against a
+bound that does not grow with P.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from rich.table import Table
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distlab.chunks import balanced_chunks
+from distlab.cli import fraction, lesson_parser, positive_int
+from distlab.compare import all_ok, compare, grads_of
+from distlab.console import print0
+from distlab.memory import PeakMemory
+from distlab.models import TwoTower, paired_data
+from distlab.runtime import distributed, run_main
+from distlab.streamed import loss_machinery
+from distlab.streamed.exchange import expected_bytes, rank_shares, traffic
+from distlab.streamed.ring import P2PRing, sigmoid_ring
+from distlab.streamed.sigmoid import Logits
+from distlab.verdict import Verdict
+from distributed_clip import distributed_backward
+
+LOSSES, EXCHANGES = ("infonce", "sigmoid"), ("gather", "ring")
+
+
+def parse_args():
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--pairs-per-rank", type=positive_int, default=48, help="C, fixed: N = C P")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=20, help="B (B < C: recompute)")
+    parser.add_argument("--stream-chunk", type=positive_int, default=16, help="T: tiles are at most T x T")
+    parser.add_argument("--dropout", type=fraction, default=0.1, help="dropout in both towers")
+    parser.add_argument("--memory-pairs", type=positive_int, default=512, help="C of the memory measurement")
+    return parser.parse_args()
+
+
+class SigLipTwoTower(TwoTower):
+    """TwoTower with SigLIP's head: forward returns (z_x, z_y, s = exp(logit_scale), b), s = 10 and beta = -10
+    at the start (open_clip's init_logit_bias); without a bias, (z_x, z_y, s): the InfoNCE."""
+
+    def __init__(self, bias: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0), dtype=torch.float64))
+        self.logit_bias = nn.Parameter(torch.tensor(-10.0, dtype=torch.float64)) if bias else None
+
+    def forward(self, x, y):
+        z_x, z_y = super().forward(x, y)
+        head = (self.logit_scale.exp(),) + ((self.logit_bias,) if self.logit_bias is not None else ())
+        return (z_x, z_y, *head)
+
+
+def sigmoid_loss(z_x, z_y, s, beta):
+    labels = 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
+    return -F.logsigmoid(labels * (s * z_x @ z_y.T + beta)).sum() / len(z_x)
+
+
+def infonce(z_x, z_y, s):
+    logits, labels = s * z_x @ z_y.T, torch.arange(len(z_x))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def closed_form_grads(z_x, z_y, s: float, beta: float):
+    """(L, G_x, G_y, dL/ds, dL/dbeta) from the formulas above, on the whole N x N (the lesson's check;
+    the library does the same in T x T tiles and never makes N x N)."""
+    n, labels = len(z_x), 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
+    logits = s * z_x @ z_y.T + beta
+    d = -labels * torch.sigmoid(-labels * logits) / n                    # D = dL/dS
+    g_x, g_y = s * d @ z_y, s * d.T @ z_x
+    return F.softplus(-labels * logits).sum() / n, g_x, g_y, (z_x * (d @ z_y)).sum(), d.sum()
+
+
+def ring_by_hand(rt, x, y, s: float, beta: float):
+    """The sigmoid ring with plain isend/irecv, whole C x C blocks: (G_x, G_y for my pairs, bytes sent).
+    The block goes on before the math that reads it; the accumulator after the math that fills it."""
+    world, r, c = rt.world_size, rt.rank, len(x)
+    nxt, prv = (r + 1) % world, (r - 1) % world
+    g_x, block, acc, sent = torch.zeros_like(x), y, None, 0
+    for k in range(world):
+        j = (r - k) % world                                             # whose text block I hold
+        if k < world - 1:
+            incoming = torch.empty_like(block)
+            reqs, sent = [dist.isend(block, nxt), dist.irecv(incoming, prv)], sent + block.nbytes
+        labels = -torch.ones(c, c, dtype=x.dtype) + (2 * torch.eye(c, dtype=x.dtype) if j == r else 0)
+        d = -labels * torch.sigmoid(-labels * (s * x @ block.T + beta)) / (c * world)
+        g_x += s * d @ block
+        mine = s * d.T @ x                                              # my rows' part of G_y of block j
+        if acc is not None:
+            acc_req.wait()
+            mine += acc                                                 # what ranks j .. r - 1 added
+        acc = torch.empty_like(mine)
+        acc_reqs = [dist.isend(mine, nxt), dist.irecv(acc, prv)] if world > 1 else []
+        sent, acc_req = sent + (mine.nbytes if world > 1 else 0), _Both(acc_reqs)
+        if k < world - 1:
+            for req in reqs:
+                req.wait()
+            block = incoming
+    acc_req.wait()
+    return g_x, (acc if world > 1 else mine), sent
+
+
+class _Both:
+    def __init__(self, reqs):
+        self.reqs = reqs
+
+    def wait(self):
+        for req in self.reqs:
+            req.wait()
+
+
+def whole_batch(model, x, y, world: int, micro: int, dropout_seed: int):
+    """Plain autograd on the whole batch, on a deep copy: rank r's pairs in its micro-batches, from rank
+    r's random stream (the masks the step used); s and beta are ordinary tensors."""
+    model, c, outs = copy.deepcopy(model), len(x) // world, []
+    with torch.random.fork_rng():
+        for r in range(world):
+            torch.manual_seed(dropout_seed + r)
+            rows = slice(r * c, (r + 1) * c)
+            outs += [model(x[rows][part], y[rows][part]) for part in balanced_chunks(c, min(micro, c))]
+    z_x, z_y = (torch.cat([o[i] for o in outs]) for i in (0, 1))
+    loss = sigmoid_loss(z_x, z_y, *outs[0][2:]) if len(outs[0]) == 4 else infonce(z_x, z_y, outs[0][2])
+    loss.backward()
+    return grads_of(model), loss.item()
+
+
+def check_closed_form(verdict, n: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    z_x, z_y = (F.normalize(torch.randn(n, 8, generator=gen, dtype=torch.float64), dim=1) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (z_x, z_y, torch.tensor(10.0, dtype=torch.float64),
+                                                    torch.tensor(-10.0, dtype=torch.float64))]
+    auto_loss = sigmoid_loss(*leaves)
+    auto_loss.backward()
+    mine = closed_form_grads(z_x, z_y, 10.0, -10.0)
+    worst = max((m - a).abs().max().item() for m, a in zip(mine, [auto_loss] + [t.grad for t in leaves]))
+    print0(f"closed form vs autograd on N = {n}: L, G_x, G_y, dL/ds, dL/dbeta agree to {worst:.1e}")
+    verdict.check("the closed-form sigmoid gradient (D, G_x, G_y, dL/ds, dL/dbeta) equals autograd's", worst < 1e-12)
+
+
+def check_ring_by_hand(verdict, rt, c: int, t: int) -> None:
+    n, r = c * rt.world_size, rt.rank
+    gen = torch.Generator().manual_seed(1)
+    z_x, z_y = (F.normalize(torch.randn(n, 8, generator=gen, dtype=torch.float64), dim=1) for _ in range(2))
+    mine = slice(r * c, (r + 1) * c)
+    g_x, g_y, sent = ring_by_hand(rt, z_x[mine].contiguous(), z_y[mine].contiguous(), 10.0, -10.0)
+    lib = sigmoid_ring(P2PRing(rt.world_size, r), z_x[mine], z_y[mine], Logits(10.0, -10.0), t)
+    _, whole_x, whole_y, _, _ = closed_form_grads(z_x, z_y, 10.0, -10.0)
+    ok = all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in
+             ((g_x, lib.g_x), (g_y, lib.g_y), (g_x, whole_x[mine]), (g_y, whole_y[mine])))
+    verdict.check("the ring by hand = the library's ring = the whole batch's G_x, G_y (my pairs)", ok)
+    verdict.check(f"the hand ring sent (P-1) C d + P C d elements ({sent:,} bytes)",
+                  sent == 8 * ((rt.world_size - 1) * c * 8 + (rt.world_size > 1) * rt.world_size * c * 8))
+
+
+def check_steps(verdict, rt, args) -> None:
+    """distributed_backward for every (loss, exchange) against the whole batch; and its bytes."""
+    c, world = args.pairs_per_rank, rt.world_size
+    x, y = paired_data(c * world, seed=args.seed)
+    mine = slice(rt.rank * c, (rt.rank + 1) * c)
+    table = Table(title=f"distributed_backward vs the whole batch (N = {c * world}, B = {args.micro_batch_size})",
+                  title_justify="left")
+    for column in ("loss", "exchange", "max rel err", "bytes sent", "formula"):
+        table.add_column(column, justify="left" if column in ("loss", "exchange") else "right")
+    for loss_name in LOSSES:
+        for exchange in EXCHANGES:
+            model = SigLipTwoTower(loss_name == "sigmoid", dropout=args.dropout, seed=args.seed)
+            start = copy.deepcopy(model)
+            torch.manual_seed(args.seed + 1000 + rt.rank)          # each rank its own dropout stream
+            config = {"GLOBAL_BATCH_SIZE": c * world, "MICRO_BATCH_SIZE": args.micro_batch_size,
+                      "STREAM_CHUNK_SIZE": args.stream_chunk, "EXCHANGE": exchange}
+            loss = distributed_backward(DDP(model), x[mine], y[mine], config)
+            sent, formula = traffic.sent_bytes, expected_bytes(loss_name, exchange, (world, c, 8), (8, 8))
+            ref, ref_loss = whole_batch(start, x, y, world, args.micro_batch_size, args.seed + 1000)
+            rows = compare(ref, grads_of(model))
+            table.add_row(loss_name, exchange, f"{max(r.max_rel for r in rows):.1e}", f"{sent:,}", f"{formula:,}")
+            verdict.check(f"{loss_name}, {exchange}: every gradient (s, beta too) and L equal the whole batch's",
+                          all_ok(rows) and abs(loss - ref_loss) <= 1e-10 * abs(ref_loss))
+            verdict.check(f"{loss_name}, {exchange}: the bytes sent equal the formula", sent == formula)
+    print0(table)
+
+
+def measure_memory(verdict, rt, c: int, t: int) -> list:
+    """Peak bytes this rank's loss machinery allocates, gather against ring, at C fixed; and the ring's
+    timeline (what each rank posted and computed, when)."""
+    gen = torch.Generator().manual_seed(2 + rt.rank)
+    z_x, z_y = (F.normalize(torch.randn(c, 64, generator=gen), dim=1) for _ in range(2))
+    peaks = {}
+    for loss_name in LOSSES:
+        for exchange in EXCHANGES:
+            logits = Logits(10.0, -10.0) if loss_name == "sigmoid" else 10.0
+            if loss_name == "infonce" and exchange == "gather":
+                with PeakMemory() as mem:   # phases 2 and 3 of the gathered step
+                    loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c,
+                                              "STREAM_CHUNK_SIZE": t, "TAU": 0.1})
+            else:
+                with PeakMemory() as mem:
+                    rank_shares(z_x, z_y, logits, exchange, t)
+            peaks[loss_name, exchange] = mem.peak_bytes
+            verdict.figure(f"peak MiB {loss_name} {exchange}", mem.peak_bytes / 2 ** 20)
+    block, n = c * 64 * 4, c * rt.world_size
+    table = Table(title=f"Peak MiB per rank, C = {c}, d = 64", title_justify="left")
+    for column in ("loss", "gather", "ring", "N x 2d"):
+        table.add_column(column, justify="right")
+    for loss_name in LOSSES:
+        table.add_row(loss_name, *(f"{peaks[loss_name, ex] / 2 ** 20:.2f}" for ex in EXCHANGES),
+                      f"{2 * n * 64 * 4 / 2 ** 20:.2f}")
+    print0(table)
+    verdict.check("the ring holds at most 10 C x d blocks and 4 tiles, whatever P",
+                  all(peaks[loss, "ring"] <= 10 * block + 4 * t * t * 4 for loss in LOSSES))
+    verdict.check("the gather holds the N x 2d gathered embeddings, growing with P",
+                  all(peaks[loss, "gather"] >= 2 * n * 64 * 4 for loss in LOSSES))
+    ring = P2PRing(rt.world_size, rt.rank)
+    sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
+    every = [None] * rt.world_size
+    dist.all_gather_object(every, [(rt.rank, k, what, when) for k, what, when in ring.events])
+    return [event for events in every for event in events]
+
+
+def timeline_table(events: list, world: int) -> Table:
+    """Per step and rank: the block held, and when its tiles ran (ms from the first event)."""
+    t0 = min(e[3] for e in events)
+    table = Table(title="Ring: block held, tiles (ms)", title_justify="left")
+    table.add_column("step")
+    for r in range(world):
+        table.add_column(f"rank {r}", justify="right")
+    for k in range(world):
+        cells = []
+        for r in range(world):
+            begin = next(e for e in events if e[:2] == (r, k) and e[2].startswith("begin"))
+            end = next(e for e in events if e[:2] == (r, k) and e[2].startswith("end"))
+            cells.append(f"y_{begin[2].split()[-1]} {1e3 * (begin[3] - t0):.1f}-{1e3 * (end[3] - t0):.1f}")
+        table.add_row(str(k), *cells)
+    return table
+
+
+def posted_ahead(events: list, world: int) -> bool:
+    """Every rank posted step k's block (k < P - 1) before it began the tiles that read it."""
+    def when(r, k, prefix):
+        return next(e[3] for e in events if e[:2] == (r, k) and e[2].startswith(prefix))
+    return all(when(r, k, "post block") <= when(r, k, "begin") for r in range(world) for k in range(world - 1))
+
+
+def main() -> int:
+    args = parse_args()
+    with distributed(args.device) as rt:
+        verdict, c = Verdict(rt), args.pairs_per_rank
+        print0(f"[bold]Lesson 15: the sigmoid loss and the ring[/]\nC = {c} pairs per rank, P = {rt.world_size}, "
+               f"N = {c * rt.world_size}, B = {args.micro_batch_size}, T = {args.stream_chunk}, "
+               f"dropout {args.dropout}, float64, {rt.backend}")
+        check_closed_form(verdict, c * rt.world_size, args.seed)
+        check_ring_by_hand(verdict, rt, c, args.stream_chunk)
+        check_steps(verdict, rt, args)
+        events = measure_memory(verdict, rt, args.memory_pairs, 64)
+        print0(timeline_table(events, rt.world_size))
+        verdict.check("every rank posted each block before the tiles that read it", posted_ahead(events, rt.world_size))
+        verdict.figure("timeline", [list(e) for e in events])
+        return verdict.finish(args.json)
+
+
+if __name__ == "__main__":
+    run_main(main)

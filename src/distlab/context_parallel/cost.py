@@ -1,0 +1,67 @@
+"""What ring attention costs each rank, by formula: bytes sent and memory held; and the measured side
+gathered from every rank.
+
+Units: a block is one rank's k (or v, dk, dv), h x seq/P x d_h values; a tile is the scores of a
+zig-zag piece against a piece, h x (seq/2P)^2; a row vector is one statistic per query row,
+h x seq/P.
+
+Bytes sent per rank. Forward: k and v move P-1 times, 2(P-1) blocks. Backward: k and v move P-1
+times again and dk, dv P times (the last move takes them home), 2(P-1) + 2P = 4P-2 blocks; nothing
+at P = 1.
+
+Memory per rank (upper bounds; what `distlab.memory.PeakMemory` measures inside the ring). k/v pairs
+received and held at once: one at P = 2 (the rank's own pair is an input), two from P = 3 (the one
+in use and the one arriving). Forward: those, the output o (1 block), one tile's o-update (1/2
+block), the scores twice, 8 row vectors (m, l and their updates). Backward: those, two dk/dv pairs
+(4 blocks), dq (1), one tile's dq, dk, dv (3/2), three tiles (W, dout v^T, dA), 4 row vectors.
+Nothing here grows with P, while the whole sequence's k and v are 2P blocks: no rank ever holds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distlab.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class Sizes:
+    heads: int
+    seq_len: int
+    head_dim: int
+    world_size: int
+    itemsize: int
+
+    @property
+    def block(self) -> int:
+        return self.heads * (self.seq_len // self.world_size) * self.head_dim * self.itemsize
+
+    @property
+    def tile(self) -> int:
+        return self.heads * (self.seq_len // (2 * self.world_size)) ** 2 * self.itemsize
+
+    @property
+    def row(self) -> int:
+        return self.heads * (self.seq_len // self.world_size) * self.itemsize
+
+    def bytes_sent(self) -> tuple[int, int]:
+        """(forward, backward) bytes each rank sends."""
+        p = self.world_size
+        return 2 * (p - 1) * self.block, ((4 * p - 2) * self.block if p > 1 else 0)
+
+    def memory_bound(self) -> tuple[int, int]:
+        """(forward, backward) upper bounds on the bytes the ring allocates per rank."""
+        kv = 2 * min(self.world_size - 1, 2) * self.block
+        return (kv + 3 * self.block // 2 + 2 * self.tile + 8 * self.row,
+                kv + 13 * self.block // 2 + 3 * self.tile + 4 * self.row)
+
+
+def every_rank(rt: Runtime, values: list[int]) -> list[list[int]]:
+    """Each rank's `values` (the same length everywhere), in rank order: one all_gather on rt.device."""
+    mine = torch.tensor(values, dtype=torch.int64, device=rt.device)
+    out = [torch.empty_like(mine) for _ in range(rt.world_size)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]

@@ -1,0 +1,99 @@
+"""How the ranks' embeddings meet: the gather (every rank holds N x 2d) or the ring (C x d blocks pass
+rank to rank), and what each rank sends.
+
+`EXCHANGE: "gather"` (the default) all-gathers z_x | z_y once; the InfoNCE loss then runs phases 2 and
+3 of `step` per micro-batch, the sigmoid loss `sigmoid.sigmoid_gathered` for the rank's C rows (its
+rows and its columns: 4 C N d). `EXCHANGE: "ring"` never gathers: `ring.infonce_ring` (4 C N d) or
+`ring.sigmoid_ring` (3 C N d) give this rank's C rows' G_x, G_y and its shares of dL/ds and dL/dbeta.
+Either way the rank's shares of L are summed by one all-gather of P numbers (the same order on every
+rank, so the same float everywhere).
+
+`traffic` counts the bytes this rank hands to the network in one step: point-to-point messages as
+sent, an all-gather of m bytes per rank as (P - 1) m (what each rank sends in a ring all-gather).
+Per rank, with w the feature dtype's size and c the compute dtype's (float32 or float64):
+
+    gather, InfoNCE   (P - 1) (2 C d w + (2 C + 1) c)       (sharded normalisers; replicated: 2 C d w)
+    gather, sigmoid   (P - 1) (2 C d w + c)
+    ring, InfoNCE     c [(P - 1) C d + 2 P C + (P - 1)(C d + C) + P C d + (P - 1)]
+    ring, sigmoid     c [(P - 1) C d + P C d + (P - 1)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distlab.streamed.ring import P2PRing, infonce_ring, ring_bytes, sigmoid_ring
+from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_gathered
+from distlab.streamed.wrappers import compute_dtype
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent in the current step."""
+
+    sent_bytes: int = 0
+
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
+        dist.all_gather_single(out, mine, group=group)
+        self.sent_bytes += (dist.get_world_size(group) - 1) * mine.numel() * mine.element_size()
+
+
+traffic = Traffic()
+
+
+def expected_bytes(loss: str, exchange: str, shape: tuple[int, int, int], sizes: tuple[int, int],
+                   normalisers: str = "sharded") -> int:
+    """The formula above: shape = (P, C, d), sizes = (w, c) in bytes."""
+    (world, c, d), (w, comp) = shape, sizes
+    if exchange == "ring":
+        return ring_bytes(world, c, d, comp, loss) + (world - 1) * comp
+    extra = comp if loss == "sigmoid" else (2 * c + 1) * comp if normalisers == "sharded" else 0
+    return (world - 1) * (2 * c * d * w + extra)
+
+
+def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int,
+                 group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather this rank's C x d z_x, z_y over `group` (the wrapper's; None: the world) into N x d Z_x,
+    Z_y in rank order: one collective for both (z_x | z_y side by side, in their own dtype when they share one; matmul reads the halves' row
+    stride of 2d as is), upcast to the compute dtype after."""
+    dtype = compute_dtype(z_x.dtype, z_y.dtype)
+    wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
+    mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
+    gathered = mine.new_empty((n, mine.shape[1]))
+    traffic.all_gather(gathered, mine, group)
+    gathered = gathered.to(dtype)
+    return gathered[:, :z_x.shape[1]], gathered[:, z_x.shape[1]:]
+
+
+def summed_over_ranks(part: torch.Tensor, group: Any = None) -> float:
+    """sum_r part_r, the same float on every rank (one all-gather of P numbers, summed in rank order)."""
+    every = part.reshape(1).new_empty(dist.get_world_size(group))
+    traffic.all_gather(every, part.reshape(1), group)
+    return every.sum().item()
+
+
+def rank_shares(z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, exchange: str,
+                t: int, group: Any = None) -> tuple[RankGrads, float]:
+    """This rank's C rows' (G_x, G_y, dL/ds share, dL/dbeta share) and the global L, from its own detached
+    C x d embeddings: a `Logits` (s, beta) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
+    InfoNCE gather runs per micro-batch in `step`), over `group` (None: the world). Autocast off; the
+    compute dtype throughout."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dtype = compute_dtype(z_x.dtype, z_y.dtype)
+    with torch.autocast(z_x.device.type, enabled=False):
+        if exchange == "ring":
+            x, y = z_x.to(dtype).contiguous(), z_y.to(dtype).contiguous()
+            ring = P2PRing(world, rank, group=group)
+            shares = (sigmoid_ring(ring, x, y, logits, t) if isinstance(logits, Logits)
+                      else infonce_ring(ring, x, y, logits, t))
+            traffic.sent_bytes += ring.sent_bytes
+        else:
+            c = len(z_x)
+            all_x, all_y = gather_pairs(z_x, z_y, c * world, group)
+            own = slice(rank * c, rank * c + c)
+            shares = sigmoid_gathered(all_x, all_y, logits, own, t)
+        return shares, summed_over_ranks(shares.loss_part, group)

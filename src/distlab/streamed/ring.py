@@ -1,0 +1,264 @@
+"""The ring exchange: feature blocks pass rank to rank, so no rank ever holds N x d.
+
+Rank r keeps its own C rows z_x^r, z_y^r. At step k = 0 ... P-1 it holds the visiting column block
+j = (r - k) mod P: its features (C x d, sent on to r + 1 *before* the tile math that reads them, so
+the message overlaps the arithmetic) and a traveling accumulator for block j (what the ranks visited
+so far have added into j's columns, sent on *after* this rank folds its share in). The accumulator of
+block j leaves rank j at step 0 and, after P hops, is back home, complete. Per rank, in elements:
+
+    features   (P - 1) C d                     (P - 1 hops: the last holder keeps them)
+    accumulator P m                            (P hops, m elements each, the last one home)
+
+Two passes give the exact InfoNCE gradient with 4 C N d multiply-adds per rank (the gathered design
+does 6 C N d: it streams S once for a and b, then twice more, once for G_x's rows and once for G_y's):
+
+  pass 1  S tile by tile; each tile folds into this rank's row (m, l) (its a_i) and into the visiting
+          block's column (m, l) (b_j's partials, the accumulator: m = 2C). C N d.
+  pass 2  S again, W = R + Q - 2 delta; G_x += W z_y^j for my rows, and the accumulator
+          (W^T z_x^r for block j's columns, m = C d) carries G_y home. b_j travels with z_y^j. 3 C N d.
+
+The sigmoid ring is one pass (no normaliser): the text blocks travel as in open_clip's `shift`
+variant, and the accumulator D^T z_x carries G_y home (open_clip's autograd sends the same numbers
+back around the ring in its backward). 3 C N d.
+
+Each rank folds the ranks' contributions in arrival order, so its partial (a fresh tile's sums) is
+merged with the received accumulator only after the tile math: the accumulator's message, like the
+features', is in flight while the tiles run. `ListRing` emulates P ranks in one process (threads and
+queues, the same code path); `P2PRing` sends with torch.distributed's batch_isend_irecv.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from distlab.chunks import chunks
+from distlab.online_softmax import online_fold
+from distlab.streamed.sigmoid import Logits, RankGrads, diagonal_crossing, sigmoid_block
+
+
+@dataclass
+class Endpoint:
+    """One rank's view of the ring: whom it sends to, what it sent, and what happened when."""
+
+    world: int
+    rank: int                                  # in `group`
+    group: object = None                       # the process group (None: the world)
+    sent_bytes: int = 0
+    events: list[tuple[int, str, float]] = field(default_factory=list)   # (step, what, when), in order
+
+    def log(self, step: int, what: str) -> None:
+        self.events.append((step, what, time.perf_counter()))
+
+    def _count(self, tensors: list[torch.Tensor]) -> None:
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Ready:
+    """A shift that needs no message (P = 1)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.tensors
+
+
+class P2PRing(Endpoint):
+    """The real ring: send to r + 1 and receive from r - 1 with point-to-point messages."""
+
+    def shift(self, tensors: list[torch.Tensor], tag: int) -> _Pending:
+        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        if self.group is not None:  # P2POp names peers by their global rank
+            nxt, prv = dist.get_global_rank(self.group, nxt), dist.get_global_rank(self.group, prv)
+        tensors = [t.contiguous() for t in tensors]
+        bufs = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, buf, prv, self.group, tag) for buf in bufs]
+        self._count(tensors)
+        return _Pending(dist.batch_isend_irecv(ops), bufs)
+
+
+class _Pending:
+    def __init__(self, works: list, bufs: list[torch.Tensor]):
+        self.works, self.bufs = works, bufs
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.works = []  # a finished Work still holds the tensor it sent: let it go now
+        return self.bufs
+
+
+class ListRing(Endpoint):
+    """One of P ranks emulated in one process: mailboxes (queues) per (tag, receiving rank)."""
+
+    def __init__(self, world: int, rank: int, mail: dict):
+        super().__init__(world, rank)
+        self.mail = mail
+
+    def shift(self, tensors: list[torch.Tensor], tag: int) -> _Lazy:
+        self._count(tensors)
+        self.mail[tag, (self.rank + 1) % self.world].put([t.clone() for t in tensors])
+        return _Lazy(self.mail[tag, self.rank].get)
+
+
+class _Lazy:
+    def __init__(self, get: Callable[[], list[torch.Tensor]]):
+        self.get = get
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.get()
+
+
+def emulate(world: int, body: Callable[[ListRing], object]) -> tuple[list, list[ListRing]]:
+    """Run body(endpoint) for P emulated ranks at once (one thread each); their results and endpoints."""
+    mail = {(tag, r): queue.Queue() for tag in (0, 1) for r in range(world)}
+    ends = [ListRing(world, r, mail) for r in range(world)]
+    results: list = [None] * world
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            results[r] = body(ends[r])
+        except Exception as err:  # noqa: BLE001 - re-raised below, on the caller's thread
+            errors.append(err)
+            for r2 in range(world):              # unblock the others
+                for tag in (0, 1):
+                    mail[tag, r2].put(None)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return results, ends
+
+
+AHEAD, ACC = 0, 1   # message tags: the visiting features, the traveling accumulator
+
+
+def ring_pass(ring: Endpoint, ahead: list[torch.Tensor],
+              visit: Callable[[int, list[torch.Tensor]], list[torch.Tensor]],
+              merge: Callable[[list, list], list]) -> list[torch.Tensor]:
+    """Walk every column block past this rank; returns this rank's own block's accumulator, complete.
+
+    visit(owner, ahead) runs the tile math of my rows against block `owner` and returns its fresh
+    partial accumulator; merge(received, partial) folds it into what the earlier ranks sent."""
+    world, rank = ring.world, ring.rank
+    incoming = None
+    for k in range(world):
+        owner = (rank - k) % world
+        posted = None
+        if k < world - 1:                                   # the features go on before the math
+            posted = ring.shift(ahead, AHEAD)
+            ring.log(k, f"post block {owner} -> {(rank + 1) % world}")
+        ring.log(k, f"begin tiles {rank} x {owner}")
+        partial = visit(owner, ahead)
+        ring.log(k, f"end tiles {rank} x {owner}")
+        acc = partial if incoming is None else merge(incoming.wait(), partial)
+        incoming = ring.shift(acc, ACC) if world > 1 else _Ready(acc)
+        del partial, acc  # only the message holds them now: a rank keeps no block longer than it must
+        if world > 1:
+            ring.log(k, f"post acc {owner} -> {(rank + 1) % world}")
+        if posted is not None:
+            ahead = posted.wait()
+            ring.log(k, f"got block {(rank - k - 1) % world}")
+    return incoming.wait()
+
+
+def ring_bytes(world: int, c: int, d: int, itemsize: int, loss: str) -> int:
+    """What each rank sends in the ring, in bytes (features and accumulators in the compute dtype)."""
+    if world == 1:
+        return 0
+    if loss == "sigmoid":
+        return itemsize * ((world - 1) * c * d + world * c * d)
+    pass_1 = (world - 1) * c * d + world * 2 * c
+    pass_2 = (world - 1) * (c * d + c) + world * c * d
+    return itemsize * (pass_1 + pass_2)
+
+
+def _merge_lse(received: list, partial: list) -> list:
+    """Two column (m, l) partials of the online fold, folded into one."""
+    (m_1, l_1), (m_2, l_2) = received, partial
+    m = torch.maximum(m_1, m_2)
+    return [m, l_1 * torch.exp(m_1 - m) + l_2 * torch.exp(m_2 - m)]
+
+
+def _add(received: list, partial: list) -> list:
+    return [r.add_(p) for r, p in zip(received, partial)]
+
+
+def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, t: int) -> RankGrads:
+    """This rank's share of the symmetric InfoNCE and its gradients, from its own C x d z_x, z_y and
+    the two ring passes (4 C N d). g_y is for this rank's own C columns (= its pairs' z_y)."""
+    c, n, me = len(x), len(x) * ring.world, ring.rank
+    kw = dict(dtype=x.dtype, device=x.device)
+    xs = x * s
+    row_m, row_l = torch.full((c,), float("-inf"), **kw), torch.zeros(c, **kw)
+    row_diag, col_diag = torch.empty(c, **kw), torch.empty(c, **kw)
+
+    def lse_partials(owner: int, ahead: list) -> list:          # pass 1: S once, C N d
+        y_j, col_m, col_l = ahead[0], torch.full((c,), float("-inf"), **kw), torch.zeros(c, **kw)
+        for rows in chunks(c, t):
+            for cols in chunks(c, t):
+                tile = xs[rows] @ y_j[cols].T
+                hit = diagonal_crossing(rows.start, cols.start, len(tile), tile.shape[1])
+                if owner == me and hit:
+                    row_diag[rows][hit[0]] = col_diag[cols][hit[1]] = tile[hit].diagonal()
+                col_m[cols], col_l[cols] = online_fold(col_m[cols], col_l[cols], tile.clone(), dim=0)
+                row_m[rows], row_l[rows] = online_fold(row_m[rows], row_l[rows], tile, dim=1)
+        return [col_m, col_l]
+
+    col_m, col_l = ring_pass(ring, [y], lse_partials, _merge_lse)
+    # nll = (m - diag) + log l: when the positive is the max, m - diag is exactly 0 (full precision).
+    a, nll_x = row_m + row_l.log(), (row_m - row_diag) + row_l.log()
+    b, nll_y = col_m + col_l.log(), (col_m - col_diag) + col_l.log()
+    coef = torch.expm1(-nll_x) + torch.expm1(-nll_y)           # W_ii = R_ii + Q_ii - 2, no cancellation
+    w_y = torch.zeros_like(x)
+
+    def products(owner: int, ahead: list) -> list:             # pass 2: S, W z_y, W^T z_x: 3 C N d
+        (y_j, b_j), part = ahead, torch.zeros_like(ahead[0])
+        for rows in chunks(c, t):
+            for cols in chunks(c, t):
+                tile = xs[rows] @ y_j[cols].T
+                other = torch.sub(tile, b_j[cols]).exp_()                       # Q
+                tile.sub_(a[rows, None]).exp_().add_(other)                     # R + Q
+                hit = diagonal_crossing(rows.start, cols.start, len(tile), tile.shape[1])
+                if owner == me and hit:
+                    tile[hit].diagonal().copy_(coef[rows][hit[0]])              # - 2 delta
+                w_y[rows].addmm_(tile, y_j[cols])
+                part[cols].addmm_(tile.T, x[rows])
+        return [part]
+
+    (w_t_x,) = ring_pass(ring, [y, b], products, _add)
+    scale = s / (2 * n)
+    return RankGrads((nll_x + nll_y).sum() / (2 * n), w_y * scale, w_t_x * scale,
+                     (x * w_y).sum() / (2 * n), None)
+
+
+def sigmoid_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, logits: Logits, t: int) -> RankGrads:
+    """This rank's share of the sigmoid loss and its gradients from one ring pass (3 C N d): the text
+    blocks travel, D^T z_x rides with them and carries G_y home."""
+    c, n, me = len(x), len(x) * ring.world, ring.rank
+    own = {"loss": torch.zeros((), dtype=x.dtype, device=x.device), "d_y": torch.zeros_like(x),
+           "d_sum": torch.zeros((), dtype=x.dtype, device=x.device)}
+
+    def visit(owner: int, ahead: list) -> list:
+        blk = sigmoid_block(x, ahead[0], logits, (me * c, owner * c), n, t)
+        own["loss"] += blk.loss_sum
+        own["d_y"] += blk.d_y
+        own["d_sum"] += blk.d_sum
+        return [blk.d_x]
+
+    (d_x,) = ring_pass(ring, [y], visit, _add)
+    s = logits.s
+    return RankGrads(own["loss"] / n, own["d_y"] * s, d_x * s, (x * own["d_y"]).sum(), own["d_sum"])

@@ -1,0 +1,284 @@
+"""The streamed step: the exact global CLIP gradient with O(N d) memory per rank, in five phases.
+
+Global batch N over P ranks, C = N / P pairs per rank, embeddings Z_x, Z_y (N x d), logit scale s
+(1/tau, or the model's own), R / Q the row / column softmax of S (lesson 14 derives every line):
+
+    S = s Z_x Z_y^T,   a_i = log sum_j exp S_ij,   b_j = log sum_i exp S_ij
+    L = 1/(2N) sum_i (a_i + b_i - 2 S_ii)
+    dL/d(z_i^x . z_j^y) = s (R_ij + Q_ij - 2 delta_ij) / (2N),   R_ij = exp(S_ij - a_i),   Q_ij = exp(S_ij - b_j)
+    G_x,i = s/(2N) sum_j (R_ij + Q_ij - 2 delta_ij) z_j^y,   G_y,j = s/(2N) sum_i (R_ij + Q_ij - 2 delta_ij) z_i^x
+    dL/ds = (1/s) sum_i z_i^x . G_x,i      (each rank adds its own rows' share)
+
+phase 1  `phase1_forward`: the local forward, inside the guard (every rank agrees on its outputs).
+         B >= C: one forward with grad, its graph kept for phase 4. B < C: micro-batches of at most
+         B rows (`config.micro`) without grad, each one's random state saved. Then
+         `gather_embeddings`: one all-gather of detached copies [sync 1].
+phase 2  `phase2_normalisers`: a, b and L over T x T tiles (`tiles`). "sharded": each rank its own
+         C rows and C columns of S, then a tiny all-gather of 2N floats; "replicated": all N^2 each.
+phase 3  `phase3_embedding_grads`: one micro-batch's G_x, G_y (and its share of dL/ds) over T x T tiles.
+phase 4  `phase4_outputs`, `phase4_backward`: the micro-batch's outputs with a graph (the kept ones,
+         or a recompute under the saved random state), and the VJP of m G into them, where m is the
+         wrapper's reduction factor (its average of the ranks' VJPs becomes their sum: the gradient).
+phase 5  the wrapper's reduction [sync 2]: every micro-batch's backward but the last runs with it off.
+
+The loss-specific math is phases 2 and 3 (with `tiles`); the exchange is `gather_embeddings`; the
+guards are `guards.ready_step`; a rank that dies mid-step is named by `peers`; wrappers, BatchNorm and
+precision are `wrappers`. Every exchange runs over the wrapper's process group. Cost per rank:
+6 C N d multiply-adds of loss machinery, O(N d) memory plus tiles of at most T x T.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distlab.contrastive.rand_context import RandContext
+from distlab.streamed.config import StreamConfig, parse_config
+from distlab.streamed.exchange import gather_pairs, rank_shares, traffic
+from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
+from distlab.streamed.peers import naming_dead_peers
+from distlab.streamed.sigmoid import Logits
+from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
+from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, surrogate_multiplier
+
+
+@dataclass
+class LocalForward:
+    """Phase 1 before the gather: this rank's micro-batches and what the forward returned for each."""
+
+    micro: list[slice]                 # local rows of each micro-batch
+    outputs: list[Outputs]             # (z_x, z_y, s or None, beta or None) per micro-batch
+    rng: list[RandContext]             # recompute: the random state each forward started from
+    kept: bool                         # one forward: outputs carry the graph phase 4 back-propagates into
+
+
+@dataclass
+class Embedded:
+    """The gathered, detached embeddings in the compute dtype, and the scale."""
+
+    z_x: torch.Tensor                  # N x d, every rank's rows in rank order
+    z_y: torch.Tensor
+    s: float                           # the logit scale, 1/tau or the model's
+
+
+@dataclass
+class Normalisers:
+    """Phase 2's result: what phase 3 needs, and the loss."""
+
+    a: torch.Tensor                    # N row LSEs
+    b: torch.Tensor                    # N column LSEs
+    diag_coef: torch.Tensor            # R_ii + Q_ii - 2 for this rank's C pairs
+    loss: float
+
+
+def phase1_forward(ready: Ready, local_x: torch.Tensor, local_y: torch.Tensor) -> LocalForward:
+    """One forward with grad (B >= C), or no-grad micro-batches with their random states (B < C)."""
+    cfg, wrapped = ready.cfg, ready.wrapped
+    if cfg.one_forward:
+        outputs = ready.agreed_outputs(lambda: [wrapped.model(local_x, local_y)], [cfg.local])
+        return LocalForward([slice(0, cfg.local)], outputs, [], kept=True)
+    rng: list[RandContext] = []
+
+    def forward() -> list:
+        outputs = []
+        with torch.no_grad():
+            for rows in cfg.micro:  # the random state each micro-batch starts from, saved before it runs
+                rng.append(RandContext(local_x[rows], local_y[rows]))
+                outputs.append(wrapped.no_grad_forward(local_x[rows], local_y[rows]))
+        return outputs
+    outputs = ready.agreed_outputs(forward, [rows.stop - rows.start for rows in cfg.micro])
+    return LocalForward(cfg.micro, outputs, rng, kept=False)
+
+
+def gather_embeddings(local: LocalForward, cfg: StreamConfig) -> Embedded:
+    """Detached copies of this rank's C x d z_x, z_y, all-gathered into N x d Z_x, Z_y in rank order
+    [sync 1], and the scale s."""
+    z_x = torch.cat([out[0].detach() for out in local.outputs])
+    z_y = torch.cat([out[1].detach() for out in local.outputs])
+    s = 1.0 / cfg.tau if cfg.tau is not None else float(local.outputs[0][2].detach().double().reshape(()))
+    return Embedded(*gather_pairs(z_x, z_y, cfg.n, cfg.group), s)
+
+
+def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
+    """a, b over the whole global batch, and L = 1/(2N) sum_i (nll_x_i + nll_y_i), where
+    nll_x_i = a_i - S_ii = -log R_ii and nll_y_i = b_i - S_ii = -log Q_ii (autocast off)."""
+    own = slice(cfg.offset, cfg.offset + cfg.local)
+    with torch.autocast(emb.z_x.device.type, enabled=False):
+        if cfg.normalisers == "replicated":
+            a, nll_x, b, nll_y = streamed_lse_both(emb.z_x, emb.z_y, emb.s, cfg.t)
+            nll_x, nll_y, total = nll_x[own], nll_y[own], (nll_x + nll_y).sum()
+        else:
+            a_own, nll_x = streamed_lse(emb.z_x[own], emb.z_y, emb.s, cfg.t, cfg.offset)   # my rows of S
+            b_own, nll_y = streamed_lse(emb.z_y[own], emb.z_x, emb.s, cfg.t, cfg.offset)   # my columns
+            # One tiny all-gather: my a's, my b's and my share of the loss (2C + 1 floats per rank).
+            mine = torch.cat((a_own, b_own, (nll_x + nll_y).sum().unsqueeze(0)))
+            every = mine.new_empty(cfg.world * len(mine))
+            traffic.all_gather(every, mine, cfg.group)
+            every = every.view(cfg.world, len(mine))
+            a, b = every[:, :cfg.local].reshape(-1), every[:, cfg.local:2 * cfg.local].reshape(-1)
+            total = every[:, -1].sum()  # the same numbers in the same order on every rank
+    # R_ii + Q_ii - 2 = expm1(-nll_x) + expm1(-nll_y): no cancellation of two numbers near 2.
+    return Normalisers(a, b, torch.expm1(-nll_x) + torch.expm1(-nll_y), (total / (2 * cfg.n)).item())
+
+
+def phase3_embedding_grads(emb: Embedded, norm: Normalisers, rows: slice, cfg: StreamConfig,
+                           needs: tuple[bool, bool, bool]) -> tuple[Any, Any, Any]:
+    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, T x T tiles at a time (autocast
+    off). `needs` says which of z_x, z_y, s require grad; what is not needed is None and not computed
+    (G_x is computed for dL/ds even when z_x needs none)."""
+    glob = slice(cfg.offset + rows.start, cfg.offset + rows.stop)
+    coef, scale = norm.diag_coef[rows], emb.s / (2 * cfg.n)
+    g_x = g_y = g_s = None
+    with torch.autocast(emb.z_x.device.type, enabled=False):
+        if needs[0] or needs[2]:
+            g_x = streamed_softmax_pair_product(emb.z_x[glob] * emb.s, emb.z_y, norm.a[glob], norm.b, coef,
+                                                glob.start, cfg.t).mul_(scale)
+        if needs[1]:
+            g_y = streamed_softmax_pair_product(emb.z_y[glob] * emb.s, emb.z_x, norm.b[glob], norm.a, coef,
+                                                glob.start, cfg.t).mul_(scale)
+        if needs[2]:
+            g_s = (emb.z_x[glob] * g_x).sum() / emb.s      # dL/ds = (1/s) sum_i z_i^x . G_x,i
+    return (g_x if needs[0] else None), g_y, g_s
+
+
+def phase4_outputs(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, local: LocalForward, k: int) -> Outputs:
+    """Micro-batch k's (z_x, z_y, s or None) with the graph phase 4 back-propagates into: the kept
+    outputs (one forward), or a recompute under the random state phase 1 saved (the same masks)."""
+    if local.kept:
+        return local.outputs[k]
+    with local.rng[k]:
+        return as_outputs(wrapped.model(x, y))
+
+
+def needs_of(outputs: Outputs) -> tuple[bool, ...]:
+    """Which of (z_x, z_y, s, beta) carry a graph to trainable parameters. Read from the outputs: a frozen
+    encoder's embedding can still depend on trainable parameters outside it (open_clip's
+    text_projection and ln_final sit on the model, not in a text module)."""
+    return tuple(z is not None and z.requires_grad for z in outputs)
+
+
+def phase4_backward(outputs: Outputs, grads: tuple, multiplier: torch.Tensor) -> None:
+    """The micro-batch's VJP: backward of m <(z_x, z_y, s), (G_x, G_y, dL/ds)> into `outputs`' graph,
+    each gradient in its output's dtype (m: the wrapper's reduction factor, times a GradScaler's)."""
+    pairs = [(z, g) for z, g in zip(outputs, grads) if g is not None]
+    if pairs:  # d(m <z, g>)/dz = m g exactly: the surrogate's backward without forming it
+        torch.autograd.backward([z for z, _ in pairs],
+                                [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
+
+
+def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any]) -> tuple[float, Any, Any]:
+    """The step without the encoders, for benchmarks and notebooks: this rank's C x d embeddings in,
+    (L, G_x, G_y) for its rows out (the all-gather, phase 2, phase 3 over every micro-batch). TAU
+    is required; no guards."""
+    cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
+    emb = gather_embeddings(LocalForward([slice(0, len(z_x))], [(z_x, z_y, None)], [], kept=False), cfg)
+    norm = phase2_normalisers(emb, cfg)
+    grads = [phase3_embedding_grads(emb, norm, rows, cfg, (True, True, False))[:2] for rows in cfg.micro]
+    return norm.loss, torch.cat([g[0] for g in grads]), torch.cat([g[1] for g in grads])
+
+
+def not_finite(emb: Embedded, cfg: StreamConfig) -> str:
+    """Which ranks' embeddings are not finite, read from the gathered Z_x, Z_y: the same words on every
+    rank, with no exchange."""
+    finite = torch.isfinite(emb.z_x).all(dim=1) & torch.isfinite(emb.z_y).all(dim=1)
+    ranks = dist.get_process_group_ranks(cfg.group or dist.group.WORLD)
+    bad = sorted({ranks[i // cfg.local] for i in (~finite).nonzero().flatten().tolist()})
+    if not bad:
+        return f"every embedding is finite; the logits s z_x . z_y overflowed (s = {emb.s:g})"
+    return f"non-finite embeddings on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+
+
+def _shared_grads(shares, rows: slice, last: bool, needs: tuple) -> tuple:
+    """A micro-batch's slice of the rank's shares: G for its rows, and the rank's dL/ds, dL/dbeta share
+    once, with the last micro-batch (s and beta are parameters every micro-batch's graph reaches; the
+    last backward is the one the wrapper reduces in, so every parameter must take part in it)."""
+    grads = (shares.g_x[rows], shares.g_y[rows], shares.g_s if last else None,
+             shares.g_b if last else None)
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def _float(t: torch.Tensor) -> float:
+    return float(t.detach().double().reshape(()))
+
+
+def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
+         grad_scaler: Any, stop_if_not_finite: bool) -> float:
+    with naming_dead_peers(exchange_group(model)):  # a peer that dies in an exchange is named, not echoed
+        ready = ready_step(model, local_x, local_y, config)       # a step every rank agreed to, or one error
+        cfg, wrapped = ready.cfg, ready.wrapped
+        traffic.sent_bytes = 0
+        restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
+        local = phase1_forward(ready, local_x, local_y)                                         # phase 1
+        s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])
+        sigmoid, shares, emb = local.outputs[0][3] is not None, None, None
+        if sigmoid or cfg.exchange == "ring":  # G for all C rows first (the ring, or the sigmoid loss)
+            z_x, z_y = (torch.cat([out[i].detach() for out in local.outputs]) for i in (0, 1))
+            logits = Logits(s, _float(local.outputs[0][3])) if sigmoid else s
+            shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, cfg.t, cfg.group)
+            like, why = shares.g_x, "non-finite embeddings on some rank, or logits that overflowed"
+        else:
+            emb = gather_embeddings(local, cfg)                                                 # sync 1
+            norm = phase2_normalisers(emb, cfg)                                                 # phase 2
+            loss, like = norm.loss, emb.z_x
+            why = not_finite(emb, cfg) if not math.isfinite(loss) else ""
+        if stop_if_not_finite and not math.isfinite(loss):
+            restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
+            raise FloatingPointError(f"the global loss is {loss} ({why}): "
+                                     "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
+                                     "are as they were")
+        multiplier = surrogate_multiplier(ready.factor, grad_scaler, like)
+        for k, rows in enumerate(local.micro):
+            # Phase 5: the wrapper reduces in the last micro-batch's backward only (a recompute's forward
+            # runs inside the same no_sync, where DDP decides whether its backward reduces).
+            last = k == len(local.micro) - 1
+            with wrapped.accumulating(reduce=last):
+                outputs = phase4_outputs(wrapped, local_x[rows], local_y[rows], local, k)
+                if shares is not None:
+                    grads = _shared_grads(shares, rows, last, needs_of(outputs))
+                else:
+                    grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))    # phase 3
+                phase4_backward(outputs, grads, multiplier)                                     # phase 4
+        return loss
+
+
+def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor,
+                         config: Mapping[str, Any], *, grad_scaler: Any = None) -> float:
+    """Add the exact gradient of the global symmetric InfoNCE (or, for a model returning (z_x, z_y, s, beta) or
+    open_clip's dict with a logit_bias, of the sigmoid loss: `sigmoid`) into `.grad`, like `loss.backward()`.
+    EXCHANGE: "ring" in config passes C x d blocks rank to rank instead of gathering N x 2d (`ring`).
+
+    It neither zeroes the gradients nor steps; it returns the global loss as a Python float (computed
+    in float32, or float64 for a float64 model), non-finite as it is if some rank's embeddings were.
+    `model` is DDP, torch.compile(DDP) or FSDP2-wrapped; its forward(x, y) returns (z_x, z_y) or
+    (z_x, z_y, s) with s the logit scale (then config has no TAU), or open_clip's dict of them
+    (output_dict=True); what trains is read from the parameters and from which outputs require grad.
+    N is the batch of the wrapper's process group (a DDP subgroup: its ranks only). config:
+    GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T), TAU unless the model returns
+    s, optional NORMALISERS ("sharded" | "replicated"). With `grad_scaler` (torch.amp.GradScaler) the
+    VJP is scaled as scaler.scale(loss).backward() would scale it. Called inside `model.no_sync()` it
+    accumulates without reducing; the next call outside reduces, once. Bad inputs raise the same
+    ValueError on every rank before the first all-gather (a RuntimeError when model(x, y) itself
+    raised on some rank); a rank that dies during the step's exchanges is named in a RuntimeError on
+    the ranks still running (`peers`).
+    """
+    return _run(model, local_x, local_y, config, grad_scaler, stop_if_not_finite=False)
+
+
+def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, local_x: torch.Tensor,
+                           local_y: torch.Tensor, config: Mapping[str, Any]) -> float:
+    """One optimiser step on the exact symmetric InfoNCE of the global batch; returns its loss.
+
+    zero_grad, `distributed_backward`, optimizer.step(). A non-finite loss raises FloatingPointError
+    on every rank before any backward: parameters, optimizer state and BatchNorm statistics untouched.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    optimizer.zero_grad(set_to_none=True)
+    loss = _run(model, local_x, local_y, config, None, stop_if_not_finite=True)
+    optimizer.step()
+    return loss

@@ -1,0 +1,73 @@
+"""Two dimensions: data parallel x tensor parallel on a dp x tp `DeviceMesh`.
+
+`init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))` lays the P = dp tp ranks out as a
+grid, rank = i_dp tp + i_tp: each row of the grid is a tensor-parallel group (the block split over tp
+ranks, the operators f and g on that group), each column a data-parallel group (the same shard of the
+block on every rank of it, each with its N / dp rows of the batch). One step: forward and backward
+within the row, then every gradient all-reduced down the column. The loss share of a rank is its rows'
+part of the whole batch's mean, so the column SUMS (no 1/dp: each share was divided by the whole
+batch's count already; the same as DDP's average of means).
+
+Bytes per rank and step: tensor parallel 2(tp-1)/tp (N/dp) seq d e per all-reduce, two each way
+(attention, MLP; on its own rows), data parallel 2(dp-1)/dp Psi_r e, Psi_r the rank's parameter count.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from distlab.tensor_parallel.blocks import ParallelBlock
+from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks
+from distlab.tensor_parallel.operators import RING_FRACTION, Traffic, all_reduce, tensor_parallel
+from distlab.tensor_parallel.training import Batch, Run, train
+
+
+def mesh_shape(world_size: int) -> tuple[int, int]:
+    """(dp, tp): tp = 2 where P is even (2 x 2 at P = 4), else pure data parallelism."""
+    tp = 2 if world_size % 2 == 0 else 1
+    return world_size // tp, tp
+
+
+def check_mesh(cfg: BlockConfig, world_size: int) -> None:
+    dp, tp = mesh_shape(world_size)
+    if cfg.batch % dp:
+        raise ValueError(f"--global-batch: N = {cfg.batch} does not split over dp = {dp} data-parallel "
+                         f"groups (the {dp} x {tp} mesh at P = {world_size})")
+
+
+def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dict]:
+    """One SGD step of the block on the dp x tp mesh: (the run, the split block, where this rank sits)."""
+    dp, tp = mesh_shape(rt.world_size)
+    mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    i_dp, i_tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    comm = tensor_parallel(mesh.get_group("tp"), Traffic())
+    block, x, target = build(cfg)
+    model = ParallelBlock(block, i_tp, tp, comm).to(rt.device)
+    rows = (lambda t: t.chunk(dp, dim=0)[i_dp].contiguous().to(rt.device))
+    masks = dropout_masks(cfg, 0)
+    batch = Batch(rows(x), rows(target), x.numel(), [tuple(map(rows, masks)) if masks else None])
+    dp_group = mesh.get_group("dp")
+
+    def sum_over_data_parallel():  # one message: every gradient of this rank's shard
+        params = list(model.parameters())
+        flat = all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), dp_group, comm.traffic, "data parallel")
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+
+    run = train(model, batch, 1, lr, sum_over_data_parallel)
+    where = {"dp": dp, "tp": tp, "i_dp": i_dp, "i_tp": i_tp, "tp_ranks": dist.get_process_group_ranks(comm.group),
+             "dp_ranks": dist.get_process_group_ranks(dp_group)}
+    return run, model, where
+
+
+def expected_2d_traffic(cfg: BlockConfig, world_size: int, shard_numel: int) -> dict:
+    dp, tp = mesh_shape(world_size)
+    e = cfg.dtype.itemsize
+    act = Fraction(cfg.batch // dp * cfg.seq * cfg.dim * e) * 2  # two blocks' worth: attention, MLP
+    return {("forward", "all_reduce"): RING_FRACTION["all_reduce"](tp) * act,
+            ("backward", "all_reduce"): RING_FRACTION["all_reduce"](tp) * act,
+            ("data parallel", "all_reduce"): RING_FRACTION["all_reduce"](dp) * shard_numel * e}

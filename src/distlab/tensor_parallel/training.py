@@ -1,0 +1,55 @@
+"""A few SGD steps of a (split or unsplit) block, the same loop for the reference and the ranks.
+
+The loss is sum (z - t)^2 / (N seq d), a mean over the whole batch's elements: a rank that holds a part
+of z (a sequence part, a data-parallel share) computes its share of that mean, and the shares add up to
+the loss. `sync` runs after backward: nothing for tensor parallelism (the operators already made every
+gradient whole), the sequence-cut parameters' all-reduce, a data-parallel all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from distlab.compare import grads_of, params_of
+from distlab.tensor_parallel.model import regression_loss
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a model sees: its x, its target, the element count of the WHOLE batch, and each step's
+    masks (its part of them; None: no dropout)."""
+
+    x: torch.Tensor
+    target: torch.Tensor
+    count: int
+    masks: list | None  # None: the model takes x alone (the MLP, attention)
+
+
+@dataclass
+class Run:
+    first_output: torch.Tensor
+    first_grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    losses: list[float]  # this model's share of each step's loss
+
+
+def train(model: nn.Module, batch: Batch, steps: int, lr: float,
+          sync: Callable[[], None] = lambda: None) -> Run:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, first = [], None
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        out = model(batch.x) if batch.masks is None else model(batch.x, batch.masks[step])
+        loss = regression_loss(out, batch.target, batch.count)
+        loss.backward()
+        sync()
+        losses.append(loss.item())
+        if step == 0:  # the input's gradient too, when it has one (what the layer before would get)
+            grads = grads_of(model) | ({"input": batch.x.grad.clone()} if batch.x.requires_grad else {})
+            first = (out.detach().clone(), grads)
+        optimizer.step()
+    return Run(first[0], first[1], params_of(model), losses)

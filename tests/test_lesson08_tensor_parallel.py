@@ -1,0 +1,134 @@
+"""Lesson 08: the conjugate operators (the lesson's f and g, the library's f, g, f-bar, g-bar) equal one
+process's computation forward and backward; the MLP and attention split by heads, and the whole block
+under tensor and sequence parallelism (dropout masks replayed), equal the unsplit layer in float64
+(output, every gradient, 3 SGD steps); the bytes each rank sends and the activations it keeps equal
+their formulas; torch's parallelize_module equals ours; one dp x tp step on a DeviceMesh equals one
+process on the whole batch. Bad splits are refused the same way on every rank, before any collective."""
+
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+import torch
+
+from distlab.compare import all_ok, compare
+from distlab.spawn import spawn
+from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
+from distlab.tensor_parallel.blocks import check_split
+from distlab.tensor_parallel.layers import reference_shards
+from distlab.tensor_parallel.model import BlockConfig
+from distlab.tensor_parallel.operator_checks import check_operator
+from distlab.tensor_parallel.runs import activation_bytes_measured, reference_run, same_runs, split_run
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, assert_same_error_on_every_rank, load_lesson
+
+# Small, and split by 1, 2, 3 and 4: h = 12 heads of width 2, d_ff = 24, seq = 12.
+CFG = BlockConfig(batch=6, seq=12, dim=24, heads=12, ffn=24, dropout=0.2, seed=3)
+STEPS, LR = 3, 0.5
+
+
+def _everything(rt):
+    """Every claim of the lesson on one rank, the lesson's own f and g included: name -> bool."""
+    lesson, p = load_lesson("08_tensor_parallel"), rt.world_size
+    ok = {}
+    lesson_ops = {"f": lesson.Copy, "g": lesson.Reduce}
+    library_ops = {"f": operators.CopyToTP, "g": operators.ReduceFromTP, "f-bar": operators.GatherFromSP,
+                   "g-bar": operators.ScatterToSP}
+    mine = {k: check_operator(rt, k, fn) for k, fn in lesson_ops.items()}
+    theirs = {k: check_operator(rt, k, fn) for k, fn in library_ops.items()}
+    for k, res in (mine | {f"library {k}": r for k, r in theirs.items()}).items():
+        ok[f"operator {k} = one process"] = res.ok
+    for k in "fg":
+        ok[f"library {k} = lesson's"] = (torch.equal(mine[k].forward, theirs[k].forward)
+                                         and torch.equal(mine[k].backward, theirs[k].backward))
+    for part in ("mlp", "attention"):
+        o = split_run(rt, CFG, part, lesson.by_hand(), STEPS, LR)
+        ok[f"{part} = unsplit"] = o.ok
+        ok[f"{part} bytes"] = _sent(o.traffic) == _nonzero(cost.expected_traffic(CFG, part, p, False, STEPS))
+    for sp, make in ((False, operators.tensor_parallel), (True, operators.sequence_parallel)):
+        o = split_run(rt, CFG, "block", make(), STEPS, LR)
+        ok[f"block sp={sp} = unsplit"] = o.ok
+        ok[f"block sp={sp} bytes"] = _sent(o.traffic) == _nonzero(cost.expected_traffic(CFG, "block", p, sp, STEPS))
+        ok[f"block sp={sp} activations"] = activation_bytes_measured(rt, CFG, make())[0] == cost.activation_bytes(CFG, p, sp)
+        off = replace(CFG, dropout=0.0)
+        ours = split_run(rt, off, "block", make(), STEPS, LR)
+        ok[f"parallelize_module sp={sp} = ours"] = ours.ok and same_runs(ours.run, torch_tp.torch_run(rt, off, sp, STEPS, LR)[0])
+    run, model, where = mesh2d.two_d_step(rt, CFG, LR)
+    ref = reference_run(CFG, "block", 1, LR)
+    ref.first_grads.pop("input")
+    ok["2-D grads"] = all_ok(compare(reference_shards(ref.first_grads, model, where["i_tp"], where["tp"]), run.first_grads))
+    ok["2-D params"] = all_ok(compare(reference_shards(ref.params, model, where["i_tp"], where["tp"]), run.params))
+    shard = sum(q.numel() for q in model.parameters())
+    ok["2-D bytes"] = _sent(model.attn.comm.traffic) == _nonzero(mesh2d.expected_2d_traffic(CFG, p, shard))
+    return ok
+
+
+def _sent(traffic):
+    return _nonzero(traffic.sent)
+
+
+def _nonzero(bytes_by_key):
+    return {k: v for k, v in bytes_by_key.items() if v}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_claim(world_size):
+    for rank, ok in enumerate(spawn(_everything, world_size)):
+        failed = [name for name, good in ok.items() if not good]
+        assert not failed, (rank, failed)
+        assert len(ok) == 23
+
+
+def test_lesson_passes_at_p4_on_a_2x2_mesh():
+    out = assert_lesson_passes_at_80_columns("08_tensor_parallel.py", 4)
+    assert "a 2 x 2 mesh (dp x tp)" in out and "data-parallel group [0, 2]" in out
+
+
+def test_the_formulas_in_closed_form():
+    # Tensor parallel: 2(P-1)/P N seq d e each way per MLP; sequence parallel: the same, halves of it.
+    a_bytes = CFG.batch * CFG.seq * CFG.dim * 8
+    tp = cost.expected_traffic(CFG, "mlp", 4, False)
+    sp = cost.expected_traffic(CFG, "block", 4, True)
+    assert tp[("forward", "all_reduce")] == Fraction(3, 2) * a_bytes
+    assert sp[("forward", "all_gather")] + sp[("forward", "reduce_scatter")] == 2 * Fraction(3, 2) * a_bytes
+    assert sp[("gradients", "all_reduce")] == Fraction(3, 2) * 6 * CFG.dim * 8
+    assert all(v == 0 for v in cost.expected_traffic(CFG, "block", 1, True).values())
+    # Activations: P = 1 is the unsplit block either way; sequence parallelism saves (P-1)/P S.
+    region = cost.activation_terms(CFG)[0]
+    assert cost.activation_bytes(CFG, 1, True) == cost.activation_bytes(CFG, 1, False)
+    assert cost.activation_bytes(CFG, 4, False) - cost.activation_bytes(CFG, 4, True) == Fraction(3, 4) * region * 8
+
+
+def _g_without_reduce(rt):
+    """A g that forgets its all-reduce: the check must catch it."""
+    class Broken(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group, traffic):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None, None
+
+    comm = operators.Comm(operators.CopyToTP, Broken, None, operators.Traffic())
+    return split_run(rt, CFG, "mlp", comm, 1, LR).ok, check_operator(rt, "g", Broken).ok
+
+
+def test_the_checks_can_fail():
+    assert spawn(_g_without_reduce, 2) == [(False, False), (False, False)]
+
+
+def _refusals(rt):
+    from helpers import value_error
+
+    return [value_error(check_split, 6, 24, rt.world_size), value_error(check_split, 12, 18, rt.world_size),
+            value_error(check_split, 12, 24, rt.world_size, 10),
+            value_error(mesh2d.check_mesh, replace(CFG, batch=5), rt.world_size)]
+
+
+def test_bad_splits_are_one_line_naming_the_flag_on_every_rank():
+    per_rank = spawn(_refusals, 4)
+    assert all(messages == per_rank[0] for messages in per_rank)
+    for flag, message in zip(("--heads", "--ffn-width", "--seq-len", "--global-batch"), per_rank[0]):
+        assert message.startswith(flag + ":") and "\n" not in message, message
+    assert_flag_refused("08_tensor_parallel.py", "--heads", "--heads", "0")
+    assert_flag_refused("08_tensor_parallel.py", "--dropout", "--dropout", "1")

@@ -14,7 +14,7 @@ p resumes the backward from it (`A_p.backward(dL/dA_p)`). That is the chain rule
 
 Every parameter lives on one rank, so each rank steps its own optimizer and no gradient is averaged.
 
-The mechanism is `ModelParallelStep.__call__` below: the whole send/recv chain, in this file. The
+The mechanism is `model_parallel_step` below: the whole send/recv chain, in this file. The
 split is `distlab/pipeline/partition.py: stage_bounds`: the first (layers mod P) stages get one layer
 more. (The tempting `per_rank = ceil(layers / P); start = rank * per_rank` leaves the trailing ranks
 empty: 6 layers on P = 4 ranks gives 2, 2, 2, 0.) The training loop is the track's one loop,
@@ -28,6 +28,8 @@ that idle time with micro-batches.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,38 @@ from distlab.timeline import Timeline, busy_fractions, max_concurrency, render
 from distlab.verdict import Verdict
 
 
+def model_parallel_step(stage: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, shapes: list,
+                        span=lambda kind: nullcontext()) -> float | None:
+    """Stage p = this rank: receive A_{p-1} (rank 0 starts from the batch x), compute A_p, send it on;
+    then receive dL/dA_p (the last rank: from the loss), back-propagate, send dL/dA_{p-1} back.
+    `shapes[p]` is the shape of A_{p-1}; `span(kind)` times the compute. Returns L on the last rank."""
+    p, last = dist.get_rank(), dist.get_world_size() - 1
+    # Forward: receive A_{p-1} (rank 0 starts from the batch), compute A_p, send it on.
+    if p == 0:
+        a_in = x
+    else:
+        a_in = torch.empty(shapes[p], dtype=x.dtype, device=x.device)
+        dist.recv(a_in, src=p - 1)
+        a_in.requires_grad_()  # a leaf: its .grad will be dL/dA_{p-1}
+    with span("F"):
+        a_out = stage(a_in)
+    if p < last:
+        dist.send(a_out.detach(), dst=p + 1)
+    # Backward: the last rank starts from the loss, the others from dL/dA_p sent back by p+1.
+    if p == last:
+        with span("I"):
+            loss = F.mse_loss(a_out, target)
+            loss.backward()
+    else:
+        grad_out = torch.empty_like(a_out)
+        dist.recv(grad_out, src=p + 1)
+        with span("I"):
+            a_out.backward(grad_out)
+    if p > 0:
+        dist.send(a_in.grad, dst=p - 1)
+    return loss.item() if p == last else None
+
+
 class ModelParallelStep:
     """One step of naive model parallelism on this rank: the whole batch down the stages and back."""
 
@@ -56,32 +90,9 @@ class ModelParallelStep:
         self.stages[0].module.to(rt.device)
 
     def __call__(self, step: int) -> float | None:
-        stage, dev, span = self.stages[0], self.rt.device, self.timeline.span
-        p, last = stage.index, self.rt.world_size - 1
-        # Forward: receive A_{p-1} (rank 0 starts from the batch), compute A_p, send it on.
-        if p == 0:
-            a_in = self.x.to(dev)
-        else:
-            a_in = torch.empty(self.shapes[p], dtype=self.x.dtype, device=dev)
-            dist.recv(a_in, src=p - 1)
-            a_in.requires_grad_()  # a leaf: its .grad will be dL/dA_{p-1}
-        with span("F", step):
-            a_out = stage.module(a_in)
-        if p < last:
-            dist.send(a_out.detach(), dst=p + 1)
-        # Backward: the last rank starts from the loss, the others from dL/dA_p sent back by p+1.
-        if p == last:
-            with span("I", step):
-                loss = F.mse_loss(a_out, self.target.to(dev))
-                loss.backward()
-        else:
-            grad_out = torch.empty_like(a_out)
-            dist.recv(grad_out, src=p + 1)
-            with span("I", step):
-                a_out.backward(grad_out)
-        if p > 0:
-            dist.send(a_in.grad, dst=p - 1)
-        return loss.item() if p == last else None
+        dev = self.rt.device
+        return model_parallel_step(self.stages[0].module, self.x.to(dev), self.target.to(dev), self.shapes,
+                                   lambda kind: self.timeline.span(kind, step))
 
     def measurements(self) -> dict:
         return {}

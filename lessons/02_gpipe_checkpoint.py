@@ -36,9 +36,10 @@ forward or backward pass costs a fixed time in which the rank sleeps instead of 
 real math still running inside it. There the ranks overlap as GPipe says, and the measured idle share
 of the step comes out near (P - 1)/(M + P - 1).
 
-The mechanism: the schedule is `distlab/pipeline/schedules.py: gpipe` (data: each rank's list of
-actions), executed by `distlab/pipeline/runner.py: PipelineStep` (its `_forward` scales the loss by
-n_i / N; `stage_forward` calls checkpoint_sequential); `distlab/pipeline/probe.py: StageProbe`
+The mechanism: the schedule is `gpipe` below (data: each rank's list of actions; the lesson checks
+it is the library's, `distlab/pipeline/schedules.py: gpipe`), executed by
+`distlab/pipeline/runner.py: PipelineStep` (its `_forward` scales the loss by n_i / N;
+`stage_forward` calls checkpoint_sequential); `distlab/pipeline/probe.py: StageProbe`
 measures the memory, `distlab/pipeline/simulator.py: simulate` draws the grid.
 """
 
@@ -52,12 +53,18 @@ from distlab.console import print0
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.report import check_runs, gathered, show_measured
 from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import gpipe
+from distlab.pipeline import schedules
+from distlab.pipeline.schedules import Action, Schedule
 from distlab.pipeline.simulator import render, simulate
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
 from distlab.runtime import distributed, run_main
 from distlab.timeline import step_seconds
 from distlab.verdict import Verdict
+
+
+def gpipe(num_ranks: int, microbatches: int) -> Schedule:
+    """Rank r runs stage r: every forward F_0 .. F_{M-1}, then every backward I_0 .. I_{M-1}."""
+    return [[Action(kind, i, r) for kind in "FI" for i in range(microbatches)] for r in range(num_ranks)]
 
 
 def parse_args(argv: list[str] | None = None):
@@ -112,7 +119,7 @@ def show_timing(rt, cfg: PipelineConfig, args, runs: dict, verdict: Verdict) -> 
     spans = {"real CPU": runs["plain"].spans}
     if args.emulate_ms:
         emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
-        emulated = train(rt, emulated_cfg, PipelineStep(rt, emulated_cfg))
+        emulated = train(rt, emulated_cfg, PipelineStep(rt, emulated_cfg, gpipe(p, m)))
         table, matched = check_runs({"GPipe on the emulated device": emulated}, unsplit_reference(cfg), cfg.dtype)
         print0(table)
         verdict.check("on the emulated device GPipe still computes the unsplit model's gradients", matched)
@@ -138,8 +145,11 @@ def main() -> int:
         print0(f"[bold]Lesson 02: GPipe with activation checkpointing[/] - {args.layers} layers on {p} rank(s), "
                f"N={args.global_batch} in M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows")
         # Both runs validate their input on every rank before any message (M, K, P <= layers).
-        plain = train(rt, cfg, PipelineStep(rt, cfg))
-        ckpt = train(rt, cfg.replace(checkpoint_segments=k), PipelineStep(rt, cfg.replace(checkpoint_segments=k)))
+        verdict.check("the schedule above is the library's GPipe (schedules.gpipe)",
+                      gpipe(p, m) == schedules.gpipe(p, m))
+        plain = train(rt, cfg, PipelineStep(rt, cfg, gpipe(p, m)))
+        ckpt = train(rt, cfg.replace(checkpoint_segments=k), PipelineStep(rt, cfg.replace(checkpoint_segments=k),
+                                                                          gpipe(p, m)))
 
         timing = simulate(gpipe(p, m))
         print0(render(timing, f"\nGPipe, P={p}, M={m}: one column per tick (F forward 1, I backward 2, . idle)"))

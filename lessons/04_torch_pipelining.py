@@ -10,8 +10,9 @@ device)`, give it to `ScheduleGPipe(stage, M, loss_fn)` or `Schedule1F1B(...)`, 
 and checks that PyTorch's gradients and parameters equal ours and the unsplit model's, and that the
 per-rank order of forwards and backwards it executes is the order our schedules prescribe.
 
-The mechanism: `distlab/pipeline/torch_engine.py: TorchStep` (the calls above, and a recording of
-what each stage executes), trained by the track's one loop, `distlab/pipeline/training.py: train`.
+The mechanism: `pipeline_for_rank` below builds this rank's PipelineStage and schedule;
+`distlab/pipeline/torch_engine.py: TorchStep` makes the step calls above (and records what each stage
+executes), trained by the track's one loop, `distlab/pipeline/training.py: train`.
 
 Where PyTorch differs (torch 2.13):
 - Loss reduction. It runs backward on each micro-batch's loss as returned (a mean over that
@@ -29,6 +30,9 @@ Where PyTorch differs (torch 2.13):
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
 from distlab.cli import add_mlp_args, lesson_parser, positive_int
 from distlab.compare import all_ok, compare
 from distlab.console import print0
@@ -41,6 +45,19 @@ from distlab.runtime import distributed, run_main
 from distlab.verdict import Verdict
 
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def pipeline_for_rank(module: torch.nn.Module, p: int, num_ranks: int, device: torch.device, name: str,
+                      microbatches: int):
+    """Stage p of P as torch's PipelineStage, and the schedule `name` ("gpipe": ScheduleGPipe, "1f1b":
+    Schedule1F1B) that runs it over M micro-batches with the mean squared error as each one's loss."""
+    from torch.distributed import pipelining  # a second of imports, only when used
+
+    if name not in TITLES:
+        raise ValueError(f"this lesson runs {list(TITLES)}, got {name!r}")
+    stage = pipelining.PipelineStage(module, p, num_ranks, device)
+    schedule_class = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[name]
+    return stage, schedule_class(stage, microbatches, loss_fn=F.mse_loss)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -56,7 +73,7 @@ def both_engines(rt, cfg: PipelineConfig) -> tuple[dict, dict, dict]:
     for name in TITLES:
         named = cfg.replace(schedule=name)
         try:
-            theirs[name] = train(rt, named, TorchStep(rt, named))
+            theirs[name] = train(rt, named, TorchStep(rt, named, pipeline_for_rank))
         except ValueError as err:
             if name != "1f1b" or cfg.micro_batches >= rt.world_size:
                 raise  # bad input (M does not divide N, too many ranks): not a lesson point

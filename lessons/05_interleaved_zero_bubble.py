@@ -40,8 +40,9 @@ graph cost more than a tick), and on an emulated device (`--emulate-ms`, `distla
 each layer's F, I or W costs a fixed time in which the rank sleeps, the real math running inside
 it). There the step times follow the grids: ZB-H1 / 1F1B comes out near the ratio of their lengths.
 
-The mechanism: the schedules are data, `distlab/pipeline/schedules.py` (`interleaved_1f1b`,
-`zero_bubble`, `zbv`: warm-up, one forward one backward, cool-down, with W held back);
+The mechanism: the schedules are data. ZB-H1 is written out below, `zb_h1` (the lesson checks it is
+the library's); all of them are in `distlab/pipeline/schedules.py` (`interleaved_1f1b`, `zero_bubble`,
+`zbv`: warm-up, one forward one backward, cool-down, with W held back);
 `distlab/pipeline/simulator.py: simulate` places them on a grid of ticks; `distlab/pipeline/runner.py:
 PipelineStep` executes them, one rank's several stages and their I/W split (`_backward`: the input's
 gradient with `torch.autograd.grad(out, x, g, retain_graph=True)`; `_weight`: the weights' later);
@@ -56,6 +57,8 @@ PyTorch's executed orders with ours.
 
 from __future__ import annotations
 
+from collections import deque
+
 from rich.table import Table
 
 from distlab import emulate
@@ -64,7 +67,7 @@ from distlab.compare import all_ok, compare
 from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table, show_measured
 from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import SCHEDULES, make_schedule
+from distlab.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 from distlab.pipeline.simulator import peak_in_flight, render, simulate
 from distlab.pipeline.torch_engine import TORCH_SCHEDULES, TorchStep, refusals
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
@@ -74,6 +77,25 @@ from distlab.verdict import Verdict
 
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")   # ours, and torch's of the same names
 SPLIT = ("zb-h1", "zbv")                                          # I and W split: the floor (P-1)/(3vM+P-1)
+
+
+def zb_h1(num_ranks: int, microbatches: int) -> Schedule:
+    """Rank r: 1F1B's order (min(P - r - 1, M) warm-up forwards, then one forward and one backward in
+    turn) with every backward split into I and W, and the W's held back: the oldest waiting W runs
+    only once more than r are waiting; the last r run at the end, where 1F1B would idle."""
+    schedule = []
+    for r in range(num_ranks):
+        warmup = min(num_ranks - r - 1, microbatches)
+        order, waiting = [Action("F", i, r) for i in range(warmup)], deque()
+        for i in range(microbatches):
+            if warmup + i < microbatches:
+                order.append(Action("F", warmup + i, r))
+            order.append(Action("I", i, r))
+            waiting.append(Action("W", i, r))
+            if len(waiting) > r:
+                order.append(waiting.popleft())
+        schedule.append(order + list(waiting))
+    return schedule
 
 
 def stages_per_rank(name: str, v: int) -> int:
@@ -121,6 +143,8 @@ def grids(verdict: Verdict, p: int, m: int, v: int) -> dict:
             verdict.check(f"{SCHEDULES[name].title}: bubble and in-flight counts equal their closed forms",
                           abs(bubble - want) < 1e-12 and held == want_held, f"bubble {bubble:.4f}")
     print0(table)
+    verdict.check("the ZB-H1 order above is the library's (schedules.zero_bubble, v=1)",
+                  zb_h1(p, m) == make_schedule("zb-h1", p, m))
     return out
 
 

@@ -74,13 +74,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import emulate
-from distlab.cli import DTYPES, add_mlp_args, lesson_parser, positive_float, positive_int, require
+from distlab.cli import (DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float,
+                         positive_int)
 from distlab.compare import all_ok, compare, gradient_error, tolerances
 from distlab.console import print0
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
-from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
+from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
 from distlab.data_parallel.report import (MIB, cost_table, gradient_table, rows_table,
                                           semantics_table, timeline_table, timing_table)
 from distlab.data_parallel.training import train
@@ -220,19 +221,22 @@ def show_ddp(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict, ref_g
 
 def show_unused(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict) -> None:
     ref = ddp.branchy_reference(cfg)
-    outcome = {}
+    outcome, warned = {}, False
     for flag in (False, True):
         run = ddp.unused_branch(rt, cfg, flag)
         cells = ["= one process" if all_ok(compare(r, g)) else ("ranks differ" if not a else "wrong")
                  for r, g, a in zip(ref, run.grads, run.ranks_agree)]
         cells += ["RuntimeError"] * (len(ddp.USE_AUX) - len(cells))
         outcome[flag] = (cells, run.error)
+        warned = any(ddp.UNUSED_SEARCH_WARNING in line for line in run.warnings) if flag else warned
     print0(rows_table("A branch used in steps 1 and 3, not in step 2: gradients per step",
                       ("find_unused_parameters", "step 1", "step 2", "step 3"),
                       [(str(flag), *cells) for flag, (cells, _) in outcome.items()]))
     print0(f"without the flag, step 3's forward raised: {outcome[False][1].split('. ')[0]}.", highlight=False)
     print0("with the flag DDP searches the graph for unused parameters after every forward; in step 1, which "
-           "used them all, it warns on stderr that the search was for nothing", highlight=False)
+           "used them all, torch " + ("warned" if warned else "did not warn") + " (on every rank; caught here "
+           "and said once) that the search found none and only costs time: the price of the flag on the "
+           "steps that do not need it", highlight=False)
     expect_step2 = "= one process" if rt.world_size == 1 else "ranks differ"
     verdict.check("unused branch: un-averaged, then an error; with the flag exact",
                   outcome[False][0] == ["= one process", expect_step2, "RuntimeError"]
@@ -275,13 +279,10 @@ def parse_args():
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), world_rules)
     cfg = DataParallelConfig(args.global_batch, args.layers, args.width, args.steps, args.lr, args.seed,
                              DTYPES[args.dtype])
     with distributed(args.device) as rt:
-        check_config(rt, cfg)
-        require(args.accumulation_steps <= cfg.global_batch // rt.world_size, "--accumulation-steps",
-                f"at most C = N / P = {cfg.global_batch // rt.world_size} micro-batches per rank")
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 06: collectives and data parallelism[/] - P = {rt.world_size}, N = {cfg.global_batch} "
                f"(C = {cfg.global_batch // rt.world_size}), backend {rt.backend}, {args.dtype}")

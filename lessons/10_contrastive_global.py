@@ -15,21 +15,15 @@ g_r = dL/dZ[rC:(r+1)C] * dZ[rC:(r+1)C]/dtheta, the part of the gradient that flo
 samples.
 
 The mechanism: src/distlab/contrastive/variants.py, `global_loss` (and `global_loss_times_p`), with
-the gathers `gather_plain` and `gather_with_grad` of src/distlab/contrastive/gather.py.
+the gather `gather_plain` of src/distlab/contrastive/gather.py.
 
-The misconception. The full gradient is the SUM over blocks, dL/dtheta = sum_r g_r, but DDP
+The missing factor. The full gradient is the SUM over blocks, dL/dtheta = sum_r g_r, but DDP
 AVERAGES (lesson 06, part 5: right for a mean over samples, not for a loss every rank computes
-whole): 1/P * sum_r g_r = dL/dtheta / P. The EfficientDDP-4-Contrastive-Train README
-(https://github.com/zsnoob/EfficientDDP-4-Contrastive-Train) argues that this design trains exactly
-like one process: after the gather every rank runs the same computation, so the common part of the
-gradient can be factored out and DDP's average restores the non-distributed gradient. The factor it
-drops is exactly 1/P. Training still "converges": for SGD the bug is a P times smaller learning rate,
-and Adam divides the gradient's scale away. (Its sketch also gathers the x features into the y list,
-multiplies Python lists with `torch.matmul`, and has no temperature.) Two exact fixes, both checked:
-
-- back-propagate P * L, report L (`global_loss_times_p`): no extra communication;
-- a gather whose backward sums the gradient over ranks (lesson 12): every rank's copy of L sends its
-  dL/dz_r to rank r, which receives P * dL/dz_r; DDP's average then gives sum_r g_r exactly.
+whole): 1/P * sum_r g_r = dL/dtheta / P. Training still "converges": for SGD the bug is a P times
+smaller learning rate, and Adam divides the gradient's scale away, so a run can look right while its
+gradient is P times too small. The fix here: back-propagate P * L and report L
+(`global_loss_times_p`), no extra communication. Lesson 12 derives another, a gather whose backward
+sums over ranks, which the later lessons build on.
 
 The cost. Every rank computes the same N x N logits, forward and backward: P N^2 entries in all where
 N^2 would do, so (P-1)/P of that work is redundant, and each rank holds N x N logits however many
@@ -37,23 +31,26 @@ ranks share the batch. Lesson 11 computes only the rows a rank owns.
 
 The proof: every variant against a deep copy of the model run on the whole global batch in one
 process (plain autograd on `clip_loss`); the lesson exits non-zero unless the plain gather gives
-exactly 1/P of that gradient, both fixes give all of it, and every loss equals the reference's.
+exactly 1/P of that gradient, back-propagating P * L gives all of it, and every loss equals the
+reference's.
 """
 
 from __future__ import annotations
 
-from distlab.cli import DTYPES, add_contrastive_args, lesson_parser, require
+from distlab.cli import DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, lesson_parser
 from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.report import method_table, work_table
 from distlab.contrastive.step import first_step_gradients
-from distlab.contrastive.variants import GLOBAL_PLAIN, GLOBAL_SUM, GLOBAL_TIMES_P
+from distlab.contrastive.gather import gather_plain
+from distlab.contrastive.variants import GLOBAL_PLAIN, Variant, global_loss_times_p
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
 from distlab.verdict import Verdict
 
-VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P, GLOBAL_SUM)
+GLOBAL_TIMES_P = Variant("plain, P L", global_loss_times_p, gather_plain)  # the fix (exercise 10)
+VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P)
 
 
 def parse_args():
@@ -63,11 +60,10 @@ def parse_args():
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), divides_global_batch)
     dtype = DTYPES[args.dtype]
     with distributed(args.device) as rt:
         p, n = rt.world_size, args.global_batch
-        require(n % p == 0, "--global-batch", f"P = {p} ranks must divide N = {n}")
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 10: DDP contrastive, global x global[/] - N = {n} pairs, P = {p}, C = {n // p}, "
                f"tau = {args.tau}, {args.dtype}, {rt.backend}", highlight=False)
@@ -78,14 +74,14 @@ def main() -> int:
         ref_loss, ref = full_batch_gradients(model, *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau)
         plain = gradient_error(ref, ddp[GLOBAL_PLAIN.name][1])
         plain_over_p = gradient_error(ref, ddp[GLOBAL_PLAIN.name][1], scale=1 / p)
-        fixed = {v.name: gradient_error(ref, ddp[v.name][1]) for v in (GLOBAL_TIMES_P, GLOBAL_SUM)}
+        fixed = {GLOBAL_TIMES_P.name: gradient_error(ref, ddp[GLOBAL_TIMES_P.name][1])}
         rtol, atol = tolerances(dtype)
         rows = [(GLOBAL_PLAIN.name, "ref", plain, p == 1), (GLOBAL_PLAIN.name, "ref / P", plain_over_p, True)]
         rows += [(name, "ref", err, True) for name, err in fixed.items()]
         print0(method_table(rows, "DDP gradients after one step vs the single-process full batch (ref)",
                             caption=f"allclose: rtol {rtol:g}, atol {atol:g}; plain, P L: the plain "
                             "gather, backward of P * L"))
-        print0(comparison_table(compare(ref, ddp[GLOBAL_SUM.name][1]), "sum-backward, per parameter, vs ref",
+        print0(comparison_table(compare(ref, ddp[GLOBAL_TIMES_P.name][1]), "backward of P * L, per parameter, vs ref",
                                 caption=f"allclose with rtol {rtol:g}, atol {atol:g}"))
         losses = {v.name: ddp[v.name][0] for v in VARIANTS}
         print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()), highlight=False)

@@ -13,10 +13,8 @@ So the gather's backward must SUM the incoming gradient over ranks and hand rank
 DDP's average gives 1/P sum_r sum_s dL_s/dz_r dz_r/dtheta = dL/dtheta with L = 1/P sum_s L_s: exact.
 
 The mechanism is `AllGatherSumBackward` below: forward an all-gather, backward an all_reduce (sum)
-of the N x d gradient and this rank's C rows of it. It is the `AllGather` of the
-EfficientDDP-4-Contrastive-Train README (https://github.com/zsnoob/EfficientDDP-4-Contrastive-Train)
-with its slice fixed (its end, `local_batch_size * (rank + 1)`, uses a `rank` the function never
-defines; here both ends use the rank saved in forward). The lesson checks it with two other sums:
+of the N x d gradient and this rank's C rows of it, both ends of the slice from the rank saved in
+forward. The lesson checks it with two other sums:
 
 - `gather_with_grad` (src/distlab/contrastive/gather.py, `GatherSumBackward`): the sum and the
   slice in one reduce_scatter; each rank receives only its summed C rows, the same numbers for half
@@ -26,9 +24,13 @@ defines; here both ends use the rank saved in forward). The lesson checks it wit
   `torch.distributed._functional_collectives.all_gather_single` as its replacement; that op has a
   registered backward, a reduce-scatter with sum. The one to use in real code.
 
-The same README prefers the all_reduce because with a reduce-scatter "only one node does the scatter
-work" while the others wait. That is not how a reduce-scatter works: every rank reduces and receives
-its own slice, in parallel, and sends (P-1)/P N d numbers where the all_reduce sends twice that.
+A README that circulates with this design, EfficientDDP-4-Contrastive-Train
+(https://github.com/zsnoob/EfficientDDP-4-Contrastive-Train), gets three things wrong, all checked in
+lessons 10-12: it says global x global under DDP trains like one process (DDP's average makes the
+gradient 1/P of it, lesson 10); its `AllGather` slices its backward with a `rank` it never defines
+(here, the rank saved in forward); and it prefers an all_reduce because with a reduce-scatter "only
+one node does the scatter work" (every rank reduces and receives its own slice, in parallel, sending
+(P-1)/P N d numbers where the all_reduce sends twice that).
 
 The cost. Each rank builds two C x N logit matrices (rows of S, rows of S^T) instead of one N x N:
 2N^2/P matmul entries instead of N^2 (equal at P = 2, a saving beyond), softmaxes over 2CN entries
@@ -46,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import DTYPES, add_contrastive_args, lesson_parser, positive_int, require
+from distlab.cli import DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, lesson_parser, positive_int
 from distlab.compare import gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
@@ -134,13 +136,16 @@ def cost(rt: Runtime, args, verdict: Verdict) -> None:
     verdict.figure("cost", {"global": global_cost, "local": local_cost, "collective_seconds": seconds})
 
 
+def world_rules(args, world_size: int) -> None:
+    """P divides each of the three global batches."""
+    for flag in ("--global-batch", "--cost-global-batch", "--comm-global-batch"):
+        divides_global_batch(args, world_size, flag)
+
+
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), world_rules)
     with distributed(args.device) as rt:
         p = rt.world_size
-        for flag in ("--global-batch", "--cost-global-batch", "--comm-global-batch"):
-            n = getattr(args, flag[2:].replace("-", "_"))
-            require(n % p == 0, flag, f"P = {p} ranks must divide N = {n}")
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 12: the sum-backward all-gather[/] - N = {args.global_batch} pairs, P = {p}, "
                f"C = {args.global_batch // p}, tau = {args.tau}, {args.dtype}, {rt.backend}", highlight=False)

@@ -46,7 +46,8 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.chunks import chunks
-from distlab.cli import DTYPES, add_contrastive_args, fraction, lesson_parser, positive_int, require
+from distlab.cli import (DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, fraction,
+                         lesson_parser, positive_int)
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.console import print0, progress
 from distlab.contrastive.gather import gather_with_grad
@@ -79,7 +80,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dropout", type=fraction, default=0.1, help="dropout probability in each tower")
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of weights and data")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed steps per method (median)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.micro_batch_size > args.global_batch:  # needs no P: refused before any process group exists
+        parser.error(f"argument --micro-batch-size: B = {args.micro_batch_size} is more than the N = "
+                     f"{args.global_batch} pairs of a step")
+    return args
 
 
 def tower_model(args, device: torch.device) -> TwoTower:
@@ -279,10 +284,8 @@ def part_two(args, rt, verdict: Verdict) -> None:
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), divides_global_batch)
     with distributed(args.device) as rt:
-        require(args.global_batch % rt.world_size == 0, "--global-batch",
-                f"N = {args.global_batch} must split evenly over P = {rt.world_size} ranks")
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 13: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}, "
                f"N = {args.global_batch}, B = {args.micro_batch_size}, {args.dtype}")

@@ -9,11 +9,12 @@ Z_x (images), Z_y (captions) and a learned logit scale s = exp(logit_scale) = 1/
 
     S = s Z_x Z_y^T,   L = 1/(2N) sum_i (a_i + b_i - 2 S_ii),   a = row LSE(S), b = column LSE(S)
 
-Nothing in training says "classify": yet embed the ten captions "a photo of the digit zero" ...
-"nine", and each image's nearest caption is a digit classifier that was never trained as one
+Nothing in training says "classify": yet embed the ten prompts "the handwritten digit zero" ...
+"nine", and each image's nearest prompt is a digit classifier that was never trained as one
 (zero-shot). The data ships inside scikit-learn (1,797 8 x 8 images; no download): each training image
-is paired with a caption from a few templates ("a handwritten seven", "the number seven written by
-hand", ...), drawn afresh every epoch; a fifth of the images, every digit in proportion, are held out.
+is paired with a caption from six templates ("a handwritten seven", "the number seven written by
+hand", ...), drawn afresh every epoch; a fifth of the images, every digit in proportion, are held out,
+and so is the prompt: its template is none of the six (its words all occur in them).
 
 The temperature learns too. dL/dS_ij = (R_ij + Q_ij - 2 [i = j]) / (2N) and S_ij = s z_x_i . z_y_j, so
 dL/ds = sum_ij dL/dS_ij S_ij / s = <G_x, Z_x> / s: a sum over each rank's rows of what the step already
@@ -74,11 +75,12 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.checkpointing import Checkpoints, add_resume_args, check_resume_args, parameters_sha256
-from distlab.cli import fraction, lesson_parser, positive_float, positive_int, require
+from distlab.cli import (check_flags_against_world, divides_global_batch, fraction, lesson_parser, positive_float,
+                         positive_int)
 from distlab.compare import all_ok, compare, grads_of, tolerances
 from distlab.console import print0, progress
-from distlab.contrastive.digits import (DigitsCLIP, Tokenizer, caption_table, confusion_matrix,
-                                        draw_captions, load_split, zero_shot)
+from distlab.contrastive.digits import (ZERO_SHOT_TEMPLATE, DigitsCLIP, Tokenizer, caption_table,
+                                        confusion_matrix, draw_captions, load_split, zero_shot)
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.optim import decay_groups, warmup_cosine
 from distlab.runtime import distributed, run_main
@@ -111,6 +113,9 @@ def parse_args():
         parser.error(f"argument --warmup: must be below --steps ({args.steps}), got {args.warmup}")
     if args.test_fraction == 0:
         parser.error("argument --test-fraction: the zero-shot claim needs held-out images, got 0")
+    train_images = len(load_split(args.test_fraction, args.seed).train_labels)
+    if args.global_batch > train_images:
+        parser.error(f"argument --global-batch: N = {args.global_batch} exceeds the {train_images} training images")
     return args
 
 
@@ -227,49 +232,50 @@ def curve_table(curves: dict) -> Table:
     return table
 
 
+def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
+    """Model, DDP, optimiser; step 1 checked, then trained. Returns what the report needs: the DDP
+    wrapper lives in this frame only, so it is gone before the process group is (runtime's teardown)."""
+    n, bf16 = args.global_batch, args.autocast == "bf16" or (args.autocast == "auto" and rt.device.type == "cuda")
+    model = DigitsCLIP(len(data.tokenizer), data.tokenizer.length, args.dim, args.width, args.seed).to(rt.device)
+    ddp = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(decay_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
+    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size, "STREAM_CHUNK_SIZE": args.stream_chunk}
+    forwards = "once a step" if args.micro_batch_size >= n // rt.world_size else "twice a step: embed, recompute"
+    print0(f"[bold]Lesson 16: train a CLIP on digits[/] with distributed_backward\n"
+           f"N={n} over P={rt.world_size}: C={n // rt.world_size}, B={args.micro_batch_size} (the towers run "
+           f"{forwards}), T={args.stream_chunk}, d={args.dim}; {len(data.labels)} training, "
+           f"{len(data.split.test_labels)} held-out images; bf16 autocast {'on' if bf16 else 'off'}; {rt.backend}")
+    (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
+    check_first_step(ddp, model, data, config, verdict)
+    start = time.perf_counter()
+    curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
+    after, predictions = data.zero_shot(model)
+    return dict(curves=curves, seconds=time.perf_counter() - start, before=before, after=after, s_before=s_before,
+                guesses=guesses, predictions=predictions, bf16=bf16, digest=parameters_sha256(model))
+
+
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), divides_global_batch)
     with distributed(args.device) as rt:
-        n, world = args.global_batch, rt.world_size
-        require(n % world == 0, "--global-batch", f"N={n} must be divisible by P={world}")
-        local, verdict = n // world, Verdict(rt)
-        bf16 = args.autocast == "bf16" or (args.autocast == "auto" and rt.device.type == "cuda")
-        data = Digits(args, rt)
-        require(n <= len(data.labels), "--global-batch", f"N={n} exceeds the {len(data.labels)} training images")
-        model = DigitsCLIP(len(data.tokenizer), data.tokenizer.length, args.dim, args.width, args.seed)
-        model = model.to(rt.device)
-        ddp = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
-        optimizer = torch.optim.AdamW(decay_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.98),
-                                      eps=1e-6)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
-        config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
-                  "STREAM_CHUNK_SIZE": args.stream_chunk}
-        forwards = "once a step" if args.micro_batch_size >= local else "twice a step: embed, recompute"
-        print0(f"[bold]Lesson 16: train a CLIP on digits[/] with distributed_backward\n"
-               f"N={n} over P={world}: C={local}, B={args.micro_batch_size} (the towers run {forwards}), "
-               f"T={args.stream_chunk}, d={args.dim}; {len(data.labels)} training, "
-               f"{len(data.split.test_labels)} held-out images; bf16 autocast {'on' if bf16 else 'off'}; "
-               f"{rt.backend}")
-        (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
-        check_first_step(ddp, model, data, config, verdict)
-        start = time.perf_counter()
-        curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
-        seconds = time.perf_counter() - start
-        after, predictions = data.zero_shot(model)
+        verdict, data = Verdict(rt), Digits(args, rt)
+        run = train_clip(args, rt, data, verdict)
+        curves, before, after, predictions = run["curves"], run["before"], run["after"], run["predictions"]
         print0(curve_table(curves))
-        s_after = curves["logit_scale"][-1]
+        s_before, s_after = run["s_before"], curves["logit_scale"][-1]
         print0(f"learned temperature: tau = {1 / s_before:.4f} (s = {s_before:.2f}) at the start, "
-               f"tau = {1 / s_after:.4f} (s = {s_after:.2f}) after {args.steps} steps in {seconds:.1f} s")
-        print0(f"zero-shot top-1 on {len(predictions)} held-out digits: {before:.1%} before training, "
-               f"{after:.1%} after (chance 10%)")
+               f"tau = {1 / s_after:.4f} (s = {s_after:.2f}) after {args.steps} steps in {run['seconds']:.1f} s")
+        print0(f"zero-shot top-1 on {len(predictions)} held-out digits, prompt \"{ZERO_SHOT_TEMPLATE.format('<digit>')}\" "
+               f"(no training caption's template): {before:.1%} before training, {after:.1%} after (chance 10%)")
         verdict.check(f"held-out zero-shot accuracy >= {MIN_ACCURACY:.0%} (chance 10%)", after >= MIN_ACCURACY,
                       f"{after:.1%}")
-        confusions = {when: confusion_matrix(data.split.test_labels, p) for when, p in (("before", guesses),
-                                                                                      ("after", predictions))}
-        for key, value in dict(accuracy_before=before, accuracy_after=after, seconds=seconds, world_size=world,
-                               global_batch=n, confusion=confusions, bf16=bf16, **curves).items():
+        confusions = {when: confusion_matrix(data.split.test_labels, p)
+                      for when, p in (("before", run["guesses"]), ("after", predictions))}
+        for key, value in dict(accuracy_before=before, accuracy_after=after, seconds=run["seconds"],
+                               world_size=rt.world_size, global_batch=args.global_batch, confusion=confusions,
+                               bf16=run["bf16"], **curves).items():
             verdict.figure(key, value)
-        print0(f"parameters sha256: {parameters_sha256(model)}", highlight=False)  # equal: bit-identical
+        print0(f"parameters sha256: {run['digest']}", highlight=False)  # equal digests: bit-identical models
         code = verdict.finish(args.json)
         print0(f"zero-shot accuracy on held-out digits: {after:.1%}", highlight=False)
     return code

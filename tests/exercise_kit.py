@@ -67,12 +67,14 @@ def exercise(lesson: str, name: str) -> Answer:
 
 @dataclass
 class Claims:
-    """The claims one rank checks, in order; the failed ones carry by how much and a hint."""
-    failed: list[tuple[str, str, str]] = field(default_factory=list)
+    """The claims one rank checks, in order; the failed ones carry their place, by how much and a hint."""
+    failed: list[tuple[int, str, str, str]] = field(default_factory=list)
+    made: int = 0
 
     def check(self, claim: str, ok: bool, amount: str = "", hint: str = "") -> bool:
+        self.made += 1
         if not ok:
-            self.failed.append((claim, amount, hint))
+            self.failed.append((self.made, claim, amount, hint))
         return bool(ok)
 
 
@@ -95,20 +97,25 @@ def judge(body: Callable[..., None], world_size: int, answer: Answer, *args: Any
     if blank is not None:
         text = blank if blank.startswith("not written yet") else f"not written yet: {blank}"
         pytest.fail(f"{answer.path.name}: {text}", pytrace=False)
-    for claim, amount, hint in (f for r in reports for f in r["failed"]):
-        ranks = [r for r, rep in enumerate(reports) if any(f[0] == claim for f in rep["failed"])]
+    # the earliest claim that failed anywhere (the ranks make the same claims in the same order)
+    for _, claim, amount, hint in sorted(f for r in reports for f in r["failed"]):
+        ranks = [r for r, rep in enumerate(reports) if any(f[1] == claim for f in rep["failed"])]
         pytest.fail(f"{answer.path.name}: claim '{claim}' failed on rank(s) {', '.join(map(str, ranks))}"
                     f"{': ' + amount if amount else ''}. Hint: {hint}", pytrace=False)
 
 
 def exercise_tests(lesson: str, name: str, check: Callable[[Answer], None], wrong: Answer,
-                   wrong_claim: str) -> tuple[Callable, Callable]:
+                   wrong_claim: str, solution_at: Answer | None = None) -> tuple[Callable, Callable]:
     """The two tests of an exercise (see the module docstring). `wrong` is a deliberately wrong answer;
-    `wrong_claim` the claim it must fail."""
+    `wrong_claim` the claim it must fail; `solution_at` where the solution is when the lesson calls it
+    from the library rather than defining it (default: the lesson's own function of that name)."""
 
     @pytest.mark.exercise
     def test_exercise(source: str) -> None:
-        check(solution(lesson, name) if source == "solution" else exercise(lesson, name))
+        if source == "solution":
+            check(solution_at or solution(lesson, name))
+        else:
+            check(exercise(lesson, name))
 
     def test_the_judge_rejects_a_blank_and_a_wrong_answer() -> None:
         blank = exercise(lesson, name)

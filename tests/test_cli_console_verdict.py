@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from distlab.cli import add_mlp_args, fraction, lesson_parser, positive_float, positive_int
+from distlab.cli import (add_mlp_args, check_flags_against_world, divides_global_batch, fraction, lesson_parser,
+                         positive_float, positive_int)
 from distlab.console import CAPTURED_WIDTH, column_blocks
 from distlab.spawn import spawn
 from distlab.verdict import Verdict
@@ -33,6 +34,28 @@ def test_argument_types_accept_good_values():
 def test_help_shows_defaults():
     text = add_mlp_args(lesson_parser("Lesson X: a title.\n\nMore."), 8, 256, 512, 5).format_help()
     assert "(default: 256)" in text and "Lesson X: a title." in text and "More." not in text
+
+
+def test_help_and_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
+    # Under torchrun every rank parses the flags: only rank 0 speaks, every rank exits alike.
+    for rank, speaks in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        for argv in (["--help"], ["--seed", "-1"]):
+            with pytest.raises(SystemExit):
+                add_mlp_args(lesson_parser("doc"), 2, 4, 8, 1).parse_args(argv)
+            out, err = capsys.readouterr()
+            assert bool(out + err) == speaks, (rank, argv, out, err)
+
+
+def test_flags_are_checked_against_p_before_any_group(monkeypatch):
+    args = add_mlp_args(lesson_parser("doc"), 2, 4, 10, 1).parse_args([])
+    monkeypatch.setenv("WORLD_SIZE", "3")  # torchrun's announcement of P, read before any process group
+    with pytest.raises(ValueError, match="^--global-batch: P = 3 ranks must divide N = 10$"):
+        check_flags_against_world(args, divides_global_batch)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert check_flags_against_world(args, divides_global_batch) is args
+    monkeypatch.delenv("WORLD_SIZE")  # not under torchrun: nothing to check against yet
+    assert check_flags_against_world(args, lambda a, p: pytest.fail("no P, no rules")) is args
 
 
 def test_captured_output_gets_the_generous_width_whatever_force_color_says():
@@ -63,3 +86,13 @@ def test_a_claim_failing_on_one_rank_fails_everywhere(tmp_path):
     report = json.loads(open(path).read())
     assert [c["ok"] for c in report["checks"]] == [True, False] and report["figures"] == {"x": 1.5}
     assert spawn(_verdict, 2, -1, None) == [0, 0]
+
+
+def test_an_input_width_the_mlp_cannot_take_names_its_flag():
+    import argparse
+
+    from distlab.cli import check_mlp_input
+
+    with pytest.raises(ValueError, match=r"^--input-features: a batch of shape \(N, 5\) does not fit"):
+        check_mlp_input(argparse.Namespace(input_features=5))
+    check_mlp_input(argparse.Namespace(input_features=16), world_size=3)  # fits: no error, whatever P

@@ -149,3 +149,6 @@ def test_the_lesson_passes_under_torchrun_at_80_columns():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "PASS: every claim holds" in run.stdout
     assert "\u2026" not in run.stdout
+    # torch's find_unused_parameters warning, provoked on purpose: said once, in the lesson's words
+    assert "did not find any unused parameters" not in run.stderr, run.stderr[-2000:]
+    assert run.stdout.count("torch warned (on every rank; caught here and") == 1, run.stdout

@@ -1,5 +1,6 @@
 """Lesson 10: global x global under DDP. The plain gather gives exactly 1/P of the full-batch
-gradient; back-propagating P * L, or the sum-backward gather, gives all of it."""
+gradient; back-propagating P * L gives all of it (and so does lesson 12's sum-backward gather, checked
+here on the same step)."""
 
 import pytest
 
@@ -46,6 +47,7 @@ def test_p_must_divide_n_is_one_line_naming_the_flag():
     run = torchrun(LESSON, 3, "--global-batch", "10")
     errors = [line for line in run.stdout.splitlines() if line.startswith("error:")]
     assert run.returncode != 0 and errors == ["error: --global-batch: P = 3 ranks must divide N = 10"], run.stdout
+    assert run.stdout.splitlines()[0] == errors[0], run.stdout  # checked before the lesson prints anything
 
 
 @pytest.mark.parametrize("flag, value", [("--global-batch", "0"), ("--global-batch", "abc"), ("--tau", "nan"),

@@ -171,3 +171,7 @@ def test_the_lesson_passes_at_p_3_and_reads_whole_at_80_columns():
 @pytest.mark.parametrize("flag, value", [("--micro-batch-size", "0"), ("--dropout", "1"), ("--tau", "nan")])
 def test_bad_flags_are_refused_in_one_line_before_any_process_group(flag, value):
     assert_flag_refused(LESSON, flag, flag, value)
+
+
+def test_a_micro_batch_larger_than_the_batch_is_refused():
+    assert_flag_refused(LESSON, "--micro-batch-size", "--micro-batch-size", "1000")

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from distlab.contrastive.digits import (CLASS_NAMES, TEMPLATES, DigitsCLIP, Tokenizer, caption, caption_table,
-                                        confusion_matrix, draw_captions, load_split, zero_shot)
+from distlab.contrastive.digits import (CLASS_NAMES, TEMPLATES, ZERO_SHOT_TEMPLATE, DigitsCLIP, Tokenizer, caption,
+                                        caption_table, confusion_matrix, draw_captions, load_split, zero_shot)
 from distlab.optim import decay_groups, warmup_cosine
 from distlab.spawn import free_port
 from helpers import LESSONS, no_ellipsis, torchrun
@@ -105,10 +105,11 @@ def test_split_is_stratified_disjoint_and_reproducible():
 
 def test_tokenizer_round_trip_and_unknown_words():
     tokenizer = Tokenizer.for_digits()
-    ids = tokenizer.encode([caption(7), "a handwritten three"])
+    ids = tokenizer.encode([caption(7, TEMPLATES[0]), "a handwritten three", caption(7)])
     words = {i: w for w, i in tokenizer.vocab.items()}
     assert [words[int(i)] for i in ids[0] if i] == "a photo of the digit seven".split()
-    assert ids.shape == (2, tokenizer.length) and (ids[1, 3:] == Tokenizer.PAD).all()
+    assert [words[int(i)] for i in ids[2] if i] == "the handwritten digit seven".split()  # the zero-shot prompt
+    assert ids.shape == (3, tokenizer.length) and (ids[1, 3:] == Tokenizer.PAD).all()
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tokenizer.encode(["a photo of a cat"])
 
@@ -122,6 +123,15 @@ def test_captions_are_drawn_afresh_from_every_template():
     # every caption is one of its own digit's templates, and every template is used
     assert all(any(torch.equal(first[k], table[labels[k], t]) for t in range(len(TEMPLATES))) for k in range(60))
     assert len({tuple(row.tolist()) for row in first}) == len(CLASS_NAMES) * len(TEMPLATES)
+
+
+def test_the_zero_shot_prompt_is_no_training_caption():
+    # The held-out images are classified with a prompt held out too: no (digit, template) caption equals it.
+    tokenizer = Tokenizer.for_digits()
+    table = caption_table(tokenizer)
+    prompts = tokenizer.encode([caption(k, ZERO_SHOT_TEMPLATE) for k in range(len(CLASS_NAMES))])
+    assert ZERO_SHOT_TEMPLATE not in TEMPLATES
+    assert not any(torch.equal(prompts[k], table[k, t]) for k in range(len(CLASS_NAMES)) for t in range(len(TEMPLATES)))
 
 
 def test_zero_shot_is_the_nearest_class_caption():

@@ -1,12 +1,15 @@
 """spawn and process-group setup: results come back in rank order, a failing rank is named, none hang."""
 
+import gc
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.runtime import GPU_BACKEND, choose_backend
+from distlab.runtime import GPU_BACKEND, choose_backend, release_process_group
 from distlab.spawn import SpawnError, free_port, spawn
 
 
@@ -30,6 +33,42 @@ def _exit_hard(rt):
         import os
         os._exit(3)
     dist.barrier()
+
+
+class _SlowToFree:
+    """Freed on gloo's worker thread, it lets go of the GIL (as Python does every few milliseconds)
+    until the main thread is freeing the group, holding the worker's mutex all the while."""
+
+    def __init__(self, inside: threading.Event, freeing: threading.Event):
+        self.inside, self.freeing = inside, freeing
+
+    def __del__(self):
+        self.inside.set()
+        self.freeing.wait(30)
+        time.sleep(1.0)
+
+
+def _ddp_outlives_its_group(rt):
+    """The exit-hang's shape, made certain instead of one run in three: a DDP still held when its
+    group is released, while a gloo worker frees a collective's tensor that Python has dropped."""
+    group = dist.new_group(backend="gloo", timeout=__import__("datetime").timedelta(seconds=30))
+    ddp = DDP(torch.nn.Linear(2, 2), process_group=group)
+    inside, freeing = threading.Event(), threading.Event()
+    tensor = torch.ones(4)
+    tensor.slow = _SlowToFree(inside, freeing)
+    dist.all_reduce(tensor, group=group, async_op=True)   # no handle kept: the worker frees the tensor
+    del tensor
+    assert inside.wait(30), "the worker never freed the tensor"
+    release_process_group(group)      # what distributed() runs on the way out, for this group
+    freeing.set()
+    del group, ddp
+    gc.collect()                      # a reducer still owning the group would destroy it here: hang
+    return "exited"
+
+
+def test_release_frees_ddp_before_its_group_so_exit_cannot_hang():
+    # Without the release, both ranks hang in ~ProcessGroupGloo (from ~Reducer) and spawn gives up.
+    assert spawn(_ddp_outlives_its_group, 2, timeout_s=30, limit_s=90) == ["exited", "exited"]
 
 
 def test_spawn_returns_each_ranks_result_in_order():

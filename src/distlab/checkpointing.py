@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.cli import positive_int
+from distlab.cli import launched_world_size, positive_int
 from distlab.console import print0
 from distlab.runtime import Runtime
 
@@ -67,13 +67,14 @@ def add_resume_args(parser: argparse.ArgumentParser, every: int = 10) -> argpars
 
 
 def check_resume_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """One line naming the flag, before any process group exists (P is torchrun's WORLD_SIZE)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """One line naming the flag, before any process group exists (P is torchrun's WORLD_SIZE; outside
+    torchrun the rank is not checked, and `distributed()` says how to launch)."""
+    world = launched_world_size()
     if args.crash_at_step is not None and args.checkpoint_dir is None:
         parser.error("argument --crash-at-step: needs --checkpoint-dir (a crash with nothing to resume from)")
     if args.crash_at_step is not None and args.crash_at_step > args.steps:
         parser.error(f"argument --crash-at-step: must be at most --steps ({args.steps}), got {args.crash_at_step}")
-    if args.crash_rank is not None and not 0 <= args.crash_rank < world:
+    if args.crash_rank is not None and world is not None and not 0 <= args.crash_rank < world:
         parser.error(f"argument --crash-rank: must be a rank, 0 <= r < P = {world}, got {args.crash_rank}")
 
 

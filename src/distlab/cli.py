@@ -49,10 +49,15 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 
 class LessonParser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not usage + error (every rank would print both)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message}", file=sys.stderr)
+    """argparse, said once under torchrun: rank 0 prints `--help` and errors, every rank exits alike."""
+
+    def error(self, message: str):  # one line, not usage + error
+        self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
         sys.exit(2)
+
+    def _print_message(self, message: str, file=None) -> None:  # --help, usage: rank 0 only
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
 
 
 def lesson_parser(doc: str | None) -> LessonParser:
@@ -98,3 +103,45 @@ def require(ok: bool, flag: str, message: str) -> None:
     """A check that needs the world size: the same ValueError on every rank, naming the flag."""
     if not ok:
         raise ValueError(f"{flag}: {message}")
+
+
+def launched_world_size() -> int | None:
+    """P as torchrun announces it to every rank (WORLD_SIZE), before any process group exists; None
+    when the script was not started by torchrun (then `distributed()` says how to start it)."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+def check_flags_against_world(args: argparse.Namespace,
+                              rules: Callable[[argparse.Namespace, int], None]) -> argparse.Namespace:
+    """Every flag check that depends on the world size P, run first: the step each lesson's `main()`
+    takes right after `parse_args()`, before `distributed()` and before it prints anything.
+
+    `rules(args, P)` states the lesson's rules with `require(ok, "--flag", message)` (P divides N,
+    P <= layers, B <= C, ...). The first rule broken raises ValueError the same way on every rank;
+    `run_main` prints it once as `error: --flag: message` and exits 2, so a learner reads one line
+    naming the flag, not pages of output first. Outside torchrun (no P yet) the rules wait: the caller
+    runs them again with `rt.world_size` if it wants, and `distributed()` explains how to launch.
+
+        args = check_flags_against_world(parse_args(), world_rules)
+        with distributed(args.device) as rt: ...
+    """
+    world_size = launched_world_size()
+    if world_size is not None:
+        rules(args, world_size)
+    return args
+
+
+def divides_global_batch(args: argparse.Namespace, world_size: int, flag: str = "--global-batch") -> None:
+    """The commonest rule: P divides the global batch N given by `flag`."""
+    n = getattr(args, flag.removeprefix("--").replace("-", "_"))
+    require(n % world_size == 0, flag, f"P = {world_size} ranks must divide N = {n}")
+
+
+def check_mlp_input(args: argparse.Namespace, world_size: int | None = None) -> None:
+    """`--input-features` against the layered MLP's first layer (MLP_IN features per row): the "does
+    not fit" error lesson 01 demonstrates, as one line naming the flag before any output. Usable as a
+    rule of `check_flags_against_world` (it ignores P)."""
+    require(args.input_features == MLP_IN, "--input-features",
+            f"a batch of shape (N, {args.input_features}) does not fit the model: its first layer takes "
+            f"{MLP_IN} features per row")

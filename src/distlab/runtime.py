@@ -27,6 +27,7 @@ import gc
 import importlib
 import os
 import sys
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +39,7 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
+ERROR_GRACE_S = 0.5  # how long the other ranks let rank 0 print a bad-input line first
 
 
 @dataclass(frozen=True)
@@ -123,17 +125,44 @@ def distributed(device: str = "auto", timeout_s: float | None = None,
                 rt = stack.enter_context(strict_device(rt))
             yield rt
     finally:
-        # A DDP model is freed only by the cycle collector; freed *after* its group is destroyed,
-        # its reducer takes the process down at exit ("terminate called without an active
-        # exception", about every other run on gloo). Collect while the group is still alive.
-        gc.collect()
-        dist.destroy_process_group()
+        release_process_group()
+
+
+def release_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """Destroy `group` (default: the default group, and with it every group) in the one order that
+    cannot deadlock at exit: what holds the group in C++ first, the group last.
+
+    Why the order matters. A gloo group's destructor waits for its worker threads, and takes the
+    mutex a worker holds while it frees the collective it just finished. If Python has dropped that
+    collective's tensor meanwhile, freeing it is Python's job, so the worker needs the GIL. Torch
+    destroys the group through its Python handle with the GIL released: the worker gets the GIL,
+    finishes, and the destructor goes on. But a DistributedDataParallel's C++ reducer (and the logger
+    that points at it) holds the group too, and frees it with the GIL held: if the reducer is the
+    last owner, the main thread holds the GIL and waits for the mutex while the worker holds the
+    mutex and waits for the GIL, forever (the group's timeout covers collectives, not destructors).
+    Lesson 16 at P = 3 hung so at exit, its DDP outliving the group in `main()`'s frame.
+
+    So: collect garbage while the group is alive (a wrapper that only a cycle keeps dies now); drop
+    the reducer and logger of every DDP that something still holds (after the group is gone the
+    wrapper could not run anyway); destroy the group. Its last owner is then its Python handle.
+    FSDP2 holds its groups only through Python handles, so it needs nothing more.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    gc.collect()
+    every = group is None or group == dist.GroupMember.WORLD
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DistributedDataParallel) and (every or obj.__dict__.get("process_group") is group):
+            for handle in ("logger", "reducer"):  # the two C++ owners, as DDP's own __getstate__ drops them
+                obj.__dict__.pop(handle, None)
+    dist.destroy_process_group(group)
 
 
 def run_main(main: Callable[[], int]) -> None:
     """Run a lesson's `main()` and exit with its code. A ValueError is bad input, raised the same
     way on every rank before any collective: rank 0 prints it as one line and every rank exits 2,
-    instead of P identical tracebacks."""
+    instead of P identical tracebacks. torchrun stops every rank once one has failed, so the others
+    give rank 0 a moment to print its line before they exit."""
     from distlab.console import console, error_line  # (console imports nothing from here)
 
     try:
@@ -141,6 +170,7 @@ def run_main(main: Callable[[], int]) -> None:
     except ValueError as err:
         if os.environ.get("RANK", "0") == "0":
             console.print(error_line(str(err)), soft_wrap=True)
+        else:
+            time.sleep(ERROR_GRACE_S)
         code = 2
     sys.exit(code)
-

@@ -15,8 +15,9 @@ from a few templates, so the text tower must learn that only the number word mat
   token + position embeddings, mean over the caption's words, an MLP) and a learnable
   `logit_scale`; `forward(x, y)` returns (z_x, z_y, s) with unit-norm embeddings and s =
   exp(logit_scale), open_clip's `CLIP.forward` contract, so `distributed_backward` trains the scale.
-- `zero_shot`: CLIP's zero-shot classifier: each image against the ten class captions of one template,
-  top-1; with `confusion_matrix` to see which digits it confuses.
+- `zero_shot`: CLIP's zero-shot classifier: each image against the ten class captions of a prompt
+  template that no training caption uses (`ZERO_SHOT_TEMPLATE`), top-1; with `confusion_matrix` to
+  see which digits it confuses.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ TEMPLATES = (
     "a small grey picture of the number {}",
     "the digit {} written with a pen",
 )
-ZERO_SHOT_TEMPLATE = TEMPLATES[0]
+# The zero-shot prompt is a sentence no training caption uses (held out like the images), made of words
+# the training captions taught the text tower.
+ZERO_SHOT_TEMPLATE = "the handwritten digit {}"
+assert ZERO_SHOT_TEMPLATE not in TEMPLATES
 INIT_LOGIT_SCALE = math.log(1 / 0.07)  # CLIP's initial temperature, tau = 0.07
 MAX_LOGIT_SCALE = math.log(100)        # CLIP clamps s at 100 (tau >= 0.01) after every step
 
@@ -116,8 +120,8 @@ class Tokenizer:
 
     @classmethod
     def for_digits(cls) -> "Tokenizer":
-        """The vocabulary of every template and every digit name."""
-        return cls([caption(label, t) for t in TEMPLATES for label in range(len(CLASS_NAMES))])
+        """The vocabulary of every template and every digit name (the zero-shot prompt's words among them)."""
+        return cls([caption(label, t) for t in (*TEMPLATES, ZERO_SHOT_TEMPLATE) for label in range(len(CLASS_NAMES))])
 
 
 class ImageTower(nn.Module):

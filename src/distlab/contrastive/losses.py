@@ -12,9 +12,7 @@ takes s, not tau: a learned scale (open_clip's exp(logit_scale)) passes straight
 
 Under data parallelism rank r owns rows r*C ... r*C + C - 1 of S (C = N / P). Its local loss uses
 those rows of S (x->y) and the same rows of S^T (y->x), averaged over its C rows. Its positives sit
-at column r*C + i, not on the diagonal of its C x N block (the "ground-truth offset" of the
-EfficientDDP-4-Contrastive-Train README,
-https://github.com/zsnoob/EfficientDDP-4-Contrastive-Train). The mean of the P local losses
+at column r*C + i, not on the diagonal of its C x N block. The mean of the P local losses
 is the global loss, which is why DDP's gradient *averaging* is the right reduction for it.
 """
 

@@ -18,8 +18,12 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import os
+import sys
+import tempfile
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -111,6 +115,31 @@ class BranchyRun:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per completed step
     ranks_agree: list[bool] = field(default_factory=list)  # every rank holds the same gradients
     error: str | None = None                               # what stopped the run, if anything
+    warnings: list[str] = field(default_factory=list)      # what torch's C++ warned on this rank
+
+
+UNUSED_SEARCH_WARNING = "did not find any unused parameters"  # torch 2.13's words, reducer.cpp
+
+
+@contextmanager
+def cpp_warnings() -> Iterator[list[str]]:
+    """The lines torch's C++ writes to stderr inside the block (its TORCH_WARN goes to file descriptor
+    2, not through Python's `warnings`), collected instead of printed: a lesson that provokes a warning
+    on purpose says it once, in its own words. Lines that are not torch warnings are passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    lines: list[str] = []
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            for line in sink.read().decode(errors="replace").splitlines():
+                (lines.append(line) if "Warning:" in line else print(line, file=sys.stderr))
 
 
 def _same_on_every_rank(grads: dict[str, torch.Tensor], rt: Runtime) -> bool:
@@ -129,16 +158,17 @@ def unused_branch(rt: Runtime, cfg: DataParallelConfig, find_unused_parameters: 
     x, target = shard(x, rt), shard(target, rt)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=cfg.lr)
     run = BranchyRun()
-    for use_aux in USE_AUX:
-        optimizer.zero_grad(set_to_none=True)
-        try:
-            mean_loss(ddp(x, use_aux), target).backward()
-        except RuntimeError as err:  # raised on every rank alike: no collective is left waiting
-            run.error = str(err).strip().splitlines()[0]
-            break
-        run.grads.append(grads_of(model))
-        run.ranks_agree.append(_same_on_every_rank(run.grads[-1], rt))
-        optimizer.step()
+    with cpp_warnings() as run.warnings:  # the flag's warning, once per rank: the lesson says it once
+        for use_aux in USE_AUX:
+            optimizer.zero_grad(set_to_none=True)
+            try:
+                mean_loss(ddp(x, use_aux), target).backward()
+            except RuntimeError as err:  # raised on every rank alike: no collective is left waiting
+                run.error = str(err).strip().splitlines()[0]
+                break
+            run.grads.append(grads_of(model))
+            run.ranks_agree.append(_same_on_every_rank(run.grads[-1], rt))
+            optimizer.step()
     return run
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.cli import MLP_IN, MLP_OUT, require
+from distlab.cli import MLP_IN, MLP_OUT, divides_global_batch, require
 from distlab.models import layered_mlp, regression_batch
 from distlab.runtime import Runtime
 
@@ -50,6 +50,14 @@ def check_config(rt: Runtime, cfg: DataParallelConfig) -> None:
     require(cfg.global_batch % rt.world_size == 0, "--global-batch",
             f"N = {cfg.global_batch} rows must split evenly over P = {rt.world_size} ranks "
             "(with unequal shares the average of the ranks' means is not the global mean)")
+
+
+def world_rules(args, world_size: int) -> None:
+    """Lesson 06's flag checks that need P, run before any output (`cli.check_flags_against_world`): P
+    divides N, and the no_sync part cuts each rank's C rows into at most C micro-batches."""
+    divides_global_batch(args, world_size)
+    require(args.accumulation_steps <= args.global_batch // world_size, "--accumulation-steps",
+            f"at most C = N / P = {args.global_batch // world_size} micro-batches per rank")
 
 
 def build(cfg: DataParallelConfig) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:

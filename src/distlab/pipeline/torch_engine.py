@@ -28,7 +28,7 @@ Where it differs from our runner:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -124,9 +124,11 @@ def refusals(rt: Runtime, cfg: PipelineConfig, microbatches: list[int]) -> dict[
 
 
 class TorchStep:
-    """This rank's stages under torch.distributed.pipelining (a `training.Step`)."""
+    """This rank's stages under torch.distributed.pipelining (a `training.Step`). `build`, if given,
+    builds a one-stage-per-rank schedule instead of `_wrapped` and `_schedule` (lesson 04 writes it):
+    build(module, p, P, device, name, M) -> (PipelineStage, schedule)."""
 
-    def __init__(self, rt: Runtime, cfg: PipelineConfig):
+    def __init__(self, rt: Runtime, cfg: PipelineConfig, build: Callable | None = None):
         check_config(cfg)
         if cfg.global_batch % cfg.micro_batches:
             raise ValueError(f"torch.distributed.pipelining needs equal micro-batches: N={cfg.global_batch} "
@@ -135,8 +137,14 @@ class TorchStep:
         model, self.x, self.y = problem(cfg)
         every, self.stages = _my_stages(rt, cfg, model)
         boundary_shapes(every, tuple(self.x.shape), cfg.dtype)  # the same "does not fit" check as ours
-        self.wrapped = _wrapped(rt, cfg, self.stages)
-        self.schedule = _schedule(cfg, self.wrapped, cfg.micro_batches)
+        if build is None:
+            self.wrapped = _wrapped(rt, cfg, self.stages)
+            self.schedule = _schedule(cfg, self.wrapped, cfg.micro_batches)
+        else:
+            (only,) = self.stages
+            stage, self.schedule = build(only.module.to(rt.device), only.index, rt.world_size, rt.device,
+                                         cfg.schedule, cfg.micro_batches)
+            self.wrapped = [stage]
         order = (self.schedule.pipeline_order or {}).get(rt.rank, [])
         self.planned = [x for a in order for x in _as_actions(a)]
         self.first, self.last = every[0] in self.stages, every[-1] in self.stages

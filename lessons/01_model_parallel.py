@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import add_mlp_args, lesson_parser, positive_int
+from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, positive_int,
+                         stages_fit_layers)
 from distlab.console import print0
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.report import per_tensor
@@ -106,7 +107,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), stages_fit_layers)
     cfg = PipelineConfig.from_args(args, input_features=args.input_features)
     with distributed(args.device) as rt:
         verdict = Verdict(rt)

@@ -48,7 +48,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from distlab import emulate
-from distlab.cli import add_mlp_args, lesson_parser, nonnegative_int, positive_int
+from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, nonnegative_int,
+                         positive_int, stages_fit_layers)
 from distlab.console import print0
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.report import check_runs, gathered, show_measured
@@ -135,7 +136,7 @@ def show_timing(rt, cfg: PipelineConfig, args, runs: dict, verdict: Verdict) -> 
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), stages_fit_layers)
     m, k = args.micro_batches, args.checkpoint_segments
     if k < 2:
         raise ValueError(f"--checkpoint-segments must be >= 2 (this lesson compares K with no checkpointing), got {k}")

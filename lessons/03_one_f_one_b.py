@@ -41,7 +41,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from distlab import emulate
-from distlab.cli import add_mlp_args, lesson_parser, positive_int
+from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, positive_int,
+                         stages_fit_layers)
 from distlab.console import print0
 from distlab.pipeline import schedules
 from distlab.pipeline.report import check_runs, gathered, show_measured
@@ -107,7 +108,7 @@ def show_timing(rt, cfg: PipelineConfig, args, real, verdict: Verdict) -> None:
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), stages_fit_layers)
     m = args.micro_batches
     cfg = PipelineConfig.from_args(args, probe=True)
     with distributed(args.device) as rt:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distlab.cli import add_mlp_args, lesson_parser, positive_int
+from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, positive_int,
+                         stages_fit_layers)
 from distlab.compare import all_ok, compare
 from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table
@@ -83,7 +84,7 @@ def both_engines(rt, cfg: PipelineConfig) -> tuple[dict, dict, dict]:
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), stages_fit_layers)
     cfg = PipelineConfig.from_args(args, gather_spans=False)
     m = cfg.micro_batches
     with distributed(args.device) as rt:

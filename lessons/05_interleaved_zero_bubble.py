@@ -62,7 +62,8 @@ from collections import deque
 from rich.table import Table
 
 from distlab import emulate
-from distlab.cli import add_mlp_args, lesson_parser, positive_int, require
+from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, positive_int,
+                         require, stages_fit_layers)
 from distlab.compare import all_ok, compare
 from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table, show_measured
@@ -221,7 +222,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), stages_fit_layers)
     m, v = args.micro_batches, args.stages_per_rank
     require(args.global_batch % m == 0, "--micro-batches", f"M={m} must divide N={args.global_batch} "
             "(--global-batch): PyTorch's schedules take equal micro-batches only (ours: lesson 02)")

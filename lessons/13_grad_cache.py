@@ -15,10 +15,8 @@ on them and its gradient G = dL/dH, the cache; (3) every micro-batch again with 
 of its rows, whose parameter gradient is G . dh/dtheta. Activations live for one micro-batch at a time. Dropout
 must draw the same masks in (1) and (3): each micro-batch's random state is saved in (1) and replayed in (3).
 
-The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs. The library version
-is `GradCache.cache_step` in src/distlab/contrastive/grad_cache.py (`forward_no_grad`, `build_cache`,
-`forward_backward`; dicts, VLM inputs, mixed precision and DDP's `no_sync` on top); the replay is `RandContext`
-in src/distlab/contrastive/rand_context.py.
+The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs; the library's
+`GradCache.cache_step` (contrastive/grad_cache.py) adds dicts, mixed precision and DDP's `no_sync`.
 
 The proof. Part 1, one process (rank 0): both equal the full batch's gradients (a deep copy, plain autograd, one
 loss; its micro-batches run with a graph in the same order from the same seed, so dropout draws the same masks);

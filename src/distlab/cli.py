@@ -145,3 +145,14 @@ def check_mlp_input(args: argparse.Namespace, world_size: int | None = None) -> 
     require(args.input_features == MLP_IN, "--input-features",
             f"a batch of shape (N, {args.input_features}) does not fit the model: its first layer takes "
             f"{MLP_IN} features per row")
+
+
+def stages_fit_layers(args: argparse.Namespace, world_size: int) -> None:
+    """The pipeline lessons' rule (01-05): P v stages, each at least one of the --layers layers; and,
+    where the lesson has the flag, --input-features fitting the MLP's first layer."""
+    if hasattr(args, "input_features"):
+        check_mlp_input(args)
+    v = getattr(args, "stages_per_rank", 1)
+    require(world_size * v <= args.layers, "--layers",
+            f"{world_size * v} stages (P = {world_size} ranks x v = {v}) need at least {world_size * v} layers, "
+            f"got {args.layers}: every stage computes at least one layer")

@@ -79,55 +79,35 @@ def reduce_scatter_seq(x: torch.Tensor, group, traffic: Traffic, direction: str)
     return out
 
 
-class CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, traffic):
-        ctx.group, ctx.traffic = group, traffic
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group, ctx.traffic, "backward"), None, None
+def identity(x: torch.Tensor, group, traffic: Traffic, direction: str) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+def conjugate(name: str, forward_op, backward_op, doc: str) -> type:
+    """An autograd Function running `forward_op` forward and `backward_op` backward. The four operators
+    below are two such pairs and their transposes: swap the two ops and you have the conjugate."""
 
-    @staticmethod
-    def forward(ctx, x, group, traffic):
-        return all_reduce(x, group, traffic, "forward")
+    class Conjugate(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group, traffic):
+            ctx.group, ctx.traffic = group, traffic
+            return forward_op(x, group, traffic, "forward")
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
+        @staticmethod
+        def backward(ctx, grad):
+            return backward_op(grad, ctx.group, ctx.traffic, "backward"), None, None
 
-
-class GatherFromSP(torch.autograd.Function):
-    """f-bar: all-gather along the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, traffic):
-        ctx.group, ctx.traffic = group, traffic
-        return all_gather_seq(x, group, traffic, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_seq(grad, ctx.group, ctx.traffic, "backward"), None, None
+    Conjugate.__name__ = Conjugate.__qualname__ = name
+    Conjugate.__doc__ = doc
+    return Conjugate
 
 
-class ScatterToSP(torch.autograd.Function):
-    """g-bar: reduce-scatter along the sequence forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, traffic):
-        ctx.group, ctx.traffic = group, traffic
-        return reduce_scatter_seq(x, group, traffic, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.group, ctx.traffic, "backward"), None, None
+CopyToTP = conjugate("CopyToTP", identity, all_reduce, "f: identity forward, all-reduce backward.")
+ReduceFromTP = conjugate("ReduceFromTP", all_reduce, identity, "g: all-reduce forward, identity backward.")
+GatherFromSP = conjugate("GatherFromSP", all_gather_seq, reduce_scatter_seq,
+                         "f-bar: all-gather along the sequence forward, reduce-scatter backward.")
+ScatterToSP = conjugate("ScatterToSP", reduce_scatter_seq, all_gather_seq,
+                        "g-bar: reduce-scatter along the sequence forward, all-gather backward.")
 
 
 @dataclass(frozen=True)

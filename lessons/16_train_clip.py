@@ -48,6 +48,16 @@ step here is mostly communication and per-call overhead, and 150 steps at P = 2 
 way (10.0, 10.6, 7.0 s in float32 against 10.7, 9.9, 6.8 s in bf16, interleaved on a shared machine).
 `--autocast bf16` turns it on; the loss machinery runs in float32 under it either way.
 
+A crash that loses nothing. `--checkpoint-dir DIR` writes everything the run is every
+`--checkpoint-every` steps (model and learned scale, AdamW's moments, the schedule, the curves, every
+rank's random generators; the data order is a function of seed and step) and resumes from the newest
+whole checkpoint it finds; `--crash-at-step 95` kills rank `--crash-rank` (default the last) at step
+95 on torchrun's first attempt. Under `torchrun --max-restarts 1` the run is restarted, resumes and ends
+bit-identical to an uninterrupted one: compare the `parameters sha256` lines (src/distlab/checkpointing.py).
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/16_train_clip.py \
+        --checkpoint-dir /tmp/clip --crash-at-step 95
+
 The self-checks. Step 1's gradients, the logit scale's included, equal those of a deep copy trained on
 the whole global batch in one process (plain autograd, the scale an ordinary tensor); held-out
 zero-shot top-1 accuracy must reach MIN_ACCURACY, eight times chance (10%), after training. The global
@@ -64,6 +74,7 @@ import torch
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distlab.checkpointing import Checkpoints, add_resume_args, check_resume_args, parameters_sha256
 from distlab.cli import (check_flags_against_world, divides_global_batch, fraction, lesson_parser, positive_float,
                          positive_int)
 from distlab.compare import all_ok, compare, grads_of, tolerances
@@ -96,7 +107,8 @@ def parse_args():
     parser.add_argument("--test-fraction", type=fraction, default=0.2, help="held-out share of each digit")
     parser.add_argument("--eval-every", type=positive_int, default=10, help="zero-shot evaluation interval")
     parser.add_argument("--autocast", choices=AUTOCAST, default="auto", help="bf16 autocast; auto: on CUDA only")
-    args = parser.parse_args()
+    args = add_resume_args(parser).parse_args()   # --checkpoint-dir, --checkpoint-every, --crash-at-step, --crash-rank
+    check_resume_args(parser, args)
     if args.warmup >= args.steps:  # needs no P: refused before any process group exists
         parser.error(f"argument --warmup: must be below --steps ({args.steps}), got {args.warmup}")
     if args.test_fraction == 0:
@@ -131,10 +143,12 @@ class Digits:
         captions = draw_captions(self.labels, self.table, self.seed * 100_003 + epoch)
         return self.split.train_images[rows].to(self.rt.device), captions[rows].to(self.rt.device)
 
-    def batches(self):
-        """This rank's (images, caption ids) for every step, epoch after epoch."""
-        for epoch in itertools.count():
-            for rows in self.rows(epoch, self.rt.rank):
+    def batches(self, first: int = 0):
+        """This rank's (images, caption ids) for every step from step `first` (0-based) on, epoch after
+        epoch: the order is a function of (seed, epoch), so a resumed run needs only the step."""
+        per_epoch = len(self.labels) // (self.local * self.rt.world_size)
+        for epoch in itertools.count(first // per_epoch):
+            for rows in self.rows(epoch, self.rt.rank)[max(0, first - epoch * per_epoch):]:
                 yield self.batch(epoch, rows)
 
     def zero_shot(self, model) -> tuple[float, torch.Tensor]:
@@ -177,11 +191,17 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
 
 
 def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
-    """The caller-owned loop; returns the curves."""
+    """The caller-owned loop; returns the curves. With --checkpoint-dir it starts after the newest
+    whole checkpoint, if any, and writes one every --checkpoint-every steps (src/distlab/checkpointing.py)."""
     model = ddp.module
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
     params = [p for p in ddp.parameters() if p.requires_grad]
-    for step, (images, ids) in progress(zip(range(args.steps), data.batches()), args.steps, "training"):
+    checkpoints = Checkpoints.from_args(args, data.rt)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "curves": curves}
+    first = checkpoints.restore(state)                               # and every rank's generators
+    for step, (images, ids) in progress(zip(range(first, args.steps), data.batches(first)), args.steps - first,
+                                        "training"):
+        checkpoints.crash_if_asked(step + 1)                         # --crash-at-step: os._exit here
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(data.rt.device.type, torch.bfloat16, enabled=bf16):
             loss = distributed_backward(ddp, images, ids, config)    # the exact global gradient, added
@@ -195,6 +215,7 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curves["eval_step"].append(step + 1)
             curves["accuracy"].append(data.zero_shot(model)[0])
+        checkpoints.after_step(step + 1, state)                      # every --checkpoint-every steps: write, rename
     return curves
 
 
@@ -231,7 +252,7 @@ def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
     curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
     after, predictions = data.zero_shot(model)
     return dict(curves=curves, seconds=time.perf_counter() - start, before=before, after=after, s_before=s_before,
-                guesses=guesses, predictions=predictions, bf16=bf16)
+                guesses=guesses, predictions=predictions, bf16=bf16, digest=parameters_sha256(model))
 
 
 def main() -> int:
@@ -254,6 +275,7 @@ def main() -> int:
                                world_size=rt.world_size, global_batch=args.global_batch, confusion=confusions,
                                bf16=run["bf16"], **curves).items():
             verdict.figure(key, value)
+        print0(f"parameters sha256: {run['digest']}", highlight=False)  # equal digests: bit-identical models
         code = verdict.finish(args.json)
         print0(f"zero-shot accuracy on held-out digits: {after:.1%}", highlight=False)
     return code

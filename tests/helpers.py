@@ -83,13 +83,16 @@ class CommHookCounter:
         return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def torchrun(lesson: str, nproc: int, *args: str, timeout: float = 300, columns: int | None = None):
-    """Run `lessons/<lesson>` under torchrun, output captured; returns the CompletedProcess."""
+def torchrun(lesson: str, nproc: int, *args: str, timeout: float = 300, columns: int | None = None,
+             max_restarts: int = 0):
+    """Run `lessons/<lesson>` under torchrun, output captured; returns the CompletedProcess.
+    `max_restarts`: how often torchrun restarts every rank after one fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if columns is not None:
         env["COLUMNS"] = str(columns)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(nproc), str(LESSONS / lesson), *args],
+                           "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                           str(LESSONS / lesson), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

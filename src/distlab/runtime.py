@@ -12,6 +12,13 @@ a stray CPU tensor is slow rather than fatal. The rule all the same: every colle
 
 Every process group gets a timeout, so a rank waiting for a message that never comes fails with an
 error instead of hanging forever.
+
+Restarts. `torchrun --max-restarts N` restarts every rank when one fails, and the restarted ranks meet
+in the store of the attempt that failed (torchrun's agent keeps one store for the whole run): the keys
+the dead attempt wrote are still there, gloo's peer addresses among them, and a restarted rank that
+reads a dead peer's address before the live one overwrites it fails to connect (pytorch/pytorch#135712).
+`attempt_store` gives every attempt keys of its own (TORCHELASTIC_RESTART_COUNT, the same on every rank
+of one node's agent).
 """
 
 from __future__ import annotations
@@ -76,6 +83,16 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
+def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """torchrun's store, its keys prefixed by this attempt's number; None when not under torchrun's
+    agent (init_process_group then reads MASTER_ADDR and MASTER_PORT itself)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt-{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+
+
 @contextmanager
 def distributed(device: str = "auto", timeout_s: float | None = None,
                 strict: bool | None = None) -> Iterator[Runtime]:
@@ -97,8 +114,8 @@ def distributed(device: str = "auto", timeout_s: float | None = None,
     # group exists, it keeps gloo's threads alive past destroy_process_group, and the process then
     # aborts at exit now and then (3 of 29 runs of lesson 04). Imported before the group: never.
     importlib.import_module("torch._dynamo")  # (`import torch._dynamo` here would shadow `torch`)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=dev if kind == "cuda" else None)
+    dist.init_process_group(backend, store=attempt_store(world_size, timeout), rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=dev if kind == "cuda" else None)
     try:
         with ExitStack() as stack:
             rt = Runtime(rank, world_size, local_rank, backend, dev)

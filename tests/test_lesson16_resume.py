@@ -1,0 +1,126 @@
+"""A crash that loses nothing (lesson 16's --checkpoint-dir and --crash-at-step; issue 19 item 5).
+
+Under `torchrun --max-restarts 1`, rank 1 exits abruptly at step 13 of 20; torchrun stops rank 0 and
+restarts both; they resume from the checkpoint written after step 10 and finish. The parameters'
+SHA-256 equals an uninterrupted run's: every bit of the model, optimizer, scheduler, data order and
+random state came back. And the pieces: a checkpoint a dying rank left half-written (no manifest, or
+a file that no longer hashes to what the manifest says) is never loaded; a checkpoint of another run
+is refused; the flags are refused in one line naming the flag.
+"""
+
+import re
+
+import pytest
+import torch
+
+from distlab.checkpointing import Checkpoints
+from distlab.spawn import SpawnError, spawn
+from helpers import assert_flag_refused, torchrun
+
+LESSON = "16_train_clip.py"
+# 20 steps of N = 64 clear the lesson's 80% accuracy claim (about 90%); checkpoints after steps 5, 10, ...
+RUN = ("--steps", "20", "--warmup", "2", "--global-batch", "64", "--eval-every", "10")
+DIGEST = re.compile(r"parameters sha256:\s+([0-9a-f]{64})\n")   # (at 80 columns rich wraps before the hex)
+
+
+def _digest(stdout: str) -> str:
+    found = DIGEST.findall(stdout)
+    assert len(found) == 1, stdout
+    return found[0]
+
+
+def test_a_crashed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path):
+    straight = torchrun(LESSON, 2, *RUN)
+    assert straight.returncode == 0, straight.stdout + straight.stderr[-3000:]
+    crashed = torchrun(LESSON, 2, *RUN, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5",
+                       "--crash-at-step", "13", max_restarts=1)
+    output = crashed.stdout + crashed.stderr
+    assert crashed.returncode == 0, output[-5000:]
+    assert "rank 1: os._exit(17) at step 13 (--crash-at-step)" in output          # the fault happened,
+    assert f"resumed from {tmp_path / 'step-000010'} (after step 10" in crashed.stdout  # once, and was survived
+    assert crashed.stdout.count("Lesson 16") == 2 and "PASS: every claim holds" in crashed.stdout
+    assert _digest(crashed.stdout) == _digest(straight.stdout)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000015", "step-000020"]   # the newest two
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint files, on two ranks in one process (spawn)
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_state(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1 / (t + 1))
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "log": {"loss": []}}
+
+
+def _train_step(state: dict) -> None:
+    state["optimizer"].zero_grad()
+    loss = state["model"](torch.randn(4, 3)).square().sum()      # draws from the global generator
+    loss.backward()
+    state["optimizer"].step()
+    state["scheduler"].step()
+    state["log"]["loss"].append(loss.item())
+
+
+def _tear(folder, how: str) -> None:
+    if how == "no manifest":          # a rank died before rank 0 wrote it
+        (folder / "manifest.json").unlink()
+    else:                             # a file changed after its hash was taken
+        data = bytearray((folder / "state.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (folder / "state.pt").write_bytes(bytes(data))
+
+
+def _save_tear_restore(rt, directory: str, how: str):
+    """Save after steps 1 and 2, tear step 2 and leave a .partial of step 3 behind; restore into a
+    fresh state: it must be step 1's, bit for bit, each rank's generator included. (The state is the
+    same on every rank, as under DDP; the generators are not.)"""
+    run = {"lr": 0.1}
+    checkpoints, state = Checkpoints(rt, directory, 1, run), _run_state(0)
+    _train_step(state)
+    torch.rand(rt.rank + 1)                                       # each rank's generator elsewhere
+    checkpoints.after_step(1, state)
+    saved = ({k: v.clone() for k, v in state["model"].state_dict().items()}, torch.rand(3), list(state["log"]["loss"]))
+    _train_step(state)
+    checkpoints.after_step(2, state)
+    torch.distributed.barrier()
+    if rt.is_first:
+        _tear(checkpoints.directory / "step-000002", how)
+        (checkpoints.directory / "step-000003.partial").mkdir()
+        torch.save({"step": 3}, checkpoints.directory / "step-000003.partial" / "state.pt")
+    torch.distributed.barrier()
+    fresh = _run_state(100)
+    step = Checkpoints(rt, directory, 1, run).restore(fresh)
+    params, next_draw, log = saved
+    return (step, all(torch.equal(params[k], v) for k, v in fresh["model"].state_dict().items()),
+            torch.equal(torch.rand(3), next_draw), fresh["log"]["loss"] == log,
+            fresh["scheduler"].last_epoch, len(fresh["optimizer"].state))
+
+
+@pytest.mark.parametrize("how", ["no manifest", "torn file"])
+def test_a_half_written_checkpoint_is_never_loaded(tmp_path, how):
+    for rank_result in spawn(_save_tear_restore, 2, str(tmp_path), how):
+        assert rank_result == (1, True, True, True, 1, 2)
+
+
+def _restore_as_another_run(rt, directory: str):
+    state = _run_state(0)
+    Checkpoints(rt, directory, 1, {"lr": 0.1}).save(1, state)
+    torch.distributed.barrier()                                   # rank 0 has renamed it by now
+    Checkpoints(rt, directory, 1, {"lr": 0.2}).restore(_run_state(0))
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    with pytest.raises(SpawnError, match="--checkpoint-dir: .* belongs to another run"):
+        spawn(_restore_as_another_run, 2, str(tmp_path))
+
+
+def test_bad_resume_flags_are_one_line_naming_the_flag(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert_flag_refused(LESSON, "--crash-at-step", "--crash-at-step", "3")              # no --checkpoint-dir
+    assert_flag_refused(LESSON, "--crash-at-step", "--checkpoint-dir", "x", "--steps", "20", "--crash-at-step", "21")
+    assert_flag_refused(LESSON, "--crash-rank", "--checkpoint-dir", "x", "--crash-at-step", "3", "--crash-rank", "2")
+    assert_flag_refused(LESSON, "--checkpoint-every", "--checkpoint-every", "0")

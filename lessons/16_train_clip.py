@@ -190,26 +190,31 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
     ddp.zero_grad(set_to_none=True)
 
 
+def clip_step(ddp, optimizer, images, captions, config: dict, clip_norm: float, bf16: bool = False) -> float:
+    """One step of the caller-owned loop: the exact global gradient into .grad, clipped, applied."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(images.device.type, torch.bfloat16, enabled=bf16):
+        loss = distributed_backward(ddp, images, captions, config)    # the exact global gradient, added
+    torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)
+    optimizer.step()
+    ddp.module.clamp_logit_scale_()                                    # s in [1, 100], as open_clip does
+    return loss
+
+
 def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
     """The caller-owned loop; returns the curves. With --checkpoint-dir it starts after the newest
     whole checkpoint, if any, and writes one every --checkpoint-every steps (src/distlab/checkpointing.py)."""
     model = ddp.module
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
-    params = [p for p in ddp.parameters() if p.requires_grad]
     checkpoints = Checkpoints.from_args(args, data.rt)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "curves": curves}
     first = checkpoints.restore(state)                               # and every rank's generators
     for step, (images, ids) in progress(zip(range(first, args.steps), data.batches(first)), args.steps - first,
                                         "training"):
         checkpoints.crash_if_asked(step + 1)                         # --crash-at-step: os._exit here
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(data.rt.device.type, torch.bfloat16, enabled=bf16):
-            loss = distributed_backward(ddp, images, ids, config)    # the exact global gradient, added
-        torch.nn.utils.clip_grad_norm_(params, args.clip_norm)
         curves["lr"].append(scheduler.get_last_lr()[0])
-        optimizer.step()
+        loss = clip_step(ddp, optimizer, images, ids, config, args.clip_norm, bf16)
         scheduler.step()
-        model.clamp_logit_scale_()                                   # s in [1, 100], as open_clip does
         curves["loss"].append(loss)
         curves["logit_scale"].append(model.logit_scale.exp().item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:

@@ -88,10 +88,7 @@ def test_mixed_precision_stays_close_to_float32(mode):
     ref_grads, ref_loss = reference(models, [x, y], rep_clip_loss, [rows(x, 16), rows(y, 16)])
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) if mode == "fp16" else None
-    if mode == "fp16":
-        cache = GradCache(models, 16, rep_clip_loss, fp16=True, scaler=scaler)
-    else:
-        cache = GradCache.bfloat16(models, 16, rep_clip_loss)
+    cache = GradCache(models, 16, rep_clip_loss, precision=mode, scaler=scaler)
     torch.manual_seed(SEED)
     loss = cache(x, y)
     grads = grads_of_models(models)
@@ -111,7 +108,7 @@ def test_fp16_scaler_step_trains_like_float32():
     x, y = paired_data(64, seed=2, dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scaler = torch.amp.GradScaler("cpu")
-    cache = GradCache(models, 16, rep_clip_loss, fp16=True, scaler=scaler)
+    cache = GradCache(models, 16, rep_clip_loss, precision="fp16", scaler=scaler)
     losses = []
     for _ in range(5):
         optimizer.zero_grad()
@@ -145,10 +142,10 @@ BAD_INPUT = {
     "chunk size zero": (lambda: _bad(chunk_sizes=0), "positive int"),
     "chunk size True": (lambda: _bad(chunk_sizes=[4, True]), "positive int"),
     "a bare module": (lambda: _bad(models=TwoTower().encoder_x), "non-empty list of modules"),
-    "fp16 without scaler": (lambda: _bad(fp16=True), "needs a GradScaler"),
-    "scaler without fp16": (lambda: _bad(scaler=torch.amp.GradScaler("cpu")), "only used with fp16"),
-    "fp16 and bf16": (lambda: GradCache.bfloat16([TwoTower().encoder_x] * 2, 4, rep_clip_loss, fp16=True,
-                                                 scaler=torch.amp.GradScaler("cpu")), "excludes fp16"),
+    "fp16 without scaler": (lambda: _bad(precision="fp16"), "needs a GradScaler"),
+    "scaler without fp16": (lambda: _bad(scaler=torch.amp.GradScaler("cpu")), 'only used with precision="fp16"'),
+    "bf16 with a scaler": (lambda: _bad(precision="bf16", scaler=torch.amp.GradScaler("cpu")), "bf16 needs no"),
+    "an unknown precision": (lambda: _bad(precision="fp8"), "precision must be one of"),
     "one input for two models": (lambda: _bad()(x13), "1 inputs for 2 models"),
     "no_sync_except_last without DDP": (lambda: _bad()(x13, y13, no_sync_except_last=True),
                                         r"DistributedDataParallel; model\(s\) \[0, 1\]"),

@@ -35,15 +35,17 @@ batch's gradient. `no_sync_except_last=True` turns off DDP's all-reduce for ever
 last, where the accumulated gradient is reduced once. A model that appears twice in `models` (one
 tower for both sides) is reduced once too: only its last micro-batch of its last use synchronises.
 
-Mixed precision: `fp16=True` runs the model under float16 autocast and needs a GradScaler; the cache
-is the *scaled* loss's gradient, so the parameter gradients come out scaled and the caller does
-`scaler.step(optimizer); scaler.update()` as usual. `GradCache.bfloat16(...)` runs under bfloat16
-autocast and needs no scaler. In both, the loss sees the representations upcast to float32.
+Mixed precision: `precision="fp16"` runs the model under float16 autocast and needs a GradScaler; the
+cache is the *scaled* loss's gradient, so the parameter gradients come out scaled and the caller does
+`scaler.step(optimizer); scaler.update()` as usual. `precision="bf16"` runs under bfloat16 autocast and
+needs no scaler (float32's exponent range). In both, the loss sees the representations upcast to float32.
 
 The interface is luyug/GradCache's: GradCache(models, chunk_sizes, loss_fn, split_input_fn,
-get_rep_fn, fp16, scaler), split_inputs, get_input_tensors, model_call, get_reps, compute_loss,
+get_rep_fn, precision, scaler), split_inputs, get_input_tensors, model_call, get_reps, compute_loss,
 forward_no_grad, build_cache, forward_backward, cache_step(*inputs, no_sync_except_last,
 **loss_kwargs) -> loss, and __call__ = cache_step. Where ours differs:
+- `precision` ("float32", "fp16" or "bf16") in the place of the library's `fp16` flag, so bfloat16 is
+  one more value, not another switch;
 - the surrogate is taken in float32 *or wider*: the library casts it to float32, which costs a
   float64 run its exactness;
 - the cache is cut by the rows each micro-batch actually produced, not by chunk_size, so a custom
@@ -86,13 +88,16 @@ def default_rep(model_out: Any) -> Tensor:
     return model_out  # not a tensor: get_reps refuses it with a clear message
 
 
+AMP_DTYPES = {"float32": None, "fp16": torch.float16, "bf16": torch.bfloat16}  # autocast dtype of the models
+
+
 class GradCache:
     """Gradient cache over `models` (one per loss argument; the same module may appear twice).
     Optimizer steps are the caller's; gradients accumulate into `.grad` like any backward."""
 
     def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int],
                  loss_fn: Callable[..., Tensor], split_input_fn: Callable[[Any, int], Any] | None = None,
-                 get_rep_fn: Callable[[Any], Tensor] | None = None, fp16: bool = False,
+                 get_rep_fn: Callable[[Any], Tensor] | None = None, precision: str = "float32",
                  scaler: torch.amp.GradScaler | None = None):
         if isinstance(models, nn.Module) or not isinstance(models, (list, tuple)) or not models:
             raise ValueError("models must be a non-empty list of modules, one per loss argument "
@@ -108,23 +113,13 @@ class GradCache:
         else:
             self.chunk_sizes = [check_chunk_size(chunk_sizes)] * len(self.models)
         self.loss_fn, self.split_input_fn, self.get_rep_fn = loss_fn, split_input_fn, get_rep_fn
-        if fp16 and scaler is None:
-            raise ValueError("fp16 needs a GradScaler: GradCache(..., fp16=True, scaler=torch.amp.GradScaler())")
-        if scaler is not None and not fp16:
-            raise ValueError("a scaler is only used with fp16=True (bfloat16 and float32 need none)")
-        self.fp16, self.scaler = fp16, scaler
-        self.amp_dtype = torch.float16 if fp16 else None
-
-    @classmethod
-    def bfloat16(cls, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int],
-                 loss_fn: Callable[..., Tensor], **options: Any) -> "GradCache":
-        """The same cache with the models under bfloat16 autocast. `options`: split_input_fn, get_rep_fn.
-        bfloat16 has float32's exponent range, so the loss needs no scaling (and no GradScaler)."""
-        if options.get("fp16") or options.get("scaler") is not None:
-            raise ValueError("bfloat16 excludes fp16 and its GradScaler (bfloat16 needs no loss scaling)")
-        cache = cls(models, chunk_sizes, loss_fn, **options)
-        cache.amp_dtype = torch.bfloat16
-        return cache
+        if precision not in AMP_DTYPES:
+            raise ValueError(f"precision must be one of {sorted(AMP_DTYPES)}, got {precision!r}")
+        if precision == "fp16" and scaler is None:
+            raise ValueError('fp16 needs a GradScaler: GradCache(..., precision="fp16", scaler=torch.amp.GradScaler())')
+        if scaler is not None and precision != "fp16":
+            raise ValueError(f'a scaler is only used with precision="fp16" ({precision} needs no loss scaling)')
+        self.fp16, self.scaler, self.amp_dtype = precision == "fp16", scaler, AMP_DTYPES[precision]
 
     def __call__(self, *model_inputs: Any, **kwargs: Any) -> Tensor:
         return self.cache_step(*model_inputs, **kwargs)

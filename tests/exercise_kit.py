@@ -78,6 +78,12 @@ class Claims:
             self.failed.append((self.made, claim, amount, hint))
         return bool(ok)
 
+    def check_worst(self, claim: str, errors: dict[str, float], hint: str, bound: float = 1e-10) -> bool:
+        """One claim over many tensors: it holds when the largest relative error (name -> error) is below
+        `bound`; a failure names the worst tensor."""
+        worst = max(errors, key=errors.get)
+        return self.check(claim, errors[worst] < bound, f"{worst}: relative error {errors[worst]:.2e}", hint)
+
 
 def _rank(rt, body: Callable[..., None], answer: Answer, args: tuple) -> dict:
     """One rank: load the answer, run the check's body with it, report what failed (or that it is blank)."""

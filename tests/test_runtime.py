@@ -44,8 +44,8 @@ class _SlowToFree:
 
     def __del__(self):
         self.inside.set()
-        self.freeing.wait(30)
-        time.sleep(1.0)
+        self.freeing.wait(30)   # set by the main thread right before it frees the group ...
+        time.sleep(1.0)         # ... which it is doing by now, while this worker holds the mutex
 
 
 def _ddp_outlives_its_group(rt):
@@ -59,8 +59,10 @@ def _ddp_outlives_its_group(rt):
     dist.all_reduce(tensor, group=group, async_op=True)   # no handle kept: the worker frees the tensor
     del tensor
     assert inside.wait(30), "the worker never freed the tensor"
-    release_process_group(group)      # what distributed() runs on the way out, for this group
+    # Set before the release, not after: set after, the worker waited out its 30 s inside the
+    # group's destructor in every run (the release waits for it), which proved nothing more.
     freeing.set()
+    release_process_group(group)      # what distributed() runs on the way out, for this group
     del group, ddp
     gc.collect()                      # a reducer still owning the group would destroy it here: hang
     return "exited"

@@ -25,7 +25,7 @@ from distlab.spawn import free_port
 from helpers import LESSONS, no_ellipsis, torchrun
 
 LESSON = "16_train_clip.py"
-SIGMOID_STEPS = 30  # at P = 3 with the ring: about 95% zero-shot, against the 80% claim
+SIGMOID_STEPS = 40  # at P = 3 with the ring: about 95% zero-shot against the 80% claim (30 steps: 90%)
 LAST_LINE = re.compile(r"^zero-shot accuracy on held-out digits: (\d+\.\d)%$")
 
 
@@ -70,7 +70,7 @@ def test_sigmoid_loss_with_the_ring_at_p3_learns_its_bias(tmp_path):
     # N = 255 = 3 x 85 (C = 85 > B = 64: each micro-batch embedded, then recomputed); STEPS steps clear 80%.
     report = tmp_path / "sigmoid_ring.json"
     run = torchrun(LESSON, 3, "--loss", "sigmoid", "--exchange", "ring", "--global-batch", "255",
-                   "--steps", str(SIGMOID_STEPS), "--warmup", "3", "--json", str(report), columns=80)
+                   "--steps", str(SIGMOID_STEPS), "--warmup", "4", "--json", str(report), columns=80)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "PASS  step 1's gradients (logit scale and bias included) equal the full batch's" in run.stdout
     assert re.search(r"│ logit_bias\s+│\s+1 │.*│\s+yes │", run.stdout)     # beta's gradient is in the table
@@ -78,7 +78,7 @@ def test_sigmoid_loss_with_the_ring_at_p3_learns_its_bias(tmp_path):
     figures = json.loads(report.read_text())["figures"]
     assert figures["world_size"] == 3 and figures["accuracy_after"] >= 0.8 > 0.2 > figures["accuracy_before"]
     assert len(figures["logit_bias"]) == SIGMOID_STEPS and figures["logit_scale"][0] == pytest.approx(10, abs=0.1)
-    assert figures["logit_bias"][-1] != pytest.approx(-10, abs=1e-3)      # beta was learned, from -10
+    assert abs(figures["logit_bias"][-1] + 10) > 1e-3       # beta was learned: from -10 to about -10.006
 
 
 def test_the_accuracy_check_can_fail():

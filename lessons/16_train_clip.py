@@ -30,13 +30,13 @@ template its caption was drawn from) is a mistake, and wants it small.
 The sigmoid loss (`--loss sigmoid`; lesson 15). The model gains SigLIP's learned bias beta and returns
 (z_x, z_y, s, beta), which is what selects the loss in `distributed_backward`: S = s Z_x Z_y^T + beta,
 L = -(1/N) sum_ij log sigma(eps_ij S_ij), eps_ij = +1 on the diagonal, -1 elsewhere. Each of the N^2
-pairs is its own binary classification ("is this this image's caption?"): no normaliser over the
-batch couples a row or a column. N - 1 of each row's N pairs are negatives, so every pair starts near
-"no": beta = -10 and s = 10 (SigLIP's initialisation); with beta = 0 the N^2 - N negatives' log 2 each
-(L = 177 at N = 256, against 10.2 here) would swamp the first steps. The lr, schedule and clamp stay
-the InfoNCE's (open_clip clamps SigLIP's s into [1, 100] too; beta is not clamped): nothing is tuned,
-and held-out accuracy reaches 99% at P = 2 (beta moves little, to -10.08 in 150 steps: AdamW moves it
-about lr a step at most). The loss is a sum over a row, not a mean: its values are
+pairs is its own binary classification ("does this caption belong to this image?"): no normaliser
+over the batch couples a row or a column. N - 1 of each row's N pairs are negatives, so every pair
+starts near "no": beta = -10 and s = 10 (SigLIP's initialisation); with beta = 0 the N^2 - N
+negatives' log 2 each (L = 177 at N = 256, against 10.2 here) would swamp the first steps. The lr,
+schedule and clamp stay the InfoNCE's (open_clip clamps SigLIP's s into [1, 100] too; beta is not
+clamped): nothing is tuned, and held-out accuracy reaches 99% at P = 2. beta moves little (to -10.08
+in 150 steps: AdamW moves it about lr a step at most). L sums each row's N terms, so its values are
 not comparable with InfoNCE's. `--exchange ring` (either loss): C x d blocks pass from rank to rank
 instead of an all-gather, so no rank holds N x d; the gradients are the same (lesson 15).
 
@@ -50,8 +50,8 @@ the caller owns everything else, as in any CLIP training loop (open_clip's `trai
     clip_grad_norm_(params, 1.0); optimizer.step(); scheduler.step(); model.clamp_logit_scale_()
 
 The data, the tiny word tokenizer, the towers and the zero-shot classifier are in
-src/distlab/contrastive/digits.py; AdamW's decay groups and the warm-up + cosine schedule in
-src/distlab/optim.py. With B >= C every rank's C pairs are one micro-batch and the towers run once per
+src/distlab/contrastive/digits.py (each rank's rows at each step in digits_data.py); AdamW's decay
+groups and the warm-up + cosine schedule in src/distlab/optim.py. With B >= C every rank's C pairs are one micro-batch and the towers run once per
 step; with B < C each micro-batch runs twice (a no-grad embed, then a recompute with grad).
 
 bf16 autocast helps where the towers are a large share of the step and the hardware has bf16 units

@@ -51,8 +51,9 @@ the caller owns everything else, as in any CLIP training loop (open_clip's `trai
 
 The data, the tiny word tokenizer, the towers and the zero-shot classifier are in
 src/distlab/contrastive/digits.py (each rank's rows at each step in digits_data.py); AdamW's decay
-groups and the warm-up + cosine schedule in src/distlab/optim.py. With B >= C every rank's C pairs are one micro-batch and the towers run once per
-step; with B < C each micro-batch runs twice (a no-grad embed, then a recompute with grad).
+groups and the warm-up + cosine schedule in src/distlab/optim.py. With B >= C every rank's C pairs
+are one micro-batch and the towers run once per step; with B < C each micro-batch runs twice (a
+no-grad embed, then a recompute with grad).
 
 bf16 autocast helps where the towers are a large share of the step and the hardware has bf16 units
 (GPUs): `--autocast auto` turns it on for CUDA. On the CPU it does not help this lesson, so auto leaves
@@ -235,13 +236,14 @@ def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
     ddp = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(decay_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
-    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size, "STREAM_CHUNK_SIZE": args.stream_chunk,
-              "EXCHANGE": args.exchange}          # the loss is chosen by what the model returns
+    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
+              "STREAM_CHUNK_SIZE": args.stream_chunk, "EXCHANGE": args.exchange}   # the loss: what the model returns
     forwards = "once a step" if args.micro_batch_size >= n // rt.world_size else "twice a step: embed, recompute"
     print0(f"[bold]Lesson 16: train a CLIP on digits[/] with distributed_backward\n"
-           f"{args.loss} loss, {args.exchange} exchange; N={n} over P={rt.world_size}: C={n // rt.world_size}, B={args.micro_batch_size} (the towers run "
-           f"{forwards}), T={args.stream_chunk}, d={args.dim}; {len(data.labels)} training, "
-           f"{len(data.split.test_labels)} held-out images; bf16 autocast {'on' if bf16 else 'off'}; {rt.backend}")
+           f"{args.loss} loss, {args.exchange} exchange; N={n} over P={rt.world_size}: C={n // rt.world_size}, "
+           f"B={args.micro_batch_size} (the towers run {forwards}), T={args.stream_chunk}, d={args.dim}; "
+           f"{len(data.labels)} training, {len(data.split.test_labels)} held-out images; "
+           f"bf16 autocast {'on' if bf16 else 'off'}; {rt.backend}")
     (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
     beta_before = None if model.logit_bias is None else model.logit_bias.item()
     check_first_step(ddp, model, data, config, verdict)
@@ -249,8 +251,8 @@ def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
     curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
     after, predictions = data.zero_shot(model)
     return dict(curves=curves, seconds=time.perf_counter() - start, before=before, after=after, s_before=s_before,
-                beta_before=beta_before,
-                guesses=guesses, predictions=predictions, bf16=bf16, digest=parameters_sha256(model))
+                beta_before=beta_before, guesses=guesses, predictions=predictions, bf16=bf16,
+                digest=parameters_sha256(model))
 
 
 def main() -> int:
@@ -265,8 +267,9 @@ def main() -> int:
                f"tau = {1 / s_after:.4f} (s = {s_after:.2f}) after {args.steps} steps in {run['seconds']:.1f} s")
         if "logit_bias" in curves:
             print0(f"learned bias: beta = {run['beta_before']:.2f} at the start, {curves['logit_bias'][-1]:.3f} after")
-        print0(f"zero-shot top-1 on {len(predictions)} held-out digits, prompt \"{ZERO_SHOT_TEMPLATE.format('<digit>')}\" "
-               f"(no training caption's template): {before:.1%} before training, {after:.1%} after (chance 10%)")
+        print0(f"zero-shot top-1 on {len(predictions)} held-out digits, "
+               f"prompt \"{ZERO_SHOT_TEMPLATE.format('<digit>')}\" (no training caption's template): "
+               f"{before:.1%} before training, {after:.1%} after (chance 10%)")
         verdict.check(f"held-out zero-shot accuracy >= {MIN_ACCURACY:.0%} (chance 10%)", after >= MIN_ACCURACY,
                       f"{after:.1%}")
         confusions = {when: confusion_matrix(data.split.test_labels, p)

@@ -155,11 +155,13 @@ def memory_markdown(runs: list[dict]) -> str:
              f"T = {runs[0]['meta']['stream_chunk']}; device: {runs[0]['meta']['device']}. Only memory is read from "
              "these runs (P ranks share the machine's cores, so their times say nothing).", "",
              "Commands: " + "; ".join(f"`{d['meta']['command']}`" for d in runs), "",
-             "| method | " + " | ".join(f"P = {p}" for p in worlds) + f" | P = {worlds[-1]} / P = {worlds[0]} |",
-             "|---|" + "---:|" * (len(worlds) + 1)]
+             "| method | " + " | ".join(f"P = {p}" for p in worlds)
+             + f" | P = {worlds[-1]} / P = {worlds[0]} | grew by, in C x d blocks |", "|---|" + "---:|" * (len(worlds) + 2)]
+    block = c * runs[0]["meta"]["dim"] * 4   # float32
     for method, by_p in table.items():
+        first, last = by_p[worlds[0]], by_p[worlds[-1]]
         lines.append(f"| {method} | " + " | ".join(f"{by_p[p] / MIB:.1f}" for p in worlds)
-                     + f" | {by_p[worlds[-1]] / by_p[worlds[0]]:.3f} |")
+                     + f" | {last / first:.3f} | {(last - first) / block:.1f} |")
     goals = []
     for method in (RING, SIGMOID_RING):
         if method in table and worlds[0] == 2 and worlds[-1] == 4:

@@ -184,6 +184,9 @@ def plot_memory(runs: list[dict], path: Path) -> None:
                 color=COLOURS[method], label=method)
     ax.set_yscale("log")
     ax.set_xticks(sorted({p for by_p in table.values() for p in by_p}))
+    meta = runs[0]["meta"]
+    ax.set_title(f"Peak memory per rank at C = {meta['sizes'][0] // meta['world']}, d = {meta['dim']} "
+                 "(solid: InfoNCE, dashed: sigmoid)", fontsize=9)
     ax.set_xlabel("world size P (C fixed)")
     ax.set_ylabel("peak MiB per rank")
     ax.grid(True, which="both", alpha=0.3)

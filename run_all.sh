@@ -25,6 +25,7 @@ LESSONS=(
   "14_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
   "15_sigmoid_and_ring.py|4|sigmoid loss closed form = autograd; {InfoNCE, sigmoid} x {gather, ring} = the whole batch; bytes = formula; ring memory flat in P|"
   "16_train_clip.py|2|step 1 of a CLIP trained with distributed_backward equals one process; held-out zero-shot top-1 >= 80% (8x chance)|"
+  "16_train_clip.py|2|the same with the sigmoid loss (a learned bias) and the ring exchange|--loss sigmoid --exchange ring"
 )
 
 mkdir -p runs
@@ -35,10 +36,11 @@ for entry in "${LESSONS[@]}"; do
   IFS='|' read -r file nproc claim extra <<< "$entry"
   echo
   echo "=== torchrun --nproc-per-node $nproc lessons/$file $extra"
+  log="runs/${file%.py}${extra:+_${extra//[^a-z0-9]/}}.log"   # a second run of a lesson keeps its own log
   start=$SECONDS
   # --standalone: a private rendezvous on a free port, so two runs on one machine never collide.
   # shellcheck disable=SC2086
-  torchrun --standalone --nproc-per-node "$nproc" "lessons/$file" $extra 2>&1 | tee "runs/${file%.py}.log"
+  torchrun --standalone --nproc-per-node "$nproc" "lessons/$file" $extra 2>&1 | tee "$log"
   status=${PIPESTATUS[0]}
   [ "$status" -eq 0 ] && result=PASS || { result="FAIL (exit $status)"; failed=1; }
   printf '%s\t%s\t%s\t%s\t%s\n' "${file%.py}" "$nproc" "$claim" "$result" "$((SECONDS - start))" >> "$summary"

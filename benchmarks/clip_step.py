@@ -1,32 +1,32 @@
-"""A whole CLIP training step at large N: open_clip's recipe against the streamed step, and the loss
-machinery against the matmul floor, per-rank time and peak memory.
+"""A whole CLIP training step at large N: open_clip's recipes against the streamed step, the InfoNCE
+and sigmoid loss machineries against open_clip's and against the matmul floors, gather against ring:
+per-rank time and peak memory.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/clip_step.py      # P = 2, N = 1024 ... 16384
-    python benchmarks/clip_step.py --report                                # tables and plot from the JSON
+    for p in 2 3 4; do torchrun --standalone --nproc-per-node $p benchmarks/clip_step.py --fixed-c 2048; done
+    python benchmarks/clip_step.py --report                                # tables and plots from the JSON
 
-Step (a small two-tower encoder, 64 -> 256 -> d per tower, d = 256, AdamW, float32, tau = 0.07):
-  open_clip recipe   one forward; both towers' C x d embeddings gathered with the sum-backward gather
-                     (`distlab.contrastive.gather.gather_with_grad`, lesson 12); the C x N local loss
-                     (`losses.local_clip_loss`); backward; step. open_clip's
-                     ClipLoss(local_loss=True, gather_with_grad=True) under DDP.
-  streamed, B = C    `distributed_backward` with MICRO_BATCH_SIZE = C (one forward, the graph kept); step
-  streamed, B = C/8  eight micro-batches (a no-grad forward, then a recompute of each); step
-Loss machinery (this rank's C x d embeddings in, dL/dZ_local out; no encoder):
-  open_clip recipe   gather_with_grad, local_clip_loss, backward to the embeddings
-  streamed           the library's `streamed.loss_machinery`: the all-gather, phase 2, and phase 3
-                     for every micro-batch (B = C and B = C/8), as the step runs them
-  matmul floor       the same 6 C N d multiply-adds as plain `mm` in C x T tiles (2 C N d for the
-                     rows and columns of S, 2 x 2 C N d for the two tile products and accumulations of
-                     G): no exponentials, no reductions, no communication. It is timed in both parts,
-                     interleaved with the methods, and every time in the tables is printed with its
-                     ratio to the floor of the same part and N.
+Parts (d = 256, float32, T = 512):
+  step     a small two-tower encoder (64 -> 256 -> d per tower), AdamW. open_clip recipe: one forward;
+           both towers' C x d embeddings gathered with the sum-backward gather (lesson 12), the C x N
+           local loss, backward, step: open_clip's ClipLoss(local_loss=True, gather_with_grad=True)
+           under DDP. streamed, B = C: `distributed_backward` with one forward, the graph kept;
+           streamed, B = C/8: eight micro-batches, each a no-grad forward then a recompute. The 6 C N d
+           floor is timed beside them, interleaved.
+  loss     the InfoNCE loss machinery (C x d embeddings in, dL/dZ out, no encoder): open_clip's recipe,
+           the streamed step gathered (B = C, C/8) and in a ring, and the 6 and 4 C N d matmul floors
+           (`clip_step_losses` says what each runs).
+  sigmoid  the sigmoid loss machinery: open_clip's SigLipLoss recipe (bidir, gather) against the
+           streamed sigmoid loss (gather, ring).
+--fixed-c C runs the loss and sigmoid parts once at N = C P, into clip_step_c{C}_p{P}: run at several P,
+it gives peak memory per rank against P at a fixed C (`--report` tables them together).
 
 Memory: the peak of tensor storage a call allocated on a rank (`distlab.memory.PeakMemory`; also
 `torch.cuda.max_memory_allocated` on GPUs), the worst rank, in its own run (watching every op slows
 small ones down). Time: the wall clock of the slowest rank, median of --repeats, the methods
-interleaved at each N so that load on a shared machine hits them alike. Before timing, the methods'
-gradients are checked to agree at the smallest N (the benchmark compares exact methods only).
-Writes benchmarks/results/clip_step_p{P}.{json,md,png}.
+interleaved at each N so that load on a shared machine hits them alike. Before timing, each part's
+methods are checked to give the same dL/dZ (or step gradients) at the smallest N: the benchmark
+compares exact methods only. Writes benchmarks/results/clip_step_p{P}.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -41,69 +41,24 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.chunks import chunks
 from distlab.cli import add_runtime_args, positive_int
 from distlab.console import print0
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.losses import local_clip_loss
 from distlab.models import TwoTower
 from distlab.runtime import distributed, run_main
-from distlab.streamed import loss_machinery
 from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
-from clip_step_report import B_C8, B_EQ_C, FLOOR, OPEN_CLIP, write_report  # noqa: E402
+from clip_step_losses import (B_C8, B_EQ_C, BIDIR, FLOOR, INFONCE, OPEN_CLIP, SIGMOIDS, TAU,  # noqa: E402
+                              config, floor_6, micro_of)
+from clip_step_report import write_memory_report, write_report  # noqa: E402
 from measure import local_embeddings, measure_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-TAU = 0.07
 STEP_METHODS = (OPEN_CLIP, B_EQ_C, B_C8)
-LOSS_METHODS = (OPEN_CLIP, B_EQ_C, B_C8, FLOOR)
-
-
-def config(n: int, micro: int, chunk: int) -> dict:
-    return {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": chunk, "TAU": TAU}
-
-
-def micro_of(method: str, c: int) -> int:
-    return c if method == B_EQ_C else max(1, c // 8)
-
-
-# ---------------------------------------------------------------------------------------------
-# The loss machinery: this rank's C x d embeddings in, dL/dZ_local out
-# ---------------------------------------------------------------------------------------------
-
-
-def loss_open_clip(z_x, z_y, rt, chunk, method):
-    lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
-    loss = local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), 1 / TAU, rt.rank * len(z_x))
-    loss.backward()
-    return lx.grad / rt.world_size, ly.grad / rt.world_size  # DDP's average: the mean of P local losses
-
-
-def loss_streamed(z_x, z_y, rt, chunk, method):
-    c = len(z_x)
-    _, g_x, g_y = loss_machinery(z_x, z_y, config(c * rt.world_size, micro_of(method, c), chunk))
-    return g_x, g_y
-
-
-def matmul_floor(z_x, z_y, rt, chunk, method):
-    """6 C N d multiply-adds as plain mm on the gathered embeddings, in C x T tiles (not a gradient)."""
-    k_x, k_y = z_x.repeat(rt.world_size, 1), z_y.repeat(rt.world_size, 1)  # N x d: stand-ins for the gather
-    g_x, g_y = torch.zeros_like(z_x), torch.zeros_like(z_y)
-    tile = z_x.new_empty(len(z_x), min(chunk, len(k_x)))
-    for cols in chunks(len(k_x), chunk):                   # phase 2's 2 C N d: my rows and my columns of S
-        width = cols.stop - cols.start
-        torch.mm(z_x, k_y[cols].T, out=tile[:, :width])
-        torch.mm(z_y, k_x[cols].T, out=tile[:, :width])
-    for cols in chunks(len(k_x), chunk):                   # phase 3's 4 C N d: a tile and its product
-        width = cols.stop - cols.start
-        g_x.addmm_(torch.mm(z_x, k_y[cols].T, out=tile[:, :width]), k_y[cols])
-        g_y.addmm_(torch.mm(z_y, k_x[cols].T, out=tile[:, :width]), k_x[cols])
-    return g_x, g_y
-
-
-LOSSES = {OPEN_CLIP: loss_open_clip, B_EQ_C: loss_streamed, B_C8: loss_streamed, FLOOR: matmul_floor}
+PARTS = {"loss": INFONCE, "sigmoid": SIGMOIDS}   # the loss machineries, each part's methods
+BASE = {"step": OPEN_CLIP, "loss": OPEN_CLIP, "sigmoid": BIDIR}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,50 +96,55 @@ def local_batch(n: int, rt, dim_in: int = 64) -> tuple[torch.Tensor, torch.Tenso
     return tuple(torch.randn(n // rt.world_size, dim_in, generator=gen).to(rt.device) for _ in range(2))
 
 
+def _max_rel(got: dict, base: str) -> float:
+    return max(((g - got[base]).abs().max() / got[base].abs().max()).item() for g in got.values())
+
+
 def check_agreement(args, rt) -> dict:
-    """At the smallest N, every step method's parameter gradients and every loss method's dL/dZ
-    (the floor aside) agree: the benchmark compares exact methods."""
-    n = args.sizes[0]
-    x, y = local_batch(n, rt)
-    grads = {}
-    for method in STEP_METHODS:
-        model = make_model(args, rt)
-        backward(method, model, x, y, rt, args.stream_chunk)
-        grads[method] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    """At the smallest N, each part's methods (the floors aside) give the same step gradients or dL/dZ:
+    the benchmark compares exact methods. Returns each part's largest relative difference."""
+    n, out = args.sizes[0], {}
+    if "step" in args.parts:
+        x, y = local_batch(n, rt)
+        grads = {}
+        for method in STEP_METHODS:
+            model = make_model(args, rt)
+            backward(method, model, x, y, rt, args.stream_chunk)
+            grads[method] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        out["step"] = _max_rel(grads, OPEN_CLIP)
     z = local_embeddings(n, args.dim, rt)
-    losses = {m: torch.cat(LOSSES[m](*z, rt, args.stream_chunk, m)) for m in LOSS_METHODS if m != FLOOR}
-    rel = lambda got, ref: ((got - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
-    return {"step": max(rel(grads[m], grads[OPEN_CLIP]) for m in STEP_METHODS),
-            "loss": max(rel(losses[m], losses[OPEN_CLIP]) for m in losses)}
+    for part in ("loss", "sigmoid"):
+        if part in args.parts:
+            got = {m: torch.cat(fn(*z, rt, args.stream_chunk, m)) for m, fn in PARTS[part].items()
+                   if "floor" not in m}
+            out[part] = _max_rel(got, BASE[part])
+    return out
 
 
 def calls_at(part: str, n: int, args, rt) -> dict:
     """method -> a zero-argument call that runs one step (or one loss machinery) at this N."""
-    calls = {}
-    if part == "loss":
-        z = local_embeddings(n, args.dim, rt)
-        for m in args.loss_methods:
-            calls[m] = lambda m=m: LOSSES[m](*z, rt, args.stream_chunk, m)
-        return calls
+    z = local_embeddings(n, args.dim, rt)
+    if part in PARTS:
+        return {m: (lambda m=m, fn=fn: fn(*z, rt, args.stream_chunk, m)) for m, fn in PARTS[part].items()}
     x, y = local_batch(n, rt)
-    for m in args.step_methods:
+    calls = {}
+    for m in STEP_METHODS:
         model = make_model(args, rt)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         calls[m] = lambda m=m, model=model, opt=optimizer: train_step(m, model, opt, x, y, rt, args.stream_chunk)
-    z = local_embeddings(n, args.dim, rt)  # the floor again, interleaved with the steps it is the yardstick of
-    calls[FLOOR] = lambda: matmul_floor(*z, rt, args.stream_chunk, FLOOR)
+    calls[FLOOR] = lambda: floor_6(*z, rt, args.stream_chunk, FLOOR)  # the yardstick, interleaved with the steps
     return calls
 
 
 def run_part(part: str, args, rt) -> dict:
-    results = {m: [] for m in (args.loss_methods if part == "loss" else [*args.step_methods, FLOOR])}
+    results = {}
     for n in args.sizes:
         calls = calls_at(part, n, args, rt)
         for fn in calls.values():
             fn()  # warm-up: DDP's first iteration, AdamW's state, lazy allocations
         for m, got in measure_interleaved(calls, rt, args.repeats).items():
-            results[m].append({"n": n, **got})
-            print0(f"{part:4s} N={n:6d} {m:18s} peak {got['peak_bytes'] / 2**20:8.1f} MiB  "
+            results.setdefault(m, []).append({"n": n, **got})
+            print0(f"{part:7s} N={n:6d} {m:22s} peak {got['peak_bytes'] / 2**20:8.1f} MiB  "
                    f"time {got['time_s']:7.3f} s", highlight=False)
         del calls
     return results
@@ -194,15 +154,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
                         help="global batches N")
+    parser.add_argument("--fixed-c", type=positive_int, metavar="C",
+                        help="run the loss and sigmoid parts once at N = C P (memory against P at a fixed C)")
     parser.add_argument("--dim", type=positive_int, default=256, help="d, the embedding width")
     parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T: tiles are at most T x T")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method and N")
-    parser.add_argument("--parts", nargs="+", choices=("step", "loss"), default=["step", "loss"])
-    parser.add_argument("--step-methods", nargs="+", choices=STEP_METHODS, default=list(STEP_METHODS))
-    parser.add_argument("--loss-methods", nargs="+", choices=LOSS_METHODS, default=list(LOSS_METHODS))
+    parser.add_argument("--parts", nargs="+", choices=("step", *PARTS), default=["step", *PARTS])
     parser.add_argument("--out", help="output path without suffix (default: results/clip_step_p{P})")
-    parser.add_argument("--report", metavar="JSON", nargs="?", const=str(RESULTS / "clip_step_p2.json"),
-                        help="only rewrite the Markdown table and the plot from this JSON")
+    parser.add_argument("--report", action="store_true", help="only rewrite the tables and plots from results/")
     return add_runtime_args(parser).parse_args()
 
 
@@ -213,12 +172,21 @@ def device_name(rt) -> str:
             f"{torch.get_num_threads()} thread(s) per rank")
 
 
+def write_reports() -> str:
+    """Every report from the JSON in results/: the P = 2 tables and plot, and memory against P."""
+    text = write_report(RESULTS / "clip_step_p2.json")
+    fixed = sorted(RESULTS.glob("clip_step_c*_p*.json"))
+    return text + (write_memory_report(fixed, RESULTS / "clip_step_memory_vs_p") if fixed else "")
+
+
 def main() -> int:
     args = parse_args()
     if args.report:
-        write_report(Path(args.report))
+        print(write_reports())
         return 0
     with distributed(args.device) as rt:
+        if args.fixed_c:
+            args.sizes, args.parts = [args.fixed_c * rt.world_size], [p for p in args.parts if p != "step"]
         if any(n % (8 * rt.world_size) for n in args.sizes):
             raise ValueError(f"--sizes: every N must be divisible by 8 P = {8 * rt.world_size} (B = C/8)")
         meta = {"world": rt.world_size, "dim": args.dim, "stream_chunk": args.stream_chunk, "dtype": "float32",
@@ -227,21 +195,26 @@ def main() -> int:
                 "command": f"torchrun --standalone --nproc-per-node {rt.world_size} benchmarks/clip_step.py "
                            + " ".join(sys.argv[1:])}
         agreement = check_agreement(args, rt)
-        print0(f"methods agree at N={args.sizes[0]}: max relative difference, step gradients "
-               f"{agreement['step']:.1e}, loss dL/dZ {agreement['loss']:.1e}")
+        print0(f"methods agree at N={args.sizes[0]}: max relative difference of dL/dZ (or step gradients) "
+               + ", ".join(f"{part} {rel:.1e}" for part, rel in agreement.items()))
         if max(agreement.values()) > 1e-4:
             raise RuntimeError(f"methods disagree ({agreement}): the benchmark would compare different things")
         meta["load_average_before"] = os.getloadavg()[0]  # the machine may be shared: say how busy it was
         results = {part: run_part(part, args, rt) for part in args.parts}
         meta["load_average_after"] = os.getloadavg()[0]
         if rt.is_first:
-            out = Path(args.out) if args.out else RESULTS / f"clip_step_p{rt.world_size}"
+            name = f"clip_step_c{args.fixed_c}_p{rt.world_size}" if args.fixed_c else f"clip_step_p{rt.world_size}"
+            out = Path(args.out) if args.out else RESULTS / name
             out.parent.mkdir(parents=True, exist_ok=True)
             out.with_suffix(".json").write_text(json.dumps(
                 {"meta": meta, "agreement_max_rel": agreement, "results": results}, indent=1))
-            text = write_report(out.with_suffix(".json"))
-            print0(f"wrote {out}.{{json,md,png}}\n" + text[text.index("**Targets**"):], highlight=False,
-                   soft_wrap=True)
+            if args.fixed_c:
+                print0(f"wrote {out}.json; after the runs at every P, `python benchmarks/clip_step.py --report` "
+                       "tables memory against P", highlight=False)
+            else:
+                text = write_report(out.with_suffix(".json"))
+                print0(f"wrote {out}.{{json,md,png}}\n" + text[text.index("**Targets**"):], highlight=False,
+                       soft_wrap=True)
     return 0
 
 

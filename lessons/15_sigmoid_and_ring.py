@@ -50,7 +50,7 @@ from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
 from distlab.streamed import loss_machinery
-from distlab.streamed.exchange import expected_bytes, rank_shares, traffic
+from distlab.streamed.exchange import expected_bytes, traffic
 from distlab.streamed.ring import P2PRing, sigmoid_ring
 from distlab.streamed.sigmoid import Logits
 from distlab.verdict import Verdict
@@ -220,14 +220,10 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
     peaks = {}
     for loss_name in LOSSES:
         for exchange in EXCHANGES:
-            logits = Logits(10.0, -10.0) if loss_name == "sigmoid" else 10.0
-            if loss_name == "infonce" and exchange == "gather":
-                with PeakMemory() as mem:   # phases 2 and 3 of the gathered step
-                    loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c,
-                                              "STREAM_CHUNK_SIZE": t, "TAU": 0.1})
-            else:
-                with PeakMemory() as mem:
-                    rank_shares(z_x, z_y, logits, exchange, t)
+            config = {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c, "STREAM_CHUNK_SIZE": t,
+                      "TAU": 0.1, "EXCHANGE": exchange}
+            with PeakMemory() as mem:   # the step's loss machinery, as it runs in the step
+                loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss_name == "sigmoid" else None)
             peaks[loss_name, exchange] = mem.peak_bytes
             verdict.figure(f"peak MiB {loss_name} {exchange}", mem.peak_bytes / 2 ** 20)
     block, n = c * 64 * 4, c * rt.world_size

@@ -2,6 +2,7 @@
 captions, and classify held-out digits zero-shot.
 
     torchrun --nproc-per-node 2 lessons/16_train_clip.py        # P = 1, 2, 4: any P dividing N
+    torchrun --nproc-per-node 2 lessons/16_train_clip.py --loss sigmoid --exchange ring
 
 The idea. CLIP trains an image tower and a text tower so that an image and its caption land close
 together and apart from the other N - 1 captions of the global batch: with unit-norm embeddings
@@ -26,6 +27,19 @@ stops there while zero-shot accuracy is already high. s settles where two pulls 
 the digits wants it large; preferring one same-digit caption over another (the image cannot know which
 template its caption was drawn from) is a mistake, and wants it small.
 
+The sigmoid loss (`--loss sigmoid`; lesson 15). The model gains SigLIP's learned bias beta and returns
+(z_x, z_y, s, beta), which is what selects the loss in `distributed_backward`: S = s Z_x Z_y^T + beta,
+L = -(1/N) sum_ij log sigma(eps_ij S_ij), eps_ij = +1 on the diagonal, -1 elsewhere. Each of the N^2
+pairs is its own binary classification ("does this caption belong to this image?"): no normaliser
+over the batch couples a row or a column. N - 1 of each row's N pairs are negatives, so every pair
+starts near "no": beta = -10 and s = 10 (SigLIP's initialisation); with beta = 0 the N^2 - N
+negatives' log 2 each (L = 177 at N = 256, against 10.2 here) would swamp the first steps. The lr,
+schedule and clamp stay the InfoNCE's (open_clip clamps SigLIP's s into [1, 100] too; beta is not
+clamped): nothing is tuned, and held-out accuracy reaches 99% at P = 2. beta moves little (to -10.08
+in 150 steps: AdamW moves it about lr a step at most). L sums each row's N terms, so its values are
+not comparable with InfoNCE's. `--exchange ring` (either loss): C x d blocks pass from rank to rank
+instead of an all-gather, so no rank holds N x d; the gradients are the same (lesson 15).
+
 The mechanism. `distributed_backward` in src/distributed_clip.py (the phases in
 src/distlab/streamed/step.py) adds the exact global gradient into .grad, like loss.backward();
 the caller owns everything else, as in any CLIP training loop (open_clip's `train_one_epoch`):
@@ -36,9 +50,10 @@ the caller owns everything else, as in any CLIP training loop (open_clip's `trai
     clip_grad_norm_(params, 1.0); optimizer.step(); scheduler.step(); model.clamp_logit_scale_()
 
 The data, the tiny word tokenizer, the towers and the zero-shot classifier are in
-src/distlab/contrastive/digits.py; AdamW's decay groups and the warm-up + cosine schedule in
-src/distlab/optim.py. With B >= C every rank's C pairs are one micro-batch and the towers run once per
-step; with B < C each micro-batch runs twice (a no-grad embed, then a recompute with grad).
+src/distlab/contrastive/digits.py (each rank's rows at each step in digits_data.py); AdamW's decay
+groups and the warm-up + cosine schedule in src/distlab/optim.py. With B >= C every rank's C pairs
+are one micro-batch and the towers run once per step; with B < C each micro-batch runs twice (a
+no-grad embed, then a recompute with grad).
 
 bf16 autocast helps where the towers are a large share of the step and the hardware has bf16 units
 (GPUs): `--autocast auto` turns it on for CUDA. On the CPU it does not help this lesson, so auto leaves
@@ -58,8 +73,8 @@ bit-identical to an uninterrupted one: compare the `parameters sha256` lines (sr
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/16_train_clip.py \
         --checkpoint-dir /tmp/clip --crash-at-step 95
 
-The self-checks. Step 1's gradients, the logit scale's included, equal those of a deep copy trained on
-the whole global batch in one process (plain autograd, the scale an ordinary tensor); held-out
+The self-checks. Step 1's gradients, the logit scale's (and bias's) included, equal those of a deep copy
+on the whole global batch in one process (plain autograd of the run's loss, s and beta ordinary tensors); held-out
 zero-shot top-1 accuracy must reach MIN_ACCURACY, eight times chance (10%), after training. The global
 batches do not depend on P, so runs at P = 1, 2 and 4 are the same training: their losses and learned
 temperatures agree to float32 rounding step by step (the test compares P = 1 and P = 2).
@@ -67,7 +82,6 @@ temperatures agree to float32 rounding step by step (the test compares P = 1 and
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
@@ -79,8 +93,10 @@ from distlab.cli import (check_flags_against_world, divides_global_batch, fracti
                          positive_int)
 from distlab.compare import all_ok, compare, grads_of, tolerances
 from distlab.console import print0, progress
-from distlab.contrastive.digits import (ZERO_SHOT_TEMPLATE, DigitsCLIP, Tokenizer, caption_table,
-                                        confusion_matrix, draw_captions, load_split, zero_shot)
+from distlab.contrastive.digits import (SIGLIP_INIT_LOGIT_BIAS, ZERO_SHOT_TEMPLATE, DigitsCLIP, confusion_matrix,
+                                        load_split)
+from distlab.contrastive.digits_data import Digits
+from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.optim import decay_groups, warmup_cosine
 from distlab.runtime import distributed, run_main
@@ -89,6 +105,7 @@ from distributed_clip import distributed_backward
 
 MIN_ACCURACY = 0.80   # chance is 1 in 10 digits; 8x chance is not luck
 AUTOCAST = ("auto", "bf16", "off")
+LOSSES, EXCHANGES = ("infonce", "sigmoid"), ("gather", "ring")
 
 
 def parse_args():
@@ -107,6 +124,8 @@ def parse_args():
     parser.add_argument("--test-fraction", type=fraction, default=0.2, help="held-out share of each digit")
     parser.add_argument("--eval-every", type=positive_int, default=10, help="zero-shot evaluation interval")
     parser.add_argument("--autocast", choices=AUTOCAST, default="auto", help="bf16 autocast; auto: on CUDA only")
+    parser.add_argument("--loss", choices=LOSSES, default="infonce", help="sigmoid: SigLIP's, with a learned bias")
+    parser.add_argument("--exchange", choices=EXCHANGES, default="gather", help="ring: C x d blocks rank to rank")
     args = add_resume_args(parser).parse_args()   # --checkpoint-dir, --checkpoint-every, --crash-at-step, --crash-rank
     check_resume_args(parser, args)
     if args.warmup >= args.steps:  # needs no P: refused before any process group exists
@@ -119,47 +138,12 @@ def parse_args():
     return args
 
 
-class Digits:
-    """The split, the tokenised captions, and which rows each rank trains on at each step."""
-
-    def __init__(self, args, rt):
-        self.split = load_split(args.test_fraction, args.seed)
-        self.tokenizer = Tokenizer.for_digits()
-        self.table = caption_table(self.tokenizer)            # 10 digits x templates x words
-        self.rt, self.seed, self.local = rt, args.seed, args.global_batch // rt.world_size
-        self.labels = self.split.train_labels
-
-    def rows(self, epoch: int, rank: int) -> list[torch.Tensor]:
-        """Rank `rank`'s C training rows for each step of `epoch`. Step k's global batch is pairs
-        k N ... k N + N - 1 of the epoch's permutation, and rank r holds its r-th slice of C: the same
-        global batches at every P, so P = 1, 2, 4 run the same training (a DistributedSampler deals
-        rows round-robin, so its global batches change with P). Every rank can rebuild every rank's
-        rows, so the reference needs no communication."""
-        order = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed * 1_000 + epoch))
-        n = self.local * self.rt.world_size
-        return [order[k * n + rank * self.local:][:self.local] for k in range(len(order) // n)]
-
-    def batch(self, epoch: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        captions = draw_captions(self.labels, self.table, self.seed * 100_003 + epoch)
-        return self.split.train_images[rows].to(self.rt.device), captions[rows].to(self.rt.device)
-
-    def batches(self, first: int = 0):
-        """This rank's (images, caption ids) for every step from step `first` (0-based) on, epoch after
-        epoch: the order is a function of (seed, epoch), so a resumed run needs only the step."""
-        per_epoch = len(self.labels) // (self.local * self.rt.world_size)
-        for epoch in itertools.count(first // per_epoch):
-            for rows in self.rows(epoch, self.rt.rank)[max(0, first - epoch * per_epoch):]:
-                yield self.batch(epoch, rows)
-
-    def zero_shot(self, model) -> tuple[float, torch.Tensor]:
-        images, labels = self.split.test_images.to(self.rt.device), self.split.test_labels.to(self.rt.device)
-        return zero_shot(model, images, labels, self.tokenizer)
-
-
 def reference_gradients(model: DigitsCLIP, images: torch.Tensor, ids: torch.Tensor) -> tuple[dict, float]:
-    """A deep copy on the whole global batch in one process: plain autograd on `clip_loss`, s an ordinary
-    tensor (the model has no dropout, so no random stream needs replaying)."""
-    loss, grads = full_batch_gradients(model, images, ids, None)
+    """A deep copy on the whole global batch in one process: plain autograd on `clip_loss`, or on
+    `sigmoid_loss` when the model has a bias; s and beta ordinary tensors (the model has no dropout, so
+    no random stream needs replaying)."""
+    loss_fn = clip_loss if model.logit_bias is None else sigmoid_loss
+    loss, grads = full_batch_gradients(model, images, ids, None, loss_fn=loss_fn)
     return grads, loss
 
 
@@ -185,7 +169,8 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
     rtol, atol = tolerances(torch.float32)
     print0(part_table(rows, f"allclose with rtol {rtol:g}, atol {atol:g}; rank 0"))
     print0(f"step 1 loss: distributed {loss:.7f}, one process {ref_loss:.7f}")
-    verdict.check("step 1's gradients (logit scale included) equal the full batch's",
+    learned = "logit scale" if model.logit_bias is None else "logit scale and bias"
+    verdict.check(f"step 1's gradients ({learned} included) equal the full batch's",
                   all_ok(rows) and abs(loss - ref_loss) <= atol + rtol * abs(ref_loss))
     ddp.zero_grad(set_to_none=True)
 
@@ -206,6 +191,8 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
     whole checkpoint, if any, and writes one every --checkpoint-every steps (src/distlab/checkpointing.py)."""
     model = ddp.module
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
+    if model.logit_bias is not None:
+        curves["logit_bias"] = []                                     # the sigmoid loss's beta
     checkpoints = Checkpoints.from_args(args, data.rt)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "curves": curves}
     first = checkpoints.restore(state)                               # and every rank's generators
@@ -217,6 +204,8 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
         scheduler.step()
         curves["loss"].append(loss)
         curves["logit_scale"].append(model.logit_scale.exp().item())
+        if model.logit_bias is not None:
+            curves["logit_bias"].append(model.logit_bias.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curves["eval_step"].append(step + 1)
             curves["accuracy"].append(data.zero_shot(model)[0])
@@ -226,14 +215,15 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
 
 def curve_table(curves: dict) -> Table:
     table = Table(title="Training (zero-shot: top-1 on held-out digits)", title_justify="left")
-    for column in ("step", "lr", "loss", "s = 1/tau", "tau", "zero-shot"):
+    bias = curves.get("logit_bias")
+    for column in ("step", "lr", "loss", "s = 1/tau", "tau") + (("beta",) if bias else ()) + ("zero-shot",):
         table.add_column(column, justify="right")
     shown = curves["eval_step"][:: max(1, len(curves["eval_step"]) // 8)]
     for step in dict.fromkeys(shown + curves["eval_step"][-1:]):
         k, s = step - 1, curves["logit_scale"][step - 1]
         accuracy = curves["accuracy"][curves["eval_step"].index(step)]
         table.add_row(str(step), f"{curves['lr'][k]:.2e}", f"{curves['loss'][k]:.4f}", f"{s:.2f}",
-                      f"{1 / s:.4f}", f"{accuracy:.1%}")
+                      f"{1 / s:.4f}", *([f"{bias[k]:.3f}"] if bias else []), f"{accuracy:.1%}")
     return table
 
 
@@ -241,37 +231,45 @@ def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
     """Model, DDP, optimiser; step 1 checked, then trained. Returns what the report needs: the DDP
     wrapper lives in this frame only, so it is gone before the process group is (runtime's teardown)."""
     n, bf16 = args.global_batch, args.autocast == "bf16" or (args.autocast == "auto" and rt.device.type == "cuda")
-    model = DigitsCLIP(len(data.tokenizer), data.tokenizer.length, args.dim, args.width, args.seed).to(rt.device)
+    bias = SIGLIP_INIT_LOGIT_BIAS if args.loss == "sigmoid" else None               # beta, and s = 10 at the start
+    model = DigitsCLIP(len(data.tokenizer), data.tokenizer.length, args.dim, args.width, args.seed, bias).to(rt.device)
     ddp = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(decay_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
-    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size, "STREAM_CHUNK_SIZE": args.stream_chunk}
+    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
+              "STREAM_CHUNK_SIZE": args.stream_chunk, "EXCHANGE": args.exchange}   # the loss: what the model returns
     forwards = "once a step" if args.micro_batch_size >= n // rt.world_size else "twice a step: embed, recompute"
     print0(f"[bold]Lesson 16: train a CLIP on digits[/] with distributed_backward\n"
-           f"N={n} over P={rt.world_size}: C={n // rt.world_size}, B={args.micro_batch_size} (the towers run "
-           f"{forwards}), T={args.stream_chunk}, d={args.dim}; {len(data.labels)} training, "
-           f"{len(data.split.test_labels)} held-out images; bf16 autocast {'on' if bf16 else 'off'}; {rt.backend}")
+           f"{args.loss} loss, {args.exchange} exchange; N={n} over P={rt.world_size}: C={n // rt.world_size}, "
+           f"B={args.micro_batch_size} (the towers run {forwards}), T={args.stream_chunk}, d={args.dim}; "
+           f"{len(data.labels)} training, {len(data.split.test_labels)} held-out images; "
+           f"bf16 autocast {'on' if bf16 else 'off'}; {rt.backend}")
     (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
+    beta_before = None if model.logit_bias is None else model.logit_bias.item()
     check_first_step(ddp, model, data, config, verdict)
     start = time.perf_counter()
     curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
     after, predictions = data.zero_shot(model)
     return dict(curves=curves, seconds=time.perf_counter() - start, before=before, after=after, s_before=s_before,
-                guesses=guesses, predictions=predictions, bf16=bf16, digest=parameters_sha256(model))
+                beta_before=beta_before, guesses=guesses, predictions=predictions, bf16=bf16,
+                digest=parameters_sha256(model))
 
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), divides_global_batch)
     with distributed(args.device) as rt:
-        verdict, data = Verdict(rt), Digits(args, rt)
+        verdict, data = Verdict(rt), Digits(rt, args.global_batch, args.test_fraction, args.seed)
         run = train_clip(args, rt, data, verdict)
         curves, before, after, predictions = run["curves"], run["before"], run["after"], run["predictions"]
         print0(curve_table(curves))
         s_before, s_after = run["s_before"], curves["logit_scale"][-1]
         print0(f"learned temperature: tau = {1 / s_before:.4f} (s = {s_before:.2f}) at the start, "
                f"tau = {1 / s_after:.4f} (s = {s_after:.2f}) after {args.steps} steps in {run['seconds']:.1f} s")
-        print0(f"zero-shot top-1 on {len(predictions)} held-out digits, prompt \"{ZERO_SHOT_TEMPLATE.format('<digit>')}\" "
-               f"(no training caption's template): {before:.1%} before training, {after:.1%} after (chance 10%)")
+        if "logit_bias" in curves:
+            print0(f"learned bias: beta = {run['beta_before']:.2f} at the start, {curves['logit_bias'][-1]:.3f} after")
+        print0(f"zero-shot top-1 on {len(predictions)} held-out digits, "
+               f"prompt \"{ZERO_SHOT_TEMPLATE.format('<digit>')}\" (no training caption's template): "
+               f"{before:.1%} before training, {after:.1%} after (chance 10%)")
         verdict.check(f"held-out zero-shot accuracy >= {MIN_ACCURACY:.0%} (chance 10%)", after >= MIN_ACCURACY,
                       f"{after:.1%}")
         confusions = {when: confusion_matrix(data.split.test_labels, p)

@@ -1,5 +1,6 @@
 """What the streamed step's tests share (tests/test_streamed_*.py): a small CLIP-like model, its
-full-batch reference through the library's `clip_loss` and `as_ranks`, each rank's dropout stream and
+full-batch reference through the library's `clip_loss` / `sigmoid_loss` (plain autograd over the whole
+N x N, none of the streamed step's code) and `as_ranks`, each rank's dropout stream and
 its rows. (tests/helpers.py holds what every test shares; this one what the streamed tests do.)"""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.chunks import balanced_chunks
-from distlab.contrastive.losses import clip_loss
+from distlab.contrastive.losses import clip_loss, sigmoid_loss  # plain autograd: independent of streamed/
 from distlab.contrastive.reference import RankStreams, as_ranks
 
 STREAMED_N = 24  # a global batch divisible by P = 1, 2, 3 and 4
@@ -77,12 +78,6 @@ class SigTowers(Towers):
         if self.as_dict:
             return {"image_features": z_x, "text_features": z_y, "logit_scale": s, "logit_bias": self.logit_bias}
         return z_x, z_y, s, self.logit_bias
-
-
-def sigmoid_loss(z_x, z_y, s, beta):
-    """-(1/N) sum_ij log sigma(eps_ij S_ij), S = s z_x z_y^T + beta, eps = +1 on the diagonal, -1 elsewhere."""
-    eps = 2 * torch.eye(len(z_x), dtype=z_x.dtype, device=z_x.device) - 1
-    return -F.logsigmoid(eps * (s * z_x @ z_y.T + beta)).sum() / len(z_x)
 
 
 def rank_streams(world, seed=DROPOUT_SEED):

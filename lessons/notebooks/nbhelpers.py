@@ -107,22 +107,20 @@ def ring_and_gather(rt, c: int, d: int, t: int) -> dict:
 
     from distlab.memory import PeakMemory
     from distlab.streamed import loss_machinery
-    from distlab.streamed.exchange import rank_shares, traffic
+    from distlab.streamed.exchange import traffic
     from distlab.streamed.ring import P2PRing, sigmoid_ring
     from distlab.streamed.sigmoid import Logits
 
     gen = torch.Generator().manual_seed(rt.rank)
     z_x, z_y = (F.normalize(torch.randn(c, d, generator=gen), dim=1) for _ in range(2))
     out = {}
-    config = {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c, "STREAM_CHUNK_SIZE": t, "TAU": 0.1}
     for loss in ("infonce", "sigmoid"):
         for exchange in ("gather", "ring"):
+            config = {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c, "STREAM_CHUNK_SIZE": t,
+                      "TAU": 0.1, "EXCHANGE": exchange}
             traffic.sent_bytes = 0
             with PeakMemory() as mem:
-                if (loss, exchange) == ("infonce", "gather"):
-                    loss_machinery(z_x, z_y, config)      # phases 2 and 3 of the gathered step
-                else:
-                    rank_shares(z_x, z_y, Logits(10.0, -10.0) if loss == "sigmoid" else 10.0, exchange, t)
+                loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss == "sigmoid" else None)
             out[loss, exchange] = (mem.peak_bytes, traffic.sent_bytes)
     ring = P2PRing(rt.world_size, rt.rank)
     dist.barrier()

@@ -15,6 +15,8 @@ from a few templates, so the text tower must learn that only the number word mat
   token + position embeddings, mean over the caption's words, an MLP) and a learnable
   `logit_scale`; `forward(x, y)` returns (z_x, z_y, s) with unit-norm embeddings and s =
   exp(logit_scale), open_clip's `CLIP.forward` contract, so `distributed_backward` trains the scale.
+  With `logit_bias` (SigLIP's head) it also learns a bias beta and returns (z_x, z_y, s, beta), which
+  selects the sigmoid loss; its scale then starts at s = 10 (open_clip's SigLIP configs).
 - `zero_shot`: CLIP's zero-shot classifier: each image against the ten class captions of a prompt
   template that no training caption uses (`ZERO_SHOT_TEMPLATE`), top-1; with `confusion_matrix` to
   see which digits it confuses.
@@ -45,6 +47,8 @@ ZERO_SHOT_TEMPLATE = "the handwritten digit {}"
 assert ZERO_SHOT_TEMPLATE not in TEMPLATES
 INIT_LOGIT_SCALE = math.log(1 / 0.07)  # CLIP's initial temperature, tau = 0.07
 MAX_LOGIT_SCALE = math.log(100)        # CLIP clamps s at 100 (tau >= 0.01) after every step
+SIGLIP_INIT_LOGIT_SCALE = math.log(10)  # SigLIP's s = 10 at the start, with the bias beta = -10
+SIGLIP_INIT_LOGIT_BIAS = -10.0         # (open_clip's init_logit_scale / init_logit_bias for SigLIP)
 
 
 @dataclass(frozen=True)
@@ -156,24 +160,31 @@ class TextTower(nn.Module):
 
 
 class DigitsCLIP(nn.Module):
-    """The two towers and the learnable logit scale; forward(x, y) -> (z_x, z_y, s)."""
+    """The two towers and the learnable logit scale; forward(x, y) -> (z_x, z_y, s). With `logit_bias`
+    (e.g. SIGLIP_INIT_LOGIT_BIAS) a learnable bias too, s starting at 10: forward -> (z_x, z_y, s, beta).
+    The towers' initial weights depend on `seed` only, bias or not."""
 
-    def __init__(self, vocab_size: int, length: int, dim: int = 64, width: int = 32, seed: int = 0):
+    def __init__(self, vocab_size: int, length: int, dim: int = 64, width: int = 32, seed: int = 0,
+                 logit_bias: float | None = None):
         super().__init__()
         with torch.random.fork_rng():  # the same initial weights on every rank; the global stream untouched
             torch.manual_seed(seed)
             self.encoder_x = ImageTower(dim, width)
             self.encoder_y = TextTower(vocab_size, length, dim, 2 * width)
-        self.logit_scale = nn.Parameter(torch.tensor(INIT_LOGIT_SCALE))
+        sigmoid = logit_bias is not None
+        self.logit_scale = nn.Parameter(torch.tensor(SIGLIP_INIT_LOGIT_SCALE if sigmoid else INIT_LOGIT_SCALE))
+        self.logit_bias = nn.Parameter(torch.tensor(float(logit_bias))) if sigmoid else None
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         z_x = F.normalize(self.encoder_x(x), dim=-1)
         z_y = F.normalize(self.encoder_y(y), dim=-1)
-        return z_x, z_y, self.logit_scale.exp()
+        if self.logit_bias is None:
+            return z_x, z_y, self.logit_scale.exp()
+        return z_x, z_y, self.logit_scale.exp(), self.logit_bias
 
     @torch.no_grad()
     def clamp_logit_scale_(self) -> None:
-        """After each optimiser step, as open_clip does: s stays in [1, 100]."""
+        """After each optimiser step, as open_clip does: s stays in [1, 100] (SigLIP's too; beta is free)."""
         self.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
 
 

@@ -5,7 +5,8 @@ copy of the model, the whole global batch, plain autograd on a loss of the N emb
 with logit scale s = 1/tau unless told otherwise; s = None: the scale the model returns third, open_clip's
 learned one). Two things vary it:
 
-- `loss_fn`: `DetachedBlocks(P)` is what lesson 11's plain gather really computes, written out in
+- `loss_fn`: `sigmoid_loss` for a model that returns (z_x, z_y, s, beta) (SigLIP's; s = None passes
+  both). `DetachedBlocks(P)` is what lesson 11's plain gather really computes, written out in
   one process without any of its code: split the batch into P blocks; for block r, the symmetric
   loss over block r's rows in which only block r's embeddings carry gradient (the other blocks are
   detached constants); average over r. Its gradient is
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ from distlab.compare import grads_of
 from distlab.contrastive.losses import check_scale, clip_loss
 
 Embeddings = tuple  # (Z_x, Z_y), or (Z_x, Z_y, s) from a model that returns its logit scale
-LossFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]      # (Z_x, Z_y, s) -> L
+LossFn = Callable[..., torch.Tensor]     # (Z_x, Z_y, s) -> L, or (Z_x, Z_y, s, beta) -> L
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], Embeddings]  # (model, X, Y) -> embeddings
 
 
@@ -54,11 +55,12 @@ def full_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s: 
                          loss_fn: LossFn = clip_loss,
                          forward: Forward = plain_forward) -> tuple[float, dict[str, torch.Tensor]]:
     """(L, dL/dtheta) of a deep copy of `model` on the whole batch (the original is untouched); with
-    s None the model's own scale (returned third by its forward) is used, and its gradient included."""
+    s None the model's own scale (returned third by its forward) is used, and its gradient included,
+    and so is anything it returns after the scale (SigLIP's bias beta: loss_fn(Z_x, Z_y, s, beta))."""
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
     z_x, z_y, *scale = forward(model, x, y)
-    loss = loss_fn(z_x, z_y, scale[0] if s is None else s)
+    loss = loss_fn(z_x, z_y, *(scale if s is None else (s,)))
     loss.backward()
     return loss.item(), grads_of(model)
 

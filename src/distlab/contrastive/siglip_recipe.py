@@ -84,7 +84,7 @@ def siglip_recipe_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: torch.Tensor, b:
     if world == 1:
         return loss
     if variant == "gather":
-        blocks = funcol.all_gather_tensor_autograd(z_y.contiguous(), 0, dist.group.WORLD).chunk(world)
+        blocks = funcol.all_gather_single_autograd(z_y.contiguous(), 0, dist.group.WORLD).chunk(world)
         return loss + sum(block_loss(z_x, blk, s, b, True) for i, blk in enumerate(blocks) if i != rank)
     left, right = (rank - 1) % world, (rank + 1) % world
     to_left = to_right = z_y

@@ -171,11 +171,17 @@ def phase4_backward(outputs: Outputs, grads: tuple, multiplier: torch.Tensor) ->
                                 [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
 
 
-def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any]) -> tuple[float, Any, Any]:
+def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any],
+                   logit_bias: float | None = None) -> tuple[float, Any, Any]:
     """The step without the encoders, for benchmarks and notebooks: this rank's C x d embeddings in,
-    (L, G_x, G_y) for its rows out (the all-gather, phase 2, phase 3 over every micro-batch). TAU
-    is required; no guards."""
+    (L, G_x, G_y) for its rows out, by the path the step takes (TAU is required; no guards). InfoNCE
+    gathered: the all-gather, phase 2, phase 3 over every micro-batch; a `logit_bias` (the sigmoid
+    loss) or EXCHANGE "ring": `exchange.rank_shares` for the rank's C rows."""
     cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
+    if logit_bias is not None or cfg.exchange == "ring":
+        logits = Logits(1.0 / cfg.tau, logit_bias) if logit_bias is not None else 1.0 / cfg.tau
+        shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, cfg.t)
+        return loss, shares.g_x, shares.g_y
     emb = gather_embeddings(LocalForward([slice(0, len(z_x))], [(z_x, z_y, None)], [], kept=False), cfg)
     norm = phase2_normalisers(emb, cfg)
     grads = [phase3_embedding_grads(emb, norm, rows, cfg, (True, True, False))[:2] for rows in cfg.micro]

@@ -67,14 +67,15 @@ def _target_lines(goals: list[dict]) -> list[str]:
 
 def _part_table(part: str, rows_of: dict, sizes: list[int]) -> list[str]:
     base, floor = BASE[part], {r["n"]: r["time_s"] for r in rows_of.get(FLOOR, [])}
-    lines = [f"**{TITLES[part]}**", "", f"| N | method | seconds | x floor | x {base} | peak MiB | x {base} |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    over = "x floor | " if floor else ""
+    lines = [f"**{TITLES[part]}**", "", f"| N | method | seconds | {over}x {base} | peak MiB | x {base} |",
+             "|---:|---|---:|" + "---:|" * (3 + bool(floor))]
     for n in sizes:
         ref = _at(rows_of[base], n)
         for method, rows in rows_of.items():
             r = _at(rows, n)
-            over = f"{r['time_s'] / floor[n]:.2f}" if n in floor else ""
-            lines.append(f"| {n} | {method} | {r['time_s']:.3f} | {over} | {r['time_s'] / ref['time_s']:.2f} | "
+            ratio = f"{r['time_s'] / floor[n]:.2f} | " if floor else ""
+            lines.append(f"| {n} | {method} | {r['time_s']:.3f} | {ratio}{r['time_s'] / ref['time_s']:.2f} | "
                          f"{r['peak_bytes'] / MIB:.1f} | {r['peak_bytes'] / ref['peak_bytes']:.3f} |")
     return lines + [""]
 

@@ -8,10 +8,9 @@ InfoNCE (tau = 0.07):
   streamed, B = C/8    phase 2, phase 3 per micro-batch (6 C N d)
   streamed ring        `loss_machinery` with EXCHANGE "ring": two passes around the ring (4 C N d)
   6 / 4 C N d floor    the same multiply-adds as plain mm on N x d stand-ins, in the T x T tiles the
-                       streamed step walks: the
-                       gathered design's 6 (2 for S's rows and columns, 2 x 2 for G's tiles and
-                       products) and the ring's 4 (1 for S, then S, W z_y and W^T z_x); no
-                       exponentials, no reductions, no communication. Not a gradient.
+                       streamed step walks: the gathered design's 6 (2 for S's rows and columns,
+                       2 x 2 for G's tiles and products) and the ring's 4 (1 for S, then S, W z_y
+                       and W^T z_x); no exponentials, no reductions, no communication. Not a gradient.
 Sigmoid (s = 10, beta = -10, SigLIP's initial values):
   SigLipLoss bidir     open_clip's recipe (`distlab.contrastive.siglip_recipe`), text blocks passed to
   SigLipLoss gather    both neighbours or all-gathered, autograd through the exchange; s and beta

@@ -9,8 +9,8 @@ InfoNCE (tau = 0.07):
   streamed ring        `loss_machinery` with EXCHANGE "ring": two passes around the ring (4 C N d)
   6 / 4 C N d floor    the same multiply-adds as plain mm on N x d stand-ins, in the T x T tiles the
                        streamed step walks: the gathered design's 6 (2 for S's rows and columns,
-                       2 x 2 for G's tiles and products) and the ring's 4 (1 for S, then S, W z_y
-                       and W^T z_x); no exponentials, no reductions, no communication. Not a gradient.
+                       2 x 2 for G's tiles and products) and the ring's 4 (1 for S, then S and its two
+                       products with z_y and z_x); no exponentials, no reductions, no communication. Not a gradient.
 Sigmoid (s = 10, beta = -10, SigLIP's initial values):
   SigLipLoss bidir     open_clip's recipe (`distlab.contrastive.siglip_recipe`), text blocks passed to
   SigLipLoss gather    both neighbours or all-gathered, autograd through the exchange; s and beta
@@ -94,8 +94,8 @@ def floor_6(z_x, z_y, rt, chunk, method):
 
 
 def floor_4(z_x, z_y, rt, chunk, method):
-    """4 C N d multiply-adds as plain mm in T x T tiles, the ring's (not a gradient): S once, then S,
-    W z_y and W^T z_x."""
+    """4 C N d multiply-adds as plain mm in T x T tiles, the ring's (not a gradient): S once, then S and its two
+    products (G_x's rows, the visiting block's accumulator)."""
     _, k_y, g_x, _ = _stand_ins(z_x, z_y, rt)
     acc = torch.zeros_like(k_y)                             # the visiting blocks' accumulators, N x d
     for rows, cols in _tiles(len(z_x), len(k_y), chunk):    # pass 1: C N d

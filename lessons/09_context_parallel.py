@@ -18,8 +18,8 @@ step its log-normalisers is the fold that merges attention blocks here. One func
 
 Backward (as FlashAttention's): delta = rowsum(dout * out); the k/v blocks go round again, and with
 each travels its gradient accumulator (dk, dv); every rank recomputes the tile's probabilities
-W = e^(A - lse) from the saved lse and dA = W * (dout v^T - delta), adds dq += dA k / sqrt(d_h) to
-its own dq and dk += dA^T q / sqrt(d_h), dv += W^T dout to the travelling accumulators, and passes
+omega = e^(A - lse) from the saved lse and dA = omega * (dout v^T - delta), adds dq += dA k / sqrt(d_h)
+to its own dq and dk += dA^T q / sqrt(d_h), dv += omega^T dout to the travelling accumulators, and passes
 them on; after P moves they are home. No rank ever holds the whole sequence: at most two k/v pairs at
 once (the one in use, the one arriving), measured with distlab.memory.PeakMemory against a formula.
 
@@ -86,7 +86,7 @@ def ring_forward(rt: Runtime, ring: RingExchange, q, k, v, layout: Layout, tally
 def ring_backward(rt: Runtime, ring: RingExchange, saved: tuple, dout, layout: Layout):
     """(dq, dk, dv) of rank r's block: dq stays, (dk, dv) travel with their k/v block back home."""
     q, k, v, out, lse = saved
-    delta = (dout * out).sum(-1)  # rowsum(dout * out) = rowsum(W * (dout v^T)) over all keys
+    delta = (dout * out).sum(-1)  # rowsum(dout * out) = rowsum(omega * (dout v^T)) over all keys
     dq, kv, dkv = torch.zeros_like(q), (k, v), (torch.zeros_like(k), torch.zeros_like(v))
     mine = layout.pieces(rt.rank)
     for step in range(rt.world_size):

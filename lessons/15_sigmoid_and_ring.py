@@ -18,7 +18,7 @@ accumulator is home with G_y. Per rank: (P - 1) C d feature elements and P C d a
 and memory flat in P at fixed C (the gather holds N x 2d, growing with P). The InfoNCE ring is the
 same walk twice: pass 1 folds each tile into the rank's row (m, l) and a traveling column (m, l) (the
 online fold of src/distlab/online_softmax.py, the one lesson 14 streams a and b with), pass 2 forms
-W = R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the gather's 6 C N d.
+R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the gather's 6 C N d.
 
 The mechanism is written out below (`closed_form_grads`, `ring_by_hand`); the library's versions are
 src/distlab/streamed/sigmoid.py and ring.py, wired into `distributed_backward` by what the model

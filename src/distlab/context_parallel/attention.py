@@ -15,8 +15,8 @@ exp(m - m') (`rescale`).
 
 Backward, per tile, from the saved lse and delta = rowsum(dout * out):
 
-    W = exp(A_t - lse) (the softmax restricted to the tile, exactly, since lse is final),
-    dv_t += W^T dout,   dA = W * (dout v_t^T - delta),   dq += dA k_t / sqrt(d_h),   dk_t += dA^T q / sqrt(d_h).
+    omega = exp(A_t - lse) (the softmax restricted to the tile, exactly, since lse is final),
+    dv_t += omega^T dout,   dA = omega * (dout v_t^T - delta),   dq += dA k_t / sqrt(d_h),   dk_t += dA^T q / sqrt(d_h).
 
 No tile needs any other: the sequence is never whole anywhere.
 """
@@ -89,7 +89,7 @@ def tile_grads(saved: Saved, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): this tile's contributions, from its probabilities recomputed with the saved lse."""
     scale = 1 / math.sqrt(saved.q.shape[-1])
-    weights = scores(saved.q, k, mask).sub_(saved.lse.unsqueeze(-1)).exp_()  # W = exp(A - lse)
+    weights = scores(saved.q, k, mask).sub_(saved.lse.unsqueeze(-1)).exp_()  # omega = exp(A - lse)
     dv = weights.transpose(-1, -2) @ saved.dout
-    d_scores = weights.mul_(saved.dout @ v.transpose(-1, -2) - saved.delta.unsqueeze(-1))  # dA, in W's place
+    d_scores = weights.mul_(saved.dout @ v.transpose(-1, -2) - saved.delta.unsqueeze(-1))  # dA, in omega's place
     return d_scores @ k * scale, d_scores.transpose(-1, -2) @ saved.q * scale, dv

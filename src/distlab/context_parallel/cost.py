@@ -13,7 +13,7 @@ Memory per rank (upper bounds; what `distlab.memory.PeakMemory` measures inside 
 received and held at once: one at P = 2 (the rank's own pair is an input), two from P = 3 (the one
 in use and the one arriving). Forward: those, the output o (1 block), one tile's o-update (1/2
 block), the scores twice, 8 row vectors (m, l and their updates). Backward: those, two dk/dv pairs
-(4 blocks), dq (1), one tile's dq, dk, dv (3/2), three tiles (W, dout v^T, dA), 4 row vectors.
+(4 blocks), dq (1), one tile's dq, dk, dv (3/2), three tiles (omega, dout v^T, dA), 4 row vectors.
 Nothing here grows with P, while the whole sequence's k and v are 2P blocks: no rank ever holds them.
 """
 

@@ -14,8 +14,9 @@ does 6 C N d: it streams S once for a and b, then twice more, once for G_x's row
 
   pass 1  S tile by tile; each tile folds into this rank's row (m, l) (its a_i) and into the visiting
           block's column (m, l) (b_j's partials, the accumulator: m = 2C). C N d.
-  pass 2  S again, W = R + Q - 2 delta; G_x += W z_y^j for my rows, and the accumulator
-          (W^T z_x^r for block j's columns, m = C d) carries G_y home. b_j travels with z_y^j. 3 C N d.
+  pass 2  S again, and with a and b_j the coefficients R + Q - 2 delta (dL/dS up to s/(2N));
+          G_x += (R + Q - 2 delta) z_y^j for my rows, and the accumulator ((R + Q - 2 delta)^T z_x^r
+          for block j's columns, m = C d) carries G_y home. b_j travels with z_y^j. 3 C N d.
 
 The sigmoid ring is one pass (no normaliser): the text blocks travel as in open_clip's `shift`
 variant, and the accumulator D^T z_x carries G_y home (open_clip's autograd sends the same numbers
@@ -222,10 +223,10 @@ def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, t: 
     # nll = (m - diag) + log l: when the positive is the max, m - diag is exactly 0 (full precision).
     a, nll_x = row_m + row_l.log(), (row_m - row_diag) + row_l.log()
     b, nll_y = col_m + col_l.log(), (col_m - col_diag) + col_l.log()
-    coef = torch.expm1(-nll_x) + torch.expm1(-nll_y)           # W_ii = R_ii + Q_ii - 2, no cancellation
+    coef = torch.expm1(-nll_x) + torch.expm1(-nll_y)           # R_ii + Q_ii - 2, no cancellation
     w_y = torch.zeros_like(x)
 
-    def products(owner: int, ahead: list) -> list:             # pass 2: S, W z_y, W^T z_x: 3 C N d
+    def products(owner: int, ahead: list) -> list:             # pass 2: S and its two products: 3 C N d
         (y_j, b_j), part = ahead, torch.zeros_like(ahead[0])
         for rows in chunks(c, t):
             for cols in chunks(c, t):

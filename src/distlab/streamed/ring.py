@@ -14,7 +14,7 @@ does 6 C N d: it streams S once for a and b, then twice more, once for G_x's row
 
   pass 1  S tile by tile; each tile folds into this rank's row (m, l) (its a_i) and into the visiting
           block's column (m, l) (b_j's partials, the accumulator: m = 2C). C N d.
-  pass 2  S again, and with a and b_j the coefficients R + Q - 2 delta (dL/dS up to s/(2N));
+  pass 2  S again, and with a and b_j the coefficients R + Q - 2 delta (= 2N dL/dS);
           G_x += (R + Q - 2 delta) z_y^j for my rows, and the accumulator ((R + Q - 2 delta)^T z_x^r
           for block j's columns, m = C d) carries G_y home. b_j travels with z_y^j. 3 C N d.
 

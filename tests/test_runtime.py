@@ -69,7 +69,9 @@ def _ddp_outlives_its_group(rt):
 
 
 def test_release_frees_ddp_before_its_group_so_exit_cannot_hang():
-    # Without the release, both ranks hang in ~ProcessGroupGloo (from ~Reducer) and spawn gives up.
+    # The release drops DDP's reducer before it destroys the group. In the other order (the group
+    # destroyed while the reducer still holds it) both ranks hang in ~ProcessGroupGloo and spawn gives
+    # up at its limit (checked by hand; a test that hangs on purpose would cost the suite 90 s).
     assert spawn(_ddp_outlives_its_group, 2, timeout_s=30, limit_s=90) == ["exited", "exited"]
 
 

@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from distlab.chunks import chunks
 from distlab.online_softmax import online_fold
-from distlab.streamed.sigmoid import Logits, RankGrads, diagonal_crossing, sigmoid_block
+from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_block
+from distlab.streamed.tiles import diagonal_crossing, lse_and_nll, pair_coefficients
 
 
 @dataclass
@@ -220,30 +221,26 @@ def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, t: 
         return [col_m, col_l]
 
     col_m, col_l = ring_pass(ring, [y], lse_partials, _merge_lse)
-    # nll = (m - diag) + log l: when the positive is the max, m - diag is exactly 0 (full precision).
-    a, nll_x = row_m + row_l.log(), (row_m - row_diag) + row_l.log()
-    b, nll_y = col_m + col_l.log(), (col_m - col_diag) + col_l.log()
+    a, nll_x = lse_and_nll(row_m, row_l, row_diag)
+    b, nll_y = lse_and_nll(col_m, col_l, col_diag)
     coef = torch.expm1(-nll_x) + torch.expm1(-nll_y)           # R_ii + Q_ii - 2, no cancellation
-    w_y = torch.zeros_like(x)
+    pair_y = torch.zeros_like(x)                               # (R + Q - 2 delta) z_y for my rows
 
     def products(owner: int, ahead: list) -> list:             # pass 2: S and its two products: 3 C N d
         (y_j, b_j), part = ahead, torch.zeros_like(ahead[0])
         for rows in chunks(c, t):
             for cols in chunks(c, t):
                 tile = xs[rows] @ y_j[cols].T
-                other = torch.sub(tile, b_j[cols]).exp_()                       # Q
-                tile.sub_(a[rows, None]).exp_().add_(other)                     # R + Q
                 hit = diagonal_crossing(rows.start, cols.start, len(tile), tile.shape[1])
-                if owner == me and hit:
-                    tile[hit].diagonal().copy_(coef[rows][hit[0]])              # - 2 delta
-                w_y[rows].addmm_(tile, y_j[cols])
+                tile = pair_coefficients(tile, a[rows], b_j[cols], hit if owner == me else None, coef[rows])
+                pair_y[rows].addmm_(tile, y_j[cols])
                 part[cols].addmm_(tile.T, x[rows])
         return [part]
 
-    (w_t_x,) = ring_pass(ring, [y, b], products, _add)
+    (pair_x,) = ring_pass(ring, [y, b], products, _add)   # (R + Q - 2 delta)^T z_x for my columns
     scale = s / (2 * n)
-    return RankGrads((nll_x + nll_y).sum() / (2 * n), w_y * scale, w_t_x * scale,
-                     (x * w_y).sum() / (2 * n), None)
+    return RankGrads((nll_x + nll_y).sum() / (2 * n), pair_y * scale, pair_x * scale,
+                     (x * pair_y).sum() / (2 * n), None)
 
 
 def sigmoid_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, logits: Logits, t: int) -> RankGrads:

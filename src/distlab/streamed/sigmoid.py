@@ -33,12 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from distlab.chunks import chunks
-
-
-def diagonal_crossing(start_q: int, start_k: int, rows: int, cols: int) -> tuple[slice, slice] | None:
-    """Where the global diagonal (i, i) crosses a tile of rows [start_q, +rows), cols [start_k, +cols)."""
-    lo, hi = max(start_q, start_k), min(start_q + rows, start_k + cols)
-    return (slice(lo - start_q, hi - start_q), slice(lo - start_k, hi - start_k)) if lo < hi else None
+from distlab.streamed.tiles import diagonal_crossing
 
 
 def sigmoid_tile(s_tile: torch.Tensor, row0: int, col0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,7 +100,7 @@ def gather_embeddings(local: LocalForward, cfg: StreamConfig) -> Embedded:
     [sync 1], and the scale s."""
     z_x = torch.cat([out[0].detach() for out in local.outputs])
     z_y = torch.cat([out[1].detach() for out in local.outputs])
-    s = 1.0 / cfg.tau if cfg.tau is not None else float(local.outputs[0][2].detach().double().reshape(()))
+    s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])
     return Embedded(*gather_pairs(z_x, z_y, cfg.n, cfg.group), s)
 
 

@@ -20,13 +20,13 @@ from distlab.chunks import chunks
 from distlab.online_softmax import online_fold
 
 
-def _diagonal(start_q: int, start_k: int, rows: int, cols: int) -> tuple[slice, slice] | None:
+def diagonal_crossing(start_q: int, start_k: int, rows: int, cols: int) -> tuple[slice, slice] | None:
     """Where the global diagonal (i, i) crosses a tile of rows [start_q, +rows), cols [start_k, +cols)."""
     lo, hi = max(start_q, start_k), min(start_q + rows, start_k + cols)
     return (slice(lo - start_q, hi - start_q), slice(lo - start_k, hi - start_k)) if lo < hi else None
 
 
-def _finish(run_max, run_sum, diag) -> tuple[torch.Tensor, torch.Tensor]:
+def lse_and_nll(run_max, run_sum, diag) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse, nll) with nll = lse - diag = -log softmax at the positive. The diagonal is read from the
     very tile whose max it is compared with, so when the positive is the row's max, max - diag is
     exactly 0 and nll = log(l) keeps full precision even when it is tiny (a confident model);
@@ -47,10 +47,10 @@ def streamed_lse(q: torch.Tensor, k: torch.Tensor, scale: float, t: int,
         run_sum, diag = torch.zeros_like(run_max), torch.empty_like(run_max)
         for cols in chunks(len(k), t):
             tile = q_rows @ k[cols].T
-            if (hit := _diagonal(offset + rows.start, cols.start, len(q_rows), cols.stop - cols.start)):
+            if (hit := diagonal_crossing(offset + rows.start, cols.start, len(q_rows), cols.stop - cols.start)):
                 diag[hit[0]] = tile[hit].diagonal()
             run_max, run_sum = online_fold(run_max, run_sum, tile, dim=1)
-        lse[rows], nll[rows] = _finish(run_max, run_sum, diag)
+        lse[rows], nll[rows] = lse_and_nll(run_max, run_sum, diag)
     return lse, nll
 
 
@@ -67,12 +67,12 @@ def streamed_lse_both(z_x: torch.Tensor, z_y: torch.Tensor, scale: float,
         run_sum, diag = torch.zeros_like(run_max), torch.empty_like(run_max)
         for cols in chunks(n, t):
             tile = x_rows @ z_y[cols].T
-            if (hit := _diagonal(rows.start, cols.start, len(x_rows), cols.stop - cols.start)):
+            if (hit := diagonal_crossing(rows.start, cols.start, len(x_rows), cols.stop - cols.start)):
                 diag[hit[0]] = col_diag[cols][hit[1]] = tile[hit].diagonal()
             col_max[cols], col_sum[cols] = online_fold(col_max[cols], col_sum[cols], tile.clone(), dim=0)
             run_max, run_sum = online_fold(run_max, run_sum, tile, dim=1)
-        a[rows], nll_x[rows] = _finish(run_max, run_sum, diag)
-    b, nll_y = _finish(col_max, col_sum, col_diag)
+        a[rows], nll_x[rows] = lse_and_nll(run_max, run_sum, diag)
+    b, nll_y = lse_and_nll(col_max, col_sum, col_diag)
     return a, nll_x, b, nll_y
 
 
@@ -102,10 +102,18 @@ def _pair_product_rows(q_scaled, k, lse_q, lse_k, diag_coef, offset, t) -> torch
     acc = torch.zeros_like(q_scaled)
     for cols in chunks(len(k), t):
         tile = q_scaled @ k[cols].T                       # S, |q| x T
-        other = torch.sub(tile, lse_k[cols]).exp_()       # exp(S - lse_k): Q (or R^T)
-        tile.sub_(lse_q[:, None]).exp_().add_(other)      # + exp(S - lse_q): R (or Q^T), in place
-        if (hit := _diagonal(offset, cols.start, len(q_scaled), cols.stop - cols.start)):
-            # R_ii + Q_ii - 2 = expm1(-nll_x) + expm1(-nll_y): no cancellation of two numbers near 2.
-            tile[hit].diagonal().copy_(diag_coef[hit[0]])
-        acc.addmm_(tile, k[cols])
+        hit = diagonal_crossing(offset, cols.start, len(q_scaled), cols.stop - cols.start)
+        acc.addmm_(pair_coefficients(tile, lse_q, lse_k[cols], hit, diag_coef), k[cols])
     return acc
+
+
+def pair_coefficients(tile: torch.Tensor, lse_q: torch.Tensor, lse_k: torch.Tensor,
+                      hit: tuple[slice, slice] | None, diag_coef: torch.Tensor) -> torch.Tensor:
+    """R + Q - 2 delta (= 2N dL/dS) for one tile of S, in place: exp(S - lse_q) + exp(S - lse_k), and
+    where the tile crosses the diagonal (`hit`), diag_coef for its rows, passed in precisely:
+    R_ii + Q_ii - 2 = expm1(-nll_x) + expm1(-nll_y), no cancellation of two numbers near 2."""
+    other = torch.sub(tile, lse_k).exp_()                 # exp(S - lse_k): Q (or R^T)
+    tile.sub_(lse_q[:, None]).exp_().add_(other)          # + exp(S - lse_q): R (or Q^T), in place
+    if hit:
+        tile[hit].diagonal().copy_(diag_coef[hit[0]])
+    return tile

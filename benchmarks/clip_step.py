@@ -43,22 +43,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.cli import add_runtime_args, positive_int
 from distlab.console import print0
-from distlab.contrastive.gather import gather_with_grad
-from distlab.contrastive.losses import local_clip_loss
 from distlab.models import TwoTower
 from distlab.runtime import distributed, run_main
 from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
-from clip_step_losses import (B_C8, B_EQ_C, BIDIR, FLOOR, INFONCE, OPEN_CLIP, SIGMOIDS, TAU,  # noqa: E402
-                              config, floor_6, micro_of)
+from clip_step_losses import (B_C8, B_EQ_C, BASE, FLOOR, FLOORS, INFONCE, OPEN_CLIP, SIGMOIDS, TAU,  # noqa: E402
+                              config, floor_6, micro_of, open_clip_loss)
 from clip_step_report import write_memory_report, write_report  # noqa: E402
 from measure import local_embeddings, measure_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STEP_METHODS = (OPEN_CLIP, B_EQ_C, B_C8)
 PARTS = {"loss": INFONCE, "sigmoid": SIGMOIDS}   # the loss machineries, each part's methods
-BASE = {"step": OPEN_CLIP, "loss": OPEN_CLIP, "sigmoid": BIDIR}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +65,7 @@ BASE = {"step": OPEN_CLIP, "loss": OPEN_CLIP, "sigmoid": BIDIR}
 
 def backward_open_clip(model, x, y, rt):
     """open_clip's ClipLoss(local_loss=True, gather_with_grad=True) and loss.backward() under DDP."""
-    z_x, z_y = model(x, y)
-    loss = local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / TAU, rt.rank * len(x))
+    loss = open_clip_loss(*model(x, y), rt)
     loss.backward()
     return loss
 
@@ -116,7 +112,7 @@ def check_agreement(args, rt) -> dict:
     for part in ("loss", "sigmoid"):
         if part in args.parts:
             got = {m: torch.cat(fn(*z, rt, args.stream_chunk, m)) for m, fn in PARTS[part].items()
-                   if "floor" not in m}
+                   if m not in FLOORS}
             out[part] = _max_rel(got, BASE[part])
     return out
 

@@ -46,10 +46,15 @@ def micro_of(method: str, c: int) -> int:
     return max(1, c // 8) if method == B_C8 else c
 
 
+def open_clip_loss(z_x, z_y, rt):
+    """open_clip's ClipLoss(local_loss=True, gather_with_grad=True): this rank's C x N local loss on the
+    sum-backward gather; its backward under DDP is the exact gradient."""
+    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / TAU, rt.rank * len(z_x))
+
+
 def loss_open_clip(z_x, z_y, rt, chunk, method):
     lx, ly = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
-    loss = local_clip_loss(lx, ly, gather_with_grad(lx), gather_with_grad(ly), 1 / TAU, rt.rank * len(z_x))
-    loss.backward()
+    open_clip_loss(lx, ly, rt).backward()
     return lx.grad / rt.world_size, ly.grad / rt.world_size
 
 
@@ -112,3 +117,4 @@ INFONCE = {OPEN_CLIP: loss_open_clip, B_EQ_C: loss_streamed, B_C8: loss_streamed
 SIGMOIDS = {BIDIR: loss_siglip_recipe, SIG_GATHER: loss_siglip_recipe, SIGMOID: loss_streamed,
             SIGMOID_RING: loss_streamed}
 FLOORS = (FLOOR, FLOOR_4)
+BASE = {"step": OPEN_CLIP, "loss": OPEN_CLIP, "sigmoid": BIDIR}   # what each part's ratios are taken against

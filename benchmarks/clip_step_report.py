@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clip_step_losses import (B_C8, B_EQ_C, BIDIR, FLOOR, FLOOR_4, OPEN_CLIP, RING, SIG_GATHER, SIGMOID,
-                              SIGMOID_RING)
+from clip_step_losses import (B_C8, B_EQ_C, BASE, BIDIR, FLOOR, FLOOR_4, FLOORS, OPEN_CLIP, RING, SIG_GATHER, SIGMOID,
+                              SIGMOID_RING, SIGMOIDS)
 
 MIB = 2 ** 20
-SIGMOID_METHODS = (BIDIR, SIG_GATHER, SIGMOID, SIGMOID_RING)
-BASE = {"step": OPEN_CLIP, "loss": OPEN_CLIP, "sigmoid": BIDIR}
 TITLES = {"step": "Whole training step, InfoNCE (two-tower encoder 64 -> 256 -> d, AdamW)",
           "loss": "InfoNCE loss machinery (C x d embeddings in, dL/dZ out)",
           "sigmoid": "Sigmoid loss machinery (s = 10, beta = -10; C x d embeddings in, dL/dZ out)"}
@@ -123,7 +121,7 @@ def plot(data: dict, path: Path) -> None:
             ns, label = [r["n"] for r in rows], f"{part}: {method}"
             kw = dict(marker="o", color=COLOURS[method], label=label)
             ax_t.plot(ns, [r["time_s"] for r in rows], styles[part], **kw)
-            if "floor" not in method:
+            if method not in FLOORS:
                 ax_m.plot(ns, [r["peak_bytes"] / MIB for r in rows], styles[part], **kw)
     for (ax_t, ax_m), loss in zip(axes, ("InfoNCE", "sigmoid")):
         _axes_style(ax_t, f"{loss}: seconds (slowest rank, median)")
@@ -143,7 +141,7 @@ def memory_vs_p(runs: list[dict]) -> dict:
     for data in runs:
         for per_method in data["results"].values():
             for method, rows in per_method.items():
-                if "floor" not in method:
+                if method not in FLOORS:
                     table.setdefault(method, {})[data["meta"]["world"]] = rows[0]["peak_bytes"]
     return table
 
@@ -157,7 +155,8 @@ def memory_markdown(runs: list[dict]) -> str:
              "these runs (P ranks share the machine's cores, so their times say nothing).", "",
              "Commands: " + "; ".join(f"`{d['meta']['command']}`" for d in runs), "",
              "| method | " + " | ".join(f"P = {p}" for p in worlds)
-             + f" | P = {worlds[-1]} / P = {worlds[0]} | grew by, in C x d blocks |", "|---|" + "---:|" * (len(worlds) + 2)]
+             + f" | P = {worlds[-1]} / P = {worlds[0]} | grew by, in C x d blocks |",
+             "|---|" + "---:|" * (len(worlds) + 2)]
     block = c * runs[0]["meta"]["dim"] * 4   # float32
     for method, by_p in table.items():
         first, last = by_p[worlds[0]], by_p[worlds[-1]]
@@ -181,7 +180,7 @@ def plot_memory(runs: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method, by_p in table.items():
         ps = sorted(by_p)
-        ax.plot(ps, [by_p[p] / MIB for p in ps], "--" if method in SIGMOID_METHODS else "-", marker="o",
+        ax.plot(ps, [by_p[p] / MIB for p in ps], "--" if method in SIGMOIDS else "-", marker="o",
                 color=COLOURS[method], label=method)
     ax.set_yscale("log")
     ax.set_xticks(sorted({p for by_p in table.values() for p in by_p}))

@@ -41,13 +41,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import DTYPES, lesson_parser, positive_int
+from distlab.agree import rank_table
+from distlab.cli import DTYPES, check_flags_against_world, lesson_parser, positive_int
 from distlab.compare import all_ok, compare, comparison_table
 from distlab.console import print0
 from distlab.context_parallel import split as layouts
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
 from distlab.context_parallel.ring import RingExchange
-from distlab.context_parallel.cost import Sizes, every_rank
+from distlab.context_parallel.cost import Sizes
 from distlab.context_parallel.split import SKIP, Layout, piece_label
 from distlab.data_parallel.report import rows_table
 from distlab.memory import PeakMemory
@@ -171,7 +172,7 @@ def run_ring(rt: Runtime, inputs: list[torch.Tensor], layout: Layout) -> RingRun
         out.backward(dout)
     local = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     counts = [tally["full"], tally["diagonal"], tally["products"]]
-    tallies = every_rank(rt, counts + [tally[f"step {i}"] for i in range(rt.world_size)])
+    tallies = rank_table(counts + [tally[f"step {i}"] for i in range(rt.world_size)], rt.device).long().tolist()
     return RingRun({name: gather(rt, t, layout.split).cpu() for name, t in local.items()},
                    tallies, (sent_forward, ring.bytes_sent - sent_forward),
                    (forward.peak_bytes, backward.peak_bytes), max(forward.largest_bytes, backward.largest_bytes))
@@ -233,7 +234,7 @@ def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
 def show_bytes(rt: Runtime, sizes: Sizes, runs: dict, verdict: Verdict) -> None:
     print0("\n[bold]4. Bytes each rank sends, against the formula[/]")
     formula = sizes.bytes_sent()
-    every = every_rank(rt, [b for run in runs.values() for b in run.bytes_sent])  # (forward, backward) per case
+    every = rank_table([b for run in runs.values() for b in run.bytes_sent], rt.device).long().tolist()
     verdict.check("bytes sent = 2(P-1) blocks forward, 4P-2 backward",
                   all(tuple(sent[i:i + 2]) == formula for sent in every for i in range(0, len(sent), 2)))
     rows = [(f"rank {r}", f"{sent[2]:,}", f"{sent[3]:,}") for r, sent in enumerate(every)]  # causal zig-zag
@@ -246,7 +247,7 @@ def show_bytes(rt: Runtime, sizes: Sizes, runs: dict, verdict: Verdict) -> None:
 def show_memory(rt: Runtime, sizes: Sizes, run: RingRun, verdict: Verdict) -> None:
     print0("\n[bold]5. Memory per rank: k/v blocks in flight, never the whole sequence[/]")
     formula, whole, largest = sizes.memory_bound(), 2 * rt.world_size * sizes.block, max(sizes.block, sizes.tile)
-    peaks = every_rank(rt, [*run.peak_bytes, run.largest_bytes])
+    peaks = rank_table([*run.peak_bytes, run.largest_bytes], rt.device).long().tolist()
     rows = [(f"rank {r}", *(f"{b:,}" for b in row)) for r, row in enumerate(peaks)]
     rows.append(("formula (bound)", f"{formula[0]:,}", f"{formula[1]:,}", f"{largest:,}"))
     print0("bytes allocated inside the ring (distlab.memory.PeakMemory); the whole sequence's k and v "
@@ -280,9 +281,8 @@ def parse_args():
 
 
 def main() -> int:
-    args = parse_args()
+    args = check_flags_against_world(parse_args(), lambda a, p: layouts.check_seq_len(a.seq_len, p, "zigzag"))
     with distributed(args.device) as rt:
-        layouts.check_seq_len(args.seq_len, rt.world_size, "zigzag")  # before any collective
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 09: context parallelism, ring attention[/] - P = {rt.world_size}, "
                f"seq = {args.seq_len}, h = {args.heads}, d_h = {args.head_dim}, {args.dtype}, {rt.backend}")

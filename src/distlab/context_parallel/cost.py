@@ -21,11 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
-from distlab.runtime import Runtime
-
 
 @dataclass(frozen=True)
 class Sizes:
@@ -58,10 +53,3 @@ class Sizes:
         return (kv + 3 * self.block // 2 + 2 * self.tile + 8 * self.row,
                 kv + 13 * self.block // 2 + 3 * self.tile + 4 * self.row)
 
-
-def every_rank(rt: Runtime, values: list[int]) -> list[list[int]]:
-    """Each rank's `values` (the same length everywhere), in rank order: one all_gather on rt.device."""
-    mine = torch.tensor(values, dtype=torch.int64, device=rt.device)
-    out = [torch.empty_like(mine) for _ in range(rt.world_size)]
-    dist.all_gather(out, mine)
-    return [t.tolist() for t in out]

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from distlab.chunks import chunks
+
 PIXELS, GRID = "pixel_values", "image_grid_thw"
 
 
@@ -62,10 +64,6 @@ def _common_batch(named: dict[str, Tensor], what: str) -> int:
     return batch
 
 
-def _bounds(batch: int, chunk_size: int) -> list[tuple[int, int]]:
-    return [(a, min(a + chunk_size, batch)) for a in range(0, batch, chunk_size)]
-
-
 def patches_per_image(image_grid_thw: Tensor) -> Tensor:
     """t * h * w for every image: the rows of `pixel_values` that belong to it."""
     if image_grid_thw.dim() != 2 or image_grid_thw.shape[1] != 3:
@@ -86,12 +84,12 @@ def _split_vlm(model_input: Mapping, chunk_size: int) -> list[dict]:
                          f"{int(per_image.sum())} (sum of t*h*w over {len(per_image)} images)")
     # offsets[i] = first patch row of image i; offsets[B] = total patches.
     offsets = [0, *torch.cumsum(per_image, 0).tolist()]
-    chunks = []
-    for a, b in _bounds(batch, chunk_size):
-        chunk = {k: (v if v is None else v[a:b]) for k, v in model_input.items() if k != PIXELS}
-        chunk[PIXELS] = pixels[offsets[a]:offsets[b]]
-        chunks.append({k: chunk[k] for k in model_input})  # the caller's key order
-    return chunks
+    out = []
+    for rows in chunks(batch, chunk_size):
+        chunk = {k: (v if v is None else v[rows]) for k, v in model_input.items() if k != PIXELS}
+        chunk[PIXELS] = pixels[offsets[rows.start]:offsets[rows.stop]]
+        out.append({k: chunk[k] for k in model_input})  # the caller's key order
+    return out
 
 
 def _split_dict(model_input: Mapping, chunk_size: int) -> list[dict]:
@@ -104,8 +102,8 @@ def _split_dict(model_input: Mapping, chunk_size: int) -> list[dict]:
     if not tensors:
         raise ValueError("the dict input holds no tensor to split")
     batch = _common_batch(tensors, "the dict input")
-    return [{k: (v if v is None else v[a:b]) for k, v in model_input.items()}
-            for a, b in _bounds(batch, chunk_size)]
+    return [{k: (v if v is None else v[rows]) for k, v in model_input.items()}
+            for rows in chunks(batch, chunk_size)]
 
 
 def split_inputs(model_input: Any, chunk_size: int) -> list:
@@ -113,12 +111,12 @@ def split_inputs(model_input: Any, chunk_size: int) -> list:
     check_chunk_size(chunk_size)
     if isinstance(model_input, Tensor):
         batch = _common_batch({"the tensor input": model_input}, "the tensor input")
-        return [model_input[a:b] for a, b in _bounds(batch, chunk_size)]
+        return [model_input[rows] for rows in chunks(batch, chunk_size)]
     if isinstance(model_input, Mapping):
         return _split_dict(model_input, chunk_size)
     if isinstance(model_input, (list, tuple)):
         if not model_input or not all(isinstance(t, Tensor) for t in model_input):
             raise _unsplittable(model_input, " (a list or tuple must hold tensors only)")
         batch = _common_batch({f"item {i}": t for i, t in enumerate(model_input)}, "the list input")
-        return [[t[a:b] for t in model_input] for a, b in _bounds(batch, chunk_size)]
+        return [[t[rows] for t in model_input] for rows in chunks(batch, chunk_size)]
     raise _unsplittable(model_input)

@@ -50,13 +50,14 @@ from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
 from distlab.streamed import loss_machinery
+from distlab.streamed.config import EXCHANGES
 from distlab.streamed.exchange import expected_bytes, traffic
 from distlab.streamed.ring import P2PRing, sigmoid_ring
 from distlab.streamed.sigmoid import Logits
 from distlab.verdict import Verdict
 from distributed_clip import distributed_backward
 
-LOSSES, EXCHANGES = ("infonce", "sigmoid"), ("gather", "ring")
+LOSSES = ("infonce", "sigmoid")
 
 
 def parse_args():

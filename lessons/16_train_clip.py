@@ -100,12 +100,13 @@ from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.optim import decay_groups, warmup_cosine
 from distlab.runtime import distributed, run_main
+from distlab.streamed.config import EXCHANGES
 from distlab.verdict import Verdict
 from distributed_clip import distributed_backward
 
 MIN_ACCURACY = 0.80   # chance is 1 in 10 digits; 8x chance is not luck
 AUTOCAST = ("auto", "bf16", "off")
-LOSSES, EXCHANGES = ("infonce", "sigmoid"), ("gather", "ring")
+LOSSES = ("infonce", "sigmoid")
 
 
 def parse_args():
@@ -228,8 +229,7 @@ def curve_table(curves: dict) -> Table:
 
 
 def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
-    """Model, DDP, optimiser; step 1 checked, then trained. Returns what the report needs: the DDP
-    wrapper lives in this frame only, so it is gone before the process group is (runtime's teardown)."""
+    """Model, DDP, optimiser; step 1 checked, then trained. Returns what the report needs."""
     n, bf16 = args.global_batch, args.autocast == "bf16" or (args.autocast == "auto" and rt.device.type == "cuda")
     bias = SIGLIP_INIT_LOGIT_BIAS if args.loss == "sigmoid" else None               # beta, and s = 10 at the start
     model = DigitsCLIP(len(data.tokenizer), data.tokenizer.length, args.dim, args.width, args.seed, bias).to(rt.device)

@@ -24,6 +24,7 @@ class Digits:
         self.table = caption_table(self.tokenizer)            # 10 digits x templates x words
         self.rt, self.seed, self.local = rt, seed, global_batch // rt.world_size
         self.labels = self.split.train_labels
+        self._drawn: tuple[int, torch.Tensor] | None = None    # (epoch, every image's caption ids)
 
     def rows(self, epoch: int, rank: int) -> list[torch.Tensor]:
         """Rank `rank`'s C training rows for each step of `epoch`. Step k's global batch is pairs
@@ -35,9 +36,15 @@ class Digits:
         n = self.local * self.rt.world_size
         return [order[k * n + rank * self.local:][:self.local] for k in range(len(order) // n)]
 
+    def captions(self, epoch: int) -> torch.Tensor:
+        """Every training image's caption ids in `epoch` (a template drawn per image from seed and epoch),
+        drawn once per epoch, not once per step."""
+        if self._drawn is None or self._drawn[0] != epoch:
+            self._drawn = (epoch, draw_captions(self.labels, self.table, self.seed * 100_003 + epoch))
+        return self._drawn[1]
+
     def batch(self, epoch: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        captions = draw_captions(self.labels, self.table, self.seed * 100_003 + epoch)
-        return self.split.train_images[rows].to(self.rt.device), captions[rows].to(self.rt.device)
+        return self.split.train_images[rows].to(self.rt.device), self.captions(epoch)[rows].to(self.rt.device)
 
     def batches(self, first: int = 0):
         """This rank's (images, caption ids) for every step from step `first` (0-based) on, epoch after

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import Action, check_schedule
+from distlab.pipeline.schedules import check_schedule, gpipe
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 from exercise_kit import Answer, exercise_tests, judge
@@ -44,9 +44,8 @@ def check(answer: Answer) -> None:
     judge(_ranks, P, answer)
 
 
-def gpipe_order(num_ranks: int, microbatches: int):
-    """A wrong answer: GPipe's order, right gradients but all M micro-batches held at once."""
-    return [[Action(kind, i, r) for kind in "FI" for i in range(microbatches)] for r in range(num_ranks)]
+# A wrong answer: GPipe's order (lesson 02's), right gradients but all M micro-batches held at once.
+gpipe_order = gpipe
 
 
 test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(

@@ -8,23 +8,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from exercise_kit import Answer, exercise_tests, judge
+from distlab.contrastive.losses import sigmoid_loss
+from exercise_kit import Answer, Embeddings, exercise_tests, judge
 
 LESSON, NAME = "15_sigmoid_and_ring", "ring_by_hand"
 P, C, D, S, BETA = 3, 4, 5, 10.0, -10.0
 
 
 def _ranks(rt, ring, claims, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    full_x, full_y = (F.normalize(torch.randn(P * C, D, generator=gen, dtype=torch.float64), dim=1)
-                      for _ in range(2))
-    rows = slice(rt.rank * C, (rt.rank + 1) * C)
-    g_x, g_y, sent = ring(rt, full_x[rows].clone(), full_y[rows].clone(), S, BETA)
-    ref_x, ref_y = (z.clone().requires_grad_() for z in (full_x, full_y))
-    eps = 2 * torch.eye(P * C, dtype=torch.float64) - 1
-    (-F.logsigmoid(eps * (S * ref_x @ ref_y.T + BETA)).sum() / (P * C)).backward()
+    e = Embeddings.of(rt.rank, P, C, D, seed)
+    rows = e.rows
+    g_x, g_y, sent = ring(rt, e.z_x.detach().clone(), e.z_y.detach().clone(), S, BETA)
+    ref_x, ref_y = e.whole()
+    sigmoid_loss(ref_x, ref_y, S, BETA).backward()        # plain autograd on the whole batch
     for name, got, want in (("G_x", g_x, ref_x.grad[rows]), ("G_y", g_y, ref_y.grad[rows])):
         err = ((got - want).norm() / want.norm()).item()
         claims.check(f"{name} equals the whole batch's on my rows", err < 1e-10, f"relative error {err:.2e}",

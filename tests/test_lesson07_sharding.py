@@ -20,13 +20,13 @@ from distlab.sharding.ddp import Replicated
 from distlab.sharding.flat import units_of
 from distlab.sharding.fsdp import Fsdp2, fsdp_held
 from distlab.sharding.problem import ShardingConfig, adamw_reference, build_model
+from distlab.sharding.report import against
 from distlab.sharding.training import run_strategy
 from distlab.sharding.zero import STAGE_CLASSES
 from distlab.spawn import spawn
 from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 
 CFG = ShardingConfig()  # layers of Psi_u = 221, 154, 60 parameters: no P in 2..4 divides them all
-STATES = ("exp_avg", "exp_avg_sq", "step")
 
 
 def _sums_instead_of_averaging(model, rt, cfg):
@@ -55,13 +55,6 @@ def _everything(rt, checkpoint_dir):
     return out
 
 
-def _same(ref, trained) -> bool:
-    """Every parameter, last gradient and AdamW state allclose at float64's tolerance (1e-10)."""
-    return (all_ok(compare(ref.params, trained.params)) and all_ok(compare(ref.grads, trained.grads))
-            and all(all_ok(compare({k: ref.states[n][k] for k in STATES}, {k: trained.states[n][k] for k in STATES}))
-                    for n in ref.states))
-
-
 @pytest.fixture(scope="module")
 def references():
     return {"steps": adamw_reference(CFG), "resumed": adamw_reference(CFG, 2 * CFG.steps)}
@@ -86,7 +79,7 @@ def test_every_stage_and_fsdp2_equal_one_process_and_the_formulas(world_size, re
         for name, run in out.items():
             if name in ("resume", "summed"):
                 continue
-            assert _same(ref, run.trained), (name, rank)
+            assert against(ref, run.trained).ok, (name, rank)   # params, grads, AdamW states
             stage = name.split()[0]
             if stage == "FSDP2":
                 assert run.held == fsdp_held(build_model(CFG), p, rank, 8), (rank, run.held)
@@ -101,7 +94,7 @@ def test_every_stage_and_fsdp2_equal_one_process_and_the_formulas(world_size, re
         assert sum(out["ZeRO-3 lesson"].held.values()) < sum(out["DDP"].held.values()) / p + 4 * 8 * len(units) + 16
         if "summed" in out:  # the check has teeth: Adam all but hides a P-times gradient in the
             summed = out["summed"].trained  # weights (m / sqrt(v) is scale-free but for eps), not in m, v
-            assert not _same(ref, summed)
+            assert not against(ref, summed).ok
             assert all_ok(compare(ref.params, summed.params, rtol=0, atol=1e-5))
             assert all_ok(compare({n: p * g for n, g in ref.grads.items()}, summed.grads, rtol=1e-3, atol=0))
         if "resume" in out:

@@ -30,10 +30,6 @@ def seq_part(x: torch.Tensor | None, rank: int, world_size: int) -> torch.Tensor
     return None if x is None else x.chunk(world_size, dim=SEQ_DIM)[rank].contiguous()
 
 
-def seq_masks(masks: tuple | None, rank: int, world_size: int) -> tuple | None:
-    return None if masks is None else tuple(seq_part(m, rank, world_size) for m in masks)
-
-
 def sequence_cut_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters applied to sequence-cut activations: every LayerNorm's, the row-parallel biases
     (in the block: ln1, ln2, attn.out.bias, mlp.fc2.bias, 6 d values)."""

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
-from distlab.cli import add_optimizer_args, lesson_parser, positive_float, positive_int
+from distlab.cli import (add_optimizer_args, check_flags_against_world, divides_global_batch, lesson_parser,
+                         positive_float, positive_int)
 from distlab.compare import compare
 from distlab.console import print0
 from distlab.data_parallel.report import rows_table
@@ -55,7 +56,7 @@ from distlab.sharding.checkpoint import save_and_resume
 from distlab.sharding.ddp import Replicated
 from distlab.sharding.flat import units_of
 from distlab.sharding.fsdp import Fsdp2, fsdp_held
-from distlab.sharding.problem import ShardingConfig, adamw_reference, build_model, check_config, global_batch, rows_of
+from distlab.sharding.problem import ShardingConfig, adamw_reference, build_model, global_batch, rows_of
 from distlab.sharding.report import against, agreement_table, bytes_table, holds_table, memory_table
 from distlab.sharding.training import run_strategy
 from distlab.sharding.zero import STAGE_CLASSES, Sharded
@@ -280,10 +281,10 @@ def parse_args():
 
 
 def main() -> int:
-    args = parse_args()
-    cfg = ShardingConfig(global_batch=args.global_batch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed)
+    args = check_flags_against_world(parse_args(), divides_global_batch)   # before any process group
+    cfg = ShardingConfig(global_batch=args.global_batch, steps=args.steps, lr=args.lr,
+                         weight_decay=args.weight_decay, seed=args.seed)
     with distributed(args.device) as rt:
-        check_config(rt, cfg)
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 07: what a step holds; ZeRO-1/2/3, FSDP2, checkpoints[/] - P = {rt.world_size}, "
                f"N = {cfg.global_batch} (C = {cfg.global_batch // rt.world_size}), backend {rt.backend}, float64")

@@ -49,7 +49,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from distlab.cli import add_optimizer_args, fraction, lesson_parser, positive_int, require
+from distlab.cli import add_optimizer_args, check_flags_against_world, fraction, lesson_parser, positive_int, require
 from distlab.compare import all_ok, compare
 from distlab.console import compact_table, print0
 from distlab.runtime import Runtime, distributed, run_main
@@ -243,13 +243,21 @@ def parse_args():
     return args
 
 
+def block_config(args) -> BlockConfig:
+    return BlockConfig(args.global_batch, args.seq_len, args.dim, args.heads, args.ffn_width, args.dropout,
+                       args.seed)
+
+
+def world_rules(args, world_size: int) -> None:
+    """The splits P must make: heads, d_ff and seq over P, the batch over the mesh's dp groups."""
+    check_split(args.heads, args.ffn_width, world_size, args.seq_len)
+    mesh2d.check_mesh(block_config(args), world_size)
+
+
 def main() -> int:
-    args = parse_args()
-    cfg = BlockConfig(args.global_batch, args.seq_len, args.dim, args.heads, args.ffn_width, args.dropout,
-                      args.seed)
+    args = check_flags_against_world(parse_args(), world_rules)   # before any process group, every rank alike
+    cfg = block_config(args)
     with distributed(args.device) as rt:
-        check_split(cfg.heads, cfg.ffn, rt.world_size, cfg.seq)  # before any collective, every rank alike
-        mesh2d.check_mesh(cfg, rt.world_size)
         verdict = Verdict(rt)
         print0(f"[bold]Lesson 08: tensor and sequence parallelism[/] - P = {rt.world_size}, N = {cfg.batch}, "
                f"seq = {cfg.seq}, d = {cfg.dim}, h = {cfg.heads}, d_ff = {cfg.ffn}, backend {rt.backend}, float64")

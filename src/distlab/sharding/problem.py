@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.cli import require
 from distlab.compare import grads_of, params_of
 from distlab.models import layered_mlp, regression_batch
 from distlab.runtime import Runtime
@@ -34,12 +33,6 @@ class ShardingConfig:
     weight_decay: float = 0.1
     seed: int = 0
     dtype: torch.dtype = torch.float64
-
-
-def check_config(rt: Runtime, cfg: ShardingConfig) -> None:
-    """The same ValueError on every rank, before any collective."""
-    require(cfg.global_batch % rt.world_size == 0, "--global-batch",
-            f"N = {cfg.global_batch} rows must split evenly over P = {rt.world_size} ranks")
 
 
 def build_model(cfg: ShardingConfig) -> nn.Sequential:

@@ -48,14 +48,27 @@ from distlab.runtime import distributed, run_main
 from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
-from clip_step_losses import (B_C8, B_EQ_C, BASE, FLOOR, FLOORS, INFONCE, OPEN_CLIP, SIGMOIDS, TAU,  # noqa: E402
-                              config, floor_6, micro_of, open_clip_loss)
+from clip_step_losses import (
+    B_C8,
+    B_EQ_C,
+    BASE,
+    FLOOR,
+    FLOORS,
+    INFONCE,
+    OPEN_CLIP,
+    SIGMOIDS,
+    TAU,  # noqa: E402
+    config,
+    floor_6,
+    micro_of,
+    open_clip_loss,
+)
 from clip_step_report import write_memory_report, write_report  # noqa: E402
 from measure import local_embeddings, measure_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STEP_METHODS = (OPEN_CLIP, B_EQ_C, B_C8)
-PARTS = {"loss": INFONCE, "sigmoid": SIGMOIDS}   # the loss machineries, each part's methods
+PARTS = {"loss": INFONCE, "sigmoid": SIGMOIDS}  # the loss machineries, each part's methods
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,8 +124,7 @@ def check_agreement(args, rt) -> dict:
     z = local_embeddings(n, args.dim, rt)
     for part in ("loss", "sigmoid"):
         if part in args.parts:
-            got = {m: torch.cat(fn(*z, rt, args.stream_chunk, m)) for m, fn in PARTS[part].items()
-                   if m not in FLOORS}
+            got = {m: torch.cat(fn(*z, rt, args.stream_chunk, m)) for m, fn in PARTS[part].items() if m not in FLOORS}
             out[part] = _max_rel(got, BASE[part])
     return out
 
@@ -140,18 +152,25 @@ def run_part(part: str, args, rt) -> dict:
             fn()  # warm-up: DDP's first iteration, AdamW's state, lazy allocations
         for m, got in measure_interleaved(calls, rt, args.repeats).items():
             results.setdefault(m, []).append({"n": n, **got})
-            print0(f"{part:7s} N={n:6d} {m:22s} peak {got['peak_bytes'] / 2**20:8.1f} MiB  "
-                   f"time {got['time_s']:7.3f} s", highlight=False)
+            print0(
+                f"{part:7s} N={n:6d} {m:22s} peak {got['peak_bytes'] / 2**20:8.1f} MiB  time {got['time_s']:7.3f} s",
+                highlight=False,
+            )
         del calls
     return results
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
-                        help="global batches N")
-    parser.add_argument("--fixed-c", type=positive_int, metavar="C",
-                        help="run the loss and sigmoid parts once at N = C P (memory against P at a fixed C)")
+    parser.add_argument(
+        "--sizes", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384], help="global batches N"
+    )
+    parser.add_argument(
+        "--fixed-c",
+        type=positive_int,
+        metavar="C",
+        help="run the loss and sigmoid parts once at N = C P (memory against P at a fixed C)",
+    )
     parser.add_argument("--dim", type=positive_int, default=256, help="d, the embedding width")
     parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T: tiles are at most T x T")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method and N")
@@ -164,8 +183,10 @@ def parse_args() -> argparse.Namespace:
 def device_name(rt) -> str:
     if rt.device.type == "cuda":
         return torch.cuda.get_device_name(rt.device)
-    return (f"CPU {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
-            f"{torch.get_num_threads()} thread(s) per rank")
+    return (
+        f"CPU {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
+        f"{torch.get_num_threads()} thread(s) per rank"
+    )
 
 
 def write_reports() -> str:
@@ -185,14 +206,25 @@ def main() -> int:
             args.sizes, args.parts = [args.fixed_c * rt.world_size], [p for p in args.parts if p != "step"]
         if any(n % (8 * rt.world_size) for n in args.sizes):
             raise ValueError(f"--sizes: every N must be divisible by 8 P = {8 * rt.world_size} (B = C/8)")
-        meta = {"world": rt.world_size, "dim": args.dim, "stream_chunk": args.stream_chunk, "dtype": "float32",
-                "tau": TAU, "sizes": args.sizes, "repeats": args.repeats, "device": device_name(rt),
-                "torch": torch.__version__, "backend": rt.backend,
-                "command": f"torchrun --standalone --nproc-per-node {rt.world_size} benchmarks/clip_step.py "
-                           + " ".join(sys.argv[1:])}
+        meta = {
+            "world": rt.world_size,
+            "dim": args.dim,
+            "stream_chunk": args.stream_chunk,
+            "dtype": "float32",
+            "tau": TAU,
+            "sizes": args.sizes,
+            "repeats": args.repeats,
+            "device": device_name(rt),
+            "torch": torch.__version__,
+            "backend": rt.backend,
+            "command": f"torchrun --standalone --nproc-per-node {rt.world_size} benchmarks/clip_step.py "
+            + " ".join(sys.argv[1:]),
+        }
         agreement = check_agreement(args, rt)
-        print0(f"methods agree at N={args.sizes[0]}: max relative difference of dL/dZ (or step gradients) "
-               + ", ".join(f"{part} {rel:.1e}" for part, rel in agreement.items()))
+        print0(
+            f"methods agree at N={args.sizes[0]}: max relative difference of dL/dZ (or step gradients) "
+            + ", ".join(f"{part} {rel:.1e}" for part, rel in agreement.items())
+        )
         if max(agreement.values()) > 1e-4:
             raise RuntimeError(f"methods disagree ({agreement}): the benchmark would compare different things")
         meta["load_average_before"] = os.getloadavg()[0]  # the machine may be shared: say how busy it was
@@ -202,15 +234,22 @@ def main() -> int:
             name = f"clip_step_c{args.fixed_c}_p{rt.world_size}" if args.fixed_c else f"clip_step_p{rt.world_size}"
             out = Path(args.out) if args.out else RESULTS / name
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.with_suffix(".json").write_text(json.dumps(
-                {"meta": meta, "agreement_max_rel": agreement, "results": results}, indent=1))
+            out.with_suffix(".json").write_text(
+                json.dumps({"meta": meta, "agreement_max_rel": agreement, "results": results}, indent=1)
+            )
             if args.fixed_c:
-                print0(f"wrote {out}.json; after the runs at every P, `python benchmarks/clip_step.py --report` "
-                       "tables memory against P", highlight=False)
+                print0(
+                    f"wrote {out}.json; after the runs at every P, `python benchmarks/clip_step.py --report` "
+                    "tables memory against P",
+                    highlight=False,
+                )
             else:
                 text = write_report(out.with_suffix(".json"))
-                print0(f"wrote {out}.{{json,md,png}}\n" + text[text.index("**Targets**"):], highlight=False,
-                       soft_wrap=True)
+                print0(
+                    f"wrote {out}.{{json,md,png}}\n" + text[text.index("**Targets**") :],
+                    highlight=False,
+                    soft_wrap=True,
+                )
     return 0
 
 

@@ -38,8 +38,13 @@ SIGMOID, SIGMOID_RING = "streamed sigmoid", "streamed sigmoid, ring"
 
 
 def config(n: int, micro: int, chunk: int, exchange: str = "gather") -> dict:
-    return {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": micro, "STREAM_CHUNK_SIZE": chunk, "TAU": TAU,
-            "EXCHANGE": exchange}
+    return {
+        "GLOBAL_BATCH_SIZE": n,
+        "MICRO_BATCH_SIZE": micro,
+        "STREAM_CHUNK_SIZE": chunk,
+        "TAU": TAU,
+        "EXCHANGE": exchange,
+    }
 
 
 def micro_of(method: str, c: int) -> int:
@@ -89,10 +94,10 @@ def _tiles(c: int, n: int, t: int):
 def floor_6(z_x, z_y, rt, chunk, method):
     """6 C N d multiply-adds as plain mm in T x T tiles, the gathered design's (not a gradient)."""
     k_x, k_y, g_x, g_y = _stand_ins(z_x, z_y, rt)
-    for rows, cols in _tiles(len(z_x), len(k_x), chunk):    # phase 2's 2 C N d: my rows and my columns of S
+    for rows, cols in _tiles(len(z_x), len(k_x), chunk):  # phase 2's 2 C N d: my rows and my columns of S
         torch.mm(z_x[rows], k_y[cols].T)
         torch.mm(z_y[rows], k_x[cols].T)
-    for rows, cols in _tiles(len(z_x), len(k_x), chunk):    # phase 3's 4 C N d: a tile and its product
+    for rows, cols in _tiles(len(z_x), len(k_x), chunk):  # phase 3's 4 C N d: a tile and its product
         g_x[rows].addmm_(torch.mm(z_x[rows], k_y[cols].T), k_y[cols])
         g_y[rows].addmm_(torch.mm(z_y[rows], k_x[cols].T), k_x[cols])
     return g_x, g_y
@@ -102,19 +107,29 @@ def floor_4(z_x, z_y, rt, chunk, method):
     """4 C N d multiply-adds as plain mm in T x T tiles, the ring's (not a gradient): S once, then S and its two
     products (G_x's rows, the visiting block's accumulator)."""
     _, k_y, g_x, _ = _stand_ins(z_x, z_y, rt)
-    acc = torch.zeros_like(k_y)                             # the visiting blocks' accumulators, N x d
-    for rows, cols in _tiles(len(z_x), len(k_y), chunk):    # pass 1: C N d
+    acc = torch.zeros_like(k_y)  # the visiting blocks' accumulators, N x d
+    for rows, cols in _tiles(len(z_x), len(k_y), chunk):  # pass 1: C N d
         torch.mm(z_x[rows], k_y[cols].T)
-    for rows, cols in _tiles(len(z_x), len(k_y), chunk):    # pass 2: 3 C N d
+    for rows, cols in _tiles(len(z_x), len(k_y), chunk):  # pass 2: 3 C N d
         w = torch.mm(z_x[rows], k_y[cols].T)
         g_x[rows].addmm_(w, k_y[cols])
         acc[cols].addmm_(w.T, z_x[rows])
-    return g_x, acc[:len(z_x)]
+    return g_x, acc[: len(z_x)]
 
 
-INFONCE = {OPEN_CLIP: loss_open_clip, B_EQ_C: loss_streamed, B_C8: loss_streamed, RING: loss_streamed,
-           FLOOR: floor_6, FLOOR_4: floor_4}
-SIGMOIDS = {BIDIR: loss_siglip_recipe, SIG_GATHER: loss_siglip_recipe, SIGMOID: loss_streamed,
-            SIGMOID_RING: loss_streamed}
+INFONCE = {
+    OPEN_CLIP: loss_open_clip,
+    B_EQ_C: loss_streamed,
+    B_C8: loss_streamed,
+    RING: loss_streamed,
+    FLOOR: floor_6,
+    FLOOR_4: floor_4,
+}
+SIGMOIDS = {
+    BIDIR: loss_siglip_recipe,
+    SIG_GATHER: loss_siglip_recipe,
+    SIGMOID: loss_streamed,
+    SIGMOID_RING: loss_streamed,
+}
 FLOORS = (FLOOR, FLOOR_4)
-BASE = {"step": OPEN_CLIP, "loss": OPEN_CLIP, "sigmoid": BIDIR}   # what each part's ratios are taken against
+BASE = {"step": OPEN_CLIP, "loss": OPEN_CLIP, "sigmoid": BIDIR}  # what each part's ratios are taken against

@@ -6,16 +6,40 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clip_step_losses import (B_C8, B_EQ_C, BASE, BIDIR, FLOOR, FLOOR_4, FLOORS, OPEN_CLIP, RING, SIG_GATHER, SIGMOID,
-                              SIGMOID_RING, SIGMOIDS)
+from clip_step_losses import (
+    B_C8,
+    B_EQ_C,
+    BASE,
+    BIDIR,
+    FLOOR,
+    FLOOR_4,
+    FLOORS,
+    OPEN_CLIP,
+    RING,
+    SIG_GATHER,
+    SIGMOID,
+    SIGMOID_RING,
+    SIGMOIDS,
+)
 
-MIB = 2 ** 20
-TITLES = {"step": "Whole training step, InfoNCE (two-tower encoder 64 -> 256 -> d, AdamW)",
-          "loss": "InfoNCE loss machinery (C x d embeddings in, dL/dZ out)",
-          "sigmoid": "Sigmoid loss machinery (s = 10, beta = -10; C x d embeddings in, dL/dZ out)"}
-COLOURS = {OPEN_CLIP: "tab:red", B_EQ_C: "tab:blue", B_C8: "tab:green", RING: "tab:purple", FLOOR: "black",
-           FLOOR_4: "grey", BIDIR: "tab:red", SIG_GATHER: "tab:orange", SIGMOID: "tab:blue",
-           SIGMOID_RING: "tab:purple"}
+MIB = 2**20
+TITLES = {
+    "step": "Whole training step, InfoNCE (two-tower encoder 64 -> 256 -> d, AdamW)",
+    "loss": "InfoNCE loss machinery (C x d embeddings in, dL/dZ out)",
+    "sigmoid": "Sigmoid loss machinery (s = 10, beta = -10; C x d embeddings in, dL/dZ out)",
+}
+COLOURS = {
+    OPEN_CLIP: "tab:red",
+    B_EQ_C: "tab:blue",
+    B_C8: "tab:green",
+    RING: "tab:purple",
+    FLOOR: "black",
+    FLOOR_4: "grey",
+    BIDIR: "tab:red",
+    SIG_GATHER: "tab:orange",
+    SIGMOID: "tab:blue",
+    SIGMOID_RING: "tab:purple",
+}
 
 
 def _at(rows: list[dict], n: int) -> dict:
@@ -24,8 +48,13 @@ def _at(rows: list[dict], n: int) -> dict:
 
 def _ratios(part: dict, method: str, base: str, sizes: list[int]) -> dict:
     """N -> {time, memory}: the method's over the base's at each N."""
-    return {n: {"time": _at(part[method], n)["time_s"] / _at(part[base], n)["time_s"],
-                "memory": _at(part[method], n)["peak_bytes"] / _at(part[base], n)["peak_bytes"]} for n in sizes}
+    return {
+        n: {
+            "time": _at(part[method], n)["time_s"] / _at(part[base], n)["time_s"],
+            "memory": _at(part[method], n)["peak_bytes"] / _at(part[base], n)["peak_bytes"],
+        }
+        for n in sizes
+    }
 
 
 def targets(results: dict, sizes: list[int]) -> list[dict]:
@@ -34,31 +63,51 @@ def targets(results: dict, sizes: list[int]) -> list[dict]:
     big, out = [n for n in sizes if n >= 8192], []
     if OPEN_CLIP in step and B_EQ_C in step:
         got = _ratios(step, B_EQ_C, OPEN_CLIP, sizes)
-        out.append({"target": "B = C step: time <= 1.0x open_clip's and less peak memory, every N",
-                    "measured": got, "met": all(r["time"] <= 1.0 and r["memory"] < 1.0 for r in got.values())})
+        out.append(
+            {
+                "target": "B = C step: time <= 1.0x open_clip's and less peak memory, every N",
+                "measured": got,
+                "met": all(r["time"] <= 1.0 and r["memory"] < 1.0 for r in got.values()),
+            }
+        )
     if OPEN_CLIP in step and B_C8 in step and big:
         got = _ratios(step, B_C8, OPEN_CLIP, big)
-        out.append({"target": "B = C/8 step: time <= 1.4x open_clip's, memory <= 1/4 of it, N >= 8192",
-                    "measured": got, "met": all(r["time"] <= 1.4 and r["memory"] <= 0.25 for r in got.values())})
+        out.append(
+            {
+                "target": "B = C/8 step: time <= 1.4x open_clip's, memory <= 1/4 of it, N >= 8192",
+                "measured": got,
+                "met": all(r["time"] <= 1.4 and r["memory"] <= 0.25 for r in got.values()),
+            }
+        )
     for method, bound in ((B_EQ_C, 1.3), (RING, 1.0)):
         if FLOOR in loss and method in loss and 16384 in sizes:
             ratio = _ratios(loss, method, FLOOR, [16384])[16384]["time"]
-            out.append({"target": f"InfoNCE loss machinery, {method}: time <= {bound}x the 6 C N d floor at N = 16384",
-                        "measured": {16384: {"time": ratio}}, "met": ratio <= bound})
+            out.append(
+                {
+                    "target": f"InfoNCE loss machinery, {method}: time <= {bound}x the 6 C N d floor at N = 16384",
+                    "measured": {16384: {"time": ratio}},
+                    "met": ratio <= bound,
+                }
+            )
     for method in (SIGMOID, SIGMOID_RING):
         if BIDIR in sigmoid and method in sigmoid and big:
             got = _ratios(sigmoid, method, BIDIR, big)
-            out.append({"target": f"{method}: time <= 1.0x, memory <= 1/8 of SigLipLoss bidir, N >= 8192",
-                        "measured": got,
-                        "met": all(r["time"] <= 1.0 and r["memory"] <= 0.125 for r in got.values())})
+            out.append(
+                {
+                    "target": f"{method}: time <= 1.0x, memory <= 1/8 of SigLipLoss bidir, N >= 8192",
+                    "measured": got,
+                    "met": all(r["time"] <= 1.0 and r["memory"] <= 0.125 for r in got.values()),
+                }
+            )
     return out
 
 
 def _target_lines(goals: list[dict]) -> list[str]:
     lines = []
     for goal in goals:
-        measured = "; ".join(f"N={n}: " + ", ".join(f"{k} {v:.2f}x" for k, v in m.items())
-                             for n, m in goal["measured"].items())
+        measured = "; ".join(
+            f"N={n}: " + ", ".join(f"{k} {v:.2f}x" for k, v in m.items()) for n, m in goal["measured"].items()
+        )
         lines.append(f"- {goal['target']}: **{'met' if goal['met'] else 'not met'}** ({measured})")
     return lines
 
@@ -66,31 +115,45 @@ def _target_lines(goals: list[dict]) -> list[str]:
 def _part_table(part: str, rows_of: dict, sizes: list[int]) -> list[str]:
     base, floor = BASE[part], {r["n"]: r["time_s"] for r in rows_of.get(FLOOR, [])}
     over = "x floor | " if floor else ""
-    lines = [f"**{TITLES[part]}**", "", f"| N | method | seconds | {over}x {base} | peak MiB | x {base} |",
-             "|---:|---|---:|" + "---:|" * (3 + bool(floor))]
+    lines = [
+        f"**{TITLES[part]}**",
+        "",
+        f"| N | method | seconds | {over}x {base} | peak MiB | x {base} |",
+        "|---:|---|---:|" + "---:|" * (3 + bool(floor)),
+    ]
     for n in sizes:
         ref = _at(rows_of[base], n)
         for method, rows in rows_of.items():
             r = _at(rows, n)
             ratio = f"{r['time_s'] / floor[n]:.2f} | " if floor else ""
-            lines.append(f"| {n} | {method} | {r['time_s']:.3f} | {ratio}{r['time_s'] / ref['time_s']:.2f} | "
-                         f"{r['peak_bytes'] / MIB:.1f} | {r['peak_bytes'] / ref['peak_bytes']:.3f} |")
+            lines.append(
+                f"| {n} | {method} | {r['time_s']:.3f} | {ratio}{r['time_s'] / ref['time_s']:.2f} | "
+                f"{r['peak_bytes'] / MIB:.1f} | {r['peak_bytes'] / ref['peak_bytes']:.3f} |"
+            )
     return lines + [""]
 
 
 def _meta_line(meta: dict) -> str:
-    return (f"P = {meta['world']}, d = {meta['dim']}, {meta['dtype']}, T = {meta['stream_chunk']}, "
-            f"median of {meta['repeats']} interleaved runs; device: {meta['device']}, torch {meta['torch']}, "
-            f"{meta['backend']}. Load average (1 min) {meta['load_average_before']:.1f} before, "
-            f"{meta['load_average_after']:.1f} after the run.")
+    return (
+        f"P = {meta['world']}, d = {meta['dim']}, {meta['dtype']}, T = {meta['stream_chunk']}, "
+        f"median of {meta['repeats']} interleaved runs; device: {meta['device']}, torch {meta['torch']}, "
+        f"{meta['backend']}. Load average (1 min) {meta['load_average_before']:.1f} before, "
+        f"{meta['load_average_after']:.1f} after the run."
+    )
 
 
 def markdown(data: dict) -> str:
     meta, results = data["meta"], data["results"]
-    lines = [_meta_line(meta), "", f"Command: `{meta['command']}`", "",
-             "x floor: the time over the 6 C N d floor's (the gathered design's multiply-adds as plain mm), timed "
-             "in the same part at the same N, interleaved. Memory: the peak of tensor storage the call allocated "
-             "on the worst rank. Methods: `benchmarks/clip_step_losses.py`.", ""]
+    lines = [
+        _meta_line(meta),
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "x floor: the time over the 6 C N d floor's (the gathered design's multiply-adds as plain mm), timed "
+        "in the same part at the same N, interleaved. Memory: the peak of tensor storage the call allocated "
+        "on the worst rank. Methods: `benchmarks/clip_step_losses.py`.",
+        "",
+    ]
     for part in ("step", "loss", "sigmoid"):
         if part in results:
             lines += _part_table(part, results[part], meta["sizes"])
@@ -108,6 +171,7 @@ def _axes_style(ax, what: str, xlabel: str = "global batch N") -> None:
 
 def plot(data: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -128,8 +192,9 @@ def plot(data: dict, path: Path) -> None:
         _axes_style(ax_m, f"{loss}: peak MiB per rank")
         if ax_t.get_legend_handles_labels()[0]:
             ax_t.legend(fontsize=7)
-    fig.suptitle(f"CLIP step and loss machinery, P = {meta['world']}, d = {meta['dim']}, float32, {meta['device']}",
-                 fontsize=9)
+    fig.suptitle(
+        f"CLIP step and loss machinery, P = {meta['world']}, d = {meta['dim']}, float32, {meta['device']}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -150,29 +215,43 @@ def memory_markdown(runs: list[dict]) -> str:
     runs = sorted(runs, key=lambda d: d["meta"]["world"])
     worlds, table = [d["meta"]["world"] for d in runs], memory_vs_p(runs)
     c = runs[0]["meta"]["sizes"][0] // worlds[0]
-    lines = [f"Peak MiB per rank at a fixed C = {c} (N = C P), d = {runs[0]['meta']['dim']}, float32, "
-             f"T = {runs[0]['meta']['stream_chunk']}; device: {runs[0]['meta']['device']}. Only memory is read from "
-             "these runs (P ranks share the machine's cores, so their times say nothing).", "",
-             "Commands: " + "; ".join(f"`{d['meta']['command']}`" for d in runs), "",
-             "| method | " + " | ".join(f"P = {p}" for p in worlds)
-             + f" | P = {worlds[-1]} / P = {worlds[0]} | grew by, in C x d blocks |",
-             "|---|" + "---:|" * (len(worlds) + 2)]
-    block = c * runs[0]["meta"]["dim"] * 4   # float32
+    lines = [
+        f"Peak MiB per rank at a fixed C = {c} (N = C P), d = {runs[0]['meta']['dim']}, float32, "
+        f"T = {runs[0]['meta']['stream_chunk']}; device: {runs[0]['meta']['device']}. Only memory is read from "
+        "these runs (P ranks share the machine's cores, so their times say nothing).",
+        "",
+        "Commands: " + "; ".join(f"`{d['meta']['command']}`" for d in runs),
+        "",
+        "| method | "
+        + " | ".join(f"P = {p}" for p in worlds)
+        + f" | P = {worlds[-1]} / P = {worlds[0]} | grew by, in C x d blocks |",
+        "|---|" + "---:|" * (len(worlds) + 2),
+    ]
+    block = c * runs[0]["meta"]["dim"] * 4  # float32
     for method, by_p in table.items():
         first, last = by_p[worlds[0]], by_p[worlds[-1]]
-        lines.append(f"| {method} | " + " | ".join(f"{by_p[p] / MIB:.1f}" for p in worlds)
-                     + f" | {last / first:.3f} | {(last - first) / block:.1f} |")
+        lines.append(
+            f"| {method} | "
+            + " | ".join(f"{by_p[p] / MIB:.1f}" for p in worlds)
+            + f" | {last / first:.3f} | {(last - first) / block:.1f} |"
+        )
     goals = []
     for method in (RING, SIGMOID_RING):
         if method in table and worlds[0] == 2 and worlds[-1] == 4:
             ratio = table[method][4] / table[method][2]
-            goals.append({"target": f"{method}: peak memory within 10% from P = 2 to P = 4 at C = {c}",
-                          "measured": {c * 4: {"P = 4 / P = 2": ratio}}, "met": abs(ratio - 1) <= 0.1})
+            goals.append(
+                {
+                    "target": f"{method}: peak memory within 10% from P = 2 to P = 4 at C = {c}",
+                    "measured": {c * 4: {"P = 4 / P = 2": ratio}},
+                    "met": abs(ratio - 1) <= 0.1,
+                }
+            )
     return "\n".join([*lines, "", "**Targets**", "", *_target_lines(goals)]) + "\n"
 
 
 def plot_memory(runs: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -180,13 +259,22 @@ def plot_memory(runs: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method, by_p in table.items():
         ps = sorted(by_p)
-        ax.plot(ps, [by_p[p] / MIB for p in ps], "--" if method in SIGMOIDS else "-", marker="o",
-                color=COLOURS[method], label=method)
+        ax.plot(
+            ps,
+            [by_p[p] / MIB for p in ps],
+            "--" if method in SIGMOIDS else "-",
+            marker="o",
+            color=COLOURS[method],
+            label=method,
+        )
     ax.set_yscale("log")
     ax.set_xticks(sorted({p for by_p in table.values() for p in by_p}))
     meta = runs[0]["meta"]
-    ax.set_title(f"Peak memory per rank at C = {meta['sizes'][0] // meta['world']}, d = {meta['dim']} "
-                 "(solid: InfoNCE, dashed: sigmoid)", fontsize=9)
+    ax.set_title(
+        f"Peak memory per rank at C = {meta['sizes'][0] // meta['world']}, d = {meta['dim']} "
+        "(solid: InfoNCE, dashed: sigmoid)",
+        fontsize=9,
+    )
     ax.set_xlabel("world size P (C fixed)")
     ax.set_ylabel("peak MiB per rank")
     ax.grid(True, which="both", alpha=0.3)

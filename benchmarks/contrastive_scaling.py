@@ -61,8 +61,9 @@ class At:
     world: int
     micro: int
     chunk: int
-METHODS = ("10 global x global", "12 local x global", "13 GradCache", "14 streamed, sharded",
-           "14 streamed, replicated")
+
+
+METHODS = ("10 global x global", "12 local x global", "13 GradCache", "14 streamed, sharded", "14 streamed, replicated")
 TAU = 0.07
 
 
@@ -95,14 +96,32 @@ def loss_13(z_x, z_y, at: At):
 
 
 def _loss_14(z_x, z_y, at: At, variant: str):
-    _, g_x, g_y = loss_machinery(z_x, z_y, {"GLOBAL_BATCH_SIZE": at.n, "MICRO_BATCH_SIZE": at.micro,
-                                            "STREAM_CHUNK_SIZE": at.chunk, "TAU": TAU, "NORMALISERS": variant})
+    _, g_x, g_y = loss_machinery(
+        z_x,
+        z_y,
+        {
+            "GLOBAL_BATCH_SIZE": at.n,
+            "MICRO_BATCH_SIZE": at.micro,
+            "STREAM_CHUNK_SIZE": at.chunk,
+            "TAU": TAU,
+            "NORMALISERS": variant,
+        },
+    )
     return g_x, g_y
 
 
-LOSSES = dict(zip(METHODS, (loss_10, loss_12, loss_13,
-                            lambda *a: _loss_14(*a, variant="sharded"),
-                            lambda *a: _loss_14(*a, variant="replicated"))))
+LOSSES = dict(
+    zip(
+        METHODS,
+        (
+            loss_10,
+            loss_12,
+            loss_13,
+            lambda *a: _loss_14(*a, variant="sharded"),
+            lambda *a: _loss_14(*a, variant="replicated"),
+        ),
+    )
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,9 +133,19 @@ def step_fn(method, model, optimizer, x, y, at: At):
     c = len(x)
     if method.startswith("14"):
         variant = "sharded" if "sharded" in method else "replicated"
-        return distributed_train_step(model, optimizer, x, y, {
-            "GLOBAL_BATCH_SIZE": at.n, "MICRO_BATCH_SIZE": at.micro, "STREAM_CHUNK_SIZE": at.chunk, "TAU": TAU,
-            "NORMALISERS": variant})
+        return distributed_train_step(
+            model,
+            optimizer,
+            x,
+            y,
+            {
+                "GLOBAL_BATCH_SIZE": at.n,
+                "MICRO_BATCH_SIZE": at.micro,
+                "STREAM_CHUNK_SIZE": at.chunk,
+                "TAU": TAU,
+                "NORMALISERS": variant,
+            },
+        )
     optimizer.zero_grad(set_to_none=True)
     if method.startswith("13"):  # chunked no-grad forward, loss on cached reps, chunked recompute
         with torch.no_grad():
@@ -176,26 +205,29 @@ def run_part(part: str, rt, args, dtype) -> dict:
         for method in args.methods:
             done = [(r["n"], r["peak_bytes"]) for r in results[method] if "peak_bytes" in r]
             guess = predicted_peak(done, n)
-            if guess is not None and guess > args.cap_gib * 2 ** 30 or any(r.get("skipped") for r in results[method]):
+            if guess is not None and guess > args.cap_gib * 2**30 or any(r.get("skipped") for r in results[method]):
                 results[method].append({"n": n, "skipped": True, "predicted_peak_bytes": guess})
                 continue
             if part == "loss":
                 z = local_embeddings(n, args.dim, rt, dtype)
-                calls[method] = (lambda m=method, z=z: LOSSES[m](*z, at))
+                calls[method] = lambda m=method, z=z, at=at: LOSSES[m](*z, at)
             else:
                 gen = torch.Generator().manual_seed(n + rt.rank)
                 x, y = (torch.randn(c, 64, generator=gen, dtype=dtype).to(rt.device) for _ in range(2))
-                model = DDP(TwoTower(64, 64, hidden=256, embed_dim=args.dim, dtype=dtype).to(rt.device),
-                            device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+                model = DDP(
+                    TwoTower(64, 64, hidden=256, embed_dim=args.dim, dtype=dtype).to(rt.device),
+                    device_ids=[rt.local_rank] if rt.device.type == "cuda" else None,
+                )
                 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
                 models[method] = model
-                calls[method] = (lambda m=method, model=model, opt=opt, x=x, y=y: step_fn(
-                    m, model, opt, x, y, at))
+                calls[method] = lambda m=method, model=model, opt=opt, x=x, y=y, at=at: step_fn(m, model, opt, x, y, at)
                 calls[method]()  # warm-up: DDP's first iteration, lazy allocations
         for m, got in measure_interleaved(calls, rt, args.repeats).items():
             results[m].append({"n": n, **got})
-            print0(f"{part:4s} N={n:6d} {m:26s} peak {got['peak_bytes'] / 2**20:9.1f} MiB  "
-                   f"largest {got['largest_bytes'] / 2**20:9.1f} MiB  time {got['time_s']:8.3f} s")
+            print0(
+                f"{part:4s} N={n:6d} {m:26s} peak {got['peak_bytes'] / 2**20:9.1f} MiB  "
+                f"largest {got['largest_bytes'] / 2**20:9.1f} MiB  time {got['time_s']:8.3f} s"
+            )
         del calls, models
     return results
 
@@ -221,26 +253,45 @@ def main() -> int:
     with distributed(args.device) as rt:
         if any(n % rt.world_size for n in args.sizes):
             raise ValueError(f"every N in --sizes must be divisible by P={rt.world_size}")
-        device = (torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else
-                  f"CPU {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
-                  f"{torch.get_num_threads()} thread(s) per rank")
-        meta = {"world": rt.world_size, "dim": args.dim, "micro": args.micro, "chunk": args.chunk,
-                "dtype": args.dtype, "tau": TAU, "cap_gib": args.cap_gib, "sizes": args.sizes, "repeats": args.repeats,
-                "device": device, "torch": torch.__version__, "backend": rt.backend,
-                "command": f"torchrun --standalone --nproc-per-node {rt.world_size} benchmarks/contrastive_scaling.py "
-                           + " ".join(sys.argv[1:])}
+        device = (
+            torch.cuda.get_device_name(rt.device)
+            if rt.device.type == "cuda"
+            else f"CPU {platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), "
+            f"{torch.get_num_threads()} thread(s) per rank"
+        )
+        meta = {
+            "world": rt.world_size,
+            "dim": args.dim,
+            "micro": args.micro,
+            "chunk": args.chunk,
+            "dtype": args.dtype,
+            "tau": TAU,
+            "cap_gib": args.cap_gib,
+            "sizes": args.sizes,
+            "repeats": args.repeats,
+            "device": device,
+            "torch": torch.__version__,
+            "backend": rt.backend,
+            "command": f"torchrun --standalone --nproc-per-node {rt.world_size} benchmarks/contrastive_scaling.py "
+            + " ".join(sys.argv[1:]),
+        }
         worst = check_methods_agree(rt, args, dtype)
         print0(f"all methods' dL/dZ_local agree at N={args.sizes[0]}: max relative difference {worst:.1e}")
         if worst > (1e-4 if dtype == torch.float32 else 1e-10):
             raise RuntimeError(f"methods disagree ({worst:.1e}): the benchmark would compare different things")
         results = {part: run_part(part, rt, args, dtype) for part in args.parts}
-        summary = summarise(results, args.cap_gib * 2 ** 30)
+        summary = summarise(results, args.cap_gib * 2**30)
         goals = targets(results) if "loss" in results else {}
         if rt.is_first:
             out = Path(args.out) if args.out else RESULTS / f"contrastive_scaling_p{rt.world_size}"
             out.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"meta": meta, "agreement_max_rel": worst, "results": results, "summary": summary,
-                       "targets": goals}
+            payload = {
+                "meta": meta,
+                "agreement_max_rel": worst,
+                "results": results,
+                "summary": summary,
+                "targets": goals,
+            }
             out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
             write_markdown(out.with_suffix(".md"), meta, results, summary, goals)
             write_plot(out.with_suffix(".png"), meta, results)

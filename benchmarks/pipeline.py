@@ -69,6 +69,7 @@ def device_name(device: torch.device) -> str:
 
 def time_step(rt, run) -> float:
     """Seconds for one forward + backward step, from a barrier to a barrier."""
+
     def sync():
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
@@ -93,8 +94,10 @@ def measure(args) -> int:
         configs += [(name, m) for name in ("gpipe", "1f1b") for m in args.micro_batches if p > 1]
         load_before = os.getloadavg()[0]
         base = PipelineConfig(widths=widths, global_batch=args.global_batch, seed=args.seed, dtype=torch.float32)
-        runs = [PipelineStep(rt, base.replace(schedule="gpipe" if name in ("unsplit", "naive") else name,
-                                              micro_batches=m)) for name, m in configs]
+        runs = [
+            PipelineStep(rt, base.replace(schedule="gpipe" if name in ("unsplit", "naive") else name, micro_batches=m))
+            for name, m in configs
+        ]
         for run in runs:
             for _ in range(args.warmup):
                 time_step(rt, run)
@@ -106,18 +109,38 @@ def measure(args) -> int:
                 times[k].append(time_step(rt, run))
         rows = []
         for (name, m), ts in zip(configs, times):
-            rows.append({"schedule": name, "M": m, "median_s": statistics.median(ts),
-                         "min_s": min(ts), "max_s": max(ts), "times_s": ts})
-            print0(f"P={p} {name:>7} M={m:>2}: median {rows[-1]['median_s'] * 1e3:8.1f} ms "
-                   f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})")
+            rows.append(
+                {
+                    "schedule": name,
+                    "M": m,
+                    "median_s": statistics.median(ts),
+                    "min_s": min(ts),
+                    "max_s": max(ts),
+                    "times_s": ts,
+                }
+            )
+            print0(
+                f"P={p} {name:>7} M={m:>2}: median {rows[-1]['median_s'] * 1e3:8.1f} ms "
+                f"(min {min(ts) * 1e3:.1f}, max {max(ts) * 1e3:.1f})"
+            )
         if rt.is_first:
             args.out.mkdir(parents=True, exist_ok=True)
-            meta = {"P": p, "backend": rt.backend, "device": device_name(rt.device), "cores": os.cpu_count(),
-                    "torch": torch.__version__, "layers": args.layers, "width": args.width,
-                    "global_batch": args.global_batch, "dtype": "float32", "warmup": args.warmup,
-                    "repeats": args.repeats, "load_average_before": load_before,
-                    "load_average_after": os.getloadavg()[0],
-                    "command": f"torchrun --standalone --nproc-per-node {p} benchmarks/pipeline.py"}
+            meta = {
+                "P": p,
+                "backend": rt.backend,
+                "device": device_name(rt.device),
+                "cores": os.cpu_count(),
+                "torch": torch.__version__,
+                "layers": args.layers,
+                "width": args.width,
+                "global_batch": args.global_batch,
+                "dtype": "float32",
+                "warmup": args.warmup,
+                "repeats": args.repeats,
+                "load_average_before": load_before,
+                "load_average_after": os.getloadavg()[0],
+                "command": f"torchrun --standalone --nproc-per-node {p} benchmarks/pipeline.py",
+            }
             path = args.out / f"pipeline_{rt.device.type}_P{p}.json"
             path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
             print0(f"wrote {path}")
@@ -127,6 +150,7 @@ def measure(args) -> int:
 def report(args) -> int:
     """Markdown table and PNG plot from every pipeline_<device>_P<P>.json in --out."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -138,45 +162,77 @@ def report(args) -> int:
         base = results.get(1, {}).get("rows", [{}])[0].get("median_s")
         meta = next(iter(results.values()))["meta"]
         cores = meta.get("cores") if device == "cpu" else None
-        lines = [f"Step time (forward + backward), median of {meta['repeats']} round-robin steps after "
-                 f"{meta['warmup']} warm-up, on {meta['device']} ({meta['backend']}), torch {meta['torch']}; "
-                 f"{meta['layers']} layers of width {meta['width']}, batch {meta.get('global_batch', meta.get('batch_size'))}, float32. "
-                 "Load average (1 min) before/after each run: " + ", ".join(
-                     f"P={p}: {r['meta']['load_average_before']:.1f}/{r['meta']['load_average_after']:.1f}"
-                     for p, r in sorted(results.items())) + ".", "",
-                 "`ideal` = t_1 / P * (M + P - 1) / M from the unsplit step t_1: one core per rank, no "
-                 "transfer cost, only the bubble." + (f" Rows with P > {cores} cores cannot reach it "
-                 f"(at best t_1 / {cores})." if cores and max(results) > cores else ""), "",
-                 "| P | schedule | M | median ms | min..max ms | ideal ms (bubble only) |",
-                 "|---:|---|---:|---:|---:|---:|"]
+        lines = [
+            f"Step time (forward + backward), median of {meta['repeats']} round-robin steps after "
+            f"{meta['warmup']} warm-up, on {meta['device']} ({meta['backend']}), torch {meta['torch']}; "
+            f"{meta['layers']} layers of width {meta['width']}, "
+            f"batch {meta.get('global_batch', meta.get('batch_size'))}, float32. "
+            "Load average (1 min) before/after each run: "
+            + ", ".join(
+                f"P={p}: {r['meta']['load_average_before']:.1f}/{r['meta']['load_average_after']:.1f}"
+                for p, r in sorted(results.items())
+            )
+            + ".",
+            "",
+            "`ideal` = t_1 / P * (M + P - 1) / M from the unsplit step t_1: one core per rank, no "
+            "transfer cost, only the bubble."
+            + (
+                f" Rows with P > {cores} cores cannot reach it (at best t_1 / {cores})."
+                if cores and max(results) > cores
+                else ""
+            ),
+            "",
+            "| P | schedule | M | median ms | min..max ms | ideal ms (bubble only) |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
         fig, axes = plt.subplots(1, max(1, len([p for p in results if p > 1])), figsize=(11, 4), squeeze=False)
         for p, res in sorted(results.items()):
             for row in res["rows"]:
                 ideal = base / p * (row["M"] + p - 1) / row["M"] if base else float("nan")
-                lines.append(f"| {p} | {row['schedule']} | {row['M']} | {row['median_s'] * 1e3:.1f} | "
-                             f"{row['min_s'] * 1e3:.1f}..{row['max_s'] * 1e3:.1f} | "
-                             f"{ideal * 1e3:.1f} |" if p > 1 else
-                             f"| 1 | unsplit | 1 | {row['median_s'] * 1e3:.1f} | "
-                             f"{row['min_s'] * 1e3:.1f}..{row['max_s'] * 1e3:.1f} | |")
+                lines.append(
+                    f"| {p} | {row['schedule']} | {row['M']} | {row['median_s'] * 1e3:.1f} | "
+                    f"{row['min_s'] * 1e3:.1f}..{row['max_s'] * 1e3:.1f} | "
+                    f"{ideal * 1e3:.1f} |"
+                    if p > 1
+                    else f"| 1 | unsplit | 1 | {row['median_s'] * 1e3:.1f} | "
+                    f"{row['min_s'] * 1e3:.1f}..{row['max_s'] * 1e3:.1f} | |"
+                )
         for ax, p in zip(axes[0], sorted(p for p in results if p > 1)):
             rows = results[p]["rows"]
             for name, style in (("gpipe", "o-"), ("1f1b", "s--")):
                 sel = [r for r in rows if r["schedule"] == name]
                 ms = [r["M"] for r in sel]
-                ax.errorbar(ms, [r["median_s"] * 1e3 for r in sel],
-                            yerr=[[(r["median_s"] - r["min_s"]) * 1e3 for r in sel],
-                                  [(r["max_s"] - r["median_s"]) * 1e3 for r in sel]],
-                            fmt=style, capsize=3, label={"gpipe": "GPipe", "1f1b": "1F1B"}[name])
+                ax.errorbar(
+                    ms,
+                    [r["median_s"] * 1e3 for r in sel],
+                    yerr=[
+                        [(r["median_s"] - r["min_s"]) * 1e3 for r in sel],
+                        [(r["max_s"] - r["median_s"]) * 1e3 for r in sel],
+                    ],
+                    fmt=style,
+                    capsize=3,
+                    label={"gpipe": "GPipe", "1f1b": "1F1B"}[name],
+                )
             naive = next(r for r in rows if r["schedule"] == "naive")
             ax.axhline(naive["median_s"] * 1e3, color="gray", ls=":", label="naive (M=1)")
             if base:
                 ms = sorted({r["M"] for r in rows})
-                ax.plot(ms, [base / p * (m + p - 1) / m * 1e3 for m in ms], color="green", alpha=0.6,
-                        label="ideal: t1/P (M+P-1)/M")
+                ax.plot(
+                    ms,
+                    [base / p * (m + p - 1) / m * 1e3 for m in ms],
+                    color="green",
+                    alpha=0.6,
+                    label="ideal: t1/P (M+P-1)/M",
+                )
                 ax.axhline(base * 1e3, color="black", lw=0.8, label="unsplit, one process")
                 if cores and p > cores:
-                    ax.axhline(base / cores * 1e3, color="green", ls="--", lw=0.8,
-                               label=f"t1/{cores}: best possible on {cores} cores")
+                    ax.axhline(
+                        base / cores * 1e3,
+                        color="green",
+                        ls="--",
+                        lw=0.8,
+                        label=f"t1/{cores}: best possible on {cores} cores",
+                    )
             ax.set_xscale("log", base=2)
             ax.set_xlabel("micro-batches M")
             ax.set_ylabel("ms per step")

@@ -43,46 +43,77 @@ def targets(results: dict) -> dict:
         if at.get(m):
             mem_ratio = at[m]["peak_bytes"] / at["12 local x global"]["peak_bytes"]
             time_ratio = at[m]["time_s"] / at["12 local x global"]["time_s"]
-            out[m] = {"n": n, "memory_vs_12": mem_ratio, "memory_target_met": mem_ratio <= 1 / 8,
-                      "time_vs_12": time_ratio, "time_target_met": time_ratio <= 1.2}
+            out[m] = {
+                "n": n,
+                "memory_vs_12": mem_ratio,
+                "memory_target_met": mem_ratio <= 1 / 8,
+                "time_vs_12": time_ratio,
+                "time_target_met": time_ratio <= 1.2,
+            }
     return out
 
 
 def write_markdown(path: Path, meta: dict, results: dict, summary: dict, goals: dict) -> None:
-    lines = [f"P = {meta['world']}, d = {meta['dim']}, {meta['dtype']}, B = {meta['micro']}, "
-             f"T = {meta['chunk']}, tau = {meta['tau']}; device: {meta['device']}; cap {meta['cap_gib']} GiB per rank.",
-             f"Command: `{meta['command']}`", ""]
-    for part, title in (("loss", "Loss machinery (C x d embeddings in, dL/dZ_local out)"),
-                        ("step", "Whole training step (two-tower encoder 64 -> 256 -> d, SGD)")):
+    lines = [
+        f"P = {meta['world']}, d = {meta['dim']}, {meta['dtype']}, B = {meta['micro']}, "
+        f"T = {meta['chunk']}, tau = {meta['tau']}; device: {meta['device']}; cap {meta['cap_gib']} GiB per rank.",
+        f"Command: `{meta['command']}`",
+        "",
+    ]
+    for part, title in (
+        ("loss", "Loss machinery (C x d embeddings in, dL/dZ_local out)"),
+        ("step", "Whole training step (two-tower encoder 64 -> 256 -> d, SGD)"),
+    ):
         if part not in results:
             continue
         methods = list(results[part])
-        lines += [f"**{title}**: per-rank peak MiB / median seconds", "",
-                  "| N | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
+        lines += [
+            f"**{title}**: per-rank peak MiB / median seconds",
+            "",
+            "| N | " + " | ".join(methods) + " |",
+            "|---:|" + "---:|" * len(methods),
+        ]
         for i, n in enumerate(meta["sizes"]):
             cells = []
             for m in methods:
                 r = results[part][m][i]
-                cells.append(f"{r['peak_bytes'] / 2**20:.1f} / {r['time_s']:.3f}" if "peak_bytes" in r else
-                             "over cap" + (f" (~{r['predicted_peak_bytes'] / 2**30:.2f} GiB predicted)"
-                                           if r.get("predicted_peak_bytes") else ""))
+                cells.append(
+                    f"{r['peak_bytes'] / 2**20:.1f} / {r['time_s']:.3f}"
+                    if "peak_bytes" in r
+                    else "over cap"
+                    + (
+                        f" (~{r['predicted_peak_bytes'] / 2**30:.2f} GiB predicted)"
+                        if r.get("predicted_peak_bytes")
+                        else ""
+                    )
+                )
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
-        lines.append("| largest N within cap | " + " | ".join(
-            str(summary[part][m]["largest_n_within_cap"]) for m in methods) + " |")
-        lines.append("| memory exponent (last two N) | " + " | ".join(
-            f"{s:.2f}" if (s := summary[part][m]["memory_slope"]) is not None else "-" for m in methods) + " |")
+        lines.append(
+            "| largest N within cap | "
+            + " | ".join(str(summary[part][m]["largest_n_within_cap"]) for m in methods)
+            + " |"
+        )
+        lines.append(
+            "| memory exponent (last two N) | "
+            + " | ".join(f"{s:.2f}" if (s := summary[part][m]["memory_slope"]) is not None else "-" for m in methods)
+            + " |"
+        )
         lines.append("")
     for m, g in goals.items():
-        lines.append(f"- {m} at N = {g['n']}: peak memory {g['memory_vs_12']:.4f} x lesson 12's "
-                     f"(target <= 1/8: {'met' if g['memory_target_met'] else 'MISSED'}), loss-machinery time "
-                     f"{g['time_vs_12']:.2f} x (target <= 1.2: {'met' if g['time_target_met'] else 'MISSED'})")
+        lines.append(
+            f"- {m} at N = {g['n']}: peak memory {g['memory_vs_12']:.4f} x lesson 12's "
+            f"(target <= 1/8: {'met' if g['memory_target_met'] else 'MISSED'}), loss-machinery time "
+            f"{g['time_vs_12']:.2f} x (target <= 1.2: {'met' if g['time_target_met'] else 'MISSED'})"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
 def write_plot(path: Path, meta: dict, results: dict) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     parts = [p for p in ("loss", "step") if p in results]
     fig, axes = plt.subplots(len(parts), 2, figsize=(11, 4.2 * len(parts)), squeeze=False)
     for row, part in zip(axes, parts):

@@ -42,11 +42,20 @@ LIGHT = {  # fewer steps and smaller timings than the defaults; the same code pa
 def run_once(lesson: str, args: tuple[str, ...], limit_s: float) -> dict:
     """One torchrun of a lesson: how it ended ('exit 0', 'exit N', 'hang') and how long it took."""
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(P),
-               str(ROOT / "lessons" / lesson), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(P),
+        str(ROOT / "lessons" / lesson),
+        *args,
+    ]
     start = time.monotonic()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=limit_s)
         ended = f"exit {proc.returncode}"
@@ -56,8 +65,15 @@ def run_once(lesson: str, args: tuple[str, ...], limit_s: float) -> dict:
         ended = "hang"
     passed = "PASS: every claim holds" in out
     refused = proc.returncode == 2 and "error:" in out
-    return {"lesson": lesson, "args": list(args), "ended": ended, "passed": passed, "refused_p3": refused,
-            "seconds": round(time.monotonic() - start, 1), "tail": out.strip().splitlines()[-3:]}
+    return {
+        "lesson": lesson,
+        "args": list(args),
+        "ended": ended,
+        "passed": passed,
+        "refused_p3": refused,
+        "seconds": round(time.monotonic() - start, 1),
+        "tail": out.strip().splitlines()[-3:],
+    }
 
 
 def lessons() -> list[str]:
@@ -87,20 +103,32 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "teardown_check", help="output stem (.md, .json)")
     args = parser.parse_args()
     runs, load = [], os.getloadavg()
-    plan = [LESSON_16] * args.repeat + [(name, LIGHT.get(name, ())) for name in lessons()
-                                        if args.only is None or name in args.only for _ in range(args.per_lesson)]
+    plan = [LESSON_16] * args.repeat + [
+        (name, LIGHT.get(name, ()))
+        for name in lessons()
+        if args.only is None or name in args.only
+        for _ in range(args.per_lesson)
+    ]
     for k, (lesson, flags) in enumerate(plan, 1):
         runs.append(run_once(lesson, flags, args.limit))
         r = runs[-1]
-        print(f"[{k}/{len(plan)}] {lesson} {' '.join(flags)}: {r['ended']}, "
-              f"{'PASS' if r['passed'] else 'no PASS'}, {r['seconds']:.0f} s", flush=True)
+        print(
+            f"[{k}/{len(plan)}] {lesson} {' '.join(flags)}: {r['ended']}, "
+            f"{'PASS' if r['passed'] else 'no PASS'}, {r['seconds']:.0f} s",
+            flush=True,
+        )
     hangs = sum(r["ended"] == "hang" for r in runs)
-    header = [f"# Teardown check: P = {P}, {len(runs)} runs, {hangs} hung", "",
-              f"`python benchmarks/teardown_check.py --repeat {args.repeat} --per-lesson {args.per_lesson}`; "
-              f"a run hangs if it has not exited after {args.limit:.0f} s. Load average at the start "
-              f"{load[0]:.1f}, at the end {os.getloadavg()[0]:.1f} (2 cores, shared).", "",
-              f"Lesson 16 first, {args.repeat} runs in a row with `{' '.join(LESSON_16[1])}`; then every "
-              "lesson with the flags in `LIGHT`.", ""]
+    header = [
+        f"# Teardown check: P = {P}, {len(runs)} runs, {hangs} hung",
+        "",
+        f"`python benchmarks/teardown_check.py --repeat {args.repeat} --per-lesson {args.per_lesson}`; "
+        f"a run hangs if it has not exited after {args.limit:.0f} s. Load average at the start "
+        f"{load[0]:.1f}, at the end {os.getloadavg()[0]:.1f} (2 cores, shared).",
+        "",
+        f"Lesson 16 first, {args.repeat} runs in a row with `{' '.join(LESSON_16[1])}`; then every "
+        "lesson with the flags in `LIGHT`.",
+        "",
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(header + summary(runs)) + "\n")
     args.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))

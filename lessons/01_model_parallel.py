@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, positive_int,
-                         stages_fit_layers)
+from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, stages_fit_layers
 from distlab.console import print0
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.report import per_tensor
@@ -46,8 +45,9 @@ from distlab.timeline import Timeline, busy_fractions, max_concurrency, render
 from distlab.verdict import Verdict
 
 
-def model_parallel_step(stage: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, shapes: list,
-                        span=lambda kind: nullcontext()) -> float | None:
+def model_parallel_step(
+    stage: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, shapes: list, span=lambda kind: nullcontext()
+) -> float | None:
     """Stage p = this rank: receive A_{p-1} (rank 0 starts from the batch x), compute A_p, send it on;
     then receive dL/dA_p (the last rank: from the loss), back-propagate, send dL/dA_{p-1} back.
     `shapes[p]` is the shape of A_{p-1}; `span(kind)` times the compute. Returns L on the last rank."""
@@ -92,8 +92,13 @@ class ModelParallelStep:
 
     def __call__(self, step: int) -> float | None:
         dev = self.rt.device
-        return model_parallel_step(self.stages[0].module, self.x.to(dev), self.target.to(dev), self.shapes,
-                                   lambda kind: self.timeline.span(kind, step))
+        return model_parallel_step(
+            self.stages[0].module,
+            self.x.to(dev),
+            self.target.to(dev),
+            self.shapes,
+            lambda kind: self.timeline.span(kind, step),
+        )
 
     def measurements(self) -> dict:
         return {}
@@ -101,8 +106,12 @@ class ModelParallelStep:
 
 def parse_args(argv: list[str] | None = None):
     parser = add_mlp_args(lesson_parser(__doc__), layers=8, width=256, global_batch=512, steps=5)
-    parser.add_argument("--input-features", type=positive_int, default=16,
-                        help="features per row; anything but 16 shows the 'does not fit' error")
+    parser.add_argument(
+        "--input-features",
+        type=positive_int,
+        default=16,
+        help="features per row; anything but 16 shows the 'does not fit' error",
+    )
     return parser.parse_args(argv)
 
 
@@ -111,8 +120,10 @@ def main() -> int:
     cfg = PipelineConfig.from_args(args, input_features=args.input_features)
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 01: naive model parallelism[/] - {args.layers} layers on {rt.world_size} "
-               f"rank(s), N={args.global_batch} rows, {args.steps} SGD steps, {args.dtype}, {rt.backend}")
+        print0(
+            f"[bold]Lesson 01: naive model parallelism[/] - {args.layers} layers on {rt.world_size} "
+            f"rank(s), N={args.global_batch} rows, {args.steps} SGD steps, {args.dtype}, {rt.backend}"
+        )
         run = train(rt, cfg, ModelParallelStep(rt, cfg))
         ref = unsplit_reference(cfg)
         tables, matched = per_tensor(run, ref, cfg.dtype)

@@ -48,13 +48,19 @@ from __future__ import annotations
 from rich.table import Table
 
 from distlab import emulate
-from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, nonnegative_int,
-                         positive_int, stages_fit_layers)
+from distlab.cli import (
+    add_mlp_args,
+    check_flags_against_world,
+    lesson_parser,
+    nonnegative_int,
+    positive_int,
+    stages_fit_layers,
+)
 from distlab.console import print0
+from distlab.pipeline import schedules
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.report import check_runs, emulated_spans, gathered, show_measured
 from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline import schedules
 from distlab.pipeline.schedules import Action, Schedule
 from distlab.pipeline.simulator import render, simulate
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
@@ -72,30 +78,48 @@ def parse_args(argv: list[str] | None = None):
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=128, global_batch=256, steps=3)
     emulate.add_args(parser, ms_per_layer=4.0)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M, from 1 to N")
-    parser.add_argument("--checkpoint-segments", type=nonnegative_int, default=2,
-                        help="K >= 2: checkpoint_sequential segments per stage in the checkpointed run")
+    parser.add_argument(
+        "--checkpoint-segments",
+        type=nonnegative_int,
+        default=2,
+        help="K >= 2: checkpoint_sequential segments per stage in the checkpointed run",
+    )
     return parser.parse_args(argv)
 
 
 def memory_table(plain, ckpt, k: int, bounds: list[range]) -> tuple[Table, dict]:
     """Per stage: what it holds for backward and its forward work, with and without checkpointing,
     and which stages can save anything (segments of two or more layers)."""
-    table = Table(title=f"what each stage holds for backward, and its forward work per step (K={k})",
-                  title_justify="left", caption="saved: peak bytes through saved_tensors_hooks, "
-                  "parameters excluded", caption_justify="left")
-    for col in ("stage", "layers", "in flight", "saved KiB", "ckpt KiB", "ratio", "layer fwd", "ckpt fwd",
-                "extra"):
+    table = Table(
+        title=f"what each stage holds for backward, and its forward work per step (K={k})",
+        title_justify="left",
+        caption="saved: peak bytes through saved_tensors_hooks, parameters excluded",
+        caption_justify="left",
+    )
+    for col in ("stage", "layers", "in flight", "saved KiB", "ckpt KiB", "ratio", "layer fwd", "ckpt fwd", "extra"):
         table.add_column(col, justify="right", overflow="fold")
     ratios, can_save = [], []
     for p, (a, b) in enumerate(zip(plain, ckpt)):
         ratios.append(b.saved_peak_bytes / a.saved_peak_bytes)
         can_save.append(len(bounds[p]) // min(k, len(bounds[p])) >= 2)  # a segment of >= 2 layers
-        table.add_row(str(p), str(len(bounds[p])), str(a.peak_in_flight), f"{a.saved_peak_bytes / 2**10:,.0f}",
-                      f"{b.saved_peak_bytes / 2**10:,.0f}", f"{ratios[-1]:.2f}", str(a.layer_forwards),
-                      str(b.layer_forwards), f"{b.layer_forwards / a.layer_forwards - 1:+.0%}")
-    return table, {"ratios": ratios, "can_save": can_save, "in_flight": [a.peak_in_flight for a in plain],
-                   "saved": [(a.saved_peak_bytes, b.saved_peak_bytes) for a, b in zip(plain, ckpt)],
-                   "forwards": [(a.layer_forwards, b.layer_forwards) for a, b in zip(plain, ckpt)]}
+        table.add_row(
+            str(p),
+            str(len(bounds[p])),
+            str(a.peak_in_flight),
+            f"{a.saved_peak_bytes / 2**10:,.0f}",
+            f"{b.saved_peak_bytes / 2**10:,.0f}",
+            f"{ratios[-1]:.2f}",
+            str(a.layer_forwards),
+            str(b.layer_forwards),
+            f"{b.layer_forwards / a.layer_forwards - 1:+.0%}",
+        )
+    return table, {
+        "ratios": ratios,
+        "can_save": can_save,
+        "in_flight": [a.peak_in_flight for a in plain],
+        "saved": [(a.saved_peak_bytes, b.saved_peak_bytes) for a, b in zip(plain, ckpt)],
+        "forwards": [(a.layer_forwards, b.layer_forwards) for a, b in zip(plain, ckpt)],
+    }
 
 
 def memory_claim(m: dict, k: int) -> tuple[str, bool]:
@@ -108,8 +132,10 @@ def memory_claim(m: dict, k: int) -> tuple[str, bool]:
         span = f"{min(cut):.2f}" + (f"-{max(cut):.2f}" if max(cut) > min(cut) else "")
         return f"K={k} checkpointing holds {span}x the saved activations on every stage", ok
     if not cut:
-        return (f"K={k} gives one-layer segments, which save nothing: every stage holds 1.00x "
-                f"(use K <= layers per stage / 2)"), ok
+        return (
+            f"K={k} gives one-layer segments, which save nothing: every stage holds 1.00x "
+            f"(use K <= layers per stage / 2)"
+        ), ok
     return f"stages with K={k} segments of >= 2 layers hold {max(cut):.2f}x or less, one-layer segments 1.00x", ok
 
 
@@ -121,15 +147,20 @@ def show_timing(rt, cfg: PipelineConfig, args, runs: dict, verdict: Verdict) -> 
     if args.emulate_ms:
         emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
         spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated_spans(
-            rt, emulated_cfg, gpipe(p, m), "GPipe", verdict)
+            rt, emulated_cfg, gpipe(p, m), "GPipe", verdict
+        )
     measured = verdict.figure("measured", show_measured("GPipe's last step", spans, p, step))
     if args.emulate_ms:
         idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)
-        print0(f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
-               f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)")
+        print0(
+            f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
+            f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)"
+        )
     t_plain, t_ckpt = (step_seconds(runs[k].spans, args.steps) for k in ("plain", "checkpointed"))
-    print0(f"real CPU step time (median, compute spans): {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
-           f"checkpointed ({t_ckpt / t_plain - 1:+.0%}; a shared CPU makes this noisy)")
+    print0(
+        f"real CPU step time (median, compute spans): {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
+        f"checkpointed ({t_ckpt / t_plain - 1:+.0%}; a shared CPU makes this noisy)"
+    )
 
 
 def main() -> int:
@@ -140,29 +171,41 @@ def main() -> int:
     cfg = PipelineConfig.from_args(args, schedule="gpipe", probe=True)
     with distributed(args.device) as rt:
         p, verdict = rt.world_size, Verdict(rt)
-        print0(f"[bold]Lesson 02: GPipe with activation checkpointing[/] - {args.layers} layers on {p} rank(s), "
-               f"N={args.global_batch} in M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows")
+        print0(
+            f"[bold]Lesson 02: GPipe with activation checkpointing[/] - {args.layers} layers on {p} rank(s), "
+            f"N={args.global_batch} in M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows"
+        )
         # Both runs validate their input on every rank before any message (M, K, P <= layers).
-        verdict.check("the schedule above is the library's GPipe (schedules.gpipe)",
-                      gpipe(p, m) == schedules.gpipe(p, m))
+        verdict.check(
+            "the schedule above is the library's GPipe (schedules.gpipe)", gpipe(p, m) == schedules.gpipe(p, m)
+        )
         plain = train(rt, cfg, PipelineStep(rt, cfg, gpipe(p, m)))
-        ckpt = train(rt, cfg.replace(checkpoint_segments=k), PipelineStep(rt, cfg.replace(checkpoint_segments=k),
-                                                                          gpipe(p, m)))
+        ckpt = train(
+            rt, cfg.replace(checkpoint_segments=k), PipelineStep(rt, cfg.replace(checkpoint_segments=k), gpipe(p, m))
+        )
 
         timing = simulate(gpipe(p, m))
         print0(render(timing, f"\nGPipe, P={p}, M={m}: one column per tick (F forward 1, I backward 2, . idle)"))
         bubble, formula = verdict.figure("bubble", timing.bubble_fraction()), (p - 1) / (m + p - 1)
-        verdict.check("the bubble counted in GPipe's grid is (P-1)/(M+P-1)", abs(bubble - formula) < 1e-12,
-                      f"{bubble:.4f} = {formula:.4f}")
-        curve = verdict.figure("bubble_curve", {mm: simulate(gpipe(p, mm)).bubble_fraction()
-                                                for mm in sorted({1, p, 2 * p, 4 * p, 8 * p, m})})
+        verdict.check(
+            "the bubble counted in GPipe's grid is (P-1)/(M+P-1)",
+            abs(bubble - formula) < 1e-12,
+            f"{bubble:.4f} = {formula:.4f}",
+        )
+        curve = verdict.figure(
+            "bubble_curve",
+            {mm: simulate(gpipe(p, mm)).bubble_fraction() for mm in sorted({1, p, 2 * p, 4 * p, 8 * p, m})},
+        )
         print0("bubble vs M, counted in the grids: " + ", ".join(f"M={mm} {b:.3f}" for mm, b in curve.items()))
 
-        table, matched = check_runs({"GPipe": plain, f"GPipe + checkpointing, K={k}": ckpt},
-                                    unsplit_reference(cfg), cfg.dtype)
+        table, matched = check_runs(
+            {"GPipe": plain, f"GPipe + checkpointing, K={k}": ckpt}, unsplit_reference(cfg), cfg.dtype
+        )
         print0(table)
-        verdict.check("GPipe's gradients, parameters and losses equal the unsplit model's, with and "
-                      "without checkpointing", matched)
+        verdict.check(
+            "GPipe's gradients, parameters and losses equal the unsplit model's, with and without checkpointing",
+            matched,
+        )
         memory, measured = memory_table(gathered(plain), gathered(ckpt), k, stage_bounds(args.layers, p))
         print0(memory)
         verdict.check(f"every stage holds all M={m} micro-batches at once", measured["in_flight"] == [m] * p)

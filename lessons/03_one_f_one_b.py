@@ -41,8 +41,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from distlab import emulate
-from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, positive_int,
-                         stages_fit_layers)
+from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, stages_fit_layers
 from distlab.console import print0
 from distlab.pipeline import schedules
 from distlab.pipeline.report import check_runs, emulated_spans, gathered, show_measured
@@ -77,17 +76,28 @@ def parse_args(argv: list[str] | None = None):
 
 def memory_table(runs: dict[str, list], m: int) -> tuple[Table, dict]:
     """Per rank, measured while running: micro-batches in flight and activation bytes held."""
-    table = Table(title="micro-batches in flight and activation bytes held, per rank (measured while running)",
-                  title_justify="left", caption="saved: peak bytes through saved_tensors_hooks, parameters "
-                  "excluded", caption_justify="left")
+    table = Table(
+        title="micro-batches in flight and activation bytes held, per rank (measured while running)",
+        title_justify="left",
+        caption="saved: peak bytes through saved_tensors_hooks, parameters excluded",
+        caption_justify="left",
+    )
     for col in ("rank", "GPipe in flight", "1F1B in flight", "min(M, P-r)", "GPipe KiB", "1F1B KiB", "ratio"):
         table.add_column(col, justify="right", overflow="fold")
     for r, (g, o) in enumerate(zip(runs["gpipe"], runs["1f1b"])):
-        table.add_row(str(r), str(g.peak_in_flight), str(o.peak_in_flight), str(min(m, len(runs["gpipe"]) - r)),
-                      f"{g.saved_peak_bytes / 2**10:,.1f}", f"{o.saved_peak_bytes / 2**10:,.1f}",
-                      f"{o.saved_peak_bytes / g.saved_peak_bytes:.2f}")
-    return table, {name: {"in_flight": [x.peak_in_flight for x in ranks], "saved": [x.saved_peak_bytes for x in ranks]}
-                   for name, ranks in runs.items()}
+        table.add_row(
+            str(r),
+            str(g.peak_in_flight),
+            str(o.peak_in_flight),
+            str(min(m, len(runs["gpipe"]) - r)),
+            f"{g.saved_peak_bytes / 2**10:,.1f}",
+            f"{o.saved_peak_bytes / 2**10:,.1f}",
+            f"{o.saved_peak_bytes / g.saved_peak_bytes:.2f}",
+        )
+    return table, {
+        name: {"in_flight": [x.peak_in_flight for x in ranks], "saved": [x.saved_peak_bytes for x in ranks]}
+        for name, ranks in runs.items()
+    }
 
 
 def show_timing(rt, cfg: PipelineConfig, args, real, verdict: Verdict) -> None:
@@ -96,12 +106,15 @@ def show_timing(rt, cfg: PipelineConfig, args, real, verdict: Verdict) -> None:
     if args.emulate_ms:
         emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
         spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated_spans(
-            rt, emulated_cfg, one_f_one_b(p, m), "1F1B", verdict)
+            rt, emulated_cfg, one_f_one_b(p, m), "1F1B", verdict
+        )
     measured = verdict.figure("measured_timelines", show_measured("1F1B's last step", spans, p, args.steps - 1))
     if args.emulate_ms:
         idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)
-        print0(f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
-               f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)")
+        print0(
+            f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
+            f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)"
+        )
 
 
 def main() -> int:
@@ -110,11 +123,15 @@ def main() -> int:
     cfg = PipelineConfig.from_args(args, probe=True)
     with distributed(args.device) as rt:
         p, verdict = rt.world_size, Verdict(rt)
-        print0(f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), N={args.global_batch} in "
-               f"M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows, {args.dtype}, {rt.backend}")
+        print0(
+            f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), N={args.global_batch} in "
+            f"M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows, {args.dtype}, {rt.backend}"
+        )
         orders = {"gpipe": gpipe(p, m), "1f1b": one_f_one_b(p, m)}
-        verdict.check("the loop above is the library's 1F1B (schedules.one_f_one_b)",
-                      orders["1f1b"] == schedules.one_f_one_b(p, m))
+        verdict.check(
+            "the loop above is the library's 1F1B (schedules.one_f_one_b)",
+            orders["1f1b"] == schedules.one_f_one_b(p, m),
+        )
         runs = {name: train(rt, cfg, PipelineStep(rt, cfg, order)) for name, order in orders.items()}
 
         timings = {name: simulate(order) for name, order in orders.items()}
@@ -122,9 +139,11 @@ def main() -> int:
             print0(render(timings[name], f"\n{title}, P={p}, M={m} (ticks: F 1, I 2; . idle)"))
         bubbles = verdict.figure("bubbles", {n: t.bubble_fraction() for n, t in timings.items()})
         formula = (p - 1) / (m + p - 1)
-        verdict.check("GPipe and 1F1B idle the same share of their grids, (P-1)/(M+P-1)",
-                      all(abs(b - formula) < 1e-12 for b in bubbles.values()),
-                      f"GPipe {bubbles['gpipe']:.4f}, 1F1B {bubbles['1f1b']:.4f}, formula {formula:.4f}")
+        verdict.check(
+            "GPipe and 1F1B idle the same share of their grids, (P-1)/(M+P-1)",
+            all(abs(b - formula) < 1e-12 for b in bubbles.values()),
+            f"GPipe {bubbles['gpipe']:.4f}, 1F1B {bubbles['1f1b']:.4f}, formula {formula:.4f}",
+        )
 
         table, matched = check_runs({"GPipe": runs["gpipe"], "1F1B": runs["1f1b"]}, unsplit_reference(cfg), cfg.dtype)
         print0(table)
@@ -133,10 +152,14 @@ def main() -> int:
         print0(table)
         verdict.figure("measured", measured)
         closed_form = {"gpipe": [m] * p, "1f1b": [min(m, p - r) for r in range(p)]}
-        verdict.check("in flight, measured while running: GPipe M on every rank, 1F1B min(M, P-r) on rank r",
-                      all(measured[n]["in_flight"] == peak_in_flight(orders[n]) == closed_form[n] for n in orders))
-        verdict.check("1F1B holds no more activation bytes than GPipe on any rank",
-                      all(o <= g for o, g in zip(measured["1f1b"]["saved"], measured["gpipe"]["saved"])))
+        verdict.check(
+            "in flight, measured while running: GPipe M on every rank, 1F1B min(M, P-r) on rank r",
+            all(measured[n]["in_flight"] == peak_in_flight(orders[n]) == closed_form[n] for n in orders),
+        )
+        verdict.check(
+            "1F1B holds no more activation bytes than GPipe on any rank",
+            all(o <= g for o, g in zip(measured["1f1b"]["saved"], measured["gpipe"]["saved"])),
+        )
 
         show_timing(rt, cfg, args, runs["1f1b"], verdict)
         return verdict.finish(args.json)

@@ -33,8 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, positive_int,
-                         stages_fit_layers)
+from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, stages_fit_layers
 from distlab.compare import all_ok, compare
 from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table
@@ -48,8 +47,9 @@ from distlab.verdict import Verdict
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 
 
-def pipeline_for_rank(module: torch.nn.Module, p: int, num_ranks: int, device: torch.device, name: str,
-                      microbatches: int):
+def pipeline_for_rank(
+    module: torch.nn.Module, p: int, num_ranks: int, device: torch.device, name: str, microbatches: int
+):
     """Stage p of P as torch's PipelineStage, and the schedule `name` ("gpipe": ScheduleGPipe, "1f1b":
     Schedule1F1B) that runs it over M micro-batches with the mean squared error as each one's loss."""
     from torch.distributed import pipelining  # a second of imports, only when used
@@ -83,14 +83,43 @@ def both_engines(rt, cfg: PipelineConfig) -> tuple[dict, dict, dict]:
     return ours, theirs, refused
 
 
+def show_orders(theirs: dict, p: int, m: int, verdict: Verdict) -> None:
+    """Each rank's order: what our schedule prescribes, what PyTorch ran, what it printed as its plan."""
+    for name, run in theirs.items():  # what our schedule prescribes, what PyTorch ran, what it printed
+        executed, planned = zip(*gathered((run.executed, run.planned)))
+        mine = make_schedule(name, p, m)
+        print0(
+            orders_table(
+                {f"ours ({TITLES[name]})": mine, "PyTorch executed": executed, "PyTorch pipeline_order": planned},
+                f"{TITLES[name]}: each rank's order",
+            )
+        )
+        differ = [r for r in range(p) if planned[r] != executed[r]]
+        if differ:
+            print0(f"[yellow]PyTorch's printed plan differs from what it runs on rank(s) {differ}[/]")
+        verdict.check(
+            f"PyTorch's {TORCH_SCHEDULES[name]} executes our {TITLES[name]} order on every rank",
+            list(executed) == mine,
+        )
+        verdict.figure(
+            f"orders_{name}",
+            {
+                k: [[str(a) for a in o] for o in v]
+                for k, v in (("ours", mine), ("executed", executed), ("planned", planned))
+            },
+        )
+
+
 def main() -> int:
     args = check_flags_against_world(parse_args(), stages_fit_layers)
     cfg = PipelineConfig.from_args(args, gather_spans=False)
     m = cfg.micro_batches
     with distributed(args.device) as rt:
         p, verdict = rt.world_size, Verdict(rt)
-        print0(f"[bold]Lesson 04: torch.distributed.pipelining[/] - {args.layers} layers on {p} rank(s), "
-               f"N={args.global_batch} in M={m} micro-batches, {args.dtype}, {rt.backend}")
+        print0(
+            f"[bold]Lesson 04: torch.distributed.pipelining[/] - {args.layers} layers on {p} rank(s), "
+            f"N={args.global_batch} in M={m} micro-batches, {args.dtype}, {rt.backend}"
+        )
         ours, theirs, refused = both_engines(rt, cfg)
         for message in refused.values():
             print0(f"[yellow]PyTorch's Schedule1F1B refuses M={m} < P={p}:[/] {message} (ours runs it: lesson 03)")
@@ -99,32 +128,26 @@ def main() -> int:
         table, matched = check_runs(runs, ref, cfg.dtype)
         print0(table)
         verdict.check("ours and PyTorch's gradients, parameters and losses equal the unsplit model's", matched)
-        table, agree = check_runs({f"{TORCH_SCHEDULES[n]} vs ours": theirs[n] for n in theirs},
-                                  {f"{TORCH_SCHEDULES[n]} vs ours": ours[n] for n in theirs}, cfg.dtype,
-                                  title="PyTorch against our runner, schedule by schedule")
+        table, agree = check_runs(
+            {f"{TORCH_SCHEDULES[n]} vs ours": theirs[n] for n in theirs},
+            {f"{TORCH_SCHEDULES[n]} vs ours": ours[n] for n in theirs},
+            cfg.dtype,
+            title="PyTorch against our runner, schedule by schedule",
+        )
         print0(table)
         verdict.check("PyTorch's equal ours, schedule by schedule", agree)
 
-        for name, run in theirs.items():  # what our schedule prescribes, what PyTorch ran, what it printed
-            executed, planned = zip(*gathered((run.executed, run.planned)))
-            mine = make_schedule(name, p, m)
-            print0(orders_table({f"ours ({TITLES[name]})": mine, "PyTorch executed": executed,
-                                 "PyTorch pipeline_order": planned}, f"{TITLES[name]}: each rank's order"))
-            differ = [r for r in range(p) if planned[r] != executed[r]]
-            if differ:
-                print0(f"[yellow]PyTorch's printed plan differs from what it runs on rank(s) {differ}[/]")
-            verdict.check(f"PyTorch's {TORCH_SCHEDULES[name]} executes our {TITLES[name]} order on every rank",
-                          list(executed) == mine)
-            verdict.figure(f"orders_{name}", {k: [[str(a) for a in o] for o in v] for k, v in
-                                              (("ours", mine), ("executed", executed), ("planned", planned))})
+        show_orders(theirs, p, m, verdict)
 
         # scale_grads=False with a mean loss: every gradient M times too large.
         one = cfg.replace(steps=1, scale_grads=False)
         unscaled = train(rt, one, TorchStep(rt, one))
         want = {n: m * g for n, g in ref.first_grads.items() if n in unscaled.first_grads}
-        verdict.check(f"ScheduleGPipe with scale_grads=False and a mean loss gives M = {m} times the gradient "
-                      "(scale_grads=True divides by M: right for equal micro-batches only)",
-                      all_ok(compare(want, unscaled.first_grads)))
+        verdict.check(
+            f"ScheduleGPipe with scale_grads=False and a mean loss gives M = {m} times the gradient "
+            "(scale_grads=True divides by M: right for equal micro-batches only)",
+            all_ok(compare(want, unscaled.first_grads)),
+        )
         verdict.figure("refused", refused)
         return verdict.finish(args.json)
 

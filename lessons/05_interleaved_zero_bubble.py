@@ -62,8 +62,7 @@ from collections import deque
 from rich.table import Table
 
 from distlab import emulate
-from distlab.cli import (add_mlp_args, check_flags_against_world, lesson_parser, positive_int,
-                         require, stages_fit_layers)
+from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, require, stages_fit_layers
 from distlab.compare import all_ok, compare
 from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table, show_measured
@@ -76,8 +75,8 @@ from distlab.runtime import distributed, run_main
 from distlab.timeline import step_seconds
 from distlab.verdict import Verdict
 
-NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")   # ours, and torch's of the same names
-SPLIT = ("zb-h1", "zbv")                                          # I and W split: the floor (P-1)/(3vM+P-1)
+NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # ours, and torch's of the same names
+SPLIT = ("zb-h1", "zbv")  # I and W split: the floor (P-1)/(3vM+P-1)
 
 
 def zb_h1(num_ranks: int, microbatches: int) -> Schedule:
@@ -110,22 +109,32 @@ def formulas(name: str, p: int, m: int, v: int) -> tuple[float | None, list[int]
     if m < p or (name == "zbv" and m < 2 * p):
         return None, None
     bubble = (p - 1) / (3 * v * m + p - 1) if name in SPLIT else (p - 1) / (v * m + p - 1)
-    held = {"gpipe": lambda r: m, "1f1b": lambda r: min(m, p - r), "zb-h1": lambda r: min(m, p),
-            "interleaved-1f1b": lambda r: min(v * m, (v - 1) * g + 2 * (p - r - 1) + 1),
-            "zbv": lambda r: 2 * p}[name]
+    held = {
+        "gpipe": lambda r: m,
+        "1f1b": lambda r: min(m, p - r),
+        "zb-h1": lambda r: min(m, p),
+        "interleaved-1f1b": lambda r: min(v * m, (v - 1) * g + 2 * (p - r - 1) + 1),
+        "zbv": lambda r: 2 * p,
+    }[name]
     return bubble, [held(r) for r in range(p)]
 
 
 def grids(verdict: Verdict, p: int, m: int, v: int) -> dict:
     """Each schedule's grid on one time axis (a character is half a stage's forward), and its bubble
     and in-flight counts against the closed forms."""
-    print0(f"\n[bold]The grids[/], P={p}, M={m}: F forward, I input gradient, W weight gradient (II: an "
-           "unsplit backward, input and weight gradient together); lower case: a rank's second stage; "
-           ". idle. One character: the forward of half a stage (interleaved and V schedules run stages "
-           "of half the layers).")
-    table = Table(title="the grids against the closed forms", title_justify="left", caption_justify="left",
-                  caption="length: the step in forwards of a whole stage (ticks / v); in flight: per rank, the "
-                  "most (stage, micro-batch) activations held; -: no closed form for M < P (ZB-V: M < 2P)")
+    print0(
+        f"\n[bold]The grids[/], P={p}, M={m}: F forward, I input gradient, W weight gradient (II: an "
+        "unsplit backward, input and weight gradient together); lower case: a rank's second stage; "
+        ". idle. One character: the forward of half a stage (interleaved and V schedules run stages "
+        "of half the layers)."
+    )
+    table = Table(
+        title="the grids against the closed forms",
+        title_justify="left",
+        caption_justify="left",
+        caption="length: the step in forwards of a whole stage (ticks / v); in flight: per rank, the "
+        "most (stage, micro-batch) activations held; -: no closed form for M < P (ZB-V: M < 2P)",
+    )
     for col in ("schedule", "v", "ticks", "length", "bubble", "formula", "in flight", "formula"):
         table.add_column(col, justify="left" if col == "schedule" else "right", overflow="fold")
     out = {}
@@ -135,25 +144,45 @@ def grids(verdict: Verdict, p: int, m: int, v: int) -> dict:
         timing, held = simulate(schedule), peak_in_flight(schedule)
         bubble, (want, want_held) = timing.bubble_fraction(), formulas(name, p, m, vv)
         print0(render(timing, f"{SCHEDULES[name].title}:", compact=True, stretch=2 // vv))
-        table.add_row(SCHEDULES[name].title, str(vv), str(timing.ticks), f"{timing.ticks / vv:g}", f"{bubble:.4f}",
-                      "-" if want is None else f"{want:.4f}", " ".join(map(str, held)),
-                      "-" if want_held is None else " ".join(map(str, want_held)))
-        out[name] = {"v": vv, "ticks": timing.ticks, "length": timing.ticks / vv, "bubble": bubble,
-                     "formula": want, "in_flight": held}
+        table.add_row(
+            SCHEDULES[name].title,
+            str(vv),
+            str(timing.ticks),
+            f"{timing.ticks / vv:g}",
+            f"{bubble:.4f}",
+            "-" if want is None else f"{want:.4f}",
+            " ".join(map(str, held)),
+            "-" if want_held is None else " ".join(map(str, want_held)),
+        )
+        out[name] = {
+            "v": vv,
+            "ticks": timing.ticks,
+            "length": timing.ticks / vv,
+            "bubble": bubble,
+            "formula": want,
+            "in_flight": held,
+        }
         if want is not None:
-            verdict.check(f"{SCHEDULES[name].title}: bubble and in-flight counts equal their closed forms",
-                          abs(bubble - want) < 1e-12 and held == want_held, f"bubble {bubble:.4f}")
+            verdict.check(
+                f"{SCHEDULES[name].title}: bubble and in-flight counts equal their closed forms",
+                abs(bubble - want) < 1e-12 and held == want_held,
+                f"bubble {bubble:.4f}",
+            )
     print0(table)
-    verdict.check("the ZB-H1 order above is the library's (schedules.zero_bubble, v=1)",
-                  zb_h1(p, m) == make_schedule("zb-h1", p, m))
+    verdict.check(
+        "the ZB-H1 order above is the library's (schedules.zero_bubble, v=1)",
+        zb_h1(p, m) == make_schedule("zb-h1", p, m),
+    )
     return out
 
 
 def bubble_curve(p: int, v: int) -> dict:
     """Bubble against M, counted in each schedule's grid (the notebook plots it)."""
     ms = [p, 2 * p, 4 * p, 8 * p]
-    curve = {name: {mm: simulate(make_schedule(name, p, mm, stages_per_rank(name, v))).bubble_fraction()
-                    for mm in ms} for name in NAMES}
+    curve = {
+        name: {mm: simulate(make_schedule(name, p, mm, stages_per_rank(name, v))).bubble_fraction() for mm in ms}
+        for name in NAMES
+    }
     table = Table(title="bubble against M, counted in the grids", title_justify="left")
     for col in ["schedule"] + [f"M={mm}" for mm in ms]:
         table.add_column(col, justify="left" if col == "schedule" else "right", overflow="fold")
@@ -171,13 +200,16 @@ def run_all(rt, cfg: PipelineConfig, engine) -> dict:
 def ours_part(rt, cfg: PipelineConfig, ref, verdict: Verdict) -> dict:
     """Our five schedules on the real CPU: exact, and holding what the grids say."""
     ours = run_all(rt, cfg, PipelineStep)
-    table, matched = check_runs({SCHEDULES[n].title: r for n, r in ours.items()}, ref, cfg.dtype, "ours against "
-                                "the unsplit model")
+    table, matched = check_runs(
+        {SCHEDULES[n].title: r for n, r in ours.items()}, ref, cfg.dtype, "ours against the unsplit model"
+    )
     print0(table)
     verdict.check("every schedule of ours gives the unsplit model's gradients, parameters and losses", matched)
     held = {n: [x.peak_in_flight for x in gathered(r)] for n, r in ours.items()}
-    verdict.check("the runner held, while running, the in-flight counts of the grids",
-                  all(held[n] == verdict.figures["grids"][n]["in_flight"] for n in NAMES))
+    verdict.check(
+        "the runner held, while running, the in-flight counts of the grids",
+        all(held[n] == verdict.figures["grids"][n]["in_flight"] for n in NAMES),
+    )
     return ours
 
 
@@ -188,29 +220,42 @@ def measured_part(rt, cfg: PipelineConfig, args, ours: dict, verdict: Verdict) -
     caption = "real CPU: P ranks share this machine's cores (see the docstring)"
     emulated = {}
     if args.emulate_ms:
-        caption = (f"emulated: {args.emulate_ms:g} ms per layer-pass; grid: the length in whole-stage forwards x "
-                   f"{args.layers / rt.world_size:g} layers x {args.emulate_ms:g} ms; " + caption)
+        caption = (
+            f"emulated: {args.emulate_ms:g} ms per layer-pass; grid: the length in whole-stage forwards x "
+            f"{args.layers / rt.world_size:g} layers x {args.emulate_ms:g} ms; " + caption
+        )
         runs = run_all(rt, cfg.replace(emulate_ms=args.emulate_ms), PipelineStep)
         _, matched = check_runs({n: r for n, r in runs.items()}, unsplit_reference(cfg), cfg.dtype)
         verdict.check("on the emulated device every schedule still gives the unsplit model's gradients", matched)
         emulated = {n: 1e3 * step_seconds(r.spans, cfg.steps) for n, r in runs.items()}
         label = f"emulated device, {args.emulate_ms:g} ms per layer-pass"
-        shown = {n: show_measured(f"{SCHEDULES[n].title}'s last step", {label: runs[n].spans}, rt.world_size,
-                                  cfg.steps - 1)[label] for n in ("1f1b", "zb-h1", "zbv")}
+        shown = {
+            n: show_measured(f"{SCHEDULES[n].title}'s last step", {label: runs[n].spans}, rt.world_size, cfg.steps - 1)[
+                label
+            ]
+            for n in ("1f1b", "zb-h1", "zbv")
+        }
         verdict.figure("emulated_timelines", shown)
-    table = Table(title="step time, ms (median over steps 2..)", title_justify="left", caption=caption,
-                  caption_justify="left")
+    table = Table(
+        title="step time, ms (median over steps 2..)", title_justify="left", caption=caption, caption_justify="left"
+    )
     for col in ("schedule", "real CPU", "emulated", "grid", "emul. / 1F1B", "grid / 1F1B"):
         table.add_column(col, justify="left" if col == "schedule" else "right", overflow="fold")
     tick = args.layers / rt.world_size * args.emulate_ms
     for n in NAMES:
         e = emulated.get(n)
-        table.add_row(SCHEDULES[n].title, f"{real[n]:.0f}", "-" if e is None else f"{e:.0f}",
-                      f"{grid[n]['length'] * tick:.0f}", "-" if e is None else f"{e / emulated['1f1b']:.2f}",
-                      f"{grid[n]['length'] / grid['1f1b']['length']:.2f}")
+        table.add_row(
+            SCHEDULES[n].title,
+            f"{real[n]:.0f}",
+            "-" if e is None else f"{e:.0f}",
+            f"{grid[n]['length'] * tick:.0f}",
+            "-" if e is None else f"{e / emulated['1f1b']:.2f}",
+            f"{grid[n]['length'] / grid['1f1b']['length']:.2f}",
+        )
     print0(table)
-    verdict.figure("step_ms", {"real": real, "emulated": emulated, "grid": {n: grid[n]["length"] * tick
-                                                                             for n in NAMES}})
+    verdict.figure(
+        "step_ms", {"real": real, "emulated": emulated, "grid": {n: grid[n]["length"] * tick for n in NAMES}}
+    )
 
 
 def parse_args(argv: list[str] | None = None):
@@ -224,13 +269,19 @@ def parse_args(argv: list[str] | None = None):
 def main() -> int:
     args = check_flags_against_world(parse_args(), stages_fit_layers)
     m, v = args.micro_batches, args.stages_per_rank
-    require(args.global_batch % m == 0, "--micro-batches", f"M={m} must divide N={args.global_batch} "
-            "(--global-batch): PyTorch's schedules take equal micro-batches only (ours: lesson 02)")
+    require(
+        args.global_batch % m == 0,
+        "--micro-batches",
+        f"M={m} must divide N={args.global_batch} "
+        "(--global-batch): PyTorch's schedules take equal micro-batches only (ours: lesson 02)",
+    )
     cfg = PipelineConfig.from_args(args, stages_per_rank=v)
     with distributed(args.device) as rt:
         p, verdict = rt.world_size, Verdict(rt)
-        print0(f"[bold]Lesson 05: interleaved 1F1B and zero bubble[/] - {args.layers} layers on {p} rank(s), "
-               f"N={args.global_batch} in M={m} micro-batches, v={v}, {args.dtype}, {rt.backend}")
+        print0(
+            f"[bold]Lesson 05: interleaved 1F1B and zero bubble[/] - {args.layers} layers on {p} rank(s), "
+            f"N={args.global_batch} in M={m} micro-batches, v={v}, {args.dtype}, {rt.backend}"
+        )
         verdict.figure("grids", grids(verdict, p, m, v))
         verdict.figure("bubble_curve", bubble_curve(p, v))
         ref = unsplit_reference(cfg)
@@ -247,32 +298,48 @@ def torch_part(rt, cfg: PipelineConfig, ref, verdict: Verdict) -> dict:
     configs = {n: cfg.replace(schedule=n, stages_per_rank=stages_per_rank(n, cfg.stages_per_rank)) for n in NAMES}
     label = {n: TORCH_SCHEDULES[n] + (" v=1" if n == "zb-h1" else "") for n in NAMES}
     refused = {n: refusals(rt, c, sorted(set(range(1, 2 * p + 2)) | {m})) for n, c in configs.items()}
-    print0("M that PyTorch's constructors refuse at this P (ours run every M, but for interleaved rounds that do "
-           "not divide M): " + "; ".join(f"{label[n]} {sorted(r)}" for n, r in refused.items() if r))
+    print0(
+        "M that PyTorch's constructors refuse at this P (ours run every M, but for interleaved rounds that do "
+        "not divide M): " + "; ".join(f"{label[n]} {sorted(r)}" for n, r in refused.items() if r)
+    )
     verdict.figure("refused", {n: sorted(r) for n, r in refused.items()})
     runs = {n: train(rt, c, TorchStep(rt, c)) for n, c in configs.items() if m not in refused[n]}
-    table, matched = check_runs({label[n]: r for n, r in runs.items()}, ref, cfg.dtype, "PyTorch's against the "
-                                "unsplit model")
+    table, matched = check_runs(
+        {label[n]: r for n, r in runs.items()}, ref, cfg.dtype, "PyTorch's against the unsplit model"
+    )
     print0(table)
-    verdict.check(f"each of PyTorch's schedules that takes M={m} ({len(runs)} of {len(NAMES)}) gives the "
-                  "unsplit model's gradients, parameters and losses", matched)
+    verdict.check(
+        f"each of PyTorch's schedules that takes M={m} ({len(runs)} of {len(NAMES)}) gives the "
+        "unsplit model's gradients, parameters and losses",
+        matched,
+    )
     both = {n: gathered((r.executed, r.planned)) for n, r in runs.items()}
     executed = {n: [list(e) for e, _ in ranks] for n, ranks in both.items()}
     same = [n for n in runs if executed[n] == make_schedule(n, p, m, configs[n].stages_per_rank)]
     if "zb-h1" in runs:
-        print0(orders_table({"ours (ZB-H1)": make_schedule("zb-h1", p, m), "PyTorch executed": executed["zb-h1"]},
-                            "ZB-H1: our order and what PyTorch's InterleavedZeroBubble ran (v=1)"))
+        print0(
+            orders_table(
+                {"ours (ZB-H1)": make_schedule("zb-h1", p, m), "PyTorch executed": executed["zb-h1"]},
+                "ZB-H1: our order and what PyTorch's InterleavedZeroBubble ran (v=1)",
+            )
+        )
     print0(f"PyTorch executes our order, rank by rank, for: {', '.join(label[n] for n in same)}")
-    verdict.check("PyTorch executes our order for every schedule it runs", same == list(runs),
-                  f"{len(same)} of {len(runs)}")
+    verdict.check(
+        "PyTorch executes our order for every schedule it runs", same == list(runs), f"{len(same)} of {len(runs)}"
+    )
     differs = {n: [r for r, (e, pl) in enumerate(ranks) if list(e) != list(pl)] for n, ranks in both.items()}
-    print0("pipeline_order, PyTorch's printed plan, differs from what it runs for: "
-           + (", ".join(f"{label[n]} (ranks {d})" for n, d in differs.items() if d) or "none"))
+    print0(
+        "pipeline_order, PyTorch's printed plan, differs from what it runs for: "
+        + (", ".join(f"{label[n]} (ranks {d})" for n, d in differs.items() if d) or "none")
+    )
     unscaled_cfg = configs["zbv"].replace(steps=1, scale_grads=False)
     unscaled = train(rt, unscaled_cfg, TorchStep(rt, unscaled_cfg))
     want = {n: m * g for n, g in ref.first_grads.items() if n in unscaled.first_grads}
-    verdict.check(f"ScheduleZBVZeroBubble with scale_grads=False and a mean loss gives M = {m} times the gradient, "
-                  "as ScheduleGPipe does (lesson 04)", all_ok(compare(want, unscaled.first_grads)))
+    verdict.check(
+        f"ScheduleZBVZeroBubble with scale_grads=False and a mean loss gives M = {m} times the gradient, "
+        "as ScheduleGPipe does (lesson 04)",
+        all_ok(compare(want, unscaled.first_grads)),
+    )
     return executed
 
 

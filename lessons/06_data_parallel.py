@@ -74,22 +74,29 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import emulate
-from distlab.cli import (DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float,
-                         positive_int)
+from distlab.cli import DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float, positive_int
 from distlab.compare import all_ok, compare, gradient_error, tolerances
 from distlab.console import print0
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
-from distlab.data_parallel.report import (MIB, cost_table, gradient_table, rows_table,
-                                          semantics_table, timeline_table, timing_table)
+from distlab.data_parallel.report import (
+    MIB,
+    cost_table,
+    gradient_table,
+    rows_table,
+    semantics_table,
+    timeline_table,
+    timing_table,
+)
 from distlab.data_parallel.training import train
 from distlab.reference import sgd_reference
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict
 
 # ---- the mechanism: data parallelism by hand ----------------------------------------------------
+
 
 def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:
     """After backward: every gradient summed over the ranks, divided by P (the mean of the ranks'
@@ -147,12 +154,15 @@ class GradientBuckets:
 
 # ---- the chapter, part by part ------------------------------------------------------------------
 
+
 def show_collectives(rt: Runtime, args, verdict: Verdict) -> None:
     print0("\n[bold]1. The collectives: what they compute, what they send, how long they take[/]")
     rows = measure_collectives(rt, int(args.message_mib * MIB), DTYPES[args.dtype], args.seed, args.repeats)
     for row in rows:
-        verdict.check(f"{row.name} = one process's; the ring sent {row.formula}",
-                      row.ok and row.ring_ok and row.counted_bytes == row.formula_bytes)
+        verdict.check(
+            f"{row.name} = one process's; the ring sent {row.formula}",
+            row.ok and row.ring_ok and row.counted_bytes == row.formula_bytes,
+        )
     print0(semantics_table(rows))
     print0(cost_table(rows))
     verdict.figure("collectives", [vars(row) for row in rows])
@@ -182,21 +192,28 @@ def show_data_parallel(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verd
 def show_overlap(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict) -> None:
     print0("\n[bold]3. Buckets and overlap: all-reduce after backward, or from hooks during it[/]")
     cap = args.bucket_mib * MIB
-    seconds = time_strategies(rt, cfg, {
-        "compute only": no_communication,
-        "all_reduce per tensor, after": lambda m: (m, functools.partial(all_reduce_gradients, m, rt)),
-        "buckets, after backward": lambda m: (m, GradientBuckets(m, rt, cap, overlap=False).wait),
-        "buckets from hooks (overlap)": lambda m: (m, GradientBuckets(m, rt, cap).wait),
-        "DDP (same bucket size)": lambda m: (ddp.wrap(m, rt, bucket_mib=args.bucket_mib), lambda: None),
-    }, args.repeats)
+    seconds = time_strategies(
+        rt,
+        cfg,
+        {
+            "compute only": no_communication,
+            "all_reduce per tensor, after": lambda m: (m, functools.partial(all_reduce_gradients, m, rt)),
+            "buckets, after backward": lambda m: (m, GradientBuckets(m, rt, cap, overlap=False).wait),
+            "buckets from hooks (overlap)": lambda m: (m, GradientBuckets(m, rt, cap).wait),
+            "DDP (same bucket size)": lambda m: (ddp.wrap(m, rt, bucket_mib=args.bucket_mib), lambda: None),
+        },
+        args.repeats,
+    )
     print0(timing_table(seconds, baseline="compute only"))
     model = build(cfg)[0].to(rt.device)
     buckets = GradientBuckets(model, rt, cap)
     line = backward_timeline(rt, cfg, model, buckets.wait, buckets.events)
     sizes = [sum(p.numel() * p.element_size() for p in b) for b in buckets.buckets]
     print0(timeline_table(line.launched_ms, line.done_ms, sizes, line.backward_end_ms))
-    verdict.check("every bucket's all-reduce launched from a hook during backward",
-                  len(line.launched_ms) == len(sizes) and max(line.launched_ms) < line.backward_end_ms)
+    verdict.check(
+        "every bucket's all-reduce launched from a hook during backward",
+        len(line.launched_ms) == len(sizes) and max(line.launched_ms) < line.backward_end_ms,
+    )
     verdict.figure("step_seconds", {name: vars(t) for name, t in seconds.items()})
     verdict.figure("timeline", vars(line) | {"bucket_bytes": sizes})
     if args.emulate_ms:
@@ -209,12 +226,20 @@ def show_ddp(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict, ref_g
     rows, calls = [], {}
     for no_sync in (True, False):
         grads, calls[no_sync] = ddp.accumulate(rt, cfg, k, no_sync)
-        rows.append(("no_sync but the last" if no_sync else "every micro-batch synced", "one process",
-                     gradient_error(ref_grads, grads), True))
+        rows.append(
+            (
+                "no_sync but the last" if no_sync else "every micro-batch synced",
+                "one process",
+                gradient_error(ref_grads, grads),
+                True,
+            )
+        )
     print0(gradient_table(rows, f"Gradient accumulation over {k} micro-batches per rank under DDP"))
     print0(f"DDP all-reduce calls (comm hook): {calls[True]} with no_sync, {calls[False]} without")
-    verdict.check(f"no_sync: gradients = one process's; all-reduce in 1 of {k} backwards",
-                  all(r[2].ok for r in rows) and calls[True] * k == calls[False] and calls[True] > 0)
+    verdict.check(
+        f"no_sync: gradients = one process's; all-reduce in 1 of {k} backwards",
+        all(r[2].ok for r in rows) and calls[True] * k == calls[False] and calls[True] > 0,
+    )
     verdict.figure("allreduce_calls", {"no_sync": calls[True], "every": calls[False], "micro_batches": k})
     show_unused(rt, cfg, verdict)
 
@@ -224,23 +249,34 @@ def show_unused(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict) -> None:
     outcome, warned = {}, False
     for flag in (False, True):
         run = ddp.unused_branch(rt, cfg, flag)
-        cells = ["= one process" if all_ok(compare(r, g)) else ("ranks differ" if not a else "wrong")
-                 for r, g, a in zip(ref, run.grads, run.ranks_agree)]
+        cells = [
+            "= one process" if all_ok(compare(r, g)) else ("ranks differ" if not a else "wrong")
+            for r, g, a in zip(ref, run.grads, run.ranks_agree)
+        ]
         cells += ["RuntimeError"] * (len(ddp.USE_AUX) - len(cells))
         outcome[flag] = (cells, run.error)
         warned = any(ddp.UNUSED_SEARCH_WARNING in line for line in run.warnings) if flag else warned
-    print0(rows_table("A branch used in steps 1 and 3, not in step 2: gradients per step",
-                      ("find_unused_parameters", "step 1", "step 2", "step 3"),
-                      [(str(flag), *cells) for flag, (cells, _) in outcome.items()]))
+    print0(
+        rows_table(
+            "A branch used in steps 1 and 3, not in step 2: gradients per step",
+            ("find_unused_parameters", "step 1", "step 2", "step 3"),
+            [(str(flag), *cells) for flag, (cells, _) in outcome.items()],
+        )
+    )
     print0(f"without the flag, step 3's forward raised: {outcome[False][1].split('. ')[0]}.", highlight=False)
-    print0("with the flag DDP searches the graph for unused parameters after every forward; in step 1, which "
-           "used them all, torch " + ("warned" if warned else "did not warn") + " (on every rank; caught here "
-           "and said once) that the search found none and only costs time: the price of the flag on the "
-           "steps that do not need it", highlight=False)
+    print0(
+        "with the flag DDP searches the graph for unused parameters after every forward; in step 1, which "
+        "used them all, torch " + ("warned" if warned else "did not warn") + " (on every rank; caught here "
+        "and said once) that the search found none and only costs time: the price of the flag on the "
+        "steps that do not need it",
+        highlight=False,
+    )
     expect_step2 = "= one process" if rt.world_size == 1 else "ranks differ"
-    verdict.check("unused branch: un-averaged, then an error; with the flag exact",
-                  outcome[False][0] == ["= one process", expect_step2, "RuntimeError"]
-                  and outcome[True][0] == ["= one process"] * 3)
+    verdict.check(
+        "unused branch: un-averaged, then an error; with the flag exact",
+        outcome[False][0] == ["= one process", expect_step2, "RuntimeError"]
+        and outcome[True][0] == ["= one process"] * 3,
+    )
 
 
 def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp_mean_row: tuple) -> None:
@@ -250,42 +286,58 @@ def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp
     p = rt.world_size
     loss, plain = ddp.global_loss_gradients(rt, cfg, times_p=False)
     _, scaled = ddp.global_loss_gradients(rt, cfg, times_p=True)
-    rows = [("mean loss", "one process", ddp_mean_row[2], True),
-            ("log-sum-exp, L", "one process", gradient_error(ref.first_grads, plain), p == 1),
-            ("log-sum-exp, L", "one process / P", gradient_error(ref.first_grads, plain, 1 / p), True),
-            ("log-sum-exp, P * L", "one process", gradient_error(ref.first_grads, scaled), True)]
+    rows = [
+        ("mean loss", "one process", ddp_mean_row[2], True),
+        ("log-sum-exp, L", "one process", gradient_error(ref.first_grads, plain), p == 1),
+        ("log-sum-exp, L", "one process / P", gradient_error(ref.first_grads, plain, 1 / p), True),
+        ("log-sum-exp, P * L", "one process", gradient_error(ref.first_grads, scaled), True),
+    ]
     print0(gradient_table(rows, "Under DDP: a mean over samples, and a loss every rank computes whole"))
     ratio, (rtol, atol) = rows[1][2].norm_ratio, tolerances(cfg.dtype)
     same_loss = abs(loss - ref.losses[0]) <= atol + rtol * abs(ref.losses[0])
     print0(f"the loss L: one process {ref.losses[0]:.12f}, every rank under DDP {loss:.12f}")
-    verdict.check(f"global loss: DDP gives one process's / P (ratio {ratio:.6f}); P * L exact",
-                  rows[2][2].ok and rows[3][2].ok and same_loss)
+    verdict.check(
+        f"global loss: DDP gives one process's / P (ratio {ratio:.6f}); P * L exact",
+        rows[2][2].ok and rows[3][2].ok and same_loss,
+    )
     verdict.figure("global_loss_norm_ratio", ratio)
 
 
 def parse_args():
     parser = lesson_parser(__doc__)
     add_mlp_args(parser, layers=6, width=256, global_batch=960, steps=3)
-    parser.add_argument("--message-mib", type=positive_float, default=4.0,
-                        help="size of the full tensor of each collective, MiB")
+    parser.add_argument(
+        "--message-mib", type=positive_float, default=4.0, help="size of the full tensor of each collective, MiB"
+    )
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed repetitions (median reported)")
     parser.add_argument("--bucket-mib", type=positive_float, default=0.5, help="gradient bucket size, MiB")
-    parser.add_argument("--accumulation-steps", type=positive_int, default=3,
-                        help="micro-batches per rank in the no_sync part (at most C = N / P)")
+    parser.add_argument(
+        "--accumulation-steps",
+        type=positive_int,
+        default=3,
+        help="micro-batches per rank in the no_sync part (at most C = N / P)",
+    )
     emulate.add_args(parser, ms_per_layer=10.0)  # long enough that the real compute and all-reduces fit inside
-    parser.add_argument("--link-ms-per-mib", type=positive_float, default=40.0,
-                        help="emulated device: ms the link takes per MiB of an all-reduce")
+    parser.add_argument(
+        "--link-ms-per-mib",
+        type=positive_float,
+        default=40.0,
+        help="emulated device: ms the link takes per MiB of an all-reduce",
+    )
     return parser.parse_args()
 
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), world_rules)
-    cfg = DataParallelConfig(args.global_batch, args.layers, args.width, args.steps, args.lr, args.seed,
-                             DTYPES[args.dtype])
+    cfg = DataParallelConfig(
+        args.global_batch, args.layers, args.width, args.steps, args.lr, args.seed, DTYPES[args.dtype]
+    )
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 06: collectives and data parallelism[/] - P = {rt.world_size}, N = {cfg.global_batch} "
-               f"(C = {cfg.global_batch // rt.world_size}), backend {rt.backend}, {args.dtype}")
+        print0(
+            f"[bold]Lesson 06: collectives and data parallelism[/] - P = {rt.world_size}, N = {cfg.global_batch} "
+            f"(C = {cfg.global_batch // rt.world_size}), backend {rt.backend}, {args.dtype}"
+        )
         show_collectives(rt, args, verdict)
         ref_grads, ddp_mean_row = show_data_parallel(rt, cfg, args, verdict)
         show_overlap(rt, cfg, args, verdict)

@@ -44,8 +44,14 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
-from distlab.cli import (add_optimizer_args, check_flags_against_world, divides_global_batch, lesson_parser,
-                         positive_float, positive_int)
+from distlab.cli import (
+    add_optimizer_args,
+    check_flags_against_world,
+    divides_global_batch,
+    lesson_parser,
+    positive_float,
+    positive_int,
+)
 from distlab.compare import compare
 from distlab.console import print0
 from distlab.data_parallel.report import rows_table
@@ -67,6 +73,7 @@ from distlab.verdict import Verdict
 # rank's shard of each (an nn.Parameter), AdamW on the shards, and a ring that counts the bytes.
 # The loop: zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step().
 
+
 def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
     """Optimizer states sharded; every rank keeps the whole weights and the whole gradient."""
     z = Sharded(model, rt, cfg)
@@ -80,6 +87,7 @@ def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
             for unit, layer, shard in zip(z.units, z.layers, z.shards):
                 for p, new in zip(layer.parameters(), unit.unflatten(z.ring.all_gather(shard.detach()))):
                     p.copy_(new)
+
     z.after_backward, z.after_step = after_backward, after_step
     return z
 
@@ -94,6 +102,7 @@ def zero2(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
             shard.grad = z.ring.reduce_scatter(unit.flatten([q.grad for q in params])) / rt.world_size
             for q in params:
                 q.grad = None  # freed: only the shard stays
+
     for unit, layer, shard in zip(z.units, z.layers, z.shards):
         params = list(layer.parameters())
         for p in params:
@@ -136,6 +145,7 @@ def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
             if i not in z.again:
                 z.again[i] = z.ring.all_gather(z.shards[i].detach())
             return z.again[i].as_strided(*saved)
+
         z.hooks = saved_tensors_hooks(pack, unpack)
         z.hooks.__enter__()
 
@@ -143,6 +153,7 @@ def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
         z.hooks.__exit__(None, None, None)
         for module, name in places:
             setattr(module, name, None)
+
     for i, layer in enumerate(z.layers):
         places = [(m, n) for m in layer.modules() for n, _ in list(m.named_parameters(recurse=False))]
         for module, name in places:
@@ -156,35 +167,58 @@ BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}
 
 # ---- the chapter, part by part ------------------------------------------------------------------
 
+
 def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
     c = cfg.global_batch // rt.world_size
     print0(f"\n[bold]1. What a step holds on each rank (data parallel, C = {c} rows), in KiB[/]")
     seq, d, heads = 8, 16, 2  # the block: x is (C, seq, d), h = 2 heads
     models = {  # name: (builder, the global batch, activation bytes at e bytes per element)
         f"MLP {'-'.join(map(str, cfg.widths))}": (
-            lambda: build_model(cfg).to(rt.device), global_batch(cfg, 0),
-            lambda e: accounting.mlp_activations(c, cfg.widths, e)),
+            lambda: build_model(cfg).to(rt.device),
+            global_batch(cfg, 0),
+            lambda e: accounting.mlp_activations(c, cfg.widths, e),
+        ),
         f"block d={d} h={heads} seq={seq}": (
-            lambda: Block(d, heads).to(rt.device), block_batch(cfg.global_batch, seq, d, 0, cfg.dtype),
-            lambda e: accounting.block_activations(c, seq, d, heads, e))}
+            lambda: Block(d, heads).to(rt.device),
+            block_batch(cfg.global_batch, seq, d, 0, cfg.dtype),
+            lambda e: accounting.block_activations(c, seq, d, heads, e),
+        ),
+    }
     for name, (build, batch, activations) in models.items():
         x, target = (rows_of(t, rt) for t in batch)
         plain, mixed = holds.plain_step(build, x, target), holds.mixed_step(build, x, target)
         psi, tensors = sum(p.numel() for p in build().parameters()), len(list(build().parameters()))
         f64 = accounting.plain_step(psi, tensors, 8) | {"activations": activations(8)}
         f16 = accounting.mixed_step(psi, tensors) | {"activations": activations(2)}
-        text = {"weights": "e Psi", "gradients": "e Psi", "moments": "2 e Psi", "master copy": "4 Psi",
-                "step counts": "4 x tensors", "activations": "e x C x ..."}
+        text = {
+            "weights": "e Psi",
+            "gradients": "e Psi",
+            "moments": "2 e Psi",
+            "master copy": "4 Psi",
+            "step counts": "4 x tensors",
+            "activations": "e x C x ...",
+        }
         rows = [(k, text[k], f64.get(k, 0), plain.items.get(k, 0), f16[k], mixed.items[k]) for k in f16]
-        print0(holds_table(f"{name}: Psi = {psi:,}; peak {plain.peak / 1024:,.1f} (f64), "
-                           f"{mixed.peak / 1024:,.1f} KiB (mixed)", rows))
-        verdict.check(f"{name}: every item measured = its formula (float64, bf16 + float32 master)",
-                      all(a == b and e == f for _, _, a, b, e, f in rows))
-        verdict.figure(f"holds {name}", {"psi": psi, "float64": plain.items, "mixed": mixed.items,
-                                         "peak": [plain.peak, mixed.peak]})
-    print0("Activations: the MLP saves its input, each tanh output, the output and the target; the block "
-           "18 x C seq d, the softmax C h seq^2 and the LayerNorms' statistics (accounting.py). They shrink "
-           "with C = N / P; the model states do not.", highlight=False)
+        print0(
+            holds_table(
+                f"{name}: Psi = {psi:,}; peak {plain.peak / 1024:,.1f} (f64), {mixed.peak / 1024:,.1f} KiB (mixed)",
+                rows,
+            )
+        )
+        verdict.check(
+            f"{name}: every item measured = its formula (float64, bf16 + float32 master)",
+            all(a == b and e == f for _, _, a, b, e, f in rows),
+        )
+        verdict.figure(
+            f"holds {name}",
+            {"psi": psi, "float64": plain.items, "mixed": mixed.items, "peak": [plain.peak, mixed.peak]},
+        )
+    print0(
+        "Activations: the MLP saves its input, each tanh output, the output and the target; the block "
+        "18 x C seq d, the softmax C h seq^2 and the LayerNorms' statistics (accounting.py). They shrink "
+        "with C = N / P; the model states do not.",
+        highlight=False,
+    )
 
 
 def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
@@ -195,8 +229,10 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
         runs[f"{stage} distlab"] = run_strategy(rt, cfg, STAGE_CLASSES[stage])
     agree = {name: ("one process", against(ref, run.trained)) for name, run in runs.items()}
     print0(agreement_table("Parameters, last gradients, AdamW states: max |a-r|/max |r|", agree))
-    verdict.check("DDP and ZeRO-1/2/3 (lesson's and distlab's) = one process: parameters, gradients, "
-                  "AdamW states", all(a.ok for _, a in agree.values()))
+    verdict.check(
+        "DDP and ZeRO-1/2/3 (lesson's and distlab's) = one process: parameters, gradients, AdamW states",
+        all(a.ok for _, a in agree.values()),
+    )
     units = units_of(build_model(cfg), rt.rank, rt.world_size)
     sizes = accounting.Sizes.of(units, rt.world_size, 8)
     mem, sent = [], []
@@ -204,16 +240,28 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
         run, formula = runs[stage], accounting.held(stage, sizes)
         mem.append((stage, sum(formula.values()), sum(run.held.values()), run.live_bytes, run.peak_bytes))
         verdict.check(f"{stage}: held per rank = formula, item by item", run.held == formula)
-        verdict.check(f"{stage}: PeakMemory's live bytes = held - step counts",
-                      run.live_bytes == sum(run.held.values()) - run.held["step counts"])
+        verdict.check(
+            f"{stage}: PeakMemory's live bytes = held - step counts",
+            run.live_bytes == sum(run.held.values()) - run.held["step counts"],
+        )
         expect = accounting.sent(stage, sizes, units[0].shard_numel)
-        sent.append((stage, "3(P-1)e Psi_P - g_0" if stage == "ZeRO-3" else "2(P-1) e Psi_P", expect, run.sent,
-                     run.sent / max(1, runs["DDP"].sent)))
+        sent.append(
+            (
+                stage,
+                "3(P-1)e Psi_P - g_0" if stage == "ZeRO-3" else "2(P-1) e Psi_P",
+                expect,
+                run.sent,
+                run.sent / max(1, runs["DDP"].sent),
+            )
+        )
         verdict.check(f"{stage}: bytes sent per step = formula", run.sent == expect)
     print0(memory_table(f"Per rank, KiB: Psi = {sizes.psi:,}, Psi_P = {sizes.shard:,}", mem))
     print0(bytes_table("Bytes each rank sends per step (ring)", sent))
-    print0("g_0 = (P-1) e ceil(Psi_0 / P): ZeRO-3's backward gathers every layer again but the first, "
-           "whose input needs no gradient, so backward never reads its weights.", highlight=False)
+    print0(
+        "g_0 = (P-1) e ceil(Psi_0 / P): ZeRO-3's backward gathers every layer again but the first, "
+        "whose input needs no gradient, so backward never reads its weights.",
+        highlight=False,
+    )
     verdict.figure("memory", {row[0]: row[1:] for row in mem})
     verdict.figure("sent", {row[0]: row[2:4] for row in sent})
     return runs
@@ -231,24 +279,37 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
         verdict.check(f"{name}: held per rank = formula (padded rows)", run.held == formula)
         mem.append((name, sum(formula.values()), sum(run.held.values()), run.live_bytes, -1))
     print0(agreement_table("fully_shard per layer, then the root; AdamW on DTensors", rows))
-    verdict.check("FSDP2 = ZeRO-3 by hand = one process: parameters, gradients, AdamW states",
-                  all(a.ok for _, a in rows.values()))
+    verdict.check(
+        "FSDP2 = ZeRO-3 by hand = one process: parameters, gradients, AdamW states", all(a.ok for _, a in rows.values())
+    )
     print0(memory_table("FSDP2 per rank, KiB", mem))
-    print0("FSDP2 frees a gathered layer by resizing its storage to 0 bytes, which PeakMemory does not see: "
-           "its live bytes overstate, and no peak is shown; held counts the live storages.\n", highlight=False)
+    print0(
+        "FSDP2 frees a gathered layer by resizing its storage to 0 bytes, which PeakMemory does not see: "
+        "its live bytes overstate, and no peak is shown; held counts the live storages.\n",
+        highlight=False,
+    )
     verdict.figure("fsdp2_memory", {row[0]: row[1:3] for row in mem})
-    print0(rows_table("FSDP2's options and the stages by hand", ("FSDP2", "by hand"), [
-        ("fully_shard(layer)", "ZeRO-3: gather, free, gather again"),
-        ("reshard_after_forward=False", "ZeRO-3, gathered layer kept to backward"),
-        ("reshard_after_forward=k", "after forward, reshard over k ranks"),
-        ("MixedPrecisionPolicy(bf16, f32)", "f32 shards = master; bf16 gathered"),
-        ("set_requires_gradient_sync(False)", "no reduce-scatter (as no_sync)")]))
+    print0(
+        rows_table(
+            "FSDP2's options and the stages by hand",
+            ("FSDP2", "by hand"),
+            [
+                ("fully_shard(layer)", "ZeRO-3: gather, free, gather again"),
+                ("reshard_after_forward=False", "ZeRO-3, gathered layer kept to backward"),
+                ("reshard_after_forward=k", "after forward, reshard over k ranks"),
+                ("MixedPrecisionPolicy(bf16, f32)", "f32 shards = master; bf16 gathered"),
+                ("set_requires_gradient_sync(False)", "no reduce-scatter (as no_sync)"),
+            ],
+        )
+    )
 
 
 def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) -> None:
     p2 = max(1, rt.world_size // 2)
-    print0(f"\n[bold]4. A distributed checkpoint: saved at P = {rt.world_size} after {cfg.steps} steps, "
-           f"resumed at P = {rt.world_size} and at P = {p2} for {cfg.steps} more[/]")
+    print0(
+        f"\n[bold]4. A distributed checkpoint: saved at P = {rt.world_size} after {cfg.steps} steps, "
+        f"resumed at P = {rt.world_size} and at P = {p2} for {cfg.steps} more[/]"
+    )
     path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab07-") if rt.is_first else None)]
     dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
     run = save_and_resume(rt, cfg, path[0], cfg.steps, cfg.steps)
@@ -257,11 +318,17 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
     straight = compare(ref, run.uninterrupted)
     other = compare(run.uninterrupted, run.other_p, 0.0, 1e-12) if run.other_p is not None else []
     worst = max((row.max_abs for row in other), default=0.0)
-    print0(rows_table("Every parameter after the last step, against the run that never stopped",
-                      ("run", "max |a - uninterrupted|", "claim"),
-                      [("uninterrupted vs one process", f"{max(r.max_abs for r in straight):.1e}", "1e-10"),
-                       (f"resumed at P = {rt.world_size}", "0 (bit-identical)" if same else "differs", "bit-identical"),
-                       (f"resumed at P = {p2}", f"{worst:.1e}" if run.other_p is not None else "(not here)", "1e-12")]))
+    print0(
+        rows_table(
+            "Every parameter after the last step, against the run that never stopped",
+            ("run", "max |a - uninterrupted|", "claim"),
+            [
+                ("uninterrupted vs one process", f"{max(r.max_abs for r in straight):.1e}", "1e-10"),
+                (f"resumed at P = {rt.world_size}", "0 (bit-identical)" if same else "differs", "bit-identical"),
+                (f"resumed at P = {p2}", f"{worst:.1e}" if run.other_p is not None else "(not here)", "1e-12"),
+            ],
+        )
+    )
     verdict.check("uninterrupted FSDP2 run = one process", all(r.ok for r in straight))
     verdict.check(f"resumed at P = {rt.world_size}: bit-identical to the uninterrupted run", same)
     verdict.check(f"resumed at P = {p2} (resharded): equal to 1e-12", all(r.ok for r in other))
@@ -274,20 +341,27 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
 def parse_args():
     parser = lesson_parser(__doc__)
     parser.add_argument("--global-batch", type=positive_int, default=24, help="rows per step, N")
-    add_optimizer_args(parser, steps=3, lr=0.01, optimizer="AdamW")   # 3 steps, and 3 more after the checkpoint
+    add_optimizer_args(parser, steps=3, lr=0.01, optimizer="AdamW")  # 3 steps, and 3 more after the checkpoint
     parser.add_argument("--weight-decay", type=positive_float, default=0.1, help="AdamW weight decay")
-    parser.add_argument("--checkpoint-dir", metavar="DIR", help="where part 4 saves (kept); default a temporary directory, removed at the end")
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where part 4 saves (kept); default a temporary directory, removed at the end",
+    )
     return parser.parse_args()
 
 
 def main() -> int:
-    args = check_flags_against_world(parse_args(), divides_global_batch)   # before any process group
-    cfg = ShardingConfig(global_batch=args.global_batch, steps=args.steps, lr=args.lr,
-                         weight_decay=args.weight_decay, seed=args.seed)
+    args = check_flags_against_world(parse_args(), divides_global_batch)  # before any process group
+    cfg = ShardingConfig(
+        global_batch=args.global_batch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed
+    )
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 07: what a step holds; ZeRO-1/2/3, FSDP2, checkpoints[/] - P = {rt.world_size}, "
-               f"N = {cfg.global_batch} (C = {cfg.global_batch // rt.world_size}), backend {rt.backend}, float64")
+        print0(
+            f"[bold]Lesson 07: what a step holds; ZeRO-1/2/3, FSDP2, checkpoints[/] - P = {rt.world_size}, "
+            f"N = {cfg.global_batch} (C = {cfg.global_batch // rt.world_size}), backend {rt.backend}, float64"
+        )
         show_holds(rt, cfg, verdict)
         ref = adamw_reference(cfg)
         runs = show_zero(rt, cfg, verdict, ref)

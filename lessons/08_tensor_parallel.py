@@ -32,9 +32,11 @@ torch's own: the same block under `parallelize_module` with `ColwiseParallel`, `
 DTensor derives the collectives from them. It computes what ours does; it communicates differently:
 each ColwiseParallel layer carries its own f, so q, k and v all-reduce their input gradients three
 times where our one f does it once, and under SequenceParallel the LayerNorms' gradients stay
-Partial until the optimizer step all-reduces them, one tensor each (`distlab/tensor_parallel/torch_tp.py`). Two dimensions: on a dp x tp mesh (`init_device_mesh(..., mesh_dim_names=("dp",
-"tp"))`, 2 x 2 at P = 4) each row splits the block, each column holds the same shard on N/dp rows and
-sums its gradients (`distlab/tensor_parallel/mesh2d.py`).
+Partial until the optimizer step all-reduces them, one tensor each (`distlab/tensor_parallel/torch_tp.py`).
+
+Two dimensions: on a dp x tp mesh (`init_device_mesh(..., mesh_dim_names=("dp", "tp"))`, 2 x 2 at P = 4)
+each row splits the block, each column holds the same shard on N/dp rows and sums its gradients
+(`distlab/tensor_parallel/mesh2d.py`).
 
 Every claim is checked against an independent reference: the unsplit layer (a deep copy) trained in
 one process on the whole batch with plain autograd, float64: outputs, every gradient (the input's
@@ -63,6 +65,7 @@ from distlab.tensor_parallel.runs import activation_bytes_measured, reference_ru
 from distlab.verdict import Verdict
 
 # ---- the mechanism: the two conjugate operators, by hand ----------------------------------------
+
 
 class Copy(torch.autograd.Function):
     """f: every rank already holds the whole X; backward, each rank's dL/dX covers only its own
@@ -104,25 +107,38 @@ def by_hand(group=None) -> operators.Comm:
 
 # ---- the chapter, part by part ------------------------------------------------------------------
 
+
 def show_operators(rt: Runtime, verdict: Verdict) -> None:
     print0("\n[bold]1. The conjugate operators, against one process holding every rank's tensors[/]")
-    ops = {"f (lesson)": ("f", Copy), "g (lesson)": ("g", Reduce), "f (library)": ("f", operators.CopyToTP),
-           "g (library)": ("g", operators.ReduceFromTP), "f-bar": ("f-bar", operators.GatherFromSP),
-           "g-bar": ("g-bar", operators.ScatterToSP)}
+    ops = {
+        "f (lesson)": ("f", Copy),
+        "g (lesson)": ("g", Reduce),
+        "f (library)": ("f", operators.CopyToTP),
+        "g (library)": ("g", operators.ReduceFromTP),
+        "f-bar": ("f-bar", operators.GatherFromSP),
+        "g-bar": ("g-bar", operators.ScatterToSP),
+    }
     results = {name: check_operator(rt, math, fn) for name, (math, fn) in ops.items()}
     out = compact_table("Each operator forward and backward", ("operator", "forward", "backward", "max err", "exact"))
     for name, res in results.items():
         out.add_row(name, *_semantics(res.name), f"{max(res.forward_err, res.backward_err):.0e}", mark(res.ok))
     print0(out)
-    same = all(torch.equal(results[f"{k} (lesson)"].forward, results[f"{k} (library)"].forward)
-               and torch.equal(results[f"{k} (lesson)"].backward, results[f"{k} (library)"].backward) for k in "fg")
+    same = all(
+        torch.equal(results[f"{k} (lesson)"].forward, results[f"{k} (library)"].forward)
+        and torch.equal(results[f"{k} (lesson)"].backward, results[f"{k} (library)"].backward)
+        for k in "fg"
+    )
     verdict.check("f, g, f-bar, g-bar forward, backward = one process's", all(r.ok for r in results.values()))
     verdict.check("the library's f and g = the lesson's, bit for bit", same)
 
 
 def _semantics(name: str) -> tuple[str, str]:
-    return {"f": ("identity", "all-reduce"), "g": ("all-reduce", "identity"),
-            "f-bar": ("all-gather", "reduce-scatter"), "g-bar": ("reduce-scatter", "all-gather")}[name]
+    return {
+        "f": ("identity", "all-reduce"),
+        "g": ("all-reduce", "identity"),
+        "f-bar": ("all-gather", "reduce-scatter"),
+        "g-bar": ("reduce-scatter", "all-gather"),
+    }[name]
 
 
 def show_tensor_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
@@ -130,12 +146,20 @@ def show_tensor_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) 
     p = rt.world_size
     outcomes = {part: split_run(rt, cfg, part, by_hand(), args.steps, args.lr) for part in ("mlp", "attention")}
     print0(equality_table(f"Split over P = {p} (the lesson's f and g) against the unsplit layer", outcomes))
-    rows = [(part, _sent(o.traffic), _nonzero(cost.expected_traffic(cfg, part, p, False, args.steps)))
-            for part, o in outcomes.items()]
-    print0(bytes_table(f"Bytes rank {rt.rank} sent in {args.steps} steps; formula 2(P-1)/P N seq d e "
-                       f"each way a step, N seq d = {cfg.batch * cfg.seq * cfg.dim}, e = 8", rows))
-    verdict.check(f"MLP, attention by heads = unsplit (P = {p}, {args.steps} steps)",
-                  all(o.ok for o in outcomes.values()))
+    rows = [
+        (part, _sent(o.traffic), _nonzero(cost.expected_traffic(cfg, part, p, False, args.steps)))
+        for part, o in outcomes.items()
+    ]
+    print0(
+        bytes_table(
+            f"Bytes rank {rt.rank} sent in {args.steps} steps; formula 2(P-1)/P N seq d e "
+            f"each way a step, N seq d = {cfg.batch * cfg.seq * cfg.dim}, e = 8",
+            rows,
+        )
+    )
+    verdict.check(
+        f"MLP, attention by heads = unsplit (P = {p}, {args.steps} steps)", all(o.ok for o in outcomes.values())
+    )
     verdict.check("their bytes per rank = 2(P-1)/P N seq d e each way", all(c == f for _, c, f in rows))
 
 
@@ -151,48 +175,55 @@ SPLITS = {"TP": operators.tensor_parallel, "TP + SP": operators.sequence_paralle
 
 
 def show_sequence_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
-    print0(f"\n[bold]3. Sequence parallelism (SP) beside tensor parallelism (TP): the block, dropout "
-           f"{cfg.dropout}[/]")
+    print0(f"\n[bold]3. Sequence parallelism (SP) beside tensor parallelism (TP): the block, dropout {cfg.dropout}[/]")
     p = rt.world_size
     outcomes = {name: split_run(rt, cfg, "block", make(), args.steps, args.lr) for name, make in SPLITS.items()}
     print0(equality_table(f"The block on P = {p} against the unsplit block, the same masks", outcomes))
-    rows = [(name, _sent(o.traffic), _nonzero(cost.expected_traffic(cfg, "block", p, name != "TP", args.steps)))
-            for name, o in outcomes.items()]
+    rows = [
+        (name, _sent(o.traffic), _nonzero(cost.expected_traffic(cfg, "block", p, name != "TP", args.steps)))
+        for name, o in outcomes.items()
+    ]
     print0(bytes_table(f"Bytes rank {rt.rank} sent in {args.steps} steps, and the formulas", rows))
     tp_bytes, sp_bytes = (o.traffic.total("forward") + o.traffic.total("backward") for o in outcomes.values())
     verdict.check(f"the block, TP and TP + SP = unsplit (P = {p}, dropout on)", all(o.ok for o in outcomes.values()))
-    verdict.check("block bytes = formulas; SP's activations send what TP's do",
-                  all(c == f for _, c, f in rows) and tp_bytes == sp_bytes)
+    verdict.check(
+        "block bytes = formulas; SP's activations send what TP's do",
+        all(c == f for _, c, f in rows) and tp_bytes == sp_bytes,
+    )
     show_memory(rt, cfg, verdict)
 
 
 def show_memory(rt: Runtime, cfg: BlockConfig, verdict: Verdict) -> None:
     p, (region, gathered, split) = rt.world_size, cost.activation_terms(cfg)
-    out = compact_table(f"What one block's forward keeps for backward on rank {rt.rank}, bytes",
-                ("split", "measured", "formula", "=", "peak"),
-                caption=f"formula: region + gathered + inside/P (TP), (region + inside)/P + gathered "
-                        f"(TP + SP), elements x 8: region = N seq (2d+4) = {region}, gathered = 2 N seq d = "
-                        f"{gathered}, inside = N seq (4d + 2d_ff) + N h seq = {split}. peak: PeakMemory's, temporaries and collective buffers included")
+    out = compact_table(
+        f"What one block's forward keeps for backward on rank {rt.rank}, bytes",
+        ("split", "measured", "formula", "=", "peak"),
+        caption=f"formula: region + gathered + inside/P (TP), (region + inside)/P + gathered "
+        f"(TP + SP), elements x 8: region = N seq (2d+4) = {region}, gathered = 2 N seq d = "
+        f"{gathered}, inside = N seq (4d + 2d_ff) + N h seq = {split}. "
+        "peak: PeakMemory's, temporaries and collective buffers included",
+    )
     measured = {}
     for name, make in SPLITS.items():
         (saved, peak), formula = activation_bytes_measured(rt, cfg, make()), cost.activation_bytes(cfg, p, name != "TP")
         measured[name] = (saved, formula)
         out.add_row(name, f"{saved:,}", f"{int(formula):,}", mark(saved == formula), f"{peak:,}")
     print0(out)
-    verdict.check("activations per rank = the formulas, TP and TP + SP",
-                  all(m == f for m, f in measured.values()))
+    verdict.check("activations per rank = the formulas, TP and TP + SP", all(m == f for m, f in measured.values()))
     verdict.figure("activation_bytes", {n: m for n, (m, _) in measured.items()})
 
 
 def show_torch(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
     print0("\n[bold]4. torch's parallelize_module on a DeviceMesh (dropout off), against ours[/]")
     cfg = replace(cfg, dropout=0.0)
-    out = compact_table("Collectives launched per step: ours, and torch's (CommDebugMode)",
-                ("split", "phase", "collective", "ours", "torch"),
-                caption="torch: q, k and v each all-reduce their input's gradient (3 where our one f "
-                        "before all three needs 1); with SequenceParallel the LayerNorms' gradients stay "
-                        "Partial and the optimizer step all-reduces them one tensor each (ours: one "
-                        "message of 6 d, the row biases too; torch adds a row bias before the reduce-scatter)")
+    out = compact_table(
+        "Collectives launched per step: ours, and torch's (CommDebugMode)",
+        ("split", "phase", "collective", "ours", "torch"),
+        caption="torch: q, k and v each all-reduce their input's gradient (3 where our one f "
+        "before all three needs 1); with SequenceParallel the LayerNorms' gradients stay "
+        "Partial and the optimizer step all-reduces them one tensor each (ours: one "
+        "message of 6 d, the row biases too; torch adds a row bias before the reduce-scatter)",
+    )
     same = []
     for name, make in SPLITS.items():
         comm = make()
@@ -206,8 +237,10 @@ def show_torch(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
                 out.add_row(name, shown, COLLECTIVE[kind], str(mine.get(kind, 0)), str(counts[phase].get(kind, 0)))
                 name = shown = ""
     print0(out)
-    print0("torch's placements: " + "; ".join(f"{k} {v}" for k, v in placements.items() if k.endswith("weight")),
-           highlight=False)
+    print0(
+        "torch's placements: " + "; ".join(f"{k} {v}" for k, v in placements.items() if k.endswith("weight")),
+        highlight=False,
+    )
     verdict.check("parallelize_module TP and TP + SP = ours (output, grads, params)", all(same))
 
 
@@ -223,8 +256,12 @@ def show_two_d(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
     shard = sum(q.numel() for q in model.parameters())
     formula = _nonzero(mesh2d.expected_2d_traffic(cfg, rt.world_size, shard))
     print0(f"rank {rt.rank}: tensor-parallel group {where['tp_ranks']}, data-parallel group {where['dp_ranks']}")
-    print0(bytes_table(f"Bytes rank {rt.rank} sent in one 2-D step ({shard} parameters in its shard)",
-                       [(f"{dp} x {tp}", counted, formula)]))
+    print0(
+        bytes_table(
+            f"Bytes rank {rt.rank} sent in one 2-D step ({shard} parameters in its shard)",
+            [(f"{dp} x {tp}", counted, formula)],
+        )
+    )
     verdict.check(f"one {dp} x {tp} (dp x tp) step = one process, whole batch", grads and params)
     verdict.check("2-D bytes = formulas (TP on N/dp rows, DP on the shard)", counted == formula)
 
@@ -244,8 +281,7 @@ def parse_args():
 
 
 def block_config(args) -> BlockConfig:
-    return BlockConfig(args.global_batch, args.seq_len, args.dim, args.heads, args.ffn_width, args.dropout,
-                       args.seed)
+    return BlockConfig(args.global_batch, args.seq_len, args.dim, args.heads, args.ffn_width, args.dropout, args.seed)
 
 
 def world_rules(args, world_size: int) -> None:
@@ -255,12 +291,14 @@ def world_rules(args, world_size: int) -> None:
 
 
 def main() -> int:
-    args = check_flags_against_world(parse_args(), world_rules)   # before any process group, every rank alike
+    args = check_flags_against_world(parse_args(), world_rules)  # before any process group, every rank alike
     cfg = block_config(args)
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 08: tensor and sequence parallelism[/] - P = {rt.world_size}, N = {cfg.batch}, "
-               f"seq = {cfg.seq}, d = {cfg.dim}, h = {cfg.heads}, d_ff = {cfg.ffn}, backend {rt.backend}, float64")
+        print0(
+            f"[bold]Lesson 08: tensor and sequence parallelism[/] - P = {rt.world_size}, N = {cfg.batch}, "
+            f"seq = {cfg.seq}, d = {cfg.dim}, h = {cfg.heads}, d_ff = {cfg.ffn}, backend {rt.backend}, float64"
+        )
         show_operators(rt, verdict)
         show_tensor_parallel(rt, cfg, args, verdict)
         show_sequence_parallel(rt, cfg, args, verdict)

@@ -47,8 +47,8 @@ from distlab.compare import all_ok, compare, comparison_table
 from distlab.console import print0
 from distlab.context_parallel import split as layouts
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
-from distlab.context_parallel.ring import RingExchange
 from distlab.context_parallel.cost import Sizes
+from distlab.context_parallel.ring import RingExchange
 from distlab.context_parallel.split import SKIP, Layout, piece_label
 from distlab.data_parallel.report import rows_table
 from distlab.memory import PeakMemory
@@ -127,6 +127,7 @@ class RingAttention(torch.autograd.Function):
 
 # ---- one run of the ring, and the reference ------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class RingRun:
     """One ring attention forward + backward: the whole sequence's results gathered from the ranks,
@@ -173,9 +174,13 @@ def run_ring(rt: Runtime, inputs: list[torch.Tensor], layout: Layout) -> RingRun
     local = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     counts = [tally["full"], tally["diagonal"], tally["products"]]
     tallies = rank_table(counts + [tally[f"step {i}"] for i in range(rt.world_size)], rt.device).long().tolist()
-    return RingRun({name: gather(rt, t, layout.split).cpu() for name, t in local.items()},
-                   tallies, (sent_forward, ring.bytes_sent - sent_forward),
-                   (forward.peak_bytes, backward.peak_bytes), max(forward.largest_bytes, backward.largest_bytes))
+    return RingRun(
+        {name: gather(rt, t, layout.split).cpu() for name, t in local.items()},
+        tallies,
+        (sent_forward, ring.bytes_sent - sent_forward),
+        (forward.peak_bytes, backward.peak_bytes),
+        max(forward.largest_bytes, backward.largest_bytes),
+    )
 
 
 # ---- the chapter, part by part ------------------------------------------------------------------
@@ -200,12 +205,28 @@ def show_timeline(rt: Runtime, args, run: RingRun, verdict: Verdict) -> None:
     p, cells = rt.world_size, []
     for r in range(p):
         held = [(r - i) % p for i in range(p)]
-        cells.append((f"rank {r}", *(f"r{s} {piece_label(s, p, args.seq_len)} ({run.tallies[r][3 + i]})"
-                                     for i, s in enumerate(held))))
+        cells.append(
+            (
+                f"rank {r}",
+                *(f"r{s} {piece_label(s, p, args.seq_len)} ({run.tallies[r][3 + i]})" for i, s in enumerate(held)),
+            )
+        )
     print0("causal, zig-zag; a cell: r<s> <its pieces of 2P> (<tiles computed>)", highlight=False)
     print0(rows_table("", ("", *(f"step {i}" for i in range(p))), cells))
-    verdict.figure("timeline", [[{"source": (r - i) % p, "pieces": piece_label((r - i) % p, p, args.seq_len),
-                                  "tiles": run.tallies[r][3 + i]} for i in range(p)] for r in range(p)])
+    verdict.figure(
+        "timeline",
+        [
+            [
+                {
+                    "source": (r - i) % p,
+                    "pieces": piece_label((r - i) % p, p, args.seq_len),
+                    "tiles": run.tallies[r][3 + i],
+                }
+                for i in range(p)
+            ]
+            for r in range(p)
+        ],
+    )
 
 
 def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
@@ -216,18 +237,20 @@ def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
         counted[split] = [t[2] for t in tallies]
         formula = [layouts.work_formula(r, p, args.seq_len, split, True) for r in range(p)]
         layout = [layouts.count_work(r, p, args.seq_len, split, True) for r in range(p)]
-        verdict.check(f"{split}: products per rank counted = formula = the layout's count",
-                      counted[split] == formula == [w.products for w in layout]
-                      and [t[:2] for t in tallies] == [[w.full, w.diagonal] for w in layout])
-        rows += [(f"{split}, rank {r}", f"{t[0]} + {t[1]}", str(t[2]), str(f))
-                 for r, (t, f) in enumerate(zip(tallies, formula))]
-    print0("tiles: full + diagonal; formula: zig-zag (2P+1)(seq/2P)^2, contiguous (r+1)(seq/P)^2",
-           highlight=False)
+        verdict.check(
+            f"{split}: products per rank counted = formula = the layout's count",
+            counted[split] == formula == [w.products for w in layout]
+            and [t[:2] for t in tallies] == [[w.full, w.diagonal] for w in layout],
+        )
+        rows += [
+            (f"{split}, rank {r}", f"{t[0]} + {t[1]}", str(t[2]), str(f))
+            for r, (t, f) in enumerate(zip(tallies, formula))
+        ]
+    print0("tiles: full + diagonal; formula: zig-zag (2P+1)(seq/2P)^2, contiguous (r+1)(seq/P)^2", highlight=False)
     print0(rows_table("", ("", "tiles", "products", "formula"), rows))
     balanced = len(set(counted["zigzag"])) == 1
     skewed = p == 1 or max(counted["contiguous"]) == p * min(counted["contiguous"])
-    verdict.check("zig-zag: equal work per rank; contiguous: last rank P x first's",
-                  balanced and skewed)
+    verdict.check("zig-zag: equal work per rank; contiguous: last rank P x first's", balanced and skewed)
     verdict.figure("work", counted)
 
 
@@ -235,8 +258,10 @@ def show_bytes(rt: Runtime, sizes: Sizes, runs: dict, verdict: Verdict) -> None:
     print0("\n[bold]4. Bytes each rank sends, against the formula[/]")
     formula = sizes.bytes_sent()
     every = rank_table([b for run in runs.values() for b in run.bytes_sent], rt.device).long().tolist()
-    verdict.check("bytes sent = 2(P-1) blocks forward, 4P-2 backward",
-                  all(tuple(sent[i:i + 2]) == formula for sent in every for i in range(0, len(sent), 2)))
+    verdict.check(
+        "bytes sent = 2(P-1) blocks forward, 4P-2 backward",
+        all(tuple(sent[i : i + 2]) == formula for sent in every for i in range(0, len(sent), 2)),
+    )
     rows = [(f"rank {r}", f"{sent[2]:,}", f"{sent[3]:,}") for r, sent in enumerate(every)]  # causal zig-zag
     rows.append(("formula", f"{formula[0]:,}", f"{formula[1]:,}"))
     print0(f"causal zig-zag; a block is h (seq/P) d_h values = {sizes.block:,} bytes", highlight=False)
@@ -250,19 +275,23 @@ def show_memory(rt: Runtime, sizes: Sizes, run: RingRun, verdict: Verdict) -> No
     peaks = rank_table([*run.peak_bytes, run.largest_bytes], rt.device).long().tolist()
     rows = [(f"rank {r}", *(f"{b:,}" for b in row)) for r, row in enumerate(peaks)]
     rows.append(("formula (bound)", f"{formula[0]:,}", f"{formula[1]:,}", f"{largest:,}"))
-    print0("bytes allocated inside the ring (distlab.memory.PeakMemory); the whole sequence's k and v "
-           f"would be {whole:,}", highlight=False)
+    print0(
+        f"bytes allocated inside the ring (distlab.memory.PeakMemory); the whole sequence's k and v would be {whole:,}",
+        highlight=False,
+    )
     print0(rows_table("", ("", "forward peak", "backward peak", "largest tensor"), rows))
-    verdict.check("peak memory per rank within its formula; no tensor over a block or tile",
-                  all(f <= formula[0] and b <= formula[1] and big <= largest for f, b, big in peaks))
+    verdict.check(
+        "peak memory per rank within its formula; no tensor over a block or tile",
+        all(f <= formula[0] and b <= formula[1] and big <= largest for f, b, big in peaks),
+    )
     verdict.figure("memory", {"peaks": peaks, "formula": formula, "whole_kv": whole, "largest": largest})
 
 
 def show_fold(verdict: Verdict) -> None:
     print0("\n[bold]6. One fold: ring attention and the streamed contrastive step[/]")
     from distlab.context_parallel import attention
-    from distlab.streamed import tiles as streamed_tiles
     from distlab.online_softmax import online_fold
+    from distlab.streamed import tiles as streamed_tiles
 
     same = attention.online_fold is online_fold is streamed_tiles.online_fold
     for who, fold in (("ring attention", attention.online_fold), ("the streamed step", streamed_tiles.online_fold)):
@@ -284,8 +313,10 @@ def main() -> int:
     args = check_flags_against_world(parse_args(), lambda a, p: layouts.check_seq_len(a.seq_len, p, "zigzag"))
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 09: context parallelism, ring attention[/] - P = {rt.world_size}, "
-               f"seq = {args.seq_len}, h = {args.heads}, d_h = {args.head_dim}, {args.dtype}, {rt.backend}")
+        print0(
+            f"[bold]Lesson 09: context parallelism, ring attention[/] - P = {rt.world_size}, "
+            f"seq = {args.seq_len}, h = {args.heads}, d_h = {args.head_dim}, {args.dtype}, {rt.backend}"
+        )
         runs = show_exactness(rt, args, verdict)
         show_timeline(rt, args, runs[("zigzag", True)], verdict)
         show_work(rt, args, runs, verdict)

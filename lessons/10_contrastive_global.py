@@ -40,10 +40,10 @@ from __future__ import annotations
 from distlab.cli import DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, lesson_parser
 from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
+from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.report import method_table, work_table
 from distlab.contrastive.step import first_step_gradients
-from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.variants import GLOBAL_PLAIN, Variant, global_loss_times_p
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
@@ -65,8 +65,11 @@ def main() -> int:
     with distributed(args.device) as rt:
         p, n = rt.world_size, args.global_batch
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 10: DDP contrastive, global x global[/] - N = {n} pairs, P = {p}, C = {n // p}, "
-               f"tau = {args.tau}, {args.dtype}, {rt.backend}", highlight=False)
+        print0(
+            f"[bold]Lesson 10: DDP contrastive, global x global[/] - N = {n} pairs, P = {p}, C = {n // p}, "
+            f"tau = {args.tau}, {args.dtype}, {rt.backend}",
+            highlight=False,
+        )
         ddp = first_step_gradients(rt, VARIANTS, n, args.tau, seed=args.seed, dtype=dtype)
 
         # The independent reference: a deep copy of the model, the whole batch, one process.
@@ -78,24 +81,43 @@ def main() -> int:
         rtol, atol = tolerances(dtype)
         rows = [(GLOBAL_PLAIN.name, "ref", plain, p == 1), (GLOBAL_PLAIN.name, "ref / P", plain_over_p, True)]
         rows += [(name, "ref", err, True) for name, err in fixed.items()]
-        print0(method_table(rows, "DDP gradients after one step vs the single-process full batch (ref)",
-                            caption=f"allclose: rtol {rtol:g}, atol {atol:g}; plain, P L: the plain "
-                            "gather, backward of P * L"))
-        print0(comparison_table(compare(ref, ddp[GLOBAL_TIMES_P.name][1]), "backward of P * L, per parameter, vs ref",
-                                caption=f"allclose with rtol {rtol:g}, atol {atol:g}"))
+        print0(
+            method_table(
+                rows,
+                "DDP gradients after one step vs the single-process full batch (ref)",
+                caption=f"allclose: rtol {rtol:g}, atol {atol:g}; plain, P L: the plain gather, backward of P * L",
+            )
+        )
+        print0(
+            comparison_table(
+                compare(ref, ddp[GLOBAL_TIMES_P.name][1]),
+                "backward of P * L, per parameter, vs ref",
+                caption=f"allclose with rtol {rtol:g}, atol {atol:g}",
+            )
+        )
         losses = {v.name: ddp[v.name][0] for v in VARIANTS}
-        print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()), highlight=False)
+        print0(
+            f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()),
+            highlight=False,
+        )
         print0(work_table(n, p, model.encoder_x[-1].out_features))
 
-        verdict.check("the plain gather gives exactly 1/P of the full-batch gradient", plain_over_p.ok,
-                      f"||g|| / ||ref|| = {plain.norm_ratio:.6f}, 1/P = {1 / p:.6f}")
+        verdict.check(
+            "the plain gather gives exactly 1/P of the full-batch gradient",
+            plain_over_p.ok,
+            f"||g|| / ||ref|| = {plain.norm_ratio:.6f}, 1/P = {1 / p:.6f}",
+        )
         for name, err in fixed.items():
             verdict.check(f"{name} gives the full-batch gradient", err.ok, f"max rel err {err.max_rel:.1e}")
-        verdict.check("every variant's loss equals the reference's",
-                      all(abs(v - ref_loss) <= atol + rtol * abs(ref_loss) for v in losses.values()))
+        verdict.check(
+            "every variant's loss equals the reference's",
+            all(abs(v - ref_loss) <= atol + rtol * abs(ref_loss) for v in losses.values()),
+        )
         verdict.figure("norm_ratio_plain", plain.norm_ratio)
-        verdict.figure("max_rel_err", {"plain_vs_ref_over_p": plain_over_p.max_rel,
-                                       **{name: err.max_rel for name, err in fixed.items()}})
+        verdict.figure(
+            "max_rel_err",
+            {"plain_vs_ref_over_p": plain_over_p.max_rel, **{name: err.max_rel for name, err in fixed.items()}},
+        )
         return verdict.finish(args.json)
 
 

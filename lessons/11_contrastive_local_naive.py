@@ -43,16 +43,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.cli import (add_contrastive_args, add_optimizer_args, check_flags_against_world,
-                         divides_global_batch, lesson_parser, positive_int)
+from distlab.cli import (
+    add_contrastive_args,
+    add_optimizer_args,
+    check_flags_against_world,
+    divides_global_batch,
+    lesson_parser,
+    positive_int,
+)
 from distlab.compare import compare, comparison_table, gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import DetachedBlocks, full_batch_gradients
 from distlab.contrastive.report import emulated_table, method_table, relative_errors, seeds_table
 from distlab.contrastive.step import first_step_gradients, wrap_ddp
-from distlab.contrastive.training import (OPTIMIZERS, TrainConfig, TrainData, batch_schedule,
-                                          retrieval_accuracy, train_ddp, train_single_process)
+from distlab.contrastive.training import (
+    OPTIMIZERS,
+    TrainConfig,
+    TrainData,
+    batch_schedule,
+    retrieval_accuracy,
+    train_ddp,
+    train_single_process,
+)
 from distlab.contrastive.variants import LOCAL_PLAIN
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import Runtime, distributed, run_main
@@ -76,15 +89,22 @@ def parse_args():
     parser.add_argument("--held-out", type=positive_int, default=512, help="held-out pairs for retrieval accuracy")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer of every run")
     parser.add_argument("--eval-every", type=positive_int, default=10, help="steps between accuracy checks")
-    parser.add_argument("--emulate", type=world_sizes, default=(), metavar="P1,P2,...",
-                        help="also train with the plain gather's loss at these world sizes, emulated in one "
-                        "process (each must divide N; e.g. 8,16,48)")
+    parser.add_argument(
+        "--emulate",
+        type=world_sizes,
+        default=(),
+        metavar="P1,P2,...",
+        help="also train with the plain gather's loss at these world sizes, emulated in one "
+        "process (each must divide N; e.g. 8,16,48)",
+    )
     args = parser.parse_args()
     if args.global_batch > args.train_size:
         parser.error(f"argument --global-batch: N = {args.global_batch} is more than --train-size {args.train_size}")
     if any(args.global_batch % q for q in args.emulate):
-        parser.error(f"argument --emulate: every size must divide --global-batch {args.global_batch}, "
-                     f"got {','.join(map(str, args.emulate))}")
+        parser.error(
+            f"argument --emulate: every size must divide --global-batch {args.global_batch}, "
+            f"got {','.join(map(str, args.emulate))}"
+        )
     return args
 
 
@@ -98,23 +118,40 @@ def first_step(rt: Runtime, args, verdict: Verdict) -> None:
     plain = ddp[LOCAL_PLAIN.name][1]
     errors = {"ref": gradient_error(ref, plain), "detached": gradient_error(detached, plain)}
     rtol, atol = tolerances(DTYPE)
-    print0(method_table([(LOCAL_PLAIN.name, "ref", errors["ref"], p == 1),
-                         (LOCAL_PLAIN.name, "detached", errors["detached"], True)],
-                        "DDP gradients after one step",
-                        caption=f"ref: the single-process full batch; detached: the same with every other "
-                        f"block's embeddings detached in each block's rows; allclose: rtol {rtol:g}, atol {atol:g}"))
+    print0(
+        method_table(
+            [
+                (LOCAL_PLAIN.name, "ref", errors["ref"], p == 1),
+                (LOCAL_PLAIN.name, "detached", errors["detached"], True),
+            ],
+            "DDP gradients after one step",
+            caption=f"ref: the single-process full batch; detached: the same with every other "
+            f"block's embeddings detached in each block's rows; allclose: rtol {rtol:g}, atol {atol:g}",
+        )
+    )
     print0(comparison_table(compare(ref, plain), "plain gather, per parameter, vs ref", expect_match=p == 1))
     lost = lost_fraction(model, x, y, args.tau, p)
-    print0(f"lost at the embeddings (the s != r terms): ||dL/dZ - plain|| / ||dL/dZ|| = "
-           f"{lost['z_x']:.1%} for z_x, {lost['z_y']:.1%} for z_y", highlight=False)
+    print0(
+        f"lost at the embeddings (the s != r terms): ||dL/dZ - plain|| / ||dL/dZ|| = "
+        f"{lost['z_x']:.1%} for z_x, {lost['z_y']:.1%} for z_y",
+        highlight=False,
+    )
     loss = ddp[LOCAL_PLAIN.name][0]
     print0(f"loss L: reference {ref_loss:.12f}; plain {loss:.12f}", highlight=False)
-    verdict.check("the forward pass is right: the loss equals the reference's",
-                  abs(loss - ref_loss) <= atol + rtol * abs(ref_loss))
-    verdict.check("the plain gather's gradient " + ("differs from" if p > 1 else "equals (P = 1)") + " the full batch's",
-                  errors["ref"].ok == (p == 1), f"max rel err {errors['ref'].max_rel:.2e}, cosine {errors['ref'].cosine:.4f}")
-    verdict.check("the plain gather's gradient is the detached-blocks gradient", errors["detached"].ok,
-                  f"max rel err {errors['detached'].max_rel:.1e}")
+    verdict.check(
+        "the forward pass is right: the loss equals the reference's",
+        abs(loss - ref_loss) <= atol + rtol * abs(ref_loss),
+    )
+    verdict.check(
+        "the plain gather's gradient " + ("differs from" if p > 1 else "equals (P = 1)") + " the full batch's",
+        errors["ref"].ok == (p == 1),
+        f"max rel err {errors['ref'].max_rel:.2e}, cosine {errors['ref'].cosine:.4f}",
+    )
+    verdict.check(
+        "the plain gather's gradient is the detached-blocks gradient",
+        errors["detached"].ok,
+        f"max rel err {errors['detached'].max_rel:.1e}",
+    )
     verdict.figure("relative_error", {"plain": relative_errors(ref, plain)})
     verdict.figure("lost_fraction", lost)
 
@@ -128,22 +165,33 @@ def lost_fraction(model: TwoTower, x: torch.Tensor, y: torch.Tensor, tau: float,
         a, b = (t.clone().requires_grad_() for t in z)
         loss_fn(a, b, 1 / tau).backward()
         grads[name] = (a.grad, b.grad)
-    return {tower: ((grads["true"][i] - grads["plain"][i]).norm() / grads["true"][i].norm()).item()
-            for i, tower in enumerate(("z_x", "z_y"))}
+    return {
+        tower: ((grads["true"][i] - grads["plain"][i]).norm() / grads["true"][i].norm()).item()
+        for i, tower in enumerate(("z_x", "z_y"))
+    }
 
 
 def seed_data(args, seed: int, device) -> TrainData:
     """Seed `seed`'s training pairs, held-out pairs and global batches (the model: TwoTower(seed=seed))."""
-    train, held_out = (tuple(t.to(device) for t in paired_data(size, seed=s, dtype=DTYPE))
-                       for size, s in ((args.train_size, seed), (args.held_out, seed + 1000)))
+    train, held_out = (
+        tuple(t.to(device) for t in paired_data(size, seed=s, dtype=DTYPE))
+        for size, s in ((args.train_size, seed), (args.held_out, seed + 1000))
+    )
     return TrainData(train, held_out, batch_schedule(args.train_size, args.global_batch, args.steps, seed=seed))
 
 
 def training(rt: Runtime, args, config: TrainConfig, verdict: Verdict) -> None:
     """Per seed, one process (the ranks share those runs round-robin) and DDP with the plain gather."""
     seeds = [args.seed + k for k in range(args.seeds)]
-    mine = {s: train_single_process(TwoTower(seed=s, dtype=DTYPE).to(rt.device), seed_data(args, s, rt.device),
-                                    config, label=f"{SINGLE}, seed {s}") for s in seeds[rt.rank::rt.world_size]}
+    mine = {
+        s: train_single_process(
+            TwoTower(seed=s, dtype=DTYPE).to(rt.device),
+            seed_data(args, s, rt.device),
+            config,
+            label=f"{SINGLE}, seed {s}",
+        )
+        for s in seeds[rt.rank :: rt.world_size]
+    }
     every = [None] * rt.world_size
     dist.all_gather_object(every, mine)
     runs = {s: {SINGLE: part[s]} for part in every for s in part}
@@ -154,10 +202,26 @@ def training(rt: Runtime, args, config: TrainConfig, verdict: Verdict) -> None:
     print0(seeds_table(runs, args.held_out))
     worse = sum(r[PLAIN].accuracies[-1] < r[SINGLE].accuracies[-1] for r in runs.values())
     higher = sum(r[PLAIN].final_loss > r[SINGLE].final_loss for r in runs.values())
-    print0(f"the plain gather ended with lower held-out accuracy in {worse} of {len(runs)} seeds and a higher "
-           f"final loss in {higher} of {len(runs)}", highlight=False)
-    verdict.figure("runs", {s: {k: {"losses": r.losses, "final_loss": r.final_loss, "eval_steps": r.eval_steps,
-                                    "accuracies": r.accuracies} for k, r in pair.items()} for s, pair in runs.items()})
+    print0(
+        f"the plain gather ended with lower held-out accuracy in {worse} of {len(runs)} seeds and a higher "
+        f"final loss in {higher} of {len(runs)}",
+        highlight=False,
+    )
+    verdict.figure(
+        "runs",
+        {
+            s: {
+                k: {
+                    "losses": r.losses,
+                    "final_loss": r.final_loss,
+                    "eval_steps": r.eval_steps,
+                    "accuracies": r.accuracies,
+                }
+                for k, r in pair.items()
+            }
+            for s, pair in runs.items()
+        },
+    )
 
 
 def emulate(rt: Runtime, args, data: TrainData, config: TrainConfig, verdict: Verdict) -> None:
@@ -165,9 +229,10 @@ def emulate(rt: Runtime, args, data: TrainData, config: TrainConfig, verdict: Ve
     gather computes (the tests prove it equal for P <= 4), at world sizes this machine cannot run.
     The ranks share the work round-robin."""
     mine = {}
-    for q in args.emulate[rt.rank::rt.world_size]:
-        run = train_single_process(TwoTower(seed=args.seed, dtype=DTYPE).to(rt.device), data, config,
-                                   loss_fn=DetachedBlocks(q))
+    for q in args.emulate[rt.rank :: rt.world_size]:
+        run = train_single_process(
+            TwoTower(seed=args.seed, dtype=DTYPE).to(rt.device), data, config, loss_fn=DetachedBlocks(q)
+        )
         mine[q] = {"final_loss": run.final_loss, "accuracy": run.accuracies[-1]}
     every = [None] * rt.world_size
     dist.all_gather_object(every, mine)
@@ -180,17 +245,23 @@ def main() -> int:
     args = check_flags_against_world(parse_args(), divides_global_batch)
     with distributed(args.device) as rt:
         verdict, p, n = Verdict(rt), rt.world_size, args.global_batch
-        print0(f"[bold]Lesson 11: local x global, plain all_gather[/] - N = {n} pairs, P = {p}, C = {n // p}, "
-               f"tau = {args.tau}, float64, {rt.backend}", highlight=False)
+        print0(
+            f"[bold]Lesson 11: local x global, plain all_gather[/] - N = {n} pairs, P = {p}, C = {n // p}, "
+            f"tau = {args.tau}, float64, {rt.backend}",
+            highlight=False,
+        )
         first_step(rt, args, verdict)
 
         data = seed_data(args, args.seed, rt.device)
         config = TrainConfig(args.tau, args.optimizer, args.lr, args.eval_every)
-        start = verdict.figure("start_accuracy",
-                               retrieval_accuracy(TwoTower(seed=args.seed, dtype=DTYPE).to(rt.device), *data.held_out))
-        print0(f"\n[bold]Training[/]: {args.seeds} seed(s), {args.steps} steps of N = {n} pairs from {args.train_size}, "
-               f"{args.optimizer} lr {args.lr}; held-out accuracy before training {start:.2%} (seed {args.seed})",
-               highlight=False)
+        start = verdict.figure(
+            "start_accuracy", retrieval_accuracy(TwoTower(seed=args.seed, dtype=DTYPE).to(rt.device), *data.held_out)
+        )
+        print0(
+            f"\n[bold]Training[/]: {args.seeds} seed(s), {args.steps} steps of N = {n} pairs from {args.train_size}, "
+            f"{args.optimizer} lr {args.lr}; held-out accuracy before training {start:.2%} (seed {args.seed})",
+            highlight=False,
+        )
         training(rt, args, config, verdict)
         if args.emulate:
             emulate(rt, args, data, config, verdict)

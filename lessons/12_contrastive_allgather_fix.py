@@ -48,7 +48,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, lesson_parser, positive_int
+from distlab.cli import (
+    DTYPES,
+    add_contrastive_args,
+    check_flags_against_world,
+    divides_global_batch,
+    lesson_parser,
+    positive_int,
+)
 from distlab.compare import gradient_error, tolerances
 from distlab.console import print0
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
@@ -63,17 +70,17 @@ from distlab.verdict import Verdict
 
 class AllGatherSumBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z: torch.Tensor) -> torch.Tensor:     # z: this rank's C x d block
-        ctx.rank, ctx.c = dist.get_rank(), len(z)         # the rank within the group gathered over
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # z: this rank's C x d block
+        ctx.rank, ctx.c = dist.get_rank(), len(z)  # the rank within the group gathered over
         gathered = z.new_empty((dist.get_world_size() * len(z), *z.shape[1:]))
         dist.all_gather_single(gathered, z.contiguous())  # Z: N x d, rank r's rows at rC .. rC + C - 1
         return gathered
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # grad: dL_s/dZ on this rank s, N x d
-        summed = grad.contiguous().clone()                 # (autograd's buffer is not ours to change)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)      # sum_s dL_s/dZ, on every rank
-        return summed[ctx.rank * ctx.c:(ctx.rank + 1) * ctx.c]  # grad z_r: this rank's C rows
+        summed = grad.contiguous().clone()  # (autograd's buffer is not ours to change)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # sum_s dL_s/dZ, on every rank
+        return summed[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c]  # grad z_r: this rank's C rows
 
 
 def gather_all_reduce(z: torch.Tensor) -> torch.Tensor:
@@ -87,10 +94,18 @@ FIXES = (LOCAL_ALL_REDUCE, LOCAL_SUM, LOCAL_LIBRARY)
 def parse_args():
     parser = add_contrastive_args(lesson_parser(__doc__), global_batch=384)
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of the exactness check")
-    parser.add_argument("--cost-global-batch", type=positive_int, default=1536,
-                        help="N of the memory and time measurement (float32, P must divide it)")
-    parser.add_argument("--comm-global-batch", type=positive_int, default=6144,
-                        help="N of the N x d gradient whose backward collectives are timed (P must divide it)")
+    parser.add_argument(
+        "--cost-global-batch",
+        type=positive_int,
+        default=1536,
+        help="N of the memory and time measurement (float32, P must divide it)",
+    )
+    parser.add_argument(
+        "--comm-global-batch",
+        type=positive_int,
+        default=6144,
+        help="N of the N x d gradient whose backward collectives are timed (P must divide it)",
+    )
     parser.add_argument("--comm-dim", type=positive_int, default=256, help="d of that gradient (float32)")
     return parser.parse_args()
 
@@ -99,23 +114,40 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     """One step of every sum, and of lesson 11's plain gather, against the full-batch reference."""
     p, n, dtype = rt.world_size, args.global_batch, DTYPES[args.dtype]
     ddp = first_step_gradients(rt, FIXES + (LOCAL_PLAIN,), n, args.tau, seed=args.seed, dtype=dtype)
-    ref_loss, ref = full_batch_gradients(TwoTower(seed=args.seed, dtype=dtype),
-                                         *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau)
+    ref_loss, ref = full_batch_gradients(
+        TwoTower(seed=args.seed, dtype=dtype), *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau
+    )
     errors = {v.name: gradient_error(ref, ddp[v.name][1]) for v in FIXES + (LOCAL_PLAIN,)}
     rtol, atol = tolerances(dtype)
     rows = [(v.name, "ref", errors[v.name], True) for v in FIXES]
     rows.append((f"{LOCAL_PLAIN.name} (11)", "ref", errors[LOCAL_PLAIN.name], p == 1))
-    print0(method_table(rows, "DDP gradients after one step vs the single-process full batch (ref)",
-                        caption=f"allclose: rtol {rtol:g}, atol {atol:g}; all_reduce: this lesson's "
-                        "AllGatherSumBackward; reduce_scatter: gather_with_grad; torch: all_gather_single"))
-    print0(f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{v.name} {ddp[v.name][0]:.12f}" for v in FIXES), highlight=False)
+    print0(
+        method_table(
+            rows,
+            "DDP gradients after one step vs the single-process full batch (ref)",
+            caption=f"allclose: rtol {rtol:g}, atol {atol:g}; all_reduce: this lesson's "
+            "AllGatherSumBackward; reduce_scatter: gather_with_grad; torch: all_gather_single",
+        )
+    )
+    print0(
+        f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{v.name} {ddp[v.name][0]:.12f}" for v in FIXES),
+        highlight=False,
+    )
     for v in FIXES:
-        verdict.check(f"the {v.name} gather gives the full-batch gradient", errors[v.name].ok,
-                      f"max rel err {errors[v.name].max_rel:.1e}")
-    verdict.check("lesson 11's plain gather " + ("does not" if p > 1 else "does, at P = 1"), errors[LOCAL_PLAIN.name].ok == (p == 1),
-                  f"max rel err {errors[LOCAL_PLAIN.name].max_rel:.2e}")
-    verdict.check("every loss equals the reference's",
-                  all(abs(ddp[v.name][0] - ref_loss) <= atol + rtol * abs(ref_loss) for v in FIXES))
+        verdict.check(
+            f"the {v.name} gather gives the full-batch gradient",
+            errors[v.name].ok,
+            f"max rel err {errors[v.name].max_rel:.1e}",
+        )
+    verdict.check(
+        "lesson 11's plain gather " + ("does not" if p > 1 else "does, at P = 1"),
+        errors[LOCAL_PLAIN.name].ok == (p == 1),
+        f"max rel err {errors[LOCAL_PLAIN.name].max_rel:.2e}",
+    )
+    verdict.check(
+        "every loss equals the reference's",
+        all(abs(ddp[v.name][0] - ref_loss) <= atol + rtol * abs(ref_loss) for v in FIXES),
+    )
     verdict.figure("max_rel_err", {name: err.max_rel for name, err in errors.items()})
 
 
@@ -126,13 +158,19 @@ def cost(rt: Runtime, args, verdict: Verdict) -> None:
     gen = torch.Generator().manual_seed(args.seed + rt.rank)
     z = [F.normalize(torch.randn(n // p, 64, generator=gen), dim=-1).to(rt.device) for _ in range(2)]
     global_cost, local_cost = (loss_cost(rt, *z, args.tau, v) for v in (GLOBAL_SUM, LOCAL_SUM))
-    print0(cost_table(n, p, [("global (10)", global_logits(n), global_cost),
-                             ("local", local_logits(n, p), local_cost)], elem=4))
+    print0(
+        cost_table(
+            n, p, [("global (10)", global_logits(n), global_cost), ("local", local_logits(n, p), local_cost)], elem=4
+        )
+    )
     seconds = collective_seconds(rt, args.comm_global_batch, args.comm_dim, torch.float32)
     print0(comm_table(p, args.comm_global_batch, args.comm_dim, 4, seconds, rt.backend))
     local, full = local_cost["largest_bytes"], global_cost["largest_bytes"]
-    verdict.check("the largest tensor per rank is C x N, not N x N", full == n * n * 4 and local == n // p * n * 4,
-                  f"{local / MIB:.2f} MiB instead of {full / MIB:.2f} MiB")
+    verdict.check(
+        "the largest tensor per rank is C x N, not N x N",
+        full == n * n * 4 and local == n // p * n * 4,
+        f"{local / MIB:.2f} MiB instead of {full / MIB:.2f} MiB",
+    )
     verdict.figure("cost", {"global": global_cost, "local": local_cost, "collective_seconds": seconds})
 
 
@@ -147,8 +185,11 @@ def main() -> int:
     with distributed(args.device) as rt:
         p = rt.world_size
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 12: the sum-backward all-gather[/] - N = {args.global_batch} pairs, P = {p}, "
-               f"C = {args.global_batch // p}, tau = {args.tau}, {args.dtype}, {rt.backend}", highlight=False)
+        print0(
+            f"[bold]Lesson 12: the sum-backward all-gather[/] - N = {args.global_batch} pairs, P = {p}, "
+            f"C = {args.global_batch // p}, tau = {args.tau}, {args.dtype}, {rt.backend}",
+            highlight=False,
+        )
         exactness(rt, args, verdict)
         cost(rt, args, verdict)
         return verdict.finish(args.json)

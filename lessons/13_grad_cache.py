@@ -44,8 +44,15 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.chunks import chunks
-from distlab.cli import (DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, fraction,
-                         lesson_parser, positive_int)
+from distlab.cli import (
+    DTYPES,
+    add_contrastive_args,
+    check_flags_against_world,
+    divides_global_batch,
+    fraction,
+    lesson_parser,
+    positive_int,
+)
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.console import print0, progress
 from distlab.contrastive.gather import gather_with_grad
@@ -80,14 +87,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed steps per method (median)")
     args = parser.parse_args()
     if args.micro_batch_size > args.global_batch:  # needs no P: refused before any process group exists
-        parser.error(f"argument --micro-batch-size: B = {args.micro_batch_size} is more than the N = "
-                     f"{args.global_batch} pairs of a step")
+        parser.error(
+            f"argument --micro-batch-size: B = {args.micro_batch_size} is more than the N = "
+            f"{args.global_batch} pairs of a step"
+        )
     return args
 
 
 def tower_model(args, device: torch.device) -> TwoTower:
-    return TwoTower(IN_FEATURES, IN_FEATURES, args.width, args.dim, args.dropout, args.seed,
-                    DTYPES[args.dtype]).to(device)
+    return TwoTower(IN_FEATURES, IN_FEATURES, args.width, args.dim, args.dropout, args.seed, DTYPES[args.dtype]).to(
+        device
+    )
 
 
 def pairs(args, device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,21 +120,21 @@ def rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch
 
 def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
     """GradCache's three steps; the parameter gradients of loss_fn(*reps) accumulate into .grad."""
-    chunks = [x.split(b) for x in inputs]                      # micro-batches of B rows
+    chunks = [x.split(b) for x in inputs]  # micro-batches of B rows
     states, reps = [[] for _ in towers], [[] for _ in towers]
-    with torch.no_grad():                                      # (1) representations, no graph kept
+    with torch.no_grad():  # (1) representations, no graph kept
         for tower, parts, state, rep in zip(towers, chunks, states, reps):
             for part in parts:
-                state.append(RandContext(part))                #     the random state before the draw
+                state.append(RandContext(part))  #     the random state before the draw
                 rep.append(tower(part))
     leaves = [torch.cat(rep).requires_grad_() for rep in reps]
-    loss = loss_fn(*leaves)                                    # (2) the loss on detached leaves:
-    loss.backward()                                            #     leaf.grad = G = dL/dH (n x d)
+    loss = loss_fn(*leaves)  # (2) the loss on detached leaves:
+    loss.backward()  #     leaf.grad = G = dL/dH (n x d)
     for tower, parts, state, leaf in zip(towers, chunks, states, leaves):
         for part, replay, g in zip(parts, state, leaf.grad.split(b)):
-            with replay:                                       # (3) again with a graph, same masks
+            with replay:  # (3) again with a graph, same masks
                 h = tower(part)
-            torch.dot(h.flatten(), g.flatten()).backward()     #     d<h, G>/dtheta = G . dh/dtheta
+            torch.dot(h.flatten(), g.flatten()).backward()  #     d<h, G>/dtheta = G . dh/dtheta
     return loss.detach()
 
 
@@ -148,8 +158,10 @@ def exactness(model: TwoTower, args, device: torch.device) -> dict[str, tuple[bo
     ref_loss, ref = reference(model, x, y, args, world_size=1)
     rtol, atol = tolerances(DTYPES[args.dtype])
     results = {}
-    for key, step in (("steps", lambda: grad_cache_step(towers, (x, y), b, loss_fn)),
-                      ("class", lambda: GradCache(towers, b, loss_fn)(x, y))):
+    for key, step in (
+        ("steps", lambda: grad_cache_step(towers, (x, y), b, loss_fn)),
+        ("class", lambda: GradCache(towers, b, loss_fn)(x, y)),
+    ):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(args.seed)  # rank 0's dropout stream, as in the reference
         loss = step().item()
@@ -158,8 +170,7 @@ def exactness(model: TwoTower, args, device: torch.device) -> dict[str, tuple[bo
         results[key] = (all_ok(rows) and abs(loss - ref_loss) <= rtol * abs(ref_loss), detail)
         if key == "steps":
             title = f"grad_cache_step, {-(-len(x) // b)} micro-batches, vs the full batch"
-            print0(comparison_table(rows, title,
-                                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}; {detail}"))
+            print0(comparison_table(rows, title, caption=f"allclose with rtol {rtol:g}, atol {atol:g}; {detail}"))
     return results
 
 
@@ -169,35 +180,49 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     (x, y), elt = pairs(args, device, n), DTYPES[args.dtype].itemsize
     sizes = sorted({n, max(1, n // 4), b, max(1, b // 4)}, reverse=True)
     plain = peak_mib(model, plain_step, x, y, tau)
-    cached = {s: peak_mib(model, cache_step, x, y, tau, s)
-              for s in progress(sizes, len(sizes), "memory against B")}
-    table = Table("step", "peak MiB", "largest tensor MiB", title_justify="left",
-                  title=f"Peak memory of one step, N = {n} (tensor storage; parameter gradients included)")
+    cached = {s: peak_mib(model, cache_step, x, y, tau, s) for s in progress(sizes, len(sizes), "memory against B")}
+    table = Table(
+        "step",
+        "peak MiB",
+        "largest tensor MiB",
+        title_justify="left",
+        title=f"Peak memory of one step, N = {n} (tensor storage; parameter gradients included)",
+    )
     table.add_row("plain autograd", f"{plain[0]:.1f}", f"{plain[1]:.2f}")
     for s, (peak, largest) in cached.items():
         table.add_row(f"GradCache, B = {s}", f"{peak:.1f}", f"{largest:.2f}")
     print0(right_aligned(table))
 
     by_n = {"N": [max(1, n // 8), max(1, n // 4), max(1, n // 2), n, 2 * n], "plain": [], "grad_cache": []}
-    table = Table("N", "plain", f"GradCache, B = {b}", "N x N logits", title="Peak MiB of one step against N",
-                  title_justify="left")
+    table = Table(
+        "N",
+        "plain",
+        f"GradCache, B = {b}",
+        "N x N logits",
+        title="Peak MiB of one step against N",
+        title_justify="left",
+    )
     for m in progress(by_n["N"], len(by_n["N"]), "memory against N"):
         xm, ym = pairs(args, device, m)
         by_n["plain"].append(peak_mib(model, plain_step, xm, ym, tau)[0])
         by_n["grad_cache"].append(peak_mib(model, cache_step, xm, ym, tau, min(b, m))[0])
-        table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}",
-                      f"{m * m * elt / MIB:.2f}")
+        table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}", f"{m * m * elt / MIB:.2f}")
     print0(right_aligned(table, first=0))
     grads = [p.numel() * elt / MIB for p in model.parameters()]
-    verdict.figure("memory_mib", {"N": n, "plain": plain[0], "by_B": cached, "by_N": by_n, "B": b,
-                                  "parameter_gradients": sum(grads)})
+    verdict.figure(
+        "memory_mib",
+        {"N": n, "plain": plain[0], "by_B": cached, "by_N": by_n, "B": b, "parameter_gradients": sum(grads)},
+    )
 
     # The floor: what no B removes, the loss's N x N logits (and softmax temporaries) or a weight's gradient.
     (peak, largest), logits = cached[min(sizes)], n * n * elt / MIB
-    return {"memory": (peak < plain[0], f"B = {min(sizes)}: {peak:.1f} MiB, plain autograd {plain[0]:.1f} MiB"),
-            "largest": (abs(largest - max(logits, max(grads))) < 1e-9,
-                        f"{largest:.2f} MiB = max(N x N logits {logits:.2f}, "
-                        f"largest gradient {max(grads):.2f})")}
+    return {
+        "memory": (peak < plain[0], f"B = {min(sizes)}: {peak:.1f} MiB, plain autograd {plain[0]:.1f} MiB"),
+        "largest": (
+            abs(largest - max(logits, max(grads))) < 1e-9,
+            f"{largest:.2f} MiB = max(N x N logits {logits:.2f}, largest gradient {max(grads):.2f})",
+        ),
+    }
 
 
 def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bool, str]]:
@@ -206,31 +231,53 @@ def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> 
     x, y = pairs(args, device, n)
     plain_rows = rows_forwarded(model.encoder_x, plain_step, model, x, y, tau)
     cached_rows = rows_forwarded(model.encoder_x, cache_step, model, x, y, tau, n)
-    seconds = interleaved_seconds(model, {"no-grad forward alone": (forward_only, (x, y)),
-                                          "plain autograd": (plain_step, (x, y, tau)),
-                                          f"GradCache, B = N = {n}": (cache_step, (x, y, tau, n)),
-                                          f"GradCache, B = {b}": (cache_step, (x, y, tau, b))}, args.repeats)
+    seconds = interleaved_seconds(
+        model,
+        {
+            "no-grad forward alone": (forward_only, (x, y)),
+            "plain autograd": (plain_step, (x, y, tau)),
+            f"GradCache, B = N = {n}": (cache_step, (x, y, tau, n)),
+            f"GradCache, B = {b}": (cache_step, (x, y, tau, b)),
+        },
+        args.repeats,
+    )
     plain = seconds["plain autograd"]
-    table = Table("step", "seconds", "vs plain", title_justify="left", title=f"Time of one step, N = {n}, "
-                  f"{device.type}: median of {args.repeats}, methods interleaved")
+    table = Table(
+        "step",
+        "seconds",
+        "vs plain",
+        title_justify="left",
+        title=f"Time of one step, N = {n}, {device.type}: median of {args.repeats}, methods interleaved",
+    )
     for name, s in seconds.items():
         table.add_row(name, f"{s:.3f}", f"{s / plain:.2f}x")
     print0(right_aligned(table))
-    print0(f"GradCache at B = N is plain autograd plus one no-grad forward: predicted "
-           f"{(plain + seconds['no-grad forward alone']) / plain:.2f}x. A smaller B costs more again: every "
-           "micro-batch's backward adds into the whole parameter gradient, and small matrix products use "
-           "the hardware worse than large ones.")
+    print0(
+        f"GradCache at B = N is plain autograd plus one no-grad forward: predicted "
+        f"{(plain + seconds['no-grad forward alone']) / plain:.2f}x. A smaller B costs more again: every "
+        "micro-batch's backward adds into the whole parameter gradient, and small matrix products use "
+        "the hardware worse than large ones."
+    )
     verdict.figure("seconds", seconds)
-    return {"twice": (cached_rows == 2 * plain_rows,
-                      f"encoder_x ran {cached_rows} rows for N = {n}; plain autograd {plain_rows}")}
+    return {
+        "twice": (
+            cached_rows == 2 * plain_rows,
+            f"encoder_x ran {cached_rows} rows for N = {n}; plain autograd {plain_rows}",
+        )
+    }
 
 
 def part_one(args, device: torch.device, verdict: Verdict) -> dict[str, tuple[bool, str]]:
     model = tower_model(args, device)
-    print0(f"\n[bold]Part 1, one process[/]: N = {args.global_batch} pairs, B = {args.micro_batch_size}, "
-           f"towers {IN_FEATURES} -> {args.width} -> {args.dim}, dropout {args.dropout}, {args.dtype}")
-    return {**exactness(model, args, device), **memory(model, args, device, verdict),
-            **the_price(model, args, device, verdict)}
+    print0(
+        f"\n[bold]Part 1, one process[/]: N = {args.global_batch} pairs, B = {args.micro_batch_size}, "
+        f"towers {IN_FEATURES} -> {args.width} -> {args.dim}, dropout {args.dropout}, {args.dtype}"
+    )
+    return {
+        **exactness(model, args, device),
+        **memory(model, args, device, verdict),
+        **the_price(model, args, device, verdict),
+    }
 
 
 def ddp_rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float, offset: int) -> torch.Tensor:
@@ -242,8 +289,10 @@ def ddp_rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float, offs
 def part_two(args, rt, verdict: Verdict) -> None:
     p, n, b, tau = rt.world_size, args.global_batch, args.micro_batch_size, args.tau
     c, model, (x, y) = n // p, tower_model(args, rt.device), pairs(args, rt.device, n)
-    print0(f"\n[bold]Part 2, DDP on {p} rank(s)[/]: N = {n}, C = {c} pairs per rank in micro-batches of "
-           f"B = {b}, backend {rt.backend}")
+    print0(
+        f"\n[bold]Part 2, DDP on {p} rank(s)[/]: N = {n}, C = {c} pairs per rank in micro-batches of "
+        f"B = {b}, backend {rt.backend}"
+    )
     ref_loss, ref = reference(model, x, y, args, world_size=p)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     towers = [DDP(copy.deepcopy(model.get_submodule(t)), device_ids=device_ids) for t in TOWERS]
@@ -255,8 +304,9 @@ def part_two(args, rt, verdict: Verdict) -> None:
             tower.zero_grad(set_to_none=True)
             counter[0] = 0
         torch.manual_seed(args.seed + rt.rank)  # rank r's dropout stream, as in the reference
-        loss = GradCache(towers, b, ddp_rep_clip_loss)(x[rt.rank * c:][:c], y[rt.rank * c:][:c], tau=tau,
-                                                       offset=rt.rank * c, no_sync_except_last=sync_last)
+        loss = GradCache(towers, b, ddp_rep_clip_loss)(
+            x[rt.rank * c :][:c], y[rt.rank * c :][:c], tau=tau, offset=rt.rank * c, no_sync_except_last=sync_last
+        )
         dist.all_reduce(loss)  # on rt.device, where the loss lives
         loss = loss.item() / p  # the mean of the P local losses is the global loss
         reducing[sync_last] = [counter[0] for counter in counters]
@@ -264,29 +314,45 @@ def part_two(args, rt, verdict: Verdict) -> None:
         rows = compare(ref, {k: v for prefix, m in mine.items() for k, v in grads_of(m, prefix).items()})
         exact &= all_ok(rows) and abs(loss - ref_loss) <= rtol * abs(ref_loss)
         if sync_last:
-            print0(comparison_table(rows, "GradCache under DDP vs the single-process global batch (rank 0)",
-                                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}; "
-                                            f"loss {loss:.12f} vs {ref_loss:.12f}"))
+            print0(
+                comparison_table(
+                    rows,
+                    "GradCache under DDP vs the single-process global batch (rank 0)",
+                    caption=f"allclose with rtol {rtol:g}, atol {atol:g}; loss {loss:.12f} vs {ref_loss:.12f}",
+                )
+            )
     per_tower = -(-c // b)
-    table = Table("no_sync_except_last", *TOWERS, "expected", title_justify="left",
-                  title="Backwards that all-reduced gradients in one step, per tower (DDP comm hook)")
+    table = Table(
+        "no_sync_except_last",
+        *TOWERS,
+        "expected",
+        title_justify="left",
+        title="Backwards that all-reduced gradients in one step, per tower (DDP comm hook)",
+    )
     table.add_row("True", *map(str, reducing[True]), "1 each")
     table.add_row("False", *map(str, reducing[False]), f"{per_tower} each, one per micro-batch")
     print0(table)
     verdict.figure("reducing_backwards", {"no_sync_except_last": reducing[True], "without": reducing[False]})
-    verdict.check("part 2: GradCache under DDP gives the global batch's gradients and loss", exact,
-                  "with and without no_sync_except_last")
-    verdict.check("part 2: with no_sync_except_last each tower all-reduces in one backward per step",
-                  reducing[True] == [1, 1] and reducing[False] == [per_tower] * 2,
-                  f"{reducing[True]}; without it {reducing[False]}")
+    verdict.check(
+        "part 2: GradCache under DDP gives the global batch's gradients and loss",
+        exact,
+        "with and without no_sync_except_last",
+    )
+    verdict.check(
+        "part 2: with no_sync_except_last each tower all-reduces in one backward per step",
+        reducing[True] == [1, 1] and reducing[False] == [per_tower] * 2,
+        f"{reducing[True]}; without it {reducing[False]}",
+    )
 
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), divides_global_batch)
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
-        print0(f"[bold]Lesson 13: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}, "
-               f"N = {args.global_batch}, B = {args.micro_batch_size}, {args.dtype}")
+        print0(
+            f"[bold]Lesson 13: GradCache[/] - {rt.world_size} rank(s), backend {rt.backend}, "
+            f"N = {args.global_batch}, B = {args.micro_batch_size}, {args.dtype}"
+        )
         # Part 1 runs on rank 0 alone: its timings would fight the other ranks for the cores.
         results = part_one(args, rt.device, verdict) if rt.is_first else dict.fromkeys(PART_ONE, (True, ""))
         for key, claim in PART_ONE.items():

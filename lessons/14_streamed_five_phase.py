@@ -20,7 +20,9 @@ step.py) runs the same phases plus guards that fail alike on every rank, autocas
 a sharded phase 2 and a one-forward regime (B >= C = N / P: each pair runs once, with grad).
 
 Two loops, two functions: the classic one (a DistributedSampler, `distributed_train_step`, fixed TAU) and
-the caller-owned one (a learned scale; `distributed_backward`, then the loop clips, steps, clamps s). The self-check: `streamed_backward` and each loop's step 1 against a deep copy on the whole batch, plain
+the caller-owned one (a learned scale; `distributed_backward`, then the loop clips, steps, clamps s).
+
+The self-check: `streamed_backward` and each loop's step 1 against a deep copy on the whole batch, plain
 autograd, each rank's dropout replayed; `streamed_backward` against `distributed_backward` (float64,
 every parameter and the scale); the largest temporary the step made against N x N, C x N and B x N.
 Pitfalls avoided: streaming one dimension of S only (T x N still grows with N); no no_sync (an all-reduce
@@ -88,33 +90,35 @@ def lse_by_tiles(q: torch.Tensor, k: torch.Tensor, s: float, t: int) -> torch.Te
     """log sum_j exp(s q_i . k_j) for every row i of q, one tile of at most T x T at a time."""
     lse = q.new_empty(len(q))
     for rows in chunks(len(q), t):
-        run_max = q.new_full((rows.stop - rows.start,), -math.inf)          # m_i, the running max
-        run_sum = torch.zeros_like(run_max)                                 # l_i = sum_j exp(S_ij - m_i)
+        run_max = q.new_full((rows.stop - rows.start,), -math.inf)  # m_i, the running max
+        run_sum = torch.zeros_like(run_max)  # l_i = sum_j exp(S_ij - m_i)
         for cols in chunks(len(k), t):
-            tile = s * q[rows] @ k[cols].T                                  # a T x T tile of S
+            tile = s * q[rows] @ k[cols].T  # a T x T tile of S
             run_max, run_sum = online_fold(run_max, run_sum, tile, dim=1)
-        lse[rows] = run_max + run_sum.log()                                 # a_i = m_i + log l_i
+        lse[rows] = run_max + run_sum.log()  # a_i = m_i + log l_i
     return lse
 
 
-def grad_by_tiles(q: torch.Tensor, k: torch.Tensor, lse_q: torch.Tensor, lse_k: torch.Tensor, s: float,
-                  t: int, offset: int) -> torch.Tensor:
+def grad_by_tiles(
+    q: torch.Tensor, k: torch.Tensor, lse_q: torch.Tensor, lse_k: torch.Tensor, s: float, t: int, offset: int
+) -> torch.Tensor:
     """sum_j (R_ij + Q_ij - 2 delta_ij) k_j for the rows i of q (global rows offset, offset + 1, ...),
     with R_ij = exp(S_ij - lse_q_i), Q_ij = exp(S_ij - lse_k_j): tile by tile, never a row of S."""
-    out = torch.zeros_like(q)                                               # |q| x d
+    out = torch.zeros_like(q)  # |q| x d
     for rows in chunks(len(q), t):
         for cols in chunks(len(k), t):
-            tile = s * q[rows] @ k[cols].T                                  # S, at most T x T
-            i = torch.arange(rows.start, rows.stop, device=q.device)[:, None] + offset    # global rows
-            j = torch.arange(cols.start, cols.stop, device=q.device)                       # and columns
+            tile = s * q[rows] @ k[cols].T  # S, at most T x T
+            i = torch.arange(rows.start, rows.stop, device=q.device)[:, None] + offset  # global rows
+            j = torch.arange(cols.start, cols.stop, device=q.device)  # and columns
             # R_ij + Q_ij - 2 delta_ij: delta_ij = 1 where row i meets its positive, column j = i
             coef = (tile - lse_q[rows, None]).exp() + (tile - lse_k[cols]).exp() - 2 * (i == j).to(q.dtype)
-            out[rows] += coef @ k[cols]                                     # T x d
+            out[rows] += coef @ k[cols]  # T x d
     return out
 
 
-def streamed_backward(ddp: DDP, local_x: torch.Tensor, local_y: torch.Tensor, cfg: StreamConfig,
-                      tau: float | None) -> float:
+def streamed_backward(
+    ddp: DDP, local_x: torch.Tensor, local_y: torch.Tensor, cfg: StreamConfig, tau: float | None
+) -> float:
     """The five phases: add the exact gradient of the global loss into .grad (like loss.backward());
     return L. tau None: the model returns its logit scale s third, and s gets its gradient too."""
     n, world, micro = cfg.n, cfg.world, cfg.micro
@@ -124,17 +128,17 @@ def streamed_backward(ddp: DDP, local_x: torch.Tensor, local_y: torch.Tensor, cf
         for rows in micro:
             states.append(RandContext(local_x[rows], local_y[rows]))
             outs.append(ddp.module(local_x[rows], local_y[rows]))
-    mine = torch.cat([torch.cat(out[:2], dim=1) for out in outs])          # C x 2d: z_x | z_y
-    every = mine.new_empty((n, mine.shape[1]))                             # N x 2d
-    dist.all_gather_single(every, mine)                                    # sync 1: every rank's rows
-    z_x, z_y = every.chunk(2, dim=1)                                       # N x d each
+    mine = torch.cat([torch.cat(out[:2], dim=1) for out in outs])  # C x 2d: z_x | z_y
+    every = mine.new_empty((n, mine.shape[1]))  # N x 2d
+    dist.all_gather_single(every, mine)  # sync 1: every rank's rows
+    z_x, z_y = every.chunk(2, dim=1)  # N x d each
     s = 1 / tau if tau is not None else outs[0][2].item()
     # Phase 2: a_i = log sum_j exp S_ij, b_j = log sum_i exp S_ij (the rows of S^T), T x T tiles.
-    a, b = lse_by_tiles(z_x, z_y, s, cfg.t), lse_by_tiles(z_y, z_x, s, cfg.t)      # N, N
+    a, b = lse_by_tiles(z_x, z_y, s, cfg.t), lse_by_tiles(z_y, z_x, s, cfg.t)  # N, N
     # L = 1/(2N) sum_i (a_i + b_i - 2 S_ii),  S_ii = s z_i^x . z_i^y
     loss = (a + b - 2 * s * (z_x * z_y).sum(1)).sum() / (2 * n)
     for k, rows in enumerate(micro):
-        glob = slice(cfg.offset + rows.start, cfg.offset + rows.stop)      # this micro-batch's global rows
+        glob = slice(cfg.offset + rows.start, cfg.offset + rows.stop)  # this micro-batch's global rows
         # Phase 3: G_x,i = s/(2N) sum_j (R_ij + Q_ij - 2 delta_ij) z_j^y; G_y the same with S^T (B x d)
         g_x = s / (2 * n) * grad_by_tiles(z_x[glob], z_y, a[glob], b, s, cfg.t, glob.start)
         g_y = s / (2 * n) * grad_by_tiles(z_y[glob], z_x, b[glob], a, s, cfg.t, glob.start)
@@ -142,10 +146,10 @@ def streamed_backward(ddp: DDP, local_x: torch.Tensor, local_y: torch.Tensor, cf
         g_s = (z_x[glob] * g_x).sum() / s
         # Phase 5: DDP reduces the gradients in the last micro-batch's backward only (sync 2).
         with ddp.no_sync() if k < len(micro) - 1 else nullcontext():
-            with states[k]:                                                # the same dropout masks
-                out = ddp(local_x[rows], local_y[rows])                    # the recompute, with grad
+            with states[k]:  # the same dropout masks
+                out = ddp(local_x[rows], local_y[rows])  # the recompute, with grad
             # Phase 4: the VJP of P <(z_x, z_y, s), (G_x, G_y, dL/ds)>: DDP averages, the gradient sums.
-            torch.autograd.backward(out, [world * g for g in (g_x, g_y, g_s)[:len(out)]])
+            torch.autograd.backward(out, [world * g for g in (g_x, g_y, g_s)[: len(out)]])
     return loss.item()
 
 
@@ -185,26 +189,36 @@ def caller_owned_loop(ddp, optimizer, loader, config, rt, max_norm: float) -> tu
 @dataclass(frozen=True)
 class Run:
     """What the checks and both loops share."""
+
     args: Any
     rt: Any
     cfg: StreamConfig
-    config: dict                       # the library's config, without TAU
+    config: dict  # the library's config, without TAU
     loader: DataLoader
-    first: tuple                       # step 1's global batch (x, y), rank 0's share first
+    first: tuple  # step 1's global batch (x, y), rank 0's share first
 
 
 def prepare(args, rt) -> Run:
     n, world = args.global_batch, rt.world_size
     require(n % world == 0, "--global-batch", f"N={n} must be divisible by the world size P={world}")
     require(args.dataset_size >= n, "--dataset-size", f"must hold at least one global batch (N={n})")
-    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
-              "STREAM_CHUNK_SIZE": args.stream_chunk, "NORMALISERS": args.normalisers}
+    config = {
+        "GLOBAL_BATCH_SIZE": n,
+        "MICRO_BATCH_SIZE": args.micro_batch_size,
+        "STREAM_CHUNK_SIZE": args.stream_chunk,
+        "NORMALISERS": args.normalisers,
+    }
     cfg = parse_config(config, world, rt.rank)
     dataset = TensorDataset(*paired_data(args.dataset_size, seed=args.seed, dtype=DTYPES[args.dtype]))
     sampler = DistributedSampler(dataset, world, rt.rank, shuffle=True, seed=args.seed, drop_last=True)
     # A private generator: the loader must not draw from the global stream dropout uses.
-    loader = DataLoader(dataset, batch_size=cfg.local, sampler=sampler, drop_last=True,
-                        generator=torch.Generator().manual_seed(args.seed))
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.local,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     loader.epochs = args.epochs
     first = tuple(all_gather_blocks(t.to(rt.device)) for t in next(iter(loader)))  # step 1's global batch
     return Run(args, rt, cfg, config, loader, first)
@@ -227,12 +241,18 @@ def check_step_one(verdict, name, got: dict, ref: tuple[float, dict], losses: li
     """Step 1's gradients and loss against the reference; with a loop's losses, that they went down."""
     (ref_loss, ref_grads), (rtol, atol), loss = ref, tolerances(dtype), losses[0]
     rows = compare(ref_grads, got)
-    print0(comparison_table(rows, f"{name}: step 1 vs single-process full batch",
-                            caption=f"rank 0; allclose with rtol {rtol:g}, atol {atol:g}; loss "
-                                    f"{loss:.12f} vs {ref_loss:.12f}"))
+    print0(
+        comparison_table(
+            rows,
+            f"{name}: step 1 vs single-process full batch",
+            caption=f"rank 0; allclose with rtol {rtol:g}, atol {atol:g}; loss {loss:.12f} vs {ref_loss:.12f}",
+        )
+    )
     verdict.figure(f"{name} max relative error", max(r.max_rel for r in rows))
-    verdict.check(f"{name}: step 1's gradients and loss equal the full batch's",
-                  all_ok(rows) and abs(loss - ref_loss) <= atol + rtol * abs(ref_loss))
+    verdict.check(
+        f"{name}: step 1's gradients and loss equal the full batch's",
+        all_ok(rows) and abs(loss - ref_loss) <= atol + rtol * abs(ref_loss),
+    )
     if len(losses) > 1:
         verdict.check(f"{name}: the loss went down ({loss:.3f} -> {losses[-1]:.3f})", losses[-1] < loss)
 
@@ -242,17 +262,22 @@ def check_mechanism(run: Run, verdict: Verdict) -> None:
     dtype, mine = DTYPES[run.args.dtype], slice(run.cfg.offset, run.cfg.offset + run.cfg.local)
     start = ScaledTwoTower(run.args.tau, dropout=run.args.dropout, seed=run.args.seed, dtype=dtype)
     x, y, got = run.first[0][mine], run.first[1][mine], {}
-    for name, step in (("lesson", lambda ddp: streamed_backward(ddp, x, y, run.cfg, None)),
-                       ("library", lambda ddp: distributed_backward(ddp, x, y, run.config))):
+    for name, step in (
+        ("lesson", lambda ddp: streamed_backward(ddp, x, y, run.cfg, None)),
+        ("library", lambda ddp: distributed_backward(ddp, x, y, run.config)),
+    ):
         ddp, _ = start_ddp(run, copy.deepcopy(start))
         got[name] = step(ddp), grads_of(ddp.module)
     rows, rtol = compare(got["library"][1], got["lesson"][1]), tolerances(dtype)[0]
     worst = verdict.figure("lesson vs library max relative error", max(r.max_rel for r in rows))
     print0(f"\nstreamed_backward vs distributed_backward, {len(rows)} tensors: largest relative gap {worst:.1e}")
-    verdict.check("streamed_backward equals distributed_backward (every parameter, the scale, the loss)",
-                  all_ok(rows) and math.isclose(got["lesson"][0], got["library"][0], rel_tol=rtol))
-    check_step_one(verdict, "streamed_backward", got["lesson"][1], reference(run, start, None),
-                   [got["lesson"][0]], dtype)
+    verdict.check(
+        "streamed_backward equals distributed_backward (every parameter, the scale, the loss)",
+        all_ok(rows) and math.isclose(got["lesson"][0], got["library"][0], rel_tol=rtol),
+    )
+    check_step_one(
+        verdict, "streamed_backward", got["lesson"][1], reference(run, start, None), [got["lesson"][0]], dtype
+    )
 
 
 def run_classic(run: Run, verdict: Verdict) -> None:
@@ -266,8 +291,10 @@ def run_classic(run: Run, verdict: Verdict) -> None:
     n, d, itemsize = run.cfg.n, model.encoder_x[-1].out_features, torch.empty((), dtype=dtype).element_size()
     print0(memory_account_table(mem.largest_bytes, mem.peak_bytes, n, d, run.cfg, itemsize))
     tile = min(run.cfg.t, n) ** 2  # phase 2's tiles and phase 3's are at most T x T
-    verdict.check("the largest temporary is no bigger than the gathered embeddings or one tile",
-                  mem.largest_bytes <= max(n * 2 * d, tile) * itemsize)
+    verdict.check(
+        "the largest temporary is no bigger than the gathered embeddings or one tile",
+        mem.largest_bytes <= max(n * 2 * d, tile) * itemsize,
+    )
 
 
 def run_caller_owned(run: Run, verdict: Verdict) -> None:
@@ -287,9 +314,11 @@ def main() -> int:
     with distributed(args.device) as rt:
         verdict, run = Verdict(rt), prepare(args, rt)
         cfg = run.cfg
-        print0(f"[bold]Lesson 14: the streamed five-phase step[/]\nN={cfg.n} over P={cfg.world}, B={cfg.b}, "
-               f"T={cfg.t}, tau={args.tau}, normalisers {cfg.normalisers}, dropout {args.dropout}, "
-               f"{args.dtype}, {rt.backend}\nregime: {regime(cfg)}")
+        print0(
+            f"[bold]Lesson 14: the streamed five-phase step[/]\nN={cfg.n} over P={cfg.world}, B={cfg.b}, "
+            f"T={cfg.t}, tau={args.tau}, normalisers {cfg.normalisers}, dropout {args.dropout}, "
+            f"{args.dtype}, {rt.backend}\nregime: {regime(cfg)}"
+        )
         check_mechanism(run, verdict)
         run_classic(run, verdict)
         run_caller_owned(run, verdict)

@@ -4,8 +4,9 @@ an exchange in which no rank ever holds N x d: C x d blocks pass from rank to ra
     torchrun --nproc-per-node 2 lessons/15_sigmoid_and_ring.py    # any P; N = C P with C fixed
 
 The sigmoid loss. S = s Z_x Z_y^T + beta with a learned scale s and bias beta (not b: b_j is a column
-LSE), labels eps_ij = +1 on the diagonal and -1 elsewhere, L = -(1/N) sum_ij log sigma(eps_ij S_ij). No normaliser couples a row, so
-the gradient is closed-form tile by tile (log sigma via softplus: stable for |S| in the hundreds):
+LSE), labels eps_ij = +1 on the diagonal and -1 elsewhere, L = -(1/N) sum_ij log sigma(eps_ij S_ij). No
+normaliser couples a row, so the gradient is closed-form tile by tile (log sigma via softplus: stable for
+|S| in the hundreds):
 
     D_ij = dL/dS_ij = -(1/N) eps_ij sigma(-eps_ij S_ij)     G_x = s D Z_y     G_y = s D^T Z_x
     dL/ds = sum_i z_i^x . (D Z_y)_i                      dL/dbeta = sum_ij D_ij
@@ -100,7 +101,7 @@ def closed_form_grads(z_x, z_y, s: float, beta: float):
     the library does the same in T x T tiles and never makes N x N)."""
     n, labels = len(z_x), 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
     logits = s * z_x @ z_y.T + beta
-    d = -labels * torch.sigmoid(-labels * logits) / n                    # D = dL/dS
+    d = -labels * torch.sigmoid(-labels * logits) / n  # D = dL/dS
     g_x, g_y = s * d @ z_y, s * d.T @ z_x
     return F.softplus(-labels * logits).sum() / n, g_x, g_y, (z_x * (d @ z_y)).sum(), d.sum()
 
@@ -110,19 +111,19 @@ def ring_by_hand(rt, x, y, s: float, beta: float):
     The block goes on before the math that reads it; the accumulator after the math that fills it."""
     world, r, c = rt.world_size, rt.rank, len(x)
     nxt, prv = (r + 1) % world, (r - 1) % world
-    g_x, block, acc, sent = torch.zeros_like(x), y, None, 0
+    g_x, block, acc, acc_req, sent = torch.zeros_like(x), y, None, None, 0
     for k in range(world):
-        j = (r - k) % world                                             # whose text block I hold
+        j = (r - k) % world  # whose text block I hold
         if k < world - 1:
             incoming = torch.empty_like(block)
             reqs, sent = [dist.isend(block, nxt), dist.irecv(incoming, prv)], sent + block.nbytes
         labels = -torch.ones(c, c, dtype=x.dtype) + (2 * torch.eye(c, dtype=x.dtype) if j == r else 0)
         d = -labels * torch.sigmoid(-labels * (s * x @ block.T + beta)) / (c * world)
         g_x += s * d @ block
-        mine = s * d.T @ x                                              # my rows' part of G_y of block j
+        mine = s * d.T @ x  # my rows' part of G_y of block j
         if acc is not None:
             acc_req.wait()
-            mine += acc                                                 # what ranks j .. r - 1 added
+            mine += acc  # what ranks j .. r - 1 added
         acc = torch.empty_like(mine)
         acc_reqs = [dist.isend(mine, nxt), dist.irecv(acc, prv)] if world > 1 else []
         sent, acc_req = sent + (mine.nbytes if world > 1 else 0), _Both(acc_reqs)
@@ -161,8 +162,10 @@ def whole_batch(model, x, y, world: int, micro: int, dropout_seed: int):
 def check_closed_form(verdict, n: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     z_x, z_y = (F.normalize(torch.randn(n, 8, generator=gen, dtype=torch.float64), dim=1) for _ in range(2))
-    leaves = [t.clone().requires_grad_() for t in (z_x, z_y, torch.tensor(10.0, dtype=torch.float64),
-                                                    torch.tensor(-10.0, dtype=torch.float64))]
+    leaves = [
+        t.clone().requires_grad_()
+        for t in (z_x, z_y, torch.tensor(10.0, dtype=torch.float64), torch.tensor(-10.0, dtype=torch.float64))
+    ]
     auto_loss = sigmoid_loss(*leaves)
     auto_loss.backward()
     mine = closed_form_grads(z_x, z_y, 10.0, -10.0)
@@ -179,11 +182,15 @@ def check_ring_by_hand(verdict, rt, c: int, t: int) -> None:
     g_x, g_y, sent = ring_by_hand(rt, z_x[mine].contiguous(), z_y[mine].contiguous(), 10.0, -10.0)
     lib = sigmoid_ring(P2PRing(rt.world_size, r), z_x[mine], z_y[mine], Logits(10.0, -10.0), t)
     _, whole_x, whole_y, _, _ = closed_form_grads(z_x, z_y, 10.0, -10.0)
-    ok = all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in
-             ((g_x, lib.g_x), (g_y, lib.g_y), (g_x, whole_x[mine]), (g_y, whole_y[mine])))
+    ok = all(
+        torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+        for a, b in ((g_x, lib.g_x), (g_y, lib.g_y), (g_x, whole_x[mine]), (g_y, whole_y[mine]))
+    )
     verdict.check("the ring by hand = the library's ring = the whole batch's G_x, G_y (my pairs)", ok)
-    verdict.check(f"the hand ring sent (P-1) C d + P C d elements ({sent:,} bytes)",
-                  sent == 8 * ((rt.world_size - 1) * c * 8 + (rt.world_size > 1) * rt.world_size * c * 8))
+    verdict.check(
+        f"the hand ring sent (P-1) C d + P C d elements ({sent:,} bytes)",
+        sent == 8 * ((rt.world_size - 1) * c * 8 + (rt.world_size > 1) * rt.world_size * c * 8),
+    )
 
 
 def check_steps(verdict, rt, args) -> None:
@@ -191,24 +198,32 @@ def check_steps(verdict, rt, args) -> None:
     c, world = args.pairs_per_rank, rt.world_size
     x, y = paired_data(c * world, seed=args.seed)
     mine = slice(rt.rank * c, (rt.rank + 1) * c)
-    table = Table(title=f"distributed_backward vs the whole batch (N = {c * world}, B = {args.micro_batch_size})",
-                  title_justify="left")
+    table = Table(
+        title=f"distributed_backward vs the whole batch (N = {c * world}, B = {args.micro_batch_size})",
+        title_justify="left",
+    )
     for column in ("loss", "exchange", "max rel err", "bytes sent", "formula"):
         table.add_column(column, justify="left" if column in ("loss", "exchange") else "right")
     for loss_name in LOSSES:
         for exchange in EXCHANGES:
             model = SigLipTwoTower(loss_name == "sigmoid", dropout=args.dropout, seed=args.seed)
             start = copy.deepcopy(model)
-            torch.manual_seed(args.seed + 1000 + rt.rank)          # each rank its own dropout stream
-            config = {"GLOBAL_BATCH_SIZE": c * world, "MICRO_BATCH_SIZE": args.micro_batch_size,
-                      "STREAM_CHUNK_SIZE": args.stream_chunk, "EXCHANGE": exchange}
+            torch.manual_seed(args.seed + 1000 + rt.rank)  # each rank its own dropout stream
+            config = {
+                "GLOBAL_BATCH_SIZE": c * world,
+                "MICRO_BATCH_SIZE": args.micro_batch_size,
+                "STREAM_CHUNK_SIZE": args.stream_chunk,
+                "EXCHANGE": exchange,
+            }
             loss = distributed_backward(DDP(model), x[mine], y[mine], config)
             sent, formula = traffic.sent_bytes, expected_bytes(loss_name, exchange, (world, c, 8), (8, 8))
             ref, ref_loss = whole_batch(start, x, y, world, args.micro_batch_size, args.seed + 1000)
             rows = compare(ref, grads_of(model))
             table.add_row(loss_name, exchange, f"{max(r.max_rel for r in rows):.1e}", f"{sent:,}", f"{formula:,}")
-            verdict.check(f"{loss_name}, {exchange}: every gradient (s, beta too) and L equal the whole batch's",
-                          all_ok(rows) and abs(loss - ref_loss) <= 1e-10 * abs(ref_loss))
+            verdict.check(
+                f"{loss_name}, {exchange}: every gradient (s, beta too) and L equal the whole batch's",
+                all_ok(rows) and abs(loss - ref_loss) <= 1e-10 * abs(ref_loss),
+            )
             verdict.check(f"{loss_name}, {exchange}: the bytes sent equal the formula", sent == formula)
     print0(table)
 
@@ -221,24 +236,34 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
     peaks = {}
     for loss_name in LOSSES:
         for exchange in EXCHANGES:
-            config = {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c, "STREAM_CHUNK_SIZE": t,
-                      "TAU": 0.1, "EXCHANGE": exchange}
-            with PeakMemory() as mem:   # the step's loss machinery, as it runs in the step
+            config = {
+                "GLOBAL_BATCH_SIZE": c * rt.world_size,
+                "MICRO_BATCH_SIZE": c,
+                "STREAM_CHUNK_SIZE": t,
+                "TAU": 0.1,
+                "EXCHANGE": exchange,
+            }
+            with PeakMemory() as mem:  # the step's loss machinery, as it runs in the step
                 loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss_name == "sigmoid" else None)
             peaks[loss_name, exchange] = mem.peak_bytes
-            verdict.figure(f"peak MiB {loss_name} {exchange}", mem.peak_bytes / 2 ** 20)
+            verdict.figure(f"peak MiB {loss_name} {exchange}", mem.peak_bytes / 2**20)
     block, n = c * 64 * 4, c * rt.world_size
     table = Table(title=f"Peak MiB per rank, C = {c}, d = 64", title_justify="left")
     for column in ("loss", "gather", "ring", "N x 2d"):
         table.add_column(column, justify="right")
     for loss_name in LOSSES:
-        table.add_row(loss_name, *(f"{peaks[loss_name, ex] / 2 ** 20:.2f}" for ex in EXCHANGES),
-                      f"{2 * n * 64 * 4 / 2 ** 20:.2f}")
+        table.add_row(
+            loss_name, *(f"{peaks[loss_name, ex] / 2**20:.2f}" for ex in EXCHANGES), f"{2 * n * 64 * 4 / 2**20:.2f}"
+        )
     print0(table)
-    verdict.check("the ring holds at most 10 C x d blocks and 4 tiles, whatever P",
-                  all(peaks[loss, "ring"] <= 10 * block + 4 * t * t * 4 for loss in LOSSES))
-    verdict.check("the gather holds the N x 2d gathered embeddings, growing with P",
-                  all(peaks[loss, "gather"] >= 2 * n * 64 * 4 for loss in LOSSES))
+    verdict.check(
+        "the ring holds at most 10 C x d blocks and 4 tiles, whatever P",
+        all(peaks[loss, "ring"] <= 10 * block + 4 * t * t * 4 for loss in LOSSES),
+    )
+    verdict.check(
+        "the gather holds the N x 2d gathered embeddings, growing with P",
+        all(peaks[loss, "gather"] >= 2 * n * 64 * 4 for loss in LOSSES),
+    )
     ring = P2PRing(rt.world_size, rt.rank)
     sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
     every = [None] * rt.world_size
@@ -265,8 +290,10 @@ def timeline_table(events: list, world: int) -> Table:
 
 def posted_ahead(events: list, world: int) -> bool:
     """Every rank posted step k's block (k < P - 1) before it began the tiles that read it."""
+
     def when(r, k, prefix):
         return next(e[3] for e in events if e[:2] == (r, k) and e[2].startswith(prefix))
+
     return all(when(r, k, "post block") <= when(r, k, "begin") for r in range(world) for k in range(world - 1))
 
 
@@ -274,9 +301,11 @@ def main() -> int:
     args = parse_args()
     with distributed(args.device) as rt:
         verdict, c = Verdict(rt), args.pairs_per_rank
-        print0(f"[bold]Lesson 15: the sigmoid loss and the ring[/]\nC = {c} pairs per rank, P = {rt.world_size}, "
-               f"N = {c * rt.world_size}, B = {args.micro_batch_size}, T = {args.stream_chunk}, "
-               f"dropout {args.dropout}, float64, {rt.backend}")
+        print0(
+            f"[bold]Lesson 15: the sigmoid loss and the ring[/]\nC = {c} pairs per rank, P = {rt.world_size}, "
+            f"N = {c * rt.world_size}, B = {args.micro_batch_size}, T = {args.stream_chunk}, "
+            f"dropout {args.dropout}, float64, {rt.backend}"
+        )
         check_closed_form(verdict, c * rt.world_size, args.seed)
         check_ring_by_hand(verdict, rt, c, args.stream_chunk)
         check_steps(verdict, rt, args)

@@ -89,12 +89,23 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.checkpointing import Checkpoints, add_resume_args, check_resume_args, parameters_sha256
-from distlab.cli import (check_flags_against_world, divides_global_batch, fraction, lesson_parser, positive_float,
-                         positive_int)
+from distlab.cli import (
+    check_flags_against_world,
+    divides_global_batch,
+    fraction,
+    lesson_parser,
+    positive_float,
+    positive_int,
+)
 from distlab.compare import all_ok, compare, grads_of, tolerances
 from distlab.console import print0, progress
-from distlab.contrastive.digits import (SIGLIP_INIT_LOGIT_BIAS, ZERO_SHOT_TEMPLATE, DigitsCLIP, confusion_matrix,
-                                        load_split)
+from distlab.contrastive.digits import (
+    SIGLIP_INIT_LOGIT_BIAS,
+    ZERO_SHOT_TEMPLATE,
+    DigitsCLIP,
+    confusion_matrix,
+    load_split,
+)
 from distlab.contrastive.digits_data import Digits
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.contrastive.reference import full_batch_gradients
@@ -104,7 +115,7 @@ from distlab.streamed.config import EXCHANGES
 from distlab.verdict import Verdict
 from distributed_clip import distributed_backward
 
-MIN_ACCURACY = 0.80   # chance is 1 in 10 digits; 8x chance is not luck
+MIN_ACCURACY = 0.80  # chance is 1 in 10 digits; 8x chance is not luck
 AUTOCAST = ("auto", "bf16", "off")
 LOSSES = ("infonce", "sigmoid")
 
@@ -112,8 +123,9 @@ LOSSES = ("infonce", "sigmoid")
 def parse_args():
     parser = lesson_parser(__doc__)
     parser.add_argument("--global-batch", type=positive_int, default=256, help="N pairs per step, over P ranks")
-    parser.add_argument("--micro-batch-size", type=positive_int, default=64,
-                        help="B; B >= C = N / P runs the towers once per step")
+    parser.add_argument(
+        "--micro-batch-size", type=positive_int, default=64, help="B; B >= C = N / P runs the towers once per step"
+    )
     parser.add_argument("--stream-chunk", type=positive_int, default=128, help="T: tiles are at most T x T")
     parser.add_argument("--steps", type=positive_int, default=150, help="optimiser steps")
     parser.add_argument("--warmup", type=positive_int, default=15, help="warm-up steps of the schedule")
@@ -127,7 +139,7 @@ def parse_args():
     parser.add_argument("--autocast", choices=AUTOCAST, default="auto", help="bf16 autocast; auto: on CUDA only")
     parser.add_argument("--loss", choices=LOSSES, default="infonce", help="sigmoid: SigLIP's, with a learned bias")
     parser.add_argument("--exchange", choices=EXCHANGES, default="gather", help="ring: C x d blocks rank to rank")
-    args = add_resume_args(parser).parse_args()   # --checkpoint-dir, --checkpoint-every, --crash-at-step, --crash-rank
+    args = add_resume_args(parser).parse_args()  # --checkpoint-dir, --checkpoint-every, --crash-at-step, --crash-rank
     check_resume_args(parser, args)
     if args.warmup >= args.steps:  # needs no P: refused before any process group exists
         parser.error(f"argument --warmup: must be below --steps ({args.steps}), got {args.warmup}")
@@ -150,20 +162,29 @@ def reference_gradients(model: DigitsCLIP, images: torch.Tensor, ids: torch.Tens
 
 def part_table(rows: list, caption: str) -> Table:
     """The per-tensor comparison, one line per part of the model (its worst tensor shown)."""
-    table = Table(title="Step 1 gradients: distributed_backward vs one process, whole batch",
-                  caption=caption, title_justify="left", caption_justify="left")
+    table = Table(
+        title="Step 1 gradients: distributed_backward vs one process, whole batch",
+        caption=caption,
+        title_justify="left",
+        caption_justify="left",
+    )
     for column in ("part", "tensors", "max |a-r|", "max |a-r| / max |r|", "allclose"):
         table.add_column(column, justify="left" if column == "part" else "right")
     for part in dict.fromkeys(row.name.split(".")[0] for row in rows):
         mine = [row for row in rows if row.name.split(".")[0] == part]
-        table.add_row(part, str(len(mine)), f"{max(r.max_abs for r in mine):.2e}",
-                      f"{max(r.max_rel for r in mine):.2e}", "yes" if all_ok(mine) else "[red]no[/]")
+        table.add_row(
+            part,
+            str(len(mine)),
+            f"{max(r.max_abs for r in mine):.2e}",
+            f"{max(r.max_rel for r in mine):.2e}",
+            "yes" if all_ok(mine) else "[red]no[/]",
+        )
     return table
 
 
 def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -> None:
     """Step 1's gradient, in float32 without autocast, against the single-process full batch."""
-    shards = [data.rows(0, r)[0] for r in range(data.rt.world_size)]         # step 1's rows of every rank
+    shards = [data.rows(0, r)[0] for r in range(data.rt.world_size)]  # step 1's rows of every rank
     loss = distributed_backward(ddp, *data.batch(0, shards[data.rt.rank]), config)
     ref_grads, ref_loss = reference_gradients(model, *data.batch(0, torch.cat(shards)))
     rows = compare(ref_grads, grads_of(model))
@@ -171,8 +192,10 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
     print0(part_table(rows, f"allclose with rtol {rtol:g}, atol {atol:g}; rank 0"))
     print0(f"step 1 loss: distributed {loss:.7f}, one process {ref_loss:.7f}")
     learned = "logit scale" if model.logit_bias is None else "logit scale and bias"
-    verdict.check(f"step 1's gradients ({learned} included) equal the full batch's",
-                  all_ok(rows) and abs(loss - ref_loss) <= atol + rtol * abs(ref_loss))
+    verdict.check(
+        f"step 1's gradients ({learned} included) equal the full batch's",
+        all_ok(rows) and abs(loss - ref_loss) <= atol + rtol * abs(ref_loss),
+    )
     ddp.zero_grad(set_to_none=True)
 
 
@@ -180,10 +203,10 @@ def clip_step(ddp, optimizer, images, captions, config: dict, clip_norm: float, 
     """One step of the caller-owned loop: the exact global gradient into .grad, clipped, applied."""
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(images.device.type, torch.bfloat16, enabled=bf16):
-        loss = distributed_backward(ddp, images, captions, config)    # the exact global gradient, added
+        loss = distributed_backward(ddp, images, captions, config)  # the exact global gradient, added
     torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)
     optimizer.step()
-    ddp.module.clamp_logit_scale_()                                    # s in [1, 100], as open_clip does
+    ddp.module.clamp_logit_scale_()  # s in [1, 100], as open_clip does
     return loss
 
 
@@ -193,13 +216,14 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
     model = ddp.module
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
     if model.logit_bias is not None:
-        curves["logit_bias"] = []                                     # the sigmoid loss's beta
+        curves["logit_bias"] = []  # the sigmoid loss's beta
     checkpoints = Checkpoints.from_args(args, data.rt)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "curves": curves}
-    first = checkpoints.restore(state)                               # and every rank's generators
-    for step, (images, ids) in progress(zip(range(first, args.steps), data.batches(first)), args.steps - first,
-                                        "training"):
-        checkpoints.crash_if_asked(step + 1)                         # --crash-at-step: os._exit here
+    first = checkpoints.restore(state)  # and every rank's generators
+    for step, (images, ids) in progress(
+        zip(range(first, args.steps), data.batches(first)), args.steps - first, "training"
+    ):
+        checkpoints.crash_if_asked(step + 1)  # --crash-at-step: os._exit here
         curves["lr"].append(scheduler.get_last_lr()[0])
         loss = clip_step(ddp, optimizer, images, ids, config, args.clip_norm, bf16)
         scheduler.step()
@@ -210,7 +234,7 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curves["eval_step"].append(step + 1)
             curves["accuracy"].append(data.zero_shot(model)[0])
-        checkpoints.after_step(step + 1, state)                      # every --checkpoint-every steps: write, rename
+        checkpoints.after_step(step + 1, state)  # every --checkpoint-every steps: write, rename
     return curves
 
 
@@ -223,36 +247,58 @@ def curve_table(curves: dict) -> Table:
     for step in dict.fromkeys(shown + curves["eval_step"][-1:]):
         k, s = step - 1, curves["logit_scale"][step - 1]
         accuracy = curves["accuracy"][curves["eval_step"].index(step)]
-        table.add_row(str(step), f"{curves['lr'][k]:.2e}", f"{curves['loss'][k]:.4f}", f"{s:.2f}",
-                      f"{1 / s:.4f}", *([f"{bias[k]:.3f}"] if bias else []), f"{accuracy:.1%}")
+        table.add_row(
+            str(step),
+            f"{curves['lr'][k]:.2e}",
+            f"{curves['loss'][k]:.4f}",
+            f"{s:.2f}",
+            f"{1 / s:.4f}",
+            *([f"{bias[k]:.3f}"] if bias else []),
+            f"{accuracy:.1%}",
+        )
     return table
 
 
 def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
     """Model, DDP, optimiser; step 1 checked, then trained. Returns what the report needs."""
     n, bf16 = args.global_batch, args.autocast == "bf16" or (args.autocast == "auto" and rt.device.type == "cuda")
-    bias = SIGLIP_INIT_LOGIT_BIAS if args.loss == "sigmoid" else None               # beta, and s = 10 at the start
+    bias = SIGLIP_INIT_LOGIT_BIAS if args.loss == "sigmoid" else None  # beta, and s = 10 at the start
     model = DigitsCLIP(len(data.tokenizer), data.tokenizer.length, args.dim, args.width, args.seed, bias).to(rt.device)
     ddp = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(decay_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.98), eps=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
-    config = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": args.micro_batch_size,
-              "STREAM_CHUNK_SIZE": args.stream_chunk, "EXCHANGE": args.exchange}   # the loss: what the model returns
+    config = {
+        "GLOBAL_BATCH_SIZE": n,
+        "MICRO_BATCH_SIZE": args.micro_batch_size,
+        "STREAM_CHUNK_SIZE": args.stream_chunk,
+        "EXCHANGE": args.exchange,
+    }  # the loss: what the model returns
     forwards = "once a step" if args.micro_batch_size >= n // rt.world_size else "twice a step: embed, recompute"
-    print0(f"[bold]Lesson 16: train a CLIP on digits[/] with distributed_backward\n"
-           f"{args.loss} loss, {args.exchange} exchange; N={n} over P={rt.world_size}: C={n // rt.world_size}, "
-           f"B={args.micro_batch_size} (the towers run {forwards}), T={args.stream_chunk}, d={args.dim}; "
-           f"{len(data.labels)} training, {len(data.split.test_labels)} held-out images; "
-           f"bf16 autocast {'on' if bf16 else 'off'}; {rt.backend}")
+    print0(
+        f"[bold]Lesson 16: train a CLIP on digits[/] with distributed_backward\n"
+        f"{args.loss} loss, {args.exchange} exchange; N={n} over P={rt.world_size}: C={n // rt.world_size}, "
+        f"B={args.micro_batch_size} (the towers run {forwards}), T={args.stream_chunk}, d={args.dim}; "
+        f"{len(data.labels)} training, {len(data.split.test_labels)} held-out images; "
+        f"bf16 autocast {'on' if bf16 else 'off'}; {rt.backend}"
+    )
     (before, guesses), s_before = data.zero_shot(model), model.logit_scale.exp().item()
     beta_before = None if model.logit_bias is None else model.logit_bias.item()
     check_first_step(ddp, model, data, config, verdict)
     start = time.perf_counter()
     curves = train(ddp, optimizer, scheduler, data, config, args, bf16)
     after, predictions = data.zero_shot(model)
-    return dict(curves=curves, seconds=time.perf_counter() - start, before=before, after=after, s_before=s_before,
-                beta_before=beta_before, guesses=guesses, predictions=predictions, bf16=bf16,
-                digest=parameters_sha256(model))
+    return dict(
+        curves=curves,
+        seconds=time.perf_counter() - start,
+        before=before,
+        after=after,
+        s_before=s_before,
+        beta_before=beta_before,
+        guesses=guesses,
+        predictions=predictions,
+        bf16=bf16,
+        digest=parameters_sha256(model),
+    )
 
 
 def main() -> int:
@@ -263,20 +309,34 @@ def main() -> int:
         curves, before, after, predictions = run["curves"], run["before"], run["after"], run["predictions"]
         print0(curve_table(curves))
         s_before, s_after = run["s_before"], curves["logit_scale"][-1]
-        print0(f"learned temperature: tau = {1 / s_before:.4f} (s = {s_before:.2f}) at the start, "
-               f"tau = {1 / s_after:.4f} (s = {s_after:.2f}) after {args.steps} steps in {run['seconds']:.1f} s")
+        print0(
+            f"learned temperature: tau = {1 / s_before:.4f} (s = {s_before:.2f}) at the start, "
+            f"tau = {1 / s_after:.4f} (s = {s_after:.2f}) after {args.steps} steps in {run['seconds']:.1f} s"
+        )
         if "logit_bias" in curves:
             print0(f"learned bias: beta = {run['beta_before']:.2f} at the start, {curves['logit_bias'][-1]:.3f} after")
-        print0(f"zero-shot top-1 on {len(predictions)} held-out digits, "
-               f"prompt \"{ZERO_SHOT_TEMPLATE.format('<digit>')}\" (no training caption's template): "
-               f"{before:.1%} before training, {after:.1%} after (chance 10%)")
-        verdict.check(f"held-out zero-shot accuracy >= {MIN_ACCURACY:.0%} (chance 10%)", after >= MIN_ACCURACY,
-                      f"{after:.1%}")
-        confusions = {when: confusion_matrix(data.split.test_labels, p)
-                      for when, p in (("before", run["guesses"]), ("after", predictions))}
-        for key, value in dict(accuracy_before=before, accuracy_after=after, seconds=run["seconds"],
-                               world_size=rt.world_size, global_batch=args.global_batch, confusion=confusions,
-                               bf16=run["bf16"], **curves).items():
+        print0(
+            f"zero-shot top-1 on {len(predictions)} held-out digits, "
+            f'prompt "{ZERO_SHOT_TEMPLATE.format("<digit>")}" (no training caption\'s template): '
+            f"{before:.1%} before training, {after:.1%} after (chance 10%)"
+        )
+        verdict.check(
+            f"held-out zero-shot accuracy >= {MIN_ACCURACY:.0%} (chance 10%)", after >= MIN_ACCURACY, f"{after:.1%}"
+        )
+        confusions = {
+            when: confusion_matrix(data.split.test_labels, p)
+            for when, p in (("before", run["guesses"]), ("after", predictions))
+        }
+        for key, value in dict(
+            accuracy_before=before,
+            accuracy_after=after,
+            seconds=run["seconds"],
+            world_size=rt.world_size,
+            global_batch=args.global_batch,
+            confusion=confusions,
+            bf16=run["bf16"],
+            **curves,
+        ).items():
             verdict.figure(key, value)
         print0(f"parameters sha256: {run['digest']}", highlight=False)  # equal digests: bit-identical models
         code = verdict.finish(args.json)

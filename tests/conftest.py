@@ -5,8 +5,11 @@ import torch
 
 
 def pytest_addoption(parser):
-    parser.addoption("--exercises", action="store_true",
-                     help="run only the exercise tests, on your answers in lessons/exercises/ (add -k NN for one)")
+    parser.addoption(
+        "--exercises",
+        action="store_true",
+        help="run only the exercise tests, on your answers in lessons/exercises/ (add -k NN for one)",
+    )
 
 
 def pytest_configure(config):

@@ -20,9 +20,10 @@ from __future__ import annotations
 import ast
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ LESSONS, EXERCISES = ROOT / "lessons", ROOT / "lessons" / "exercises"
 class Answer:
     """A function to judge, named by its file and name (a lesson's file name starts with a digit, so
     `import` cannot reach it; the ranks load it from its path)."""
+
     path: Path
     name: str
 
@@ -53,8 +55,7 @@ class Answer:
         """True while the function's body still raises NotImplementedError (the exercise untouched)."""
         for node in ast.walk(ast.parse(self.path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == self.name:
-                return any(isinstance(n, ast.Raise) and "NotImplementedError" in ast.unparse(n)
-                           for n in ast.walk(node))
+                return any(isinstance(n, ast.Raise) and "NotImplementedError" in ast.unparse(n) for n in ast.walk(node))
         return False
 
 
@@ -69,6 +70,7 @@ def exercise(lesson: str, name: str) -> Answer:
 @dataclass
 class Claims:
     """The claims one rank checks, in order; the failed ones carry their place, by how much and a hint."""
+
     failed: list[tuple[int, str, str, str]] = field(default_factory=list)
     made: int = 0
 
@@ -107,12 +109,21 @@ def judge(body: Callable[..., None], world_size: int, answer: Answer, *args: Any
     # the earliest claim that failed anywhere (the ranks make the same claims in the same order)
     for _, claim, amount, hint in sorted(f for r in reports for f in r["failed"]):
         ranks = [r for r, rep in enumerate(reports) if any(f[1] == claim for f in rep["failed"])]
-        pytest.fail(f"{answer.path.name}: claim '{claim}' failed on rank(s) {', '.join(map(str, ranks))}"
-                    f"{': ' + amount if amount else ''}. Hint: {hint}", pytrace=False)
+        pytest.fail(
+            f"{answer.path.name}: claim '{claim}' failed on rank(s) {', '.join(map(str, ranks))}"
+            f"{': ' + amount if amount else ''}. Hint: {hint}",
+            pytrace=False,
+        )
 
 
-def exercise_tests(lesson: str, name: str, check: Callable[[Answer], None], wrong: Answer,
-                   wrong_claim: str, solution_at: Answer | None = None) -> tuple[Callable, Callable]:
+def exercise_tests(
+    lesson: str,
+    name: str,
+    check: Callable[[Answer], None],
+    wrong: Answer,
+    wrong_claim: str,
+    solution_at: Answer | None = None,
+) -> tuple[Callable, Callable]:
     """The two tests of an exercise (see the module docstring). `wrong` is a deliberately wrong answer;
     `wrong_claim` the claim it must fail; `solution_at` where the solution is when the lesson calls it
     from the library rather than defining it (default: the lesson's own function of that name)."""
@@ -140,6 +151,7 @@ def exercise_tests(lesson: str, name: str, check: Callable[[Answer], None], wron
 class Embeddings:
     """A contrastive batch for the exercises: unit-norm N x d Z_x, Z_y (float64, N = P C, the same on
     every rank), this rank's rows, leaf copies of its blocks (z_x, z_y) and of the whole (for the reference)."""
+
     full_x: torch.Tensor
     full_y: torch.Tensor
     rows: slice
@@ -147,10 +159,12 @@ class Embeddings:
     z_y: torch.Tensor
 
     @classmethod
-    def of(cls, rank: int, world_size: int, c: int, d: int, seed: int) -> "Embeddings":
+    def of(cls, rank: int, world_size: int, c: int, d: int, seed: int) -> Embeddings:
         gen = torch.Generator().manual_seed(seed)
-        full = [torch.nn.functional.normalize(torch.randn(world_size * c, d, generator=gen, dtype=torch.float64), dim=1)
-                for _ in range(2)]
+        full = [
+            torch.nn.functional.normalize(torch.randn(world_size * c, d, generator=gen, dtype=torch.float64), dim=1)
+            for _ in range(2)
+        ]
         rows = slice(rank * c, (rank + 1) * c)
         return cls(*full, rows, *(z[rows].clone().requires_grad_() for z in full))
 

@@ -32,8 +32,10 @@ def reference(models, batches, loss_fn, chunked_batches=None, seed=SEED):
     if chunked_batches is None:
         reps = [default_rep(call(copies[id(m)], b)) for m, b in zip(models, batches)]
     else:
-        reps = [torch.cat([default_rep(call(copies[id(m)], c)) for c in chunks])
-                for m, chunks in zip(models, chunked_batches)]
+        reps = [
+            torch.cat([default_rep(call(copies[id(m)], c)) for c in chunks])
+            for m, chunks in zip(models, chunked_batches)
+        ]
     loss = loss_fn(*reps)
     loss.backward()
     grads = {}
@@ -50,12 +52,13 @@ def grads_of_models(models):
 
 
 def rows(batch, chunk):
-    return [batch[a:a + chunk] for a in range(0, len(batch), chunk)]
+    return [batch[a : a + chunk] for a in range(0, len(batch), chunk)]
 
 
 @dataclass
 class Output:
     """A HF-like model output: the representation is found by name, never by `a or b`."""
+
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
 
@@ -90,13 +93,21 @@ class ToyVLM(nn.Module):
 def text_batch(n, seed, length=7, vocab=11):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, length + 1, (n,), generator=gen)
-    return {"input_ids": torch.randint(0, vocab, (n, length), generator=gen),
-            "attention_mask": (torch.arange(length) < lengths[:, None]).long()}
+    return {
+        "input_ids": torch.randint(0, vocab, (n, length), generator=gen),
+        "attention_mask": (torch.arange(length) < lengths[:, None]).long(),
+    }
 
 
 def image_batch(n, seed, patch_dim=5):
     gen = torch.Generator().manual_seed(seed + 100)
-    grid = torch.stack([torch.ones(n, dtype=torch.long), torch.randint(1, 3, (n,), generator=gen),
-                        torch.randint(1, 4, (n,), generator=gen)], dim=1)  # 1 to 6 patches per image
+    grid = torch.stack(
+        [
+            torch.ones(n, dtype=torch.long),
+            torch.randint(1, 3, (n,), generator=gen),
+            torch.randint(1, 4, (n,), generator=gen),
+        ],
+        dim=1,
+    )  # 1 to 6 patches per image
     pixels = torch.randn(int(grid.prod(1).sum()), patch_dim, generator=gen, dtype=torch.float64)
     return {**text_batch(n, seed), "pixel_values": pixels, "image_grid_thw": grid}

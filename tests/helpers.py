@@ -8,8 +8,9 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -33,8 +34,9 @@ def errors_on_every_rank(fn: Callable[..., Any], world_size: int, *args: Any, **
     return spawn(_error_of, world_size, fn, args, kwargs)
 
 
-def assert_same_error_on_every_rank(fn: Callable[..., Any], world_size: int, *args: Any,
-                                    match: str, **kwargs: Any) -> str:
+def assert_same_error_on_every_rank(
+    fn: Callable[..., Any], world_size: int, *args: Any, match: str, **kwargs: Any
+) -> str:
     """Bad input must be one clear error, raised the same way on every rank (so none hangs in a
     collective waiting for a rank that gave up): every rank raises ValueError with one message
     containing `match`. Returns the message."""
@@ -83,17 +85,33 @@ class CommHookCounter:
         return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def torchrun(lesson: str, nproc: int, *args: str, timeout: float = 300, columns: int | None = None,
-             max_restarts: int = 0):
+def torchrun(
+    lesson: str, nproc: int, *args: str, timeout: float = 300, columns: int | None = None, max_restarts: int = 0
+):
     """Run `lessons/<lesson>` under torchrun, output captured; returns the CompletedProcess.
     `max_restarts`: how often torchrun restarts every rank after one fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if columns is not None:
         env["COLUMNS"] = str(columns)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-                           str(LESSONS / lesson), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            str(max_restarts),
+            str(LESSONS / lesson),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def no_ellipsis(text: str) -> bool:
@@ -213,9 +231,13 @@ def equals_reference(runs, ref) -> bool:
     from distlab.compare import all_ok, compare
 
     losses = len(runs[0].losses) == len(ref.losses) and torch.allclose(
-        torch.tensor(runs[0].losses), torch.tensor(ref.losses), rtol=1e-10, atol=1e-12)
-    return (all_ok(compare(ref.first_grads, merged(runs, "first_grads")))
-            and all_ok(compare(ref.params, merged(runs, "params"))) and losses)
+        torch.tensor(runs[0].losses), torch.tensor(ref.losses), rtol=1e-10, atol=1e-12
+    )
+    return (
+        all_ok(compare(ref.first_grads, merged(runs, "first_grads")))
+        and all_ok(compare(ref.params, merged(runs, "params")))
+        and losses
+    )
 
 
 def train_each(rt, cfgs, make_step=None):

@@ -42,7 +42,7 @@ class Visual(nn.Module):
         self.trunk = nn.Sequential(nn.Linear(IMAGE_DIM, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
         self.patch_dropout = nn.Dropout(dropout)
         self.ln_post = nn.LayerNorm(WIDTH)
-        self.proj = nn.Parameter(torch.randn(WIDTH, EMBED) * WIDTH ** -0.5)
+        self.proj = nn.Parameter(torch.randn(WIDTH, EMBED) * WIDTH**-0.5)
 
     def forward(self, image):
         return self.ln_post(self.patch_dropout(self.trunk(image))) @ self.proj
@@ -76,11 +76,10 @@ class CLIP(nn.Module):
             self.token_embedding = nn.Embedding(VOCAB, WIDTH)
             self.positional_embedding = nn.Parameter(torch.randn(CONTEXT, WIDTH) * 0.1)
             self.ln_final = nn.LayerNorm(WIDTH)
-            self.text_projection = nn.Parameter(torch.randn(WIDTH, EMBED) * WIDTH ** -0.5)
+            self.text_projection = nn.Parameter(torch.randn(WIDTH, EMBED) * WIDTH**-0.5)
             self.logit_scale = nn.Parameter(torch.ones([]) * math.log(1 / 0.07))
             self.logit_bias = nn.Parameter(torch.ones([]) * logit_bias) if logit_bias is not None else None
-        self.register_buffer("attn_mask", torch.full((CONTEXT, CONTEXT), float("-inf")).triu_(1),
-                             persistent=False)
+        self.register_buffer("attn_mask", torch.full((CONTEXT, CONTEXT), float("-inf")).triu_(1), persistent=False)
         self.double()
 
     def encode_image(self, image, normalize: bool = False):
@@ -88,18 +87,21 @@ class CLIP(nn.Module):
         return F.normalize(features, dim=-1) if normalize else features
 
     def encode_text(self, text, normalize: bool = False):
-        x = self.token_embedding(text) + self.positional_embedding       # batch x CONTEXT x WIDTH
+        x = self.token_embedding(text) + self.positional_embedding  # batch x CONTEXT x WIDTH
         x = self.transformer(x.permute(1, 0, 2), attn_mask=self.attn_mask).permute(1, 0, 2)
         x = self.ln_final(x)
-        x = x[torch.arange(x.shape[0]), text.argmax(dim=-1)] @ self.text_projection   # the EOT token
+        x = x[torch.arange(x.shape[0]), text.argmax(dim=-1)] @ self.text_projection  # the EOT token
         return F.normalize(x, dim=-1) if normalize else x
 
     def forward(self, image=None, text=None):
         image_features = self.encode_image(image, normalize=True) if image is not None else None
         text_features = self.encode_text(text, normalize=True) if text is not None else None
         if self.output_dict:
-            out = {"image_features": image_features, "text_features": text_features,
-                   "logit_scale": self.logit_scale.exp()}
+            out = {
+                "image_features": image_features,
+                "text_features": text_features,
+                "logit_scale": self.logit_scale.exp(),
+            }
             if self.logit_bias is not None:
                 out["logit_bias"] = self.logit_bias
             return out
@@ -139,8 +141,9 @@ def reference(model: CLIP, images, texts, world: int, b: int, streams: RankStrea
     dropout masks from `streams` (`as_ranks`), the model's own scale."""
     c = len(images) // world
     ranks = as_ranks(streams if streams is not None else RankStreams(range(world)), balanced_chunks(c, min(b, c)))
-    loss, grads = full_batch_gradients(model, images, texts, None,
-                                       forward=lambda copy, x, y: ranks(lambda *xy: as_tuple(copy(*xy)), x, y))
+    loss, grads = full_batch_gradients(
+        model, images, texts, None, forward=lambda copy, x, y: ranks(lambda *xy: as_tuple(copy(*xy)), x, y)
+    )
     return loss, {n: grads[n] for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -175,7 +178,7 @@ def accum_freq_backward(ddp, batches: list, rank: int) -> float:
         with contextlib.nullcontext() if last else ddp.no_sync():
             out = ddp(images, texts)
             logit_scale = out.pop("logit_scale")
-            inputs = {key: torch.cat(val[:j] + [out[key]] + val[j + 1:]) for key, val in cached.items()}
+            inputs = {key: torch.cat(val[:j] + [out[key]] + val[j + 1 :]) for key, val in cached.items()}
             loss = clip_loss_local(inputs["image_features"], inputs["text_features"], logit_scale, rank)
             loss.backward()
     return loss.item()

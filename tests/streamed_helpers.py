@@ -24,8 +24,7 @@ class Towers(nn.Module):
     with `scale_shape`, a learnable logit scale s = exp(logit_scale) returned third (open_clip's way).
     `float32_out` names the towers whose embeddings leave the model in float32 (under autocast)."""
 
-    def __init__(self, scale_shape=None, dropout=0.0, batchnorm=False, dtype=torch.float64,
-                 float32_out=(), seed=0):
+    def __init__(self, scale_shape=None, dropout=0.0, batchnorm=False, dtype=torch.float64, float32_out=(), seed=0):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
 

@@ -2,10 +2,11 @@
 schedule it never deadlocks and matches every message; and the replay can fail (blocking send/recv in
 1F1B's order deadlocks)."""
 
+from schedule_helpers import ALL
+
 from distlab.pipeline.p2p import Transfer, comm_plan, produces
 from distlab.pipeline.schedules import gpipe, one_f_one_b
 from distlab.pipeline.simulator import simulate
-from schedule_helpers import ALL
 
 
 def replay(plans: list[list[list[Transfer]]]) -> bool:
@@ -53,8 +54,9 @@ def blocking_plan(schedule, rank: int) -> list[list[Transfer]]:
     for a in schedule[rank]:
         source = a.stage - 1 if a.kind == "F" else a.stage + 1
         if a.kind != "W" and 0 <= source < stages and where[source] != rank:
-            plan.append([Transfer("recv", where[source], "activation" if a.kind == "F" else "gradient",
-                                  a.microbatch, a.stage)])
+            plan.append(
+                [Transfer("recv", where[source], "activation" if a.kind == "F" else "gradient", a.microbatch, a.stage)]
+            )
         made = produces(a, stages)
         if made and where[made[1]] != rank:
             plan.append([Transfer("send", where[made[1]], made[0], a.microbatch, made[1])])

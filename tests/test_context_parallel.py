@@ -25,7 +25,12 @@ def test_shards_cover_the_sequence_once_and_unshard_inverts_them(split, world):
 
 
 def test_zigzag_pairs_an_early_piece_with_a_late_one():
-    assert [[p.start // 3 for p in layouts.pieces_of(r, 4, 24, "zigzag")] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [[p.start // 3 for p in layouts.pieces_of(r, 4, 24, "zigzag")] for r in range(4)] == [
+        [0, 7],
+        [1, 6],
+        [2, 5],
+        [3, 4],
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
@@ -34,8 +39,9 @@ def test_counted_work_equals_the_formula(world):
     for split in layouts.SPLITS:
         for causal in (True, False):
             work = [layouts.count_work(r, world, seq, split, causal) for r in range(world)]
-            assert [w.products for w in work] == [layouts.work_formula(r, world, seq, split, causal)
-                                                  for r in range(world)]
+            assert [w.products for w in work] == [
+                layouts.work_formula(r, world, seq, split, causal) for r in range(world)
+            ]
     zigzag = [layouts.count_work(r, world, seq, "zigzag", True) for r in range(world)]
     contiguous = [layouts.count_work(r, world, seq, "contiguous", True).products for r in range(world)]
     assert all((w.full, w.diagonal) == (2 * world - 1, 2) for w in zigzag)
@@ -61,14 +67,19 @@ def test_tiles_folded_in_any_order_equal_sdpa(causal):
     pieces = [range(0, 4), range(4, 8), range(8, 12)]
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
     for rows in pieces:
-        part = Partial.start(out[..., rows.start:rows.stop, :])
+        part = Partial.start(out[..., rows.start : rows.stop, :])
         keys = [p for p in pieces if layouts.tile_kind(rows, p, causal) != layouts.SKIP]
         random.Random(rows.start).shuffle(keys)  # the fold does not care about the order
         for cols in keys:
             mask = causal_mask(rows, cols, q.device) if causal else None
-            fold_tile(part, q[..., rows.start:rows.stop, :], k[..., cols.start:cols.stop, :],
-                      v[..., cols.start:cols.stop, :], mask)
-        part.finish(lse[..., rows.start:rows.stop])
+            fold_tile(
+                part,
+                q[..., rows.start : rows.stop, :],
+                k[..., cols.start : cols.stop, :],
+                v[..., cols.start : cols.stop, :],
+                mask,
+            )
+        part.finish(lse[..., rows.start : rows.stop])
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*leaves, is_causal=causal)
     scores = q @ k.transpose(-1, -2) / math.sqrt(4)
@@ -87,7 +98,9 @@ def test_tiles_folded_in_any_order_equal_sdpa(causal):
             if layouts.tile_kind(rows, cols, causal) == layouts.SKIP:
                 continue
             c = slice(cols.start, cols.stop)
-            d_q, d_k, d_v = tile_grads(saved, k[..., c, :], v[..., c, :], causal_mask(rows, cols, q.device) if causal else None)
+            d_q, d_k, d_v = tile_grads(
+                saved, k[..., c, :], v[..., c, :], causal_mask(rows, cols, q.device) if causal else None
+            )
             dq[..., r, :] += d_q
             dk[..., c, :] += d_k
             dv[..., c, :] += d_v

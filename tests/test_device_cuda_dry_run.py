@@ -28,11 +28,15 @@ LESSONS = sorted((Path(__file__).resolve().parent.parent / "lessons").glob("[0-9
 
 
 def _torchrun_env(monkeypatch, rank: int, world_size: int) -> None:
-    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", rank),
-                        ("LOCAL_WORLD_SIZE", world_size)):
+    for name, value in (
+        ("RANK", rank),
+        ("WORLD_SIZE", world_size),
+        ("LOCAL_RANK", rank),
+        ("LOCAL_WORLD_SIZE", world_size),
+    ):
         monkeypatch.setenv(name, str(value))
     for name in ("MASTER_ADDR", "MASTER_PORT", "DISTLAB_STRICT_DEVICE"):  # a group that slipped through
-        monkeypatch.delenv(name, raising=False)                         # fails at once, never waits
+        monkeypatch.delenv(name, raising=False)  # fails at once, never waits
 
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda would run")
@@ -96,8 +100,11 @@ def test_strict_mode_on_a_gpu_node_compares_the_real_devices(monkeypatch):
     _FakeGPUs(monkeypatch, count=2)
     with distributed("cuda", strict=True) as rt:
         assert rt.device == torch.device("cuda", 0)  # no stand-in: the real device
-        with pytest.raises(StrictDeviceError, match=r"all_reduce got a tensor of shape \[1\] on cpu, but "
-                                                    r"the runtime's device is cuda:0: make it with"):
+        with pytest.raises(
+            StrictDeviceError,
+            match=r"all_reduce got a tensor of shape \[1\] on cpu, but "
+            r"the runtime's device is cuda:0: make it with",
+        ):
             dist.all_reduce(torch.zeros(1))
 
 
@@ -106,14 +113,14 @@ def test_strict_mode_on_a_gpu_node_compares_the_real_devices(monkeypatch):
 
 def _devices(rt):
     """Where each library building block puts what it returns, as strict mode sees it."""
-    from distlab.contrastive.step import contrastive_loss
-    from distlab.contrastive.variants import LOCAL_SUM
     from distlab.contrastive.gather import gather_library, gather_plain, gather_with_grad
     from distlab.contrastive.grad_cache import GradCache
     from distlab.contrastive.losses import clip_loss
-    from distlab.streamed.step import gather_pairs
+    from distlab.contrastive.step import contrastive_loss
+    from distlab.contrastive.variants import LOCAL_SUM
     from distlab.models import TwoTower, paired_data
     from distlab.pipeline import p2p
+    from distlab.streamed.step import gather_pairs
 
     with strict_device(rt) as rt:
         peer = 1 - rt.rank

@@ -10,8 +10,9 @@ from distlab.pipeline.training import PipelineConfig, unsplit_reference
 from distlab.reference import sgd_reference
 from distlab.spawn import spawn
 
-CFG = PipelineConfig(widths=(6, *[8] * 8, 4), global_batch=13, steps=2, lr=0.2, seed=3, gather_spans=False,
-                     emulate_ms=0.2)
+CFG = PipelineConfig(
+    widths=(6, *[8] * 8, 4), global_batch=13, steps=2, lr=0.2, seed=3, gather_spans=False, emulate_ms=0.2
+)
 
 
 def test_an_action_costs_one_unit_per_layer_and_an_unsplit_backward_two():
@@ -20,8 +21,10 @@ def test_an_action_costs_one_unit_per_layer_and_an_unsplit_backward_two():
 
 
 def test_every_schedule_on_the_emulated_device_equals_the_unsplit_model():
-    configs = [CFG.replace(schedule=name, stages_per_rank=v, micro_batches=4)
-               for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))]
+    configs = [
+        CFG.replace(schedule=name, stages_per_rank=v, micro_batches=4)
+        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
+    ]
     ref = unsplit_reference(CFG)
     for cfg, ranks in zip(configs, per_config(spawn(train_each, 2, configs))):
         assert not isinstance(ranks[0], str), ranks[0]

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from exercise_kit import Answer, exercise_tests, judge
 
 from distlab.compare import all_ok, compare
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.training import PipelineConfig, problem, train, unsplit_reference
 from distlab.timeline import Timeline, max_concurrency
-from exercise_kit import Answer, exercise_tests, judge
 
 LESSON, NAME = "01_model_parallel", "model_parallel_step"
 P = 3
@@ -32,8 +32,9 @@ class _Step:
         self.stages, self.timeline, self.fn = [every[rt.rank]], Timeline(rt.rank), fn
 
     def __call__(self, step: int) -> float | None:
-        return self.fn(self.stages[0].module, self.x, self.target, self.shapes,
-                       lambda kind: self.timeline.span(kind, step))
+        return self.fn(
+            self.stages[0].module, self.x, self.target, self.shapes, lambda kind: self.timeline.span(kind, step)
+        )
 
     def measurements(self) -> dict:
         return {}
@@ -42,17 +43,34 @@ class _Step:
 def _ranks(rt, model_parallel_step, claims) -> None:
     run, ref = train(rt, CFG, _Step(rt, model_parallel_step)), unsplit_reference(CFG)
     for what, got, want, hint in (
-            ("gradients after step 1", run.first_grads, ref.first_grads,
-             "resume the backward from the dL/dA_p you received; send your input's .grad to rank p - 1"),
-            ("parameters after step 2", run.params, ref.params, "every stage must run its backward once per step")):
+        (
+            "gradients after step 1",
+            run.first_grads,
+            ref.first_grads,
+            "resume the backward from the dL/dA_p you received; send your input's .grad to rank p - 1",
+        ),
+        ("parameters after step 2", run.params, ref.params, "every stage must run its backward once per step"),
+    ):
         rows = compare({n: want[n] for n in got}, got)
-        claims.check(f"every stage's {what} equal the unsplit model's", all_ok(rows),
-                     "; ".join(f"{r.name}: {r.max_abs:.1e}" for r in rows if not r.ok)[:200], hint)
-    claims.check("the loss equals the unsplit model's", all(abs(a - b) < 1e-10 for a, b in zip(run.losses, ref.losses)),
-                 f"{run.losses} against {ref.losses}", "return mse(A_{P-1}, target).item() on the last rank")
+        claims.check(
+            f"every stage's {what} equal the unsplit model's",
+            all_ok(rows),
+            "; ".join(f"{r.name}: {r.max_abs:.1e}" for r in rows if not r.ok)[:200],
+            hint,
+        )
+    claims.check(
+        "the loss equals the unsplit model's",
+        all(abs(a - b) < 1e-10 for a, b in zip(run.losses, ref.losses)),
+        f"{run.losses} against {ref.losses}",
+        "return mse(A_{P-1}, target).item() on the last rank",
+    )
     peak = max_concurrency(run.spans)
-    claims.check("one rank computes at a time", peak == 1, f"{peak} ranks at once",
-                 "rank p computes only after its recv has returned")
+    claims.check(
+        "one rank computes at a time",
+        peak == 1,
+        f"{peak} ranks at once",
+        "rank p computes only after its recv has returned",
+    )
 
 
 def check(answer: Answer) -> None:
@@ -86,5 +104,9 @@ def ignores_the_received_gradient(stage, x, target, shapes, span):
 
 
 test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "ignores_the_received_gradient"),
-    wrong_claim="gradients after step 1 equal the unsplit model's")
+    LESSON,
+    NAME,
+    check,
+    wrong=Answer(Path(__file__), "ignores_the_received_gradient"),
+    wrong_claim="gradients after step 1 equal the unsplit model's",
+)

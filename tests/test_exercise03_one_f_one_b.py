@@ -5,12 +5,13 @@ min(M, P - r) micro-batches at once, measured while running, for M < P and M > P
 
 from pathlib import Path
 
+from exercise_kit import Answer, exercise_tests, judge
+
 from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import check_schedule, gpipe
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from exercise_kit import Answer, exercise_tests, judge
 
 LESSON, NAME = "03_one_f_one_b", "one_f_one_b"
 P = 3
@@ -24,20 +25,31 @@ def _ranks(rt, one_f_one_b, claims) -> None:
             ok = len(schedule) == P and check_schedule(schedule) == m and simulate(schedule).ticks > 0
         except ValueError as err:
             ok, why = False, str(err)
-        if not claims.check(f"M={m}: every rank's order is a schedule (F and I once per micro-batch, no deadlock)",
-                            ok, "" if ok else why,
-                            "rank r's actions are Action(kind, i, r); a backward I_i after its forward F_i"):
+        if not claims.check(
+            f"M={m}: every rank's order is a schedule (F and I once per micro-batch, no deadlock)",
+            ok,
+            "" if ok else why,
+            "rank r's actions are Action(kind, i, r); a backward I_i after its forward F_i",
+        ):
             return
         cfg = CFG.replace(micro_batches=m)
         run, ref = train(rt, cfg, PipelineStep(rt, cfg, schedule)), unsplit_reference(cfg)
         exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
-            compare({n: ref.params[n] for n in run.params}, run.params))
-        claims.check(f"M={m}: the gradients and parameters equal the unsplit model's", exact, "",
-                     "every micro-batch must run its F and I exactly once")
+            compare({n: ref.params[n] for n in run.params}, run.params)
+        )
+        claims.check(
+            f"M={m}: the gradients and parameters equal the unsplit model's",
+            exact,
+            "",
+            "every micro-batch must run its F and I exactly once",
+        )
         held, most = run.peak_in_flight, min(m, P - rt.rank)
-        claims.check(f"M={m}: rank r holds at most min(M, P - r) micro-batches", held <= most,
-                     f"rank {rt.rank} held {held}, at most {most}",
-                     "start the backwards after min(P - r - 1, M) warm-up forwards, then alternate")
+        claims.check(
+            f"M={m}: rank r holds at most min(M, P - r) micro-batches",
+            held <= most,
+            f"rank {rt.rank} held {held}, at most {most}",
+            "start the backwards after min(P - r - 1, M) warm-up forwards, then alternate",
+        )
 
 
 def check(answer: Answer) -> None:
@@ -49,5 +61,5 @@ gpipe_order = gpipe
 
 
 test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "gpipe_order"),
-    wrong_claim="rank r holds at most")
+    LESSON, NAME, check, wrong=Answer(Path(__file__), "gpipe_order"), wrong_claim="rank r holds at most"
+)

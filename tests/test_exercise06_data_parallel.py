@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from exercise_kit import Answer, exercise_tests, judge
 
 from distlab.models import layered_mlp, regression_batch
-from exercise_kit import Answer, exercise_tests, judge
 
 LESSON, NAME = "06_data_parallel", "all_reduce_gradients"
 P, C, WIDTHS, STEPS, LR = 3, 4, (5, 8, 3), 2, 0.1
@@ -28,19 +28,26 @@ def _ranks(rt, all_reduce_gradients, claims) -> None:
         model.zero_grad(), ref.zero_grad()
         torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
         all_reduce_gradients(model, rt)
-        torch.nn.functional.mse_loss(ref(x), y).backward()      # one process, all N rows
+        torch.nn.functional.mse_loss(ref(x), y).backward()  # one process, all N rows
         errs = [_max_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
-        if not claims.check(f"step {step + 1}: the gradients equal one process's on the whole batch",
-                            max(errs) < 1e-10, f"largest relative difference {max(errs):.2e}",
-                            "sum the gradients over ranks with dist.all_reduce, then divide by P"):
+        if not claims.check(
+            f"step {step + 1}: the gradients equal one process's on the whole batch",
+            max(errs) < 1e-10,
+            f"largest relative difference {max(errs):.2e}",
+            "sum the gradients over ranks with dist.all_reduce, then divide by P",
+        ):
             return
         with torch.no_grad():
             for p, q in zip(model.parameters(), ref.parameters()):
                 p -= LR * p.grad
                 q -= LR * q.grad
     errs = [_max_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())]
-    claims.check("the parameters after the steps equal one process's", max(errs) < 1e-10,
-                 f"largest relative difference {max(errs):.2e}", "every rank must step with the same gradients")
+    claims.check(
+        "the parameters after the steps equal one process's",
+        max(errs) < 1e-10,
+        f"largest relative difference {max(errs):.2e}",
+        "every rank must step with the same gradients",
+    )
 
 
 def check(answer: Answer) -> None:
@@ -54,5 +61,5 @@ def sum_without_mean(model, rt) -> None:
 
 
 test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "sum_without_mean"),
-    wrong_claim="step 1: the gradients equal")
+    LESSON, NAME, check, wrong=Answer(Path(__file__), "sum_without_mean"), wrong_claim="step 1: the gradients equal"
+)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from exercise_kit import Answer, exercise_tests, judge
 
 from distlab.context_parallel.attention import Partial, causal_mask, scores
 from distlab.context_parallel.ring import RingExchange
 from distlab.context_parallel.split import SKIP, Layout, count_work, shard, tile_kind
-from exercise_kit import Answer, exercise_tests, judge
 
 LESSON, NAME = "09_context_parallel", "ring_forward"
 P, HEADS, SEQ, HEAD_DIM = 3, 2, 18, 4
@@ -28,7 +28,7 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def _reference(q, k, v, causal):
     """One process, the whole sequence: out by SDPA, lse as the rows' log-sum-exp of the scores."""
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    a = q @ k.transpose(-1, -2) / HEAD_DIM ** 0.5
+    a = q @ k.transpose(-1, -2) / HEAD_DIM**0.5
     if causal:
         a = a.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
     return out, a.logsumexp(-1)
@@ -45,19 +45,32 @@ def _ranks(rt, ring_forward, claims) -> None:
         out, lse = ring_forward(rt, ring, *(shard(t, rt.rank, P, "zigzag") for t in full), layout, tally)
         ref_out, ref_lse = _reference(*full, causal)
         err = _max_rel(out, shard(ref_out, rt.rank, P, "zigzag"))
-        claims.check(f"{name}: out equals SDPA's on the whole sequence", err < 1e-10,
-                     f"largest relative difference {err:.2e}",
-                     "rescale o by exp(m - m') whenever the max grows, and divide by l at the end")
+        claims.check(
+            f"{name}: out equals SDPA's on the whole sequence",
+            err < 1e-10,
+            f"largest relative difference {err:.2e}",
+            "rescale o by exp(m - m') whenever the max grows, and divide by l at the end",
+        )
         err = _max_rel(lse, shard(ref_lse.unsqueeze(-1), rt.rank, P, "zigzag").squeeze(-1))
-        claims.check(f"{name}: lse equals the rows' log-sum-exp", err < 1e-10,
-                     f"largest relative difference {err:.2e}", "lse = m + log l, after the last block")
-        claims.check(f"{name}: the k/v blocks went round the ring, 2(P-1) blocks sent",
-                     ring.bytes_sent == 2 * (P - 1) * block, f"{ring.bytes_sent} bytes, not {2 * (P - 1) * block}",
-                     "post (k, v) to the right neighbour P - 1 times, keep what arrives")
+        claims.check(
+            f"{name}: lse equals the rows' log-sum-exp",
+            err < 1e-10,
+            f"largest relative difference {err:.2e}",
+            "lse = m + log l, after the last block",
+        )
+        claims.check(
+            f"{name}: the k/v blocks went round the ring, 2(P-1) blocks sent",
+            ring.bytes_sent == 2 * (P - 1) * block,
+            f"{ring.bytes_sent} bytes, not {2 * (P - 1) * block}",
+            "post (k, v) to the right neighbour P - 1 times, keep what arrives",
+        )
         want = count_work(rt.rank, P, SEQ, "zigzag", causal).products
-        claims.check(f"{name}: the tiles after the diagonal were skipped", tally["products"] == want,
-                     f"{tally['products']} products counted, the layout computes {want}",
-                     "skip a tile when tile_kind says skip; count rows x columns of every tile you fold")
+        claims.check(
+            f"{name}: the tiles after the diagonal were skipped",
+            tally["products"] == want,
+            f"{tally['products']} products counted, the layout computes {want}",
+            "skip a tile when tile_kind says skip; count rows x columns of every tile you fold",
+        )
 
 
 def check(answer: Answer) -> None:
@@ -94,4 +107,5 @@ def no_rescale(rt, ring, q, k, v, layout, tally):
 
 
 test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "no_rescale"), wrong_claim="out equals SDPA")
+    LESSON, NAME, check, wrong=Answer(Path(__file__), "no_rescale"), wrong_claim="out equals SDPA"
+)

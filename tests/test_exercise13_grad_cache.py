@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from exercise_kit import Answer, exercise_tests, judge
 
 from distlab.contrastive.losses import clip_loss
 from distlab.models import TwoTower, paired_data
-from exercise_kit import Answer, exercise_tests, judge
 
 LESSON, NAME = "13_grad_cache", "grad_cache_step"
 N, B, TAU, SEED = 8, 3, 0.1, 7
@@ -27,16 +27,27 @@ def _ranks(rt, grad_cache_step, claims) -> None:
     x, y = paired_data(N, seed=2)
     torch.manual_seed(SEED)
     loss = grad_cache_step([model.encoder_x, model.encoder_y], (x, y), B, _loss)
-    torch.manual_seed(SEED)                                  # the same masks, drawn in the same order
-    reps = [torch.cat([tower(part) for part in inp.split(B)]) for tower, inp in ((ref.encoder_x, x), (ref.encoder_y, y))]
+    torch.manual_seed(SEED)  # the same masks, drawn in the same order
+    reps = [
+        torch.cat([tower(part) for part in inp.split(B)]) for tower, inp in ((ref.encoder_x, x), (ref.encoder_y, y))
+    ]
     ref_loss = _loss(*reps)
     ref_loss.backward()
-    claims.check("the loss equals the whole batch's", abs(float(loss) - ref_loss.item()) < 1e-10,
-                 f"{float(loss):.12f} vs {ref_loss.item():.12f}", "step (2) is the loss on all n rows at once")
-    errs = {name: float("inf") if p.grad is None else ((p.grad - q.grad).norm() / q.grad.norm()).item()
-            for (name, p), q in zip(model.named_parameters(), ref.parameters())}
-    claims.check_worst("every parameter's gradient equals the whole batch's", errs,
-                       "step (3) must run each part under the random state step (1) recorded (RandContext)")
+    claims.check(
+        "the loss equals the whole batch's",
+        abs(float(loss) - ref_loss.item()) < 1e-10,
+        f"{float(loss):.12f} vs {ref_loss.item():.12f}",
+        "step (2) is the loss on all n rows at once",
+    )
+    errs = {
+        name: float("inf") if p.grad is None else ((p.grad - q.grad).norm() / q.grad.norm()).item()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters())
+    }
+    claims.check_worst(
+        "every parameter's gradient equals the whole batch's",
+        errs,
+        "step (3) must run each part under the random state step (1) recorded (RandContext)",
+    )
 
 
 def check(answer: Answer) -> None:
@@ -57,5 +68,5 @@ def without_replay(towers, inputs, b, loss_fn):
 
 
 test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "without_replay"),
-    wrong_claim="every parameter's gradient equals")
+    LESSON, NAME, check, wrong=Answer(Path(__file__), "without_replay"), wrong_claim="every parameter's gradient equals"
+)

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import torch
+from exercise_kit import Answer, exercise_tests, judge, solution
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -17,7 +18,6 @@ from distlab.compare import all_ok, compare, grads_of
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.models import TwoTower, paired_data
 from distlab.streamed.config import parse_config
-from exercise_kit import Answer, exercise_tests, judge, solution
 
 LESSON, NAME = "14_streamed_five_phase", "streamed_backward"
 P, SEED = 2, 5
@@ -39,17 +39,24 @@ def _ranks(rt, streamed_backward, claims) -> None:
     cfg, model = parse_config(CONFIG, rt.world_size, rt.rank), Scaled()
     x, y = paired_data(cfg.n, seed=2, dtype=torch.float64)
     start, ddp, mine = copy.deepcopy(model), DDP(model), slice(cfg.offset, cfg.offset + cfg.local)
-    torch.manual_seed(SEED + rt.rank)                        # each rank its own dropout stream
+    torch.manual_seed(SEED + rt.rank)  # each rank its own dropout stream
     loss = streamed_backward(ddp, x[mine], y[mine], cfg, None)
     streams = RankStreams([SEED + r for r in range(rt.world_size)])
     ref_loss, ref = full_batch_gradients(start, x, y, None, forward=as_ranks(streams, cfg.micro))
-    claims.check("the loss equals the whole batch's", math.isclose(float(loss), ref_loss, rel_tol=1e-10),
-                 f"{float(loss):.12f} vs {ref_loss:.12f}", "L = 1/(2N) sum_i (a_i + b_i - 2 S_ii) over all N rows")
+    claims.check(
+        "the loss equals the whole batch's",
+        math.isclose(float(loss), ref_loss, rel_tol=1e-10),
+        f"{float(loss):.12f} vs {ref_loss:.12f}",
+        "L = 1/(2N) sum_i (a_i + b_i - 2 S_ii) over all N rows",
+    )
     rows = compare(ref, grads_of(model))
     worst = max(rows, key=lambda r: r.max_rel)
-    claims.check("every parameter's gradient equals the whole batch's", all_ok(rows),
-                 f"{worst.name}: relative error {worst.max_rel:.2e}",
-                 "DDP averages over P ranks: back-propagate P times G; replay each micro-batch's random state")
+    claims.check(
+        "every parameter's gradient equals the whole batch's",
+        all_ok(rows),
+        f"{worst.name}: relative error {worst.max_rel:.2e}",
+        "DDP averages over P ranks: back-propagate P times G; replay each micro-batch's random state",
+    )
 
 
 def check(answer: Answer) -> None:
@@ -65,5 +72,5 @@ def without_p(ddp, local_x, local_y, cfg, tau):
 
 
 test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "without_p"),
-    wrong_claim="every parameter's gradient equals")
+    LESSON, NAME, check, wrong=Answer(Path(__file__), "without_p"), wrong_claim="every parameter's gradient equals"
+)

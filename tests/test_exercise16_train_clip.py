@@ -10,12 +10,12 @@ import copy
 from pathlib import Path
 
 import torch
+from exercise_kit import Answer, exercise_tests, judge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.contrastive.digits import DigitsCLIP
 from distlab.contrastive.losses import clip_loss
 from distributed_clip import distributed_backward
-from exercise_kit import Answer, exercise_tests, judge
 
 LESSON, NAME = "16_train_clip", "clip_step"
 P, C, VOCAB, LENGTH, LR, CLIP_NORM = 2, 4, 12, 5, 0.5, 1e-2
@@ -31,17 +31,25 @@ def _ranks(rt, clip_step, claims) -> None:
     ddp = DDP(model)
     rows = slice(rt.rank * C, (rt.rank + 1) * C)
     loss = clip_step(ddp, torch.optim.SGD(ddp.parameters(), lr=LR), images[rows], ids[rows], CONFIG, CLIP_NORM)
-    ref_loss = clip_loss(*ref(images, ids))                       # z_x, z_y, s: the whole batch
+    ref_loss = clip_loss(*ref(images, ids))  # z_x, z_y, s: the whole batch
     ref_loss.backward()
     torch.nn.utils.clip_grad_norm_(list(ref.parameters()), CLIP_NORM)
     torch.optim.SGD(ref.parameters(), lr=LR).step()
     ref.clamp_logit_scale_()
-    claims.check("the loss is the whole batch's", abs(float(loss) - ref_loss.item()) < 1e-10,
-                 f"{float(loss):.12f} vs {ref_loss.item():.12f}", "return what distributed_backward returns")
-    errs = {n: ((p - q).abs().max() / q.abs().max()).item()
-            for (n, p), q in zip(model.named_parameters(), ref.parameters())}
-    claims.check_worst("every parameter after the step equals one process's", errs,
-                       "zero_grad, distributed_backward, clip_grad_norm_ at clip_norm, step, then clamp the scale")
+    claims.check(
+        "the loss is the whole batch's",
+        abs(float(loss) - ref_loss.item()) < 1e-10,
+        f"{float(loss):.12f} vs {ref_loss.item():.12f}",
+        "return what distributed_backward returns",
+    )
+    errs = {
+        n: ((p - q).abs().max() / q.abs().max()).item() for (n, p), q in zip(model.named_parameters(), ref.parameters())
+    }
+    claims.check_worst(
+        "every parameter after the step equals one process's",
+        errs,
+        "zero_grad, distributed_backward, clip_grad_norm_ at clip_norm, step, then clamp the scale",
+    )
 
 
 def check(answer: Answer) -> None:
@@ -58,5 +66,5 @@ def without_clipping(ddp, optimizer, images, captions, config, clip_norm, bf16=F
 
 
 test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "without_clipping"),
-    wrong_claim="every parameter after the step")
+    LESSON, NAME, check, wrong=Answer(Path(__file__), "without_clipping"), wrong_claim="every parameter after the step"
+)

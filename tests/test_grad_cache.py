@@ -6,9 +6,9 @@ fixes the masks) but with a graph, in one backward of one loss: no cache, no Ran
 pass. Float64 throughout (rtol 1e-10, atol 1e-12) unless a test states otherwise.
 """
 
-
 import pytest
 import torch
+from grad_cache_helpers import SEED, N, Output, grads_of_models, image_batch, reference, rep_clip_loss, rows
 from torch import nn
 
 import distlab.contrastive.grad_cache as grad_cache_module
@@ -16,9 +16,6 @@ from distlab.compare import all_ok, compare
 from distlab.contrastive.grad_cache import GradCache, default_rep
 from distlab.contrastive.split_inputs import split_inputs
 from distlab.models import TwoTower, paired_data
-
-from grad_cache_helpers import N, SEED, Output, grads_of_models, image_batch, reference, rep_clip_loss, rows
-
 
 # --- tensors and lists, one and two models ----------------------------------------------------------
 
@@ -51,10 +48,16 @@ def test_one_shared_tower_with_a_chunk_size_per_side_and_list_inputs():
 
 def test_without_rand_context_dropout_gradients_are_wrong(monkeypatch):
     """Why RandContext exists: the recompute draws fresh masks, so its gradient is of another function."""
+
     class NoReplay:
-        def __init__(self, *inputs): pass
-        def __enter__(self): return self
-        def __exit__(self, *exc): return None
+        def __init__(self, *inputs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
 
     monkeypatch.setattr(grad_cache_module, "RandContext", NoReplay)
     for dropout, expect_ok in ((0.0, True), (0.3, False)):
@@ -87,7 +90,7 @@ def test_mixed_precision_stays_close_to_float32(mode):
     x, y = paired_data(64, seed=2, dtype=torch.float32)
     ref_grads, ref_loss = reference(models, [x, y], rep_clip_loss, [rows(x, 16), rows(y, 16)])
 
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12) if mode == "fp16" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if mode == "fp16" else None
     cache = GradCache(models, 16, rep_clip_loss, precision=mode, scaler=scaler)
     torch.manual_seed(SEED)
     loss = cache(x, y)
@@ -147,19 +150,28 @@ BAD_INPUT = {
     "bf16 with a scaler": (lambda: _bad(precision="bf16", scaler=torch.amp.GradScaler("cpu")), "bf16 needs no"),
     "an unknown precision": (lambda: _bad(precision="fp8"), "precision must be one of"),
     "one input for two models": (lambda: _bad()(x13), "1 inputs for 2 models"),
-    "no_sync_except_last without DDP": (lambda: _bad()(x13, y13, no_sync_except_last=True),
-                                        r"DistributedDataParallel; model\(s\) \[0, 1\]"),
+    "no_sync_except_last without DDP": (
+        lambda: _bad()(x13, y13, no_sync_except_last=True),
+        r"DistributedDataParallel; model\(s\) \[0, 1\]",
+    ),
     "a string input": (lambda: _bad()("thirteen pairs", y13), "type str"),
     "a set input": (lambda: _bad()({x13}, y13), "type set"),
     "a dict holding a list": (lambda: _bad()({"x": [1, 2]}, y13), "type list .*key 'x'"),
     "dict values of unequal length": (lambda: _bad()({"a": x13, "b": x13[:5]}, y13), "disagree on the batch size"),
-    "patches that do not add up": (lambda: split_inputs({**image_batch(4, 0), "pixel_values": torch.zeros(3, 5)}, 2),
-                                   "patch rows but image_grid_thw describes"),
-    "two images for one sample": (lambda: split_inputs({**image_batch(4, 0), "input_ids": torch.zeros(2, 3),
-                                                         "attention_mask": torch.ones(2, 3)}, 2),
-                                  "4 rows for 2 samples: one image per sample"),
-    "a model returning a string": (lambda: GradCache([_Str(), _Str()], 4, rep_clip_loss)(x13, y13),
-                                   "representation must be a tensor"),
+    "patches that do not add up": (
+        lambda: split_inputs({**image_batch(4, 0), "pixel_values": torch.zeros(3, 5)}, 2),
+        "patch rows but image_grid_thw describes",
+    ),
+    "two images for one sample": (
+        lambda: split_inputs(
+            {**image_batch(4, 0), "input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3)}, 2
+        ),
+        "4 rows for 2 samples: one image per sample",
+    ),
+    "a model returning a string": (
+        lambda: GradCache([_Str(), _Str()], 4, rep_clip_loss)(x13, y13),
+        "representation must be a tensor",
+    ),
     "a loss that is not a scalar": (lambda: _bad(loss_fn=lambda a, b: a - b)(x13, y13), "scalar tensor"),
 }
 

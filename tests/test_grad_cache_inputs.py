@@ -8,12 +8,11 @@ from collections import UserDict
 
 import pytest
 import torch
+from grad_cache_helpers import SEED, N, ToyVLM, grads_of_models, image_batch, reference, rep_clip_loss, text_batch
 
 from distlab.compare import all_ok, compare
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.split_inputs import split_inputs
-from grad_cache_helpers import N, SEED, ToyVLM, grads_of_models, image_batch, reference, rep_clip_loss, text_batch
-
 
 # --- dicts and VLM-style inputs -----------------------------------------------------------------------
 
@@ -24,13 +23,19 @@ def vlm_rows(batch, chunk):
     out = []
     for a in range(0, len(batch["input_ids"]), chunk):
         b = a + chunk
-        out.append({"input_ids": batch["input_ids"][a:b], "attention_mask": batch["attention_mask"][a:b],
-                    "pixel_values": torch.cat(per_image[a:b]), "image_grid_thw": batch["image_grid_thw"][a:b]})
+        out.append(
+            {
+                "input_ids": batch["input_ids"][a:b],
+                "attention_mask": batch["attention_mask"][a:b],
+                "pixel_values": torch.cat(per_image[a:b]),
+                "image_grid_thw": batch["image_grid_thw"][a:b],
+            }
+        )
     return out
 
 
 def dict_rows(batch, chunk):
-    return [{k: v[a:a + chunk] for k, v in batch.items()} for a in range(0, len(batch["input_ids"]), chunk)]
+    return [{k: v[a : a + chunk] for k, v in batch.items()} for a in range(0, len(batch["input_ids"]), chunk)]
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
@@ -61,9 +66,9 @@ def test_patches_given_to_the_wrong_samples_are_caught():
         counts = batch["image_grid_thw"].prod(1)
         parts = []
         for a in range(0, len(batch["input_ids"]), chunk):
-            part = {k: v[a:a + chunk] for k, v in batch.items() if k != "pixel_values"}
-            n_patches = int(counts[a:a + chunk].sum())  # the right count, from the wrong place
-            part["pixel_values"] = batch["pixel_values"][a * 2:a * 2 + n_patches]
+            part = {k: v[a : a + chunk] for k, v in batch.items() if k != "pixel_values"}
+            n_patches = int(counts[a : a + chunk].sum())  # the right count, from the wrong place
+            part["pixel_values"] = batch["pixel_values"][a * 2 : a * 2 + n_patches]
             parts.append(part)
         return parts
 
@@ -77,7 +82,7 @@ def test_split_inputs_gives_each_chunk_its_own_images_patches():
     chunks = split_inputs(docs, 3)
     assert [len(c["input_ids"]) for c in chunks] == [3, 3, 1]
     for c, start in zip(chunks, (0, 3, 6)):
-        assert torch.equal(c["pixel_values"], torch.cat(per_image[start:start + 3]))
+        assert torch.equal(c["pixel_values"], torch.cat(per_image[start : start + 3]))
         assert list(c) == list(docs)  # keys in the caller's order
     # A CLIP-style pixel_values [B, C, H, W] (no grid) is cut on dim 0; None rides along.
     clip = {"pixel_values": torch.zeros(5, 3, 2, 2), "attention_mask": None}

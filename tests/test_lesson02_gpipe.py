@@ -11,15 +11,15 @@ from distlab.spawn import spawn
 # 16 layers: 8 or 4 per stage, so K = 2 checkpoint segments of 4 or 2 layers really recompute
 # (a one-layer segment of this MLP saves and recomputes nothing; see probe.py). N = 13 rows:
 # uneven micro-batches for every M > 1.
-CFG = PipelineConfig(widths=(6, *[8] * 15, 4), global_batch=13, steps=3, lr=0.2, seed=3, probe=True,
-                     gather_spans=False)
+CFG = PipelineConfig(widths=(6, *[8] * 15, 4), global_batch=13, steps=3, lr=0.2, seed=3, probe=True, gather_spans=False)
 
 
 def matrix(schedule: str, world_size: int) -> dict:
     """Every (M, K) of the matrix equals the unsplit model; returns the per-rank runs by (M, K)."""
     ms = sorted({1, world_size - 1, world_size, 2 * world_size + 1})
-    configs = {(m, k): CFG.replace(schedule=schedule, micro_batches=m, checkpoint_segments=k)
-               for m in ms for k in (0, 2)}
+    configs = {
+        (m, k): CFG.replace(schedule=schedule, micro_batches=m, checkpoint_segments=k) for m in ms for k in (0, 2)
+    }
     results = per_config(spawn(train_each, world_size, list(configs.values())))
     ref = unsplit_reference(CFG)
     assert ref.losses[-1] < ref.losses[0]  # it trains, so equal parameters mean something
@@ -64,8 +64,11 @@ def test_bad_input_fails_identically_on_every_rank_before_any_message():
 
 def test_flags_are_validated_before_any_process_starts(capsys):
     lesson = load_lesson("02_gpipe_checkpoint")
-    for argv, flag in ((["--micro-batches", "0"], "--micro-batches"), (["--checkpoint-segments", "-1"],
-                       "--checkpoint-segments"), (["--width", "0"], "--width")):
+    for argv, flag in (
+        (["--micro-batches", "0"], "--micro-batches"),
+        (["--checkpoint-segments", "-1"], "--checkpoint-segments"),
+        (["--width", "0"], "--width"),
+    ):
         with pytest.raises(SystemExit):
             lesson.parse_args(argv)
         assert flag in capsys.readouterr().err

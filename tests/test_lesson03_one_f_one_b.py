@@ -9,8 +9,9 @@ from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, unsplit_reference
 from distlab.spawn import spawn
 
-CFG = PipelineConfig(widths=(6, *[8] * 15, 4), global_batch=13, steps=3, lr=0.2, seed=3, probe=True,
-                     gather_spans=False)  # as lesson 02's test: 16 layers, uneven micro-batches
+CFG = PipelineConfig(
+    widths=(6, *[8] * 15, 4), global_batch=13, steps=3, lr=0.2, seed=3, probe=True, gather_spans=False
+)  # as lesson 02's test: 16 layers, uneven micro-batches
 
 
 def _lesson_loop(rt, cfg):

@@ -6,7 +6,12 @@ import json
 
 import pytest
 from helpers import (
-    assert_flag_refused, assert_lesson_passes_at_80_columns, equals_reference, merged, per_config, torch_step,
+    assert_flag_refused,
+    assert_lesson_passes_at_80_columns,
+    equals_reference,
+    merged,
+    per_config,
+    torch_step,
     train_each,
 )
 
@@ -33,8 +38,11 @@ def test_interleaved_and_zero_bubble_runs_equal_the_unsplit_model(world_size):
                 make_schedule(name, p, m, v)
             except ValueError:
                 continue  # the interleaved schedules' rounds must divide M: 2P + 1 is refused
-            configs.append(CFG.replace(schedule=name, stages_per_rank=v, micro_batches=m,
-                                       checkpoint_segments=2 if m == 2 * p else 0))
+            configs.append(
+                CFG.replace(
+                    schedule=name, stages_per_rank=v, micro_batches=m, checkpoint_segments=2 if m == 2 * p else 0
+                )
+            )
     assert {c.schedule for c in configs} == set(OURS) and len(configs) >= 13
     ref = unsplit_reference(CFG)
     for cfg, ranks in zip(configs, per_config(spawn(train_each, p, configs))):
@@ -63,8 +71,16 @@ def test_a_lost_weight_gradient_is_caught():
     assert not equals_reference(ranks, unsplit_reference(cfg))
 
 
-TORCH = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "zb-h1": 1, "interleaved-zb": 2,
-         "zbv": 2, "dualpipev": 2}  # torch's seven (ScheduleInterleavedZeroBubble with v = 1 and 2)
+TORCH = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved-1f1b": 2,
+    "looped-bfs": 2,
+    "zb-h1": 1,
+    "interleaved-zb": 2,
+    "zbv": 2,
+    "dualpipev": 2,
+}  # torch's seven (ScheduleInterleavedZeroBubble with v = 1 and 2)
 
 
 def test_each_of_torchs_seven_schedules_equals_the_unsplit_model_and_runs_our_order():
@@ -86,8 +102,9 @@ def test_each_of_torchs_seven_schedules_equals_the_unsplit_model_and_runs_our_or
 
 
 def test_the_lesson_passes_under_torchrun_and_reads_whole_at_80_columns(tmp_path):
-    assert_lesson_passes_at_80_columns("05_interleaved_zero_bubble.py", 2, "--emulate-ms", "0.5", "--json",
-                                      str(tmp_path / "05.json"))
+    assert_lesson_passes_at_80_columns(
+        "05_interleaved_zero_bubble.py", 2, "--emulate-ms", "0.5", "--json", str(tmp_path / "05.json")
+    )
     report = json.loads((tmp_path / "05.json").read_text())
     assert report["passed"] and len(report["checks"]) >= 10
     assert report["figures"]["grids"]["zb-h1"]["bubble"] == pytest.approx(1 / 25)  # (P-1)/(3M+P-1), P=2, M=8

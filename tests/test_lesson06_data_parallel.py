@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same_error_on_every_rank, load_lesson, torchrun
 
 from distlab.compare import all_ok, compare
 from distlab.data_parallel import ddp
@@ -17,12 +18,11 @@ from distlab.data_parallel.ring import RING_RUNS, Ring
 from distlab.data_parallel.training import train
 from distlab.reference import sgd_reference
 from distlab.spawn import SpawnError, spawn
-from helpers import assert_same_error_on_every_rank, load_lesson, torchrun
 
 # N = 24 splits over 1, 2, 3 and 4 ranks; tiny float64 model, exact to rtol 1e-10 / atol 1e-12.
 CFG = DataParallelConfig(global_batch=24, layers=3, width=8, steps=3, lr=0.2, seed=5)
 BUCKET_BYTES = 300  # a few parameters per bucket: several buckets even for this tiny model
-MICRO_BATCHES = 4   # C = 6 at P = 4: unequal parts at P = 3 (C = 8)
+MICRO_BATCHES = 4  # C = 6 at P = 4: unequal parts at P = 3 (C = 8)
 
 
 def _everything(rt):
@@ -34,8 +34,9 @@ def _everything(rt):
         got, expected = check_collective(c, rt, n, 1, torch.float64)
         ring = Ring(rt)
         by_hand = RING_RUNS[c](ring, rank_input(c, n, rt.rank, rt, 1, torch.float64))
-        out["collectives"].append((c.name, got, by_hand, expected, ring.bytes_sent,
-                                   c.ring_fraction(rt.world_size, rt.rank) * n * 8))
+        out["collectives"].append(
+            (c.name, got, by_hand, expected, ring.bytes_sent, c.ring_fraction(rt.world_size, rt.rank) * n * 8)
+        )
     model = build(CFG)[0]
     out["by_hand"] = train(rt, CFG, model, lambda: lesson.all_reduce_gradients(model, rt))
     bucketed = build(CFG)[0]
@@ -55,14 +56,19 @@ def _everything(rt):
 @pytest.fixture(scope="module")
 def references():
     model, x, target = build(CFG)
-    return {"mean": sgd_reference(model, x, target, mean_loss, CFG.steps, CFG.lr),
-            "global": sgd_reference(model, x, target, batch_lse_loss, 1, CFG.lr),
-            "branchy": ddp.branchy_reference(CFG)}
+    return {
+        "mean": sgd_reference(model, x, target, mean_loss, CFG.steps, CFG.lr),
+        "global": sgd_reference(model, x, target, batch_lse_loss, 1, CFG.lr),
+        "branchy": ddp.branchy_reference(CFG),
+    }
 
 
 def _same_run(ref, run):
-    return (all_ok(compare(ref.first_grads, run.first_grads)) and all_ok(compare(ref.params, run.params))
-            and torch.allclose(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=1e-10, atol=0))
+    return (
+        all_ok(compare(ref.first_grads, run.first_grads))
+        and all_ok(compare(ref.params, run.params))
+        and torch.allclose(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=1e-10, atol=0)
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -112,6 +118,7 @@ def _no_division(rt):
     def sum_only():
         for param in model.parameters():
             dist.all_reduce(param.grad)
+
     return train(rt, CFG, model, sum_only).first_grads
 
 
@@ -122,8 +129,9 @@ def test_the_check_catches_a_sum_instead_of_a_mean(references):
 
 
 def test_global_batch_must_split_evenly():
-    message = assert_same_error_on_every_rank(check_config, 3, DataParallelConfig(global_batch=10),
-                                              match="--global-batch")
+    message = assert_same_error_on_every_rank(
+        check_config, 3, DataParallelConfig(global_batch=10), match="--global-batch"
+    )
     assert "P = 3" in message
 
 
@@ -143,9 +151,25 @@ def test_ranks_that_disagree_about_a_branch_wait_until_the_timeout():
 
 
 def test_the_lesson_passes_under_torchrun_at_80_columns():
-    run = torchrun("06_data_parallel.py", 2, "--global-batch", "24", "--layers", "3", "--width", "8",
-                   "--message-mib", "0.01", "--repeats", "2", "--bucket-mib", "0.0005", "--emulate-ms", "0.5",
-                   columns=80)
+    run = torchrun(
+        "06_data_parallel.py",
+        2,
+        "--global-batch",
+        "24",
+        "--layers",
+        "3",
+        "--width",
+        "8",
+        "--message-mib",
+        "0.01",
+        "--repeats",
+        "2",
+        "--bucket-mib",
+        "0.0005",
+        "--emulate-ms",
+        "0.5",
+        columns=80,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "PASS: every claim holds" in run.stdout
     assert "\u2026" not in run.stdout

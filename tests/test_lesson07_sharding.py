@@ -12,6 +12,7 @@ import tempfile
 
 import pytest
 import torch
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 
 from distlab.compare import all_ok, compare
 from distlab.sharding import accounting
@@ -24,7 +25,6 @@ from distlab.sharding.report import against
 from distlab.sharding.training import run_strategy
 from distlab.sharding.zero import STAGE_CLASSES
 from distlab.spawn import spawn
-from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 
 CFG = ShardingConfig()  # layers of Psi_u = 221, 154, 60 parameters: no P in 2..4 divides them all
 
@@ -38,15 +38,19 @@ def _sums_instead_of_averaging(model, rt, cfg):
         average()
         for shard in z.shards:
             shard.grad.mul_(rt.world_size)
+
     z.after_backward = summed
     return z
 
 
 def _everything(rt, checkpoint_dir):
     lesson = load_lesson("07_sharding")
-    makes = {"DDP": Replicated, "FSDP2": Fsdp2,
-             **{f"{stage} lesson": make for stage, make in lesson.BY_HAND.items()},
-             **{f"{stage} distlab": make for stage, make in STAGE_CLASSES.items()}}
+    makes = {
+        "DDP": Replicated,
+        "FSDP2": Fsdp2,
+        **{f"{stage} lesson": make for stage, make in lesson.BY_HAND.items()},
+        **{f"{stage} distlab": make for stage, make in STAGE_CLASSES.items()},
+    }
     if rt.world_size == 3:
         makes["summed"] = _sums_instead_of_averaging
     out = {name: run_strategy(rt, CFG, make) for name, make in makes.items()}
@@ -79,7 +83,7 @@ def test_every_stage_and_fsdp2_equal_one_process_and_the_formulas(world_size, re
         for name, run in out.items():
             if name in ("resume", "summed"):
                 continue
-            assert against(ref, run.trained).ok, (name, rank)   # params, grads, AdamW states
+            assert against(ref, run.trained).ok, (name, rank)  # params, grads, AdamW states
             stage = name.split()[0]
             if stage == "FSDP2":
                 assert run.held == fsdp_held(build_model(CFG), p, rank, 8), (rank, run.held)

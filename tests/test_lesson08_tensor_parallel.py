@@ -10,6 +10,11 @@ from fractions import Fraction
 
 import pytest
 import torch
+from helpers import (
+    assert_flag_refused,
+    assert_lesson_passes_at_80_columns,
+    load_lesson,
+)
 
 from distlab.compare import all_ok, compare
 from distlab.spawn import spawn
@@ -19,7 +24,6 @@ from distlab.tensor_parallel.layers import reference_shards
 from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.operator_checks import check_operator
 from distlab.tensor_parallel.runs import activation_bytes_measured, reference_run, same_runs, split_run
-from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, assert_same_error_on_every_rank, load_lesson
 
 # Small, and split by 1, 2, 3 and 4: h = 12 heads of width 2, d_ff = 24, seq = 12.
 CFG = BlockConfig(batch=6, seq=12, dim=24, heads=12, ffn=24, dropout=0.2, seed=3)
@@ -31,15 +35,20 @@ def _everything(rt):
     lesson, p = load_lesson("08_tensor_parallel"), rt.world_size
     ok = {}
     lesson_ops = {"f": lesson.Copy, "g": lesson.Reduce}
-    library_ops = {"f": operators.CopyToTP, "g": operators.ReduceFromTP, "f-bar": operators.GatherFromSP,
-                   "g-bar": operators.ScatterToSP}
+    library_ops = {
+        "f": operators.CopyToTP,
+        "g": operators.ReduceFromTP,
+        "f-bar": operators.GatherFromSP,
+        "g-bar": operators.ScatterToSP,
+    }
     mine = {k: check_operator(rt, k, fn) for k, fn in lesson_ops.items()}
     theirs = {k: check_operator(rt, k, fn) for k, fn in library_ops.items()}
     for k, res in (mine | {f"library {k}": r for k, r in theirs.items()}).items():
         ok[f"operator {k} = one process"] = res.ok
     for k in "fg":
-        ok[f"library {k} = lesson's"] = (torch.equal(mine[k].forward, theirs[k].forward)
-                                         and torch.equal(mine[k].backward, theirs[k].backward))
+        ok[f"library {k} = lesson's"] = torch.equal(mine[k].forward, theirs[k].forward) and torch.equal(
+            mine[k].backward, theirs[k].backward
+        )
     for part in ("mlp", "attention"):
         o = split_run(rt, CFG, part, lesson.by_hand(), STEPS, LR)
         ok[f"{part} = unsplit"] = o.ok
@@ -48,14 +57,20 @@ def _everything(rt):
         o = split_run(rt, CFG, "block", make(), STEPS, LR)
         ok[f"block sp={sp} = unsplit"] = o.ok
         ok[f"block sp={sp} bytes"] = _sent(o.traffic) == _nonzero(cost.expected_traffic(CFG, "block", p, sp, STEPS))
-        ok[f"block sp={sp} activations"] = activation_bytes_measured(rt, CFG, make())[0] == cost.activation_bytes(CFG, p, sp)
+        ok[f"block sp={sp} activations"] = activation_bytes_measured(rt, CFG, make())[0] == cost.activation_bytes(
+            CFG, p, sp
+        )
         off = replace(CFG, dropout=0.0)
         ours = split_run(rt, off, "block", make(), STEPS, LR)
-        ok[f"parallelize_module sp={sp} = ours"] = ours.ok and same_runs(ours.run, torch_tp.torch_run(rt, off, sp, STEPS, LR)[0])
+        ok[f"parallelize_module sp={sp} = ours"] = ours.ok and same_runs(
+            ours.run, torch_tp.torch_run(rt, off, sp, STEPS, LR)[0]
+        )
     run, model, where = mesh2d.two_d_step(rt, CFG, LR)
     ref = reference_run(CFG, "block", 1, LR)
     ref.first_grads.pop("input")
-    ok["2-D grads"] = all_ok(compare(reference_shards(ref.first_grads, model, where["i_tp"], where["tp"]), run.first_grads))
+    ok["2-D grads"] = all_ok(
+        compare(reference_shards(ref.first_grads, model, where["i_tp"], where["tp"]), run.first_grads)
+    )
     ok["2-D params"] = all_ok(compare(reference_shards(ref.params, model, where["i_tp"], where["tp"]), run.params))
     shard = sum(q.numel() for q in model.parameters())
     ok["2-D bytes"] = _sent(model.attn.comm.traffic) == _nonzero(mesh2d.expected_2d_traffic(CFG, p, shard))
@@ -100,6 +115,7 @@ def test_the_formulas_in_closed_form():
 
 def _g_without_reduce(rt):
     """A g that forgets its all-reduce: the check must catch it."""
+
     class Broken(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, group, traffic):
@@ -120,9 +136,12 @@ def test_the_checks_can_fail():
 def _refusals(rt):
     from helpers import value_error
 
-    return [value_error(check_split, 6, 24, rt.world_size), value_error(check_split, 12, 18, rt.world_size),
-            value_error(check_split, 12, 24, rt.world_size, 10),
-            value_error(mesh2d.check_mesh, replace(CFG, batch=5), rt.world_size)]
+    return [
+        value_error(check_split, 6, 24, rt.world_size),
+        value_error(check_split, 12, 18, rt.world_size),
+        value_error(check_split, 12, 24, rt.world_size, 10),
+        value_error(mesh2d.check_mesh, replace(CFG, batch=5), rt.world_size),
+    ]
 
 
 def test_bad_splits_are_one_line_naming_the_flag_on_every_rank():

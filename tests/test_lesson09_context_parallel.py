@@ -8,11 +8,16 @@ uses."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import (
+    assert_flag_refused,
+    assert_lesson_passes_at_80_columns,
+    assert_same_error_on_every_rank,
+    load_lesson,
+    torchrun,
+)
 
 from distlab.context_parallel.split import Layout, check_seq_len, shard, unshard
 from distlab.spawn import spawn
-from helpers import (assert_flag_refused, assert_lesson_passes_at_80_columns, assert_same_error_on_every_rank,
-                     load_lesson, torchrun)
 
 HEADS, SEQ, HEAD_DIM = 2, 24, 4  # 24 = 2P x 3 at P = 4, 2P x 4 at P = 3
 SPAWNED = (1, 2, 3, 4)  # every P, with the lesson's own RingAttention (spawn: ranks forked in milliseconds)

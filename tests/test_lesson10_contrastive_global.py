@@ -3,6 +3,7 @@ gradient; back-propagating P * L gives all of it (and so does lesson 12's sum-ba
 here on the same step)."""
 
 import pytest
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args, torchrun
 
 from distlab.compare import all_ok, compare
 from distlab.contrastive.reference import full_batch_gradients
@@ -10,7 +11,6 @@ from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_PLAIN, GLOBAL_SUM, GLOBAL_TIMES_P
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
-from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args, torchrun
 
 N, TAU, SEED = 12, 0.1, 4  # N = 12 splits over 1, 2, 3 and 4 ranks
 VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P, GLOBAL_SUM)
@@ -25,7 +25,7 @@ def test_global_x_global_gradients(world_size):
     per_rank = spawn(first_step_gradients, world_size, VARIANTS, N, TAU, seed=SEED)
     ref_loss, ref_grads = _reference()
     for results in per_rank:  # DDP leaves every rank with the same gradients: check each
-        for name, (loss, grads) in results.items():
+        for name, (loss, _) in results.items():
             assert loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12), name
         plain = results[GLOBAL_PLAIN.name][1]
         # float64: rtol 1e-10, atol 1e-12
@@ -50,8 +50,10 @@ def test_p_must_divide_n_is_one_line_naming_the_flag():
     assert run.stdout.splitlines()[0] == errors[0], run.stdout  # checked before the lesson prints anything
 
 
-@pytest.mark.parametrize("flag, value", [("--global-batch", "0"), ("--global-batch", "abc"), ("--tau", "nan"),
-                                         ("--tau", "-1"), ("--dtype", "float16")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--global-batch", "0"), ("--global-batch", "abc"), ("--tau", "nan"), ("--tau", "-1"), ("--dtype", "float16")],
+)
 def test_bad_flags_are_refused_before_any_process_group(flag, value):
     assert_flag_refused(LESSON, flag, flag, value)
 

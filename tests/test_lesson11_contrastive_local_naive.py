@@ -5,16 +5,15 @@ Training with it follows its own path; training with the fix follows the single 
 
 import pytest
 import torch
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args
 
-from distlab.compare import all_ok, compare
+from distlab.compare import all_ok, compare, gradient_error
 from distlab.contrastive.reference import DetachedBlocks, full_batch_gradients
-from distlab.compare import gradient_error
 from distlab.contrastive.step import first_step_gradients, wrap_ddp
 from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule, train_ddp, train_single_process
 from distlab.contrastive.variants import LOCAL_PLAIN, LOCAL_SUM
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
-from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args
 
 N, TAU, SEED = 12, 0.1, 5
 
@@ -24,8 +23,9 @@ def test_plain_gather_computes_the_detached_blocks_gradient(world_size):
     per_rank = spawn(first_step_gradients, world_size, (LOCAL_PLAIN,), N, TAU, seed=SEED)
     x, y = paired_data(N, seed=SEED)
     ref_loss, ref_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, 1 / TAU)
-    detached_loss, detached_grads = full_batch_gradients(TwoTower(seed=SEED), x, y, 1 / TAU,
-                                                         loss_fn=DetachedBlocks(world_size))
+    detached_loss, detached_grads = full_batch_gradients(
+        TwoTower(seed=SEED), x, y, 1 / TAU, loss_fn=DetachedBlocks(world_size)
+    )
     assert detached_loss == pytest.approx(ref_loss, rel=1e-12)  # same loss value, different gradient
     for results in per_rank:
         loss, grads = results[LOCAL_PLAIN.name]
@@ -52,8 +52,9 @@ CONFIG = TrainConfig(tau=TAU, optimizer="adam", lr=0.01, eval_every=3)
 
 
 def _data():
-    return TrainData(paired_data(TRAIN, seed=SEED), paired_data(HELD_OUT, seed=SEED + 1),
-                     batch_schedule(TRAIN, N, STEPS, SEED))
+    return TrainData(
+        paired_data(TRAIN, seed=SEED), paired_data(HELD_OUT, seed=SEED + 1), batch_schedule(TRAIN, N, STEPS, SEED)
+    )
 
 
 def _train(rt, variant):
@@ -75,19 +76,42 @@ LESSON = "11_contrastive_local_naive.py"
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():
-    stdout = assert_lesson_passes_at_80_columns(LESSON, 2, "--global-batch", "24", "--steps", "4", "--train-size", "96",
-                                                "--held-out", "32", "--eval-every", "2", "--emulate", "1,4")
+    stdout = assert_lesson_passes_at_80_columns(
+        LESSON,
+        2,
+        "--global-batch",
+        "24",
+        "--steps",
+        "4",
+        "--train-size",
+        "96",
+        "--held-out",
+        "32",
+        "--eval-every",
+        "2",
+        "--emulate",
+        "1,4",
+    )
     # One progress line per run rank 0 shows (its one-process seeds 0 and 2, the three plain runs), no redraws.
     progress_lines = [line for line in stdout.splitlines() if "4/4" in line]
     assert len(progress_lines) == len(set(progress_lines)) == 5, progress_lines
     assert "lower held-out accuracy in" in stdout and "+-" in stdout  # the seeds' comparison and its spread
 
 
-@pytest.mark.parametrize("args, flag", [(["--emulate", "abc"], "--emulate"), (["--emulate", "8,0"], "--emulate"),
-                                        (["--emulate", "7"], "--emulate"), (["--global-batch", "0"], "--global-batch"),
-                                        (["--global-batch", "5000"], "--global-batch"), (["--lr", "nan"], "--lr"),
-                                        (["--tau", "0"], "--tau"), (["--steps", "-2"], "--steps"),
-                                        (["--optimizer", "lion"], "--optimizer")])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--emulate", "abc"], "--emulate"),
+        (["--emulate", "8,0"], "--emulate"),
+        (["--emulate", "7"], "--emulate"),
+        (["--global-batch", "0"], "--global-batch"),
+        (["--global-batch", "5000"], "--global-batch"),
+        (["--lr", "nan"], "--lr"),
+        (["--tau", "0"], "--tau"),
+        (["--steps", "-2"], "--steps"),
+        (["--optimizer", "lion"], "--optimizer"),
+    ],
+)
 def test_bad_flags_are_refused_before_any_process_group(args, flag):
     assert_flag_refused(LESSON, flag, *args)
 

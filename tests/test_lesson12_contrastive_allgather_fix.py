@@ -4,6 +4,14 @@ their formulas."""
 
 import pytest
 import torch
+from helpers import (
+    assert_flag_refused,
+    assert_gather_result,
+    assert_lesson_passes_at_80_columns,
+    gather_forward_and_backward,
+    load_lesson,
+    value_error,
+)
 
 from distlab.compare import all_ok, compare
 from distlab.contrastive.batch import local_block
@@ -14,8 +22,6 @@ from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_SUM
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import Runtime
 from distlab.spawn import spawn
-from helpers import (assert_flag_refused, assert_gather_result, assert_lesson_passes_at_80_columns,
-                     gather_forward_and_backward, load_lesson, value_error)
 
 N, TAU, SEED = 12, 0.1, 6
 LESSON = "12_contrastive_allgather_fix.py"
@@ -87,8 +93,9 @@ def test_cost_formulas():
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():
-    assert_lesson_passes_at_80_columns(LESSON, 2, "--global-batch", "48", "--cost-global-batch", "128",
-                                       "--comm-global-batch", "256", "--comm-dim", "8")
+    assert_lesson_passes_at_80_columns(
+        LESSON, 2, "--global-batch", "48", "--cost-global-batch", "128", "--comm-global-batch", "256", "--comm-dim", "8"
+    )
 
 
 @pytest.mark.parametrize("flag, value", [("--cost-global-batch", "0"), ("--comm-dim", "x"), ("--tau", "inf")])

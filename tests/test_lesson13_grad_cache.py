@@ -2,8 +2,8 @@
 with one reducing backward per model and step under no_sync_except_last; its memory follows B.
 
 The reference runs in the parent process (`full_batch_gradients` with `as_ranks`): a deep copy, plain
-autograd, one loss over the global batch. Rank r's micro-batches run with a graph from rank r's seed, in GradCache's order
-(tower x's micro-batches, then tower y's), so dropout draws the masks each rank drew. Float64: rtol
+autograd, one loss over the global batch. Rank r's micro-batches run with a graph from rank r's seed, in
+GradCache's order (tower x's micro-batches, then tower y's), so dropout draws the masks each rank drew. Float64: rtol
 1e-10, atol 1e-12.
 """
 
@@ -14,6 +14,13 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import (
+    CommHookCounter,
+    assert_flag_refused,
+    assert_lesson_passes_at_80_columns,
+    assert_same_error_on_every_rank,
+    load_lesson,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.chunks import chunks
@@ -25,8 +32,6 @@ from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_grad
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
-from helpers import (CommHookCounter, assert_flag_refused, assert_lesson_passes_at_80_columns,
-                     assert_same_error_on_every_rank, load_lesson)
 
 P, N, B, TAU, SEED = 2, 22, 4, 0.1, 11  # C = 11 pairs per rank in micro-batches of 4, 4, 3
 C = N // P
@@ -55,7 +60,7 @@ def data():
 
 
 def mine(rt, x, y):
-    return x[rt.rank * C:(rt.rank + 1) * C], y[rt.rank * C:(rt.rank + 1) * C]
+    return x[rt.rank * C : (rt.rank + 1) * C], y[rt.rank * C : (rt.rank + 1) * C]
 
 
 def _ddp_grad_cache(rt, shared):
@@ -72,7 +77,8 @@ def _ddp_grad_cache(rt, shared):
         counter.calls = 0
         torch.manual_seed(SEED + rt.rank)
         loss = GradCache([wrapped[n] for n in names], B, ddp_rep_clip_loss)(
-            *mine(rt, *data()), offset=rt.rank * C, no_sync_except_last=sync_last)
+            *mine(rt, *data()), offset=rt.rank * C, no_sync_except_last=sync_last
+        )
         grads = {k: v for name, m in wrapped.items() for k, v in grads_of(m.module, f"{name}.").items()}
         results[sync_last] = (grads, counter.calls, loss.item())
     return results
@@ -116,7 +122,8 @@ def _ddp_local_only(rt):
 def _no_sync_without_ddp(rt):
     source = model()
     GradCache([DDP(source.encoder_x), source.encoder_y], B, partial(ddp_rep_clip_loss, offset=rt.rank * C))(
-        *data(), no_sync_except_last=True)
+        *data(), no_sync_except_last=True
+    )
 
 
 def test_no_sync_except_last_on_a_plain_model_fails_on_every_rank():
@@ -164,8 +171,9 @@ def test_the_lessons_own_three_steps_equal_the_full_batch_and_need_the_replay(mo
 def test_the_lesson_passes_at_p_3_and_reads_whole_at_80_columns():
     """P = 3 with N = 96 (C = 32): towers wide enough that activations outweigh the parameter
     gradients, so every claim, the memory ones included, holds."""
-    assert_lesson_passes_at_80_columns(LESSON, 3, "--global-batch", "96", "--micro-batch-size", "8",
-                                       "--width", "512", "--repeats", "1")
+    assert_lesson_passes_at_80_columns(
+        LESSON, 3, "--global-batch", "96", "--micro-batch-size", "8", "--width", "512", "--repeats", "1"
+    )
 
 
 @pytest.mark.parametrize("flag, value", [("--micro-batch-size", "0"), ("--dropout", "1"), ("--tau", "nan")])

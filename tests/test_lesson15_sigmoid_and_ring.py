@@ -11,7 +11,9 @@ model: the baseline the streamed sigmoid loss is measured against computes the s
 import copy
 
 import pytest
-import torch
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import SigTowers, full_batch, local_rows
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import all_ok, compare, grads_of
@@ -19,17 +21,15 @@ from distlab.contrastive.siglip_recipe import siglip_recipe_loss
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward
-from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns
-from streamed_helpers import STREAMED_N as N
-from streamed_helpers import SigTowers, full_batch, local_rows
 
 LESSON = "15_sigmoid_and_ring.py"
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_lesson_passes(world):
-    out = assert_lesson_passes_at_80_columns(LESSON, world, "--pairs-per-rank", "24", "--micro-batch-size", "10",
-                                             "--memory-pairs", "128")
+    out = assert_lesson_passes_at_80_columns(
+        LESSON, world, "--pairs-per-rank", "24", "--micro-batch-size", "10", "--memory-pairs", "128"
+    )
     assert out.count("PASS ") == 14 and "Ring: block held" in out
 
 

@@ -12,15 +12,15 @@ import re
 
 import pytest
 import torch
+from helpers import assert_flag_refused, torchrun
 
 from distlab.checkpointing import Checkpoints
 from distlab.spawn import SpawnError, spawn
-from helpers import assert_flag_refused, torchrun
 
 LESSON = "16_train_clip.py"
 # 20 steps of N = 64 clear the lesson's 80% accuracy claim (about 90%); checkpoints after steps 5, 10, ...
 RUN = ("--steps", "20", "--warmup", "2", "--global-batch", "64", "--eval-every", "10")
-DIGEST = re.compile(r"parameters sha256:\s+([0-9a-f]{64})\n")   # (at 80 columns rich wraps before the hex)
+DIGEST = re.compile(r"parameters sha256:\s+([0-9a-f]{64})\n")  # (at 80 columns rich wraps before the hex)
 
 
 def _digest(stdout: str) -> str:
@@ -32,15 +32,25 @@ def _digest(stdout: str) -> str:
 def test_a_crashed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path):
     straight = torchrun(LESSON, 2, *RUN)
     assert straight.returncode == 0, straight.stdout + straight.stderr[-3000:]
-    crashed = torchrun(LESSON, 2, *RUN, "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "5",
-                       "--crash-at-step", "13", max_restarts=1)
+    crashed = torchrun(
+        LESSON,
+        2,
+        *RUN,
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "5",
+        "--crash-at-step",
+        "13",
+        max_restarts=1,
+    )
     output = crashed.stdout + crashed.stderr
     assert crashed.returncode == 0, output[-5000:]
-    assert "rank 1: os._exit(17) at step 13 (--crash-at-step)" in output          # the fault happened,
+    assert "rank 1: os._exit(17) at step 13 (--crash-at-step)" in output  # the fault happened,
     assert f"resumed from {tmp_path / 'step-000010'} (after step 10" in crashed.stdout  # once, and was survived
     assert crashed.stdout.count("Lesson 16") == 2 and "PASS: every claim holds" in crashed.stdout
     assert _digest(crashed.stdout) == _digest(straight.stdout)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000015", "step-000020"]   # the newest two
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000015", "step-000020"]  # the newest two
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +68,7 @@ def _run_state(seed: int):
 
 def _train_step(state: dict) -> None:
     state["optimizer"].zero_grad()
-    loss = state["model"](torch.randn(4, 3)).square().sum()      # draws from the global generator
+    loss = state["model"](torch.randn(4, 3)).square().sum()  # draws from the global generator
     loss.backward()
     state["optimizer"].step()
     state["scheduler"].step()
@@ -66,9 +76,9 @@ def _train_step(state: dict) -> None:
 
 
 def _tear(folder, how: str) -> None:
-    if how == "no manifest":          # a rank died before rank 0 wrote it
+    if how == "no manifest":  # a rank died before rank 0 wrote it
         (folder / "manifest.json").unlink()
-    else:                             # a file changed after its hash was taken
+    else:  # a file changed after its hash was taken
         data = bytearray((folder / "state.pt").read_bytes())
         data[len(data) // 2] ^= 0xFF
         (folder / "state.pt").write_bytes(bytes(data))
@@ -81,7 +91,7 @@ def _save_tear_restore(rt, directory: str, how: str):
     run = {"lr": 0.1}
     checkpoints, state = Checkpoints(rt, directory, 1, run), _run_state(0)
     _train_step(state)
-    torch.rand(rt.rank + 1)                                       # each rank's generator elsewhere
+    torch.rand(rt.rank + 1)  # each rank's generator elsewhere
     checkpoints.after_step(1, state)
     saved = ({k: v.clone() for k, v in state["model"].state_dict().items()}, torch.rand(3), list(state["log"]["loss"]))
     _train_step(state)
@@ -95,9 +105,14 @@ def _save_tear_restore(rt, directory: str, how: str):
     fresh = _run_state(100)
     step = Checkpoints(rt, directory, 1, run).restore(fresh)
     params, next_draw, log = saved
-    return (step, all(torch.equal(params[k], v) for k, v in fresh["model"].state_dict().items()),
-            torch.equal(torch.rand(3), next_draw), fresh["log"]["loss"] == log,
-            fresh["scheduler"].last_epoch, len(fresh["optimizer"].state))
+    return (
+        step,
+        all(torch.equal(params[k], v) for k, v in fresh["model"].state_dict().items()),
+        torch.equal(torch.rand(3), next_draw),
+        fresh["log"]["loss"] == log,
+        fresh["scheduler"].last_epoch,
+        len(fresh["optimizer"].state),
+    )
 
 
 @pytest.mark.parametrize("how", ["no manifest", "torn file"])
@@ -109,7 +124,7 @@ def test_a_half_written_checkpoint_is_never_loaded(tmp_path, how):
 def _restore_as_another_run(rt, directory: str):
     state = _run_state(0)
     Checkpoints(rt, directory, 1, {"lr": 0.1}).save(1, state)
-    torch.distributed.barrier()                                   # rank 0 has renamed it by now
+    torch.distributed.barrier()  # rank 0 has renamed it by now
     Checkpoints(rt, directory, 1, {"lr": 0.2}).restore(_run_state(0))
 
 
@@ -120,7 +135,7 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
 
 def test_bad_resume_flags_are_one_line_naming_the_flag(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert_flag_refused(LESSON, "--crash-at-step", "--crash-at-step", "3")              # no --checkpoint-dir
+    assert_flag_refused(LESSON, "--crash-at-step", "--crash-at-step", "3")  # no --checkpoint-dir
     assert_flag_refused(LESSON, "--crash-at-step", "--checkpoint-dir", "x", "--steps", "20", "--crash-at-step", "21")
     assert_flag_refused(LESSON, "--crash-rank", "--checkpoint-dir", "x", "--crash-at-step", "3", "--crash-rank", "2")
     assert_flag_refused(LESSON, "--checkpoint-every", "--checkpoint-every", "0")

@@ -15,14 +15,25 @@ import sys
 
 import pytest
 import torch
+from helpers import LESSONS, no_ellipsis, torchrun
 
-from distlab.contrastive.digits import (CLASS_NAMES, TEMPLATES, ZERO_SHOT_TEMPLATE, DigitsCLIP, Tokenizer, caption,
-                                        caption_table, confusion_matrix, draw_captions, load_split, zero_shot)
+from distlab.contrastive.digits import (
+    CLASS_NAMES,
+    TEMPLATES,
+    ZERO_SHOT_TEMPLATE,
+    DigitsCLIP,
+    Tokenizer,
+    caption,
+    caption_table,
+    confusion_matrix,
+    draw_captions,
+    load_split,
+    zero_shot,
+)
 from distlab.contrastive.losses import sigmoid_loss
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.optim import decay_groups, warmup_cosine
 from distlab.spawn import free_port
-from helpers import LESSONS, no_ellipsis, torchrun
 
 LESSON = "16_train_clip.py"
 SIGMOID_STEPS = 40  # at P = 3 with the ring: about 95% zero-shot against the 80% claim (30 steps: 90%)
@@ -53,7 +64,8 @@ def test_lesson_trains_a_clip_that_classifies_held_out_digits_at_p2(tmp_path):
     for when in ("before", "after"):
         confusion = torch.tensor(figures["confusion"][when])
         assert confusion.shape == (10, 10) and confusion.trace() / confusion.sum() == pytest.approx(
-            figures[f"accuracy_{when}"])
+            figures[f"accuracy_{when}"]
+        )
 
     # One process on the same global batches trains the same model: 40 steps of loss and learned scale
     # agree to float32 rounding (the summation order differs), the accuracy curve exactly.
@@ -69,25 +81,64 @@ def test_lesson_trains_a_clip_that_classifies_held_out_digits_at_p2(tmp_path):
 def test_sigmoid_loss_with_the_ring_at_p3_learns_its_bias(tmp_path):
     # N = 255 = 3 x 85 (C = 85 > B = 64: each micro-batch embedded, then recomputed); STEPS steps clear 80%.
     report = tmp_path / "sigmoid_ring.json"
-    run = torchrun(LESSON, 3, "--loss", "sigmoid", "--exchange", "ring", "--global-batch", "255",
-                   "--steps", str(SIGMOID_STEPS), "--warmup", "4", "--json", str(report), columns=80)
+    run = torchrun(
+        LESSON,
+        3,
+        "--loss",
+        "sigmoid",
+        "--exchange",
+        "ring",
+        "--global-batch",
+        "255",
+        "--steps",
+        str(SIGMOID_STEPS),
+        "--warmup",
+        "4",
+        "--json",
+        str(report),
+        columns=80,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "PASS  step 1's gradients (logit scale and bias included) equal the full batch's" in run.stdout
-    assert re.search(r"│ logit_bias\s+│\s+1 │.*│\s+yes │", run.stdout)     # beta's gradient is in the table
+    assert re.search(r"│ logit_bias\s+│\s+1 │.*│\s+yes │", run.stdout)  # beta's gradient is in the table
     assert no_ellipsis(run.stdout) and max(map(len, run.stdout.splitlines())) <= 80
     figures = json.loads(report.read_text())["figures"]
     assert figures["world_size"] == 3 and figures["accuracy_after"] >= 0.8 > 0.2 > figures["accuracy_before"]
     assert len(figures["logit_bias"]) == SIGMOID_STEPS and figures["logit_scale"][0] == pytest.approx(10, abs=0.1)
-    assert abs(figures["logit_bias"][-1] + 10) > 1e-3       # beta was learned: from -10 to about -10.006
+    assert abs(figures["logit_bias"][-1] + 10) > 1e-3  # beta was learned: from -10 to about -10.006
 
 
 def test_the_accuracy_check_can_fail():
     # Two steps at a tiny learning rate leave the towers where they started: near chance, so the
     # lesson exits 1 (its last line still the accuracy it measured). One rank, without torchrun.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    run = subprocess.run([sys.executable, str(LESSONS / LESSON), "--steps", "2", "--warmup", "1", "--lr", "1e-7",
-                          "--global-batch", "64"], capture_output=True, text=True, env=env, timeout=120)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(LESSONS / LESSON),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--lr",
+            "1e-7",
+            "--global-batch",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 1, run.stdout + run.stderr[-3000:]
     assert "FAIL  held-out zero-shot accuracy >= 80%" in run.stdout
     accuracy = float(LAST_LINE.match(_last_line(run.stdout)).group(1))
@@ -96,8 +147,12 @@ def test_the_accuracy_check_can_fail():
 
 def test_a_bad_flag_is_one_clear_line_and_exit_code_2():
     # Refused while parsing, before any process group: no launcher needed.
-    run = subprocess.run([sys.executable, str(LESSONS / LESSON), "--steps", "10", "--warmup", "10"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(LESSONS / LESSON), "--steps", "10", "--warmup", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stdout + run.stderr[-3000:]
     assert run.stderr.count("error:") == 1 and "argument --warmup: must be below --steps (10)" in run.stderr
     assert "Traceback" not in run.stdout + run.stderr
@@ -113,9 +168,9 @@ def test_split_is_stratified_disjoint_and_reproducible():
     # A held-out image equal to a training image (scikit-learn's digits holds a few duplicates) is rare.
     same = (split.test_images.flatten(1)[:, None] == split.train_images.flatten(1)[None]).all(-1).any(-1)
     assert len(split.train_labels) + len(split.test_labels) == 1797
-    assert torch.bincount(split.test_labels).tolist() == [round(0.2 * c) for c in
-                                                          torch.bincount(torch.cat((split.train_labels,
-                                                                                    split.test_labels))).tolist()]
+    assert torch.bincount(split.test_labels).tolist() == [
+        round(0.2 * c) for c in torch.bincount(torch.cat((split.train_labels, split.test_labels))).tolist()
+    ]
     assert same.sum() <= 3
     assert split.train_images.shape[1:] == (1, 8, 8) and -1 <= split.train_images.min() < split.train_images.max() <= 1
     again = load_split(0.2, seed=3)
@@ -185,8 +240,9 @@ def test_model_returns_unit_embeddings_and_its_logit_scale():
     z_x, z_y, s = model(torch.zeros(3, 1, 8, 8), tokenizer.encode([caption(k) for k in range(3)]))
     assert z_x.shape == z_y.shape == (3, 16) and s.dim() == 0
     assert torch.allclose(z_x.norm(dim=1), torch.ones(3)) and s.item() == pytest.approx(1 / 0.07)
-    assert torch.equal(DigitsCLIP(len(tokenizer), tokenizer.length, dim=16, seed=5).encoder_x.proj.weight,
-                       model.encoder_x.proj.weight)
+    assert torch.equal(
+        DigitsCLIP(len(tokenizer), tokenizer.length, dim=16, seed=5).encoder_x.proj.weight, model.encoder_x.proj.weight
+    )
     with torch.no_grad():
         model.logit_scale.fill_(10.0)
     model.clamp_logit_scale_()

@@ -5,6 +5,7 @@ reference that replays each rank's dropout in one process."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_gather_result, gather_forward_and_backward, value_error
 
 from distlab.chunks import chunks
 from distlab.contrastive.gather import gather_library, gather_plain, gather_with_grad
@@ -14,7 +15,6 @@ from distlab.contrastive.step import contrastive_loss
 from distlab.contrastive.variants import LOCAL_LIBRARY
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
-from helpers import assert_gather_result, gather_forward_and_backward, value_error
 
 
 def _unit(n, d, seed, dtype=torch.float64):
@@ -66,7 +66,8 @@ def test_the_stability_check_would_catch_a_naive_softmax():
     assert not torch.isfinite(loss)
     # ... while in float64 it is the same function as clip_loss (so it is a fair counterexample).
     assert _naive_clip_loss(z_x.double(), z_y.double(), 100.0).item() == pytest.approx(
-        clip_loss(z_x.double(), z_y.double(), 100.0).item(), rel=1e-10)
+        clip_loss(z_x.double(), z_y.double(), 100.0).item(), rel=1e-10
+    )
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 3, 4])
@@ -78,8 +79,13 @@ def test_local_rows_average_to_the_global_loss(blocks):
     c = n // blocks
 
     def mean_of_local(zx, zy, s):
-        return sum(local_clip_loss(zx[r * c:(r + 1) * c], zy[r * c:(r + 1) * c], zx, zy, s, r * c)
-                   for r in range(blocks)) / blocks
+        return (
+            sum(
+                local_clip_loss(zx[r * c : (r + 1) * c], zy[r * c : (r + 1) * c], zx, zy, s, r * c)
+                for r in range(blocks)
+            )
+            / blocks
+        )
 
     expected = _loss_and_grads(z_x, z_y, 1 / tau)
     got = _loss_and_grads(z_x, z_y, 1 / tau, mean_of_local)
@@ -127,17 +133,20 @@ def test_gather_forward_concatenates_and_backward_is_as_documented(name, gathere
 # -- bad input: the same ValueError on every rank, never a hang --------------------------------
 
 BAD_CASES = {  # case -> words the message must contain
-    "embedding size": "one embedding size", "local batch": "equal local batches",
-    "tau <= 0": "tau must be > 0", "tau differs": "same on every rank", "z_x vs z_y": "z_x and z_y of one shape",
+    "embedding size": "one embedding size",
+    "local batch": "equal local batches",
+    "tau <= 0": "tau must be > 0",
+    "tau differs": "same on every rank",
+    "z_x vs z_y": "z_x and z_y of one shape",
 }
 
 
 def _loss_with(rt, case):
     c, d, tau = 4, 8, 0.1
     if case == "embedding size":
-        d += rt.rank            # rank r's encoder makes d + r numbers
+        d += rt.rank  # rank r's encoder makes d + r numbers
     elif case == "local batch":
-        c += rt.rank % 2        # unequal shares of the global batch
+        c += rt.rank % 2  # unequal shares of the global batch
     elif case == "tau <= 0":
         tau = 0.0
     elif case == "tau differs":
@@ -189,12 +198,12 @@ def _rank_embeddings(rt, tower_by_tower):
     c = REPLAY_N // rt.world_size
     steps = []
     for step in range(2):
-        x, y = (t[rt.rank * c:(rt.rank + 1) * c] for t in paired_data(REPLAY_N, seed=step))
+        x, y = (t[rt.rank * c : (rt.rank + 1) * c] for t in paired_data(REPLAY_N, seed=step))
         if tower_by_tower:
-            zx = [F.normalize(model.encoder_x(x[i:i + REPLAY_B]), dim=-1) for i in range(0, c, REPLAY_B)]
-            zy = [F.normalize(model.encoder_y(y[i:i + REPLAY_B]), dim=-1) for i in range(0, c, REPLAY_B)]
+            zx = [F.normalize(model.encoder_x(x[i : i + REPLAY_B]), dim=-1) for i in range(0, c, REPLAY_B)]
+            zy = [F.normalize(model.encoder_y(y[i : i + REPLAY_B]), dim=-1) for i in range(0, c, REPLAY_B)]
         else:
-            zx, zy = zip(*[model(x[i:i + REPLAY_B], y[i:i + REPLAY_B]) for i in range(0, c, REPLAY_B)])
+            zx, zy = zip(*[model(x[i : i + REPLAY_B], y[i : i + REPLAY_B]) for i in range(0, c, REPLAY_B)])
         steps.append((torch.cat(zx).detach(), torch.cat(zy).detach()))
     return steps
 

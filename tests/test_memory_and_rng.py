@@ -8,21 +8,21 @@ from torch import nn
 from distlab.contrastive.rand_context import RandContext
 from distlab.memory import PeakMemory
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def test_peak_memory_counts_live_storage_and_releases_it():
     with PeakMemory() as mem:
-        a = torch.zeros(MIB // 4)       # 1 MiB of float32
-        b = torch.zeros(MIB // 2)       # 2 MiB: 3 MiB live together
+        a = torch.zeros(MIB // 4)  # 1 MiB of float32
+        b = torch.zeros(MIB // 2)  # 2 MiB: 3 MiB live together
         del a
-        c = b.view(-1)[:10]             # a view allocates nothing
+        c = b.view(-1)[:10]  # a view allocates nothing
         del b, c
         d = torch.zeros(MIB // 4)
     gc.collect()
     assert mem.peak_bytes == 3 * MIB
     assert mem.largest_bytes == 2 * MIB
-    assert mem.live_bytes == MIB        # only d is still alive
+    assert mem.live_bytes == MIB  # only d is still alive
     del d
     assert mem.live_bytes == 0
 

@@ -46,8 +46,9 @@ def test_notebook_executes(path, monkeypatch):
     notebook = nbformat.read(path, as_version=4)
     # Executed in memory, from the notebook's own folder (the notebooks call ../NN_lesson.py);
     # the committed file keeps the outputs of the real run it was saved with.
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
     check_outputs(notebook, path.name)
 
 

@@ -31,6 +31,7 @@ def _fail_on_rank_one(rt):
 def _exit_hard(rt):
     if rt.rank == 0:
         import os
+
         os._exit(3)
     dist.barrier()
 
@@ -44,8 +45,8 @@ class _SlowToFree:
 
     def __del__(self):
         self.inside.set()
-        self.freeing.wait(30)   # set by the main thread right before it frees the group ...
-        time.sleep(1.0)         # ... which it is doing by now, while this worker holds the mutex
+        self.freeing.wait(30)  # set by the main thread right before it frees the group ...
+        time.sleep(1.0)  # ... which it is doing by now, while this worker holds the mutex
 
 
 def _ddp_outlives_its_group(rt):
@@ -56,15 +57,15 @@ def _ddp_outlives_its_group(rt):
     inside, freeing = threading.Event(), threading.Event()
     tensor = torch.ones(4)
     tensor.slow = _SlowToFree(inside, freeing)
-    dist.all_reduce(tensor, group=group, async_op=True)   # no handle kept: the worker frees the tensor
+    dist.all_reduce(tensor, group=group, async_op=True)  # no handle kept: the worker frees the tensor
     del tensor
     assert inside.wait(30), "the worker never freed the tensor"
     # Set before the release, not after: set after, the worker waited out its 30 s inside the
     # group's destructor in every run (the release waits for it), which proved nothing more.
     freeing.set()
-    release_process_group(group)      # what distributed() runs on the way out, for this group
+    release_process_group(group)  # what distributed() runs on the way out, for this group
     del group, ddp
-    gc.collect()                      # a reducer still owning the group would destroy it here: hang
+    gc.collect()  # a reducer still owning the group would destroy it here: hang
     return "exited"
 
 

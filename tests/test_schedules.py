@@ -6,14 +6,24 @@ from fractions import Fraction
 import pytest
 import torch
 from rich.console import Console
+from schedule_helpers import ALL, MS, PS
 
 from distlab.pipeline.schedules import (
-    SCHEDULES, Action, check_schedule, gpipe, interleaved_1f1b, looped, make_schedule, one_f_one_b,
-    round_size, v_shape, zbv, zero_bubble,
+    SCHEDULES,
+    Action,
+    check_schedule,
+    gpipe,
+    interleaved_1f1b,
+    looped,
+    make_schedule,
+    one_f_one_b,
+    round_size,
+    v_shape,
+    zbv,
+    zero_bubble,
 )
 from distlab.pipeline.simulator import dependencies, durations, peak_in_flight, render, simulate
 from distlab.pipeline.training import PipelineConfig, check_config, microbatch_sizes
-from schedule_helpers import ALL, MS, PS
 
 
 def test_every_dependency_holds_and_each_rank_runs_its_order_one_action_at_a_time():
@@ -80,17 +90,25 @@ def test_gpipe_and_1f1b_bubble_holds_for_any_costs_and_any_m():
 def test_zb_h1_idles_a_third_of_one_f_one_b():
     for p in range(2, 7):
         for m in range(p, 14):
-            idle = {name: simulate(s).ticks - 3 * m for name, s in (("1f1b", one_f_one_b(p, m)),
-                                                                    ("zb-h1", zero_bubble(p, m)))}
+            idle = {
+                name: simulate(s).ticks - 3 * m
+                for name, s in (("1f1b", one_f_one_b(p, m)), ("zb-h1", zero_bubble(p, m)))
+            }
             assert idle == {"1f1b": 3 * (p - 1), "zb-h1": p - 1}
 
 
 def in_flight_formula(name: str, p: int, m: int, v: int, r: int) -> int:
     """Most (stage, micro-batch) activations rank r holds; for v > 1 each is a stage of 1/v the layers."""
     g = round_size(p, m) if v > 1 and name.startswith("interleaved") else m
-    return {"gpipe": m, "1f1b": min(m, p - r), "looped-bfs": v * m,
-            "interleaved-1f1b": min(v * m, (v - 1) * g + 2 * (p - r - 1) + 1),
-            "zb-h1": min(m, p), "interleaved-zb": min(v * m, (v - 1) * g + p), "zbv": 2 * p}[name]
+    return {
+        "gpipe": m,
+        "1f1b": min(m, p - r),
+        "looped-bfs": v * m,
+        "interleaved-1f1b": min(v * m, (v - 1) * g + 2 * (p - r - 1) + 1),
+        "zb-h1": min(m, p),
+        "interleaved-zb": min(v * m, (v - 1) * g + p),
+        "zbv": 2 * p,
+    }[name]
 
 
 def test_peak_in_flight_equals_its_closed_form():
@@ -109,33 +127,42 @@ def test_orders_read_as_the_papers_draw_them():
     assert [str(a) for a in one_f_one_b(4, 2)[0]] == "F0 F1 I0 I1".split()  # M < P: no steady state
     assert text(interleaved_1f1b(2, 4)) == [
         "0F0 0F1 2F0 2F1 0F2 2I0 0F3 2I1 2F2 0I0 2F3 0I1 2I2 2I3 0I2 0I3",
-        "1F0 1F1 3F0 3I0 3F1 3I1 1F2 1I0 1F3 1I1 3F2 3I2 3F3 3I3 1I2 1I3"]
+        "1F0 1F1 3F0 3I0 3F1 3I1 1F2 1I0 1F3 1I1 3F2 3I2 3F3 3I3 1I2 1I3",
+    ]
     # ZB-H1: the last rank holds back P - 1 = 1 weight gradient, the first none.
-    assert text(zero_bubble(2, 3)) == ["0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2",
-                                       "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"]
+    assert text(zero_bubble(2, 3)) == ["0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"]
     # ZB-V on P = 2: rank 0 holds stages 0 and 3 (the V's ends), rank 1 stages 1 and 2 (its turn).
-    assert text(zbv(2, 2)) == ["0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
-                               "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1"]
+    assert text(zbv(2, 2)) == [
+        "0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1",
+    ]
 
 
 def _fake_stage(p: int, stages: int, ranks: int):
     """Enough of a PipelineStage for a schedule's constructor to build its plan, no process group."""
+
     class Stage:
         stage_index, num_stages, group_size, group_rank = p, stages, ranks, 0
         is_first, is_last, submod, stage_index_to_group_rank = p == 0, p == stages - 1, torch.nn.Linear(1, 1), {}
+
     return Stage()
 
 
-@pytest.mark.parametrize("ours, theirs, v", [("interleaved-1f1b", "ScheduleInterleaved1F1B", 2),
-                                             ("interleaved-1f1b", "ScheduleInterleaved1F1B", 3),
-                                             ("looped-bfs", "ScheduleLoopedBFS", 2),
-                                             ("zb-h1", "ScheduleInterleavedZeroBubble", 1),
-                                             ("interleaved-zb", "ScheduleInterleavedZeroBubble", 2),
-                                             ("zbv", "ScheduleZBVZeroBubble", 2)])
+@pytest.mark.parametrize(
+    "ours, theirs, v",
+    [
+        ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2),
+        ("interleaved-1f1b", "ScheduleInterleaved1F1B", 3),
+        ("looped-bfs", "ScheduleLoopedBFS", 2),
+        ("zb-h1", "ScheduleInterleavedZeroBubble", 1),
+        ("interleaved-zb", "ScheduleInterleavedZeroBubble", 2),
+        ("zbv", "ScheduleZBVZeroBubble", 2),
+    ],
+)
 def test_our_orders_are_pytorchs_plans_for_every_m_it_accepts(ours, theirs, v):
     """torch 2.13's `pipeline_order` (its I is our split I, its B our unsplit I; None cells dropped)
-    equals our schedule for every P <= 6 and M <= 13 its constructor accepts; it refuses the M ours refuses (and, with one
-    stage per rank, ScheduleInterleavedZeroBubble refuses some that ours runs: M = 5 on P = 2)."""
+    equals our schedule for every P <= 6 and M <= 13 its constructor accepts; it refuses the M ours refuses
+    (and, with one stage per rank, ScheduleInterleavedZeroBubble refuses some that ours runs: M = 5 on P = 2)."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import _ComputationType as kind
 
@@ -145,8 +172,9 @@ def test_our_orders_are_pytorchs_plans_for_every_m_it_accepts(ours, theirs, v):
         for m in MS:
             mine = (v_shape(p) if ours == "zbv" else looped(p, v))[0]
             try:
-                plan = getattr(pipelining, theirs)([_fake_stage(s, v * p, p) for s in mine], m,
-                                                   loss_fn=lambda out, target: out.sum()).pipeline_order
+                plan = getattr(pipelining, theirs)(
+                    [_fake_stage(s, v * p, p) for s in mine], m, loss_fn=lambda out, target: out.sum()
+                ).pipeline_order
             except ValueError:
                 if v == 1:  # one stage per rank: rounds play no part, ours runs every M
                     make_schedule(ours, p, m, v)
@@ -154,8 +182,10 @@ def test_our_orders_are_pytorchs_plans_for_every_m_it_accepts(ours, theirs, v):
                     with pytest.raises(ValueError, match="rounds of equal size"):
                         make_schedule(ours, p, m, v)
                 continue
-            theirs_as_ours = [[Action(names[a.computation_type], a.microbatch_index, a.stage_index)
-                               for a in plan[r] if a is not None] for r in range(p)]
+            theirs_as_ours = [
+                [Action(names[a.computation_type], a.microbatch_index, a.stage_index) for a in plan[r] if a is not None]
+                for r in range(p)
+            ]
             assert theirs_as_ours == make_schedule(ours, p, m, v), (p, m)
             compared += 1
     assert compared >= 60

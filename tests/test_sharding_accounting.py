@@ -15,7 +15,7 @@ def test_a_flat_unit_pads_to_equal_shards_and_round_trips():
             params = [q.detach() for q in layer.parameters()]
             flat = unit.flatten(params)
             assert flat.numel() == unit.padded == p * unit.shard_numel >= unit.numel > unit.padded - p
-            assert torch.equal(flat[unit.numel:], torch.zeros(unit.padded - unit.numel, dtype=flat.dtype))
+            assert torch.equal(flat[unit.numel :], torch.zeros(unit.padded - unit.numel, dtype=flat.dtype))
             assert all(torch.equal(a, b) for a, b in zip(unit.unflatten(flat), params))
             assert torch.equal(unit.my_shard(flat), flat.chunk(p)[p - 1])
 

@@ -37,9 +37,12 @@ def test_closed_form_gradients_equal_autograd(t, unit_norm):
     clip_loss(leaf_x, leaf_y, s).backward()
     a, b, g_x, g_y, g_s = closed_form(z_x, z_y, 14.3, t)
     logits = 14.3 * z_x @ z_y.T
-    assert all_ok(compare({"a": logits.logsumexp(1), "b": logits.logsumexp(0), "g_x": leaf_x.grad,
-                           "g_y": leaf_y.grad, "g_s": s.grad},
-                          {"a": a, "b": b, "g_x": g_x, "g_y": g_y, "g_s": g_s}))
+    assert all_ok(
+        compare(
+            {"a": logits.logsumexp(1), "b": logits.logsumexp(0), "g_x": leaf_x.grad, "g_y": leaf_y.grad, "g_s": s.grad},
+            {"a": a, "b": b, "g_x": g_x, "g_y": g_y, "g_s": g_s},
+        )
+    )
     # dL/ds from the other tower's rows is the same number (what a frozen x tower uses).
     assert torch.allclose((z_y * g_y).sum() / 14.3, s.grad, rtol=1e-10, atol=1e-12)
     lse, nll = streamed_lse(z_y[3:], z_x, 14.3, t, offset=3)  # rows 3.. of S^T: the sharded variant
@@ -93,7 +96,11 @@ def test_config_regimes_and_learnable_mode():
     cfg = parse_config(base, 2, 1)
     assert cfg.tau is None and cfg.one_forward and cfg.local == 12 and cfg.offset == 12
     assert not parse_config(base | {"MICRO_BATCH_SIZE": 11, "TAU": 0.1}, 2, 0).one_forward
-    for bad, match in (({"TAU": 0.0}, "finite number > 0"), ({"STREAM_CHUNK": 3}, "did you mean"),
-                       ({"MICRO_BATCH_SIZE": True}, "must be an int"), ({"GLOBAL_BATCH_SIZE": 25}, "not divisible")):
+    for bad, match in (
+        ({"TAU": 0.0}, "finite number > 0"),
+        ({"STREAM_CHUNK": 3}, "did you mean"),
+        ({"MICRO_BATCH_SIZE": True}, "must be an int"),
+        ({"GLOBAL_BATCH_SIZE": 25}, "not divisible"),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_config(base | bad, 2, 0)

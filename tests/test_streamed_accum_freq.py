@@ -17,13 +17,13 @@ the whole global batch:
 """
 
 import torch
+from open_clip_like import CLIP, accum_freq_backward, grads_by_name, image_text_data, reference
+from streamed_helpers import DROPOUT_SEED, local_rows, rank_streams
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import gradient_error
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward
-from streamed_helpers import DROPOUT_SEED, local_rows, rank_streams
-from open_clip_like import CLIP, accum_freq_backward, grads_by_name, image_text_data, reference
 
 N, ACCUM_FREQ = 24, 3  # P = 2: C = 12 pairs per rank, in 3 batches of B = 4
 B = N // 2 // ACCUM_FREQ
@@ -38,7 +38,7 @@ def both_steps(rt, dropout):
     x, y = images[rows], texts[rows]
     model = CLIP(output_dict=True, dropout=dropout)
     torch.manual_seed(DROPOUT_SEED + rt.rank)
-    batches = [(x[k:k + B], y[k:k + B]) for k in range(0, len(x), B)]
+    batches = [(x[k : k + B], y[k : k + B]) for k in range(0, len(x), B)]
     accum_freq_backward(DDP(model), batches, rt.rank)
     open_clip = grads_by_name(model)
     model = CLIP(output_dict=True, dropout=dropout)
@@ -68,17 +68,26 @@ def figures() -> dict[str, float]:
     cached = reference(CLIP(output_dict=True, dropout=DROPOUT), images, texts, 2, B, streams)[1]
     recomputed = reference(CLIP(output_dict=True, dropout=DROPOUT), images, texts, 2, B, streams)[1]
     (oc, ours), (oc_drop, ours_drop) = results[0][0.0], results[0][DROPOUT]
-    out = {"open_clip encoders": gradient_error(split(exact)[0], split(oc)[0]).max_rel,
-           "open_clip scale ratio": (split(oc)[1] / split(exact)[1]).item(),
-           "ours encoders": gradient_error(split(exact)[0], split(ours)[0]).max_rel,
-           "ours scale": gradient_error({SCALE: exact[SCALE]}, {SCALE: ours[SCALE]}).max_rel,
-           "open_clip dropout vs cached masks": gradient_error(split(cached)[0], split(oc_drop)[0]).max_rel,
-           "open_clip dropout vs recompute masks": gradient_error(split(recomputed)[0], split(oc_drop)[0]).max_rel,
-           "ours dropout vs cached masks": gradient_error(cached, ours_drop).max_rel}
+    out = {
+        "open_clip encoders": gradient_error(split(exact)[0], split(oc)[0]).max_rel,
+        "open_clip scale ratio": (split(oc)[1] / split(exact)[1]).item(),
+        "ours encoders": gradient_error(split(exact)[0], split(ours)[0]).max_rel,
+        "ours scale": gradient_error({SCALE: exact[SCALE]}, {SCALE: ours[SCALE]}).max_rel,
+        "open_clip dropout vs cached masks": gradient_error(split(cached)[0], split(oc_drop)[0]).max_rel,
+        "open_clip dropout vs recompute masks": gradient_error(split(recomputed)[0], split(oc_drop)[0]).max_rel,
+        "ours dropout vs cached masks": gradient_error(cached, ours_drop).max_rel,
+    }
     for label, ref in (("cached", cached), ("recompute", recomputed)):
         out[f"open_clip dropout cosine to {label} masks"] = gradient_error(split(ref)[0], split(oc_drop)[0]).cosine
-    out["ranks agree"] = float(all(torch.equal(results[0][d][i][k], r[d][i][k]) for r in results
-                                   for d in (0.0, DROPOUT) for i in (0, 1) for k in results[0][d][i]))
+    out["ranks agree"] = float(
+        all(
+            torch.equal(results[0][d][i][k], r[d][i][k])
+            for r in results
+            for d in (0.0, DROPOUT)
+            for i in (0, 1)
+            for k in results[0][d][i]
+        )
+    )
     return out
 
 

@@ -12,6 +12,8 @@ import contextlib
 import math
 
 import torch
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import Towers, full_batch, local_rows
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -19,8 +21,6 @@ from distlab.compare import all_ok, compare, grads_of
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from streamed_helpers import STREAMED_N as N
-from streamed_helpers import Towers, full_batch, local_rows
 
 
 class RawScale(Towers):
@@ -70,10 +70,18 @@ def bad_calls(rt):
         "TAU with a returned scale": (learn, lx, ly, good(TAU=0.1)),
         "no TAU and no returned scale": (fixed, lx, ly, good()),
         "TAU differs across ranks": (fixed, lx, ly, good(TAU=0.1 + 0.1 * rt.rank)),
-        "N differs across ranks": (learn, x[:13] if other else lx, y[:13] if other else ly,
-                                   good(GLOBAL_BATCH_SIZE=26 if other else N)),
-        "N differs, DDP's forward broadcasts buffers": (buffered, x[:13] if other else lx, y[:13] if other else ly,
-                                                       good(GLOBAL_BATCH_SIZE=26 if other else N)),
+        "N differs across ranks": (
+            learn,
+            x[:13] if other else lx,
+            y[:13] if other else ly,
+            good(GLOBAL_BATCH_SIZE=26 if other else N),
+        ),
+        "N differs, DDP's forward broadcasts buffers": (
+            buffered,
+            x[:13] if other else lx,
+            y[:13] if other else ly,
+            good(GLOBAL_BATCH_SIZE=26 if other else N),
+        ),
         "one rank's forward raises": (buffered, x[rows, :-1] if other else lx, ly, good()),
         "B differs across ranks": (learn, lx, ly, good(b=11 if other else 12)),
         "TAU is None": (learn, lx, ly, good(TAU=None)),

@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from open_clip_like import CLIP, freeze_backbones, grads_by_name, image_text_data, reference
+from streamed_helpers import Towers, local_rows, sigmoid_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -28,8 +30,6 @@ from distlab.compare import all_ok, compare
 from distlab.models import paired_data
 from distlab.spawn import free_port, spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from streamed_helpers import Towers, local_rows, sigmoid_loss
-from open_clip_like import CLIP, freeze_backbones, grads_by_name, image_text_data, reference
 
 N = 12  # C = 6 pairs per rank at P = 2
 TIMEOUT_S = 8.0  # the process group's timeout in the dead-peer case
@@ -82,8 +82,15 @@ def test_a_stock_open_clip_model_drops_in_exactly():
     for label, (make, b) in CASES.items():
         ref_loss, ref = reference(make(), images, texts, 2, b)
         if label.startswith("frozen"):
-            assert set(ref) == {"visual.proj", "token_embedding.weight", "positional_embedding", "ln_final.weight",
-                                "ln_final.bias", "text_projection", "logit_scale"}, sorted(ref)
+            assert set(ref) == {
+                "visual.proj",
+                "token_embedding.weight",
+                "positional_embedding",
+                "ln_final.weight",
+                "ln_final.bias",
+                "text_projection",
+                "logit_scale",
+            }, sorted(ref)
         for r in results:
             loss, grads = r[label]
             assert math.isclose(loss, ref_loss, rel_tol=1e-10), label
@@ -159,6 +166,7 @@ def _die_on_third_gather(original):
         if len(calls) == 3:  # the exchanges before the forward, after it, then the embeddings
             os._exit(1)
         return original(*args, **kwargs)
+
     return gather
 
 
@@ -176,7 +184,7 @@ def _rank_that_may_die(rank, world, port, how, results, release):
     ddp = DDP(model)
     start = time.monotonic()
     try:
-        distributed_backward(ddp, images[rank * c:(rank + 1) * c], texts[rank * c:(rank + 1) * c], config(c))
+        distributed_backward(ddp, images[rank * c : (rank + 1) * c], texts[rank * c : (rank + 1) * c], config(c))
         message = "no error"
     except Exception as err:  # noqa: BLE001 - what the survivor saw, whatever it was
         message = f"{type(err).__name__}: {err}"
@@ -194,8 +202,7 @@ def survivors_of(how: str, world: int = 3) -> dict[int, tuple[str, float]]:
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "distlab"])  # as spawn's
     results, release = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_rank_that_may_die, args=(r, world, port, how, results, release))
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank_that_may_die, args=(r, world, port, how, results, release)) for r in range(world)]
     for p in procs:
         p.start()
     out = {}

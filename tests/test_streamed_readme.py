@@ -6,18 +6,18 @@ import math
 import re
 
 import torch
+from helpers import ROOT
 
 from distlab.models import paired_data
 from distlab.spawn import spawn
-from helpers import ROOT
 
 SECTION = "## Using distributed_clip in your training"
 
 
 def readme_snippet() -> str:
     text = (ROOT / "README.md").read_text()
-    section = text[text.index(SECTION):]
-    section = section[:section.index("\n## ", len(SECTION))]
+    section = text[text.index(SECTION) :]
+    section = section[: section.index("\n## ", len(SECTION))]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -29,9 +29,9 @@ def run_snippet(rt, code, n, steps):
     c = n // rt.world_size
 
     def batches():  # this rank's share of a new global batch each time, as a DistributedSampler gives
-        for seed in range(10 ** 6):
+        for seed in range(10**6):
             x, y = paired_data(n, seed=seed, dtype=torch.float32)
-            yield x[rt.rank * c:(rt.rank + 1) * c], y[rt.rank * c:(rt.rank + 1) * c]
+            yield x[rt.rank * c : (rt.rank + 1) * c], y[rt.rank * c : (rt.rank + 1) * c]
 
     made = []
     adamw = torch.optim.AdamW
@@ -40,8 +40,9 @@ def run_snippet(rt, code, n, steps):
         losses = namespace["train"](model, batches(), n, c // 2, steps)
     finally:
         torch.optim.AdamW = adamw
-    decay_of_scale = [g["weight_decay"] for g in made[0].param_groups
-                      if any(p is model.logit_scale for p in g["params"])]
+    decay_of_scale = [
+        g["weight_decay"] for g in made[0].param_groups if any(p is model.logit_scale for p in g["params"])
+    ]
     return losses, model.logit_scale.item(), decay_of_scale
 
 

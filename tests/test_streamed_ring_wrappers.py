@@ -9,17 +9,20 @@ import math
 
 import torch
 import torch.distributed as dist
+from streamed_helpers import DROPOUT_SEED, SigTowers, Towers, full_batch, rank_streams
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import all_ok, compare, grads_of
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward
-from streamed_helpers import DROPOUT_SEED, SigTowers, Towers, full_batch, rank_streams
 
-N, B, DROPOUT = 12, 4, 0.2   # C = 6 pairs per rank in a subgroup of 2, micro-batches of at most 4
-CASES = {"infonce, DDP": (Towers, False), "sigmoid, DDP": (SigTowers, False),
-         "sigmoid, compile(DDP)": (SigTowers, True)}
+N, B, DROPOUT = 12, 4, 0.2  # C = 6 pairs per rank in a subgroup of 2, micro-batches of at most 4
+CASES = {
+    "infonce, DDP": (Towers, False),
+    "sigmoid, DDP": (SigTowers, False),
+    "sigmoid, compile(DDP)": (SigTowers, True),
+}
 
 
 def model_of(label: str):
@@ -30,7 +33,7 @@ def model_of(label: str):
 def ring_in_subgroups(rt):
     group, _ = dist.new_subgroups(group_size=2)
     member = dist.get_rank(group)
-    x, y = paired_data(N, seed=rt.rank // 2)                     # one batch per subgroup
+    x, y = paired_data(N, seed=rt.rank // 2)  # one batch per subgroup
     rows = slice(member * N // 2, (member + 1) * N // 2)
     config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": 4, "EXCHANGE": "ring"}
     out = {}
@@ -39,7 +42,7 @@ def ring_in_subgroups(rt):
         wrapped = DDP(model, process_group=group)
         if compiled:
             wrapped = torch.compile(wrapped, backend="aot_eager")
-        torch.manual_seed(DROPOUT_SEED + member)                  # this rank's dropout stream in its subgroup
+        torch.manual_seed(DROPOUT_SEED + member)  # this rank's dropout stream in its subgroup
         out[label] = (distributed_backward(wrapped, x[rows], y[rows], config), grads_of(model))
     return out
 

@@ -66,15 +66,15 @@ def test_sigmoid_stable_for_logits_in_the_hundreds():
     z_x, z_y = embeddings(8, 4, 1.0, seed=1)
     s, b = 400.0, -100.0
     naive = torch.log(torch.sigmoid(-(s * z_x @ z_y.T + b).float()))
-    assert torch.isinf(naive).any()                     # log(sigmoid(.)) in float32 underflows to -inf
+    assert torch.isinf(naive).any()  # log(sigmoid(.)) in float32 underflows to -inf
     shares = [sigmoid_gathered(z_x, z_y, Logits(s, b), slice(r * 4, r * 4 + 4), 3) for r in range(2)]
     assert all(torch.isfinite(sh.g_x).all() and torch.isfinite(sh.loss_part) for sh in shares)
     assert_shares_add_up(shares, autograd_reference(z_x, z_y, s, b, "sigmoid"), "sigmoid")
     # float32 tiles: the loss within float32's rounding of autograd's float64.
-    ref32 = sum(sigmoid_gathered(z_x.float(), z_y.float(), Logits(s, b), slice(r * 4, r * 4 + 4), 3).loss_part
-                for r in range(2))
-    torch.testing.assert_close(ref32.double(), autograd_reference(z_x, z_y, s, b, "sigmoid")[0],
-                               rtol=1e-5, atol=1e-4)
+    ref32 = sum(
+        sigmoid_gathered(z_x.float(), z_y.float(), Logits(s, b), slice(r * 4, r * 4 + 4), 3).loss_part for r in range(2)
+    )
+    torch.testing.assert_close(ref32.double(), autograd_reference(z_x, z_y, s, b, "sigmoid")[0], rtol=1e-5, atol=1e-4)
 
 
 def run_ring(ring, z_x, z_y, loss, t, s=9.0, b=-2.0):

@@ -13,6 +13,8 @@ import copy
 
 import pytest
 import torch
+from streamed_helpers import DROPOUT_SEED, SigTowers, Towers, full_batch, local_rows, rank_streams
+from streamed_helpers import STREAMED_N as N
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,8 +23,6 @@ from distlab.models import paired_data
 from distlab.spawn import spawn
 from distlab.streamed.exchange import expected_bytes, traffic
 from distributed_clip import distributed_backward
-from streamed_helpers import STREAMED_N as N
-from streamed_helpers import DROPOUT_SEED, SigTowers, Towers, full_batch, local_rows, rank_streams
 
 D = 8  # the Towers' embedding width
 
@@ -35,14 +35,17 @@ def model_of(case):
 
 
 def config_of(case, n=N):
-    return {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": case["b"], "STREAM_CHUNK_SIZE": 5,
-            "EXCHANGE": case["exchange"]}
+    return {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": case["b"], "STREAM_CHUNK_SIZE": 5, "EXCHANGE": case["exchange"]}
 
 
 def full_grads(model):
     """Gradients by name, FSDP2's sharded DTensors gathered whole, zeros where None."""
-    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-            if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+    return {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+        if p.grad is not None
+        else torch.zeros_like(p)
+        for name, p in model.named_parameters()
+    }
 
 
 def prepare(case):
@@ -83,10 +86,13 @@ def reference(case, world, n=N, autocast=False):
 
 def cases(world):
     c = N // world
-    every = [dict(loss=loss, exchange=ex, b=b, dropout=drop)
-             for loss in ("infonce", "sigmoid") for ex in ("gather", "ring")
-             for b, drop in ((c, 0.0), (max(2, c // 2), 0.3))]
-    if world in (1, 3):   # fewer combinations: the ring and the new loss; B >= C at P = 1, B < C at P = 3
+    every = [
+        dict(loss=loss, exchange=ex, b=b, dropout=drop)
+        for loss in ("infonce", "sigmoid")
+        for ex in ("gather", "ring")
+        for b, drop in ((c, 0.0), (max(2, c // 2), 0.3))
+    ]
+    if world in (1, 3):  # fewer combinations: the ring and the new loss; B >= C at P = 1, B < C at P = 3
         every = [case for case in every if case["exchange"] == "ring" or case["loss"] == "sigmoid"]
         every = every[::2] if world == 1 else every[1::2]
     return every + ([dict(loss="sigmoid", exchange="ring", b=c, as_dict=True)] if world == 2 else [])
@@ -110,12 +116,16 @@ def test_every_loss_and_exchange_equals_the_whole_batch(world):
 
 def wrappers_and_precision(rt):
     c = N // rt.world_size
-    exact = [dict(loss="sigmoid", exchange="ring", b=c // 2, dropout=0.3, frozen="encoder_y"),
-             dict(loss="infonce", exchange="ring", b=c, frozen="encoder_x"),
-             dict(loss="sigmoid", exchange="ring", b=c // 2, fsdp2=True, shape=(1,)),
-             dict(loss="infonce", exchange="ring", b=c, fsdp2=True, shape=(1,))]
-    bf16 = [dict(loss=loss, exchange="ring", b=64 // rt.world_size, dtype=torch.float32, bf16=True)
-            for loss in ("sigmoid", "infonce")]
+    exact = [
+        dict(loss="sigmoid", exchange="ring", b=c // 2, dropout=0.3, frozen="encoder_y"),
+        dict(loss="infonce", exchange="ring", b=c, frozen="encoder_x"),
+        dict(loss="sigmoid", exchange="ring", b=c // 2, fsdp2=True, shape=(1,)),
+        dict(loss="infonce", exchange="ring", b=c, fsdp2=True, shape=(1,)),
+    ]
+    bf16 = [
+        dict(loss=loss, exchange="ring", b=64 // rt.world_size, dtype=torch.float32, bf16=True)
+        for loss in ("sigmoid", "infonce")
+    ]
     return [step(rt, case) for case in exact], [step(rt, case, n=64) for case in bf16], exact, bf16
 
 

@@ -14,6 +14,9 @@ import math
 
 import pytest
 import torch
+from helpers import CommHookCounter
+from streamed_helpers import DROPOUT_SEED, Towers, full_batch, local_rows, rank_streams
+from streamed_helpers import STREAMED_N as N
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import all_ok, compare, grads_of, params_of
@@ -22,9 +25,7 @@ from distlab.models import paired_data
 from distlab.spawn import spawn
 from distlab.streamed import loss_machinery
 from distributed_clip import distributed_backward, distributed_train_step
-from helpers import CommHookCounter
-from streamed_helpers import STREAMED_N as N
-from streamed_helpers import DROPOUT_SEED, Towers, full_batch, local_rows, rank_streams
+
 
 def case_model(case):
     return Towers(scale_shape=case.get("scale"), dropout=case.get("dropout", 0.0))
@@ -82,10 +83,10 @@ def assert_matches(got, ref):
 def cases(world):
     c = N // world
     return [
-        dict(scale=(), b=5, t=7, steps=2),                           # learnable s, B not dividing C
-        dict(scale=(1,), b=c // 2, t=100, normalisers="replicated"),     # B dividing C, T > N
-        dict(scale=(), b=c, steps=2, adam=True, dropout=0.3),         # one forward, dropout as in DDP
-        dict(b=4, t=5, steps=2, dropout=0.3),                        # TAU, recompute with dropout replay
+        dict(scale=(), b=5, t=7, steps=2),  # learnable s, B not dividing C
+        dict(scale=(1,), b=c // 2, t=100, normalisers="replicated"),  # B dividing C, T > N
+        dict(scale=(), b=c, steps=2, adam=True, dropout=0.3),  # one forward, dropout as in DDP
+        dict(b=4, t=5, steps=2, dropout=0.3),  # TAU, recompute with dropout replay
     ]
 
 
@@ -164,7 +165,7 @@ def caller_owned(rt):
     model = Towers(scale_shape=())
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     distributed_backward(ddp, x[rows], y[rows], config_of(learn), grad_scaler=scaler)
     out["scaled"] = grads_of(model)
     scaler.unscale_(opt)
@@ -222,11 +223,12 @@ def test_caller_owned_loop_clip_accumulation_scaler_and_nan_at_p2():
         assert math.isclose(r["loss"], one["losses"][0], rel_tol=1e-10)
 
         # Clipping: the reference clipped by hand, from its own gradient norm.
-        total = torch.sqrt(sum((g ** 2).sum() for g in one["grads"].values())).item()
+        total = torch.sqrt(sum((g**2).sum() for g in one["grads"].values())).item()
         assert math.isclose(r["norm"], total, rel_tol=1e-10)
         model = Towers(scale_shape=())
-        clipped = {k: p.detach() - 0.5 * one["grads"][k] * min(1.0, 0.05 / (total + 1e-6))
-                   for k, p in model.named_parameters()}
+        clipped = {
+            k: p.detach() - 0.5 * one["grads"][k] * min(1.0, 0.05 / (total + 1e-6)) for k, p in model.named_parameters()
+        }
         assert all_ok(compare(clipped, r["clipped"]))
 
         # Accumulation: the sum of the two batches' references, with DDP's all-reduce run once.
@@ -237,9 +239,9 @@ def test_caller_owned_loop_clip_accumulation_scaler_and_nan_at_p2():
             assert r[f"hook_after_second_b{b}"] == r["hook_plain_backward"] >= 1
 
         # GradScaler.
-        assert all_ok(compare({k: 2.0 ** 10 * g for k, g in one["grads"].items()}, r["scaled"]))
+        assert all_ok(compare({k: 2.0**10 * g for k, g in one["grads"].items()}, r["scaled"]))
         assert all_ok(compare(one["grads"], r["unscaled"]))
-        assert not math.isfinite(r["inf_loss"]) and r["scale_after_inf"] == 2.0 ** 9 and r["inf_untouched"]
+        assert not math.isfinite(r["inf_loss"]) and r["scale_after_inf"] == 2.0**9 and r["inf_untouched"]
 
         assert r["nan"].startswith("FloatingPointError") and r["nan_untouched"], r["nan"]
     # Teeth: the dropout check would catch masks from other random streams.

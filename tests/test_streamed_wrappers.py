@@ -12,17 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from streamed_helpers import STREAMED_N as N
+from streamed_helpers import Towers, full_batch, local_rows
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare, grads_of, params_of
+from distlab.compare import all_ok, compare, grads_of
 from distlab.contrastive.losses import clip_loss
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward, distributed_train_step
-from streamed_helpers import STREAMED_N as N
-from streamed_helpers import Towers, full_batch, local_rows
 
 
 def config(b, tau=None, n=N, t=7):
@@ -31,8 +31,11 @@ def config(b, tau=None, n=N, t=7):
 
 def full_grads(model):
     """Gradients by name, FSDP2's sharded DTensors gathered whole."""
-    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-            for name, p in model.named_parameters() if p.grad is not None}
+    return {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
 def reference_grads(model, world, b, n=N, seed=0, autocast=False):
@@ -68,8 +71,7 @@ def fsdp2_and_lit(rt):
     x, y = paired_data(N)
     rows = local_rows(rt)
     out = {}
-    for label, b, factor in (("fsdp2 recompute", 5, None), ("fsdp2 one forward", N, None),
-                             ("fsdp2 summing", 5, 1.0)):
+    for label, b, factor in (("fsdp2 recompute", 5, None), ("fsdp2 one forward", N, None), ("fsdp2 summing", 5, 1.0)):
         model = Towers(scale_shape=(1,))  # FSDP2 shards no 0-dim parameter
         fully_shard(model.encoder_x)
         fully_shard(model.encoder_y)
@@ -115,8 +117,15 @@ def test_fsdp2_and_a_frozen_tower_are_exact():
         accumulated = r.pop("fsdp2 accumulated")
         assert all_ok(compare({k: v + second[k] for k, v in fsdp_ref[1].items()}, accumulated))
         for label, (loss, grads) in r.items():
-            ref_loss, ref = (lit_ref if label.startswith("lit") else part_ref if label == "partly frozen"
-                             else projected_ref if label.startswith("projection") else fsdp_ref)
+            ref_loss, ref = (
+                lit_ref
+                if label.startswith("lit")
+                else part_ref
+                if label == "partly frozen"
+                else projected_ref
+                if label.startswith("projection")
+                else fsdp_ref
+            )
             assert math.isclose(loss, ref_loss, rel_tol=1e-10), label
             assert all_ok(compare(ref, grads)), label  # LiT: no gradient for the frozen tower at all
     # Teeth: without the step's P-scaling FSDP2's average would be half the gradient.
@@ -139,7 +148,7 @@ class GatherSummingGrads(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad)
         c = len(grad) // dist.get_world_size()
-        return grad[dist.get_rank() * c:(dist.get_rank() + 1) * c]
+        return grad[dist.get_rank() * c : (dist.get_rank() + 1) * c]
 
 
 def batchnorm_against_plain_ddp(rt):
@@ -184,8 +193,9 @@ def test_batchnorm_with_one_forward_is_exactly_plain_ddp():
             assert all_ok(compare(r["plain ddp"]["grads"][step], r["streamed"]["grads"][step]))
         floats = {k: v for k, v in r["plain ddp"]["state"].items() if v.is_floating_point()}
         assert all_ok(compare(floats, {k: r["streamed"]["state"][k] for k in floats}))  # + running stats
-        assert all(torch.equal(v, r["streamed"]["state"][k]) for k, v in r["plain ddp"]["state"].items()
-                   if k not in floats)  # num_batches_tracked: one update per step, as in plain DDP
+        assert all(
+            torch.equal(v, r["streamed"]["state"][k]) for k, v in r["plain ddp"]["state"].items() if k not in floats
+        )  # num_batches_tracked: one update per step, as in plain DDP
         assert all_ok(compare(ref, r["streamed"]["grads"][0]))
     # Teeth: BatchNorm over the whole global batch in one forward is a different function.
     whole = Towers(scale_shape=(), batchnorm=True)
@@ -197,8 +207,11 @@ def bf16_autocast(rt, n):
     rows = local_rows(rt, n)
     x, y = paired_data(n, dtype=torch.float32)
     out = {}
-    for label, float32_out, b in (("float32 out", ("x", "y"), n), ("float32 out, recompute", ("x", "y"), 8),
-                                  ("bf16 x, float32 y", ("y",), n)):
+    for label, float32_out, b in (
+        ("float32 out", ("x", "y"), n),
+        ("float32 out, recompute", ("x", "y"), 8),
+        ("bf16 x, float32 y", ("y",), n),
+    ):
         model = Towers(scale_shape=(), dtype=torch.float32, float32_out=float32_out)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = distributed_backward(DDP(model), x[rows], y[rows], config(b, n=n, t=16))
@@ -220,8 +233,9 @@ def test_bf16_autocast_is_no_further_from_float32_than_plain_autograd():
         float32_out = ("x", "y") if label.startswith("float32") else ("y",)
         b = 8 if "recompute" in label else n
 
-        def model():
+        def model(float32_out=float32_out):
             return Towers(scale_shape=(), dtype=torch.float32, float32_out=float32_out)
+
         float32_loss, truth = reference_grads(model(), world, b, n=n)
         plain_loss, plain = reference_grads(model(), world, b, n=n, autocast=True)
         ours, theirs = relative_error(grads, truth), relative_error(plain, truth)

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import strict_mode_off as _is_off
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.runtime import Runtime, distributed
 from distlab.strict import HOST, STAND_IN, StrictDeviceError, is_host, strict_device
-from helpers import strict_mode_off as _is_off
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_RANK = Runtime(rank=0, world_size=1, local_rank=0, backend="gloo", device=torch.device("cpu"))
@@ -85,8 +85,11 @@ COLLECTIVES = {
 def test_a_collective_refuses_a_host_tensor_naming_itself_and_both_devices(name):
     with strict_device(ONE_RANK) as rt:
         placed = torch.zeros(2, device=rt.device)
-        with pytest.raises(StrictDeviceError, match=rf"torch\.distributed\.{name} got a tensor of shape "
-                                                    r"\[2\] on cpu, but the runtime's device is cpu:0"):
+        with pytest.raises(
+            StrictDeviceError,
+            match=rf"torch\.distributed\.{name} got a tensor of shape "
+            r"\[2\] on cpu, but the runtime's device is cpu:0",
+        ):
             COLLECTIVES[name](torch.ones(2), placed)
         if name.startswith(("all_gather", "reduce_scatter", "all_to_all")):  # the output side too
             with pytest.raises(StrictDeviceError, match=name):
@@ -96,8 +99,11 @@ def test_a_collective_refuses_a_host_tensor_naming_itself_and_both_devices(name)
 def test_an_op_mixing_host_and_device_tensors_is_refused_as_a_gpu_would():
     with strict_device(ONE_RANK) as rt:
         layer = nn.Linear(2, 3).to(rt.device)
-        with pytest.raises(StrictDeviceError, match=r"torch\.nn\.functional\.linear \(beside a tensor on cpu:0\) "
-                                                    r"got a tensor of shape \[4, 2\] on cpu"):
+        with pytest.raises(
+            StrictDeviceError,
+            match=r"torch\.nn\.functional\.linear \(beside a tensor on cpu:0\) "
+            r"got a tensor of shape \[4, 2\] on cpu",
+        ):
             layer(torch.randn(4, 2))
         with pytest.raises(StrictDeviceError, match=r"torch\.cat"):
             torch.cat([torch.zeros(2, device=rt.device), torch.zeros(2)])
@@ -113,6 +119,7 @@ def test_a_dispatch_mode_inside_strict_mode_changes_nothing():
     # PeakMemory sees every aten op with its device resolved (device=cpu): strict mode must not
     # take those for tensors made on the host.
     from distlab.memory import PeakMemory
+
     with strict_device(ONE_RANK) as rt:
         placed = torch.zeros(3, device=rt.device)
         with PeakMemory() as mem:
@@ -122,8 +129,11 @@ def test_a_dispatch_mode_inside_strict_mode_changes_nothing():
 
 def test_ddp_refuses_a_module_built_without_a_device():
     with strict_device(ONE_RANK):
-        with pytest.raises(StrictDeviceError, match=r"DistributedDataParallel \(parameter 'weight' of "
-                                                    r"Linear\) got a tensor of shape \[3, 2\] on cpu"):
+        with pytest.raises(
+            StrictDeviceError,
+            match=r"DistributedDataParallel \(parameter 'weight' of "
+            r"Linear\) got a tensor of shape \[3, 2\] on cpu",
+        ):
             DDP(nn.Linear(2, 3))
 
 
@@ -153,8 +163,10 @@ def _fake_group(monkeypatch, env_strict: str | None) -> None:
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
 
 
-@pytest.mark.parametrize("env, strict, on", [(None, None, False), ("0", None, False), ("1", None, True),
-                                             (None, True, True), ("1", False, False)])
+@pytest.mark.parametrize(
+    "env, strict, on",
+    [(None, None, False), ("0", None, False), ("1", None, True), (None, True, True), ("1", False, False)],
+)
 def test_distributed_turns_strict_mode_on_by_flag_or_environment(monkeypatch, env, strict, on):
     _fake_group(monkeypatch, env)
     with distributed("cpu", strict=strict) as rt:

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import all_ranks_true
+from helpers import strict_mode_off as _is_off
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.spawn import spawn
 from distlab.strict import HOST, StrictDeviceError, strict_device
-from helpers import all_ranks_true, strict_mode_off as _is_off
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,18 +41,21 @@ def _timing_made_without_device(rt):
 def _ddp_of_unplaced_towers(rt):
     """Lesson 13's towers: deep copies of a model built on the default device, wrapped in DDP."""
     from distlab.models import TwoTower
+
     DDP(copy.deepcopy(TwoTower(seed=0).encoder_x))
 
 
 def _gather_of_a_cpu_copy(rt):
     """A functional (autograd) all-gather of embeddings moved to the CPU first."""
     from distlab.contrastive.gather import gather_library
+
     gather_library(torch.randn(3, 4, device=rt.device).cpu())
 
 
 def _inputs_left_on_the_host(rt):
     """Towers on the device, a batch made on the default device: a GPU refuses the first matmul."""
     from distlab.models import TwoTower, paired_data
+
     ddp = DDP(TwoTower(seed=0).to(rt.device))
     ddp(*paired_data(4, seed=1))
 
@@ -62,12 +66,14 @@ def _flag_on_device(rt):
 
 def _ddp_of_placed_towers(rt):
     from distlab.models import TwoTower
+
     ddp = DDP(copy.deepcopy(TwoTower(seed=0).encoder_x).to(rt.device))
     ddp(torch.randn(2, 12, dtype=torch.float64, device=rt.device)).sum().backward()
 
 
 def _gather_on_device(rt):
     from distlab.contrastive.gather import gather_library
+
     z = torch.randn(3, 4, device=rt.device, requires_grad=True)
     gathered = gather_library(z)
     assert gathered.shape == (6, 4) and gathered.device == rt.device
@@ -79,8 +85,10 @@ BUGS = {  # what strict mode must catch: (case, the collective its message must 
     "a timing made without device (cost.py)": (_timing_made_without_device, "torch.distributed.all_reduce"),
     "DDP of towers built without device (lesson 13)": (_ddp_of_unplaced_towers, "DistributedDataParallel"),
     "a functional gather of a .cpu() copy": (_gather_of_a_cpu_copy, "_c10d_functional.all_gather_into_tensor"),
-    "a batch left on the host (an op, not a collective)": (_inputs_left_on_the_host,
-                                                           "torch.nn.functional.linear (beside a tensor on cpu:0)"),
+    "a batch left on the host (an op, not a collective)": (
+        _inputs_left_on_the_host,
+        "torch.nn.functional.linear (beside a tensor on cpu:0)",
+    ),
 }
 RIGHT = {
     "all_ranks_true on rt.device": _flag_on_device,
@@ -94,22 +102,26 @@ RIGHT = {
 def _pipeline(rt, step_of, **config):
     """Train a few steps of the pipeline track's loop with the step `step_of(rt, cfg)` builds."""
     from distlab.pipeline.training import PipelineConfig, train
+
     cfg = PipelineConfig(**{"widths": (6, 5, 5, 5, 4), "global_batch": 6, "steps": 2, "lr": 0.1, **config})
     train(rt, cfg, step_of(rt, cfg))
 
 
 def _ours(rt, cfg):
     from distlab.pipeline.runner import PipelineStep
+
     return PipelineStep(rt, cfg)
 
 
 def _theirs(rt, cfg):
     from distlab.pipeline.torch_engine import TorchStep
+
     return TorchStep(rt, cfg)
 
 
 def _pipeline_naive(rt):
     from helpers import load_lesson  # lesson 01's send/recv chain lives in the lesson
+
     _pipeline(rt, load_lesson("01_model_parallel").ModelParallelStep)
 
 
@@ -136,8 +148,15 @@ def _pipeline_torch_zbv(rt):
 def _contrastive_every_ddp_method(rt):
     from distlab.contrastive import variants
     from distlab.contrastive.step import first_step_gradients
-    every = [variants.GLOBAL_PLAIN, variants.GLOBAL_TIMES_P, variants.GLOBAL_SUM, variants.LOCAL_PLAIN,
-             variants.LOCAL_SUM, variants.LOCAL_LIBRARY]
+
+    every = [
+        variants.GLOBAL_PLAIN,
+        variants.GLOBAL_TIMES_P,
+        variants.GLOBAL_SUM,
+        variants.LOCAL_PLAIN,
+        variants.LOCAL_SUM,
+        variants.LOCAL_LIBRARY,
+    ]
     first_step_gradients(rt, every, 8, 0.1)
 
 
@@ -145,6 +164,7 @@ def _contrastive_ddp_training(rt):
     from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule, train_ddp
     from distlab.contrastive.variants import LOCAL_SUM
     from distlab.models import TwoTower, paired_data
+
     ddp = DDP(TwoTower(seed=0).to(rt.device))
     train, held_out = (tuple(t.to(rt.device) for t in paired_data(n, seed=s)) for n, s in ((16, 1), (8, 2)))
     data = TrainData(train, held_out, batch_schedule(16, 8, 2, seed=0))
@@ -155,17 +175,21 @@ def _ddp_rep_clip_loss(rep_x, rep_y, tau):
     """Lesson 13's loss: this rank's rows of the global CLIP loss over the sum-backward gather."""
     from distlab.contrastive.gather import gather_with_grad
     from distlab.contrastive.losses import local_clip_loss
+
     z_x, z_y = F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1)
-    return local_clip_loss(z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / tau,
-                           offset=dist.get_rank() * len(z_x))
+    return local_clip_loss(
+        z_x, z_y, gather_with_grad(z_x), gather_with_grad(z_y), 1 / tau, offset=dist.get_rank() * len(z_x)
+    )
 
 
 def _grad_cache_under_ddp(rt):
     """As lesson 13 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
+    from helpers import CommHookCounter
+
     from distlab.contrastive.grad_cache import GradCache
     from distlab.memory import PeakMemory
     from distlab.models import TwoTower, paired_data
-    from helpers import CommHookCounter
+
     model = TwoTower(dropout=0.1, seed=5).to(rt.device)
     towers = [DDP(model.encoder_x), DDP(model.encoder_y)]
     counters = [CommHookCounter() for _ in towers]
@@ -179,31 +203,40 @@ def _grad_cache_under_ddp(rt):
 
 
 def _streamed_step(rt):
-    from distributed_clip import distributed_train_step
     from distlab.models import TwoTower, paired_data
+    from distributed_clip import distributed_train_step
+
     rows = slice(4 * rt.rank, 4 * rt.rank + 4)
     for normalisers in ("sharded", "replicated"):
         ddp = DDP(TwoTower(dropout=0.1, seed=0).to(rt.device))
         x, y = (t[rows].to(rt.device) for t in paired_data(8, seed=1))
-        config = {"GLOBAL_BATCH_SIZE": 8, "MICRO_BATCH_SIZE": 3, "STREAM_CHUNK_SIZE": 3, "TAU": 0.1,
-                  "NORMALISERS": normalisers}
+        config = {
+            "GLOBAL_BATCH_SIZE": 8,
+            "MICRO_BATCH_SIZE": 3,
+            "STREAM_CHUNK_SIZE": 3,
+            "TAU": 0.1,
+            "NORMALISERS": normalisers,
+        }
         distributed_train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), x, y, config)
 
 
 def _contrastive_loss_cost(rt):
     from distlab.contrastive.cost import loss_cost
     from distlab.contrastive.variants import LOCAL_SUM
+
     z_x, z_y = (F.normalize(torch.randn(4, 3, dtype=torch.float64, device=rt.device), dim=1) for _ in "xy")
     loss_cost(rt, z_x, z_y, 0.1, LOCAL_SUM, repeats=1)
 
 
 def _contrastive_collective_seconds(rt):
     from distlab.contrastive.cost import collective_seconds
+
     collective_seconds(rt, 8, 3, torch.float64, repeats=1)
 
 
 def _verdict_finish(rt):
     from distlab.verdict import Verdict
+
     verdict = Verdict(rt)
     verdict.check("a claim every rank makes", True)
     verdict.figure("a figure", 1.0)
@@ -230,8 +263,11 @@ KNOWN_BUGS: dict[str, str] = {}  # path -> a device bug strict mode finds there 
 
 def _blame(err: BaseException) -> str:
     """file:line of the innermost frame that is neither torch's nor strict mode's: the call at fault."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if "site-packages" not in f.filename and not f.filename.endswith("distlab/strict.py")]
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if "site-packages" not in f.filename and not f.filename.endswith("distlab/strict.py")
+    ]
     return f"{os.path.relpath(frames[-1].filename, ROOT)}:{frames[-1].lineno}" if frames else "?"
 
 
@@ -271,8 +307,15 @@ def test_the_same_code_on_rt_device_passes(outcomes, name):
     assert [o[name] for o in outcomes] == [None, None]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    raises=StrictDeviceError, strict=True, reason=KNOWN_BUGS[n])) if n in KNOWN_BUGS else n for n in PATHS])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(raises=StrictDeviceError, strict=True, reason=KNOWN_BUGS[n]))
+        if n in KNOWN_BUGS
+        else n
+        for n in PATHS
+    ],
+)
 def test_every_library_path_runs_in_strict_mode(outcomes, name):
     for rank_outcomes in outcomes:
         if rank_outcomes[name] is not None:

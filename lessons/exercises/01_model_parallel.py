@@ -31,10 +31,13 @@ import torch.distributed as dist  # noqa: F401  (you will need it)
 import torch.nn.functional as F  # noqa: F401  (you will need it)
 
 
-def model_parallel_step(stage: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, shapes: list,
-                        span=lambda kind: nullcontext()) -> float | None:
+def model_parallel_step(
+    stage: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, shapes: list, span=lambda kind: nullcontext()
+) -> float | None:
     """Stage p = this rank: receive A_{p-1} (rank 0 starts from the batch x), compute A_p, send it on;
     then receive dL/dA_p (the last rank: from the loss), back-propagate, send dL/dA_{p-1} back.
     `shapes[p]` is the shape of A_{p-1}; `span(kind)` times the compute. Returns L on the last rank."""
-    raise NotImplementedError("not written yet: model_parallel_step(stage, x, target, shapes, span), the forward "
-                              "sent down the stages with dist.send/recv and the gradient dL/dA sent back up")
+    raise NotImplementedError(
+        "not written yet: model_parallel_step(stage, x, target, shapes, span), the forward "
+        "sent down the stages with dist.send/recv and the gradient dL/dA sent back up"
+    )

@@ -29,5 +29,7 @@ from distlab.pipeline.schedules import Action, Schedule  # noqa: F401  (you will
 
 def gpipe(num_ranks: int, microbatches: int) -> Schedule:
     """Rank r runs stage r: every forward F_0 .. F_{M-1}, then every backward I_0 .. I_{M-1}."""
-    raise NotImplementedError("not written yet: gpipe(num_ranks, microbatches), each rank's list of F and I "
-                              "actions: every forward, then every backward")
+    raise NotImplementedError(
+        "not written yet: gpipe(num_ranks, microbatches), each rank's list of F and I "
+        "actions: every forward, then every backward"
+    )

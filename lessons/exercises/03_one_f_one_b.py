@@ -28,5 +28,6 @@ from distlab.pipeline.schedules import Action, Schedule  # noqa: F401  (you will
 def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
     """Rank r: warm up with min(P - r - 1, M) forwards, then one forward and one backward in turn
     (the newest forward, the oldest backward), then the remaining backwards."""
-    raise NotImplementedError("not written yet: one_f_one_b(num_ranks, microbatches), each rank's list of "
-                              "F and I actions in 1F1B's order")
+    raise NotImplementedError(
+        "not written yet: one_f_one_b(num_ranks, microbatches), each rank's list of F and I actions in 1F1B's order"
+    )

@@ -30,9 +30,12 @@ import torch
 import torch.nn.functional as F  # noqa: F401  (you will need it)
 
 
-def pipeline_for_rank(module: torch.nn.Module, p: int, num_ranks: int, device: torch.device, name: str,
-                      microbatches: int):
+def pipeline_for_rank(
+    module: torch.nn.Module, p: int, num_ranks: int, device: torch.device, name: str, microbatches: int
+):
     """Stage p of P as torch's PipelineStage, and the schedule `name` ("gpipe": ScheduleGPipe, "1f1b":
     Schedule1F1B) that runs it over M micro-batches with the mean squared error as each one's loss."""
-    raise NotImplementedError("not written yet: pipeline_for_rank(module, p, num_ranks, device, name, "
-                              "microbatches), this rank's PipelineStage and torch's schedule built on it")
+    raise NotImplementedError(
+        "not written yet: pipeline_for_rank(module, p, num_ranks, device, name, "
+        "microbatches), this rank's PipelineStage and torch's schedule built on it"
+    )

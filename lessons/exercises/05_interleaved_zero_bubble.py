@@ -38,5 +38,7 @@ def zb_h1(num_ranks: int, microbatches: int) -> Schedule:
     """Rank r: 1F1B's order (min(P - r - 1, M) warm-up forwards, then one forward and one backward in
     turn) with every backward split into I and W, and the W's held back: the oldest waiting W runs
     only once more than r are waiting; the last r run at the end, where 1F1B would idle."""
-    raise NotImplementedError("not written yet: zb_h1(num_ranks, microbatches), each rank's list of F, I and W "
-                              "actions: 1F1B's order with rank r holding back r W's")
+    raise NotImplementedError(
+        "not written yet: zb_h1(num_ranks, microbatches), each rank's list of F, I and W "
+        "actions: 1F1B's order with rank r holding back r W's"
+    )

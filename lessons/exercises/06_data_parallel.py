@@ -25,5 +25,6 @@ from distlab.runtime import Runtime
 
 def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:
     """After backward on this rank's rows: every param.grad becomes the mean over ranks."""
-    raise NotImplementedError("not written yet: all_reduce_gradients(model, rt), an all_reduce of every "
-                              "parameter's gradient, divided by P")
+    raise NotImplementedError(
+        "not written yet: all_reduce_gradients(model, rt), an all_reduce of every parameter's gradient, divided by P"
+    )

@@ -37,6 +37,8 @@ from distlab.sharding.zero import Sharded
 def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
     """Optimizer states sharded; every rank keeps the whole weights and the whole gradient."""
     z = Sharded(model, rt, cfg)  # noqa: F841
-    raise NotImplementedError("not written yet: zero1(model, rt, cfg), a reduce-scatter of every layer's "
-                              "gradient into its shard (divided by P) after backward, and an all-gather of the "
-                              "stepped shards into the weights after the step")
+    raise NotImplementedError(
+        "not written yet: zero1(model, rt, cfg), a reduce-scatter of every layer's "
+        "gradient into its shard (divided by P) after backward, and an all-gather of the "
+        "stepped shards into the weights after the step"
+    )

@@ -38,8 +38,11 @@ from distlab.context_parallel.split import Layout
 from distlab.runtime import Runtime
 
 
-def ring_forward(rt: Runtime, ring: RingExchange, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 layout: Layout, tally: Counter) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(
+    rt: Runtime, ring: RingExchange, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, tally: Counter
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's queries against the whole sequence; k/v blocks travel the ring."""
-    raise NotImplementedError("not written yet: ring_forward(rt, ring, q, k, v, layout, tally), the k/v "
-                              "blocks passed around the ring and every tile folded into (m, l, o)")
+    raise NotImplementedError(
+        "not written yet: ring_forward(rt, ring, q, k, v, layout, tally), the k/v "
+        "blocks passed around the ring and every tile folded into (m, l, o)"
+    )

@@ -24,8 +24,11 @@ import torch
 from distlab.runtime import Runtime
 
 
-def global_loss_times_p(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float,
-                        gather) -> tuple[torch.Tensor, torch.Tensor]:
+def global_loss_times_p(
+    rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, gather
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(P * L to back-propagate, L detached), L the whole N x N loss over the gathered embeddings."""
-    raise NotImplementedError("not written yet: global_loss_times_p(rt, z_x, z_y, tau, gather), the whole "
-                              "loss L over gathered embeddings, back-propagated as P * L")
+    raise NotImplementedError(
+        "not written yet: global_loss_times_p(rt, z_x, z_y, tau, gather), the whole "
+        "loss L over gathered embeddings, back-propagated as P * L"
+    )

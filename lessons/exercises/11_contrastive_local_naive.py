@@ -22,8 +22,16 @@ import torch
 import torch.nn.functional as F  # noqa: F401  (you will need it)
 
 
-def local_clip_loss(local_z_x: torch.Tensor, local_z_y: torch.Tensor, all_z_x: torch.Tensor,
-                    all_z_y: torch.Tensor, s: float | torch.Tensor, offset: int) -> torch.Tensor:
+def local_clip_loss(
+    local_z_x: torch.Tensor,
+    local_z_y: torch.Tensor,
+    all_z_x: torch.Tensor,
+    all_z_y: torch.Tensor,
+    s: float | torch.Tensor,
+    offset: int,
+) -> torch.Tensor:
     """This rank's C rows of the symmetric loss, averaged over them (C x N logits, not N x N)."""
-    raise NotImplementedError("not written yet: local_clip_loss(...), the mean over your C rows of the "
-                              "row and the column cross-entropy of S, positives at offset + i")
+    raise NotImplementedError(
+        "not written yet: local_clip_loss(...), the mean over your C rows of the "
+        "row and the column cross-entropy of S, positives at offset + i"
+    )

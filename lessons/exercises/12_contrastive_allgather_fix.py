@@ -27,5 +27,7 @@ import torch.distributed as dist  # noqa: F401  (you will need it)
 
 def gather_all_reduce(z: torch.Tensor) -> torch.Tensor:
     """This rank's C x d `z` -> the N x d gathered Z, whose backward sums the gradient over ranks."""
-    raise NotImplementedError("not written yet: gather_all_reduce(z), an all_gather forward and an "
-                              "all_reduce(SUM) backward that returns this rank's C rows")
+    raise NotImplementedError(
+        "not written yet: gather_all_reduce(z), an all_gather forward and an "
+        "all_reduce(SUM) backward that returns this rank's C rows"
+    )

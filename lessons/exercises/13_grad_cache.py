@@ -28,7 +28,9 @@ from distlab.contrastive.rand_context import RandContext  # noqa: F401  (you wil
 
 def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
     """GradCache's three steps; the parameter gradients of loss_fn(*reps) accumulate into .grad."""
-    raise NotImplementedError("not written yet: grad_cache_step(towers, inputs, b, loss_fn): (1) no-grad "
-                              "representations in parts of b rows with their random states, (2) the loss "
-                              "and G on detached leaves, (3) each part again under its random state, "
-                              "backward of <h, G>")
+    raise NotImplementedError(
+        "not written yet: grad_cache_step(towers, inputs, b, loss_fn): (1) no-grad "
+        "representations in parts of b rows with their random states, (2) the loss "
+        "and G on detached leaves, (3) each part again under its random state, "
+        "backward of <h, G>"
+    )

@@ -38,7 +38,9 @@ from distlab.online_softmax import online_fold  # noqa: F401
 def streamed_backward(ddp, local_x: torch.Tensor, local_y: torch.Tensor, cfg, tau: float | None) -> float:
     """The five phases: add the exact gradient of the global loss into .grad (like loss.backward());
     return L. tau None: the model returns its logit scale s third, and s gets its gradient too."""
-    raise NotImplementedError("not written yet: streamed_backward(ddp, local_x, local_y, cfg, tau): phase 1 "
-                              "the no-grad forward and the all-gather, phase 2 a, b and L in T x T tiles, then "
-                              "per micro-batch G (phase 3), the recompute and P times its VJP (phase 4), "
-                              "no_sync but the last (phase 5)")
+    raise NotImplementedError(
+        "not written yet: streamed_backward(ddp, local_x, local_y, cfg, tau): phase 1 "
+        "the no-grad forward and the all-gather, phase 2 a, b and L in T x T tiles, then "
+        "per micro-batch G (phase 3), the recompute and P times its VJP (phase 4), "
+        "no_sync but the last (phase 5)"
+    )

@@ -34,5 +34,7 @@ import torch.distributed as dist  # noqa: F401  (you will need it)
 
 def ring_by_hand(rt, x: torch.Tensor, y: torch.Tensor, s: float, beta: float):
     """(G_x, G_y for my pairs, bytes sent) of the sigmoid loss, text blocks and accumulators on a ring."""
-    raise NotImplementedError("not written yet: ring_by_hand(rt, x, y, s, beta), text blocks passed to "
-                              "r + 1 and a traveling G_y accumulator that comes home after P hops")
+    raise NotImplementedError(
+        "not written yet: ring_by_hand(rt, x, y, s, beta), text blocks passed to "
+        "r + 1 and a traveling G_y accumulator that comes home after P hops"
+    )

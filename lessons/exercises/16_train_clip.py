@@ -28,5 +28,7 @@ import torch  # noqa: F401  (you will need it)
 
 def clip_step(ddp, optimizer, images, captions, config: dict, clip_norm: float, bf16: bool = False) -> float:
     """One step of the caller-owned loop: the exact global gradient into .grad, clipped, applied."""
-    raise NotImplementedError("not written yet: clip_step(...), zero_grad, distributed_backward, "
-                              "clip_grad_norm_, optimizer.step, clamp the logit scale")
+    raise NotImplementedError(
+        "not written yet: clip_step(...), zero_grad, distributed_backward, "
+        "clip_grad_norm_, optimizer.step, clamp the logit scale"
+    )

@@ -23,9 +23,22 @@ def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> subpr
     env.pop("COLUMNS", None)  # captured output: the lesson picks its generous captured width ...
     if os.environ.get("DISTLAB_LESSON_COLUMNS"):  # ... unless the test suite asks for a narrow one
         env["COLUMNS"] = os.environ["DISTLAB_LESSON_COLUMNS"]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", str(nproc), str(LESSONS / lesson), *map(str, args)],
-                         capture_output=True, text=True, env=env, cwd=LESSONS.parent)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(LESSONS / lesson),
+            *map(str, args),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=LESSONS.parent,
+    )
     print(run.stdout, end="")
     if run.returncode != 0:
         print(run.stderr[-3000:], end="", file=sys.stderr)
@@ -54,11 +67,24 @@ def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True
         for action in {a for a in row if a is not None}:
             start, width = timing.start[action], timing.finish[action] - timing.start[action]
             kind = "I split" if action.kind == "I" and (action.stage, action.microbatch) in split else action.kind
-            ax.broken_barh([(start * stretch, width * stretch)], (r - 0.4, 0.8), color=COLORS[kind],
-                           alpha=1.0 if action.stage == first[r] else 0.55, edgecolor="white", linewidth=0.5)
+            ax.broken_barh(
+                [(start * stretch, width * stretch)],
+                (r - 0.4, 0.8),
+                color=COLORS[kind],
+                alpha=1.0 if action.stage == first[r] else 0.55,
+                edgecolor="white",
+                linewidth=0.5,
+            )
             if labels:
-                ax.text((start + width / 2) * stretch, r, str(action.microbatch) if multi else str(action),
-                        ha="center", va="center", color="white", fontsize=6)
+                ax.text(
+                    (start + width / 2) * stretch,
+                    r,
+                    str(action.microbatch) if multi else str(action),
+                    ha="center",
+                    va="center",
+                    color="white",
+                    fontsize=6,
+                )
     if path:
         forwards = sorted((a for a in timing.start if a.kind == "F" and a.microbatch == 0), key=lambda a: a.stage)
         owner = {a: r for r, row in enumerate(timing.grid) for a in row if a is not None}
@@ -72,10 +98,18 @@ def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True
 def legend(ax) -> None:
     from matplotlib.patches import Patch
 
-    names = {"F": "F: forward", "I": "I, unsplit: input and weight gradient", "I split": "I: input gradient",
-             "W": "W: weight gradient"}
-    ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in COLORS.items()], fontsize=7,
-              loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    names = {
+        "F": "F: forward",
+        "I": "I, unsplit: input and weight gradient",
+        "I split": "I: input gradient",
+        "W": "W: weight gradient",
+    }
+    ax.legend(
+        handles=[Patch(color=c, label=names[k]) for k, c in COLORS.items()],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+    )
 
 
 def timeline(ax, spans: list[dict], title: str = "") -> None:
@@ -85,8 +119,13 @@ def timeline(ax, spans: list[dict], title: str = "") -> None:
     split = any(s["label"][0] == "W" for s in spans)
     for s in spans:
         kind = "I split" if split and s["label"][0] == "I" else s["label"][0]
-        ax.broken_barh([(1e3 * (s["start"] - t0), 1e3 * (s["end"] - s["start"]))], (s["rank"] - 0.4, 0.8),
-                       color=COLORS[kind], edgecolor="white", linewidth=0.3)
+        ax.broken_barh(
+            [(1e3 * (s["start"] - t0), 1e3 * (s["end"] - s["start"]))],
+            (s["rank"] - 0.4, 0.8),
+            color=COLORS[kind],
+            edgecolor="white",
+            linewidth=0.3,
+        )
     ranks = sorted({s["rank"] for s in spans})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
@@ -116,8 +155,13 @@ def ring_and_gather(rt, c: int, d: int, t: int) -> dict:
     out = {}
     for loss in ("infonce", "sigmoid"):
         for exchange in ("gather", "ring"):
-            config = {"GLOBAL_BATCH_SIZE": c * rt.world_size, "MICRO_BATCH_SIZE": c, "STREAM_CHUNK_SIZE": t,
-                      "TAU": 0.1, "EXCHANGE": exchange}
+            config = {
+                "GLOBAL_BATCH_SIZE": c * rt.world_size,
+                "MICRO_BATCH_SIZE": c,
+                "STREAM_CHUNK_SIZE": t,
+                "TAU": 0.1,
+                "EXCHANGE": exchange,
+            }
             traffic.sent_bytes = 0
             with PeakMemory() as mem:
                 loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss == "sigmoid" else None)

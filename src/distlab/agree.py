@@ -11,7 +11,7 @@ rank has one) and every rank raises all of them, naming the ranks.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,14 @@ def message_length(problem: str | None) -> float:
     return float(len(problem.encode())) if problem else 0.0
 
 
-def raise_together(problem: str | None, device: torch.device, error: type = ValueError,
-                   cause: BaseException | None = None, lengths: Sequence[float] | None = None,
-                   group=None) -> None:
+def raise_together(
+    problem: str | None,
+    device: torch.device,
+    error: type = ValueError,
+    cause: BaseException | None = None,
+    lengths: Sequence[float] | None = None,
+    group=None,
+) -> None:
     """Every rank calls this with its own problem (or None). If any rank has one, every rank raises
     `error` with one text naming the ranks and their messages; else every rank returns. `lengths`:
     every rank's `message_length`, when a `rank_table` already exchanged them (saves a collective);
@@ -51,7 +56,7 @@ def raise_together(problem: str | None, device: torch.device, error: type = Valu
     mine = torch.zeros(width, dtype=torch.uint8)
     if problem:
         data = problem.encode()
-        mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     mine = mine.to(device)
     every = mine.new_empty(dist.get_world_size(group) * width)
     dist.all_gather_single(every, mine, group=group)
@@ -59,9 +64,10 @@ def raise_together(problem: str | None, device: torch.device, error: type = Valu
     by_text: dict[str, list[int]] = {}
     for r, n in enumerate(lengths):
         if n:
-            by_text.setdefault(bytes(every[r, :int(n)].tolist()).decode(), []).append(r)
+            by_text.setdefault(bytes(every[r, : int(n)].tolist()).decode(), []).append(r)
     if len(by_text) == 1 and len(next(iter(by_text.values()))) == len(lengths):
         raise error(next(iter(by_text))) from cause  # every rank found the same problem
-    message = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}"
-                        for text, rs in by_text.items())
+    message = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}" for text, rs in by_text.items()
+    )
     raise error(message + " (every rank stops here)") from cause

@@ -50,18 +50,26 @@ from distlab.runtime import Runtime
 
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
-KEEP = 2                      # complete checkpoints kept; older ones are removed once a newer is whole
-CRASH_EXIT_CODE = 17          # what the crashed rank exits with (torchrun reports it)
+KEEP = 2  # complete checkpoints kept; older ones are removed once a newer is whole
+CRASH_EXIT_CODE = 17  # what the crashed rank exits with (torchrun reports it)
 FLAGS = ("checkpoint_dir", "checkpoint_every", "crash_at_step", "crash_rank")
 
 
 def add_resume_args(parser: argparse.ArgumentParser, every: int = 10) -> argparse.ArgumentParser:
-    parser.add_argument("--checkpoint-dir", metavar="DIR",
-                        help="checkpoint here, and resume from the newest whole checkpoint found here")
-    parser.add_argument("--checkpoint-every", type=positive_int, default=every, metavar="STEPS",
-                        help="steps between checkpoints")
-    parser.add_argument("--crash-at-step", type=positive_int, metavar="STEP",
-                        help="rank --crash-rank exits abruptly at this step, on torchrun's first attempt only")
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="checkpoint here, and resume from the newest whole checkpoint found here",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=positive_int, default=every, metavar="STEPS", help="steps between checkpoints"
+    )
+    parser.add_argument(
+        "--crash-at-step",
+        type=positive_int,
+        metavar="STEP",
+        help="rank --crash-rank exits abruptly at this step, on torchrun's first attempt only",
+    )
     parser.add_argument("--crash-rank", type=int, metavar="RANK", help="the rank that crashes; default the last")
     return parser
 
@@ -90,8 +98,11 @@ def parameters_sha256(module: torch.nn.Module) -> str:
 def rng_state(device: torch.device) -> dict:
     """Every generator this rank draws from (NumPy's as plain numbers: loadable with weights_only)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": (name, keys.tolist(), pos, has_gauss, gauss)}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -144,11 +155,11 @@ class Checkpoints:
     def __init__(self, rt: Runtime, directory: str | None, every: int, run: dict) -> None:
         self.rt, self.every = rt, every
         self.directory = Path(directory) if directory is not None else None
-        self.run = json.loads(json.dumps(run))     # as it reads back from the manifest
+        self.run = json.loads(json.dumps(run))  # as it reads back from the manifest
         self.crash_at, self.crash_rank = None, rt.world_size - 1
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, rt: Runtime) -> "Checkpoints":
+    def from_args(cls, args: argparse.Namespace, rt: Runtime) -> Checkpoints:
         """From `add_resume_args`' flags; the other flags (but --json) define the run a checkpoint
         must belong to: resuming with another --lr or --seed is refused, not silently mixed."""
         run = {k: v for k, v in vars(args).items() if k not in FLAGS + ("json",)}
@@ -161,8 +172,11 @@ class Checkpoints:
         """Before step `step` (1-based): the chosen rank dies here on the first attempt."""
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if step == self.crash_at and self.rt.rank == self.crash_rank and first_attempt:
-            print(f"rank {self.rt.rank}: os._exit({CRASH_EXIT_CODE}) at step {step} (--crash-at-step)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rank {self.rt.rank}: os._exit({CRASH_EXIT_CODE}) at step {step} (--crash-at-step)",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(CRASH_EXIT_CODE)
 
     def after_step(self, step: int, objects: dict[str, Any]) -> None:
@@ -177,15 +191,19 @@ class Checkpoints:
         if self.rt.is_first:
             _write(partial / "state.pt", {"step": step, **{k: _state_of(v) for k, v in objects.items()}})
         _write(partial / f"rng-{self.rt.rank}.pt", rng_state(self.rt.device))
-        _barrier(self.rt)   # every rank's files are whole; a rank that died never gets past here
+        _barrier(self.rt)  # every rank's files are whole; a rank that died never gets past here
         final = self.directory / f"step-{step:06d}"
         if self.rt.is_first:
             files = ["state.pt"] + [f"rng-{r}.pt" for r in range(self.rt.world_size)]
-            manifest = {"step": step, "world_size": self.rt.world_size, "run": self.run,
-                        "sha256": {name: _sha256(partial / name) for name in files}}
+            manifest = {
+                "step": step,
+                "world_size": self.rt.world_size,
+                "run": self.run,
+                "sha256": {name: _sha256(partial / name) for name in files},
+            }
             _write(partial / (MANIFEST + ".tmp"), json.dumps(manifest, indent=1).encode())
             os.replace(partial / (MANIFEST + ".tmp"), partial / MANIFEST)
-            shutil.rmtree(final, ignore_errors=True)   # an invalid leftover of the same step, if any
+            shutil.rmtree(final, ignore_errors=True)  # an invalid leftover of the same step, if any
             os.replace(partial, final)
             for old in self.complete()[:-KEEP]:
                 shutil.rmtree(self.directory / f"step-{old:06d}")
@@ -195,8 +213,11 @@ class Checkpoints:
         """The steps of the whole checkpoints in the directory, oldest first."""
         if self.directory is None or not self.directory.is_dir():
             return []
-        steps = [int(p.name[len("step-"):]) for p in self.directory.glob("step-*")
-                 if p.is_dir() and p.name[len("step-"):].isdigit()]
+        steps = [
+            int(p.name[len("step-") :])
+            for p in self.directory.glob("step-*")
+            if p.is_dir() and p.name[len("step-") :].isdigit()
+        ]
         return sorted(step for step in steps if self.verify(step) is not None)
 
     def verify(self, step: int) -> dict | None:
@@ -216,14 +237,16 @@ class Checkpoints:
             return 0
         found = self.complete()
         agreed = torch.tensor([found[-1] if found else 0], device=self.rt.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)   # the same step on every rank
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the same step on every rank
         step = int(agreed.item())
         if step == 0:
             return 0
         manifest, folder = self.verify(step), self.directory / f"step-{step:06d}"
         if manifest["world_size"] != self.rt.world_size or manifest["run"] != self.run:
-            raise ValueError(f"--checkpoint-dir: {folder} belongs to another run "
-                             f"(P={manifest['world_size']}, {manifest['run']}); use another directory")
+            raise ValueError(
+                f"--checkpoint-dir: {folder} belongs to another run "
+                f"(P={manifest['world_size']}, {manifest['run']}); use another directory"
+            )
         state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
         for name, obj in objects.items():
             _load_into(obj, state[name])

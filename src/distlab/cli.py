@@ -15,7 +15,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from distlab.compare import TOLERANCES
 from distlab.runtime import DEVICE_CHOICES
@@ -33,6 +33,7 @@ def _number(kind: type, accept: Callable[[float], bool], what: str) -> Callable[
         if value is None or (isinstance(value, float) and not math.isfinite(value)) or not accept(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
+
     parse.__name__ = what
     return parse
 
@@ -69,16 +70,23 @@ def lesson_parser(doc: str | None) -> LessonParser:
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags every lesson shares (for parsers not made by `lesson_parser`)."""
-    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
-                        help="auto: nccl + one GPU per rank when the node has enough GPUs, else gloo + CPU")
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="auto: nccl + one GPU per rank when the node has enough GPUs, else gloo + CPU",
+    )
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of weights and data")
     return parser
 
 
-def add_mlp_args(parser: argparse.ArgumentParser, layers: int, width: int, global_batch: int,
-                 steps: int, lr: float = 0.1) -> argparse.ArgumentParser:
+def add_mlp_args(
+    parser: argparse.ArgumentParser, layers: int, width: int, global_batch: int, steps: int, lr: float = 0.1
+) -> argparse.ArgumentParser:
     """The layered-MLP flags of the pipeline lessons."""
-    parser.add_argument("--layers", type=positive_int, default=layers, help="layers of the MLP (a pipeline needs P <= layers)")
+    parser.add_argument(
+        "--layers", type=positive_int, default=layers, help="layers of the MLP (a pipeline needs P <= layers)"
+    )
     parser.add_argument("--width", type=positive_int, default=width, help="hidden width")
     parser.add_argument("--global-batch", type=positive_int, default=global_batch, help="rows per step, N")
     add_optimizer_args(parser, steps, lr)
@@ -86,18 +94,22 @@ def add_mlp_args(parser: argparse.ArgumentParser, layers: int, width: int, globa
     return parser
 
 
-def add_optimizer_args(parser: argparse.ArgumentParser, steps: int, lr: float,
-                       optimizer: str = "SGD") -> argparse.ArgumentParser:
+def add_optimizer_args(
+    parser: argparse.ArgumentParser, steps: int, lr: float, optimizer: str = "SGD"
+) -> argparse.ArgumentParser:
     """--steps and --lr, the two flags every training lesson has (the optimizer named in the help)."""
     parser.add_argument("--steps", type=positive_int, default=steps, help=f"{optimizer} steps")
     parser.add_argument("--lr", type=positive_float, default=lr, help=f"{optimizer} learning rate")
     return parser
 
 
-def add_contrastive_args(parser: argparse.ArgumentParser, global_batch: int, tau: float = 0.1) -> argparse.ArgumentParser:
+def add_contrastive_args(
+    parser: argparse.ArgumentParser, global_batch: int, tau: float = 0.1
+) -> argparse.ArgumentParser:
     """The flags of every contrastive lesson with a fixed temperature: N and tau."""
-    parser.add_argument("--global-batch", type=positive_int, default=global_batch,
-                        help="pairs per step, N (P must divide it)")
+    parser.add_argument(
+        "--global-batch", type=positive_int, default=global_batch, help="pairs per step, N (P must divide it)"
+    )
     parser.add_argument("--tau", type=positive_float, default=tau, help="temperature tau (logit scale s = 1/tau)")
     return parser
 
@@ -119,8 +131,9 @@ def launched_world_size() -> int | None:
     return int(value) if value else None
 
 
-def check_flags_against_world(args: argparse.Namespace,
-                              rules: Callable[[argparse.Namespace, int], None]) -> argparse.Namespace:
+def check_flags_against_world(
+    args: argparse.Namespace, rules: Callable[[argparse.Namespace, int], None]
+) -> argparse.Namespace:
     """Every flag check that depends on the world size P, run first: the step each lesson's `main()`
     takes right after `parse_args()`, before `distributed()` and before it prints anything.
 
@@ -149,9 +162,12 @@ def check_mlp_input(args: argparse.Namespace, world_size: int | None = None) -> 
     """`--input-features` against the layered MLP's first layer (MLP_IN features per row): the "does
     not fit" error lesson 01 demonstrates, as one line naming the flag before any output. Usable as a
     rule of `check_flags_against_world` (it ignores P)."""
-    require(args.input_features == MLP_IN, "--input-features",
-            f"a batch of shape (N, {args.input_features}) does not fit the model: its first layer takes "
-            f"{MLP_IN} features per row")
+    require(
+        args.input_features == MLP_IN,
+        "--input-features",
+        f"a batch of shape (N, {args.input_features}) does not fit the model: its first layer takes "
+        f"{MLP_IN} features per row",
+    )
 
 
 def stages_fit_layers(args: argparse.Namespace, world_size: int) -> None:
@@ -160,6 +176,9 @@ def stages_fit_layers(args: argparse.Namespace, world_size: int) -> None:
     if hasattr(args, "input_features"):
         check_mlp_input(args)
     v = getattr(args, "stages_per_rank", 1)
-    require(world_size * v <= args.layers, "--layers",
-            f"{world_size * v} stages (P = {world_size} ranks x v = {v}) need at least {world_size * v} layers, "
-            f"got {args.layers}: every stage computes at least one layer")
+    require(
+        world_size * v <= args.layers,
+        "--layers",
+        f"{world_size * v} stages (P = {world_size} ranks x v = {v}) need at least {world_size * v} layers, "
+        f"got {args.layers}: every stage computes at least one layer",
+    )

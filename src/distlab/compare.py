@@ -8,8 +8,8 @@ summation order differs), float32 ones to rtol 1e-5 / atol 1e-6.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 from rich.table import Table
@@ -37,12 +37,18 @@ class Comparison:
     ok: bool
 
 
-def compare(reference: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor],
-            rtol: float | None = None, atol: float | None = None) -> list[Comparison]:
+def compare(
+    reference: Mapping[str, torch.Tensor],
+    actual: Mapping[str, torch.Tensor],
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> list[Comparison]:
     """One `Comparison` per name, in the reference's order. Names must match exactly."""
     if set(reference) != set(actual):
-        raise KeyError(f"names differ: only in reference {sorted(set(reference) - set(actual))}, "
-                       f"only in actual {sorted(set(actual) - set(reference))}")
+        raise KeyError(
+            f"names differ: only in reference {sorted(set(reference) - set(actual))}, "
+            f"only in actual {sorted(set(actual) - set(reference))}"
+        )
     rows = []
     for name, ref in reference.items():
         act = actual[name]
@@ -63,25 +69,37 @@ def all_ok(rows: Iterable[Comparison]) -> bool:
     return all(row.ok for row in rows)
 
 
-def comparison_table(rows: Iterable[Comparison], title: str, caption: str = "",
-                     expect_match: bool = True) -> Table:
+def comparison_table(rows: Iterable[Comparison], title: str, caption: str = "", expect_match: bool = True) -> Table:
     """A rich table; with `expect_match=False` (lesson 11) a mismatch is what the lesson claims."""
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
-    for column, justify in (("tensor", "left"), ("shape", "left"), ("max |a-r|", "right"),
-                            ("max |a-r| / max |r|", "right"), ("allclose", "center")):
+    for column, justify in (
+        ("tensor", "left"),
+        ("shape", "left"),
+        ("max |a-r|", "right"),
+        ("max |a-r| / max |r|", "right"),
+        ("allclose", "center"),
+    ):
         table.add_column(column, justify=justify)
     for row in rows:
         good = row.ok == expect_match
         mark = "[green]yes[/]" if row.ok else "[red]no[/]" if expect_match else "[yellow]no[/]"
-        table.add_row(row.name, str(list(row.shape)), f"{row.max_abs:.2e}", f"{row.max_rel:.2e}",
-                      mark, style=None if good else "bold")
+        table.add_row(
+            row.name,
+            str(list(row.shape)),
+            f"{row.max_abs:.2e}",
+            f"{row.max_rel:.2e}",
+            mark,
+            style=None if good else "bold",
+        )
     return table
 
 
 def grads_of(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     """Detached copies of every parameter's gradient, by name (zeros where a gradient is None)."""
-    return {prefix + n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-            for n, p in module.named_parameters()}
+    return {
+        prefix + n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for n, p in module.named_parameters()
+    }
 
 
 def params_of(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -101,8 +119,9 @@ class GradientError:
     ok: bool
 
 
-def gradient_error(reference: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor],
-                   scale: float = 1.0) -> GradientError:
+def gradient_error(
+    reference: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor], scale: float = 1.0
+) -> GradientError:
     """`actual` against `scale * reference` (scale = 1/P checks a 1/P claim exactly)."""
     ref = {n: scale * r.detach().cpu() for n, r in reference.items()}
     rows = compare(ref, actual)

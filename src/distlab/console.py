@@ -17,7 +17,8 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from rich import box
@@ -97,8 +98,14 @@ def column_blocks(columns: int, cell_width: int, label_width: int, width: int | 
 def compact_table(title: str, columns: tuple[str, ...], caption: str = "") -> Table:
     """A table of numbers that fits a narrow terminal: a simple head, no edge padding, the first column
     names the row and is never broken (a narrow terminal wraps the headers instead), the others right-aligned."""
-    table = Table(title=title, caption=caption or None, title_justify="left", caption_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+        title=title,
+        caption=caption or None,
+        title_justify="left",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
     for i, column in enumerate(columns):
         table.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
     return table

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,14 +34,17 @@ from torch import nn
 
 from distlab.cli import nonnegative_float
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def add_args(parser, ms_per_layer: float):
     """`--emulate-ms`: the emulated device's cost of one layer-pass (0: only the real CPU run)."""
-    parser.add_argument("--emulate-ms", type=nonnegative_float, default=ms_per_layer,
-                        help="emulated device: ms of wall time per layer per pass, slept, not computed "
-                             "(0: skip the emulated run)")
+    parser.add_argument(
+        "--emulate-ms",
+        type=nonnegative_float,
+        default=ms_per_layer,
+        help="emulated device: ms of wall time per layer per pass, slept, not computed (0: skip the emulated run)",
+    )
     return parser
 
 

@@ -33,8 +33,11 @@ class PeakMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # An output that shares an input's storage (a view, an in-place op) allocated nothing.
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {
+            t.untyped_storage()._cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()

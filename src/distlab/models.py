@@ -15,7 +15,7 @@ does not disturb the random stream a lesson is using for dropout.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +26,16 @@ DEFAULT_WIDTHS = (16, 32, 32, 32, 32, 32, 32, 32, 8)  # 8 layers
 
 def _init_linear_(layer: nn.Linear, gen: torch.Generator) -> nn.Linear:
     """PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)), drawn from our own generator."""
-    bound = layer.in_features ** -0.5
+    bound = layer.in_features**-0.5
     with torch.no_grad():
         layer.weight.uniform_(-bound, bound, generator=gen)
         layer.bias.uniform_(-bound, bound, generator=gen)
     return layer
 
 
-def layered_mlp(widths: Sequence[int] = DEFAULT_WIDTHS, seed: int = 0,
-                dtype: torch.dtype = torch.float64) -> nn.Sequential:
+def layered_mlp(
+    widths: Sequence[int] = DEFAULT_WIDTHS, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> nn.Sequential:
     """`len(widths) - 1` layers; layer i maps widths[i] -> widths[i + 1]."""
     if len(widths) < 2:
         raise ValueError(f"need at least two widths (one layer), got {list(widths)}")
@@ -47,12 +48,13 @@ def layered_mlp(widths: Sequence[int] = DEFAULT_WIDTHS, seed: int = 0,
     return nn.Sequential(*layers)
 
 
-def regression_batch(batch_size: int, in_features: int, out_features: int, seed: int = 0,
-                     dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+def regression_batch(
+    batch_size: int, in_features: int, out_features: int, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) with x ~ N(0, I) and y = teacher(x), a fixed random two-layer tanh network."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, in_features, generator=gen, dtype=dtype)
-    hidden = torch.randn(in_features, 2 * in_features, generator=gen, dtype=dtype) / in_features ** 0.5
+    hidden = torch.randn(in_features, 2 * in_features, generator=gen, dtype=dtype) / in_features**0.5
     head = torch.randn(2 * in_features, out_features, generator=gen, dtype=dtype) / (2 * in_features) ** 0.5
     return x, torch.tanh(x @ hidden) @ head
 
@@ -60,14 +62,23 @@ def regression_batch(batch_size: int, in_features: int, out_features: int, seed:
 class TwoTower(nn.Module):
     """Two MLP encoders and L2-normalised outputs: the model contract of `distributed_clip`."""
 
-    def __init__(self, dim_x: int = 12, dim_y: int = 10, hidden: int = 32, embed_dim: int = 8,
-                 dropout: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float64):
+    def __init__(
+        self,
+        dim_x: int = 12,
+        dim_y: int = 10,
+        hidden: int = 32,
+        embed_dim: int = 8,
+        dropout: float = 0.0,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float64,
+    ):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
 
         def encoder(dim_in: int) -> nn.Sequential:
             return nn.Sequential(
-                _init_linear_(nn.Linear(dim_in, hidden, dtype=dtype), gen), nn.Tanh(),
+                _init_linear_(nn.Linear(dim_in, hidden, dtype=dtype), gen),
+                nn.Tanh(),
                 nn.Dropout(dropout),
                 _init_linear_(nn.Linear(hidden, embed_dim, dtype=dtype), gen),
             )
@@ -82,8 +93,9 @@ class TwoTower(nn.Module):
 LATENT_DIM, NOISE, WORLD_SEED = 6, 0.1, 0  # the world every paired data set is drawn from
 
 
-def paired_data(n: int, dim_x: int = 12, dim_y: int = 10, seed: int = 0,
-                dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+def paired_data(
+    n: int, dim_x: int = 12, dim_y: int = 10, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
     """n pairs (x_i, y_i): two noisy nonlinear views of one latent u_i ~ N(0, I).
 
     x = tanh(u A) + noise, y = tanh(u B) + noise. The views A, B are fixed (WORLD_SEED), so a training

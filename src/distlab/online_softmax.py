@@ -26,8 +26,9 @@ def rescale(run_max: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
     return torch.exp(run_max - new_max)
 
 
-def online_fold(run_max: torch.Tensor, run_sum: torch.Tensor, tile: torch.Tensor,
-                dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def online_fold(
+    run_max: torch.Tensor, run_sum: torch.Tensor, tile: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold a tile (consumed in place) into the running (m, l) along `dim`; returns the new (m, l).
     Afterwards the tile holds the weights exp(t - m'), m' the new max."""
     new_max = torch.maximum(run_max, tile.amax(dim))

@@ -12,7 +12,7 @@ the learning rate rises linearly over the warm-up steps, then follows half a cos
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -20,8 +20,10 @@ from torch import nn
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW parameter groups: matrices (and conv kernels) with `weight_decay`, the rest without."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:

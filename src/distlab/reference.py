@@ -6,8 +6,8 @@ micro-batches, nothing shared with the code under test but the model's starting 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -18,13 +18,18 @@ from distlab.compare import grads_of, params_of
 @dataclass
 class ReferenceRun:
     first_grads: dict[str, torch.Tensor]  # after the first backward
-    params: dict[str, torch.Tensor]       # after the last step
+    params: dict[str, torch.Tensor]  # after the last step
     losses: list[float]
 
 
-def sgd_reference(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                  steps: int, lr: float) -> ReferenceRun:
+def sgd_reference(
+    model: nn.Module,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int,
+    lr: float,
+) -> ReferenceRun:
     """`steps` full-batch SGD steps on a deep copy of `model` (the original is left untouched)."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)

@@ -28,10 +28,10 @@ import importlib
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,8 +65,7 @@ def choose_backend(requested: str, local_world_size: int, gpus: int | None = Non
     if gpus is None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "cuda" and gpus < local_world_size:
-        raise ValueError(f"--device cuda needs one GPU per rank: {local_world_size} ranks on this "
-                         f"node, {gpus} GPUs")
+        raise ValueError(f"--device cuda needs one GPU per rank: {local_world_size} ranks on this node, {gpus} GPUs")
     if requested == "cuda" or (requested == "auto" and gpus >= local_world_size):
         return GPU_BACKEND, "cuda"
     return "gloo", "cpu"
@@ -77,8 +76,10 @@ def _env_int(name: str, default: int | None = None) -> int:
     if value is None:
         if default is None:
             script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "lessons/NN_lesson.py"
-            raise ValueError(f"environment variable {name} is not set: launch with torchrun, "
-                             f"e.g. `torchrun --nproc-per-node 2 {script}`")
+            raise ValueError(
+                f"environment variable {name} is not set: launch with torchrun, "
+                f"e.g. `torchrun --nproc-per-node 2 {script}`"
+            )
         return default
     return int(value)
 
@@ -88,14 +89,14 @@ def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
     agent (init_process_group then reads MASTER_ADDR and MASTER_PORT itself)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size, is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"attempt-{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 @contextmanager
-def distributed(device: str = "auto", timeout_s: float | None = None,
-                strict: bool | None = None) -> Iterator[Runtime]:
+def distributed(device: str = "auto", timeout_s: float | None = None, strict: bool | None = None) -> Iterator[Runtime]:
     """Initialise the default process group from torchrun's environment; destroy it on the way out.
 
     The group is destroyed on success and on exception alike, so a failing lesson releases its
@@ -114,8 +115,14 @@ def distributed(device: str = "auto", timeout_s: float | None = None,
     # group exists, it keeps gloo's threads alive past destroy_process_group, and the process then
     # aborts at exit now and then (3 of 29 runs of lesson 04). Imported before the group: never.
     importlib.import_module("torch._dynamo")  # (`import torch._dynamo` here would shadow `torch`)
-    dist.init_process_group(backend, store=attempt_store(world_size, timeout), rank=rank, world_size=world_size,
-                            timeout=timeout, device_id=dev if kind == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        store=attempt_store(world_size, timeout),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=dev if kind == "cuda" else None,
+    )
     try:
         with ExitStack() as stack:
             rt = Runtime(rank, world_size, local_rank, backend, dev)

@@ -16,12 +16,14 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from distlab.runtime import distributed
+
 
 class SpawnError(RuntimeError):
     """A rank started by `spawn` raised; carries the rank and the child's traceback."""
@@ -54,8 +56,12 @@ class _Launch:
 
 def _child(rank: int, launch: _Launch, results) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launch.port), RANK=str(rank),
-        WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(launch.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(launch.port),
+        RANK=str(rank),
+        WORLD_SIZE=str(launch.world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(launch.world_size),
     )
     # As torchrun does: one intra-op thread per rank, or W ranks fight over the cores.
     torch.set_num_threads(1)
@@ -91,8 +97,15 @@ def _mp_context():
     return _context
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
-          timeout_s: float = 60.0, limit_s: float = 600.0, **kwargs: Any) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    device: str = "cpu",
+    timeout_s: float = 60.0,
+    limit_s: float = 600.0,
+    **kwargs: Any,
+) -> list[Any]:
     """Run `fn(runtime, *args, **kwargs)` on `world_size` ranks; return the ranks' results in order.
 
     `timeout_s` is the process group's: how long any one collective may wait for its peers.
@@ -109,8 +122,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cp
     results = ctx.Queue()
     port = free_port()
     launch = _Launch(world_size, port, device, timeout_s, fn, args, kwargs)
-    procs = [ctx.Process(target=_child, name=f"distlab-rank{r}", args=(r, launch, results))
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_child, name=f"distlab-rank{r}", args=(r, launch, results)) for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + limit_s

@@ -21,7 +21,7 @@ from torch import nn
 from distlab.console import progress
 from distlab.memory import PeakMemory
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def right_aligned(table: Table, first: int = 1) -> Table:

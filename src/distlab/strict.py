@@ -38,8 +38,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,22 +54,56 @@ from distlab.runtime import Runtime
 HOST = torch.device("cpu")
 STAND_IN = torch.device("cpu", 0)  # rt.device in strict mode on CPU: the GPU's stand-in
 TENSOR_COLLECTIVES = (
-    "broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "all_gather_single",
-    "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
-    "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-    "send", "recv", "isend", "irecv", "batch_isend_irecv")
-OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list",
-                      "scatter_object_list", "send_object_list", "recv_object_list")
+    "broadcast",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
+OBJECT_COLLECTIVES = (
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
 FUNCTIONAL_NAMESPACES = ("_c10d_functional.", "_c10d_functional_autograd.")
 # Ops that take host tensors beside device ones on a GPU too: indices, copies, moves, split points.
 MIXING_ALLOWED = {  # (a fresh `data.__set__` equals the one here)
-    torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put,
-    torch.index_put, torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.new_tensor, torch.Tensor.type_as,
-    torch.tensor_split, torch.Tensor.tensor_split, torch.Tensor.data.__set__, torch.is_same_size,
-    torch._has_compatible_shallow_copy_type}
-_TAG = "_distlab_host"          # on a storage's Python object: True host, False placed, absent unknown
-_DEVICE = torch.Tensor.device   # the property; `t.device` reaches the mode as its (fresh) __get__
-_state = threading.local()      # .active; .exempt: depth of object collectives on this thread
+    torch.Tensor.__getitem__,
+    torch.Tensor.__setitem__,
+    torch.Tensor.index_put_,
+    torch.Tensor.index_put,
+    torch.index_put,
+    torch.Tensor.copy_,
+    torch.Tensor.to,
+    torch.Tensor.new_tensor,
+    torch.Tensor.type_as,
+    torch.tensor_split,
+    torch.Tensor.tensor_split,
+    torch.Tensor.data.__set__,
+    torch.is_same_size,
+    torch._has_compatible_shallow_copy_type,
+}
+_TAG = "_distlab_host"  # on a storage's Python object: True host, False placed, absent unknown
+_DEVICE = torch.Tensor.device  # the property; `t.device` reaches the mode as its (fresh) __get__
+_state = threading.local()  # .active; .exempt: depth of object collectives on this thread
 
 
 class StrictDeviceError(RuntimeError):
@@ -155,8 +190,7 @@ class _Follow(TorchFunctionMode):
         the device changes. The real call never changes the device (both names are the CPU)."""
         src = args[0]
         if func is torch.Tensor.cpu:
-            return _retarget(src.to(memory_format=kwargs.get("memory_format", torch.preserve_format)),
-                             [src], host=True)
+            return _retarget(src.to(memory_format=kwargs.get("memory_format", torch.preserve_format)), [src], host=True)
         other = next((a for a in (*args[1:], kwargs.get("other")) if isinstance(a, torch.Tensor)), None)
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
         if _DEVICE.__get__(src).type != "cpu" or (device is not None and device.type != "cpu"):
@@ -166,8 +200,12 @@ class _Follow(TorchFunctionMode):
             host = is_host(other)
         else:
             host = is_host(src) if device is None else _names_host(device)
-        out = src.to(dtype=dtype, non_blocking=non_blocking, copy=kwargs.get("copy", False),
-                     memory_format=memory_format or torch.preserve_format)
+        out = src.to(
+            dtype=dtype,
+            non_blocking=non_blocking,
+            copy=kwargs.get("copy", False),
+            memory_format=memory_format or torch.preserve_format,
+        )
         return _retarget(out, [src], host)
 
 
@@ -201,12 +239,16 @@ def check(what: str, tensors: Iterable[torch.Tensor], device: torch.device) -> N
     for t in tensors:
         where = device_of(t, device)
         if where != device:
-            stand_in = (f" ({STAND_IN} stands in for the GPU in strict mode on CPU, and {HOST} is the host, "
-                        "where a tensor made without device=... lives on a GPU machine)"
-                        if device == STAND_IN else "")
+            stand_in = (
+                f" ({STAND_IN} stands in for the GPU in strict mode on CPU, and {HOST} is the host, "
+                "where a tensor made without device=... lives on a GPU machine)"
+                if device == STAND_IN
+                else ""
+            )
             raise StrictDeviceError(
                 f"{what} got a tensor of shape {list(t.shape)} on {where}, but the runtime's device is "
-                f"{device}{stand_in}: make it with device=rt.device or move it with .to(rt.device)")
+                f"{device}{stand_in}: make it with device=rt.device or move it with .to(rt.device)"
+            )
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -226,6 +268,7 @@ def _checked(name: str, fn: Callable, device: torch.device) -> Callable:
         if not getattr(_state, "exempt", 0):  # inside an object collective: torch placed its tensors
             check(f"torch.distributed.{name}", _tensors_in((args, kwargs)), device)
         return fn(*args, **kwargs)
+
     collective.strict_device = True  # tells tests (and the curious) that the wrapper is installed
     return collective
 
@@ -238,16 +281,19 @@ def _exempt(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         finally:
             _state.exempt -= 1
+
     return object_collective
 
 
 def _made_on_host(fn: Callable) -> Callable:
     """torch.from_numpy and torch.frombuffer bypass the mode; their tensors share CPU memory."""
+
     @functools.wraps(fn)
     def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = fn(*args, **kwargs)
         _mark(out, host=True)
         return out
+
     return factory
 
 
@@ -258,6 +304,7 @@ def _checked_ddp(init: Callable, device: torch.device) -> Callable:
             for name, t in named:
                 check(f"DistributedDataParallel ({kind} {name!r} of {type(module).__name__})", [t], device)
         init(self, module, *args, **kwargs)
+
     return __init__
 
 
@@ -293,7 +340,7 @@ def strict_device(rt: Runtime) -> Iterator[Runtime]:
         patches += [(torch, name, _made_on_host(getattr(torch, name))) for name in ("from_numpy", "frombuffer")]
     _state.active = True
     try:
-        with _patched(patches), (_Follow(srt.device) if simulate else nullcontext()):
+        with _patched(patches), _Follow(srt.device) if simulate else nullcontext():
             yield srt
     finally:
         _state.active = False

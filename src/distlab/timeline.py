@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch.distributed as dist
 from rich.text import Text
@@ -57,8 +57,7 @@ class Timeline:
 def max_concurrency(spans: list[Span]) -> int:
     """The most spans open at one instant (a sweep over start/end events; an end at the same
     instant as a start closes first, so back-to-back spans do not count as overlapping)."""
-    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans], key=lambda e: (e[0], e[1]))
     open_now = peak = 0
     for _, delta in events:
         open_now += delta
@@ -107,6 +106,8 @@ def render(spans: list[Span], world_size: int, width: int | None = None) -> Text
 def step_seconds(spans: list[Span], steps: int) -> float:
     """Median over the steps after the first (which pays one-off costs) of the time from the first
     span's start to the last span's end: a step's wall time as the ranks' compute saw it."""
-    per_step = [max(s.end for s in spans if s.step == k) - min(s.start for s in spans if s.step == k)
-                for k in range(min(1, steps - 1), steps)]
+    per_step = [
+        max(s.end for s in spans if s.step == k) - min(s.start for s in spans if s.step == k)
+        for k in range(min(1, steps - 1), steps)
+    ]
     return statistics.median(per_step)

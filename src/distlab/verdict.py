@@ -64,13 +64,19 @@ class Verdict:
             print0(f"{mark}  {check.name}" + (f": {check.detail}" if check.detail else ""), highlight=False)
         passed = all(agreed)
         failed = len(agreed) - sum(agreed)
-        print0("[bold green]PASS[/]: every claim holds" if passed
-               else f"[bold red]FAIL[/]: {failed} of {len(agreed)} claims do not hold")
+        print0(
+            "[bold green]PASS[/]: every claim holds"
+            if passed
+            else f"[bold red]FAIL[/]: {failed} of {len(agreed)} claims do not hold"
+        )
         if json_path and self.rt.is_first:
-            report = {"lesson": Path(sys.argv[0]).stem, "world_size": self.rt.world_size, "passed": passed,
-                      "checks": [{"name": c.name, "ok": ok, "detail": c.detail}
-                                 for c, ok in zip(self.checks, agreed)],
-                      "figures": _plain(self.figures)}
+            report = {
+                "lesson": Path(sys.argv[0]).stem,
+                "world_size": self.rt.world_size,
+                "passed": passed,
+                "checks": [{"name": c.name, "ok": ok, "detail": c.detail} for c, ok in zip(self.checks, agreed)],
+                "figures": _plain(self.figures),
+            }
             Path(json_path).write_text(json.dumps(report, indent=1))
         return 0 if passed else 1
 

@@ -40,7 +40,7 @@ class Partial:
     out: torch.Tensor
 
     @classmethod
-    def start(cls, out: torch.Tensor) -> "Partial":
+    def start(cls, out: torch.Tensor) -> Partial:
         """m = -inf, l = 0, and o accumulated in place in `out` (zeroed here), a view into the output."""
         run_max = torch.full(out.shape[:-1], float("-inf"), dtype=out.dtype, device=out.device)
         return cls(run_max, torch.zeros_like(run_max), out.zero_())
@@ -66,8 +66,7 @@ def scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch
     return tile if mask is None else tile.masked_fill_(mask, float("-inf"))
 
 
-def fold_tile(part: Partial, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None) -> None:
+def fold_tile(part: Partial, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
     """Fold one key/value tile into the query piece's running (m, l, o)."""
     tile = scores(q, k, mask)
     old_max = part.run_max
@@ -85,8 +84,9 @@ class Saved:
     delta: torch.Tensor
 
 
-def tile_grads(saved: Saved, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_grads(
+    saved: Saved, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): this tile's contributions, from its probabilities recomputed with the saved lse."""
     scale = 1 / math.sqrt(saved.q.shape[-1])
     weights = scores(saved.q, k, mask).sub_(saved.lse.unsqueeze(-1)).exp_()  # omega = exp(A - lse)

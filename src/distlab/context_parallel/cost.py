@@ -50,6 +50,7 @@ class Sizes:
     def memory_bound(self) -> tuple[int, int]:
         """(forward, backward) upper bounds on the bytes the ring allocates per rank."""
         kv = 2 * min(self.world_size - 1, 2) * self.block
-        return (kv + 3 * self.block // 2 + 2 * self.tile + 8 * self.row,
-                kv + 13 * self.block // 2 + 3 * self.tile + 4 * self.row)
-
+        return (
+            kv + 3 * self.block // 2 + 2 * self.tile + 8 * self.row,
+            kv + 13 * self.block // 2 + 3 * self.tile + 4 * self.row,
+        )

@@ -38,9 +38,11 @@ def check_seq_len(seq_len: int, world_size: int, split: str) -> None:
         raise ValueError(f"--split: expected one of {SPLITS}, got {split!r}")
     pieces = 2 * world_size if split == "zigzag" else world_size
     what = "2P" if split == "zigzag" else "P"
-    require(seq_len % pieces == 0, "--seq-len",
-            f"seq = {seq_len} is not divisible by {what} = {pieces} (the {split} split cuts it into "
-            f"{pieces} equal pieces)")
+    require(
+        seq_len % pieces == 0,
+        "--seq-len",
+        f"seq = {seq_len} is not divisible by {what} = {pieces} (the {split} split cuts it into {pieces} equal pieces)",
+    )
 
 
 def pieces_of(rank: int, world_size: int, seq_len: int, split: str) -> list[range]:
@@ -55,7 +57,7 @@ def pieces_of(rank: int, world_size: int, seq_len: int, split: str) -> list[rang
 def shard(x: torch.Tensor, rank: int, world_size: int, split: str) -> torch.Tensor:
     """Rank r's rows of x (..., seq, d_h) along the sequence dimension (-2), a contiguous copy."""
     rows = pieces_of(rank, world_size, x.shape[-2], split)
-    return torch.cat([x[..., r.start:r.stop, :] for r in rows], dim=-2).contiguous()
+    return torch.cat([x[..., r.start : r.stop, :] for r in rows], dim=-2).contiguous()
 
 
 def unshard(blocks: list[torch.Tensor], split: str) -> torch.Tensor:
@@ -66,7 +68,7 @@ def unshard(blocks: list[torch.Tensor], split: str) -> torch.Tensor:
     for rank, block in enumerate(blocks):
         start = 0
         for r in pieces_of(rank, world_size, seq_len, split):
-            out[..., r.start:r.stop, :] = block[..., start:start + len(r), :]
+            out[..., r.start : r.stop, :] = block[..., start : start + len(r), :]
             start += len(r)
     return out
 
@@ -90,8 +92,12 @@ class Work:
 def count_work(rank: int, world_size: int, seq_len: int, split: str, causal: bool) -> Work:
     """Rank r's tiles and products, from the layout alone (every key piece of every rank meets every
     query piece of rank r once around the ring)."""
-    tiles = [(q, k) for q in pieces_of(rank, world_size, seq_len, split)
-             for src in range(world_size) for k in pieces_of(src, world_size, seq_len, split)]
+    tiles = [
+        (q, k)
+        for q in pieces_of(rank, world_size, seq_len, split)
+        for src in range(world_size)
+        for k in pieces_of(src, world_size, seq_len, split)
+    ]
     kinds = [tile_kind(q, k, causal) for q, k in tiles]
     products = sum(len(q) * len(k) for (q, k), kind in zip(tiles, kinds) if kind != SKIP)
     return Work(kinds.count(FULL), kinds.count(DIAGONAL), products)

@@ -19,7 +19,7 @@ def local_block(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
     if len(t) % rt.world_size:
         raise ValueError(f"the global batch N = {len(t)} must split evenly over P = {rt.world_size} ranks")
     c = len(t) // rt.world_size
-    return t[rt.rank * c:(rt.rank + 1) * c]
+    return t[rt.rank * c : (rt.rank + 1) * c]
 
 
 def check_inputs(z_x: torch.Tensor, z_y: torch.Tensor, tau: float) -> None:
@@ -33,14 +33,14 @@ def check_inputs(z_x: torch.Tensor, z_y: torch.Tensor, tau: float) -> None:
     slots = 4  # room for up to 3 dimensions per tensor: enough to report a wrong rank
     row = [-1.0] * (2 * slots + 1)
     for i, t in enumerate((z_x, z_y)):
-        dims = list(t.shape)[:slots - 1]
-        row[i * slots:i * slots + 1 + len(dims)] = [t.dim(), *dims]
+        dims = list(t.shape)[: slots - 1]
+        row[i * slots : i * slots + 1 + len(dims)] = [t.dim(), *dims]
     row[-1] = float(tau)
     table = rank_table(row, z_x.device)  # every rank judges the same table (distlab.agree)
 
     def shape(row: torch.Tensor, i: int) -> tuple[int, ...]:
         ndim = int(row[i * slots])
-        return tuple(int(v) for v in row[i * slots + 1:i * slots + 1 + min(ndim, slots - 1)])
+        return tuple(int(v) for v in row[i * slots + 1 : i * slots + 1 + min(ndim, slots - 1)])
 
     shapes_x = [shape(row, 0) for row in table]
     shapes_y = [shape(row, 1) for row in table]
@@ -52,6 +52,7 @@ def check_inputs(z_x: torch.Tensor, z_y: torch.Tensor, tau: float) -> None:
     if len(set(shapes_x + shapes_y)) > 1:
         raise ValueError(
             f"every rank must hold z_x and z_y of one shape C x d (equal local batches, one embedding "
-            f"size), got z_x {shapes_x}, z_y {shapes_y} (rank 0, 1, ...)")
+            f"size), got z_x {shapes_x}, z_y {shapes_y} (rank 0, 1, ...)"
+        )
     if shapes_x[0][0] < 1:
         raise ValueError("every rank needs at least one pair (C >= 1)")

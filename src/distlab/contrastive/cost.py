@@ -56,8 +56,9 @@ def _slowest(seconds: list[float], rt: Runtime) -> float:
     return slowest.item()
 
 
-def loss_cost(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, variant: Variant,
-              repeats: int = 5) -> dict[str, float]:
+def loss_cost(
+    rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, variant: Variant, repeats: int = 5
+) -> dict[str, float]:
     """Largest single tensor and peak extra bytes of this rank's loss forward + backward (from its
     embeddings on), and the median seconds over `repeats` runs (slowest rank)."""
     z_x, z_y = z_x.detach().requires_grad_(), z_y.detach().requires_grad_()
@@ -84,8 +85,10 @@ def collective_seconds(rt: Runtime, n: int, d: int, dtype: torch.dtype, repeats:
     device = rt.device
     grad = torch.randn(n, d, dtype=dtype, device=device)
     mine = torch.empty(n // rt.world_size, d, dtype=dtype, device=device)
-    ops = {"all_reduce (backward)": lambda: dist.all_reduce(grad.clone()),
-           "reduce_scatter (backward)": lambda: dist.reduce_scatter_single(mine, grad)}
+    ops = {
+        "all_reduce (backward)": lambda: dist.all_reduce(grad.clone()),
+        "reduce_scatter (backward)": lambda: dist.reduce_scatter_single(mine, grad),
+    }
     out = {}
     for name, op in ops.items():
         op()  # warm-up

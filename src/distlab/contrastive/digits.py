@@ -25,8 +25,8 @@ from a few templates, so the text tower must learn that only the number word mat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,9 @@ TEMPLATES = (
 ZERO_SHOT_TEMPLATE = "the handwritten digit {}"
 assert ZERO_SHOT_TEMPLATE not in TEMPLATES
 INIT_LOGIT_SCALE = math.log(1 / 0.07)  # CLIP's initial temperature, tau = 0.07
-MAX_LOGIT_SCALE = math.log(100)        # CLIP clamps s at 100 (tau >= 0.01) after every step
+MAX_LOGIT_SCALE = math.log(100)  # CLIP clamps s at 100 (tau >= 0.01) after every step
 SIGLIP_INIT_LOGIT_SCALE = math.log(10)  # SigLIP's s = 10 at the start, with the bias beta = -10
-SIGLIP_INIT_LOGIT_BIAS = -10.0         # (open_clip's init_logit_scale / init_logit_bias for SigLIP)
+SIGLIP_INIT_LOGIT_BIAS = -10.0  # (open_clip's init_logit_scale / init_logit_bias for SigLIP)
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def load_split(test_fraction: float = 0.2, seed: int = 0, dtype: torch.dtype = t
     for digit in range(len(CLASS_NAMES)):
         members = (labels == digit).nonzero().squeeze(1)
         chosen = members[torch.randperm(len(members), generator=gen)]
-        test[chosen[:round(test_fraction * len(members))]] = True
+        test[chosen[: round(test_fraction * len(members))]] = True
     return DigitsSplit(images[~test], labels[~test], images[test], labels[test])
 
 
@@ -83,7 +83,7 @@ def caption(label: int, template: str = ZERO_SHOT_TEMPLATE) -> str:
     return template.format(CLASS_NAMES[label])
 
 
-def caption_table(tokenizer: "Tokenizer") -> torch.Tensor:
+def caption_table(tokenizer: Tokenizer) -> torch.Tensor:
     """Token ids of every caption: classes x templates x length (tokenised once, indexed per step)."""
     texts = [caption(label, t) for label in range(len(CLASS_NAMES)) for t in TEMPLATES]
     return tokenizer.encode(texts).view(len(CLASS_NAMES), len(TEMPLATES), -1)
@@ -117,13 +117,14 @@ class Tokenizer:
             words = text.lower().split()
             unknown = [w for w in words if w not in self.vocab]
             if unknown or len(words) > self.length:
-                raise ValueError(f"caption {text!r} has words {unknown} outside the vocabulary or more "
-                                 f"than {self.length} words")
-            ids[row, :len(words)] = torch.tensor([self.vocab[w] for w in words])
+                raise ValueError(
+                    f"caption {text!r} has words {unknown} outside the vocabulary or more than {self.length} words"
+                )
+            ids[row, : len(words)] = torch.tensor([self.vocab[w] for w in words])
         return ids
 
     @classmethod
-    def for_digits(cls) -> "Tokenizer":
+    def for_digits(cls) -> Tokenizer:
         """The vocabulary of every template and every digit name (the zero-shot prompt's words among them)."""
         return cls([caption(label, t) for t in (*TEMPLATES, ZERO_SHOT_TEMPLATE) for label in range(len(CLASS_NAMES))])
 
@@ -134,9 +135,13 @@ class ImageTower(nn.Module):
     def __init__(self, dim: int, width: int = 32):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1), nn.GELU(),
-            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.GELU(), nn.Flatten(),
-            nn.LayerNorm(2 * width * 16))
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.GELU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.GELU(),
+            nn.Flatten(),
+            nn.LayerNorm(2 * width * 16),
+        )
         self.proj = nn.Linear(2 * width * 16, dim)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -150,12 +155,11 @@ class TextTower(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, width, padding_idx=Tokenizer.PAD)
         self.positions = nn.Parameter(torch.randn(length, width) * 0.02)
-        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
-                                 nn.Linear(2 * width, dim))
+        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        words = (ids != Tokenizer.PAD).unsqueeze(-1)                              # n x L x 1
-        h = (self.tokens(ids) + self.positions) * words                           # n x L x width
+        words = (ids != Tokenizer.PAD).unsqueeze(-1)  # n x L x 1
+        h = (self.tokens(ids) + self.positions) * words  # n x L x width
         return self.mlp(h.sum(1) / words.sum(1).clamp_min(1))
 
 
@@ -164,8 +168,15 @@ class DigitsCLIP(nn.Module):
     (e.g. SIGLIP_INIT_LOGIT_BIAS) a learnable bias too, s starting at 10: forward -> (z_x, z_y, s, beta).
     The towers' initial weights depend on `seed` only, bias or not."""
 
-    def __init__(self, vocab_size: int, length: int, dim: int = 64, width: int = 32, seed: int = 0,
-                 logit_bias: float | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        length: int,
+        dim: int = 64,
+        width: int = 32,
+        seed: int = 0,
+        logit_bias: float | None = None,
+    ):
         super().__init__()
         with torch.random.fork_rng():  # the same initial weights on every rank; the global stream untouched
             torch.manual_seed(seed)
@@ -189,14 +200,19 @@ class DigitsCLIP(nn.Module):
 
 
 @torch.no_grad()
-def zero_shot(model: DigitsCLIP, images: torch.Tensor, labels: torch.Tensor, tokenizer: Tokenizer,
-              template: str = ZERO_SHOT_TEMPLATE) -> tuple[float, torch.Tensor]:
+def zero_shot(
+    model: DigitsCLIP,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    tokenizer: Tokenizer,
+    template: str = ZERO_SHOT_TEMPLATE,
+) -> tuple[float, torch.Tensor]:
     """(top-1 accuracy, predicted labels): each image's nearest of the ten class captions by cosine."""
     was_training = model.training
     model.eval()
     classes = tokenizer.encode([caption(k, template) for k in range(len(CLASS_NAMES))])
-    z_classes = F.normalize(model.encoder_y(classes.to(images.device)).float(), dim=-1)   # 10 x d
-    z_images = F.normalize(model.encoder_x(images).float(), dim=-1)                      # n x d
+    z_classes = F.normalize(model.encoder_y(classes.to(images.device)).float(), dim=-1)  # 10 x d
+    z_images = F.normalize(model.encoder_x(images).float(), dim=-1)  # n x d
     predictions = (z_images @ z_classes.T).argmax(1)
     model.train(was_training)
     return predictions.eq(labels).float().mean().item(), predictions

@@ -21,10 +21,10 @@ class Digits:
     def __init__(self, rt, global_batch: int, test_fraction: float, seed: int):
         self.split = load_split(test_fraction, seed)
         self.tokenizer = Tokenizer.for_digits()
-        self.table = caption_table(self.tokenizer)            # 10 digits x templates x words
+        self.table = caption_table(self.tokenizer)  # 10 digits x templates x words
         self.rt, self.seed, self.local = rt, seed, global_batch // rt.world_size
         self.labels = self.split.train_labels
-        self._drawn: tuple[int, torch.Tensor] | None = None    # (epoch, every image's caption ids)
+        self._drawn: tuple[int, torch.Tensor] | None = None  # (epoch, every image's caption ids)
 
     def rows(self, epoch: int, rank: int) -> list[torch.Tensor]:
         """Rank `rank`'s C training rows for each step of `epoch`. Step k's global batch is pairs
@@ -34,7 +34,7 @@ class Digits:
         rows, so the reference needs no communication."""
         order = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed * 1_000 + epoch))
         n = self.local * self.rt.world_size
-        return [order[k * n + rank * self.local:][:self.local] for k in range(len(order) // n)]
+        return [order[k * n + rank * self.local :][: self.local] for k in range(len(order) // n)]
 
     def captions(self, epoch: int) -> torch.Tensor:
         """Every training image's caption ids in `epoch` (a template drawn per image from seed and epoch),
@@ -51,7 +51,7 @@ class Digits:
         epoch: the order is a function of (seed, epoch), so a resumed run needs only the step."""
         per_epoch = len(self.labels) // (self.local * self.rt.world_size)
         for epoch in itertools.count(first // per_epoch):
-            for rows in self.rows(epoch, self.rt.rank)[max(0, first - epoch * per_epoch):]:
+            for rows in self.rows(epoch, self.rt.rank)[max(0, first - epoch * per_epoch) :]:
                 yield self.batch(epoch, rows)
 
     def zero_shot(self, model) -> tuple[float, torch.Tensor]:

@@ -59,9 +59,9 @@ forward_no_grad, build_cache, forward_backward, cache_step(*inputs, no_sync_exce
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -95,20 +95,30 @@ class GradCache:
     """Gradient cache over `models` (one per loss argument; the same module may appear twice).
     Optimizer steps are the caller's; gradients accumulate into `.grad` like any backward."""
 
-    def __init__(self, models: Sequence[nn.Module], chunk_sizes: int | Sequence[int],
-                 loss_fn: Callable[..., Tensor], split_input_fn: Callable[[Any, int], Any] | None = None,
-                 get_rep_fn: Callable[[Any], Tensor] | None = None, precision: str = "float32",
-                 scaler: torch.amp.GradScaler | None = None):
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        chunk_sizes: int | Sequence[int],
+        loss_fn: Callable[..., Tensor],
+        split_input_fn: Callable[[Any, int], Any] | None = None,
+        get_rep_fn: Callable[[Any], Tensor] | None = None,
+        precision: str = "float32",
+        scaler: torch.amp.GradScaler | None = None,
+    ):
         if isinstance(models, nn.Module) or not isinstance(models, (list, tuple)) or not models:
-            raise ValueError("models must be a non-empty list of modules, one per loss argument "
-                             f"(got {type(models).__name__}); for one shared tower pass [model, model]")
+            raise ValueError(
+                "models must be a non-empty list of modules, one per loss argument "
+                f"(got {type(models).__name__}); for one shared tower pass [model, model]"
+            )
         if not all(isinstance(m, nn.Module) for m in models):
             raise ValueError(f"every model must be an nn.Module, got {[type(m).__name__ for m in models]}")
         self.models = list(models)
         if isinstance(chunk_sizes, (list, tuple)):
             if len(chunk_sizes) != len(self.models):
-                raise ValueError(f"chunk_sizes has {len(chunk_sizes)} entries for {len(self.models)} "
-                                 "models: give one int for all, or one per model")
+                raise ValueError(
+                    f"chunk_sizes has {len(chunk_sizes)} entries for {len(self.models)} "
+                    "models: give one int for all, or one per model"
+                )
             self.chunk_sizes = [check_chunk_size(c) for c in chunk_sizes]
         else:
             self.chunk_sizes = [check_chunk_size(chunk_sizes)] * len(self.models)
@@ -157,21 +167,27 @@ class GradCache:
                 return model(*model_input)
             if isinstance(model_input, Mapping):
                 return model(**model_input)
-        raise ValueError(f"cannot call a model on a chunk of type {type(model_input).__name__}: a "
-                         "split_input_fn must return tensors, lists/tuples or dicts")
+        raise ValueError(
+            f"cannot call a model on a chunk of type {type(model_input).__name__}: a "
+            "split_input_fn must return tensors, lists/tuples or dicts"
+        )
 
     def get_reps(self, model_out: Any) -> Tensor:
         reps = self.get_rep_fn(model_out) if self.get_rep_fn is not None else default_rep(model_out)
         if not isinstance(reps, Tensor) or reps.dim() == 0:
-            raise ValueError(f"the representation must be a tensor with a sample axis, got "
-                             f"{type(reps).__name__}: pass get_rep_fn to pick it out of the model's output")
+            raise ValueError(
+                f"the representation must be a tensor with a sample axis, got "
+                f"{type(reps).__name__}: pass get_rep_fn to pick it out of the model's output"
+            )
         return reps
 
     def compute_loss(self, *reps: Tensor, **loss_kwargs: Any) -> Tensor:
         loss = self.loss_fn(*reps, **loss_kwargs)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                             + (f" of shape {list(loss.shape)}" if isinstance(loss, Tensor) else ""))
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                + (f" of shape {list(loss.shape)}" if isinstance(loss, Tensor) else "")
+            )
         return loss
 
     def _forward_chunks(self, model: nn.Module, chunks: list) -> tuple[list[Tensor], list[RandContext]]:
@@ -196,12 +212,20 @@ class GradCache:
         cache = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
         return cache, loss.detach()
 
-    def forward_backward(self, model: nn.Module, model_inputs: list, cached_gradients: Sequence[Tensor],
-                         random_states: Sequence[RandContext], no_sync_except_last: bool = False) -> None:
+    def forward_backward(
+        self,
+        model: nn.Module,
+        model_inputs: list,
+        cached_gradients: Sequence[Tensor],
+        random_states: Sequence[RandContext],
+        no_sync_except_last: bool = False,
+    ) -> None:
         """Step 3: recompute each chunk with its replayed random state; backward <h, g>."""
         if not len(model_inputs) == len(cached_gradients) == len(random_states):
-            raise ValueError(f"{len(model_inputs)} chunks, {len(cached_gradients)} cached gradients and "
-                             f"{len(random_states)} random states: they must pair up")
+            raise ValueError(
+                f"{len(model_inputs)} chunks, {len(cached_gradients)} cached gradients and "
+                f"{len(random_states)} random states: they must pair up"
+            )
         if no_sync_except_last:
             _check_ddp([model])
         last = len(model_inputs) - 1
@@ -210,8 +234,10 @@ class GradCache:
                 with state:
                     reps = self.get_reps(self.model_call(model, chunk))
                 if reps.shape != grad.shape:
-                    raise ValueError(f"chunk {i}: the recomputed representation has shape {list(reps.shape)}, "
-                                     f"the cached gradient {list(grad.shape)}")
+                    raise ValueError(
+                        f"chunk {i}: the recomputed representation has shape {list(reps.shape)}, "
+                        f"the cached gradient {list(grad.shape)}"
+                    )
                 # At least float32 (float64 stays float64), and outside any autocast the caller opened.
                 dtype = torch.promote_types(torch.promote_types(reps.dtype, grad.dtype), torch.float32)
                 with torch.autocast(reps.device.type, enabled=False):
@@ -249,5 +275,6 @@ class GradCache:
 def _check_ddp(models: Sequence[nn.Module]) -> None:
     plain = [i for i, m in enumerate(models) if not isinstance(m, DistributedDataParallel)]
     if plain:
-        raise ValueError(f"no_sync_except_last=True needs every model wrapped in DistributedDataParallel; "
-                         f"model(s) {plain} are not")
+        raise ValueError(
+            f"no_sync_except_last=True needs every model wrapped in DistributedDataParallel; model(s) {plain} are not"
+        )

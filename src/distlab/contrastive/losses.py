@@ -47,8 +47,14 @@ def clip_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: float | torch.Tensor) -> 
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
-def local_clip_loss(local_z_x: torch.Tensor, local_z_y: torch.Tensor, all_z_x: torch.Tensor,
-                    all_z_y: torch.Tensor, s: float | torch.Tensor, offset: int) -> torch.Tensor:
+def local_clip_loss(
+    local_z_x: torch.Tensor,
+    local_z_y: torch.Tensor,
+    all_z_x: torch.Tensor,
+    all_z_y: torch.Tensor,
+    s: float | torch.Tensor,
+    offset: int,
+) -> torch.Tensor:
     """This rank's C rows of the symmetric loss, averaged over them (C x N logits, not N x N).
 
     `offset` = rank * C is where this rank's positives sit among the N columns.
@@ -60,11 +66,12 @@ def local_clip_loss(local_z_x: torch.Tensor, local_z_y: torch.Tensor, all_z_x: t
     return (F.cross_entropy(logits_x, labels) + F.cross_entropy(logits_y, labels)) / 2
 
 
-def sigmoid_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: float | torch.Tensor,
-                 beta: float | torch.Tensor) -> torch.Tensor:
+def sigmoid_loss(
+    z_x: torch.Tensor, z_y: torch.Tensor, s: float | torch.Tensor, beta: float | torch.Tensor
+) -> torch.Tensor:
     """The sigmoid loss over all N pairs, plain autograd; s and beta may be tensors that require grad."""
     check_scale(s)
     if z_x.shape != z_y.shape or z_x.dim() != 2:
         raise ValueError(f"z_x and z_y must both be N x d, got {tuple(z_x.shape)} and {tuple(z_y.shape)}")
-    eps = 2 * torch.eye(len(z_x), dtype=z_x.dtype, device=z_x.device) - 1    # +1 positives, -1 negatives
+    eps = 2 * torch.eye(len(z_x), dtype=z_x.dtype, device=z_x.device) - 1  # +1 positives, -1 negatives
     return -F.logsigmoid(eps * (s * z_x @ z_y.T + beta)).sum() / len(z_x)

@@ -34,7 +34,7 @@ class RandContext:
         self.devices, self.device_states = get_device_states(*tensors)
         self._fork = None
 
-    def __enter__(self) -> "RandContext":
+    def __enter__(self) -> RandContext:
         self._fork = torch.random.fork_rng(devices=self.devices, enabled=True)
         self._fork.__enter__()
         torch.set_rng_state(self.cpu_state)

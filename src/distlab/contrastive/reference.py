@@ -32,8 +32,8 @@ learned one). Two things vary it:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from distlab.compare import grads_of
 from distlab.contrastive.losses import check_scale, clip_loss
 
 Embeddings = tuple  # (Z_x, Z_y), or (Z_x, Z_y, s) from a model that returns its logit scale
-LossFn = Callable[..., torch.Tensor]     # (Z_x, Z_y, s) -> L, or (Z_x, Z_y, s, beta) -> L
+LossFn = Callable[..., torch.Tensor]  # (Z_x, Z_y, s) -> L, or (Z_x, Z_y, s, beta) -> L
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], Embeddings]  # (model, X, Y) -> embeddings
 
 
@@ -51,9 +51,14 @@ def plain_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Embeddi
     return model(x, y)
 
 
-def full_batch_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s: float | None,
-                         loss_fn: LossFn = clip_loss,
-                         forward: Forward = plain_forward) -> tuple[float, dict[str, torch.Tensor]]:
+def full_batch_gradients(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    s: float | None,
+    loss_fn: LossFn = clip_loss,
+    forward: Forward = plain_forward,
+) -> tuple[float, dict[str, torch.Tensor]]:
     """(L, dL/dtheta) of a deep copy of `model` on the whole batch (the original is untouched); with
     s None the model's own scale (returned third by its forward) is used, and its gradient included,
     and so is anything it returns after the scale (SigLIP's bias beta: loss_fn(Z_x, Z_y, s, beta))."""
@@ -92,7 +97,9 @@ def detached_blocks_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: float, world_s
         zx_r, zy_r = _only_block_carries_grad(z_x, rows), _only_block_carries_grad(z_y, rows)
         logits = s * zx_r @ zy_r.T
         # Block r's rows of S (x -> y) and of S^T (y -> x), the mean over its C rows.
-        total = total + (F.cross_entropy(logits[rows], labels[rows]) + F.cross_entropy(logits.T[rows], labels[rows])) / 2
+        total = (
+            total + (F.cross_entropy(logits[rows], labels[rows]) + F.cross_entropy(logits.T[rows], labels[rows])) / 2
+        )
     return total / world_size
 
 
@@ -149,7 +156,7 @@ def as_ranks(streams: RankStreams, micro: Sequence[slice] | None = None, tower_b
         parts = micro if micro is not None else [slice(0, c)]
         outs_x, outs_y, scale = [], [], []
         for r in range(p):
-            x_r, y_r = x[r * c:(r + 1) * c], y[r * c:(r + 1) * c]
+            x_r, y_r = x[r * c : (r + 1) * c], y[r * c : (r + 1) * c]
             with streams.stream(r, x.device):
                 if tower_by_tower:  # GradCache: all of tower x's micro-batches, then tower y's
                     outs_x += [F.normalize(model.encoder_x(x_r[rows]), dim=-1) for rows in parts]

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _functional_collectives as funcol
 import torch.nn.functional as F
+from torch.distributed import _functional_collectives as funcol
 
 
 def _exchange(sends: list[tuple[torch.Tensor, int]], srcs: list[int]) -> list[torch.Tensor]:
@@ -65,8 +65,9 @@ class ShiftBoth(torch.autograd.Function):
         return None, None, back_left, back_right
 
 
-def block_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
-               negative_only: bool) -> torch.Tensor:
+def block_loss(
+    z_x: torch.Tensor, z_y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, negative_only: bool
+) -> torch.Tensor:
     """-sum log sigma(eps S) / C over one C x C block (labels -1, and +1 on the diagonal unless
     negative only): the whole block of logits is made, and autograd keeps it."""
     logits = s * z_x @ z_y.T + b
@@ -76,8 +77,9 @@ def block_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: torch.Tensor, b: torch.T
     return -F.logsigmoid(labels * logits).sum() / len(z_x)
 
 
-def siglip_recipe_loss(z_x: torch.Tensor, z_y: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
-                       variant: str) -> torch.Tensor:
+def siglip_recipe_loss(
+    z_x: torch.Tensor, z_y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, variant: str
+) -> torch.Tensor:
     """This rank's loss in open_clip's recipe ("bidir" or "gather"); backward it under DDP."""
     world, rank = dist.get_world_size(), dist.get_rank()
     loss = block_loss(z_x, z_y, s, b, negative_only=False)

@@ -77,17 +77,21 @@ def _split_vlm(model_input: Mapping, chunk_size: int) -> list[dict]:
     others = {k: v for k, v in model_input.items() if k not in (PIXELS, GRID) and v is not None}
     batch = _common_batch(others, "the VLM input") if others else len(grid)
     if len(grid) != batch:
-        raise ValueError(f"image_grid_thw has {len(grid)} rows for {batch} samples: one image per sample "
-                         "is supported (give GradCache a split_input_fn for several)")
+        raise ValueError(
+            f"image_grid_thw has {len(grid)} rows for {batch} samples: one image per sample "
+            "is supported (give GradCache a split_input_fn for several)"
+        )
     if _rows(pixels, PIXELS) != int(per_image.sum()):
-        raise ValueError(f"pixel_values has {pixels.shape[0]} patch rows but image_grid_thw describes "
-                         f"{int(per_image.sum())} (sum of t*h*w over {len(per_image)} images)")
+        raise ValueError(
+            f"pixel_values has {pixels.shape[0]} patch rows but image_grid_thw describes "
+            f"{int(per_image.sum())} (sum of t*h*w over {len(per_image)} images)"
+        )
     # offsets[i] = first patch row of image i; offsets[B] = total patches.
     offsets = [0, *torch.cumsum(per_image, 0).tolist()]
     out = []
     for rows in chunks(batch, chunk_size):
         chunk = {k: (v if v is None else v[rows]) for k, v in model_input.items() if k != PIXELS}
-        chunk[PIXELS] = pixels[offsets[rows.start]:offsets[rows.stop]]
+        chunk[PIXELS] = pixels[offsets[rows.start] : offsets[rows.stop]]
         out.append({k: chunk[k] for k in model_input})  # the caller's key order
     return out
 
@@ -102,8 +106,7 @@ def _split_dict(model_input: Mapping, chunk_size: int) -> list[dict]:
     if not tensors:
         raise ValueError("the dict input holds no tensor to split")
     batch = _common_batch(tensors, "the dict input")
-    return [{k: (v if v is None else v[rows]) for k, v in model_input.items()}
-            for rows in chunks(batch, chunk_size)]
+    return [{k: (v if v is None else v[rows]) for k, v in model_input.items()} for rows in chunks(batch, chunk_size)]
 
 
 def split_inputs(model_input: Any, chunk_size: int) -> list:

@@ -8,7 +8,7 @@ per variant.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -21,8 +21,7 @@ from distlab.models import TwoTower, paired_data
 from distlab.runtime import Runtime
 
 
-def contrastive_loss(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float,
-                     variant: Variant) -> Losses:
+def contrastive_loss(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, variant: Variant) -> Losses:
     """`variant`'s (loss to back-propagate, L), after checking every rank's input on every rank:
     bad input is the same ValueError everywhere, never a rank left waiting in a gather."""
     check_inputs(z_x, z_y, tau)
@@ -43,8 +42,9 @@ def ddp_step(rt: Runtime, ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, tau:
     return value.item()
 
 
-def first_step_gradients(rt: Runtime, variants: Sequence[Variant], n: int, tau: float, seed: int = 0,
-                         dtype: torch.dtype = torch.float64) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
+def first_step_gradients(
+    rt: Runtime, variants: Sequence[Variant], n: int, tau: float, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
     """Variant name -> (L, DDP gradients on the CPU) after one step on the first global batch.
 
     The single-process reference for it is

@@ -14,8 +14,8 @@ only in the gradient they step with.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -38,9 +38,9 @@ class TrainConfig:
     """How every run of a comparison trains: the same tau, optimizer, learning rate and evaluations."""
 
     tau: float
-    optimizer: str = "adam"   # one of OPTIMIZERS
+    optimizer: str = "adam"  # one of OPTIMIZERS
     lr: float = 0.01
-    eval_every: int = 10      # held-out accuracy after every this many steps, and after the last
+    eval_every: int = 10  # held-out accuracy after every this many steps, and after the last
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class TrainData:
 
 @dataclass
 class TrainRun:
-    losses: list[float] = field(default_factory=list)      # the global loss L at every step
-    eval_steps: list[int] = field(default_factory=list)    # steps after which accuracy was measured
+    losses: list[float] = field(default_factory=list)  # the global loss L at every step
+    eval_steps: list[int] = field(default_factory=list)  # steps after which accuracy was measured
     accuracies: list[float] = field(default_factory=list)  # held-out top-1 retrieval accuracy
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after the last step
 
@@ -89,7 +89,7 @@ def batch_schedule(n_train: int, batch_size: int, steps: int, seed: int) -> list
     batches: list[torch.Tensor] = []
     while len(batches) < steps:
         order = torch.randperm(n_train, generator=gen)
-        batches.extend(order[i * batch_size:(i + 1) * batch_size] for i in range(per_epoch))
+        batches.extend(order[i * batch_size : (i + 1) * batch_size] for i in range(per_epoch))
     return batches[:steps]
 
 
@@ -101,8 +101,14 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 
-def _train(model: nn.Module, eval_model: nn.Module, step_fn: Callable[[torch.Tensor], float],
-           data: TrainData, config: TrainConfig, label: str | None) -> TrainRun:
+def _train(
+    model: nn.Module,
+    eval_model: nn.Module,
+    step_fn: Callable[[torch.Tensor], float],
+    data: TrainData,
+    config: TrainConfig,
+    label: str | None,
+) -> TrainRun:
     """The one loop: zero_grad, the caller's step (forward, loss, backward), optimizer step, and
     held-out accuracy every `eval_every` steps. With a `label`, progress is shown on rank 0."""
     optimizer = make_optimizer(config.optimizer, model.parameters(), config.lr)
@@ -119,8 +125,9 @@ def _train(model: nn.Module, eval_model: nn.Module, step_fn: Callable[[torch.Ten
     return run
 
 
-def train_single_process(model: nn.Module, data: TrainData, config: TrainConfig,
-                         loss_fn: LossFn = clip_loss, label: str | None = None) -> TrainRun:
+def train_single_process(
+    model: nn.Module, data: TrainData, config: TrainConfig, loss_fn: LossFn = clip_loss, label: str | None = None
+) -> TrainRun:
     """The reference run: a deep copy of `model`, the whole global batch, plain autograd on
     `loss_fn(z_x, z_y, s)` with s = 1/tau (clip_loss; lesson 11 passes the detached-blocks loss to see what the
     plain gather does at a P this machine cannot run)."""
@@ -135,8 +142,9 @@ def train_single_process(model: nn.Module, data: TrainData, config: TrainConfig,
     return _train(model, model, step_fn, data, config, label)
 
 
-def train_ddp(rt: Runtime, ddp_model: nn.Module, variant: Variant, data: TrainData, config: TrainConfig,
-              label: str | None = None) -> TrainRun:
+def train_ddp(
+    rt: Runtime, ddp_model: nn.Module, variant: Variant, data: TrainData, config: TrainConfig, label: str | None = None
+) -> TrainRun:
     """The same steps under DDP: each rank takes its C rows of every global batch, `variant` computes
     the loss and DDP averages the gradients. Every rank ends with the same weights (and measures the
     same accuracy)."""

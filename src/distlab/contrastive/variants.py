@@ -29,8 +29,8 @@ rank at once, before the first gather.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.runtime import Runtime
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # this rank's C x d block -> the N x d concatenation
-Losses = tuple[torch.Tensor, torch.Tensor]        # (loss to back-propagate, L detached)
+Losses = tuple[torch.Tensor, torch.Tensor]  # (loss to back-propagate, L detached)
 
 
 def global_loss(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, gather: Gather) -> Losses:
@@ -49,8 +49,7 @@ def global_loss(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, g
     return loss, loss.detach()
 
 
-def global_loss_times_p(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float,
-                        gather: Gather) -> Losses:
+def global_loss_times_p(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, gather: Gather) -> Losses:
     """`global_loss`, back-propagated as P * L: DDP's average of P copies is then the sum."""
     loss, value = global_loss(rt, z_x, z_y, tau, gather)
     return rt.world_size * loss, value

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,8 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class Collective:
     name: str
-    input_is_chunk: bool                        # rank input: one P-th of the full tensor, else all of it
-    run: Callable[[Tensor, int], Tensor]        # torch's collective on this rank's input (P given)
+    input_is_chunk: bool  # rank input: one P-th of the full tensor, else all of it
+    run: Callable[[Tensor, int], Tensor]  # torch's collective on this rank's input (P given)
     expected: Callable[[list[Tensor], int], Tensor]  # every rank's input, rank r -> rank r's result
     ring_fraction: Callable[[int, int], float]  # (P, rank) -> what the ring has that rank send / bytes
     formula: str
@@ -71,15 +71,28 @@ def _broadcast(x: Tensor, p: int) -> Tensor:
     return out
 
 
-ALL_REDUCE = Collective("all_reduce", False, _all_reduce, lambda xs, r: torch.stack(xs).sum(0),
-                        lambda p, r: 2 * (p - 1) / p, "2(P-1)/P x bytes")
-ALL_GATHER = Collective("all_gather", True, _all_gather, lambda xs, r: torch.cat(xs),
-                        lambda p, r: (p - 1) / p, "(P-1)/P x bytes")
-REDUCE_SCATTER = Collective("reduce_scatter", False, _reduce_scatter,
-                            lambda xs, r: torch.stack(xs).sum(0).chunk(len(xs))[r],
-                            lambda p, r: (p - 1) / p, "(P-1)/P x bytes")
-BROADCAST = Collective("broadcast", False, _broadcast, lambda xs, r: xs[0],
-                       lambda p, r: 1.0 if r < p - 1 else 0.0, "1 x bytes")
+ALL_REDUCE = Collective(
+    "all_reduce",
+    False,
+    _all_reduce,
+    lambda xs, r: torch.stack(xs).sum(0),
+    lambda p, r: 2 * (p - 1) / p,
+    "2(P-1)/P x bytes",
+)
+ALL_GATHER = Collective(
+    "all_gather", True, _all_gather, lambda xs, r: torch.cat(xs), lambda p, r: (p - 1) / p, "(P-1)/P x bytes"
+)
+REDUCE_SCATTER = Collective(
+    "reduce_scatter",
+    False,
+    _reduce_scatter,
+    lambda xs, r: torch.stack(xs).sum(0).chunk(len(xs))[r],
+    lambda p, r: (p - 1) / p,
+    "(P-1)/P x bytes",
+)
+BROADCAST = Collective(
+    "broadcast", False, _broadcast, lambda xs, r: xs[0], lambda p, r: 1.0 if r < p - 1 else 0.0, "1 x bytes"
+)
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)
 
 

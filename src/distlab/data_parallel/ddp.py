@@ -21,19 +21,18 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import grads_of
-from distlab.data_parallel.problem import (DataParallelConfig, batch_lse_loss, build, gather_rows,
-                                           mean_loss, shard)
+from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, gather_rows, mean_loss, shard
 from distlab.models import _init_linear_
 from distlab.runtime import Runtime
 
@@ -75,8 +74,9 @@ def count_reducing_backwards(model: DDP) -> list[int]:
     return backwards
 
 
-def accumulate(rt: Runtime, cfg: DataParallelConfig, micro_batches: int,
-               no_sync: bool) -> tuple[dict[str, torch.Tensor], int]:
+def accumulate(
+    rt: Runtime, cfg: DataParallelConfig, micro_batches: int, no_sync: bool
+) -> tuple[dict[str, torch.Tensor], int]:
     """One step's gradients, this rank's C rows in `micro_batches` parts, and the hook's call count."""
     model, x, target = build(cfg)
     ddp = wrap(model, rt)
@@ -114,8 +114,8 @@ USE_AUX = (True, False, True)  # the branch takes part in steps 1 and 3, not in 
 class BranchyRun:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per completed step
     ranks_agree: list[bool] = field(default_factory=list)  # every rank holds the same gradients
-    error: str | None = None                               # what stopped the run, if anything
-    warnings: list[str] = field(default_factory=list)      # what torch's C++ warned on this rank
+    error: str | None = None  # what stopped the run, if anything
+    warnings: list[str] = field(default_factory=list)  # what torch's C++ warned on this rank
 
 
 UNUSED_SEARCH_WARNING = "did not find any unused parameters"  # torch 2.13's words, reducer.cpp

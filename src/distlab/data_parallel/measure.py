@@ -22,13 +22,13 @@ from distlab.runtime import Runtime
 class CollectiveRow:
     name: str
     formula: str
-    max_err: float         # max |torch's result - one process's|
-    ok: bool               # torch's result allclose to one process's
-    ring_ok: bool          # the ring by hand's result allclose to one process's
-    formula_bytes: int     # what the ring formula says this rank sends
-    counted_bytes: int     # what the ring by hand sent from this rank
-    seconds: float         # torch's collective: median over the repeats of the slowest rank
-    full_bytes: int        # the full tensor
+    max_err: float  # max |torch's result - one process's|
+    ok: bool  # torch's result allclose to one process's
+    ring_ok: bool  # the ring by hand's result allclose to one process's
+    formula_bytes: int  # what the ring formula says this rank sends
+    counted_bytes: int  # what the ring by hand sent from this rank
+    seconds: float  # torch's collective: median over the repeats of the slowest rank
+    full_bytes: int  # the full tensor
 
 
 def measure_collectives(rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int, repeats: int) -> list[CollectiveRow]:
@@ -41,10 +41,18 @@ def measure_collectives(rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int,
         got, expected = check_collective(c, rt, n, seed, dtype)
         ring = Ring(rt)
         by_hand = RING_RUNS[c](ring, x)
-        seconds = time_call(rt, lambda: c.run(x, rt.world_size), repeats)
-        rows.append(CollectiveRow(
-            c.name, c.formula, (got.cpu() - expected).abs().max().item(),
-            torch.allclose(got.cpu(), expected, rtol=rtol, atol=atol),
-            torch.allclose(by_hand.cpu(), expected, rtol=rtol, atol=atol),
-            round(c.ring_fraction(rt.world_size, rt.rank) * full_bytes), ring.bytes_sent, seconds, full_bytes))
+        seconds = time_call(rt, lambda c=c, x=x: c.run(x, rt.world_size), repeats)
+        rows.append(
+            CollectiveRow(
+                c.name,
+                c.formula,
+                (got.cpu() - expected).abs().max().item(),
+                torch.allclose(got.cpu(), expected, rtol=rtol, atol=atol),
+                torch.allclose(by_hand.cpu(), expected, rtol=rtol, atol=atol),
+                round(c.ring_fraction(rt.world_size, rt.rank) * full_bytes),
+                ring.bytes_sent,
+                seconds,
+                full_bytes,
+            )
+        )
     return rows

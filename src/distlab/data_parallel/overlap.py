@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ def no_communication(model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
 
 @dataclass(frozen=True)
 class StepTime:
-    step_s: float      # forward + backward + sync
+    step_s: float  # forward + backward + sync
     backward_s: float  # loss.backward() alone (with whatever the strategy's hooks do inside it)
 
 
@@ -61,8 +61,9 @@ def _one_step(rt: Runtime, module: nn.Module, sync: Callable[[], None], batch: t
     return time.perf_counter() - start, backward_end - backward_start
 
 
-def time_strategies(rt: Runtime, cfg: DataParallelConfig, strategies: dict[str, Strategy],
-                    repeats: int) -> dict[str, StepTime]:
+def time_strategies(
+    rt: Runtime, cfg: DataParallelConfig, strategies: dict[str, Strategy], repeats: int
+) -> dict[str, StepTime]:
     """Median seconds of one step, and of its backward, per strategy (slowest rank)."""
     _, x, target = build(cfg)
     batch = (shard(x, rt), shard(target, rt))
@@ -75,20 +76,24 @@ def time_strategies(rt: Runtime, cfg: DataParallelConfig, strategies: dict[str, 
             if repeat:
                 steps[name].append(step)
                 backwards[name].append(backward)
-    return {name: StepTime(slowest_median(rt, steps[name]), slowest_median(rt, backwards[name]))
-            for name in strategies}
+    return {name: StepTime(slowest_median(rt, steps[name]), slowest_median(rt, backwards[name])) for name in strategies}
 
 
 @dataclass
 class Timeline:
-    backward_end_ms: float     # loss.backward() returned (it started at 0)
-    launched_ms: list[float]   # per bucket: when its all-reduce was launched
-    done_ms: list[float]       # per bucket: when its all-reduce completed
-    synced_ms: float           # sync() returned: every gradient averaged
+    backward_end_ms: float  # loss.backward() returned (it started at 0)
+    launched_ms: list[float]  # per bucket: when its all-reduce was launched
+    done_ms: list[float]  # per bucket: when its all-reduce completed
+    synced_ms: float  # sync() returned: every gradient averaged
 
 
-def backward_timeline(rt: Runtime, cfg: DataParallelConfig, module: nn.Module, sync: Callable[[], None],
-                      events: dict[str, dict[int, float]]) -> Timeline:
+def backward_timeline(
+    rt: Runtime,
+    cfg: DataParallelConfig,
+    module: nn.Module,
+    sync: Callable[[], None],
+    events: dict[str, dict[int, float]],
+) -> Timeline:
     """One step, timed. `events` is where the sync mechanism stamps time.perf_counter() per bucket:
     events["launched"][i], events["done"][i]. Times in ms from the start of backward."""
     _, x, target = build(cfg)
@@ -105,8 +110,9 @@ def backward_timeline(rt: Runtime, cfg: DataParallelConfig, module: nn.Module, s
     synced = time.perf_counter()
     ms = lambda t: (t - start) * 1e3  # noqa: E731
     order = sorted(events["launched"])
-    return Timeline(ms(end), [ms(events["launched"][i]) for i in order], [ms(events["done"][i]) for i in order],
-                    ms(synced))
+    return Timeline(
+        ms(end), [ms(events["launched"][i]) for i in order], [ms(events["done"][i]) for i in order], ms(synced)
+    )
 
 
 def emulated_overlap(rt: Runtime, cfg: DataParallelConfig, args, buckets_class) -> dict:
@@ -123,12 +129,23 @@ def emulated_overlap(rt: Runtime, cfg: DataParallelConfig, args, buckets_class) 
         def make(model: nn.Module):
             emulate.slow_layers(model, device)
             return model, (lambda: None) if overlap is None else buckets_class(model, rt, cap, overlap, link).wait
+
         return make
 
-    times = time_strategies(rt, cfg, {"compute only": on_device(None), "buckets, after backward": on_device(False),
-                                      "buckets from hooks (overlap)": on_device(True)}, max(2, args.repeats // 3))
-    print0(f"\n[bold]The same on the emulated device[/] ({args.emulate_ms:g} ms per layer-pass, "
-           f"{args.link_ms_per_mib:g} ms per MiB on the link, C = 4 rows per rank):")
+    times = time_strategies(
+        rt,
+        cfg,
+        {
+            "compute only": on_device(None),
+            "buckets, after backward": on_device(False),
+            "buckets from hooks (overlap)": on_device(True),
+        },
+        max(2, args.repeats // 3),
+    )
+    print0(
+        f"\n[bold]The same on the emulated device[/] ({args.emulate_ms:g} ms per layer-pass, "
+        f"{args.link_ms_per_mib:g} ms per MiB on the link, C = 4 rows per rank):"
+    )
     print0(timing_table(times, baseline="compute only"))
     model = build(cfg)[0].to(rt.device)
     on_device(True)(model)
@@ -141,8 +158,14 @@ def emulated_overlap(rt: Runtime, cfg: DataParallelConfig, args, buckets_class) 
     comm = times["buckets, after backward"].step_s - times["compute only"].step_s
     hidden = (times["buckets, after backward"].step_s - times["buckets from hooks (overlap)"].step_s) / comm
     predicted = 1 - sizes[-1] / sum(sizes)
-    print0(f"emulated device: the hooks hid {hidden:.0%} of the communication's {comm * 1e3:.0f} ms; "
-           f"if the link keeps up with backward, 1 - last bucket's bytes / all bytes = {predicted:.0%} (where a "
-           f"bucket took longer than its {args.link_ms_per_mib:g} ms per MiB above, the real all-reduce overran it)")
-    return {"step_seconds": {name: vars(t) for name, t in times.items()}, "hidden": hidden, "predicted": predicted,
-            "timeline": vars(line) | {"bucket_bytes": sizes}}
+    print0(
+        f"emulated device: the hooks hid {hidden:.0%} of the communication's {comm * 1e3:.0f} ms; "
+        f"if the link keeps up with backward, 1 - last bucket's bytes / all bytes = {predicted:.0%} (where a "
+        f"bucket took longer than its {args.link_ms_per_mib:g} ms per MiB above, the real all-reduce overran it)"
+    )
+    return {
+        "step_seconds": {name: vars(t) for name, t in times.items()},
+        "hidden": hidden,
+        "predicted": predicted,
+        "timeline": vars(line) | {"bucket_bytes": sizes},
+    }

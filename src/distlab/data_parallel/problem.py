@@ -32,10 +32,10 @@ from distlab.runtime import Runtime
 
 @dataclass(frozen=True)
 class DataParallelConfig:
-    global_batch: int = 48          # N
+    global_batch: int = 48  # N
     layers: int = 4
     width: int = 32
-    steps: int = 3                  # SGD steps
+    steps: int = 3  # SGD steps
     lr: float = 0.1
     seed: int = 0
     dtype: torch.dtype = torch.float64
@@ -47,31 +47,36 @@ class DataParallelConfig:
 
 def check_config(rt: Runtime, cfg: DataParallelConfig) -> None:
     """The same ValueError on every rank, before any collective."""
-    require(cfg.global_batch % rt.world_size == 0, "--global-batch",
-            f"N = {cfg.global_batch} rows must split evenly over P = {rt.world_size} ranks "
-            "(with unequal shares the average of the ranks' means is not the global mean)")
+    require(
+        cfg.global_batch % rt.world_size == 0,
+        "--global-batch",
+        f"N = {cfg.global_batch} rows must split evenly over P = {rt.world_size} ranks "
+        "(with unequal shares the average of the ranks' means is not the global mean)",
+    )
 
 
 def world_rules(args, world_size: int) -> None:
     """Lesson 06's flag checks that need P, run before any output (`cli.check_flags_against_world`): P
     divides N, and the no_sync part cuts each rank's C rows into at most C micro-batches."""
     divides_global_batch(args, world_size)
-    require(args.accumulation_steps <= args.global_batch // world_size, "--accumulation-steps",
-            f"at most C = N / P = {args.global_batch // world_size} micro-batches per rank")
+    require(
+        args.accumulation_steps <= args.global_batch // world_size,
+        "--accumulation-steps",
+        f"at most C = N / P = {args.global_batch // world_size} micro-batches per rank",
+    )
 
 
 def build(cfg: DataParallelConfig) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
     """(model, x, target) of the whole global batch, identical on every rank, on the CPU."""
     model = layered_mlp(cfg.widths, seed=cfg.seed, dtype=cfg.dtype)
-    x, target = regression_batch(cfg.global_batch, cfg.widths[0], cfg.widths[-1], seed=cfg.seed + 1,
-                                 dtype=cfg.dtype)
+    x, target = regression_batch(cfg.global_batch, cfg.widths[0], cfg.widths[-1], seed=cfg.seed + 1, dtype=cfg.dtype)
     return model, x, target
 
 
 def shard(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """This rank's C = N / P rows, on its device."""
     c = t.shape[0] // rt.world_size
-    return t[rt.rank * c:(rt.rank + 1) * c].to(rt.device)
+    return t[rt.rank * c : (rt.rank + 1) * c].to(rt.device)
 
 
 def mean_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -79,5 +79,9 @@ class Ring:
 
 
 # The ring version of each collective (the same inputs and results as torch's).
-RING_RUNS = {ALL_REDUCE: Ring.all_reduce, ALL_GATHER: Ring.all_gather,
-             REDUCE_SCATTER: Ring.reduce_scatter, BROADCAST: Ring.broadcast}
+RING_RUNS = {
+    ALL_REDUCE: Ring.all_reduce,
+    ALL_GATHER: Ring.all_gather,
+    REDUCE_SCATTER: Ring.reduce_scatter,
+    BROADCAST: Ring.broadcast,
+}

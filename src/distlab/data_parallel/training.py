@@ -9,8 +9,8 @@ exchanging parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,8 @@ from distlab.runtime import Runtime
 @dataclass
 class DataParallelRun:
     first_grads: dict[str, torch.Tensor]  # after the first step's sync
-    params: dict[str, torch.Tensor]       # after the last step
-    losses: list[float]                   # global loss per step: the mean of the ranks' losses
+    params: dict[str, torch.Tensor]  # after the last step
+    losses: list[float]  # global loss per step: the mean of the ranks' losses
 
 
 def plain(model: nn.Module) -> nn.Module:

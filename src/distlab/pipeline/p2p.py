@@ -45,11 +45,11 @@ class Transfer:
     """One message: this rank sends to or receives from `peer` the activation entering `stage`, or
     the gradient of `stage`'s output, for `microbatch`."""
 
-    op: str       # 'send' or 'recv'
+    op: str  # 'send' or 'recv'
     peer: int
-    what: str     # 'activation' or 'gradient'
+    what: str  # 'activation' or 'gradient'
     microbatch: int
-    stage: int    # the stage that consumes it
+    stage: int  # the stage that consumes it
 
     @property
     def message(self) -> tuple[str, int, int]:
@@ -88,8 +88,9 @@ def comm_plan(schedule: Schedule, rank: int, timing: Timing | None = None) -> li
     return [[t for _, t in sorted(batch, key=lambda e: (e[0], e[1].message, e[1].op))] for batch in batches]
 
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Size, int]],
-             dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+def exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Size, int]], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
     """Post every send (tensor, dst) and receive (shape, src) at once, wait for all of them, and
     return the received tensors in the order of `recvs`."""
     buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, _ in recvs]

@@ -35,7 +35,8 @@ def stage_bounds(num_layers: int, num_stages: int) -> list[range]:
         raise ValueError(
             f"more stages than layers: {num_stages} stages of a model of {num_layers} layers (--layers) "
             f"would leave {num_stages - num_layers} with nothing to compute; use at most {num_layers} "
-            "stages (ranks times stages per rank)")
+            "stages (ranks times stages per rank)"
+        )
     base, extra = divmod(num_layers, num_stages)
     sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
     starts = list(itertools.accumulate(sizes, initial=0))
@@ -54,13 +55,14 @@ class Stage:
 def split_stages(model: nn.Sequential, num_stages: int) -> list[Stage]:
     """The stages of `model`. They share its layer modules (no copy): keep an independent
     reference with `copy.deepcopy(model)` *before* training the stages."""
-    return [Stage(p, layers, nn.Sequential(OrderedDict((str(i), model[i]) for i in layers)))
-            for p, layers in enumerate(stage_bounds(len(model), num_stages))]
+    return [
+        Stage(p, layers, nn.Sequential(OrderedDict((str(i), model[i]) for i in layers)))
+        for p, layers in enumerate(stage_bounds(len(model), num_stages))
+    ]
 
 
 @torch.no_grad()
-def boundary_shapes(stages: list[Stage], batch_shape: tuple[int, ...],
-                    dtype: torch.dtype) -> list[torch.Size]:
+def boundary_shapes(stages: list[Stage], batch_shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Size]:
     """vP + 1 shapes: shapes[p] enters stage p, shapes[vP] leaves the last stage.
 
     Raises a ValueError naming the stage when a batch of `batch_shape` does not fit the model.

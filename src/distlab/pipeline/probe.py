@@ -19,8 +19,8 @@ segment calls the layers again, so the count shows exactly the extra forward com
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from typing import Hashable, Iterator
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ class StageProbe:
 
     def __init__(self, modules: list[nn.Module]):
         self._parameter_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
-        self.held: dict[Hashable, int] = {}      # key -> bytes saved for its backward
+        self.held: dict[Hashable, int] = {}  # key -> bytes saved for its backward
         self.live_bytes = 0
         self.peak_bytes = 0
         self.layer_forwards = 0

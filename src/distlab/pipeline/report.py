@@ -17,8 +17,8 @@ from rich.table import Table
 
 from distlab.compare import Comparison, compare, comparison_table, tolerances
 from distlab.console import print0
-from distlab.pipeline.schedules import Schedule
 from distlab.pipeline.runner import PipelineStep
+from distlab.pipeline.schedules import Schedule
 from distlab.pipeline.training import Run, train, unsplit_reference
 from distlab.reference import ReferenceRun
 from distlab.timeline import Span, busy_fractions, idle_fraction, max_concurrency
@@ -33,8 +33,10 @@ def gathered(value: Any) -> list[Any]:
 
 
 def _rows(run: Run | ReferenceRun, ref: Run | ReferenceRun, names) -> tuple[list, list]:
-    return (compare({n: ref.first_grads[n] for n in names}, run.first_grads),
-            compare({n: ref.params[n] for n in names}, run.params))
+    return (
+        compare({n: ref.first_grads[n] for n in names}, run.first_grads),
+        compare({n: ref.params[n] for n in names}, run.params),
+    )
 
 
 def per_tensor(run: Run, ref: ReferenceRun, dtype: torch.dtype) -> tuple[list[Table], bool]:
@@ -43,16 +45,20 @@ def per_tensor(run: Run, ref: ReferenceRun, dtype: torch.dtype) -> tuple[list[Ta
     every = gathered(_rows(run, ref, run.first_grads.keys()))
     rtol, atol = tolerances(dtype)
     caption = f"allclose with rtol {rtol:g}, atol {atol:g}"
-    tables = [comparison_table([row for rank in every for row in rank[k]], title, caption=caption)
-              for k, title in enumerate(("gradients after step 1: split vs unsplit",
-                                         f"parameters after {len(ref.losses)} steps: split vs unsplit"))]
+    tables = [
+        comparison_table([row for rank in every for row in rank[k]], title, caption=caption)
+        for k, title in enumerate(
+            ("gradients after step 1: split vs unsplit", f"parameters after {len(ref.losses)} steps: split vs unsplit")
+        )
+    ]
     rows = [row for rank in every for part in rank for row in part]
     losses_ok = torch.allclose(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
     return tables, all(r.ok for r in rows) and losses_ok
 
 
-def check_runs(runs: dict[str, Run], ref: ReferenceRun | dict[str, Run], dtype: torch.dtype,
-               title: str = "") -> tuple[Table, bool]:
+def check_runs(
+    runs: dict[str, Run], ref: ReferenceRun | dict[str, Run], dtype: torch.dtype, title: str = ""
+) -> tuple[Table, bool]:
     """A table with one row per named run, and whether every run matched (identical on all ranks).
     `ref` is the reference for every run, or a dict with one per run name. A collective: call it
     on every rank with the same run names."""
@@ -60,10 +66,13 @@ def check_runs(runs: dict[str, Run], ref: ReferenceRun | dict[str, Run], dtype: 
     every = gathered({name: _rows(run, refs[name], run.first_grads.keys()) for name, run in runs.items()})
     rtol, atol = tolerances(dtype)
     steps = len(next(iter(refs.values())).losses)
-    table = Table(title=title or "every stage against the unsplit model on the whole batch",
-                  title_justify="left", caption_justify="left",
-                  caption=f"max |a-r| over every tensor of every stage: gradients after step 1, parameters "
-                  f"after step {steps}, every step's loss; allclose with rtol {rtol:g}, atol {atol:g}")
+    table = Table(
+        title=title or "every stage against the unsplit model on the whole batch",
+        title_justify="left",
+        caption_justify="left",
+        caption=f"max |a-r| over every tensor of every stage: gradients after step 1, parameters "
+        f"after step {steps}, every step's loss; allclose with rtol {rtol:g}, atol {atol:g}",
+    )
     for column in ("run", "grads", "params", "losses", "allclose"):
         table.add_column(column, justify="left" if column == "run" else "right", overflow="fold")
     every_ok = True
@@ -73,8 +82,14 @@ def check_runs(runs: dict[str, Run], ref: ReferenceRun | dict[str, Run], dtype: 
         got, want = torch.tensor(run.losses), torch.tensor(refs[name].losses)
         ok = all(r.ok for r in grads + params) and torch.allclose(got, want, rtol=rtol, atol=atol)
         every_ok &= ok
-        table.add_row(name, _worst(grads), _worst(params), f"{(got - want).abs().max().item():.2e}",
-                      "[green]yes[/]" if ok else "[red]no[/]", style=None if ok else "bold")
+        table.add_row(
+            name,
+            _worst(grads),
+            _worst(params),
+            f"{(got - want).abs().max().item():.2e}",
+            "[green]yes[/]" if ok else "[red]no[/]",
+            style=None if ok else "bold",
+        )
     return table, every_ok
 
 
@@ -106,13 +121,20 @@ def show_measured(title: str, runs: dict[str, list[Span]], world_size: int, step
     for label, spans in runs.items():
         last = [s for s in spans if s.step == step]
         busy = busy_fractions(last, world_size)
-        out[label] = dict(concurrency=max_concurrency(last), busy=busy, idle=idle_fraction(last, world_size),
-                          step_ms=1e3 * (max(s.end for s in last) - min(s.start for s in last)),
-                          spans=[vars(s) for s in last])
+        out[label] = dict(
+            concurrency=max_concurrency(last),
+            busy=busy,
+            idle=idle_fraction(last, world_size),
+            step_ms=1e3 * (max(s.end for s in last) - min(s.start for s in last)),
+            spans=[vars(s) for s in last],
+        )
         print0(f"\n[bold]{title}, measured on the {label}[/]:")
         print0(render_spans(last, world_size))
-        print0(f"most ranks computing at one instant: {out[label]['concurrency']}; busy per rank: "
-               + ", ".join(f"{b:.0%}" for b in busy) + f"; idle share (measured bubble): {out[label]['idle']:.3f}")
+        print0(
+            f"most ranks computing at one instant: {out[label]['concurrency']}; busy per rank: "
+            + ", ".join(f"{b:.0%}" for b in busy)
+            + f"; idle share (measured bubble): {out[label]['idle']:.3f}"
+        )
     return out
 
 

@@ -48,8 +48,15 @@ from distlab.emulate import Device, action_units
 from distlab.pipeline import p2p
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.probe import StageProbe
-from distlab.pipeline.schedules import Action, Schedule, check_schedule, make_schedule, placement, rank_of, \
-    split_backward
+from distlab.pipeline.schedules import (
+    Action,
+    Schedule,
+    check_schedule,
+    make_schedule,
+    placement,
+    rank_of,
+    split_backward,
+)
 from distlab.pipeline.training import PipelineConfig, check_config, microbatch_sizes, problem
 from distlab.runtime import Runtime
 from distlab.timeline import Timeline
@@ -71,8 +78,10 @@ class PipelineStep:
         if schedule is None:
             schedule = make_schedule(cfg.schedule, rt.world_size, cfg.micro_batches, cfg.stages_per_rank)
         if check_schedule(schedule) != cfg.micro_batches or len(schedule) != rt.world_size:
-            raise ValueError(f"the schedule is for {len(schedule)} ranks and {check_schedule(schedule)} "
-                             f"micro-batches, not P={rt.world_size} and M={cfg.micro_batches}")
+            raise ValueError(
+                f"the schedule is for {len(schedule)} ranks and {check_schedule(schedule)} "
+                f"micro-batches, not P={rt.world_size} and M={cfg.micro_batches}"
+            )
         model, x, target = problem(cfg)
         every = split_stages(model, len(rank_of(schedule)))
         sizes = microbatch_sizes(cfg.global_batch, cfg.micro_batches)
@@ -94,15 +103,16 @@ class PipelineStep:
         dist.all_reduce(torch.zeros(1, device=rt.device))
 
     def __call__(self, step: int) -> float | None:
-        self.held: dict[tuple[int, int], list] = {}   # (p, i) -> [input, output or loss, grad of output]
+        self.held: dict[tuple[int, int], list] = {}  # (p, i) -> [input, output or loss, grad of output]
         self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.loss = torch.zeros((), dtype=torch.float64)
         run = {"F": self._forward, "I": self._backward, "W": self._weight}
         for action, batch in zip(self.actions, self.plan):
             self._post(batch)
-            units = action_units(action.kind, (action.stage, action.microbatch) in self.split,
-                                 len(self.modules[action.stage]))
+            units = action_units(
+                action.kind, (action.stage, action.microbatch) in self.split, len(self.modules[action.stage])
+            )
             with self.timeline.span(str(action), step), self.emulated.pad(units):
                 run[action.kind](action)
         self._post(self.plan[-1])
@@ -112,16 +122,23 @@ class PipelineStep:
 
     def measurements(self) -> dict:
         probe = self.probe
-        return dict(peak_in_flight=self.peak, saved_peak_bytes=probe.peak_bytes if probe else 0,
-                    layer_forwards=self.layer_forwards)
+        return dict(
+            peak_in_flight=self.peak,
+            saved_peak_bytes=probe.peak_bytes if probe else 0,
+            layer_forwards=self.layer_forwards,
+        )
 
     def _post(self, batch: list[p2p.Transfer]) -> None:
         """One batch of the plan: what this rank computed goes out, what peers computed comes in."""
         sends = [(self.outbox.pop(t.message), t.peer) for t in batch if t.op == "send"]
         recvs = [t for t in batch if t.op == "recv"]
         # An activation enters stage p: shapes[i][p]; a gradient is of stage p's output: [p + 1].
-        got = p2p.exchange(sends, [(self.shapes[t.microbatch][t.stage + (t.what == "gradient")], t.peer)
-                                   for t in recvs], self.cfg.dtype, self.device)
+        got = p2p.exchange(
+            sends,
+            [(self.shapes[t.microbatch][t.stage + (t.what == "gradient")], t.peer) for t in recvs],
+            self.cfg.dtype,
+            self.device,
+        )
         for t, tensor in zip(recvs, got):
             self.inbox[t.message] = tensor.requires_grad_(t.what == "activation")
 

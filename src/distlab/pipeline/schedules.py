@@ -36,8 +36,8 @@ The schedules (the orders torch.distributed.pipelining 2.13 executes for the sam
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 KINDS = ("F", "I", "W")
 
@@ -136,7 +136,8 @@ def round_size(num_ranks: int, microbatches: int) -> int:
         raise ValueError(
             f"interleaved schedules run M (--micro-batches) in rounds of equal size: M={microbatches} "
             f"on P={num_ranks} ranks gives {rounds} rounds, which do not divide it; use M < 2P or a "
-            f"multiple of P")
+            f"multiple of P"
+        )
     return microbatches // rounds
 
 
@@ -144,12 +145,12 @@ def _chunks(stages: list[int], microbatches: int, group: int, backward: bool) ->
     """(stage, micro-batch) in the order a rank runs them: a round of `group` micro-batches through
     each of its stages in turn (backwards: the stages in reverse), then the next round."""
     ordered = list(reversed(stages)) if backward else stages
-    return [(p, i) for start in range(0, microbatches, group) for p in ordered
-            for i in range(start, start + group)]
+    return [(p, i) for start in range(0, microbatches, group) for p in ordered for i in range(start, start + group)]
 
 
-def _one_f_one_b_order(stages: list[int], microbatches: int, group: int, warmup: int,
-                       held_back_w: int | None) -> list[Action]:
+def _one_f_one_b_order(
+    stages: list[int], microbatches: int, group: int, warmup: int, held_back_w: int | None
+) -> list[Action]:
     """Warm-up forwards, then one forward and one backward in turn, then the remaining backwards.
     `held_back_w` None: unsplit backwards. A number h: every backward split into I and W, and W of
     the oldest I runs as soon as more than h are waiting (the zero-bubble rule)."""
@@ -172,24 +173,27 @@ def _one_f_one_b_order(stages: list[int], microbatches: int, group: int, warmup:
 def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
     """Warm-up min(P - r - 1, M) forwards, steady one forward one backward, cool-down backwards."""
     _check(num_ranks, microbatches)
-    return [_one_f_one_b_order([r], microbatches, microbatches, num_ranks - r - 1, None)
-            for r in range(num_ranks)]
+    return [_one_f_one_b_order([r], microbatches, microbatches, num_ranks - r - 1, None) for r in range(num_ranks)]
 
 
 def interleaved_1f1b(num_ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """1F1B over v looped stages per rank (depth first: a round of micro-batches through each stage)."""
     _check(num_ranks, microbatches, stages_per_rank)
     g = round_size(num_ranks, microbatches)
-    return [_one_f_one_b_order(stages, microbatches, g, (stages_per_rank - 1) * g + 2 * (num_ranks - r - 1), None)
-            for r, stages in enumerate(looped(num_ranks, stages_per_rank))]
+    return [
+        _one_f_one_b_order(stages, microbatches, g, (stages_per_rank - 1) * g + 2 * (num_ranks - r - 1), None)
+        for r, stages in enumerate(looped(num_ranks, stages_per_rank))
+    ]
 
 
 def zero_bubble(num_ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
     """ZB-H1 (v = 1): 1F1B with split backwards, rank r holding back r W's; v >= 2 interleaved."""
     _check(num_ranks, microbatches, stages_per_rank)
     g = round_size(num_ranks, microbatches) if stages_per_rank > 1 else microbatches
-    return [_one_f_one_b_order(stages, microbatches, g, (stages_per_rank - 1) * g + num_ranks - r - 1, r)
-            for r, stages in enumerate(looped(num_ranks, stages_per_rank))]
+    return [
+        _one_f_one_b_order(stages, microbatches, g, (stages_per_rank - 1) * g + num_ranks - r - 1, r)
+        for r, stages in enumerate(looped(num_ranks, stages_per_rank))
+    ]
 
 
 def zbv(num_ranks: int, microbatches: int) -> Schedule:
@@ -201,22 +205,22 @@ def zbv(num_ranks: int, microbatches: int) -> Schedule:
         order: list[Action] = []
         count = {(kind, p): 0 for kind in KINDS for p in (down, up)}
 
-        def run(kind: str, p: int) -> None:
+        def run(kind: str, p: int, order=order, count=count) -> None:
             order.append(Action(kind, count[kind, p], p))
             count[kind, p] += 1
 
-        for _ in range(2 * (num_ranks - r) - 1):     # fill the way down
+        for _ in range(2 * (num_ranks - r) - 1):  # fill the way down
             run("F", down)
-        for _ in range(r):                           # the way up starts arriving
+        for _ in range(r):  # the way up starts arriving
             run("F", up), run("F", down)
-        for _ in range(num_ranks - r):               # first backwards, straight from the turn
+        for _ in range(num_ranks - r):  # first backwards, straight from the turn
             run("F", up), run("I", up), run("W", up)
         while count["F", up] < count["F", down] or count["F", down] < n:  # steady state
             if count["F", down] < n:
                 run("F", down)
             run("I", down), run("W", down), run("F", up), run("I", up), run("W", up)
         w_down, w_up = count["I", down], count["I", up]
-        for _ in range(r):                           # drain: input gradients first
+        for _ in range(r):  # drain: input gradients first
             run("I", down), run("I", up)
         for _ in range(num_ranks - r):
             run("I", down)
@@ -236,7 +240,7 @@ class Kind:
     """A named schedule: how to build it, and the stages per rank it allows."""
 
     build: Callable[[int, int, int], Schedule]
-    allowed_v: tuple[int, ...] | None      # None: any v >= 2
+    allowed_v: tuple[int, ...] | None  # None: any v >= 2
     title: str
 
 

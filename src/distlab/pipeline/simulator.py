@@ -65,8 +65,9 @@ class Timing:
 def durations(schedule: Schedule, t_f: int = 1, t_i: int = 1, t_w: int = 1) -> dict[Action, int]:
     split = split_backward(schedule)
     cost = {"F": t_f, "W": t_w}
-    return {a: cost.get(a.kind, t_i if (a.stage, a.microbatch) in split else t_i + t_w)
-            for order in schedule for a in order}
+    return {
+        a: cost.get(a.kind, t_i if (a.stage, a.microbatch) in split else t_i + t_w) for order in schedule for a in order
+    }
 
 
 def simulate(schedule: Schedule, t_f: int = 1, t_i: int = 1, t_w: int = 1) -> Timing:
@@ -90,8 +91,9 @@ def simulate(schedule: Schedule, t_f: int = 1, t_i: int = 1, t_w: int = 1) -> Ti
                 finish[action] = free_at[r] = start[action] + took[action]
                 next_index[r] += 1
                 progress = True
-    stuck = [f"rank {r} at {order[i].label}" for r, (order, i) in enumerate(zip(schedule, next_index))
-             if i < len(order)]
+    stuck = [
+        f"rank {r} at {order[i].label}" for r, (order, i) in enumerate(zip(schedule, next_index)) if i < len(order)
+    ]
     if stuck:
         raise ValueError("the schedule deadlocks: " + ", ".join(stuck) + " wait forever")
     grid: list[list[Action | None]] = [[None] * max(free_at) for _ in schedule]
@@ -132,8 +134,7 @@ def _compact_row(label: str, row: list[Action | None], first_stage: int, stretch
     return line
 
 
-def render(timing: Timing, title: str = "", width: int | None = None, compact: bool = False,
-           stretch: int = 1) -> Group:
+def render(timing: Timing, title: str = "", width: int | None = None, compact: bool = False, stretch: int = 1) -> Group:
     """The grid as text, one row per rank and one column per tick, '.' where a rank idles; folded
     into blocks of ticks that fit the output width (every tick shown, no row wrapped). Cells name
     the micro-batch (F3), and the stage too when a rank holds several (2F3: stage 2). `compact`:
@@ -145,8 +146,10 @@ def render(timing: Timing, title: str = "", width: int | None = None, compact: b
         first = [min((a.stage for a in row if a), default=0) for row in timing.grid]
         for k, block in enumerate(column_blocks(timing.ticks, stretch, label, width)):
             parts += [Text(f"t={block.start}")] if k else []
-            parts += [_compact_row(f"rank {r}".ljust(label), row[block.start:block.stop], first[r], stretch)
-                      for r, row in enumerate(timing.grid)]
+            parts += [
+                _compact_row(f"rank {r}".ljust(label), row[block.start : block.stop], first[r], stretch)
+                for r, row in enumerate(timing.grid)
+            ]
         return Group(*parts)
     multi = len({a.stage for a in timing.start}) > len(timing.grid)
     text = [[(a.label if multi else str(a)) if a else "." for a in row] for row in timing.grid]

@@ -27,8 +27,8 @@ Where it differs from our runner:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +40,16 @@ from distlab.runtime import Runtime
 from distlab.timeline import Timeline
 
 TORCH_SCHEDULES = {  # our name -> torch's class
-    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "looped-bfs": "ScheduleLoopedBFS", "zb-h1": "ScheduleInterleavedZeroBubble",
-    "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
-SINGLE_STAGE = ("gpipe", "1f1b")      # torch's PipelineScheduleSingle: one stage object, not a list
+SINGLE_STAGE = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: one stage object, not a list
 V_PLACED = ("zbv", "dualpipev")
 
 
@@ -55,8 +59,11 @@ def _as_actions(a) -> list[Action]:
     kinds = {"F": "F", "B": "I", "I": "I", "W": "W"}  # torch: B full backward, I input gradient
     if a is None:
         return []
-    return [Action(kinds[s.computation_type.value], s.microbatch_index, s.stage_index)
-            for s in (a.sub_actions or (a,)) if s.computation_type.value in kinds]
+    return [
+        Action(kinds[s.computation_type.value], s.microbatch_index, s.stage_index)
+        for s in (a.sub_actions or (a,))
+        if s.computation_type.value in kinds
+    ]
 
 
 @contextmanager
@@ -72,6 +79,7 @@ def _recording(stages, log: list[Action]) -> Iterator[None]:
         def logged(chunk_id, *args, **kwargs):
             log.append(Action(kind, chunk_id, stage.stage_index))
             return method(chunk_id, *args, **kwargs)
+
         return logged
 
     for stage in stages:
@@ -89,8 +97,10 @@ def _wrapped(rt: Runtime, cfg: PipelineConfig, stages: list):
     """This rank's stages as PipelineStages, placed as the schedule wants them (looped or V)."""
     from torch.distributed import pipelining  # a second of imports, only when used
 
-    return [pipelining.PipelineStage(s.module.to(rt.device), s.index, cfg.stages_per_rank * rt.world_size,
-                                     rt.device) for s in stages]
+    return [
+        pipelining.PipelineStage(s.module.to(rt.device), s.index, cfg.stages_per_rank * rt.world_size, rt.device)
+        for s in stages
+    ]
 
 
 def _schedule(cfg: PipelineConfig, wrapped: list, microbatches: int):
@@ -100,8 +110,12 @@ def _schedule(cfg: PipelineConfig, wrapped: list, microbatches: int):
     if cfg.schedule not in TORCH_SCHEDULES:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of {list(TORCH_SCHEDULES)}")
     schedule_class = getattr(pipelining, TORCH_SCHEDULES[cfg.schedule])
-    return schedule_class(wrapped[0] if cfg.schedule in SINGLE_STAGE else wrapped, microbatches,
-                          loss_fn=F.mse_loss, scale_grads=cfg.scale_grads)
+    return schedule_class(
+        wrapped[0] if cfg.schedule in SINGLE_STAGE else wrapped,
+        microbatches,
+        loss_fn=F.mse_loss,
+        scale_grads=cfg.scale_grads,
+    )
 
 
 def _my_stages(rt: Runtime, cfg: PipelineConfig, model) -> tuple[list, list]:
@@ -131,9 +145,11 @@ class TorchStep:
     def __init__(self, rt: Runtime, cfg: PipelineConfig, build: Callable | None = None):
         check_config(cfg)
         if cfg.global_batch % cfg.micro_batches:
-            raise ValueError(f"torch.distributed.pipelining needs equal micro-batches: N={cfg.global_batch} "
-                             f"(--global-batch) does not split into M={cfg.micro_batches} (--micro-batches); "
-                             "it reuses micro-batch 0's shapes")
+            raise ValueError(
+                f"torch.distributed.pipelining needs equal micro-batches: N={cfg.global_batch} "
+                f"(--global-batch) does not split into M={cfg.micro_batches} (--micro-batches); "
+                "it reuses micro-batch 0's shapes"
+            )
         model, self.x, self.y = problem(cfg)
         every, self.stages = _my_stages(rt, cfg, model)
         boundary_shapes(every, tuple(self.x.shape), cfg.dtype)  # the same "does not fit" check as ours
@@ -142,8 +158,9 @@ class TorchStep:
             self.schedule = _schedule(cfg, self.wrapped, cfg.micro_batches)
         else:
             (only,) = self.stages
-            stage, self.schedule = build(only.module.to(rt.device), only.index, rt.world_size, rt.device,
-                                         cfg.schedule, cfg.micro_batches)
+            stage, self.schedule = build(
+                only.module.to(rt.device), only.index, rt.world_size, rt.device, cfg.schedule, cfg.micro_batches
+            )
             self.wrapped = [stage]
         order = (self.schedule.pipeline_order or {}).get(rt.rank, [])
         self.planned = [x for a in order for x in _as_actions(a)]

@@ -37,21 +37,21 @@ class PipelineConfig:
     """One pipeline run. The names follow the README's notation (N, M, v, K)."""
 
     widths: tuple[int, ...] = DEFAULT_WIDTHS  # layer i maps widths[i] -> widths[i + 1]
-    global_batch: int = 64                    # N rows per step
+    global_batch: int = 64  # N rows per step
     steps: int = 1
     lr: float = 0.1
-    schedule: str = "gpipe"                   # a name in schedules.SCHEDULES
-    micro_batches: int = 1                    # M
-    stages_per_rank: int = 1                  # v
-    checkpoint_segments: int = 0              # K: 0 = off, else >= 2
+    schedule: str = "gpipe"  # a name in schedules.SCHEDULES
+    micro_batches: int = 1  # M
+    stages_per_rank: int = 1  # v
+    checkpoint_segments: int = 0  # K: 0 = off, else >= 2
     seed: int = 0
     dtype: torch.dtype = torch.float64
-    scale_loss: bool = True                   # scale micro-batch i's mean loss by n_i / N (False: the bug)
-    scale_grads: bool = True                  # torch's engine: divide the gradients by M after the step
-    input_features: int | None = None         # other than widths[0]: a batch that does not fit
-    probe: bool = False                       # measure saved-activation bytes and layer forwards
-    gather_spans: bool = True                 # share every rank's compute spans with every rank
-    emulate_ms: float = 0.0                   # > 0: the emulated device's ms per layer-pass (emulate.py)
+    scale_loss: bool = True  # scale micro-batch i's mean loss by n_i / N (False: the bug)
+    scale_grads: bool = True  # torch's engine: divide the gradients by M after the step
+    input_features: int | None = None  # other than widths[0]: a batch that does not fit
+    probe: bool = False  # measure saved-activation bytes and layer forwards
+    gather_spans: bool = True  # share every rank's compute spans with every rank
+    emulate_ms: float = 0.0  # > 0: the emulated device's ms per layer-pass (emulate.py)
 
     def replace(self, **changes) -> PipelineConfig:
         return dataclasses.replace(self, **changes)
@@ -60,9 +60,16 @@ class PipelineConfig:
     def from_args(cls, args, **changes) -> PipelineConfig:
         """The run a lesson's flags describe (`distlab.cli.add_mlp_args`, and `--micro-batches` where
         the lesson has it), with `changes` on top."""
-        return cls(widths=mlp_widths(args), global_batch=args.global_batch, steps=args.steps, lr=args.lr,
-                   micro_batches=getattr(args, "micro_batches", 1), seed=args.seed,
-                   dtype=DTYPES[args.dtype], **changes)
+        return cls(
+            widths=mlp_widths(args),
+            global_batch=args.global_batch,
+            steps=args.steps,
+            lr=args.lr,
+            micro_batches=getattr(args, "micro_batches", 1),
+            seed=args.seed,
+            dtype=DTYPES[args.dtype],
+            **changes,
+        )
 
 
 def microbatch_sizes(global_batch: int, micro_batches: int) -> list[int]:
@@ -70,8 +77,10 @@ def microbatch_sizes(global_batch: int, micro_batches: int) -> list[int]:
     if micro_batches < 1:
         raise ValueError(f"need at least one micro-batch (--micro-batches), got M={micro_batches}")
     if micro_batches > global_batch:
-        raise ValueError(f"M={micro_batches} micro-batches (--micro-batches) of a batch of N={global_batch} "
-                         "(--global-batch): every micro-batch needs at least one row (M <= N)")
+        raise ValueError(
+            f"M={micro_batches} micro-batches (--micro-batches) of a batch of N={global_batch} "
+            "(--global-batch): every micro-batch needs at least one row (M <= N)"
+        )
     base, extra = divmod(global_batch, micro_batches)
     return [base + (1 if i < extra else 0) for i in range(micro_batches)]
 
@@ -85,14 +94,16 @@ def check_config(cfg: PipelineConfig) -> None:
         raise ValueError(
             f"K (--checkpoint-segments) must be 0 (off) or >= 2, got {cfg.checkpoint_segments}: "
             "checkpoint_sequential runs its last segment without checkpointing, so K = 1 would "
-            "checkpoint nothing")
+            "checkpoint nothing"
+        )
 
 
 def problem(cfg: PipelineConfig) -> tuple[torch.nn.Sequential, torch.Tensor, torch.Tensor]:
     """The model and the batch (x, target), built identically on every rank from the seed."""
     model = layered_mlp(cfg.widths, seed=cfg.seed, dtype=cfg.dtype)
-    x, target = regression_batch(cfg.global_batch, cfg.input_features or cfg.widths[0], cfg.widths[-1],
-                                 seed=cfg.seed, dtype=cfg.dtype)
+    x, target = regression_batch(
+        cfg.global_batch, cfg.input_features or cfg.widths[0], cfg.widths[-1], seed=cfg.seed, dtype=cfg.dtype
+    )
     return model, x, target
 
 
@@ -105,8 +116,8 @@ def unsplit_reference(cfg: PipelineConfig) -> ReferenceRun:
 class Step(Protocol):
     """One pipeline's forward and backward of one batch, on this rank."""
 
-    stages: list[Stage]      # this rank's stages (the parameters the optimizer steps)
-    timeline: Timeline       # compute spans, recorded while stepping
+    stages: list[Stage]  # this rank's stages (the parameters the optimizer steps)
+    timeline: Timeline  # compute spans, recorded while stepping
 
     def __call__(self, step: int) -> float | None:
         """Accumulate this rank's gradients for the whole batch; the loss where the last stage is."""
@@ -125,11 +136,11 @@ class Run:
     params: dict[str, torch.Tensor]
     losses: list[float]
     spans: list[Span] = field(default_factory=list)
-    peak_in_flight: int = 0          # most (stage, micro-batch) activations held at once
-    saved_peak_bytes: int = 0        # with probe: most activation bytes held for backward
-    layer_forwards: int = 0          # with probe: layer forward calls in step 1
-    executed: list[Action] = field(default_factory=list)   # torch's engine: what it ran, step 1
-    planned: list[Action] = field(default_factory=list)    # torch's engine: its pipeline_order
+    peak_in_flight: int = 0  # most (stage, micro-batch) activations held at once
+    saved_peak_bytes: int = 0  # with probe: most activation bytes held for backward
+    layer_forwards: int = 0  # with probe: layer forward calls in step 1
+    executed: list[Action] = field(default_factory=list)  # torch's engine: what it ran, step 1
+    planned: list[Action] = field(default_factory=list)  # torch's engine: its pipeline_order
 
 
 def _snapshot(stages: list[Stage], of) -> dict[str, torch.Tensor]:
@@ -153,5 +164,11 @@ def train(rt: Runtime, cfg: PipelineConfig, step: Step) -> Run:
     shared = torch.tensor(losses or [0.0] * cfg.steps, dtype=torch.float64, device=rt.device)
     dist.all_reduce(shared)
     spans = step.timeline.gather() if cfg.gather_spans else step.timeline.spans
-    return Run([s.index for s in step.stages], first_grads, _snapshot(step.stages, params_of),
-               shared.tolist(), spans, **step.measurements())
+    return Run(
+        [s.index for s in step.stages],
+        first_grads,
+        _snapshot(step.stages, params_of),
+        shared.tolist(),
+        spans,
+        **step.measurements(),
+    )

@@ -41,29 +41,44 @@ STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 class Sizes:
     """What the formulas need about a model on P ranks."""
 
-    psi: int       # parameters, Psi
-    shard: int     # Psi_P = sum_u ceil(Psi_u / P), one rank's elements of a sharded item
-    tensors: int   # parameter tensors
-    units: int     # layers (flat units)
-    p: int         # ranks, P
-    b: int         # bytes per element
+    psi: int  # parameters, Psi
+    shard: int  # Psi_P = sum_u ceil(Psi_u / P), one rank's elements of a sharded item
+    tensors: int  # parameter tensors
+    units: int  # layers (flat units)
+    p: int  # ranks, P
+    b: int  # bytes per element
 
     @classmethod
-    def of(cls, units: list[FlatUnit], p: int, b: int) -> "Sizes":
-        return cls(sum(u.numel for u in units), sum(u.shard_numel for u in units),
-                   sum(len(u.sizes) for u in units), len(units), p, b)
+    def of(cls, units: list[FlatUnit], p: int, b: int) -> Sizes:
+        return cls(
+            sum(u.numel for u in units),
+            sum(u.shard_numel for u in units),
+            sum(len(u.sizes) for u in units),
+            len(units),
+            p,
+            b,
+        )
 
 
 def held(stage: str, s: Sizes) -> dict[str, int]:
     """Bytes of each item one rank holds after a step (gradients not yet zeroed), by stage."""
     full, shard, steps = s.b * s.psi, s.b * s.shard, STEP_COUNT_BYTES * s.units
     table = {
-        "DDP": {"weights": full, "gradients": full, "moments": 2 * full,
-                "step counts": STEP_COUNT_BYTES * s.tensors},
-        "ZeRO-1": {"weights": full, "gradients": full + shard, "shard copy": shard, "moments": 2 * shard,
-                   "step counts": steps},
-        "ZeRO-2": {"weights": full, "gradients": shard, "shard copy": shard, "moments": 2 * shard,
-                   "step counts": steps},
+        "DDP": {"weights": full, "gradients": full, "moments": 2 * full, "step counts": STEP_COUNT_BYTES * s.tensors},
+        "ZeRO-1": {
+            "weights": full,
+            "gradients": full + shard,
+            "shard copy": shard,
+            "moments": 2 * shard,
+            "step counts": steps,
+        },
+        "ZeRO-2": {
+            "weights": full,
+            "gradients": shard,
+            "shard copy": shard,
+            "moments": 2 * shard,
+            "step counts": steps,
+        },
         "ZeRO-3": {"weights": shard, "gradients": shard, "moments": 2 * shard, "step counts": steps},
     }
     return table[stage]
@@ -81,14 +96,18 @@ def sent(stage: str, s: Sizes, first_shard: int = 0) -> int:
 
 def plain_step(psi: int, tensors: int, b: int) -> dict[str, int]:
     """One process (or one DDP rank) training in one dtype of b bytes: the model states."""
-    return {"weights": b * psi, "gradients": b * psi, "moments": 2 * b * psi,
-            "step counts": STEP_COUNT_BYTES * tensors}
+    return {"weights": b * psi, "gradients": b * psi, "moments": 2 * b * psi, "step counts": STEP_COUNT_BYTES * tensors}
 
 
 def mixed_step(psi: int, tensors: int) -> dict[str, int]:
     """bf16 weights and gradients, a float32 master copy and float32 moments."""
-    return {"weights": 2 * psi, "gradients": 2 * psi, "master copy": 4 * psi, "moments": 8 * psi,
-            "step counts": STEP_COUNT_BYTES * tensors}
+    return {
+        "weights": 2 * psi,
+        "gradients": 2 * psi,
+        "master copy": 4 * psi,
+        "moments": 8 * psi,
+        "step counts": STEP_COUNT_BYTES * tensors,
+    }
 
 
 def block_activations(rows: int, seq: int, d: int, heads: int, b: int) -> int:

@@ -30,5 +30,7 @@ class Block(nn.Module):
 
 def block_batch(rows: int, seq: int, d: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, seq, d, generator=gen, dtype=dtype),
-            torch.randn(rows, seq, d, generator=gen, dtype=dtype))
+    return (
+        torch.randn(rows, seq, d, generator=gen, dtype=dtype),
+        torch.randn(rows, seq, d, generator=gen, dtype=dtype),
+    )

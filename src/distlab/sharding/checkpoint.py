@@ -57,8 +57,7 @@ def load(path: str, strategy: Fsdp2) -> None:
     model, optim = get_state_dict(strategy.model, strategy.optimizer)
     state = {"model": model, "optim": optim}
     dcp.load(state, checkpoint_id=path, process_group=_group(strategy))
-    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _group(strategy: Fsdp2):
@@ -81,7 +80,7 @@ def save_and_resume(rt: Runtime, cfg: ShardingConfig, path: str, before: int, af
     p, p2 = rt.world_size, max(1, rt.world_size // 2)
     straight, _ = fsdp_on(rt, cfg, p)
     train_steps(rt, cfg, straight, 0, before)
-    save(path, straight)                              # reads the state, changes nothing: the run goes on
+    save(path, straight)  # reads the state, changes nothing: the run goes on
     train_steps(rt, cfg, straight, before, after)
     same, _ = fsdp_on(rt, cfg, p)
     load(path, same)
@@ -90,5 +89,4 @@ def save_and_resume(rt: Runtime, cfg: ShardingConfig, path: str, before: int, af
     if other is not None:
         load(path, other)
         train_steps(sub, cfg, other, before, after)
-    return ResumeRun(straight.full_params(), same.full_params(),
-                     other.full_params() if other is not None else None, p2)
+    return ResumeRun(straight.full_params(), same.full_params(), other.full_params() if other is not None else None, p2)

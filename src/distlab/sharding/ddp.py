@@ -35,9 +35,12 @@ class Replicated:
     def items(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.model.parameters())
         state = [self.optimizer.state[p] for p in params]
-        return {"weights": params, "gradients": [p.grad for p in params],
-                "moments": [st[k] for st in state for k in ("exp_avg", "exp_avg_sq")],
-                "step counts": [st["step"] for st in state]}
+        return {
+            "weights": params,
+            "gradients": [p.grad for p in params],
+            "moments": [st[k] for st in state for k in ("exp_avg", "exp_avg_sq")],
+            "step counts": [st["step"] for st in state],
+        }
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}

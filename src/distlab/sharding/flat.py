@@ -26,9 +26,9 @@ class FlatUnit:
         self.names = [prefix + name for name, _ in named]
         self.shapes = [p.shape for _, p in named]
         self.sizes = [p.numel() for _, p in named]
-        self.numel = sum(self.sizes)                        # Psi_u
+        self.numel = sum(self.sizes)  # Psi_u
         self.shard_numel = math.ceil(self.numel / world_size)  # ceil(Psi_u / P)
-        self.padded = self.shard_numel * world_size         # P ceil(Psi_u / P)
+        self.padded = self.shard_numel * world_size  # P ceil(Psi_u / P)
         self.rank = rank
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -38,11 +38,11 @@ class FlatUnit:
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of `flat` (padded or not) shaped like the parameters."""
-        return [piece.view(shape) for piece, shape in zip(flat[:self.numel].split(self.sizes), self.shapes)]
+        return [piece.view(shape) for piece, shape in zip(flat[: self.numel].split(self.sizes), self.shapes)]
 
     def my_shard(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's ceil(Psi_u / P) elements of a padded flat buffer (a view)."""
-        return flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+        return flat[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
 
     def named(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """{parameter name: its view of the flat buffer}."""

@@ -41,9 +41,11 @@ def fsdp_held(model: nn.Module, p: int, rank: int, b: int) -> dict[str, int]:
     """What rank `rank` holds after a step under FSDP2, by item. Weights and gradients: each
     parameter's shard padded to ceil(rows / P) rows; AdamW's moments are made like the local shard,
     which is unpadded: rank r's real rows, min(ceil(rows/P), rows - r ceil(rows/P)), at least 0."""
+
     def rows(q: torch.Tensor, padded: bool) -> int:
         per = math.ceil(q.shape[0] / p)
         return per if padded else max(0, min(per, q.shape[0] - rank * per))
+
     params = list(model.parameters())
     padded = b * sum(rows(q, True) * (q.numel() // q.shape[0]) for q in params)
     local = b * sum(rows(q, False) * (q.numel() // q.shape[0]) for q in params)
@@ -55,8 +57,14 @@ class Fsdp2:
 
     ring = None  # FSDP2's collectives run inside torch: not counted by a ring of ours
 
-    def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig, reshard_after_forward: bool = True,
-                 mesh: DeviceMesh | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        rt: Runtime,
+        cfg: ShardingConfig,
+        reshard_after_forward: bool = True,
+        mesh: DeviceMesh | None = None,
+    ):
         mesh = mesh if mesh is not None else init_device_mesh(rt.device.type, (rt.world_size,))
         self.model = shard_model(model, mesh, reshard_after_forward)
         self.optimizer = adamw(self.model.parameters(), cfg)
@@ -73,9 +81,12 @@ class Fsdp2:
     def items(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.model.parameters())
         state = [self.optimizer.state[p] for p in params]
-        return {"weights": [p.to_local() for p in params], "gradients": [p.grad.to_local() for p in params],
-                "moments": [st[k].to_local() for st in state for k in ("exp_avg", "exp_avg_sq")],
-                "step counts": [st["step"] for st in state]}
+        return {
+            "weights": [p.to_local() for p in params],
+            "gradients": [p.grad.to_local() for p in params],
+            "moments": [st[k].to_local() for st in state for k in ("exp_avg", "exp_avg_sq")],
+            "step counts": [st["step"] for st in state],
+        }
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().cpu() for n, p in self.model.named_parameters()}
@@ -84,5 +95,10 @@ class Fsdp2:
         return {n: p.grad.full_tensor().cpu() for n, p in self.model.named_parameters()}
 
     def full_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
-                    for k, v in self.optimizer.state[p].items()} for n, p in self.model.named_parameters()}
+        return {
+            n: {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
+                for k, v in self.optimizer.state[p].items()
+            }
+            for n, p in self.model.named_parameters()
+        }

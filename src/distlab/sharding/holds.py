@@ -12,8 +12,8 @@ master is rounded into the bf16 weights. The float32 gradient exists only during
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,8 @@ from distlab.sharding.training import storage_bytes
 
 @dataclass(frozen=True)
 class Holding:
-    items: dict[str, int]   # bytes by item, "activations" included
-    peak: int               # PeakMemory's peak over building the model and one step
+    items: dict[str, int]  # bytes by item, "activations" included
+    peak: int  # PeakMemory's peak over building the model and one step
 
 
 def saved_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -40,6 +40,7 @@ def saved_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[
         if storage.data_ptr() not in params:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
+
     with saved_tensors_hooks(pack, lambda t: t):
         loss = forward()
     return loss, sum(seen.values())
@@ -47,9 +48,12 @@ def saved_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[
 
 def _states(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
     state = [optimizer.state[p] for p in optimizer.param_groups[0]["params"]]
-    return {"weights": params, "gradients": [p.grad for p in params],
-            "moments": [st[k] for st in state for k in ("exp_avg", "exp_avg_sq")],
-            "step counts": [st["step"] for st in state]}
+    return {
+        "weights": params,
+        "gradients": [p.grad for p in params],
+        "moments": [st[k] for st in state for k in ("exp_avg", "exp_avg_sq")],
+        "step counts": [st["step"] for st in state],
+    }
 
 
 def plain_step(build: Callable[[], nn.Module], x: torch.Tensor, target: torch.Tensor) -> Holding:
@@ -78,7 +82,7 @@ def mixed_step(build: Callable[[], nn.Module], x: torch.Tensor, target: torch.Te
         optimizer.step()
         with torch.no_grad():
             for m, p in zip(master, params):
-                p.copy_(m)      # rounded to bf16: the next forward's weights
-                m.grad = None   # the float32 gradient is needed only for the step
+                p.copy_(m)  # rounded to bf16: the next forward's weights
+                m.grad = None  # the float32 gradient is needed only for the step
     items = {k: storage_bytes(v) for k, v in _states(params, optimizer).items()}
     return Holding(items | {"master copy": storage_bytes(master), "activations": activations}, mem.peak_bytes)

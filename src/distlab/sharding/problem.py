@@ -27,7 +27,7 @@ from distlab.runtime import Runtime
 @dataclass(frozen=True)
 class ShardingConfig:
     widths: tuple[int, ...] = (16, 13, 11, 5)  # layer Psi_u = 221, 154, 60: no P in 2..4 divides all
-    global_batch: int = 24   # N
+    global_batch: int = 24  # N
     steps: int = 3
     lr: float = 0.01
     weight_decay: float = 0.1
@@ -41,14 +41,13 @@ def build_model(cfg: ShardingConfig) -> nn.Sequential:
 
 def global_batch(cfg: ShardingConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step `step`'s N rows (x, target), the same on every rank and at every P."""
-    return regression_batch(cfg.global_batch, cfg.widths[0], cfg.widths[-1],
-                            seed=cfg.seed + 1 + step, dtype=cfg.dtype)
+    return regression_batch(cfg.global_batch, cfg.widths[0], cfg.widths[-1], seed=cfg.seed + 1 + step, dtype=cfg.dtype)
 
 
 def rows_of(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """This rank's C = N / P rows, a contiguous copy on its device."""
     c = t.shape[0] // rt.world_size
-    return t[rt.rank * c:(rt.rank + 1) * c].clone().to(rt.device)
+    return t[rt.rank * c : (rt.rank + 1) * c].clone().to(rt.device)
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -72,8 +71,10 @@ class Trained:
 
 def optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """The optimizer's state of each of `model`'s parameters, by name, as plain CPU tensors."""
-    return {name: {k: v.detach().cpu().clone() for k, v in optimizer.state[p].items()}
-            for name, p in model.named_parameters()}
+    return {
+        name: {k: v.detach().cpu().clone() for k, v in optimizer.state[p].items()}
+        for name, p in model.named_parameters()
+    }
 
 
 def adamw_reference(cfg: ShardingConfig, steps: int | None = None) -> Trained:

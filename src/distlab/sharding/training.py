@@ -13,8 +13,8 @@ from the storages of the tensors the strategy keeps; both are what the formulas 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,10 +27,10 @@ from distlab.sharding.problem import ShardingConfig, Trained, build_model, globa
 @dataclass
 class StrategyRun:
     trained: Trained
-    held: dict[str, int]     # bytes of each item this rank holds after the last step
-    live_bytes: int          # PeakMemory: bytes still held after the last step
-    peak_bytes: int          # PeakMemory: the peak during the run
-    sent: int                # bytes this rank's ring sent per step (-1: not counted)
+    held: dict[str, int]  # bytes of each item this rank holds after the last step
+    live_bytes: int  # PeakMemory: bytes still held after the last step
+    peak_bytes: int  # PeakMemory: the peak during the run
+    sent: int  # bytes this rank's ring sent per step (-1: not counted)
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -69,6 +69,7 @@ def run_strategy(rt: Runtime, cfg: ShardingConfig, make: Callable, steps: int | 
     sent = ring.bytes_sent // len(batches) if ring is not None else -1
     mean = torch.tensor(losses, dtype=torch.float64, device=rt.device)
     dist.all_reduce(mean)  # equal shares: the global loss is the mean of the ranks' means
-    trained = Trained(strategy.full_params(), strategy.full_grads(), strategy.full_states(),
-                      (mean / rt.world_size).tolist())
+    trained = Trained(
+        strategy.full_params(), strategy.full_grads(), strategy.full_states(), (mean / rt.world_size).tolist()
+    )
     return StrategyRun(trained, held, live, peak, sent)

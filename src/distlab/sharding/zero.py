@@ -36,8 +36,10 @@ class Sharded:
         self.model, self.rt, self.ring = model, rt, Ring(rt)
         self.units = units_of(model, rt.rank, rt.world_size)
         self.layers = list(model.children())
-        self.shards = [nn.Parameter(u.my_shard(u.flatten([p.detach() for p in layer.parameters()])).clone())
-                       for u, layer in zip(self.units, self.layers)]
+        self.shards = [
+            nn.Parameter(u.my_shard(u.flatten([p.detach() for p in layer.parameters()])).clone())
+            for u, layer in zip(self.units, self.layers)
+        ]
         self.optimizer = adamw(self.shards, cfg)
 
     def zero_grad(self) -> None:
@@ -81,9 +83,13 @@ class Sharded:
         weights = list(self.model.parameters())
         grads = [p.grad for p in weights + self.shards if p.grad is not None]
         copy = {"shard copy": list(self.shards)} if weights else {}
-        return {"weights": weights or list(self.shards), "gradients": grads, **copy,
-                "moments": [st[k] for st in state for k in ("exp_avg", "exp_avg_sq")],
-                "step counts": [st["step"] for st in state]}
+        return {
+            "weights": weights or list(self.shards),
+            "gradients": grads,
+            **copy,
+            "moments": [st[k] for st in state for k in ("exp_avg", "exp_avg_sq")],
+            "step counts": [st["step"] for st in state],
+        }
 
     def full_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW's state of every parameter, from the shards (m and v gathered; the step count)."""
@@ -128,7 +134,7 @@ class _Gather(torch.autograd.Function):
     whole flat gradient, divided by P: this rank's shard of the averaged gradient."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, stage: "Zero3", i: int) -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, stage: Zero3, i: int) -> torch.Tensor:
         ctx.stage, ctx.i = stage, i
         return stage.ring.all_gather(shard.detach())
 
@@ -143,8 +149,14 @@ class Zero3(Sharded):
     def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig):
         super().__init__(model, rt, cfg)
         self.regathered: dict[int, torch.Tensor] = {}
-        self.places = [[(mod, name) for mod_name, mod in layer.named_modules() for name, _ in
-                        list(mod.named_parameters(recurse=False))] for layer in self.layers]
+        self.places = [
+            [
+                (mod, name)
+                for mod_name, mod in layer.named_modules()
+                for name, _ in list(mod.named_parameters(recurse=False))
+            ]
+            for layer in self.layers
+        ]
         for i, layer in enumerate(self.layers):
             for mod, name in self.places[i]:
                 del mod._parameters[name]  # the whole weights are gone; the shard is all that is left
@@ -172,6 +184,7 @@ class Zero3(Sharded):
             if t.untyped_storage().data_ptr() != ptr:
                 return t  # an activation: kept as usual
             return (t.shape, t.stride(), t.storage_offset())  # a gathered weight: keep only where it was
+
         return pack
 
     def _unpack(self, i: int):
@@ -181,6 +194,7 @@ class Zero3(Sharded):
             if i not in self.regathered:  # the first use in this layer's backward: all-gather again
                 self.regathered[i] = self.ring.all_gather(self.shards[i].detach())
             return self.regathered[i].as_strided(*saved)
+
         return unpack
 
 

@@ -5,8 +5,8 @@ the model returns its own logit scale s), and the optional NORMALISERS, how phas
 log-normalisers a, b: "sharded" (default; each rank its own C rows and columns of S, then a tiny
 all-gather) or "replicated" (every rank all N^2 similarities, no exchange); and the optional EXCHANGE,
 how the ranks' embeddings meet: "gather" (default; every rank holds N x 2d) or "ring" (C x d blocks
-pass rank to rank, `distlab.streamed.ring`). A misspelt key is reported with the closest known name rather than silently ignored.
-`parse_config` is pure: given the same dict it raises the same ValueError on every rank.
+pass rank to rank, `distlab.streamed.ring`). A misspelt key is reported with the closest known name
+rather than silently ignored. `parse_config` is pure: given the same dict it raises the same ValueError on every rank.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from distlab.chunks import balanced_chunks
 
@@ -30,15 +31,15 @@ DEFAULT_NORMALISERS = "sharded"  # measured faster for P >= 2 (benchmarks/contra
 class StreamConfig:
     """The validated config, with the names the math uses."""
 
-    n: int               # N, the global batch
-    b: int               # B, the largest micro-batch
-    t: int               # T, the stream chunk (tiles are at most T x T)
-    tau: float | None    # None: the model returns the logit scale s
-    normalisers: str     # "sharded" or "replicated"
-    world: int           # P, the size of the group the wrapper reduces over
-    rank: int            # this rank's place in that group
+    n: int  # N, the global batch
+    b: int  # B, the largest micro-batch
+    t: int  # T, the stream chunk (tiles are at most T x T)
+    tau: float | None  # None: the model returns the logit scale s
+    normalisers: str  # "sharded" or "replicated"
+    world: int  # P, the size of the group the wrapper reduces over
+    rank: int  # this rank's place in that group
     group: Any = field(default=None, compare=False)  # that process group (None: the world)
-    exchange: str = "gather"   # "gather" or "ring"
+    exchange: str = "gather"  # "gather" or "ring"
 
     @property
     def local(self) -> int:
@@ -66,13 +67,17 @@ class StreamConfig:
 def regime(cfg: StreamConfig) -> str:
     """Which regime a config lands in, and what it costs per rank, in a sentence."""
     if cfg.one_forward:
-        return (f"one forward (B = {cfg.b} >= C = {cfg.local}): each pair runs through the encoders once, "
-                "with grad; phase 4 back-propagates G into that graph (no recompute, no RNG replay); "
-                f"the activations of all {cfg.local} pairs are held from phase 1 to 4, as plain DDP holds them")
+        return (
+            f"one forward (B = {cfg.b} >= C = {cfg.local}): each pair runs through the encoders once, "
+            "with grad; phase 4 back-propagates G into that graph (no recompute, no RNG replay); "
+            f"the activations of all {cfg.local} pairs are held from phase 1 to 4, as plain DDP holds them"
+        )
     sizes = sorted({part.stop - part.start for part in cfg.micro})
-    return (f"recompute (B = {cfg.b} < C = {cfg.local}): {len(cfg.micro)} micro-batches of "
-            f"{' or '.join(map(str, sizes))} pairs; phase 1 runs each without grad, phase 4 again with grad "
-            "under the same random state: 2 forwards per pair, the activations of one micro-batch at a time")
+    return (
+        f"recompute (B = {cfg.b} < C = {cfg.local}): {len(cfg.micro)} micro-batches of "
+        f"{' or '.join(map(str, sizes))} pairs; phase 1 runs each without grad, phase 4 again with grad "
+        "under the same random state: 2 forwards per pair, the activations of one micro-batch at a time"
+    )
 
 
 def _int_key(config: Mapping[str, Any], key: str) -> int:
@@ -113,8 +118,9 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = 
         raise ValueError(f"unknown config key(s) {', '.join(hints)}; known keys: {known}")
     missing = [k for k in REQUIRED if k not in config]
     if missing:
-        raise ValueError(f"config is missing {missing}; it needs {list(REQUIRED)}, and TAU unless the "
-                         "model returns its logit scale")
+        raise ValueError(
+            f"config is missing {missing}; it needs {list(REQUIRED)}, and TAU unless the model returns its logit scale"
+        )
     n, b, t = (_int_key(config, k) for k in REQUIRED)
     normalisers = config.get("NORMALISERS", DEFAULT_NORMALISERS)
     if normalisers not in NORMALISERS:
@@ -123,6 +129,7 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = 
     if exchange not in EXCHANGES:
         raise ValueError(f"config['EXCHANGE'] must be one of {EXCHANGES}, got {exchange!r}")
     if n % world:
-        raise ValueError(f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: "
-                         "every rank must hold N / P pairs")
+        raise ValueError(
+            f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: every rank must hold N / P pairs"
+        )
     return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange)

@@ -45,8 +45,9 @@ class Traffic:
 traffic = Traffic()
 
 
-def expected_bytes(loss: str, exchange: str, shape: tuple[int, int, int], sizes: tuple[int, int],
-                   normalisers: str = "sharded") -> int:
+def expected_bytes(
+    loss: str, exchange: str, shape: tuple[int, int, int], sizes: tuple[int, int], normalisers: str = "sharded"
+) -> int:
     """The formula above: shape = (P, C, d), sizes = (w, c) in bytes."""
     (world, c, d), (w, comp) = shape, sizes
     if exchange == "ring":
@@ -55,18 +56,17 @@ def expected_bytes(loss: str, exchange: str, shape: tuple[int, int, int], sizes:
     return (world - 1) * (2 * c * d * w + extra)
 
 
-def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int,
-                 group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int, group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather this rank's C x d z_x, z_y over `group` (the wrapper's; None: the world) into N x d Z_x,
-    Z_y in rank order: one collective for both (z_x | z_y side by side, in their own dtype when they share one; matmul reads the halves' row
-    stride of 2d as is), upcast to the compute dtype after."""
+    Z_y in rank order: one collective for both (z_x | z_y side by side, in their own dtype when they share
+    one; matmul reads the halves' row stride of 2d as is), upcast to the compute dtype after."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
     mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
     gathered = mine.new_empty((n, mine.shape[1]))
     traffic.all_gather(gathered, mine, group)
     gathered = gathered.to(dtype)
-    return gathered[:, :z_x.shape[1]], gathered[:, z_x.shape[1]:]
+    return gathered[:, : z_x.shape[1]], gathered[:, z_x.shape[1] :]
 
 
 def summed_over_ranks(part: torch.Tensor, group: Any = None) -> float:
@@ -76,8 +76,9 @@ def summed_over_ranks(part: torch.Tensor, group: Any = None) -> float:
     return every.sum().item()
 
 
-def rank_shares(z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, exchange: str,
-                t: int, group: Any = None) -> tuple[RankGrads, float]:
+def rank_shares(
+    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, exchange: str, t: int, group: Any = None
+) -> tuple[RankGrads, float]:
     """This rank's C rows' (G_x, G_y, dL/ds share, dL/dbeta share) and the global L, from its own detached
     C x d embeddings: a `Logits` (s, beta) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
     InfoNCE gather runs per micro-batch in `step`), over `group` (None: the world). Autocast off; the
@@ -88,8 +89,11 @@ def rank_shares(z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, ex
         if exchange == "ring":
             x, y = z_x.to(dtype).contiguous(), z_y.to(dtype).contiguous()
             ring = P2PRing(world, rank, group=group)
-            shares = (sigmoid_ring(ring, x, y, logits, t) if isinstance(logits, Logits)
-                      else infonce_ring(ring, x, y, logits, t))
+            shares = (
+                sigmoid_ring(ring, x, y, logits, t)
+                if isinstance(logits, Logits)
+                else infonce_ring(ring, x, y, logits, t)
+            )
             traffic.sent_bytes += ring.sent_bytes
         else:
             c = len(z_x)

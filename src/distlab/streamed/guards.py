@@ -25,8 +25,9 @@ Under FSDP2 a forward that raises on one rank can leave the others inside FSDP2'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -80,8 +81,10 @@ def ready_step(model: Any, local_x: Any, local_y: Any, config: Mapping[str, Any]
     """The checks before any rank's forward: a `Ready` step on every rank, or the same error on every
     rank. Raises at once only when there is no process group to join (and so no one to hang)."""
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("the streamed step needs an initialised process group: launch with torchrun "
-                         "and call torch.distributed.init_process_group first")
+        raise ValueError(
+            "the streamed step needs an initialised process group: launch with torchrun "
+            "and call torch.distributed.init_process_group first"
+        )
     try:
         ready, problem = _check_locally(model, local_x, local_y, config), None
         device, group = ready.device, ready.group
@@ -112,8 +115,9 @@ def _inner_and_group(model: Any) -> tuple[Any, Any]:
 def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, Any]) -> Ready:
     """What this rank alone can check; raises ValueError (which `ready_step` exchanges, not raises)."""
     if not torch.is_grad_enabled():
-        raise ValueError("the streamed step was called with gradients disabled (inside torch.no_grad()?): "
-                         "it computes a gradient")
+        raise ValueError(
+            "the streamed step was called with gradients disabled (inside torch.no_grad()?): it computes a gradient"
+        )
     wrapped = unwrap(model)
     group = wrapped.group
     cfg = parse_config(config, dist.get_world_size(group), dist.get_rank(group), group)
@@ -121,11 +125,13 @@ def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, 
         if not isinstance(t, torch.Tensor) or t.dim() < 1:
             raise ValueError(f"{name} must be a tensor with a batch dimension, got {t!r:.60}")
     if local_x.shape[0] != local_y.shape[0]:
-        raise ValueError(f"local_x and local_y must hold the same number of pairs, got "
-                         f"{local_x.shape[0]} and {local_y.shape[0]}")
+        raise ValueError(
+            f"local_x and local_y must hold the same number of pairs, got {local_x.shape[0]} and {local_y.shape[0]}"
+        )
     if not trainable(wrapped.inner):
-        raise ValueError(f"no parameter of {type(wrapped.inner).__name__} requires grad: there is nothing "
-                         "for the step to train")
+        raise ValueError(
+            f"no parameter of {type(wrapped.inner).__name__} requires grad: there is nothing for the step to train"
+        )
     bn = batchnorm_in_training(wrapped.inner)
     if bn and not cfg.one_forward:
         raise ValueError(
@@ -134,12 +140,15 @@ def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, 
             "of the rank's C, and the running statistics updated twice per micro-batch (the "
             "no-grad pass and the recompute). Use B >= C (one forward, exactly plain DDP), put "
             "BatchNorm in eval mode, or use a normalisation that does not mix samples "
-            "(LayerNorm, GroupNorm)")
+            "(LayerNorm, GroupNorm)"
+        )
     if wrapped.static_graph and not cfg.one_forward:
-        raise ValueError(f"DDP(static_graph=True) with MICRO_BATCH_SIZE B={cfg.b} < C=N/P={cfg.local}: the "
-                         "recompute runs every micro-batch's backward but the last under no_sync(), which "
-                         "a static-graph DDP does not support. Use B >= C (one forward) or DDP without "
-                         "static_graph")
+        raise ValueError(
+            f"DDP(static_graph=True) with MICRO_BATCH_SIZE B={cfg.b} < C=N/P={cfg.local}: the "
+            "recompute runs every micro-batch's backward but the last under no_sync(), which "
+            "a static-graph DDP does not support. Use B >= C (one forward) or DDP without "
+            "static_graph"
+        )
     return Ready(cfg, wrapped, wrapped.reduction_factor, first_device(wrapped.inner, local_x))
 
 
@@ -163,8 +172,10 @@ def as_outputs(out: Any) -> Any:
 def _describe(out: Any) -> str:
     """What forward returned, in a few words."""
     if isinstance(out, dict):
-        return (f"a dict with keys {list(out)[:6]} (the step reads open_clip's output_dict: "
-                f"{', '.join(OPEN_CLIP_KEYS)}, nothing else)")
+        return (
+            f"a dict with keys {list(out)[:6]} (the step reads open_clip's output_dict: "
+            f"{', '.join(OPEN_CLIP_KEYS)}, nothing else)"
+        )
     if isinstance(out, (tuple, list)):
         return f"a {type(out).__name__} of {len(out)}: ({', '.join(type(z).__name__ for z in out[:4])})"
     return type(out).__name__
@@ -175,70 +186,105 @@ def check_outputs(out: Any, rows: int, cfg: StreamConfig) -> Outputs:
     loss), or open_clip's dict of them: z of `rows` x d, floating point, one width; s and beta one-element
     tensors, and then config must not hold TAU. Returns (z_x, z_y, s or None, beta or None)."""
     raw, out = out, as_outputs(out)
-    if not (isinstance(out, tuple) and len(out) == 4 and all(isinstance(z, torch.Tensor) for z in out[:2])
-            and all(z is None or isinstance(z, torch.Tensor) for z in out[2:])
-            and not (out[3] is not None and out[2] is None)):
-        raise ValueError(f"model(x, y) must return (z_x, z_y), (z_x, z_y, logit_scale) or (z_x, z_y, logit_scale, "
-                         f"logit_bias) as tensors, or open_clip's dict of them, got {_describe(raw)}")
+    if not (
+        isinstance(out, tuple)
+        and len(out) == 4
+        and all(isinstance(z, torch.Tensor) for z in out[:2])
+        and all(z is None or isinstance(z, torch.Tensor) for z in out[2:])
+        and not (out[3] is not None and out[2] is None)
+    ):
+        raise ValueError(
+            f"model(x, y) must return (z_x, z_y), (z_x, z_y, logit_scale) or (z_x, z_y, logit_scale, "
+            f"logit_bias) as tensors, or open_clip's dict of them, got {_describe(raw)}"
+        )
     z_x, z_y, s, beta = out
     if z_x.dim() != 2 or z_y.dim() != 2 or z_x.shape[1] != z_y.shape[1] or len(z_x) != rows or len(z_y) != rows:
-        raise ValueError(f"model(x, y) must return z_x and z_y of shape (batch, d) with batch {rows} and "
-                         f"one d, got {tuple(z_x.shape)} and {tuple(z_y.shape)}")
+        raise ValueError(
+            f"model(x, y) must return z_x and z_y of shape (batch, d) with batch {rows} and "
+            f"one d, got {tuple(z_x.shape)} and {tuple(z_y.shape)}"
+        )
     if not (z_x.is_floating_point() and z_y.is_floating_point()):
         raise ValueError(f"embeddings must be floating point, got {z_x.dtype} and {z_y.dtype}")
     for name, v in (("scale", s), ("bias", beta)):
         if v is not None and (v.numel() != 1 or not v.is_floating_point()):
-            raise ValueError(f"the logit {name} model(x, y) returns must be a one-element floating "
-                             f"tensor, got shape {tuple(v.shape)} {v.dtype}")
+            raise ValueError(
+                f"the logit {name} model(x, y) returns must be a one-element floating "
+                f"tensor, got shape {tuple(v.shape)} {v.dtype}"
+            )
     if s is not None and cfg.tau is not None:
-        raise ValueError(f"config holds TAU={cfg.tau}, but the model returns its own logit scale: "
-                         "leave TAU out of the config (the logits are s * z_x z_y^T with the model's s)")
+        raise ValueError(
+            f"config holds TAU={cfg.tau}, but the model returns its own logit scale: "
+            "leave TAU out of the config (the logits are s * z_x z_y^T with the model's s)"
+        )
     if s is None and cfg.tau is None:
-        raise ValueError("config has no TAU and the model returns no logit scale: pass TAU, or return "
-                         "(z_x, z_y, logit_scale) from forward")
+        raise ValueError(
+            "config has no TAU and the model returns no logit scale: pass TAU, or return "
+            "(z_x, z_y, logit_scale) from forward"
+        )
     return z_x, z_y, s, beta
 
 
-def _agree_before_forward(ready: Ready | None, problem: str | None, batches: tuple, device: torch.device,
-                          group: Any) -> None:
+def _agree_before_forward(
+    ready: Ready | None, problem: str | None, batches: tuple, device: torch.device, group: Any
+) -> None:
     """Config, pair counts and local problems, before any rank's forward: the same error on every rank
     of `group`, or return."""
     row = dict.fromkeys(BEFORE, NOT_KNOWN)
     row["problem"] = message_length(problem)
     if ready is not None:
         cfg = ready.cfg
-        row.update(N=cfg.n, B=cfg.b, TAU=LEARNABLE if cfg.tau is None else cfg.tau,
-                   NORMALISERS=NORMALISERS.index(cfg.normalisers), EXCHANGE=EXCHANGES.index(cfg.exchange))
+        row.update(
+            N=cfg.n,
+            B=cfg.b,
+            TAU=LEARNABLE if cfg.tau is None else cfg.tau,
+            NORMALISERS=NORMALISERS.index(cfg.normalisers),
+            EXCHANGE=EXCHANGES.index(cfg.exchange),
+        )
     for key, t in zip(("rows_x", "rows_y"), batches):
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             row[key] = t.shape[0]
     table = rank_table([row[k] for k in BEFORE], device, group)
     column = {key: table[:, BEFORE.index(key)].tolist() for key in BEFORE}
-    names = {"TAU": lambda v: "learnable scale" if v == LEARNABLE else f"{v:g}",
-             "NORMALISERS": lambda v: NORMALISERS[int(v)], "EXCHANGE": lambda v: EXCHANGES[int(v)]}
+    names = {
+        "TAU": lambda v: "learnable scale" if v == LEARNABLE else f"{v:g}",
+        "NORMALISERS": lambda v: NORMALISERS[int(v)],
+        "EXCHANGE": lambda v: EXCHANGES[int(v)],
+    }
     for key in ("N", "B", "TAU", "NORMALISERS", "EXCHANGE"):
         if _differ(column[key]):
-            raise ValueError(f"config differs across ranks, {KEY_NAMES.get(key, key)}: "
-                             f"{per_rank(column[key], names.get(key, lambda v: f'{v:g}'))}; "
-                             "every rank must pass the same config")
+            raise ValueError(
+                f"config differs across ranks, {KEY_NAMES.get(key, key)}: "
+                f"{per_rank(column[key], names.get(key, lambda v: f'{v:g}'))}; "
+                "every rank must pass the same config"
+            )
     raise_together(problem, device, lengths=column["problem"], group=group)
     cfg = ready.cfg
     if any(r != cfg.local for r in column["rows_x"]):
-        raise ValueError(f"every rank must hold N / P = {cfg.n} / {cfg.world} = {cfg.local} pairs, but "
-                         f"{per_rank(column['rows_x'])} (is N right, and does every rank get an equal share, "
-                         "e.g. a DistributedSampler with drop_last=True?)")
+        raise ValueError(
+            f"every rank must hold N / P = {cfg.n} / {cfg.world} = {cfg.local} pairs, but "
+            f"{per_rank(column['rows_x'])} (is N right, and does every rank get an equal share, "
+            "e.g. a DistributedSampler with drop_last=True?)"
+        )
 
 
-def _agree_after_forward(ready: Ready, out: Outputs | None, problem: str | None,
-                         raised: BaseException | None) -> None | NoReturn:
+def _agree_after_forward(
+    ready: Ready, out: Outputs | None, problem: str | None, raised: BaseException | None
+) -> None | NoReturn:
     """After phase 1's forward, before the first all-gather: this rank's first micro-batch's checked
     outputs `out`, or its `problem` (then every rank raises; `raised`: what model(x, y) raised)."""
     row = dict.fromkeys(AFTER, NOT_KNOWN)
     row.update(problem=message_length(problem), raised=float(raised is not None))
     if out is not None:
         z_x, z_y, s, beta = out
-        row.update(d_x=z_x.shape[1], d_y=z_y.shape[1], dtype_x=_dtype_code(z_x), dtype_y=_dtype_code(z_y),
-                   scale=_value(s), has_bias=float(beta is not None), bias=_value(beta))
+        row.update(
+            d_x=z_x.shape[1],
+            d_y=z_y.shape[1],
+            dtype_x=_dtype_code(z_x),
+            dtype_y=_dtype_code(z_y),
+            scale=_value(s),
+            has_bias=float(beta is not None),
+            bias=_value(beta),
+        )
     table = rank_table([row[k] for k in AFTER], ready.device, ready.group)
     column = {key: table[:, AFTER.index(key)].tolist() for key in AFTER}
     error = RuntimeError if any(v == 1.0 for v in column["raised"]) else ValueError
@@ -246,20 +292,25 @@ def _agree_after_forward(ready: Ready, out: Outputs | None, problem: str | None,
     for key in ("d_x", "d_y", "dtype_x", "dtype_y", "has_bias"):
         if _differ(column[key]):
             fmt = (lambda v: str(DTYPE_CODES[int(v)]) if v >= 0 else "other") if "dtype" in key else None
-            raise ValueError(f"the embeddings differ across ranks, {key}: "
-                             f"{per_rank(column[key], fmt) if fmt else per_rank(column[key])}")
+            raise ValueError(
+                f"the embeddings differ across ranks, {key}: "
+                f"{per_rank(column[key], fmt) if fmt else per_rank(column[key])}"
+            )
     if ready.cfg.tau is None:
         scales = column["scale"]
         if not all(math.isfinite(v) and v > 0 for v in scales):
-            raise ValueError(f"the logit scale s the model returns must be finite and > 0 on every rank: "
-                             f"{per_rank(scales, repr)}")
+            raise ValueError(
+                f"the logit scale s the model returns must be finite and > 0 on every rank: {per_rank(scales, repr)}"
+            )
         if len(set(scales)) > 1:
-            raise ValueError(f"the logit scale s differs across ranks ({per_rank(scales, repr)}): the "
-                             "replicas are out of sync")
+            raise ValueError(
+                f"the logit scale s differs across ranks ({per_rank(scales, repr)}): the replicas are out of sync"
+            )
     biases = column["bias"]
     if column["has_bias"][0] == 1.0 and (not all(math.isfinite(v) for v in biases) or len(set(biases)) > 1):
-        raise ValueError(f"the logit bias beta the model returns must be finite and the same on every rank: "
-                         f"{per_rank(biases, repr)}")
+        raise ValueError(
+            f"the logit bias beta the model returns must be finite and the same on every rank: {per_rank(biases, repr)}"
+        )
 
 
 def _value(t: torch.Tensor | None) -> float:

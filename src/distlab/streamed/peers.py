@@ -17,13 +17,20 @@ named it too; a rank that hung rather than died reads as stopped answering, whic
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch.distributed as dist
 
-BACKEND_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
-                 "timed out", "NCCL", "ProcessGroupGloo")
+BACKEND_WORDS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "NCCL",
+    "ProcessGroupGloo",
+)
 ROLL_CALL_S = 5.0
 _calls: dict[tuple[int, ...], int] = {}  # how many steps this process ran in each group: the roll call's key
 
@@ -31,7 +38,8 @@ _calls: dict[tuple[int, ...], int] = {}  # how many steps this process ran in ea
 def is_peer_failure(err: BaseException) -> bool:
     """The backend's error for a peer that vanished or stopped answering (not the model's)."""
     return isinstance(err, dist.DistError) or (
-        isinstance(err, RuntimeError) and any(word in str(err) for word in BACKEND_WORDS))
+        isinstance(err, RuntimeError) and any(word in str(err) for word in BACKEND_WORDS)
+    )
 
 
 def roll_call_seconds(store) -> float:
@@ -63,12 +71,16 @@ def naming_dead_peers(group) -> Iterator[None]:
         try:
             missing = missing_ranks(ranks, f"distlab.streamed/{'-'.join(map(str, ranks))}/{call}")
         except Exception:  # noqa: BLE001 - the store is gone too: its host died
-            raise RuntimeError("a peer died during the streamed step's exchanges, and so did the process "
-                               "group's store (held by rank 0 unless torchrun's agent holds it): rank 0 "
-                               f"stopped answering, or the whole job is going down (backend: {err})") from err
+            raise RuntimeError(
+                "a peer died during the streamed step's exchanges, and so did the process "
+                "group's store (held by rank 0 unless torchrun's agent holds it): rank 0 "
+                f"stopped answering, or the whole job is going down (backend: {err})"
+            ) from err
         if not missing:
             raise  # every rank answered: the error was not a peer's death (it is passed on as it was)
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-        raise RuntimeError(f"{who}stopped answering during the streamed step's exchanges: a peer died (or "
-                           f"hung) while this rank, {dist.get_rank()}, waited for it; the step cannot go on "
-                           f"(backend: {str(err)[:160]})") from err
+        raise RuntimeError(
+            f"{who}stopped answering during the streamed step's exchanges: a peer died (or "
+            f"hung) while this rank, {dist.get_rank()}, waited for it; the step cannot go on "
+            f"(backend: {str(err)[:160]})"
+        ) from err

@@ -33,8 +33,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,10 +50,10 @@ class Endpoint:
     """One rank's view of the ring: whom it sends to, what it sent, and what happened when."""
 
     world: int
-    rank: int                                  # in `group`
-    group: object = None                       # the process group (None: the world)
+    rank: int  # in `group`
+    group: object = None  # the process group (None: the world)
     sent_bytes: int = 0
-    events: list[tuple[int, str, float]] = field(default_factory=list)   # (step, what, when), in order
+    events: list[tuple[int, str, float]] = field(default_factory=list)  # (step, what, when), in order
 
     def log(self, step: int, what: str) -> None:
         self.events.append((step, what, time.perf_counter()))
@@ -131,7 +131,7 @@ def emulate(world: int, body: Callable[[ListRing], object]) -> tuple[list, list[
             results[r] = body(ends[r])
         except Exception as err:  # noqa: BLE001 - re-raised below, on the caller's thread
             errors.append(err)
-            for r2 in range(world):              # unblock the others
+            for r2 in range(world):  # unblock the others
                 for tag in (0, 1):
                     mail[tag, r2].put(None)
 
@@ -145,12 +145,15 @@ def emulate(world: int, body: Callable[[ListRing], object]) -> tuple[list, list[
     return results, ends
 
 
-AHEAD, ACC = 0, 1   # message tags: the visiting features, the traveling accumulator
+AHEAD, ACC = 0, 1  # message tags: the visiting features, the traveling accumulator
 
 
-def ring_pass(ring: Endpoint, ahead: list[torch.Tensor],
-              visit: Callable[[int, list[torch.Tensor]], list[torch.Tensor]],
-              merge: Callable[[list, list], list]) -> list[torch.Tensor]:
+def ring_pass(
+    ring: Endpoint,
+    ahead: list[torch.Tensor],
+    visit: Callable[[int, list[torch.Tensor]], list[torch.Tensor]],
+    merge: Callable[[list, list], list],
+) -> list[torch.Tensor]:
     """Walk every column block past this rank; returns this rank's own block's accumulator, complete.
 
     visit(owner, ahead) runs the tile math of my rows against block `owner` and returns its fresh
@@ -160,7 +163,7 @@ def ring_pass(ring: Endpoint, ahead: list[torch.Tensor],
     for k in range(world):
         owner = (rank - k) % world
         posted = None
-        if k < world - 1:                                   # the features go on before the math
+        if k < world - 1:  # the features go on before the math
             posted = ring.shift(ahead, AHEAD)
             ring.log(k, f"post block {owner} -> {(rank + 1) % world}")
         ring.log(k, f"begin tiles {rank} x {owner}")
@@ -208,7 +211,7 @@ def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, t: 
     row_m, row_l = torch.full((c,), float("-inf"), **kw), torch.zeros(c, **kw)
     row_diag, col_diag = torch.empty(c, **kw), torch.empty(c, **kw)
 
-    def lse_partials(owner: int, ahead: list) -> list:          # pass 1: S once, C N d
+    def lse_partials(owner: int, ahead: list) -> list:  # pass 1: S once, C N d
         y_j, col_m, col_l = ahead[0], torch.full((c,), float("-inf"), **kw), torch.zeros(c, **kw)
         for rows in chunks(c, t):
             for cols in chunks(c, t):
@@ -223,10 +226,10 @@ def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, t: 
     col_m, col_l = ring_pass(ring, [y], lse_partials, _merge_lse)
     a, nll_x = lse_and_nll(row_m, row_l, row_diag)
     b, nll_y = lse_and_nll(col_m, col_l, col_diag)
-    coef = torch.expm1(-nll_x) + torch.expm1(-nll_y)           # R_ii + Q_ii - 2, no cancellation
-    pair_y = torch.zeros_like(x)                               # (R + Q - 2 delta) z_y for my rows
+    coef = torch.expm1(-nll_x) + torch.expm1(-nll_y)  # R_ii + Q_ii - 2, no cancellation
+    pair_y = torch.zeros_like(x)  # (R + Q - 2 delta) z_y for my rows
 
-    def products(owner: int, ahead: list) -> list:             # pass 2: S and its two products: 3 C N d
+    def products(owner: int, ahead: list) -> list:  # pass 2: S and its two products: 3 C N d
         (y_j, b_j), part = ahead, torch.zeros_like(ahead[0])
         for rows in chunks(c, t):
             for cols in chunks(c, t):
@@ -237,18 +240,22 @@ def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, t: 
                 part[cols].addmm_(tile.T, x[rows])
         return [part]
 
-    (pair_x,) = ring_pass(ring, [y, b], products, _add)   # (R + Q - 2 delta)^T z_x for my columns
+    (pair_x,) = ring_pass(ring, [y, b], products, _add)  # (R + Q - 2 delta)^T z_x for my columns
     scale = s / (2 * n)
-    return RankGrads((nll_x + nll_y).sum() / (2 * n), pair_y * scale, pair_x * scale,
-                     (x * pair_y).sum() / (2 * n), None)
+    return RankGrads(
+        (nll_x + nll_y).sum() / (2 * n), pair_y * scale, pair_x * scale, (x * pair_y).sum() / (2 * n), None
+    )
 
 
 def sigmoid_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, logits: Logits, t: int) -> RankGrads:
     """This rank's share of the sigmoid loss and its gradients from one ring pass (3 C N d): the text
     blocks travel, D^T z_x rides with them and carries G_y home."""
     c, n, me = len(x), len(x) * ring.world, ring.rank
-    own = {"loss": torch.zeros((), dtype=x.dtype, device=x.device), "d_y": torch.zeros_like(x),
-           "d_sum": torch.zeros((), dtype=x.dtype, device=x.device)}
+    own = {
+        "loss": torch.zeros((), dtype=x.dtype, device=x.device),
+        "d_y": torch.zeros_like(x),
+        "d_sum": torch.zeros((), dtype=x.dtype, device=x.device),
+    }
 
     def visit(owner: int, ahead: list) -> list:
         blk = sigmoid_block(x, ahead[0], logits, (me * c, owner * c), n, t)

@@ -40,13 +40,13 @@ def sigmoid_tile(s_tile: torch.Tensor, row0: int, col0: int, n: int) -> tuple[to
     """(sum of softplus(-eps S) over the tile, D = dL/dS for the tile) for logits S whose first row is
     global pair row0 and first column col0. S is consumed (D is written into it)."""
     hit = diagonal_crossing(row0, col0, *s_tile.shape)
-    v = s_tile                                         # v = -eps S: S off the diagonal, -S on it
+    v = s_tile  # v = -eps S: S off the diagonal, -S on it
     if hit:
         v[hit].diagonal().neg_()
-    loss = F.logsigmoid(-v).sum().neg()                # softplus(v) = -log sigma(-v), exact for any |v|
-    d = v.sigmoid_().div_(n)                           # |D| = sigma(-eps S) / N
+    loss = F.logsigmoid(-v).sum().neg()  # softplus(v) = -log sigma(-v), exact for any |v|
+    d = v.sigmoid_().div_(n)  # |D| = sigma(-eps S) / N
     if hit:
-        d[hit].diagonal().neg_()                       # D = -(1/N) eps sigma(-eps S): the sign is -eps
+        d[hit].diagonal().neg_()  # D = -(1/N) eps sigma(-eps S): the sign is -eps
     return loss, d
 
 
@@ -54,22 +54,29 @@ def sigmoid_tile(s_tile: torch.Tensor, row0: int, col0: int, n: int) -> tuple[to
 class Logits:
     """The affine map from a similarity to a logit, S = s z_x . z_y + beta."""
 
-    s: float                           # the logit scale
-    beta: float                        # the logit bias
+    s: float  # the logit scale
+    beta: float  # the logit bias
 
 
 @dataclass
 class BlockGrads:
     """What one block of rows x one block of columns contributes: all sums over that block only."""
 
-    loss_sum: torch.Tensor             # sum_ij softplus(-eps_ij S_ij)   (L = total / N)
-    d_y: torch.Tensor | None           # D Z_y for the rows (G_x = s D Z_y)
-    d_x: torch.Tensor | None           # D^T Z_x for the columns (G_y = s D^T Z_x)
-    d_sum: torch.Tensor                # sum_ij D_ij, the block's share of dL/dbeta
+    loss_sum: torch.Tensor  # sum_ij softplus(-eps_ij S_ij)   (L = total / N)
+    d_y: torch.Tensor | None  # D Z_y for the rows (G_x = s D Z_y)
+    d_x: torch.Tensor | None  # D^T Z_x for the columns (G_y = s D^T Z_x)
+    d_sum: torch.Tensor  # sum_ij D_ij, the block's share of dL/dbeta
 
 
-def sigmoid_block(x: torch.Tensor, y: torch.Tensor, logits: Logits, starts: tuple[int, int],
-                  n: int, t: int, want: tuple[bool, bool] = (True, True)) -> BlockGrads:
+def sigmoid_block(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    logits: Logits,
+    starts: tuple[int, int],
+    n: int,
+    t: int,
+    want: tuple[bool, bool] = (True, True),
+) -> BlockGrads:
     """Rows x (global pairs starts[0] ...) against columns y (starts[1] ...), tiles of at most T x T.
     want = (D Z_y for the rows, D^T Z_x for the columns); what is not wanted is None and not computed."""
     kw = dict(dtype=x.dtype, device=x.device)
@@ -79,7 +86,7 @@ def sigmoid_block(x: torch.Tensor, y: torch.Tensor, logits: Logits, starts: tupl
     for rows in chunks(len(x), t):
         x_scaled = x[rows] * logits.s
         for cols in chunks(len(y), t):
-            s_tile = torch.addmm(torch.full((), logits.beta, **kw), x_scaled, y[cols].T)   # S = s x y^T + beta
+            s_tile = torch.addmm(torch.full((), logits.beta, **kw), x_scaled, y[cols].T)  # S = s x y^T + beta
             part, d = sigmoid_tile(s_tile, starts[0] + rows.start, starts[1] + cols.start, n)
             loss += part
             d_sum += d.sum()
@@ -94,15 +101,16 @@ def sigmoid_block(x: torch.Tensor, y: torch.Tensor, logits: Logits, starts: tupl
 class RankGrads:
     """One rank's share of a contrastive loss and of its gradients; summed over ranks they are exact."""
 
-    loss_part: torch.Tensor            # this rank's share of L (the ranks' shares add up to L)
-    g_x: torch.Tensor                  # dL/dz_x for this rank's C rows
-    g_y: torch.Tensor | None           # dL/dz_y for this rank's C columns (None: not wanted)
-    g_s: torch.Tensor                  # this rank's share of dL/ds
-    g_b: torch.Tensor | None           # this rank's share of dL/dbeta (None: the loss has no bias)
+    loss_part: torch.Tensor  # this rank's share of L (the ranks' shares add up to L)
+    g_x: torch.Tensor  # dL/dz_x for this rank's C rows
+    g_y: torch.Tensor | None  # dL/dz_y for this rank's C columns (None: not wanted)
+    g_s: torch.Tensor  # this rank's share of dL/ds
+    g_b: torch.Tensor | None  # this rank's share of dL/dbeta (None: the loss has no bias)
 
 
-def sigmoid_gathered(z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, t: int,
-                     want_g_y: bool = True) -> RankGrads:
+def sigmoid_gathered(
+    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, t: int, want_g_y: bool = True
+) -> RankGrads:
     """With the gathered N x d Z_x, Z_y: my rows against every column (loss, G_x, ds, db: 2 C N d),
     and every row against my columns (G_y: 2 C N d more)."""
     n, s = len(z_x), logits.s

@@ -30,8 +30,9 @@ precision are `wrappers`. Every exchange runs over the wrapper's process group. 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,28 +52,28 @@ from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, surrogate_mul
 class LocalForward:
     """Phase 1 before the gather: this rank's micro-batches and what the forward returned for each."""
 
-    micro: list[slice]                 # local rows of each micro-batch
-    outputs: list[Outputs]             # (z_x, z_y, s or None, beta or None) per micro-batch
-    rng: list[RandContext]             # recompute: the random state each forward started from
-    kept: bool                         # one forward: outputs carry the graph phase 4 back-propagates into
+    micro: list[slice]  # local rows of each micro-batch
+    outputs: list[Outputs]  # (z_x, z_y, s or None, beta or None) per micro-batch
+    rng: list[RandContext]  # recompute: the random state each forward started from
+    kept: bool  # one forward: outputs carry the graph phase 4 back-propagates into
 
 
 @dataclass
 class Embedded:
     """The gathered, detached embeddings in the compute dtype, and the scale."""
 
-    z_x: torch.Tensor                  # N x d, every rank's rows in rank order
+    z_x: torch.Tensor  # N x d, every rank's rows in rank order
     z_y: torch.Tensor
-    s: float                           # the logit scale, 1/tau or the model's
+    s: float  # the logit scale, 1/tau or the model's
 
 
 @dataclass
 class Normalisers:
     """Phase 2's result: what phase 3 needs, and the loss."""
 
-    a: torch.Tensor                    # N row LSEs
-    b: torch.Tensor                    # N column LSEs
-    diag_coef: torch.Tensor            # R_ii + Q_ii - 2 for this rank's C pairs
+    a: torch.Tensor  # N row LSEs
+    b: torch.Tensor  # N column LSEs
+    diag_coef: torch.Tensor  # R_ii + Q_ii - 2 for this rank's C pairs
     loss: float
 
 
@@ -91,6 +92,7 @@ def phase1_forward(ready: Ready, local_x: torch.Tensor, local_y: torch.Tensor) -
                 rng.append(RandContext(local_x[rows], local_y[rows]))
                 outputs.append(wrapped.no_grad_forward(local_x[rows], local_y[rows]))
         return outputs
+
     outputs = ready.agreed_outputs(forward, [rows.stop - rows.start for rows in cfg.micro])
     return LocalForward(cfg.micro, outputs, rng, kept=False)
 
@@ -113,21 +115,22 @@ def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
             a, nll_x, b, nll_y = streamed_lse_both(emb.z_x, emb.z_y, emb.s, cfg.t)
             nll_x, nll_y, total = nll_x[own], nll_y[own], (nll_x + nll_y).sum()
         else:
-            a_own, nll_x = streamed_lse(emb.z_x[own], emb.z_y, emb.s, cfg.t, cfg.offset)   # my rows of S
-            b_own, nll_y = streamed_lse(emb.z_y[own], emb.z_x, emb.s, cfg.t, cfg.offset)   # my columns
+            a_own, nll_x = streamed_lse(emb.z_x[own], emb.z_y, emb.s, cfg.t, cfg.offset)  # my rows of S
+            b_own, nll_y = streamed_lse(emb.z_y[own], emb.z_x, emb.s, cfg.t, cfg.offset)  # my columns
             # One tiny all-gather: my a's, my b's and my share of the loss (2C + 1 floats per rank).
             mine = torch.cat((a_own, b_own, (nll_x + nll_y).sum().unsqueeze(0)))
             every = mine.new_empty(cfg.world * len(mine))
             traffic.all_gather(every, mine, cfg.group)
             every = every.view(cfg.world, len(mine))
-            a, b = every[:, :cfg.local].reshape(-1), every[:, cfg.local:2 * cfg.local].reshape(-1)
+            a, b = every[:, : cfg.local].reshape(-1), every[:, cfg.local : 2 * cfg.local].reshape(-1)
             total = every[:, -1].sum()  # the same numbers in the same order on every rank
     # R_ii + Q_ii - 2 = expm1(-nll_x) + expm1(-nll_y): no cancellation of two numbers near 2.
     return Normalisers(a, b, torch.expm1(-nll_x) + torch.expm1(-nll_y), (total / (2 * cfg.n)).item())
 
 
-def phase3_embedding_grads(emb: Embedded, norm: Normalisers, rows: slice, cfg: StreamConfig,
-                           needs: tuple[bool, bool, bool]) -> tuple[Any, Any, Any]:
+def phase3_embedding_grads(
+    emb: Embedded, norm: Normalisers, rows: slice, cfg: StreamConfig, needs: tuple[bool, bool, bool]
+) -> tuple[Any, Any, Any]:
     """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, T x T tiles at a time (autocast
     off). `needs` says which of z_x, z_y, s require grad; what is not needed is None and not computed
     (G_x is computed for dL/ds even when z_x needs none)."""
@@ -136,13 +139,15 @@ def phase3_embedding_grads(emb: Embedded, norm: Normalisers, rows: slice, cfg: S
     g_x = g_y = g_s = None
     with torch.autocast(emb.z_x.device.type, enabled=False):
         if needs[0] or needs[2]:
-            g_x = streamed_softmax_pair_product(emb.z_x[glob] * emb.s, emb.z_y, norm.a[glob], norm.b, coef,
-                                                glob.start, cfg.t).mul_(scale)
+            g_x = streamed_softmax_pair_product(
+                emb.z_x[glob] * emb.s, emb.z_y, norm.a[glob], norm.b, coef, glob.start, cfg.t
+            ).mul_(scale)
         if needs[1]:
-            g_y = streamed_softmax_pair_product(emb.z_y[glob] * emb.s, emb.z_x, norm.b[glob], norm.a, coef,
-                                                glob.start, cfg.t).mul_(scale)
+            g_y = streamed_softmax_pair_product(
+                emb.z_y[glob] * emb.s, emb.z_x, norm.b[glob], norm.a, coef, glob.start, cfg.t
+            ).mul_(scale)
         if needs[2]:
-            g_s = (emb.z_x[glob] * g_x).sum() / emb.s      # dL/ds = (1/s) sum_i z_i^x . G_x,i
+            g_s = (emb.z_x[glob] * g_x).sum() / emb.s  # dL/ds = (1/s) sum_i z_i^x . G_x,i
     return (g_x if needs[0] else None), g_y, g_s
 
 
@@ -167,12 +172,14 @@ def phase4_backward(outputs: Outputs, grads: tuple, multiplier: torch.Tensor) ->
     each gradient in its output's dtype (m: the wrapper's reduction factor, times a GradScaler's)."""
     pairs = [(z, g) for z, g in zip(outputs, grads) if g is not None]
     if pairs:  # d(m <z, g>)/dz = m g exactly: the surrogate's backward without forming it
-        torch.autograd.backward([z for z, _ in pairs],
-                                [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs])
+        torch.autograd.backward(
+            [z for z, _ in pairs], [(g * multiplier).to(z.dtype).reshape(z.shape) for z, g in pairs]
+        )
 
 
-def loss_machinery(z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any],
-                   logit_bias: float | None = None) -> tuple[float, Any, Any]:
+def loss_machinery(
+    z_x: torch.Tensor, z_y: torch.Tensor, config: Mapping[str, Any], logit_bias: float | None = None
+) -> tuple[float, Any, Any]:
     """The step without the encoders, for benchmarks and notebooks: this rank's C x d embeddings in,
     (L, G_x, G_y) for its rows out, by the path the step takes (TAU is required; no guards). InfoNCE
     gathered: the all-gather, phase 2, phase 3 over every micro-batch; a `logit_bias` (the sigmoid
@@ -203,8 +210,7 @@ def _shared_grads(shares, rows: slice, last: bool, needs: tuple) -> tuple:
     """A micro-batch's slice of the rank's shares: G for its rows, and the rank's dL/ds, dL/dbeta share
     once, with the last micro-batch (s and beta are parameters every micro-batch's graph reaches; the
     last backward is the one the wrapper reduces in, so every parameter must take part in it)."""
-    grads = (shares.g_x[rows], shares.g_y[rows], shares.g_s if last else None,
-             shares.g_b if last else None)
+    grads = (shares.g_x[rows], shares.g_y[rows], shares.g_s if last else None, shares.g_b if last else None)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
@@ -212,14 +218,20 @@ def _float(t: torch.Tensor) -> float:
     return float(t.detach().double().reshape(()))
 
 
-def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config: Mapping[str, Any],
-         grad_scaler: Any, stop_if_not_finite: bool) -> float:
+def _run(
+    model: nn.Module,
+    local_x: torch.Tensor,
+    local_y: torch.Tensor,
+    config: Mapping[str, Any],
+    grad_scaler: Any,
+    stop_if_not_finite: bool,
+) -> float:
     with naming_dead_peers(exchange_group(model)):  # a peer that dies in an exchange is named, not echoed
-        ready = ready_step(model, local_x, local_y, config)       # a step every rank agreed to, or one error
+        ready = ready_step(model, local_x, local_y, config)  # a step every rank agreed to, or one error
         cfg, wrapped = ready.cfg, ready.wrapped
         traffic.sent_bytes = 0
         restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
-        local = phase1_forward(ready, local_x, local_y)                                         # phase 1
+        local = phase1_forward(ready, local_x, local_y)  # phase 1
         s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])
         sigmoid, shares, emb = local.outputs[0][3] is not None, None, None
         if sigmoid or cfg.exchange == "ring":  # G for all C rows first (the ring, or the sigmoid loss)
@@ -228,15 +240,17 @@ def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config:
             shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, cfg.t, cfg.group)
             like, why = shares.g_x, "non-finite embeddings on some rank, or logits that overflowed"
         else:
-            emb = gather_embeddings(local, cfg)                                                 # sync 1
-            norm = phase2_normalisers(emb, cfg)                                                 # phase 2
+            emb = gather_embeddings(local, cfg)  # sync 1
+            norm = phase2_normalisers(emb, cfg)  # phase 2
             loss, like = norm.loss, emb.z_x
             why = not_finite(emb, cfg) if not math.isfinite(loss) else ""
         if stop_if_not_finite and not math.isfinite(loss):
             restore_batchnorm()  # the forward's update of BatchNorm's running statistics is undone too
-            raise FloatingPointError(f"the global loss is {loss} ({why}): "
-                                     "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
-                                     "are as they were")
+            raise FloatingPointError(
+                f"the global loss is {loss} ({why}): "
+                "no gradient was computed, the optimizer did not step, BatchNorm's statistics "
+                "are as they were"
+            )
         multiplier = surrogate_multiplier(ready.factor, grad_scaler, like)
         for k, rows in enumerate(local.micro):
             # Phase 5: the wrapper reduces in the last micro-batch's backward only (a recompute's forward
@@ -247,13 +261,19 @@ def _run(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor, config:
                 if shares is not None:
                     grads = _shared_grads(shares, rows, last, needs_of(outputs))
                 else:
-                    grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))    # phase 3
-                phase4_backward(outputs, grads, multiplier)                                     # phase 4
+                    grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))  # phase 3
+                phase4_backward(outputs, grads, multiplier)  # phase 4
         return loss
 
 
-def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch.Tensor,
-                         config: Mapping[str, Any], *, grad_scaler: Any = None) -> float:
+def distributed_backward(
+    model: nn.Module,
+    local_x: torch.Tensor,
+    local_y: torch.Tensor,
+    config: Mapping[str, Any],
+    *,
+    grad_scaler: Any = None,
+) -> float:
     """Add the exact gradient of the global symmetric InfoNCE (or, for a model returning (z_x, z_y, s, beta) or
     open_clip's dict with a logit_bias, of the sigmoid loss: `sigmoid`) into `.grad`, like `loss.backward()`.
     EXCHANGE: "ring" in config passes C x d blocks rank to rank instead of gathering N x 2d (`ring`).
@@ -275,8 +295,13 @@ def distributed_backward(model: nn.Module, local_x: torch.Tensor, local_y: torch
     return _run(model, local_x, local_y, config, grad_scaler, stop_if_not_finite=False)
 
 
-def distributed_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, local_x: torch.Tensor,
-                           local_y: torch.Tensor, config: Mapping[str, Any]) -> float:
+def distributed_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    local_x: torch.Tensor,
+    local_y: torch.Tensor,
+    config: Mapping[str, Any],
+) -> float:
     """One optimiser step on the exact symmetric InfoNCE of the global batch; returns its loss.
 
     zero_grad, `distributed_backward`, optimizer.step(). A non-finite loss raises FloatingPointError

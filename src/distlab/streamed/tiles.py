@@ -35,8 +35,9 @@ def lse_and_nll(run_max, run_sum, diag) -> tuple[torch.Tensor, torch.Tensor]:
     return run_max + log_sum, (run_max - diag) + log_sum
 
 
-def streamed_lse(q: torch.Tensor, k: torch.Tensor, scale: float, t: int,
-                 offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+def streamed_lse(
+    q: torch.Tensor, k: torch.Tensor, scale: float, t: int, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Row LSE of s q k^T and its nll, in tiles of at most T x T. Row i of q is global pair
     offset + i, so its positive is k[offset + i]. With q = Z_x[mine], k = Z_y: a[mine]; with
     q = Z_y[mine], k = Z_x: b[mine] (my columns of S are my rows of S^T)."""
@@ -47,15 +48,14 @@ def streamed_lse(q: torch.Tensor, k: torch.Tensor, scale: float, t: int,
         run_sum, diag = torch.zeros_like(run_max), torch.empty_like(run_max)
         for cols in chunks(len(k), t):
             tile = q_rows @ k[cols].T
-            if (hit := diagonal_crossing(offset + rows.start, cols.start, len(q_rows), cols.stop - cols.start)):
+            if hit := diagonal_crossing(offset + rows.start, cols.start, len(q_rows), cols.stop - cols.start):
                 diag[hit[0]] = tile[hit].diagonal()
             run_max, run_sum = online_fold(run_max, run_sum, tile, dim=1)
         lse[rows], nll[rows] = lse_and_nll(run_max, run_sum, diag)
     return lse, nll
 
 
-def streamed_lse_both(z_x: torch.Tensor, z_y: torch.Tensor, scale: float,
-                      t: int) -> tuple[torch.Tensor, ...]:
+def streamed_lse_both(z_x: torch.Tensor, z_y: torch.Tensor, scale: float, t: int) -> tuple[torch.Tensor, ...]:
     """(a, nll_x, b, nll_y): the row and the column LSE of S = s Z_x Z_y^T (with their nlls) from one
     pass over T x T tiles: each tile feeds its rows' and its columns' running (m, l)."""
     n, kw = len(z_x), dict(dtype=z_x.dtype, device=z_x.device)
@@ -67,7 +67,7 @@ def streamed_lse_both(z_x: torch.Tensor, z_y: torch.Tensor, scale: float,
         run_sum, diag = torch.zeros_like(run_max), torch.empty_like(run_max)
         for cols in chunks(n, t):
             tile = x_rows @ z_y[cols].T
-            if (hit := diagonal_crossing(rows.start, cols.start, len(x_rows), cols.stop - cols.start)):
+            if hit := diagonal_crossing(rows.start, cols.start, len(x_rows), cols.stop - cols.start):
                 diag[hit[0]] = col_diag[cols][hit[1]] = tile[hit].diagonal()
             col_max[cols], col_sum[cols] = online_fold(col_max[cols], col_sum[cols], tile.clone(), dim=0)
             run_max, run_sum = online_fold(run_max, run_sum, tile, dim=1)
@@ -76,9 +76,15 @@ def streamed_lse_both(z_x: torch.Tensor, z_y: torch.Tensor, scale: float,
     return a, nll_x, b, nll_y
 
 
-def streamed_softmax_pair_product(q_scaled: torch.Tensor, k: torch.Tensor, lse_q: torch.Tensor,
-                                  lse_k: torch.Tensor, diag_coef: torch.Tensor, offset: int,
-                                  t: int) -> torch.Tensor:
+def streamed_softmax_pair_product(
+    q_scaled: torch.Tensor,
+    k: torch.Tensor,
+    lse_q: torch.Tensor,
+    lse_k: torch.Tensor,
+    diag_coef: torch.Tensor,
+    offset: int,
+    t: int,
+) -> torch.Tensor:
     """sum_j (exp(S_ij - lse_q_i) + exp(S_ij - lse_k_j) - 2 delta_{j, offset + i}) k_j, with
     S_ij = q_scaled_i . k_j (q_scaled = s q); diag_coef_i is the diagonal's coefficient, passed in
     precisely (see `_pair_product_rows`).
@@ -92,8 +98,7 @@ def streamed_softmax_pair_product(q_scaled: torch.Tensor, k: torch.Tensor, lse_q
     """
     acc = torch.empty_like(q_scaled)
     for rows in chunks(len(q_scaled), t):
-        acc[rows] = _pair_product_rows(q_scaled[rows], k, lse_q[rows], lse_k, diag_coef[rows],
-                                       offset + rows.start, t)
+        acc[rows] = _pair_product_rows(q_scaled[rows], k, lse_q[rows], lse_k, diag_coef[rows], offset + rows.start, t)
     return acc
 
 
@@ -101,19 +106,24 @@ def _pair_product_rows(q_scaled, k, lse_q, lse_k, diag_coef, offset, t) -> torch
     """One block of at most T rows of `streamed_softmax_pair_product`: |q| x T tiles over k."""
     acc = torch.zeros_like(q_scaled)
     for cols in chunks(len(k), t):
-        tile = q_scaled @ k[cols].T                       # S, |q| x T
+        tile = q_scaled @ k[cols].T  # S, |q| x T
         hit = diagonal_crossing(offset, cols.start, len(q_scaled), cols.stop - cols.start)
         acc.addmm_(pair_coefficients(tile, lse_q, lse_k[cols], hit, diag_coef), k[cols])
     return acc
 
 
-def pair_coefficients(tile: torch.Tensor, lse_q: torch.Tensor, lse_k: torch.Tensor,
-                      hit: tuple[slice, slice] | None, diag_coef: torch.Tensor) -> torch.Tensor:
+def pair_coefficients(
+    tile: torch.Tensor,
+    lse_q: torch.Tensor,
+    lse_k: torch.Tensor,
+    hit: tuple[slice, slice] | None,
+    diag_coef: torch.Tensor,
+) -> torch.Tensor:
     """R + Q - 2 delta (= 2N dL/dS) for one tile of S, in place: exp(S - lse_q) + exp(S - lse_k), and
     where the tile crosses the diagonal (`hit`), diag_coef for its rows, passed in precisely:
     R_ii + Q_ii - 2 = expm1(-nll_x) + expm1(-nll_y), no cancellation of two numbers near 2."""
-    other = torch.sub(tile, lse_k).exp_()                 # exp(S - lse_k): Q (or R^T)
-    tile.sub_(lse_q[:, None]).exp_().add_(other)          # + exp(S - lse_q): R (or Q^T), in place
+    other = torch.sub(tile, lse_k).exp_()  # exp(S - lse_k): Q (or R^T)
+    tile.sub_(lse_q[:, None]).exp_().add_(other)  # + exp(S - lse_q): R (or Q^T), in place
     if hit:
         tile[hit].diagonal().copy_(diag_coef[hit[0]])
     return tile

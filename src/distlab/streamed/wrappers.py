@@ -34,9 +34,10 @@ CPU, P = 2, N = 64): the whole gradient is 3.9e-3 (relative) from the float32 mo
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,13 +51,18 @@ SUPPORTED = "DistributedDataParallel, torch.compile(DistributedDataParallel(mode
 def _compiled_inner(model: Any) -> Any:
     """The module torch.compile wrapped, or None when `model` was not compiled."""
     from torch._dynamo.eval_frame import OptimizedModule
+
     return model._orig_mod if isinstance(model, OptimizedModule) else None
 
 
 def _fsdp_groups(model: nn.Module) -> list:
     """Every FSDP2 parameter group under `model` (one per `fully_shard` call that owns parameters)."""
-    return [group for module in model.modules() if isinstance(module, FSDPModule)
-            for group in module._get_fsdp_state()._fsdp_param_groups]
+    return [
+        group
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for group in module._get_fsdp_state()._fsdp_param_groups
+    ]
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class Wrapped:
     """The caller's model and the parts of it the step uses (see the module docstring)."""
 
     model: nn.Module
-    kind: str                          # "ddp", "compiled ddp" or "fsdp2"
+    kind: str  # "ddp", "compiled ddp" or "fsdp2"
     inner: nn.Module
     no_grad_forward: Callable[..., Any]
 
@@ -76,8 +82,10 @@ class Wrapped:
                 size = group.mesh_info.mesh.size()
                 factors.add(float(group.gradient_divide_factor or size))
             if len(factors) > 1:
-                raise ValueError(f"FSDP2 modules divide gradients by different factors {sorted(factors)}: "
-                                 "the step can scale its surrogate for one factor only")
+                raise ValueError(
+                    f"FSDP2 modules divide gradients by different factors {sorted(factors)}: "
+                    "the step can scale its surrogate for one factor only"
+                )
             return factors.pop() if factors else 1.0
         ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model)
         return float(ddp.process_group.size())
@@ -91,8 +99,10 @@ class Wrapped:
         if not meshes:
             return dist.group.WORLD
         if any(mesh != meshes[0] for mesh in meshes) or meshes[0].ndim != 1:
-            raise ValueError("FSDP2 over a 2-D device mesh (HSDP) or over different meshes: the step gathers "
-                             "and scales over one process group; shard every module on one 1-D mesh")
+            raise ValueError(
+                "FSDP2 over a 2-D device mesh (HSDP) or over different meshes: the step gathers "
+                "and scales over one process group; shard every module on one 1-D mesh"
+            )
         return meshes[0].get_group()
 
     @property
@@ -101,7 +111,7 @@ class Wrapped:
         ddp = self.model if self.kind == "ddp" else _compiled_inner(self.model) if self.kind == "compiled ddp" else None
         return bool(getattr(ddp, "static_graph", False))
 
-    def accumulating(self, reduce: bool) -> ContextManager:
+    def accumulating(self, reduce: bool) -> AbstractContextManager:
         """Gradient reduction off for this backward unless `reduce` (then the caller's setting holds)."""
         if reduce:
             return nullcontext()
@@ -134,8 +144,10 @@ def unwrap(model: Any) -> Wrapped:
     if isinstance(model, FSDPModule):
         return Wrapped(model, "fsdp2", model, model)
     what = f"torch.compile({type(compiled).__name__})" if compiled is not None else type(model).__name__
-    raise ValueError(f"model must be wrapped in {SUPPORTED}, got {what}: the wrapper's gradient "
-                     "reduction is the step's second sync point")
+    raise ValueError(
+        f"model must be wrapped in {SUPPORTED}, got {what}: the wrapper's gradient "
+        "reduction is the step's second sync point"
+    )
 
 
 def trainable(module: nn.Module) -> bool:
@@ -144,21 +156,29 @@ def trainable(module: nn.Module) -> bool:
 
 def batchnorm_in_training(module: nn.Module) -> list[str]:
     """Names of the BatchNorm layers (SyncBatchNorm included) that are in training mode."""
-    return [name or type(m).__name__ for name, m in module.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    return [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
 
 
 def batchnorm_snapshot(module: nn.Module) -> Callable[[], None]:
     """Copies of the buffers of every BatchNorm in training mode (running statistics and
     num_batches_tracked; a few numbers per channel), and a function that puts them back, so that a
     step refused after its forward leaves no trace of that forward."""
-    saved = [(buf, buf.clone()) for m in module.modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for buf in m.buffers(recurse=False)]
+    saved = [
+        (buf, buf.clone())
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+        for buf in m.buffers(recurse=False)
+    ]
 
     def restore() -> None:
         with torch.no_grad():
             for buf, copy in saved:
                 buf.copy_(copy)
+
     return restore
 
 

@@ -31,11 +31,12 @@ def check_split(heads: int, ffn: int, world_size: int, seq: int | None = None) -
     if heads % world_size:
         raise ValueError(f"--heads: {heads} heads do not split over P = {world_size} ranks (P must divide h)")
     if ffn % world_size:
-        raise ValueError(f"--ffn-width: d_ff = {ffn} does not split over P = {world_size} ranks "
-                         "(P must divide d_ff)")
+        raise ValueError(f"--ffn-width: d_ff = {ffn} does not split over P = {world_size} ranks (P must divide d_ff)")
     if seq is not None and seq % world_size:
-        raise ValueError(f"--seq-len: seq = {seq} does not split over P = {world_size} ranks "
-                         "(sequence parallelism needs P to divide seq)")
+        raise ValueError(
+            f"--seq-len: seq = {seq} does not split over P = {world_size} ranks "
+            "(sequence parallelism needs P to divide seq)"
+        )
 
 
 class ParallelMLP(nn.Module):

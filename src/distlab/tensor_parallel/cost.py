@@ -34,17 +34,23 @@ from distlab.tensor_parallel.operators import RING_FRACTION
 PARTS_IN = {"mlp": 1, "attention": 1, "block": 2}  # (enter, exit) pairs per forward
 
 
-def expected_traffic(cfg: BlockConfig, part: str, world_size: int, sequence_parallel: bool,
-                     steps: int = 1) -> dict[tuple[str, str], Fraction]:
+def expected_traffic(
+    cfg: BlockConfig, part: str, world_size: int, sequence_parallel: bool, steps: int = 1
+) -> dict[tuple[str, str], Fraction]:
     """Bytes this rank sends, by (direction, collective), in `steps` steps of `part`."""
     e = cfg.dtype.itemsize
     act = Fraction(cfg.batch * cfg.seq * cfg.dim * e) * PARTS_IN[part] * steps
     frac = {kind: f(world_size) for kind, f in RING_FRACTION.items()}
     if not sequence_parallel:
-        return {("forward", "all_reduce"): frac["all_reduce"] * act,
-                ("backward", "all_reduce"): frac["all_reduce"] * act}
-    out = {(direction, kind): frac[kind] * act for direction in ("forward", "backward")
-           for kind in ("all_gather", "reduce_scatter")}
+        return {
+            ("forward", "all_reduce"): frac["all_reduce"] * act,
+            ("backward", "all_reduce"): frac["all_reduce"] * act,
+        }
+    out = {
+        (direction, kind): frac[kind] * act
+        for direction in ("forward", "backward")
+        for kind in ("all_gather", "reduce_scatter")
+    }
     cut = {"mlp": 1, "attention": 1, "block": 6}[part]  # d-vectors whose gradients are partial sums
     out["gradients", "all_reduce"] = frac["all_reduce"] * cut * cfg.dim * e * steps
     return out

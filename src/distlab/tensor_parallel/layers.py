@@ -50,8 +50,9 @@ class RowParallelLinear(nn.Module):
         return F.linear(x, self.weight)  # no bias: it belongs to the sum, not to each addend
 
 
-def reference_shards(reference: dict[str, torch.Tensor], model: nn.Module, rank: int,
-                     world_size: int) -> dict[str, torch.Tensor]:
+def reference_shards(
+    reference: dict[str, torch.Tensor], model: nn.Module, rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
     """The unsplit model's tensors (parameters or gradients, by name) cut as `model`'s parameters
     are: a parameter of a parallel layer gets its chunk, every other one the whole tensor."""
     out = {}

@@ -35,8 +35,10 @@ def mesh_shape(world_size: int) -> tuple[int, int]:
 def check_mesh(cfg: BlockConfig, world_size: int) -> None:
     dp, tp = mesh_shape(world_size)
     if cfg.batch % dp:
-        raise ValueError(f"--global-batch: N = {cfg.batch} does not split over dp = {dp} data-parallel "
-                         f"groups (the {dp} x {tp} mesh at P = {world_size})")
+        raise ValueError(
+            f"--global-batch: N = {cfg.batch} does not split over dp = {dp} data-parallel "
+            f"groups (the {dp} x {tp} mesh at P = {world_size})"
+        )
 
 
 def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dict]:
@@ -47,7 +49,10 @@ def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dic
     comm = tensor_parallel(mesh.get_group("tp"), Traffic())
     block, x, target = build(cfg)
     model = ParallelBlock(block, i_tp, tp, comm).to(rt.device)
-    rows = (lambda t: t.chunk(dp, dim=0)[i_dp].contiguous().to(rt.device))
+
+    def rows(t):
+        return t.chunk(dp, dim=0)[i_dp].contiguous().to(rt.device)
+
     masks = dropout_masks(cfg, 0)
     batch = Batch(rows(x), rows(target), x.numel(), [tuple(map(rows, masks)) if masks else None])
     dp_group = mesh.get_group("dp")
@@ -59,8 +64,14 @@ def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dic
             p.grad.copy_(g.view_as(p))
 
     run = train(model, batch, 1, lr, sum_over_data_parallel)
-    where = {"dp": dp, "tp": tp, "i_dp": i_dp, "i_tp": i_tp, "tp_ranks": dist.get_process_group_ranks(comm.group),
-             "dp_ranks": dist.get_process_group_ranks(dp_group)}
+    where = {
+        "dp": dp,
+        "tp": tp,
+        "i_dp": i_dp,
+        "i_tp": i_tp,
+        "tp_ranks": dist.get_process_group_ranks(comm.group),
+        "dp_ranks": dist.get_process_group_ranks(dp_group),
+    }
     return run, model, where
 
 
@@ -68,6 +79,8 @@ def expected_2d_traffic(cfg: BlockConfig, world_size: int, shard_numel: int) -> 
     dp, tp = mesh_shape(world_size)
     e = cfg.dtype.itemsize
     act = Fraction(cfg.batch // dp * cfg.seq * cfg.dim * e) * 2  # two blocks' worth: attention, MLP
-    return {("forward", "all_reduce"): RING_FRACTION["all_reduce"](tp) * act,
-            ("backward", "all_reduce"): RING_FRACTION["all_reduce"](tp) * act,
-            ("data parallel", "all_reduce"): RING_FRACTION["all_reduce"](dp) * shard_numel * e}
+    return {
+        ("forward", "all_reduce"): RING_FRACTION["all_reduce"](tp) * act,
+        ("backward", "all_reduce"): RING_FRACTION["all_reduce"](tp) * act,
+        ("data parallel", "all_reduce"): RING_FRACTION["all_reduce"](dp) * shard_numel * e,
+    }

@@ -100,8 +100,10 @@ def dropout_masks(cfg: BlockConfig, step: int) -> tuple[torch.Tensor, torch.Tens
         return None
     gen = torch.Generator().manual_seed(1000 * cfg.seed + step + 1)
     shape = (cfg.batch, cfg.seq, cfg.dim)
-    return tuple((torch.rand(shape, generator=gen, dtype=cfg.dtype) >= cfg.dropout).to(cfg.dtype)
-                 / (1 - cfg.dropout) for _ in range(2))
+    return tuple(
+        (torch.rand(shape, generator=gen, dtype=cfg.dtype) >= cfg.dropout).to(cfg.dtype) / (1 - cfg.dropout)
+        for _ in range(2)
+    )
 
 
 def regression_loss(out: torch.Tensor, target: torch.Tensor, count: int) -> torch.Tensor:

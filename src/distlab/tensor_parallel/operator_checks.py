@@ -31,14 +31,20 @@ def _part(t: torch.Tensor, r: int, p: int) -> torch.Tensor:
 
 
 MATH = {  # name -> (rank r's input, rank r's output gradient weights, expected forward, expected backward)
-    "f": (lambda q, p: _full(q, p, 1), lambda q, p: _full(q, p, 2),
-          lambda xs, r, p: xs[r], lambda ws, r, p: sum(ws)),
-    "g": (lambda q, p: _full(q, p, 1), lambda q, p: _full(q, p, 2),
-          lambda xs, r, p: sum(xs), lambda ws, r, p: ws[r]),
-    "f-bar": (lambda q, p: _part(_full(q, p, 1), q, p), lambda q, p: _full(q, p, 2),
-              lambda xs, r, p: torch.cat(xs, dim=1), lambda ws, r, p: _part(sum(ws), r, p)),
-    "g-bar": (lambda q, p: _full(q, p, 1), lambda q, p: _part(_full(q, p, 2), q, p),
-              lambda xs, r, p: _part(sum(xs), r, p), lambda ws, r, p: torch.cat(ws, dim=1)),
+    "f": (lambda q, p: _full(q, p, 1), lambda q, p: _full(q, p, 2), lambda xs, r, p: xs[r], lambda ws, r, p: sum(ws)),
+    "g": (lambda q, p: _full(q, p, 1), lambda q, p: _full(q, p, 2), lambda xs, r, p: sum(xs), lambda ws, r, p: ws[r]),
+    "f-bar": (
+        lambda q, p: _part(_full(q, p, 1), q, p),
+        lambda q, p: _full(q, p, 2),
+        lambda xs, r, p: torch.cat(xs, dim=1),
+        lambda ws, r, p: _part(sum(ws), r, p),
+    ),
+    "g-bar": (
+        lambda q, p: _full(q, p, 1),
+        lambda q, p: _part(_full(q, p, 2), q, p),
+        lambda xs, r, p: _part(sum(xs), r, p),
+        lambda ws, r, p: torch.cat(ws, dim=1),
+    ),
 }
 
 
@@ -65,6 +71,10 @@ def check_operator(rt, name: str, function, group=None) -> OperatorResult:
     traffic = Traffic()
     out = function.apply(x, group, traffic)
     (out * ws[r].to(rt.device)).sum().backward()
-    err = (lambda got, want: (got.detach().cpu() - want).abs().max().item())
-    return OperatorResult(name, out.detach().cpu(), x.grad.cpu(), err(out, forward(xs, r, p)),
-                          err(x.grad, backward(ws, r, p)), traffic)
+
+    def err(got, want):
+        return (got.detach().cpu() - want).abs().max().item()
+
+    return OperatorResult(
+        name, out.detach().cpu(), x.grad.cpu(), err(out, forward(xs, r, p)), err(x.grad, backward(ws, r, p)), traffic
+    )

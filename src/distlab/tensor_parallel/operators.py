@@ -104,10 +104,18 @@ def conjugate(name: str, forward_op, backward_op, doc: str) -> type:
 
 CopyToTP = conjugate("CopyToTP", identity, all_reduce, "f: identity forward, all-reduce backward.")
 ReduceFromTP = conjugate("ReduceFromTP", all_reduce, identity, "g: all-reduce forward, identity backward.")
-GatherFromSP = conjugate("GatherFromSP", all_gather_seq, reduce_scatter_seq,
-                         "f-bar: all-gather along the sequence forward, reduce-scatter backward.")
-ScatterToSP = conjugate("ScatterToSP", reduce_scatter_seq, all_gather_seq,
-                        "g-bar: reduce-scatter along the sequence forward, all-gather backward.")
+GatherFromSP = conjugate(
+    "GatherFromSP",
+    all_gather_seq,
+    reduce_scatter_seq,
+    "f-bar: all-gather along the sequence forward, reduce-scatter backward.",
+)
+ScatterToSP = conjugate(
+    "ScatterToSP",
+    reduce_scatter_seq,
+    all_gather_seq,
+    "g-bar: reduce-scatter along the sequence forward, all-gather backward.",
+)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,12 @@ def mark(ok: bool) -> str:
 def equality_table(title: str, outcomes: dict[str, Outcome]) -> Table:
     """One row per split run: output, step-1 gradients (the input's too), parameters and losses after
     the steps, each against the unsplit layer in one process."""
-    out = compact_table(title, ("split", "output", "grads: max |a-r|", "params", "losses"),
-                caption="every gradient (the input's too) cut as the rank's parameters are; every column "
-                        "allclose at float64's rtol 1e-10, atol 1e-12")
+    out = compact_table(
+        title,
+        ("split", "output", "grads: max |a-r|", "params", "losses"),
+        caption="every gradient (the input's too) cut as the rank's parameters are; every column "
+        "allclose at float64's rtol 1e-10, atol 1e-12",
+    )
     for name, o in outcomes.items():
         out.add_row(name, mark(o.output), f"{o.grads_max_abs:.1e} {mark(o.grads.ok)}", mark(o.params), mark(o.losses))
     return out

@@ -24,8 +24,11 @@ from distlab.tensor_parallel.operators import Comm, Traffic
 from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.tensor_parallel.training import Batch, Run, train
 
-PARTS = {"mlp": (lambda b: b.mlp, ParallelMLP), "attention": (lambda b: b.attn, ParallelAttention),
-         "block": (lambda b: b, ParallelBlock)}
+PARTS = {
+    "mlp": (lambda b: b.mlp, ParallelMLP),
+    "attention": (lambda b: b.attn, ParallelAttention),
+    "block": (lambda b: b, ParallelBlock),
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,13 @@ def split_module(cfg: BlockConfig, part: str, comm: Comm, device: torch.device):
 def split_run(rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float) -> Outcome:
     """`part` split over comm's group with comm's operators, `steps` SGD steps, against the reference."""
     model = split_module(cfg, part, comm, rt.device)
-    run = train(model, rank_batch(cfg, part, comm, steps, rt.device), steps, lr,
-                lambda: reduce_sequence_parallel_grads(model, comm))
+    run = train(
+        model,
+        rank_batch(cfg, part, comm, steps, rt.device),
+        steps,
+        lr,
+        lambda: reduce_sequence_parallel_grads(model, comm),
+    )
     ref = reference_run(cfg, part, steps, lr)
     rank, p = dist.get_rank(comm.group), dist.get_world_size(comm.group)
     cut = (lambda t: seq_part(t, rank, p)) if comm.sequence_parallel else (lambda t: t)
@@ -87,13 +95,18 @@ def split_run(rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float
         grads_max_abs=max(row.max_abs for row in compare(expected, run.first_grads)),
         params=all_ok(compare(reference_shards(ref.params, model, rank, p), run.params)),
         losses=torch.allclose(losses.cpu(), torch.tensor(ref.losses, dtype=torch.float64), rtol=1e-10, atol=0),
-        traffic=comm.traffic, run=run)
+        traffic=comm.traffic,
+        run=run,
+    )
 
 
 def same_runs(ours: Run, theirs: Run) -> bool:
     """Two runs of the same split (ours, torch's): output, step-1 gradients, final parameters."""
-    return (all_ok(compare({"z": ours.first_output}, {"z": theirs.first_output}))
-            and all_ok(compare(ours.first_grads, theirs.first_grads)) and all_ok(compare(ours.params, theirs.params)))
+    return (
+        all_ok(compare({"z": ours.first_output}, {"z": theirs.first_output}))
+        and all_ok(compare(ours.first_grads, theirs.first_grads))
+        and all_ok(compare(ours.params, theirs.params))
+    )
 
 
 def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm) -> tuple[int, int]:

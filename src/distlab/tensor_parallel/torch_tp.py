@@ -18,12 +18,17 @@ import warnings
 from dataclasses import replace
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
-from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from distlab.tensor_parallel.model import build, regression_loss
 from distlab.tensor_parallel.operators import sequence_parallel as sequence_parallel_ops
@@ -35,15 +40,25 @@ from distlab.tensor_parallel.training import Batch, Run, train
 def plan(sequence_parallel: bool) -> dict:
     """The parallelize plan of `model.Block`: q, k, v, fc1 column-wise, out and fc2 row-wise; with
     sequence parallelism the LayerNorms on sequence parts and the two gathers before the column layers."""
-    tp = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-          "attn.out": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    tp = {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.out": RowwiseParallel(),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(),
+    }
     if not sequence_parallel:
         return tp
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return tp | {"ln1": SequenceParallel(use_local_output=True), "ln2": SequenceParallel(use_local_output=True),
-                 "attn": gather, "mlp": gather,
-                 "attn.out": RowwiseParallel(output_layouts=Shard(1)),
-                 "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
+    return tp | {
+        "ln1": SequenceParallel(use_local_output=True),
+        "ln2": SequenceParallel(use_local_output=True),
+        "attn": gather,
+        "mlp": gather,
+        "attn.out": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
 def parallelize(block: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
@@ -83,8 +98,9 @@ def _name(op) -> str:
 
 def placements_of(model: nn.Module) -> dict[str, str]:
     """Each parameter's placement, e.g. {"attn.q.weight": "Shard(dim=0)", "ln1.weight": "-"}."""
-    return {n: ", ".join(map(str, p.placements)) if isinstance(p, DTensor) else "-"
-            for n, p in model.named_parameters()}
+    return {
+        n: ", ".join(map(str, p.placements)) if isinstance(p, DTensor) else "-" for n, p in model.named_parameters()
+    }
 
 
 def torch_run(rt, cfg, sequence_parallel: bool, steps: int, lr: float) -> tuple[Run, dict, dict]:
@@ -100,7 +116,10 @@ def torch_run(rt, cfg, sequence_parallel: bool, steps: int, lr: float) -> tuple[
     counts = comm_counts(model, replace(batch, x=batch.x.detach()))
     placements = {n: p.placements for n, p in model.named_parameters() if isinstance(p, DTensor)}
     run = train(model, batch, steps, lr)
-    to_ours = (lambda tensors: {n: local(t, placements.get(n)) for n, t in tensors.items()})
+
+    def to_ours(tensors):
+        return {n: local(t, placements.get(n)) for n, t in tensors.items()}
+
     # (parameters after the last step: read straight from the module, as the optimizer left them)
     params = {n: local(p, placements.get(n)) for n, p in model.named_parameters()}
     return Run(run.first_output, to_ours(run.first_grads), params, run.losses), counts, placements_of(model)

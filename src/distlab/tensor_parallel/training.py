@@ -8,8 +8,8 @@ gradient whole), the sequence-cut parameters' all-reduce, a data-parallel all-re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -37,8 +37,7 @@ class Run:
     losses: list[float]  # this model's share of each step's loss
 
 
-def train(model: nn.Module, batch: Batch, steps: int, lr: float,
-          sync: Callable[[], None] = lambda: None) -> Run:
+def train(model: nn.Module, batch: Batch, steps: int, lr: float, sync: Callable[[], None] = lambda: None) -> Run:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses, first = [], None
     for step in range(steps):

@@ -15,6 +15,7 @@ so a stock open_clip CLIP drops in. See `distlab.streamed.step` for the phases a
 for a training loop, and the README's "Using distributed_clip in your training".
 """
 
+from distlab.runtime import release_process_group
 from distlab.streamed import distributed_backward, distributed_train_step
 
-__all__ = ["distributed_backward", "distributed_train_step"]
+__all__ = ["distributed_backward", "distributed_train_step", "release_process_group"]

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.contrastive.rand_context import RandContext
+from distlab.split_inputs import take_rows
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import gather_pairs, rank_shares, traffic
 from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
@@ -77,8 +78,9 @@ class Normalisers:
     loss: float
 
 
-def phase1_forward(ready: Ready, local_x: torch.Tensor, local_y: torch.Tensor) -> LocalForward:
-    """One forward with grad (B >= C), or no-grad micro-batches with their random states (B < C)."""
+def phase1_forward(ready: Ready, local_x: Any, local_y: Any) -> LocalForward:
+    """One forward with grad (B >= C), or no-grad micro-batches with their random states (B < C).
+    A micro-batch of a dict, list or tuple input is the same structure cut to its rows (`take_rows`)."""
     cfg, wrapped = ready.cfg, ready.wrapped
     if cfg.one_forward:
         outputs = ready.agreed_outputs(lambda: [wrapped.model(local_x, local_y)], [cfg.local])
@@ -89,8 +91,9 @@ def phase1_forward(ready: Ready, local_x: torch.Tensor, local_y: torch.Tensor) -
         outputs = []
         with torch.no_grad():
             for rows in cfg.micro:  # the random state each micro-batch starts from, saved before it runs
-                rng.append(RandContext(local_x[rows], local_y[rows]))
-                outputs.append(wrapped.no_grad_forward(local_x[rows], local_y[rows]))
+                x, y = take_rows(local_x, rows), take_rows(local_y, rows)
+                rng.append(RandContext(x, y))
+                outputs.append(wrapped.no_grad_forward(x, y))
         return outputs
 
     outputs = ready.agreed_outputs(forward, [rows.stop - rows.start for rows in cfg.micro])
@@ -151,7 +154,7 @@ def phase3_embedding_grads(
     return (g_x if needs[0] else None), g_y, g_s
 
 
-def phase4_outputs(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, local: LocalForward, k: int) -> Outputs:
+def phase4_outputs(wrapped: Wrapped, x: Any, y: Any, local: LocalForward, k: int) -> Outputs:
     """Micro-batch k's (z_x, z_y, s or None) with the graph phase 4 back-propagates into: the kept
     outputs (one forward), or a recompute under the random state phase 1 saved (the same masks)."""
     if local.kept:
@@ -220,8 +223,8 @@ def _float(t: torch.Tensor) -> float:
 
 def _run(
     model: nn.Module,
-    local_x: torch.Tensor,
-    local_y: torch.Tensor,
+    local_x: Any,
+    local_y: Any,
     config: Mapping[str, Any],
     grad_scaler: Any,
     stop_if_not_finite: bool,
@@ -257,7 +260,7 @@ def _run(
             # runs inside the same no_sync, where DDP decides whether its backward reduces).
             last = k == len(local.micro) - 1
             with wrapped.accumulating(reduce=last):
-                outputs = phase4_outputs(wrapped, local_x[rows], local_y[rows], local, k)
+                outputs = phase4_outputs(wrapped, take_rows(local_x, rows), take_rows(local_y, rows), local, k)
                 if shares is not None:
                     grads = _shared_grads(shares, rows, last, needs_of(outputs))
                 else:
@@ -268,8 +271,8 @@ def _run(
 
 def distributed_backward(
     model: nn.Module,
-    local_x: torch.Tensor,
-    local_y: torch.Tensor,
+    local_x: Any,
+    local_y: Any,
     config: Mapping[str, Any],
     *,
     grad_scaler: Any = None,
@@ -280,6 +283,9 @@ def distributed_backward(
 
     It neither zeroes the gradients nor steps; it returns the global loss as a Python float (computed
     in float32, or float64 for a float64 model), non-finite as it is if some rank's embeddings were.
+    local_x and local_y are this rank's C pairs: each a tensor, or a dict, list or tuple of tensors that
+    share their first dimension (a tokenizer's input_ids and attention_mask; None values pass as they
+    are), handed to model(x, y) as given; a micro-batch is the same structure cut to its rows.
     `model` is DDP, torch.compile(DDP) or FSDP2-wrapped; its forward(x, y) returns (z_x, z_y) or
     (z_x, z_y, s) with s the logit scale (then config has no TAU), or open_clip's dict of them
     (output_dict=True); what trains is read from the parameters and from which outputs require grad.
@@ -298,8 +304,8 @@ def distributed_backward(
 def distributed_train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    local_x: torch.Tensor,
-    local_y: torch.Tensor,
+    local_x: Any,
+    local_y: Any,
     config: Mapping[str, Any],
 ) -> float:
     """One optimiser step on the exact symmetric InfoNCE of the global batch; returns its loss.

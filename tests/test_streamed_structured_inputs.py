@@ -29,6 +29,7 @@ from distlab.compare import all_ok, compare
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.spawn import spawn
 from distlab.split_inputs import samples_in, split_inputs, take_rows
+from distlab.streamed.exit_hint import HINT
 from distributed_clip import distributed_backward
 
 HEADING = "### A Hugging Face CLIPModel or SiglipModel"
@@ -211,6 +212,7 @@ def test_dict_list_and_tuple_inputs_with_b_below_c_and_dropout_are_exact(world, 
     for label, words in expected.items():
         messages = {r["refused"][label] for r in results}
         assert len(messages) == 1 and words in next(iter(messages)), (label, messages)
+        assert next(iter(messages)).endswith(HINT), messages  # how to exit cleanly, once, at the end
     assert all(r["train_hf"] == results[0]["train_hf"] and r["released"] for r in results)
     assert all(math.isfinite(v) for v in results[0]["train_hf"])
 

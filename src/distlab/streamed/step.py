@@ -42,6 +42,7 @@ from distlab.contrastive.rand_context import RandContext
 from distlab.split_inputs import take_rows
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import gather_pairs, rank_shares, traffic
+from distlab.streamed.exit_hint import hinting_release, with_hint
 from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
 from distlab.streamed.peers import naming_dead_peers
 from distlab.streamed.sigmoid import Logits
@@ -229,7 +230,8 @@ def _run(
     grad_scaler: Any,
     stop_if_not_finite: bool,
 ) -> float:
-    with naming_dead_peers(exchange_group(model)):  # a peer that dies in an exchange is named, not echoed
+    # A peer that dies in an exchange is named, not echoed; every error says how to exit cleanly.
+    with hinting_release(), naming_dead_peers(exchange_group(model)):
         ready = ready_step(model, local_x, local_y, config)  # a step every rank agreed to, or one error
         cfg, wrapped = ready.cfg, ready.wrapped
         traffic.sent_bytes = 0
@@ -296,7 +298,8 @@ def distributed_backward(
     accumulates without reducing; the next call outside reduces, once. Bad inputs raise the same
     ValueError on every rank before the first all-gather (a RuntimeError when model(x, y) itself
     raised on some rank); a rank that dies during the step's exchanges is named in a RuntimeError on
-    the ranks still running (`peers`).
+    the ranks still running (`peers`). Every error ends with the reminder to call
+    distributed_clip.release_process_group() before exiting (`exit_hint`).
     """
     return _run(model, local_x, local_y, config, grad_scaler, stop_if_not_finite=False)
 
@@ -314,7 +317,7 @@ def distributed_train_step(
     on every rank before any backward: parameters, optimizer state and BatchNorm statistics untouched.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise with_hint(ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"))
     optimizer.zero_grad(set_to_none=True)
     loss = _run(model, local_x, local_y, config, None, stop_if_not_finite=True)
     optimizer.step()

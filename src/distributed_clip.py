@@ -17,5 +17,6 @@ for a training loop, and the README's "Using distributed_clip in your training".
 
 from distlab.runtime import release_process_group
 from distlab.streamed import distributed_backward, distributed_train_step
+from distlab.streamed.loss_modules import ClipLoss, SigLipLoss
 
-__all__ = ["distributed_backward", "distributed_train_step", "release_process_group"]
+__all__ = ["ClipLoss", "SigLipLoss", "distributed_backward", "distributed_train_step", "release_process_group"]

@@ -8,6 +8,9 @@ dropout, `ln_post` and the projection `proj`, as open_clip's VisionTransformer h
 for). `forward(image, text)` returns (image_features, text_features, logit_scale.exp()) normalised,
 or with `output_dict=True` open_clip's dict. No `encoder_x` / `encoder_y`.
 
+`open_clip_recipe` is open_clip's `ClipLoss` on one rank, each combination of its `local_loss` and
+`gather_with_grad` flags (the migration tests measure what each gives under DDP).
+
 `accum_freq_backward` is open_clip_train's `train_one_epoch` for `--accum-freq k` (src/open_clip_train/
 train.py): a no-grad forward of each of the k batches caches their features; then, per batch j, one
 forward with grad whose features replace batch j's in the cache, the loss of all k batches
@@ -23,11 +26,12 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from distlab.chunks import balanced_chunks
-from distlab.contrastive.gather import gather_with_grad
+from distlab.contrastive.gather import all_gather_blocks, gather_plain, gather_with_grad
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 
 IMAGE_DIM, WIDTH, EMBED, VOCAB, CONTEXT = 12, 16, 8, 20, 5
@@ -66,8 +70,9 @@ class Transformer(nn.Module):
 class CLIP(nn.Module):
     """open_clip's CLIP, small: float64, deterministic in `seed`."""
 
-    def __init__(self, output_dict=False, dropout=0.0, logit_bias=None, seed=0):
+    def __init__(self, output_dict=False, dropout=0.0, logit_bias=None, seed=0, nonscalar_logit_scale=False):
         super().__init__()
+        shape = [1] if nonscalar_logit_scale else []  # open_clip's create_model(..., nonscalar_logit_scale=True)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             self.output_dict = output_dict
@@ -77,8 +82,8 @@ class CLIP(nn.Module):
             self.positional_embedding = nn.Parameter(torch.randn(CONTEXT, WIDTH) * 0.1)
             self.ln_final = nn.LayerNorm(WIDTH)
             self.text_projection = nn.Parameter(torch.randn(WIDTH, EMBED) * WIDTH**-0.5)
-            self.logit_scale = nn.Parameter(torch.ones([]) * math.log(1 / 0.07))
-            self.logit_bias = nn.Parameter(torch.ones([]) * logit_bias) if logit_bias is not None else None
+            self.logit_scale = nn.Parameter(torch.ones(shape) * math.log(1 / 0.07))
+            self.logit_bias = nn.Parameter(torch.ones(shape) * logit_bias) if logit_bias is not None else None
         self.register_buffer("attn_mask", torch.full((CONTEXT, CONTEXT), float("-inf")).triu_(1), persistent=False)
         self.double()
 
@@ -152,17 +157,33 @@ def grads_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def clip_loss_local(image_features, text_features, logit_scale, rank: int):
-    """open_clip's ClipLoss(local_loss=True, gather_with_grad=True): this rank's rows of the logits
-    against every rank's features, gathered with a gather whose backward sums over ranks."""
-    all_image, all_text = gather_with_grad(image_features), gather_with_grad(text_features)
-    labels = torch.arange(len(image_features)) + len(image_features) * rank
-    logits_per_image = logit_scale * image_features @ all_text.T
-    logits_per_text = logit_scale * text_features @ all_image.T
+def open_clip_recipe(image_features, text_features, logit_scale, local_loss: bool, with_grad: bool):
+    """open_clip's `ClipLoss(local_loss, gather_with_grad)` on this rank (src/open_clip/loss.py: its
+    `gather_features`, then `ClipLoss.forward`), every combination of the two flags. The gather: with
+    grad, an all-gather whose backward sums over ranks (`torch.distributed.nn.all_gather`'s); without,
+    a plain all-gather, this rank's block put back with its graph unless local_loss. The loss: with
+    local_loss this rank's C rows against every column (labels offset by C rank), else all N x N."""
+    world, rank, c = dist.get_world_size(), dist.get_rank(), len(image_features)
+    if world == 1:
+        all_image, all_text = image_features, text_features
+    elif with_grad:
+        all_image, all_text = gather_with_grad(image_features), gather_with_grad(text_features)
+    elif local_loss:
+        all_image, all_text = all_gather_blocks(image_features.detach()), all_gather_blocks(text_features.detach())
+    else:
+        all_image, all_text = gather_plain(image_features), gather_plain(text_features)
+    if local_loss:
+        labels = torch.arange(c) + c * rank
+        logits_per_image = logit_scale * image_features @ all_text.T
+        logits_per_text = logit_scale * text_features @ all_image.T
+    else:
+        labels = torch.arange(len(all_image))
+        logits_per_image = logit_scale * all_image @ all_text.T
+        logits_per_text = logits_per_image.T
     return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels)) / 2
 
 
-def accum_freq_backward(ddp, batches: list, rank: int) -> float:
+def accum_freq_backward(ddp, batches: list) -> float:
     """open_clip_train's --accum-freq step on this rank's k = len(batches) batches (see the module
     docstring); the model returns open_clip's dict. Returns the last loss."""
     cached: dict[str, list] = {}
@@ -179,6 +200,6 @@ def accum_freq_backward(ddp, batches: list, rank: int) -> float:
             out = ddp(images, texts)
             logit_scale = out.pop("logit_scale")
             inputs = {key: torch.cat(val[:j] + [out[key]] + val[j + 1 :]) for key, val in cached.items()}
-            loss = clip_loss_local(inputs["image_features"], inputs["text_features"], logit_scale, rank)
+            loss = open_clip_recipe(inputs["image_features"], inputs["text_features"], logit_scale, True, True)
             loss.backward()
     return loss.item()

@@ -14,8 +14,8 @@ from torch import nn
 import distlab.contrastive.grad_cache as grad_cache_module
 from distlab.compare import all_ok, compare
 from distlab.contrastive.grad_cache import GradCache, default_rep
-from distlab.contrastive.split_inputs import split_inputs
 from distlab.models import TwoTower, paired_data
+from distlab.split_inputs import split_inputs
 
 # --- tensors and lists, one and two models ----------------------------------------------------------
 
@@ -156,7 +156,7 @@ BAD_INPUT = {
     ),
     "a string input": (lambda: _bad()("thirteen pairs", y13), "type str"),
     "a set input": (lambda: _bad()({x13}, y13), "type set"),
-    "a dict holding a list": (lambda: _bad()({"x": [1, 2]}, y13), "type list .*key 'x'"),
+    "a dict holding a list": (lambda: _bad()({"x": [1, 2]}, y13), r"\['x'\] is of type list"),
     "dict values of unequal length": (lambda: _bad()({"a": x13, "b": x13[:5]}, y13), "disagree on the batch size"),
     "patches that do not add up": (
         lambda: split_inputs({**image_batch(4, 0), "pixel_values": torch.zeros(3, 5)}, 2),

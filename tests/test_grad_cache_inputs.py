@@ -12,7 +12,7 @@ from grad_cache_helpers import SEED, N, ToyVLM, grads_of_models, image_batch, re
 
 from distlab.compare import all_ok, compare
 from distlab.contrastive.grad_cache import GradCache
-from distlab.contrastive.split_inputs import split_inputs
+from distlab.split_inputs import split_inputs
 
 # --- dicts and VLM-style inputs -----------------------------------------------------------------------
 

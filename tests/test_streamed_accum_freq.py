@@ -39,7 +39,7 @@ def both_steps(rt, dropout):
     model = CLIP(output_dict=True, dropout=dropout)
     torch.manual_seed(DROPOUT_SEED + rt.rank)
     batches = [(x[k : k + B], y[k : k + B]) for k in range(0, len(x), B)]
-    accum_freq_backward(DDP(model), batches, rt.rank)
+    accum_freq_backward(DDP(model), batches)
     open_clip = grads_by_name(model)
     model = CLIP(output_dict=True, dropout=dropout)
     torch.manual_seed(DROPOUT_SEED + rt.rank)

@@ -1,11 +1,13 @@
 """The README's "Using distributed_clip in your training" loop runs as printed: the first Python block of
 that section, executed on every rank of a P = 2 `spawn`, trains a TinyCLIP under bf16 autocast with a
-GradScaler, clipping and accumulation; the loss goes down, the scale learns, and every rank agrees."""
+GradScaler, clipping and accumulation; the loss goes down, the scale learns, every rank agrees, and the loop's
+last line, release_process_group(), leaves no process group behind."""
 
 import math
 import re
 
 import torch
+import torch.distributed as dist
 from helpers import ROOT
 
 from distlab.models import paired_data
@@ -43,14 +45,15 @@ def run_snippet(rt, code, n, steps):
     decay_of_scale = [
         g["weight_decay"] for g in made[0].param_groups if any(p is model.logit_scale for p in g["params"])
     ]
-    return losses, model.logit_scale.item(), decay_of_scale
+    return losses, model.logit_scale.item(), decay_of_scale, not dist.is_initialized()
 
 
 def test_the_readme_loop_runs_and_trains():
     code = readme_snippet()
     assert "distributed_backward(model, x, y, config, grad_scaler=scaler)" in code
     results = spawn(run_snippet, 2, code, 64, 12, timeout_s=120)
-    (losses, scale, decay), (losses_1, scale_1, _) = results
+    (losses, scale, decay, released), (losses_1, scale_1, _, released_1) = results
+    assert released and released_1  # the loop's last line, release_process_group(), ended the group
     assert losses == losses_1 and scale == scale_1  # every rank holds the global loss and the same model
     assert decay == [0.0]  # as open_clip: weight decay would pull the learned scale towards s = 1
     assert len(losses) == 24 and all(math.isfinite(v) for v in losses)

@@ -152,10 +152,13 @@ def release_process_group(group: dist.ProcessGroup | None = None) -> None:
     So: collect garbage while the group is alive (a wrapper that only a cycle keeps dies now); drop
     the reducer and logger of every DDP that something still holds (after the group is gone the
     wrapper could not run anyway); destroy the group. Its last owner is then its Python handle.
-    FSDP2 holds its groups only through Python handles, so it needs nothing more.
+    FSDP2 holds its groups only through Python handles, so it needs nothing more. Called again when
+    there is no default group any more (a `finally` after an earlier release), it does nothing.
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    if group is None and not dist.is_initialized():
+        return  # released already: nothing holds a group
     gc.collect()
     every = group is None or group == dist.GroupMember.WORLD
     for obj in gc.get_objects():

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.agree import message_length, per_rank, raise_together, rank_table
+from distlab.split_inputs import samples_in
 from distlab.streamed.config import EXCHANGES, NORMALISERS, StreamConfig, parse_config
 from distlab.streamed.wrappers import Wrapped, batchnorm_in_training, first_device, trainable, unwrap
 
@@ -121,13 +122,9 @@ def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, 
     wrapped = unwrap(model)
     group = wrapped.group
     cfg = parse_config(config, dist.get_world_size(group), dist.get_rank(group), group)
-    for name, t in (("local_x", local_x), ("local_y", local_y)):
-        if not isinstance(t, torch.Tensor) or t.dim() < 1:
-            raise ValueError(f"{name} must be a tensor with a batch dimension, got {t!r:.60}")
-    if local_x.shape[0] != local_y.shape[0]:
-        raise ValueError(
-            f"local_x and local_y must hold the same number of pairs, got {local_x.shape[0]} and {local_y.shape[0]}"
-        )
+    rows_x, rows_y = samples_in(local_x, "local_x"), samples_in(local_y, "local_y")  # the key that is wrong, named
+    if rows_x != rows_y:
+        raise ValueError(f"local_x and local_y must hold the same number of pairs, got {rows_x} and {rows_y}")
     if not trainable(wrapped.inner):
         raise ValueError(
             f"no parameter of {type(wrapped.inner).__name__} requires grad: there is nothing for the step to train"
@@ -240,9 +237,8 @@ def _agree_before_forward(
             NORMALISERS=NORMALISERS.index(cfg.normalisers),
             EXCHANGE=EXCHANGES.index(cfg.exchange),
         )
-    for key, t in zip(("rows_x", "rows_y"), batches):
-        if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            row[key] = t.shape[0]
+    for key, batch in zip(("rows_x", "rows_y"), batches):
+        row[key] = _samples_or_unknown(batch)
     table = rank_table([row[k] for k in BEFORE], device, group)
     column = {key: table[:, BEFORE.index(key)].tolist() for key in BEFORE}
     names = {
@@ -311,6 +307,14 @@ def _agree_after_forward(
         raise ValueError(
             f"the logit bias beta the model returns must be finite and the same on every rank: {per_rank(biases, repr)}"
         )
+
+
+def _samples_or_unknown(batch: Any) -> float:
+    """The pairs a batch holds, or NaN when its structure is wrong (a problem this rank reports)."""
+    try:
+        return float(samples_in(batch))
+    except ValueError:
+        return NOT_KNOWN
 
 
 def _value(t: torch.Tensor | None) -> float:

@@ -39,8 +39,10 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.contrastive.rand_context import RandContext
+from distlab.split_inputs import take_rows
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import gather_pairs, rank_shares, traffic
+from distlab.streamed.exit_hint import hinting_release, with_hint
 from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
 from distlab.streamed.peers import naming_dead_peers
 from distlab.streamed.sigmoid import Logits
@@ -77,8 +79,9 @@ class Normalisers:
     loss: float
 
 
-def phase1_forward(ready: Ready, local_x: torch.Tensor, local_y: torch.Tensor) -> LocalForward:
-    """One forward with grad (B >= C), or no-grad micro-batches with their random states (B < C)."""
+def phase1_forward(ready: Ready, local_x: Any, local_y: Any) -> LocalForward:
+    """One forward with grad (B >= C), or no-grad micro-batches with their random states (B < C).
+    A micro-batch of a dict, list or tuple input is the same structure cut to its rows (`take_rows`)."""
     cfg, wrapped = ready.cfg, ready.wrapped
     if cfg.one_forward:
         outputs = ready.agreed_outputs(lambda: [wrapped.model(local_x, local_y)], [cfg.local])
@@ -89,8 +92,9 @@ def phase1_forward(ready: Ready, local_x: torch.Tensor, local_y: torch.Tensor) -
         outputs = []
         with torch.no_grad():
             for rows in cfg.micro:  # the random state each micro-batch starts from, saved before it runs
-                rng.append(RandContext(local_x[rows], local_y[rows]))
-                outputs.append(wrapped.no_grad_forward(local_x[rows], local_y[rows]))
+                x, y = take_rows(local_x, rows), take_rows(local_y, rows)
+                rng.append(RandContext(x, y))
+                outputs.append(wrapped.no_grad_forward(x, y))
         return outputs
 
     outputs = ready.agreed_outputs(forward, [rows.stop - rows.start for rows in cfg.micro])
@@ -151,7 +155,7 @@ def phase3_embedding_grads(
     return (g_x if needs[0] else None), g_y, g_s
 
 
-def phase4_outputs(wrapped: Wrapped, x: torch.Tensor, y: torch.Tensor, local: LocalForward, k: int) -> Outputs:
+def phase4_outputs(wrapped: Wrapped, x: Any, y: Any, local: LocalForward, k: int) -> Outputs:
     """Micro-batch k's (z_x, z_y, s or None) with the graph phase 4 back-propagates into: the kept
     outputs (one forward), or a recompute under the random state phase 1 saved (the same masks)."""
     if local.kept:
@@ -220,13 +224,14 @@ def _float(t: torch.Tensor) -> float:
 
 def _run(
     model: nn.Module,
-    local_x: torch.Tensor,
-    local_y: torch.Tensor,
+    local_x: Any,
+    local_y: Any,
     config: Mapping[str, Any],
     grad_scaler: Any,
     stop_if_not_finite: bool,
 ) -> float:
-    with naming_dead_peers(exchange_group(model)):  # a peer that dies in an exchange is named, not echoed
+    # A peer that dies in an exchange is named, not echoed; every error says how to exit cleanly.
+    with hinting_release(), naming_dead_peers(exchange_group(model)):
         ready = ready_step(model, local_x, local_y, config)  # a step every rank agreed to, or one error
         cfg, wrapped = ready.cfg, ready.wrapped
         traffic.sent_bytes = 0
@@ -257,7 +262,7 @@ def _run(
             # runs inside the same no_sync, where DDP decides whether its backward reduces).
             last = k == len(local.micro) - 1
             with wrapped.accumulating(reduce=last):
-                outputs = phase4_outputs(wrapped, local_x[rows], local_y[rows], local, k)
+                outputs = phase4_outputs(wrapped, take_rows(local_x, rows), take_rows(local_y, rows), local, k)
                 if shares is not None:
                     grads = _shared_grads(shares, rows, last, needs_of(outputs))
                 else:
@@ -268,8 +273,8 @@ def _run(
 
 def distributed_backward(
     model: nn.Module,
-    local_x: torch.Tensor,
-    local_y: torch.Tensor,
+    local_x: Any,
+    local_y: Any,
     config: Mapping[str, Any],
     *,
     grad_scaler: Any = None,
@@ -280,6 +285,9 @@ def distributed_backward(
 
     It neither zeroes the gradients nor steps; it returns the global loss as a Python float (computed
     in float32, or float64 for a float64 model), non-finite as it is if some rank's embeddings were.
+    local_x and local_y are this rank's C pairs: each a tensor, or a dict, list or tuple of tensors that
+    share their first dimension (a tokenizer's input_ids and attention_mask; None values pass as they
+    are), handed to model(x, y) as given; a micro-batch is the same structure cut to its rows.
     `model` is DDP, torch.compile(DDP) or FSDP2-wrapped; its forward(x, y) returns (z_x, z_y) or
     (z_x, z_y, s) with s the logit scale (then config has no TAU), or open_clip's dict of them
     (output_dict=True); what trains is read from the parameters and from which outputs require grad.
@@ -290,7 +298,8 @@ def distributed_backward(
     accumulates without reducing; the next call outside reduces, once. Bad inputs raise the same
     ValueError on every rank before the first all-gather (a RuntimeError when model(x, y) itself
     raised on some rank); a rank that dies during the step's exchanges is named in a RuntimeError on
-    the ranks still running (`peers`).
+    the ranks still running (`peers`). Every error ends with the reminder to call
+    distributed_clip.release_process_group() before exiting (`exit_hint`).
     """
     return _run(model, local_x, local_y, config, grad_scaler, stop_if_not_finite=False)
 
@@ -298,8 +307,8 @@ def distributed_backward(
 def distributed_train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    local_x: torch.Tensor,
-    local_y: torch.Tensor,
+    local_x: Any,
+    local_y: Any,
     config: Mapping[str, Any],
 ) -> float:
     """One optimiser step on the exact symmetric InfoNCE of the global batch; returns its loss.
@@ -308,7 +317,7 @@ def distributed_train_step(
     on every rank before any backward: parameters, optimizer state and BatchNorm statistics untouched.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise with_hint(ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"))
     optimizer.zero_grad(set_to_none=True)
     loss = _run(model, local_x, local_y, config, None, stop_if_not_finite=True)
     optimizer.step()

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from distlab import compat
 from distlab.chunks import chunks
 from distlab.cli import DTYPES, add_contrastive_args, fraction, lesson_parser, positive_float, positive_int, require
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
@@ -130,7 +130,7 @@ def streamed_backward(
             outs.append(ddp.module(local_x[rows], local_y[rows]))
     mine = torch.cat([torch.cat(out[:2], dim=1) for out in outs])  # C x 2d: z_x | z_y
     every = mine.new_empty((n, mine.shape[1]))  # N x 2d
-    dist.all_gather_single(every, mine)  # sync 1: every rank's rows
+    compat.all_gather_single(every, mine)  # sync 1: every rank's rows
     z_x, z_y = every.chunk(2, dim=1)  # N x d each
     s = 1 / tau if tau is not None else outs[0][2].item()
     # Phase 2: a_i = log sum_j exp S_ij, b_j = log sum_i exp S_ij (the rows of S^T), T x T tiles.

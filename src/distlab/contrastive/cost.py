@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from distlab import compat
 from distlab.contrastive.variants import Variant
 from distlab.memory import PeakMemory
 from distlab.runtime import Runtime
@@ -87,7 +88,7 @@ def collective_seconds(rt: Runtime, n: int, d: int, dtype: torch.dtype, repeats:
     mine = torch.empty(n // rt.world_size, d, dtype=dtype, device=device)
     ops = {
         "all_reduce (backward)": lambda: dist.all_reduce(grad.clone()),
-        "reduce_scatter (backward)": lambda: dist.reduce_scatter_single(mine, grad),
+        "reduce_scatter (backward)": lambda: compat.reduce_scatter_single(mine, grad),
     }
     out = {}
     for name, op in ops.items():

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from distlab.timeline import Span, Timeline, busy_fractions, max_concurrency, render
+from distlab.timeline import Span, Timeline, busy_fractions, max_concurrency, render, timed
 
 
 def test_back_to_back_spans_do_not_overlap_but_nested_ones_do():
@@ -50,3 +50,10 @@ def test_a_span_on_cuda_lasts_until_its_queued_work_is_done(monkeypatch):
     with cpu.span("F"):
         pass
     assert gpu.synchronized == [cuda, cuda]  # a CPU timeline never synchronizes a GPU
+
+
+def test_timed_on_cuda_times_the_queued_work_not_the_launch(monkeypatch):
+    """What contrastive/cost.py times its loss and its collectives with."""
+    gpu = _QueuedGPU(monkeypatch)
+    assert timed(lambda: gpu.launch(0.1), torch.device("cuda", 0)) >= 0.1
+    assert timed(lambda: gpu.launch(0.1), torch.device("cpu")) < 0.05  # (a CPU op is done when it returns)

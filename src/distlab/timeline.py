@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,6 +39,20 @@ class Span:
     step: int = 0
 
 
+def synchronized_now(device: torch.device | None) -> float:
+    """The host's clock once `device` has done everything queued on it (CUDA: synchronized first)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def timed(fn: Callable[[], object], device: torch.device | None) -> float:
+    """Seconds `fn()` takes to run on `device`: its work, not its launches (see above)."""
+    start = synchronized_now(device)
+    fn()
+    return synchronized_now(device) - start
+
+
 class Timeline:
     """Spans of work on one rank."""
 
@@ -46,19 +60,13 @@ class Timeline:
         self.rank, self.device = rank, device
         self.spans: list[Span] = []
 
-    def now(self) -> float:
-        """The host's clock once the device has done everything queued on it (CUDA: synchronized)."""
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     @contextmanager
     def span(self, label: str, step: int = 0) -> Iterator[None]:
-        start = self.now()
+        start = synchronized_now(self.device)
         try:
             yield
         finally:
-            self.spans.append(Span(self.rank, label, start, self.now(), step))
+            self.spans.append(Span(self.rank, label, start, synchronized_now(self.device), step))
 
     def gather(self) -> list[Span]:
         """Every rank's spans, on every rank, sorted by start time (a collective: call on all ranks)."""

@@ -50,3 +50,18 @@ def test_rand_context_replays_dropout_and_leaves_the_outer_stream_alone():
     assert torch.equal(torch.get_rng_state(), before)
     assert not torch.equal(first, drop(x))  # without the context the masks differ
     assert after_first.shape == (3,)
+
+
+def test_rand_context_saves_the_generator_of_the_models_device_too():
+    """A model on cuda:0 that moves CPU batches to the GPU inside forward draws its dropout masks from
+    cuda:0's generator: the batch alone names no GPU, the model does. (Fake CUDA tensors: no GPU here.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    batch = {"x": torch.ones(2, 4), "y": [torch.ones(2, 4)]}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cuda")
+        on_gpu = torch.empty(3, device="cuda")
+    assert RandContext.cuda_devices(batch) == []
+    assert RandContext.cuda_devices(model, batch) == [0]
+    assert RandContext.cuda_devices(batch, [on_gpu, on_gpu]) == [0]  # each device once

@@ -89,7 +89,7 @@ def phase1_forward(ready: Ready, local_x: torch.Tensor, local_y: torch.Tensor) -
         outputs = []
         with torch.no_grad():
             for rows in cfg.micro:  # the random state each micro-batch starts from, saved before it runs
-                rng.append(RandContext(local_x[rows], local_y[rows]))
+                rng.append(RandContext(wrapped.model, local_x[rows], local_y[rows]))
                 outputs.append(wrapped.no_grad_forward(local_x[rows], local_y[rows]))
         return outputs
 

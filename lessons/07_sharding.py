@@ -356,7 +356,7 @@ def main() -> int:
     cfg = ShardingConfig(
         global_batch=args.global_batch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed
     )
-    with distributed(args.device) as rt:
+    with distributed(args.device, deterministic=True) as rt:  # the same-P resume is bit-identical, on GPUs too
         verdict = Verdict(rt)
         print0(
             f"[bold]Lesson 07: what a step holds; ZeRO-1/2/3, FSDP2, checkpoints[/] - P = {rt.world_size}, "

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -106,6 +107,17 @@ def test_a_rank_bound_to_one_gpu_by_cuda_visible_devices_takes_it(monkeypatch, d
     with distributed(device) as rt:
         assert (rt.backend, rt.device) == (GPU_BACKEND, torch.device("cuda", 0))
     assert gpus.set_device == [torch.device("cuda", 0)] and gpus.init["device_id"] == torch.device("cuda", 0)
+
+
+def test_a_deterministic_group_on_a_gpu_node_runs_with_deterministic_kernels(monkeypatch):
+    """`distributed(..., deterministic=True)`, what lessons 07 and 16 ask for: on while the block runs."""
+    _torchrun_env(monkeypatch, rank=0, world_size=1)
+    _FakeGPUs(monkeypatch, count=1)
+    with distributed("cuda", deterministic=True):
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    assert not torch.are_deterministic_algorithms_enabled()
+    with distributed("cuda"):
+        assert not torch.are_deterministic_algorithms_enabled()
 
 
 @pytest.mark.parametrize("visible", ["0,1", "", None])

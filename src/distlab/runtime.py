@@ -36,12 +36,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from distlab import reproducible
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -126,13 +128,17 @@ def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
 
 
 @contextmanager
-def distributed(device: str = "auto", timeout_s: float | None = None, strict: bool | None = None) -> Iterator[Runtime]:
+def distributed(
+    device: str = "auto", timeout_s: float | None = None, strict: bool | None = None, deterministic: bool = False
+) -> Iterator[Runtime]:
     """Initialise the default process group from torchrun's environment; destroy it on the way out.
 
     The group is destroyed on success and on exception alike, so a failing lesson releases its
     sockets (and, on GPUs, its communicators) before the process exits. `strict=True` (default:
     the environment variable DISTLAB_STRICT_DEVICE=1) runs the block in `distlab.strict`'s strict
-    device mode, where a collective on a tensor not on `rt.device` raises.
+    device mode, where a collective on a tensor not on `rt.device` raises. `deterministic=True` (for
+    a lesson that claims bit-identical runs) runs it, on a GPU, with deterministic kernels only
+    (`distlab.reproducible.deterministic`, entered before anything runs on the GPU).
     """
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -141,6 +147,12 @@ def distributed(device: str = "auto", timeout_s: float | None = None, strict: bo
     dev = torch.device("cuda", gpu_index(local_rank, local_world_size, gpus)) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
         torch.cuda.set_device(dev)
+    with reproducible.deterministic(dev) if deterministic else nullcontext():  # before the GPU runs anything
+        yield from _process_group(backend, rank, world_size, local_rank, dev, timeout_s, strict)
+
+
+def _process_group(backend: str, rank: int, world_size: int, local_rank: int, dev: torch.device, timeout_s, strict):
+    """`distributed()`'s group: made, yielded as a Runtime (in strict mode if asked), released."""
     timeout = timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
     # Every optimizer imports torch._dynamo on construction; imported for the first time while a
     # group exists, it keeps gloo's threads alive past destroy_process_group, and the process then
@@ -152,7 +164,7 @@ def distributed(device: str = "auto", timeout_s: float | None = None, strict: bo
         rank=rank,
         world_size=world_size,
         timeout=timeout,
-        device_id=dev if kind == "cuda" else None,
+        device_id=dev if dev.type == "cuda" else None,
     )
     try:
         with ExitStack() as stack:

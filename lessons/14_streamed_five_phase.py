@@ -282,14 +282,14 @@ def check_mechanism(run: Run, verdict: Verdict) -> None:
 
 def run_classic(run: Run, verdict: Verdict) -> None:
     """Loop 1: fixed tau, `distributed_train_step`; step 1 checked, its memory accounted."""
-    args, dtype, mem = run.args, DTYPES[run.args.dtype], PeakMemory()
+    args, dtype, mem = run.args, DTYPES[run.args.dtype], PeakMemory(run.rt.device)
     model = TwoTower(dropout=args.dropout, seed=args.seed, dtype=dtype)
     ref = reference(run, model, 1 / args.tau)
     print0("\n[bold]loop 1, fixed tau[/]: distributed_train_step")
     losses, first = classic_loop(*start_ddp(run, model), run.loader, run.config | {"TAU": args.tau}, run.rt, mem)
     check_step_one(verdict, "loop 1, fixed tau", first, ref, losses, dtype)
     n, d, itemsize = run.cfg.n, model.encoder_x[-1].out_features, torch.empty((), dtype=dtype).element_size()
-    print0(memory_account_table(mem.largest_bytes, mem.peak_bytes, n, d, run.cfg, itemsize))
+    print0(memory_account_table(mem.largest_bytes, mem.peak_bytes, n, d, run.cfg, itemsize, mem.allocator_peak_bytes))
     tile = min(run.cfg.t, n) ** 2  # phase 2's tiles and phase 3's are at most T x T
     verdict.check(
         "the largest temporary is no bigger than the gathered embeddings or one tile",

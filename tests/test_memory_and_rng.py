@@ -65,3 +65,23 @@ def test_rand_context_saves_the_generator_of_the_models_device_too():
     assert RandContext.cuda_devices(batch) == []
     assert RandContext.cuda_devices(model, batch) == [0]
     assert RandContext.cuda_devices(batch, [on_gpu, on_gpu]) == [0]  # each device once
+
+
+def test_peak_memory_on_cuda_reads_the_allocators_peak_beside_its_own(monkeypatch):
+    """On a GPU, torch.cuda.max_memory_allocated over the block (above what was there before) beside the
+    dispatch count; the CUDA calls are faked here (no GPU), in the order a GPU would see them."""
+    calls, allocated = [], {"now": 1000, "peak": 1000}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device=None: allocated.update(peak=allocated["now"])
+    )
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+    with PeakMemory(torch.device("cuda", 0)) as mem:
+        x = torch.zeros(MIB // 4)  # (a CPU tensor: what the dispatch count sees)
+        allocated["peak"] = 1000 + 2 * MIB  # what the GPU's allocator would have seen meanwhile
+    assert mem.peak_bytes == x.untyped_storage().nbytes() and mem.allocator_peak_bytes == 2 * MIB
+    assert calls == ["sync", "sync"]
+    with PeakMemory(torch.device("cpu")) as cpu:
+        pass
+    assert cpu.allocator_peak_bytes is None and calls == ["sync", "sync"]

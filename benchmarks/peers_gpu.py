@@ -115,16 +115,18 @@ def distlab_method(loss: str):
                 raise
             return loss_machinery(x, y, config | {"STREAM_CHUNK_SIZE": 4096}, SIG_BETA if loss == "sigmoid" else None)
 
+    run.returns_grads = True
     return run
 
 
 def grads_of(method, x, y) -> tuple[torch.Tensor, torch.Tensor]:
-    """dL/dZ_x, dL/dZ_y of `method` (a loss to back-propagate, or distlab's (L, G_x, G_y))."""
+    """dL/dZ_x, dL/dZ_y of `method`: a loss to back-propagate, or distlab's machinery, which takes the
+    embeddings as data (no graph) and returns (L, G_x, G_y)."""
+    if getattr(method, "returns_grads", False):
+        _, g_x, g_y = method(x.detach(), y.detach())
+        return g_x, g_y
     lx, ly = x.detach().clone().requires_grad_(), y.detach().clone().requires_grad_()
-    out = method(lx, ly)
-    if isinstance(out, tuple):
-        return out[1], out[2]
-    out.float().backward()
+    method(lx, ly).float().backward()
     return lx.grad, ly.grad
 
 

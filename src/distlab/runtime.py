@@ -151,7 +151,9 @@ def distributed(
         yield from _process_group(backend, rank, world_size, local_rank, dev, timeout_s, strict)
 
 
-def _process_group(backend: str, rank: int, world_size: int, local_rank: int, dev: torch.device, timeout_s, strict):
+def _process_group(
+    backend: str, rank: int, world_size: int, local_rank: int, dev: torch.device, timeout_s, strict
+) -> Iterator[Runtime]:
     """`distributed()`'s group: made, yielded as a Runtime (in strict mode if asked), released."""
     timeout = timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
     # Every optimizer imports torch._dynamo on construction; imported for the first time while a

@@ -87,7 +87,7 @@ class ModelParallelStep:
         every = split_stages(model, rt.world_size)
         # Every rank derives every cut's shape (and checks the batch fits) before any message.
         self.shapes = boundary_shapes(every, tuple(self.x.shape), cfg.dtype)
-        self.stages, self.rt, self.timeline = [every[rt.rank]], rt, Timeline(rt.rank)
+        self.stages, self.rt, self.timeline = [every[rt.rank]], rt, Timeline(rt.rank, rt.device)
         self.stages[0].module.to(rt.device)
 
     def __call__(self, step: int) -> float | None:

@@ -59,7 +59,7 @@ from distlab.cli import (
 from distlab.console import print0
 from distlab.pipeline import schedules
 from distlab.pipeline.partition import stage_bounds
-from distlab.pipeline.report import check_runs, emulated_spans, gathered, show_measured
+from distlab.pipeline.report import check_runs, emulated_spans, gathered, idle_against_grid, show_measured
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule
 from distlab.pipeline.simulator import render, simulate
@@ -151,11 +151,7 @@ def show_timing(rt, cfg: PipelineConfig, args, runs: dict, verdict: Verdict) -> 
         )
     measured = verdict.figure("measured", show_measured("GPipe's last step", spans, p, step))
     if args.emulate_ms:
-        idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)
-        print0(
-            f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
-            f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)"
-        )
+        print0(idle_against_grid(list(measured.values())[-1]["idle"], p, m))
     t_plain, t_ckpt = (step_seconds(runs[k].spans, args.steps) for k in ("plain", "checkpointed"))
     print0(
         f"real CPU step time (median, compute spans): {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "

@@ -44,7 +44,7 @@ from distlab import emulate
 from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, stages_fit_layers
 from distlab.console import print0
 from distlab.pipeline import schedules
-from distlab.pipeline.report import check_runs, emulated_spans, gathered, show_measured
+from distlab.pipeline.report import check_runs, emulated_spans, gathered, idle_against_grid, show_measured
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule, gpipe
 from distlab.pipeline.simulator import peak_in_flight, render, simulate
@@ -110,11 +110,7 @@ def show_timing(rt, cfg: PipelineConfig, args, real, verdict: Verdict) -> None:
         )
     measured = verdict.figure("measured_timelines", show_measured("1F1B's last step", spans, p, args.steps - 1))
     if args.emulate_ms:
-        idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)
-        print0(
-            f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
-            f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)"
-        )
+        print0(idle_against_grid(list(measured.values())[-1]["idle"], p, m))
 
 
 def main() -> int:

@@ -181,7 +181,9 @@ def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
         f"block d={d} h={heads} seq={seq}": (
             lambda: Block(d, heads).to(rt.device),
             block_batch(cfg.global_batch, seq, d, 0, cfg.dtype),
-            lambda e: accounting.block_activations(c, seq, d, heads, e),
+            lambda e: accounting.block_activations(
+                c, seq, d, heads, e, accounting.layer_norm_stat_bytes(e, rt.device.type)
+            ),
         ),
     }
     for name, (build, batch, activations) in models.items():
@@ -215,8 +217,8 @@ def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
         )
     print0(
         "Activations: the MLP saves its input, each tanh output, the output and the target; the block "
-        "18 x C seq d, the softmax C h seq^2 and the LayerNorms' statistics (accounting.py). They shrink "
-        "with C = N / P; the model states do not.",
+        "18 x C seq d, the softmax C h seq^2 and the LayerNorms' statistics (accounting.py; on a GPU those "
+        "are float32 under bf16). They shrink with C = N / P; the model states do not.",
         highlight=False,
     )
 
@@ -356,7 +358,7 @@ def main() -> int:
     cfg = ShardingConfig(
         global_batch=args.global_batch, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed
     )
-    with distributed(args.device) as rt:
+    with distributed(args.device, deterministic=True) as rt:  # the same-P resume is bit-identical, on GPUs too
         verdict = Verdict(rt)
         print0(
             f"[bold]Lesson 07: what a step holds; ZeRO-1/2/3, FSDP2, checkpoints[/] - P = {rt.world_size}, "

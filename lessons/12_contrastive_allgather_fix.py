@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab import compat
 from distlab.cli import (
     DTYPES,
     add_contrastive_args,
@@ -73,7 +74,7 @@ class AllGatherSumBackward(torch.autograd.Function):
     def forward(ctx, z: torch.Tensor) -> torch.Tensor:  # z: this rank's C x d block
         ctx.rank, ctx.c = dist.get_rank(), len(z)  # the rank within the group gathered over
         gathered = z.new_empty((dist.get_world_size() * len(z), *z.shape[1:]))
-        dist.all_gather_single(gathered, z.contiguous())  # Z: N x d, rank r's rows at rC .. rC + C - 1
+        compat.all_gather_single(gathered, z.contiguous())  # Z: N x d, rank r's rows at rC .. rC + C - 1
         return gathered
 
     @staticmethod

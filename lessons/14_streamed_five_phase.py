@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from distlab import compat
 from distlab.chunks import chunks
 from distlab.cli import DTYPES, add_contrastive_args, fraction, lesson_parser, positive_float, positive_int, require
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
@@ -130,7 +130,7 @@ def streamed_backward(
             outs.append(ddp.module(local_x[rows], local_y[rows]))
     mine = torch.cat([torch.cat(out[:2], dim=1) for out in outs])  # C x 2d: z_x | z_y
     every = mine.new_empty((n, mine.shape[1]))  # N x 2d
-    dist.all_gather_single(every, mine)  # sync 1: every rank's rows
+    compat.all_gather_single(every, mine)  # sync 1: every rank's rows
     z_x, z_y = every.chunk(2, dim=1)  # N x d each
     s = 1 / tau if tau is not None else outs[0][2].item()
     # Phase 2: a_i = log sum_j exp S_ij, b_j = log sum_i exp S_ij (the rows of S^T), T x T tiles.
@@ -282,14 +282,14 @@ def check_mechanism(run: Run, verdict: Verdict) -> None:
 
 def run_classic(run: Run, verdict: Verdict) -> None:
     """Loop 1: fixed tau, `distributed_train_step`; step 1 checked, its memory accounted."""
-    args, dtype, mem = run.args, DTYPES[run.args.dtype], PeakMemory()
+    args, dtype, mem = run.args, DTYPES[run.args.dtype], PeakMemory(run.rt.device)
     model = TwoTower(dropout=args.dropout, seed=args.seed, dtype=dtype)
     ref = reference(run, model, 1 / args.tau)
     print0("\n[bold]loop 1, fixed tau[/]: distributed_train_step")
     losses, first = classic_loop(*start_ddp(run, model), run.loader, run.config | {"TAU": args.tau}, run.rt, mem)
     check_step_one(verdict, "loop 1, fixed tau", first, ref, losses, dtype)
     n, d, itemsize = run.cfg.n, model.encoder_x[-1].out_features, torch.empty((), dtype=dtype).element_size()
-    print0(memory_account_table(mem.largest_bytes, mem.peak_bytes, n, d, run.cfg, itemsize))
+    print0(memory_account_table(mem.largest_bytes, mem.peak_bytes, n, d, run.cfg, itemsize, mem.allocator_peak_bytes))
     tile = min(run.cfg.t, n) ** 2  # phase 2's tiles and phase 3's are at most T x T
     verdict.check(
         "the largest temporary is no bigger than the gathered embeddings or one tile",

@@ -87,19 +87,19 @@ class SigLipTwoTower(TwoTower):
 
 
 def sigmoid_loss(z_x, z_y, s, beta):
-    labels = 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
+    labels = 2 * torch.eye(len(z_x), dtype=z_x.dtype, device=z_x.device) - 1
     return -F.logsigmoid(labels * (s * z_x @ z_y.T + beta)).sum() / len(z_x)
 
 
 def infonce(z_x, z_y, s):
-    logits, labels = s * z_x @ z_y.T, torch.arange(len(z_x))
+    logits, labels = s * z_x @ z_y.T, torch.arange(len(z_x), device=z_x.device)
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
 def closed_form_grads(z_x, z_y, s: float, beta: float):
     """(L, G_x, G_y, dL/ds, dL/dbeta) from the formulas above, on the whole N x N (the lesson's check;
     the library does the same in T x T tiles and never makes N x N)."""
-    n, labels = len(z_x), 2 * torch.eye(len(z_x), dtype=z_x.dtype) - 1
+    n, labels = len(z_x), 2 * torch.eye(len(z_x), dtype=z_x.dtype, device=z_x.device) - 1
     logits = s * z_x @ z_y.T + beta
     d = -labels * torch.sigmoid(-labels * logits) / n  # D = dL/dS
     g_x, g_y = s * d @ z_y, s * d.T @ z_x
@@ -117,7 +117,8 @@ def ring_by_hand(rt, x, y, s: float, beta: float):
         if k < world - 1:
             incoming = torch.empty_like(block)
             reqs, sent = [dist.isend(block, nxt), dist.irecv(incoming, prv)], sent + block.nbytes
-        labels = -torch.ones(c, c, dtype=x.dtype) + (2 * torch.eye(c, dtype=x.dtype) if j == r else 0)
+        labels = -torch.ones(c, c, dtype=x.dtype, device=x.device)
+        labels += 2 * torch.eye(c, dtype=x.dtype, device=x.device) if j == r else 0
         d = -labels * torch.sigmoid(-labels * (s * x @ block.T + beta)) / (c * world)
         g_x += s * d @ block
         mine = s * d.T @ x  # my rows' part of G_y of block j
@@ -147,10 +148,10 @@ class _Both:
 def whole_batch(model, x, y, world: int, micro: int, dropout_seed: int):
     """Plain autograd on the whole batch, on a deep copy: rank r's pairs in its micro-batches, from rank
     r's random stream (the masks the step used); s and beta are ordinary tensors."""
-    model, c, outs = copy.deepcopy(model), len(x) // world, []
-    with torch.random.fork_rng():
+    model, c, outs = copy.deepcopy(model).to(x.device), len(x) // world, []
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
         for r in range(world):
-            torch.manual_seed(dropout_seed + r)
+            torch.manual_seed(dropout_seed + r)  # (the CPU's generator and every GPU's)
             rows = slice(r * c, (r + 1) * c)
             outs += [model(x[rows][part], y[rows][part]) for part in balanced_chunks(c, min(micro, c))]
     z_x, z_y = (torch.cat([o[i] for o in outs]) for i in (0, 1))
@@ -177,7 +178,9 @@ def check_closed_form(verdict, n: int, seed: int) -> None:
 def check_ring_by_hand(verdict, rt, c: int, t: int) -> None:
     n, r = c * rt.world_size, rt.rank
     gen = torch.Generator().manual_seed(1)
-    z_x, z_y = (F.normalize(torch.randn(n, 8, generator=gen, dtype=torch.float64), dim=1) for _ in range(2))
+    z_x, z_y = (
+        F.normalize(torch.randn(n, 8, generator=gen, dtype=torch.float64), dim=1).to(rt.device) for _ in range(2)
+    )
     mine = slice(r * c, (r + 1) * c)
     g_x, g_y, sent = ring_by_hand(rt, z_x[mine].contiguous(), z_y[mine].contiguous(), 10.0, -10.0)
     lib = sigmoid_ring(P2PRing(rt.world_size, r), z_x[mine], z_y[mine], Logits(10.0, -10.0), t)
@@ -196,7 +199,7 @@ def check_ring_by_hand(verdict, rt, c: int, t: int) -> None:
 def check_steps(verdict, rt, args) -> None:
     """distributed_backward for every (loss, exchange) against the whole batch; and its bytes."""
     c, world = args.pairs_per_rank, rt.world_size
-    x, y = paired_data(c * world, seed=args.seed)
+    x, y = (t.to(rt.device) for t in paired_data(c * world, seed=args.seed))
     mine = slice(rt.rank * c, (rt.rank + 1) * c)
     table = Table(
         title=f"distributed_backward vs the whole batch (N = {c * world}, B = {args.micro_batch_size})",
@@ -206,7 +209,7 @@ def check_steps(verdict, rt, args) -> None:
         table.add_column(column, justify="left" if column in ("loss", "exchange") else "right")
     for loss_name in LOSSES:
         for exchange in EXCHANGES:
-            model = SigLipTwoTower(loss_name == "sigmoid", dropout=args.dropout, seed=args.seed)
+            model = SigLipTwoTower(loss_name == "sigmoid", dropout=args.dropout, seed=args.seed).to(rt.device)
             start = copy.deepcopy(model)
             torch.manual_seed(args.seed + 1000 + rt.rank)  # each rank its own dropout stream
             config = {
@@ -232,7 +235,7 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
     """Peak bytes this rank's loss machinery allocates, gather against ring, at C fixed; and the ring's
     timeline (what each rank posted and computed, when)."""
     gen = torch.Generator().manual_seed(2 + rt.rank)
-    z_x, z_y = (F.normalize(torch.randn(c, 64, generator=gen), dim=1) for _ in range(2))
+    z_x, z_y = (F.normalize(torch.randn(c, 64, generator=gen), dim=1).to(rt.device) for _ in range(2))
     peaks = {}
     for loss_name in LOSSES:
         for exchange in EXCHANGES:

@@ -110,6 +110,7 @@ from distlab.contrastive.digits_data import Digits
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.optim import decay_groups, warmup_cosine
+from distlab.reproducible import exact_float32
 from distlab.runtime import distributed, run_main
 from distlab.streamed.config import EXCHANGES
 from distlab.verdict import Verdict
@@ -183,10 +184,12 @@ def part_table(rows: list, caption: str) -> Table:
 
 
 def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -> None:
-    """Step 1's gradient, in float32 without autocast, against the single-process full batch."""
+    """Step 1's gradient, in float32 without autocast, against the single-process full batch. In IEEE
+    float32 (`exact_float32`): on a GPU cuDNN would run the image tower's convolutions in TF32."""
     shards = [data.rows(0, r)[0] for r in range(data.rt.world_size)]  # step 1's rows of every rank
-    loss = distributed_backward(ddp, *data.batch(0, shards[data.rt.rank]), config)
-    ref_grads, ref_loss = reference_gradients(model, *data.batch(0, torch.cat(shards)))
+    with exact_float32():
+        loss = distributed_backward(ddp, *data.batch(0, shards[data.rt.rank]), config)
+        ref_grads, ref_loss = reference_gradients(model, *data.batch(0, torch.cat(shards)))
     rows = compare(ref_grads, grads_of(model))
     rtol, atol = tolerances(torch.float32)
     print0(part_table(rows, f"allclose with rtol {rtol:g}, atol {atol:g}; rank 0"))
@@ -303,7 +306,7 @@ def train_clip(args, rt, data: Digits, verdict: Verdict) -> dict:
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), divides_global_batch)
-    with distributed(args.device) as rt:
+    with distributed(args.device, deterministic=True) as rt:  # resumed runs end bit-identical, on GPUs too
         verdict, data = Verdict(rt), Digits(rt, args.global_batch, args.test_fraction, args.seed)
         run = train_clip(args, rt, data, verdict)
         curves, before, after, predictions = run["curves"], run["before"], run["after"], run["predictions"]

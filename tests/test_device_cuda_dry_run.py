@@ -4,14 +4,16 @@
    with one error line that names `--device`, exit code 2, no traceback, and no process group (run
    in this process: torchrun's variables set by hand, so nothing connects anywhere).
 2. `distributed()` on a node that reports GPUs (the count faked) takes the GPU backend
-   `cpu:gloo,cuda:nccl`, gives each rank `cuda:LOCAL_RANK`, and binds the group to it; too few GPUs
-   for the ranks on the node is the same one-line error. Strict mode there compares real devices.
+   `cpu:gloo,cuda:nccl`, gives each rank `cuda:LOCAL_RANK`, and binds the group to it; a rank that a
+   launcher bound to one GPU through CUDA_VISIBLE_DEVICES (SLURM's way) takes that one, `cuda:0`; too few
+   GPUs for the ranks on the node is the same one-line error. Strict mode there compares real devices.
 3. What the library hands back lives on `rt.device`: run in strict mode on P = 2 ranks, where
    `rt.device` is `cpu:0`, the GPU's stand-in, and a tensor left on the host reports `cpu`.
 """
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -37,6 +39,7 @@ def _torchrun_env(monkeypatch, rank: int, world_size: int) -> None:
         monkeypatch.setenv(name, str(value))
     for name in ("MASTER_ADDR", "MASTER_PORT", "DISTLAB_STRICT_DEVICE"):  # a group that slipped through
         monkeypatch.delenv(name, raising=False)  # fails at once, never waits
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # no launcher's binding unless a test sets one
 
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda would run")
@@ -93,6 +96,39 @@ def test_too_few_gpus_for_the_ranks_on_the_node(monkeypatch):
         with distributed("cuda"):  # ...an explicit cuda refuses, before any group exists
             pass
     assert gpus.init["backend"] == "gloo" and gpus.set_device == []
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_a_rank_bound_to_one_gpu_by_cuda_visible_devices_takes_it(monkeypatch, device):
+    """SLURM's --gpus-per-task=1: rank 1 of 2 on the node sees one GPU, its own, as cuda:0."""
+    _torchrun_env(monkeypatch, rank=1, world_size=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    gpus = _FakeGPUs(monkeypatch, count=1)
+    with distributed(device) as rt:
+        assert (rt.backend, rt.device) == (GPU_BACKEND, torch.device("cuda", 0))
+    assert gpus.set_device == [torch.device("cuda", 0)] and gpus.init["device_id"] == torch.device("cuda", 0)
+
+
+def test_a_deterministic_group_on_a_gpu_node_runs_with_deterministic_kernels(monkeypatch):
+    """`distributed(..., deterministic=True)`, what lessons 07 and 16 ask for: on while the block runs."""
+    _torchrun_env(monkeypatch, rank=0, world_size=1)
+    _FakeGPUs(monkeypatch, count=1)
+    with distributed("cuda", deterministic=True):
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    assert not torch.are_deterministic_algorithms_enabled()
+    with distributed("cuda"):
+        assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("visible", ["0,1", "", None])
+def test_one_gpu_without_a_binding_is_not_one_per_rank(monkeypatch, visible):
+    """One GPU seen and CUDA_VISIBLE_DEVICES unset, empty or naming two: a node's one GPU, not one per rank."""
+    _torchrun_env(monkeypatch, rank=0, world_size=2)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    _FakeGPUs(monkeypatch, count=1)
+    with distributed("auto") as rt:
+        assert rt.device == torch.device("cpu")
 
 
 def test_strict_mode_on_a_gpu_node_compares_the_real_devices(monkeypatch):

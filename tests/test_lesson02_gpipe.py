@@ -2,7 +2,7 @@
 like the unsplit model on the whole batch; forgetting the micro-batch scale would not."""
 
 import pytest
-from helpers import equals_reference, load_lesson, merged, per_config, train_each
+from helpers import assert_lesson_passes_at_80_columns, equals_reference, load_lesson, merged, per_config, train_each
 
 from distlab.compare import all_ok, compare
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
@@ -87,3 +87,11 @@ def test_the_memory_claim_says_only_what_was_measured():
     text, ok = _claim([1.0, 1.0], [False, False])  # one-layer segments: no cut, and no claim of one
     assert ok and "save nothing" in text and "cuts" not in text
     assert not _claim([1.0, 0.6], [True, True])[1]  # a stage that should have saved and did not
+
+
+def test_the_lesson_passes_at_p_1():
+    """One GPU allows only P = 1: one stage, no bubble, and the emulated idle share has no ratio to print."""
+    out = assert_lesson_passes_at_80_columns(
+        "02_gpipe_checkpoint.py", 1, "--width", "32", "--global-batch", "64", "--emulate-ms", "1"
+    )
+    assert "P = 1: one stage, no bubble" in out

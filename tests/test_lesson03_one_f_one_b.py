@@ -2,7 +2,7 @@
 and holds at most min(M, P - r) micro-batches on rank r, measured while it runs."""
 
 import pytest
-from helpers import equals_reference, load_lesson, per_config, train_each
+from helpers import assert_lesson_passes_at_80_columns, equals_reference, load_lesson, per_config, train_each
 
 from distlab.pipeline import schedules
 from distlab.pipeline.runner import PipelineStep
@@ -55,3 +55,11 @@ def test_saved_activation_bytes_follow_the_rows_in_flight():
             peak_rows = max(peak_rows, rows)
         assert ofob_run.saved_peak_bytes * CFG.global_batch == gpipe_run.saved_peak_bytes * peak_rows
         assert ofob_run.saved_peak_bytes < gpipe_run.saved_peak_bytes
+
+
+def test_the_lesson_passes_at_p_1():
+    """One GPU allows only P = 1: one stage, no bubble, and the emulated idle share has no ratio to print."""
+    out = assert_lesson_passes_at_80_columns(
+        "03_one_f_one_b.py", 1, "--width", "32", "--global-batch", "64", "--emulate-ms", "1"
+    )
+    assert "P = 1: one stage, no bubble" in out

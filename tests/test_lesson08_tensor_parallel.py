@@ -93,6 +93,22 @@ def test_every_claim(world_size):
         assert len(ok) == 23
 
 
+def _torch_tp_with_cudas_optimizer_default(rt, sequence_parallel: bool):
+    """torch's TP run with SGD defaulting to the foreach kernels, as it does on CUDA (CPU: one tensor each)."""
+    import importlib
+
+    sgd = importlib.import_module("torch.optim.sgd")  # (torch.optim does not keep the name)
+    sgd._default_to_fused_or_foreach = lambda *args, **kwargs: (False, True)
+    run, _, _ = torch_tp.torch_run(rt, replace(CFG, dropout=0.0), sequence_parallel, STEPS, LR)
+    return len(run.losses)
+
+
+def test_torchs_tensor_parallel_steps_with_sgds_cuda_default():
+    """Without sequence parallelism the LayerNorms stay plain tensors beside the DTensors (at any P, 1 too);
+    SGD's foreach kernels refuse that mix, so the lesson's SGD steps one tensor at a time, on every device."""
+    assert spawn(_torch_tp_with_cudas_optimizer_default, 1, False) == [STEPS]
+
+
 def test_lesson_passes_at_p4_on_a_2x2_mesh():
     out = assert_lesson_passes_at_80_columns("08_tensor_parallel.py", 4)
     assert "a 2 x 2 mesh (dp x tp)" in out and "data-parallel group [0, 2]" in out

@@ -26,7 +26,9 @@ LESSON = "15_sigmoid_and_ring.py"
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_lesson_passes(world):
+def test_lesson_passes(world, monkeypatch):
+    if world == 2:  # in strict device mode: what a GPU would refuse (a model or batch left on the host) fails
+        monkeypatch.setenv("DISTLAB_STRICT_DEVICE", "1")
     out = assert_lesson_passes_at_80_columns(
         LESSON, world, "--pairs-per-rank", "24", "--micro-batch-size", "10", "--memory-pairs", "128"
     )

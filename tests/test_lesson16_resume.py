@@ -121,6 +121,18 @@ def test_a_half_written_checkpoint_is_never_loaded(tmp_path, how):
         assert rank_result == (1, True, True, True, 1, 2)
 
 
+def _barrier_count(rt):
+    from distlab.checkpointing import _barrier
+
+    return _barrier(rt)
+
+
+def test_the_checkpoint_barrier_counts_every_rank_on_the_host():
+    """The barrier is a sum read on the host (an int), which under nccl is what makes the host wait for it
+    (the call alone only queues the all-reduce); here, on gloo, that every rank is counted."""
+    assert spawn(_barrier_count, 3) == [3, 3, 3]
+
+
 def _restore_as_another_run(rt, directory: str):
     state = _run_state(0)
     Checkpoints(rt, directory, 1, {"lr": 0.1}).save(1, state)

@@ -36,3 +36,33 @@ def test_the_formulas_say_what_zero_says():
 def test_a_unit_is_a_layer():
     unit = FlatUnit(torch.nn.Linear(3, 2), rank=0, world_size=4)
     assert (unit.numel, unit.shard_numel, unit.padded) == (8, 2, 8)
+
+
+def _saved_stats_bytes(dtype: torch.dtype, device: str) -> int:
+    """Bytes per element of the mean and 1/std torch's LayerNorm returns (what it saves for backward) for
+    `dtype` inputs on `device`; CUDA through fake tensors, which run the device's own output rules."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def stats():
+        x, w = torch.zeros(4, 8, dtype=dtype, device=device), torch.ones(8, dtype=dtype, device=device)
+        _, mean, rstd = torch.native_layer_norm(x, [8], w, torch.zeros_like(w), 1e-5)
+        assert mean.dtype == rstd.dtype
+        return mean.element_size()
+
+    if device == "cpu":
+        return stats()
+    with FakeTensorMode():
+        return stats()
+
+
+def test_layer_norm_statistics_are_saved_in_the_devices_accumulation_type():
+    """Lesson 07's block formula on a GPU: bf16 inputs, float32 statistics (the first GPU run's one miss)."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for device in ("cpu", "cuda"):
+            b = torch.empty((), dtype=dtype).element_size()
+            assert _saved_stats_bytes(dtype, device) == accounting.layer_norm_stat_bytes(b, device), (dtype, device)
+    cpu, cuda = (
+        accounting.block_activations(4, 8, 16, 2, 2, accounting.layer_norm_stat_bytes(2, dev))
+        for dev in ("cpu", "cuda")
+    )
+    assert cuda - cpu == 2 * 2 * 4 * 8 * (4 - 2)  # two LayerNorms, mean and 1/std, C seq of them, 2 bytes more each

@@ -178,7 +178,8 @@ def _rank_that_may_die(rank, world, port, how, results, release):
     if rank == 1 and how == "forward":
         model.visual.register_forward_hook(lambda *_: os._exit(1))
     if rank == 1 and how == "gather":
-        dist.all_gather_single = _die_on_third_gather(dist.all_gather_single)
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch 2.11
+        setattr(dist, name, _die_on_third_gather(getattr(dist, name)))
     images, texts = image_text_data(N)
     c = N // world
     ddp = DDP(model)

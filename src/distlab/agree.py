@@ -16,13 +16,15 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from distlab import compat
+
 
 def rank_table(row: Sequence[float], device: torch.device, group=None) -> torch.Tensor:
     """Every rank's `row` (P x len(row), float64, rank-major), gathered on `device` over `group` (the
     world by default; ranks are the group's), read on the CPU."""
     mine = torch.tensor([float(v) for v in row], dtype=torch.float64, device=device)
     table = mine.new_empty(dist.get_world_size(group) * len(row))
-    dist.all_gather_single(table, mine, group=group)
+    compat.all_gather_single(table, mine, group=group)
     return table.view(dist.get_world_size(group), len(row)).cpu()
 
 
@@ -59,7 +61,7 @@ def raise_together(
         mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     mine = mine.to(device)
     every = mine.new_empty(dist.get_world_size(group) * width)
-    dist.all_gather_single(every, mine, group=group)
+    compat.all_gather_single(every, mine, group=group)
     every = every.view(-1, width).cpu()
     by_text: dict[str, list[int]] = {}
     for r, n in enumerate(lengths):

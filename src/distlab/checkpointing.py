@@ -142,9 +142,15 @@ def _load_into(obj: Any, state: Any) -> None:
         obj.load_state_dict(state)
 
 
-def _barrier(rt: Runtime) -> None:
-    """Every rank has reached this point: one all_reduce on the group's device."""
-    dist.all_reduce(torch.zeros(1, device=rt.device))
+def _barrier(rt: Runtime) -> int:
+    """Every rank has reached this point: one all_reduce of a 1 per rank on the group's device, whose sum
+    (the ranks that arrived, P) is read on the host. Reading it is what makes it a barrier under nccl: there
+    a collective only queues work on the GPU and returns at once, so rank 0 would go on to hash the other
+    ranks' `rng-r.pt` before they were written; `.item()` waits for the sum, which exists only once every
+    rank has added its 1. (gloo blocks in the call itself.)"""
+    arrived = torch.ones(1, device=rt.device)
+    dist.all_reduce(arrived)
+    return int(arrived.item())
 
 
 class Checkpoints:
@@ -191,7 +197,9 @@ class Checkpoints:
         if self.rt.is_first:
             _write(partial / "state.pt", {"step": step, **{k: _state_of(v) for k, v in objects.items()}})
         _write(partial / f"rng-{self.rt.rank}.pt", rng_state(self.rt.device))
-        _barrier(self.rt)  # every rank's files are whole; a rank that died never gets past here
+        arrived = _barrier(self.rt)  # every rank's files are whole; a rank that died never gets past here
+        if arrived != self.rt.world_size:
+            raise RuntimeError(f"checkpoint barrier: {arrived} of {self.rt.world_size} ranks arrived")
         final = self.directory / f"step-{step:06d}"
         if self.rt.is_first:
             files = ["state.pt"] + [f"rng-{r}.pt" for r in range(self.rt.world_size)]

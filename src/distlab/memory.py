@@ -9,6 +9,13 @@ single storage it made, the "largest temporary" a lesson reports against N x N.
 
 It counts tensor storage only, not allocator slack or Python objects; on CPU that is the honest
 figure to compare between methods, since the allocator's caching would blur an RSS reading.
+
+On a GPU the two can be set side by side: `PeakMemory(device)` with a CUDA device also reads
+`torch.cuda.max_memory_allocated` over the block (the device synchronized at both ends, its peak
+counter reset at the start) into `allocator_peak_bytes`, above what was allocated before. The allocator
+rounds every block up to a multiple of 512 bytes and also counts what torch
+allocates outside any op it dispatches (a collective's buffers, cuBLAS's workspace), so its figure is at
+least PeakMemory's; a gap much larger than that rounding is memory PeakMemory did not see.
 """
 
 from __future__ import annotations
@@ -21,14 +28,31 @@ from torch.utils._pytree import tree_leaves
 
 
 class PeakMemory(TorchDispatchMode):
-    """with PeakMemory() as mem: ...;  mem.peak_bytes, mem.largest_bytes, mem.live_bytes"""
+    """with PeakMemory() as mem: ...;  mem.peak_bytes, mem.largest_bytes, mem.live_bytes (and with a CUDA
+    `device`, mem.allocator_peak_bytes: the CUDA allocator's peak over the block, else None)"""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
         self.largest_bytes = 0
         self._seen: set[int] = set()
+        self.cuda = device if device is not None and device.type == "cuda" else None
+        self.allocator_peak_bytes: int | None = None
+        self._allocated_before = 0
+
+    def __enter__(self):
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+            self._allocated_before = torch.cuda.memory_allocated(self.cuda)
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+            self.allocator_peak_bytes = torch.cuda.max_memory_allocated(self.cuda) - self._allocated_before
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -10,6 +10,13 @@ CUDA tensors, and gloo still serves the few CPU tensors a program exchanges (obj
 a stray CPU tensor is slow rather than fatal. The rule all the same: every collective runs on
 `rt.device`, the device the rank computes on (`distlab.strict` checks it in tests).
 
+Which GPU. torchrun starts LOCAL_WORLD_SIZE ranks on a node; rank r takes `cuda:LOCAL_RANK` when it
+sees at least that many GPUs. A launcher may instead bind one GPU to each rank (SLURM's
+`--gpus-per-task=1`, or a wrapper that sets CUDA_VISIBLE_DEVICES=r): then every rank sees exactly one
+GPU, as `cuda:0`, and that GPU is its own. `--device auto` takes it; without the binding rule it would
+count one GPU for several ranks and fall back to the CPU without a word. (Two ranks bound to the same GPU
+are NCCL's to refuse: "Duplicate GPU detected" at the first collective.)
+
 Every process group gets a timeout, so a rank waiting for a message that never comes fails with an
 error instead of hanging forever.
 
@@ -29,12 +36,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from distlab import reproducible
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -57,18 +66,41 @@ class Runtime:
         return self.rank == 0
 
 
-def choose_backend(requested: str, local_world_size: int, gpus: int | None = None) -> tuple[str, str]:
-    """(backend, device type): the GPU backend when every rank on this node can have its own GPU
-    (or `--device cuda` asks for it), else ('gloo', 'cpu'). `gpus` defaults to what this node has."""
+def visible_gpus() -> int:
+    """How many GPUs this process sees (after CUDA_VISIBLE_DEVICES)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def bound_to_one_gpu(gpus: int, visible: str | None) -> bool:
+    """A launcher gave this rank a GPU of its own: it sees exactly one, and CUDA_VISIBLE_DEVICES (`visible`)
+    names exactly one (SLURM's per-task binding). One GPU seen without the variable is a node's only GPU."""
+    return gpus == 1 and visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
+
+
+def choose_backend(
+    requested: str, local_world_size: int, gpus: int | None = None, visible: str | None = None
+) -> tuple[str, str]:
+    """(backend, device type): the GPU backend when every rank on this node can have its own GPU, `gpus`
+    of them seen by each (default: what this process sees) or one bound to each through CUDA_VISIBLE_DEVICES
+    (`visible`), or when `--device cuda` asks for it; else ('gloo', 'cpu')."""
     if requested not in DEVICE_CHOICES:
         raise ValueError(f"--device must be one of {DEVICE_CHOICES}, got {requested!r}")
     if gpus is None:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested == "cuda" and gpus < local_world_size:
-        raise ValueError(f"--device cuda needs one GPU per rank: {local_world_size} ranks on this node, {gpus} GPUs")
-    if requested == "cuda" or (requested == "auto" and gpus >= local_world_size):
+        gpus = visible_gpus()
+    enough = gpus >= local_world_size or bound_to_one_gpu(gpus, visible)
+    if requested == "cuda" and not enough:
+        raise ValueError(
+            f"--device cuda needs one GPU per rank: {local_world_size} ranks on this node, {gpus} GPUs "
+            f"(or one bound to each rank by CUDA_VISIBLE_DEVICES)"
+        )
+    if requested == "cuda" or (requested == "auto" and enough):
         return GPU_BACKEND, "cuda"
     return "gloo", "cpu"
+
+
+def gpu_index(local_rank: int, local_world_size: int, gpus: int) -> int:
+    """This rank's GPU among those it sees: its local rank when it sees one per rank, else (bound) the one."""
+    return local_rank if gpus >= local_world_size else 0
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -96,20 +128,33 @@ def attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
 
 
 @contextmanager
-def distributed(device: str = "auto", timeout_s: float | None = None, strict: bool | None = None) -> Iterator[Runtime]:
+def distributed(
+    device: str = "auto", timeout_s: float | None = None, strict: bool | None = None, deterministic: bool = False
+) -> Iterator[Runtime]:
     """Initialise the default process group from torchrun's environment; destroy it on the way out.
 
     The group is destroyed on success and on exception alike, so a failing lesson releases its
     sockets (and, on GPUs, its communicators) before the process exits. `strict=True` (default:
     the environment variable DISTLAB_STRICT_DEVICE=1) runs the block in `distlab.strict`'s strict
-    device mode, where a collective on a tensor not on `rt.device` raises.
+    device mode, where a collective on a tensor not on `rt.device` raises. `deterministic=True` (for
+    a lesson that claims bit-identical runs) runs it, on a GPU, with deterministic kernels only
+    (`distlab.reproducible.deterministic`, entered before anything runs on the GPU).
     """
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
-    backend, kind = choose_backend(device, _env_int("LOCAL_WORLD_SIZE", world_size))
-    dev = torch.device(kind, local_rank) if kind == "cuda" else torch.device("cpu")
+    local_world_size, gpus = _env_int("LOCAL_WORLD_SIZE", world_size), visible_gpus()
+    backend, kind = choose_backend(device, local_world_size, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    dev = torch.device("cuda", gpu_index(local_rank, local_world_size, gpus)) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
         torch.cuda.set_device(dev)
+    with reproducible.deterministic(dev) if deterministic else nullcontext():  # before the GPU runs anything
+        yield from _process_group(backend, rank, world_size, local_rank, dev, timeout_s, strict)
+
+
+def _process_group(
+    backend: str, rank: int, world_size: int, local_rank: int, dev: torch.device, timeout_s, strict
+) -> Iterator[Runtime]:
+    """`distributed()`'s group: made, yielded as a Runtime (in strict mode if asked), released."""
     timeout = timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
     # Every optimizer imports torch._dynamo on construction; imported for the first time while a
     # group exists, it keeps gloo's threads alive past destroy_process_group, and the process then
@@ -121,7 +166,7 @@ def distributed(device: str = "auto", timeout_s: float | None = None, strict: bo
         rank=rank,
         world_size=world_size,
         timeout=timeout,
-        device_id=dev if kind == "cuda" else None,
+        device_id=dev if dev.type == "cuda" else None,
     )
     try:
         with ExitStack() as stack:

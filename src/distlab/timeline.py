@@ -4,6 +4,12 @@ Each rank records (label, start, end) around its compute with `time.perf_counter
 reads CLOCK_MONOTONIC, one clock for every process on the machine, so spans from different ranks on
 one node line up. (Across nodes the clocks differ; the spans of each rank stay meaningful.)
 
+On a GPU the host's clock alone would time the launches, not the work: a CUDA op returns as soon as its
+kernel is queued, and the GPU runs it later, while the host has moved on (to the next span, or to a
+`send` that waits). So a timeline on a CUDA device synchronizes it at both ends of every span: the span
+starts when the work queued before it is done and ends when its own is. That costs a little overlap the
+host could have had, which is what a timeline that shows who computes when must give up.
+
 From the gathered spans: the largest number of ranks computing at the same instant (1 for naive
 model parallelism: the point of lesson 01), each rank's busy fraction of the step, the idle share
 (the measured bubble), and the step's duration.
@@ -13,10 +19,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from rich.text import Text
 
@@ -32,20 +39,34 @@ class Span:
     step: int = 0
 
 
+def synchronized_now(device: torch.device | None) -> float:
+    """The host's clock once `device` has done everything queued on it (CUDA: synchronized first)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def timed(fn: Callable[[], object], device: torch.device | None) -> float:
+    """Seconds `fn()` takes to run on `device`: its work, not its launches (see above)."""
+    start = synchronized_now(device)
+    fn()
+    return synchronized_now(device) - start
+
+
 class Timeline:
     """Spans of work on one rank."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, rank: int, device: torch.device | None = None):
+        self.rank, self.device = rank, device
         self.spans: list[Span] = []
 
     @contextmanager
     def span(self, label: str, step: int = 0) -> Iterator[None]:
-        start = time.perf_counter()
+        start = synchronized_now(self.device)
         try:
             yield
         finally:
-            self.spans.append(Span(self.rank, label, start, time.perf_counter(), step))
+            self.spans.append(Span(self.rank, label, start, synchronized_now(self.device), step))
 
     def gather(self) -> list[Span]:
         """Every rank's spans, on every rank, sorted by start time (a collective: call on all ranks)."""

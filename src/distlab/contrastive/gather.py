@@ -16,7 +16,8 @@ all ranks, sum_s dL_s/dZ[rC : (r+1)C].
 - `gather_library`: torch's own differentiable all-gather. torch 2.13 deprecates
   `torch.distributed.nn.functional.all_gather` and its warning names the replacement,
   `torch.distributed._functional_collectives.all_gather_single`, whose op has a registered autograd
-  formula (`all_gather_into_tensor_backward`, a reduce-scatter with sum): the one for real code.
+  formula (`all_gather_into_tensor_backward`, a reduce-scatter with sum): the one for real code. (torch
+  2.11 names it `all_gather_tensor_autograd`; `distlab.compat` picks the name the installed torch has.)
 
 On gloo (CPU) a reduce-scatter (`reduce_scatter_single`) runs as an all-reduce of a copy followed by taking this rank's
 chunk (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`), so on CPU the two backwards cost the
@@ -30,13 +31,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+
+from distlab import compat
 
 
 def all_gather_blocks(tensor: torch.Tensor) -> torch.Tensor:
     """The ranks' C x ... blocks stacked in rank order (P C x ...), no autograd."""
     out = tensor.new_empty((dist.get_world_size() * tensor.shape[0], *tensor.shape[1:]))
-    dist.all_gather_single(out, tensor.contiguous())
+    compat.all_gather_single(out, tensor.contiguous())
     return out
 
 
@@ -59,7 +61,7 @@ class GatherSumBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         mine = grad.new_empty((ctx.rows, *grad.shape[1:]))
-        dist.reduce_scatter_single(mine, grad.contiguous(), op=dist.ReduceOp.SUM)
+        compat.reduce_scatter_single(mine, grad.contiguous(), op=dist.ReduceOp.SUM)
         return mine
 
 
@@ -70,4 +72,4 @@ def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
 
 def gather_library(tensor: torch.Tensor) -> torch.Tensor:
     """torch's differentiable all-gather (functional collectives), the one to use in real code."""
-    return funcol.all_gather_single(tensor.contiguous(), 0, dist.group.WORLD)
+    return compat.all_gather_autograd(tensor)

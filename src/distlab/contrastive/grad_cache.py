@@ -197,7 +197,7 @@ class GradCache:
         reps, states = [], []
         with torch.no_grad():
             for chunk in chunks:
-                states.append(RandContext(*self.get_input_tensors(chunk)))  # before the draw
+                states.append(RandContext(model, *self.get_input_tensors(chunk)))  # before the draw
                 reps.append(self.get_reps(self.model_call(model, chunk)))
         return reps, states
 

@@ -59,10 +59,11 @@ def full_batch_gradients(
     loss_fn: LossFn = clip_loss,
     forward: Forward = plain_forward,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """(L, dL/dtheta) of a deep copy of `model` on the whole batch (the original is untouched); with
+    """(L, dL/dtheta) of a deep copy of `model` on the whole batch (the original is untouched), the copy
+    on the batch's device (a caller may hold the model still on the host); with
     s None the model's own scale (returned third by its forward) is used, and its gradient included,
     and so is anything it returns after the scale (SigLIP's bias beta: loss_fn(Z_x, Z_y, s, beta))."""
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model).to(x.device)
     model.zero_grad(set_to_none=True)
     z_x, z_y, *scale = forward(model, x, y)
     loss = loss_fn(z_x, z_y, *(scale if s is None else (s,)))

@@ -180,9 +180,12 @@ def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], 
     return table
 
 
-def memory_account_table(largest: int, peak: int, n: int, d: int, cfg, itemsize: int) -> Table:
+def memory_account_table(
+    largest: int, peak: int, n: int, d: int, cfg, itemsize: int, allocator_peak: int | None = None
+) -> Table:
     """Lesson 14's memory account of one streamed step: what it allocated against the sizes it never
-    makes (B x N, C x N, N x N); `cfg` is the step's StreamConfig."""
+    makes (B x N, C x N, N x N); `cfg` is the step's StreamConfig; on a GPU `allocator_peak` is
+    `torch.cuda.max_memory_allocated` over the step, shown beside PeakMemory's peak."""
     table = Table(title="Memory account of step 1 (this rank, tensor storage the step allocated)", title_justify="left")
     for column, justify in (("what", "left"), ("bytes", "right"), ("vs N x N", "right")):
         table.add_column(column, justify=justify)
@@ -190,6 +193,7 @@ def memory_account_table(largest: int, peak: int, n: int, d: int, cfg, itemsize:
     for label, nbytes in (
         ("largest temporary the step made", largest),
         ("peak of everything the step held at once", peak),
+        *([("the same, as the CUDA allocator saw it", allocator_peak)] if allocator_peak is not None else []),
         (f"gathered Z_x | Z_y (N x 2d = {n} x {2 * d})", n * 2 * d * itemsize),
         (f"one tile, T x T ({t} x {t})", t * t * itemsize),
         (f"B x N ({b} x {n}): never made", b * n * itemsize),

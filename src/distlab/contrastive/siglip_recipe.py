@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed import _functional_collectives as funcol
+
+from distlab import compat
 
 
 def _exchange(sends: list[tuple[torch.Tensor, int]], srcs: list[int]) -> list[torch.Tensor]:
@@ -86,7 +87,7 @@ def siglip_recipe_loss(
     if world == 1:
         return loss
     if variant == "gather":
-        blocks = funcol.all_gather_single_autograd(z_y.contiguous(), 0, dist.group.WORLD).chunk(world)
+        blocks = compat.all_gather_autograd(z_y).chunk(world)
         return loss + sum(block_loss(z_x, blk, s, b, True) for i, blk in enumerate(blocks) if i != rank)
     left, right = (rank - 1) % world, (rank + 1) % world
     to_left = to_right = z_y

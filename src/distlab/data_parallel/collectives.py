@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab import compat
 from distlab.runtime import Runtime
 
 Tensor = torch.Tensor
@@ -55,13 +56,13 @@ def _all_reduce(x: Tensor, p: int) -> Tensor:
 
 def _all_gather(x: Tensor, p: int) -> Tensor:
     out = x.new_empty(p * x.numel())
-    dist.all_gather_single(out, x)
+    compat.all_gather_single(out, x)
     return out
 
 
 def _reduce_scatter(x: Tensor, p: int) -> Tensor:
     out = x.new_empty(x.numel() // p)
-    dist.reduce_scatter_single(out, x)
+    compat.reduce_scatter_single(out, x)
     return out
 
 

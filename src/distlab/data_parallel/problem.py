@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from distlab import compat
 from distlab.cli import MLP_IN, MLP_OUT, divides_global_batch, require
 from distlab.models import layered_mlp, regression_batch
 from distlab.runtime import Runtime
@@ -91,7 +91,7 @@ def gather_rows(y: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """All N rows on every rank, rank order. `all_gather` carries no gradient, so this rank's own
     block is put back with its graph: backward reaches only this rank's rows."""
     every = y.new_empty((rt.world_size * y.shape[0], *y.shape[1:]))
-    dist.all_gather_single(every, y.detach().contiguous())
+    compat.all_gather_single(every, y.detach().contiguous())
     blocks = list(every.chunk(rt.world_size))
     blocks[rt.rank] = y
     return torch.cat(blocks)

@@ -138,6 +138,17 @@ def show_measured(title: str, runs: dict[str, list[Span]], world_size: int, step
     return out
 
 
+def idle_against_grid(idle: float, world_size: int, micro_batches: int) -> str:
+    """The emulated step's measured idle share beside its grid's (P-1)/(M+P-1), as a ratio when the grid
+    has a bubble; at P = 1 it has none (one stage never waits), and a ratio to 0 means nothing."""
+    p, m = world_size, micro_batches
+    formula = (p - 1) / (m + p - 1)
+    line = f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
+    if formula == 0:
+        return line + "(P = 1: one stage, no bubble; the clock's wake-ups are what was measured)"
+    return line + f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)"
+
+
 def emulated_spans(rt, cfg, schedule: Schedule, name: str, verdict) -> list[Span]:
     """The step run again on the emulated device (`cfg.emulate_ms` per layer-pass, slept): its
     gradients must still be the unsplit model's (a check); its spans draw the measured timeline."""

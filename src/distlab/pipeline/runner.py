@@ -94,7 +94,7 @@ class PipelineStep:
         self.x = list(torch.tensor_split(x, cfg.micro_batches))
         self.target = list(torch.tensor_split(target, cfg.micro_batches))
         self.shapes = [by_size[n] for n in sizes]  # uneven micro-batches: shapes differ in rows
-        self.timeline, self.emulated = Timeline(rt.rank), Device(cfg.emulate_ms)
+        self.timeline, self.emulated = Timeline(rt.rank, rt.device), Device(cfg.emulate_ms)
         self.probe = StageProbe([s.module for s in self.stages]) if cfg.probe else None
         self.peak = self.layer_forwards = 0
         # With NCCL, a batch_isend_irecv that is the group's first collective must involve every rank,

@@ -166,7 +166,7 @@ class TorchStep:
         self.planned = [x for a in order for x in _as_actions(a)]
         self.first, self.last = every[0] in self.stages, every[-1] in self.stages
         self.device, self.log, self.executed = rt.device, [], []
-        self.timeline = Timeline(rt.rank)
+        self.timeline = Timeline(rt.rank, rt.device)
 
     def __call__(self, step: int) -> float | None:
         losses: list[torch.Tensor] = []

@@ -110,12 +110,21 @@ def mixed_step(psi: int, tensors: int) -> dict[str, int]:
     }
 
 
-def block_activations(rows: int, seq: int, d: int, heads: int, b: int) -> int:
+def layer_norm_stat_bytes(b: int, device_type: str) -> int:
+    """Bytes per element of the mean and 1/std a LayerNorm saves for backward, for inputs of b bytes: on
+    the CPU in the input's dtype; on CUDA in its accumulation type, float32 for bf16 and fp16 inputs
+    (torch's `layer_norm_cuda` allocates them so), float64 for float64."""
+    return max(b, 4) if device_type == "cuda" else b
+
+
+def block_activations(rows: int, seq: int, d: int, heads: int, b: int, stat_bytes: int | None = None) -> int:
     """Bytes autograd saves in `distlab.sharding.block.Block` (counted op by op): 18 tensors of
     C x seq x d (input, LN1 output, q, k, v, the heads' merged output, LN2 input and output, the
-    4d-wide fc1 output and GELU output (4 each), output and target), the softmax (C h seq^2), and
-    the two LayerNorms' mean and 1/std (4 C seq)."""
-    return b * (18 * rows * seq * d + rows * heads * seq * seq + 4 * rows * seq)
+    4d-wide fc1 output and GELU output (4 each), output and target), the softmax (C h seq^2), all
+    of b bytes, and the two LayerNorms' mean and 1/std (4 C seq) of `stat_bytes` bytes (default b;
+    `layer_norm_stat_bytes` gives the device's: on CUDA a bf16 block saves them in float32)."""
+    stat_bytes = b if stat_bytes is None else stat_bytes
+    return b * (18 * rows * seq * d + rows * heads * seq * seq) + stat_bytes * 4 * rows * seq
 
 
 def mlp_activations(rows: int, widths: tuple[int, ...], b: int) -> int:

@@ -19,9 +19,9 @@ these are the same mechanisms as classes the loop in `distlab.sharding.training`
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from distlab import compat
 from distlab.data_parallel.ring import Ring
 from distlab.runtime import Runtime
 from distlab.sharding.flat import FlatUnit, units_of
@@ -67,7 +67,7 @@ class Sharded:
         out = {}
         for unit, t in zip(self.units, tensors):
             whole = t.new_empty(unit.padded)
-            dist.all_gather_single(whole, t.detach().contiguous())
+            compat.all_gather_single(whole, t.detach().contiguous())
             out.update({k: v.cpu().clone() for k, v in unit.named(whole).items()})
         return out
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distlab import compat
 from distlab.streamed.ring import P2PRing, infonce_ring, ring_bytes, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_gathered
 from distlab.streamed.wrappers import compute_dtype
@@ -38,7 +39,7 @@ class Traffic:
     sent_bytes: int = 0
 
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
-        dist.all_gather_single(out, mine, group=group)
+        compat.all_gather_single(out, mine, group=group)
         self.sent_bytes += (dist.get_world_size(group) - 1) * mine.numel() * mine.element_size()
 
 

@@ -12,11 +12,25 @@ when every rank answers, the error was something else, and it is raised as it wa
 The roll call's verdict is each survivor's own: a survivor that reaches the roll call only after that
 window (it was computing, not waiting) may see the early ones as answered and the early ones may have
 named it too; a rank that hung rather than died reads as stopped answering, which it has.
+
+It needs the backend's error to reach the rank's own thread, as an exception the step can catch. gloo
+raises it there. NCCL by default does not: a collective only queues a kernel and returns, the error (a
+timeout) is found by NCCL's watchdog thread, and under torchrun, which sets
+TORCH_NCCL_ASYNC_ERROR_HANDLING=1, the watchdog then tears the process down; no exception, no roll call.
+(torchrun stops the survivors first in any case, when it sees the dead rank exit, and its own report names
+that rank.) On an nccl group the naming works only when the error is raised in the caller: with
+TORCH_NCCL_BLOCKING_WAIT=1 (every wait blocks the host until its collective is done or timed out, which
+costs the overlap of communication with compute) or TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (the watchdog
+aborts the communicators and leaves the process alive, so the next wait raises), either set before the
+group is made. `naming_off_reason` says which case a group is in, and the step warns once when it is off.
+Neither nccl case was run here: one GPU allows only P = 1.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -42,6 +56,21 @@ def is_peer_failure(err: BaseException) -> bool:
     )
 
 
+def naming_off_reason(group) -> str | None:
+    """Why a dead peer on `group` cannot be named from this rank (None: it can; see above)."""
+    if "nccl" not in dist.get_backend(group) or dist.get_world_size(group) == 1:
+        return None
+    handling = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "unset")
+    if os.environ.get("TORCH_NCCL_BLOCKING_WAIT") == "1" or handling == "2":
+        return None
+    return (
+        "naming a dead peer is off on this nccl group: NCCL reports a dead peer on its watchdog thread, which "
+        f"ends this process (TORCH_NCCL_ASYNC_ERROR_HANDLING={handling}); torchrun's report names the rank "
+        "that failed first. Set TORCH_NCCL_ASYNC_ERROR_HANDLING=2 or TORCH_NCCL_BLOCKING_WAIT=1 before the "
+        "group is made to have the step name it."
+    )
+
+
 def roll_call_seconds(store) -> float:
     return min(ROLL_CALL_S, store.timeout.total_seconds() / 2)
 
@@ -63,6 +92,8 @@ def naming_dead_peers(group) -> Iterator[None]:
     """Run a step whose exchanges are on `group`; a peer's death becomes one RuntimeError naming it."""
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     call = _calls[ranks] = _calls.get(ranks, -1) + 1
+    if call == 0 and (reason := naming_off_reason(group)) is not None:
+        warnings.warn(reason, RuntimeWarning, stacklevel=3)  # once per group and process
     try:
         yield
     except Exception as err:

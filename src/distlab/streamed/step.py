@@ -93,7 +93,7 @@ def phase1_forward(ready: Ready, local_x: Any, local_y: Any) -> LocalForward:
         with torch.no_grad():
             for rows in cfg.micro:  # the random state each micro-batch starts from, saved before it runs
                 x, y = take_rows(local_x, rows), take_rows(local_y, rows)
-                rng.append(RandContext(x, y))
+                rng.append(RandContext(wrapped.model, x, y))
                 outputs.append(wrapped.no_grad_forward(x, y))
         return outputs
 

@@ -75,7 +75,7 @@ def local(tensor: torch.Tensor, placements) -> torch.Tensor:
 def comm_counts(model: nn.Module, batch: Batch) -> dict[str, dict[str, int]]:
     """The collectives torch launches in one forward, its backward and an SGD step (gradients zeroed)."""
     counts = {}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, foreach=False)  # (see training.train)
     with CommDebugMode() as mode:
         loss = regression_loss(model(batch.x), batch.target, batch.count)
     counts["forward"] = mode.get_comm_counts()

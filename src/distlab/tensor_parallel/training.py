@@ -38,7 +38,11 @@ class Run:
 
 
 def train(model: nn.Module, batch: Batch, steps: int, lr: float, sync: Callable[[], None] = lambda: None) -> Run:
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    # One tensor at a time (foreach=False), as SGD does on the CPU by default: on CUDA its default is the
+    # foreach kernels, which take all the parameters of a device in one call, and torch's tensor
+    # parallelism leaves some of them plain tensors (the LayerNorms without sequence parallelism) beside
+    # DTensors, a mix DTensor refuses ("got mixed torch.Tensor and DTensor").
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
     losses, first = [], None
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)

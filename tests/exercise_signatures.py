@@ -1,0 +1,412 @@
+"""What the exercises' judge measures when a claim fails, and how it recognises a learner's mistake there.
+
+A check records every claim on every rank through `Claims`. For each claim it keeps a `Seen`: what was
+compared (`what`), by how much it missed (`error`, relative: max |got - want| / max |want|), and the traces
+a mistake leaves behind:
+
+- `ratio`   got = k want for one k over the whole tensor (or every tensor of a claim): a missing or extra
+            factor of P, of M, of 2 (k = <got, want> / <want, want>, kept when got - k want vanishes);
+- `zero`    nothing arrived: got is zero or None (a detached block, a gradient sent as zeros);
+- `matches` the alternatives got equals, each what a named misconception computes (this rank's own rows'
+            gradient, attention with the diagonal unmasked, the neighbour's block, the order of another
+            schedule, ...), computed by the check from the reference's math, never from the answer;
+- `confined` the named regions outside which got is right (the diagonal tiles, this rank's shard, ...);
+- `tensors` which of a claim's named tensors missed (the logit scale only, the biases only);
+- `note`    the check's own words (a schedule's validator: "deadlocks", "appears twice").
+
+Across ranks the judge adds which ranks missed. A `Mistake` is one catalogued error: the claim it breaks,
+the signatures that recognise it (`Scaled`, `Equals`, `Zero`, `Confined`, `OnRanks`, `Tensors`, `Says`: the
+vocabulary every exercise shares), the claims it leaves standing (`holds`), and three hints: level 1 names
+the idea, level 2 the step, level 3 nearly the line. `diagnose` finds the first catalogued mistake whose
+signatures all match; when none does it says what it saw, never a guess.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Hints = tuple[str, ...]  # up to three levels: the idea, the step, nearly the line
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One claim on one rank: whether it held, and what the comparison showed."""
+
+    claim: str
+    ok: bool
+    what: str
+    error: float = 0.0
+    got: Any = None  # numbers only: the measured value and the claimed one
+    want: Any = None
+    ratio: float | None = None
+    zero: bool = False
+    matches: tuple[str, ...] = ()
+    offered: tuple[str, ...] = ()  # every alternative the check offered
+    confined: tuple[str, ...] = ()
+    regions: tuple[str, ...] = ()  # every region the check offered
+    tensors: tuple[str, ...] = ()  # the named tensors that missed
+    worst: str = ""  # the named tensor that missed by the most
+    note: str = ""
+    hints: Hints = ()  # the claim's own hints, for a failure no catalogued mistake explains
+
+    def amount(self) -> str:
+        """By how much, in one phrase."""
+        if self.note and self.got is None and not self.error:
+            return self.note
+        if self.got is not None:
+            text = f"{_show(self.got)}, not {_show(self.want)}"
+        else:
+            text = "nothing arrived (None)" if math.isinf(self.error) and self.zero else f"rel. error {self.error:.2e}"
+            text = f"{self.worst}: {text}" if self.worst else text
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+# ---- measuring: tensors and numbers --------------------------------------------------------------
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return (got - want).abs().max().item() / max(scale, 1e-300) if got.numel() else 0.0
+
+
+def _fits(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+    return got is not None and got.shape == want.shape and _rel(got.detach().double(), want.detach().double()) < tol
+
+
+def tensor_facts(got, want, tol: float, alternatives: dict, regions: dict) -> dict:
+    """Every fact of one got/want pair of tensors (see the module docstring)."""
+    if got is None:
+        return {"error": math.inf, "zero": True}
+    if got.shape != want.shape:
+        return {"error": math.inf, "note": f"shape {tuple(got.shape)}, not {tuple(want.shape)}"}
+    got, want = got.detach().double(), want.detach().double()
+    facts = {
+        "error": _rel(got, want),
+        "zero": bool(got.abs().max() <= tol * want.abs().max()) if got.numel() else False,
+    }
+    facts["matches"] = tuple(name for name, alt in alternatives.items() if _fits(got, alt, tol))
+    facts["confined"] = tuple(
+        name for name, inside in regions.items() if _rel(got * ~inside, want * ~inside) < tol < _rel(got, want)
+    )
+    denominator = (want * want).sum().item()
+    if denominator > 0:
+        k = (got * want).sum().item() / denominator
+        if k != 0 and _rel(got, k * want) < tol:
+            facts["ratio"] = k
+    return facts
+
+
+def _common_ratio(got: dict, want: dict, tol: float) -> float | None:
+    """The one k with got[n] = k want[n] for every named tensor, if there is one."""
+    pairs = [(g.detach().double(), want[n].detach().double()) for n, g in got.items() if g is not None]
+    if len(pairs) < len(got):
+        return None
+    denominator = sum((w * w).sum().item() for _, w in pairs)
+    if denominator == 0:
+        return None
+    k = sum((g * w).sum().item() for g, w in pairs) / denominator
+    return k if k != 0 and all(_rel(g, k * w) < tol for g, w in pairs) else None
+
+
+# ---- recording: one rank's claims ----------------------------------------------------------------
+
+
+@dataclass
+class Claims:
+    """The claims one rank checks, in order, each kept as a `Seen`. Every method returns whether it held."""
+
+    seen: list[Seen] = field(default_factory=list)
+
+    def close(self, claim: str, got, want, *, what: str, tol: float = 1e-10, **extra) -> bool:
+        """got and want are tensors; `alternatives` (name -> tensor) and `regions` (name -> bool mask)
+        are what the judge tells mistakes apart with; `hints` the claim's own, by level."""
+        alternatives, regions = extra.pop("alternatives", {}), extra.pop("regions", {})
+        facts = tensor_facts(got, want, tol, alternatives, regions)
+        ok = facts["error"] < tol
+        seen = Seen(claim, ok, what, offered=tuple(alternatives), regions=tuple(regions), **facts, **extra)
+        self.seen.append(seen)
+        return ok
+
+    def tensors(self, claim: str, got: dict, want: dict, *, what: str, tol: float = 1e-10, **extra) -> bool:
+        """Many named tensors (a model's gradients): `worst` names the one that missed most; `ratio` is the
+        one factor shared by every tensor, `zero` that every tensor is zero, `tensors` which missed."""
+        alternatives = extra.pop("alternatives", {})
+        facts = {name: tensor_facts(got.get(name), w, tol, {}, {}) for name, w in want.items()}
+        worst = max(facts, key=lambda name: facts[name]["error"])
+        missed = tuple(name for name in want if facts[name]["error"] >= tol)
+        matches = tuple(
+            alt for alt, values in alternatives.items() if all(_fits(got.get(n), values[n], tol) for n in want)
+        )
+        self.seen.append(
+            Seen(
+                claim,
+                not missed,
+                what,
+                error=facts[worst]["error"],
+                worst=worst if missed else "",
+                ratio=_common_ratio(got, want, tol) if missed else None,
+                zero=all(f.get("zero") for f in facts.values()),
+                matches=matches,
+                offered=tuple(alternatives),
+                tensors=missed,
+                **extra,
+            )
+        )
+        return not missed
+
+    def equal(self, claim: str, got, want, *, what: str, ok: bool | None = None, **extra) -> bool:
+        """Numbers, or anything ==: the claim holds when got == want (or `ok` says so, for a bound);
+        `alternatives` (name -> value) are the values named mistakes produce."""
+        alternatives = extra.pop("alternatives", {})
+        held = got == want if ok is None else bool(ok)
+        number = isinstance(got, (int, float)) and isinstance(want, (int, float)) and not isinstance(got, bool)
+        error = abs(got - want) / max(abs(want), 1e-300) if number else float(not held)
+        ratio = got / want if number and want and got and not held else None
+        matches = tuple(name for name, value in alternatives.items() if value == got)
+        self.seen.append(
+            Seen(claim, held, what, error, got, want, ratio, matches=matches, offered=tuple(alternatives), **extra)
+        )
+        return held
+
+    def check(self, claim: str, ok: bool, amount: str = "", hint: str = "") -> bool:  # TEMPORARY: old API
+        return self.holds(claim, ok, what="", note=amount, hints=(hint,))
+
+    def check_worst(self, claim: str, errors: dict, hint: str, bound: float = 1e-10) -> bool:  # TEMPORARY
+        worst = max(errors, key=errors.get)
+        return self.check(claim, errors[worst] < bound, f"{worst}: relative error {errors[worst]:.2e}", hint)
+
+    def holds(self, claim: str, ok: bool, *, what: str, note: str = "", hints: Hints = ()) -> bool:
+        """A claim that is a yes or no (a schedule is valid), with the check's own words when it is not."""
+        self.seen.append(Seen(claim, bool(ok), what, error=float(not ok), note=note, hints=hints))
+        return bool(ok)
+
+
+# ---- the signatures ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """Every failing rank's got is exactly `text` = factor(P) times the reference's."""
+
+    text: str
+    factor: Callable[[int], float]
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        k = self.factor(world)
+        if all(s.ratio is not None and math.isclose(s.ratio, k, rel_tol=1e-6) for s in failing.values()):
+            return f"{_where(failing)}: exactly {self.text} = {k:.4g} times the reference"
+        return None
+
+
+@dataclass(frozen=True)
+class Equals:
+    """Every failing rank's got equals the alternative named `name`."""
+
+    name: str
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        if all(self.name in s.matches for s in failing.values()):
+            return f"{_where(failing)}: equal to {self.name}"
+        return None
+
+
+@dataclass(frozen=True)
+class Zero:
+    """Nothing arrived on any failing rank."""
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        return f"{_where(failing)}: zero, nothing arrived" if all(s.zero for s in failing.values()) else None
+
+
+@dataclass(frozen=True)
+class Confined:
+    """The error lies only inside the region named `name`, on every failing rank."""
+
+    name: str
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        if all(self.name in s.confined for s in failing.values()):
+            return f"the error lies only in {self.name}; everything else is right"
+        return None
+
+
+@dataclass(frozen=True)
+class OnRanks:
+    """The set of failing ranks is `which(P)`, described as `text` ("every rank but 0")."""
+
+    text: str
+    which: Callable[[int], set[int]]
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        return f"it fails on {self.text}, the others are right" if set(failing) == self.which(world) else None
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """Exactly these named tensors miss (on every failing rank)."""
+
+    names: tuple[str, ...]
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        if all(set(s.tensors) == set(self.names) for s in failing.values()):
+            return f"only {', '.join(self.names)} missed; every other tensor is right"
+        return None
+
+
+@dataclass(frozen=True)
+class Says:
+    """The check's own words on every failing rank match `pattern`."""
+
+    pattern: str
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        notes = {s.note for s in failing.values()}
+        return (
+            f"the check says: {' / '.join(sorted(notes))}" if all(re.search(self.pattern, n) for n in notes) else None
+        )
+
+
+def _where(failing: dict[int, Seen]) -> str:
+    whats = ", ".join(sorted({s.what for s in failing.values()}))
+    return f"{whats} on every failing rank" if len(failing) > 1 else f"{whats} on rank {min(failing)}"
+
+
+def all_but(rank: int) -> OnRanks:
+    return OnRanks(f"every rank but {rank}", lambda p: set(range(p)) - {rank})
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A catalogued mistake: the claim it breaks (a regex), the signatures that recognise it there, the
+    claims it leaves standing (regexes: they tell it from its look-alikes), and its hints by level."""
+
+    name: str
+    claim: str
+    seen: tuple
+    hints: Hints
+    holds: tuple[str, ...] = ()
+
+
+# ---- the diagnosis -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The failed claim a message is about, on which ranks, the mistake recognised there (or None), what
+    the judge saw, and the other claims that failed."""
+
+    claim: str
+    failing: dict[int, Seen]
+    mistake: Mistake | None
+    observations: tuple[str, ...]
+    also: tuple[str, ...]
+    world: int
+
+    def message(self, level: int) -> str:
+        first = self.failing[min(self.failing)]
+        ranks = ", ".join(map(str, sorted(self.failing)))
+        lines = [f"claim '{self.claim}' failed on rank(s) {ranks}: {first.what}: {first.amount()}"]
+        if self.also:
+            lines.append(f"  also failed: {'; '.join(self.also)}")
+        if level >= 1:
+            lines.append(f"  the judge saw: {'; '.join(self.observations)}")
+            hints = self.mistake.hints if self.mistake else first.hints
+            if self.mistake is None:
+                lines.append("  no catalogued mistake leaves these traces; what the judge saw is all it can say")
+            lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(hints[:level])]
+        if level < 3:
+            lines.append(f"  (a hint: --hint-level {level + 1}, or DISTLAB_HINT_LEVEL={level + 1})")
+        return "\n".join(lines)
+
+
+class Findings:
+    """Every rank's `Seen`s, in the order the claims were made."""
+
+    def __init__(self, by_rank: list[list[Seen]]):
+        self.by_rank = by_rank
+
+    def claims(self) -> list[str]:
+        order = []
+        for seen in self.by_rank:
+            order += [s.claim for s in seen if s.claim not in order]
+        return order
+
+    def failing(self, claim: str) -> dict[int, Seen]:
+        return {r: s for r, seen in enumerate(self.by_rank) for s in seen if s.claim == claim and not s.ok}
+
+    def failed(self) -> list[str]:
+        return [c for c in self.claims() if self.failing(c)]
+
+    def held(self, pattern: str) -> bool:
+        """Some claim matching `pattern` was made, and every one of them held on every rank."""
+        made = [c for c in self.claims() if re.search(pattern, c)]
+        return bool(made) and not any(self.failing(c) for c in made)
+
+
+def recognise(findings: Findings, mistake: Mistake, world: int) -> Diagnosis | None:
+    """The diagnosis when `mistake`'s signatures all match on a failed claim of its, else None."""
+    if not all(findings.held(pattern) for pattern in mistake.holds):
+        return None
+    for claim in findings.failed():
+        if re.search(mistake.claim, claim):
+            failing = findings.failing(claim)
+            observations = [sig.match(failing, world) for sig in mistake.seen]
+            if all(observations):
+                also = tuple(c for c in findings.failed() if c != claim)
+                return Diagnosis(claim, failing, mistake, tuple(observations), also, world)
+    return None
+
+
+def diagnose(findings: Findings, mistakes: tuple[Mistake, ...], world: int) -> Diagnosis | None:
+    """The first catalogued mistake the findings show, else the first failed claim with what the judge
+    saw there; None when every claim held."""
+    failed = findings.failed()
+    if not failed:
+        return None
+    for mistake in mistakes:
+        diagnosis = recognise(findings, mistake, world)
+        if diagnosis is not None:
+            return diagnosis
+    failing = findings.failing(failed[0])
+    return Diagnosis(failed[0], failing, None, tuple(describe(failing, world)), tuple(failed[1:]), world)
+
+
+def describe(failing: dict[int, Seen], world: int) -> list[str]:
+    """What the judge saw on a failed claim, fact by fact, with no guess at the cause."""
+    seen = list(failing.values())
+    held = sorted(set(range(world)) - set(failing))
+    facts = [f"ranks that held: {', '.join(map(str, held))}" if held else "it fails on every rank"]
+    ratios = {None if s.ratio is None else round(s.ratio, 6) for s in seen}
+    if ratios == {None}:
+        facts.append("no single factor relates it to the reference")
+    else:
+        facts.append("got / reference: " + ", ".join(f"rank {r}: {_ratio(s)}" for r, s in failing.items()))
+    if any(s.zero for s in seen):
+        facts.append(f"zero on rank(s) {', '.join(str(r) for r, s in failing.items() if s.zero)}")
+    for s in seen[:1]:
+        if s.tensors:
+            facts.append(f"tensors that missed: {', '.join(s.tensors)}")
+        if s.offered:
+            matched = sorted({m for t in seen for m in t.matches})
+            facts.append(f"equals: {', '.join(matched)}" if matched else f"equals none of: {', '.join(s.offered)}")
+        if s.regions:
+            facts.append(f"the error is confined to none of: {', '.join(s.regions)}")
+    return facts
+
+
+def _ratio(seen: Seen) -> str:
+    return "no single factor" if seen.ratio is None else f"{seen.ratio:.6g}"

@@ -15,10 +15,10 @@ a mistake leaves behind:
 - `note`    the check's own words (a schedule's validator: "deadlocks", "appears twice").
 
 Across ranks the judge adds which ranks missed. A `Mistake` is one catalogued error: the claim it breaks,
-the signatures that recognise it (`Scaled`, `Equals`, `Zero`, `Confined`, `OnRanks`, `Tensors`, `Says`: the
-vocabulary every exercise shares), the claims it leaves standing (`holds`), and three hints: level 1 names
-the idea, level 2 the step, level 3 nearly the line. `diagnose` finds the first catalogued mistake whose
-signatures all match; when none does it says what it saw, never a guess.
+the signatures that recognise it (`Scaled`, `Proportional`, `Equals`, `Zero`, `Confined`, `OnRanks`,
+`Tensors`, `Says`: the vocabulary every exercise shares), the claims it leaves standing (`holds`), and
+three hints: level 1 names the idea, level 2 the step, level 3 nearly the line. `diagnose` finds the first
+catalogued mistake whose signatures all match; when none does it says what it saw, never a guess.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _show(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, (list, tuple)):
-        return " ".join(map(str, value))
+        return " ".join(map(str, value)) if value else "none"
     return str(value)
 
 
@@ -111,7 +111,7 @@ def tensor_facts(got, want, tol: float, alternatives: dict, regions: dict) -> di
 
 
 def _common_ratio(got: dict, want: dict, tol: float) -> float | None:
-    """The one k with got[n] = k want[n] for every named tensor, if there is one."""
+    """The one k with got[n] = k want[n] for every named tensor of `got`, if there is one."""
     pairs = [(g.detach().double(), want[n].detach().double()) for n, g in got.items() if g is not None]
     if len(pairs) < len(got):
         return None
@@ -158,7 +158,7 @@ class Claims:
                 what,
                 error=facts[worst]["error"],
                 worst=worst if missed else "",
-                ratio=_common_ratio(got, want, tol) if missed else None,
+                ratio=_common_ratio({n: got.get(n) for n in missed}, want, tol) if missed else None,
                 zero=all(f.get("zero") for f in facts.values()),
                 matches=matches,
                 offered=tuple(alternatives),
@@ -176,7 +176,7 @@ class Claims:
         number = isinstance(got, (int, float)) and isinstance(want, (int, float)) and not isinstance(got, bool)
         error = abs(got - want) / max(abs(want), 1e-300) if number else float(not held)
         ratio = got / want if number and want and got and not held else None
-        matches = tuple(name for name, value in alternatives.items() if value == got)
+        matches = tuple(name for name, value in alternatives.items() if _same(value, got))
         self.seen.append(
             Seen(claim, held, what, error, got, want, ratio, matches=matches, offered=tuple(alternatives), **extra)
         )
@@ -195,6 +195,12 @@ class Claims:
         return bool(ok)
 
 
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
 # ---- the signatures ------------------------------------------------------------------------------
 
 
@@ -209,6 +215,18 @@ class Scaled:
         k = self.factor(world)
         if all(s.ratio is not None and math.isclose(s.ratio, k, rel_tol=1e-6) for s in failing.values()):
             return f"{_where(failing)}: exactly {self.text} = {k:.4g} times the reference"
+        return None
+
+
+@dataclass(frozen=True)
+class Proportional:
+    """Every failing rank's got is one and the same multiple k of the reference's, whatever k is (an
+    update not clipped: the whole gradient off by its norm over the clipping bound)."""
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        ks = {None if s.ratio is None else round(s.ratio, 6) for s in failing.values()}
+        if None not in ks and len(ks) == 1:
+            return f"{_where(failing)}: every tensor that missed is off by one factor, {ks.pop():.6g}"
         return None
 
 
@@ -366,6 +384,9 @@ def recognise(findings: Findings, mistake: Mistake, world: int) -> Diagnosis | N
             failing = findings.failing(claim)
             observations = [sig.match(failing, world) for sig in mistake.seen]
             if all(observations):
+                observations += [
+                    f"'{c}' held" for c in findings.claims() if any(re.search(h, c) for h in mistake.holds)
+                ]
                 also = tuple(c for c in findings.failed() if c != claim)
                 return Diagnosis(claim, failing, mistake, tuple(observations), also, world)
     return None

@@ -412,7 +412,9 @@ def describe(failing: dict[int, Seen], world: int) -> list[str]:
     held = sorted(set(range(world)) - set(failing))
     facts = [f"ranks that held: {', '.join(map(str, held))}" if held else "it fails on every rank"]
     ratios = {None if s.ratio is None else round(s.ratio, 6) for s in seen}
-    if ratios == {None}:
+    if seen[0].got is not None and not isinstance(seen[0].got, (int, float)):
+        facts.append("measured: " + "; ".join(f"rank {r}: {_show(s.got)}" for r, s in failing.items()))
+    elif ratios == {None}:
         facts.append("no single factor relates it to the reference")
     else:
         facts.append("got / reference: " + ", ".join(f"rank {r}: {_ratio(s)}" for r, s in failing.items()))

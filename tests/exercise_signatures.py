@@ -51,6 +51,7 @@ class Seen:
     confined: tuple[str, ...] = ()
     regions: tuple[str, ...] = ()  # every region the check offered
     tensors: tuple[str, ...] = ()  # the named tensors that missed
+    among: tuple[str, ...] = ()  # every named tensor of the claim
     worst: str = ""  # the named tensor that missed by the most
     note: str = ""
     hints: Hints = ()  # the claim's own hints, for a failure no catalogued mistake explains
@@ -163,6 +164,7 @@ class Claims:
                 matches=matches,
                 offered=tuple(alternatives),
                 tensors=missed,
+                among=tuple(want),
                 **extra,
             )
         )
@@ -275,14 +277,19 @@ class OnRanks:
 
 @dataclass(frozen=True)
 class Tensors:
-    """Exactly these named tensors miss (on every failing rank)."""
+    """Exactly these named tensors miss (on every failing rank); with `but`, every tensor except these."""
 
     names: tuple[str, ...]
+    but: bool = False
 
     def match(self, failing: dict[int, Seen], world: int) -> str | None:
-        if all(set(s.tensors) == set(self.names) for s in failing.values()):
-            return f"only {', '.join(self.names)} missed; every other tensor is right"
-        return None
+        for s in failing.values():
+            missing = set(s.among) - set(self.names) if self.but else set(self.names)
+            if set(s.tensors) != missing:
+                return None
+        if self.but:
+            return f"every tensor but {', '.join(self.names)} missed; {', '.join(self.names)} is right"
+        return f"only {', '.join(self.names)} missed; every other tensor is right"
 
 
 @dataclass(frozen=True)

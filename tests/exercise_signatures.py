@@ -52,6 +52,7 @@ class Seen:
     regions: tuple[str, ...] = ()  # every region the check offered
     tensors: tuple[str, ...] = ()  # the named tensors that missed
     among: tuple[str, ...] = ()  # every named tensor of the claim
+    ratios: tuple = ()  # (name, k or None) of every tensor that missed
     worst: str = ""  # the named tensor that missed by the most
     note: str = ""
     hints: Hints = ()  # the claim's own hints, for a failure no catalogued mistake explains
@@ -165,6 +166,7 @@ class Claims:
                 offered=tuple(alternatives),
                 tensors=missed,
                 among=tuple(want),
+                ratios=tuple((n, facts[n].get("ratio")) for n in missed),
                 **extra,
             )
         )
@@ -222,14 +224,18 @@ class Scaled:
 
 @dataclass(frozen=True)
 class Proportional:
-    """Every failing rank's got is one and the same multiple k of the reference's, whatever k is (an
-    update not clipped: the whole gradient off by its norm over the clipping bound)."""
+    """Several tensors missed, all by one and the same factor k, whatever k is (an update not clipped: the
+    whole gradient off by its norm over the clipping bound); the tensors in `but` are left out (a
+    clamped one)."""
+
+    but: tuple[str, ...] = ()
 
     def match(self, failing: dict[int, Seen], world: int) -> str | None:
-        ks = {None if s.ratio is None else round(s.ratio, 6) for s in failing.values()}
-        if None not in ks and len(ks) == 1:
-            return f"{_where(failing)}: every tensor that missed is off by one factor, {ks.pop():.6g}"
-        return None
+        ks = {None if k is None else round(k, 6) for s in failing.values() for n, k in s.ratios if n not in self.but}
+        if None in ks or len(ks) != 1 or any(len(s.ratios) < 2 for s in failing.values()):
+            return None
+        others = f" (leaving out {', '.join(self.but)})" if self.but else ""
+        return f"{_where(failing)}: every tensor that missed{others} is off by one factor, {ks.pop():.6g}"
 
 
 @dataclass(frozen=True)

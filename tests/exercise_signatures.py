@@ -181,9 +181,8 @@ class Claims:
         error = abs(got - want) / max(abs(want), 1e-300) if number else float(not held)
         ratio = got / want if number and want and got and not held else None
         matches = tuple(name for name, value in alternatives.items() if _same(value, got))
-        self.seen.append(
-            Seen(claim, held, what, error, got, want, ratio, matches=matches, offered=tuple(alternatives), **extra)
-        )
+        zero = number and got == 0 and want != 0
+        self.seen.append(Seen(claim, held, what, error, got, want, ratio, zero, matches, tuple(alternatives), **extra))
         return held
 
     def check(self, claim: str, ok: bool, amount: str = "", hint: str = "") -> bool:  # TEMPORARY: old API

@@ -425,7 +425,10 @@ def describe(failing: dict[int, Seen], world: int) -> list[str]:
     facts = [f"ranks that held: {', '.join(map(str, held))}" if held else "it fails on every rank"]
     ratios = {None if s.ratio is None else round(s.ratio, 6) for s in seen}
     if seen[0].got is not None and not isinstance(seen[0].got, (int, float)):
-        facts.append("measured: " + "; ".join(f"rank {r}: {_show(s.got)}" for r, s in failing.items()))
+        if all(s.got == seen[0].got for s in seen):
+            facts.append(f"measured on {'every failing rank' if len(seen) > 1 else 'it'}: {_show(seen[0].got)}")
+        else:
+            facts.append("measured: " + "; ".join(f"rank {r}: {_show(s.got)}" for r, s in failing.items()))
     elif ratios == {None}:
         facts.append("no single factor relates it to the reference")
     else:

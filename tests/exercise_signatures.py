@@ -59,8 +59,8 @@ class Seen:
 
     def amount(self) -> str:
         """By how much, in one phrase."""
-        if self.note and self.got is None and not self.error:
-            return self.note
+        if self.got is None and not self.error:  # a yes-or-no claim: the check's words say why
+            return self.note or "it does not hold"
         if self.got is not None:
             text = f"{_show(self.got)}, not {_show(self.want)}"
         else:
@@ -194,7 +194,7 @@ class Claims:
 
     def holds(self, claim: str, ok: bool, *, what: str, note: str = "", hints: Hints = ()) -> bool:
         """A claim that is a yes or no (a schedule is valid), with the check's own words when it is not."""
-        self.seen.append(Seen(claim, bool(ok), what, error=float(not ok), note=note, hints=hints))
+        self.seen.append(Seen(claim, bool(ok), what, note=note, hints=hints))
         return bool(ok)
 
 

@@ -8,11 +8,12 @@ running; and checkpointing holds fewer activation bytes (a stage of 4 layers in 
 from pathlib import Path
 
 from exercise_kit import Exercise
+from exercise_schedules import ONE_AT_A_TIME, why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
 from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import Action, check_schedule, one_f_one_b
+from distlab.pipeline.schedules import Action, one_f_one_b
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 
@@ -21,26 +22,15 @@ P, M = 3, 4
 CFG = PipelineConfig(
     widths=(4, *[6] * 11, 3), global_batch=7, micro_batches=M, steps=2, lr=0.2, seed=3, probe=True, gather_spans=False
 )  # 12 layers: 4 per stage, K = 2 segments of 2
-ONE_AT_A_TIME = "(P-1)/P, lesson 01's: one micro-batch in the pipeline at a time"
 ONE_F_ONE_B = "min(M, P - r), 1F1B's count"
-
-
-def valid(schedule, world: int, m: int) -> tuple[bool, str]:
-    """check_schedule: F and I once per micro-batch and stage; simulate: no deadlock."""
-    try:
-        if len(schedule) != world:
-            return False, f"{len(schedule)} lists for {world} ranks"
-        return check_schedule(schedule) == m and simulate(schedule).ticks > 0, f"not {m} micro-batches"
-    except ValueError as err:
-        return False, str(err)
 
 
 def _ranks(rt, gpipe, claims) -> None:
     schedule = gpipe(P, M)
-    ok, why = valid(schedule, P, M)
+    why = why_invalid(schedule, P, M)
     if not claims.holds(
         "every rank's order is a schedule (F and I once per micro-batch, no deadlock)",
-        ok,
+        not why,
         what="the schedule",
         note=why,
         hints=("rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i",),

@@ -322,13 +322,15 @@ def all_but(rank: int) -> OnRanks:
 @dataclass(frozen=True)
 class Mistake:
     """A catalogued mistake: the claim it breaks (a regex), the signatures that recognise it there, the
-    claims it leaves standing (regexes: they tell it from its look-alikes), and its hints by level."""
+    claims it leaves standing and the other claims it breaks too (regexes: they tell it from its
+    look-alikes), and its hints by level."""
 
     name: str
     claim: str
     seen: tuple
     hints: Hints
     holds: tuple[str, ...] = ()
+    fails: tuple[str, ...] = ()
 
 
 # ---- the diagnosis -------------------------------------------------------------------------------
@@ -388,18 +390,23 @@ class Findings:
 
 
 def recognise(findings: Findings, mistake: Mistake, world: int) -> Diagnosis | None:
-    """The diagnosis when `mistake`'s signatures all match on a failed claim of its, else None."""
+    """The diagnosis when `mistake`'s signatures all match on a failed claim of its, the claims it leaves
+    standing held and the others it breaks failed, else None."""
+    failed = findings.failed()
     if not all(findings.held(pattern) for pattern in mistake.holds):
         return None
-    for claim in findings.failed():
+    if not all(any(re.search(pattern, c) for c in failed) for pattern in mistake.fails):
+        return None
+    for claim in failed:
         if re.search(mistake.claim, claim):
             failing = findings.failing(claim)
             observations = [sig.match(failing, world) for sig in mistake.seen]
             if all(observations):
+                also = tuple(c for c in failed if c != claim)
                 observations += [
                     f"'{c}' held" for c in findings.claims() if any(re.search(h, c) for h in mistake.holds)
                 ]
-                also = tuple(c for c in findings.failed() if c != claim)
+                observations += [f"'{c}' failed too" for c in also if any(re.search(f, c) for f in mistake.fails)]
                 return Diagnosis(claim, failing, mistake, tuple(observations), also, world)
     return None
 

@@ -5,7 +5,7 @@ Each lesson has an exercise, `lessons/exercises/NN_<lesson>.py`: the one functio
 mechanism, with the lesson's own signature, its body a `raise NotImplementedError("not written yet: ...")`.
 Its test, `tests/test_exerciseNN_<lesson>.py`, describes an `Exercise`: a `body(rt, fn, claims, *args)` that
 runs on each of P spawned ranks with `fn` the function judged and records the lesson's claims through
-`exercise_signatures.Claims` (numbers against plain autograd on the whole batch, and what the lesson claims
+`exercise_claims.Claims` (numbers against plain autograd on the whole batch, and what the lesson claims
 beyond numbers, seen through `exercise_watch.Watch`); a catalogue of `Mistake`s, each recognised by its
 signature; and the exercise's own hints by level. `Exercise.tests` turns that into the tests:
 
@@ -39,7 +39,8 @@ from typing import Any
 
 import pytest
 import torch
-from exercise_signatures import Claims, Diagnosis, Findings, Hints, Mistake, diagnose
+from exercise_claims import Claims, Hints
+from exercise_signatures import Diagnosis, Findings, Mistake, diagnose
 
 from distlab.spawn import spawn
 
@@ -266,30 +267,3 @@ class Embeddings:
     def whole(self) -> tuple:
         """Leaf copies of the whole Z_x, Z_y: the single-process reference's inputs."""
         return tuple(z.clone().requires_grad_() for z in (self.full_x, self.full_y))
-
-
-# ---- TEMPORARY: the old API, until every exercise test uses Exercise --------------------------------
-
-
-def judge(body, world_size, answer, *args):
-    ex = Exercise("", answer.name, body, world_size, (), (), args=args)
-    (verdict,) = ex.judge([answer])
-    text = ex.message(verdict, 1)
-    if text is not None:
-        pytest.fail(text, pytrace=False)
-
-
-def exercise_tests(lesson, name, check, wrong, wrong_claim, solution_at=None):
-    @pytest.mark.exercise
-    def test_exercise(source: str) -> None:
-        check((solution_at or solution(lesson, name)) if source == "solution" else exercise(lesson, name))
-
-    def test_the_judge_rejects_a_blank_and_a_wrong_answer() -> None:
-        blank = exercise(lesson, name)
-        with pytest.raises(pytest.fail.Exception, match=wrong_claim):
-            check(wrong)
-        if blank.is_blank():
-            with pytest.raises(pytest.fail.Exception, match="not written yet"):
-                check(blank)
-
-    return test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 import torch
 from exercise_claims import Claims, Hints
-from exercise_signatures import Diagnosis, Findings, Mistake, diagnose
+from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
 
 from distlab.spawn import spawn
 
@@ -167,7 +167,7 @@ class Exercise:
             lines = [f"{verdict.answer.path.name}: {text}"]
             lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(self.hints[:level])]
             if level < len(self.hints):
-                lines.append(f"  (a hint: --hint-level {level + 1}, or DISTLAB_HINT_LEVEL={level + 1})")
+                lines.append(more_help(level))
             return "\n".join(lines)
         if verdict.diagnosis is None:
             return None
@@ -233,7 +233,9 @@ class Exercise:
         """The blank and every wrong answer in `here`, judged once in one spawn (cached per module)."""
         key = (self.lesson, here)
         if key not in _GROUPS:
-            answers = [exercise(self.lesson, self.name), *(Answer(here, n) for n in sorted(_WRONG[key]))]
+            blank = exercise(self.lesson, self.name)
+            # a written exercise is the learner's to judge with --exercises, never in the wrong answers' spawn
+            answers = [blank] * blank.is_blank() + [Answer(here, n) for n in sorted(_WRONG[key])]
             _GROUPS[key] = {v.answer: v for v in self.judge(answers)}
         return _GROUPS[key]
 

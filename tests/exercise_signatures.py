@@ -147,6 +147,12 @@ class Mistake:
     fails: tuple[str, ...] = ()
 
 
+def more_help(level: int) -> str:
+    """How to ask for the next level of hints."""
+    ask = "a hint" if level == 0 else "more help"
+    return f"  ({ask}: --hint-level {level + 1}, or DISTLAB_HINT_LEVEL={level + 1})"
+
+
 # ---- the diagnosis -------------------------------------------------------------------------------
 
 
@@ -175,7 +181,7 @@ class Diagnosis:
                 lines.append("  no catalogued mistake leaves these traces; what the judge saw is all it can say")
             lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(hints[:level])]
         if level < 3:
-            lines.append(f"  (a hint: --hint-level {level + 1}, or DISTLAB_HINT_LEVEL={level + 1})")
+            lines.append(more_help(level))
         return "\n".join(lines)
 
 

@@ -1,9 +1,9 @@
 """Exercise 02: the GPipe schedule, judged on 3 ranks by running it: the answer's lists are executed by
-the pipeline runner, with and without activation checkpointing (K = 2), and the lesson's claims are
-checked: every rank's order is a valid schedule; the gradients and parameters equal the unsplit model's
-on the whole batch (float64, rtol 1e-10; N = 7 rows in M = 4 micro-batches, uneven); the bubble counted
-in the schedule's grid is (P-1)/(M+P-1); every rank holds all M micro-batches at once, measured while
-running; and checkpointing holds fewer activation bytes (a stage of 4 layers in 2 segments of 2)."""
+the pipeline runner and the lesson's claims are checked: every rank's order is a valid schedule; the
+gradients and parameters equal the unsplit model's on the whole batch (float64, rtol 1e-10; N = 7 rows in
+M = 4 micro-batches, uneven); the bubble counted in the schedule's grid is (P-1)/(M+P-1); and every rank
+holds all M micro-batches at once, measured while running. (That checkpointing then holds fewer activation
+bytes is a claim about the runner, whatever the schedule: tests/test_lesson02_gpipe.py checks it.)"""
 
 from pathlib import Path
 
@@ -20,8 +20,8 @@ from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 LESSON, NAME = "02_gpipe_checkpoint", "gpipe"
 P, M = 3, 4
 CFG = PipelineConfig(
-    widths=(4, *[6] * 11, 3), global_batch=7, micro_batches=M, steps=2, lr=0.2, seed=3, probe=True, gather_spans=False
-)  # 12 layers: 4 per stage, K = 2 segments of 2
+    widths=(4, *[6] * 11, 3), global_batch=7, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False
+)
 ONE_F_ONE_B = "min(M, P - r), 1F1B's count"
 
 
@@ -36,14 +36,12 @@ def _ranks(rt, gpipe, claims) -> None:
         hints=("rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i",),
     ):
         return
-    ref, runs = unsplit_reference(CFG), {}
-    for k in (0, 2):
-        cfg = CFG.replace(checkpoint_segments=k)
-        runs[k] = run = train(rt, cfg, PipelineStep(rt, cfg, schedule))
-        exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
-            compare({n: ref.params[n] for n in run.params}, run.params)
-        )
-        claims.holds(f"K={k}: the gradients and parameters equal the unsplit model's", exact, what="theta_p")
+    ref, cfg = unsplit_reference(CFG), CFG
+    run = train(rt, cfg, PipelineStep(rt, cfg, schedule))
+    exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
+        compare({n: ref.params[n] for n in run.params}, run.params)
+    )
+    claims.holds("the gradients and parameters equal the unsplit model's", exact, what="theta_p")
     claims.equal(
         "the bubble counted in the grid is (P-1)/(M+P-1)",
         simulate(schedule).bubble_fraction(),
@@ -54,18 +52,10 @@ def _ranks(rt, gpipe, claims) -> None:
     )
     claims.equal(
         "every rank holds all M micro-batches at once",
-        runs[0].peak_in_flight,
+        run.peak_in_flight,
         M,
         what="micro-batches held at once",
         alternatives={ONE_F_ONE_B: min(M, P - rt.rank), "1, one micro-batch at a time": 1},
-    )
-    plain, ckpt = runs[0].saved_peak_bytes, runs[2].saved_peak_bytes
-    claims.equal(
-        "checkpointing (K=2) holds fewer activation bytes",
-        ckpt,
-        plain,
-        ok=ckpt < plain,
-        what="activation bytes held with K = 2 (against K = 0)",
     )
 
 

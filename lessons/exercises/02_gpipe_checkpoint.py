@@ -12,10 +12,9 @@ so that of the (M + P - 1)(t_F + t_I) a step takes, each rank idles only
 GPipe's price: every stage holds the saved activations of all M micro-batches at once, until its first
 backward (which the lesson's checkpointing then shrinks).
 
-The runner executes your lists on real ranks, with and without checkpoint_sequential; the judge checks
-that they form a schedule (every F and I once, no deadlock), the gradients and parameters against the
-unsplit model, the bubble counted in your schedule's grid, what each rank held while running, and that
-checkpointing holds fewer activation bytes.
+The runner executes your lists on real ranks; the judge checks that they form a schedule (every F and I
+once, no deadlock), the gradients and parameters against the unsplit model, the bubble counted in your
+schedule's grid, and what each rank held while running.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Suite-wide settings, and `pytest --exercises`: judge the learner's answers in lessons/exercises/."""
+"""Suite-wide settings, and `pytest --exercises`: judge the learner's answers in lessons/exercises/.
+
+With --exercises only the exercise test files are collected (`-k NN` narrows that to exercise NN's file
+before anything is imported), the judge prints hints up to --hint-level (or DISTLAB_HINT_LEVEL; 0 for no
+help, 1 by default) and the summary says how long each check took."""
+
+import re
 
 import pytest
 import torch
@@ -10,10 +16,35 @@ def pytest_addoption(parser):
         action="store_true",
         help="run only the exercise tests, on your answers in lessons/exercises/ (add -k NN for one)",
     )
+    parser.addoption(
+        "--hint-level",
+        type=int,
+        default=None,
+        help="how much help a failed exercise prints: 0 none, 1 the idea, 2 the step, 3 nearly the line "
+        "(default: DISTLAB_HINT_LEVEL, else 1)",
+    )
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "exercise: judges a lesson's exercise (the solution, or yours with --exercises)")
+
+
+def _exercise_number(config) -> str | None:
+    """The NN of `-k NN` (or `-k 6`), when that is all the keyword expression says."""
+    keyword = (config.getoption("keyword") or "").strip()
+    return f"{int(keyword):02d}" if re.fullmatch(r"\d{1,2}", keyword) else None
+
+
+def pytest_ignore_collect(collection_path, config):
+    """With --exercises, no file but the exercise tests is even imported (and only NN's with -k NN)."""
+    if not config.getoption("--exercises") or collection_path.suffix != ".py":
+        return None
+    name, number = collection_path.name, _exercise_number(config)
+    if not name.startswith("test_"):
+        return None
+    if not name.startswith("test_exercise") or (number and not name.startswith(f"test_exercise{number}_")):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,10 +56,30 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("--exercises"):
+        return
+    from exercise_kit import TIMES
+
+    for lesson, passed, seconds in config.stash.get(TIMES, []):
+        terminalreporter.write_line(
+            f"exercise {lesson}: {'passed' if passed else 'failed'}, checked in {seconds:.1f} s"
+        )
+
+
 @pytest.fixture
 def source(request) -> str:
     """Whose function an exercise test judges: "exercise" (yours, with --exercises) or "solution"."""
     return "exercise" if request.config.getoption("--exercises") else "solution"
+
+
+@pytest.fixture
+def hint_level(request) -> int:
+    """How many levels of hints a failed exercise prints."""
+    from exercise_kit import hint_level_default
+
+    level = request.config.getoption("--hint-level")
+    return hint_level_default() if level is None else level
 
 
 @pytest.fixture(autouse=True)

@@ -1,37 +1,56 @@
-"""The exercises' judge: a learner's function run on real ranks, its lesson's claims checked against
-the single-process reference, and one readable line when a claim fails.
+"""The exercises' judge: a learner's function run on real ranks, its lesson's claims checked against the
+single-process reference, and a diagnosis when a claim fails.
 
 Each lesson has an exercise, `lessons/exercises/NN_<lesson>.py`: the one function that is the lesson's
 mechanism, with the lesson's own signature, its body a `raise NotImplementedError("not written yet: ...")`.
-Its test, `tests/test_exerciseNN_<lesson>.py`, writes a `check(answer)` that spawns the lesson's ranks,
-runs the answer there and records named claims; `exercise_tests(...)` turns that into two tests:
+Its test, `tests/test_exerciseNN_<lesson>.py`, describes an `Exercise`: a `body(rt, fn, claims, *args)` that
+runs on each of P spawned ranks with `fn` the function judged and records the lesson's claims through
+`exercise_claims.Claims` (numbers against plain autograd on the whole batch, and what the lesson claims
+beyond numbers, seen through `exercise_watch.Watch`); a catalogue of `Mistake`s, each recognised by its
+signature; and the exercise's own hints by level. `Exercise.tests` turns that into the tests:
 
-- `test_exercise`: the check on the lessons' own function (plain `pytest`: the solution must pass), or on
-  the learner's file (`pytest --exercises`: what the learner wrote is judged);
-- `test_the_judge_rejects_a_blank_and_a_wrong_answer` (plain `pytest` only): the untouched blank fails with
-  "not written yet", and a deliberately wrong answer (off by 1/P, a detached block, ...) fails the claim it
-  breaks, so the check is one that can fail.
+- `test_exercise`: the lesson's own function must pass (plain `pytest`); with `pytest --exercises` the
+  learner's file is judged instead, and a failure reads "claim '<name>' failed on rank(s) ...", what the
+  judge saw, and hints up to `--hint-level` (0: none; default 1);
+- `test_the_blank_is_not_written_yet`: the untouched blank fails with "not written yet";
+- `test_the_judge_names_the_mistake[<mistake>]`: one wrong answer per catalogued mistake, written in the test
+  file; the judge recognises that mistake and gives its hints, level by level;
+- `test_the_judge_checks_beyond_numbers[<answer>]` (`Exercise.structure_test`): a wrong answer whose numbers
+  are right fails the structural claim it breaks (memory, collectives, bytes, a schedule's shape), and only
+  such claims.
 
-A failure reads "claim '<name>' failed on rank(s) ...: <by how much>. Hint: <one hint>", not a traceback.
+The blank and every wrong answer run in one spawn (each rank judges them in turn), so an exercise's tests
+cost two spawns, not one per answer.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
+import os
+import re
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from exercise_claims import Claims, Hints
+from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
 
 from distlab.spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS, EXERCISES = ROOT / "lessons", ROOT / "lessons" / "exercises"
+DEFAULT_HINT_LEVEL = 1  # the idea, named; 0 for no help at all
+
+
+def hint_level_default() -> int:
+    return int(os.environ.get("DISTLAB_HINT_LEVEL", DEFAULT_HINT_LEVEL))
 
 
 @dataclass(frozen=True)
@@ -42,14 +61,17 @@ class Answer:
     path: Path
     name: str
 
-    def load(self) -> Callable[..., Any]:
+    def module(self):
         module_name = f"answer_{self.path.parent.name}_{self.path.stem}"
         if module_name not in sys.modules:
             spec = importlib.util.spec_from_file_location(module_name, self.path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
             spec.loader.exec_module(module)
-        return getattr(sys.modules[module_name], self.name)
+        return sys.modules[module_name]
+
+    def load(self) -> Callable[..., Any]:
+        return getattr(self.module(), self.name)
 
     def is_blank(self) -> bool:
         """True while the function's body still raises NotImplementedError (the exercise untouched)."""
@@ -67,84 +89,160 @@ def exercise(lesson: str, name: str) -> Answer:
     return Answer(EXERCISES / f"{lesson}.py", name)
 
 
-@dataclass
-class Claims:
-    """The claims one rank checks, in order; the failed ones carry their place, by how much and a hint."""
-
-    failed: list[tuple[int, str, str, str]] = field(default_factory=list)
-    made: int = 0
-
-    def check(self, claim: str, ok: bool, amount: str = "", hint: str = "") -> bool:
-        self.made += 1
-        if not ok:
-            self.failed.append((self.made, claim, amount, hint))
-        return bool(ok)
-
-    def check_worst(self, claim: str, errors: dict[str, float], hint: str, bound: float = 1e-10) -> bool:
-        """One claim over many tensors: it holds when the largest relative error (name -> error) is below
-        `bound`; a failure names the worst tensor."""
-        worst = max(errors, key=errors.get)
-        return self.check(claim, errors[worst] < bound, f"{worst}: relative error {errors[worst]:.2e}", hint)
-
-
-def _rank(rt, body: Callable[..., None], answer: Answer, args: tuple) -> dict:
-    """One rank: load the answer, run the check's body with it, report what failed (or that it is blank)."""
-    claims = Claims()
+@contextlib.contextmanager
+def swapped(answer: Answer, **names: Any):
+    """Inside the block, the answer's module sees `names` in place of its own (a wrong answer written as
+    the solution with one piece done wrong). A name the module lacks is an error, not a silent no-op."""
+    module = answer.module()
+    missing = [n for n in names if not hasattr(module, n)]
+    if missing:
+        raise AttributeError(f"{answer.path.name} has no {missing}: the wrong answer no longer fits the lesson")
+    before = {n: getattr(module, n) for n in names}
+    vars(module).update(names)
     try:
-        body(rt, answer.load(), claims, *args)
-    except NotImplementedError as err:
-        return {"blank": str(err) or f"{answer.name} in {answer.path.name}"}
-    return {"failed": claims.failed}
+        yield before
+    finally:
+        vars(module).update(before)
 
 
-def judge(body: Callable[..., None], world_size: int, answer: Answer, *args: Any) -> None:
-    """Run `body(rt, fn, claims, *args)` on `world_size` spawned ranks (gloo), `fn` the answer's function;
-    fail the test with one line: what is not written yet, or the first claim that failed, on which ranks,
-    by how much, and its hint."""
-    reports = spawn(_rank, world_size, body, answer, args, timeout_s=60, limit_s=240)
-    blank = next((r["blank"] for r in reports if "blank" in r), None)
-    if blank is not None:
-        text = blank if blank.startswith("not written yet") else f"not written yet: {blank}"
-        pytest.fail(f"{answer.path.name}: {text}", pytrace=False)
-    # the earliest claim that failed anywhere (the ranks make the same claims in the same order)
-    for _, claim, amount, hint in sorted(f for r in reports for f in r["failed"]):
-        ranks = [r for r, rep in enumerate(reports) if any(f[1] == claim for f in rep["failed"])]
-        pytest.fail(
-            f"{answer.path.name}: claim '{claim}' failed on rank(s) {', '.join(map(str, ranks))}"
-            f"{': ' + amount if amount else ''}. Hint: {hint}",
-            pytrace=False,
-        )
+@dataclass(frozen=True)
+class Verdict:
+    """One answer's judgment: not written yet (`blank`), or every rank's findings and their diagnosis."""
+
+    answer: Answer
+    blank: str | None
+    findings: Findings | None
+    diagnosis: Diagnosis | None
 
 
-def exercise_tests(
-    lesson: str,
-    name: str,
-    check: Callable[[Answer], None],
-    wrong: Answer,
-    wrong_claim: str,
-    solution_at: Answer | None = None,
-) -> tuple[Callable, Callable]:
-    """The two tests of an exercise (see the module docstring). `wrong` is a deliberately wrong answer;
-    `wrong_claim` the claim it must fail; `solution_at` where the solution is when the lesson calls it
-    from the library rather than defining it (default: the lesson's own function of that name)."""
+def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple) -> list[dict]:
+    """One rank: each answer in turn, loaded, run through the check's body; what it recorded, or that it is blank."""
+    reports = []
+    for answer in answers:
+        claims = Claims()
+        try:
+            body(rt, answer.load(), claims, *args)
+        except NotImplementedError as err:
+            reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
+            continue
+        reports.append({"seen": claims.seen})
+    return reports
 
-    @pytest.mark.exercise
-    def test_exercise(source: str) -> None:
-        if source == "solution":
-            check(solution_at or solution(lesson, name))
-        else:
-            check(exercise(lesson, name))
 
-    def test_the_judge_rejects_a_blank_and_a_wrong_answer() -> None:
-        blank = exercise(lesson, name)
-        with pytest.raises(pytest.fail.Exception, match=wrong_claim):
-            check(wrong)
-        if not blank.is_blank():
-            pytest.skip(f"{blank.path.name} is written: its blank is no longer there to judge")
-        with pytest.raises(pytest.fail.Exception, match="not written yet"):
-            check(blank)
+@dataclass(frozen=True)
+class Exercise:
+    """An exercise's judge: `body(rt, fn, claims, *args)` on `world` ranks, its catalogue of mistakes, its
+    own hints (three levels, for a learner who has not started), `numbers` (a regex naming the claims about
+    numbers, which a structural wrong answer must keep), and where the solution is when the lesson calls
+    it from the library (`solution_at`)."""
 
-    return test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer
+    lesson: str
+    name: str
+    body: Callable[..., None]
+    world: int
+    mistakes: tuple[Mistake, ...]
+    hints: Hints
+    numbers: str = "equal"
+    args: tuple = ()
+    solution_at: Answer | None = None
+
+    def judge(self, answers: list[Answer]) -> list[Verdict]:
+        """Every answer judged in one spawn of `world` ranks."""
+        reports = spawn(_rank, self.world, self.body, answers, self.args, timeout_s=60, limit_s=240)
+        verdicts = []
+        for k, answer in enumerate(answers):
+            mine = [rank[k] for rank in reports]
+            blank = next((r["blank"] for r in mine if "blank" in r), None)
+            if blank is not None:
+                verdicts.append(Verdict(answer, blank, None, None))
+                continue
+            findings = Findings([r["seen"] for r in mine])
+            verdicts.append(Verdict(answer, None, findings, diagnose(findings, self.mistakes, self.world)))
+        return verdicts
+
+    def message(self, verdict: Verdict, level: int) -> str | None:
+        """What a learner reads: None when every claim held."""
+        if verdict.blank is not None:
+            text = verdict.blank if verdict.blank.startswith("not written yet") else f"not written yet: {verdict.blank}"
+            lines = [f"{verdict.answer.path.name}: {text}"]
+            lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(self.hints[:level])]
+            if level < len(self.hints):
+                lines.append(more_help(level))
+            return "\n".join(lines)
+        if verdict.diagnosis is None:
+            return None
+        return f"{verdict.answer.path.name}: {verdict.diagnosis.message(level)}"
+
+    def judged(self) -> Answer:
+        return self.solution_at or solution(self.lesson, self.name)
+
+    def tests(self, here: Path, wrong: dict[str, str]) -> tuple[Callable, Callable, Callable]:
+        """The exercise's tests (module docstring). `wrong` maps each catalogued mistake's name to the wrong
+        answer in the test file `here` that makes it."""
+        names = [m.name for m in self.mistakes]
+        if sorted(wrong) != sorted(names):
+            raise ValueError(f"{self.lesson}: a wrong answer per mistake: mistakes {names}, answers for {list(wrong)}")
+        _WRONG.setdefault((self.lesson, here), set()).update(wrong.values())
+
+        @pytest.mark.exercise
+        def test_exercise(source: str, hint_level: int, request) -> None:
+            answer = self.judged() if source == "solution" else exercise(self.lesson, self.name)
+            start = time.monotonic()
+            (verdict,) = self.judge([answer])
+            seconds = time.monotonic() - start
+            took = f"checked on {self.world} rank(s) in {seconds:.1f} s"
+            text = self.message(verdict, hint_level)
+            request.config.stash.setdefault(TIMES, []).append((self.lesson, text is None, seconds))
+            if text is not None:
+                pytest.fail(f"{text}\n  ({took})", pytrace=False)
+
+        def test_the_blank_is_not_written_yet() -> None:
+            blank = exercise(self.lesson, self.name)
+            if not blank.is_blank():
+                pytest.skip(f"{blank.path.name} is written: its blank is no longer there to judge")
+            verdict = self.group(here)[blank]
+            assert verdict.blank is not None and "not written yet" in self.message(verdict, 0)
+
+        @pytest.mark.parametrize("mistake", self.mistakes, ids=names)
+        def test_the_judge_names_the_mistake(mistake: Mistake) -> None:
+            verdict = self.group(here)[Answer(here, wrong[mistake.name])]
+            got = verdict.diagnosis.mistake.name if verdict.diagnosis and verdict.diagnosis.mistake else None
+            assert got == mistake.name, f"diagnosed {got!r}:\n{self.message(verdict, 3)}"
+            for level in range(4):  # each level shows its hints and no more
+                text = self.message(verdict, level)
+                assert all((hint in text) == (k < level) for k, hint in enumerate(mistake.hints)), text
+
+        return test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake
+
+    def structure_test(self, here: Path, structural: dict[str, str]) -> Callable:
+        """`structural` maps a wrong answer in `here` to the claim (a regex) it breaks with its numbers
+        right: it must fail that claim, and no claim matching `numbers`."""
+        _WRONG.setdefault((self.lesson, here), set()).update(structural)
+
+        @pytest.mark.parametrize("name", list(structural))
+        def test_the_judge_checks_beyond_numbers(name: str) -> None:
+            findings = self.group(here)[Answer(here, name)].findings
+            failed = findings.failed()
+            assert any(re.search(structural[name], c) for c in failed), f"{name} passed {structural[name]!r}"
+            numbers = [c for c in failed if re.search(self.numbers, c)]
+            assert not numbers, f"{name} should keep the numbers right, but failed {numbers}"
+
+        return test_the_judge_checks_beyond_numbers
+
+    def group(self, here: Path) -> dict[Answer, Verdict]:
+        """The blank and every wrong answer in `here`, judged once in one spawn (cached per module)."""
+        key = (self.lesson, here)
+        if key not in _GROUPS:
+            blank = exercise(self.lesson, self.name)
+            # a written exercise is the learner's to judge with --exercises, never in the wrong answers' spawn
+            answers = [blank] * blank.is_blank() + [Answer(here, n) for n in sorted(_WRONG[key])]
+            _GROUPS[key] = {v.answer: v for v in self.judge(answers)}
+        return _GROUPS[key]
+
+
+_GROUPS: dict = {}  # (lesson, test file) -> {answer: verdict}
+_WRONG: dict = {}  # (lesson, test file) -> the names of its wrong answers
+TIMES = pytest.StashKey[list]()  # (lesson, passed, seconds) of each exercise judged, for the summary
 
 
 @dataclass(frozen=True)

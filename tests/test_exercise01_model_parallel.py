@@ -3,16 +3,18 @@
 Each rank holds one stage of a 5-layer MLP and trains it for 2 SGD steps, each step one call of the
 answer. The lesson's claims: every stage's gradients (after step 1) and parameters (after step 2) equal
 the unsplit model's on the whole batch, float64 to rtol 1e-10; the loss equals the unsplit model's; and
-one rank computes at a time (the others wait in recv)."""
+one rank computes at a time (the others wait in recv): the spans the answer times never overlap."""
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from exercise_kit import Answer, exercise_tests, judge
+from exercise_kit import Exercise
+from exercise_signatures import Equals, Mistake, OnRanks, Scaled, Zero
 
-from distlab.compare import all_ok, compare
+from distlab.compare import grads_of
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.training import PipelineConfig, problem, train, unsplit_reference
 from distlab.timeline import Timeline, max_concurrency
@@ -20,6 +22,9 @@ from distlab.timeline import Timeline, max_concurrency
 LESSON, NAME = "01_model_parallel", "model_parallel_step"
 P = 3
 CFG = PipelineConfig(widths=(4, 6, 6, 5, 5, 3), global_batch=8, steps=2, lr=0.2, seed=3)
+OWN_SUM = "the gradient of the sum of this stage's own outputs"
+ELEMENTS = CFG.global_batch * CFG.widths[-1]  # N d_out: a sum over the target's elements, not their mean
+BUT_LAST = OnRanks("every rank but the last", lambda p: set(range(p - 1)))
 
 
 class _Step:
@@ -40,73 +45,151 @@ class _Step:
         return {}
 
 
+def _own_sum(rank: int) -> dict:
+    """Stage p's gradient of sum(A_p), its own outputs (one process, the first step's weights)."""
+    model, x, _ = problem(CFG)
+    stages, a = split_stages(model, P), x
+    for stage in stages[: rank + 1]:
+        a = stage.module(a)
+    a.sum().backward()
+    return grads_of(stages[rank].module)
+
+
 def _ranks(rt, model_parallel_step, claims) -> None:
     run, ref = train(rt, CFG, _Step(rt, model_parallel_step)), unsplit_reference(CFG)
-    for what, got, want, hint in (
-        (
-            "gradients after step 1",
-            run.first_grads,
-            ref.first_grads,
-            "resume the backward from the dL/dA_p you received; send your input's .grad to rank p - 1",
-        ),
-        ("parameters after step 2", run.params, ref.params, "every stage must run its backward once per step"),
-    ):
-        rows = compare({n: want[n] for n in got}, got)
-        claims.check(
-            f"every stage's {what} equal the unsplit model's",
-            all_ok(rows),
-            "; ".join(f"{r.name}: {r.max_abs:.1e}" for r in rows if not r.ok)[:200],
-            hint,
-        )
-    claims.check(
+    claims.tensors(
+        "every stage's gradients after step 1 equal the unsplit model's",
+        run.first_grads,
+        {n: ref.first_grads[n] for n in run.first_grads},
+        what="dL/dtheta_p",
+        alternatives={OWN_SUM: _own_sum(rt.rank)},
+    )
+    claims.tensors(
+        "every stage's parameters after step 2 equal the unsplit model's",
+        run.params,
+        {n: ref.params[n] for n in run.params},
+        what="theta_p",
+    )
+    claims.equal(
         "the loss equals the unsplit model's",
-        all(abs(a - b) < 1e-10 for a, b in zip(run.losses, ref.losses)),
-        f"{run.losses} against {ref.losses}",
-        "return mse(A_{P-1}, target).item() on the last rank",
+        run.losses,
+        ref.losses,
+        ok=all(abs(a - b) < 1e-10 for a, b in zip(run.losses, ref.losses)),
+        what="the losses",
     )
     peak = max_concurrency(run.spans)
-    claims.check(
+    claims.equal(
         "one rank computes at a time",
-        peak == 1,
-        f"{peak} ranks at once",
-        "rank p computes only after its recv has returned",
+        peak,
+        1,
+        what="ranks computing at once",
+        hints=("time only the compute: a span opened before recv returns counts the wait as work",),
     )
 
 
-def check(answer: Answer) -> None:
-    judge(_ranks, P, answer)
+MISTAKES = (
+    Mistake(
+        "zeros sent back for dL/dA",
+        "gradients after step 1",
+        (BUT_LAST, Zero()),
+        (
+            "the last stage is right and every stage before it gets nothing: what does it send back?",
+            "a received tensor has no graph: unless it requires grad, its .grad after the backward stays None",
+            "a_in.requires_grad_() right after dist.recv, then send a_in.grad",
+        ),
+    ),
+    Mistake(
+        "the received gradient ignored",
+        "gradients after step 1",
+        (BUT_LAST, Equals(OWN_SUM)),
+        (
+            "each stage before the last back-propagates as if its outputs were a loss of their own",
+            "dL/dA_p comes from rank p + 1: resume the backward from it, not from ones",
+            "a_out.backward(grad_out) with grad_out the tensor received from rank p + 1",
+        ),
+    ),
+    Mistake(
+        "a sum, not a mean, as the loss",
+        "gradients after step 1",
+        (Scaled("N d_out", lambda p: ELEMENTS),),
+        (
+            "every gradient is the same multiple of the reference's: the loss's scale",
+            "the unsplit model's loss is the mean squared error over all N d_out elements",
+            "loss = F.mse_loss(a_out, target) (reduction 'mean')",
+        ),
+    ),
+)
 
 
-def ignores_the_received_gradient(stage, x, target, shapes, span):
-    """A wrong answer: every message right, but rank p < P - 1 resumes its backward from ones instead of
-    the dL/dA_p it received (a stage treated as if it had its own loss, the sum of its outputs)."""
+def _chain(stage, x, target, shapes, span, slip: str | None):
+    """The send/recv chain as a learner writes it, with one slip (None: none): "ones", "zeros", "sum",
+    "timed waits". Six parameters: the answer's five and the slip."""
     p, last = dist.get_rank(), dist.get_world_size() - 1
     a_in = x
     if p > 0:
         a_in = torch.empty(shapes[p], dtype=x.dtype)
-        dist.recv(a_in, src=p - 1)
-        a_in.requires_grad_()
+        with span("F") if slip == "timed waits" else nullcontext():
+            dist.recv(a_in, src=p - 1)
+        a_in.requires_grad_(slip != "zeros")
     with span("F"):
         a_out = stage(a_in)
     if p < last:
         dist.send(a_out.detach(), dst=p + 1)
         grad_out = torch.empty_like(a_out)
-        dist.recv(grad_out, src=p + 1)
+        with span("I") if slip == "timed waits" else nullcontext():
+            dist.recv(grad_out, src=p + 1)
         with span("I"):
-            a_out.backward(torch.ones_like(grad_out))
+            a_out.backward(torch.ones_like(grad_out) if slip == "ones" else grad_out)
     else:
         with span("I"):
-            loss = F.mse_loss(a_out, target)
+            loss = F.mse_loss(a_out, target, reduction="sum" if slip == "sum" else "mean")
             loss.backward()
     if p > 0:
-        dist.send(a_in.grad, dst=p - 1)
+        dist.send(a_in.grad if a_in.grad is not None else torch.zeros_like(a_in), dst=p - 1)
     return loss.item() if p == last else None
 
 
-test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
+def zeros_sent_back(stage, x, target, shapes, span):
+    """The received activation never marked requires_grad: its .grad is None, and zeros go back instead."""
+    return _chain(stage, x, target, shapes, span, "zeros")
+
+
+def ignores_the_received_gradient(stage, x, target, shapes, span):
+    """Every message right, but rank p < P - 1 resumes its backward from ones, not the dL/dA_p it received."""
+    return _chain(stage, x, target, shapes, span, "ones")
+
+
+def sum_loss(stage, x, target, shapes, span):
+    """The squared error summed over the N d_out elements."""
+    return _chain(stage, x, target, shapes, span, "sum")
+
+
+def waits_timed_as_work(stage, x, target, shapes, span):
+    """Right numbers, but the recvs inside the timed spans: waiting counted as computing."""
+    return _chain(stage, x, target, shapes, span, "timed waits")
+
+
+EXERCISE = Exercise(
     LESSON,
     NAME,
-    check,
-    wrong=Answer(Path(__file__), "ignores_the_received_gradient"),
-    wrong_claim="gradients after step 1 equal the unsplit model's",
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "activations go down the stages, gradients come back up, one message each way per stage boundary",
+        "forward: receive A_{p-1}, compute A_p, send it; backward: receive dL/dA_p, back-propagate, send "
+        "dL/dA_{p-1}, the .grad of what you received",
+        "recv into torch.empty(shapes[p]), requires_grad_(); a_out = stage(a_in); send a_out.detach(); "
+        "a_out.backward(grad_out); send a_in.grad",
+    ),
+    numbers="equal",
 )
+WRONG = {
+    "zeros sent back for dL/dA": "zeros_sent_back",
+    "the received gradient ignored": "ignores_the_received_gradient",
+    "a sum, not a mean, as the loss": "sum_loss",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"waits_timed_as_work": "one rank"})

@@ -1,35 +1,37 @@
 """Exercise 03: the 1F1B schedule, judged on 3 ranks by running it: the answer's lists are executed by the
-pipeline runner, and the lesson's claims are checked: every rank's order is a valid schedule, the gradients
-and parameters equal the unsplit model's on the whole batch (float64, rtol 1e-10), and rank r holds at most
-min(M, P - r) micro-batches at once, measured while running, for M < P and M > P."""
+pipeline runner, and the lesson's claims are checked for M > P and M < P: every rank's order is a valid
+schedule; the gradients and parameters equal the unsplit model's on the whole batch (float64, rtol 1e-10);
+rank r holds at most min(M, P - r) micro-batches at once, measured while running; and the bubble counted in
+the schedule's grid is GPipe's, (P-1)/(M+P-1): 1F1B saves memory, not time."""
 
 from pathlib import Path
 
-from exercise_kit import Answer, exercise_tests, judge
+from exercise_kit import Exercise
+from exercise_schedules import ONE_AT_A_TIME, why_invalid
+from exercise_signatures import Equals, Mistake, Says
 
 from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import check_schedule, gpipe
+from distlab.pipeline.schedules import Action, gpipe
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 
 LESSON, NAME = "03_one_f_one_b", "one_f_one_b"
 P = 3
 CFG = PipelineConfig(widths=(4, *[6] * 5, 3), global_batch=10, steps=2, lr=0.2, seed=3, gather_spans=False)
+GPIPE, ONE_MORE = "M, all of them (GPipe's count)", "min(M, P - r + 1): one warm-up forward too many"
 
 
 def _ranks(rt, one_f_one_b, claims) -> None:
-    for m in (2, 5):  # M < P: no steady state on the first ranks; M > P: warm-up, alternation, drain
-        schedule, why = one_f_one_b(P, m), f"not {P} ranks' lists"
-        try:  # check_schedule: F and I once per micro-batch and stage; simulate: no deadlock
-            ok = len(schedule) == P and check_schedule(schedule) == m and simulate(schedule).ticks > 0
-        except ValueError as err:
-            ok, why = False, str(err)
-        if not claims.check(
+    for m in (5, 2):  # M > P: warm-up, alternation, drain; M < P: no steady state on the first ranks
+        schedule = one_f_one_b(P, m)
+        why = why_invalid(schedule, P, m)
+        if not claims.holds(
             f"M={m}: every rank's order is a schedule (F and I once per micro-batch, no deadlock)",
-            ok,
-            "" if ok else why,
-            "rank r's actions are Action(kind, i, r); a backward I_i after its forward F_i",
+            not why,
+            what="the schedule",
+            note=why,
+            hints=("rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i",),
         ):
             return
         cfg = CFG.replace(micro_batches=m)
@@ -37,29 +39,127 @@ def _ranks(rt, one_f_one_b, claims) -> None:
         exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
             compare({n: ref.params[n] for n in run.params}, run.params)
         )
-        claims.check(
-            f"M={m}: the gradients and parameters equal the unsplit model's",
-            exact,
-            "",
-            "every micro-batch must run its F and I exactly once",
-        )
+        claims.holds(f"M={m}: the gradients and parameters equal the unsplit model's", exact, what="theta_p")
         held, most = run.peak_in_flight, min(m, P - rt.rank)
-        claims.check(
+        claims.equal(
             f"M={m}: rank r holds at most min(M, P - r) micro-batches",
-            held <= most,
-            f"rank {rt.rank} held {held}, at most {most}",
-            "start the backwards after min(P - r - 1, M) warm-up forwards, then alternate",
+            held,
+            most,
+            ok=held <= most,
+            what="micro-batches held at once",
+            alternatives={GPIPE: m, ONE_MORE: min(m, P - rt.rank + 1)},
+        )
+        bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (m + P - 1)
+        claims.equal(
+            f"M={m}: the bubble counted in the grid is GPipe's, (P-1)/(M+P-1)",
+            bubble,
+            formula,
+            ok=abs(bubble - formula) < 1e-12,
+            what="the bubble",
+            alternatives={ONE_AT_A_TIME: (P - 1) / P},
         )
 
 
-def check(answer: Answer) -> None:
-    judge(_ranks, P, answer)
+MISTAKES = (
+    Mistake(
+        "GPipe's order",
+        "M=5: rank r holds",
+        (Equals(GPIPE),),
+        (
+            "every rank holds all M micro-batches: no backward starts before the last forward",
+            "a backward frees its micro-batch: start them as soon as the pipeline is full, then alternate",
+            "warm up with min(P - r - 1, M) forwards, then F and I in turn, then the remaining I's",
+        ),
+    ),
+    Mistake(
+        "one warm-up forward too many",
+        "M=5: rank r holds",
+        (Equals(ONE_MORE),),
+        (
+            "each rank holds exactly one micro-batch more than it needs",
+            "rank r's first backward can start once P - r - 1 forwards are ahead of it in the pipeline",
+            "warmup = min(P - r - 1, M), not min(P - r, M)",
+        ),
+    ),
+    Mistake(
+        "no warm-up",
+        "bubble",
+        (Equals(ONE_AT_A_TIME),),
+        (
+            "the memory is fine, but the bubble is lesson 01's: the pipeline never fills",
+            "rank r must run min(P - r - 1, M) forwards before its first backward",
+            "order = [F(i) for i in range(warmup)], then F(warmup + k), I(k) in turn",
+        ),
+        holds=("holds at most",),
+    ),
+    Mistake(
+        "the warm-ups on the wrong ranks",
+        "is a schedule",
+        (Says("deadlocks"),),
+        (
+            "a rank waits for a gradient that never comes: its warm-up is out of step with its neighbours'",
+            "the first stage warms up longest (P - 1 forwards), the last not at all",
+            "warmup = min(P - r - 1, M): P - 1 on rank 0, 0 on rank P - 1",
+        ),
+    ),
+)
 
 
-# A wrong answer: GPipe's order (lesson 02's), right gradients but all M micro-batches held at once.
-gpipe_order = gpipe
+def _warmed(num_ranks: int, microbatches: int, warmup) -> list:
+    """1F1B's three phases with rank r warming up with warmup(r) forwards (at most M)."""
+    schedule = []
+    for r in range(num_ranks):
+        w = min(warmup(r), microbatches)
+        order = [Action("F", i, r) for i in range(w)]
+        for k in range(microbatches - w):
+            order += [Action("F", w + k, r), Action("I", k, r)]
+        schedule.append(order + [Action("I", i, r) for i in range(microbatches - w, microbatches)])
+    return schedule
 
 
-test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "gpipe_order"), wrong_claim="rank r holds at most"
+def gpipe_order(num_ranks: int, microbatches: int):
+    """GPipe's order (lesson 02's): right gradients, all M micro-batches held at once."""
+    return gpipe(num_ranks, microbatches)
+
+
+def one_forward_too_many(num_ranks: int, microbatches: int):
+    """Warm-up with min(P - r, M) forwards."""
+    return _warmed(num_ranks, microbatches, lambda r: num_ranks - r)
+
+
+def no_warm_up(num_ranks: int, microbatches: int):
+    """F_i, I_i in turn from the start on every rank: little memory, the bubble of lesson 01."""
+    return _warmed(num_ranks, microbatches, lambda r: 0)
+
+
+def warm_ups_reversed(num_ranks: int, microbatches: int):
+    """Rank r warms up with r forwards: rank 0 waits for a gradient before anyone has its input."""
+    return _warmed(num_ranks, microbatches, lambda r: r)
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "start each micro-batch's backward as early as the pipeline allows: its activations go with it",
+        "rank r warms up with min(P - r - 1, M) forwards, then one forward and one backward in turn, then the "
+        "remaining backwards",
+        "order = [F(i) for i in range(w)]; for k in range(M - w): order += [F(w + k), I(k)]; then I(M - w) .. I(M - 1)",
+    ),
+    numbers="is a schedule|equal the unsplit",
+)
+WRONG = {
+    "GPipe's order": "gpipe_order",
+    "one warm-up forward too many": "one_forward_too_many",
+    "no warm-up": "no_warm_up",
+    "the warm-ups on the wrong ranks": "warm_ups_reversed",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
+    Path(__file__), {"gpipe_order": "holds at most", "no_warm_up": "bubble"}
 )

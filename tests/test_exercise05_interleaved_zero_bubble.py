@@ -5,13 +5,16 @@ W; the gradients and parameters equal the unsplit model's on the whole batch (fl
 bubble counted in the schedule's grid is (P-1)/(3M+P-1); and rank r holds min(M, P) micro-batches,
 measured while running (M = 4 > P)."""
 
+from collections import deque
 from pathlib import Path
 
-from exercise_kit import Answer, exercise_tests, judge
+from exercise_kit import Exercise
+from exercise_schedules import why_invalid
+from exercise_signatures import Equals, Mistake, Says
 
 from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import Action, check_schedule, split_backward
+from distlab.pipeline.schedules import Action, one_f_one_b
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 
@@ -20,79 +23,175 @@ P, M = 3, 4
 CFG = PipelineConfig(
     widths=(4, *[6] * 5, 3), global_batch=8, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False
 )
-
-
-def _valid(schedule) -> tuple[bool, str]:
-    """check_schedule: F and I once per micro-batch and stage; every (stage, i) split; simulate: no deadlock."""
-    try:
-        if len(schedule) != P or check_schedule(schedule) != M:
-            return False, f"not {P} ranks' lists over {M} micro-batches"
-        if split_backward(schedule) != {(p, i) for p in range(P) for i in range(M)}:
-            return False, "some backward has no W: every I must be followed, later, by its W"
-        return simulate(schedule).ticks > 0, ""
-    except ValueError as err:
-        return False, str(err)
+NONE_HELD = "min(M, P - r), 1F1B's count: no W held back"
+ALL_HELD = "M: every W held back to the end"
+WRONG_RANKS = "min(M, 2P - 1 - 2r): P - 1 - r W's held back instead of r"
 
 
 def _ranks(rt, zb_h1, claims) -> None:
     schedule = zb_h1(P, M)
-    ok, why = _valid(schedule)
-    if not claims.check(
+    why = why_invalid(schedule, P, M, split=True)
+    if not claims.holds(
         "every rank's order is a schedule (F, I and W once per micro-batch, no deadlock)",
-        ok,
-        why,
-        "rank r's actions are Action(kind, i, r); W_i after I_i after F_i",
+        not why,
+        what="the schedule",
+        note=why,
+        hints=("rank r's list holds Action(kind, i, r) for every micro-batch i: W_i after I_i after F_i",),
     ):
         return
     run, ref = train(rt, CFG, PipelineStep(rt, CFG, schedule)), unsplit_reference(CFG)
     exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
         compare({n: ref.params[n] for n in run.params}, run.params)
     )
-    claims.check(
-        "the gradients and parameters equal the unsplit model's",
-        exact,
-        "",
-        "every micro-batch must run its F, I and W exactly once",
-    )
+    claims.holds("the gradients and parameters equal the unsplit model's", exact, what="theta_p")
     bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (3 * M + P - 1)
-    claims.check(
+    claims.equal(
         "the bubble counted in the grid is (P-1)/(3M+P-1)",
-        abs(bubble - formula) < 1e-12,
-        f"{bubble:.4f}, not {formula:.4f}",
-        "rank r holds back r W's: run the oldest only once more than r wait, the rest at the end",
+        bubble,
+        formula,
+        ok=abs(bubble - formula) < 1e-12,
+        what="the bubble",
+        hints=("the W's a rank holds back fill the ticks where it would wait for a gradient",),
     )
-    held, most = run.peak_in_flight, min(M, P)
-    claims.check(
+    claims.equal(
         "rank r holds min(M, P) micro-batches",
-        held == most,
-        f"rank {rt.rank} held {held}, not {most}",
-        "start the I's after min(P - r - 1, M) warm-up forwards, then alternate",
+        run.peak_in_flight,
+        min(M, P),
+        what="micro-batches held at once",
+        alternatives={NONE_HELD: min(M, P - rt.rank), ALL_HELD: M, WRONG_RANKS: min(M, 2 * P - 1 - 2 * rt.rank)},
     )
 
 
-def check(answer: Answer) -> None:
-    judge(_ranks, P, answer)
+MISTAKES = (
+    Mistake(
+        "no W held back",
+        "holds min",
+        (Equals(NONE_HELD),),
+        (
+            "each W runs right after its I: nothing is left to fill 1F1B's idle ticks",
+            "rank r keeps its last r W's waiting; the oldest runs only once more than r wait",
+            "after each I: waiting.append(W); if len(waiting) > r: order.append(waiting.popleft())",
+        ),
+    ),
+    Mistake(
+        "every W held back to the end",
+        "holds min",
+        (Equals(ALL_HELD),),
+        (
+            "holding back every W keeps every micro-batch's activations until the end",
+            "rank r holds back only r W's: the oldest runs as soon as more than r are waiting",
+            "pop the oldest waiting W when len(waiting) > r, and append the rest at the end",
+        ),
+        fails=("bubble",),
+    ),
+    Mistake(
+        "the W's held back on the wrong ranks",
+        "holds min",
+        (Equals(WRONG_RANKS),),
+        (
+            "rank 0 holds back the most W's, where it should hold back none",
+            "the last ranks wait longest for gradients in 1F1B: rank r holds back r W's",
+            "len(waiting) > r, not len(waiting) > P - 1 - r",
+        ),
+    ),
+    Mistake(
+        "a W before its I",
+        "is a schedule",
+        (Says("deadlocks"),),
+        (
+            "a weight gradient needs the output gradient its I received",
+            "on every rank W_i comes after I_i, which comes after F_i",
+            "append Action('W', i, r) to the waiting queue after appending Action('I', i, r)",
+        ),
+    ),
+    Mistake(
+        "the backward never split",
+        "is a schedule",
+        (Says("has no W"),),
+        (
+            "zero bubble needs the weights' gradient as an action of its own",
+            "split each backward into I (the input's gradient, which rank r - 1 waits for) and W (the weights')",
+            "Action('W', i, r) for every I_i",
+        ),
+    ),
+)
 
 
-def w_right_after_i(num_ranks: int, microbatches: int):
-    """A wrong answer: 1F1B with every backward split but no W held back (W_i straight after I_i): exact
-    gradients, but nothing fills 1F1B's idle ticks."""
+def _held_back(num_ranks: int, microbatches: int, keep) -> list:
+    """1F1B's order with every backward split, rank r holding back keep(r) W's (None: all of them)."""
     schedule = []
     for r in range(num_ranks):
         warmup = min(num_ranks - r - 1, microbatches)
-        order = [Action("F", i, r) for i in range(warmup)]
+        order, waiting = [Action("F", i, r) for i in range(warmup)], deque()
         for i in range(microbatches):
             if warmup + i < microbatches:
                 order.append(Action("F", warmup + i, r))
-            order += [Action("I", i, r), Action("W", i, r)]
-        schedule.append(order)
+            order.append(Action("I", i, r))
+            waiting.append(Action("W", i, r))
+            if keep(r) is not None and len(waiting) > keep(r):
+                order.append(waiting.popleft())
+        schedule.append(order + list(waiting))
     return schedule
 
 
-test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
+def w_right_after_i(num_ranks: int, microbatches: int):
+    """1F1B with every backward split but no W held back: exact gradients, 1F1B's bubble."""
+    return _held_back(num_ranks, microbatches, lambda r: 0)
+
+
+def all_w_at_the_end(num_ranks: int, microbatches: int):
+    """Every W held back until the rank's last I."""
+    return _held_back(num_ranks, microbatches, lambda r: None)
+
+
+def held_back_on_wrong_ranks(num_ranks: int, microbatches: int):
+    """Rank r holds back P - 1 - r W's."""
+    return _held_back(num_ranks, microbatches, lambda r: num_ranks - 1 - r)
+
+
+def w_before_i(num_ranks: int, microbatches: int):
+    """ZB-H1's order with each W listed where its I should be, and the I where the W was."""
+    swap = {"I": "W", "W": "I", "F": "F"}
+    return [
+        [Action(swap[a.kind], a.microbatch, a.stage) for a in order]
+        for order in _held_back(num_ranks, microbatches, lambda r: r)
+    ]
+
+
+def unsplit(num_ranks: int, microbatches: int):
+    """1F1B itself: no W anywhere."""
+    return one_f_one_b(num_ranks, microbatches)
+
+
+def one_w_too_many_held(num_ranks: int, microbatches: int):
+    """Right numbers and the formula's bubble, but r + 1 W's held back: every micro-batch held at once."""
+    return _held_back(num_ranks, microbatches, lambda r: r + 1)
+
+
+EXERCISE = Exercise(
     LESSON,
     NAME,
-    check,
-    wrong=Answer(Path(__file__), "w_right_after_i"),
-    wrong_claim=r"the bubble counted in the grid is \(P-1\)/\(3M\+P-1\)",
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "the weights' gradient is wanted by no one: run it where 1F1B would idle",
+        "1F1B's order with each backward split in I and W; rank r keeps r W's waiting and runs the rest at the end",
+        "after each I_i: waiting.append(W_i); if len(waiting) > r: order.append(waiting.popleft()); "
+        "at the end: order += waiting",
+    ),
+    numbers="is a schedule|equal the unsplit",
+)
+WRONG = {
+    "no W held back": "w_right_after_i",
+    "every W held back to the end": "all_w_at_the_end",
+    "the W's held back on the wrong ranks": "held_back_on_wrong_ranks",
+    "a W before its I": "w_before_i",
+    "the backward never split": "unsplit",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
+    Path(__file__), {"w_right_after_i": "bubble", "one_w_too_many_held": "holds min"}
 )

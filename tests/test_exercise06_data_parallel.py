@@ -2,64 +2,156 @@
 
 Each rank builds the same model, runs backward on the mean loss over its C rows, calls the answer, and
 takes an SGD step. The lesson's claims: after the answer every rank's gradients equal one process's on all
-N rows, and after 2 steps so do the parameters (float64, rtol 1e-10)."""
+N rows, and after 2 steps so do the parameters (float64, rtol 1e-10); and a step sends no more than one
+all-reduce of every gradient, 2 (P-1)/P Psi e bytes (the judge prices the collectives it sees)."""
 
+import copy
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from exercise_kit import Answer, exercise_tests, judge
+from exercise_kit import Exercise
+from exercise_signatures import Equals, Mistake, Scaled
+from exercise_watch import Watch
 
+from distlab.compare import grads_of
 from distlab.models import layered_mlp, regression_batch
 
 LESSON, NAME = "06_data_parallel", "all_reduce_gradients"
 P, C, WIDTHS, STEPS, LR = 3, 4, (5, 8, 3), 2, 0.1
+OWN, FIRST, OWN_BY_P = "this rank's own rows' gradient", "rank 0's rows' gradient", "this rank's own gradient / P"
 
 
-def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
+def _local_gradients(model, x, y) -> list[dict]:
+    """Each rank's dL_r/dtheta (the mean over its own C rows), in one process, on copies."""
+    out = []
+    for r in range(P):
+        twin = copy.deepcopy(model)
+        twin.zero_grad()
+        torch.nn.functional.mse_loss(twin(x[r * C : (r + 1) * C]), y[r * C : (r + 1) * C]).backward()
+        out.append(grads_of(twin))
+    return out
 
 
 def _ranks(rt, all_reduce_gradients, claims) -> None:
     model, ref = layered_mlp(WIDTHS, seed=1), layered_mlp(WIDTHS, seed=1)
     x, y = regression_batch(P * C, WIDTHS[0], WIDTHS[-1], seed=2)
-    rows = slice(rt.rank * C, (rt.rank + 1) * C)
+    rows, psi = slice(rt.rank * C, (rt.rank + 1) * C), sum(p.numel() for p in model.parameters())
     for step in range(STEPS):
+        local = _local_gradients(model, x, y)
         model.zero_grad(), ref.zero_grad()
         torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        all_reduce_gradients(model, rt)
+        with Watch() as watch:
+            all_reduce_gradients(model, rt)
         torch.nn.functional.mse_loss(ref(x), y).backward()  # one process, all N rows
-        errs = [_max_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
-        if not claims.check(
+        own = local[rt.rank]
+        if not claims.tensors(
             f"step {step + 1}: the gradients equal one process's on the whole batch",
-            max(errs) < 1e-10,
-            f"largest relative difference {max(errs):.2e}",
-            "sum the gradients over ranks with dist.all_reduce, then divide by P",
+            grads_of(model),
+            grads_of(ref),
+            what="the gradients",
+            alternatives={OWN: own, FIRST: local[0], OWN_BY_P: {n: g / P for n, g in own.items()}},
+            hints=("dL/dtheta is the mean over all N rows: what does each rank lack?",),
         ):
             return
+        claims.equal(
+            f"step {step + 1}: bytes sent <= one all-reduce of every gradient, 2 (P-1)/P Psi e",
+            watch.sent(P),
+            2 * (P - 1) / P * psi * 8,
+            ok=watch.sent(P) <= 2 * (P - 1) / P * psi * 8 * (1 + 1e-12),
+            what="bytes sent (ring formulas)",
+            note=f"collectives: {dict(watch.calls())}",
+        )
         with torch.no_grad():
             for p, q in zip(model.parameters(), ref.parameters()):
                 p -= LR * p.grad
                 q -= LR * q.grad
-    errs = [_max_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())]
-    claims.check(
+    claims.tensors(
         "the parameters after the steps equal one process's",
-        max(errs) < 1e-10,
-        f"largest relative difference {max(errs):.2e}",
-        "every rank must step with the same gradients",
+        dict(model.named_parameters()),
+        dict(ref.named_parameters()),
+        what="the parameters",
     )
 
 
-def check(answer: Answer) -> None:
-    judge(_ranks, P, answer)
+MISTAKES = (
+    Mistake(
+        "the sum over ranks, not the mean",
+        "gradients equal",
+        (Scaled("P", lambda p: p),),
+        (
+            "an all-reduce sums; the loss is a mean over all N rows",
+            "after the sum every rank holds sum_r dL_r/dtheta = P dL/dtheta",
+            "divide every reduced gradient by rt.world_size",
+        ),
+    ),
+    Mistake(
+        "the all-reduce ran on a copy",
+        "gradients equal",
+        (Equals(OWN),),
+        (
+            "param.grad still holds this rank's own gradient: the reduction never reached it",
+            "dist.all_reduce works in place on the tensor you pass; `param.grad / P` is a new tensor",
+            "all-reduce param.grad itself, then divide it in place (param.grad /= P)",
+        ),
+    ),
+    Mistake(
+        "a broadcast, not a reduction",
+        "gradients equal",
+        (Equals(FIRST),),
+        (
+            "every rank holds rank 0's gradient: the replicas agree, but on 1/P of the batch",
+            "agreeing is not enough: every rank's rows must count, so sum over ranks",
+            "dist.all_reduce(param.grad) on every rank, then divide by P",
+        ),
+    ),
+)
 
 
 def sum_without_mean(model, rt) -> None:
-    """A wrong answer: the sum over ranks, P times the mean."""
+    """The sum over ranks, P times the mean."""
     for param in model.parameters():
         dist.all_reduce(param.grad)
 
 
-test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "sum_without_mean"), wrong_claim="step 1: the gradients equal"
+def reduced_copy(model, rt) -> None:
+    """The division first: the all-reduce sums a new tensor, and param.grad is never touched."""
+    for param in model.parameters():
+        dist.all_reduce(param.grad / rt.world_size)
+
+
+def broadcast_from_zero(model, rt) -> None:
+    """Every replica made equal to rank 0's: the same gradients everywhere, of rank 0's rows only."""
+    for param in model.parameters():
+        dist.broadcast(param.grad, src=0)
+
+
+def gathered_mean(model, rt) -> None:
+    """Right numbers, the wrong collective: every rank's whole gradient gathered, then averaged here."""
+    for param in model.parameters():
+        every = [torch.empty_like(param.grad) for _ in range(rt.world_size)]
+        dist.all_gather(every, param.grad)
+        param.grad.copy_(torch.stack(every).mean(0))
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "each rank's gradient covers its C rows; the step needs the mean over all N",
+        "combine the ranks' gradients with one collective, then rescale so a mean stays a mean",
+        "for every parameter: dist.all_reduce(param.grad), then param.grad /= rt.world_size",
+    ),
 )
+WRONG = {
+    "the sum over ranks, not the mean": "sum_without_mean",
+    "the all-reduce ran on a copy": "reduced_copy",
+    "a broadcast, not a reduction": "broadcast_from_zero",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_mean": "bytes sent"})

@@ -1,28 +1,59 @@
-"""Exercise 09: ring attention's forward, judged on 3 ranks against torch's scaled_dot_product_attention
+"""Exercise 09: ring attention's forward, judged on 4 ranks against torch's scaled_dot_product_attention
 on the whole sequence in one process.
 
-Each rank takes its zig-zag share of q, k, v and calls the answer, causal and not. The lesson's claims:
-this rank's out and lse equal one process's (float64, rtol 1e-10); the k/v blocks went round the ring
-(2(P-1) blocks sent); and the causal tiles after the diagonal were skipped (the products computed equal
-the layout's count, the same on every rank)."""
+Each rank takes its zig-zag share of q, k, v and calls the answer, causal and not. The lesson's claims: this
+rank's out and lse equal one process's (float64, rtol 1e-10); the k/v blocks went round the ring (2(P-1)
+blocks sent); the causal tiles after the diagonal were skipped (the products computed equal the layout's
+count); and per rank, at most two k/v blocks are alive at once beyond its own, the one folded and the one
+arriving, never the whole sequence (the judge counts every block-shaped tensor the answer keeps alive).
+P = 4: at P = 3 holding every block costs no more than two in flight."""
 
 from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from exercise_kit import Answer, exercise_tests, judge
+from exercise_kit import Exercise, solution
+from exercise_signatures import Equals, Mistake
+from exercise_watch import Watch
 
-from distlab.context_parallel.attention import Partial, causal_mask, scores
+from distlab.context_parallel.attention import Partial, causal_mask, fold_tile, scores
 from distlab.context_parallel.ring import RingExchange
-from distlab.context_parallel.split import SKIP, Layout, count_work, shard, tile_kind
+from distlab.context_parallel.split import SKIP, Layout, count_work, pieces_of, shard, tile_kind
 
 LESSON, NAME = "09_context_parallel", "ring_forward"
-P, HEADS, SEQ, HEAD_DIM = 3, 2, 18, 4
+P, HEADS, SEQ, HEAD_DIM = 4, 2, 24, 4
+BLOCK_SHAPE = (HEADS, SEQ // P, HEAD_DIM)
+BLOCK_CAUSAL = "attention with the diagonal tiles unmasked (a query sees its whole piece)"
+WRONG_WAY = "attention with block a masked as if it were block 2r - a (the ring read the wrong way)"
+OWN_BLOCK = "attention over this rank's own k/v block alone"
 
 
-def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
+def _positions(rank: int) -> torch.Tensor:
+    return torch.tensor([p for r in pieces_of(rank, P, SEQ, "zigzag") for p in r])
+
+
+def _attention(q, k, v, visible: torch.Tensor) -> torch.Tensor:
+    a = (q @ k.transpose(-1, -2) / HEAD_DIM**0.5).masked_fill(~visible, float("-inf"))
+    return a.softmax(-1) @ v
+
+
+def _misreadings(full: list, rank: int, causal: bool) -> dict:
+    """This rank's out under each misreading, from the whole sequence in one process."""
+    q, k, v = full
+    mine, piece = _positions(rank), SEQ // (2 * P)
+    if not causal:
+        own = [shard(t, rank, P, "zigzag") for t in (k, v)]
+        return {OWN_BLOCK: _attention(shard(q, rank, P, "zigzag"), *own, torch.ones(SEQ // P, SEQ // P, dtype=bool))}
+    every = torch.arange(SEQ)
+    believed = torch.empty(SEQ, dtype=torch.long)  # the position a key is masked as, when the ring runs backwards
+    for a in range(P):
+        believed[_positions(a)] = _positions((2 * rank - a) % P)
+    q_r = shard(q, rank, P, "zigzag")
+    return {
+        BLOCK_CAUSAL: _attention(q_r, k, v, every[None] // piece <= mine[:, None] // piece),
+        WRONG_WAY: _attention(q_r, k, v, believed[None] <= mine[:, None]),
+    }
 
 
 def _reference(q, k, v, causal):
@@ -42,70 +73,216 @@ def _ranks(rt, ring_forward, claims) -> None:
         name = "causal" if causal else "not causal"
         layout = Layout(P, SEQ, "zigzag", causal)
         ring, tally = RingExchange(rt), Counter()
-        out, lse = ring_forward(rt, ring, *(shard(t, rt.rank, P, "zigzag") for t in full), layout, tally)
+        mine = [shard(t, rt.rank, P, "zigzag") for t in full]
+        with Watch(lambda shape: "k/v block" if shape == BLOCK_SHAPE else None) as watch:
+            out, lse = ring_forward(rt, ring, *mine, layout, tally)
+            held = watch.peak["k/v block"]
         ref_out, ref_lse = _reference(*full, causal)
-        err = _max_rel(out, shard(ref_out, rt.rank, P, "zigzag"))
-        claims.check(
+        claims.close(
             f"{name}: out equals SDPA's on the whole sequence",
-            err < 1e-10,
-            f"largest relative difference {err:.2e}",
-            "rescale o by exp(m - m') whenever the max grows, and divide by l at the end",
+            out,
+            shard(ref_out, rt.rank, P, "zigzag"),
+            what="out",
+            alternatives=_misreadings(full, rt.rank, causal),
         )
-        err = _max_rel(lse, shard(ref_lse.unsqueeze(-1), rt.rank, P, "zigzag").squeeze(-1))
-        claims.check(
+        claims.close(
             f"{name}: lse equals the rows' log-sum-exp",
-            err < 1e-10,
-            f"largest relative difference {err:.2e}",
-            "lse = m + log l, after the last block",
+            lse,
+            shard(ref_lse.unsqueeze(-1), rt.rank, P, "zigzag").squeeze(-1),
+            what="lse",
         )
-        claims.check(
+        claims.equal(
             f"{name}: the k/v blocks went round the ring, 2(P-1) blocks sent",
-            ring.bytes_sent == 2 * (P - 1) * block,
-            f"{ring.bytes_sent} bytes, not {2 * (P - 1) * block}",
-            "post (k, v) to the right neighbour P - 1 times, keep what arrives",
+            ring.bytes_sent,
+            2 * (P - 1) * block,
+            what="bytes sent",
+            alternatives={"2P blocks: a move after the last step": 2 * P * block},
         )
         want = count_work(rt.rank, P, SEQ, "zigzag", causal).products
-        claims.check(
+        claims.equal(
             f"{name}: the tiles after the diagonal were skipped",
-            tally["products"] == want,
-            f"{tally['products']} products counted, the layout computes {want}",
-            "skip a tile when tile_kind says skip; count rows x columns of every tile you fold",
+            tally["products"],
+            want,
+            what="products counted",
+            hints=("a tile whose keys all come after its queries adds only -inf: skip it, count what you fold",),
+        )
+        claims.equal(
+            f"{name}: at most two k/v blocks alive beyond my own, never the whole sequence",
+            held,
+            5,
+            ok=held <= 5,
+            what="block-shaped tensors alive at once (2 k/v pairs + out)",
+            hints=("once the next block has arrived, the one you folded is no longer needed: drop it",),
         )
 
 
-def check(answer: Answer) -> None:
-    judge(_ranks, P, answer)
+MISTAKES = (
+    Mistake(
+        "the diagonal tiles unmasked",
+        "causal: out equals",
+        (Equals(BLOCK_CAUSAL),),
+        (
+            "in a diagonal tile some keys come after some queries: a query may not see them",
+            "fold a diagonal tile with the keys after each query masked to -inf; full tiles need no mask",
+            "mask = causal_mask(query_positions, key_positions, device) for every tile tile_kind calls diagonal",
+        ),
+        holds=("not causal: out",),
+    ),
+    Mistake(
+        "the ring read the wrong way",
+        "causal: out equals",
+        (Equals(WRONG_WAY),),
+        (
+            "the values are right without the mask: the blocks are all there, but whose positions are they?",
+            "blocks arrive from the left neighbour: after k moves rank r holds rank r - k's block, not r + k's",
+            "source = (rt.rank - step) % rt.world_size, and the mask from layout.pieces(source)",
+        ),
+        holds=("not causal: out",),
+    ),
+    Mistake(
+        "the arriving block never used",
+        "not causal: out equals",
+        (Equals(OWN_BLOCK),),
+        (
+            "every step folds this rank's own keys again: the blocks you receive are never read",
+            "after the step's math, wait for the posted exchange and fold the block it delivers next",
+            "kv = tuple(arriving.wait()) at the end of each step",
+        ),
+    ),
+    Mistake(
+        "o not rescaled when the max grows",
+        "out equals",
+        (),
+        (
+            "lse is right, so m and l are: the output's running sum is the one off",
+            "o was accumulated against an older max: when m grows to m', every term in o must shrink by "
+            "exp(m - m') too, like l",
+            "o' = o * exp(m - m') + exp(A - m') v  (fold_tile does it)",
+        ),
+        holds=("lse equals",),
+    ),
+    Mistake(
+        "one move too many",
+        "k/v blocks went round",
+        (Equals("2P blocks: a move after the last step"),),
+        (
+            "after P - 1 moves every block has visited every rank",
+            "post the exchange in steps 0 .. P-2 only: the last step folds what it holds and sends nothing",
+            "arriving = ring.post(*kv) if step < rt.world_size - 1 else None",
+        ),
+    ),
+)
 
 
-def no_rescale(rt, ring, q, k, v, layout, tally):
-    """A wrong answer: o accumulated without rescaling it by exp(m - m') when the max grows."""
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-    mine, kv = layout.pieces(rt.rank), (k, v)
+def _ring(slip: str | None, rt, ring, qkv: tuple, layout, tally):
+    """Ring attention as a learner writes it, with one slip (None: none): "no rescale", "no mask",
+    "wrong way", "never swap", "extra move", "no skip"."""
+    q, k, v = qkv
+    out, lse, mine, kv = torch.empty_like(q), q.new_empty(q.shape[:-1]), layout.pieces(rt.rank), (k, v)
     parts = [Partial.start(out[..., rows, :]) for rows, _ in mine]
     for step in range(rt.world_size):
-        source = (rt.rank - step) % rt.world_size
-        arriving = ring.post(*kv) if step < rt.world_size - 1 else None
+        source = (rt.rank + (step if slip == "wrong way" else -step)) % rt.world_size
+        arriving = ring.post(*kv) if step < rt.world_size - 1 or slip == "extra move" else None
         for (rows, positions), part in zip(mine, parts):
             for cols, keys in layout.pieces(source):
                 kind = tile_kind(positions, keys, layout.causal)
-                if kind == SKIP:
+                if kind == SKIP and slip != "no skip":
                     continue
-                mask = causal_mask(positions, keys, q.device) if layout.causal else None
-                tile = scores(q[..., rows, :], kv[0][..., cols, :], mask)
-                new_max = torch.maximum(part.run_max, tile.amax(-1))
-                weights = (tile - new_max.unsqueeze(-1)).exp()
-                part.run_sum = part.run_sum * (part.run_max - new_max).exp() + weights.sum(-1)
-                part.out.add_(weights @ kv[1][..., cols, :])  # the missing factor: exp(m - m')
-                part.run_max = new_max
+                masked = layout.causal and (slip != "no mask" or kind == SKIP)
+                mask = causal_mask(positions, keys, q.device) if masked else None
+                if slip == "no rescale":
+                    tile = scores(q[..., rows, :], kv[0][..., cols, :], mask)
+                    new_max = torch.maximum(part.run_max, tile.amax(-1))
+                    weights = (tile - new_max.unsqueeze(-1)).exp()
+                    part.run_sum = part.run_sum * (part.run_max - new_max).exp() + weights.sum(-1)
+                    part.out.add_(weights @ kv[1][..., cols, :])
+                    part.run_max = new_max
+                else:
+                    fold_tile(part, q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], mask)
                 tally[kind] += 1
                 tally["products"] += len(positions) * len(keys)
         if arriving is not None:
-            kv = tuple(arriving.wait())
+            received = tuple(arriving.wait())
+            kv = kv if slip == "never swap" else received
     for (rows, _), part in zip(mine, parts):
         part.finish(lse[..., rows])
     return out, lse
 
 
-test_exercise, test_the_judge_rejects_a_blank_and_a_wrong_answer = exercise_tests(
-    LESSON, NAME, check, wrong=Answer(Path(__file__), "no_rescale"), wrong_claim="out equals SDPA"
+def no_rescale(rt, ring, q, k, v, layout, tally):
+    """o accumulated without rescaling it by exp(m - m') when the max grows (l rescaled right)."""
+    return _ring("no rescale", rt, ring, (q, k, v), layout, tally)
+
+
+def no_diagonal_mask(rt, ring, q, k, v, layout, tally):
+    """The diagonal tiles folded whole: a query sees the later keys of its own piece."""
+    return _ring("no mask", rt, ring, (q, k, v), layout, tally)
+
+
+def wrong_way(rt, ring, q, k, v, layout, tally):
+    """The block held after k moves taken for rank r + k's (it is rank r - k's)."""
+    return _ring("wrong way", rt, ring, (q, k, v), layout, tally)
+
+
+def never_swapped(rt, ring, q, k, v, layout, tally):
+    """The exchange posted and waited for, but its block never put in place of the one folded."""
+    return _ring("never swap", rt, ring, (q, k, v), layout, tally)
+
+
+def extra_move(rt, ring, q, k, v, layout, tally):
+    """Right numbers, a post in the last step too: P moves of the k/v block, not P - 1."""
+    return _ring("extra move", rt, ring, (q, k, v), layout, tally)
+
+
+def skip_tiles_computed(rt, ring, q, k, v, layout, tally):
+    """Right numbers, the tiles after the diagonal folded fully masked instead of skipped."""
+    return _ring("no skip", rt, ring, (q, k, v), layout, tally)
+
+
+class _Hoard:
+    """A ring that keeps every block it delivers."""
+
+    def __init__(self, ring: RingExchange):
+        self.ring, self.kept = ring, []
+
+    def post(self, *tensors):
+        flight, hoard = self.ring.post(*tensors), self.kept
+        wait = flight.wait
+        flight.wait = lambda: hoard.append(wait()) or hoard[-1]
+        return flight
+
+
+def every_block_kept(rt, ring, q, k, v, layout, tally):
+    """Right numbers, right bytes, but every block that arrives kept to the end: the whole sequence's k/v."""
+    return solution(LESSON, NAME).load()(rt, _Hoard(ring), q, k, v, layout, tally)
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "softmax over the whole sequence, one k/v block at a time: keep per query row a running max, sum and output",
+        "P steps: post the block you hold to the right, fold each of its tiles into (m, l, o) (masked on the "
+        "diagonal, skipped after it), then take the block that arrived from the left; out = o / l, lse = m + log l",
+        "for step: source = (r - step) % P; arriving = ring.post(*kv) if step < P - 1; for each tile: "
+        "fold_tile(part, q_piece, k_piece, v_piece, mask); kv = arriving.wait()",
+    ),
+    numbers="out equals|lse equals",
+)
+WRONG = {
+    "the diagonal tiles unmasked": "no_diagonal_mask",
+    "the ring read the wrong way": "wrong_way",
+    "the arriving block never used": "never_swapped",
+    "o not rescaled when the max grows": "no_rescale",
+    "one move too many": "extra_move",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
+    Path(__file__),
+    {"extra_move": "went round the ring", "skip_tiles_computed": "skipped", "every_block_kept": "alive"},
 )

@@ -1,18 +1,19 @@
 """Exercise 06: data parallelism by hand (read lessons/06_data_parallel.py first; check your answer with
-`pytest --exercises -k 06`).
+`pytest --exercises -k 06`; add `--hint-level 1`, 2 or 3 for help, none is printed at 0).
 
-Every rank holds the same model and a different C = N / P rows of the batch, and has just run backward
-on the mean loss over its own rows, so param.grad holds dL_r/dtheta. Write `all_reduce_gradients`:
-after it, every rank's param.grad must hold the gradient of the mean loss over all N rows,
+Every rank holds the same model and a different C = N / P rows of the batch, and has just run backward on
+the mean loss over its own rows, so param.grad holds dL_r/dtheta. Write `all_reduce_gradients`: when it
+returns, every rank's param.grad must hold the gradient of the mean loss over all N rows,
 
     dL/dtheta = (1/N) sum_i dl_i/dtheta = (1/P) sum_r dL_r/dtheta     (equal shares: C rows each),
 
-so that the same optimizer step on every rank keeps the replicas identical to one process on the whole batch.
+so that the same optimizer step on every rank keeps the replicas identical to one process on the whole
+batch. The judge checks the gradients and, after two SGD steps, the parameters against one process (float64,
+rtol 1e-10), and prices the collectives you call by the ring formulas: a step may send no more than the
+lesson's collective does, 2 (P-1)/P Psi e bytes per rank for Psi parameters of e bytes.
 
-Hints:
-- `dist.all_reduce(t)` sums `t` over the ranks, in place, on every rank;
-- the sum over ranks is P times the mean: divide by `rt.world_size`;
-- leave every tensor on the device it is on (`rt.device`): the collective runs there.
+What you have: torch.distributed is initialised; `rt.world_size` is P, `rt.rank` this rank, and
+`rt.device` the device every tensor (and so every collective) is on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,4 @@ from distlab.runtime import Runtime
 
 def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:
     """After backward on this rank's rows: every param.grad becomes the mean over ranks."""
-    raise NotImplementedError(
-        "not written yet: all_reduce_gradients(model, rt), an all_reduce of every parameter's gradient, divided by P"
-    )
+    raise NotImplementedError("not written yet: all_reduce_gradients(model, rt)")

@@ -1,28 +1,27 @@
 """Exercise 07: ZeRO-1 by hand (read lessons/07_sharding.py first; check your answer with
-`pytest --exercises -k 07`).
+`pytest --exercises -k 07`; add `--hint-level 1`, 2 or 3 for help).
 
 Every rank holds the whole model and has just run backward on the mean loss over its own C = N / P rows.
 `Sharded(model, rt, cfg)` (distlab/sharding/zero.py) has already cut each layer u's Psi_u parameters into
-one flat buffer padded to P ceil(Psi_u / P) elements, made `z.shards[u]`, this rank's shard r of it (an
-nn.Parameter), and an AdamW `z.optimizer` over the shards only: the optimizer states are sharded. The
-loop is
+one flat buffer padded to P ceil(Psi_u / P) elements (`z.units[u]`, a FlatUnit that flattens a layer's
+tensors and unflattens a buffer back into views shaped like them), made `z.shards[u]`, this rank's shard r
+of it (an nn.Parameter), and an AdamW `z.optimizer` over the shards only: the optimizer states are sharded.
+`z.ring` (distlab/data_parallel/ring.py) runs the ring collectives and counts every byte they send. The loop
+the judge drives is
 
     z.zero_grad(); loss.backward(); z.after_backward(); z.optimizer.step(); z.after_step()
 
-Write the two steps that make it ZeRO-1:
+Write the two steps that make it ZeRO-1, and return `z` with them set:
 
-- `after_backward`: for each layer, flatten its gradients (`unit.flatten([p.grad for p in layer.parameters()])`),
-  reduce-scatter them with `z.ring.reduce_scatter(flat)` (rank r receives shard r of the SUM over ranks)
-  and put the MEAN, sum / P, into `shard.grad`: dL/dtheta = (1/P) sum_r dL_r/dtheta;
-- `after_step`: for each layer, all-gather the stepped shards (`z.ring.all_gather(shard.detach())`) and copy
-  them into the layer's parameters (`unit.unflatten(whole)` gives views shaped like them), under no_grad.
+- `z.after_backward`: each shard's .grad must be this rank's part of the mean gradient over ranks,
+  dL/dtheta = (1/P) sum_r dL_r/dtheta, without any rank receiving more of it than its own shard;
+- `z.after_step`: every rank's whole weights must become the stepped shards of every rank, so the next
+  forward runs the updated model everywhere.
 
-Then each rank sends 2 (P-1) e Psi_P bytes per step, as DDP's all-reduce, and holds a P-th of AdamW's moments.
-
-Hints:
-- iterate over `zip(z.units, z.layers, z.shards)`;
-- use `z.ring` for both collectives: it counts the bytes the check compares with the formula;
-- set `z.after_backward, z.after_step = ...` to your two functions and return `z`.
+The judge checks the gradient each shard is stepped with (step 1), the parameters and AdamW's moments after
+3 steps against one process, the weights each rank computes with against the gathered shards, the bytes
+the ring sent per step against DDP's 2 (P-1) e Psi_P, and the bytes each rank holds against ZeRO-1's
+formula (the whole weights and gradients, a P-th of the moments).
 """
 
 from __future__ import annotations
@@ -37,8 +36,4 @@ from distlab.sharding.zero import Sharded
 def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
     """Optimizer states sharded; every rank keeps the whole weights and the whole gradient."""
     z = Sharded(model, rt, cfg)  # noqa: F841
-    raise NotImplementedError(
-        "not written yet: zero1(model, rt, cfg), a reduce-scatter of every layer's "
-        "gradient into its shard (divided by P) after backward, and an all-gather of the "
-        "stepped shards into the weights after the step"
-    )
+    raise NotImplementedError("not written yet: zero1(model, rt, cfg)")

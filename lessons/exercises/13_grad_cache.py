@@ -1,22 +1,24 @@
 """Exercise 13: GradCache's three steps (read lessons/13_grad_cache.py first; check your answer with
-`pytest --exercises -k 13`).
+`pytest --exercises -k 13`; add `--hint-level 1`, 2 or 3 for help).
 
-Write `grad_cache_step(towers, inputs, b, loss_fn)`: the gradient of loss_fn(H_1, H_2, ...) over the whole
-batch, where H_k = towers[k](inputs[k]) (n x d), while no tower ever runs with a graph on more than b rows:
+Write `grad_cache_step(towers, inputs, b, loss_fn)`: add into .grad the gradient of loss_fn(H_1, H_2, ...)
+over the whole batch, where H_k = towers[k](inputs[k]) (n x d), and return L (detached), while no tower
+ever runs with a graph on more than b rows at once.
 
-    (1) no_grad: H_k = cat(tower_k(part) for each part of b rows)   remember each part's random state
-    (2) L = loss_fn(H_1, H_2, ...) on detached leaves; backward:   G_k = dL/dH_k  (n x d)
-    (3) each part again, with a graph and the SAME random state (dropout masks): backward of <h, G_k[part]>,
-        which adds G . dh/dtheta = the part's share of dL/dtheta into .grad
+The math. The parameters theta reach the loss only through the representations, so
 
-Return L (detached). The parameter gradients accumulate into .grad, exactly those of plain autograd on the
-whole batch with the masks step (1) drew.
+    dL/dtheta = sum_k sum_i (dL/dh_k,i) . (dh_k,i/dtheta) = sum_k sum_parts d<H_k[part], G_k[part]>/dtheta,
+    G_k = dL/dH_k  (n x d, computed once, on all n rows: the loss couples every pair),
 
-Hints:
-- `x.split(b)` cuts the rows into parts of at most b;
-- `distlab.contrastive.rand_context.RandContext(part)` records the random state at construction and
-  restores it inside `with`: make one before each forward of step (1), reuse it around step (3)'s;
-- `torch.dot(h.flatten(), g.flatten()).backward()` back-propagates G through one part.
+and a part's representations can be recomputed, with a graph, just before their backward. The recompute must
+be the same function as the first forward: the same dropout masks.
+
+The judge runs your step with dropout off and on, compares the loss and every parameter's gradient with
+plain autograd on the whole batch under the masks your first pass drew (float64; parts of b = 3 rows that
+do not divide n = 8), and counts, with forward hooks, the rows each tower runs with a graph: at most b at a
+time, each row once.
+
+What you have: `distlab.contrastive.rand_context` records a random state and restores it.
 """
 
 from __future__ import annotations
@@ -28,9 +30,4 @@ from distlab.contrastive.rand_context import RandContext  # noqa: F401  (you wil
 
 def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
     """GradCache's three steps; the parameter gradients of loss_fn(*reps) accumulate into .grad."""
-    raise NotImplementedError(
-        "not written yet: grad_cache_step(towers, inputs, b, loss_fn): (1) no-grad "
-        "representations in parts of b rows with their random states, (2) the loss "
-        "and G on detached leaves, (3) each part again under its random state, "
-        "backward of <h, G>"
-    )
+    raise NotImplementedError("not written yet: grad_cache_step(towers, inputs, b, loss_fn)")

@@ -1,0 +1,277 @@
+"""How the exercises' judge recognises a learner's mistake in what it measured (`exercise_claims.Seen`),
+and what it says when it cannot.
+
+Across ranks the judge adds which ranks missed. A `Mistake` is one catalogued error: the claim it breaks,
+the signatures that recognise it (`Scaled`, `Proportional`, `Equals`, `Zero`, `Confined`, `OnRanks`,
+`Tensors`, `Says`: the vocabulary every exercise shares), the claims it leaves standing (`holds`) and the
+others it breaks too (`fails`), and three hints: level 1 names the idea, level 2 the step, level 3 nearly
+the line. `diagnose` finds the first catalogued mistake whose signatures all match; when none does it says
+what it saw (which claim, which ranks, which tensors, by how much, the ratio it measured), never a guess.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from exercise_claims import Hints, Seen, show
+
+# ---- the signatures ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """Every failing rank's got is exactly `text` = factor(P) times the reference's."""
+
+    text: str
+    factor: Callable[[int], float]
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        k = self.factor(world)
+        if all(s.ratio is not None and math.isclose(s.ratio, k, rel_tol=1e-6) for s in failing.values()):
+            return f"{_where(failing)}: exactly {self.text} = {k:.4g} times the reference"
+        return None
+
+
+@dataclass(frozen=True)
+class Proportional:
+    """Several tensors missed, all by one and the same factor k, whatever k is (an update not clipped: the
+    whole gradient off by its norm over the clipping bound); the tensors in `but` are left out (a
+    clamped one)."""
+
+    but: tuple[str, ...] = ()
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        ks = {None if k is None else round(k, 6) for s in failing.values() for n, k in s.ratios if n not in self.but}
+        if None in ks or len(ks) != 1 or any(len(s.ratios) < 2 for s in failing.values()):
+            return None
+        others = f" (leaving out {', '.join(self.but)})" if self.but else ""
+        return f"{_where(failing)}: every tensor that missed{others} is off by one factor, {ks.pop():.6g}"
+
+
+@dataclass(frozen=True)
+class Equals:
+    """Every failing rank's got equals the alternative named `name`."""
+
+    name: str
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        if all(self.name in s.matches for s in failing.values()):
+            return f"{_where(failing)}: equal to {self.name}"
+        return None
+
+
+@dataclass(frozen=True)
+class Zero:
+    """Nothing arrived on any failing rank."""
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        return f"{_where(failing)}: zero, nothing arrived" if all(s.zero for s in failing.values()) else None
+
+
+@dataclass(frozen=True)
+class Confined:
+    """The error lies only inside the region named `name`, on every failing rank."""
+
+    name: str
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        if all(self.name in s.confined for s in failing.values()):
+            return f"the error lies only in {self.name}; everything else is right"
+        return None
+
+
+@dataclass(frozen=True)
+class OnRanks:
+    """The set of failing ranks is `which(P)`, described as `text` ("every rank but 0")."""
+
+    text: str
+    which: Callable[[int], set[int]]
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        return f"it fails on {self.text}, the others are right" if set(failing) == self.which(world) else None
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """Exactly these named tensors miss (on every failing rank); with `but`, every tensor except these."""
+
+    names: tuple[str, ...]
+    but: bool = False
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        for s in failing.values():
+            missing = set(s.among) - set(self.names) if self.but else set(self.names)
+            if set(s.tensors) != missing:
+                return None
+        if self.but:
+            return f"every tensor but {', '.join(self.names)} missed; {', '.join(self.names)} is right"
+        return f"only {', '.join(self.names)} missed; every other tensor is right"
+
+
+@dataclass(frozen=True)
+class Says:
+    """The check's own words on every failing rank match `pattern`."""
+
+    pattern: str
+
+    def match(self, failing: dict[int, Seen], world: int) -> str | None:
+        notes = {s.note for s in failing.values()}
+        return (
+            f"the check says: {' / '.join(sorted(notes))}" if all(re.search(self.pattern, n) for n in notes) else None
+        )
+
+
+def _where(failing: dict[int, Seen]) -> str:
+    whats = ", ".join(sorted({s.what for s in failing.values()}))
+    return f"{whats} on every failing rank" if len(failing) > 1 else f"{whats} on rank {min(failing)}"
+
+
+def all_but(rank: int) -> OnRanks:
+    return OnRanks(f"every rank but {rank}", lambda p: set(range(p)) - {rank})
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A catalogued mistake: the claim it breaks (a regex), the signatures that recognise it there, the
+    claims it leaves standing and the other claims it breaks too (regexes: they tell it from its
+    look-alikes), and its hints by level."""
+
+    name: str
+    claim: str
+    seen: tuple
+    hints: Hints
+    holds: tuple[str, ...] = ()
+    fails: tuple[str, ...] = ()
+
+
+def more_help(level: int) -> str:
+    """How to ask for the next level of hints."""
+    ask = "a hint" if level == 0 else "more help"
+    return f"  ({ask}: --hint-level {level + 1}, or DISTLAB_HINT_LEVEL={level + 1})"
+
+
+# ---- the diagnosis -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The failed claim a message is about, on which ranks, the mistake recognised there (or None), what
+    the judge saw, and the other claims that failed."""
+
+    claim: str
+    failing: dict[int, Seen]
+    mistake: Mistake | None
+    observations: tuple[str, ...]
+    also: tuple[str, ...]
+    world: int
+
+    def message(self, level: int) -> str:
+        first = self.failing[min(self.failing)]
+        ranks = ", ".join(map(str, sorted(self.failing)))
+        lines = [f"claim '{self.claim}' failed on rank(s) {ranks}: {first.what}: {first.amount()}"]
+        if self.also:
+            lines.append(f"  also failed: {'; '.join(self.also)}")
+        if level >= 1:
+            lines.append(f"  the judge saw: {'; '.join(self.observations)}")
+            hints = self.mistake.hints if self.mistake else first.hints
+            if self.mistake is None:
+                lines.append("  no catalogued mistake leaves these traces; what the judge saw is all it can say")
+            lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(hints[:level])]
+        if level < 3:
+            lines.append(more_help(level))
+        return "\n".join(lines)
+
+
+class Findings:
+    """Every rank's `Seen`s, in the order the claims were made."""
+
+    def __init__(self, by_rank: list[list[Seen]]):
+        self.by_rank = by_rank
+
+    def claims(self) -> list[str]:
+        order = []
+        for seen in self.by_rank:
+            order += [s.claim for s in seen if s.claim not in order]
+        return order
+
+    def failing(self, claim: str) -> dict[int, Seen]:
+        return {r: s for r, seen in enumerate(self.by_rank) for s in seen if s.claim == claim and not s.ok}
+
+    def failed(self) -> list[str]:
+        return [c for c in self.claims() if self.failing(c)]
+
+    def held(self, pattern: str) -> bool:
+        """Some claim matching `pattern` was made, and every one of them held on every rank."""
+        made = [c for c in self.claims() if re.search(pattern, c)]
+        return bool(made) and not any(self.failing(c) for c in made)
+
+
+def recognise(findings: Findings, mistake: Mistake, world: int) -> Diagnosis | None:
+    """The diagnosis when `mistake`'s signatures all match on a failed claim of its, the claims it leaves
+    standing held and the others it breaks failed, else None."""
+    failed = findings.failed()
+    if not all(findings.held(pattern) for pattern in mistake.holds):
+        return None
+    if not all(any(re.search(pattern, c) for c in failed) for pattern in mistake.fails):
+        return None
+    for claim in failed:
+        if re.search(mistake.claim, claim):
+            failing = findings.failing(claim)
+            observations = [sig.match(failing, world) for sig in mistake.seen]
+            if all(observations):
+                also = tuple(c for c in failed if c != claim)
+                observations += [
+                    f"'{c}' held" for c in findings.claims() if any(re.search(h, c) for h in mistake.holds)
+                ]
+                observations += [f"'{c}' failed too" for c in also if any(re.search(f, c) for f in mistake.fails)]
+                return Diagnosis(claim, failing, mistake, tuple(observations), also, world)
+    return None
+
+
+def diagnose(findings: Findings, mistakes: tuple[Mistake, ...], world: int) -> Diagnosis | None:
+    """The first catalogued mistake the findings show, else the first failed claim with what the judge
+    saw there; None when every claim held."""
+    failed = findings.failed()
+    if not failed:
+        return None
+    for mistake in mistakes:
+        diagnosis = recognise(findings, mistake, world)
+        if diagnosis is not None:
+            return diagnosis
+    failing = findings.failing(failed[0])
+    return Diagnosis(failed[0], failing, None, tuple(describe(failing, world)), tuple(failed[1:]), world)
+
+
+def describe(failing: dict[int, Seen], world: int) -> list[str]:
+    """What the judge saw on a failed claim, fact by fact, with no guess at the cause."""
+    seen = list(failing.values())
+    held = sorted(set(range(world)) - set(failing))
+    facts = [f"ranks that held: {', '.join(map(str, held))}" if held else "it fails on every rank"]
+    ratios = {None if s.ratio is None else round(s.ratio, 6) for s in seen}
+    if seen[0].got is not None and not isinstance(seen[0].got, (int, float)):
+        if all(s.got == seen[0].got for s in seen):
+            facts.append(f"measured on {'every failing rank' if len(seen) > 1 else 'it'}: {show(seen[0].got)}")
+        else:
+            facts.append("measured: " + "; ".join(f"rank {r}: {show(s.got)}" for r, s in failing.items()))
+    elif ratios == {None}:
+        facts.append("no single factor relates it to the reference")
+    else:
+        facts.append("got / reference: " + ", ".join(f"rank {r}: {_ratio(s)}" for r, s in failing.items()))
+    if any(s.zero for s in seen):
+        facts.append(f"zero on rank(s) {', '.join(str(r) for r, s in failing.items() if s.zero)}")
+    for s in seen[:1]:
+        if s.tensors:
+            facts.append(f"tensors that missed: {', '.join(s.tensors)}")
+        if s.offered:
+            matched = sorted({m for t in seen for m in t.matches})
+            facts.append(f"equals: {', '.join(matched)}" if matched else f"equals none of: {', '.join(s.offered)}")
+        if s.regions:
+            facts.append(f"the error is confined to none of: {', '.join(s.regions)}")
+    return facts
+
+
+def _ratio(seen: Seen) -> str:
+    return "no single factor" if seen.ratio is None else f"{seen.ratio:.6g}"

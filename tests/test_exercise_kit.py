@@ -1,0 +1,146 @@
+"""The exercises' judge itself, without processes: what `Claims` measures, that each signature recognises
+its trace and rejects a look-alike, that a failure no catalogued mistake explains is reported as what the
+judge saw (never a guess), that hints come level by level, that `Watch` counts what is alive and prices
+collectives by the ring formulas, and that `pytest --exercises -k NN` collects exercise NN's file alone."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from exercise_claims import Claims
+from exercise_signatures import (
+    Confined,
+    Equals,
+    Findings,
+    Mistake,
+    OnRanks,
+    Proportional,
+    Says,
+    Scaled,
+    Tensors,
+    Zero,
+    all_but,
+    diagnose,
+)
+from exercise_watch import Watch, spanning
+
+ROOT = Path(__file__).resolve().parent.parent
+WANT = torch.arange(1.0, 7.0, dtype=torch.float64).reshape(2, 3)
+HINTS = ("the idea", "the step", "nearly the line")
+
+
+def _findings(per_rank_got: list, **extra) -> Findings:
+    """Every rank's Seen of one tensor claim "c", got against WANT."""
+    ranks = []
+    for got in per_rank_got:
+        claims = Claims()
+        claims.close("c", got, WANT, what="t", **extra)
+        ranks.append(claims.seen)
+    return Findings(ranks)
+
+
+def _diagnosed(findings: Findings, *seen, holds=(), fails=(), world=None):
+    mistake = Mistake("m", "c", seen, HINTS, holds=holds, fails=fails)
+    return diagnose(findings, (mistake,), world or len(findings.by_rank))
+
+
+def test_a_factor_is_recognised_exactly_and_noise_is_not():
+    by_p = Scaled("P", lambda p: p)
+    assert _diagnosed(_findings([3 * WANT] * 3), by_p).mistake is not None
+    assert _diagnosed(_findings([2 * WANT] * 3), by_p).mistake is None
+    noisy = 3 * WANT + torch.tensor([[1e-6, 0, 0], [0, 0, 0]], dtype=torch.float64)
+    assert _diagnosed(_findings([noisy] * 3), by_p).mistake is None
+
+
+def test_equals_zero_and_confined_read_what_was_measured():
+    alt = WANT.flip(0)
+    assert _diagnosed(_findings([alt], alternatives={"flipped": alt}), Equals("flipped")).mistake is not None
+    assert _diagnosed(_findings([alt + 1], alternatives={"flipped": alt}), Equals("flipped")).mistake is None
+    assert _diagnosed(_findings([torch.zeros_like(WANT)]), Zero()).mistake is not None
+    assert _diagnosed(_findings([None]), Zero()).mistake is not None
+    assert _diagnosed(_findings([WANT.flip(1)]), Zero()).mistake is None
+    row = torch.tensor([[True], [False]]).expand(2, 3)
+    off_in_row_0 = WANT.clone()
+    off_in_row_0[0] += 1
+    assert _diagnosed(_findings([off_in_row_0], regions={"row 0": row}), Confined("row 0")).mistake is not None
+    assert _diagnosed(_findings([WANT + 1], regions={"row 0": row}), Confined("row 0")).mistake is None
+
+
+def test_which_ranks_and_which_tensors():
+    assert _diagnosed(_findings([WANT, WANT + 1, WANT + 2]), all_but(0)).mistake is not None
+    assert _diagnosed(_findings([WANT + 1, WANT, WANT + 2]), all_but(0)).mistake is None
+    last = OnRanks("the last rank", lambda p: {p - 1})
+    assert _diagnosed(_findings([WANT, WANT, WANT + 1]), last).mistake is not None
+    claims = Claims()
+    claims.tensors("c", {"a": WANT, "s": WANT + 1}, {"a": WANT, "s": WANT}, what="grads")
+    assert _diagnosed(Findings([claims.seen]), Tensors(("s",))).mistake is not None
+    assert _diagnosed(Findings([claims.seen]), Tensors(("a",))).mistake is None
+    assert _diagnosed(Findings([claims.seen]), Tensors(("a",), but=True)).mistake is not None
+
+
+def test_proportional_wants_one_factor_over_several_tensors():
+    claims = Claims()
+    got = {"a": 7 * WANT, "b": 7 * WANT.T, "s": WANT + 1}
+    claims.tensors("c", got, {"a": WANT, "b": WANT.T, "s": WANT}, what="updates")
+    assert _diagnosed(Findings([claims.seen]), Proportional(but=("s",))).mistake is not None
+    assert _diagnosed(Findings([claims.seen]), Proportional()).mistake is None
+
+
+def test_holds_fails_and_the_checks_own_words_tell_look_alikes_apart():
+    claims = Claims()
+    claims.holds("c", False, what="the schedule", note="the schedule deadlocks")
+    claims.equal("d", 1, 1, what="n")
+    findings = Findings([claims.seen])
+    assert _diagnosed(findings, Says("deadlocks")).mistake is not None
+    assert _diagnosed(findings, Says("twice")).mistake is None
+    assert _diagnosed(findings, Says("deadlocks"), holds=("d",)).mistake is not None
+    assert _diagnosed(findings, Says("deadlocks"), fails=("d",)).mistake is None
+
+
+def test_an_unrecognised_failure_is_reported_as_what_the_judge_saw():
+    findings = _findings([WANT, 2.5 * WANT, WANT + 1], alternatives={"flipped": WANT.flip(0)})
+    diagnosis = _diagnosed(findings, Scaled("P", lambda p: p))
+    assert diagnosis.mistake is None
+    text = diagnosis.message(3)
+    for fact in ("claim 'c' failed on rank(s) 1, 2", "ranks that held: 0", "rank 1: 2.5", "rank 2: no single factor"):
+        assert fact in text, text
+    assert "equals none of: flipped" in text and "no catalogued mistake" in text
+    assert not any(hint in text for hint in HINTS)  # the catalogue's hints belong to its mistake only
+
+
+def test_hints_come_one_level_at_a_time():
+    diagnosis = _diagnosed(_findings([3 * WANT]), Scaled("3", lambda p: 3))
+    for level in range(4):
+        text = diagnosis.message(level)
+        assert [hint in text for hint in HINTS] == [k < level for k in range(3)], text
+        assert ("the judge saw" in text) == (level > 0)
+        assert ("--hint-level" in text) == (level < 3)
+
+
+def test_watch_counts_what_is_alive_and_sees_every_shape():
+    with Watch(lambda shape: "block" if shape == (4, 5) else None) as watch:
+        kept = [torch.ones(4, 5) for _ in range(3)]
+        del kept[:2]
+        torch.ones(4, 5) + 1  # a temporary, freed at once
+        torch.zeros(12, 12)
+    assert watch.peak["block"] == 3 and watch.live["block"] == 1
+    assert spanning(watch.shapes, 12, {12}) == [(12, 12)] and spanning(watch.shapes, 4, {12}) == []
+
+
+def test_watch_prices_collectives_by_the_ring_formulas():
+    watch = Watch()
+    watch.collectives = [("all_reduce", 300), ("all_gather", 300), ("reduce_scatter", 300), ("send", 40)]
+    assert watch.sent(3) == 2 * 2 / 3 * 300 + 2 / 3 * 300 + 2 / 3 * 300 + 40
+
+
+def test_exercises_k_nn_collects_that_exercise_alone():
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--exercises", "-k", "6", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert collected == ["tests/test_exercise06_data_parallel.py::test_exercise"], done.stdout + done.stderr

@@ -82,7 +82,6 @@ from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
 from distlab.data_parallel.report import (
-    MIB,
     cost_table,
     gradient_table,
     rows_table,
@@ -91,6 +90,7 @@ from distlab.data_parallel.report import (
     timing_table,
 )
 from distlab.data_parallel.training import train
+from distlab.memory import MIB
 from distlab.reference import sgd_reference
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict

@@ -20,9 +20,9 @@ from rich.table import Table
 from distlab.compare import GradientError
 from distlab.contrastive.cost import ring_elements
 from distlab.contrastive.training import FINAL_STEPS, TrainRun
+from distlab.memory import MIB
 
 Grads = Mapping[str, torch.Tensor]
-MIB = 2**20
 
 
 def relative_errors(reference: Grads, actual: Grads) -> dict[str, float]:

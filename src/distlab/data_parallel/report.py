@@ -13,9 +13,9 @@ from rich.table import Table
 
 from distlab.compare import GradientError
 from distlab.console import compact_table
+from distlab.memory import MIB
 
 Grads = Mapping[str, torch.Tensor]
-MIB = 2**20
 
 
 def _mark(ok: bool, expected: bool = True) -> str:

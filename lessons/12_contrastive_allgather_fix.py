@@ -56,7 +56,7 @@ from distlab.cli import (
     lesson_parser,
     positive_int,
 )
-from distlab.compare import gradient_error, tolerances
+from distlab.compare import compare_whole, tolerances
 from distlab.console import print0
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
 from distlab.contrastive.reference import full_batch_gradients
@@ -118,7 +118,7 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     ref_loss, ref = full_batch_gradients(
         TwoTower(seed=args.seed, dtype=dtype), *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau
     )
-    errors = {v.name: gradient_error(ref, ddp[v.name][1]) for v in FIXES + (LOCAL_PLAIN,)}
+    errors = {v.name: compare_whole(ref, ddp[v.name][1]) for v in FIXES + (LOCAL_PLAIN,)}
     rtol, atol = tolerances(dtype)
     rows = [(v.name, "ref", errors[v.name], True) for v in FIXES]
     rows.append((f"{LOCAL_PLAIN.name} (11)", "ref", errors[LOCAL_PLAIN.name], p == 1))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.compare import GradientError, all_ok, compare, gradient_error
+from distlab.compare import Comparison, all_ok, compare, compare_whole
 from distlab.memory import PeakMemory
 from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
 from distlab.tensor_parallel.layers import reference_shards
@@ -37,7 +37,7 @@ class Outcome:
     and every step's loss; the bytes this rank sent."""
 
     output: bool
-    grads: GradientError
+    grads: Comparison
     grads_max_abs: float  # the largest |a - r| over every gradient
     params: bool
     losses: bool
@@ -91,7 +91,7 @@ def split_run(rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float
         dist.all_reduce(losses, group=comm.group)
     return Outcome(
         output=all_ok(compare({"z": cut(ref.first_output)}, {"z": run.first_output})),
-        grads=gradient_error(expected, run.first_grads),
+        grads=compare_whole(expected, run.first_grads),
         grads_max_abs=max(row.max_abs for row in compare(expected, run.first_grads)),
         params=all_ok(compare(reference_shards(ref.params, model, rank, p), run.params)),
         losses=torch.allclose(losses.cpu(), torch.tensor(ref.losses, dtype=torch.float64), rtol=1e-10, atol=0),

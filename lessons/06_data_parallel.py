@@ -91,7 +91,7 @@ from distlab.data_parallel.report import (
 )
 from distlab.data_parallel.training import train
 from distlab.memory import MIB
-from distlab.reference import sgd_reference
+from distlab.reference import one_process, sgd
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict
 
@@ -171,7 +171,7 @@ def show_collectives(rt: Runtime, args, verdict: Verdict) -> None:
 def show_data_parallel(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict) -> tuple:
     print0(f"\n[bold]2. Data parallelism on a mean over samples: {cfg.steps} SGD steps[/]")
     model, x, target = build(cfg)
-    ref = sgd_reference(model, x, target, mean_loss, cfg.steps, cfg.lr)  # one process, whole batch
+    ref = one_process(model, lambda k: (x, target), mean_loss, sgd(cfg.lr), cfg.steps)  # one process, whole batch
     runs = {}
     by_hand = build(cfg)[0].to(rt.device)
     runs["by hand: all_reduce / P"] = train(rt, cfg, by_hand, lambda: all_reduce_gradients(by_hand, rt))
@@ -282,7 +282,7 @@ def show_unused(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict) -> None:
 def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp_mean_row: tuple) -> None:
     print0("\n[bold]5. Averaging: right for a mean over samples, P times too small for a global loss[/]")
     model, x, target = build(cfg)
-    ref = sgd_reference(model, x, target, batch_lse_loss, 1, cfg.lr)
+    ref = one_process(model, lambda k: (x, target), batch_lse_loss, sgd(cfg.lr), 1)
     p = rt.world_size
     loss, plain = ddp.global_loss_gradients(rt, cfg, times_p=False)
     _, scaled = ddp.global_loss_gradients(rt, cfg, times_p=True)

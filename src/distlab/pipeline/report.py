@@ -19,10 +19,10 @@ from distlab.compare import Comparison, compare, comparison_table, tolerances
 from distlab.console import print0
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Schedule
-from distlab.pipeline.training import Run, train, unsplit_reference
-from distlab.reference import ReferenceRun
+from distlab.pipeline.training import PipelineRun, train, unsplit_reference
 from distlab.timeline import Span, busy_fractions, idle_fraction, max_concurrency
 from distlab.timeline import render as render_spans
+from distlab.training import Run
 
 
 def gathered(value: Any) -> list[Any]:
@@ -32,14 +32,14 @@ def gathered(value: Any) -> list[Any]:
     return out
 
 
-def _rows(run: Run | ReferenceRun, ref: Run | ReferenceRun, names) -> tuple[list, list]:
+def _rows(run: Run, ref: Run, names) -> tuple[list, list]:
     return (
         compare({n: ref.first_grads[n] for n in names}, run.first_grads),
         compare({n: ref.params[n] for n in names}, run.params),
     )
 
 
-def per_tensor(run: Run, ref: ReferenceRun, dtype: torch.dtype) -> tuple[list[Table], bool]:
+def per_tensor(run: PipelineRun, ref: Run, dtype: torch.dtype) -> tuple[list[Table], bool]:
     """Lesson 01's readout: one table of every tensor's gradient, one of every parameter, and
     whether every tensor and every step's loss matched (the same on all ranks)."""
     every = gathered(_rows(run, ref, run.first_grads.keys()))
@@ -57,7 +57,7 @@ def per_tensor(run: Run, ref: ReferenceRun, dtype: torch.dtype) -> tuple[list[Ta
 
 
 def check_runs(
-    runs: dict[str, Run], ref: ReferenceRun | dict[str, Run], dtype: torch.dtype, title: str = ""
+    runs: dict[str, PipelineRun], ref: Run | dict[str, Run], dtype: torch.dtype, title: str = ""
 ) -> tuple[Table, bool]:
     """A table with one row per named run, and whether every run matched (identical on all ranks).
     `ref` is the reference for every run, or a dict with one per run name. A collective: call it

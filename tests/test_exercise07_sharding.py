@@ -13,7 +13,7 @@ from exercise_kit import Answer, exercise_tests, judge
 from distlab.compare import compare
 from distlab.sharding import accounting
 from distlab.sharding.flat import units_of
-from distlab.sharding.problem import ShardingConfig, adamw_reference, build_model
+from distlab.sharding.problem import ShardingConfig, build_model, reference
 from distlab.sharding.training import run_strategy
 
 LESSON, NAME = "07_sharding", "zero1"
@@ -25,8 +25,8 @@ def _worst(ref: dict, got: dict) -> float:
 
 
 def _ranks(rt, zero1, claims) -> None:
-    run, ref = run_strategy(rt, CFG, zero1), adamw_reference(CFG)
-    err = _worst(ref.params, run.trained.params)
+    run, ref = run_strategy(rt, CFG, zero1), reference(CFG)
+    err = _worst(ref.params, run.params)
     if not claims.check(
         "the parameters after 3 AdamW steps equal one process's",
         err < 1e-10,
@@ -35,7 +35,7 @@ def _ranks(rt, zero1, claims) -> None:
     ):
         return
     moments = {f"{n}.{k}": s[k] for n, s in ref.states.items() for k in ("exp_avg", "exp_avg_sq")}
-    err = _worst(moments, {f"{n}.{k}": s[k] for n, s in run.trained.states.items() for k in ("exp_avg", "exp_avg_sq")})
+    err = _worst(moments, {f"{n}.{k}": s[k] for n, s in run.states.items() for k in ("exp_avg", "exp_avg_sq")})
     claims.check(
         "AdamW's moments equal one process's",
         err < 1e-10,

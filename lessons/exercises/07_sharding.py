@@ -2,7 +2,7 @@
 `pytest --exercises -k 07`).
 
 Every rank holds the whole model and has just run backward on the mean loss over its own C = N / P rows.
-`Sharded(model, rt, cfg)` (distlab/sharding/zero.py) has already cut each layer u's Psi_u parameters into
+`Sharded(model, rt, cfg)` (distlab/sharding/shards.py) has already cut each layer u's Psi_u parameters into
 one flat buffer padded to P ceil(Psi_u / P) elements, made `z.shards[u]`, this rank's shard r of it (an
 nn.Parameter), and an AdamW `z.optimizer` over the shards only: the optimizer states are sharded. The
 loop is
@@ -31,7 +31,7 @@ import torch  # noqa: F401  (you will need it)
 
 from distlab.runtime import Runtime
 from distlab.sharding.problem import ShardingConfig
-from distlab.sharding.zero import Sharded
+from distlab.sharding.shards import Sharded
 
 
 def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:

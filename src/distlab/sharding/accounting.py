@@ -111,7 +111,8 @@ def mixed_step(psi: int, tensors: int) -> dict[str, int]:
 
 
 def block_activations(rows: int, seq: int, d: int, heads: int, b: int) -> int:
-    """Bytes autograd saves in `distlab.sharding.block.Block` (counted op by op): 18 tensors of
+    """Bytes autograd saves in lesson 07's block, `distlab.models.Block` with q, k, v from one fused
+    product and attention written out (counted op by op, by storage as `distlab.held` counts): 18 tensors of
     C x seq x d (input, LN1 output, q, k, v, the heads' merged output, LN2 input and output, the
     4d-wide fc1 output and GELU output (4 each), output and target), the softmax (C h seq^2), and
     the two LayerNorms' mean and 1/std (4 C seq)."""

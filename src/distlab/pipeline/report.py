@@ -19,7 +19,7 @@ from distlab.compare import Comparison, compare, comparison_table, tolerances
 from distlab.console import print0
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Schedule
-from distlab.pipeline.training import PipelineRun, train, unsplit_reference
+from distlab.pipeline.training import PipelineRun, train
 from distlab.timeline import Span, busy_fractions, idle_fraction, max_concurrency
 from distlab.timeline import render as render_spans
 from distlab.training import Run
@@ -138,11 +138,24 @@ def show_measured(title: str, runs: dict[str, list[Span]], world_size: int, step
     return out
 
 
-def emulated_spans(rt, cfg, schedule: Schedule, name: str, verdict) -> list[Span]:
-    """The step run again on the emulated device (`cfg.emulate_ms` per layer-pass, slept): its
-    gradients must still be the unsplit model's (a check); its spans draw the measured timeline."""
-    emulated = train(rt, cfg, PipelineStep(rt, cfg, schedule))
-    table, matched = check_runs({f"{name} on the emulated device": emulated}, unsplit_reference(cfg), cfg.dtype)
-    print0(table)
-    verdict.check(f"on the emulated device {name} still computes the unsplit model's gradients", matched)
-    return emulated.spans
+def show_timelines(rt, cfg, schedule: Schedule, name: str, real: PipelineRun, ref: Run, verdict) -> dict:
+    """`name`'s last step measured on the real CPU (`real`'s spans) and, with `cfg.emulate_ms` > 0, run
+    again on the emulated device (each layer-pass a fixed time, slept: `distlab/emulate.py`), whose
+    gradients must still be `ref`'s (a check). Prints both timelines and the emulated idle share against
+    the grid's (P-1)/(M+P-1) (GPipe's and 1F1B's alike); returns `show_measured`'s figures."""
+    p, m = rt.world_size, cfg.micro_batches
+    spans = {"real CPU": real.spans}
+    if cfg.emulate_ms:
+        emulated = train(rt, cfg, PipelineStep(rt, cfg, schedule))
+        table, matched = check_runs({f"{name} on the emulated device": emulated}, ref, cfg.dtype)
+        print0(table)
+        verdict.check(f"on the emulated device {name} still computes the unsplit model's gradients", matched)
+        spans[f"emulated device, {cfg.emulate_ms:g} ms per layer-pass"] = emulated.spans
+    measured = show_measured(f"{name}'s last step", spans, p, cfg.steps - 1)
+    if cfg.emulate_ms:
+        idle, formula = list(measured.values())[-1]["idle"], (p - 1) / (m + p - 1)
+        print0(
+            f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
+            f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)"
+        )
+    return measured

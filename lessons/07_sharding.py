@@ -52,7 +52,7 @@ from distlab.cli import (
     positive_float,
     positive_int,
 )
-from distlab.compare import against, compare
+from distlab.compare import against, all_ok, compare
 from distlab.console import print0
 from distlab.data_parallel.report import rows_table
 from distlab.models import Block, BlockOptions, token_batch
@@ -168,10 +168,6 @@ BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}
 BLOCK = BlockOptions(fused_qkv=True, sdpa=False)  # one qkv product; attention written out, its weights saved
 
 
-def _equal(parts: dict) -> bool:
-    return all(c.ok for c in parts.values())
-
-
 # ---- the chapter, part by part ------------------------------------------------------------------
 
 
@@ -236,7 +232,7 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
     print0(agreement_table("Parameters, step 1's gradients, AdamW states: max |a-r|/max |r|", agree))
     verdict.check(
         "DDP and ZeRO-1/2/3 = one process: parameters, gradients, AdamW states, losses",
-        all(_equal(parts) for _, parts in agree.values()),
+        all(all_ok(parts.values()) for _, parts in agree.values()),
     )
     units = units_of(build_model(cfg), rt.rank, rt.world_size)
     sizes = accounting.Sizes.of(units, rt.world_size, 8)
@@ -286,7 +282,7 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
     print0(agreement_table("fully_shard per layer, then the root; AdamW on DTensors", rows))
     verdict.check(
         "FSDP2 = ZeRO-3 by hand = one process: parameters, gradients, AdamW states",
-        all(_equal(p) for _, p in rows.values()),
+        all(all_ok(parts.values()) for _, parts in rows.values()),
     )
     print0(memory_table("FSDP2 per rank, KiB", mem))
     print0(

@@ -27,10 +27,6 @@ from distlab.spawn import spawn
 CFG = ShardingConfig()  # layers of Psi_u = 221, 154, 60 parameters: no P in 2..4 divides them all
 
 
-def _equal(parts) -> bool:
-    return all(c.ok for c in parts.values())
-
-
 def _sums_instead_of_averaging(model, rt, cfg):
     """The lesson's ZeRO-1 with the division by P undone: a sum of the ranks' gradients."""
     z = load_lesson("07_sharding").zero1(model, rt, cfg)
@@ -84,7 +80,7 @@ def test_every_stage_and_fsdp2_equal_one_process_and_the_formulas(world_size, re
         for name, run in out.items():
             if name in ("resume", "summed"):
                 continue
-            assert _equal(against(ref, run)), (name, rank)  # params, grads, AdamW states, losses
+            assert all_ok(against(ref, run).values()), (name, rank)  # params, grads, AdamW states, losses
             stage = name.split()[0]
             if stage == "FSDP2":
                 assert run.held == fsdp_held(build_model(CFG), p, rank, 8), (rank, run.held)
@@ -99,7 +95,7 @@ def test_every_stage_and_fsdp2_equal_one_process_and_the_formulas(world_size, re
         assert sum(out["ZeRO-3 lesson"].held.values()) < sum(out["DDP"].held.values()) / p + 4 * 8 * len(units) + 16
         if "summed" in out:  # the check has teeth: Adam all but hides a P-times gradient in the
             summed = out["summed"]  # weights (m / sqrt(v) is scale-free but for eps), not in m, v
-            assert not _equal(against(ref, summed))
+            assert not all_ok(against(ref, summed).values())
             assert all_ok(compare(ref.params, summed.params, rtol=0, atol=1e-5))
             assert all_ok(
                 compare({n: p * g for n, g in ref.first_grads.items()}, summed.first_grads, rtol=1e-3, atol=0)

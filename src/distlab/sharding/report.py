@@ -6,7 +6,7 @@ step, every AdamW state (m, v, the step count) and every step's loss, each part 
 
 from __future__ import annotations
 
-from distlab.compare import Comparison
+from distlab.compare import Comparison, all_ok
 from distlab.data_parallel.report import rows_table
 
 
@@ -26,7 +26,7 @@ def agreement_table(title: str, rows: dict[str, tuple[str, dict[str, Comparison]
                 f"{parts['parameters'].max_rel:.1e}",
                 f"{parts['gradients'].max_rel:.1e}",
                 f"{parts['optimizer states'].max_rel:.1e}",
-                "[green]yes[/]" if all(c.ok for c in parts.values()) else "[bold red]no[/]",
+                "[green]yes[/]" if all_ok(parts.values()) else "[bold red]no[/]",
             )
             for name, (what, parts) in rows.items()
         ],

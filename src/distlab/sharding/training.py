@@ -107,4 +107,6 @@ def run_strategy(rt: Runtime, cfg: ShardingConfig, make: Callable, steps: int | 
     ring = getattr(strategy, "ring", None)
     sent = ring.bytes_sent // len(batches) if ring is not None else -1
     losses = mean_over_ranks(run.losses, rt)  # equal shares: the global loss is the mean of the ranks' means
-    return StrategyRun(run.first_grads, run.params, losses, run.states, None, held, live, peak, sent)
+    return StrategyRun(
+        run.first_grads, run.params, losses, run.states, held=held, live_bytes=live, peak_bytes=peak, sent=sent
+    )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.compare import Comparison, compare_whole
+from distlab.compare import Comparison, all_ok, compare_whole
 from distlab.tensor_parallel.operators import Traffic
 
 ROWS, PART, WIDTH = 2, 2, 3  # a tensor (ROWS, PART * P or PART, WIDTH): small, distinct on every rank
@@ -62,7 +62,7 @@ class OperatorResult:
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.against.values())
+        return all_ok(self.against.values())
 
 
 def check_operator(rt, name: str, function, group=None) -> OperatorResult:

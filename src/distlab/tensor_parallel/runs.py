@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.compare import Comparison, against
+from distlab.compare import Comparison, against, all_ok
 from distlab.held import SavedActivations
 from distlab.memory import PeakMemory
 from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
@@ -98,7 +98,7 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.against.values())
+        return all_ok(self.against.values())
 
 
 def reference(cfg: BlockConfig, part: str, steps: int, lr: float) -> Run:

@@ -59,7 +59,7 @@ from distlab.cli import (
 from distlab.console import print0
 from distlab.pipeline import schedules
 from distlab.pipeline.partition import stage_bounds
-from distlab.pipeline.report import check_runs, emulated_spans, gathered, idle_against_grid, show_measured
+from distlab.pipeline.report import check_runs, gathered, show_timelines
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule
 from distlab.pipeline.simulator import render, simulate
@@ -139,19 +139,14 @@ def memory_claim(m: dict, k: int) -> tuple[str, bool]:
     return f"stages with K={k} segments of >= 2 layers hold {max(cut):.2f}x or less, one-layer segments 1.00x", ok
 
 
-def show_timing(rt, cfg: PipelineConfig, args, runs: dict, verdict: Verdict) -> None:
+def show_timing(rt, cfg: PipelineConfig, args, runs: dict, ref, verdict: Verdict) -> None:
     """The measured timeline of GPipe's last step, on the real CPU and on the emulated device, and
     the emulated step's idle share against (P-1)/(M+P-1). (Timings are figures, never checks.)"""
-    p, m, step = rt.world_size, args.micro_batches, args.steps - 1
-    spans = {"real CPU": runs["plain"].spans}
-    if args.emulate_ms:
-        emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
-        spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated_spans(
-            rt, emulated_cfg, gpipe(p, m), "GPipe", verdict
-        )
-    measured = verdict.figure("measured", show_measured("GPipe's last step", spans, p, step))
-    if args.emulate_ms:
-        print0(idle_against_grid(list(measured.values())[-1]["idle"], p, m))
+    emulated = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
+    measured = show_timelines(
+        rt, emulated, gpipe(rt.world_size, args.micro_batches), "GPipe", runs["plain"], ref, verdict
+    )
+    verdict.figure("measured", measured)
     t_plain, t_ckpt = (step_seconds(runs[k].spans, args.steps) for k in ("plain", "checkpointed"))
     print0(
         f"real CPU step time (median, compute spans): {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
@@ -194,9 +189,8 @@ def main() -> int:
         )
         print0("bubble vs M, counted in the grids: " + ", ".join(f"M={mm} {b:.3f}" for mm, b in curve.items()))
 
-        table, matched = check_runs(
-            {"GPipe": plain, f"GPipe + checkpointing, K={k}": ckpt}, unsplit_reference(cfg), cfg.dtype
-        )
+        ref = unsplit_reference(cfg)
+        table, matched = check_runs({"GPipe": plain, f"GPipe + checkpointing, K={k}": ckpt}, ref, cfg.dtype)
         print0(table)
         verdict.check(
             "GPipe's gradients, parameters and losses equal the unsplit model's, with and without checkpointing",
@@ -207,7 +201,7 @@ def main() -> int:
         verdict.check(f"every stage holds all M={m} micro-batches at once", measured["in_flight"] == [m] * p)
         verdict.check(*memory_claim(verdict.figure("memory", measured), k))
 
-        show_timing(rt, cfg, args, {"plain": plain, "checkpointed": ckpt}, verdict)
+        show_timing(rt, cfg, args, {"plain": plain, "checkpointed": ckpt}, ref, verdict)
         return verdict.finish(args.json)
 
 

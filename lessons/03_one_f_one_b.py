@@ -44,7 +44,7 @@ from distlab import emulate
 from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, stages_fit_layers
 from distlab.console import print0
 from distlab.pipeline import schedules
-from distlab.pipeline.report import check_runs, emulated_spans, gathered, idle_against_grid, show_measured
+from distlab.pipeline.report import check_runs, gathered, show_timelines
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule, gpipe
 from distlab.pipeline.simulator import peak_in_flight, render, simulate
@@ -100,19 +100,6 @@ def memory_table(runs: dict[str, list], m: int) -> tuple[Table, dict]:
     }
 
 
-def show_timing(rt, cfg: PipelineConfig, args, real, verdict: Verdict) -> None:
-    """1F1B's last step measured on the real CPU and on the emulated device (timings: figures only)."""
-    p, m, spans = rt.world_size, args.micro_batches, {"real CPU": real.spans}
-    if args.emulate_ms:
-        emulated_cfg = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
-        spans[f"emulated device, {args.emulate_ms:g} ms per layer-pass"] = emulated_spans(
-            rt, emulated_cfg, one_f_one_b(p, m), "1F1B", verdict
-        )
-    measured = verdict.figure("measured_timelines", show_measured("1F1B's last step", spans, p, args.steps - 1))
-    if args.emulate_ms:
-        print0(idle_against_grid(list(measured.values())[-1]["idle"], p, m))
-
-
 def main() -> int:
     args = check_flags_against_world(parse_args(), stages_fit_layers)
     m = args.micro_batches
@@ -141,7 +128,8 @@ def main() -> int:
             f"GPipe {bubbles['gpipe']:.4f}, 1F1B {bubbles['1f1b']:.4f}, formula {formula:.4f}",
         )
 
-        table, matched = check_runs({"GPipe": runs["gpipe"], "1F1B": runs["1f1b"]}, unsplit_reference(cfg), cfg.dtype)
+        ref = unsplit_reference(cfg)
+        table, matched = check_runs({"GPipe": runs["gpipe"], "1F1B": runs["1f1b"]}, ref, cfg.dtype)
         print0(table)
         verdict.check("GPipe's and 1F1B's gradients, parameters and losses equal the unsplit model's", matched)
         table, measured = memory_table({name: gathered(run) for name, run in runs.items()}, m)
@@ -157,7 +145,10 @@ def main() -> int:
             all(o <= g for o, g in zip(measured["1f1b"]["saved"], measured["gpipe"]["saved"])),
         )
 
-        show_timing(rt, cfg, args, runs["1f1b"], verdict)
+        # 1F1B's last step measured on the real CPU and on the emulated device (timings: figures only).
+        emulated = cfg.replace(emulate_ms=args.emulate_ms, probe=False)
+        timelines = show_timelines(rt, emulated, orders["1f1b"], "1F1B", runs["1f1b"], ref, verdict)
+        verdict.figure("measured_timelines", timelines)
         return verdict.finish(args.json)
 
 

@@ -213,7 +213,7 @@ def ours_part(rt, cfg: PipelineConfig, ref, verdict: Verdict) -> dict:
     return ours
 
 
-def measured_part(rt, cfg: PipelineConfig, args, ours: dict, verdict: Verdict) -> None:
+def measured_part(rt, cfg: PipelineConfig, args, ours: dict, ref, verdict: Verdict) -> None:
     """Step times on the real CPU and on the emulated device, against the grids' lengths."""
     real = {n: 1e3 * step_seconds(r.spans, cfg.steps) for n, r in ours.items()}
     grid = verdict.figures["grids"]
@@ -225,7 +225,7 @@ def measured_part(rt, cfg: PipelineConfig, args, ours: dict, verdict: Verdict) -
             f"{args.layers / rt.world_size:g} layers x {args.emulate_ms:g} ms; " + caption
         )
         runs = run_all(rt, cfg.replace(emulate_ms=args.emulate_ms), PipelineStep)
-        _, matched = check_runs({n: r for n, r in runs.items()}, unsplit_reference(cfg), cfg.dtype)
+        _, matched = check_runs({n: r for n, r in runs.items()}, ref, cfg.dtype)
         verdict.check("on the emulated device every schedule still gives the unsplit model's gradients", matched)
         emulated = {n: 1e3 * step_seconds(r.spans, cfg.steps) for n, r in runs.items()}
         label = f"emulated device, {args.emulate_ms:g} ms per layer-pass"
@@ -286,7 +286,7 @@ def main() -> int:
         verdict.figure("bubble_curve", bubble_curve(p, v))
         ref = unsplit_reference(cfg)
         ours = ours_part(rt, cfg, ref, verdict)
-        measured_part(rt, cfg, args, ours, verdict)
+        measured_part(rt, cfg, args, ours, ref, verdict)
         theirs = torch_part(rt, cfg, ref, verdict)
         verdict.figure("torch_orders", {n: [[a.label for a in o] for o in theirs[n]] for n in theirs})
         return verdict.finish(args.json)

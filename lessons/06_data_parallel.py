@@ -75,14 +75,13 @@ from torch import nn
 
 from distlab import emulate
 from distlab.cli import DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float, positive_int
-from distlab.compare import all_ok, compare, gradient_error, tolerances
+from distlab.compare import all_ok, compare, compare_whole, tolerances
 from distlab.console import print0
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
 from distlab.data_parallel.report import (
-    MIB,
     cost_table,
     gradient_table,
     rows_table,
@@ -91,7 +90,8 @@ from distlab.data_parallel.report import (
     timing_table,
 )
 from distlab.data_parallel.training import train
-from distlab.reference import sgd_reference
+from distlab.memory import MIB
+from distlab.reference import one_process, sgd
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict
 
@@ -171,7 +171,7 @@ def show_collectives(rt: Runtime, args, verdict: Verdict) -> None:
 def show_data_parallel(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict) -> tuple:
     print0(f"\n[bold]2. Data parallelism on a mean over samples: {cfg.steps} SGD steps[/]")
     model, x, target = build(cfg)
-    ref = sgd_reference(model, x, target, mean_loss, cfg.steps, cfg.lr)  # one process, whole batch
+    ref = one_process(model, lambda k: (x, target), mean_loss, sgd(cfg.lr), cfg.steps)  # one process, whole batch
     runs = {}
     by_hand = build(cfg)[0].to(rt.device)
     runs["by hand: all_reduce / P"] = train(rt, cfg, by_hand, lambda: all_reduce_gradients(by_hand, rt))
@@ -181,7 +181,7 @@ def show_data_parallel(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verd
     runs["DDP"] = train(rt, cfg, ddp.wrap(build(cfg)[0], rt), lambda: None)
     rows = []
     for name, run in runs.items():
-        grads, params = gradient_error(ref.first_grads, run.first_grads), all_ok(compare(ref.params, run.params))
+        grads, params = compare_whole(ref.first_grads, run.first_grads), all_ok(compare(ref.params, run.params))
         losses = torch.allclose(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=tolerances(cfg.dtype)[0])
         verdict.check(f"{name}: gradients, losses, parameters = one process's", grads.ok and params and losses)
         rows.append((name, "one process", grads, True))
@@ -230,7 +230,7 @@ def show_ddp(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict, ref_g
             (
                 "no_sync but the last" if no_sync else "every micro-batch synced",
                 "one process",
-                gradient_error(ref_grads, grads),
+                compare_whole(ref_grads, grads),
                 True,
             )
         )
@@ -282,15 +282,15 @@ def show_unused(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict) -> None:
 def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp_mean_row: tuple) -> None:
     print0("\n[bold]5. Averaging: right for a mean over samples, P times too small for a global loss[/]")
     model, x, target = build(cfg)
-    ref = sgd_reference(model, x, target, batch_lse_loss, 1, cfg.lr)
+    ref = one_process(model, lambda k: (x, target), batch_lse_loss, sgd(cfg.lr), 1)
     p = rt.world_size
     loss, plain = ddp.global_loss_gradients(rt, cfg, times_p=False)
     _, scaled = ddp.global_loss_gradients(rt, cfg, times_p=True)
     rows = [
         ("mean loss", "one process", ddp_mean_row[2], True),
-        ("log-sum-exp, L", "one process", gradient_error(ref.first_grads, plain), p == 1),
-        ("log-sum-exp, L", "one process / P", gradient_error(ref.first_grads, plain, 1 / p), True),
-        ("log-sum-exp, P * L", "one process", gradient_error(ref.first_grads, scaled), True),
+        ("log-sum-exp, L", "one process", compare_whole(ref.first_grads, plain), p == 1),
+        ("log-sum-exp, L", "one process / P", compare_whole(ref.first_grads, plain, 1 / p), True),
+        ("log-sum-exp, P * L", "one process", compare_whole(ref.first_grads, scaled), True),
     ]
     print0(gradient_table(rows, "Under DDP: a mean over samples, and a loss every rank computes whole"))
     ratio, (rtol, atol) = rows[1][2].norm_ratio, tolerances(cfg.dtype)

@@ -49,7 +49,7 @@ from distlab.context_parallel import split as layouts
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
 from distlab.context_parallel.cost import Sizes
 from distlab.context_parallel.ring import RingExchange
-from distlab.context_parallel.split import SKIP, Layout, piece_label
+from distlab.context_parallel.split import DIAGONAL, SKIP, Layout, piece_label
 from distlab.data_parallel.report import rows_table
 from distlab.memory import PeakMemory
 from distlab.runtime import Runtime, distributed, run_main
@@ -72,7 +72,7 @@ def ring_forward(rt: Runtime, ring: RingExchange, q, k, v, layout: Layout, tally
                 kind = layouts.tile_kind(positions, key_positions, layout.causal)
                 if kind == SKIP:
                     continue
-                mask = causal_mask(positions, key_positions, q.device) if layout.causal else None
+                mask = causal_mask(positions, key_positions, q.device) if kind == DIAGONAL else None
                 fold_tile(part, q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], mask)
                 tally[kind] += 1
                 tally["products"] += len(positions) * len(key_positions)
@@ -96,9 +96,10 @@ def ring_backward(rt: Runtime, ring: RingExchange, saved: tuple, dout, layout: L
         for rows, positions in mine:
             here = Saved(q[..., rows, :], dout[..., rows, :], lse[..., rows], delta[..., rows])
             for cols, key_positions in layout.pieces(source):
-                if layouts.tile_kind(positions, key_positions, layout.causal) == SKIP:
+                kind = layouts.tile_kind(positions, key_positions, layout.causal)
+                if kind == SKIP:
                     continue
-                mask = causal_mask(positions, key_positions, q.device) if layout.causal else None
+                mask = causal_mask(positions, key_positions, q.device) if kind == DIAGONAL else None
                 d_q, d_k, d_v = tile_grads(here, kv[0][..., cols, :], kv[1][..., cols, :], mask)
                 dq[..., rows, :] += d_q
                 dkv[0][..., cols, :] += d_k

@@ -38,7 +38,7 @@ reference's.
 from __future__ import annotations
 
 from distlab.cli import DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, lesson_parser
-from distlab.compare import compare, comparison_table, gradient_error, tolerances
+from distlab.compare import compare, compare_whole, comparison_table, tolerances
 from distlab.console import print0
 from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.reference import full_batch_gradients
@@ -75,9 +75,9 @@ def main() -> int:
         # The independent reference: a deep copy of the model, the whole batch, one process.
         model = TwoTower(seed=args.seed, dtype=dtype)
         ref_loss, ref = full_batch_gradients(model, *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau)
-        plain = gradient_error(ref, ddp[GLOBAL_PLAIN.name][1])
-        plain_over_p = gradient_error(ref, ddp[GLOBAL_PLAIN.name][1], scale=1 / p)
-        fixed = {GLOBAL_TIMES_P.name: gradient_error(ref, ddp[GLOBAL_TIMES_P.name][1])}
+        plain = compare_whole(ref, ddp[GLOBAL_PLAIN.name][1])
+        plain_over_p = compare_whole(ref, ddp[GLOBAL_PLAIN.name][1], scale=1 / p)
+        fixed = {GLOBAL_TIMES_P.name: compare_whole(ref, ddp[GLOBAL_TIMES_P.name][1])}
         rtol, atol = tolerances(dtype)
         rows = [(GLOBAL_PLAIN.name, "ref", plain, p == 1), (GLOBAL_PLAIN.name, "ref / P", plain_over_p, True)]
         rows += [(name, "ref", err, True) for name, err in fixed.items()]

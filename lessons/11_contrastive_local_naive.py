@@ -51,7 +51,7 @@ from distlab.cli import (
     lesson_parser,
     positive_int,
 )
-from distlab.compare import compare, comparison_table, gradient_error, tolerances
+from distlab.compare import compare, compare_whole, comparison_table, tolerances
 from distlab.console import print0
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import DetachedBlocks, full_batch_gradients
@@ -116,7 +116,7 @@ def first_step(rt: Runtime, args, verdict: Verdict) -> None:
     ref_loss, ref = full_batch_gradients(model, x, y, 1 / args.tau)
     _, detached = full_batch_gradients(model, x, y, 1 / args.tau, loss_fn=DetachedBlocks(p))
     plain = ddp[LOCAL_PLAIN.name][1]
-    errors = {"ref": gradient_error(ref, plain), "detached": gradient_error(detached, plain)}
+    errors = {"ref": compare_whole(ref, plain), "detached": compare_whole(detached, plain)}
     rtol, atol = tolerances(DTYPE)
     print0(
         method_table(

@@ -57,13 +57,14 @@ from distlab.cli import (
     lesson_parser,
     positive_int,
 )
-from distlab.compare import gradient_error, tolerances
+from distlab.compare import compare_whole, tolerances
 from distlab.console import print0
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.contrastive.report import MIB, comm_table, cost_table, method_table
+from distlab.contrastive.report import comm_table, cost_table, method_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_LIBRARY, LOCAL_PLAIN, LOCAL_SUM, Variant, local_loss
+from distlab.memory import MIB
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict
@@ -118,7 +119,7 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     ref_loss, ref = full_batch_gradients(
         TwoTower(seed=args.seed, dtype=dtype), *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau
     )
-    errors = {v.name: gradient_error(ref, ddp[v.name][1]) for v in FIXES + (LOCAL_PLAIN,)}
+    errors = {v.name: compare_whole(ref, ddp[v.name][1]) for v in FIXES + (LOCAL_PLAIN,)}
     rtol, atol = tolerances(dtype)
     rows = [(v.name, "ref", errors[v.name], True) for v in FIXES]
     rows.append((f"{LOCAL_PLAIN.name} (11)", "ref", errors[LOCAL_PLAIN.name], p == 1))

@@ -60,10 +60,11 @@ from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.contrastive.rand_context import RandContext
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.data_parallel.ddp import count_reducing_backwards
+from distlab.data_parallel.ddp import counting
+from distlab.memory import MIB
 from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
-from distlab.step_cost import MIB, interleaved_seconds, peak_mib, right_aligned, rows_forwarded
+from distlab.step_cost import interleaved_seconds, peak_mib, right_aligned, rows_forwarded
 from distlab.verdict import Verdict
 
 IN_FEATURES = 128  # of each view
@@ -296,20 +297,20 @@ def part_two(args, rt, verdict: Verdict) -> None:
     ref_loss, ref = reference(model, x, y, args, world_size=p)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     towers = [DDP(copy.deepcopy(model.get_submodule(t)), device_ids=device_ids) for t in TOWERS]
-    counters = [count_reducing_backwards(t) for t in towers]
+    counters = [counting(t) for t in towers]
     rtol, atol = tolerances(DTYPES[args.dtype])
     exact, reducing = True, {}
     for sync_last in (True, False):
         for tower, counter in zip(towers, counters):
             tower.zero_grad(set_to_none=True)
-            counter[0] = 0
+            counter.backwards = 0
         torch.manual_seed(args.seed + rt.rank)  # rank r's dropout stream, as in the reference
         loss = GradCache(towers, b, ddp_rep_clip_loss)(
             x[rt.rank * c :][:c], y[rt.rank * c :][:c], tau=tau, offset=rt.rank * c, no_sync_except_last=sync_last
         )
         dist.all_reduce(loss)  # on rt.device, where the loss lives
         loss = loss.item() / p  # the mean of the P local losses is the global loss
-        reducing[sync_last] = [counter[0] for counter in counters]
+        reducing[sync_last] = [counter.backwards for counter in counters]
         mine = {f"{name}.": tower.module for name, tower in zip(TOWERS, towers)}
         rows = compare(ref, {k: v for prefix, m in mine.items() for k, v in grads_of(m, prefix).items()})
         exact &= all_ok(rows) and abs(loss - ref_loss) <= rtol * abs(ref_loss)

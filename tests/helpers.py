@@ -65,26 +65,6 @@ def strict_mode_off() -> bool:
     return not hasattr(dist.all_reduce, "strict_device") and not _get_current_function_mode_stack()
 
 
-class CommHookCounter:
-    """A DDP comm hook that counts the all-reduces DDP launches (one per bucket) and then does
-    exactly what DDP would: average the bucket over the ranks.
-
-        counter = CommHookCounter(); ddp_model.register_comm_hook(None, counter)
-    """
-
-    def __init__(self) -> None:
-        self.calls = 0
-        # DDP reads a hook's name (to log it and to spot its bf16 hooks), which an instance lacks.
-        self.__name__ = self.__qualname__ = type(self).__name__
-
-    def __call__(self, state, bucket):
-        import torch.distributed as dist
-
-        self.calls += 1
-        tensor = bucket.buffer().div_(dist.get_world_size())
-        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
 def torchrun(
     lesson: str, nproc: int, *args: str, timeout: float = 300, columns: int | None = None, max_restarts: int = 0
 ):

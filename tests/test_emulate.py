@@ -7,7 +7,7 @@ from helpers import equals_reference, load_lesson, per_config, train_each
 from distlab import emulate
 from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
-from distlab.reference import sgd_reference
+from distlab.reference import one_process, sgd
 from distlab.spawn import spawn
 
 CFG = PipelineConfig(
@@ -49,7 +49,7 @@ def _buckets_on_the_emulated_device(rt, overlap):
 
 def test_buckets_over_the_emulated_link_equal_one_process():
     model, x, target = build(DP)
-    ref = sgd_reference(model, x, target, mean_loss, 1, DP.lr).first_grads
+    ref = one_process(model, lambda k: (x, target), mean_loss, sgd(DP.lr), 1).first_grads
     for overlap in (True, False):
         for grads, count in spawn(_buckets_on_the_emulated_device, 2, overlap):
             assert count >= 2

@@ -14,7 +14,7 @@ from exercise_signatures import Confined, Equals, Mistake, Scaled
 
 from distlab.sharding import accounting
 from distlab.sharding.flat import units_of
-from distlab.sharding.problem import ShardingConfig, adamw_reference, build_model
+from distlab.sharding.problem import ShardingConfig, build_model, reference
 from distlab.sharding.training import run_strategy
 
 LESSON, NAME = "07_sharding", "zero1"
@@ -58,21 +58,19 @@ def _watched(zero1, made: list, first: list):
 def _ranks(rt, zero1, claims) -> None:
     made, first = [], []
     run = run_strategy(rt, CFG, _watched(zero1, made, first))
-    ref, z = adamw_reference(CFG), made[0]
-    step_one = adamw_reference(CFG, steps=1).grads
+    ref, z = reference(CFG), made[0]
+    step_one = reference(CFG, steps=1).first_grads
     claims.close(
         "step 1: each shard is stepped with its part of the mean gradient over ranks",
         torch.cat(first),
         torch.cat([u.my_shard(u.flatten([step_one[n] for n in u.names])) for u in z.units]),
         what="shard.grad",
     )
-    claims.tensors(
-        "the parameters after 3 AdamW steps equal one process's", run.trained.params, ref.params, what="theta"
-    )
+    claims.tensors("the parameters after 3 AdamW steps equal one process's", run.params, ref.params, what="theta")
     for key, moment in (("exp_avg", "first"), ("exp_avg_sq", "second")):
         claims.tensors(
             f"AdamW's {moment} moment equals one process's",
-            {n: s[key] for n, s in run.trained.states.items()},
+            {n: s[key] for n, s in run.states.items()},
             {n: s[key] for n, s in ref.states.items()},
             what=key,
         )

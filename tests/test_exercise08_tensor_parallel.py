@@ -63,7 +63,7 @@ def _ranks(rt, copy, claims) -> None:
     )
     claims.equal(
         "the MLP split with it equals the unsplit MLP (gradients, parameters)",
-        outcome.grads_max_abs,
+        outcome.against["gradients"].max_abs,
         0.0,
         ok=outcome.ok,
         what="largest gradient difference",

@@ -16,7 +16,7 @@ from distlab.data_parallel.collectives import COLLECTIVES, check_collective, ful
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
 from distlab.data_parallel.ring import RING_RUNS, Ring
 from distlab.data_parallel.training import train
-from distlab.reference import sgd_reference
+from distlab.reference import one_process, sgd
 from distlab.spawn import SpawnError, spawn
 
 # N = 24 splits over 1, 2, 3 and 4 ranks; tiny float64 model, exact to rtol 1e-10 / atol 1e-12.
@@ -57,8 +57,8 @@ def _everything(rt):
 def references():
     model, x, target = build(CFG)
     return {
-        "mean": sgd_reference(model, x, target, mean_loss, CFG.steps, CFG.lr),
-        "global": sgd_reference(model, x, target, batch_lse_loss, 1, CFG.lr),
+        "mean": one_process(model, lambda k: (x, target), mean_loss, sgd(CFG.lr), CFG.steps),
+        "global": one_process(model, lambda k: (x, target), batch_lse_loss, sgd(CFG.lr), 1),
         "branchy": ddp.branchy_reference(CFG),
     }
 

@@ -23,7 +23,7 @@ from distlab.tensor_parallel.blocks import check_split
 from distlab.tensor_parallel.layers import reference_shards
 from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.operator_checks import check_operator
-from distlab.tensor_parallel.runs import activation_bytes_measured, reference_run, same_runs, split_run
+from distlab.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
 
 # Small, and split by 1, 2, 3 and 4: h = 12 heads of width 2, d_ff = 24, seq = 12.
 CFG = BlockConfig(batch=6, seq=12, dim=24, heads=12, ffn=24, dropout=0.2, seed=3)
@@ -66,7 +66,7 @@ def _everything(rt):
             ours.run, torch_tp.torch_run(rt, off, sp, STEPS, LR)[0]
         )
     run, model, where = mesh2d.two_d_step(rt, CFG, LR)
-    ref = reference_run(CFG, "block", 1, LR)
+    ref = reference(CFG, "block", 1, LR)
     ref.first_grads.pop("input")
     ok["2-D grads"] = all_ok(
         compare(reference_shards(ref.first_grads, model, where["i_tp"], where["tp"]), run.first_grads)

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
-    CommHookCounter,
     assert_flag_refused,
     assert_lesson_passes_at_80_columns,
     assert_same_error_on_every_rank,
@@ -29,6 +28,7 @@ from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
+from distlab.data_parallel.ddp import HookCalls, counting
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.spawn import spawn
@@ -67,9 +67,9 @@ def _ddp_grad_cache(rt, shared):
     names = ("encoder_x", "encoder_x") if shared else ("encoder_x", "encoder_y")
     source = model(shared)
     wrapped = {name: DDP(copy.deepcopy(source.get_submodule(name))) for name in names}  # one per module
-    counter = CommHookCounter()
+    counter = HookCalls()
     for m in wrapped.values():
-        m.register_comm_hook(None, counter)
+        counting(m, counter)  # one counter for both towers
     results = {}
     for sync_last in (True, False):
         for m in wrapped.values():

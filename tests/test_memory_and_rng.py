@@ -6,9 +6,7 @@ import torch
 from torch import nn
 
 from distlab.contrastive.rand_context import RandContext
-from distlab.memory import PeakMemory
-
-MIB = 2**20
+from distlab.memory import MIB, PeakMemory
 
 
 def test_peak_memory_counts_live_storage_and_releases_it():

@@ -21,7 +21,7 @@ from open_clip_like import CLIP, accum_freq_backward, grads_by_name, image_text_
 from streamed_helpers import DROPOUT_SEED, local_rows, rank_streams
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import gradient_error
+from distlab.compare import compare_whole
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward
 
@@ -69,16 +69,16 @@ def figures() -> dict[str, float]:
     recomputed = reference(CLIP(output_dict=True, dropout=DROPOUT), images, texts, 2, B, streams)[1]
     (oc, ours), (oc_drop, ours_drop) = results[0][0.0], results[0][DROPOUT]
     out = {
-        "open_clip encoders": gradient_error(split(exact)[0], split(oc)[0]).max_rel,
+        "open_clip encoders": compare_whole(split(exact)[0], split(oc)[0]).max_rel,
         "open_clip scale ratio": (split(oc)[1] / split(exact)[1]).item(),
-        "ours encoders": gradient_error(split(exact)[0], split(ours)[0]).max_rel,
-        "ours scale": gradient_error({SCALE: exact[SCALE]}, {SCALE: ours[SCALE]}).max_rel,
-        "open_clip dropout vs cached masks": gradient_error(split(cached)[0], split(oc_drop)[0]).max_rel,
-        "open_clip dropout vs recompute masks": gradient_error(split(recomputed)[0], split(oc_drop)[0]).max_rel,
-        "ours dropout vs cached masks": gradient_error(cached, ours_drop).max_rel,
+        "ours encoders": compare_whole(split(exact)[0], split(ours)[0]).max_rel,
+        "ours scale": compare_whole({SCALE: exact[SCALE]}, {SCALE: ours[SCALE]}).max_rel,
+        "open_clip dropout vs cached masks": compare_whole(split(cached)[0], split(oc_drop)[0]).max_rel,
+        "open_clip dropout vs recompute masks": compare_whole(split(recomputed)[0], split(oc_drop)[0]).max_rel,
+        "ours dropout vs cached masks": compare_whole(cached, ours_drop).max_rel,
     }
     for label, ref in (("cached", cached), ("recompute", recomputed)):
-        out[f"open_clip dropout cosine to {label} masks"] = gradient_error(split(ref)[0], split(oc_drop)[0]).cosine
+        out[f"open_clip dropout cosine to {label} masks"] = compare_whole(split(ref)[0], split(oc_drop)[0]).cosine
     out["ranks agree"] = float(
         all(
             torch.equal(results[0][d][i][k], r[d][i][k])

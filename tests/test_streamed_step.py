@@ -14,13 +14,13 @@ import math
 
 import pytest
 import torch
-from helpers import CommHookCounter
 from streamed_helpers import DROPOUT_SEED, Towers, full_batch, local_rows, rank_streams
 from streamed_helpers import STREAMED_N as N
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import all_ok, compare, grads_of, params_of
 from distlab.contrastive.losses import clip_loss
+from distlab.data_parallel.ddp import counting
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distlab.streamed import loss_machinery
@@ -148,16 +148,14 @@ def caller_owned(rt):
     for b in (5, N // 2):
         model = Towers(scale_shape=())
         ddp = DDP(model)
-        counter = CommHookCounter()
-        ddp.register_comm_hook(None, counter)
+        counter = counting(ddp)
         with ddp.no_sync():
             distributed_backward(ddp, x[rows], y[rows], config_of(dict(scale=(), b=b)))
         out[f"hook_after_first_b{b}"] = counter.calls
         distributed_backward(ddp, x2[rows], y2[rows], config_of(dict(scale=(), b=b)))
         out[f"hook_after_second_b{b}"], out[f"accumulated_b{b}"] = counter.calls, grads_of(model)
     plain = DDP(Towers(scale_shape=()))
-    plain_counter = CommHookCounter()
-    plain.register_comm_hook(None, plain_counter)
+    plain_counter = counting(plain)
     clip_loss(*plain(x[rows], y[rows])).backward()
     out["hook_plain_backward"] = plain_counter.calls
 

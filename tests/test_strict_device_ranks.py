@@ -184,17 +184,14 @@ def _ddp_rep_clip_loss(rep_x, rep_y, tau):
 
 def _grad_cache_under_ddp(rt):
     """As lesson 13 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
-    from helpers import CommHookCounter
-
     from distlab.contrastive.grad_cache import GradCache
+    from distlab.data_parallel.ddp import counting
     from distlab.memory import PeakMemory
     from distlab.models import TwoTower, paired_data
 
     model = TwoTower(dropout=0.1, seed=5).to(rt.device)
     towers = [DDP(model.encoder_x), DDP(model.encoder_y)]
-    counters = [CommHookCounter() for _ in towers]
-    for tower, counter in zip(towers, counters):
-        tower.register_comm_hook(None, counter)
+    counters = [counting(tower) for tower in towers]
     rows = slice(4 * rt.rank, 4 * rt.rank + 4)
     x, y = (t[rows].to(rt.device) for t in paired_data(8, seed=6))
     with PeakMemory():  # a dispatch mode: its ops reach strict mode's function mode too

@@ -9,7 +9,7 @@ summation order differs), float32 ones to rtol 1e-5 / atol 1e-6.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from rich.table import Table
@@ -30,11 +30,36 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Comparison:
+    """How far `actual` is from the reference: one tensor, or a group of tensors taken as one vector
+    (every parameter's gradient, say). max_rel is max |a - r| / max |r| (of a group: its tensors' largest);
+    norm_ratio ||a|| / ||r|| (0.25 reads "a quarter of it") and cosine (1: the same direction) say what a
+    wrong answer is wrong by; ok: every tensor allclose at the stated tolerances."""
+
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # a group's: (its elements,)
     max_abs: float
     max_rel: float
+    norm_ratio: float
+    cosine: float
     ok: bool
+
+
+def _one(name: str, ref: torch.Tensor, act: torch.Tensor, rtol: float, atol: float) -> Comparison:
+    if act.shape != ref.shape:
+        return Comparison(name, tuple(ref.shape), *[float("inf")] * 2, float("nan"), float("nan"), False)
+    ref64, act64 = ref.detach().double().cpu().flatten(), act.detach().double().cpu().flatten()
+    max_abs = (act64 - ref64).abs().max().item() if ref.numel() else 0.0
+    scale = ref64.abs().max().item() if ref.numel() else 0.0
+    norm = ref64.norm().item()
+    return Comparison(
+        name,
+        tuple(ref.shape),
+        max_abs,
+        max_abs / scale if scale > 0 else max_abs,
+        act64.norm().item() / norm if norm else float("nan"),
+        torch.nn.functional.cosine_similarity(act64, ref64, dim=0).item() if ref.numel() else float("nan"),
+        torch.allclose(act64, ref64, rtol=rtol, atol=atol),
+    )
 
 
 def compare(
@@ -51,18 +76,51 @@ def compare(
         )
     rows = []
     for name, ref in reference.items():
-        act = actual[name]
         r_tol, a_tol = tolerances(ref.dtype) if rtol is None or atol is None else (rtol, atol)
-        if act.shape != ref.shape:
-            rows.append(Comparison(name, tuple(ref.shape), float("inf"), float("inf"), False))
-            continue
-        ref64, act64 = ref.detach().double().cpu(), act.detach().double().cpu()
-        max_abs = (act64 - ref64).abs().max().item() if ref.numel() else 0.0
-        scale = ref64.abs().max().item() if ref.numel() else 0.0
-        max_rel = max_abs / scale if scale > 0 else max_abs
-        ok = torch.allclose(act64, ref64, rtol=r_tol, atol=a_tol)
-        rows.append(Comparison(name, tuple(ref.shape), max_abs, max_rel, ok))
+        rows.append(_one(name, ref, actual[name], r_tol, a_tol))
     return rows
+
+
+def compare_whole(
+    reference: Mapping[str, torch.Tensor],
+    actual: Mapping[str, torch.Tensor],
+    scale: float = 1.0,
+    name: str = "every tensor",
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> Comparison:
+    """`actual` against `scale * reference` (scale = 1/P checks a 1/P claim exactly), every tensor of
+    the group as one vector: one `Comparison`, with each tensor allclose for ok."""
+    ref = {n: scale * r.detach().cpu() for n, r in reference.items()}
+    rows = compare(ref, actual, rtol, atol)
+    whole = _one(
+        name,
+        torch.cat([r.double().flatten() for r in ref.values()]),
+        torch.cat([actual[n].detach().double().cpu().flatten() for n in ref]),
+        0.0,
+        float("inf"),
+    )
+    return replace(whole, max_rel=max(row.max_rel for row in rows), ok=all_ok(rows))
+
+
+def against(reference, actual, rtol: float | None = None, atol: float | None = None) -> dict[str, Comparison]:
+    """A run against the reference run (`distlab.training.Run`s), each part as one `Comparison`: step 1's
+    output (where both have it), step 1's gradients, the parameters after the last step, the optimizer's
+    states (where the reference has them) and every step's loss."""
+    parts = {}
+    if reference.first_output is not None and actual.first_output is not None:
+        parts["output"] = compare_whole({"z": reference.first_output}, {"z": actual.first_output}, 1.0, "z", rtol, atol)
+    parts["gradients"] = compare_whole(reference.first_grads, actual.first_grads, 1.0, "gradients", rtol, atol)
+    parts["parameters"] = compare_whole(reference.params, actual.params, 1.0, "parameters", rtol, atol)
+    if reference.states:
+        states = [
+            {f"{name}.{key}": state[key] for name, state in run.states.items() for key in sorted(state)}
+            for run in (reference, actual)
+        ]
+        parts["optimizer states"] = compare_whole(*states, 1.0, "optimizer states", rtol, atol)
+    losses = [{"losses": torch.tensor(run.losses, dtype=torch.float64)} for run in (reference, actual)]
+    parts["losses"] = compare_whole(*losses, 1.0, "losses", rtol, atol)
+    return parts
 
 
 def all_ok(rows: Iterable[Comparison]) -> bool:
@@ -105,31 +163,3 @@ def grads_of(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
 def params_of(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     """Detached copies of every parameter, by name."""
     return {prefix + n: p.detach().clone() for n, p in module.named_parameters()}
-
-
-@dataclass(frozen=True)
-class GradientError:
-    """A whole gradient (every parameter as one vector) against the reference: the largest relative
-    error of any tensor, the norm ratio ||g|| / ||ref|| (0.25 reads "a quarter of it") and the cosine
-    (1 means the same direction), and whether every tensor is allclose."""
-
-    max_rel: float
-    norm_ratio: float
-    cosine: float
-    ok: bool
-
-
-def gradient_error(
-    reference: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor], scale: float = 1.0
-) -> GradientError:
-    """`actual` against `scale * reference` (scale = 1/P checks a 1/P claim exactly)."""
-    ref = {n: scale * r.detach().cpu() for n, r in reference.items()}
-    rows = compare(ref, actual)
-    flat_ref, flat = (torch.cat([g[n].detach().double().cpu().flatten() for n in ref]) for g in (ref, actual))
-    norm = flat_ref.norm().item()
-    return GradientError(
-        max_rel=max(row.max_rel for row in rows),
-        norm_ratio=flat.norm().item() / norm if norm else float("nan"),
-        cosine=torch.nn.functional.cosine_similarity(flat, flat_ref, dim=0).item(),
-        ok=all_ok(rows),
-    )

@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+MIB = 2**20  # bytes in a mebibyte, the unit every memory figure is printed in
+
 
 class PeakMemory(TorchDispatchMode):
     """with PeakMemory() as mem: ...;  mem.peak_bytes, mem.largest_bytes, mem.live_bytes (and with a CUDA

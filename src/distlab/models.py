@@ -4,6 +4,9 @@
   layer (Linear, then Tanh except for the last), so a cut never separates a Linear from its activation.
 - `regression_batch`: inputs and targets from a fixed random "teacher" network, so the MSE loss a
   pipeline trains on can actually go down.
+- `Block`: a pre-LayerNorm transformer block (lessons 07-08), with the options the lessons need: causal
+  attention or not, q, k, v from one fused Linear or three, attention by torch's fused kernel or written
+  out, dropout masks given to forward or none; `token_batch` the (N, seq, d) inputs and targets it trains on.
 - `TwoTower`: the contrastive model `distributed_clip` expects: `encoder_x`, `encoder_y`, and `forward(x, y)`
   returning L2-normalised embeddings (z_x, z_y); optional dropout.
 - `paired_data`: pairs (x_i, y_i) that are two noisy nonlinear views of one shared latent, so a two-tower
@@ -16,6 +19,7 @@ does not disturb the random stream a lesson is using for dropout.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,121 @@ def regression_batch(
     hidden = torch.randn(in_features, 2 * in_features, generator=gen, dtype=dtype) / in_features**0.5
     head = torch.randn(2 * in_features, out_features, generator=gen, dtype=dtype) / (2 * in_features) ** 0.5
     return x, torch.tanh(x @ hidden) @ head
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """What differs between the lessons' blocks (each changes what autograd saves, so what a rank holds)."""
+
+    causal: bool = False  # query i attends to keys j <= i only
+    fused_qkv: bool = False  # q, k, v from one Linear(d, 3d), `attn.qkv`; else three, `attn.q`, `.k`, `.v`
+    sdpa: bool = True  # torch's scaled_dot_product_attention (saves a log-sum-exp per head and row), else
+    # written out, softmax(q k^T / sqrt(d_h)) v (saves the h x seq x seq weights)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_h)) v per head, on (N, heads, seq, d_h) tensors; masked above the diagonal
+    when causal. The heads never mix, so a rank holding h / P of them runs exactly this on its own."""
+    if options.sdpa:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=options.causal)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (N, heads, seq, seq)
+    if options.causal:
+        seq = scores.shape[-1]
+        above = torch.ones(seq, seq, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, options: BlockOptions) -> torch.Tensor:
+    """Attention of (N, seq, heads * d_h) projections, head by head, whatever the number of heads they
+    hold (all h, or one rank's h / P): (N, seq, heads * d_h) out."""
+    n, seq = q.shape[:2]
+    split = [t.reshape(n, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v)]  # (N, heads, seq, d_h)
+    return attention(*split, options).transpose(1, 2).reshape(n, seq, -1)
+
+
+class Attention(nn.Module):
+    """Attention(u) = concat_heads(softmax(q k^T / sqrt(d_h)) v) W_o^T + b_o, with q = u W_q^T + b_q, ..."""
+
+    def __init__(self, dim: int, heads: int, options: BlockOptions, gen: torch.Generator, dtype: torch.dtype):
+        super().__init__()
+        self.heads, self.head_dim, self.options = heads, dim // heads, options
+        if options.fused_qkv:
+            self.qkv = _init_linear_(nn.Linear(dim, 3 * dim, dtype=dtype), gen)
+        else:
+            self.q, self.k, self.v = (_init_linear_(nn.Linear(dim, dim, dtype=dtype), gen) for _ in range(3))
+        self.out = _init_linear_(nn.Linear(dim, dim, dtype=dtype), gen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.options.fused_qkv:
+            return self.out(attend(self.q(x), self.k(x), self.v(x), self.head_dim, self.options))
+        n, seq, _ = x.shape  # one (N, seq, 3d) product; q, k, v are views of it, (N, heads, seq, d_h) each
+        q, k, v = self.qkv(x).view(n, seq, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return self.out(attention(q, k, v, self.options).transpose(1, 2).reshape(n, seq, -1))
+
+
+class MLP(nn.Module):
+    """MLP(u) = GELU(u W_1^T + b_1) W_2^T + b_2, of hidden width d_ff."""
+
+    def __init__(self, dim: int, ffn: int, gen: torch.Generator, dtype: torch.dtype):
+        super().__init__()
+        self.fc1 = _init_linear_(nn.Linear(dim, ffn, dtype=dtype), gen)
+        self.fc2 = _init_linear_(nn.Linear(ffn, dim, dtype=dtype), gen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Dropout with a given mask (0 or 1/(1-p) per element; None: no dropout)."""
+    return x if mask is None else x * mask
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block on x of shape (N, seq, d), h heads of width d_h = d / h:
+
+        y = x + m_1 * Attention(LN_1(x)),    z = y + m_2 * MLP(LN_2(y))
+
+    m_1, m_2 are dropout masks passed to forward rather than drawn inside (None: no dropout), so a split
+    block and this one can be handed the very same masks. The LayerNorms' gains and biases are drawn too
+    (1 + 0.1 N(0, 1) and 0.1 N(0, 1)), so that their gradients are not trivial."""
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        ffn: int,
+        options: BlockOptions = BlockOptions(),
+        seed: int = 0,
+        dtype: torch.dtype = torch.float64,
+    ):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.ln1 = _init_layer_norm_(nn.LayerNorm(dim, dtype=dtype), gen)
+        self.attn = Attention(dim, heads, options, gen, dtype)
+        self.ln2 = _init_layer_norm_(nn.LayerNorm(dim, dtype=dtype), gen)
+        self.mlp = MLP(dim, ffn, gen, dtype)
+
+    def forward(self, x: torch.Tensor, masks: tuple | None = None) -> torch.Tensor:
+        m1, m2 = masks if masks is not None else (None, None)
+        y = x + masked(self.attn(self.ln1(x)), m1)
+        return y + masked(self.mlp(self.ln2(y)), m2)
+
+
+def _init_layer_norm_(layer: nn.LayerNorm, gen: torch.Generator) -> nn.LayerNorm:
+    with torch.no_grad():
+        layer.weight.copy_(1 + 0.1 * torch.randn(layer.weight.shape, generator=gen, dtype=layer.weight.dtype))
+        layer.bias.copy_(0.1 * torch.randn(layer.bias.shape, generator=gen, dtype=layer.bias.dtype))
+    return layer
+
+
+def token_batch(
+    n: int, seq: int, dim: int, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, target): N sequences of seq tokens of width d, and a regression target of the same shape, N(0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n, seq, dim)
+    return torch.randn(shape, generator=gen, dtype=dtype), torch.randn(shape, generator=gen, dtype=dtype)
 
 
 class TwoTower(nn.Module):

@@ -1,45 +1,45 @@
 """The independent reference every equivalence check compares against: a deep copy of the whole
 model, trained on the whole batch in one process with plain autograd. No distribution, no
-micro-batches, nothing shared with the code under test but the model's starting weights.
+micro-batches, nothing shared with the code under test but the model's starting weights and the
+training loop itself (`distlab.training.train`), which every run shares.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from distlab.compare import grads_of, params_of
+from distlab.training import Plain, Run, train
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (x, target)
 
 
-@dataclass
-class ReferenceRun:
-    first_grads: dict[str, torch.Tensor]  # after the first backward
-    params: dict[str, torch.Tensor]  # after the last step
-    losses: list[float]
+def sgd(lr: float) -> Callable[..., torch.optim.Optimizer]:
+    """torch's plain SGD at `lr`, made from the parameters it steps."""
+    return functools.partial(torch.optim.SGD, lr=lr)
 
 
-def sgd_reference(
+def one_process(
     model: nn.Module,
-    x: torch.Tensor,
-    target: torch.Tensor,
+    batch: Callable[[int], Batch],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: Callable[..., torch.optim.Optimizer],
     steps: int,
-    lr: float,
-) -> ReferenceRun:
-    """`steps` full-batch SGD steps on a deep copy of `model` (the original is left untouched)."""
+    keep_states: bool = False,
+) -> Run:
+    """`steps` steps of a deep copy of `model` (the original is left untouched): step k trains on the
+    whole batch `batch(k)` = (x, target), loss_fn(model(x), target).backward(), with
+    `optimizer(parameters)` (torch's own SGD or AdamW); the optimizer's states kept if asked."""
     model = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, first_grads = [], {}
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
+
+    def step(k: int) -> torch.Tensor:
+        x, target = batch(k)
         loss = loss_fn(model(x), target)
         loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            first_grads = grads_of(model)
-        optimizer.step()
-    return ReferenceRun(first_grads, params_of(model), losses)
+        return loss
+
+    return train(Plain(model, optimizer(model.parameters())), step, steps, keep_states)

@@ -19,9 +19,7 @@ from rich.table import Table
 from torch import nn
 
 from distlab.console import progress
-from distlab.memory import PeakMemory
-
-MIB = 2**20
+from distlab.memory import MIB, PeakMemory
 
 
 def right_aligned(table: Table, first: int = 1) -> Table:

@@ -51,10 +51,9 @@ class Partial:
         torch.add(self.run_max, self.run_sum.log_(), out=lse)
 
 
-def causal_mask(queries: range, keys: range, device: torch.device) -> torch.Tensor | None:
-    """True where key position j > query position i (masked); None when nothing in the tile is."""
-    if keys[-1] <= queries[0]:
-        return None
+def causal_mask(queries: range, keys: range, device: torch.device) -> torch.Tensor:
+    """True where key position j > query position i (masked): the mask of a tile whose kind
+    (`distlab.context_parallel.split.tile_kind`) is diagonal; a full tile needs none, a skipped one no math."""
     q_pos = torch.arange(queries.start, queries.stop, device=device)
     k_pos = torch.arange(keys.start, keys.stop, device=device)
     return k_pos.unsqueeze(0) > q_pos.unsqueeze(1)

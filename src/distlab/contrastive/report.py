@@ -17,12 +17,12 @@ from collections.abc import Mapping
 import torch
 from rich.table import Table
 
-from distlab.compare import GradientError
+from distlab.compare import Comparison
 from distlab.contrastive.cost import ring_elements
 from distlab.contrastive.training import FINAL_STEPS, TrainRun
+from distlab.memory import MIB
 
 Grads = Mapping[str, torch.Tensor]
-MIB = 2**20
 
 
 def relative_errors(reference: Grads, actual: Grads) -> dict[str, float]:
@@ -34,7 +34,7 @@ def _table(title: str, caption: str) -> Table:
     return Table(title=title, caption=caption, title_justify="left", caption_justify="left")
 
 
-def method_table(rows: list[tuple[str, str, GradientError, bool]], title: str, caption: str = "") -> Table:
+def method_table(rows: list[tuple[str, str, Comparison, bool]], title: str, caption: str = "") -> Table:
     """One row per (variant, compared with, its error, whether allclose is what the lesson claims)."""
     table = _table(title, "ratio: ||g|| / ||ref||; cosine: cos(g, ref)" + (f"; {caption}" if caption else ""))
     for column, justify in (

@@ -4,9 +4,8 @@
   buckets (about 25 MiB; the first one smaller), all-reduces each bucket as soon as backward has
   filled it, and divides by P: the mechanism lesson 06 writes by hand.
 - `count_and_average`: a DDP communication hook that does what DDP's default does (average the
-  bucket over the ranks) and counts the calls: one per bucket per synchronised backward.
-  `count_reducing_backwards` counts the backwards that reduced instead (lesson 13: one per step
-  under `no_sync` but the last).
+  bucket over the ranks) and counts the calls, one per bucket per synchronised backward, and the
+  backwards that reduced (lesson 13: one per step under `no_sync` but the last); `counting` registers it.
 - `accumulate`: gradient accumulation over micro-batches, with or without `no_sync()`. Without it
   every backward all-reduces; with it only the last one does. Both give the global gradient
   (averaging is linear), so `no_sync` saves communication, not correctness.
@@ -28,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import grads_of
@@ -46,9 +44,13 @@ def wrap(model: nn.Module, rt: Runtime, find_unused_parameters: bool = False, bu
 
 @dataclass
 class HookCalls:
-    """The state of `count_and_average`: how many buckets DDP handed to the hook."""
+    """What `count_and_average` saw: the buckets DDP handed to it (one all-reduce each), and the
+    backwards that reduced (DDP may cut a backward's gradients into several buckets; the one marked
+    last closes it: lesson 13 counts one per step under `no_sync` but the last)."""
 
     calls: int = 0
+    backwards: int = 0
+    group: object = None  # the process group DDP reduces over (None: the default group)
 
 
 # Not annotated: DDP checks that `bucket` is annotated as dist.GradBucket itself, and this module's
@@ -56,22 +58,17 @@ class HookCalls:
 def count_and_average(state, bucket):
     """DDP comm hook: average the bucket over the ranks, as DDP's default does, and count the call."""
     state.calls += 1
-    tensor = bucket.buffer().div_(dist.get_world_size())
-    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    state.backwards += bucket.is_last()
+    tensor = bucket.buffer().div_(dist.get_world_size(state.group))
+    return dist.all_reduce(tensor, group=state.group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def count_reducing_backwards(model: DDP) -> list[int]:
-    """A DDP comm hook counting the backwards in which DDP all-reduced the gradients: DDP may cut
-    them into several buckets (one all-reduce each); the bucket marked last closes one backward.
-    Returns the one-element counter the hook increments."""
-    backwards = [0]
-
-    def hook(state, bucket):
-        backwards[0] += bucket.is_last()
-        return default_hooks.allreduce_hook(state, bucket)  # what DDP does without a hook
-
-    model.register_comm_hook(None, hook)
-    return backwards
+def counting(model: DDP, counter: HookCalls | None = None) -> HookCalls:
+    """`count_and_average` registered on `model`, counting into `counter` (a new one by default; pass one
+    to count several DDP modules together)."""
+    counter = counter if counter is not None else HookCalls(group=model.process_group)
+    model.register_comm_hook(counter, count_and_average)
+    return counter
 
 
 def accumulate(
@@ -80,8 +77,7 @@ def accumulate(
     """One step's gradients, this rank's C rows in `micro_batches` parts, and the hook's call count."""
     model, x, target = build(cfg)
     ddp = wrap(model, rt)
-    counter = HookCalls()
-    ddp.register_comm_hook(counter, count_and_average)
+    counter = counting(ddp)
     x, target = shard(x, rt), shard(target, rt)
     parts = list(zip(x.tensor_split(micro_batches), target.tensor_split(micro_batches)))
     for k, (xk, tk) in enumerate(parts):

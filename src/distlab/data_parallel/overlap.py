@@ -24,7 +24,8 @@ from distlab import emulate
 from distlab.console import print0
 from distlab.data_parallel.collectives import barrier, slowest_median
 from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
-from distlab.data_parallel.report import MIB, timeline_table, timing_table
+from distlab.data_parallel.report import timeline_table, timing_table
+from distlab.memory import MIB
 from distlab.runtime import Runtime
 
 Strategy = Callable[[nn.Module], tuple[nn.Module, Callable[[], None]]]

@@ -12,7 +12,7 @@ and keeps its own C = N / P rows (`shard`). Two losses, the distinction the less
   computes the same global L. Then rank r's backward finds g_r, the part of dL/dtheta that flows
   through its own rows, dL/dtheta = sum_r g_r, and averaging gives dL/dtheta / P.
 
-The reference for both is `distlab.reference.sgd_reference`: a deep copy of the model, run on the
+The reference for both is `distlab.reference.one_process`: a deep copy of the model, run on the
 whole batch in one process with plain autograd.
 """
 

@@ -1,6 +1,6 @@
 """The tables lesson 06 prints, laid out to fit 80 columns whole (no cell is ever cut).
 
-Gradients are summed up by `distlab.compare.gradient_error`: the largest relative error, the norm
+Gradients are summed up by `distlab.compare.compare_whole`: the largest relative error, the norm
 ratio ||g|| / ||r|| (a pure scaling bug shows as a clean 1/P), and allclose at the dtype's tolerance.
 """
 
@@ -11,11 +11,11 @@ from collections.abc import Mapping
 import torch
 from rich.table import Table
 
-from distlab.compare import GradientError
+from distlab.compare import Comparison
 from distlab.console import compact_table
+from distlab.memory import MIB
 
 Grads = Mapping[str, torch.Tensor]
-MIB = 2**20
 
 
 def _mark(ok: bool, expected: bool = True) -> str:
@@ -68,7 +68,7 @@ def cost_table(rows: list) -> Table:
     return table
 
 
-def gradient_table(rows: list[tuple[str, str, GradientError, bool]], title: str) -> Table:
+def gradient_table(rows: list[tuple[str, str, Comparison, bool]], title: str) -> Table:
     """(what ran, compared with, its check, whether allclose is the claim)."""
     table = compact_table(title, ("run", "against", "max rel err", "|g| / |ref|", "allclose"))
     for name, against, check, expected in rows:

@@ -19,10 +19,10 @@ from distlab.compare import Comparison, compare, comparison_table, tolerances
 from distlab.console import print0
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Schedule
-from distlab.pipeline.training import Run, train, unsplit_reference
-from distlab.reference import ReferenceRun
+from distlab.pipeline.training import PipelineRun, train
 from distlab.timeline import Span, busy_fractions, idle_fraction, max_concurrency
 from distlab.timeline import render as render_spans
+from distlab.training import Run
 
 
 def gathered(value: Any) -> list[Any]:
@@ -32,14 +32,14 @@ def gathered(value: Any) -> list[Any]:
     return out
 
 
-def _rows(run: Run | ReferenceRun, ref: Run | ReferenceRun, names) -> tuple[list, list]:
+def _rows(run: Run, ref: Run, names) -> tuple[list, list]:
     return (
         compare({n: ref.first_grads[n] for n in names}, run.first_grads),
         compare({n: ref.params[n] for n in names}, run.params),
     )
 
 
-def per_tensor(run: Run, ref: ReferenceRun, dtype: torch.dtype) -> tuple[list[Table], bool]:
+def per_tensor(run: PipelineRun, ref: Run, dtype: torch.dtype) -> tuple[list[Table], bool]:
     """Lesson 01's readout: one table of every tensor's gradient, one of every parameter, and
     whether every tensor and every step's loss matched (the same on all ranks)."""
     every = gathered(_rows(run, ref, run.first_grads.keys()))
@@ -57,7 +57,7 @@ def per_tensor(run: Run, ref: ReferenceRun, dtype: torch.dtype) -> tuple[list[Ta
 
 
 def check_runs(
-    runs: dict[str, Run], ref: ReferenceRun | dict[str, Run], dtype: torch.dtype, title: str = ""
+    runs: dict[str, PipelineRun], ref: Run | dict[str, Run], dtype: torch.dtype, title: str = ""
 ) -> tuple[Table, bool]:
     """A table with one row per named run, and whether every run matched (identical on all ranks).
     `ref` is the reference for every run, or a dict with one per run name. A collective: call it
@@ -149,11 +149,20 @@ def idle_against_grid(idle: float, world_size: int, micro_batches: int) -> str:
     return line + f"({idle / formula:.2f}x; the messages and the clock's wake-ups are the difference)"
 
 
-def emulated_spans(rt, cfg, schedule: Schedule, name: str, verdict) -> list[Span]:
-    """The step run again on the emulated device (`cfg.emulate_ms` per layer-pass, slept): its
-    gradients must still be the unsplit model's (a check); its spans draw the measured timeline."""
-    emulated = train(rt, cfg, PipelineStep(rt, cfg, schedule))
-    table, matched = check_runs({f"{name} on the emulated device": emulated}, unsplit_reference(cfg), cfg.dtype)
-    print0(table)
-    verdict.check(f"on the emulated device {name} still computes the unsplit model's gradients", matched)
-    return emulated.spans
+def show_timelines(rt, cfg, schedule: Schedule, name: str, real: PipelineRun, ref: Run, verdict) -> dict:
+    """`name`'s last step measured on the real CPU (`real`'s spans) and, with `cfg.emulate_ms` > 0, run
+    again on the emulated device (each layer-pass a fixed time, slept: `distlab/emulate.py`), whose
+    gradients must still be `ref`'s (a check). Prints both timelines and the emulated idle share against
+    the grid's (P-1)/(M+P-1) (GPipe's and 1F1B's alike); returns `show_measured`'s figures."""
+    p, m = rt.world_size, cfg.micro_batches
+    spans = {"real CPU": real.spans}
+    if cfg.emulate_ms:
+        emulated = train(rt, cfg, PipelineStep(rt, cfg, schedule))
+        table, matched = check_runs({f"{name} on the emulated device": emulated}, ref, cfg.dtype)
+        print0(table)
+        verdict.check(f"on the emulated device {name} still computes the unsplit model's gradients", matched)
+        spans[f"emulated device, {cfg.emulate_ms:g} ms per layer-pass"] = emulated.spans
+    measured = show_measured(f"{name}'s last step", spans, p, cfg.steps - 1)
+    if cfg.emulate_ms:
+        print0(idle_against_grid(list(measured.values())[-1]["idle"], p, m))
+    return measured

@@ -91,8 +91,10 @@ class PipelineStep:
         self.modules = {s.index: s.module.to(rt.device) for s in self.stages}
         self.actions, self.plan = schedule[rt.rank], p2p.comm_plan(schedule, rt.rank)
         self.split, self.where, self.rank = split_backward(schedule), rank_of(schedule), rt.rank
-        self.x = list(torch.tensor_split(x, cfg.micro_batches))
-        self.target = list(torch.tensor_split(target, cfg.micro_batches))
+        # Each micro-batch its own tensor, as a data loader hands them over: what a forward saves of it
+        # is its own rows (a view would keep the whole batch's storage, `distlab.held`'s counting rule).
+        self.x = [part.clone() for part in torch.tensor_split(x, cfg.micro_batches)]
+        self.target = [part.clone() for part in torch.tensor_split(target, cfg.micro_batches)]
         self.shapes = [by_size[n] for n in sizes]  # uneven micro-batches: shapes differ in rows
         self.timeline, self.emulated = Timeline(rt.rank, rt.device), Device(cfg.emulate_ms)
         self.probe = StageProbe([s.module for s in self.stages]) if cfg.probe else None

@@ -1,12 +1,12 @@
-"""The pipeline track's one training loop, its configuration, and its one unsplit reference.
+"""The pipeline track's configuration, its training (the one loop on a rank's stages), its unsplit reference.
 
 Every pipeline in lessons 01-05 trains the same problem: `layered_mlp(widths, seed)` on one
 regression batch of N rows (mean squared error, a mean over the whole batch), SGD for a few steps.
 What differs is only how one step's forward and backward run: lesson 01's send/recv chain, our
 runner executing a schedule (`runner.PipelineStep`), or PyTorch's engine (`torch_engine.TorchStep`).
-Each of those supplies a `Step`; `train` does the rest, the same way for all of them: zero the
-gradients, run the step, snapshot this rank's gradients after step 1 and its parameters after the
-last, step the optimizer, and share the losses.
+Each of those supplies a `Step`; `train` runs it in the one training loop (`distlab.training`), the
+same way for all of them: zero the gradients, run the step, keep this rank's gradients after step 1
+and its parameters after the last, step the optimizer; then it shares the losses.
 
 `unsplit_reference(cfg)` is the independent check every lesson and test compares with: a deep
 copy of the same model trained on the whole batch in one process with plain autograd.
@@ -15,21 +15,24 @@ copy of the same model trained on the whole batch in one process with plain auto
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from distlab.cli import DTYPES, mlp_widths
-from distlab.compare import grads_of, params_of
 from distlab.models import DEFAULT_WIDTHS, layered_mlp, regression_batch
 from distlab.pipeline.partition import Stage
 from distlab.pipeline.schedules import Action
-from distlab.reference import ReferenceRun, sgd_reference
+from distlab.reference import one_process, sgd
 from distlab.runtime import Runtime
 from distlab.timeline import Span, Timeline
+from distlab.training import Plain, Run
+from distlab.training import train as train_loop
 
 
 @dataclass(frozen=True)
@@ -107,10 +110,10 @@ def problem(cfg: PipelineConfig) -> tuple[torch.nn.Sequential, torch.Tensor, tor
     return model, x, target
 
 
-def unsplit_reference(cfg: PipelineConfig) -> ReferenceRun:
+def unsplit_reference(cfg: PipelineConfig) -> Run:
     """The unsplit model trained on the whole batch in one process, plain autograd."""
     model, x, target = problem(cfg.replace(input_features=None))
-    return sgd_reference(model, x, target, F.mse_loss, cfg.steps, cfg.lr)
+    return one_process(model, lambda k: (x, target), F.mse_loss, sgd(cfg.lr), cfg.steps)
 
 
 class Step(Protocol):
@@ -123,18 +126,16 @@ class Step(Protocol):
         """Accumulate this rank's gradients for the whole batch; the loss where the last stage is."""
 
     def measurements(self) -> dict:
-        """Figures the step measured, as `Run` fields (peak_in_flight, saved_peak_bytes, ...)."""
+        """Figures the step measured, as `PipelineRun` fields (peak_in_flight, saved_peak_bytes, ...)."""
 
 
 @dataclass
-class Run:
-    """What one rank saw: its stages' gradients after step 1 and parameters after the last step,
-    under the unsplit model's names; every step's loss; and what the step measured."""
+class PipelineRun(Run):
+    """A `distlab.training.Run` of this rank's stages (gradients after step 1 and parameters after the
+    last step, under the unsplit model's names; every step's loss, shared by every rank), and what the
+    step measured."""
 
-    stages: list[int]
-    first_grads: dict[str, torch.Tensor]
-    params: dict[str, torch.Tensor]
-    losses: list[float]
+    stages: list[int] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     peak_in_flight: int = 0  # most (stage, micro-batch) activations held at once
     saved_peak_bytes: int = 0  # with probe: most activation bytes held for backward
@@ -143,32 +144,22 @@ class Run:
     planned: list[Action] = field(default_factory=list)  # torch's engine: its pipeline_order
 
 
-def _snapshot(stages: list[Stage], of) -> dict[str, torch.Tensor]:
-    return {name: t.cpu() for stage in stages for name, t in of(stage.module).items()}
-
-
-def train(rt: Runtime, cfg: PipelineConfig, step: Step) -> Run:
-    """`cfg.steps` SGD steps, each one call of `step`; a collective (call it on every rank)."""
-    optimizer = torch.optim.SGD([p for s in step.stages for p in s.module.parameters()], lr=cfg.lr)
-    losses, first_grads = [], {}
-    for k in range(cfg.steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = step(k)
-        if loss is not None:
-            losses.append(loss)
-        if k == 0:
-            first_grads = _snapshot(step.stages, grads_of)
-        optimizer.step()
+def train(rt: Runtime, cfg: PipelineConfig, step: Step) -> PipelineRun:
+    """`cfg.steps` SGD steps of the one loop (`distlab.training.train`), each one call of `step`; a
+    collective (call it on every rank)."""
+    # This rank's layers as one module: their parameters keep the unsplit model's names ('3.0.weight').
+    layers = nn.Sequential(OrderedDict(layer for s in step.stages for layer in s.module.named_children()))
+    run = train_loop(Plain(layers, torch.optim.SGD(layers.parameters(), lr=cfg.lr)), step, cfg.steps)
     # Only the rank with the last stage has the losses; a sum with everyone else's zeros shares them
     # in one collective (exactly: x + 0 = x).
-    shared = torch.tensor(losses or [0.0] * cfg.steps, dtype=torch.float64, device=rt.device)
+    shared = torch.tensor(run.losses or [0.0] * cfg.steps, dtype=torch.float64, device=rt.device)
     dist.all_reduce(shared)
     spans = step.timeline.gather() if cfg.gather_spans else step.timeline.spans
-    return Run(
-        [s.index for s in step.stages],
-        first_grads,
-        _snapshot(step.stages, params_of),
+    return PipelineRun(
+        run.first_grads,
+        run.params,
         shared.tolist(),
-        spans,
+        stages=[s.index for s in step.stages],
+        spans=spans,
         **step.measurements(),
     )

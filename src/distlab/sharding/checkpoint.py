@@ -25,7 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from distlab.runtime import Runtime
 from distlab.sharding.fsdp import Fsdp2
-from distlab.sharding.problem import ShardingConfig, build_model, global_batch, loss_fn, rows_of
+from distlab.sharding.problem import ShardingConfig, build_model
+from distlab.sharding.training import local_rows, steps_of
+from distlab.training import train
 
 
 def fsdp_on(rt: Runtime, cfg: ShardingConfig, ranks: int) -> tuple[Fsdp2, Runtime]:
@@ -38,13 +40,10 @@ def fsdp_on(rt: Runtime, cfg: ShardingConfig, ranks: int) -> tuple[Fsdp2, Runtim
     return Fsdp2(build_model(cfg).to(rt.device), sub, cfg, mesh=mesh), sub
 
 
-def train_steps(rt: Runtime, cfg: ShardingConfig, strategy: Fsdp2, first: int, steps: int) -> None:
-    """Steps first .. first + steps - 1, this rank's rows of each step's global batch."""
-    for step in range(first, first + steps):
-        x, target = (rows_of(t, rt) for t in global_batch(cfg, step))
-        strategy.zero_grad()
-        loss_fn(strategy.model(x), target).backward()
-        strategy.optimizer.step()
+def train_steps(rt: Runtime, cfg: ShardingConfig, strategy: Fsdp2, first: int, steps: int) -> dict[str, torch.Tensor]:
+    """Steps first .. first + steps - 1 of the one loop, this rank's rows of each step's global batch;
+    every parameter after them (CPU)."""
+    return train(strategy, steps_of(strategy, local_rows(rt, cfg, first, steps)), steps).params
 
 
 def save(path: str, strategy: Fsdp2) -> None:
@@ -81,12 +80,13 @@ def save_and_resume(rt: Runtime, cfg: ShardingConfig, path: str, before: int, af
     straight, _ = fsdp_on(rt, cfg, p)
     train_steps(rt, cfg, straight, 0, before)
     save(path, straight)  # reads the state, changes nothing: the run goes on
-    train_steps(rt, cfg, straight, before, after)
+    uninterrupted = train_steps(rt, cfg, straight, before, after)
     same, _ = fsdp_on(rt, cfg, p)
     load(path, same)
-    train_steps(rt, cfg, same, before, after)
+    same_p = train_steps(rt, cfg, same, before, after)
     other, sub = fsdp_on(rt, cfg, p2)
+    other_p = None
     if other is not None:
         load(path, other)
-        train_steps(sub, cfg, other, before, after)
-    return ResumeRun(straight.full_params(), same.full_params(), other.full_params() if other is not None else None, p2)
+        other_p = train_steps(sub, cfg, other, before, after)
+    return ResumeRun(uninterrupted, same_p, other_p, p2)

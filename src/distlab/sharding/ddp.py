@@ -1,6 +1,6 @@
 """The baseline every ZeRO stage is measured against: data parallelism with whole model states on
 every rank, gradients averaged by one ring all-reduce per layer (the same padded flat units as ZeRO,
-so the bytes compare), torch's AdamW on the whole model."""
+so the bytes compare), torch's AdamW on the whole model. A trainee of the one training loop."""
 
 from __future__ import annotations
 
@@ -8,19 +8,18 @@ import torch
 from torch import nn
 
 from distlab.data_parallel.ring import Ring
+from distlab.held import model_states
 from distlab.runtime import Runtime
 from distlab.sharding.flat import units_of
-from distlab.sharding.problem import ShardingConfig, adamw, optimizer_states
+from distlab.sharding.problem import ShardingConfig, adamw
+from distlab.training import Plain
 
 
-class Replicated:
+class Replicated(Plain):
     def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig):
-        self.model, self.rt, self.ring = model, rt, Ring(rt)
+        super().__init__(model, adamw(model.parameters(), cfg))
+        self.rt, self.ring = rt, Ring(rt)
         self.units = units_of(model, rt.rank, rt.world_size)
-        self.optimizer = adamw(model.parameters(), cfg)
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
 
     def after_backward(self) -> None:
         for unit, layer in zip(self.units, self.model.children()):
@@ -29,24 +28,6 @@ class Replicated:
             for g, new in zip(grads, unit.unflatten(mean)):
                 g.copy_(new)
 
-    def after_step(self) -> None:
-        pass
-
     def items(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.model.parameters())
-        state = [self.optimizer.state[p] for p in params]
-        return {
-            "weights": params,
-            "gradients": [p.grad for p in params],
-            "moments": [st[k] for st in state for k in ("exp_avg", "exp_avg_sq")],
-            "step counts": [st["step"] for st in state],
-        }
-
-    def full_params(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()}
-
-    def full_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        return optimizer_states(self.model, self.optimizer)
+        return model_states(params, [p.grad for p in params], [self.optimizer.state[p] for p in params])

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from distlab.held import model_states
 from distlab.runtime import Runtime
 from distlab.sharding.problem import ShardingConfig, adamw
 
@@ -53,7 +54,7 @@ def fsdp_held(model: nn.Module, p: int, rank: int, b: int) -> dict[str, int]:
 
 
 class Fsdp2:
-    """The strategy interface of `distlab.sharding.training` around a fully_shard'ed model."""
+    """A trainee of the one training loop (`distlab.training.train`) around a fully_shard'ed model."""
 
     ring = None  # FSDP2's collectives run inside torch: not counted by a ring of ours
 
@@ -80,21 +81,16 @@ class Fsdp2:
 
     def items(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.model.parameters())
-        state = [self.optimizer.state[p] for p in params]
-        return {
-            "weights": [p.to_local() for p in params],
-            "gradients": [p.grad.to_local() for p in params],
-            "moments": [st[k].to_local() for st in state for k in ("exp_avg", "exp_avg_sq")],
-            "step counts": [st["step"] for st in state],
-        }
+        states = [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params]
+        return model_states([p.to_local() for p in params], [p.grad.to_local() for p in params], states)
 
-    def full_params(self) -> dict[str, torch.Tensor]:
+    def params(self) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().cpu() for n, p in self.model.named_parameters()}
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
+    def grads(self) -> dict[str, torch.Tensor]:
         return {n: p.grad.full_tensor().cpu() for n, p in self.model.named_parameters()}
 
-    def full_states(self) -> dict[str, dict[str, torch.Tensor]]:
+    def states(self) -> dict[str, dict[str, torch.Tensor]]:
         return {
             n: {
                 k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
@@ -102,3 +98,8 @@ class Fsdp2:
             }
             for n, p in self.model.named_parameters()
         }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor (AdamW's step count) as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t

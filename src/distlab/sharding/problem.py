@@ -6,22 +6,22 @@ batches an uninterrupted run sees; rank r trains on its C = N / P rows of it (`r
 
 The loss is the mean squared error, a MEAN OVER SAMPLES, so every sharded stage averages the
 ranks' gradients (reduce-scatter, then divide by P) and must equal one process on the whole batch:
-`adamw_reference` is that process, a deep copy of the model with torch's own AdamW (weight decay on
-every parameter, one group), whose parameters and optimizer states every stage is compared with.
+`reference` is that process, a deep copy of the model with torch's own AdamW (weight decay on every
+parameter, one group), whose gradients, parameters and optimizer states every stage is compared with.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.compare import grads_of, params_of
 from distlab.models import layered_mlp, regression_batch
+from distlab.reference import one_process
 from distlab.runtime import Runtime
+from distlab.training import Run
 
 
 @dataclass(frozen=True)
@@ -58,35 +58,14 @@ def adamw(params, cfg: ShardingConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-@dataclass
-class Trained:
-    """Parameters, the last step's (averaged) gradients and AdamW's states ({"exp_avg", "exp_avg_sq",
-    "step"}), by parameter name; the global loss of each step."""
-
-    params: dict[str, torch.Tensor]
-    grads: dict[str, torch.Tensor]
-    states: dict[str, dict[str, torch.Tensor]]
-    losses: list[float]
-
-
-def optimizer_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """The optimizer's state of each of `model`'s parameters, by name, as plain CPU tensors."""
-    return {
-        name: {k: v.detach().cpu().clone() for k, v in optimizer.state[p].items()}
-        for name, p in model.named_parameters()
-    }
-
-
-def adamw_reference(cfg: ShardingConfig, steps: int | None = None) -> Trained:
-    """One process, the whole batch, plain autograd, torch's AdamW: the independent reference."""
-    model = copy.deepcopy(build_model(cfg))
-    optimizer = adamw(model.parameters(), cfg)
-    losses = []
-    for step in range(cfg.steps if steps is None else steps):
-        x, target = global_batch(cfg, step)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), target)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return Trained(params_of(model), grads_of(model), optimizer_states(model, optimizer), losses)
+def reference(cfg: ShardingConfig, steps: int | None = None) -> Run:
+    """One process, the whole batch of each step, plain autograd, torch's AdamW: the independent
+    reference (`distlab.reference.one_process`), its AdamW states kept."""
+    return one_process(
+        build_model(cfg),
+        lambda k: global_batch(cfg, k),
+        loss_fn,
+        lambda params: adamw(params, cfg),
+        cfg.steps if steps is None else steps,
+        keep_states=True,
+    )

@@ -1,51 +1,21 @@
-"""The comparisons and tables lesson 07 prints, laid out to fit 80 columns whole.
+"""The tables lesson 07 prints, laid out to fit 80 columns whole.
 
-`against(reference, trained)` compares every parameter, the last step's gradients and every AdamW
-state (m, v, the step count) of a run with another, at float64's tolerances unless told otherwise.
+A run against another is `distlab.compare.against`: step 1's gradients, every parameter after the last
+step, every AdamW state (m, v, the step count) and every step's loss, each part one `Comparison`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from distlab.compare import compare
+from distlab.compare import Comparison, all_ok
 from distlab.data_parallel.report import rows_table
-from distlab.sharding.problem import Trained
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
-
-
-@dataclass(frozen=True)
-class Agreement:
-    params: float  # the largest max |a - r| / max |r| over the parameters
-    grads: float
-    states: float
-    ok: bool  # every tensor allclose
-
-
-def _worst(rows) -> float:
-    return max(row.max_rel for row in rows)
-
-
-def against(ref: Trained, got: Trained, rtol: float | None = None, atol: float | None = None) -> Agreement:
-    params, grads = compare(ref.params, got.params, rtol, atol), compare(ref.grads, got.grads, rtol, atol)
-    states = [
-        row
-        for name in ref.states
-        for row in compare(
-            {k: ref.states[name][k] for k in STATE_KEYS}, {k: got.states[name][k] for k in STATE_KEYS}, rtol, atol
-        )
-    ]
-    ok = all(row.ok for row in params + grads + states)
-    return Agreement(_worst(params), _worst(grads), _worst(states), ok)
 
 
 def kib(n: int) -> str:
     return f"{n / 1024:,.2f}"
 
 
-def agreement_table(title: str, rows: dict[str, tuple[str, Agreement]]):
-    """One row per run: what it is compared with, the worst relative error of each kind, ok."""
+def agreement_table(title: str, rows: dict[str, tuple[str, dict[str, Comparison]]]):
+    """One row per run: what it is compared with, the worst relative error of each part, all equal."""
     return rows_table(
         title,
         ("run", "against", "params", "grads", "AdamW m, v, t", "equal"),
@@ -53,12 +23,12 @@ def agreement_table(title: str, rows: dict[str, tuple[str, Agreement]]):
             (
                 name,
                 what,
-                f"{a.params:.1e}",
-                f"{a.grads:.1e}",
-                f"{a.states:.1e}",
-                "[green]yes[/]" if a.ok else "[bold red]no[/]",
+                f"{parts['parameters'].max_rel:.1e}",
+                f"{parts['gradients'].max_rel:.1e}",
+                f"{parts['optimizer states'].max_rel:.1e}",
+                "[green]yes[/]" if all_ok(parts.values()) else "[bold red]no[/]",
             )
-            for name, (what, a) in rows.items()
+            for name, (what, parts) in rows.items()
         ],
     )
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.chunks import chunks
-from distlab.online_softmax import online_fold
+from distlab.online_softmax import online_fold, rescale
 from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_block
 from distlab.streamed.tiles import diagonal_crossing, lse_and_nll, pair_coefficients
 
@@ -192,10 +192,10 @@ def ring_bytes(world: int, c: int, d: int, itemsize: int, loss: str) -> int:
 
 
 def _merge_lse(received: list, partial: list) -> list:
-    """Two column (m, l) partials of the online fold, folded into one."""
+    """Two column (m, l) partials of the online fold, folded into one: each sum rescaled to the larger max."""
     (m_1, l_1), (m_2, l_2) = received, partial
     m = torch.maximum(m_1, m_2)
-    return [m, l_1 * torch.exp(m_1 - m) + l_2 * torch.exp(m_2 - m)]
+    return [m, l_1 * rescale(m_1, m) + l_2 * rescale(m_2, m)]
 
 
 def _add(received: list, partial: list) -> list:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distlab.models import MLP, Attention, Block, attend, masked
 from distlab.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from distlab.tensor_parallel.model import MLP, Attention, Block, attend, masked
 from distlab.tensor_parallel.operators import Comm
 
 
@@ -54,18 +54,18 @@ class ParallelMLP(nn.Module):
 class ParallelAttention(nn.Module):
     def __init__(self, full: Attention, rank: int, world_size: int, comm: Comm):
         super().__init__()
-        self.comm, self.head_dim = comm, full.head_dim
+        self.comm, self.head_dim, self.options = comm, full.head_dim, full.options
         self.q, self.k, self.v = (ColumnParallelLinear(lin, rank, world_size) for lin in (full.q, full.k, full.v))
         self.out = RowParallelLinear(full.out, rank, world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.comm.to_parallel(x)  # one f for q, k and v: their input gradients add up before it
-        heads = attend(self.q(x), self.k(x), self.v(x), self.head_dim)  # (N, seq, h/P * d_h)
+        heads = attend(self.q(x), self.k(x), self.v(x), self.head_dim, self.options)  # (N, seq, h/P * d_h)
         return self.comm.from_parallel(self.out(heads)) + self.out.bias
 
 
 class ParallelBlock(nn.Module):
-    """`model.Block` on P ranks; the LayerNorms replicated; masks are this rank's part of them."""
+    """`distlab.models.Block` on P ranks; the LayerNorms replicated; masks are this rank's part of them."""
 
     def __init__(self, full: Block, rank: int, world_size: int, comm: Comm):
         super().__init__()

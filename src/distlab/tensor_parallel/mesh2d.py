@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from distlab.tensor_parallel.blocks import ParallelBlock
 from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks
 from distlab.tensor_parallel.operators import RING_FRACTION, Traffic, all_reduce, tensor_parallel
-from distlab.tensor_parallel.training import Batch, Run, train
+from distlab.tensor_parallel.runs import Batch, sgd_steps
+from distlab.training import Run, reduce_gradients
 
 
 def mesh_shape(world_size: int) -> tuple[int, int]:
@@ -56,14 +56,14 @@ def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dic
     masks = dropout_masks(cfg, 0)
     batch = Batch(rows(x), rows(target), x.numel(), [tuple(map(rows, masks)) if masks else None])
     dp_group = mesh.get_group("dp")
-
-    def sum_over_data_parallel():  # one message: every gradient of this rank's shard
-        params = list(model.parameters())
-        flat = all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), dp_group, comm.traffic, "data parallel")
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p))
-
-    run = train(model, batch, 1, lr, sum_over_data_parallel)
+    params = list(model.parameters())  # summed down the column in one message: every gradient of the shard
+    run = sgd_steps(
+        model,
+        batch,
+        1,
+        lr,
+        lambda: reduce_gradients(params, lambda flat: all_reduce(flat, dp_group, comm.traffic, "data parallel")),
+    )
     where = {
         "dp": dp,
         "tp": tp,

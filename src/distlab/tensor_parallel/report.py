@@ -24,7 +24,14 @@ def equality_table(title: str, outcomes: dict[str, Outcome]) -> Table:
         "allclose at float64's rtol 1e-10, atol 1e-12",
     )
     for name, o in outcomes.items():
-        out.add_row(name, mark(o.output), f"{o.grads_max_abs:.1e} {mark(o.grads.ok)}", mark(o.params), mark(o.losses))
+        grads = o.against["gradients"]
+        out.add_row(
+            name,
+            mark(o.against["output"].ok),
+            f"{grads.max_abs:.1e} {mark(grads.ok)}",
+            mark(o.against["parameters"].ok),
+            mark(o.against["losses"].ok),
+        )
     return out
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from distlab.tensor_parallel.layers import RowParallelLinear
 from distlab.tensor_parallel.operators import Comm, all_reduce
+from distlab.training import reduce_gradients
 
 SEQ_DIM = 1
 
@@ -49,6 +50,4 @@ def reduce_sequence_parallel_grads(model: nn.Module, comm: Comm) -> None:
     if not comm.sequence_parallel:
         return
     params = [p for _, p in sequence_cut_parameters(model)]
-    flat = all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), comm.group, comm.traffic, "gradients")
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(g.view_as(p))
+    reduce_gradients(params, lambda flat: all_reduce(flat, comm.group, comm.traffic, "gradients"))

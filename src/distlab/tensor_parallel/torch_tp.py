@@ -33,12 +33,12 @@ from torch.distributed.tensor.parallel import (
 from distlab.tensor_parallel.model import build, regression_loss
 from distlab.tensor_parallel.operators import sequence_parallel as sequence_parallel_ops
 from distlab.tensor_parallel.operators import tensor_parallel as tensor_parallel_ops
-from distlab.tensor_parallel.runs import rank_batch
-from distlab.tensor_parallel.training import Batch, Run, train
+from distlab.tensor_parallel.runs import Batch, rank_batch, sgd_steps
+from distlab.training import Run
 
 
 def plan(sequence_parallel: bool) -> dict:
-    """The parallelize plan of `model.Block`: q, k, v, fc1 column-wise, out and fc2 row-wise; with
+    """The parallelize plan of `distlab.models.Block`: q, k, v, fc1 column-wise, out and fc2 row-wise; with
     sequence parallelism the LayerNorms on sequence parts and the two gathers before the column layers."""
     tp = {
         "attn.q": ColwiseParallel(),
@@ -75,7 +75,7 @@ def local(tensor: torch.Tensor, placements) -> torch.Tensor:
 def comm_counts(model: nn.Module, batch: Batch) -> dict[str, dict[str, int]]:
     """The collectives torch launches in one forward, its backward and an SGD step (gradients zeroed)."""
     counts = {}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, foreach=False)  # (see training.train)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, foreach=False)  # (see runs._Layer)
     with CommDebugMode() as mode:
         loss = regression_loss(model(batch.x), batch.target, batch.count)
     counts["forward"] = mode.get_comm_counts()
@@ -115,11 +115,5 @@ def torch_run(rt, cfg, sequence_parallel: bool, steps: int, lr: float) -> tuple[
     model = parallelize(build(cfg)[0].to(rt.device), mesh, sequence_parallel)
     counts = comm_counts(model, replace(batch, x=batch.x.detach()))
     placements = {n: p.placements for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    run = train(model, batch, steps, lr)
-
-    def to_ours(tensors):
-        return {n: local(t, placements.get(n)) for n, t in tensors.items()}
-
-    # (parameters after the last step: read straight from the module, as the optimizer left them)
-    params = {n: local(p, placements.get(n)) for n, p in model.named_parameters()}
-    return Run(run.first_output, to_ours(run.first_grads), params, run.losses), counts, placements_of(model)
+    run = sgd_steps(model, batch, steps, lr, ours=lambda name, t: local(t, placements.get(name)))
+    return run, counts, placements_of(model)

@@ -1,0 +1,81 @@
+"""This rank's shard of every layer, and AdamW on the shards: what each ZeRO stage of lesson 07 starts from.
+
+Each layer is one flat unit (`distlab.sharding.flat`): its Psi_u parameters flattened and padded to
+P ceil(Psi_u / P) elements; rank r keeps shard r of it as an nn.Parameter, and AdamW steps the shards
+only, so AdamW's moments are sharded from the start. Every byte a stage sends goes through a counting
+ring (`Ring`); the gathers that read a run whole for the record (`grads`, `params`, `states`) are not
+counted: they are the check's, not the stage's.
+
+A stage is this object with its two hooks set (lesson 07 writes ZeRO-1, -2 and -3 that way); the one
+training loop (`distlab.training.train`) drives it:
+
+    zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step()
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distlab import compat
+from distlab.data_parallel.ring import Ring
+from distlab.held import model_states
+from distlab.runtime import Runtime
+from distlab.sharding.flat import units_of
+from distlab.sharding.problem import ShardingConfig, adamw
+
+
+class Sharded:
+    """The layers' flat units, this rank's shard of each (an nn.Parameter that AdamW steps), the ring
+    that counts bytes, and the readouts of the whole run (gathered, not counted)."""
+
+    def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig):
+        self.model, self.rt, self.ring = model, rt, Ring(rt)
+        self.units = units_of(model, rt.rank, rt.world_size)
+        self.layers = list(model.children())
+        self.shards = [
+            nn.Parameter(u.my_shard(u.flatten([p.detach() for p in layer.parameters()])).clone())
+            for u, layer in zip(self.units, self.layers)
+        ]
+        self.optimizer = adamw(self.shards, cfg)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def _whole(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every unit's shards of `tensors` (one per unit) gathered whole, by parameter name (CPU)."""
+        out = {}
+        for unit, t in zip(self.units, tensors):
+            whole = t.new_empty(unit.padded)
+            compat.all_gather_single(whole, t.detach().contiguous())
+            out.update({k: v.cpu().clone() for k, v in unit.named(whole).items()})
+        return out
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return self._whole(list(self.shards))
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return self._whole([s.grad for s in self.shards])
+
+    def states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's state of every parameter, from the shards (m and v gathered; the step count)."""
+        state = [self.optimizer.state[s] for s in self.shards]
+        m = self._whole([st["exp_avg"] for st in state])
+        v = self._whole([st["exp_avg_sq"] for st in state])
+        step = {name: st["step"].cpu().clone() for st, u in zip(state, self.units) for name in u.names}
+        return {name: {"exp_avg": m[name], "exp_avg_sq": v[name], "step": step[name]} for name in m}
+
+    def items(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds, by item of `distlab.sharding.accounting.held`: ZeRO-1 and -2 keep
+        the whole weights beside the shards AdamW steps (the "shard copy"); ZeRO-3's shards are its weights."""
+        weights = list(self.model.parameters())
+        grads = [p.grad for p in weights + self.shards]
+        held = model_states(weights or self.shards, grads, [self.optimizer.state[s] for s in self.shards])
+        return held | ({"shard copy": list(self.shards)} if weights else {})

@@ -53,8 +53,7 @@ from distlab.cli import (
     positive_int,
 )
 from distlab.compare import compare
-from distlab.console import print0
-from distlab.data_parallel.report import rows_table
+from distlab.console import print0, rows_table
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.sharding import accounting, holds
 from distlab.sharding.block import Block, block_batch

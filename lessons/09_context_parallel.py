@@ -44,13 +44,12 @@ import torch.nn.functional as F
 from distlab.agree import rank_table
 from distlab.cli import DTYPES, check_flags_against_world, lesson_parser, positive_int
 from distlab.compare import all_ok, compare, comparison_table
-from distlab.console import print0
+from distlab.console import print0, rows_table
 from distlab.context_parallel import split as layouts
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
 from distlab.context_parallel.cost import Sizes
 from distlab.context_parallel.ring import RingExchange
 from distlab.context_parallel.split import SKIP, Layout, piece_label
-from distlab.data_parallel.report import rows_table
 from distlab.memory import PeakMemory
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict

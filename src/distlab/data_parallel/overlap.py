@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from distlab import emulate
-from distlab.console import print0
-from distlab.data_parallel.collectives import barrier, slowest_median
+from distlab.comm.timing import barrier, slowest_median
+from distlab.console import MIB, print0
 from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
-from distlab.data_parallel.report import MIB, timeline_table, timing_table
+from distlab.data_parallel.report import timeline_table, timing_table
 from distlab.runtime import Runtime
 
 Strategy = Callable[[nn.Module], tuple[nn.Module, Callable[[], None]]]

@@ -12,10 +12,9 @@ import torch
 from rich.table import Table
 
 from distlab.compare import GradientError
-from distlab.console import compact_table
+from distlab.console import MIB, compact_table
 
 Grads = Mapping[str, torch.Tensor]
-MIB = 2**20
 
 
 def _mark(ok: bool, expected: bool = True) -> str:
@@ -102,12 +101,4 @@ def timeline_table(launched: list[float], done: list[float], sizes: list[int], b
         table.add_row(
             str(i), f"{size / MIB:.2f}", f"{start:.1f}", f"{end:.1f}", "yes" if start < backward_end else "no"
         )
-    return table
-
-
-def rows_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
-    """A plain table of pre-formatted rows."""
-    table = compact_table(title, columns)
-    for row in rows:
-        table.add_row(*row)
     return table

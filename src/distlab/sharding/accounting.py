@@ -20,7 +20,7 @@ precision) and all-gather the result into the weights; ZeRO-3's shard is the onl
 Mixed precision (bf16 weights and gradients, a float32 master copy and float32 moments) holds
 2 Psi + 2 Psi + 4 Psi + 8 Psi = 16 Psi bytes in DDP, against 8 + 8 + 16 = 32 Psi in float64.
 
-Bytes each rank sends in one step (a ring: `distlab.data_parallel.ring`, over the padded units of
+Bytes each rank sends in one step (a ring: `distlab.comm.ring`, over the padded units of
 P Psi_P elements): DDP's all-reduce 2 (P-1)/P e Psi; ZeRO-1 and ZeRO-2 a reduce-scatter of the gradients
 and an all-gather of the weights, 2 (P-1) e Psi_P, the same as DDP; ZeRO-3 an all-gather for forward,
 another for backward and a reduce-scatter, 3 (P-1) e Psi_P: one and a half times DDP's (less the

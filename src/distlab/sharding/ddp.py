@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distlab.data_parallel.ring import Ring
+from distlab.comm.ring import Ring
 from distlab.runtime import Runtime
 from distlab.sharding.flat import units_of
 from distlab.sharding.problem import ShardingConfig, adamw, optimizer_states
@@ -15,7 +15,7 @@ from distlab.sharding.problem import ShardingConfig, adamw, optimizer_states
 
 class Replicated:
     def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig):
-        self.model, self.rt, self.ring = model, rt, Ring(rt)
+        self.model, self.rt, self.ring = model, rt, Ring()
         self.units = units_of(model, rt.rank, rt.world_size)
         self.optimizer = adamw(model.parameters(), cfg)
 

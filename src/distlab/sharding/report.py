@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.compare import compare
-from distlab.data_parallel.report import rows_table
+from distlab.console import rows_table
 from distlab.sharding.problem import Trained
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")

@@ -66,7 +66,7 @@ def run_strategy(rt: Runtime, cfg: ShardingConfig, make: Callable, steps: int | 
         live, peak = mem.live_bytes, mem.peak_bytes
     held = {item: storage_bytes(tensors) for item, tensors in strategy.items().items()}
     ring = getattr(strategy, "ring", None)
-    sent = ring.bytes_sent // len(batches) if ring is not None else -1
+    sent = ring.ledger.sent // len(batches) if ring is not None else -1
     mean = torch.tensor(losses, dtype=torch.float64, device=rt.device)
     dist.all_reduce(mean)  # equal shares: the global loss is the mean of the ranks' means
     trained = Trained(

@@ -1,5 +1,5 @@
 """ZeRO-1, -2 and -3 over the flat units of `distlab.sharding.flat`, every byte sent through a
-counting ring (`distlab.data_parallel.ring.Ring`). Lesson 07 writes each stage out in a few lines;
+counting ring (`distlab.comm.ring.Ring`). Lesson 07 writes each stage out in a few lines;
 these are the same mechanisms as classes the loop in `distlab.sharding.training` drives:
 
     zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step()
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.data_parallel.ring import Ring
+from distlab.comm.ring import Ring
 from distlab.runtime import Runtime
 from distlab.sharding.flat import FlatUnit, units_of
 from distlab.sharding.problem import ShardingConfig, adamw
@@ -33,7 +33,7 @@ class Sharded:
     steps), the ring that counts bytes, and the gathers the checks use (not counted)."""
 
     def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig):
-        self.model, self.rt, self.ring = model, rt, Ring(rt)
+        self.model, self.rt, self.ring = model, rt, Ring()
         self.units = units_of(model, rt.rank, rt.world_size)
         self.layers = list(model.children())
         self.shards = [

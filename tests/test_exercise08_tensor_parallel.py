@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from exercise_kit import Answer, exercise_tests, judge
 
+from distlab.comm.ledger import Ledger
 from distlab.tensor_parallel import cost, operators
 from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.operator_checks import check_operator
@@ -34,9 +35,7 @@ def _ranks(rt, copy, claims) -> None:
         "all-reduce the incoming gradient over the group (a sum), and return it",
     ):
         return
-    outcome = split_run(
-        rt, CFG, "mlp", operators.Comm(copy, operators.ReduceFromTP, None, operators.Traffic()), STEPS, LR
-    )
+    outcome = split_run(rt, CFG, "mlp", operators.Comm(copy, operators.ReduceFromTP, None, Ledger()), STEPS, LR)
     claims.check(
         "the MLP split with it equals the unsplit MLP (gradients, parameters)",
         outcome.ok,
@@ -44,12 +43,12 @@ def _ranks(rt, copy, claims) -> None:
         "f must be the identity forward and a sum over ranks backward",
     )
     want = cost.expected_traffic(CFG, "mlp", P, False, STEPS)[("backward", "all_reduce")]
-    got = outcome.traffic.sent.get(("backward", "all_reduce"), 0)
+    got = outcome.ledger.sent_by.get(("backward", "all_reduce"), 0)
     claims.check(
         "bytes sent = 2(P-1)/P N seq d e per backward",
         got == want,
         f"counted {got}, formula {want}",
-        'record each all-reduce: traffic.record("backward", "all_reduce", tensor, group)',
+        'record each all-reduce: ledger.record("backward", "all_reduce", tensor, group)',
     )
 
 
@@ -61,7 +60,7 @@ class IdentityBackward(torch.autograd.Function):
     """A wrong answer: identity both ways, each rank keeping only its own outputs' gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic):
+    def forward(ctx, x, group, ledger):
         return x.view_as(x)
 
     @staticmethod

@@ -13,10 +13,11 @@ Write `Copy`, an autograd Function, the f that the lesson puts before fc1 (the M
 
 Hints:
 - forward may return `x.view_as(x)` (a new tensor for autograd, the same values); keep `group` and
-  `traffic` on `ctx` for backward;
+  `ledger` on `ctx` for backward;
 - in backward, all-reduce a copy of the incoming gradient (`dist.all_reduce(t, group=group)`, in place)
-  and record what was sent: `traffic.record("backward", "all_reduce", t, group)`;
-- backward returns one gradient per forward input: the tensor's, then None for `group` and `traffic`.
+  and record what was sent: `ledger.record("backward", "all_reduce", t, group)` (a
+  `distlab.comm.ledger.Ledger`: it counts what a ring sends for that all-reduce);
+- backward returns one gradient per forward input: the tensor's, then None for `group` and `ledger`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class Copy(torch.autograd.Function):
     """f: identity forward, all-reduce backward."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic):
-        raise NotImplementedError("not written yet: Copy.forward(ctx, x, group, traffic), the identity")
+    def forward(ctx, x, group, ledger):
+        raise NotImplementedError("not written yet: Copy.forward(ctx, x, group, ledger), the identity")
 
     @staticmethod
     def backward(ctx, grad):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.tensor_parallel.operators import Traffic
+from distlab.comm.ledger import Ledger
 
 ROWS, PART, WIDTH = 2, 2, 3  # a tensor (ROWS, PART * P or PART, WIDTH): small, distinct on every rank
 
@@ -55,7 +55,7 @@ class OperatorResult:
     backward: torch.Tensor
     forward_err: float
     backward_err: float
-    traffic: Traffic
+    ledger: Ledger
 
     @property
     def ok(self) -> bool:
@@ -63,18 +63,18 @@ class OperatorResult:
 
 
 def check_operator(rt, name: str, function, group=None) -> OperatorResult:
-    """Run `function.apply(x_r, group, traffic)` forward and backward on this rank; against one process."""
+    """Run `function.apply(x_r, group, ledger)` forward and backward on this rank; against one process."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
     make_x, make_w, forward, backward = MATH[name]
     xs, ws = [make_x(q, p) for q in range(p)], [make_w(q, p) for q in range(p)]
     x = xs[r].clone().to(rt.device).requires_grad_()
-    traffic = Traffic()
-    out = function.apply(x, group, traffic)
+    ledger = Ledger()
+    out = function.apply(x, group, ledger)
     (out * ws[r].to(rt.device)).sum().backward()
 
     def err(got, want):
         return (got.detach().cpu() - want).abs().max().item()
 
     return OperatorResult(
-        name, out.detach().cpu(), x.grad.cpu(), err(out, forward(xs, r, p)), err(x.grad, backward(ws, r, p)), traffic
+        name, out.detach().cpu(), x.grad.cpu(), err(out, forward(xs, r, p)), err(x.grad, backward(ws, r, p)), ledger
     )

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab.comm.ledger import Ledger
 from distlab.compare import GradientError, all_ok, compare, gradient_error
 from distlab.memory import PeakMemory
 from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
 from distlab.tensor_parallel.layers import reference_shards
 from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks
-from distlab.tensor_parallel.operators import Comm, Traffic
+from distlab.tensor_parallel.operators import Comm
 from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.tensor_parallel.training import Batch, Run, train
 
@@ -41,7 +42,7 @@ class Outcome:
     grads_max_abs: float  # the largest |a - r| over every gradient
     params: bool
     losses: bool
-    traffic: Traffic
+    ledger: Ledger  # what this rank's operators sent
     run: Run  # this rank's run: its output, gradients and parameters in our layout
 
     @property
@@ -95,7 +96,7 @@ def split_run(rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float
         grads_max_abs=max(row.max_abs for row in compare(expected, run.first_grads)),
         params=all_ok(compare(reference_shards(ref.params, model, rank, p), run.params)),
         losses=torch.allclose(losses.cpu(), torch.tensor(ref.losses, dtype=torch.float64), rtol=1e-10, atol=0),
-        traffic=comm.traffic,
+        ledger=comm.ledger,
         run=run,
     )
 
@@ -140,5 +141,5 @@ def block_costs(rt, cfg: BlockConfig) -> dict[str, tuple[float, int, bool]]:
     out = {}
     for name, make in (("TP", tensor_parallel), ("TP + SP", sequence_parallel)):
         outcome = split_run(rt, cfg, "block", make(), 1, 0.5)
-        out[name] = (float(outcome.traffic.total()), activation_bytes_measured(rt, cfg, make())[0], outcome.ok)
+        out[name] = (float(outcome.ledger.sent), activation_bytes_measured(rt, cfg, make())[0], outcome.ok)
     return out

@@ -49,6 +49,6 @@ def reduce_sequence_parallel_grads(model: nn.Module, comm: Comm) -> None:
     if not comm.sequence_parallel:
         return
     params = [p for _, p in sequence_cut_parameters(model)]
-    flat = all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), comm.group, comm.traffic, "gradients")
+    flat = all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), comm.group, comm.ledger, "gradients")
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p))

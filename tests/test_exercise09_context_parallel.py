@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from exercise_kit import Answer, exercise_tests, judge
 
+from distlab.comm.ring import Ring
 from distlab.context_parallel.attention import Partial, causal_mask, scores
-from distlab.context_parallel.ring import RingExchange
 from distlab.context_parallel.split import SKIP, Layout, count_work, shard, tile_kind
 
 LESSON, NAME = "09_context_parallel", "ring_forward"
@@ -41,8 +41,8 @@ def _ranks(rt, ring_forward, claims) -> None:
     for causal in (False, True):  # every rank runs every case: none may leave the ring early
         name = "causal" if causal else "not causal"
         layout = Layout(P, SEQ, "zigzag", causal)
-        ring, tally = RingExchange(rt), Counter()
-        out, lse = ring_forward(rt, ring, *(shard(t, rt.rank, P, "zigzag") for t in full), layout, tally)
+        ring, tally = Ring(), Counter()
+        out, lse = ring_forward(ring, *(shard(t, rt.rank, P, "zigzag") for t in full), layout, tally)
         ref_out, ref_lse = _reference(*full, causal)
         err = _max_rel(out, shard(ref_out, rt.rank, P, "zigzag"))
         claims.check(
@@ -60,9 +60,9 @@ def _ranks(rt, ring_forward, claims) -> None:
         )
         claims.check(
             f"{name}: the k/v blocks went round the ring, 2(P-1) blocks sent",
-            ring.bytes_sent == 2 * (P - 1) * block,
-            f"{ring.bytes_sent} bytes, not {2 * (P - 1) * block}",
-            "post (k, v) to the right neighbour P - 1 times, keep what arrives",
+            ring.ledger.sent == 2 * (P - 1) * block,
+            f"{ring.ledger.sent} bytes, not {2 * (P - 1) * block}",
+            "shift (k, v) to the right neighbour P - 1 times, keep what arrives",
         )
         want = count_work(rt.rank, P, SEQ, "zigzag", causal).products
         claims.check(
@@ -77,14 +77,14 @@ def check(answer: Answer) -> None:
     judge(_ranks, P, answer)
 
 
-def no_rescale(rt, ring, q, k, v, layout, tally):
+def no_rescale(ring, q, k, v, layout, tally):
     """A wrong answer: o accumulated without rescaling it by exp(m - m') when the max grows."""
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-    mine, kv = layout.pieces(rt.rank), (k, v)
+    mine, kv = layout.pieces(ring.rank), (k, v)
     parts = [Partial.start(out[..., rows, :]) for rows, _ in mine]
-    for step in range(rt.world_size):
-        source = (rt.rank - step) % rt.world_size
-        arriving = ring.post(*kv) if step < rt.world_size - 1 else None
+    for step in range(ring.world_size):
+        source = (ring.rank - step) % ring.world_size
+        arriving = ring.shift(*kv) if step < ring.world_size - 1 else None
         for (rows, positions), part in zip(mine, parts):
             for cols, keys in layout.pieces(source):
                 kind = tile_kind(positions, keys, layout.causal)

@@ -2,10 +2,11 @@
 with `pytest --exercises -k 09`).
 
 The sequence of seq positions is split over the P ranks by `layout` (contiguous, or zig-zag: rank r
-holds pieces r and 2P-1-r of 2P). This rank holds its queries q and, to begin with, its keys and values
-k, v (each h x seq/P x d_h). Write `ring_forward`: in P steps, pass the k/v block you hold to rank r+1
-and receive the next one from r-1 (in step i you hold the block of rank r-i), and fold every tile of
-scores A = q_piece k_piece^T / sqrt(d_h) into running statistics per query row:
+holds pieces r and 2P-1-r of 2P). This rank (`ring.rank` of `ring.world_size`) holds its queries q and,
+to begin with, its keys and values k, v (each h x seq/P x d_h). Write `ring_forward`: in P steps, pass
+the k/v block you hold to rank r+1 and receive the next one from r-1 (in step i you hold the block of
+rank r-i), and fold every tile of scores A = q_piece k_piece^T / sqrt(d_h) into running statistics per
+query row:
 
     m' = max(m, rowmax A),   l' = l e^(m - m') + rowsum e^(A - m'),   o' = o e^(m - m') + e^(A - m') v,
 
@@ -23,8 +24,9 @@ Hints:
   diagonal or skip, and `distlab.context_parallel.attention.causal_mask` builds the mask;
 - `distlab.context_parallel.attention.Partial` and `fold_tile` hold and update (m, l, o) for one query
   piece: `fold_tile` is the fold above, built on `distlab.online_softmax.online_fold`;
-- `ring.post(k, v)` starts the exchange and returns at once; `.wait()` returns the received (k, v). Post
-  before you compute on the block you hold, wait after: the transfer runs beside the math. P - 1 moves.
+- `ring.shift(k, v)` (a `distlab.comm.ring.Ring`) starts the exchange and returns at once; `.wait()`
+  returns the received (k, v). Shift before you compute on the block you hold, wait after: the transfer
+  runs beside the math. P - 1 moves.
 """
 
 from __future__ import annotations
@@ -33,16 +35,15 @@ from collections import Counter
 
 import torch
 
-from distlab.context_parallel.ring import RingExchange
+from distlab.comm.ring import Ring
 from distlab.context_parallel.split import Layout
-from distlab.runtime import Runtime
 
 
 def ring_forward(
-    rt: Runtime, ring: RingExchange, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, tally: Counter
+    ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, tally: Counter
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's queries against the whole sequence; k/v blocks travel the ring."""
     raise NotImplementedError(
-        "not written yet: ring_forward(rt, ring, q, k, v, layout, tally), the k/v "
+        "not written yet: ring_forward(ring, q, k, v, layout, tally), the k/v "
         "blocks passed around the ring and every tile folded into (m, l, o)"
     )

@@ -20,8 +20,10 @@ Bytes sent per rank: (P - 1) C d feature elements + P C d accumulator elements (
 0 at P = 1.
 
 Hints:
-- `dist.isend(t, dst)` / `dist.irecv(buf, src)` return requests; `req.wait()` before you read `buf` or
-  change `t`;
+- `distlab.comm.p2p.post([(t, dst)], [(buf, src)], ledger=ledger)` posts a send and a receive at once
+  and returns; `.wait()` returns `[buf]`, filled (the lesson's way; a `distlab.comm.ledger.Ledger`
+  counts what you send, `ledger.sent`). Plain `dist.isend(t, dst)` / `dist.irecv(buf, src)` do too:
+  `req.wait()` before you read `buf` or change `t`;
 - keep the accumulator you send and the one you receive in different tensors;
 - t.nbytes is a tensor's size in bytes.
 """

@@ -5,8 +5,8 @@ import gc
 import torch
 from torch import nn
 
-from distlab.contrastive.rand_context import RandContext
 from distlab.memory import PeakMemory
+from distlab.random_state import RandContext
 
 MIB = 2**20
 

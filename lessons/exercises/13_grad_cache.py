@@ -14,7 +14,7 @@ whole batch with the masks step (1) drew.
 
 Hints:
 - `x.split(b)` cuts the rows into parts of at most b;
-- `distlab.contrastive.rand_context.RandContext(part)` records the random state at construction and
+- `distlab.random_state.RandContext(part)` records the random state at construction and
   restores it inside `with`: make one before each forward of step (1), reuse it around step (3)'s;
 - `torch.dot(h.flatten(), g.flatten()).backward()` back-propagates G through one part.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.contrastive.rand_context import RandContext  # noqa: F401  (you will need it)
+from distlab.random_state import RandContext  # noqa: F401  (you will need it)
 
 
 def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:

@@ -20,7 +20,7 @@ Hints:
 - `distlab.online_softmax.online_fold(run_max, run_sum, tile, dim=1)` folds a tile into a running max and sum:
   start at -inf and 0, and the log-sum-exp is run_max + run_sum.log();
 - `distlab.chunks.chunks(n, t)` cuts 0 ... n-1 into slices of at most t;
-- `distlab.contrastive.rand_context.RandContext(x, y)` records the random state; `with state:` replays it;
+- `distlab.random_state.RandContext(x, y)` records the random state; `with state:` replays it;
 - `dist.all_gather_single(out, mine)` gathers every rank's rows in rank order;
 - `torch.autograd.backward(outputs, grads)` back-propagates several outputs at once.
 """
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist  # noqa: F401  (you will need them)
 
 from distlab.chunks import chunks  # noqa: F401
-from distlab.contrastive.rand_context import RandContext  # noqa: F401
 from distlab.online_softmax import online_fold  # noqa: F401
+from distlab.random_state import RandContext  # noqa: F401
 
 
 def streamed_backward(ddp, local_x: torch.Tensor, local_y: torch.Tensor, cfg, tau: float | None) -> float:

@@ -67,8 +67,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.contrastive.rand_context import RandContext
 from distlab.contrastive.split_inputs import check_chunk_size, split_inputs
+from distlab.random_state import RandContext
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.contrastive.rand_context import RandContext
+from distlab.random_state import RandContext
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import all_gather_counted, gather_pairs, rank_shares, step_ledger
 from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step

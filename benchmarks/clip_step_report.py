@@ -22,7 +22,8 @@ from clip_step_losses import (
     SIGMOIDS,
 )
 
-MIB = 2**20
+from distlab.console import MIB
+
 TITLES = {
     "step": "Whole training step, InfoNCE (two-tower encoder 64 -> 256 -> d, AdamW)",
     "loss": "InfoNCE loss machinery (C x d embeddings in, dL/dZ out)",

@@ -57,10 +57,10 @@ from distlab.cli import (
     positive_int,
 )
 from distlab.compare import gradient_error, tolerances
-from distlab.console import print0
+from distlab.console import MIB, print0
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.contrastive.report import MIB, comm_table, cost_table, method_table
+from distlab.contrastive.report import comm_table, cost_table, method_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_LIBRARY, LOCAL_PLAIN, LOCAL_SUM, Variant, local_loss
 from distlab.models import TwoTower, paired_data

@@ -54,7 +54,7 @@ from distlab.cli import (
     positive_int,
 )
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
-from distlab.console import print0, progress
+from distlab.console import MIB, print0, progress
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
@@ -63,7 +63,7 @@ from distlab.data_parallel.ddp import count_reducing_backwards
 from distlab.models import TwoTower, paired_data
 from distlab.random_state import RandContext
 from distlab.runtime import distributed, run_main
-from distlab.step_cost import MIB, interleaved_seconds, peak_mib, right_aligned, rows_forwarded
+from distlab.step_cost import interleaved_seconds, peak_mib, right_aligned, rows_forwarded
 from distlab.verdict import Verdict
 
 IN_FEATURES = 128  # of each view

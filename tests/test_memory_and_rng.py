@@ -5,10 +5,9 @@ import gc
 import torch
 from torch import nn
 
+from distlab.console import MIB
 from distlab.memory import PeakMemory
 from distlab.random_state import RandContext
-
-MIB = 2**20
 
 
 def test_peak_memory_counts_live_storage_and_releases_it():

@@ -33,8 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.cli import nonnegative_float
-
-MIB = 2**20
+from distlab.console import MIB
 
 
 def add_args(parser, ms_per_layer: float):

@@ -18,10 +18,8 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from distlab.console import progress
+from distlab.console import MIB, progress
 from distlab.memory import PeakMemory
-
-MIB = 2**20
 
 
 def right_aligned(table: Table, first: int = 1) -> Table:

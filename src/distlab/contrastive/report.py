@@ -18,11 +18,11 @@ import torch
 from rich.table import Table
 
 from distlab.compare import GradientError
+from distlab.console import MIB
 from distlab.contrastive.cost import ring_elements
 from distlab.contrastive.training import FINAL_STEPS, TrainRun
 
 Grads = Mapping[str, torch.Tensor]
-MIB = 2**20
 
 
 def relative_errors(reference: Grads, actual: Grads) -> dict[str, float]:

@@ -243,7 +243,7 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
             f"{stage}: PeakMemory's live bytes = held - step counts",
             run.live_bytes == sum(run.held.values()) - run.held["step counts"],
         )
-        expect = accounting.sent(stage, sizes, units[0].shard_numel)
+        expect = accounting.expected_bytes(stage, sizes, units[0].shard_numel)
         sent.append(
             (
                 stage,

@@ -12,8 +12,8 @@ x_0 everywhere. For a full tensor of `bytes` a ring algorithm sends, per rank,
     all_gather       (P-1)/P x bytes   reduce_scatter  (P-1)/P x bytes
     broadcast                  bytes   (a pipelined chain; the last rank sends nothing)
 
-`distlab/data_parallel/collectives.py` (`COLLECTIVES`) holds what each computes and its formula;
-`distlab/data_parallel/ring.py` (`Ring`) runs the rings by hand with send/recv and counts the bytes.
+`distlab/comm/collectives.py` (`COLLECTIVES`) holds what each computes and its formula;
+`distlab/comm/ring.py` (`Ring`) runs the rings by hand with send/recv and counts the bytes.
 Each result is checked against the same computation in one process, the bytes against the formula,
 and torch's time against the bytes.
 
@@ -76,19 +76,12 @@ from torch import nn
 from distlab import emulate
 from distlab.cli import DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float, positive_int
 from distlab.compare import all_ok, compare, compare_whole, tolerances
-from distlab.console import print0
+from distlab.console import print0, rows_table
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
-from distlab.data_parallel.report import (
-    cost_table,
-    gradient_table,
-    rows_table,
-    semantics_table,
-    timeline_table,
-    timing_table,
-)
+from distlab.data_parallel.report import cost_table, gradient_table, semantics_table, timeline_table, timing_table
 from distlab.data_parallel.training import train
 from distlab.memory import MIB
 from distlab.reference import one_process, sgd

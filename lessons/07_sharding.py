@@ -53,8 +53,7 @@ from distlab.cli import (
     positive_int,
 )
 from distlab.compare import against, all_ok, compare
-from distlab.console import print0
-from distlab.data_parallel.report import rows_table
+from distlab.console import print0, rows_table
 from distlab.models import Block, BlockOptions, token_batch
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.sharding import accounting, holds
@@ -247,7 +246,7 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
             f"{stage}: PeakMemory's live bytes = held - step counts",
             run.live_bytes == sum(run.held.values()) - run.held["step counts"],
         )
-        expect = accounting.sent(stage, sizes, units[0].shard_numel)
+        expect = accounting.expected_bytes(stage, sizes, units[0].shard_numel)
         sent.append(
             (
                 stage,

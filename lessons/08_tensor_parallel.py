@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.cli import add_optimizer_args, check_flags_against_world, fraction, lesson_parser, positive_int, require
+from distlab.comm.ledger import Ledger
 from distlab.compare import all_ok, compare
 from distlab.console import compact_table, print0
 from distlab.runtime import Runtime, distributed, run_main
@@ -72,15 +73,15 @@ class Copy(torch.autograd.Function):
     outputs, and the whole gradient is their sum: all-reduce."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic):
-        ctx.group, ctx.traffic = group, traffic
+    def forward(ctx, x, group, ledger):
+        ctx.group, ctx.ledger = group, ledger
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)  # sum_r dL/dX through rank r's columns
-        ctx.traffic.record("backward", "all_reduce", grad, ctx.group)
+        ctx.ledger.record("backward", "all_reduce", grad, ctx.group)  # what a ring sends for it
         return grad, None, None
 
 
@@ -89,10 +90,10 @@ class Reduce(torch.autograd.Function):
     gradient of a sum is the same for every addend: identity."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic):
+    def forward(ctx, x, group, ledger):
         x = x.contiguous().clone()
         dist.all_reduce(x, group=group)
-        traffic.record("forward", "all_reduce", x, group)
+        ledger.record("forward", "all_reduce", x, group)
         return x
 
     @staticmethod
@@ -102,7 +103,7 @@ class Reduce(torch.autograd.Function):
 
 def by_hand(group=None) -> operators.Comm:
     """A block's (enter, exit) pair made of this lesson's f and g."""
-    return operators.Comm(Copy, Reduce, group, operators.Traffic())
+    return operators.Comm(Copy, Reduce, group, Ledger())
 
 
 # ---- the chapter, part by part ------------------------------------------------------------------
@@ -148,7 +149,7 @@ def show_tensor_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) 
     outcomes = {part: split_run(rt, cfg, part, by_hand(), args.steps, args.lr) for part in ("mlp", "attention")}
     print0(equality_table(f"Split over P = {p} (the lesson's f and g) against the unsplit layer", outcomes))
     rows = [
-        (part, _sent(o.traffic), _nonzero(cost.expected_traffic(cfg, part, p, False, args.steps)))
+        (part, _sent(o.ledger), _nonzero(cost.expected_traffic(cfg, part, p, False, args.steps)))
         for part, o in outcomes.items()
     ]
     print0(
@@ -164,8 +165,8 @@ def show_tensor_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) 
     verdict.check("their bytes per rank = 2(P-1)/P N seq d e each way", all(c == f for _, c, f in rows))
 
 
-def _sent(traffic: operators.Traffic) -> dict:
-    return _nonzero(traffic.sent)
+def _sent(ledger: Ledger) -> dict:
+    return _nonzero(ledger.sent_by)
 
 
 def _nonzero(bytes_by_key: dict) -> dict:  # at P = 1 nothing is sent: no rows
@@ -181,11 +182,11 @@ def show_sequence_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict
     outcomes = {name: split_run(rt, cfg, "block", make(), args.steps, args.lr) for name, make in SPLITS.items()}
     print0(equality_table(f"The block on P = {p} against the unsplit block, the same masks", outcomes))
     rows = [
-        (name, _sent(o.traffic), _nonzero(cost.expected_traffic(cfg, "block", p, name != "TP", args.steps)))
+        (name, _sent(o.ledger), _nonzero(cost.expected_traffic(cfg, "block", p, name != "TP", args.steps)))
         for name, o in outcomes.items()
     ]
     print0(bytes_table(f"Bytes rank {rt.rank} sent in {args.steps} steps, and the formulas", rows))
-    tp_bytes, sp_bytes = (o.traffic.total("forward") + o.traffic.total("backward") for o in outcomes.values())
+    tp_bytes, sp_bytes = (o.ledger.sent_in("forward") + o.ledger.sent_in("backward") for o in outcomes.values())
     verdict.check(f"the block, TP and TP + SP = unsplit (P = {p}, dropout on)", all(o.ok for o in outcomes.values()))
     verdict.check(
         "block bytes = formulas; SP's activations send what TP's do",
@@ -232,7 +233,7 @@ def show_torch(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
         theirs, counts, placements = torch_tp.torch_run(rt, cfg, name != "TP", args.steps, args.lr)
         same.append(ours.ok and same_runs(ours.run, theirs))
         for phase, key in (("forward", "forward"), ("backward", "backward"), ("optimizer step", "gradients")):
-            mine = {k[1]: n // args.steps for k, n in comm.traffic.calls.items() if k[0] == key}
+            mine = {k[1]: n // args.steps for k, n in comm.ledger.calls.items() if k[0] == key}
             shown = phase
             for kind in sorted(set(mine) | set(counts[phase])):
                 out.add_row(name, shown, COLLECTIVE[kind], str(mine.get(kind, 0)), str(counts[phase].get(kind, 0)))
@@ -253,7 +254,7 @@ def show_two_d(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
     ref.first_grads.pop("input")
     grads = all_ok(compare(reference_shards(ref.first_grads, model, where["i_tp"], tp), run.first_grads))
     params = all_ok(compare(reference_shards(ref.params, model, where["i_tp"], tp), run.params))
-    counted = _sent(model.attn.comm.traffic)
+    counted = _sent(model.attn.comm.ledger)
     shard = sum(q.numel() for q in model.parameters())
     formula = _nonzero(mesh2d.expected_2d_traffic(cfg, rt.world_size, shard))
     print0(f"rank {rt.rank}: tensor-parallel group {where['tp_ranks']}, data-parallel group {where['dp_ranks']}")

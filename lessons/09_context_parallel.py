@@ -11,8 +11,9 @@ statistics per query row, max m, sum l and output o (all three under the same ma
 
     m' = max(m, rowmax A),  l' = l e^(m - m') + rowsum e^(A - m'),  o' = o e^(m - m') + e^(A - m') v,
 
-and ends with out = o / l and lse = m + log l. The send of the next block is posted (batch_isend_irecv)
-before the block math and waited for after it, so the transfer runs beside the compute. The (m, l)
+and ends with out = o / l and lse = m + log l. The send of the next block is posted (`Ring.shift` of
+distlab/comm/ring.py: one batch_isend_irecv to r+1 and from r-1) before the block math and waited for
+after it, so the transfer runs beside the compute. The (m, l)
 update is `distlab.online_softmax.online_fold`: the fold that gives lesson 14's streamed contrastive
 step its log-normalisers is the fold that merges attention blocks here. One function, imported by both.
 
@@ -43,14 +44,13 @@ import torch.nn.functional as F
 
 from distlab.agree import rank_table
 from distlab.cli import DTYPES, check_flags_against_world, lesson_parser, positive_int
+from distlab.comm.ring import Ring
 from distlab.compare import all_ok, compare, comparison_table
-from distlab.console import print0
+from distlab.console import print0, rows_table
 from distlab.context_parallel import split as layouts
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
 from distlab.context_parallel.cost import Sizes
-from distlab.context_parallel.ring import RingExchange
 from distlab.context_parallel.split import DIAGONAL, SKIP, Layout, piece_label
-from distlab.data_parallel.report import rows_table
 from distlab.memory import PeakMemory
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict
@@ -58,15 +58,15 @@ from distlab.verdict import Verdict
 # ---- the mechanism: ring attention, forward and backward ---------------------------------------
 
 
-def ring_forward(rt: Runtime, ring: RingExchange, q, k, v, layout: Layout, tally: Counter):
+def ring_forward(ring: Ring, q, k, v, layout: Layout, tally: Counter):
     """(out, lse) of rank r's queries against the whole sequence; k/v blocks travel the ring."""
-    mine = layout.pieces(rt.rank)
+    mine = layout.pieces(ring.rank)
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
     parts = [Partial.start(out[..., rows, :]) for rows, _ in mine]  # o accumulates in place in out
     kv = (k, v)
-    for step in range(rt.world_size):
-        source = (rt.rank - step) % rt.world_size  # whose k/v block this rank holds now
-        arriving = ring.post(*kv) if step < rt.world_size - 1 else None  # posted ahead of the math
+    for step in range(ring.world_size):
+        source = (ring.rank - step) % ring.world_size  # whose k/v block this rank holds now
+        arriving = ring.shift(*kv) if step < ring.world_size - 1 else None  # posted ahead of the math
         for (rows, positions), part in zip(mine, parts):
             for cols, key_positions in layout.pieces(source):
                 kind = layouts.tile_kind(positions, key_positions, layout.causal)
@@ -84,15 +84,15 @@ def ring_forward(rt: Runtime, ring: RingExchange, q, k, v, layout: Layout, tally
     return out, lse
 
 
-def ring_backward(rt: Runtime, ring: RingExchange, saved: tuple, dout, layout: Layout):
+def ring_backward(ring: Ring, saved: tuple, dout, layout: Layout):
     """(dq, dk, dv) of rank r's block: dq stays, (dk, dv) travel with their k/v block back home."""
     q, k, v, out, lse = saved
     delta = (dout * out).sum(-1)  # rowsum(dout * out) = rowsum(omega * (dout v^T)) over all keys
     dq, kv, dkv = torch.zeros_like(q), (k, v), (torch.zeros_like(k), torch.zeros_like(v))
-    mine = layout.pieces(rt.rank)
-    for step in range(rt.world_size):
-        source = (rt.rank - step) % rt.world_size
-        arriving = ring.post(*kv) if step < rt.world_size - 1 else None
+    mine = layout.pieces(ring.rank)
+    for step in range(ring.world_size):
+        source = (ring.rank - step) % ring.world_size
+        arriving = ring.shift(*kv) if step < ring.world_size - 1 else None
         for rows, positions in mine:
             here = Saved(q[..., rows, :], dout[..., rows, :], lse[..., rows], delta[..., rows])
             for cols, key_positions in layout.pieces(source):
@@ -104,7 +104,7 @@ def ring_backward(rt: Runtime, ring: RingExchange, saved: tuple, dout, layout: L
                 dq[..., rows, :] += d_q
                 dkv[0][..., cols, :] += d_k
                 dkv[1][..., cols, :] += d_v
-        dkv = tuple(ring.post(*dkv).wait())  # the accumulators move on with their block
+        dkv = tuple(ring.shift(*dkv).wait())  # the accumulators move on with their block
         if arriving is not None:
             kv = tuple(arriving.wait())
     return dq, dkv[0], dkv[1]  # after P moves, the accumulators of this rank's own block
@@ -114,15 +114,15 @@ class RingAttention(torch.autograd.Function):
     """attention(q, k, v) over the sequence split by `layout`, forward and backward by the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: RingExchange, layout: Layout, tally: Counter):
-        out, lse = ring_forward(ring.rt, ring, q, k, v, layout, tally)
+    def forward(ctx, q, k, v, ring: Ring, layout: Layout, tally: Counter):
+        out, lse = ring_forward(ring, q, k, v, layout, tally)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.layout = ring, layout
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = ring_backward(ctx.ring.rt, ctx.ring, ctx.saved_tensors, dout.contiguous(), ctx.layout)
+        dq, dk, dv = ring_backward(ctx.ring, ctx.saved_tensors, dout.contiguous(), ctx.layout)
         return dq, dk, dv, None, None, None
 
 
@@ -136,7 +136,7 @@ class RingRun:
 
     results: dict
     tallies: list  # per rank: [full tiles, diagonal tiles, products, tiles at step 0, 1, ...]
-    bytes_sent: tuple  # (forward, backward) of this rank
+    sent: tuple  # bytes (forward, backward) this rank sent, counted
     peak_bytes: tuple  # (forward, backward) of this rank
     largest_bytes: int  # the largest single tensor the ring made, forward or backward
 
@@ -166,10 +166,10 @@ def run_ring(rt: Runtime, inputs: list[torch.Tensor], layout: Layout) -> RingRun
     q, k, v, dout = (layouts.shard(t, rt.rank, rt.world_size, layout.split).to(rt.device) for t in inputs)
     for t in (q, k, v):
         t.requires_grad_()
-    ring, tally = RingExchange(rt), Counter()
+    ring, tally = Ring(), Counter()
     with PeakMemory() as forward:
         out = RingAttention.apply(q, k, v, ring, layout, tally)
-    sent_forward = ring.bytes_sent
+    sent_forward = ring.ledger.sent
     with PeakMemory() as backward:
         out.backward(dout)
     local = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
@@ -178,7 +178,7 @@ def run_ring(rt: Runtime, inputs: list[torch.Tensor], layout: Layout) -> RingRun
     return RingRun(
         {name: gather(rt, t, layout.split).cpu() for name, t in local.items()},
         tallies,
-        (sent_forward, ring.bytes_sent - sent_forward),
+        (sent_forward, ring.ledger.sent - sent_forward),
         (forward.peak_bytes, backward.peak_bytes),
         max(forward.largest_bytes, backward.largest_bytes),
     )
@@ -257,8 +257,8 @@ def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
 
 def show_bytes(rt: Runtime, sizes: Sizes, runs: dict, verdict: Verdict) -> None:
     print0("\n[bold]4. Bytes each rank sends, against the formula[/]")
-    formula = sizes.bytes_sent()
-    every = rank_table([b for run in runs.values() for b in run.bytes_sent], rt.device).long().tolist()
+    formula = sizes.expected_bytes()
+    every = rank_table([b for run in runs.values() for b in run.sent], rt.device).long().tolist()
     verdict.check(
         "bytes sent = 2(P-1) blocks forward, 4P-2 backward",
         all(tuple(sent[i : i + 2]) == formula for sent in every for i in range(0, len(sent), 2)),

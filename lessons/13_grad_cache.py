@@ -58,11 +58,11 @@ from distlab.console import print0, progress
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.contrastive.rand_context import RandContext
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.data_parallel.ddp import counting
 from distlab.memory import MIB
 from distlab.models import TwoTower, paired_data
+from distlab.random_state import RandContext
 from distlab.runtime import distributed, run_main
 from distlab.step_cost import interleaved_seconds, peak_mib, right_aligned, rows_forwarded
 from distlab.verdict import Verdict

@@ -48,12 +48,12 @@ from distlab.cli import DTYPES, add_contrastive_args, fraction, lesson_parser, p
 from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.console import print0
 from distlab.contrastive.gather import all_gather_blocks
-from distlab.contrastive.rand_context import RandContext
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.contrastive.report import memory_account_table
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
 from distlab.online_softmax import online_fold
+from distlab.random_state import RandContext
 from distlab.runtime import distributed, run_main
 from distlab.streamed.config import StreamConfig, parse_config, regime
 from distlab.verdict import Verdict

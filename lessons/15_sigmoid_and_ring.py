@@ -45,6 +45,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.chunks import balanced_chunks
 from distlab.cli import fraction, lesson_parser, positive_int
+from distlab.comm.ledger import Ledger
+from distlab.comm.p2p import post
 from distlab.compare import all_ok, compare, grads_of
 from distlab.console import print0
 from distlab.memory import PeakMemory
@@ -52,7 +54,7 @@ from distlab.models import TwoTower, paired_data
 from distlab.runtime import distributed, run_main
 from distlab.streamed import loss_machinery
 from distlab.streamed.config import EXCHANGES
-from distlab.streamed.exchange import expected_bytes, traffic
+from distlab.streamed.exchange import expected_bytes, step_ledger
 from distlab.streamed.ring import P2PRing, sigmoid_ring
 from distlab.streamed.sigmoid import Logits
 from distlab.verdict import Verdict
@@ -107,42 +109,29 @@ def closed_form_grads(z_x, z_y, s: float, beta: float):
 
 
 def ring_by_hand(rt, x, y, s: float, beta: float):
-    """The sigmoid ring with plain isend/irecv, whole C x C blocks: (G_x, G_y for my pairs, bytes sent).
-    The block goes on before the math that reads it; the accumulator after the math that fills it."""
+    """The sigmoid ring with point-to-point messages, whole C x C blocks: (G_x, G_y for my pairs, bytes
+    sent). `post` hands a send to r + 1 and a receive from r - 1 to the backend at once and returns;
+    `.wait()` returns what arrived. The block goes on before the math that reads it; the accumulator
+    after the math that fills it. (One rank is its own neighbour: its messages are copies, not sent.)"""
     world, r, c = rt.world_size, rt.rank, len(x)
     nxt, prv = (r + 1) % world, (r - 1) % world
-    g_x, block, acc, acc_req, sent = torch.zeros_like(x), y, None, None, 0
+    g_x, block, acc_posted, ledger = torch.zeros_like(x), y, None, Ledger()
     for k in range(world):
         j = (r - k) % world  # whose text block I hold
         if k < world - 1:
-            incoming = torch.empty_like(block)
-            reqs, sent = [dist.isend(block, nxt), dist.irecv(incoming, prv)], sent + block.nbytes
+            block_posted = post([(block, nxt)], [(torch.empty_like(block), prv)], ledger=ledger)
         labels = -torch.ones(c, c, dtype=x.dtype, device=x.device)
         labels += 2 * torch.eye(c, dtype=x.dtype, device=x.device) if j == r else 0
         d = -labels * torch.sigmoid(-labels * (s * x @ block.T + beta)) / (c * world)
         g_x += s * d @ block
         mine = s * d.T @ x  # my rows' part of G_y of block j
-        if acc is not None:
-            acc_req.wait()
-            mine += acc  # what ranks j .. r - 1 added
-        acc = torch.empty_like(mine)
-        acc_reqs = [dist.isend(mine, nxt), dist.irecv(acc, prv)] if world > 1 else []
-        sent, acc_req = sent + (mine.nbytes if world > 1 else 0), _Both(acc_reqs)
+        if acc_posted is not None:
+            mine += acc_posted.wait()[0]  # what ranks j .. r - 1 added
+        acc_posted = post([(mine, nxt)], [(torch.empty_like(mine), prv)], ledger=ledger)
         if k < world - 1:
-            for req in reqs:
-                req.wait()
-            block = incoming
-    acc_req.wait()
-    return g_x, (acc if world > 1 else mine), sent
-
-
-class _Both:
-    def __init__(self, reqs):
-        self.reqs = reqs
-
-    def wait(self):
-        for req in self.reqs:
-            req.wait()
+            (block,) = block_posted.wait()
+    (g_y,) = acc_posted.wait()  # after P hops my own block's accumulator is home, complete
+    return g_x, g_y, ledger.sent
 
 
 def whole_batch(model, x, y, world: int, micro: int, dropout_seed: int):
@@ -219,7 +208,7 @@ def check_steps(verdict, rt, args) -> None:
                 "EXCHANGE": exchange,
             }
             loss = distributed_backward(DDP(model), x[mine], y[mine], config)
-            sent, formula = traffic.sent_bytes, expected_bytes(loss_name, exchange, (world, c, 8), (8, 8))
+            sent, formula = step_ledger.sent, expected_bytes(loss_name, exchange, (world, c, 8), (8, 8))
             ref, ref_loss = whole_batch(start, x, y, world, args.micro_batch_size, args.seed + 1000)
             rows = compare(ref, grads_of(model))
             table.add_row(loss_name, exchange, f"{max(r.max_rel for r in rows):.1e}", f"{sent:,}", f"{formula:,}")

@@ -126,5 +126,5 @@ def test_the_cost_formulas_in_blocks():
 
     sizes = Sizes(heads=2, seq_len=48, head_dim=16, world_size=4, itemsize=8)
     assert (sizes.block, sizes.tile, sizes.row) == (2 * 12 * 16 * 8, 2 * 6 * 6 * 8, 2 * 12 * 8)
-    assert sizes.bytes_sent() == (6 * sizes.block, 14 * sizes.block)
-    assert Sizes(2, 48, 16, 1, 8).bytes_sent() == (0, 0)
+    assert sizes.expected_bytes() == (6 * sizes.block, 14 * sizes.block)
+    assert Sizes(2, 48, 16, 1, 8).expected_bytes() == (0, 0)

@@ -87,7 +87,7 @@ def _ranks(rt, zero1, claims) -> None:
     claims.equal(
         "bytes sent per step = 2 (P-1) e Psi_P",
         run.sent,
-        accounting.sent("ZeRO-1", sizes),
+        accounting.expected_bytes("ZeRO-1", sizes),
         what="bytes the ring sent",
         hints=("one ring reduce-scatter and one ring all-gather per layer per step, through z.ring",),
     )

@@ -2,7 +2,7 @@
 process. The lesson's claims: f's forward and backward equal what one process computes from every rank's
 tensors; the MLP split with it (and the lesson's g) equals the unsplit MLP, the input's gradient and every
 parameter's after 2 SGD steps (float64, rtol 1e-10); its bytes per rank are 2(P-1)/P N seq d e per backward,
-as recorded in the traffic, and the traffic recorded is what the judge sees sent."""
+as recorded in the ledger, and the ledger recorded is what the judge sees sent."""
 
 from pathlib import Path
 
@@ -12,6 +12,7 @@ from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled
 from exercise_watch import Watch
 
+from distlab.comm.ledger import Ledger
 from distlab.tensor_parallel import cost, operators
 from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.operator_checks import MATH, check_operator
@@ -46,7 +47,7 @@ def _ranks(rt, copy, claims) -> None:
         alternatives={OWN_GRAD: ws[rt.rank]},
     )
     whole = 2 * (P - 1) / P * xs[0].numel() * 8
-    recorded = float(op.traffic.sent.get(("backward", "all_reduce"), 0))
+    recorded = float(op.ledger.sent_by.get(("backward", "all_reduce"), 0))
     claims.equal(
         "bytes: f's backward sends one all-reduce of the gradient, and records it",
         recorded,
@@ -54,13 +55,11 @@ def _ranks(rt, copy, claims) -> None:
         ok=watch.sent(P) == whole == recorded,
         what="bytes recorded",
         note=f"the judge saw {watch.sent(P):g} sent",
-        hints=("the lesson's byte counts come from the traffic you record: record each all-reduce you run",),
+        hints=("the lesson's byte counts come from the ledger you record in: record each all-reduce you run",),
     )
     if not (forward and backward):
         return
-    outcome = split_run(
-        rt, CFG, "mlp", operators.Comm(copy, operators.ReduceFromTP, None, operators.Traffic()), STEPS, LR
-    )
+    outcome = split_run(rt, CFG, "mlp", operators.Comm(copy, operators.ReduceFromTP, None, Ledger()), STEPS, LR)
     claims.equal(
         "the MLP split with it equals the unsplit MLP (gradients, parameters)",
         outcome.against["gradients"].max_abs,
@@ -69,7 +68,7 @@ def _ranks(rt, copy, claims) -> None:
         what="largest gradient difference",
     )
     want = cost.expected_traffic(CFG, "mlp", P, False, STEPS)[("backward", "all_reduce")]
-    got = outcome.traffic.sent.get(("backward", "all_reduce"), 0)
+    got = outcome.ledger.sent_by.get(("backward", "all_reduce"), 0)
     claims.equal("bytes recorded = 2(P-1)/P N seq d e per backward", float(got), float(want), what="bytes recorded")
 
 
@@ -103,7 +102,7 @@ MISTAKES = (
         (
             "f's forward changes nothing: every rank already holds the whole X",
             "the all-reduce belongs to f's backward; the forward one is g's (after the row-parallel layer)",
-            "forward: return x.view_as(x) (keep group and traffic on ctx for backward)",
+            "forward: return x.view_as(x) (keep group and ledger on ctx for backward)",
         ),
     ),
 )
@@ -113,15 +112,15 @@ class _Copy(torch.autograd.Function):
     """f as a learner writes it; subclasses change one thing."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic):
-        ctx.group, ctx.traffic = group, traffic
+    def forward(ctx, x, group, ledger):
+        ctx.group, ctx.ledger = group, ledger
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
-        ctx.traffic.record("backward", "all_reduce", grad, ctx.group)
+        ctx.ledger.record("backward", "all_reduce", grad, ctx.group)
         return grad, None, None
 
 
@@ -146,10 +145,10 @@ class Swapped(_Copy):
     """g's rule in f's place: an all-reduce forward, the identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic):
+    def forward(ctx, x, group, ledger):
         x = x.contiguous().clone()
         dist.all_reduce(x, group=group)
-        traffic.record("forward", "all_reduce", x, group)
+        ledger.record("forward", "all_reduce", x, group)
         return x
 
     @staticmethod
@@ -158,7 +157,7 @@ class Swapped(_Copy):
 
 
 class Unrecorded(_Copy):
-    """Right numbers, but the all-reduce never recorded in the traffic: the lesson's byte counts see nothing."""
+    """Right numbers, but the all-reduce never recorded in the ledger: the lesson's byte counts see nothing."""
 
     @staticmethod
     def backward(ctx, grad):
@@ -177,7 +176,7 @@ EXERCISE = Exercise(
         "X goes to every rank's columns unchanged; its gradient comes back in pieces, one per rank",
         "forward: the identity; backward: the sum over the group of the incoming gradients, recorded as sent",
         "forward returns x.view_as(x); backward all-reduces a clone of grad over ctx.group, records it in "
-        "ctx.traffic, returns (grad, None, None)",
+        "ctx.ledger, returns (grad, None, None)",
     ),
     numbers="forward:|backward:|MLP",
 )

@@ -17,8 +17,8 @@ from exercise_kit import Exercise, solution
 from exercise_signatures import Equals, Mistake
 from exercise_watch import Watch
 
+from distlab.comm.ring import Ring
 from distlab.context_parallel.attention import Partial, causal_mask, fold_tile, scores
-from distlab.context_parallel.ring import RingExchange
 from distlab.context_parallel.split import SKIP, Layout, count_work, pieces_of, shard, tile_kind
 
 LESSON, NAME = "09_context_parallel", "ring_forward"
@@ -72,10 +72,10 @@ def _ranks(rt, ring_forward, claims) -> None:
     for causal in (False, True):  # every rank runs every case: none may leave the ring early
         name = "causal" if causal else "not causal"
         layout = Layout(P, SEQ, "zigzag", causal)
-        ring, tally = RingExchange(rt), Counter()
+        ring, tally = Ring(), Counter()
         mine = [shard(t, rt.rank, P, "zigzag") for t in full]
         with Watch(lambda shape: "k/v block" if shape == BLOCK_SHAPE else None) as watch:
-            out, lse = ring_forward(rt, ring, *mine, layout, tally)
+            out, lse = ring_forward(ring, *mine, layout, tally)
             held = watch.peak["k/v block"]
         ref_out, ref_lse = _reference(*full, causal)
         claims.close(
@@ -93,7 +93,7 @@ def _ranks(rt, ring_forward, claims) -> None:
         )
         claims.equal(
             f"{name}: the k/v blocks went round the ring, 2(P-1) blocks sent",
-            ring.bytes_sent,
+            ring.ledger.sent,
             2 * (P - 1) * block,
             what="bytes sent",
             alternatives={"2P blocks: a move after the last step": 2 * P * block},
@@ -135,7 +135,7 @@ MISTAKES = (
         (
             "the values are right without the mask: the blocks are all there, but whose positions are they?",
             "blocks arrive from the left neighbour: after k moves rank r holds rank r - k's block, not r + k's",
-            "source = (rt.rank - step) % rt.world_size, and the mask from layout.pieces(source)",
+            "source = (ring.rank - step) % ring.world_size, and the mask from layout.pieces(source)",
         ),
         holds=("not causal: out",),
     ),
@@ -168,21 +168,21 @@ MISTAKES = (
         (
             "after P - 1 moves every block has visited every rank",
             "post the exchange in steps 0 .. P-2 only: the last step folds what it holds and sends nothing",
-            "arriving = ring.post(*kv) if step < rt.world_size - 1 else None",
+            "arriving = ring.shift(*kv) if step < ring.world_size - 1 else None",
         ),
     ),
 )
 
 
-def _ring(slip: str | None, rt, ring, qkv: tuple, layout, tally):
+def _ring(slip: str | None, ring, qkv: tuple, layout, tally):
     """Ring attention as a learner writes it, with one slip (None: none): "no rescale", "no mask",
     "wrong way", "never swap", "extra move", "no skip"."""
     q, k, v = qkv
-    out, lse, mine, kv = torch.empty_like(q), q.new_empty(q.shape[:-1]), layout.pieces(rt.rank), (k, v)
+    out, lse, mine, kv = torch.empty_like(q), q.new_empty(q.shape[:-1]), layout.pieces(ring.rank), (k, v)
     parts = [Partial.start(out[..., rows, :]) for rows, _ in mine]
-    for step in range(rt.world_size):
-        source = (rt.rank + (step if slip == "wrong way" else -step)) % rt.world_size
-        arriving = ring.post(*kv) if step < rt.world_size - 1 or slip == "extra move" else None
+    for step in range(ring.world_size):
+        source = (ring.rank + (step if slip == "wrong way" else -step)) % ring.world_size
+        arriving = ring.shift(*kv) if step < ring.world_size - 1 or slip == "extra move" else None
         for (rows, positions), part in zip(mine, parts):
             for cols, keys in layout.pieces(source):
                 kind = tile_kind(positions, keys, layout.causal)
@@ -209,52 +209,52 @@ def _ring(slip: str | None, rt, ring, qkv: tuple, layout, tally):
     return out, lse
 
 
-def no_rescale(rt, ring, q, k, v, layout, tally):
+def no_rescale(ring, q, k, v, layout, tally):
     """o accumulated without rescaling it by exp(m - m') when the max grows (l rescaled right)."""
-    return _ring("no rescale", rt, ring, (q, k, v), layout, tally)
+    return _ring("no rescale", ring, (q, k, v), layout, tally)
 
 
-def no_diagonal_mask(rt, ring, q, k, v, layout, tally):
+def no_diagonal_mask(ring, q, k, v, layout, tally):
     """The diagonal tiles folded whole: a query sees the later keys of its own piece."""
-    return _ring("no mask", rt, ring, (q, k, v), layout, tally)
+    return _ring("no mask", ring, (q, k, v), layout, tally)
 
 
-def wrong_way(rt, ring, q, k, v, layout, tally):
+def wrong_way(ring, q, k, v, layout, tally):
     """The block held after k moves taken for rank r + k's (it is rank r - k's)."""
-    return _ring("wrong way", rt, ring, (q, k, v), layout, tally)
+    return _ring("wrong way", ring, (q, k, v), layout, tally)
 
 
-def never_swapped(rt, ring, q, k, v, layout, tally):
+def never_swapped(ring, q, k, v, layout, tally):
     """The exchange posted and waited for, but its block never put in place of the one folded."""
-    return _ring("never swap", rt, ring, (q, k, v), layout, tally)
+    return _ring("never swap", ring, (q, k, v), layout, tally)
 
 
-def extra_move(rt, ring, q, k, v, layout, tally):
+def extra_move(ring, q, k, v, layout, tally):
     """Right numbers, a post in the last step too: P moves of the k/v block, not P - 1."""
-    return _ring("extra move", rt, ring, (q, k, v), layout, tally)
+    return _ring("extra move", ring, (q, k, v), layout, tally)
 
 
-def skip_tiles_computed(rt, ring, q, k, v, layout, tally):
+def skip_tiles_computed(ring, q, k, v, layout, tally):
     """Right numbers, the tiles after the diagonal folded fully masked instead of skipped."""
-    return _ring("no skip", rt, ring, (q, k, v), layout, tally)
+    return _ring("no skip", ring, (q, k, v), layout, tally)
 
 
 class _Hoard:
     """A ring that keeps every block it delivers."""
 
-    def __init__(self, ring: RingExchange):
+    def __init__(self, ring: Ring):
         self.ring, self.kept = ring, []
 
-    def post(self, *tensors):
-        flight, hoard = self.ring.post(*tensors), self.kept
+    def shift(self, *tensors):
+        flight, hoard = self.ring.shift(*tensors), self.kept
         wait = flight.wait
         flight.wait = lambda: hoard.append(wait()) or hoard[-1]
         return flight
 
 
-def every_block_kept(rt, ring, q, k, v, layout, tally):
+def every_block_kept(ring, q, k, v, layout, tally):
     """Right numbers, right bytes, but every block that arrives kept to the end: the whole sequence's k/v."""
-    return solution(LESSON, NAME).load()(rt, _Hoard(ring), q, k, v, layout, tally)
+    return solution(LESSON, NAME).load()(_Hoard(ring), q, k, v, layout, tally)
 
 
 EXERCISE = Exercise(
@@ -267,7 +267,7 @@ EXERCISE = Exercise(
         "softmax over the whole sequence, one k/v block at a time: keep per query row a running max, sum and output",
         "P steps: post the block you hold to the right, fold each of its tiles into (m, l, o) (masked on the "
         "diagonal, skipped after it), then take the block that arrived from the left; out = o / l, lse = m + log l",
-        "for step: source = (r - step) % P; arriving = ring.post(*kv) if step < P - 1; for each tile: "
+        "for step: source = (r - step) % P; arriving = ring.shift(*kv) if step < P - 1; for each tile: "
         "fold_tile(part, q_piece, k_piece, v_piece, mask); kv = arriving.wait()",
     ),
     numbers="out equals|lse equals",

@@ -17,8 +17,8 @@ from torch import nn
 
 from distlab.compare import grads_of
 from distlab.contrastive.losses import clip_loss
-from distlab.contrastive.rand_context import RandContext
 from distlab.models import TwoTower, paired_data
+from distlab.random_state import RandContext
 
 LESSON, NAME = "13_grad_cache", "grad_cache_step"
 N, B, TAU, SEED = 8, 3, 0.1, 7

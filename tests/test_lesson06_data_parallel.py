@@ -10,11 +10,12 @@ import pytest
 import torch
 from helpers import assert_same_error_on_every_rank, load_lesson, torchrun
 
+from distlab.comm.collectives import check_collective, full_numel, rank_input, ring_bytes
+from distlab.comm.ring import RING_RUNS, Ring
 from distlab.compare import all_ok, compare
 from distlab.data_parallel import ddp
-from distlab.data_parallel.collectives import COLLECTIVES, check_collective, full_numel, rank_input
+from distlab.data_parallel.measure import MEASURED
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
-from distlab.data_parallel.ring import RING_RUNS, Ring
 from distlab.data_parallel.training import train
 from distlab.reference import one_process, sgd
 from distlab.spawn import SpawnError, spawn
@@ -30,12 +31,12 @@ def _everything(rt):
     lesson = load_lesson("06_data_parallel")
     out = {"collectives": []}
     n = full_numel(640, rt.world_size, torch.float64)
-    for c in COLLECTIVES:
+    for c in MEASURED:
         got, expected = check_collective(c, rt, n, 1, torch.float64)
-        ring = Ring(rt)
+        ring = Ring()
         by_hand = RING_RUNS[c](ring, rank_input(c, n, rt.rank, rt, 1, torch.float64))
         out["collectives"].append(
-            (c.name, got, by_hand, expected, ring.bytes_sent, c.ring_fraction(rt.world_size, rt.rank) * n * 8)
+            (c.name, got, by_hand, expected, ring.ledger.sent, ring_bytes(c.name, n, 8, rt.world_size, rt.rank))
         )
     model = build(CFG)[0]
     out["by_hand"] = train(rt, CFG, model, lambda: lesson.all_reduce_gradients(model, rt))

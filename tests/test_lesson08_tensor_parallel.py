@@ -16,6 +16,7 @@ from helpers import (
     load_lesson,
 )
 
+from distlab.comm.ledger import Ledger
 from distlab.compare import all_ok, compare
 from distlab.spawn import spawn
 from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
@@ -52,11 +53,11 @@ def _everything(rt):
     for part in ("mlp", "attention"):
         o = split_run(rt, CFG, part, lesson.by_hand(), STEPS, LR)
         ok[f"{part} = unsplit"] = o.ok
-        ok[f"{part} bytes"] = _sent(o.traffic) == _nonzero(cost.expected_traffic(CFG, part, p, False, STEPS))
+        ok[f"{part} bytes"] = _sent(o.ledger) == _nonzero(cost.expected_traffic(CFG, part, p, False, STEPS))
     for sp, make in ((False, operators.tensor_parallel), (True, operators.sequence_parallel)):
         o = split_run(rt, CFG, "block", make(), STEPS, LR)
         ok[f"block sp={sp} = unsplit"] = o.ok
-        ok[f"block sp={sp} bytes"] = _sent(o.traffic) == _nonzero(cost.expected_traffic(CFG, "block", p, sp, STEPS))
+        ok[f"block sp={sp} bytes"] = _sent(o.ledger) == _nonzero(cost.expected_traffic(CFG, "block", p, sp, STEPS))
         ok[f"block sp={sp} activations"] = activation_bytes_measured(rt, CFG, make())[0] == cost.activation_bytes(
             CFG, p, sp
         )
@@ -73,12 +74,12 @@ def _everything(rt):
     )
     ok["2-D params"] = all_ok(compare(reference_shards(ref.params, model, where["i_tp"], where["tp"]), run.params))
     shard = sum(q.numel() for q in model.parameters())
-    ok["2-D bytes"] = _sent(model.attn.comm.traffic) == _nonzero(mesh2d.expected_2d_traffic(CFG, p, shard))
+    ok["2-D bytes"] = _sent(model.attn.comm.ledger) == _nonzero(mesh2d.expected_2d_traffic(CFG, p, shard))
     return ok
 
 
-def _sent(traffic):
-    return _nonzero(traffic.sent)
+def _sent(ledger):
+    return _nonzero(ledger.sent_by)
 
 
 def _nonzero(bytes_by_key):
@@ -134,14 +135,14 @@ def _g_without_reduce(rt):
 
     class Broken(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, group, traffic):
+        def forward(ctx, x, group, ledger):
             return x.clone()
 
         @staticmethod
         def backward(ctx, grad):
             return grad, None, None
 
-    comm = operators.Comm(operators.CopyToTP, Broken, None, operators.Traffic())
+    comm = operators.Comm(operators.CopyToTP, Broken, None, Ledger())
     return split_run(rt, CFG, "mlp", comm, 1, LR).ok, check_operator(rt, "g", Broken).ok
 
 

@@ -34,7 +34,7 @@ def _ring(rt):
     """Every case on this rank with the lesson's own RingAttention: (local results, bytes sent)."""
     from collections import Counter
 
-    from distlab.context_parallel.ring import RingExchange
+    from distlab.comm.ring import Ring
 
     lesson = load_lesson("09_context_parallel")
     out = {}
@@ -42,11 +42,11 @@ def _ring(rt):
         q, k, v, dout = (shard(t, rt.rank, rt.world_size, split) for t in _inputs())
         for t in (q, k, v):
             t.requires_grad_()
-        ring = RingExchange(rt)
+        ring = Ring()
         o = lesson.RingAttention.apply(q, k, v, ring, Layout(rt.world_size, SEQ, split, causal), Counter())
-        forward_bytes = ring.bytes_sent
+        forward_bytes = ring.ledger.sent
         o.backward(dout)
-        out[(split, causal)] = ([o.detach(), q.grad, k.grad, v.grad], (forward_bytes, ring.bytes_sent - forward_bytes))
+        out[(split, causal)] = ([o.detach(), q.grad, k.grad, v.grad], (forward_bytes, ring.ledger.sent - forward_bytes))
     return out
 
 

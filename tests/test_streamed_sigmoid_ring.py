@@ -3,7 +3,7 @@
 One process, float64, 1e-10: the closed forms of dL/dS, dL/ds, dL/dbeta (distlab.streamed.sigmoid) and
 the two InfoNCE ring passes and the sigmoid ring (distlab.streamed.ring), first with P ranks emulated
 in one process, then on real ranks (spawn, gloo, batch_isend_irecv). The bytes each rank sends equal
-ring_bytes. The reference is autograd of L written out plainly, with s and beta as ordinary tensors.
+expected_ring_bytes. The reference is autograd of L written out plainly, with s and beta as ordinary tensors.
 """
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from distlab.spawn import spawn
-from distlab.streamed.ring import P2PRing, emulate, infonce_ring, ring_bytes, sigmoid_ring
+from distlab.streamed.ring import P2PRing, emulate, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, sigmoid_gathered
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -92,7 +92,7 @@ def test_emulated_ring_equals_autograd_and_sends_its_formula(loss, world, t):
     z_x, z_y = embeddings(n, d, 0.3)
     shares, ends = emulate(world, lambda ring: run_ring(ring, z_x, z_y, loss, t))
     assert_shares_add_up(shares, autograd_reference(z_x, z_y, 9.0, -2.0, loss), loss)
-    assert [e.sent_bytes for e in ends] == [ring_bytes(world, n // world, d, 8, loss)] * world
+    assert [e.ledger.sent for e in ends] == [expected_ring_bytes(world, n // world, d, 8, loss)] * world
     # features are posted before the tiles that read them: "post block" precedes "tiles" at each step
     for e in ends[:1] if world > 1 else []:
         steps = [what for k, what, _ in e.events if k == 0]
@@ -104,7 +104,7 @@ def _ring_on_ranks(rt, n, d):
     out = {}
     for loss in ("infonce", "sigmoid"):
         ring = P2PRing(rt.world_size, rt.rank)
-        out[loss] = run_ring(ring, z_x, z_y, loss, 3), ring.sent_bytes
+        out[loss] = run_ring(ring, z_x, z_y, loss, 3), ring.ledger.sent
     return out
 
 
@@ -116,4 +116,4 @@ def test_real_ring_equals_autograd_and_sends_its_formula(world):
     for loss in ("infonce", "sigmoid"):
         shares = [run[loss][0] for run in runs]
         assert_shares_add_up(shares, autograd_reference(z_x, z_y, 9.0, -2.0, loss), loss)
-        assert [run[loss][1] for run in runs] == [ring_bytes(world, n // world, d, 8, loss)] * world
+        assert [run[loss][1] for run in runs] == [expected_ring_bytes(world, n // world, d, 8, loss)] * world

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab.compare import all_ok, compare, grads_of
 from distlab.models import paired_data
 from distlab.spawn import spawn
-from distlab.streamed.exchange import expected_bytes, traffic
+from distlab.streamed.exchange import expected_bytes, step_ledger
 from distributed_clip import distributed_backward
 
 D = 8  # the Towers' embedding width
@@ -69,7 +69,7 @@ def step(rt, case, n=N):
     rows = local_rows(rt, n)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.get("bf16", False)):
         loss = distributed_backward(wrapped, x[rows], y[rows], config_of(case, n))
-    return loss, full_grads(model), traffic.sent_bytes
+    return loss, full_grads(model), step_ledger.sent
 
 
 def reference(case, world, n=N, autocast=False):

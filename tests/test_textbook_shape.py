@@ -2,7 +2,8 @@
 linter (ruff, at the one line length pyproject.toml sets) for the whole tree; a lesson's or a benchmark's
 main() fits on a screen; a lesson is as long as its idea, mechanism and proof need, within a budget; a
 module elsewhere has one job and so stays short; a function takes few enough arguments to hold in mind;
-and the tests share helpers through their helper modules, never by importing one another."""
+and the tests share helpers through their helper modules, never by importing one another. (Which
+module may import which: tests/test_layering.py.)"""
 
 import ast
 import shutil
@@ -83,14 +84,3 @@ def test_no_test_imports_another_test():
             )
             offenders += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert not offenders, offenders
-
-
-def test_the_library_never_imports_a_lesson_or_a_test():
-    for path in LIBRARY:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                assert not any(
-                    n.split(".")[0] in ("lessons", "tests", "helpers", "nbhelpers") or n.startswith("test_")
-                    for n in names
-                ), f"{path}: imports {names}"

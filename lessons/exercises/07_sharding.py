@@ -6,7 +6,7 @@ Every rank holds the whole model and has just run backward on the mean loss over
 one flat buffer padded to P ceil(Psi_u / P) elements (`z.units[u]`, a FlatUnit that flattens a layer's
 tensors and unflattens a buffer back into views shaped like them), made `z.shards[u]`, this rank's shard r
 of it (an nn.Parameter), and an AdamW `z.optimizer` over the shards only: the optimizer states are sharded.
-`z.ring` (distlab/data_parallel/ring.py) runs the ring collectives and counts every byte they send. The loop
+`z.ring` (distlab/comm/ring.py) runs the ring collectives and counts every byte they send. The loop
 the judge drives is
 
     z.zero_grad(); loss.backward(); z.after_backward(); z.optimizer.step(); z.after_step()

@@ -9,10 +9,10 @@ gradient at X is the sum of what every rank sends back:
     backward:  dL/dX = sum_r dL_r/dX             (over the ranks of `group`)
 
 Write `Copy`, an autograd Function, the f that the lesson puts before fc1 (the MLP) and before q, k, v
-(attention). Its conjugate, g, is the lesson's `Reduce`. `forward(ctx, x, group, traffic)` takes the
-process group to communicate over and a `distlab.tensor_parallel.operators.Traffic`, where the lesson counts
-bytes: every collective you run is recorded there, `traffic.record(direction, kind, tensor, group)` with
-direction "forward" or "backward" and kind "all_reduce". backward returns one gradient per forward input.
+(attention). Its conjugate, g, is the lesson's `Reduce`. `forward(ctx, x, group, ledger)` takes the
+process group to communicate over and a `distlab.comm.ledger.Ledger`, where the lesson counts bytes: every
+collective you run is recorded there, `ledger.record(phase, kind, tensor, group)` with phase "forward" or
+"backward" and kind "all_reduce". backward returns one gradient per forward input.
 
 The judge checks f's forward and backward against one process holding every rank's tensors, the MLP split
 with your f against the unsplit MLP (float64), the bytes the judge sees you send against those you
@@ -29,8 +29,8 @@ class Copy(torch.autograd.Function):
     """f: the identity forward, the sum over ranks backward."""
 
     @staticmethod
-    def forward(ctx, x, group, traffic):
-        raise NotImplementedError("not written yet: Copy.forward(ctx, x, group, traffic)")
+    def forward(ctx, x, group, ledger):
+        raise NotImplementedError("not written yet: Copy.forward(ctx, x, group, ledger), the identity")
 
     @staticmethod
     def backward(ctx, grad):

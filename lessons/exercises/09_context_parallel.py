@@ -2,9 +2,9 @@
 with `pytest --exercises -k 09`; add `--hint-level 1`, 2 or 3 for help).
 
 The sequence of seq positions is split over the P ranks by `layout` (contiguous, or zig-zag: rank r
-holds pieces r and 2P-1-r of 2P). This rank holds its queries q and, to begin with, its keys and values
-k, v (each h x seq/P x d_h). Write `ring_forward`: return (out, lse), shaped like q and like q without its
-last dimension, where for every query row i of this rank
+holds pieces r and 2P-1-r of 2P). This rank (`ring.rank` of `ring.world_size`) holds its queries q and, to
+begin with, its keys and values k, v (each h x seq/P x d_h). Write `ring_forward`: return (out, lse),
+shaped like q and like q without its last dimension, where for every query row i of this rank
 
     out_i = sum_j softmax_j(A_ij) v_j,   lse_i = log sum_j exp A_ij,   A_ij = q_i . k_j / sqrt(d_h),
 
@@ -20,8 +20,8 @@ is skipped (it would only add -inf); a tile on the diagonal is computed with the
 masked. Count what you compute: for each tile you fold, `tally[kind] += 1` (kind "full" or "diagonal") and
 `tally["products"] += rows x columns` of the tile.
 
-What you are given: `ring.post(k, v)` starts sending (k, v) to rank r + 1 and receiving the same shapes from
-rank r - 1, and returns at once; its `.wait()` returns the received (k, v). Post before you compute on the
+What you are given: `ring.shift(k, v)` starts sending (k, v) to rank r + 1 and receiving the same shapes from
+rank r - 1, and returns at once; its `.wait()` returns the received (k, v). Shift before you compute on the
 block you hold, wait after: the transfer runs beside the math. `layout.pieces(rank)` gives a rank's pieces
 as (slice into its block, range of global positions). The lesson's tile helpers live in
 distlab.context_parallel.
@@ -37,13 +37,12 @@ from collections import Counter
 
 import torch
 
-from distlab.context_parallel.ring import RingExchange
+from distlab.comm.ring import Ring
 from distlab.context_parallel.split import Layout
-from distlab.runtime import Runtime
 
 
 def ring_forward(
-    rt: Runtime, ring: RingExchange, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, tally: Counter
+    ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, tally: Counter
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's queries against the whole sequence; k/v blocks travel the ring."""
-    raise NotImplementedError("not written yet: ring_forward(rt, ring, q, k, v, layout, tally)")
+    raise NotImplementedError("not written yet: ring_forward(ring, q, k, v, layout, tally)")

@@ -146,7 +146,7 @@ def ring_and_gather(rt, c: int, d: int, t: int) -> dict:
 
     from distlab.memory import PeakMemory
     from distlab.streamed import loss_machinery
-    from distlab.streamed.exchange import traffic
+    from distlab.streamed.exchange import step_ledger
     from distlab.streamed.ring import P2PRing, sigmoid_ring
     from distlab.streamed.sigmoid import Logits
 
@@ -162,10 +162,10 @@ def ring_and_gather(rt, c: int, d: int, t: int) -> dict:
                 "TAU": 0.1,
                 "EXCHANGE": exchange,
             }
-            traffic.sent_bytes = 0
+            step_ledger.clear()
             with PeakMemory() as mem:
                 loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss == "sigmoid" else None)
-            out[loss, exchange] = (mem.peak_bytes, traffic.sent_bytes)
+            out[loss, exchange] = (mem.peak_bytes, step_ledger.sent)
     ring = P2PRing(rt.world_size, rt.rank)
     dist.barrier()
     sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)

@@ -109,3 +109,11 @@ def compact_table(title: str, columns: tuple[str, ...], caption: str = "") -> Ta
     for i, column in enumerate(columns):
         table.add_column(column, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
     return table
+
+
+def rows_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+    """A `compact_table` of pre-formatted rows."""
+    table = compact_table(title, columns)
+    for row in rows:
+        table.add_row(*row)
+    return table

@@ -4,7 +4,8 @@
   computes, fully or masked, and the work per rank they add up to;
 - `attention`: attention one key/value tile at a time, forward (the online max/sum fold of
   `distlab.online_softmax`) and backward (probabilities recomputed from the saved log-sum-exp);
-- `ring`: the exchange, posted ahead of the block math, counting the bytes it sends.
+- `cost`: the bytes each rank sends and the memory it holds, by formula.
 
-The ring loops themselves are written out in `lessons/09_context_parallel.py`.
+The ring loops themselves are written out in `lessons/09_context_parallel.py`, on the ground floor's
+exchange (`distlab.comm.ring.Ring.shift`, posted ahead of the block math, counting what it sends).
 """

@@ -42,8 +42,8 @@ class Sizes:
     def row(self) -> int:
         return self.heads * (self.seq_len // self.world_size) * self.itemsize
 
-    def bytes_sent(self) -> tuple[int, int]:
-        """(forward, backward) bytes each rank sends."""
+    def expected_bytes(self) -> tuple[int, int]:
+        """(forward, backward) bytes each rank sends, by the formula above."""
         p = self.world_size
         return 2 * (p - 1) * self.block, ((4 * p - 2) * self.block if p > 1 else 0)
 

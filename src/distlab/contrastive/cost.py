@@ -7,7 +7,8 @@ C x N rows of S^T, two matmuls of 2 C N = 2 N^2 / P entries in all, and softmaxe
 the same as global x global; the softmax work and the largest tensor are already halved.
 
 Communication per rank, per gathered N x d tensor (two per step: z_x and z_y), counted in elements
-as a ring algorithm moves them (each rank sends and receives this many):
+as a ring algorithm moves them (each rank sends and receives this many; the fractions are
+`distlab.comm.collectives`'):
 
     forward all_gather               (P-1)/P * N d
     backward all_reduce             2(P-1)/P * N d    (a reduce-scatter and an all-gather)
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import compat
+from distlab.comm.collectives import ring_fraction
 from distlab.contrastive.variants import Variant
 from distlab.memory import PeakMemory
 from distlab.runtime import Runtime
@@ -35,8 +37,10 @@ from distlab.timeline import timed
 
 def ring_elements(p: int, n: int, d: int) -> dict[str, float]:
     """Elements each rank sends (= receives) per gathered N x d tensor, for a ring of P ranks."""
-    share = (p - 1) / p * n * d
-    return {"all_gather (forward)": share, "all_reduce (backward)": 2 * share, "reduce_scatter (backward)": share}
+    return {
+        f"{kind} ({direction})": float(ring_fraction(kind, p) * n * d)
+        for kind, direction in (("all_gather", "forward"), ("all_reduce", "backward"), ("reduce_scatter", "backward"))
+    }
 
 
 def global_logits(n: int) -> dict[str, int]:

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.contrastive.rand_context import RandContext
+from distlab.random_state import RandContext
 from distlab.split_inputs import check_chunk_size, split_inputs
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -23,16 +23,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab import compat
+from distlab.comm.p2p import post
 
 
 def _exchange(sends: list[tuple[torch.Tensor, int]], srcs: list[int]) -> list[torch.Tensor]:
-    """Send each (tensor, peer) and receive one tensor like it from each source, all at once."""
-    recvs = [torch.empty_like(t) for t, _ in sends]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, buf, src) for buf, src in zip(recvs, srcs)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return recvs
+    """Send each (tensor, peer) and receive one tensor like it from each source, all at once (the
+    ground floor's `post`), and wait."""
+    sends = [(t.contiguous(), peer) for t, peer in sends]
+    return post(sends, [(torch.empty_like(t), src) for (t, _), src in zip(sends, srcs)]).wait()
 
 
 class Shift(torch.autograd.Function):

@@ -1,9 +1,7 @@
 """Collectives and data parallelism (lesson 06), one job per module:
 
-- `collectives`: what all_reduce, all_gather, reduce_scatter and broadcast compute (against one
-  process), the bytes a ring sends for each, timing on the slowest rank;
-- `ring`: the ring algorithms by hand with send/recv, counting the bytes each rank sends;
-- `measure`: every collective run, checked, counted and timed in one pass;
+- `measure`: every collective run, checked, counted and timed in one pass (what each computes, its
+  ring formula, the rings by hand and the timing are the ground floor's: `distlab.comm`);
 - `problem`: the model, the global batch and each rank's share, the two losses (a mean over
   samples, and a log-sum-exp over the whole batch), the gather with the local block's graph;
 - `training`: data-parallel SGD on the one training loop (`distlab.training`), whatever syncs the gradients;

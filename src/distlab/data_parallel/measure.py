@@ -1,9 +1,10 @@
 """Every collective run once and timed: torch's against one process, the ring by hand against the
 formula, torch's time against the bytes (lesson 06 and its notebook).
 
-`measure_collectives` runs, for each collective in `COLLECTIVES`, torch's version and the ring by
-hand on the same inputs, compares both with the single-process result, counts the bytes the ring
-sent, and times torch's version (median of `repeats`, slowest rank). Every rank returns its own rows.
+`measure_collectives` runs, for each of the four collectives lesson 06 teaches (`MEASURED`; the
+all-to-all comes with expert parallelism), torch's version and the ring by hand (`distlab.comm.ring`)
+on the same inputs, compares both with the single-process result, counts the bytes the ring sent, and
+times torch's version (median of `repeats`, slowest rank). Every rank returns its own rows.
 """
 
 from __future__ import annotations
@@ -12,10 +13,22 @@ from dataclasses import dataclass
 
 import torch
 
+from distlab.comm.collectives import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BROADCAST,
+    REDUCE_SCATTER,
+    check_collective,
+    full_numel,
+    rank_input,
+    ring_bytes,
+)
+from distlab.comm.ring import RING_RUNS, Ring
+from distlab.comm.timing import time_call
 from distlab.compare import tolerances
-from distlab.data_parallel.collectives import COLLECTIVES, check_collective, full_numel, rank_input, time_call
-from distlab.data_parallel.ring import RING_RUNS, Ring
 from distlab.runtime import Runtime
+
+MEASURED = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)
 
 
 @dataclass(frozen=True)
@@ -34,12 +47,12 @@ class CollectiveRow:
 def measure_collectives(rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int, repeats: int) -> list[CollectiveRow]:
     rtol, atol = tolerances(dtype)
     n = full_numel(nbytes, rt.world_size, dtype)
-    full_bytes = n * torch.tensor([], dtype=dtype).element_size()
+    itemsize = torch.tensor([], dtype=dtype).element_size()
     rows = []
-    for c in COLLECTIVES:
+    for c in MEASURED:
         x = rank_input(c, n, rt.rank, rt, seed, dtype)
         got, expected = check_collective(c, rt, n, seed, dtype)
-        ring = Ring(rt)
+        ring = Ring()
         by_hand = RING_RUNS[c](ring, x)
         seconds = time_call(rt, lambda c=c, x=x: c.run(x, rt.world_size), repeats)
         rows.append(
@@ -49,10 +62,10 @@ def measure_collectives(rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int,
                 (got.cpu() - expected).abs().max().item(),
                 torch.allclose(got.cpu(), expected, rtol=rtol, atol=atol),
                 torch.allclose(by_hand.cpu(), expected, rtol=rtol, atol=atol),
-                round(c.ring_fraction(rt.world_size, rt.rank) * full_bytes),
-                ring.bytes_sent,
+                ring_bytes(c.name, n, itemsize, rt.world_size, rt.rank),
+                ring.ledger.sent,
                 seconds,
-                full_bytes,
+                n * itemsize,
             )
         )
     return rows

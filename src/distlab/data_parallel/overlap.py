@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from distlab import emulate
+from distlab.comm.timing import barrier, slowest_median
 from distlab.console import print0
-from distlab.data_parallel.collectives import barrier, slowest_median
 from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
 from distlab.data_parallel.report import timeline_table, timing_table
 from distlab.memory import MIB

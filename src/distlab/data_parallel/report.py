@@ -103,11 +103,3 @@ def timeline_table(launched: list[float], done: list[float], sizes: list[int], b
             str(i), f"{size / MIB:.2f}", f"{start:.1f}", f"{end:.1f}", "yes" if start < backward_end else "no"
         )
     return table
-
-
-def rows_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
-    """A plain table of pre-formatted rows."""
-    table = compact_table(title, columns)
-    for row in rows:
-        table.add_row(*row)
-    return table

@@ -14,7 +14,8 @@ side's `recv` (gloo's send waits for the matching receive even for ten numbers; 
 buffers are full). Posting the sends alone with `isend` is not enough on GPUs either: NCCL runs the
 transfers between two ranks on one stream, in posting order. The cure, which torch.distributed.
 pipelining uses too, is to post matching sends and receives together, in one
-`dist.batch_isend_irecv` (one NCCL group: its transfers progress together), and wait for the batch.
+`dist.batch_isend_irecv` (one NCCL group: its transfers progress together), and wait for the batch:
+the ground floor's exchange, `distlab.comm.p2p.post`.
 
 Which transfers go together comes from the schedule's own grid (`simulator.simulate`): a message
 travels at the tick its producer finishes. Every rank posts, just before each of its actions, one
@@ -34,8 +35,8 @@ import bisect
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from distlab.comm.p2p import post
 from distlab.pipeline.schedules import Action, Schedule, num_stages, rank_of
 from distlab.pipeline.simulator import Timing, simulate
 
@@ -92,11 +93,6 @@ def exchange(
     sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Size, int]], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """Post every send (tensor, dst) and receive (shape, src) at once, wait for all of them, and
-    return the received tensors in the order of `recvs`."""
-    buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, _ in recvs]
-    ops = [dist.P2POp(dist.isend, t.detach().contiguous(), dst) for t, dst in sends]
-    ops += [dist.P2POp(dist.irecv, buf, src) for buf, (_, src) in zip(buffers, recvs)]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return buffers
+    return the received tensors in the order of `recvs` (in buffers allocated from their shapes)."""
+    buffers = [(torch.empty(shape, dtype=dtype, device=device), src) for shape, src in recvs]
+    return post([(t.detach(), dst) for t, dst in sends], buffers).wait()

@@ -20,11 +20,11 @@ precision) and all-gather the result into the weights; ZeRO-3's shard is the onl
 Mixed precision (bf16 weights and gradients, a float32 master copy and float32 moments) holds
 2 Psi + 2 Psi + 4 Psi + 8 Psi = 16 Psi bytes in DDP, against 8 + 8 + 16 = 32 Psi in float64.
 
-Bytes each rank sends in one step (a ring: `distlab.data_parallel.ring`, over the padded units of
+Bytes each rank sends in one step (a ring: `distlab.comm.ring`, over the padded units of
 P Psi_P elements): DDP's all-reduce 2 (P-1)/P e Psi; ZeRO-1 and ZeRO-2 a reduce-scatter of the gradients
 and an all-gather of the weights, 2 (P-1) e Psi_P, the same as DDP; ZeRO-3 an all-gather for forward,
 another for backward and a reduce-scatter, 3 (P-1) e Psi_P: one and a half times DDP's (less the
-first layer's second gather, which backward never needs: `sent`).
+first layer's second gather, which backward never needs: `expected_bytes`).
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ def held(stage: str, s: Sizes) -> dict[str, int]:
     return table[stage]
 
 
-def sent(stage: str, s: Sizes, first_shard: int = 0) -> int:
-    """Bytes one rank sends in one step (a ring). ZeRO-3 gathers a layer again for backward only
-    when backward reads its weights: the first layer's input needs no gradient, so its weights are
-    not read (`first_shard` = its ceil(Psi_0 / P) elements, not gathered twice; 0 counts it, as FSDP2 does)."""
+def expected_bytes(stage: str, s: Sizes, first_shard: int = 0) -> int:
+    """Bytes one rank sends in one step (a ring), by formula (a run's count is `StrategyRun.sent`). ZeRO-3
+    gathers a layer again for backward only when backward reads its weights: the first layer's input needs
+    no gradient, so its weights are not read (`first_shard` = its ceil(Psi_0 / P) elements, not gathered
+    twice; 0 counts it, as FSDP2 does)."""
     per_pass = (s.p - 1) * s.shard * s.b  # one reduce-scatter or one all-gather of every unit
     if stage == "ZeRO-3":
         return 3 * per_pass - (s.p - 1) * first_shard * s.b

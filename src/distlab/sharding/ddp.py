@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distlab.data_parallel.ring import Ring
+from distlab.comm.ring import Ring
 from distlab.held import model_states
 from distlab.runtime import Runtime
 from distlab.sharding.flat import units_of
@@ -18,7 +18,7 @@ from distlab.training import Plain
 class Replicated(Plain):
     def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig):
         super().__init__(model, adamw(model.parameters(), cfg))
-        self.rt, self.ring = rt, Ring(rt)
+        self.rt, self.ring = rt, Ring()
         self.units = units_of(model, rt.rank, rt.world_size)
 
     def after_backward(self) -> None:

@@ -7,7 +7,7 @@ step, every AdamW state (m, v, the step count) and every step's loss, each part 
 from __future__ import annotations
 
 from distlab.compare import Comparison, all_ok
-from distlab.data_parallel.report import rows_table
+from distlab.console import rows_table
 
 
 def kib(n: int) -> str:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from distlab import compat
-from distlab.data_parallel.ring import Ring
+from distlab.comm.ring import Ring
 from distlab.held import model_states
 from distlab.runtime import Runtime
 from distlab.sharding.flat import units_of
@@ -30,7 +30,7 @@ class Sharded:
     that counts bytes, and the readouts of the whole run (gathered, not counted)."""
 
     def __init__(self, model: nn.Module, rt: Runtime, cfg: ShardingConfig):
-        self.model, self.rt, self.ring = model, rt, Ring(rt)
+        self.model, self.rt, self.ring = model, rt, Ring()
         self.units = units_of(model, rt.rank, rt.world_size)
         self.layers = list(model.children())
         self.shards = [

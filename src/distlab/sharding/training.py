@@ -105,7 +105,7 @@ def run_strategy(rt: Runtime, cfg: ShardingConfig, make: Callable, steps: int | 
         live, peak = mem.live_bytes, mem.peak_bytes
     held = {item: storage_bytes(tensors) for item, tensors in strategy.items().items()}
     ring = getattr(strategy, "ring", None)
-    sent = ring.bytes_sent // len(batches) if ring is not None else -1
+    sent = ring.ledger.sent // len(batches) if ring is not None else -1
     losses = mean_over_ranks(run.losses, rt)  # equal shares: the global loss is the mean of the ranks' means
     return StrategyRun(
         run.first_grads, run.params, losses, run.states, held=held, live_bytes=live, peak_bytes=peak, sent=sent

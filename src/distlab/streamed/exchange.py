@@ -8,9 +8,10 @@ rows and its columns: 4 C N d). `EXCHANGE: "ring"` never gathers: `ring.infonce_
 Either way the rank's shares of L are summed by one all-gather of P numbers (the same order on every
 rank, so the same float everywhere).
 
-`traffic` counts the bytes this rank hands to the network in one step: point-to-point messages as
-sent, an all-gather of m bytes per rank as (P - 1) m (what each rank sends in a ring all-gather).
-Per rank, with w the feature dtype's size and c the compute dtype's (float32 or float64):
+`step_ledger` (a `distlab.comm.ledger.Ledger`) counts the bytes this rank hands to the network in one
+step: point-to-point messages as sent, an all-gather of m bytes per rank as (P - 1) m (what each rank
+sends in a ring all-gather). `expected_bytes` is the formula; per rank, with w the feature dtype's size
+and c the compute dtype's (float32 or float64):
 
     gather, InfoNCE   (P - 1) (2 C d w + (2 C + 1) c)       (sharded normalisers; replicated: 2 C d w)
     gather, sigmoid   (P - 1) (2 C d w + c)
@@ -20,30 +21,25 @@ Per rank, with w the feature dtype's size and c the compute dtype's (float32 or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from distlab import compat
-from distlab.streamed.ring import P2PRing, infonce_ring, ring_bytes, sigmoid_ring
+from distlab.comm.ledger import Ledger
+from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_gathered
 from distlab.streamed.wrappers import compute_dtype
 
-
-@dataclass
-class Traffic:
-    """Bytes this rank sent in the current step."""
-
-    sent_bytes: int = 0
-
-    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
-        compat.all_gather_single(out, mine, group=group)
-        self.sent_bytes += (dist.get_world_size(group) - 1) * mine.numel() * mine.element_size()
+step_ledger = Ledger()  # what this rank sent in the current step (`step` clears it as a step begins)
 
 
-traffic = Traffic()
+def all_gather_counted(out: torch.Tensor, mine: torch.Tensor, group: Any, phase: str) -> None:
+    """`mine` from every rank of `group` (None: the world) into `out`, in rank order; counted in
+    `step_ledger` under `phase`."""
+    compat.all_gather_single(out, mine, group=group)
+    step_ledger.record(phase, "all_gather", out, group)
 
 
 def expected_bytes(
@@ -52,7 +48,7 @@ def expected_bytes(
     """The formula above: shape = (P, C, d), sizes = (w, c) in bytes."""
     (world, c, d), (w, comp) = shape, sizes
     if exchange == "ring":
-        return ring_bytes(world, c, d, comp, loss) + (world - 1) * comp
+        return expected_ring_bytes(world, c, d, comp, loss) + (world - 1) * comp
     extra = comp if loss == "sigmoid" else (2 * c + 1) * comp if normalisers == "sharded" else 0
     return (world - 1) * (2 * c * d * w + extra)
 
@@ -65,7 +61,7 @@ def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int, group: Any = None
     wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
     mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
     gathered = mine.new_empty((n, mine.shape[1]))
-    traffic.all_gather(gathered, mine, group)
+    all_gather_counted(gathered, mine, group, "embeddings")
     gathered = gathered.to(dtype)
     return gathered[:, : z_x.shape[1]], gathered[:, z_x.shape[1] :]
 
@@ -73,7 +69,7 @@ def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int, group: Any = None
 def summed_over_ranks(part: torch.Tensor, group: Any = None) -> float:
     """sum_r part_r, the same float on every rank (one all-gather of P numbers, summed in rank order)."""
     every = part.reshape(1).new_empty(dist.get_world_size(group))
-    traffic.all_gather(every, part.reshape(1), group)
+    all_gather_counted(every, part.reshape(1), group, "loss")
     return every.sum().item()
 
 
@@ -89,13 +85,12 @@ def rank_shares(
     with torch.autocast(z_x.device.type, enabled=False):
         if exchange == "ring":
             x, y = z_x.to(dtype).contiguous(), z_y.to(dtype).contiguous()
-            ring = P2PRing(world, rank, group=group)
+            ring = P2PRing(world, rank, group, step_ledger)
             shares = (
                 sigmoid_ring(ring, x, y, logits, t)
                 if isinstance(logits, Logits)
                 else infonce_ring(ring, x, y, logits, t)
             )
-            traffic.sent_bytes += ring.sent_bytes
         else:
             c = len(z_x)
             all_x, all_y = gather_pairs(z_x, z_y, c * world, group)

@@ -24,8 +24,9 @@ back around the ring in its backward). 3 C N d.
 
 Each rank folds the ranks' contributions in arrival order, so its partial (a fresh tile's sums) is
 merged with the received accumulator only after the tile math: the accumulator's message, like the
-features', is in flight while the tiles run. `ListRing` emulates P ranks in one process (threads and
-queues, the same code path); `P2PRing` sends with torch.distributed's batch_isend_irecv.
+features', is in flight while the tiles run. `P2PRing` sends with the ground floor's exchange
+(`distlab.comm.ring.Ring.shift`: one batch_isend_irecv, over the wrapper's group); `ListRing` emulates P
+ranks in one process (threads and queues, the same code path, the same `Posted` waiter).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from distlab.chunks import chunks
+from distlab.comm.ledger import Ledger
+from distlab.comm.p2p import Posted
+from distlab.comm.ring import Ring
 from distlab.online_softmax import online_fold, rescale
 from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_block
 from distlab.streamed.tiles import diagonal_crossing, lse_and_nll, pair_coefficients
@@ -47,55 +50,23 @@ from distlab.streamed.tiles import diagonal_crossing, lse_and_nll, pair_coeffici
 
 @dataclass
 class Endpoint:
-    """One rank's view of the ring: whom it sends to, what it sent, and what happened when."""
+    """One rank's view of the ring: whom it sends to, what it sent (counted), and what happened when."""
 
     world: int
     rank: int  # in `group`
     group: object = None  # the process group (None: the world)
-    sent_bytes: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
     events: list[tuple[int, str, float]] = field(default_factory=list)  # (step, what, when), in order
 
     def log(self, step: int, what: str) -> None:
         self.events.append((step, what, time.perf_counter()))
 
-    def _count(self, tensors: list[torch.Tensor]) -> None:
-        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
-
-
-class _Ready:
-    """A shift that needs no message (P = 1)."""
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = tensors
-
-    def wait(self) -> list[torch.Tensor]:
-        return self.tensors
-
 
 class P2PRing(Endpoint):
     """The real ring: send to r + 1 and receive from r - 1 with point-to-point messages."""
 
-    def shift(self, tensors: list[torch.Tensor], tag: int) -> _Pending:
-        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
-        if self.group is not None:  # P2POp names peers by their global rank
-            nxt, prv = dist.get_global_rank(self.group, nxt), dist.get_global_rank(self.group, prv)
-        tensors = [t.contiguous() for t in tensors]
-        bufs = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, nxt, self.group, tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, buf, prv, self.group, tag) for buf in bufs]
-        self._count(tensors)
-        return _Pending(dist.batch_isend_irecv(ops), bufs)
-
-
-class _Pending:
-    def __init__(self, works: list, bufs: list[torch.Tensor]):
-        self.works, self.bufs = works, bufs
-
-    def wait(self) -> list[torch.Tensor]:
-        for work in self.works:
-            work.wait()
-        self.works = []  # a finished Work still holds the tensor it sent: let it go now
-        return self.bufs
+    def shift(self, tensors: list[torch.Tensor], tag: int) -> Posted:
+        return Ring(self.group, self.ledger).shift(*tensors, tag=tag)
 
 
 class ListRing(Endpoint):
@@ -105,18 +76,10 @@ class ListRing(Endpoint):
         super().__init__(world, rank)
         self.mail = mail
 
-    def shift(self, tensors: list[torch.Tensor], tag: int) -> _Lazy:
-        self._count(tensors)
+    def shift(self, tensors: list[torch.Tensor], tag: int) -> Posted:
+        self.ledger.count_sends(tensors)
         self.mail[tag, (self.rank + 1) % self.world].put([t.clone() for t in tensors])
-        return _Lazy(self.mail[tag, self.rank].get)
-
-
-class _Lazy:
-    def __init__(self, get: Callable[[], list[torch.Tensor]]):
-        self.get = get
-
-    def wait(self) -> list[torch.Tensor]:
-        return self.get()
+        return Posted(self.mail[tag, self.rank].get)  # delivered when the left neighbour has posted
 
 
 def emulate(world: int, body: Callable[[ListRing], object]) -> tuple[list, list[ListRing]]:
@@ -170,7 +133,7 @@ def ring_pass(
         partial = visit(owner, ahead)
         ring.log(k, f"end tiles {rank} x {owner}")
         acc = partial if incoming is None else merge(incoming.wait(), partial)
-        incoming = ring.shift(acc, ACC) if world > 1 else _Ready(acc)
+        incoming = ring.shift(acc, ACC) if world > 1 else Posted(acc)
         del partial, acc  # only the message holds them now: a rank keeps no block longer than it must
         if world > 1:
             ring.log(k, f"post acc {owner} -> {(rank + 1) % world}")
@@ -180,7 +143,7 @@ def ring_pass(
     return incoming.wait()
 
 
-def ring_bytes(world: int, c: int, d: int, itemsize: int, loss: str) -> int:
+def expected_ring_bytes(world: int, c: int, d: int, itemsize: int, loss: str) -> int:
     """What each rank sends in the ring, in bytes (features and accumulators in the compute dtype)."""
     if world == 1:
         return 0

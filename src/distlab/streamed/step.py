@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.contrastive.rand_context import RandContext
+from distlab.random_state import RandContext
 from distlab.split_inputs import take_rows
 from distlab.streamed.config import StreamConfig, parse_config
-from distlab.streamed.exchange import gather_pairs, rank_shares, traffic
+from distlab.streamed.exchange import all_gather_counted, gather_pairs, rank_shares, step_ledger
 from distlab.streamed.exit_hint import hinting_release, with_hint
 from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
 from distlab.streamed.peers import naming_dead_peers
@@ -124,7 +124,7 @@ def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
             # One tiny all-gather: my a's, my b's and my share of the loss (2C + 1 floats per rank).
             mine = torch.cat((a_own, b_own, (nll_x + nll_y).sum().unsqueeze(0)))
             every = mine.new_empty(cfg.world * len(mine))
-            traffic.all_gather(every, mine, cfg.group)
+            all_gather_counted(every, mine, cfg.group, "normalisers")
             every = every.view(cfg.world, len(mine))
             a, b = every[:, : cfg.local].reshape(-1), every[:, cfg.local : 2 * cfg.local].reshape(-1)
             total = every[:, -1].sum()  # the same numbers in the same order on every rank
@@ -234,7 +234,7 @@ def _run(
     with hinting_release(), naming_dead_peers(exchange_group(model)):
         ready = ready_step(model, local_x, local_y, config)  # a step every rank agreed to, or one error
         cfg, wrapped = ready.cfg, ready.wrapped
-        traffic.sent_bytes = 0
+        step_ledger.clear()
         restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
         local = phase1_forward(ready, local_x, local_y)  # phase 1
         s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])

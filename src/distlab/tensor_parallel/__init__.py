@@ -2,7 +2,7 @@
 
 - `model`: the unsplit block (`distlab.models.Block`: causal, q, k, v apart), the batch, dropout masks drawn outside;
 - `operators`: f, g (tensor parallel) and f-bar, g-bar (sequence parallel) as autograd Functions, each
-  counting the bytes it sends (`Traffic`); `Comm` pairs the two a block is built with;
+  counting the bytes it sends (a `distlab.comm.ledger.Ledger`); `Comm` pairs the two a block is built with;
 - `layers`: column- and row-parallel Linear, cut from an unsplit nn.Linear; the reference cut the same way;
 - `blocks`: the MLP (column then row) and attention by heads split over P ranks, the whole block;
 - `sequence`: what sequence parallelism adds (sequence parts, the partial gradients' all-reduce);

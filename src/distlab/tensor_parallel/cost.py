@@ -1,6 +1,7 @@
 """What tensor and sequence parallelism cost per rank, in closed form (lesson 08).
 
-Bytes (ring accounting of lesson 06; e bytes per element; N seq d elements in the block's activation):
+Bytes (ring accounting of lesson 06, `distlab.comm.collectives`; e bytes per element; N seq d elements in
+the block's activation):
 
     tensor parallel, per MLP or attention, per step:   forward  all-reduce 2(P-1)/P N seq d e  (g)
                                                        backward all-reduce 2(P-1)/P N seq d e  (f)
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from distlab.comm.collectives import ring_fraction
 from distlab.tensor_parallel.model import BlockConfig
-from distlab.tensor_parallel.operators import RING_FRACTION
 
 PARTS_IN = {"mlp": 1, "attention": 1, "block": 2}  # (enter, exit) pairs per forward
 
@@ -37,10 +38,11 @@ PARTS_IN = {"mlp": 1, "attention": 1, "block": 2}  # (enter, exit) pairs per for
 def expected_traffic(
     cfg: BlockConfig, part: str, world_size: int, sequence_parallel: bool, steps: int = 1
 ) -> dict[tuple[str, str], Fraction]:
-    """Bytes this rank sends, by (direction, collective), in `steps` steps of `part`."""
+    """Bytes this rank sends, by (direction, collective), in `steps` steps of `part`: exact fractions, whole
+    numbers wherever P cuts the tensors evenly (what a `Ledger` of the run counts)."""
     e = cfg.dtype.itemsize
     act = Fraction(cfg.batch * cfg.seq * cfg.dim * e) * PARTS_IN[part] * steps
-    frac = {kind: f(world_size) for kind, f in RING_FRACTION.items()}
+    frac = {kind: ring_fraction(kind, world_size) for kind in ("all_reduce", "all_gather", "reduce_scatter")}
     if not sequence_parallel:
         return {
             ("forward", "all_reduce"): frac["all_reduce"] * act,

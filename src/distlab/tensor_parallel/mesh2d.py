@@ -9,19 +9,22 @@ part of the whole batch's mean, so the column SUMS (no 1/dp: each share was divi
 batch's count already; the same as DDP's average of means).
 
 Bytes per rank and step: tensor parallel 2(tp-1)/tp (N/dp) seq d e per all-reduce, two each way
-(attention, MLP; on its own rows), data parallel 2(dp-1)/dp Psi_r e, Psi_r the rank's parameter count.
+(attention, MLP; on its own rows: `cost.expected_traffic` of the block on N/dp rows over tp ranks), data
+parallel 2(dp-1)/dp Psi_r e, Psi_r the rank's parameter count.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
+from dataclasses import replace
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from distlab.comm.collectives import ring_fraction
 from distlab.tensor_parallel.blocks import ParallelBlock
+from distlab.tensor_parallel.cost import expected_traffic
 from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks
-from distlab.tensor_parallel.operators import RING_FRACTION, Traffic, all_reduce, tensor_parallel
+from distlab.tensor_parallel.operators import all_reduce, tensor_parallel
 from distlab.tensor_parallel.runs import Batch, sgd_steps
 from distlab.training import Run, reduce_gradients
 
@@ -46,7 +49,7 @@ def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dic
     dp, tp = mesh_shape(rt.world_size)
     mesh = init_device_mesh(rt.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     i_dp, i_tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    comm = tensor_parallel(mesh.get_group("tp"), Traffic())
+    comm = tensor_parallel(mesh.get_group("tp"))
     block, x, target = build(cfg)
     model = ParallelBlock(block, i_tp, tp, comm).to(rt.device)
 
@@ -62,7 +65,7 @@ def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dic
         batch,
         1,
         lr,
-        lambda: reduce_gradients(params, lambda flat: all_reduce(flat, dp_group, comm.traffic, "data parallel")),
+        lambda: reduce_gradients(params, lambda flat: all_reduce(flat, dp_group, comm.ledger, "data parallel")),
     )
     where = {
         "dp": dp,
@@ -76,11 +79,9 @@ def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dic
 
 
 def expected_2d_traffic(cfg: BlockConfig, world_size: int, shard_numel: int) -> dict:
+    """Bytes a rank sends in one 2-D step: the block's tensor parallelism on its N/dp rows over tp ranks
+    (`cost.expected_traffic`), then the all-reduce of its shard's gradients over dp ranks."""
     dp, tp = mesh_shape(world_size)
-    e = cfg.dtype.itemsize
-    act = Fraction(cfg.batch // dp * cfg.seq * cfg.dim * e) * 2  # two blocks' worth: attention, MLP
-    return {
-        ("forward", "all_reduce"): RING_FRACTION["all_reduce"](tp) * act,
-        ("backward", "all_reduce"): RING_FRACTION["all_reduce"](tp) * act,
-        ("data parallel", "all_reduce"): RING_FRACTION["all_reduce"](dp) * shard_numel * e,
-    }
+    out = expected_traffic(replace(cfg, batch=cfg.batch // dp), "block", tp, sequence_parallel=False)
+    out["data parallel", "all_reduce"] = ring_fraction("all_reduce", dp) * shard_numel * cfg.dtype.itemsize
+    return out

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab.comm.ledger import Ledger
 from distlab.compare import Comparison, all_ok, compare_whole
-from distlab.tensor_parallel.operators import Traffic
 
 ROWS, PART, WIDTH = 2, 2, 3  # a tensor (ROWS, PART * P or PART, WIDTH): small, distinct on every rank
 
@@ -57,7 +57,7 @@ class OperatorResult:
     name: str
     forward: torch.Tensor
     backward: torch.Tensor
-    traffic: Traffic
+    ledger: Ledger
     against: dict[str, Comparison]  # "forward", "backward"
 
     @property
@@ -66,13 +66,13 @@ class OperatorResult:
 
 
 def check_operator(rt, name: str, function, group=None) -> OperatorResult:
-    """Run `function.apply(x_r, group, traffic)` forward and backward on this rank; against one process."""
+    """Run `function.apply(x_r, group, ledger)` forward and backward on this rank; against one process."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
     make_x, make_w, forward, backward = MATH[name]
     xs, ws = [make_x(q, p) for q in range(p)], [make_w(q, p) for q in range(p)]
     x = xs[r].clone().to(rt.device).requires_grad_()
-    traffic = Traffic()
-    out = function.apply(x, group, traffic)
+    ledger = Ledger()
+    out = function.apply(x, group, ledger)
     (out * ws[r].to(rt.device)).sum().backward()
     got, want = (
         {"forward": out.detach().cpu(), "backward": x.grad.cpu()},
@@ -82,4 +82,4 @@ def check_operator(rt, name: str, function, group=None) -> OperatorResult:
         },
     )
     against = {k: compare_whole({k: want[k]}, {k: got[k]}, name=k, rtol=0.0, atol=1e-12) for k in want}
-    return OperatorResult(name, got["forward"], got["backward"], traffic, against)
+    return OperatorResult(name, got["forward"], got["backward"], ledger, against)

@@ -17,69 +17,48 @@ Sequence parallelism splits the all-reduce into its two halves, a reduce-scatter
     scatter_to_sp    (g-bar):  forward  reduce-scatter along seq  backward  all-gather along seq
 
 Bytes, ring accounting as in lesson 06 for a full tensor of b bytes: all-reduce 2(P-1)/P b,
-all-gather and reduce-scatter (P-1)/P b each; so f-bar + g-bar send exactly what f + g send.
-`Traffic` adds them up by (direction, collective), as exact fractions.
+all-gather and reduce-scatter (P-1)/P b each (`distlab.comm.collectives`); so f-bar + g-bar send
+exactly what f + g send. A `distlab.comm.ledger.Ledger` counts them by (direction, collective), in
+exact integers.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
-from fractions import Fraction
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-RING_FRACTION = {  # bytes sent per rank, in units of the full tensor's bytes, at P ranks
-    "all_reduce": lambda p: Fraction(2 * (p - 1), p),
-    "all_gather": lambda p: Fraction(p - 1, p),
-    "reduce_scatter": lambda p: Fraction(p - 1, p),
-}
+from distlab.comm.ledger import Ledger
 
 
-@dataclass
-class Traffic:
-    """Bytes this rank sent, by (direction, collective): direction is "forward" or "backward"."""
-
-    sent: dict = field(default_factory=lambda: defaultdict(Fraction))
-    calls: dict = field(default_factory=lambda: defaultdict(int))
-
-    def record(self, direction: str, kind: str, full: torch.Tensor, group) -> None:
-        p = dist.get_world_size(group)
-        self.sent[direction, kind] += RING_FRACTION[kind](p) * full.numel() * full.element_size()
-        self.calls[direction, kind] += 1
-
-    def total(self, direction: str | None = None) -> Fraction:
-        return sum((b for (d, _), b in self.sent.items() if direction in (None, d)), Fraction(0))
-
-
-def all_reduce(x: torch.Tensor, group, traffic: Traffic, direction: str) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group, ledger: Ledger, direction: str) -> torch.Tensor:
     out = x.contiguous().clone()  # never reduce in place into a tensor autograd saved
     dist.all_reduce(out, group=group)
-    traffic.record(direction, "all_reduce", out, group)
+    ledger.record(direction, "all_reduce", out, group)
     return out
 
 
-def all_gather_seq(x: torch.Tensor, group, traffic: Traffic, direction: str) -> torch.Tensor:
+def all_gather_seq(x: torch.Tensor, group, ledger: Ledger, direction: str) -> torch.Tensor:
     """(N, seq/P, ...) on each rank -> (N, seq, ...), the ranks' parts in rank order."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     out = torch.cat(parts, dim=1)
-    traffic.record(direction, "all_gather", out, group)
+    ledger.record(direction, "all_gather", out, group)
     return out
 
 
-def reduce_scatter_seq(x: torch.Tensor, group, traffic: Traffic, direction: str) -> torch.Tensor:
+def reduce_scatter_seq(x: torch.Tensor, group, ledger: Ledger, direction: str) -> torch.Tensor:
     """(N, seq, ...) partial sums on each rank -> rank r's part (N, seq/P, ...) of their sum."""
     p = dist.get_world_size(group)
     parts = [c.contiguous() for c in x.chunk(p, dim=1)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
-    traffic.record(direction, "reduce_scatter", x, group)
+    ledger.record(direction, "reduce_scatter", x, group)
     return out
 
 
-def identity(x: torch.Tensor, group, traffic: Traffic, direction: str) -> torch.Tensor:
+def identity(x: torch.Tensor, group, ledger: Ledger, direction: str) -> torch.Tensor:
     return x.view_as(x)
 
 
@@ -89,13 +68,13 @@ def conjugate(name: str, forward_op, backward_op, doc: str) -> type:
 
     class Conjugate(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, group, traffic):
-            ctx.group, ctx.traffic = group, traffic
-            return forward_op(x, group, traffic, "forward")
+        def forward(ctx, x, group, ledger):
+            ctx.group, ctx.ledger = group, ledger
+            return forward_op(x, group, ledger, "forward")
 
         @staticmethod
         def backward(ctx, grad):
-            return backward_op(grad, ctx.group, ctx.traffic, "backward"), None, None
+            return backward_op(grad, ctx.group, ctx.ledger, "backward"), None, None
 
     Conjugate.__name__ = Conjugate.__qualname__ = name
     Conjugate.__doc__ = doc
@@ -126,19 +105,19 @@ class Comm:
     enter: object
     exit: object
     group: object
-    traffic: Traffic
+    ledger: Ledger  # what the operators sent, by (direction, collective)
     sequence_parallel: bool = False
 
     def to_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        return self.enter.apply(x, self.group, self.traffic)
+        return self.enter.apply(x, self.group, self.ledger)
 
     def from_parallel(self, x: torch.Tensor) -> torch.Tensor:
-        return self.exit.apply(x, self.group, self.traffic)
+        return self.exit.apply(x, self.group, self.ledger)
 
 
-def tensor_parallel(group=None, traffic: Traffic | None = None) -> Comm:
-    return Comm(CopyToTP, ReduceFromTP, group, traffic or Traffic())
+def tensor_parallel(group=None, ledger: Ledger | None = None) -> Comm:
+    return Comm(CopyToTP, ReduceFromTP, group, ledger if ledger is not None else Ledger())
 
 
-def sequence_parallel(group=None, traffic: Traffic | None = None) -> Comm:
-    return Comm(GatherFromSP, ScatterToSP, group, traffic or Traffic(), sequence_parallel=True)
+def sequence_parallel(group=None, ledger: Ledger | None = None) -> Comm:
+    return Comm(GatherFromSP, ScatterToSP, group, ledger if ledger is not None else Ledger(), sequence_parallel=True)

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab.comm.ledger import Ledger
 from distlab.compare import Comparison, against, all_ok
 from distlab.held import SavedActivations
 from distlab.memory import PeakMemory
 from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
 from distlab.tensor_parallel.layers import reference_shards
 from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks, regression_loss
-from distlab.tensor_parallel.operators import Comm, Traffic
+from distlab.tensor_parallel.operators import Comm
 from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.training import Plain, Run, train
 
@@ -97,7 +98,7 @@ class Outcome:
     how far each part is from the reference's, cut as this rank's tensors are."""
 
     run: Run
-    traffic: Traffic
+    ledger: Ledger  # what this rank's operators sent
     against: dict[str, Comparison]  # output, gradients (the input's too), parameters, losses
 
     @property
@@ -138,7 +139,7 @@ def split_run(rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float
         losses = torch.tensor(run.losses, dtype=torch.float64, device=rt.device)
         dist.all_reduce(losses, group=comm.group)
         run = dataclasses.replace(run, losses=losses.tolist())
-    return Outcome(run, comm.traffic, against(as_cut(reference(cfg, part, steps, lr), model, comm), run))
+    return Outcome(run, comm.ledger, against(as_cut(reference(cfg, part, steps, lr), model, comm), run))
 
 
 def as_cut(ref: Run, model: nn.Module, comm: Comm) -> Run:
@@ -182,5 +183,5 @@ def block_costs(rt, cfg: BlockConfig) -> dict[str, tuple[float, int, bool]]:
     out = {}
     for name, make in (("TP", tensor_parallel), ("TP + SP", sequence_parallel)):
         outcome = split_run(rt, cfg, "block", make(), 1, 0.5)
-        out[name] = (float(outcome.traffic.total()), activation_bytes_measured(rt, cfg, make())[0], outcome.ok)
+        out[name] = (float(outcome.ledger.sent), activation_bytes_measured(rt, cfg, make())[0], outcome.ok)
     return out

@@ -50,4 +50,4 @@ def reduce_sequence_parallel_grads(model: nn.Module, comm: Comm) -> None:
     if not comm.sequence_parallel:
         return
     params = [p for _, p in sequence_cut_parameters(model)]
-    reduce_gradients(params, lambda flat: all_reduce(flat, comm.group, comm.traffic, "gradients"))
+    reduce_gradients(params, lambda flat: all_reduce(flat, comm.group, comm.ledger, "gradients"))

@@ -1,0 +1,14 @@
+"""The ground floor of communication: what every parallelism in distlab sends, written once.
+
+- `collectives`: what all_reduce, all_gather, reduce_scatter, broadcast and all_to_all compute
+  (against one process), and the bytes a ring sends for each, as exact fractions of the full tensor;
+- `p2p`: the one point-to-point exchange, `post` every send and receive at once, `wait` later
+  (`Posted`), over any group, at any P (one rank included);
+- `ring`: the collectives by hand on that exchange (`Ring`: a shift, reduce-scatter, all-gather,
+  all-reduce, broadcast, all-to-all with uneven parts), counting what they send;
+- `ledger`: what a rank sent, counted in exact integers (`Ledger.sent`), by phase and kind;
+- `timing`: how long a collective takes, on the slowest rank.
+
+Every parallelism package (pipeline, data_parallel, sharding, tensor_parallel, context_parallel,
+contrastive, streamed) stands on these and never on a sibling.
+"""

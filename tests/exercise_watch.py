@@ -11,7 +11,7 @@ the bytes of its whole tensor, and `sent` prices them by the ring formulas, so a
 and bytes without trusting what the answer says it sent.
 
 DDP's own all-reduce runs inside its reducer, where no mode sees it: the checks count it with a DDP comm
-hook (`distlab.data_parallel.ddp.count_reducing_backwards`).
+hook (`distlab.data_parallel.ddp.counting`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from distlab.tensor_parallel.operators import RING_FRACTION
+from distlab.comm.collectives import ring_fraction
 
 KINDS = {  # c10d's ops, by the collective they are
     "allreduce_": "all_reduce",
@@ -91,10 +91,14 @@ class Watch(TorchDispatchMode):
         return Counter(kind for kind, _ in self.collectives)
 
     def sent(self, world: int) -> float:
-        """Bytes this rank sends in the collectives it ran, by the ring formulas (RING_FRACTION: all-reduce
-        2 (P-1)/P of the tensor, all-gather and reduce-scatter (P-1)/P of the whole), plus every send."""
+        """Bytes this rank sends in the collectives it ran, by the ring formulas (`distlab.comm`'s
+        `ring_fraction`: all-reduce 2 (P-1)/P of the tensor, all-gather and reduce-scatter (P-1)/P of the
+        whole), plus every send."""
         fraction = {
-            **RING_FRACTION,
+            **{
+                kind: lambda p, kind=kind: ring_fraction(kind, p)
+                for kind in ("all_reduce", "all_gather", "reduce_scatter")
+            },
             "send": lambda p: 1,
             "recv": lambda p: 0,
             "broadcast": lambda p: Fraction(p - 1, p),

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import grads_of
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.data_parallel.ddp import count_reducing_backwards
+from distlab.data_parallel.ddp import counting
 from distlab.models import TwoTower, paired_data
 from distlab.streamed.config import parse_config
 
@@ -79,7 +79,7 @@ def _ranks(rt, streamed_backward, claims) -> None:
     cfg, model = parse_config(CONFIG, rt.world_size, rt.rank), ScaledTowers()
     x, y = paired_data(cfg.n, seed=2, dtype=torch.float64)
     start, ddp, mine = copy.deepcopy(model), DDP(model), slice(cfg.offset, cfg.offset + cfg.local)
-    reducing, arrived = count_reducing_backwards(ddp), _embedding_grads(model)
+    reducing, arrived = counting(ddp), _embedding_grads(model)
     torch.manual_seed(SEED + rt.rank)  # each rank its own dropout stream
     with Watch() as watch:
         loss = streamed_backward(ddp, x[mine], y[mine], cfg, None)
@@ -109,7 +109,7 @@ def _ranks(rt, streamed_backward, claims) -> None:
     )
     claims.equal(
         "DDP all-reduces in one backward per step",
-        reducing[0],
+        reducing.backwards,
         1,
         what="backwards that all-reduced",
         hints=("every micro-batch's backward but the last belongs inside ddp.no_sync()",),

@@ -2,10 +2,11 @@
 
 The torch tiles (`distlab.streamed.tiles`, `distlab.streamed.sigmoid`) make each T x T tile of S in memory and
 then walk it with a dozen element-wise ops, each one a kernel launch that reads and writes the whole tile:
-about 37 launches and 160 bytes per (i, j) of the C x N grid. Here the S tile lives in registers: one launch
-walks every column block of a block of rows, makes each S tile from q and k (`tile.s_tile`), uses it
-(folds it into the log-sum-exps, or turns it into coefficients and multiplies them into G) and drops it. Per
-step the launches no longer grow with N / T, and what reaches memory is the embeddings, the normalisers and G.
+about 37 launches per T x T tile and 160 bytes per (i, j) of the C x N grid. Here the S tile lives in
+registers: one launch walks every column block of a block of rows, makes each S tile from q and k
+(`tile.s_tile`), uses it (folds it into the log-sum-exps, or turns it into coefficients and multiplies them
+into G) and drops it. Per step the launches no longer grow with N / T, and what reaches memory is the
+embeddings, the normalisers and G.
 
   `lse.row_lse`          phase 2: the rows' (m, l) of the online fold and their positives' logits; with
                          `columns`, the same tiles' column partials too (the ring's pass 1).

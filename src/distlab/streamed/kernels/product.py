@@ -27,8 +27,6 @@ Cost per launch, q of n_q rows, k of n_k: 2 n_q n_k d multiply-adds (S, then W k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +43,7 @@ from distlab.streamed.kernels.launch import (
     tiling,
 )
 from distlab.streamed.kernels.tile import Operand, Tiling, dot, log1p, operand, s_tile
+from distlab.streamed.tiles import Pairing
 
 INFONCE, SIGMOID = 0, 1  # ROLE
 
@@ -109,17 +108,6 @@ def product_kernel(q: Operand, k: Operand, out, vectors, walk, T: Tiling):
         at = split.to(tl.int64) * q.rows + rows
         tl.store(loss_at + at, loss_sum, mask=row_ok)
         tl.store(d_sum_at + at, d_sum, mask=row_ok)
-
-
-@dataclass(frozen=True)
-class Pairing:
-    """What the InfoNCE coefficients need besides S: the rows' and the columns' log-sum-exps, the positives'
-    coefficients R_ii + Q_ii - 2, and where the positives are (row i's at column i + offset; None: none)."""
-
-    lse_q: torch.Tensor
-    lse_k: torch.Tensor
-    diag_coef: torch.Tensor
-    offset: int | None
 
 
 def _run(q, k, walk: tuple, vectors: tuple, role: int, precision: str, blocks: Blocks | None):

@@ -1,13 +1,13 @@
 """The step's matmul precision, a choice in its config (MATMUL_PRECISION), never an ambient flag.
 
-torch reads two process-wide settings when it multiplies float32 matrices on a GPU:
+torch reads process-wide settings when it multiplies float32 matrices, which callers write with
 `torch.backends.cuda.matmul.allow_tf32` and `torch.set_float32_matmul_precision` (open_clip's training entry
-point turns TF32 on whenever CUDA is available; "medium" also lets the CPU's oneDNN use bf16). Either would
-silently turn the step's float32 tiles into TF32 or bf16 ones. So the step pins its own setting around its
-tiles and gives the caller's back afterwards:
+point turns TF32 on whenever CUDA is available; "medium" also lets the CPU's oneDNN multiply in bf16). Either
+would silently turn the step's float32 tiles into TF32 or bf16 ones. So the step pins its own setting around
+its tiles and gives the caller's back afterwards:
 
-    "float32"  float32 products ("highest", TF32 off): the default, and the only one the tests hold to 1e-5
-    "tf32"     TF32 products with float32 accumulation ("high"): 10-bit mantissas in, on GPUs only
+    "float32"  float32 products (IEEE, TF32 off): the default, and the one the tests hold to 1e-5
+    "tf32"     TF32 products with float32 accumulation: 10-bit mantissas in, on GPUs only
     "bf16"     the embeddings rounded to bf16, products accumulated in float32. For bf16 embeddings S is then
                the float32-upcast S up to the order of the sums (a bf16 product is exact in float32); the
                Triton kernels also round the coefficient tile to bf16 for their second product, W k (as
@@ -19,26 +19,37 @@ Float64 embeddings multiply in float64 whatever the key says: that is the dtype 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
-TORCH_SETTING = {"float32": "highest", "tf32": "high", "bf16": "highest"}  # bf16 rounds the inputs instead
+# The per-backend settings torch's float32 matmuls read (torch >= 2.9 names them; `allow_tf32` and
+# `set_float32_matmul_precision` write them): cuBLAS on GPUs, oneDNN on CPUs ("medium" sets oneDNN to bf16).
+BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+PINNED = {"float32": ("ieee", "ieee"), "tf32": ("tf32", "ieee"), "bf16": ("ieee", "ieee")}  # bf16 rounds the inputs
+
+
+def matmul_settings() -> tuple[str, ...]:
+    """What cuBLAS's and oneDNN's float32 matmuls do now ("none": torch's default, "ieee", "tf32", "bf16").
+    Read per backend: after a caller mixes allow_tf32 with set_float32_matmul_precision, torch refuses to
+    answer `get_float32_matmul_precision()` at all."""
+    return tuple(backend.fp32_precision for backend in BACKENDS)
 
 
 @contextmanager
 def pinned(precision: str, device_type: str) -> Iterator[None]:
-    """Inside: autocast off and torch's float32 matmul precision as MATMUL_PRECISION says; the caller's
-    settings (both flags) as they were afterwards, whatever happens inside."""
-    saved = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
-    torch.set_float32_matmul_precision(TORCH_SETTING[precision])
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    """Inside: autocast off and the float32 matmuls as MATMUL_PRECISION says; the caller's settings as they
+    were afterwards, whatever happens inside."""
+    saved = matmul_settings()
+    for backend, value in zip(BACKENDS, PINNED[precision]):
+        backend.fp32_precision = value
     try:
-        with torch.autocast(device_type, enabled=False):
+        off = torch.autocast(device_type, enabled=False) if device_type != "meta" else nullcontext()  # meta: counting
+        with off:
             yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.cuda.matmul.allow_tf32 = saved[1]
+        for backend, value in zip(BACKENDS, saved):
+            backend.fp32_precision = value
 
 
 def rounded(z: torch.Tensor, precision: str) -> torch.Tensor:

@@ -86,6 +86,11 @@ def test_the_new_keys_are_checked():
         with pytest.raises(ValueError, match=match):
             config(64, **bad)
     assert config(64, t=None).t is None  # STREAM_CHUNK_SIZE is optional
+    with pytest.raises(ValueError, match="float64"):  # no float64 tl.dot on GPUs: refused, not miscompiled
+        tile_ops("triton", "float32", 8, torch.device("cuda"), torch.float64)
+    assert tile_ops("auto", "float32", 8, torch.device("cuda"), torch.float64).name == "torch"
+    assert tile_ops("auto", "bf16", 8, torch.device("cuda"), torch.float32).name == "triton"
+    assert tile_ops("auto", "bf16", 8, torch.device("cpu"), torch.float32).name == "torch"
     code = (
         "import torch; from distlab.streamed.tile_ops import tile_ops\n"
         "try:\n    tile_ops('triton', 'float32', 8, torch.device('cpu'), torch.float32)\n"

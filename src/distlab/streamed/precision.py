@@ -25,7 +25,8 @@ import torch
 
 # The per-backend settings torch's float32 matmuls read (torch >= 2.9 names them; `allow_tf32` and
 # `set_float32_matmul_precision` write them): cuBLAS on GPUs, oneDNN on CPUs ("medium" sets oneDNN to bf16).
-BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+_BOTH = (torch.backends.cuda.matmul, getattr(torch.backends.mkldnn, "matmul", None))
+BACKENDS = tuple(backend for backend in _BOTH if hasattr(backend, "fp32_precision"))
 PINNED = {"float32": ("ieee", "ieee"), "tf32": ("tf32", "ieee"), "bf16": ("ieee", "ieee")}  # bf16 rounds the inputs
 
 
@@ -41,8 +42,11 @@ def pinned(precision: str, device_type: str) -> Iterator[None]:
     """Inside: autocast off and the float32 matmuls as MATMUL_PRECISION says; the caller's settings as they
     were afterwards, whatever happens inside."""
     saved = matmul_settings()
+    legacy = None if BACKENDS else torch.backends.cuda.matmul.allow_tf32  # a torch before 2.9: the old flag
     for backend, value in zip(BACKENDS, PINNED[precision]):
         backend.fp32_precision = value
+    if not BACKENDS:
+        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     try:
         off = torch.autocast(device_type, enabled=False) if device_type != "meta" else nullcontext()  # meta: counting
         with off:
@@ -50,6 +54,8 @@ def pinned(precision: str, device_type: str) -> Iterator[None]:
     finally:
         for backend, value in zip(BACKENDS, saved):
             backend.fp32_precision = value
+        if not BACKENDS:
+            torch.backends.cuda.matmul.allow_tf32 = legacy
 
 
 def rounded(z: torch.Tensor, precision: str) -> torch.Tensor:

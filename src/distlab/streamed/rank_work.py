@@ -20,6 +20,7 @@ from distlab.streamed.ring import Endpoint, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, sigmoid_gathered
 from distlab.streamed.step import Embedded, Normalisers, own_normalisers, phase3_embedding_grads
 from distlab.streamed.tile_ops import TileOps, tile_ops
+from distlab.streamed.wrappers import compute_dtype
 
 TAU, S_SIGMOID, BETA = 0.07, 10.0, -10.0  # CLIP's temperature; SigLIP's initial scale and bias
 
@@ -43,16 +44,18 @@ class Loopback(Endpoint):
 def one_rank(cfg: StreamConfig, z_x: torch.Tensor, z_y: torch.Tensor, loss: str, ops: TileOps) -> tuple:
     """Rank cfg.rank's tile work on N x d stand-ins Z_x, Z_y (its own rows where the step would have them):
     (G_x, G_y) for its C rows, as the step computes them, no exchange."""
-    own = slice(cfg.offset, cfg.offset + cfg.local)
+    own, dtype = slice(cfg.offset, cfg.offset + cfg.local), compute_dtype(z_x.dtype, z_y.dtype)
     with pinned(ops.precision, z_x.device.type):
-        if cfg.exchange == "ring":
-            x, y, ring = z_x[own].contiguous(), z_y[own].contiguous(), Loopback(cfg.world, cfg.rank)
+        if cfg.exchange == "ring":  # the ring's blocks travel in the compute dtype (`exchange.rank_shares`)
+            x, y = (ops.prepare(z[own].to(dtype)).contiguous() for z in (z_x, z_y))
+            ring = Loopback(cfg.world, cfg.rank)
             shares = (
                 sigmoid_ring(ring, x, y, Logits(S_SIGMOID, BETA), ops)
                 if loss == "sigmoid"
                 else infonce_ring(ring, x, y, 1 / TAU, ops)
             )
             return shares.g_x, shares.g_y
+        z_x, z_y = ops.prepare(z_x), ops.prepare(z_y)  # as the gather hands them over (`step.gather_embeddings`)
         if loss == "sigmoid":
             shares = sigmoid_gathered(z_x, z_y, Logits(S_SIGMOID, BETA), own, ops)
             return shares.g_x, shares.g_y
@@ -72,5 +75,5 @@ def count_rank(cfg: StreamConfig, loss: str, d: int, dtype: torch.dtype) -> Laun
     z_x, z_y = (torch.empty(cfg.n, d, dtype=dtype, device=meta) for _ in range(2))
     ops = tile_ops(cfg.kernels, cfg.precision, cfg.t or 1, meta, dtype)
     with LaunchCount() as count:
-        one_rank(cfg, ops.prepare(z_x), ops.prepare(z_y), loss, ops)
+        one_rank(cfg, z_x, z_y, loss, ops)
     return count

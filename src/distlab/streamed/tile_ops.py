@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,17 +76,25 @@ class TritonTiles:
     """The Triton kernels: one launch per row fold or product, whatever N and T are (T is not used)."""
 
     precision: str = "float32"
+    blocks: Any = None  # a `kernels.launch.Blocks`, or None: the defaults for the dtype and device
     name = "triton"
 
     def prepare(self, z: torch.Tensor) -> torch.Tensor:
         """The kernels read float32, bf16 and fp16 as they are (and float64): nothing to copy."""
         return z
 
+    def _operands(self, *tensors: torch.Tensor) -> tuple:
+        """The tiles' operands in the dtype their products take, converted once here rather than in every
+        slice a kernel loads: bf16 under "bf16" (half the bytes to load), else float32 (a 16-bit operand
+        widened exactly: the float32 kernels spill registers converting it on the fly). Float64 as it is."""
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        return tuple(t if t.dtype == torch.float64 else t.to(dtype) for t in tensors)
+
     def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         from distlab.streamed.kernels.lse import row_lse
         from distlab.streamed.tiles import lse_and_nll
 
-        folded = row_lse(q, k, scale, offset, self.precision)
+        folded = row_lse(*self._operands(q, k), scale, offset, self.precision, blocks=self.blocks)
         return lse_and_nll(folded.m, folded.l, folded.diag)
 
     def both_lse(self, z_x, z_y, scale: float) -> tuple[torch.Tensor, ...]:
@@ -94,7 +103,7 @@ class TritonTiles:
     def pair_product(self, q, k, scale: float, pairing: Pairing) -> torch.Tensor:
         from distlab.streamed.kernels.product import pair_product
 
-        return pair_product(q, k, scale, pairing, self.precision)
+        return pair_product(*self._operands(q, k), scale, pairing, self.precision, blocks=self.blocks)
 
     def sigmoid_block(self, x, y, logits, starts: tuple[int, int], n: int, want: tuple[bool, bool]):
         """Rows against columns: D y for the rows (want[0]) and D^T x for the columns (want[1]), each its own
@@ -102,18 +111,19 @@ class TritonTiles:
         from distlab.streamed.kernels.product import sigmoid_rows
         from distlab.streamed.sigmoid import BlockGrads
 
-        pair, shift = (logits.s, logits.beta), starts[0] - starts[1]
+        pair, shift, (x, y) = (logits.s, logits.beta), starts[0] - starts[1], self._operands(x, y)
         d_y = d_x = None
         if want[0]:
-            d_y, loss, d_sum = sigmoid_rows(x, y, pair, n, shift, self.precision)
+            d_y, loss, d_sum = sigmoid_rows(x, y, pair, n, shift, self.precision, self.blocks)
         if want[1]:
-            d_x, loss, d_sum = sigmoid_rows(y, x, pair, n, -shift, self.precision)
+            d_x, loss, d_sum = sigmoid_rows(y, x, pair, n, -shift, self.precision, self.blocks)
         return BlockGrads(loss, d_y, d_x, d_sum)
 
     def ring_fold(self, x, y_j, scale: float, rows_fold: RowFold, own: bool) -> list:
         from distlab.streamed.kernels.lse import merge, row_lse
 
-        folded = row_lse(x, y_j, scale, 0 if own else None, self.precision, columns=True)
+        x, y_j = self._operands(x, y_j)
+        folded = row_lse(x, y_j, scale, 0 if own else None, self.precision, columns=True, blocks=self.blocks)
         rows_fold.m, rows_fold.l = merge(torch.stack((rows_fold.m, folded.m)), torch.stack((rows_fold.l, folded.l)))
         if own:
             rows_fold.diag_rows, rows_fold.diag_cols = folded.diag, folded.diag

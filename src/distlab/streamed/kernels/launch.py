@@ -3,8 +3,10 @@ launch itself (counted by `distlab.streamed.launches`; on the meta device counte
 
 Block sizes. `tl.dot` needs every side >= 16. bf16 (tensor cores): 128 x 128 tiles of S, d in slices of 64,
 8 warps, 3 stages of software pipelining (the S tile is 64 float32 registers a thread, the bf16 copy of the
-coefficient tile 32, a 128 x 64 slice of the G accumulator 32). float32 / TF32: 64 x 64 tiles, d in slices of
-32, 4 warps. Under the interpreter 32 x 32 x 32 (its cost is per program and per op, not per element);
+coefficient tile 32, a 128 x 64 slice of the G accumulator 32); the sigmoid's product d in slices of 32 with 4
+stages. float32 (IEEE, no tensor cores): 64 x 64, d in slices of 32, 8 warps; TF32: the same with 4 warps.
+Compiled here for sm_90 (Triton 3.9, ptxas -v): 255 registers a thread and no spills for the bf16 ones, 128
+and none for IEEE. Under the interpreter 32 x 32 x 32 (its cost is per program and per op, not per element);
 the tests pass 16 x 16 x 16 and several column ranges where they need block edges crossed.
 
 Column splits. A program owns BLOCK_M rows and walks a range of columns; at one rank's shape of P = 8
@@ -61,11 +63,14 @@ def accumulator(code: int) -> torch.dtype:
     return torch.float64 if code == F64 else torch.float32
 
 
-def default_blocks(code: int, interpreting: bool) -> Blocks:
+def default_blocks(code: int, interpreting: bool, sigmoid: bool = False) -> Blocks:
+    """Block sizes compiled for sm_90 (ptxas -v: no register spills): see the module docstring."""
     if interpreting:
         return Blocks(32, 32, 32, 1, 1)
-    if code == BF16:
-        return Blocks(128, 128, 64, 8, 3)
+    if code == BF16:  # the sigmoid's softplus series needs registers: d in slices of 32 leaves them
+        return Blocks(128, 128, 32, 8, 4) if sigmoid else Blocks(128, 128, 64, 8, 3)
+    if code == IEEE:  # float32 FMA products: 8 warps keep the 64 x 64 tile in 128 registers a thread
+        return Blocks(64, 64, 32, 8, 2)
     return Blocks(64, 64, 32, 4, 2)
 
 

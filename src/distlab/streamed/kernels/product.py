@@ -115,7 +115,7 @@ def _run(q, k, walk: tuple, vectors: tuple, role: int, precision: str, blocks: B
     n_q, d = q.shape
     interpreting = interpreted(product_kernel)
     code = precision_code(precision, q.dtype, interpreting)
-    blocks = blocks or default_blocks(code, interpreting)
+    blocks = blocks or default_blocks(code, interpreting, sigmoid=role == SIGMOID)
     per_split, splits = column_split(n_q, len(k), blocks, q.device)
     g = torch.empty(splits, n_q, d, dtype=accumulator(code), device=q.device)
     loss, d_sum = torch.empty(2, splits, n_q if role == SIGMOID else 1, dtype=g.dtype, device=q.device)

@@ -17,7 +17,8 @@ bf16 matmul floor, at one rank's shape of a large step. Made to run once, in und
     C x N logits, autograd), the 6 C N d bf16 matmul floor (cuBLAS, column chunks of 8,192); the sigmoid by the
     kernels against open_clip's SigLipLoss (`siglip_recipe.block_loss` over the P blocks of C x C, autograd);
     a few block sizes for the kernels; and at P = 1, N = 65,536 the kernels against the 6 N^2 d floor.
-(c) launches and bytes per step of both paths, counted on the meta device at N = 4,096 and 65,536.
+(c) launches and bytes per step of both paths (the gathered InfoNCE), counted on the meta device at N = 4,096
+    and 65,536. --budget S (150 on a GPU): (b) skips what is left once S seconds have passed, and says so.
 
 Each row: the median of --repeats after a warm-up (which compiles), torch.cuda.synchronize around each,
 torch.cuda.max_memory_allocated above what was allocated before. A part that raises (an OOM, a compile error)
@@ -189,23 +190,16 @@ def measure(call, device, repeats) -> dict:
 
 
 def launch_counts(shape) -> list[dict]:
-    """(c): launches and bytes per step of one rank, both paths, counted on the meta device."""
+    """(c): launches and bytes per step of one rank, both paths, the InfoNCE gathered, counted on the meta device
+    (every loss and exchange: `benchmarks/results/clip_step_launches.md`, the same on any device)."""
     rows = []
     for n in (4096, shape["n"]):
-        for loss in ("infonce", "sigmoid"):
-            for exchange in ("gather", "ring"):
-                for kernels, precision in (("triton", "bf16"), ("torch", "float32")):
-                    cfg = config(n, shape["world"], exchange, kernels, precision)
-                    cfg = parse_config(
-                        {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": cfg.local, "TAU": TAU, "EXCHANGE": exchange}
-                        | {"KERNELS": kernels, "MATMUL_PRECISION": precision, "STREAM_CHUNK_SIZE": 1024},
-                        shape["world"],
-                        0,
-                    )
-                    dtype = torch.bfloat16 if kernels == "triton" else torch.float32
-                    count = count_rank(cfg, loss, shape["d"], dtype)
-                    rows.append(dict(n=n, loss=loss, exchange=exchange, kernels=kernels, launches=count.launches))
-                    rows[-1]["bytes"] = count.moved_bytes
+        for kernels, precision, dtype in (("triton", "bf16", torch.bfloat16), ("torch", "float32", torch.float32)):
+            keys = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": n // shape["world"], "STREAM_CHUNK_SIZE": 1024}
+            keys |= {"TAU": TAU, "KERNELS": kernels, "MATMUL_PRECISION": precision}
+            count = count_rank(parse_config(keys, shape["world"], 0), "infonce", shape["d"], dtype)
+            rows.append(dict(n=n, loss="infonce", exchange="gather", kernels=kernels, launches=count.launches))
+            rows[-1]["bytes"] = count.moved_bytes
     return rows
 
 
@@ -260,6 +254,7 @@ def parse_args():
     parser.add_argument("out", help="folder for kernels_gpu.json and kernels_gpu.md")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method")
+    parser.add_argument("--budget", type=float, help="seconds after which (b) skips what is left (GPU: 150)")
     return parser.parse_args()
 
 
@@ -269,6 +264,7 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu-dry-run (and TRITON_INTERPRET=1) on a CPU")
     shape, started = SHAPES["cpu" if args.cpu_dry_run else "gpu"], time.perf_counter()
+    budget = args.budget or (float("inf") if args.cpu_dry_run else 150.0)  # the dry run runs every path
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
@@ -277,6 +273,9 @@ def main() -> int:
     report["exact"] = guarded("(a) exact", lambda: check_exact(shape, device), report)
     calls, report["timing"] = guarded("(b) set-up", lambda: methods(shape, device), report) or {}, {}
     for method, (setting, call) in calls.items():
+        if time.perf_counter() - started > budget:  # the lent GPU's minutes are few: stop, say so
+            report["skipped"][method] = f"not run: the {budget:.0f} s budget was spent"
+            continue
         got = guarded(method, lambda call=call: measure(call, device, args.repeats), report)
         if got is not None:
             report["timing"][method] = dict(setting=setting, **got)

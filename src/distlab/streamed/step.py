@@ -21,10 +21,12 @@ phase 4  `phase4_outputs`, `phase4_backward`: the micro-batch's outputs with a g
          wrapper's reduction factor (its average of the ranks' VJPs becomes their sum: the gradient).
 phase 5  the wrapper's reduction [sync 2]: every micro-batch's backward but the last runs with it off.
 
-The loss-specific math is phases 2 and 3 (with `tiles`); the exchange is `gather_embeddings`; the
-guards are `guards.ready_step`; a rank that dies mid-step is named by `peers`; wrappers, BatchNorm and
-precision are `wrappers`. Every exchange runs over the wrapper's process group. Cost per rank:
-6 C N d multiply-adds of loss machinery, O(N d) memory plus tiles of at most T x T.
+The loss-specific math is phases 2 and 3, done by `tile_ops` (KERNELS: the torch tiles of `tiles`, or the
+Triton kernels of `kernels`, at MATMUL_PRECISION, pinned by `precision`; T from `tile_size` when the config
+leaves it out); the exchange is `gather_embeddings`; the guards are `guards.ready_step`; a rank that dies
+mid-step is named by `peers`; wrappers, BatchNorm and autocast are `wrappers`. Every exchange runs over the
+wrapper's process group. Cost per rank: 6 C N d multiply-adds of loss machinery, O(N d) memory plus tiles of
+at most T x T (the kernels' tiles live in registers).
 """
 
 from __future__ import annotations
@@ -312,8 +314,10 @@ def distributed_backward(
     (z_x, z_y, s) with s the logit scale (then config has no TAU), or open_clip's dict of them
     (output_dict=True); what trains is read from the parameters and from which outputs require grad.
     N is the batch of the wrapper's process group (a DDP subgroup: its ranks only). config:
-    GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T), TAU unless the model returns
-    s, optional NORMALISERS ("sharded" | "replicated"). With `grad_scaler` (torch.amp.GradScaler) the
+    GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), TAU unless the model returns s; optional
+    STREAM_CHUNK_SIZE (T), NORMALISERS ("sharded" | "replicated"), EXCHANGE ("gather" | "ring"),
+    KERNELS ("auto" | "torch" | "triton"), MATMUL_PRECISION ("float32" | "tf32" | "bf16"), as
+    `config` describes them. With `grad_scaler` (torch.amp.GradScaler) the
     VJP is scaled as scaler.scale(loss).backward() would scale it. Called inside `model.no_sync()` it
     accumulates without reducing; the next call outside reduces, once. Bad inputs raise the same
     ValueError on every rank before the first all-gather (a RuntimeError when model(x, y) itself

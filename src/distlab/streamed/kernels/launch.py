@@ -1,13 +1,14 @@
 """Launching the kernels: the precision code, block sizes, how the columns are split across programs, and the
 launch itself (counted by `distlab.streamed.launches`; on the meta device counted and not run).
 
-Block sizes. `tl.dot` needs every side >= 16. bf16 (tensor cores): 128 x 128 tiles of S, d in slices of 64,
-8 warps, 3 stages of software pipelining (the S tile is 64 float32 registers a thread, the bf16 copy of the
-coefficient tile 32, a 128 x 64 slice of the G accumulator 32); the sigmoid's product d in slices of 32 with 4
-stages. float32 (IEEE, no tensor cores): 64 x 64, d in slices of 32, 8 warps; TF32: the same with 4 warps.
-Compiled here for sm_90 (Triton 3.9, ptxas -v): 255 registers a thread and no spills for the bf16 ones, 128
-and none for IEEE. Under the interpreter 32 x 32 x 32 (its cost is per program and per op, not per element);
-the tests pass 16 x 16 x 16 and several column ranges where they need block edges crossed.
+Block sizes. `tl.dot` needs every side >= 16. bf16 (tensor cores): 128 x 64 tiles of S, d in slices of 64,
+8 warps, 3 stages of software pipelining; the sigmoid's product d in slices of 32 with 4 stages. float32 (IEEE,
+no tensor cores): 64 x 64, d in slices of 32, 8 warps; TF32: the same with 4 warps. Each compiles for sm_90
+without register spills under both Triton 3.6 (the GPU image's) and 3.9 (`benchmarks/kernels_compile_check.py`:
+160-255 registers a thread); 128 x 128 bf16 tiles spill under 3.6 (up to 448 bytes), so `kernels_gpu.py` times
+them beside the default rather than make them it. Under the interpreter 32 x 32 x 32 (its cost is per program
+and per op, not per element); the tests pass 16 x 16 x 16 and several column ranges where they need block edges
+crossed.
 
 Column splits. A program owns BLOCK_M rows and walks a range of columns; at one rank's shape of P = 8
 (C = 8,192 rows, BLOCK_M = 128) that is 64 programs, half an H100's 132 SMs. So the columns are cut into
@@ -68,7 +69,7 @@ def default_blocks(code: int, interpreting: bool, sigmoid: bool = False) -> Bloc
     if interpreting:
         return Blocks(32, 32, 32, 1, 1)
     if code == BF16:  # the sigmoid's softplus series needs registers: d in slices of 32 leaves them
-        return Blocks(128, 128, 32, 8, 4) if sigmoid else Blocks(128, 128, 64, 8, 3)
+        return Blocks(128, 64, 32, 8, 4) if sigmoid else Blocks(128, 64, 64, 8, 3)
     if code == IEEE:  # float32 FMA products: 8 warps keep the 64 x 64 tile in 128 registers a thread
         return Blocks(64, 64, 32, 8, 2)
     return Blocks(64, 64, 32, 4, 2)

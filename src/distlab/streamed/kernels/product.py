@@ -17,9 +17,10 @@ of 64-256. The choices: (a) a grid over (row block, d slice) that keeps a BLOCK_
 registers, which recomputes all of S once per d slice (d / BLOCK_D times the S work: 16x at d = 1,024); or
 (b) keep W in registers and add W k[cols] into G in global memory one d slice at a time (Inf-CL's design).
 This is (b): per BLOCK_N columns it reads and writes the program's BLOCK_M x d slice of G once (8 BLOCK_M d
-bytes) against 2 BLOCK_M BLOCK_N d multiply-adds, 4 / BLOCK_N bytes per multiply-add (1/32 at BLOCK_N = 128,
-mostly from L2: a program's rows of G stay hot while it walks its columns). Each program owns its rows of its
-own partial G (one per column range), so there are no atomics and the result is deterministic.
+bytes) against 2 BLOCK_M BLOCK_N d multiply-adds, 4 / BLOCK_N bytes per multiply-add (1/16 at the default
+BLOCK_N = 64 for bf16; from L2 while a program's rows of G stay in it as it walks its columns, an assumption
+the GPU run can test). Each program owns its rows of its own partial G (one per column range), so there are no
+atomics and the result is deterministic.
 
 Cost per launch, q of n_q rows, k of n_k: 2 n_q n_k d multiply-adds (S, then W k), two exps per element of S
 (InfoNCE) or one exp and the series log1p (sigmoid).

@@ -19,7 +19,9 @@ Parts (d = 256, float32, T = 512):
   sigmoid  the sigmoid loss machinery: open_clip's SigLipLoss recipe (bidir, gather) against the
            streamed sigmoid loss (gather, ring).
 --fixed-c C runs the loss and sigmoid parts once at N = C P, into clip_step_c{C}_p{P}: run at several P,
-it gives peak memory per rank against P at a fixed C (`--report` tables them together).
+it gives peak memory per rank against P at a fixed C (`--report` tables them together). Every run also
+counts the launches and bytes per step of both tile paths (torch tiles, Triton kernels) at its smallest and
+largest N on the meta device (`clip_step_launches.py`; run alone it counts the GPU-sized step).
 
 Memory: the peak of tensor storage a call allocated on a rank (`distlab.memory.PeakMemory`; also
 `torch.cuda.max_memory_allocated` on GPUs), the worst rank, in its own run (watching every op slows
@@ -48,6 +50,7 @@ from distlab.runtime import distributed, run_main
 from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
+from clip_step_launches import count_launches, launch_markdown  # noqa: E402
 from clip_step_losses import (
     B_C8,
     B_EQ_C,
@@ -189,6 +192,15 @@ def device_name(rt) -> str:
     )
 
 
+def launches_per_step(args, rt) -> list[dict]:
+    """Launches and bytes per step of both tile paths at the smallest and largest N, counted on the meta
+    device (no timing), printed."""
+    sizes = sorted({args.sizes[0], args.sizes[-1]})
+    launches = count_launches(sizes, rt.world_size, args.dim, args.stream_chunk)
+    print0(launch_markdown(launches, rt.world_size, args.dim, args.stream_chunk), highlight=False)
+    return launches
+
+
 def write_reports() -> str:
     """Every report from the JSON in results/: the P = 2 tables and plot, and memory against P."""
     text = write_report(RESULTS / "clip_step_p2.json")
@@ -231,11 +243,14 @@ def main() -> int:
         results = {part: run_part(part, args, rt) for part in args.parts}
         meta["load_average_after"] = os.getloadavg()[0]
         if rt.is_first:
+            launches = launches_per_step(args, rt)
             name = f"clip_step_c{args.fixed_c}_p{rt.world_size}" if args.fixed_c else f"clip_step_p{rt.world_size}"
             out = Path(args.out) if args.out else RESULTS / name
             out.parent.mkdir(parents=True, exist_ok=True)
             out.with_suffix(".json").write_text(
-                json.dumps({"meta": meta, "agreement_max_rel": agreement, "results": results}, indent=1)
+                json.dumps(
+                    {"meta": meta, "agreement_max_rel": agreement, "results": results, "launches": launches}, indent=1
+                )
             )
             if args.fixed_c:
                 print0(

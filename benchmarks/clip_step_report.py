@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from clip_step_launches import launch_markdown
 from clip_step_losses import (
     B_C8,
     B_EQ_C,
@@ -159,6 +160,8 @@ def markdown(data: dict) -> str:
         if part in results:
             lines += _part_table(part, results[part], meta["sizes"])
     lines += ["**Targets** (ratios from this one interleaved run)", "", *_target_lines(targets(results, meta["sizes"]))]
+    if "launches" in data:  # runs from before the kernels have no count
+        lines += ["", launch_markdown(data["launches"], meta["world"], meta["dim"], meta["stream_chunk"])]
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,16 @@ a sharded phase 2 and a one-forward regime (B >= C = N / P: each pair runs once,
 Two loops, two functions: the classic one (a DistributedSampler, `distributed_train_step`, fixed TAU) and
 the caller-owned one (a learned scale; `distributed_backward`, then the loop clips, steps, clamps s).
 
+On a GPU: the kernel is FlashAttention's idea applied to the contrastive loss. Written in torch, each
+T x T tile of S is made in memory and walked by a dozen ops, each a kernel launch reading and writing the
+whole tile: launches grow as (C / T)(N / T), seconds of host time per step at N = 65,536. The library's
+Triton kernels (config KERNELS, src/distlab/streamed/kernels/) keep the tile in registers instead: one
+launch walks every column block for a block of rows, makes each S tile from Z_x, Z_y (d in slices), folds
+it into the row LSEs (phase 2) or turns it into R + Q - 2 delta and multiplies it into G (phase 3), and
+drops it. `launches_table` counts both, for one rank of P = 8 at d = 1,024, on the meta device (nothing
+is computed): the kernels' launches per step are the same at every N, and their bytes are the embeddings,
+the normalisers and G, not the tiles.
+
 The self-check: `streamed_backward` and each loop's step 1 against a deep copy on the whole batch, plain
 autograd, each rank's dropout replayed; `streamed_backward` against `distributed_backward` (float64,
 every parameter and the scale); the largest temporary the step made against N x N, C x N and B x N.
@@ -38,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rich.table import Table
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -56,6 +67,7 @@ from distlab.online_softmax import online_fold
 from distlab.random_state import RandContext
 from distlab.runtime import distributed, run_main
 from distlab.streamed.config import StreamConfig, parse_config, regime
+from distlab.streamed.rank_work import count_rank
 from distlab.verdict import Verdict
 from distributed_clip import distributed_backward, distributed_train_step
 
@@ -309,6 +321,28 @@ def run_caller_owned(run: Run, verdict: Verdict) -> None:
     verdict.figure("learned tau", 1 / model.logit_scale.exp().item())
 
 
+def launches_table(verdict: Verdict) -> None:
+    """Launches and bytes per step of one rank (P = 8, d = 1,024, T = 1,024), the torch tiles against the
+    fused kernels, counted on the meta device at two N (`distlab.streamed.rank_work.count_rank`)."""
+    table = Table(title="one rank's step, P = 8, d = 1024, T = 1024 (counted, not run)", title_justify="left")
+    for column in ("N", "path", "launches", "GiB read + written"):
+        table.add_column(column, justify="left" if column == "path" else "right")
+    counts = {}
+    for n in (4096, 16384):
+        for kernels, precision, dtype in (("torch", "float32", torch.float32), ("triton", "bf16", torch.bfloat16)):
+            keys = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": n // 8, "STREAM_CHUNK_SIZE": 1024, "TAU": 0.07}
+            cfg = parse_config(keys | {"KERNELS": kernels, "MATMUL_PRECISION": precision}, 8, 0)
+            count = counts[n, kernels] = count_rank(cfg, "infonce", 1024, dtype)
+            name = "torch tiles, float32" if kernels == "torch" else "Triton kernels, bf16"
+            table.add_row(f"{n:,}", name, f"{count.launches:,}", f"{count.moved_bytes / 2**30:.2f}")
+    print0(table)
+    verdict.check(
+        "the fused kernels launch as many kernels per step at N = 16,384 as at 4,096 (the torch tiles: more)",
+        counts[4096, "triton"].launches == counts[16384, "triton"].launches
+        and counts[16384, "torch"].launches > counts[4096, "torch"].launches,
+    )
+
+
 def main() -> int:
     args = parse_args()
     with distributed(args.device) as rt:
@@ -322,6 +356,7 @@ def main() -> int:
         check_mechanism(run, verdict)
         run_classic(run, verdict)
         run_caller_owned(run, verdict)
+        launches_table(verdict)
         return verdict.finish(args.json)
 
 

@@ -21,16 +21,19 @@ DROPOUT_SEED = 100  # rank r's dropout stream starts from torch.manual_seed(DROP
 
 class Towers(nn.Module):
     """Two small towers (Linear, [BatchNorm], Tanh, Dropout, Linear) with L2-normalised outputs and,
-    with `scale_shape`, a learnable logit scale s = exp(logit_scale) returned third (open_clip's way).
+    with `scale_shape`, a learnable logit scale s = exp(logit_scale) returned third (open_clip's way);
+    embeddings of `width` (d, 8 unless given).
     `float32_out` names the towers whose embeddings leave the model in float32 (under autocast)."""
 
-    def __init__(self, scale_shape=None, dropout=0.0, batchnorm=False, dtype=torch.float64, float32_out=(), seed=0):
+    def __init__(
+        self, scale_shape=None, dropout=0.0, batchnorm=False, dtype=torch.float64, float32_out=(), seed=0, width=8
+    ):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
 
         def tower(dim_in):
             layers = [nn.Linear(dim_in, 16, dtype=dtype)] + ([nn.BatchNorm1d(16, dtype=dtype)] if batchnorm else [])
-            layers += [nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 8, dtype=dtype)]
+            layers += [nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, width, dtype=dtype)]
             with torch.no_grad():
                 for p in (q for layer in layers for q in layer.parameters()):
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) * 0.4)

@@ -74,7 +74,8 @@ def test_lesson_passes_at_p3_with_its_default_batch_and_uneven_micro_batches(mon
         LESSON, 3, "--epochs", "2", "--dataset-size", "1920", "--normalisers", "replicated"
     )
     assert "regime: recompute (B = 96 < C = 320): 4 micro-batches of 80 pairs" in " ".join(out.split())
-    assert out.count("PASS ") == 7 and "Epoch 1, Step 1, Loss" in out and "learned tau" in out
+    assert out.count("PASS ") == 8 and "Epoch 1, Step 1, Loss" in out and "learned tau" in out
+    assert "kernels per step at N = 16,384 as at 4,096" in " ".join(out.split())  # the kernels' section
 
 
 def test_a_bad_config_is_one_clear_error_and_exit_code_2():

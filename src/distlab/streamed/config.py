@@ -1,11 +1,14 @@
 """The streamed step's config: the dict a caller passes, read into the names the math uses.
 
-Keys: GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T), TAU (tau; leave it out when
-the model returns its own logit scale s), and the optional NORMALISERS, how phase 2 computes the
-log-normalisers a, b: "sharded" (default; each rank its own C rows and columns of S, then a tiny
-all-gather) or "replicated" (every rank all N^2 similarities, no exchange); and the optional EXCHANGE,
-how the ranks' embeddings meet: "gather" (default; every rank holds N x 2d) or "ring" (C x d blocks
-pass rank to rank, `distlab.streamed.ring`). A misspelt key is reported with the closest known name
+Keys: GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), TAU (tau; leave it out when the model returns its own
+logit scale s), and the optional STREAM_CHUNK_SIZE (T, the side of the torch tiles; left out: from the
+device and a memory budget, `tile_size`); NORMALISERS, how phase 2 computes the log-normalisers a, b:
+"sharded" (default; each rank its own C rows and columns of S, then a tiny all-gather) or "replicated"
+(every rank all N^2 similarities, no exchange); EXCHANGE, how the ranks' embeddings meet: "gather"
+(default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring`);
+KERNELS, who does the tile work: "auto" (default: the Triton kernels on CUDA tensors, the torch tiles
+elsewhere), "torch" or "triton" (`tile_ops`); MATMUL_PRECISION, how the tiles multiply: "float32"
+(default), "tf32" or "bf16" (`precision`). A misspelt key is reported with the closest known name
 rather than silently ignored. `parse_config` is pure: given the same dict it raises the same ValueError on every rank.
 """
 
@@ -20,8 +23,10 @@ from typing import Any
 
 from distlab.chunks import balanced_chunks
 
-REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE", "STREAM_CHUNK_SIZE")
-OPTIONAL = ("TAU", "NORMALISERS", "EXCHANGE")
+REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE")
+OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION")
+KERNELS = ("auto", "torch", "triton")  # `tile_ops`
+MATMUL_PRECISIONS = ("float32", "tf32", "bf16")  # `precision`
 NORMALISERS = ("sharded", "replicated")
 EXCHANGES = ("gather", "ring")
 DEFAULT_NORMALISERS = "sharded"  # measured faster for P >= 2 (benchmarks/contrastive_scaling.py)
@@ -33,13 +38,15 @@ class StreamConfig:
 
     n: int  # N, the global batch
     b: int  # B, the largest micro-batch
-    t: int  # T, the stream chunk (tiles are at most T x T)
+    t: int | None  # T, the stream chunk (tiles are at most T x T); None: from the device (`tile_size`)
     tau: float | None  # None: the model returns the logit scale s
     normalisers: str  # "sharded" or "replicated"
     world: int  # P, the size of the group the wrapper reduces over
     rank: int  # this rank's place in that group
     group: Any = field(default=None, compare=False)  # that process group (None: the world)
     exchange: str = "gather"  # "gather" or "ring"
+    kernels: str = "auto"  # who does the tile work: "auto", "torch" or "triton" (`tile_ops`)
+    precision: str = "float32"  # MATMUL_PRECISION: "float32", "tf32" or "bf16" (`precision`)
 
     @property
     def local(self) -> int:
@@ -121,15 +128,22 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = 
         raise ValueError(
             f"config is missing {missing}; it needs {list(REQUIRED)}, and TAU unless the model returns its logit scale"
         )
-    n, b, t = (_int_key(config, k) for k in REQUIRED)
+    n, b = (_int_key(config, k) for k in REQUIRED)
+    t = _int_key(config, "STREAM_CHUNK_SIZE") if "STREAM_CHUNK_SIZE" in config else None
     normalisers = config.get("NORMALISERS", DEFAULT_NORMALISERS)
     if normalisers not in NORMALISERS:
         raise ValueError(f"config['NORMALISERS'] must be one of {NORMALISERS}, got {normalisers!r}")
     exchange = config.get("EXCHANGE", "gather")
     if exchange not in EXCHANGES:
         raise ValueError(f"config['EXCHANGE'] must be one of {EXCHANGES}, got {exchange!r}")
+    kernels = config.get("KERNELS", "auto")
+    if kernels not in KERNELS:
+        raise ValueError(f"config['KERNELS'] must be one of {KERNELS}, got {kernels!r}")
+    precision = config.get("MATMUL_PRECISION", "float32")
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"config['MATMUL_PRECISION'] must be one of {MATMUL_PRECISIONS}, got {precision!r}")
     if n % world:
         raise ValueError(
             f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: every rank must hold N / P pairs"
         )
-    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange)
+    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange, kernels, precision)

@@ -28,8 +28,10 @@ import torch.distributed as dist
 
 from distlab import compat
 from distlab.comm.ledger import Ledger
+from distlab.streamed.precision import pinned
 from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_gathered
+from distlab.streamed.tile_ops import as_tile_ops
 from distlab.streamed.wrappers import compute_dtype
 
 step_ledger = Ledger()  # what this rank sent in the current step (`step` clears it as a step begins)
@@ -53,16 +55,19 @@ def expected_bytes(
     return (world - 1) * (2 * c * d * w + extra)
 
 
-def gather_pairs(z_x: torch.Tensor, z_y: torch.Tensor, n: int, group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_pairs(
+    z_x: torch.Tensor, z_y: torch.Tensor, n: int, group: Any = None, upcast: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather this rank's C x d z_x, z_y over `group` (the wrapper's; None: the world) into N x d Z_x,
     Z_y in rank order: one collective for both (z_x | z_y side by side, in their own dtype when they share
-    one; matmul reads the halves' row stride of 2d as is), upcast to the compute dtype after."""
+    one; matmul reads the halves' row stride of 2d as is), upcast to the compute dtype after (`upcast`; the
+    Triton kernels read bf16 and fp16 as they are)."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     wire = z_x.dtype if z_x.dtype == z_y.dtype else dtype
     mine = torch.cat((z_x.to(wire), z_y.to(wire)), dim=1)
     gathered = mine.new_empty((n, mine.shape[1]))
     all_gather_counted(gathered, mine, group, "embeddings")
-    gathered = gathered.to(dtype)
+    gathered = gathered.to(dtype) if upcast else gathered
     return gathered[:, : z_x.shape[1]], gathered[:, z_x.shape[1] :]
 
 
@@ -74,26 +79,29 @@ def summed_over_ranks(part: torch.Tensor, group: Any = None) -> float:
 
 
 def rank_shares(
-    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, exchange: str, t: int, group: Any = None
+    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, exchange: str, tiles, group: Any = None
 ) -> tuple[RankGrads, float]:
     """This rank's C rows' (G_x, G_y, dL/ds share, dL/dbeta share) and the global L, from its own detached
     C x d embeddings: a `Logits` (s, beta) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
-    InfoNCE gather runs per micro-batch in `step`), over `group` (None: the world). Autocast off; the
+    InfoNCE gather runs per micro-batch in `step`), over `group` (None: the world). `tiles` does the tile
+    work (`tile_ops`; an int T: the torch tiles) under its matmul precision, autocast off; sums in the
     compute dtype throughout."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dtype = compute_dtype(z_x.dtype, z_y.dtype)
-    with torch.autocast(z_x.device.type, enabled=False):
+    dtype, tiles = compute_dtype(z_x.dtype, z_y.dtype), as_tile_ops(tiles)
+    with pinned(tiles.precision, z_x.device.type):
         if exchange == "ring":
-            x, y = z_x.to(dtype).contiguous(), z_y.to(dtype).contiguous()
+            x, y = (tiles.prepare(z.to(dtype)).contiguous() for z in (z_x, z_y))
             ring = P2PRing(world, rank, group, step_ledger)
             shares = (
-                sigmoid_ring(ring, x, y, logits, t)
+                sigmoid_ring(ring, x, y, logits, tiles)
                 if isinstance(logits, Logits)
-                else infonce_ring(ring, x, y, logits, t)
+                else infonce_ring(ring, x, y, logits, tiles)
             )
         else:
             c = len(z_x)
-            all_x, all_y = gather_pairs(z_x, z_y, c * world, group)
+            all_x, all_y = (tiles.prepare(z) for z in gather_pairs(z_x, z_y, c * world, group, upcast=False))
+            if all_x.dtype != all_y.dtype:
+                all_x, all_y = all_x.to(dtype), all_y.to(dtype)
             own = slice(rank * c, rank * c + c)
-            shares = sigmoid_gathered(all_x, all_y, logits, own, t)
+            shares = sigmoid_gathered(all_x, all_y, logits, own, tiles)
         return shares, summed_over_ranks(shares.loss_part, group)

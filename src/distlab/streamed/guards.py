@@ -34,11 +34,12 @@ import torch.distributed as dist
 
 from distlab.agree import message_length, per_rank, raise_together, rank_table
 from distlab.split_inputs import samples_in
-from distlab.streamed.config import EXCHANGES, NORMALISERS, StreamConfig, parse_config
+from distlab.streamed.config import EXCHANGES, KERNELS, MATMUL_PRECISIONS, NORMALISERS, StreamConfig, parse_config
+from distlab.streamed.tile_ops import kernels_problem
 from distlab.streamed.wrappers import Wrapped, batchnorm_in_training, first_device, trainable, unwrap
 
 DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-BEFORE = ("problem", "N", "B", "TAU", "NORMALISERS", "EXCHANGE", "rows_x", "rows_y")
+BEFORE = ("problem", "N", "B", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION", "rows_x", "rows_y")
 AFTER = ("problem", "raised", "d_x", "d_y", "dtype_x", "dtype_y", "scale", "has_bias", "bias")
 NOT_KNOWN = float("nan")
 LEARNABLE = 0.0  # the TAU field of a rank whose model returns its own logit scale
@@ -146,7 +147,10 @@ def _check_locally(model: Any, local_x: Any, local_y: Any, config: Mapping[str, 
             "a static-graph DDP does not support. Use B >= C (one forward) or DDP without "
             "static_graph"
         )
-    return Ready(cfg, wrapped, wrapped.reduction_factor, first_device(wrapped.inner, local_x))
+    device = first_device(wrapped.inner, local_x)
+    if (problem := kernels_problem(cfg.kernels, device)) is not None:
+        raise ValueError(problem)
+    return Ready(cfg, wrapped, wrapped.reduction_factor, device)
 
 
 OPEN_CLIP_KEYS = ("image_features", "text_features", "logit_scale", "logit_bias")  # open_clip's output_dict=True
@@ -236,6 +240,8 @@ def _agree_before_forward(
             TAU=LEARNABLE if cfg.tau is None else cfg.tau,
             NORMALISERS=NORMALISERS.index(cfg.normalisers),
             EXCHANGE=EXCHANGES.index(cfg.exchange),
+            KERNELS=KERNELS.index(cfg.kernels),
+            MATMUL_PRECISION=MATMUL_PRECISIONS.index(cfg.precision),
         )
     for key, batch in zip(("rows_x", "rows_y"), batches):
         row[key] = _samples_or_unknown(batch)
@@ -245,8 +251,10 @@ def _agree_before_forward(
         "TAU": lambda v: "learnable scale" if v == LEARNABLE else f"{v:g}",
         "NORMALISERS": lambda v: NORMALISERS[int(v)],
         "EXCHANGE": lambda v: EXCHANGES[int(v)],
+        "KERNELS": lambda v: KERNELS[int(v)],
+        "MATMUL_PRECISION": lambda v: MATMUL_PRECISIONS[int(v)],
     }
-    for key in ("N", "B", "TAU", "NORMALISERS", "EXCHANGE"):
+    for key in ("N", "B", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION"):
         if _differ(column[key]):
             raise ValueError(
                 f"config differs across ranks, {KEY_NAMES.get(key, key)}: "

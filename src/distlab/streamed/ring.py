@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distlab.chunks import chunks
 from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import Posted
 from distlab.comm.ring import Ring
-from distlab.online_softmax import online_fold, rescale
-from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_block
-from distlab.streamed.tiles import diagonal_crossing, lse_and_nll, pair_coefficients
+from distlab.online_softmax import rescale
+from distlab.streamed.sigmoid import Logits, RankGrads
+from distlab.streamed.tile_ops import as_tile_ops
+from distlab.streamed.tiles import Pairing, RowFold, lse_and_nll
+from distlab.streamed.wrappers import compute_dtype
 
 
 @dataclass
@@ -165,43 +166,28 @@ def _add(received: list, partial: list) -> list:
     return [r.add_(p) for r, p in zip(received, partial)]
 
 
-def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, t: int) -> RankGrads:
+def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, tiles) -> RankGrads:
     """This rank's share of the symmetric InfoNCE and its gradients, from its own C x d z_x, z_y and
-    the two ring passes (4 C N d). g_y is for this rank's own C columns (= its pairs' z_y)."""
-    c, n, me = len(x), len(x) * ring.world, ring.rank
-    kw = dict(dtype=x.dtype, device=x.device)
-    xs = x * s
-    row_m, row_l = torch.full((c,), float("-inf"), **kw), torch.zeros(c, **kw)
-    row_diag, col_diag = torch.empty(c, **kw), torch.empty(c, **kw)
+    the two ring passes (4 C N d with the torch tiles, 5 with the kernels: `tile_ops`). g_y is for this
+    rank's own C columns (= its pairs' z_y). `tiles`: a TileOps, or T (the torch tiles)."""
+    c, n, me, tiles = len(x), len(x) * ring.world, ring.rank, as_tile_ops(tiles)
+    kw = dict(dtype=compute_dtype(x.dtype), device=x.device)
+    fold = RowFold(
+        torch.full((c,), float("-inf"), **kw), torch.zeros(c, **kw), torch.empty(c, **kw), torch.empty(c, **kw)
+    )
 
     def lse_partials(owner: int, ahead: list) -> list:  # pass 1: S once, C N d
-        y_j, col_m, col_l = ahead[0], torch.full((c,), float("-inf"), **kw), torch.zeros(c, **kw)
-        for rows in chunks(c, t):
-            for cols in chunks(c, t):
-                tile = xs[rows] @ y_j[cols].T
-                hit = diagonal_crossing(rows.start, cols.start, len(tile), tile.shape[1])
-                if owner == me and hit:
-                    row_diag[rows][hit[0]] = col_diag[cols][hit[1]] = tile[hit].diagonal()
-                col_m[cols], col_l[cols] = online_fold(col_m[cols], col_l[cols], tile.clone(), dim=0)
-                row_m[rows], row_l[rows] = online_fold(row_m[rows], row_l[rows], tile, dim=1)
-        return [col_m, col_l]
+        return tiles.ring_fold(x, ahead[0], s, fold, owner == me)
 
     col_m, col_l = ring_pass(ring, [y], lse_partials, _merge_lse)
-    a, nll_x = lse_and_nll(row_m, row_l, row_diag)
-    b, nll_y = lse_and_nll(col_m, col_l, col_diag)
+    a, nll_x = lse_and_nll(fold.m, fold.l, fold.diag_rows)
+    b, nll_y = lse_and_nll(col_m, col_l, fold.diag_cols)
     coef = torch.expm1(-nll_x) + torch.expm1(-nll_y)  # R_ii + Q_ii - 2, no cancellation
-    pair_y = torch.zeros_like(x)  # (R + Q - 2 delta) z_y for my rows
+    pair_y = torch.zeros(x.shape, **kw)  # (R + Q - 2 delta) z_y for my rows
 
-    def products(owner: int, ahead: list) -> list:  # pass 2: S and its two products: 3 C N d
-        (y_j, b_j), part = ahead, torch.zeros_like(ahead[0])
-        for rows in chunks(c, t):
-            for cols in chunks(c, t):
-                tile = xs[rows] @ y_j[cols].T
-                hit = diagonal_crossing(rows.start, cols.start, len(tile), tile.shape[1])
-                tile = pair_coefficients(tile, a[rows], b_j[cols], hit if owner == me else None, coef[rows])
-                pair_y[rows].addmm_(tile, y_j[cols])
-                part[cols].addmm_(tile.T, x[rows])
-        return [part]
+    def products(owner: int, ahead: list) -> list:  # pass 2: S and its two products
+        (y_j, b_j) = ahead
+        return [tiles.ring_products(x, y_j, s, Pairing(a, b_j, coef, 0 if owner == me else None), pair_y)]
 
     (pair_x,) = ring_pass(ring, [y, b], products, _add)  # (R + Q - 2 delta)^T z_x for my columns
     scale = s / (2 * n)
@@ -210,18 +196,16 @@ def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, t: 
     )
 
 
-def sigmoid_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, logits: Logits, t: int) -> RankGrads:
-    """This rank's share of the sigmoid loss and its gradients from one ring pass (3 C N d): the text
-    blocks travel, D^T z_x rides with them and carries G_y home."""
-    c, n, me = len(x), len(x) * ring.world, ring.rank
-    own = {
-        "loss": torch.zeros((), dtype=x.dtype, device=x.device),
-        "d_y": torch.zeros_like(x),
-        "d_sum": torch.zeros((), dtype=x.dtype, device=x.device),
-    }
+def sigmoid_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, logits: Logits, tiles) -> RankGrads:
+    """This rank's share of the sigmoid loss and its gradients from one ring pass (3 C N d with the torch
+    tiles, 4 with the kernels): the text blocks travel, D^T z_x rides with them and carries G_y home.
+    `tiles`: a TileOps, or T (the torch tiles)."""
+    c, n, me, tiles = len(x), len(x) * ring.world, ring.rank, as_tile_ops(tiles)
+    kw = dict(dtype=compute_dtype(x.dtype), device=x.device)
+    own = {"loss": torch.zeros((), **kw), "d_y": torch.zeros(x.shape, **kw), "d_sum": torch.zeros((), **kw)}
 
     def visit(owner: int, ahead: list) -> list:
-        blk = sigmoid_block(x, ahead[0], logits, (me * c, owner * c), n, t)
+        blk = tiles.sigmoid_block(x, ahead[0], logits, (me * c, owner * c), n, (True, True))
         own["loss"] += blk.loss_sum
         own["d_y"] += blk.d_y
         own["d_sum"] += blk.d_sum

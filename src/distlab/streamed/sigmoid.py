@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from distlab.chunks import chunks
+from distlab.streamed.tile_ops import as_tile_ops
 from distlab.streamed.tiles import diagonal_crossing
 
 
@@ -108,15 +109,14 @@ class RankGrads:
     g_b: torch.Tensor | None  # this rank's share of dL/dbeta (None: the loss has no bias)
 
 
-def sigmoid_gathered(
-    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, t: int, want_g_y: bool = True
-) -> RankGrads:
+def sigmoid_gathered(z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, tiles, want_g_y: bool = True):
     """With the gathered N x d Z_x, Z_y: my rows against every column (loss, G_x, ds, db: 2 C N d),
-    and every row against my columns (G_y: 2 C N d more)."""
-    n, s = len(z_x), logits.s
-    rows = sigmoid_block(z_x[own], z_y, logits, (own.start, 0), n, t, want=(True, False))
+    and every row against my columns (G_y: 2 C N d more). `tiles`: a `tile_ops` TileOps, or T (the torch
+    tiles of at most T x T)."""
+    n, s, tiles = len(z_x), logits.s, as_tile_ops(tiles)
+    rows = tiles.sigmoid_block(z_x[own], z_y, logits, (own.start, 0), n, want=(True, False))
     g_s = (z_x[own] * rows.d_y).sum()
     g_y = None
     if want_g_y:
-        g_y = sigmoid_block(z_x, z_y[own], logits, (0, own.start), n, t, want=(False, True)).d_x * s
+        g_y = tiles.sigmoid_block(z_x, z_y[own], logits, (0, own.start), n, want=(False, True)).d_x * s
     return RankGrads(rows.loss_sum / n, rows.d_y * s, g_y, g_s, rows.d_sum)

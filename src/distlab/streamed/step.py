@@ -21,10 +21,12 @@ phase 4  `phase4_outputs`, `phase4_backward`: the micro-batch's outputs with a g
          wrapper's reduction factor (its average of the ranks' VJPs becomes their sum: the gradient).
 phase 5  the wrapper's reduction [sync 2]: every micro-batch's backward but the last runs with it off.
 
-The loss-specific math is phases 2 and 3 (with `tiles`); the exchange is `gather_embeddings`; the
-guards are `guards.ready_step`; a rank that dies mid-step is named by `peers`; wrappers, BatchNorm and
-precision are `wrappers`. Every exchange runs over the wrapper's process group. Cost per rank:
-6 C N d multiply-adds of loss machinery, O(N d) memory plus tiles of at most T x T.
+The loss-specific math is phases 2 and 3, done by `tile_ops` (KERNELS: the torch tiles of `tiles`, or the
+Triton kernels of `kernels`, at MATMUL_PRECISION, pinned by `precision`; T from `tile_size` when the config
+leaves it out); the exchange is `gather_embeddings`; the guards are `guards.ready_step`; a rank that dies
+mid-step is named by `peers`; wrappers, BatchNorm and autocast are `wrappers`. Every exchange runs over the
+wrapper's process group. Cost per rank: 6 C N d multiply-adds of loss machinery, O(N d) memory plus tiles of
+at most T x T (the kernels' tiles live in registers).
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ from distlab.streamed.exchange import all_gather_counted, gather_pairs, rank_sha
 from distlab.streamed.exit_hint import hinting_release, with_hint
 from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
 from distlab.streamed.peers import naming_dead_peers
+from distlab.streamed.precision import pinned
 from distlab.streamed.sigmoid import Logits
-from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
-from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, surrogate_multiplier
+from distlab.streamed.tile_ops import TileOps, kernels_problem, tile_ops
+from distlab.streamed.tile_size import chunk_for, warn_if_many_launches
+from distlab.streamed.tiles import Pairing
+from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, surrogate_multiplier
 
 
 @dataclass
@@ -101,26 +106,29 @@ def phase1_forward(ready: Ready, local_x: Any, local_y: Any) -> LocalForward:
     return LocalForward(cfg.micro, outputs, rng, kept=False)
 
 
-def gather_embeddings(local: LocalForward, cfg: StreamConfig) -> Embedded:
+def gather_embeddings(local: LocalForward, cfg: StreamConfig, ops: TileOps) -> Embedded:
     """Detached copies of this rank's C x d z_x, z_y, all-gathered into N x d Z_x, Z_y in rank order
-    [sync 1], and the scale s."""
+    [sync 1] (as `ops` reads them: the kernels read bf16 as it is), and the scale s."""
     z_x = torch.cat([out[0].detach() for out in local.outputs])
     z_y = torch.cat([out[1].detach() for out in local.outputs])
     s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])
-    return Embedded(*gather_pairs(z_x, z_y, cfg.n, cfg.group), s)
+    all_x, all_y = (ops.prepare(z) for z in gather_pairs(z_x, z_y, cfg.n, cfg.group, upcast=False))
+    if all_x.dtype != all_y.dtype:  # the two towers' dtypes differ: both in the compute dtype
+        dtype = compute_dtype(all_x.dtype, all_y.dtype)
+        all_x, all_y = all_x.to(dtype), all_y.to(dtype)
+    return Embedded(all_x, all_y, s)
 
 
-def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
+def phase2_normalisers(emb: Embedded, cfg: StreamConfig, ops: TileOps) -> Normalisers:
     """a, b over the whole global batch, and L = 1/(2N) sum_i (nll_x_i + nll_y_i), where
-    nll_x_i = a_i - S_ii = -log R_ii and nll_y_i = b_i - S_ii = -log Q_ii (autocast off)."""
+    nll_x_i = a_i - S_ii = -log R_ii and nll_y_i = b_i - S_ii = -log Q_ii (autocast off, `ops`'s precision)."""
     own = slice(cfg.offset, cfg.offset + cfg.local)
-    with torch.autocast(emb.z_x.device.type, enabled=False):
+    with pinned(ops.precision, emb.z_x.device.type):
         if cfg.normalisers == "replicated":
-            a, nll_x, b, nll_y = streamed_lse_both(emb.z_x, emb.z_y, emb.s, cfg.t)
+            a, nll_x, b, nll_y = ops.both_lse(emb.z_x, emb.z_y, emb.s)
             nll_x, nll_y, total = nll_x[own], nll_y[own], (nll_x + nll_y).sum()
         else:
-            a_own, nll_x = streamed_lse(emb.z_x[own], emb.z_y, emb.s, cfg.t, cfg.offset)  # my rows of S
-            b_own, nll_y = streamed_lse(emb.z_y[own], emb.z_x, emb.s, cfg.t, cfg.offset)  # my columns
+            a_own, nll_x, b_own, nll_y = own_normalisers(emb, cfg, ops)
             # One tiny all-gather: my a's, my b's and my share of the loss (2C + 1 floats per rank).
             mine = torch.cat((a_own, b_own, (nll_x + nll_y).sum().unsqueeze(0)))
             every = mine.new_empty(cfg.world * len(mine))
@@ -132,24 +140,31 @@ def phase2_normalisers(emb: Embedded, cfg: StreamConfig) -> Normalisers:
     return Normalisers(a, b, torch.expm1(-nll_x) + torch.expm1(-nll_y), (total / (2 * cfg.n)).item())
 
 
+def own_normalisers(emb: Embedded, cfg: StreamConfig, ops: TileOps) -> tuple[torch.Tensor, ...]:
+    """The sharded phase 2's tile work: my rows' a and nll_x (my rows of S), my columns' b and nll_y (my rows
+    of S^T); 2 C N d multiply-adds."""
+    own = slice(cfg.offset, cfg.offset + cfg.local)
+    a_own, nll_x = ops.row_lse(emb.z_x[own], emb.z_y, emb.s, cfg.offset)
+    b_own, nll_y = ops.row_lse(emb.z_y[own], emb.z_x, emb.s, cfg.offset)
+    return a_own, nll_x, b_own, nll_y
+
+
 def phase3_embedding_grads(
-    emb: Embedded, norm: Normalisers, rows: slice, cfg: StreamConfig, needs: tuple[bool, bool, bool]
+    emb: Embedded, norm: Normalisers, rows: slice, cfg: StreamConfig, needs: tuple[bool, ...], ops: TileOps
 ) -> tuple[Any, Any, Any]:
-    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, T x T tiles at a time (autocast
-    off). `needs` says which of z_x, z_y, s require grad; what is not needed is None and not computed
+    """(G_x, G_y, this micro-batch's share of dL/ds) for local `rows`, by `ops` (autocast off, its
+    precision). `needs` says which of z_x, z_y, s require grad; what is not needed is None and not computed
     (G_x is computed for dL/ds even when z_x needs none)."""
     glob = slice(cfg.offset + rows.start, cfg.offset + rows.stop)
     coef, scale = norm.diag_coef[rows], emb.s / (2 * cfg.n)
     g_x = g_y = g_s = None
-    with torch.autocast(emb.z_x.device.type, enabled=False):
+    with pinned(ops.precision, emb.z_x.device.type):
         if needs[0] or needs[2]:
-            g_x = streamed_softmax_pair_product(
-                emb.z_x[glob] * emb.s, emb.z_y, norm.a[glob], norm.b, coef, glob.start, cfg.t
-            ).mul_(scale)
+            pairing = Pairing(norm.a[glob], norm.b, coef, glob.start)
+            g_x = ops.pair_product(emb.z_x[glob], emb.z_y, emb.s, pairing).mul_(scale)
         if needs[1]:
-            g_y = streamed_softmax_pair_product(
-                emb.z_y[glob] * emb.s, emb.z_x, norm.b[glob], norm.a, coef, glob.start, cfg.t
-            ).mul_(scale)
+            pairing = Pairing(norm.b[glob], norm.a, coef, glob.start)
+            g_y = ops.pair_product(emb.z_y[glob], emb.z_x, emb.s, pairing).mul_(scale)
         if needs[2]:
             g_s = (emb.z_x[glob] * g_x).sum() / emb.s  # dL/ds = (1/s) sum_i z_i^x . G_x,i
     return (g_x if needs[0] else None), g_y, g_s
@@ -189,14 +204,28 @@ def loss_machinery(
     gathered: the all-gather, phase 2, phase 3 over every micro-batch; a `logit_bias` (the sigmoid
     loss) or EXCHANGE "ring": `exchange.rank_shares` for the rank's C rows."""
     cfg = parse_config(config, dist.get_world_size(), dist.get_rank())
+    if (problem := kernels_problem(cfg.kernels, z_x.device)) is not None:
+        raise ValueError(problem)
+    ops = step_tile_ops(cfg, z_x, z_y)
     if logit_bias is not None or cfg.exchange == "ring":
         logits = Logits(1.0 / cfg.tau, logit_bias) if logit_bias is not None else 1.0 / cfg.tau
-        shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, cfg.t)
+        shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, ops)
         return loss, shares.g_x, shares.g_y
-    emb = gather_embeddings(LocalForward([slice(0, len(z_x))], [(z_x, z_y, None)], [], kept=False), cfg)
-    norm = phase2_normalisers(emb, cfg)
-    grads = [phase3_embedding_grads(emb, norm, rows, cfg, (True, True, False))[:2] for rows in cfg.micro]
+    emb = gather_embeddings(LocalForward([slice(0, len(z_x))], [(z_x, z_y, None)], [], kept=False), cfg, ops)
+    norm = phase2_normalisers(emb, cfg, ops)
+    grads = [phase3_embedding_grads(emb, norm, rows, cfg, (True, True, False), ops)[:2] for rows in cfg.micro]
     return norm.loss, torch.cat([g[0] for g in grads]), torch.cat([g[1] for g in grads])
+
+
+def step_tile_ops(cfg: StreamConfig, z_x: torch.Tensor, z_y: torch.Tensor) -> TileOps:
+    """Who does this step's tile work (KERNELS, MATMUL_PRECISION) for embeddings like z_x, z_y, and its T:
+    STREAM_CHUNK_SIZE, or the default for this device and shape (`tile_size`)."""
+    dtype = compute_dtype(z_x.dtype, z_y.dtype)
+    t = cfg.t or chunk_for(cfg, z_x.shape[1], z_x.device, dtype)
+    ops = tile_ops(cfg.kernels, cfg.precision, t, z_x.device, dtype)
+    if ops.name == "torch":
+        warn_if_many_launches(cfg, t, z_x.device, dtype)
+    return ops
 
 
 def not_finite(emb: Embedded, cfg: StreamConfig) -> str:
@@ -237,16 +266,17 @@ def _run(
         step_ledger.clear()
         restore_batchnorm = batchnorm_snapshot(wrapped.inner) if stop_if_not_finite else None
         local = phase1_forward(ready, local_x, local_y)  # phase 1
+        ops = step_tile_ops(cfg, local.outputs[0][0], local.outputs[0][1])  # torch tiles or kernels, T
         s = 1.0 / cfg.tau if cfg.tau is not None else _float(local.outputs[0][2])
         sigmoid, shares, emb = local.outputs[0][3] is not None, None, None
         if sigmoid or cfg.exchange == "ring":  # G for all C rows first (the ring, or the sigmoid loss)
             z_x, z_y = (torch.cat([out[i].detach() for out in local.outputs]) for i in (0, 1))
             logits = Logits(s, _float(local.outputs[0][3])) if sigmoid else s
-            shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, cfg.t, cfg.group)
+            shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, ops, cfg.group)
             like, why = shares.g_x, "non-finite embeddings on some rank, or logits that overflowed"
         else:
-            emb = gather_embeddings(local, cfg)  # sync 1
-            norm = phase2_normalisers(emb, cfg)  # phase 2
+            emb = gather_embeddings(local, cfg, ops)  # sync 1
+            norm = phase2_normalisers(emb, cfg, ops)  # phase 2
             loss, like = norm.loss, emb.z_x
             why = not_finite(emb, cfg) if not math.isfinite(loss) else ""
         if stop_if_not_finite and not math.isfinite(loss):
@@ -266,7 +296,7 @@ def _run(
                 if shares is not None:
                     grads = _shared_grads(shares, rows, last, needs_of(outputs))
                 else:
-                    grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs))  # phase 3
+                    grads = phase3_embedding_grads(emb, norm, rows, cfg, needs_of(outputs), ops)  # phase 3
                 phase4_backward(outputs, grads, multiplier)  # phase 4
         return loss
 
@@ -292,8 +322,10 @@ def distributed_backward(
     (z_x, z_y, s) with s the logit scale (then config has no TAU), or open_clip's dict of them
     (output_dict=True); what trains is read from the parameters and from which outputs require grad.
     N is the batch of the wrapper's process group (a DDP subgroup: its ranks only). config:
-    GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), STREAM_CHUNK_SIZE (T), TAU unless the model returns
-    s, optional NORMALISERS ("sharded" | "replicated"). With `grad_scaler` (torch.amp.GradScaler) the
+    GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), TAU unless the model returns s; optional
+    STREAM_CHUNK_SIZE (T), NORMALISERS ("sharded" | "replicated"), EXCHANGE ("gather" | "ring"),
+    KERNELS ("auto" | "torch" | "triton"), MATMUL_PRECISION ("float32" | "tf32" | "bf16"), as
+    `config` describes them. With `grad_scaler` (torch.amp.GradScaler) the
     VJP is scaled as scaler.scale(loss).backward() would scale it. Called inside `model.no_sync()` it
     accumulates without reducing; the next call outside reduces, once. Bad inputs raise the same
     ValueError on every rank before the first all-gather (a RuntimeError when model(x, y) itself

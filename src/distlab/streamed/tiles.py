@@ -5,14 +5,17 @@ log-sum-exps of S; R_ij = exp(S_ij - a_i) the row softmax, Q_ij = exp(S_ij - b_j
 softmax; T the stream chunk (`STREAM_CHUNK_SIZE`), so every tile is at most T x T (rows in blocks of
 T, columns in chunks of T, whatever the micro-batch B is).
 
-Nothing here communicates: these functions take gathered embeddings and are tested against autograd
-in one process. `distlab.streamed.step` calls them in its phases 2 and 3.
+Nothing here communicates: these functions take gathered (or, in the ring, visiting) embeddings and are
+tested against autograd in one process. `distlab.streamed.tile_ops` hands them to the step's phases 2 and 3
+and to the ring's passes (`TorchTiles`), or the Triton kernels that do the same work (`TritonTiles`).
 
 The streaming log-sum-exp is the online max/sum fold of `distlab.online_softmax` (every exponent <= 0,
 so nothing overflows however large S gets, and no row is ever whole).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -127,3 +130,57 @@ def pair_coefficients(
     if hit:
         tile[hit].diagonal().copy_(diag_coef[hit[0]])
     return tile
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """What R + Q - 2 delta needs besides S: the rows' and the columns' log-sum-exps, the positives'
+    coefficients R_ii + Q_ii - 2 (one per row), and where the positives are: row i's at column i + offset
+    (None: the columns hold none of the rows' positives)."""
+
+    lse_q: torch.Tensor
+    lse_k: torch.Tensor
+    diag_coef: torch.Tensor
+    offset: int | None
+
+
+@dataclass
+class RowFold:
+    """The ring's pass 1 on one rank: its rows' running (m, l) and its pairs' logits S_ii (read once, from
+    the tile of its own block that holds them, for its rows and for its columns)."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 - the fold's l, as in `distlab.online_softmax`
+    diag_rows: torch.Tensor
+    diag_cols: torch.Tensor
+
+
+def ring_fold_tiles(xs: torch.Tensor, y_j: torch.Tensor, rows_fold: RowFold, own: bool, t: int) -> list:
+    """The ring's pass 1 against one visiting block y_j, tile by tile (xs = s x): each tile folds into the
+    rank's rows (in place) and into the block's fresh column (m, l), which is returned."""
+    kw = dict(dtype=xs.dtype, device=xs.device)
+    col_m, col_l = torch.full((len(y_j),), float("-inf"), **kw), torch.zeros(len(y_j), **kw)
+    for rows in chunks(len(xs), t):
+        for cols in chunks(len(y_j), t):
+            tile = xs[rows] @ y_j[cols].T
+            hit = diagonal_crossing(rows.start, cols.start, len(tile), tile.shape[1])
+            if own and hit:
+                rows_fold.diag_rows[rows][hit[0]] = rows_fold.diag_cols[cols][hit[1]] = tile[hit].diagonal()
+            col_m[cols], col_l[cols] = online_fold(col_m[cols], col_l[cols], tile.clone(), dim=0)
+            rows_fold.m[rows], rows_fold.l[rows] = online_fold(rows_fold.m[rows], rows_fold.l[rows], tile, dim=1)
+    return [col_m, col_l]
+
+
+def ring_product_tiles(x: torch.Tensor, y_j: torch.Tensor, scale: float, pairing: Pairing, into_rows, t: int):
+    """The ring's pass 2 against one visiting block: each tile of S and its coefficients R + Q - 2 delta feed
+    both products, (R + Q - 2 delta) y_j added into `into_rows` and (R + Q - 2 delta)^T x returned (3 C^2 d)."""
+    part, xs = torch.zeros_like(y_j), x * scale
+    for rows in chunks(len(x), t):
+        for cols in chunks(len(y_j), t):
+            tile = xs[rows] @ y_j[cols].T
+            hit = diagonal_crossing(rows.start, cols.start, len(tile), tile.shape[1])
+            own = hit if pairing.offset is not None else None
+            tile = pair_coefficients(tile, pairing.lse_q[rows], pairing.lse_k[cols], own, pairing.diag_coef[rows])
+            into_rows[rows].addmm_(tile, y_j[cols])
+            part[cols].addmm_(tile.T, x[rows])
+    return part

@@ -1,0 +1,20 @@
+"""Triton kernels for the streamed step's tile work: FlashAttention's idea applied to the contrastive loss.
+
+The torch tiles (`distlab.streamed.tiles`, `distlab.streamed.sigmoid`) make each T x T tile of S in memory and
+then walk it with a dozen element-wise ops, each one a kernel launch that reads and writes the whole tile:
+about 37 launches per T x T tile and 160 bytes per (i, j) of the C x N grid. Here the S tile lives in
+registers: one launch walks every column block of a block of rows, makes each S tile from q and k
+(`tile.s_tile`), uses it (folds it into the log-sum-exps, or turns it into coefficients and multiplies them
+into G) and drops it. Per step the launches no longer grow with N / T, and what reaches memory is the
+embeddings, the normalisers and G.
+
+  `lse.row_lse`          phase 2: the rows' (m, l) of the online fold and their positives' logits; with
+                         `columns`, the same tiles' column partials too (the ring's pass 1).
+  `product.pair_product` phase 3: sum_j (R + Q - 2 delta)_ij k_j, S recomputed (G_x; G_y by swapping roles).
+  `product.sigmoid_rows` the sigmoid loss: D k, and the sums of softplus(-eps S) and of D.
+
+Every kernel takes float32, bf16 or fp16 embeddings (float64 under the interpreter), keeps its sums in float32
+(float64), and multiplies as MATMUL_PRECISION says (`tile`). `distlab.streamed.tile_ops` chooses between these
+and the torch tiles (config key KERNELS). Triton is imported by these modules only, and only when the Triton
+path is chosen: `import distlab` works without it.
+"""

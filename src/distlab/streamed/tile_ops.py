@@ -1,0 +1,184 @@
+"""Which code does the step's tile work: the torch tiles or the Triton kernels (config key KERNELS), at the
+step's matmul precision (MATMUL_PRECISION, `precision`).
+
+    "auto"    (the default) the Triton kernels for CUDA tensors when triton imports, the torch tiles elsewhere
+              (and for float64 on CUDA: float64 is the dtype that checks exactness, not a fast path)
+    "torch"   the torch tiles: T x T tiles of S in memory, a dozen ops on each (`tiles`, `sigmoid`)
+    "triton"  the Triton kernels (`distlab.streamed.kernels`): CUDA tensors, or CPU tensors under Triton's
+              interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
+
+`TorchTiles` and `TritonTiles` answer the same questions, so phases 2 and 3, the ring's passes and the sigmoid
+loss are written once: `row_lse` (a row log-sum-exp and its nll), `both_lse` (every row's and every
+column's), `pair_product` (sum_j (R + Q - 2 delta)_ij k_j), `sigmoid_block`, and the ring's `ring_fold` and
+`ring_products`. Their arithmetic differs in one place: the torch tiles multiply each S tile twice in one
+T x T tile (the ring's pass 2 and the sigmoid ring feed both products from it), a kernel recomputes S for the
+second product instead of sharing one tile between programs (deterministic, no atomics): the InfoNCE ring is
+5 C N d multiply-adds with the kernels against 4 with the torch tiles, the sigmoid ring 4 against 3.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distlab.streamed.precision import rounded
+from distlab.streamed.tiles import (
+    Pairing,
+    RowFold,
+    ring_fold_tiles,
+    ring_product_tiles,
+    streamed_lse,
+    streamed_lse_both,
+    streamed_softmax_pair_product,
+)
+from distlab.streamed.wrappers import compute_dtype
+
+
+@dataclass(frozen=True)
+class TorchTiles:
+    """The torch tiles: tiles of at most T x T, each made in memory and walked by torch ops."""
+
+    t: int  # T
+    precision: str = "float32"
+    name = "torch"
+
+    def prepare(self, z: torch.Tensor) -> torch.Tensor:
+        """An embedding as these tiles read it: the compute dtype, rounded to bf16 under "bf16"."""
+        return rounded(z.to(compute_dtype(z.dtype)), self.precision)
+
+    def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return streamed_lse(q, k, scale, self.t, offset)
+
+    def both_lse(self, z_x, z_y, scale: float) -> tuple[torch.Tensor, ...]:
+        return streamed_lse_both(z_x, z_y, scale, self.t)
+
+    def pair_product(self, q, k, scale: float, pairing: Pairing) -> torch.Tensor:
+        p = pairing
+        return streamed_softmax_pair_product(q * scale, k, p.lse_q, p.lse_k, p.diag_coef, p.offset, self.t)
+
+    def sigmoid_block(self, x, y, logits, starts: tuple[int, int], n: int, want: tuple[bool, bool]):
+        from distlab.streamed.sigmoid import sigmoid_block  # sigmoid imports this module
+
+        return sigmoid_block(x, y, logits, starts, n, self.t, want)
+
+    def ring_fold(self, x, y_j, scale: float, rows_fold: RowFold, own: bool) -> list:
+        return ring_fold_tiles(x * scale, y_j, rows_fold, own, self.t)
+
+    def ring_products(self, x, y_j, scale: float, pairing: Pairing, into_rows: torch.Tensor) -> torch.Tensor:
+        return ring_product_tiles(x, y_j, scale, pairing, into_rows, self.t)
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """The Triton kernels: one launch per row fold or product, whatever N and T are (T is not used)."""
+
+    precision: str = "float32"
+    blocks: Any = None  # a `kernels.launch.Blocks`, or None: the defaults for the dtype and device
+    name = "triton"
+
+    def prepare(self, z: torch.Tensor) -> torch.Tensor:
+        """The kernels read float32, bf16 and fp16 as they are (and float64): nothing to copy."""
+        return z
+
+    def _operands(self, *tensors: torch.Tensor) -> tuple:
+        """The tiles' operands in the dtype their products take, converted once here rather than in every
+        slice a kernel loads: bf16 under "bf16" (half the bytes to load), else float32 (a 16-bit operand
+        widened exactly: the float32 kernels spill registers converting it on the fly). Float64 as it is."""
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        return tuple(t if t.dtype == torch.float64 else t.to(dtype) for t in tensors)
+
+    def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from distlab.streamed.kernels.lse import row_lse
+        from distlab.streamed.tiles import lse_and_nll
+
+        folded = row_lse(*self._operands(q, k), scale, offset, self.precision, blocks=self.blocks)
+        return lse_and_nll(folded.m, folded.l, folded.diag)
+
+    def both_lse(self, z_x, z_y, scale: float) -> tuple[torch.Tensor, ...]:
+        return (*self.row_lse(z_x, z_y, scale, 0), *self.row_lse(z_y, z_x, scale, 0))
+
+    def pair_product(self, q, k, scale: float, pairing: Pairing) -> torch.Tensor:
+        from distlab.streamed.kernels.product import pair_product
+
+        return pair_product(*self._operands(q, k), scale, pairing, self.precision, blocks=self.blocks)
+
+    def sigmoid_block(self, x, y, logits, starts: tuple[int, int], n: int, want: tuple[bool, bool]):
+        """Rows against columns: D y for the rows (want[0]) and D^T x for the columns (want[1]), each its own
+        launch (the second recomputes S with the roles swapped; S^T's positives are S's)."""
+        from distlab.streamed.kernels.product import sigmoid_rows
+        from distlab.streamed.sigmoid import BlockGrads
+
+        pair, shift, (x, y) = (logits.s, logits.beta), starts[0] - starts[1], self._operands(x, y)
+        d_y = d_x = None
+        if want[0]:
+            d_y, loss, d_sum = sigmoid_rows(x, y, pair, n, shift, self.precision, self.blocks)
+        if want[1]:
+            d_x, loss, d_sum = sigmoid_rows(y, x, pair, n, -shift, self.precision, self.blocks)
+        return BlockGrads(loss, d_y, d_x, d_sum)
+
+    def ring_fold(self, x, y_j, scale: float, rows_fold: RowFold, own: bool) -> list:
+        from distlab.streamed.kernels.lse import merge, row_lse
+
+        x, y_j = self._operands(x, y_j)
+        folded = row_lse(x, y_j, scale, 0 if own else None, self.precision, columns=True, blocks=self.blocks)
+        rows_fold.m, rows_fold.l = merge(torch.stack((rows_fold.m, folded.m)), torch.stack((rows_fold.l, folded.l)))
+        if own:
+            rows_fold.diag_rows, rows_fold.diag_cols = folded.diag, folded.diag
+        return [folded.col_m, folded.col_l]
+
+    def ring_products(self, x, y_j, scale: float, pairing: Pairing, into_rows: torch.Tensor) -> torch.Tensor:
+        p = pairing
+        into_rows += self.pair_product(x, y_j, scale, p)
+        return self.pair_product(y_j, x, scale, Pairing(p.lse_k, p.lse_q, p.diag_coef, p.offset))
+
+
+TileOps = TorchTiles | TritonTiles
+
+
+def as_tile_ops(tiles: TorchTiles | TritonTiles | int) -> TorchTiles | TritonTiles:
+    """A TileOps as it is; an int T: the torch tiles of at most T x T in float32."""
+    return TorchTiles(tiles) if isinstance(tiles, int) else tiles
+
+
+def triton_ready() -> str | None:
+    """None when the Triton kernels can run on CPU tensors here (under the interpreter), else why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install -r requirements.txt)"
+    from distlab.streamed.kernels.launch import interpreted
+    from distlab.streamed.kernels.lse import lse_kernel
+
+    if not interpreted(lse_kernel):
+        return "on CPU tensors the kernels need Triton's interpreter: TRITON_INTERPRET=1 before they are imported"
+    return None
+
+
+def kernels_problem(kernels: str, device: torch.device) -> str | None:
+    """Why KERNELS cannot run on `device` (None: it can), in words naming the key."""
+    if kernels != "triton":
+        return None
+    if importlib.util.find_spec("triton") is None:
+        return "config['KERNELS'] = 'triton', but triton is not installed (pip install -r requirements.txt)"
+    if device.type not in ("cuda", "meta") and (why := triton_ready()) is not None:  # meta: counted, not run
+        return f"config['KERNELS'] = 'triton' runs Triton kernels, which need CUDA tensors (got {device.type}); {why}"
+    return None
+
+
+def tile_ops(kernels: str, precision: str, t: int, device: torch.device, dtype: torch.dtype):
+    """The tile work for embeddings of `dtype` on `device`, as KERNELS and MATMUL_PRECISION say."""
+    if (problem := kernels_problem(kernels, device)) is not None:
+        raise ValueError(problem)
+    if kernels == "triton" and device.type == "cuda" and dtype == torch.float64:
+        raise ValueError(
+            "config['KERNELS'] = 'triton' with float64 embeddings on CUDA: Triton's tl.dot has no float64 on "
+            "GPUs; use KERNELS 'auto' or 'torch' (float64 runs on the torch tiles)"
+        )
+    use_triton = kernels == "triton" or (
+        kernels == "auto"
+        and device.type == "cuda"
+        and dtype != torch.float64
+        and importlib.util.find_spec("triton") is not None
+    )
+    return TritonTiles(precision) if use_triton else TorchTiles(t, precision)

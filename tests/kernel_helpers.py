@@ -1,0 +1,33 @@
+"""What the kernel tests share: Triton's CPU interpreter, turned on before any kernel is imported.
+
+`TRITON_INTERPRET=1` is read when `@triton.jit` decorates a kernel, that is when `distlab.streamed.kernels`
+is first imported; distlab imports those modules only when the Triton path is chosen, so setting it here,
+at the top of every test module that runs a kernel (before anything runs), is early enough. Ranks started by
+`distlab.spawn` inherit it (its server process starts at the first spawn, after collection). The interpreter
+runs the kernels' own code with numpy, one program after another: the same arithmetic, checked on a CPU.
+It needs Triton >= 3.9 (requirements.txt); with an older one the kernel tests are skipped, saying why.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):  # e.g. the GPU image's 3.6
+    pytest.skip(
+        f"Triton {triton.__version__}'s interpreter cannot run these kernels (a program id is a 1-element array "
+        "there, which numpy 2 will not turn into a loop bound); they compile for GPUs: kernels_compile_check.py",
+        allow_module_level=True,
+    )
+
+from distlab.streamed.kernels.launch import Blocks  # noqa: E402
+
+SMALL_BLOCKS = Blocks(16, 16, 16, 1, 1, splits=3)  # every block edge crossed, and three column ranges merged
+
+
+def relative(got: torch.Tensor, truth: torch.Tensor) -> float:
+    """||got - truth|| / ||truth||, in float64."""
+    return ((got.double() - truth.double()).norm() / truth.double().norm()).item()

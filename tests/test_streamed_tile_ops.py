@@ -1,0 +1,128 @@
+"""Who does the tile work, how precisely, in what tiles, and how many launches it takes.
+
+- Launches per step, counted on the meta device (count, don't compute) at one rank's shape of P = 8,
+  d = 1,024: the Triton path's are the same at N = 4,096 and N = 65,536; the torch tiles' grow with N / T.
+- MATMUL_PRECISION is the step's, never an ambient flag: under a caller's allow_tf32 = True and
+  set_float32_matmul_precision("medium") (cuBLAS in TF32, this CPU's oneDNN in bf16), every matmul of a
+  "float32" step runs in IEEE float32, gives the same bits as without them, and the caller's settings are
+  back afterwards.
+- The config keys: a bad KERNELS or MATMUL_PRECISION is named; "triton" on CPU tensors without the
+  interpreter is refused naming the key.
+- T left out: rows up to C, columns from the budget; a launch-heavy T on CUDA is warned about once.
+"""
+
+import os
+
+# Nothing here runs a kernel (the meta device counts them), but the suite's other kernel tests need Triton's
+# interpreter, chosen when the kernels are first imported: whichever module imports them first must set it.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distlab.streamed import tile_size
+from distlab.streamed.config import parse_config
+from distlab.streamed.precision import BACKENDS, matmul_settings
+from distlab.streamed.rank_work import count_rank, one_rank
+from distlab.streamed.tile_ops import tile_ops
+
+
+def config(n, exchange="gather", kernels="triton", t=1024, **extra):
+    keys = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": n // 8, "TAU": 0.07, "EXCHANGE": exchange, "KERNELS": kernels}
+    return parse_config(keys | ({"STREAM_CHUNK_SIZE": t} if t else {}) | extra, 8, 0)
+
+
+@pytest.mark.parametrize("exchange", ["gather", "ring"])
+@pytest.mark.parametrize("loss", ["infonce", "sigmoid"])
+def test_fused_launches_per_step_do_not_grow_with_n(loss, exchange):
+    small, large = (count_rank(config(n, exchange), loss, 1024, torch.bfloat16) for n in (4096, 65536))
+    assert small.launches == large.launches, (small.by_name, large.by_name)
+    assert large.moved_bytes > small.moved_bytes  # the embeddings themselves grow with N
+    torch_small, torch_large = (
+        count_rank(config(n, exchange, "torch", 256), loss, 1, torch.float32) for n in (4096, 8192)
+    )
+    assert torch_large.launches > 1.5 * torch_small.launches  # the check can fail: the torch tiles' count grows
+
+
+class MatmulSettings(TorchDispatchMode):
+    """Records torch's float32 matmul settings at every matrix product that runs inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.split("::")[1] in ("mm", "addmm", "bmm", "matmul"):
+            self.seen.add(matmul_settings())
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_ambient_tf32_flag_does_not_change_a_float32_step():
+    cfg = config(64, kernels="torch", t=16)
+    gen = torch.Generator().manual_seed(0)
+    z_x, z_y = (torch.randn(64, 20, generator=gen) for _ in range(2))
+    ops = tile_ops("torch", "float32", 16, z_x.device, torch.float32)
+    plain = one_rank(cfg, z_x, z_y, "infonce", ops)
+    before = matmul_settings()
+    try:
+        torch.set_float32_matmul_precision("medium")  # oneDNN (this CPU's matmuls) in bf16
+        torch.backends.cuda.matmul.allow_tf32 = True  # open_clip's training entry point does this on GPUs
+        ambient_settings = matmul_settings()
+        with MatmulSettings() as settings:
+            ambient = one_rank(cfg, z_x, z_y, "infonce", ops)
+        assert settings.seen == {("ieee", "ieee")} and ambient_settings == ("tf32", "bf16")
+        assert matmul_settings() == ambient_settings  # the caller's, given back
+        with MatmulSettings() as unpinned:  # without the pin the tiles would have run under the caller's flags
+            torch.mm(z_x, z_y.T)
+        assert unpinned.seen == {("tf32", "bf16")}
+    finally:
+        for backend, value in zip(BACKENDS, before):
+            backend.fp32_precision = value
+    assert all(torch.equal(a, b) for a, b in zip(plain, ambient))
+
+
+def test_the_new_keys_are_checked():
+    for bad, match in (({"KERNELS": "cuda"}, "KERNELS"), ({"MATMUL_PRECISION": "fp16"}, "MATMUL_PRECISION")):
+        with pytest.raises(ValueError, match=match):
+            config(64, **bad)
+    assert config(64, t=None).t is None  # STREAM_CHUNK_SIZE is optional
+    with pytest.raises(ValueError, match="float64"):  # no float64 tl.dot on GPUs: refused, not miscompiled
+        tile_ops("triton", "float32", 8, torch.device("cuda"), torch.float64)
+    assert tile_ops("auto", "float32", 8, torch.device("cuda"), torch.float64).name == "torch"
+    assert tile_ops("auto", "bf16", 8, torch.device("cuda"), torch.float32).name == "triton"
+    assert tile_ops("auto", "bf16", 8, torch.device("cpu"), torch.float32).name == "torch"
+    code = (
+        "import torch; from distlab.streamed.tile_ops import tile_ops\n"
+        "try:\n    tile_ops('triton', 'float32', 8, torch.device('cpu'), torch.float32)\n"
+        "except ValueError as err:\n    print(err)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert "config['KERNELS'] = 'triton'" in said and "TRITON_INTERPRET=1" in said, said
+
+
+def test_default_tiles_rows_up_to_c_columns_from_the_budget():
+    two_gib = 2 * 2**30
+    t = tile_size.default_chunk(8192, 65536, two_gib, 4)  # an H100's budget, one rank of P = 8
+    assert t >= 8192 and t % 64 == 0 and 8192 * t * 4 * tile_size.ALIVE <= two_gib
+    assert 8192 * (t + 64) * 4 * tile_size.ALIVE > two_gib  # the largest that fits
+    square = tile_size.default_chunk(65536, 65536, two_gib, 4)  # P = 1: C x C does not fit, square tiles
+    assert square < 65536 and square * square * 4 * tile_size.ALIVE <= two_gib
+    assert tile_size.default_chunk(12, 24, tile_size.CPU_BUDGET, 8) == 24  # small C: the whole batch at once
+
+
+def test_a_launch_heavy_t_on_cuda_is_warned_about_once(monkeypatch):
+    monkeypatch.setattr(tile_size, "budget_bytes", lambda device: 2 * 2**30)
+    monkeypatch.setattr(tile_size, "_warned", set())
+    cfg, cuda = config(65536, kernels="torch", t=128), torch.device("cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tile_size.warn_if_many_launches(cfg, 128, cuda, torch.float32)
+        tile_size.warn_if_many_launches(cfg, 128, cuda, torch.float32)
+        tile_size.warn_if_many_launches(cfg, 21824, cuda, torch.float32)  # the default: few launches
+    assert len(caught) == 1 and "T = 128" in str(caught[0].message) and "T = 21824" in str(caught[0].message)

@@ -46,11 +46,18 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from distlab.streamed.config import REQUIRED, StreamConfig, parse_config
-from distlab.streamed.exchange import gather_pairs, rank_shares
+from distlab.streamed.exchange import rank_shares
 from distlab.streamed.exit_hint import hinting_release
 from distlab.streamed.loss_guards import Call, agree, as_number, local_problem
 from distlab.streamed.sigmoid import Logits, sigmoid_gathered
-from distlab.streamed.step import Embedded, phase2_normalisers, phase3_embedding_grads
+from distlab.streamed.step import (
+    Embedded,
+    LocalForward,
+    gather_embeddings,
+    phase2_normalisers,
+    phase3_embedding_grads,
+    step_tile_ops,
+)
 from distlab.streamed.wrappers import compute_dtype
 
 DEFAULT_T = 1024  # T when STREAM_CHUNK_SIZE is required and none is given: 4 MiB float32 tiles
@@ -185,23 +192,33 @@ class SigLipLoss(StreamedContrastiveLoss):
 
 def rank_gradients(z_x, z_y, s: float, beta: float | None, cfg: StreamConfig, needs) -> tuple[float, list]:
     """(L, [G_x, G_y, this rank's dL/ds share, its dL/dbeta share]) for this rank's detached C x d features,
-    by the step's own machinery; what `needs` (z_x, z_y, s, beta) does not ask for may be None."""
+    by the step's own machinery (its tile work: KERNELS, MATMUL_PRECISION, T, as the step chooses them);
+    what `needs` (z_x, z_y, s, beta) does not ask for may be None."""
+    ops = step_tile_ops(cfg, z_x, z_y)
     if cfg.group is None and cfg.world == 1 and not dist.is_initialized():  # no process group: one process
-        dtype = compute_dtype(z_x.dtype, z_y.dtype)
-        z_x, z_y = z_x.to(dtype), z_y.to(dtype)
+        z_x, z_y = ops.prepare(z_x), ops.prepare(z_y)
+        if z_x.dtype != z_y.dtype:
+            dtype = compute_dtype(z_x.dtype, z_y.dtype)
+            z_x, z_y = z_x.to(dtype), z_y.to(dtype)
         if beta is not None:
-            shares = sigmoid_gathered(z_x, z_y, Logits(s, beta), slice(0, len(z_x)), cfg.t)
+            shares = sigmoid_gathered(z_x, z_y, Logits(s, beta), slice(0, len(z_x)), ops)
             return shares.loss_part.item(), [shares.g_x, shares.g_y, shares.g_s, shares.g_b]
         emb = Embedded(z_x, z_y, s)
     elif beta is not None or cfg.exchange == "ring":
-        shares, loss = rank_shares(z_x, z_y, Logits(s, beta) if beta is not None else s, cfg.exchange, cfg.t, cfg.group)
+        logits = Logits(s, beta) if beta is not None else s
+        shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, ops, cfg.group)
         return loss, [shares.g_x, shares.g_y, shares.g_s, shares.g_b]
-    else:
-        emb = Embedded(*gather_pairs(z_x, z_y, cfg.n, cfg.group), s)
-    norm = phase2_normalisers(emb, cfg)
+    else:  # as the step's gather_embeddings: gathered as they are, then read as `ops` reads them
+        emb = gather_embeddings(
+            LocalForward([slice(0, len(z_x))], [(z_x, z_y, torch.tensor(s, dtype=torch.float64))], [], kept=False),
+            cfg,
+            ops,
+        )
+    norm = phase2_normalisers(emb, cfg, ops)
     if not any(needs[:3]):
         return norm.loss, [None, None, None, None]
-    return norm.loss, [*phase3_embedding_grads(emb, norm, slice(0, cfg.local), cfg, tuple(needs[:3])), None]
+    grads = phase3_embedding_grads(emb, norm, slice(0, cfg.local), cfg, tuple(needs[:3]), ops)
+    return norm.loss, [*grads, None]
 
 
 class StreamedLossFunction(torch.autograd.Function):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from distlab.comm.p2p import Posted
 from distlab.streamed.config import StreamConfig
 from distlab.streamed.launches import LaunchCount
 from distlab.streamed.precision import pinned
@@ -25,20 +26,12 @@ from distlab.streamed.wrappers import compute_dtype
 TAU, S_SIGMOID, BETA = 0.07, 10.0, -10.0  # CLIP's temperature; SigLIP's initial scale and bias
 
 
-class _Here:
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = tensors
-
-    def wait(self) -> list[torch.Tensor]:
-        return self.tensors
-
-
 class Loopback(Endpoint):
     """A ring of P in one process: every block sent comes straight back as the next one to visit."""
 
-    def shift(self, tensors: list[torch.Tensor], tag: int) -> _Here:
-        self._count(tensors)
-        return _Here(tensors)
+    def shift(self, tensors: list[torch.Tensor], tag: int) -> Posted:
+        self.ledger.count_sends(tensors)
+        return Posted(list(tensors))
 
 
 def one_rank(cfg: StreamConfig, z_x: torch.Tensor, z_y: torch.Tensor, loss: str, ops: TileOps) -> tuple:

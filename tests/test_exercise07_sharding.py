@@ -78,7 +78,7 @@ def _ranks(rt, zero1, claims) -> None:
     claims.close(
         "the weights each rank computes with are the stepped shards, gathered",
         _flat(dict(z.model.named_parameters()), names),
-        _flat(z.full_params(), names),
+        _flat(z.params(), names),
         what="the weights",
         alternatives={BEFORE: _flat(dict(build_model(CFG).named_parameters()), names)},
         regions={OTHERS: _flat(_others_mask(z.model, rt.rank), names)},

@@ -244,6 +244,7 @@ class _Hoard:
 
     def __init__(self, ring: Ring):
         self.ring, self.kept = ring, []
+        self.rank, self.world_size = ring.rank, ring.world_size
 
     def shift(self, *tensors):
         flight, hoard = self.ring.shift(*tensors), self.kept

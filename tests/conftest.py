@@ -4,10 +4,18 @@ With --exercises only the exercise test files are collected (`-k NN` narrows tha
 before anything is imported), the judge prints hints up to --hint-level (or DISTLAB_HINT_LEVEL; 0 for no
 help, 1 by default) and the summary says how long each check took."""
 
+import os
 import re
 
-import pytest
-import torch
+# Triton chooses between compiling and interpreting when it decorates a function, its own `tl.zeros` and
+# friends included, that is when triton is first imported; collecting any test module that imports
+# `distributed_clip` imports it (through torch.compile's modules). So the kernel tests' interpreter is turned
+# on here, before anything is collected. It changes nothing else: KERNELS "auto" picks the torch tiles for
+# CPU tensors, and the test that checks the refusal without the interpreter starts its own process.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -1,9 +1,8 @@
 """What the kernel tests share: Triton's CPU interpreter, turned on before any kernel is imported.
 
-`TRITON_INTERPRET=1` is read when `@triton.jit` decorates a kernel, that is when `distlab.streamed.kernels`
-is first imported; distlab imports those modules only when the Triton path is chosen, so setting it here,
-at the top of every test module that runs a kernel (before anything runs), is early enough. Ranks started by
-`distlab.spawn` inherit it (its server process starts at the first spawn, after collection). The interpreter
+`TRITON_INTERPRET=1` is read when `@triton.jit` decorates a function, Triton's own `tl.zeros` included, that
+is when triton is first imported; conftest.py sets it before anything is collected, and setting it here again
+keeps a module that imports this one right on its own. Ranks started by `distlab.spawn` inherit it. The interpreter
 runs the kernels' own code with numpy, one program after another: the same arithmetic, checked on a CPU.
 It needs Triton >= 3.9 (requirements.txt); with an older one the kernel tests are skipped, saying why.
 """

@@ -12,14 +12,9 @@
 """
 
 import os
-
-# Nothing here runs a kernel (the meta device counts them), but the suite's other kernel tests need Triton's
-# interpreter, chosen when the kernels are first imported: whichever module imports them first must set it.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import warnings  # noqa: E402
+import subprocess
+import sys
+import warnings
 
 import pytest  # noqa: E402
 import torch

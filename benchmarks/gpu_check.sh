@@ -560,7 +560,7 @@ start_b=$SECONDS
 [[ $STEPS == *b* ]] || echo 0 > "$HELP/rc_b"
 [[ $STEPS == *b* ]] && ( CUDA_VISIBLE_DEVICES= timeout -k 10 330 "$PY" -m pytest -q -p no:cacheprovider $XDIST -o addopts="-ra" $TESTS \
     > "$OUTDIR/pytest_cpu.log" 2>&1; echo $? > "$HELP/rc_b" ) &
-PID_B=$!; touch "$OUTDIR/pytest_cpu.log"
+PID_B=$!; [[ $STEPS == *b* ]] && touch "$OUTDIR/pytest_cpu.log"
 # (b2) beside it: the library's step at P = 2, 4, 8 on CPU/gloo against plain autograd (the cases of (a)),
 # then lesson 14 at P = 8 (gloo)
 [[ $STEPS == *b* ]] || echo 0 > "$HELP/rc_b2"
@@ -631,26 +631,30 @@ cat "$HELP/timing.log" >> "$ENV_LOG"
 
 # --- (e) the peers, and the kernels' own benchmark when the checkout has it ------------------------------
 # peers_gpu.py: distlab's loss machinery against open_clip, memeff and siglip-kernel at P = 1 (missing ones named).
-# kernels_gpu.py (written beside the Triton kernels): called as `kernels_gpu.py --out DIR --limit-s S --device DEV`,
-# it writes its table to DIR/kernels.md (and kernels.json); the peers are on its PYTHONPATH too.
+# kernels_gpu.py (written beside the Triton kernels): called as `kernels_gpu.py DIR --budget S` (on the CPU
+# `--cpu-dry-run` under TRITON_INTERPRET=1), it writes DIR/kernels_gpu.md and .json; the peers are on its PYTHONPATH too.
 RC_E=0; T_E=0; : > "$HELP/peers.log"; : > "$HELP/kernels.log"
 if [[ $STEPS == *e* ]]; then
   start=$SECONDS; LEFT=$((BUDGET - (SECONDS - T0))); [ "$LEFT" -lt 60 ] && LEFT=60; [ "$MODE" = cpu ] && LEFT=240
   KERNELS_BENCH=""; [ -f benchmarks/kernels_gpu.py ] && KERNELS_BENCH=benchmarks/kernels_gpu.py
-  P_LEFT=$LEFT; [ -n "$KERNELS_BENCH" ] && P_LEFT=$((LEFT / 2))
+  # The kernels first (three fifths of what is left: the measurement the GPU is lent for), then the peers.
+  if [ -n "$KERNELS_BENCH" ]; then
+    K_LEFT=$((LEFT * 3 / 5)); [ "$K_LEFT" -lt 60 ] && K_LEFT=60; [ "$MODE" = cpu ] && K_LEFT=180
+    KARGS="--budget $((K_LEFT * 2 / 3))"; [ "$MODE" = cpu ] && KARGS="--cpu-dry-run"
+    say "(e) $KERNELS_BENCH (at most $K_LEFT s), then the peers"
+    # shellcheck disable=SC2086
+    ( [ "$MODE" = cpu ] && export TRITON_INTERPRET=1; timeout -k 10 "$K_LEFT" "$PY" "$KERNELS_BENCH" "$OUTDIR" $KARGS ) \
+      > "$HELP/kernels.log" 2>&1 || RC_E=2
+  fi
+  P_LEFT=$((BUDGET - (SECONDS - T0))); [ "$P_LEFT" -lt 60 ] && P_LEFT=60; [ "$MODE" = cpu ] && P_LEFT=120
   if [ "$MODE" = cpu ]; then PSIZES="256 512"; PARGS="--dim 32 --repeats 1"
   elif [ "$P_LEFT" -lt 90 ]; then PSIZES="16384"; PARGS="--dim 1024 --repeats 3"
   else PSIZES="16384 65536"; PARGS="--dim 1024 --repeats 3"; fi
-  say "(e) peers at N = $PSIZES (at most $P_LEFT s)${KERNELS_BENCH:+, then $KERNELS_BENCH}"
+  say "(e) peers at N = $PSIZES (at most $P_LEFT s)"
   # shellcheck disable=SC2086
   timeout -k 10 "$P_LEFT" "$PY" benchmarks/peers_gpu.py --out "$HELP" --device "$DEV" --sizes $PSIZES $PARGS \
-    --limit-s $((P_LEFT - 40)) > "$HELP/peers.log" 2>&1 || RC_E=1
+    --limit-s $((P_LEFT - 40)) > "$HELP/peers.log" 2>&1 || RC_E=$((RC_E + 1))
   [ -f "$HELP/peers.json" ] && cp "$HELP/peers.json" "$OUTDIR/peers.json"
-  if [ -n "$KERNELS_BENCH" ]; then
-    K_LEFT=$((BUDGET - (SECONDS - T0))); [ "$K_LEFT" -lt 60 ] && K_LEFT=60; [ "$MODE" = cpu ] && K_LEFT=180
-    timeout -k 10 "$K_LEFT" "$PY" "$KERNELS_BENCH" --out "$OUTDIR" --limit-s $((K_LEFT - 15)) --device "$DEV" \
-      > "$HELP/kernels.log" 2>&1 || RC_E=$((RC_E + 2))
-  fi
   T_E=$((SECONDS - start))
   cat "$HELP/peers.log" "$HELP/kernels.log" >> "$ENV_LOG"
   [ -f "$HELP/peers.md" ] && cat "$HELP/peers.md" || tail -20 "$HELP/peers.log"
@@ -665,7 +669,7 @@ status() { [[ $STEPS == *$1* ]] || { echo skipped; return; }; [ "$2" = 0 ] && ec
   echo "| step | result | seconds |"
   echo "|---|---|---:|"
   echo "| (a) step at P = 1 on $DEV = plain autograd (float64, float32, bf16; InfoNCE/sigmoid, gather/ring, recompute with dropout, strict mode) | $(status a $RC_A) | $T_A |"
-  echo "| (b) multi-rank tests on CPU/gloo | $(status b "$RC_B"): $(grep -E '[0-9]+ (passed|failed)' "$OUTDIR/pytest_cpu.log" | tail -1) | $T_B |"
+  echo "| (b) multi-rank tests on CPU/gloo | $(status b "$RC_B"): $(grep -E '[0-9]+ (passed|failed)' "$OUTDIR/pytest_cpu.log" 2>/dev/null | tail -1) | $T_B |"
   echo "| (b2) the step at P = 2, 4, 8 on CPU/gloo = plain autograd; lesson 14 at P = 8 | $(status b "$RC_B2"): $(grep -c PASS "$HELP/ranks.log" 2>/dev/null) PASS, $(grep -c FAIL "$HELP/ranks.log" 2>/dev/null) FAIL; lesson 14: $(grep -E 'PASS: every|FAIL: [0-9]' "$HELP/lesson14_p8.log" 2>/dev/null | tail -1) | $T_B |"
   echo "| (c) lessons at P = 1, --device $DEV (every one expected to pass${DRY_STRICT}) | $(awk -F'\t' '$2==0' "$HELP/lessons.tsv" | wc -l) of $(wc -l < "$HELP/lessons.tsv") exit 0$(awk -F'\t' '$2!=0 {printf "; FAIL %s", $1}' "$HELP/lessons.tsv") | $T_C |"
   echo "| (d) timing | $(status d $RC_D) | $T_D |"
@@ -675,8 +679,12 @@ status() { [[ $STEPS == *$1* ]] || { echo skipped; return; }; [ "$2" = 0 ] && ec
   echo "## (a)"; echo '```'; grep -E "PASS|FAIL|device" "$HELP/equiv.log"; echo '```'
   echo "## (c)"; echo '```'; cat "$HELP/lessons.tsv"; echo '```'
   echo "## (d)"; [ -f "$OUTDIR/timing.md" ] && cat "$OUTDIR/timing.md"
-  echo "## (e)"; [ -f "$HELP/peers.md" ] && cat "$HELP/peers.md"; [ -f "$OUTDIR/kernels.md" ] && cat "$OUTDIR/kernels.md"
+  echo "## (e)"; [ -f "$HELP/peers.md" ] && cat "$HELP/peers.md"; [ -f "$OUTDIR/kernels_gpu.md" ] && cat "$OUTDIR/kernels_gpu.md"
 } > "$SUMMARY"
+# The device tool brings back at most 8 files: past 7, the JSON records travel as one archive.
+if [ "$(find "$OUTDIR" -maxdepth 1 -type f | wc -l)" -gt 7 ]; then
+  (cd "$OUTDIR" && tar czf records.tar.gz ./*.json && rm -f ./*.json)
+fi
 say "done in $((SECONDS - T0)) s; results in $OUTDIR: $(ls "$OUTDIR" | tr '\n' ' ')"
 head -12 "$SUMMARY"
 [ "$RC_A" = 0 ] && [ "$RC_B" = 0 ] && [ "$RC_B2" = 0 ] && [ "$RC_C" = 0 ] && [ "$RC_D" = 0 ] && [ "$RC_E" = 0 ]

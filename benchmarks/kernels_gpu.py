@@ -50,7 +50,7 @@ SHAPES = {
     "gpu": dict(check=(512, 128), n=65536, world=8, d=1024),
     "cpu": dict(check=(48, 24), n=128, world=8, d=24),  # the dry run: every path once, in the interpreter
 }
-SWEEP = [Blocks(128, 128, 64, 8, 3), Blocks(128, 128, 32, 8, 4)]  # beside the default 128 x 64 x 64, 8 warps, 3 stages
+SWEEP = [Blocks(128, 64, 64, 8, 3), Blocks(128, 128, 32, 8, 4)]  # beside the default 128 x 128 x 64, 8 warps, 3 stages
 
 
 def config(n, world, exchange="gather", kernels="triton", precision="bf16"):

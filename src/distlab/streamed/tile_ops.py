@@ -1,8 +1,10 @@
 """Which code does the step's tile work: the torch tiles or the Triton kernels (config key KERNELS), at the
 step's matmul precision (MATMUL_PRECISION, `precision`).
 
-    "auto"    (the default) the Triton kernels for CUDA tensors when triton imports, the torch tiles elsewhere
-              (and for float64 on CUDA: float64 is the dtype that checks exactness, not a fast path)
+    "auto"    (the default) the Triton kernels for CUDA tensors when triton imports and MATMUL_PRECISION is
+              "bf16" or "tf32" (tensor cores), the torch tiles elsewhere: for float64 on CUDA (the dtype that
+              checks exactness, not a fast path) and for IEEE float32, where cuBLAS's float32 matmul beat the
+              kernels' FMA products 0.16 s to 0.75 s on an H100 (benchmarks/results/gpu/2026-11-26-kernels-h100)
     "torch"   the torch tiles: T x T tiles of S in memory, a dozen ops on each (`tiles`, `sigmoid`)
     "triton"  the Triton kernels (`distlab.streamed.kernels`): CUDA tensors, or CPU tensors under Triton's
               interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
@@ -179,6 +181,7 @@ def tile_ops(kernels: str, precision: str, t: int, device: torch.device, dtype: 
         kernels == "auto"
         and device.type == "cuda"
         and dtype != torch.float64
+        and precision != "float32"
         and importlib.util.find_spec("triton") is not None
     )
     return TritonTiles(precision) if use_triton else TorchTiles(t, precision)

@@ -1,10 +1,11 @@
 """Compile every Triton kernel of the streamed step for an H100 (sm_90) on a machine without a GPU, with
 Triton's own compiler and the ptxas it ships, and report each variant's registers, spills and shared memory.
 
-    python benchmarks/kernels_compile_check.py        # about a minute; exits 1 if a variant fails or spills
+    python benchmarks/kernels_compile_check.py        # a minute or a few; exits 1 if a variant fails
 
 What it proves: the kernels' Python, their block sizes and their layouts compile to sm_90 machine code (wgmma
-on the tensor cores for bf16 and TF32), and the default blocks spill no registers. What it cannot: that they
+on the tensor cores for bf16 and TF32) within an H100's 227 KiB of shared memory, and how many bytes of
+registers each spills (the bf16 defaults do: chosen by time on a GPU, `launch.py`). What it cannot: that they
 run correctly there (the interpreter tests do that, on the same code) or how fast (`kernels_gpu.py`). The
 GPU image's Triton may differ from this one. How: Triton asks its active driver for the target, so a stand-in
 driver answers "cuda, sm_90, warp 32" and `JITFunction.warmup` compiles without launching (tensors on the
@@ -103,10 +104,11 @@ def main() -> int:
             failed += 1
             print(f"FAIL {name:26s} {['ieee', 'tf32', 'bf16'][code]:5s} {type(err).__name__}: {str(err)[:200]}")
             continue
-        failed += got["spills"] > 0
+        too_big = got["shared"] > 227 * 1024  # an H100's shared memory per block: more cannot launch
+        failed += too_big
         precision = {IEEE: "float32", TF32: "tf32", BF16: "bf16"}[code]
         print(
-            f"{'ok  ' if not got['spills'] else 'SPILL'} {name:26s} {precision:7s} {blocks.m}x{blocks.n}x{blocks.d} "
+            f"{'FAIL' if too_big else 'ok  '} {name:26s} {precision:7s} {blocks.m}x{blocks.n}x{blocks.d} "
             f"w{blocks.warps} s{blocks.stages}: {got['regs']} registers, {got['spills']} B spilled, "
             f"{got['shared'] // 1024} KiB shared, {got['wgmma']} wgmma"
         )

@@ -50,7 +50,30 @@ SHAPES = {
     "gpu": dict(check=(512, 128), n=65536, world=8, d=1024),
     "cpu": dict(check=(48, 24), n=128, world=8, d=24),  # the dry run: every path once, in the interpreter
 }
-SWEEP = [Blocks(128, 64, 64, 8, 3), Blocks(128, 128, 32, 8, 4)]  # beside the default 128 x 128 x 64, 8 warps, 3 stages
+SWEEP = [Blocks(128, 128, 64, 8, 3), Blocks(128, 64, 64, 8, 3)]  # beside the default 128 x 256 x 64, 8 warps, 3 stages
+# --sweep: launch configurations around each loss's default (m x n x d, warps, stages[, column splits]), each
+# checked exact at the check shape before it is timed.
+GRID = {
+    "infonce": [
+        Blocks(128, 128, 64, 8, 4),
+        Blocks(128, 256, 64, 8, 4),
+        Blocks(128, 256, 32, 8, 4),
+        Blocks(256, 128, 64, 8, 3),
+        Blocks(128, 128, 128, 8, 2),
+        Blocks(128, 128, 64, 4, 3),
+        Blocks(64, 128, 64, 4, 3),
+        Blocks(128, 256, 64, 8, 3, splits=2),
+        Blocks(128, 256, 64, 8, 3, splits=10),
+    ],
+    "sigmoid": [
+        Blocks(128, 64, 32, 8, 4),
+        Blocks(128, 128, 64, 8, 4),
+        Blocks(128, 256, 64, 8, 3),
+        Blocks(128, 64, 64, 8, 3),
+        Blocks(64, 128, 32, 4, 4),
+        Blocks(128, 64, 32, 8, 4, splits=10),
+    ],
+}
 
 
 def config(n, world, exchange="gather", kernels="triton", precision="bf16"):
@@ -165,6 +188,31 @@ def methods(shape, device) -> dict:
     return calls
 
 
+def sweep(shape, device, repeats, deadline) -> list[dict]:
+    """--sweep: each configuration of GRID exact at the check shape (bf16 against float64 autograd, within 1.25x
+    autocast's own error), then timed at one rank's shape; what the deadline leaves out is not run."""
+    (n_check, d_check), rows = shape["check"], []
+    small = embeddings(n_check, d_check, device, torch.bfloat16)
+    z = embeddings(shape["n"], shape["d"], device, torch.bfloat16)
+    for loss, grid in GRID.items():
+        true_x, true_y = truth(*small, loss)
+        plain = truth(*small, loss, autocast=True)
+        allowed = 1.25 * max(rel(plain[0], true_x), rel(plain[1], true_y))
+        for b in grid:
+            if time.perf_counter() > deadline:
+                break
+            ops = TritonTiles("bf16", b)
+            got = one_rank(config(n_check, 1), *small, loss, ops)
+            err = max(rel(got[0], true_x), rel(got[1], true_y))
+            row = dict(loss=loss, blocks=f"{b.m}x{b.n}x{b.d} w{b.warps} s{b.stages} splits {b.splits or 'auto'}")
+            row |= dict(rel_truth=err, ok=err <= allowed)
+            cfg = config(shape["n"], shape["world"])
+            row |= measure(lambda cfg=cfg, ops=ops, loss=loss: one_rank(cfg, *z, loss, ops), device, repeats)
+            print(f"sweep {loss:8s} {row['blocks']:32s} {row['seconds']:.4f} s  rel {err:.1e}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -235,6 +283,11 @@ def markdown(report) -> str:
         + (f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") is not None else "",)
         for name, r in timing.items()
     ]
+    swept = [
+        (r["loss"], r["blocks"], f"{r['rel_truth']:.1e}", r["ok"], f"{r['seconds']:.4f}")
+        + (f"{r['seconds'] / base:.2f}" if base else "",)
+        for r in report.get("sweep") or []
+    ]
     counted = [
         (r["n"], r["loss"], r["exchange"], r["kernels"], f"{r['launches']:,}", f"{r['bytes'] / 2**20:,.1f}")
         for r in report.get("launches") or []
@@ -244,6 +297,9 @@ def markdown(report) -> str:
     lines += table("## (a) exact at P = 1 (G_x, G_y against plain autograd in float64)", header, exact)
     header = ("setting", "method", "seconds", "x ClipLoss", "peak GiB")
     lines += table("## (b) one rank's machinery, bf16 embeddings", header, timed)
+    if swept:
+        header = ("loss", "blocks", "rel. to truth", "ok", "seconds", "x ClipLoss")
+        lines += table("## (b2) launch configurations (bf16, gather, one rank)", header, swept)
     header = ("N", "loss", "exchange", "path", "launches", "MiB moved")
     lines += table("## (c) launches and bytes per step (one rank, counted on the meta device)", header, counted)
     return "\n".join(lines + ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in report["skipped"].items()]) + "\n"
@@ -255,6 +311,7 @@ def parse_args():
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method")
     parser.add_argument("--budget", type=float, help="seconds after which (b) skips what is left (GPU: 150)")
+    parser.add_argument("--sweep", action="store_true", help="then time the launch configurations of GRID")
     return parser.parse_args()
 
 
@@ -280,6 +337,9 @@ def main() -> int:
         if got is not None:
             report["timing"][method] = dict(setting=setting, **got)
             print(f"{setting:18s} {method:60s} {got['seconds']:.4f} s", flush=True)
+    if args.sweep:
+        deadline = started + 2 * budget
+        report["sweep"] = guarded("(b2) sweep", lambda: sweep(shape, device, args.repeats, deadline), report)
     report["launches"] = guarded("(c) launches", lambda: launch_counts(shape), report)
     report["wall_seconds"] = time.perf_counter() - started
     out = Path(args.out)

@@ -1,13 +1,13 @@
 """Launching the kernels: the precision code, block sizes, how the columns are split across programs, and the
 launch itself (counted by `distlab.streamed.launches`; on the meta device counted and not run).
 
-Block sizes. `tl.dot` needs every side >= 16. bf16 (tensor cores): 128 x 128 tiles of S, d in slices of 64,
-8 warps, 3 stages of software pipelining; the sigmoid's product 128 x 64, d in slices of 32 with 4 stages.
-float32 (IEEE, no tensor cores): 64 x 64, d in slices of 32, 8 warps; TF32: the same with 4 warps. The bf16
-InfoNCE tile was measured: on an H100 (Triton 3.6) one rank's step of P = 8, N = 65,536, d = 1,024 took
-0.053 s in 128 x 128 tiles against 0.094 s in 128 x 64 (benchmarks/results/gpu/2026-11-26-kernels-h100), though
-the larger tile spills up to 448 bytes of registers a thread under 3.6; the others compile without spills
-under 3.6 and 3.9 (`benchmarks/kernels_compile_check.py`). Under the interpreter 32 x 32 x 32 (its cost is per program
+Block sizes. `tl.dot` needs every side >= 16. bf16 (tensor cores), chosen by timing on an H100 (Triton 3.6;
+one rank of N = 65,536, P = 8, d = 1,024; benchmarks/results/gpu/2026-11-26-kernels-h100, `kernels_gpu.py
+--sweep`): InfoNCE 128 x 256 tiles of S, d in slices of 64, 8 warps, 3 stages of software pipelining (0.035 s
+a step, against 0.053 s in 128 x 128 and 0.093 s in 128 x 64); the sigmoid's product 128 x 128 x 64 (0.046 s,
+against 0.092 s in 128 x 64 x 32). Both spill registers (240-1,256 bytes a thread, `kernels_compile_check.py`)
+and are still the fastest measured. float32 (IEEE, no tensor cores): 64 x 64, d in slices of 32, 8 warps; TF32:
+the same with 4 warps; neither spills. Under the interpreter 32 x 32 x 32 (its cost is per program
 and per op, not per element); the tests pass 16 x 16 x 16 and several column ranges where they need block edges
 crossed.
 
@@ -70,7 +70,7 @@ def default_blocks(code: int, interpreting: bool, sigmoid: bool = False) -> Bloc
     if interpreting:
         return Blocks(32, 32, 32, 1, 1)
     if code == BF16:  # the sigmoid's softplus series needs registers: d in slices of 32 leaves them
-        return Blocks(128, 64, 32, 8, 4) if sigmoid else Blocks(128, 128, 64, 8, 3)
+        return Blocks(128, 128, 64, 8, 3) if sigmoid else Blocks(128, 256, 64, 8, 3)
     if code == IEEE:  # float32 FMA products: 8 warps keep the 64 x 64 tile in 128 registers a thread
         return Blocks(64, 64, 32, 8, 2)
     return Blocks(64, 64, 32, 4, 2)

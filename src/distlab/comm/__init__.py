@@ -12,5 +12,5 @@
 - `timing`: how long a collective takes, on the slowest rank.
 
 Every parallelism package (pipeline, data_parallel, sharding, tensor_parallel, context_parallel,
-contrastive, streamed) stands on these and never on a sibling.
+contrastive, streamed, expert_parallel) stands on these and never on a sibling.
 """

@@ -153,41 +153,47 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.cfg, self.ledger, self.statistics, self.rule, self.group = moe.cfg, ledger, statistics, rule, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.per_rank = moe.cfg.experts // self.world
         self.router = moe.router  # replicated: every rank routes its own tokens
-        first = self.rank * self.per_rank
-        self.experts = nn.ModuleDict({str(i): moe.experts[str(i)] for i in range(first, first + self.per_rank)})
+        mine = range(self.rank * moe.cfg.experts // self.world, (self.rank + 1) * moe.cfg.experts // self.world)
+        self.experts = nn.ModuleDict({str(i): moe.experts[str(i)] for i in mine})  # keyed by global index
         self.plan = None  # the last forward's, for the lesson's tables
 
     def forward(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        routing = route(self.router, u, self.cfg.top_k)
-        step_tokens = len(u) * (self.world if self.rule == "global" else 1)  # equal shares: N seq, or C seq
-        self.plan = plan = make_plan(
-            routing.chosen, self.cfg.experts, capacity(self.cfg, step_tokens), self.group, self.ledger, self.rule
-        )
-        arrived = AllToAll.apply(u[plan.tokens], plan.send, plan.recv, self.group, self.ledger, DISPATCH)
-        done = self.run_experts(arrived, plan.kept[:, self.rank * self.per_rank : (self.rank + 1) * self.per_rank])
-        back = AllToAll.apply(done, plan.recv, plan.send, self.group, self.ledger, COMBINE)
-        weight = routing.weights[plan.tokens, plan.slots].unsqueeze(-1)
-        out = torch.zeros_like(u).index_add(0, plan.tokens, weight * back)
-        return out, self.aux(routing.gates, plan.routed)
+        return expert_parallel_moe(self, u)
 
-    def run_experts(self, arrived: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
-        """Rows arrive by source rank, within a source by expert (mine[s, j] rows of rank s for my expert j).
-        Expert j takes its rows of every source in rank order (global order); outputs go back in place."""
-        pieces = list(arrived.split(mine.flatten().tolist()))  # source-major
-        for j, expert in enumerate(self.experts.values()):
-            where = [s * self.per_rank + j for s in range(self.world)]
-            outputs = expert(torch.cat([pieces[k] for k in where])).split(mine[:, j].tolist())
-            for k, y in zip(where, outputs):
-                pieces[k] = y
-        return torch.cat(pieces)
 
-    def aux(self, gates: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """L_aux with this rank's pi (its mean gates). Global statistics: phi of the step's counts (every
-        rank's, exchanged), so the ranks' mean is E sum_i phi_i pi_i; local: phi of this rank's own."""
-        counts = routed.sum(0) if self.statistics == "global" else routed[self.rank]
-        return balance_loss((counts / counts.sum()).to(gates.dtype), gates.mean(0))
+def expert_parallel_moe(layer: ExpertParallelMoE, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route, exchange the counts, dispatch, run my experts, combine: (MoE(u), L_aux) for this rank's tokens."""
+    routing = route(layer.router, u, layer.cfg.top_k)
+    step_tokens = len(u) * (layer.world if layer.rule == "global" else 1)  # equal shares: N seq, or C seq
+    most = capacity(layer.cfg, step_tokens)
+    layer.plan = plan = make_plan(routing.chosen, layer.cfg.experts, most, layer.group, layer.ledger, layer.rule)
+    arrived = AllToAll.apply(u[plan.tokens], plan.send, plan.recv, layer.group, layer.ledger, DISPATCH)
+    done = run_experts(layer.experts, arrived, plan.kept[:, [int(i) for i in layer.experts]])
+    back = AllToAll.apply(done, plan.recv, plan.send, layer.group, layer.ledger, COMBINE)  # the splits swapped
+    weight = routing.weights[plan.tokens, plan.slots].unsqueeze(-1)
+    out = torch.zeros_like(u).index_add(0, plan.tokens, weight * back)  # each output home, weighted
+    return out, aux_loss(routing.gates, plan.routed, layer.statistics, layer.rank)
+
+
+def run_experts(experts: nn.ModuleDict, arrived: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """Rows arrive by source rank, within a source by expert (mine[s, j] rows of rank s for my expert j).
+    Expert j takes its rows of every source in rank order (global order); its outputs go back in place."""
+    world, per_rank = mine.shape
+    pieces = list(arrived.split(mine.flatten().tolist()))  # source-major
+    for j, expert in enumerate(experts.values()):
+        where = [s * per_rank + j for s in range(world)]
+        outputs = expert(torch.cat([pieces[k] for k in where])).split(mine[:, j].tolist())
+        for k, y in zip(where, outputs):
+            pieces[k] = y
+    return torch.cat(pieces)
+
+
+def aux_loss(gates: torch.Tensor, routed: torch.Tensor, statistics: str, rank: int) -> torch.Tensor:
+    """L_aux with this rank's pi (its mean gates). Global statistics: phi of the step's counts (every rank's,
+    exchanged), so the ranks' mean is E sum_i phi_i pi_i; local: phi of this rank's own counts."""
+    counts = (routed.sum(0) if statistics == "global" else routed[rank]).to(gates.dtype)  # not int / int: float32
+    return balance_loss(counts / counts.sum(), gates.mean(0))
 
 
 def average_gradients(model: nn.Module, world: int) -> None:

@@ -130,8 +130,8 @@ class MoE(nn.Module):
             if len(tokens):
                 weight = routing.weights[tokens, slots].unsqueeze(-1)
                 out = out.index_add(0, tokens, weight * self.experts[str(i)](u[tokens]))
-        phi = choice_counts(routing, self.cfg.experts) / (self.cfg.top_k * len(u))
-        return out, balance_loss(phi.to(u.dtype), routing.gates.mean(0))
+        phi = choice_counts(routing, self.cfg.experts).to(u.dtype) / (self.cfg.top_k * len(u))  # (in u's dtype:
+        return out, balance_loss(phi, routing.gates.mean(0))  # integers divided would give torch's default float32)
 
 
 class MoEBlock(nn.Module):

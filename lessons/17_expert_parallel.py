@@ -311,10 +311,8 @@ def show_routing(rt: Runtime, args, verdict: Verdict) -> None:
     drops = [(g, capacity(replace(cfg, capacity_factor=g), len(ref.kept))) for g in GAMMAS]
     drops = [(g, c, int((~kept_choices(ref.routing, c)).sum())) for g, c in drops]
     print0(report.drops_table(drops, ref.kept.numel()))
-    verdict.figure(
-        "routing",
-        {"to_owner": to_owner.tolist(), "routed": ref.routed_counts.tolist(), "kept": ref.kept_counts.tolist()},
-    )
+    routing = {"to_owner": to_owner.tolist(), "routed": ref.routed_counts.tolist(), "kept": ref.kept_counts.tolist()}
+    verdict.figure("routing", {**routing, "capacity": most})
     verdict.figure("bytes", {"counted": counted, "formula": every, "phases": PHASES})
     verdict.figure("drops", {"rows": drops, "choices": ref.kept.numel()})
 

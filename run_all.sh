@@ -26,6 +26,8 @@ LESSONS=(
   "15_sigmoid_and_ring.py|4|sigmoid loss closed form = autograd; {InfoNCE, sigmoid} x {gather, ring} = the whole batch; bytes = formula; ring memory flat in P|"
   "16_train_clip.py|2|step 1 of a CLIP trained with distributed_backward equals one process; held-out zero-shot top-1 >= 80% (8x chance)|"
   "16_train_clip.py|2|the same with the sigmoid loss (a learned bias) and the ring exchange|--loss sigmoid --exchange ring"
+  "17_expert_parallel.py|4|expert parallelism (two all-to-alls, uneven splits) = one process, top-1/2, with drops; bytes = formula; L_aux from local counts and per-rank capacity shown wrong, the exchanged counts exact|"
+  "18_ulysses.py|4|Ulysses (sequence split to head split and back by all-to-all) = SDPA on the whole sequence, causal and not, forward and backward; bytes 4(P-1)/P blocks each way, no more than ring attention's|"
 )
 
 mkdir -p runs

@@ -8,7 +8,9 @@ storage it records the shape (so "nothing N x N, C x N or B x N" is a question a
 (a `weakref.finalize`): `peak[kind]` is the most of that kind this rank held at once, the per-rank memory
 a lesson bounds. Collectives reach the dispatcher as `c10d` ops: `collectives` lists each call's kind and
 the bytes of its whole tensor, and `sent` prices them by the ring formulas, so a check counts all-reduces
-and bytes without trusting what the answer says it sent.
+and bytes without trusting what the answer says it sent. An all-to-all (torch's `all_to_all_single`, or
+the functional one with autograd, forward and backward) is recorded with the bytes it sends exactly: its
+input but the part for this rank itself, whatever the splits.
 
 DDP's own all-reduce runs inside its reducer, where no mode sees it: the checks count it with a DDP comm
 hook (`distlab.data_parallel.ddp.counting`).
@@ -22,6 +24,8 @@ from collections.abc import Callable
 from fractions import Fraction
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -36,6 +40,7 @@ KINDS = {  # c10d's ops, by the collective they are
     "_reduce_scatter_base_": "reduce_scatter",
     "broadcast_": "broadcast",
     "recv_": "recv",
+    "alltoall_base_": "all_to_all",
 }
 
 
@@ -48,13 +53,17 @@ class Watch(TorchDispatchMode):
         self.shapes: set[tuple] = set()
         self.live: Counter = Counter()
         self.peak: Counter = Counter()
-        self.collectives: list[tuple[str, int]] = []  # (kind, bytes of the whole tensor)
+        self.collectives: list[tuple[str, int]] = []  # (kind, bytes of the whole tensor; all_to_all: sent)
         self._seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d":
             self._collective(func.__name__.split(".")[0], args)
+            return out
+        if func.namespace == "_c10d_functional" and func.__name__.startswith("all_to_all_single"):
+            group = _resolve_process_group(args[3])  # (input, output splits, input splits, group name)
+            self.collectives.append(("all_to_all", _part_sent(args[0], args[2], group)))
             return out
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
@@ -81,6 +90,9 @@ class Watch(TorchDispatchMode):
 
     def _collective(self, op: str, args: tuple) -> None:
         kind = KINDS.get(op, op)
+        if kind == "all_to_all":  # (output, input, group, output splits, input splits, ...)
+            self.collectives.append((kind, _part_sent(args[1], args[4], dist.ProcessGroup.unbox(args[2]))))
+            return
         # the whole tensor of the ring formulas: the all-gather's output, the reduce-scatter's input
         whole = args[1] if kind == "reduce_scatter" else args[0]
         tensors = [t for t in tree_leaves(whole) if isinstance(t, torch.Tensor)]
@@ -100,10 +112,19 @@ class Watch(TorchDispatchMode):
                 for kind in ("all_reduce", "all_gather", "reduce_scatter")
             },
             "send": lambda p: 1,
+            "all_to_all": lambda p: 1,  # recorded as the bytes it sends
             "recv": lambda p: 0,
             "broadcast": lambda p: Fraction(p - 1, p),
         }
         return float(sum(fraction[kind](world) * nbytes for kind, nbytes in self.collectives))
+
+
+def _part_sent(x: torch.Tensor, splits: list[int] | None, group) -> int:
+    """Bytes an all-to-all of x's rows over `group` sends: every row but those of this rank's own part
+    (no splits: P equal parts)."""
+    row = x[0].numel() * x.element_size() if len(x) else 0
+    own = splits[group.rank()] if splits else len(x) // group.size()
+    return (len(x) - own) * row
 
 
 def spanning(shapes: set[tuple], long: int, across: set[int]) -> list[tuple]:

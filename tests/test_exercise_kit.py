@@ -1,7 +1,8 @@
 """The exercises' judge itself, without processes: what `Claims` measures, that each signature recognises
 its trace and rejects a look-alike, that a failure no catalogued mistake explains is reported as what the
 judge saw (never a guess), that hints come level by level, that `Watch` counts what is alive and prices
-collectives by the ring formulas, and that `pytest --exercises -k NN` collects exercise NN's file alone."""
+collectives by the ring formulas (an all-to-all by the rows that leave the rank), and that
+`pytest --exercises -k NN` collects exercise NN's file alone."""
 
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from exercise_signatures import (
     all_but,
     diagnose,
 )
-from exercise_watch import Watch, spanning
+from exercise_watch import Watch, _part_sent, spanning
 
 ROOT = Path(__file__).resolve().parent.parent
 WANT = torch.arange(1.0, 7.0, dtype=torch.float64).reshape(2, 3)
@@ -132,6 +133,24 @@ def test_watch_prices_collectives_by_the_ring_formulas():
     watch = Watch()
     watch.collectives = [("all_reduce", 300), ("all_gather", 300), ("reduce_scatter", 300), ("send", 40)]
     assert watch.sent(3) == 2 * 2 / 3 * 300 + 2 / 3 * 300 + 2 / 3 * 300 + 40
+
+
+class _Group:
+    """What `_part_sent` asks of a process group: this rank's index and the world size."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = (lambda: rank), (lambda: size)
+
+
+def test_watch_prices_an_all_to_all_by_the_rows_that_leave_the_rank():
+    rows = torch.zeros(6, 4, dtype=torch.float64)  # a row: 32 bytes
+    assert _part_sent(rows, [1, 3, 2], _Group(1, 3)) == (6 - 3) * 32  # uneven: rank 1 keeps its 3 rows
+    assert _part_sent(rows, [1, 3, 2], _Group(0, 3)) == (6 - 1) * 32
+    assert _part_sent(rows, None, _Group(2, 3)) == (6 - 2) * 32  # no splits: P equal parts
+    assert _part_sent(rows[:0], [0, 0, 0], _Group(0, 3)) == 0
+    watch = Watch()
+    watch.collectives = [("all_to_all", 96), ("all_gather", 300)]
+    assert watch.sent(3) == 96 + 2 / 3 * 300  # recorded as sent, not priced again by a ring formula
 
 
 def test_exercises_k_nn_collects_that_exercise_alone():

@@ -6,9 +6,11 @@
   (`Posted`), over any group, at any P (one rank included);
 - `ring`: the collectives by hand on that exchange (`Ring`: a shift, reduce-scatter, all-gather,
   all-reduce, broadcast, all-to-all with uneven parts), counting what they send;
+- `differentiable`: the all-to-all with its backward (the reverse all-to-all), for expert parallelism
+  and Ulysses (lessons 17, 18);
 - `ledger`: what a rank sent, counted in exact integers (`Ledger.sent`), by phase and kind;
 - `timing`: how long a collective takes, on the slowest rank.
 
 Every parallelism package (pipeline, data_parallel, sharding, tensor_parallel, context_parallel,
-contrastive, streamed) stands on these and never on a sibling.
+contrastive, streamed, expert_parallel) stands on these and never on a sibling.
 """

@@ -68,7 +68,8 @@ def paused(mem: PeakMemory) -> Iterator[None]:
 
 class _Measured:
     """A strategy as the loop sees it while `mem` measures it: its readouts (the check's gathers and
-    copies) made with the measurement paused."""
+    copies) made with the measurement paused, and handed back on the CPU, where the loop keeps them: on a
+    GPU the copy to the host is a new storage, which, made outside the pause, would count as the run's."""
 
     def __init__(self, strategy, mem: PeakMemory):
         self.strategy, self.mem, self.optimizer = strategy, mem, strategy.optimizer
@@ -84,15 +85,15 @@ class _Measured:
 
     def grads(self) -> dict[str, torch.Tensor]:
         with paused(self.mem):
-            return self.strategy.grads()
+            return {name: t.cpu() for name, t in self.strategy.grads().items()}
 
     def params(self) -> dict[str, torch.Tensor]:
         with paused(self.mem):
-            return self.strategy.params()
+            return {name: t.cpu() for name, t in self.strategy.params().items()}
 
     def states(self) -> dict[str, dict[str, torch.Tensor]]:
         with paused(self.mem):
-            return self.strategy.states()
+            return {name: {k: t.cpu() for k, t in s.items()} for name, s in self.strategy.states().items()}
 
 
 def run_strategy(rt: Runtime, cfg: ShardingConfig, make: Callable, steps: int | None = None) -> StrategyRun:

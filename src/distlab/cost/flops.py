@@ -28,6 +28,7 @@ not work the model needs: counting it gives the hardware FLOPs utilisation, HFU)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from distlab.cost.schedule import stages
 from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer, stage_layers
@@ -70,12 +71,14 @@ def products_forward(weights, tokens: int, tp: int = 1) -> int:
     return sum(2 * tokens * w.on_rank(tp) for w in weights if w.cols > 1 and w.name not in LOOKUPS)
 
 
+@cache
 def block_forward(model: Transformer, rows: int, seq: int, tp: int = 1, cp: int = 1) -> int:
     """One block's forward on one rank: its projections and MLP on rows x seq / cp tokens, and attention."""
     tokens = rows * (seq // cp)
     return products_forward(model.block_weights(), tokens, tp) + attention_forward(model, rows, seq, tp, cp)
 
 
+@cache
 def last_product(model: Transformer, rows: int, seq: int, tp: int = 1, cp: int = 1) -> int:
     """fc2's forward in one block: what torch's checkpoint does not rerun (nothing saved its output)."""
     fc2 = [w for w in model.block_weights() if w.name == "mlp.fc2.weight"]
@@ -95,7 +98,7 @@ def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stag
     block = block_forward(model, rows, batch.seq, tp, cp)
     forward, rerun = len(layers) * block, len(layers) * (block - last_product(model, rows, batch.seq, tp, cp))
     if model.vocab and stage == parallel.pp * parallel.stages_per_rank - 1:
-        forward += products_forward(model.units()[-1], rows * (batch.seq // cp), tp)  # the head
+        forward += products_forward(model.head_weights(), rows * (batch.seq // cp), tp)  # the head
     return Flops(forward, 2 * forward, rerun if parallel.recompute else 0)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from functools import cache
 
-from distlab.cost.shapes import Batch, Parallel
-from distlab.pipeline.schedules import make_schedule, placement, rank_of
+from distlab.cost.shapes import Batch, Parallel, schedule_of
+from distlab.pipeline.schedules import placement, rank_of
 from distlab.pipeline.simulator import peak_in_flight, simulate
 
 
@@ -22,23 +22,18 @@ def _key(parallel: Parallel, batch: Batch) -> tuple[str, int, int, int]:
 
 
 @cache
-def _schedule(name: str, pp: int, m: int, v: int):
-    return make_schedule(name, pp, m, v)
-
-
-@cache
 def _stages(name: str, pp: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(stages) for stages in placement(_schedule(name, pp, m, v)))
+    return tuple(tuple(stages) for stages in placement(schedule_of(name, pp, m, v)))
 
 
 @cache
 def _in_flight(name: str, pp: int, m: int, v: int) -> tuple[int, ...]:
-    return tuple(peak_in_flight(_schedule(name, pp, m, v)))
+    return tuple(peak_in_flight(schedule_of(name, pp, m, v)))
 
 
 @cache
 def _grid(name: str, pp: int, m: int, v: int, recompute: bool) -> tuple[int, float]:
-    timing = simulate(_schedule(name, pp, m, v), 1, 2 if recompute else 1, 1)
+    timing = simulate(schedule_of(name, pp, m, v), 1, 2 if recompute else 1, 1)
     return timing.ticks, timing.bubble_fraction()
 
 
@@ -47,9 +42,14 @@ def stages(parallel: Parallel, batch: Batch, pp_rank: int) -> tuple[int, ...]:
     return _stages(*_key(parallel, batch))[pp_rank]
 
 
+@cache
+def _owner(name: str, pp: int, m: int, v: int) -> dict[int, int]:
+    return rank_of(schedule_of(name, pp, m, v))
+
+
 def owner(parallel: Parallel, batch: Batch) -> dict[int, int]:
     """The rank each stage lives on."""
-    return rank_of(_schedule(*_key(parallel, batch)))
+    return _owner(*_key(parallel, batch))
 
 
 def in_flight(parallel: Parallel, batch: Batch, pp_rank: int) -> int:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import cache
 
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.schedules import make_schedule
@@ -115,9 +116,11 @@ class Transformer:
         blocks = [self.block_weights() for _ in range(self.layers)]
         if not self.vocab:
             return blocks
-        embedding = [Weight("embedding.weight", self.vocab, self.dim, "column")]
-        head = self._norm("norm") + [Weight("head.weight", self.vocab, self.dim, "column")]
-        return [embedding, *blocks, head]
+        return [[Weight("embedding.weight", self.vocab, self.dim, "column")], *blocks, self.head_weights()]
+
+    def head_weights(self) -> list[Weight]:
+        """The final norm and the untied head (vocab > 0)."""
+        return self._norm("norm") + [Weight("head.weight", self.vocab, self.dim, "column")]
 
     @property
     def parameters(self) -> int:
@@ -235,7 +238,7 @@ def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision:
     if parallel.pp * parallel.stages_per_rank > model.layers:
         _refuse("pp", f"pp x v = {parallel.pp * parallel.stages_per_rank} stages, but only {model.layers} layers")
     try:
-        make_schedule(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
+        schedule_of(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
     except ValueError as err:
         _refuse("schedule", str(err))
 
@@ -268,10 +271,22 @@ def _check_transformer(model: Transformer, batch: Batch, parallel: Parallel) -> 
         _refuse("sp", f"sequence parallelism cuts seq / cp = {batch.seq // parallel.cp} tokens over tp = {tp}")
 
 
+@cache
+def schedule_of(name: str, pp: int, micro_batches: int, stages_per_rank: int):
+    """`distlab.pipeline.schedules.make_schedule`, made once per (name, pp, M, v): a planner asks thousands
+    of configurations for the same few schedules. Callers read it, never change it."""
+    return make_schedule(name, pp, micro_batches, stages_per_rank)
+
+
 def stage_layers(model: Transformer | Mlp, parallel: Parallel) -> list[range]:
     """The layers of each of the pp v stages (`distlab.pipeline.partition.stage_bounds`: as even as can be,
     the first stages one layer longer)."""
-    return stage_bounds(model.layers, parallel.pp * parallel.stages_per_rank)
+    return _bounds(model.layers, parallel.pp * parallel.stages_per_rank)
+
+
+@cache
+def _bounds(layers: int, stages: int) -> list[range]:
+    return stage_bounds(layers, stages)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -128,7 +128,7 @@ def stage_activations(model, batch: Batch, parallel: Parallel, stage: int, preci
     kept = e * tokens * model.dim * len(layers) if parallel.recompute else block * len(layers)
     if model.vocab and stage == 0:
         kept += e * tokens * model.dim  # the embedding's output, the first block's input
-    return kept
+    return int(kept) if kept == int(kept) else kept  # whole bytes wherever tp cuts the terms evenly
 
 
 def activations(model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int, stat_bytes: int) -> int:

@@ -94,14 +94,16 @@ def collective_seconds(kind: str, nbytes: int, calls: int, group: int, link: Lin
     return calls * steps * link.latency + nbytes / (link.bandwidth * efficiency)
 
 
-def comm_seconds(cost: StepCost, pp_rank: int, links: dict[str, Link], efficiency: float) -> dict[str, float]:
-    """Seconds of each dimension's communication on one pipeline position's rank."""
+def comm_seconds(cost: StepCost, pp_rank: int, links: dict, efficiency: float) -> dict[str, float]:
+    """Seconds of each dimension's communication on one pipeline position's rank. `links`: a dimension's
+    link, or a (dimension, collective)'s where one kind of collective runs at its own rate."""
     group = {"dp": cost.parallel.dp, "tp": cost.parallel.tp, "pp": cost.parallel.pp, "cp": cost.parallel.cp}
     out: dict[str, float] = {}
     rank = cost.ranks[pp_rank]
     for (dim, kind), nbytes in rank.traffic.sent.items():
         calls = rank.traffic.calls[dim, kind]
-        out[dim] = out.get(dim, 0.0) + collective_seconds(kind, nbytes, calls, group[dim], links[dim], efficiency)
+        link = links.get((dim, kind), links.get(dim))
+        out[dim] = out.get(dim, 0.0) + collective_seconds(kind, nbytes, calls, group[dim], link, efficiency)
     return out
 
 

@@ -91,9 +91,10 @@ def tensor_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel
     cfg = BlockConfig(rows, seq, model.dim, model.heads, model.ffn, 0.0, 0, DTYPE_OF[e])
     runs = {"forward": batch.micro_batches * (2 if parallel.recompute else 1), "backward": batch.micro_batches}
     for (phase, kind), nbytes in expected_traffic(cfg, "block", parallel.tp, parallel.sp).items():
-        times = runs.get(phase, 1)  # "gradients", the d-vectors of sequence parallelism: once per step
-        calls_per_block = 2 if phase in runs else 1  # attention's and the MLP's; the d-vectors in one message
-        traffic.add(("tp", kind), times * blocks * nbytes, times * blocks * calls_per_block)
+        if phase in runs:  # attention's and the MLP's, every block, every micro-batch
+            traffic.add(("tp", kind), runs[phase] * blocks * nbytes, runs[phase] * blocks * 2)
+        else:  # "gradients": every block's d-vectors in one message, once per step
+            traffic.add(("tp", kind), blocks * nbytes, 1)
     if parallel.cut_gathered:  # Megatron-LM's: the inputs of q, k, v and fc1 gathered again in backward
         again = 2 * ring_fraction("all_gather", parallel.tp) * rows * seq * model.dim * e
         traffic.add(("tp", "all_gather"), batch.micro_batches * blocks * again, 2 * batch.micro_batches * blocks)

@@ -83,6 +83,37 @@ def configurations(p: int) -> dict[str, Parallel]:
 # ---- the mechanism: predict a step from its sizes, then run it and measure ------------------------
 
 
+def rank_bytes(model: Transformer, batch: Batch, parallel: Parallel, e: int) -> dict[str, int]:
+    """What one rank of a block stack holds after a step and sends in it, by hand (lessons 06-08), for data
+    parallelism (every block's gradient all-reduced by a ring) or tensor parallelism with or without
+    sequence parallelism; AdamW, e bytes an element. `distlab.cost` composes the same (part 3 checks)."""
+    d, f, h, layers, p = model.dim, model.ffn, model.heads, model.layers, parallel.world
+    attention, mlp, norms = 4 * d * d + 4 * d, 2 * d * f + f + d, 4 * d  # one block's parameters, Psi_b
+    tp = parallel.tp
+    psi = (attention - d) // tp + d + (mlp - d) // tp + d + norms  # out's and fc2's biases stay whole
+    rows = batch.global_batch // parallel.dp
+    tokens = rows * batch.seq
+    region, gathered, inside = tokens * (2 * d + 4), 2 * tokens * d, tokens * (4 * d + 2 * f) + rows * h * batch.seq
+    if parallel.recompute:
+        kept = tokens * d  # each block keeps only its output
+    elif parallel.sp:
+        kept = (region + inside) // tp + gathered
+    else:
+        kept = region + gathered + inside // tp
+    if tp == 1:  # a ring all-reduce of each block's gradient, padded to P equal chunks: 2 (P-1) ceil(Psi_b / P)
+        sent = layers * 2 * (p - 1) * -(-psi // p) * e
+    else:  # f and g (or their halves) twice a block, each way: 2 (P-1)/P T d e each
+        sent = layers * 4 * 2 * (tp - 1) * tokens * d * e // tp
+        sent += 2 * (tp - 1) * 6 * d * layers * e // tp if parallel.sp else 0  # the LayerNorms' and row biases'
+    return {
+        "weights": e * layers * psi,
+        "gradients": e * layers * psi,
+        "moments": 2 * e * layers * psi,
+        "activations": e * layers * kept,
+        "sent": sent,
+    }
+
+
 @dataclass
 class Machine:
     """This machine, measured (part 1): a device, the links of the two kinds of collective, an op's price."""
@@ -260,6 +291,11 @@ def show_configurations(rt: Runtime, args, machine: Machine, verdict: Verdict) -
         verdict.check(f"{name}: every item held = predicted", got.held == states)
         verdict.check(f"{name}: activations kept = predicted", got.activations == kept)
         verdict.check(f"{name}: bytes sent per collective = predicted", dict(got.sent) == sent)
+        by_hand = rank_bytes(cost.model, cost.batch, parallel, 4)
+        library = {k: states[k] for k in ("weights", "gradients", "moments")} | {"activations": kept}
+        verdict.check(
+            f"{name}: the lesson's arithmetic = distlab.cost's", by_hand == library | {"sent": sum(sent.values())}
+        )
         runs[name] = (cost, forecast, got)
     return runs
 

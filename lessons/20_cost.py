@@ -34,7 +34,6 @@ another dtype's peak gives another number again (pytorch/torchtitan#668 divided 
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -147,10 +146,12 @@ def build(rt: Runtime, args, parallel: Parallel):
     """The stack on this rank (whole blocks, or their tensor-parallel parts), its trainee, its data, and
     the ledger its collectives count their bytes in."""
     blocks = [
-        Block(args.dim, args.heads, args.ffn_width, OPTIONS, seed=args.seed + i, dtype=torch.float32)
+        Block(args.dim, args.heads, args.ffn_width, OPTIONS, seed=args.seed + i, dtype=torch.float32).to(rt.device)
         for i in range(args.layers)
     ]
-    x, target = token_batch(args.global_batch, args.seq_len, args.dim, args.seed + 100, torch.float32)
+    x, target = (
+        t.to(rt.device) for t in token_batch(args.global_batch, args.seq_len, args.dim, args.seed + 100, torch.float32)
+    )
     optimizer = ShardingConfig(lr=args.lr)  # AdamW, weight decay 0.1
     if parallel.tp == 1:  # data parallel: C = N / P rows, one ring all-reduce per block (lesson 07's DDP)
         model = nn.Sequential(*blocks)
@@ -212,6 +213,8 @@ def timed(rt: Runtime, trials: dict[str, Trial], repeats: int) -> dict[str, floa
             barrier(rt)
             start = time.perf_counter()
             trial.step()
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)  # the step has run, not only been queued
             seconds[name].append(time.perf_counter() - start)
     return {name: slowest_median(rt, s) for name, s in seconds.items()}
 
@@ -243,9 +246,7 @@ def show_calibration(rt: Runtime, args, verdict: Verdict) -> Machine:
     p = rt.world_size
     nothing = calibrate.Link("one rank: no link", 1.0, 0.0)
     machine = Machine(
-        Device(
-            "this CPU", {"float64": rates["float64"], "float32": rates["float32"]}, _memory(), bandwidth, "measured"
-        ),
+        Device(f"this {rt.device.type}", rates, calibrate.memory_size(rt), bandwidth, "measured"),
         links.get(("all_reduce", True, p), nothing),
         {kind: links.get((kind, False, p), nothing) for kind in ("all_reduce", "all_gather", "reduce_scatter")},
         op_seconds,
@@ -262,10 +263,6 @@ def show_calibration(rt: Runtime, args, verdict: Verdict) -> Machine:
         },
     )
     return machine
-
-
-def _memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def show_configurations(rt: Runtime, args, machine: Machine, verdict: Verdict) -> dict:
@@ -426,7 +423,7 @@ def world_rules(args, p: int) -> None:
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), world_rules)
-    with distributed("cpu") as rt:  # a lesson about this CPU: its calibration is the CPU's
+    with distributed(args.device) as rt:  # on a GPU the calibration is the GPU's
         world_rules(args, rt.world_size)
         verdict = Verdict(rt)
         print0(

@@ -1,8 +1,9 @@
-"""What this machine does, measured: the figures a datasheet would give, for the CPU the lessons run on.
+"""What this machine does, measured: the figures a datasheet would give, for the device the lessons run on.
 
-Every figure is taken on all P ranks at once, as the step they predict runs: P processes share this
-machine's cores, so a rank's matmul rate is what it gets while the others compute too. Each time is the
-slowest rank's, the median over repetitions (`distlab.comm.timing.time_call`).
+Every figure is taken on the rank's device (`rt.device`: this CPU, or a rank's GPU), on all P ranks at
+once, as the step they predict runs: on a CPU the P processes share the machine's cores, so a rank's
+matmul rate is what it gets while the others compute too. Each time is the slowest rank's, the median
+over repetitions (`distlab.comm.timing.time_call`).
 
 - `matmul_rate`: FLOP/s of torch.mm on the products a step makes (2 m k n FLOPs each), per dtype;
 - `copy_bandwidth`: bytes/s of a large copy (it reads and writes every byte: 2 x its size);
@@ -11,12 +12,14 @@ slowest rank's, the median over repetitions (`distlab.comm.timing.time_call`).
   queue of launched kernels; here it does not);
 - `link`: a collective's latency per ring step and bandwidth over the first p ranks, fitted to two sizes
   (t = ring steps x latency + bytes sent / bandwidth): torch's all-reduce, all-gather and reduce-scatter on
-  gloo, and the all-reduce of the ring by hand (`distlab.comm.ring`);
+  the group's backend (gloo here), and the all-reduce of the ring by hand (`distlab.comm.ring`);
+- `memory_size`: the bytes of memory the device has (a GPU's, or this machine's RAM);
 - `CountOps`: how many ops a step dispatches (a `TorchDispatchMode` that counts and runs them).
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -34,22 +37,23 @@ SMALL, LARGE = 16, 1 << 19  # float32 elements per rank in the two all-reduces a
 
 
 def matmul_rate(rt: Runtime, shapes: list[tuple[int, int, int]], dtype: torch.dtype, repeats: int) -> float:
-    """FLOP/s of torch.mm over `shapes` (m, k, n) on this machine, every rank at once."""
-    pairs = [(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)) for m, k, n in shapes]
+    """FLOP/s of torch.mm over `shapes` (m, k, n) on the rank's device, every rank at once."""
+    pairs = [(_randn((m, k), dtype, rt), _randn((k, n), dtype, rt)) for m, k, n in shapes]
     seconds = time_call(rt, lambda: [a @ b for a, b in pairs], repeats)
     return sum(2 * m * k * n for m, k, n in shapes) / seconds
 
 
 def copy_bandwidth(rt: Runtime, nbytes: int, repeats: int) -> float:
     """Memory bytes/s: a copy of `nbytes` reads and writes each byte once."""
-    source, target = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    source = _randn((nbytes // 4,), torch.float32, rt)
+    target = torch.empty_like(source)
     return 2 * nbytes / time_call(rt, lambda: target.copy_(source), repeats)
 
 
 def op_overhead(rt: Runtime, repeats: int, length: int = 100) -> float:
     """Seconds per op of a chain of tiny ops (one-element tensors), forward and backward: the fixed price
     of an op with autograd, Python and dispatch included, whatever its size; per op `CountOps` counts."""
-    x = torch.ones(1, requires_grad=True)
+    x = torch.ones(1, device=rt.device, requires_grad=True)
 
     def chain():
         y = x
@@ -82,13 +86,25 @@ def link(rt: Runtime, p: int, kind: str, by_hand: bool, repeats: int) -> Link:
     times, sent = [], []
     for per_rank in (SMALL, LARGE):
         full = per_rank * p
-        x = torch.randn(per_rank if kind == "all_gather" else full)
+        x = _randn((per_rank if kind == "all_gather" else full,), torch.float32, rt)
         run = (lambda x=x: RUNS[kind, by_hand](x, group)) if member else (lambda: None)
         times.append(time_call(rt, run, repeats))
         sent.append(ring_bytes(kind, full, 4, p))
     bandwidth = (sent[1] - sent[0]) / max(times[1] - times[0], 1e-9)
     latency = max(times[0] - sent[0] / bandwidth, 0.0) / STEPS[kind](p)
-    return Link(f"{'ring by hand' if by_hand else 'gloo'} {kind}, P = {p}", bandwidth, latency, "measured here")
+    how = "ring by hand" if by_hand else dist.get_backend(group)  # torch's collective on gloo (or nccl on GPUs)
+    return Link(f"{how} {kind}, P = {p}", bandwidth, latency, "measured here")
+
+
+def memory_size(rt: Runtime) -> int:
+    """Bytes of memory the rank's device has: its GPU's, or this machine's RAM (which the P ranks share)."""
+    if rt.device.type == "cuda":
+        return torch.cuda.get_device_properties(rt.device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, rt: Runtime) -> torch.Tensor:
+    return torch.randn(shape, dtype=dtype, device=rt.device)
 
 
 class CountOps(TorchDispatchMode):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from distlab.comm.collectives import ring_bytes
 from distlab.comm.ring import Ring
 from distlab.comm.timing import time_call
 from distlab.cost.hardware import Link
-from distlab.runtime import Runtime
+from distlab.runtime import DEFAULT_TIMEOUT_S, Runtime
 
 SMALL, LARGE = 16, 1 << 19  # float32 elements per rank in the two all-reduces a link is fitted to
 
@@ -82,7 +83,9 @@ STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "re
 def link(rt: Runtime, p: int, kind: str, by_hand: bool, repeats: int) -> Link:
     """Latency per ring step and bandwidth of collective `kind` over ranks 0 .. p-1 (every rank calls this:
     making a group is collective; the ranks outside it wait at the barriers)."""
-    group, member = dist.new_group(list(range(p))), rt.rank < p
+    # The world's timeout (torch would give a subgroup its own default, 30 minutes on gloo)
+    timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+    group, member = dist.new_group(list(range(p)), timeout=timeout), rt.rank < p
     times, sent = [], []
     for per_rank in (SMALL, LARGE):
         full = per_rank * p
@@ -92,7 +95,7 @@ def link(rt: Runtime, p: int, kind: str, by_hand: bool, repeats: int) -> Link:
         sent.append(ring_bytes(kind, full, 4, p))
     bandwidth = (sent[1] - sent[0]) / max(times[1] - times[0], 1e-9)
     latency = max(times[0] - sent[0] / bandwidth, 0.0) / STEPS[kind](p)
-    how = "ring by hand" if by_hand else dist.get_backend(group)  # torch's collective on gloo (or nccl on GPUs)
+    how = "ring by hand" if by_hand else rt.backend  # torch's collective on the world's backend: gloo, or nccl
     return Link(f"{how} {kind}, P = {p}", bandwidth, latency, "measured here")
 
 

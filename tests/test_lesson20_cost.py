@@ -3,7 +3,8 @@ what four configurations of a block stack (DDP, DDP recomputing every block, TP,
 ranks; the lesson runs under torchrun at 80 columns and records its calibration, its predicted and measured
 times and its MFU in --json (the time is a figure, never a claim: it lives on a shared machine). The
 comparison can fail: the measured bytes of a sequence-parallel step are not what plain tensor parallelism
-sends. Bad flags are refused in one line."""
+sends. Part 1 calibrates a link over a subgroup on every rank, the one outside it too. Bad flags are refused in
+one line."""
 
 import json
 from argparse import Namespace
@@ -66,3 +67,21 @@ def test_the_world_rules_name_the_flag(changes, flag):
     args = Namespace(**(dict(layers=4, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12) | changes))
     with pytest.raises(ValueError, match=flag):
         load_lesson(LESSON).world_rules(args, 2)
+
+
+def _links_over_a_subgroup(rt):
+    """Part 1's calibration of a link over ranks 0 .. 1 of 3: the rank outside the group calls it too."""
+    from distlab.cost import calibrate
+
+    return [calibrate.link(rt, 2, kind, by_hand, 1) for kind, by_hand in (("all_reduce", True), ("all_gather", False))]
+
+
+def test_a_link_is_calibrated_over_a_subgroup_on_every_rank():
+    """At P = 3 the lesson calibrates P = 2 as well: every rank returns the same named links (the slowest
+    rank's times), the one outside the group included."""
+    links = spawn(_links_over_a_subgroup, 3)
+    assert [[link.name for link in rank] for rank in links] == [
+        ["ring by hand all_reduce, P = 2", "gloo all_gather, P = 2"]
+    ] * 3
+    assert all(link.bandwidth > 0 and link.latency >= 0 for rank in links for link in rank)
+    assert links[0] == links[1] == links[2]

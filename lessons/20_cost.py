@@ -349,7 +349,7 @@ def show_mfu(rt: Runtime, runs: dict, machine: Machine, verdict: Verdict) -> Non
         figures[name] = {"mfu": mfu, "hfu": hfu, "mfu_float64_peak": wrong}
     print0(
         rows_table(
-            "On this CPU (float32 steps, the float32 matmul rate of part 1 as the peak)",
+            f"On this {rt.device.type} (float32 steps, the float32 matmul rate of part 1 as the peak)",
             ("config", "MFU", "HFU (rec. counted)", "vs float64's peak"),
             rows,
         )
@@ -377,7 +377,7 @@ def show_roofline(rt: Runtime, args, runs: dict, machine: Machine, verdict: Verd
     for n in (16, 64, 256, 512):
         rate = calibrate.matmul_rate(rt, [(n, n, n)], torch.float32, args.repeats)
         kernels.append((f"matmul {n}^3", 2 * n**3 / (3 * 4 * n * n), rate))
-    a, b = torch.randn(1 << 20), torch.randn(1 << 20)
+    a, b = (torch.randn(1 << 20, device=rt.device) for _ in range(2))  # on the device part 1 measured
     kernels.append(("add 2^20", 1 / 12, (1 << 20) / time_call(rt, lambda: a + b, args.repeats)))
     for name, (cost, forecast, got) in runs.items():
         moved = forecast.memory * machine.device.bandwidth

@@ -4,8 +4,11 @@ The ground floor is every top-level module of `distlab` (runtime, compare, conso
 shared packages (`distlab.comm`: the collectives, the exchange, the ledger). On it stand the sibling
 packages, one per parallelism or step (pipeline, data_parallel, sharding, tensor_parallel,
 context_parallel, contrastive, streamed): each imports the ground floor and itself, never a sibling, so
-each can be read, changed and tested on its own. The ground floor imports no sibling. And data flows one
-way: lessons, tests and benchmarks import `distlab`, `distlab` never imports a lesson or a test.
+each can be read, changed and tested on its own. The ground floor imports no sibling. On top stand the
+packages that read every parallelism at once (`distlab.cost`: a step's cost from each lesson's formula;
+`distlab.plan`, the planner on it): they may import any floor below, and nothing below imports them. And
+data flows one way: lessons, tests and benchmarks import `distlab`, `distlab` never imports a lesson or a
+test.
 
 Each rule is checked on the source (every import statement, also inside functions, relative ones
 resolved), and each check is shown to fail on a planted import.
@@ -20,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 DISTLAB = SRC / "distlab"
 GROUND_PACKAGES = ("comm",)  # shared packages of the ground floor
+TOP_PACKAGES = ("cost", "plan")  # the top floor: they read every sibling's formulas
 PACKAGES = sorted(p.name for p in DISTLAB.iterdir() if (p / "__init__.py").is_file())
-SIBLINGS = [name for name in PACKAGES if name not in GROUND_PACKAGES]
+SIBLINGS = [name for name in PACKAGES if name not in GROUND_PACKAGES + TOP_PACKAGES]
 LIBRARY = sorted(SRC.rglob("*.py"))  # distlab, and distributed_clip.py: the public path to the streamed step
 FLOORED = sorted(DISTLAB.rglob("*.py"))
 OUTSIDE = ("lessons", "tests", "helpers", "nbhelpers", "exercise_kit")  # what the library never imports
@@ -51,14 +55,18 @@ def imports(source: str, module: str, is_package: bool = False) -> list[str]:
 
 
 def floor_breaks(source: str, module: str, is_package: bool = False) -> list[str]:
-    """The imports of `module` that cross to a sibling package: any sibling from the ground floor, another
-    sibling from a sibling."""
+    """The imports of `module` that cross a floor: any sibling from the ground floor, another sibling from
+    a sibling, the top floor from anything below it. The top floor itself may import every floor."""
     parts = module.split(".")
+    if len(parts) > 1 and parts[1] in TOP_PACKAGES:
+        return []
     own = parts[1] if len(parts) > 1 and parts[1] in SIBLINGS else None
     breaks = []
     for name in imports(source, module, is_package):
         target = name.split(".")
-        if target[0] == "distlab" and len(target) > 1 and target[1] in SIBLINGS and target[1] != own:
+        if target[0] != "distlab" or len(target) < 2:
+            continue
+        if (target[1] in SIBLINGS and target[1] != own) or target[1] in TOP_PACKAGES:
             breaks.append(f"{module} imports {name}")
     return sorted(set(breaks))
 
@@ -75,7 +83,7 @@ def outside_imports(source: str, module: str) -> list[str]:
 
 
 def test_the_floors_are_what_the_tree_holds():
-    assert set(GROUND_PACKAGES) <= set(PACKAGES)
+    assert set(GROUND_PACKAGES) <= set(PACKAGES) and set(TOP_PACKAGES) <= set(PACKAGES)
     assert {"pipeline", "data_parallel", "sharding", "tensor_parallel", "context_parallel"} <= set(SIBLINGS)
     assert {"contrastive", "streamed"} <= set(SIBLINGS) and len(FLOORED) > 50
 
@@ -101,12 +109,21 @@ def test_the_library_never_imports_a_lesson_or_a_test():
         ("distlab.contrastive.cost", "from ..pipeline import p2p"),
         ("distlab.comm.ring", "from distlab.data_parallel.ring import Ring"),  # the ground floor, upwards
         ("distlab.runtime", "from distlab.streamed.peers import naming_dead_peers"),
+        ("distlab.sharding.accounting", "from distlab.cost.memory import model_states"),  # the top floor, from below
+        ("distlab.models", "import distlab.plan"),
     ],
 )
 def test_the_floor_check_fails_on_a_planted_import(module, planted):
     source = "from distlab.compare import compare\nfrom distlab.comm.p2p import post\n" + planted
     assert floor_breaks(source, module)
     assert not floor_breaks("from distlab.compare import compare\nfrom distlab.comm.ledger import Ledger\n", module)
+
+
+def test_the_top_floor_may_import_every_floor():
+    source = "from distlab.sharding import accounting\nfrom distlab.tensor_parallel.cost import activation_bytes\n"
+    assert not floor_breaks(source + "from distlab.cost.flops import forward\n", "distlab.plan.search")
+    assert not floor_breaks(source, "distlab.cost.memory")
+    assert floor_breaks(source, "distlab.context_parallel.cost")  # the same imports from a sibling break
 
 
 def test_a_package_may_import_itself_relatively_or_not():

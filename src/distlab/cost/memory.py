@@ -1,0 +1,167 @@
+"""What one rank holds after a step, item by item, in bytes: every formula a lesson measured, composed.
+
+Model states (lesson 07, `distlab.sharding.accounting.held`): the rank's parameters are those of its
+pipeline stages (lesson 02), cut by tensor parallelism (lesson 08: column and row weights by tp, norms and
+row biases whole), as flat units, one per layer, that ZeRO shards over dp ranks: Psi_P = sum_u ceil(Psi_u /
+dp). In one precision (float64, float32) the items are lesson 07's table as it is. Mixed precision prices
+the same items at two sizes: bf16 weights and gradients (the table at e = 2), a float32 master copy (the
+ZeRO-1/2 shard copy at 4 bytes; a whole one under DDP, `accounting.mixed_step`; ZeRO-3 keeps a float32 shard
+beside its bf16 one) and float32 moments (the table at 4): 2 + 2 + 4 + 8 = 16 bytes per parameter in DDP, and
+ZeRO-1, -2, -3 the ZeRO paper's 2 + 2 + 12 / dp, 2 + 14 / dp, 16 / dp (ZeRO-1 plus the 2 / dp of the gradient
+shard its reduce-scatter leaves beside the whole gradient, as lesson 07 measures).
+
+Activations per block and micro-batch, what the forward leaves alive for backward plus its output (the
+input is the previous block's output, counted there), by storage as `distlab.held` counts:
+
+- attention by torch's fused kernel: lesson 08's region + gathered + inside / tp, (region + inside) / tp +
+  gathered with sequence parallelism (`distlab.tensor_parallel.cost.activation_bytes`), on seq / cp tokens
+  under context parallelism (lesson 09: a rank keeps its own queries, keys and values; the blocks in flight
+  are transient); with `cut_gathered` (Megatron-LM) the gathered inputs cut by tp too. Llama's options change
+  three terms the lessons do not run, priced as fused kernels save them: grouped-query attention's k and v are
+  T d_kv, not T d; a fused SwiGLU saves three T d_ff tensors, not two; RMSNorm one statistic per row, not two;
+- attention written out: lesson 07's `accounting.block_activations` (the softmax weights, h seq^2 per row)
+  less the input and the target it counts for a one-block model;
+- the layered MLP: lesson 07's `accounting.mlp_activations` on a stage's widths (lessons 02-03: a stage
+  saves its input and its tanh outputs; the last one the output and the target);
+
+times the micro-batches a rank holds at once, which the schedule decides (`distlab.pipeline.simulator.
+peak_in_flight`: GPipe M, 1F1B min(M, P - r), lessons 02-05). With recomputation a block keeps only its
+output, and one block at a time holds its whole activations again while its backward runs.
+
+`buffers` are the planner's estimate of what lives only for a moment but must fit (no lesson measures them
+exactly): ZeRO-3's gathered layers (one in use, one prefetched), the ring's k/v blocks in flight (lesson 09's
+bound), and on the last stage the logits and their float32 log-softmax.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from functools import cache
+
+import torch
+
+from distlab.context_parallel.cost import Sizes as RingSizes
+from distlab.cost.schedule import in_flight, stages
+from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Precision, Transformer, ceil_div, stage_layers
+from distlab.sharding import accounting
+from distlab.tensor_parallel.cost import activation_bytes, activation_terms
+from distlab.tensor_parallel.model import BlockConfig
+
+DTYPE_OF = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
+LN_STATISTICS = 4  # per token: LN_1's and LN_2's mean and 1/std, in lesson 08's region
+
+
+@cache
+def unit_sizes(model: Transformer | Mlp, tp: int) -> tuple[tuple[int, int], ...]:
+    """(elements one of tp ranks holds, tensors) of each of the model's flat units."""
+    return tuple((sum(w.on_rank(tp) for w in unit), len(unit)) for unit in model.units())
+
+
+def rank_units(model: Transformer | Mlp, parallel: Parallel, pp_rank: int, batch: Batch) -> list[tuple[int, int]]:
+    """(elements on this rank, tensors) of every flat unit of the stages pipeline rank `pp_rank` holds."""
+    units, held = unit_sizes(model, parallel.tp), stages(parallel, batch, pp_rank)
+    bounds, offset = stage_layers(model, parallel), 1 if getattr(model, "vocab", 0) else 0
+    last = parallel.pp * parallel.stages_per_rank - 1
+    mine = [i + offset for s in held for i in bounds[s]]
+    if offset:
+        mine = ([0] if 0 in held else []) + mine + ([len(units) - 1] if last in held else [])
+    return [units[i] for i in mine]
+
+
+def sizes(units: list[tuple[int, int]], dp: int, e: int) -> accounting.Sizes:
+    """lesson 07's `Sizes` of these units on dp ranks at e bytes an element."""
+    return accounting.Sizes(
+        sum(n for n, _ in units), sum(ceil_div(n, dp) for n, _ in units), sum(t for _, t in units), len(units), dp, e
+    )
+
+
+def model_states(units: list[tuple[int, int]], zero: str, dp: int, precision: Precision) -> dict[str, int]:
+    """Bytes of each model-state item this rank holds after a step (lesson 07's items, see the docstring)."""
+    if not precision.mixed:
+        return accounting.held(zero, sizes(units, dp, precision.e))
+    if zero == "DDP":
+        at2 = sizes(units, dp, 2)
+        return accounting.mixed_step(at2.psi, at2.tensors)
+    low, high = accounting.held(zero, sizes(units, dp, 2)), accounting.held(zero, sizes(units, dp, 4))
+    master = high.get("shard copy", 4 * sizes(units, dp, 4).shard)  # ZeRO-3: a float32 shard beside the bf16
+    return {
+        "weights": low["weights"],
+        "gradients": low["gradients"],
+        "master copy": master,
+        "moments": high["moments"],
+        "step counts": low["step counts"],
+    }
+
+
+def _block_config(model: Transformer, rows: int, seq: int, e: int) -> BlockConfig:
+    return BlockConfig(rows, seq, model.dim, model.heads, model.ffn, 0.0, 0, DTYPE_OF[e])
+
+
+def block_activations(model: Transformer, rows: int, seq: int, parallel: Parallel, e: int, stat_bytes: int) -> Fraction:
+    """Bytes one block keeps for backward, plus its output, on one rank, for rows sequences (docstring)."""
+    tp, cp, tokens = parallel.tp, parallel.cp, rows * (seq // parallel.cp)
+    if model.attention == "written":
+        whole = accounting.block_activations(rows, seq, model.dim, model.heads, e, stat_bytes)
+        return Fraction(whole - 2 * e * tokens * model.dim)  # less the input and the target
+    cfg = _block_config(model, rows, seq // cp, e)
+    base = activation_bytes(cfg, tp, parallel.sp)
+    if parallel.cut_gathered:  # Megatron-LM keeps the gathered inputs cut too
+        base -= Fraction(e * activation_terms(cfg)[1] * (tp - 1), tp)
+    # Llama's options, against the lessons' block: k, v of T d_kv; a fused SwiGLU saves three T d_ff
+    # tensors (its gate's and up's outputs, the product fc2 multiplies), GELU two (fc1's output, GELU's)
+    inside = tokens * (2 * (model.kv_dim - model.dim) + (model.ffn if model.gated else 0))
+    # the norms' statistics, in the region: priced at stat_bytes, not e; RMSNorm keeps one per row, not two
+    statistics = tokens * LN_STATISTICS // (2 if model.rms_norm else 1)
+    region = (stat_bytes - e) * statistics - (e * tokens * LN_STATISTICS // 2 if model.rms_norm else 0)
+    return base + Fraction(e * inside, tp) + Fraction(region, tp if parallel.sp else 1)
+
+
+def stage_activations(model, batch: Batch, parallel: Parallel, stage: int, precision: Precision, stat_bytes: int):
+    """Bytes one micro-batch leaves on pipeline stage `stage` for its backward (and its output)."""
+    rows, e = batch.global_batch // (parallel.dp * batch.micro_batches), precision.e
+    layers, last = stage_layers(model, parallel)[stage], stage == parallel.pp * parallel.stages_per_rank - 1
+    if isinstance(model, Mlp):
+        widths = model.widths[layers.start : layers.stop + 1]
+        return accounting.mlp_activations(rows, widths, e) - (0 if last else e * rows * widths[-1])
+    block = block_activations(model, rows, batch.seq, parallel, e, stat_bytes)
+    tokens = rows * (batch.seq // parallel.cp) // (parallel.tp if parallel.sp else 1)
+    kept = e * tokens * model.dim * len(layers) if parallel.recompute else block * len(layers)
+    if model.vocab and stage == 0:
+        kept += e * tokens * model.dim  # the embedding's output, the first block's input
+    return int(kept) if kept == int(kept) else kept  # whole bytes wherever tp cuts the terms evenly
+
+
+def activations(model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int, stat_bytes: int) -> int:
+    """The rank's activations at its peak: its largest stage's, times the micro-batches it holds at once."""
+    held = stages(parallel, batch, pp_rank)
+    per = max(stage_activations(model, batch, parallel, s, precision, stat_bytes) for s in held)
+    total = in_flight(parallel, batch, pp_rank) * per
+    if parallel.recompute and isinstance(model, Transformer):  # one block's whole activations, rebuilt for its backward
+        rows = batch.global_batch // (parallel.dp * batch.micro_batches)
+        total += block_activations(model, rows, batch.seq, parallel, precision.e, stat_bytes)
+    return int(total)
+
+
+def buffers(model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int) -> int:
+    """The planner's estimate of transient buffers (docstring): not measured by any lesson."""
+    if isinstance(model, Mlp):
+        return 0
+    e, rows = precision.e, batch.global_batch // (parallel.dp * batch.micro_batches)
+    units = rank_units(model, parallel, pp_rank, batch)
+    out = 2 * e * max(n for n, _ in units) if parallel.zero == "ZeRO-3" and parallel.dp > 1 else 0
+    if parallel.cp > 1:
+        heads = (model.kv_heads or model.heads) // parallel.tp
+        out += rows * RingSizes(heads, batch.seq, model.head_dim, parallel.cp, e).memory_bound()[1]
+    if model.vocab and parallel.pp * parallel.stages_per_rank - 1 in stages(parallel, batch, pp_rank):
+        out += rows * (batch.seq // parallel.cp) * (model.vocab // parallel.tp) * (e + 4)  # logits, log-softmax
+    return out
+
+
+def per_rank(model, batch: Batch, parallel: Parallel, precision: str, pp_rank: int = 0, device: str = "cpu"):
+    """Every item one rank of pipeline position `pp_rank` holds after a step, in bytes."""
+    p = PRECISIONS[precision]
+    stat_bytes = accounting.layer_norm_stat_bytes(p.e, device)
+    items = model_states(rank_units(model, parallel, pp_rank, batch), parallel.zero, parallel.dp, p)
+    items["activations"] = activations(model, batch, parallel, p, pp_rank, stat_bytes)
+    items["buffers"] = buffers(model, batch, parallel, p, pp_rank)
+    return items

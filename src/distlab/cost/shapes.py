@@ -1,0 +1,293 @@
+"""What the cost model is asked about: a model given by its sizes, a step's batch, a precision, and how the
+step is split over the ranks. Plain data, checked once: a configuration that cannot run is refused in one
+line that names the field (`check`), before any formula is evaluated.
+
+The models are the lessons' own, described by sizes alone (no tensor is built):
+
+- `Transformer`: `layers` pre-LayerNorm blocks (`distlab.models.Block`: q, k, v, out projections, an MLP
+  of width d_ff, two norms), with the options the lessons' blocks take (torch's fused attention, which
+  saves a log-sum-exp per head and row, or attention written out, which saves the h x seq x seq weights;
+  one fused qkv product or three) and, for the planner's published models, the Llama options (grouped-query
+  attention, a gated SwiGLU MLP, no biases, RMSNorm) and a vocabulary (an embedding, a final norm and an
+  untied output head). `vocab = 0` is a plain block stack, the lessons' model.
+- `Mlp`: `distlab.models.layered_mlp(widths)`, the model of lessons 01-07.
+
+A parameter tensor is a `Weight`: its name, its rows and columns (a vector has one column), and how tensor
+parallelism cuts it (lesson 08): "column" (rows split: q, k, v, fc1 and their biases), "row" (columns split:
+out, fc2; their biases stay whole, added after g), or "whole" (norms; the embedding and head are cut by
+vocabulary rows, "column").
+
+The split is a `Parallel`: dp data-parallel ranks with a ZeRO stage (`distlab.sharding.accounting.STAGES`;
+FSDP2 is ZeRO-3, lesson 07), tp tensor-parallel ranks with or without sequence parallelism (lesson 08), pp
+pipeline ranks running a named schedule of `distlab.pipeline.schedules` with v stages per rank (lessons
+02-05), cp context-parallel ranks on a zig-zag ring (lesson 09), and activation recomputation per block.
+P = dp tp pp cp. With `cut_gathered`, sequence parallelism keeps the all-gathered inputs of q, k, v and fc1 as
+this rank's part and gathers them again in backward (Megatron-LM's choice, which lesson 08 names; the
+lesson's own keeps them whole). Expert parallelism needs a mixture-of-experts model, which the lessons do not have yet:
+ep > 1 is refused. The composed dp x pp x tp x cp lesson describes each of its mesh shapes as one `Parallel`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from functools import cache
+
+from distlab.pipeline.partition import stage_bounds
+from distlab.pipeline.schedules import make_schedule
+from distlab.sharding.accounting import STAGES
+
+ATTENTION = ("sdpa", "written")
+ORDER = ("tp", "cp", "pp", "dp")  # mesh dimensions, innermost (fastest links) first, as Llama 3 orders them
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str
+    rows: int
+    cols: int = 1  # 1: a vector
+    split: str = "whole"  # how tensor parallelism cuts it: "column" (rows), "row" (columns), "whole"
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    def on_rank(self, tp: int) -> int:
+        """Elements one of tp tensor-parallel ranks holds."""
+        if self.split == "column":
+            return self.rows // tp * self.cols
+        return self.rows * (self.cols // tp) if self.split == "row" else self.numel
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A stack of `layers` blocks of width d (`dim`), h heads, MLP width d_ff (`ffn`); with vocab > 0 an
+    embedding before it and a final norm and an untied head after it."""
+
+    layers: int
+    dim: int
+    heads: int
+    ffn: int
+    vocab: int = 0
+    attention: str = "sdpa"  # "sdpa": torch's fused kernel; "written": softmax(q k^T / sqrt(d_h)) v by hand
+    fused_qkv: bool = False  # q, k, v from one Linear(d, 3d): one weight tensor, not three
+    kv_heads: int = 0  # 0: as many as heads; fewer: grouped-query attention (Llama)
+    gated: bool = False  # SwiGLU: silu(x W_g) * (x W_1) W_2, three d x d_ff matrices (Llama)
+    bias: bool = True  # every Linear has a bias (the lessons'; Llama has none)
+    rms_norm: bool = False  # RMSNorm, a gain only (Llama); else LayerNorm, gain and bias
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return (self.kv_heads or self.heads) * self.head_dim
+
+    def _linear(self, name: str, fan_out: int, fan_in: int, split: str) -> list[Weight]:
+        bias_split = "column" if split == "column" else "whole"
+        return [Weight(f"{name}.weight", fan_out, fan_in, split)] + (
+            [Weight(f"{name}.bias", fan_out, 1, bias_split)] if self.bias else []
+        )
+
+    def _norm(self, name: str) -> list[Weight]:
+        return [Weight(f"{name}.weight", self.dim)] + ([] if self.rms_norm else [Weight(f"{name}.bias", self.dim)])
+
+    def block_weights(self) -> list[Weight]:
+        """One block's parameter tensors, in `named_parameters` order."""
+        d, kv = self.dim, self.kv_dim
+        if self.fused_qkv:
+            qkv = self._linear("attn.qkv", d + 2 * kv, d, "column")
+        else:
+            qkv = [
+                w
+                for name, rows in (("q", d), ("k", kv), ("v", kv))
+                for w in self._linear(f"attn.{name}", rows, d, "column")
+            ]
+        mlp = self._linear("mlp.fc1", self.ffn, d, "column")
+        if self.gated:
+            mlp += self._linear("mlp.gate", self.ffn, d, "column")
+        mlp += self._linear("mlp.fc2", d, self.ffn, "row")
+        return self._norm("ln1") + qkv + self._linear("attn.out", d, d, "row") + self._norm("ln2") + mlp
+
+    def units(self) -> list[list[Weight]]:
+        """The model's layers as ZeRO's flat units (lesson 07: one unit per child of the model): the
+        embedding, each block, the final norm with the head."""
+        blocks = [self.block_weights() for _ in range(self.layers)]
+        if not self.vocab:
+            return blocks
+        return [[Weight("embedding.weight", self.vocab, self.dim, "column")], *blocks, self.head_weights()]
+
+    def head_weights(self) -> list[Weight]:
+        """The final norm and the untied head (vocab > 0)."""
+        return self._norm("norm") + [Weight("head.weight", self.vocab, self.dim, "column")]
+
+    @property
+    def parameters(self) -> int:
+        return sum(w.numel for unit in self.units() for w in unit)
+
+
+@dataclass(frozen=True)
+class Mlp:
+    """`distlab.models.layered_mlp(widths)`: layer i maps widths[i] -> widths[i + 1], one unit each."""
+
+    widths: tuple[int, ...]
+
+    @property
+    def layers(self) -> int:
+        return len(self.widths) - 1
+
+    def units(self) -> list[list[Weight]]:
+        pairs = zip(self.widths[:-1], self.widths[1:])
+        return [[Weight(f"{i}.weight", o, n), Weight(f"{i}.bias", o)] for i, (n, o) in enumerate(pairs)]
+
+    @property
+    def parameters(self) -> int:
+        return sum(w.numel for unit in self.units() for w in unit)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """N sequences (rows) of seq tokens per step, in M micro-batches on every data-parallel rank."""
+
+    global_batch: int  # N
+    seq: int = 1
+    micro_batches: int = 1  # M
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq
+
+
+@dataclass(frozen=True)
+class Precision:
+    """e bytes per element of weights, gradients and activations; mixed: bf16 ones beside a float32 master
+    copy and float32 AdamW moments (lesson 07's 16 Psi bytes)."""
+
+    name: str
+    e: int
+    mixed: bool = False
+
+
+PRECISIONS = {p.name: p for p in (Precision("float64", 8), Precision("float32", 4), Precision("bf16", 2, True))}
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How a step is split: P = dp tp pp cp ranks (see the module docstring)."""
+
+    dp: int = 1
+    zero: str = "DDP"  # one of distlab.sharding.accounting.STAGES; FSDP2 is ZeRO-3
+    tp: int = 1
+    sp: bool = False  # sequence parallelism beside tensor parallelism
+    cut_gathered: bool = False  # sp as Megatron-LM: q, k, v's and fc1's gathered input kept cut, gathered again
+    pp: int = 1
+    schedule: str = "1f1b"  # a name in distlab.pipeline.schedules.SCHEDULES
+    stages_per_rank: int = 1  # v
+    cp: int = 1
+    ep: int = 1
+    recompute: bool = False  # torch.utils.checkpoint around every block
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def label(self) -> str:
+        """A short name: dp4 ZeRO-1 tp2+sp pp2 (1f1b, M) cp2, the sizes that are not 1."""
+        parts = [f"dp{self.dp} {self.zero}" if self.dp > 1 else ""]
+        sp = ("+sp" + ("(cut)" if self.cut_gathered else "")) if self.sp else ""
+        parts += [f"tp{self.tp}{sp}" if self.tp > 1 else ""]
+        v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        parts += [f"pp{self.pp} {self.schedule}{v}" if self.pp > 1 else "", f"cp{self.cp}" if self.cp > 1 else ""]
+        parts += ["recompute" if self.recompute else ""]
+        return " ".join(p for p in parts if p) or "one rank"
+
+
+def _sizes(obj) -> dict[str, int]:
+    """The integer fields of a dataclass (its flags, bools, are not sizes)."""
+    values = {f.name: getattr(obj, f.name) for f in fields(obj)}
+    return {k: v for k, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _refuse(field: str, message: str) -> None:
+    raise ValueError(f"{field}: {message}")
+
+
+def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision: str) -> None:
+    """Every reason the configuration cannot run, the first one raised as one line naming its field."""
+    for obj in (batch, parallel):
+        for name, value in _sizes(obj).items():
+            if value < 1:
+                _refuse(name, f"must be a positive integer, got {value}")
+    if precision not in PRECISIONS:
+        _refuse("precision", f"{precision!r} is not one of {', '.join(PRECISIONS)}")
+    if parallel.zero not in STAGES:
+        _refuse("zero", f"{parallel.zero!r} is not one of {', '.join(STAGES)} (FSDP2 is ZeRO-3)")
+    if parallel.ep > 1:
+        _refuse("ep", "expert parallelism needs a mixture-of-experts model; the cost model has none yet")
+    rows = parallel.dp * batch.micro_batches
+    if batch.global_batch % rows:
+        _refuse("global_batch", f"N = {batch.global_batch} does not cut into dp x M = {rows} equal micro-batches")
+    if isinstance(model, Mlp):
+        if len(model.widths) < 2 or min(model.widths) < 1:
+            _refuse("widths", f"need at least two positive widths, got {list(model.widths)}")
+        if parallel.tp > 1 or parallel.cp > 1:
+            _refuse("tp" if parallel.tp > 1 else "cp", "the layered MLP has no heads or sequence to split")
+    else:
+        _check_transformer(model, batch, parallel)
+    if parallel.pp * parallel.stages_per_rank > model.layers:
+        _refuse("pp", f"pp x v = {parallel.pp * parallel.stages_per_rank} stages, but only {model.layers} layers")
+    try:
+        schedule_of(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
+    except ValueError as err:
+        _refuse("schedule", str(err))
+
+
+def _check_transformer(model: Transformer, batch: Batch, parallel: Parallel) -> None:
+    for name, value in _sizes(model).items():
+        if value < (0 if name in ("vocab", "kv_heads") else 1):
+            _refuse(name, f"must be positive, got {value}")
+    if model.attention not in ATTENTION:
+        _refuse("attention", f"{model.attention!r} is not one of {', '.join(ATTENTION)}")
+    llama = model.gated or model.rms_norm or model.kv_heads not in (0, model.heads) or not model.bias
+    if model.attention == "written" and (llama or parallel.tp > 1):
+        _refuse("attention", "written out, attention is lesson 07's one-rank block: no Llama options, tp = 1")
+    if model.dim % model.heads:
+        _refuse("heads", f"h = {model.heads} does not divide d = {model.dim}")
+    kv = model.kv_heads or model.heads
+    if model.heads % kv:
+        _refuse("kv_heads", f"{kv} key/value heads do not divide h = {model.heads}")
+    tp = parallel.tp
+    for name, value in (("kv_heads" if model.kv_heads else "heads", kv), ("ffn", model.ffn), ("vocab", model.vocab)):
+        if value % tp:
+            _refuse("tp", f"tp = {tp} does not divide {name} = {value}")
+    if parallel.cp > 1 and batch.seq % (2 * parallel.cp):
+        _refuse("cp", f"the zig-zag ring cuts seq = {batch.seq} into 2 cp = {2 * parallel.cp} pieces: it does not")
+    if parallel.cp > 1 and model.attention != "sdpa":
+        _refuse("cp", "ring attention folds blocks online: attention written out keeps the whole seq x seq")
+    if parallel.cut_gathered and not parallel.sp:
+        _refuse("cut_gathered", "only sequence parallelism gathers the inputs it could keep cut (sp)")
+    if parallel.sp and (batch.seq // parallel.cp) % tp:
+        _refuse("sp", f"sequence parallelism cuts seq / cp = {batch.seq // parallel.cp} tokens over tp = {tp}")
+
+
+@cache
+def schedule_of(name: str, pp: int, micro_batches: int, stages_per_rank: int):
+    """`distlab.pipeline.schedules.make_schedule`, made once per (name, pp, M, v): a planner asks thousands
+    of configurations for the same few schedules. Callers read it, never change it."""
+    return make_schedule(name, pp, micro_batches, stages_per_rank)
+
+
+def stage_layers(model: Transformer | Mlp, parallel: Parallel) -> list[range]:
+    """The layers of each of the pp v stages (`distlab.pipeline.partition.stage_bounds`: as even as can be,
+    the first stages one layer longer)."""
+    return _bounds(model.layers, parallel.pp * parallel.stages_per_rank)
+
+
+@cache
+def _bounds(layers: int, stages: int) -> list[range]:
+    return stage_bounds(layers, stages)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

@@ -1,0 +1,123 @@
+"""Which splits of a model over a cluster fit in memory, and which is fastest.
+
+The configurations tried, for G GPUs, g to a node, N sequences of seq tokens:
+
+    tp   a power of two up to g (inside a node), dividing the heads, the key/value heads, d_ff, the vocabulary;
+         with sequence parallelism as Megatron-LM runs it (the gathered inputs kept cut)
+    cp   1, or a power of two leaving every rank at least `MIN_CP_TOKENS` tokens of each sequence
+    pp   a divisor of G / (tp cp), at most the layers; 1F1B, and interleaved 1F1B (v = 2) where it applies
+    dp   G / (tp cp pp), dividing N
+    b    sequences per micro-batch, 1, 2, 4 or 8 (M = N / (dp b) micro-batches, at least pp)
+    then the first that fits, in this order, of ZeRO-1, -2, -3 (dp > 1; DDP holds more than ZeRO-1 and sends
+    the same), each without and then with activation recomputation: the first that fits is the cheapest.
+
+A configuration fits when every rank's predicted bytes (`distlab.cost.step`: model states, activations at
+the schedule's peak, the planner's transient buffers) are at most the device's memory. The fitting ones are
+ranked by predicted step time (`distlab.cost.timing.predict`), fastest first; MFU ranks them the same way
+(the model's FLOPs and P are the same for all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distlab.cost import memory
+from distlab.cost.hardware import Cluster
+from distlab.cost.shapes import Batch, Parallel, Transformer, check
+from distlab.cost.step import StepCost, step_cost
+from distlab.cost.timing import Assumptions, StepTime, predict
+
+MICRO_BATCH_ROWS = (1, 2, 4, 8)
+MIN_CP_TOKENS = 4096
+STAGES = ("ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    cost: StepCost
+    time: StepTime
+
+    @property
+    def parallel(self) -> Parallel:
+        return self.cost.parallel
+
+    @property
+    def memory(self) -> int:
+        return self.cost.peak_held
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
+
+
+def splits(model: Transformer, batch: Batch, gpus: int, gpus_per_node: int):
+    """Every (tp, cp, pp, dp, sequences per micro-batch, schedule, v) the search tries (module docstring)."""
+    sizes = (model.heads, model.kv_heads or model.heads, model.ffn, model.vocab or 1)
+    for tp in _powers_of_two(min(gpus_per_node, gpus)):
+        if any(s % tp for s in sizes):
+            continue
+        for cp in _powers_of_two(gpus // tp):
+            if cp > 1 and (batch.seq % (2 * cp) or batch.seq // cp < MIN_CP_TOKENS):
+                continue
+            rest = gpus // (tp * cp)
+            for pp in (p for p in range(1, min(rest, model.layers) + 1) if rest % p == 0):
+                dp = rest // pp
+                if gpus % (tp * cp) or batch.global_batch % dp:
+                    continue
+                yield from _schedules(model, batch, tp, cp, pp, dp)
+
+
+def _schedules(model: Transformer, batch: Batch, tp: int, cp: int, pp: int, dp: int):
+    rows = batch.global_batch // dp
+    for b in (b for b in MICRO_BATCH_ROWS if rows % b == 0):
+        m = rows // b
+        if m < pp:
+            continue
+        yield tp, cp, pp, dp, m, "1f1b", 1
+        if pp > 1 and m % pp == 0 and model.layers >= 2 * pp:
+            yield tp, cp, pp, dp, m, "interleaved-1f1b", 2
+
+
+def likely_peak(model, batch: Batch, parallel: Parallel, precision: str) -> int:
+    """What the first and the last pipeline rank hold, by `distlab.cost.memory` alone: the quick test. The
+    first holds the most micro-batches and the embedding, the last the logits; `search` checks every rank."""
+    ranks = {0, parallel.pp - 1}
+    return max(sum(memory.per_rank(model, batch, parallel, precision, r, "cuda").values()) for r in ranks)
+
+
+def first_fitting(model, batch: Batch, split: tuple, precision: str, cluster: Cluster) -> Parallel | None:
+    """The cheapest ZeRO stage and recomputation setting with which `split` fits (module docstring)."""
+    tp, cp, pp, dp, _, schedule, v = split
+    sp = dict(sp=True, cut_gathered=True) if tp > 1 else {}
+    for recompute in (False, True):
+        for zero in STAGES if dp > 1 else ("DDP",):
+            parallel = Parallel(dp, zero, tp, pp=pp, schedule=schedule, stages_per_rank=v, cp=cp, **sp)
+            parallel = Parallel(**{**parallel.__dict__, "recompute": recompute})
+            try:
+                check(model, batch, parallel, precision)
+            except ValueError:
+                return None
+            if likely_peak(model, batch, parallel, precision) <= cluster.device.memory:
+                return parallel
+    return None
+
+
+def search(
+    model: Transformer,
+    global_batch: int,
+    seq: int,
+    gpus: int,
+    cluster: Cluster,
+    precision: str = "bf16",
+    assumptions: Assumptions | None = None,
+) -> list[Candidate]:
+    """Every configuration that fits, fastest first (ties: fewer pipeline, then tensor ranks)."""
+    found, assumptions = [], assumptions or Assumptions()
+    for split in splits(model, Batch(global_batch, seq), gpus, cluster.gpus_per_node):
+        batch = Batch(global_batch, seq, split[4])
+        parallel = first_fitting(model, batch, split, precision, cluster)
+        if parallel is not None:
+            cost = step_cost(model, batch, parallel, precision, "cuda")
+            if cost.peak_held <= cluster.device.memory:  # every rank, not only the first and the last
+                found.append(Candidate(cost, predict(cost, cluster, assumptions)))
+    return sorted(found, key=lambda c: (round(c.time.step, 9), c.parallel.pp, c.parallel.tp, c.parallel.label()))

@@ -7,7 +7,9 @@
 - `ring`: the collectives by hand on that exchange (`Ring`: a shift, reduce-scatter, all-gather,
   all-reduce, broadcast, all-to-all with uneven parts), counting what they send;
 - `ledger`: what a rank sent, counted in exact integers (`Ledger.sent`), by phase and kind;
-- `timing`: how long a collective takes, on the slowest rank.
+- `timing`: how long a collective takes, on the slowest rank;
+- `watch`: torch's own collectives (DTensor's, FSDP2's, the pipeline schedules' sends), counted by the
+  group they ran on into one ledger per group, priced as the ledger prices ours.
 
 Every parallelism package (pipeline, data_parallel, sharding, tensor_parallel, context_parallel,
 contrastive, streamed) stands on these and never on a sibling.

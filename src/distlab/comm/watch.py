@@ -51,8 +51,9 @@ def _tensors(arg) -> list[torch.Tensor]:
 
 
 def _group_of(args: tuple) -> dist.ProcessGroup | None:
-    """The process group an op ran on: a c10d op carries it boxed, a functional op by name."""
-    for a in args:
+    """The process group an op ran on: a c10d op carries it boxed, a functional op by name (its last
+    argument: an earlier string is the reduce op, 'sum')."""
+    for a in reversed(args):
         if isinstance(a, str):
             return _resolve_process_group(a)
         if isinstance(a, dist.ProcessGroup):

@@ -45,3 +45,28 @@ def test_each_collective_is_counted_on_its_group_at_the_ring_formulas_bytes():
     }
     assert spawn(_watched, 4) == [expected] * 4
     assert expected["rows"]["one", "all_gather"] == whole * E  # (P-1)/P of the gathered 2 x 24 elements
+
+
+def _shared(rt):
+    group = dist.new_group([0, 1])
+    x = torch.ones(4, dtype=torch.float64)
+    with CollectiveWatch({"ring": group, "shards": group}, kinds={"ring": ("send",)}) as watch:
+        post([(x, 1 - rt.rank)], [(torch.empty_like(x), 1 - rt.rank)], group).wait()
+        dist.all_reduce(x.clone(), group=group)
+    return {label: dict(ledger.sent_by) for label, ledger in watch.ledgers.items()}
+
+
+def test_two_labels_of_one_group_are_told_apart_by_their_kinds():
+    expected = {"ring": {("", "send"): 4 * E}, "shards": {("", "all_reduce"): ring_bytes("all_reduce", 4, E, 2)}}
+    assert spawn(_shared, 2) == [expected] * 2
+
+
+def _same_ranks(rt):
+    told, other = dist.new_group([0, 1]), dist.new_group([0, 1])  # two groups of the same ranks
+    with CollectiveWatch({"pair": told}) as watch:
+        dist.all_reduce(torch.ones(4, dtype=torch.float64), group=other)
+    return {label: dict(ledger.sent_by) for label, ledger in watch.ledgers.items()}
+
+
+def test_a_group_is_known_by_its_ranks_not_by_the_object():
+    assert spawn(_same_ranks, 2) == [{"pair": {("", "all_reduce"): ring_bytes("all_reduce", 4, E, 2)}}] * 2

@@ -13,9 +13,13 @@ and for a point-to-point send the bytes handed to the transport.
         ...                                     # set watch.phase = "forward", "backward", ... as you go
     watch.ledgers["tp"].sent_by                 # {(phase, kind): bytes} of what ran on the tp group
 
-A group outside `groups` is counted under the label "other". The full tensor, as the ring formulas
-take it: the gathered one (all-gather), the reduced one (all-reduce, reduce-scatter); received
-messages are not counted (their sender counts them).
+A group is known by its ranks, not by the object: DTensor caches its sharding decisions by mesh, and a
+mesh built again over the same ranks (the next mesh shape of a lesson) may run on the earlier mesh's group
+of those ranks. A group of ranks outside `groups` is counted under the label "other". Two labels may name
+one set of ranks (a mesh's dp x cp dimension flattened is its cp group when dp = 1): then `kinds` tells
+them apart by what runs on each, {"cp": ("send",)}, and a call goes to the first label whose kinds include it. The full
+tensor, as the ring formulas take it: the gathered one (all-gather), the reduced one (all-reduce,
+reduce-scatter); received messages are not counted (their sender counts them).
 """
 
 from __future__ import annotations
@@ -69,11 +73,19 @@ def _group_of(args: tuple) -> dist.ProcessGroup | None:
 class CollectiveWatch(TorchDispatchMode):
     """Counts every collective and send this rank runs, by group label, into one `Ledger` per label."""
 
-    def __init__(self, groups: dict[str, dist.ProcessGroup]):
+    def __init__(self, groups: dict[str, dist.ProcessGroup], kinds: dict[str, tuple[str, ...]] | None = None):
         super().__init__()
-        self.labels = {group.group_name: label for label, group in groups.items()}
+        self.labels: dict[tuple[int, ...], list[str]] = defaultdict(list)  # a group's ranks -> its labels
+        for label, group in groups.items():
+            self.labels[tuple(dist.get_process_group_ranks(group))].append(label)
+        self.kinds = kinds or {}
         self.ledgers: dict[str, Ledger] = defaultdict(Ledger)
         self.phase = ""
+
+    def label(self, group: dist.ProcessGroup | None, kind: str) -> str:
+        """The label a call of `kind` on `group` is counted under."""
+        names = self.labels.get(tuple(dist.get_process_group_ranks(group)), []) if group is not None else []
+        return next((n for n in names if kind in self.kinds.get(n, (kind,))), "other")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -85,8 +97,7 @@ class CollectiveWatch(TorchDispatchMode):
     def _count(self, name: str, args: tuple) -> None:
         kind, where = KINDS[name]
         group = _group_of(args)
-        label = self.labels.get(group.group_name, "other") if group is not None else "other"
-        ledger = self.ledgers[label]
+        ledger = self.ledgers[self.label(group, kind)]
         if kind == SEND:
             ledger.count_sends(_tensors(args[0]), self.phase)
             return

@@ -66,6 +66,29 @@ class Shape:
             rank, out[dim] = divmod(rank, getattr(self, dim))
         return out
 
+    def members(self, rank: int, dim: str) -> str:
+        """'0,2': the ranks of `rank`'s group along `dim` (dp_cp: along dp and cp), from the layout alone."""
+        varies = ("dp", "cp") if dim == "dp_cp" else (dim,)
+        at = self.coordinates(rank)
+        same = [r for r in range(self.size) if all(self.coordinates(r)[d] == at[d] for d in LAYOUT if d not in varies)]
+        return ",".join(map(str, same))
+
+
+def small_shapes(world_size: int) -> list[Shape]:
+    """Every shape of P = world_size whose degrees are 1 or 2 (P = 2: each dimension alone; 4: in pairs)."""
+    options = [Shape(*(2 if (i >> j) & 1 else 1 for j in range(4))) for i in range(16)]
+    return [s for s in options if s.size == world_size]
+
+
+def folded(shape: Shape) -> Shape:
+    """Another shape of the same P: the pipeline's degree folded into dp (2 x 2 x 2 x 1 -> 4 x 1 x 2 x 1), else
+    tp's, else cp's; a pure dp shape becomes a pipeline."""
+    dp, pp, tp, cp = shape.dp, shape.pp, shape.tp, shape.cp
+    for degree, rest in ((pp, (1, tp, cp)), (tp, (pp, 1, cp)), (cp, (pp, tp, 1))):
+        if degree > 1:
+            return Shape(dp * degree, *rest)
+    return Shape(1, dp, tp, cp)
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -7,12 +7,14 @@ The points of the step are the pipeline stage's own calls, which torch's schedul
 the last backward: FSDP2's reduce-scatter of the gradients, the 1/M scaling), then the optimizer's step.
 Each is wrapped for the step so that `distlab.comm.watch.CollectiveWatch` books what runs inside it under
 that phase; the wrappers are removed after it. The first micro-batch's forward and its loss (the schedule's
-`_maybe_compute_loss`) end with a mark for `SavedLive`.
+`_maybe_compute_loss`) end with a mark for `SavedLive`. The optimizer's step communicates nothing: every
+shard steps where it lies. The model states are read after the step (`held`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,17 +25,17 @@ from distlab.comm.watch import CollectiveWatch
 from distlab.composed.activations import SavedLive
 from distlab.held import model_states, storage_bytes
 
+SENDS_ONLY = {"pp": ("send",), "cp": ("send",)}  # at dp = 1 the dp x cp group is the cp group: FSDP2's are not
 PHASES = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "perform_reduce_grad": "gradients"}
 
 
 @dataclass
 class StepMeasured:
-    """Bytes sent by (dimension, phase, collective); activation bytes of the first micro-batch and at the
-    peak; the model states' bytes by item."""
+    """Bytes sent by (dimension, phase, collective), nonzero ones; activation bytes of the first micro-batch
+    and at the peak."""
 
     sent: dict[tuple[str, str, str], int]
     activations: tuple[int, int]
-    states: dict[str, int]
 
 
 @contextmanager
@@ -77,14 +79,13 @@ def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return {item: storage_bytes(tensors) for item, tensors in items.items()}
 
 
-def measured_step(mesh_step, groups: dict, k: int) -> StepMeasured:
-    """Step k of `mesh_step` (a lesson 19 `MeshStep`: its stage, schedule and trainee), every part watched."""
-    trainee = mesh_step.trainee
-    with CollectiveWatch(groups) as watch, SavedLive() as saved:
+@contextmanager
+def measuring(mesh_step, groups: dict) -> Iterator[StepMeasured]:
+    """with measuring(mesh_step, groups) as measured: mesh_step.step(k); then `measured.sent` and
+    `measured.activations` (a lesson 19 `MeshStep`: its stage and schedule; `groups` by dimension label)."""
+    measured = StepMeasured({}, (0, 0))
+    with CollectiveWatch(groups, kinds=SENDS_ONLY) as watch, SavedLive() as saved:
         with _phases(mesh_step.stage, mesh_step.schedule, watch, saved):
-            trainee.zero_grad()
-            mesh_step.step(k)
-            watch.phase = "optimizer"
-            trainee.optimizer.step()
-    sent = {(dim, *key): n for dim, ledger in watch.ledgers.items() for key, n in ledger.sent_by.items()}
-    return StepMeasured(sent, (saved.first_bytes or 0, saved.peak_bytes), held(trainee.model, trainee.optimizer))
+            yield measured
+    measured.sent = {(dim, *key): n for dim, ledger in watch.ledgers.items() for key, n in ledger.sent_by.items() if n}
+    measured.activations = (saved.first_bytes or 0, saved.peak_bytes)

@@ -13,8 +13,6 @@ batch's: the schedule divided them by M and FSDP2's reduce-scatter averaged them
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -28,10 +26,10 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 class MeshTrainee:
-    """`model` (this rank's stage) stepped by `optimizer`; `step(k)` is the caller's schedule step."""
+    """`model` (this rank's stage) stepped by `optimizer`; the step itself is the caller's (the schedule's)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[int], object]):
-        self.model, self.optimizer, self.step = model, optimizer, step
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

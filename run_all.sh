@@ -26,6 +26,7 @@ LESSONS=(
   "15_sigmoid_and_ring.py|4|sigmoid loss closed form = autograd; {InfoNCE, sigmoid} x {gather, ring} = the whole batch; bytes = formula; ring memory flat in P|"
   "16_train_clip.py|2|step 1 of a CLIP trained with distributed_backward equals one process; held-out zero-shot top-1 >= 80% (8x chance)|"
   "16_train_clip.py|2|the same with the sigmoid loss (a learned bias) and the ring exchange|--loss sigmoid --exchange ring"
+  "19_composed_mesh.py|8|one transformer on a dp x pp x tp x cp mesh = one process at every P = 8 shape (2x2x2x1, cp with the others); bytes and memory per rank = formulas; DCP resume across shapes|"
 )
 
 mkdir -p runs

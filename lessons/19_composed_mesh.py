@@ -127,15 +127,16 @@ def parallelize(model: LanguageModel, cfg: ModelConfig, shape: Shape, mesh: Devi
 
 
 class MeshStep:
-    """This rank's stage of the model on the mesh, AdamW on its shards, and torch's 1F1B over the pp group;
-    `step(k)` runs step k's micro-batches (a `training.Step`: this rank's loss, None off the last stage)."""
+    """This rank's stage of the model on the mesh (composed by `build`), AdamW on its shards, and torch's 1F1B
+    over the pp group; `step(k)` runs step k's micro-batches (a `training.Step`: this rank's loss, None off
+    the last stage)."""
 
-    def __init__(self, rt: Runtime, cfg: ModelConfig, shape: Shape):
+    def __init__(self, rt: Runtime, cfg: ModelConfig, shape: Shape, build=parallelize):
         self.cfg, self.shape, self.device = cfg, shape, rt.device
         self.mesh, self.shards = make_mesh(rt, shape)
         self.at = {d: self.mesh.get_local_rank(d) for d in LAYOUT}
         self.groups = {d: self.mesh.get_group(d) for d in LAYOUT} | {"dp_cp": self.shards.get_group()}
-        model = parallelize(LanguageModel(cfg).to(rt.device), cfg, shape, self.mesh, self.shards)
+        model = build(LanguageModel(cfg).to(rt.device), cfg, shape, self.mesh, self.shards)
         self.stage = PipelineStage(model, self.at["pp"], shape.pp, rt.device, group=self.groups["pp"])
         self.schedule = Schedule1F1B(self.stage, cfg.micro_batches, loss_fn=loss_fn)  # gradients / M at the end
         self.trainee = MeshTrainee(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
@@ -166,9 +167,10 @@ class MeshStep:
         return (every / self.shape.shards).tolist()
 
 
-def train_shape(rt: Runtime, cfg: ModelConfig, shape: Shape, save_to: str | None = None) -> ShapeRun:
-    """cfg.steps AdamW steps at `shape`, step 2 measured; with `save_to`, a checkpoint before the last step."""
-    mesh_step, measured = MeshStep(rt, cfg, shape), {}
+def train_shape(rt: Runtime, cfg: ModelConfig, shape: Shape, save_to: str | None = None, build=parallelize):
+    """cfg.steps AdamW steps at `shape` composed by `build` (the exercise's judge passes the learner's), step 2
+    measured; with `save_to`, a checkpoint before the last step."""
+    mesh_step, measured = MeshStep(rt, cfg, shape, build), {}
 
     def step(k: int):
         if k != 1:
@@ -249,7 +251,7 @@ def show_training(rt: Runtime, cfg: ModelConfig, shapes: list[Shape], ref: Run, 
         worst = rank_table(worst, rt.device).max(0).values.tolist()  # the worst rank's
         ok = loss < 1e-10 and all(all_ok(found[k]) for k in found)
         verdict.check(f"{shape}: loss, parameters, gradients, AdamW states = one process (1e-10)", ok)
-        rows.append((str(shape), *(f"{w:.0e}" for w in worst), mark(ok)))
+        rows.append((str(shape), *(f"{w:.0e}" for w in worst), MARK[ok]))
     print0(
         rows_table(
             "The worst rank's largest difference (parameters, gradients, states: relative)",
@@ -262,8 +264,7 @@ def show_training(rt: Runtime, cfg: ModelConfig, shapes: list[Shape], ref: Run, 
     return runs
 
 
-def mark(ok: bool) -> str:
-    return "[green]yes[/]" if ok else "[bold red]NO[/]"
+MARK = {True: "[green]yes[/]", False: "[bold red]NO[/]"}  # the tables' last column
 
 
 def show_communication(rt: Runtime, cfg: ModelConfig, one: ShapeRun, verdict: Verdict) -> None:
@@ -328,13 +329,13 @@ def show_resume(rt: Runtime, cfg: ModelConfig, one: ShapeRun, other: Shape, path
                 for a, b in zip(flat_states(run.states).values(), flat_states(one.run.states).values())
             )
             verdict.check(f"resumed at {shape}: bit-identical to the uninterrupted run", same)
-            rows.append((str(shape), "bit-identical" if same else "differs", mark(same)))
+            rows.append((str(shape), "bit-identical" if same else "differs", MARK[same]))
             continue
         found = against(ref, replace(run, first_grads={}))  # step 1's gradients were not resumed
         ok = all_ok(found["params"]) and all_ok(found["states"])
         worst = rank_table([max(c.max_rel for c in found["params"] + found["states"])], rt.device).max().item()
         verdict.check(f"resumed at {shape}: parameters, AdamW states = one process (1e-10)", ok)
-        rows.append((str(shape), f"{worst:.0e} from one process", mark(ok)))
+        rows.append((str(shape), f"{worst:.0e} from one process", MARK[ok]))
     print0(rows_table("After the last step", ("resumed at", "parameters, AdamW states", "="), rows))
 
 

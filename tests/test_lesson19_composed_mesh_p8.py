@@ -5,9 +5,8 @@ model states and activations per rank equal to their formulas, and a torch.distr
 prints. A smaller model than the lesson's default (L = 2, two steps) to stay near a minute; the two other
 shapes with cp at P = 8 (2x2x1x2, 2x1x2x2) run in test_lesson19_composed_mesh_p8_cp.py."""
 
+from composed_helpers import SMALL_FLAGS as SMALL
 from helpers import assert_lesson_passes_at_80_columns
-
-SMALL = ("--layers", "2", "--steps", "2")
 
 
 def test_2x2x2_and_1x2x2x2_equal_one_process_and_resume_across_shapes():

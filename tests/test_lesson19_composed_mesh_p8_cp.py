@@ -3,8 +3,8 @@
 their formulas, and a checkpoint saved at 2 x 1 x 2 x 2 resumed bit-identical there and to 1e-10 at
 4 x 1 x 1 x 2 (tp folded into dp). The smaller model of test_lesson19_composed_mesh_p8.py."""
 
+from composed_helpers import SMALL_FLAGS as SMALL
 from helpers import assert_lesson_passes_at_80_columns
-from test_lesson19_composed_mesh_p8 import SMALL
 
 
 def test_dp_and_cp_with_tp_or_pp_equal_one_process_and_resume_across_shapes():

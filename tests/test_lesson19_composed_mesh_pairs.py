@@ -5,7 +5,7 @@ steps) so that six shapes fit in one spawn; the lesson's own sizes run at P = 8 
 
 from dataclasses import replace
 
-from test_lesson19_composed_mesh import CFG, assert_every_shape_equals_one_process, shapes_against_one_process
+from composed_helpers import CFG, assert_every_shape_equals_one_process, shapes_against_one_process
 
 from distlab.composed.config import small_shapes
 from distlab.spawn import spawn

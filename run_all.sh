@@ -28,6 +28,7 @@ LESSONS=(
   "16_train_clip.py|2|the same with the sigmoid loss (a learned bias) and the ring exchange|--loss sigmoid --exchange ring"
   "17_expert_parallel.py|4|expert parallelism (two all-to-alls, uneven splits) = one process, top-1/2, with drops; bytes = formula; L_aux from local counts and per-rank capacity shown wrong, the exchanged counts exact|"
   "18_ulysses.py|4|Ulysses (sequence split to head split and back by all-to-all) = SDPA on the whole sequence, causal and not, forward and backward; bytes 4(P-1)/P blocks each way, no more than ring attention's|"
+  "19_composed_mesh.py|8|one transformer on a dp x pp x tp x cp mesh = one process at every P = 8 shape (2x2x2x1, cp with the others); bytes and memory per rank = formulas; DCP resume across shapes|"
   "20_cost.py|2|FLOPs, bytes held and bytes sent of four splits predicted from sizes = measured; time predicted beside measured; MFU the right way|"
 )
 

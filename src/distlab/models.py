@@ -18,7 +18,7 @@ does not disturb the random stream a lesson is using for dropout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,12 +86,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockO
     return torch.softmax(scores, dim=-1) @ v
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, options: BlockOptions) -> torch.Tensor:
+Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockOptions], torch.Tensor]
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, options: BlockOptions, core: Core = attention
+) -> torch.Tensor:
     """Attention of (N, seq, heads * d_h) projections, head by head, whatever the number of heads they
-    hold (all h, or one rank's h / P): (N, seq, heads * d_h) out."""
+    hold (all h, or one rank's h / P): (N, seq, heads * d_h) out. `core` computes the heads' attention on
+    (N, heads, seq, d_h) tensors: `attention` above, or one that holds only part of the sequence and
+    meets the rest by messages (the ring of lesson 09, under context parallelism)."""
     n, seq = q.shape[:2]
     split = [t.reshape(n, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v)]  # (N, heads, seq, d_h)
-    return attention(*split, options).transpose(1, 2).reshape(n, seq, -1)
+    return core(*split, options).transpose(1, 2).reshape(n, seq, -1)
 
 
 class Attention(nn.Module):
@@ -100,6 +107,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, options: BlockOptions, gen: torch.Generator, dtype: torch.dtype):
         super().__init__()
         self.heads, self.head_dim, self.options = heads, dim // heads, options
+        self.core: Core = attention  # a context-parallel run swaps in its ring (not a parameter, not saved)
         if options.fused_qkv:
             self.qkv = _init_linear_(nn.Linear(dim, 3 * dim, dtype=dtype), gen)
         else:
@@ -108,10 +116,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.options.fused_qkv:
-            return self.out(attend(self.q(x), self.k(x), self.v(x), self.head_dim, self.options))
+            return self.out(attend(self.q(x), self.k(x), self.v(x), self.head_dim, self.options, self.core))
         n, seq, _ = x.shape  # one (N, seq, 3d) product; q, k, v are views of it, (N, heads, seq, d_h) each
         q, k, v = self.qkv(x).view(n, seq, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return self.out(attention(q, k, v, self.options).transpose(1, 2).reshape(n, seq, -1))
+        return self.out(self.core(q, k, v, self.options).transpose(1, 2).reshape(n, seq, -1))
 
 
 class MLP(nn.Module):

@@ -9,7 +9,9 @@
 - `differentiable`: the all-to-all with its backward (the reverse all-to-all), for expert parallelism
   and Ulysses (lessons 17, 18);
 - `ledger`: what a rank sent, counted in exact integers (`Ledger.sent`), by phase and kind;
-- `timing`: how long a collective takes, on the slowest rank.
+- `timing`: how long a collective takes, on the slowest rank;
+- `watch`: torch's own collectives (DTensor's, FSDP2's, the pipeline schedules' sends), counted by the
+  group they ran on into one ledger per group, priced as the ledger prices ours.
 
 Every parallelism package (pipeline, data_parallel, sharding, tensor_parallel, context_parallel,
 contrastive, streamed, expert_parallel) stands on these and never on a sibling.

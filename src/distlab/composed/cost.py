@@ -1,0 +1,140 @@
+"""What one rank of the mesh sends and holds per step, in closed form: lessons 07-09's formulas, composed.
+
+Notation: a shape dp x pp x tp x cp; W = dp cp the ranks FSDP2 shards over; a rank on pipeline stage p holds
+L_p = L / pp blocks. One micro-batch on a rank: n = N / (dp M) sequences of s = seq / cp positions; e bytes
+an element; a = n s d e its activation (all of its cp rank's positions); r_x = (x - 1) / x.
+
+Bytes sent per step (ring accounting, `distlab.comm.collectives`), by dimension:
+
+    pp  forward: M n (s / tp) d e, the activation into stage p + 1 (not on the last stage); backward: the
+        same, its gradient back to stage p - 1 (not on the first). Sequence parallelism cuts it by tp.
+    tp  (lesson 08, sequence parallel) per micro-batch and block: all-gather before attention and before the
+        MLP, reduce-scatter after each, r_tp a each; backward the reverse. The embedding's output is
+        reduce-scattered (partial sums over the vocabulary's rows; backward all-gathered), the head's input
+        all-gathered (backward reduce-scattered) and its logits all-gathered, r_tp n s V e. After the last
+        backward the LayerNorms' gains and biases (partial sums over the positions) are all-reduced: 2 r_tp d e
+        each, 4 a block and 2 for the final norm.
+    cp  (lesson 09) per micro-batch and block: the ring's k and v blocks, 2 (cp - 1) forward, 2 (cp - 1) + 2 cp
+        backward (with dk, dv), a block n (h / tp) s d_h e.
+    dp x cp  (lesson 07, FSDP2 with reshard_after_forward=False) per step and unit (a block; the stage's
+        embedding, norm and head): one all-gather before its first forward, one reduce-scatter after the
+        last backward, each (W - 1) e sum_params ceil(rows / W) cols: a parameter's rows (of this tp rank's
+        piece) padded to a multiple of W.
+
+Model states per rank (lesson 07's FSDP2, on this tp rank's pieces): weights and gradients e sum ceil(rows / W)
+cols (padded); AdamW's two moments 2 e sum (this shard's real rows) cols; a 4-byte step count per parameter.
+
+Activations (lesson 08's terms with N seq -> n s, each block sequence parallel; lesson 09's ring saves what
+torch's attention saves: q, k, v, out and a log-sum-exp per head and row). Per micro-batch and block
+
+    region / tp + gathered + inside / tp,   region = n s (2 d + 4), gathered = 2 n s d,
+                                            inside = n s (4 d + 2 d_ff) + n h s
+
+(elements, times e); on the first stage the token ids (int64) of the rank's whole share, (N / dp) s (the
+micro-batches are views of it); on the last the final norm's input and statistics n s (d + 2) / tp, the head's
+gathered input n s d, the loss's log-softmax n s V and the targets' ids (N / dp) s, and one 8-byte scalar.
+1F1B keeps min(M, pp - p) micro-batches in flight on stage p (lesson 03): the peak is that many times a
+micro-batch's, the ids' storages once, and one more thing torch's stage keeps: on every stage after the first,
+a micro-batch's activation arrives in a receive buffer of its own that the stage allocates at its first step
+and reuses every step, and the stage's first LayerNorm saves that buffer as its input; after the micro-batch's
+backward the buffer stays. At the step's last forward all M buffers are alive, n (s / tp) d e each:
+
+    peak = min(M, pp - p) micro-batch + (M - min(M, pp - p)) n (s / tp) d e (p > 0) + the ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from math import ceil
+
+from distlab.comm.collectives import ring_fraction
+from distlab.composed.config import ModelConfig, Shape
+
+IDS = 8  # bytes of an int64 token id
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a rank sits: its pipeline stage and its index among the W = dp cp ranks FSDP2 shards over."""
+
+    stage: int
+    shard: int
+
+
+def block_parameters(cfg: ModelConfig, tp: int, prefix: str) -> dict[str, tuple[int, int]]:
+    """Each parameter of a block, as (rows, cols) of this tp rank's piece (cols = 1 for a vector)."""
+    d, f = cfg.dim, cfg.ffn
+    column = {"attn.q": (d, True), "attn.k": (d, False), "attn.v": (d, True), "mlp.fc1": (f, True)}
+    out = {f"{prefix}{ln}.{w}": (d, 1) for ln in ("ln1", "ln2") for w in ("weight", "bias")}
+    for name, (width, bias) in column.items():  # rows cut by tp (k has no bias: model.py)
+        out[f"{prefix}{name}.weight"] = (width // tp, d)
+        if bias:
+            out[f"{prefix}{name}.bias"] = (width // tp, 1)
+    for name, width in (("attn.out", d), ("mlp.fc2", f)):  # columns cut by tp; the bias whole
+        out[f"{prefix}{name}.weight"], out[f"{prefix}{name}.bias"] = (d, width // tp), (d, 1)
+    return out
+
+
+def stage_units(cfg: ModelConfig, shape: Shape, stage: int) -> list[dict[str, tuple[int, int]]]:
+    """FSDP2's units on a stage, each {parameter: (rows, cols)}: its blocks, then the rest (the root's own)."""
+    per, d, v = cfg.layers // shape.pp, cfg.dim, cfg.vocab // shape.tp
+    units = [block_parameters(cfg, shape.tp, f"layers.{i}.") for i in range(stage * per, (stage + 1) * per)]
+    root = {"embed.weight": (v, d)} if stage == 0 else {}
+    if stage == shape.pp - 1:
+        root |= {"norm.weight": (d, 1), "norm.bias": (d, 1), "head.weight": (v, d)}
+    return units + ([root] if root else [])
+
+
+def expected_sent(cfg: ModelConfig, shape: Shape, place: Place) -> dict[tuple[str, str, str], Fraction]:
+    """Bytes this rank sends in one step, by (dimension, phase, collective); zero entries left out."""
+    e, m, first, last = cfg.dtype.itemsize, cfg.micro_batches, place.stage == 0, place.stage == shape.pp - 1
+    n, s, per, tp = cfg.batch // (shape.dp * m), cfg.seq // shape.cp, cfg.layers // shape.pp, shape.tp
+    act, out = n * s * cfg.dim * e, {}
+    out["pp", "forward", "send"] = 0 if last else m * act // tp
+    out["pp", "backward", "send"] = 0 if first else m * act // tp
+    r = ring_fraction("all_gather", tp)  # = reduce-scatter's
+    out["tp", "forward", "all_gather"] = m * r * ((2 * per + last) * act + last * n * s * cfg.vocab * e)
+    out["tp", "forward", "reduce_scatter"] = m * r * (2 * per + first) * act
+    out["tp", "backward", "all_gather"] = m * r * (2 * per + first) * act
+    out["tp", "backward", "reduce_scatter"] = m * r * (2 * per + last) * act
+    out["tp", "gradients", "all_reduce"] = ring_fraction("all_reduce", tp) * (4 * per + 2 * last) * cfg.dim * e
+    block = n * (cfg.heads // tp) * s * cfg.head_dim * e
+    out["cp", "forward", "send"] = m * per * 2 * (shape.cp - 1) * block
+    out["cp", "backward", "send"] = m * per * (4 * shape.cp - 2) * block if shape.cp > 1 else 0
+    w = shape.shards
+    padded = sum(ceil(rows / w) * cols for unit in stage_units(cfg, shape, place.stage) for rows, cols in unit.values())
+    out["dp_cp", "forward", "all_gather"] = out["dp_cp", "gradients", "reduce_scatter"] = (w - 1) * padded * e
+    return {key: Fraction(v) for key, v in out.items() if v}
+
+
+def expected_states(cfg: ModelConfig, shape: Shape, place: Place) -> dict[str, int]:
+    """Bytes of each model-state item on this rank after a step."""
+    e, w = cfg.dtype.itemsize, shape.shards
+    params = [shape_ for unit in stage_units(cfg, shape, place.stage) for shape_ in unit.values()]
+    padded = sum(ceil(rows / w) * cols for rows, cols in params)
+    real = sum(max(0, min(ceil(rows / w), rows - place.shard * ceil(rows / w))) * cols for rows, cols in params)
+    return {"weights": e * padded, "gradients": e * padded, "moments": 2 * e * real, "step counts": 4 * len(params)}
+
+
+def in_flight(cfg: ModelConfig, shape: Shape, stage: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at once under 1F1B: min(M, pp - p)."""
+    return min(cfg.micro_batches, shape.pp - stage)
+
+
+def expected_activations(cfg: ModelConfig, shape: Shape, stage: int) -> tuple[int, int]:
+    """(bytes one micro-batch saves on this stage, the peak over the step), by the module docstring."""
+    e, tp, d, h = cfg.dtype.itemsize, shape.tp, cfg.dim, cfg.heads
+    n, s, per = cfg.batch // (shape.dp * cfg.micro_batches), cfg.seq // shape.cp, cfg.layers // shape.pp
+    region, gathered, inside = n * s * (2 * d + 4), 2 * n * s * d, n * s * (4 * d + 2 * cfg.ffn) + n * h * s
+    layer = (Fraction(region + inside, tp) + gathered) * e
+    ids = (cfg.batch // shape.dp) * s * IDS  # one storage for the rank's whole share of the step
+    shared, own = 0, per * layer
+    if stage == 0:
+        shared += ids
+    if stage == shape.pp - 1:
+        shared += ids  # the targets
+        own += (Fraction(n * s * (d + 2), tp) + n * s * d + n * s * cfg.vocab) * e + 8
+    held = in_flight(cfg, shape, stage)
+    buffers = 0 if stage == 0 else (cfg.micro_batches - held) * n * (s // tp) * d * e  # done, still held
+    return int(own + shared), int(held * own + buffers + shared)

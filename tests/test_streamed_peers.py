@@ -4,12 +4,17 @@ group is a gloo group that answers "nccl" when asked its backend."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import re
+import signal
+import time
 import warnings
 
 import pytest
 import torch.distributed as dist
 
-from distlab.spawn import spawn
+from distlab.spawn import free_port, spawn
 from distlab.streamed import peers
 
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
@@ -50,3 +55,91 @@ def _on_gloo(rt):
 
 def test_on_gloo_the_naming_is_on():
     assert spawn(_on_gloo, 2) == [None, None]
+
+
+# -- a rank SIGKILLed from outside, at P = 4: every survivor names exactly it ------------------------
+
+P = 4
+TIMEOUT_S = 20.0  # the process group's: longer than a verdict, so no survivor fails by timing out first
+
+
+def _stepping_rank(rank, port, reports):
+    """Step until killed or failed (no torchrun: rank 0 holds the store); report the first step, then
+    the error this rank saw, and exit without teardown as a lesson's rank would."""
+    from datetime import timedelta
+
+    import torch
+    from streamed_helpers import STREAMED_N, Towers
+
+    from distributed_clip import distributed_backward
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=P, timeout=timedelta(seconds=TIMEOUT_S))
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, gen = DDP(Towers(scale_shape=())), torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randn(STREAMED_N, 12, generator=gen, dtype=torch.float64),
+        torch.randn(STREAMED_N, 10, generator=gen, dtype=torch.float64),
+    )
+    c = STREAMED_N // P
+    config = {"GLOBAL_BATCH_SIZE": STREAMED_N, "MICRO_BATCH_SIZE": c}
+    try:
+        for step in range(10_000):
+            distributed_backward(model, x[rank * c : (rank + 1) * c], y[rank * c : (rank + 1) * c], config)
+            if step == 0:
+                reports.put((rank, "stepping"))
+        message = "no error"
+    except Exception as err:  # noqa: BLE001 - what the survivor saw, whatever it was
+        message = f"{type(err).__name__}: {err}"
+    reports.put((rank, message))
+    reports.close()
+    reports.join_thread()
+    os._exit(0)
+
+
+def named_dead(message: str) -> set[int]:
+    """The ranks a survivor's message calls dead: 'rank(s) a, b died ...', or the store's holder."""
+    if match := re.match(r"RuntimeError: ranks? ([\d, ]+) died", message):
+        return {int(r) for r in match.group(1).split(",")}
+    if re.match(r"RuntimeError: .*store is gone.*rank 0, which held the store", message):
+        return {0}
+    return set()
+
+
+def survivors_after_killing(victim: int) -> dict[int, str]:
+    """Launch P ranks, SIGKILL `victim` once every rank has stepped, and return each survivor's message."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "distlab"])  # as spawn's
+    reports = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_stepping_rank, args=(r, port, reports)) for r in range(P)]
+    for p in procs:
+        p.start()
+    try:
+        stepping = dict(reports.get(timeout=60) for _ in range(P))
+        assert stepping == dict.fromkeys(range(P), "stepping"), stepping
+        time.sleep(0.1)  # mid-step: the others are in the next step's exchanges
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        return dict(reports.get(timeout=TIMEOUT_S + 30) for _ in range(P - 1))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+@pytest.mark.parametrize("victim", [2, 1, 3, 0])
+def test_every_survivor_names_exactly_the_rank_killed_at_p4(victim):
+    survivors = survivors_after_killing(victim)
+    assert sorted(survivors) == [r for r in range(P) if r != victim], survivors
+    for rank, message in survivors.items():
+        assert named_dead(message) == {victim}, (victim, rank, message)
+
+
+def test_a_message_that_names_a_live_rank_too_is_caught():
+    """The check above can fail: a roll call's verdict (the dead rank and a late survivor) is rejected."""
+    assert named_dead("RuntimeError: ranks 1, 3 died during the streamed step's exchanges") == {1, 3} != {1}
+    assert named_dead("RuntimeError: a peer died; connection reset by peer") == set()

@@ -32,6 +32,10 @@ FSDP2 (`fully_shard`) is ZeRO-3 in PyTorch: same gradients, same states (`distla
 maps its options onto the stages). `torch.distributed.checkpoint` saves its shards from every rank
 and loads them into any other sharding: saved at P, resumed at P (bit-identical) and at P / 2 (equal
 to float64 rounding), both against a run that never stopped.
+
+A checkpoint directory must be trusted: `dcp.load` unpickles the directory's `.metadata` file, and an
+unpickled file can run any code it names. Load only directories this run (or someone you trust) wrote;
+`--checkpoint-dir` is for that, never for a directory downloaded or shared by others.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from distlab.cli import (
     lesson_parser,
     positive_float,
     positive_int,
+    writable_dir,
 )
 from distlab.compare import against, all_ok, compare
 from distlab.console import print0, rows_table
@@ -349,6 +354,7 @@ def parse_args():
     parser.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
+        type=writable_dir,
         help="where part 4 saves (kept); default a temporary directory, removed at the end",
     )
     return parser.parse_args()

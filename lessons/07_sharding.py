@@ -41,8 +41,7 @@ unpickled file can run any code it names. Load only directories this run (or som
 from __future__ import annotations
 
 import functools
-import shutil
-import tempfile
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -61,6 +60,7 @@ from distlab.compare import against, all_ok, compare
 from distlab.console import print0, rows_table
 from distlab.models import Block, BlockOptions, token_batch
 from distlab.runtime import Runtime, distributed, run_main
+from distlab.scratch import scratch_dir
 from distlab.sharding import accounting, holds
 from distlab.sharding.checkpoint import save_and_resume
 from distlab.sharding.ddp import Replicated
@@ -169,6 +169,7 @@ def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
 
 
 BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}
+SCRATCH = "distlab07-"  # the prefix of the lesson's own checkpoint directory (the system's temporary one)
 BLOCK = BlockOptions(fused_qkv=True, sdpa=False)  # one qkv product; attention written out, its weights saved
 
 
@@ -318,9 +319,13 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
         f"\n[bold]4. A distributed checkpoint: saved at P = {rt.world_size} after {cfg.steps} steps, "
         f"resumed at P = {rt.world_size} and at P = {p2} for {cfg.steps} more[/]"
     )
-    path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab07-") if rt.is_first else None)]
-    dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
-    run = save_and_resume(rt, cfg, path[0], cfg.steps, cfg.steps)
+    # The lesson's own directory (no --checkpoint-dir) is removed however the run ends (`scratch_dir`).
+    own = rt.is_first and not args.checkpoint_dir
+    with scratch_dir(SCRATCH) if own else nullcontext() as scratch:
+        path = [args.checkpoint_dir or (str(scratch) if scratch else None)]
+        dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
+        run = save_and_resume(rt, cfg, path[0], cfg.steps, cfg.steps)
+        dist.barrier()  # every rank has read it before rank 0 removes it
     ref = reference(cfg, 2 * cfg.steps).params
     same = all(torch.equal(run.uninterrupted[k], run.same_p[k]) for k in ref)
     straight = compare(ref, run.uninterrupted)
@@ -340,9 +345,6 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
     verdict.check("uninterrupted FSDP2 run = one process", all(r.ok for r in straight))
     verdict.check(f"resumed at P = {rt.world_size}: bit-identical to the uninterrupted run", same)
     verdict.check(f"resumed at P = {p2} (resharded): equal to 1e-12", all(r.ok for r in other))
-    dist.barrier()
-    if rt.is_first and not args.checkpoint_dir:
-        shutil.rmtree(path[0])  # the lesson's own temporary directory
     verdict.figure("resume", {"same_p_bit_identical": same, "other_p": p2, "other_p_max_abs": worst})
 
 

@@ -203,7 +203,7 @@ def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
         text = {
             "weights": "e Psi",
             "gradients": "e Psi",
-            "moments": "2 e Psi",
+            "moments": "2 e_m Psi",
             "master copy": "4 Psi",
             "step counts": "4 x tensors",
             "activations": "e x C x ...",
@@ -215,6 +215,7 @@ def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
                 rows,
             )
         )
+        print0("e: a weight's bytes (8; bf16: 2); e_m: a moment's (8; float32 under bf16: 4)")
         verdict.check(
             f"{name}: every item measured = its formula (float64, bf16 + float32 master)",
             all(a == b and e == f for _, _, a, b, e, f in rows),

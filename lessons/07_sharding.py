@@ -70,6 +70,7 @@ from distlab.sharding.problem import ShardingConfig, build_model, global_batch, 
 from distlab.sharding.report import agreement_table, bytes_table, holds_table, memory_table
 from distlab.sharding.shards import Sharded
 from distlab.sharding.training import run_strategy
+from distlab.streamed.launches import LaunchCount
 from distlab.verdict import Verdict
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
@@ -278,9 +279,13 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
 
 def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_run) -> None:
     print0("\n[bold]3. FSDP2: fully_shard per layer = ZeRO-3 by hand[/]")
-    rows, mem = {}, []
+    rows, mem, gathers = {}, [], {}
     for reshard in (True, False):
-        run = run_strategy(rt, cfg, functools.partial(Fsdp2, reshard_after_forward=reshard))
+        # LaunchCount sees every op dispatched, FSDP2's c10d all-gathers among them (none at P = 1).
+        with LaunchCount() as ops:
+            run = run_strategy(rt, cfg, functools.partial(Fsdp2, reshard_after_forward=reshard))
+        if rt.world_size > 1:
+            gathers[reshard] = ops.by_name["_allgather_base_"] // cfg.steps
         name = f"FSDP2 reshard={reshard}"
         rows[name] = ("ZeRO-3", against(zero3_run, run))
         rows[f"{name} "] = ("one process", against(ref, run))
@@ -299,6 +304,7 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
         highlight=False,
     )
     verdict.figure("fsdp2_memory", {row[0]: row[1:3] for row in mem})
+    show_reshard(gathers, build_model(cfg), verdict)
     print0(
         rows_table(
             "FSDP2's options and the stages by hand",
@@ -311,6 +317,31 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
                 ("set_requires_gradient_sync(False)", "no reduce-scatter (as no_sync)"),
             ],
         )
+    )
+
+
+def show_reshard(gathers: dict[bool, int], model, verdict: Verdict) -> None:
+    """What reshard_after_forward changes: not what a rank holds after the step (the rows above are equal),
+    but the step itself: False keeps each gathered layer from its forward to its backward (memory FSDP2
+    frees by resizing, which PeakMemory cannot see) and so its backward gathers nothing again."""
+    if not gathers:
+        print0("At P = 1 FSDP2 gathers nothing: run at P >= 2 to see what reshard_after_forward changes.")
+        return
+    layers = sum(1 for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
+    print0(
+        rows_table(
+            "What reshard_after_forward changes: all-gathers per step",
+            ("reshard_after_forward", "all-gathers", "the gathered layer"),
+            [
+                ("True", f"{gathers[True]}", "freed after forward, gathered again"),
+                ("False", f"{gathers[False]}", "kept from forward to backward"),
+            ],
+        )
+    )
+    verdict.check(
+        f"reshard_after_forward=False saves the backward's all-gathers ({layers} layers)",
+        gathers[False] == layers and gathers[True] == 2 * layers,
+        f"{gathers[True]} -> {gathers[False]}",
     )
 
 

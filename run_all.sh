@@ -23,7 +23,7 @@ LESSONS=(
   "12_contrastive_allgather_fix.py|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"
   "13_grad_cache.py|2|GradCache equals the full batch in one process and the global batch under DDP (one reducing backward per tower); memory set by B; every sample forward twice|"
   "14_streamed_five_phase.py|2|streamed step's gradients equal the full batch's; no temporary beyond O(N d) + tiles|"
-  "15_sigmoid_and_ring.py|4|sigmoid loss closed form = autograd; {InfoNCE, sigmoid} x {gather, ring} = the whole batch; bytes = formula; ring memory flat in P|"
+  "15_sigmoid_and_ring.py|4|sigmoid loss closed form = autograd; {InfoNCE, sigmoid} x {gather, ring} = the whole batch; bytes = formula; ring memory within a bound that does not grow with P, at 1.2-2x the gather's bytes|"
   "16_train_clip.py|2|step 1 of a CLIP trained with distributed_backward equals one process; held-out zero-shot top-1 >= 80% (8x chance)|"
   "16_train_clip.py|2|the same with the sigmoid loss (a learned bias) and the ring exchange|--loss sigmoid --exchange ring"
   "17_expert_parallel.py|4|expert parallelism (two all-to-alls, uneven splits) = one process, top-1/2, with drops; bytes = formula; L_aux from local counts and per-rank capacity shown wrong, the exchanged counts exact|"

@@ -32,13 +32,16 @@ FSDP2 (`fully_shard`) is ZeRO-3 in PyTorch: same gradients, same states (`distla
 maps its options onto the stages). `torch.distributed.checkpoint` saves its shards from every rank
 and loads them into any other sharding: saved at P, resumed at P (bit-identical) and at P / 2 (equal
 to float64 rounding), both against a run that never stopped.
+
+A checkpoint directory must be trusted: `dcp.load` unpickles the directory's `.metadata` file, and an
+unpickled file can run any code it names. Load only directories this run (or someone you trust) wrote;
+`--checkpoint-dir` is for that, never for a directory downloaded or shared by others.
 """
 
 from __future__ import annotations
 
 import functools
-import shutil
-import tempfile
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -51,11 +54,13 @@ from distlab.cli import (
     lesson_parser,
     positive_float,
     positive_int,
+    writable_dir,
 )
 from distlab.compare import against, all_ok, compare
 from distlab.console import print0, rows_table
 from distlab.models import Block, BlockOptions, token_batch
 from distlab.runtime import Runtime, distributed, run_main
+from distlab.scratch import scratch_dir
 from distlab.sharding import accounting, holds
 from distlab.sharding.checkpoint import save_and_resume
 from distlab.sharding.ddp import Replicated
@@ -65,6 +70,7 @@ from distlab.sharding.problem import ShardingConfig, build_model, global_batch, 
 from distlab.sharding.report import agreement_table, bytes_table, holds_table, memory_table
 from distlab.sharding.shards import Sharded
 from distlab.sharding.training import run_strategy
+from distlab.streamed.launches import LaunchCount
 from distlab.verdict import Verdict
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
@@ -164,6 +170,7 @@ def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
 
 
 BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}
+SCRATCH = "distlab07-"  # the prefix of the lesson's own checkpoint directory (the system's temporary one)
 BLOCK = BlockOptions(fused_qkv=True, sdpa=False)  # one qkv product; attention written out, its weights saved
 
 
@@ -197,7 +204,7 @@ def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
         text = {
             "weights": "e Psi",
             "gradients": "e Psi",
-            "moments": "2 e Psi",
+            "moments": "2 e_m Psi",
             "master copy": "4 Psi",
             "step counts": "4 x tensors",
             "activations": "e x C x ...",
@@ -209,6 +216,7 @@ def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
                 rows,
             )
         )
+        print0("e: a weight's bytes (8; bf16: 2); e_m: a moment's (8; float32 under bf16: 4)")
         verdict.check(
             f"{name}: every item measured = its formula (float64, bf16 + float32 master)",
             all(a == b and e == f for _, _, a, b, e, f in rows),
@@ -271,9 +279,13 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
 
 def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_run) -> None:
     print0("\n[bold]3. FSDP2: fully_shard per layer = ZeRO-3 by hand[/]")
-    rows, mem = {}, []
+    rows, mem, gathers = {}, [], {}
     for reshard in (True, False):
-        run = run_strategy(rt, cfg, functools.partial(Fsdp2, reshard_after_forward=reshard))
+        # LaunchCount sees every op dispatched, FSDP2's c10d all-gathers among them (none at P = 1).
+        with LaunchCount() as ops:
+            run = run_strategy(rt, cfg, functools.partial(Fsdp2, reshard_after_forward=reshard))
+        if rt.world_size > 1:
+            gathers[reshard] = ops.by_name["_allgather_base_"] // cfg.steps
         name = f"FSDP2 reshard={reshard}"
         rows[name] = ("ZeRO-3", against(zero3_run, run))
         rows[f"{name} "] = ("one process", against(ref, run))
@@ -292,6 +304,7 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
         highlight=False,
     )
     verdict.figure("fsdp2_memory", {row[0]: row[1:3] for row in mem})
+    show_reshard(gathers, build_model(cfg), verdict)
     print0(
         rows_table(
             "FSDP2's options and the stages by hand",
@@ -307,15 +320,44 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
     )
 
 
+def show_reshard(gathers: dict[bool, int], model, verdict: Verdict) -> None:
+    """What reshard_after_forward changes: not what a rank holds after the step (the rows above are equal),
+    but the step itself: False keeps each gathered layer from its forward to its backward (memory FSDP2
+    frees by resizing, which PeakMemory cannot see) and so its backward gathers nothing again."""
+    if not gathers:
+        print0("At P = 1 FSDP2 gathers nothing: run at P >= 2 to see what reshard_after_forward changes.")
+        return
+    layers = sum(1 for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
+    print0(
+        rows_table(
+            "What reshard_after_forward changes: all-gathers per step",
+            ("reshard_after_forward", "all-gathers", "the gathered layer"),
+            [
+                ("True", f"{gathers[True]}", "freed after forward, gathered again"),
+                ("False", f"{gathers[False]}", "kept from forward to backward"),
+            ],
+        )
+    )
+    verdict.check(
+        f"reshard_after_forward=False saves the backward's all-gathers ({layers} layers)",
+        gathers[False] == layers and gathers[True] == 2 * layers,
+        f"{gathers[True]} -> {gathers[False]}",
+    )
+
+
 def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) -> None:
     p2 = max(1, rt.world_size // 2)
     print0(
         f"\n[bold]4. A distributed checkpoint: saved at P = {rt.world_size} after {cfg.steps} steps, "
         f"resumed at P = {rt.world_size} and at P = {p2} for {cfg.steps} more[/]"
     )
-    path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab07-") if rt.is_first else None)]
-    dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
-    run = save_and_resume(rt, cfg, path[0], cfg.steps, cfg.steps)
+    # The lesson's own directory (no --checkpoint-dir) is removed however the run ends (`scratch_dir`).
+    own = rt.is_first and not args.checkpoint_dir
+    with scratch_dir(SCRATCH) if own else nullcontext() as scratch:
+        path = [args.checkpoint_dir or (str(scratch) if scratch else None)]
+        dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
+        run = save_and_resume(rt, cfg, path[0], cfg.steps, cfg.steps)
+        dist.barrier()  # every rank has read it before rank 0 removes it
     ref = reference(cfg, 2 * cfg.steps).params
     same = all(torch.equal(run.uninterrupted[k], run.same_p[k]) for k in ref)
     straight = compare(ref, run.uninterrupted)
@@ -335,9 +377,6 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
     verdict.check("uninterrupted FSDP2 run = one process", all(r.ok for r in straight))
     verdict.check(f"resumed at P = {rt.world_size}: bit-identical to the uninterrupted run", same)
     verdict.check(f"resumed at P = {p2} (resharded): equal to 1e-12", all(r.ok for r in other))
-    dist.barrier()
-    if rt.is_first and not args.checkpoint_dir:
-        shutil.rmtree(path[0])  # the lesson's own temporary directory
     verdict.figure("resume", {"same_p_bit_identical": same, "other_p": p2, "other_p_max_abs": worst})
 
 
@@ -349,6 +388,7 @@ def parse_args():
     parser.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
+        type=writable_dir,
         help="where part 4 saves (kept); default a temporary directory, removed at the end",
     )
     return parser.parse_args()

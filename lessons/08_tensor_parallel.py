@@ -21,7 +21,10 @@ and per attention (ring accounting of lesson 06). Heads h and width d_ff must di
 Sequence parallelism. Between those regions the block runs LayerNorms, dropout and residual adds,
 the same work on the same whole tensors on every rank. Cut them along the sequence instead, and
 split each all-reduce into its halves: f-bar = all-gather forward / reduce-scatter backward, g-bar =
-reduce-scatter forward / all-gather backward (`operators.GatherFromSP`, `ScatterToSP`). The bytes are
+reduce-scatter forward / all-gather backward (`operators.GatherFromSP`, `ScatterToSP`). (Korthikanti
+et al., "Reducing Activation Recomputation in Large Transformer Models", call these g and g-bar: their g
+is our f-bar, the operator entering a tensor-parallel region, as our f is. Here the bar marks the sequence
+parallel version of f and g, so f-bar enters a region and g-bar leaves it.) The bytes are
 the same ((P-1)/P + (P-1)/P = 2(P-1)/P of N seq d e); the region's activations shrink by P; the
 parameters used on sequence parts (LayerNorms, row biases: 6 d values) get partial gradients, all-
 reduced once after backward. Dropout is exact because the masks of the whole batch are drawn from

@@ -21,8 +21,10 @@ Backward (as FlashAttention's): delta = rowsum(dout * out); the k/v blocks go ro
 each travels its gradient accumulator (dk, dv); every rank recomputes the tile's probabilities
 omega = e^(A - lse) from the saved lse and dA = omega * (dout v^T - delta), adds dq += dA k / sqrt(d_h)
 to its own dq and dk += dA^T q / sqrt(d_h), dv += omega^T dout to the travelling accumulators, and passes
-them on; after P moves they are home. No rank ever holds the whole sequence: at most two k/v pairs at
-once (the one in use, the one arriving), measured with distlab.memory.PeakMemory against a formula.
+them on; after P moves they are home. A rank holds at most two received k/v pairs at once (the one in
+use, the one arriving), measured with distlab.memory.PeakMemory against a formula. That is less than the
+whole sequence's k and v only from some P: at P = 2 the rank's own pair and the one received are the
+whole; section 5 tables the bound against P and says from which P each pass holds less.
 
 Causal attention skips every key after the query. With a contiguous split rank r computes r + 1
 tiles of side seq/P (rank P-1 does P times rank 0's work); the zig-zag split (rank r holds pieces
@@ -49,7 +51,7 @@ from distlab.compare import all_ok, compare, comparison_table
 from distlab.console import print0, rows_table
 from distlab.context_parallel import split as layouts
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
-from distlab.context_parallel.cost import Sizes
+from distlab.context_parallel.cost import Sizes, beats_whole
 from distlab.context_parallel.split import DIAGONAL, SKIP, Layout, piece_label
 from distlab.memory import PeakMemory
 from distlab.runtime import Runtime, distributed, run_main
@@ -271,8 +273,8 @@ def show_bytes(rt: Runtime, sizes: Sizes, runs: dict, verdict: Verdict) -> None:
 
 
 def show_memory(rt: Runtime, sizes: Sizes, run: RingRun, verdict: Verdict) -> None:
-    print0("\n[bold]5. Memory per rank: k/v blocks in flight, never the whole sequence[/]")
-    formula, whole, largest = sizes.memory_bound(), 2 * rt.world_size * sizes.block, max(sizes.block, sizes.tile)
+    print0("\n[bold]5. Memory per rank: k/v blocks in flight, against the whole sequence's k and v[/]")
+    formula, whole, largest = sizes.memory_bound(), sizes.whole_kv(), max(sizes.block, sizes.tile)
     peaks = rank_table([*run.peak_bytes, run.largest_bytes], rt.device).long().tolist()
     rows = [(f"rank {r}", *(f"{b:,}" for b in row)) for r, row in enumerate(peaks)]
     rows.append(("formula (bound)", f"{formula[0]:,}", f"{formula[1]:,}", f"{largest:,}"))
@@ -286,6 +288,23 @@ def show_memory(rt: Runtime, sizes: Sizes, run: RingRun, verdict: Verdict) -> No
         all(f <= formula[0] and b <= formula[1] and big <= largest for f, b, big in peaks),
     )
     verdict.figure("memory", {"peaks": peaks, "formula": formula, "whole_kv": whole, "largest": largest})
+    show_memory_against_p(sizes, verdict)
+
+
+def show_memory_against_p(sizes: Sizes, verdict: Verdict) -> None:
+    """The bound (held by the measurement above at this P) at every P whose zig-zag split fits seq."""
+    worlds = [p for p in range(2, 17) if sizes.seq_len % (2 * p) == 0]
+    rows = [(f"P = {p}", *(f"{b:,}" for b in sizes.at(p).memory_bound()), f"{sizes.whole_kv():,}") for p in worlds]
+    print0(rows_table("The bound per rank against P, at this seq", ("", "forward", "backward", "whole k, v"), rows))
+    forward, backward = beats_whole(sizes, worlds)
+    print0(
+        f"A block is h (seq/P) d_h e bytes. From P = 3 the bound is a fixed number of blocks, so it shrinks as 1/P "
+        f"(the tiles faster), while the whole sequence's k and v stay {sizes.whole_kv():,} bytes. At P = 2 a rank "
+        f"holds both pairs, the whole; the ring's forward holds less from P = {forward or '-'}, "
+        f"its backward from P = {backward or '-'} (of the P that divide seq into 2P pieces).",
+        highlight=False,
+    )
+    verdict.figure("memory_against_p", {"worlds": worlds, "forward_from": forward, "backward_from": backward})
 
 
 def show_fold(verdict: Verdict) -> None:

@@ -16,10 +16,14 @@ Rank r keeps z_x^r, z_y^r. At step k it holds rank j = r - k's text block: it po
 r + 1 *before* the tiles that read it, computes its C x C tiles (G_x for its rows, and D^T z_x^r for
 block j's columns), folds them into j's traveling accumulator and posts that on too; after P hops the
 accumulator is home with G_y. Per rank: (P - 1) C d feature elements and P C d accumulator elements,
-and memory flat in P at fixed C (the gather holds N x 2d, growing with P). The InfoNCE ring is the
-same walk twice: pass 1 folds each tile into the rank's row (m, l) and a traveling column (m, l) (the
-online fold of src/distlab/online_softmax.py, the one lesson 14 streams a and b with), pass 2 forms
-R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the gather's 6 C N d.
+and memory bounded at fixed C: at most 10 C x d blocks and 4 tiles whatever P (it grows from P = 1 to 3,
+as a middle step appears, then stays), where the gather holds N x 2d, growing with P. The price is bytes:
+(2P - 1) / (2P - 2) times the gather's (P - 1) C 2d for the sigmoid (1.5x at P = 2, 1.17x at P = 4), and
+about (3P - 2) / (2P - 2) for InfoNCE's two walks (2.0x, 1.67x; measured beside the memory table).
+The InfoNCE ring is the same walk twice: pass 1 folds each tile into the rank's row (m, l) and a
+traveling column (m, l) (the online fold of src/distlab/online_softmax.py, the one lesson 14 streams a
+and b with), pass 2 forms R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the
+gather's 6 C N d.
 
 The mechanism is written out below (`closed_form_grads`, `ring_by_hand`); the library's versions are
 src/distlab/streamed/sigmoid.py and ring.py, wired into `distributed_backward` by what the model
@@ -28,7 +32,7 @@ returns ((z_x, z_y, s, beta) selects the sigmoid loss) and by EXCHANGE: "ring" i
 The self-check: the closed form against autograd; the hand ring against the library's; every
 {InfoNCE, sigmoid} x {gather, ring} step against a deep copy on the whole batch (plain autograd, each
 rank's dropout replayed); the bytes each rank sent against the formula; the ring's memory against a
-bound that does not grow with P.
+bound that does not grow with P, and its bytes against the gather's.
 """
 
 from __future__ import annotations
@@ -225,7 +229,7 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
     timeline (what each rank posted and computed, when)."""
     gen = torch.Generator().manual_seed(2 + rt.rank)
     z_x, z_y = (F.normalize(torch.randn(c, 64, generator=gen), dim=1).to(rt.device) for _ in range(2))
-    peaks = {}
+    peaks, sent = {}, {}
     for loss_name in LOSSES:
         for exchange in EXCHANGES:
             config = {
@@ -235,9 +239,10 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
                 "TAU": 0.1,
                 "EXCHANGE": exchange,
             }
+            step_ledger.clear()
             with PeakMemory() as mem:  # the step's loss machinery, as it runs in the step
                 loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss_name == "sigmoid" else None)
-            peaks[loss_name, exchange] = mem.peak_bytes
+            peaks[loss_name, exchange], sent[loss_name, exchange] = mem.peak_bytes, step_ledger.sent
             verdict.figure(f"peak MiB {loss_name} {exchange}", mem.peak_bytes / 2**20)
     block, n = c * 64 * 4, c * rt.world_size
     table = Table(title=f"Peak MiB per rank, C = {c}, d = 64", title_justify="left")
@@ -248,6 +253,17 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
             loss_name, *(f"{peaks[loss_name, ex] / 2**20:.2f}" for ex in EXCHANGES), f"{2 * n * 64 * 4 / 2**20:.2f}"
         )
     print0(table)
+    if rt.world_size > 1:  # the price of the ring's bound: more bytes than the gather sends
+        ratio = {loss: sent[loss, "ring"] / sent[loss, "gather"] for loss in LOSSES}
+        print0(
+            f"The ring's price is bytes: at P = {rt.world_size} each rank sends "
+            + " and ".join(f"{ratio[loss]:.2f}x the gather's ({loss})" for loss in LOSSES)
+            + "; InfoNCE's ring walks twice. Its peak grows from P = 1 to 3 (a middle step appears: a block "
+            "arriving, one in use, an accumulator leaving), then stays under the bound; the gather's grows "
+            "by N x 2d per rank with every P.",
+            highlight=False,
+        )
+        verdict.figure("ring bytes / gather bytes", ratio)
     verdict.check(
         "the ring holds at most 10 C x d blocks and 4 tiles, whatever P",
         all(peaks[loss, "ring"] <= 10 * block + 4 * t * t * 4 for loss in LOSSES),

@@ -114,3 +114,17 @@ def test_the_lesson_refuses_a_bad_length_before_any_collective():
 def test_the_lesson_passes(world):
     out = assert_lesson_passes_at_80_columns("09_context_parallel.py", world)
     assert "zigzag, causal: P" in out and "4P-2 backward" in out
+
+
+def test_the_bound_beats_the_whole_sequence_only_from_some_p():
+    """Section 5's sentence: at the lesson's defaults (seq 48, h 2, d_h 16, float64) a rank at P = 2 may hold
+    more than the whole sequence's k and v; the forward's bound is below it from P = 4, the backward's from 6."""
+    from distlab.context_parallel.cost import Sizes, beats_whole
+
+    sizes = Sizes(heads=2, seq_len=48, head_dim=16, world_size=2, itemsize=8)
+    worlds = [2, 3, 4, 6, 8, 12]
+    assert sizes.whole_kv() == 24_576 == sizes.at(6).whole_kv()  # the same bytes at every P
+    assert min(sizes.memory_bound()) > sizes.whole_kv()
+    assert beats_whole(sizes, worlds) == (4, 6)
+    assert beats_whole(sizes, [8, 12]) == (8, 8)  # every P of the list below: the first one
+    assert beats_whole(sizes, [2, 3]) == (None, None)  # none below: none named

@@ -112,13 +112,35 @@ def _save_tear_restore(rt, directory: str, how: str):
         fresh["log"]["loss"] == log,
         fresh["scheduler"].last_epoch,
         len(fresh["optimizer"].state),
+        [(folder.name, why) for folder, why in Checkpoints(rt, directory, 1, run).skipped()],
     )
 
 
 @pytest.mark.parametrize("how", ["no manifest", "torn file"])
 def test_a_half_written_checkpoint_is_never_loaded(tmp_path, how):
+    why = "manifest.json is missing" if how == "no manifest" else "state.pt no longer hashes to the manifest's"
     for rank_result in spawn(_save_tear_restore, 2, str(tmp_path), how):
-        assert rank_result == (1, True, True, True, 1, 2)
+        assert rank_result[:6] == (1, True, True, True, 1, 2)
+        skipped = rank_result[6]  # each named with its reason (rank 0 prints these before it resumes)
+        assert [name for name, _ in skipped] == ["step-000002", "step-000003.partial"], skipped
+        assert skipped[0][1].startswith(why) and "half-way" in skipped[1][1], skipped
+
+
+def _restore_from_different_directories(rt, shared: str, local: str):
+    Checkpoints(rt, shared, 1, {"lr": 0.1}).save(1, _run_state(0))
+    torch.distributed.barrier()  # rank 0 has renamed it by now
+    directory = shared if rt.rank == 0 else local  # rank 1 reads a node-local directory that has none
+    try:
+        Checkpoints(rt, directory, 1, {"lr": 0.1}).restore(_run_state(0))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_that_see_different_newest_checkpoints_are_refused_naming_them(tmp_path):
+    results = spawn(_restore_from_different_directories, 2, str(tmp_path / "shared"), str(tmp_path / "local"))
+    assert results[0] == results[1] != "no error", results
+    assert "rank 0: step 1, rank 1: none" in results[0] and "same directory" in results[0], results[0]
 
 
 def _barrier_count(rt):
@@ -151,3 +173,20 @@ def test_bad_resume_flags_are_one_line_naming_the_flag(monkeypatch):
     assert_flag_refused(LESSON, "--crash-at-step", "--checkpoint-dir", "x", "--steps", "20", "--crash-at-step", "21")
     assert_flag_refused(LESSON, "--crash-rank", "--checkpoint-dir", "x", "--crash-at-step", "3", "--crash-rank", "2")
     assert_flag_refused(LESSON, "--checkpoint-every", "--checkpoint-every", "0")
+
+
+def unsafe_loads(source: str) -> list[str]:
+    """The torch.load calls in `source` that may unpickle code (no weights_only=True)."""
+    return [call for call in re.findall(r"torch\.load\(([^)]*)\)", source) if "weights_only=True" not in call]
+
+
+def test_every_checkpoint_load_keeps_weights_only_and_the_docs_say_a_directory_must_be_trusted():
+    """torch.load with weights_only=False (or dcp.load's .metadata) unpickles: a planted file could run code."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    source = (root / "src" / "distlab" / "checkpointing.py").read_text()
+    assert "torch.load(" in source and unsafe_loads(source) == []
+    assert unsafe_loads('torch.load(folder / "state.pt", map_location="cpu")')  # the check can fail
+    for doc in (root / "lessons" / "07_sharding.py", root / "README.md"):
+        assert "checkpoint directory must be trusted" in " ".join(doc.read_text().split()).lower(), doc

@@ -11,6 +11,10 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "lessons" / "notebooks").glob("*.ipynb"))
 SCREENFUL = 40  # lines
+# The running machine's paths (its user, checkout, temporary files), and escape codes printed as text (a repr's
+# '\\x1b[1m', not the colour a notebook renders from a real ESC in a stream).
+MACHINE_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/root/|/Users/|/tmp/|/private/var/|[A-Z]:\\\\Users)")
+RAW_ESCAPE = re.compile(r"\\x1b|\\u001b|\\033|\\e\[")
 BAR = re.compile(r"━|\d+/\d+ .*\d+:\d\d:\d\d|\d+%\|")  # rich's or tqdm's progress redraws
 
 
@@ -27,6 +31,8 @@ def check_outputs(notebook, name: str) -> None:
         assert "\u2026" not in text, f"{name}: an output holds a truncated cell ('\u2026'):\n{text[:2000]}"
         bars = [line for line in text.splitlines() if BAR.search(line)]
         assert len(bars) <= SCREENFUL, f"{name}: {len(bars)} progress-bar lines in one output"
+        where = MACHINE_PATH.search(text) or RAW_ESCAPE.search(text)
+        assert where is None, f"{name}: an output holds a machine's path or a raw escape code: {where!r}"
 
 
 def test_there_are_notebooks():
@@ -56,6 +62,10 @@ def test_the_check_can_fail():
     cell = {"cells": [{"outputs": [{"text": "| global_pla\u2026 |"}]}]}
     with pytest.raises(AssertionError, match="truncated"):
         check_outputs(cell, "x")
+    for text in ("CompletedProcess(args=['/work/u/x.py'])", "stdout='\\x1b[1mLesson'", "saved to /home/me/01.json"):
+        with pytest.raises(AssertionError, match="machine's path or a raw escape"):
+            check_outputs({"cells": [{"outputs": [{"text": text}]}]}, "x")
+    check_outputs({"cells": [{"outputs": [{"text": "\x1b[1mLesson\x1b[0m: lessons/07.py, 2/4 = 0.5"}]}]}, "x")
     spam = {"cells": [{"outputs": [{"text": "\n".join(["train \u2501\u2501\u2501 3/10"] * 41)}]}]}
     with pytest.raises(AssertionError, match="progress-bar"):
         check_outputs(spam, "x")

@@ -122,3 +122,23 @@ def test_gpu_backend_serves_cpu_tensors_too():
     assert choose_backend("auto", 4, gpus=2) == ("gloo", "cpu")
     with pytest.raises(ValueError, match="--device cuda needs one GPU per rank: 4 ranks on this node, 2 GPUs"):
         choose_backend("cuda", 4, gpus=2)
+
+
+def _rank0_works_alone(rt, work_s: float, limit_s: float):
+    from distlab.runtime import rank0_alone
+
+    try:
+        with rank0_alone(rt, "part 1", limit_s) as mine:
+            if mine:
+                time.sleep(work_s)
+        dist.all_reduce(torch.ones(1))  # the process group still works afterwards
+        return "ok"
+    except RuntimeError as err:
+        return str(err)
+
+
+def test_ranks_wait_for_a_phase_rank0_runs_alone_past_the_groups_timeout_but_not_past_its_own():
+    # The process group's timeout is 2 s; rank 0 works 4 s alone: a barrier of the group would end the others.
+    assert spawn(_rank0_works_alone, 2, 4.0, 30.0, timeout_s=2) == ["ok", "ok"]
+    late = spawn(_rank0_works_alone, 2, 6.0, 1.0, timeout_s=30)[1]  # the phase's own limit is 1 s: rank 1 says so
+    assert late.startswith("rank 1 waited 1 s for rank 0's part 1") and "DISTLAB_SOLO_TIMEOUT_S" in late, late

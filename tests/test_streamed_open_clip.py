@@ -190,7 +190,7 @@ def _rank_that_may_die(rank, world, port, how, results, release):
     except Exception as err:  # noqa: BLE001 - what the survivor saw, whatever it was
         message = f"{type(err).__name__}: {err}"
     results.put((rank, message, time.monotonic() - start))
-    release.wait(timeout=TIMEOUT_S + 60)  # rank 0 holds the store the other survivors' roll call uses
+    release.wait(timeout=TIMEOUT_S + 60)  # rank 0 holds the store: up until every survivor reported
     results.close()
     results.join_thread()
     os._exit(0)  # no teardown: the group has lost a member

@@ -24,6 +24,7 @@ from distlab.data_parallel.ddp import counting
 from distlab.models import paired_data
 from distlab.spawn import spawn
 from distlab.streamed import loss_machinery
+from distlab.streamed.step import agree_gradients_finite
 from distributed_clip import distributed_backward, distributed_train_step
 
 
@@ -253,3 +254,63 @@ def reference_on(case, world, seed):
     x, y = paired_data(N, seed=seed)
     full_batch(model, x, y, world, case["b"]).backward()
     return grads_of(model)
+
+
+class NaNInBackward(torch.autograd.Function):
+    """The identity forward (the loss stays finite), a NaN gradient backward: a backward that overflowed."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def nan_backward(rt):
+    x, y = paired_data(N, seed=0)
+    rows, config = local_rows(rt), config_of(dict(scale=(), b=5))
+    model = Towers(scale_shape=())
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.1)
+    distributed_train_step(ddp, opt, x[rows], y[rows], config)  # one good step: AdamW holds moments now
+    before, state = params_of(model), copy.deepcopy(opt.state_dict()["state"])
+    if rt.rank == 1:
+        model.encoder_x.register_forward_hook(lambda module, inputs, out: NaNInBackward.apply(out))
+    out = {}
+    try:
+        distributed_train_step(ddp, opt, x[rows], y[rows], config)
+        out["nan"] = "no error"
+    except FloatingPointError as err:
+        out["nan"] = str(err)
+    after = opt.state_dict()["state"]
+    out["params_untouched"] = all(torch.equal(before[k], v) for k, v in params_of(model).items())
+    out["state_untouched"] = all(torch.equal(state[i][k], after[i][k]) for i in state for k in state[i])
+    out["grads_dropped"] = all(p.grad is None for p in model.parameters())
+
+    # A non-finite gradient on one rank only (a shard, under FSDP2): every rank refuses, naming it.
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan") if rt.rank == 1 and p is model.logit_scale else 0.0)
+    try:
+        agree_gradients_finite(ddp)
+        out["one_rank"] = "no error"
+    except FloatingPointError as err:
+        out["one_rank"] = str(err)
+
+    # Teeth: without the check, the same backward's NaN reaches every rank's parameters.
+    opt.zero_grad(set_to_none=True)
+    distributed_backward(ddp, x[rows], y[rows], config)
+    opt.step()
+    out["unchecked_reaches_params"] = not all(torch.isfinite(p).all() for p in model.parameters())
+    return out
+
+
+def test_a_finite_loss_with_a_nan_backward_stops_every_rank_before_the_step():
+    results = spawn(nan_backward, 2, timeout_s=120)
+    assert results[0]["nan"] == results[1]["nan"] != "no error", results
+    assert "non-finite gradient" in results[0]["nan"] and "module.encoder_x" in results[0]["nan"], results[0]["nan"]
+    for r in results:
+        assert r["params_untouched"] and r["state_untouched"] and r["grads_dropped"], r
+        assert r["one_rank"].startswith("rank 1: a non-finite gradient") and "module.logit_scale" in r["one_rank"]
+        assert r["unchecked_reaches_params"]

@@ -17,7 +17,15 @@ from pathlib import Path
 LESSONS = Path(__file__).resolve().parent.parent
 
 
-def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+class LessonRun(subprocess.CompletedProcess):
+    """`run_lesson`'s result: a CompletedProcess that a notebook shows as one line, not as its arguments and
+    captured output (which hold this machine's paths and the lesson's escape codes as text)."""
+
+    def __repr__(self) -> str:
+        return f"<{self.lesson} under torchrun: exit {self.returncode}>"
+
+
+def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> LessonRun:
     """Run `lessons/<lesson>` with `nproc` ranks under torchrun and print what it printed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("COLUMNS", None)  # captured output: the lesson picks its generous captured width ...
@@ -39,6 +47,8 @@ def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> subpr
         env=env,
         cwd=LESSONS.parent,
     )
+    run = LessonRun(run.args, run.returncode, run.stdout, run.stderr)
+    run.lesson = lesson
     print(run.stdout, end="")
     if run.returncode != 0:
         print(run.stderr[-3000:], end="", file=sys.stderr)

@@ -14,8 +14,11 @@ could take it for a finished one. Every rank writes into `step-000012.partial/` 
 which DDP keeps the same on every rank; rank r its own generators, `rng-r.pt`); after a barrier rank
 0 writes `manifest.json`, the SHA-256 of every file, last and via a temporary name, then renames the
 directory to `step-000012` (rename is atomic on POSIX). Reading: the newest `step-*` directory whose
-manifest exists and whose files hash to what it says; a `.partial` or a torn file is skipped. Every
-rank loads the step all of them found (one all_reduce(MIN)).
+manifest exists and whose files hash to what it says; a `.partial` or a torn file is skipped, and
+named with the reason. Every rank must find the same newest step (one all-gather): ranks that see
+different ones (a node-local directory on a multi-node run) are refused, every rank naming them, rather
+than each resuming a different state. `torch.load(weights_only=True)` reads the files: a checkpoint
+directory is data, and unpickling arbitrary objects from it could run code.
 
 The fault. `--crash-at-step STEP` makes rank `--crash-rank` (default the last) leave through
 `os._exit` at the start of step STEP, on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT =
@@ -44,7 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.cli import launched_world_size, positive_int
+from distlab.agree import per_rank, rank_table
+from distlab.cli import launched_world_size, positive_int, writable_dir
 from distlab.console import print0
 from distlab.runtime import Runtime
 
@@ -59,6 +63,7 @@ def add_resume_args(parser: argparse.ArgumentParser, every: int = 10) -> argpars
     parser.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
+        type=writable_dir,
         help="checkpoint here, and resume from the newest whole checkpoint found here",
     )
     parser.add_argument(
@@ -217,6 +222,19 @@ class Checkpoints:
                 shutil.rmtree(self.directory / f"step-{old:06d}")
         return final
 
+    def skipped(self) -> list[tuple[Path, str]]:
+        """Every checkpoint directory that is not loaded, and why."""
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        out = []
+        for folder in sorted(self.directory.glob("step-*")):
+            number = folder.name[len("step-") :]
+            if folder.name.endswith(PARTIAL):
+                out.append((folder, "written half-way (never renamed from .partial)"))
+            elif folder.is_dir() and number.isdigit() and (why := self.inspect(int(number))[1]):
+                out.append((folder, why))
+        return out
+
     def complete(self) -> list[int]:
         """The steps of the whole checkpoints in the directory, oldest first."""
         if self.directory is None or not self.directory.is_dir():
@@ -230,13 +248,23 @@ class Checkpoints:
 
     def verify(self, step: int) -> dict | None:
         """The checkpoint's manifest if every file it lists hashes to what it says, else None."""
+        return self.inspect(step)[0]
+
+    def inspect(self, step: int) -> tuple[dict | None, str]:
+        """(the manifest, "") for a whole checkpoint, else (None, why it cannot be loaded)."""
         folder = self.directory / f"step-{step:06d}"
         try:
             manifest = json.loads((folder / MANIFEST).read_text())
-            whole = all(_sha256(folder / name) == digest for name, digest in manifest["sha256"].items())
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return manifest if whole and manifest.get("step") == step else None
+            torn = [name for name, digest in manifest["sha256"].items() if _sha256(folder / name) != digest]
+        except FileNotFoundError as err:
+            return None, f"{Path(err.filename).name} is missing (written half-way?)"
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return None, f"its manifest cannot be read ({type(err).__name__}: {err})"
+        if torn:
+            return None, f"{', '.join(torn)} no longer hash{'es' if len(torn) == 1 else ''} to the manifest's SHA-256"
+        if manifest.get("step") != step:
+            return None, f"its manifest says step {manifest.get('step')}"
+        return manifest, ""
 
     def restore(self, objects: dict[str, Any]) -> int:
         """Load the newest whole checkpoint into `objects` and this rank's generators; the step it
@@ -244,9 +272,17 @@ class Checkpoints:
         if self.directory is None:
             return 0
         found = self.complete()
-        agreed = torch.tensor([found[-1] if found else 0], device=self.rt.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the same step on every rank
-        step = int(agreed.item())
+        if self.rt.is_first:
+            for folder, why in self.skipped():
+                print0(f"skipped {folder}: {why}", highlight=False)
+        seen = rank_table([found[-1] if found else 0], self.rt.device)[:, 0].tolist()  # every rank's newest
+        if len(set(seen)) > 1:  # a node-local directory, or a copy that differs: refuse, never mix two runs' states
+            raise ValueError(
+                "--checkpoint-dir: the ranks see different newest checkpoints "
+                f"({per_rank(seen, lambda v: f'step {v:g}' if v else 'none')}): every rank must read the "
+                "same directory (a shared filesystem on a multi-node run)"
+            )
+        step = int(seen[0])
         if step == 0:
             return 0
         manifest, folder = self.verify(step), self.directory / f"step-{step:06d}"

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from distlab.compare import TOLERANCES
 from distlab.runtime import DEVICE_CHOICES
@@ -45,6 +46,73 @@ nonnegative_float = _number(float, lambda v: v >= 0, "a finite number >= 0")
 fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
+# The largest value each numeric flag may take, and why: beyond it a value overflows (a seed past what
+# every generator takes, with the offsets lessons add per rank and step) or cannot fit in a machine's memory
+# (one width's float64 matrix, width^2 x 8 bytes, is 2 GiB at 2^14; a batch of 2^20 rows or a sequence of
+# 2^16 tokens is more than any lesson here needs). Each flag is checked alone: a product of flags within
+# their limits (--layers times --width^2) may still not fit, and then fails as PyTorch's out-of-memory error.
+SEED_MAX = 2**31 - 1
+WIDTHS = ("--width", "--dim", "--ffn-width", "--comm-dim", "--head-dim", "--input-features")
+PARTS = ("--layers", "--heads", "--stages-per-rank", "--micro-batches", "--checkpoint-segments")
+ROWS = ("--global-batch", "--comm-global-batch", "--train-size", "--dataset-size", "--held-out")
+ROWS += ("--pairs-per-rank", "--memory-pairs", "--micro-batch-size", "--stream-chunk")
+COUNTS = ("--steps", "--epochs", "--repeats", "--seeds", "--warmup", "--eval-every", "--checkpoint-every")
+COUNTS += ("--accumulation-steps",)
+_GROUPS = (  # (flags, the largest value, why)
+    (("--seed",), SEED_MAX, "a 31-bit seed: lessons add offsets per rank and step"),
+    (WIDTHS, 2**14, "a width^2 float64 matrix is 2 GiB"),
+    (PARTS, 2**14, "more than any model here holds"),
+    (("--cost-global-batch",), 2**15, "its N x N float32 logits are 4 GiB at 2^15"),
+    (("--seq-len",), 2**16, "a sequence beyond any lesson's memory"),
+    (ROWS, 2**20, "rows beyond any batch a lesson holds in memory"),
+    (COUNTS, 10**6, "days of running on this machine"),
+    (("--message-mib", "--bucket-mib"), 2**16, "64 GiB, beyond a machine's memory"),
+    (("--emulate-ms", "--link-ms-per-mib"), 10**4, "10 s of emulated time per layer or MiB"),
+    (("--lr", "--tau", "--max-grad-norm", "--clip-norm", "--weight-decay"), 10**6, "beyond any useful value"),
+)
+LIMITS: dict[str, tuple[int, str]] = {flag: (most, why) for flags, most, why in _GROUPS for flag in flags}
+
+
+def over_limit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The first numeric flag of `args` above its LIMITS entry, as one line naming it; None if none is."""
+    for action in parser._actions:  # noqa: SLF001 - argparse's list of the flags it knows
+        flag = next((f for f in action.option_strings if f in LIMITS), None)
+        value = getattr(args, action.dest, None)
+        if flag is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        most, why = LIMITS[flag]
+        if value > most:
+            shown = f"{value:,}" if isinstance(value, int) and value < 10**30 else f"{value:.3g}"
+            return f"argument {flag}: at most {most:,} ({why}), got {shown}"
+    return None
+
+
+def writable_file(text: str) -> str:
+    """A file the run will write at its end (--json): refused now if it could not be written then."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"the directory of {text!r}, {str(folder)!r}, does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permissions)")
+    return text
+
+
+def writable_dir(text: str) -> str:
+    """A directory the run writes into (--checkpoint-dir), made if missing: refused now, not at the first save."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be made: {str(existing)!r} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written or made ({str(existing)!r}: permissions)")
+    return text
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown after every help text; the description keeps its line breaks."""
 
@@ -56,6 +124,13 @@ class LessonParser(argparse.ArgumentParser):
         self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
         sys.exit(2)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, then every numeric flag against its LIMITS entry (one line naming the flag)."""
+        parsed, rest = super().parse_known_args(args, namespace)
+        if (problem := over_limit(self, parsed)) is not None:
+            self.error(problem)
+        return parsed, rest
+
     def _print_message(self, message: str, file=None) -> None:  # --help, usage: rank 0 only
         if os.environ.get("RANK", "0") == "0":
             super()._print_message(message, file)
@@ -64,7 +139,9 @@ class LessonParser(argparse.ArgumentParser):
 def lesson_parser(doc: str | None) -> LessonParser:
     """A parser whose description is the docstring's first paragraph, with the shared flags."""
     parser = add_runtime_args(LessonParser(description=(doc or "").split("\n\n")[0], formatter_class=_Formatter))
-    parser.add_argument("--json", metavar="PATH", help="write the checks and figures here as JSON (rank 0)")
+    parser.add_argument(
+        "--json", metavar="PATH", type=writable_file, help="write the checks and figures here as JSON (rank 0)"
+    )
     return parser
 
 

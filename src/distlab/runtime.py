@@ -46,6 +46,7 @@ import torch.distributed as dist
 from distlab import reproducible
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
+SOLO_TIMEOUT_S = float(os.environ.get("DISTLAB_SOLO_TIMEOUT_S", "900"))  # a phase rank 0 runs alone
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 ERROR_GRACE_S = 0.5  # how long the other ranks let rank 0 print a bad-input line first
@@ -178,6 +179,31 @@ def _process_group(
             yield rt
     finally:
         release_process_group()
+
+
+@contextmanager
+def rank0_alone(rt: Runtime, what: str, limit_s: float | None = None) -> Iterator[bool]:
+    """A phase rank 0 runs alone while the others wait (`with rank0_alone(rt, "part 1") as mine: if mine: ...`).
+
+    The waiting ranks must not wait in a collective of the process group: its timeout (DEFAULT_TIMEOUT_S,
+    sized for one collective) would end them on a slower machine while rank 0 is still working. They
+    wait in a barrier of a group of their own, on the CPU (gloo), whose timeout is sized to the phase:
+    `limit_s`, by default SOLO_TIMEOUT_S (DISTLAB_SOLO_TIMEOUT_S, 900 s). Past it every waiting rank
+    raises one error that says what it waited for and which variable to raise."""
+    limit = limit_s if limit_s is not None else SOLO_TIMEOUT_S
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=limit)) if rt.world_size > 1 else None
+    yield rt.rank == 0
+    if group is None:
+        return
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"rank {rt.rank} waited {limit:g} s for rank 0's {what}, which rank 0 runs alone, and gave up: "
+            "a slower or busier machine needs longer (set DISTLAB_SOLO_TIMEOUT_S), or rank 0 failed"
+        ) from err
+    finally:
+        dist.destroy_process_group(group)
 
 
 def release_process_group(group: dist.ProcessGroup | None = None) -> None:

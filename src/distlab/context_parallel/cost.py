@@ -14,12 +14,17 @@ received and held at once: one at P = 2 (the rank's own pair is an input), two f
 in use and the one arriving). Forward: those, the output o (1 block), one tile's o-update (1/2
 block), the scores twice, 8 row vectors (m, l and their updates). Backward: those, two dk/dv pairs
 (4 blocks), dq (1), one tile's dq, dk, dv (3/2), three tiles (omega, dout v^T, dA), 4 row vectors.
-Nothing here grows with P, while the whole sequence's k and v are 2P blocks: no rank ever holds them.
+In blocks nothing here grows with P (from P = 3, when a second pair is in flight); in bytes a block is
+h (seq/P) d_h e, so at a fixed seq the bounds shrink as 1/P from P = 3 (the tiles as 1/P^2), while the
+whole sequence's k and v, 2P blocks, stay 2 h seq d_h e.
+At P = 2 a rank holds its own pair and the one received: the whole sequence's k and v. The bounds fall
+below them only from some P (`beats_whole`): forward, where 2P blocks exceed 4 + 3/2 blocks plus its tiles
+and rows; backward, where they exceed 4 + 13/2.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -54,3 +59,16 @@ class Sizes:
             kv + 3 * self.block // 2 + 2 * self.tile + 8 * self.row,
             kv + 13 * self.block // 2 + 3 * self.tile + 4 * self.row,
         )
+
+    def whole_kv(self) -> int:
+        """The whole sequence's k and v: 2P blocks, the same bytes at every P."""
+        return 2 * self.world_size * self.block
+
+    def at(self, world_size: int) -> Sizes:
+        return replace(self, world_size=world_size)
+
+
+def beats_whole(sizes: Sizes, worlds: list[int]) -> tuple[int | None, int | None]:
+    """The smallest P of `worlds` from which the (forward, backward) bound stays below the whole k and v."""
+    below = [[s.memory_bound()[i] < s.whole_kv() for s in map(sizes.at, worlds)] for i in (0, 1)]
+    return tuple(next((p for k, p in enumerate(worlds) if all(ok[k:])), None) for ok in below)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab.agree import raise_together
 from distlab.random_state import RandContext
 from distlab.split_inputs import take_rows
 from distlab.streamed.config import StreamConfig, parse_config
@@ -52,7 +53,7 @@ from distlab.streamed.sigmoid import Logits
 from distlab.streamed.tile_ops import TileOps, kernels_problem, tile_ops
 from distlab.streamed.tile_size import chunk_for, warn_if_many_launches
 from distlab.streamed.tiles import Pairing
-from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, surrogate_multiplier
+from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, first_device, surrogate_multiplier
 
 
 @dataclass
@@ -347,10 +348,38 @@ def distributed_train_step(
 
     zero_grad, `distributed_backward`, optimizer.step(). A non-finite loss raises FloatingPointError
     on every rank before any backward: parameters, optimizer state and BatchNorm statistics untouched.
+    A finite loss whose backward makes a non-finite gradient (an overflow in a tower's backward, a NaN
+    from a sqrt at 0) raises FloatingPointError on every rank before the step (`agree_gradients_finite`):
+    parameters and optimizer state untouched, the gradients dropped (set to None).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise with_hint(ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"))
     optimizer.zero_grad(set_to_none=True)
     loss = _run(model, local_x, local_y, config, None, stop_if_not_finite=True)
+    try:
+        agree_gradients_finite(model)
+    except FloatingPointError:
+        optimizer.zero_grad(set_to_none=True)  # nothing non-finite is left for a later step() to apply
+        raise
     optimizer.step()
     return loss
+
+
+def agree_gradients_finite(model: nn.Module) -> None:
+    """Every rank checks its own gradients (under FSDP2 its shards: one rank may hold the only NaN) and the
+    ranks agree, over the wrapper's group, before anyone steps: one FloatingPointError on every rank naming
+    the ranks and the parameters, or none. One small all-gather per step; one host sync for the check."""
+    group = exchange_group(model)
+    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]  # a DTensor's own shard
+    finite = torch.stack([torch.isfinite(g).all() for g in local]).tolist() if local else []
+    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    problem = None
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        problem = (
+            f"a non-finite gradient (the loss was finite: the backward overflowed or made a NaN) in "
+            f"{', '.join(bad[:3])}{more}: the optimizer did not step, parameters and optimizer state are as they were"
+        )
+    device = local[0].device if local else first_device(model, None)
+    raise_together(problem, device, FloatingPointError, group=group)

@@ -16,6 +16,9 @@ Sequence parallelism splits the all-reduce into its two halves, a reduce-scatter
     gather_from_sp   (f-bar):  forward  all-gather along seq     backward  reduce-scatter along seq
     scatter_to_sp    (g-bar):  forward  reduce-scatter along seq  backward  all-gather along seq
 
+(Korthikanti et al. name this pair g and g-bar; our bar means "the sequence-parallel f or g", so their g
+is our f-bar, and their g-bar our g-bar.)
+
 Bytes, ring accounting as in lesson 06 for a full tensor of b bytes: all-reduce 2(P-1)/P b,
 all-gather and reduce-scatter (P-1)/P b each (`distlab.comm.collectives`); so f-bar + g-bar send
 exactly what f + g send. A `distlab.comm.ledger.Ledger` counts them by (direction, collective), in

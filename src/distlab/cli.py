@@ -52,12 +52,13 @@ fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 # 2^16 tokens is more than any lesson here needs). Each flag is checked alone: a product of flags within
 # their limits (--layers times --width^2) may still not fit, and then fails as PyTorch's out-of-memory error.
 SEED_MAX = 2**31 - 1
-WIDTHS = ("--width", "--dim", "--ffn-width", "--comm-dim", "--head-dim", "--input-features")
+WIDTHS = ("--width", "--dim", "--ffn-width", "--comm-dim", "--head-dim", "--input-features", "--vocab")
 PARTS = ("--layers", "--heads", "--stages-per-rank", "--micro-batches", "--checkpoint-segments")
+PARTS += ("--experts", "--top-k", "--dp", "--pp", "--tp", "--cp")
 ROWS = ("--global-batch", "--comm-global-batch", "--train-size", "--dataset-size", "--held-out")
 ROWS += ("--pairs-per-rank", "--memory-pairs", "--micro-batch-size", "--stream-chunk")
 COUNTS = ("--steps", "--epochs", "--repeats", "--seeds", "--warmup", "--eval-every", "--checkpoint-every")
-COUNTS += ("--accumulation-steps",)
+COUNTS += ("--accumulation-steps", "--train-steps")
 _GROUPS = (  # (flags, the largest value, why)
     (("--seed",), SEED_MAX, "a 31-bit seed: lessons add offsets per rank and step"),
     (WIDTHS, 2**14, "a width^2 float64 matrix is 2 GiB"),
@@ -68,7 +69,12 @@ _GROUPS = (  # (flags, the largest value, why)
     (COUNTS, 10**6, "days of running on this machine"),
     (("--message-mib", "--bucket-mib"), 2**16, "64 GiB, beyond a machine's memory"),
     (("--emulate-ms", "--link-ms-per-mib"), 10**4, "10 s of emulated time per layer or MiB"),
-    (("--lr", "--tau", "--max-grad-norm", "--clip-norm", "--weight-decay"), 10**6, "beyond any useful value"),
+    (
+        ("--lr", "--train-lr", "--tau", "--max-grad-norm", "--clip-norm", "--weight-decay"),
+        10**6,
+        "beyond any useful value",
+    ),
+    (("--capacity-factor", "--aux-weight"), 10**6, "beyond any useful value"),
 )
 LIMITS: dict[str, tuple[int, str]] = {flag: (most, why) for flags, most, why in _GROUPS for flag in flags}
 

@@ -59,6 +59,8 @@ ROWS = ("--global-batch", "--comm-global-batch", "--train-size", "--dataset-size
 ROWS += ("--pairs-per-rank", "--memory-pairs", "--micro-batch-size", "--stream-chunk")
 COUNTS = ("--steps", "--epochs", "--repeats", "--seeds", "--warmup", "--eval-every", "--checkpoint-every")
 COUNTS += ("--accumulation-steps", "--train-steps")
+SCALES = ("--lr", "--train-lr", "--tau", "--max-grad-norm", "--clip-norm", "--weight-decay")
+SCALES += ("--capacity-factor", "--aux-weight")
 _GROUPS = (  # (flags, the largest value, why)
     (("--seed",), SEED_MAX, "a 31-bit seed: lessons add offsets per rank and step"),
     (WIDTHS, 2**14, "a width^2 float64 matrix is 2 GiB"),
@@ -69,12 +71,7 @@ _GROUPS = (  # (flags, the largest value, why)
     (COUNTS, 10**6, "days of running on this machine"),
     (("--message-mib", "--bucket-mib"), 2**16, "64 GiB, beyond a machine's memory"),
     (("--emulate-ms", "--link-ms-per-mib"), 10**4, "10 s of emulated time per layer or MiB"),
-    (
-        ("--lr", "--train-lr", "--tau", "--max-grad-norm", "--clip-norm", "--weight-decay"),
-        10**6,
-        "beyond any useful value",
-    ),
-    (("--capacity-factor", "--aux-weight"), 10**6, "beyond any useful value"),
+    (SCALES, 10**6, "beyond any useful value"),
 )
 LIMITS: dict[str, tuple[int, str]] = {flag: (most, why) for flags, most, why in _GROUPS for flag in flags}
 

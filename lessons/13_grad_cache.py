@@ -15,8 +15,16 @@ on them and its gradient G = dL/dH, the cache; (3) every micro-batch again with 
 of its rows, whose parameter gradient is G . dh/dtheta. Activations live for one micro-batch at a time. Dropout
 must draw the same masks in (1) and (3): each micro-batch's random state is saved in (1) and replayed in (3).
 
-The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs; the library's
-`GradCache.cache_step` (contrastive/grad_cache.py) adds dicts, mixed precision and DDP's `no_sync`.
+The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs, each a few lines:
+(1) under `torch.no_grad()` every tower runs its micro-batches, a `RandContext` taken before each (the CPU's
+and the device's random state), and only the representations are kept; (2) the loss runs once on them as
+detached leaves that require grad, and its backward leaves G = dL/dH in each leaf's `.grad`: the cache, N x d
+numbers per tower; (3) every micro-batch runs again with a graph inside its `RandContext`, so dropout draws
+the masks of (1), and back-propagates <h, G_rows>, adding G . dh/dtheta into the parameters' `.grad`. The
+library's version is `GradCache` in src/distlab/contrastive/grad_cache.py, with luyug/GradCache's interface
+and the same three steps as methods (`forward_no_grad`, `build_cache`, `forward_backward`, called in turn
+by `cache_step`), plus dict and VLM inputs, mixed precision and DDP's `no_sync` on every micro-batch but
+the last; the replay is `RandContext` in src/distlab/random_state.py. The lesson checks both.
 
 The proof. Part 1, one process (rank 0): both equal the full batch's gradients (a deep copy, plain autograd, one
 loss; its micro-batches run with a graph in the same order from the same seed, so dropout draws the same masks);

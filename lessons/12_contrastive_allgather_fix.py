@@ -162,7 +162,7 @@ def cost(rt: Runtime, args, verdict: Verdict) -> None:
     global_cost, local_cost = (loss_cost(rt, *z, args.tau, v) for v in (GLOBAL_SUM, LOCAL_SUM))
     print0(
         cost_table(
-            n, p, [("global (10)", global_logits(n), global_cost), ("local", local_logits(n, p), local_cost)], elem=4
+            n, p, [("global (10)", global_logits(n), global_cost), ("local", local_logits(n, p), local_cost)], e=4
         )
     )
     seconds = collective_seconds(rt, args.comm_global_batch, args.comm_dim, torch.float32)

@@ -147,7 +147,7 @@ def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
     return loss.detach()
 
 
-def plain_step(model: TwoTower, x, y, tau: float) -> None:
+def autograd_step(model: TwoTower, x, y, tau: float) -> None:
     rep_clip_loss(model.encoder_x(x), model.encoder_y(y), tau).backward()
 
 
@@ -188,7 +188,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     n, b, tau = args.global_batch, args.micro_batch_size, args.tau
     (x, y), elt = pairs(args, device, n), DTYPES[args.dtype].itemsize
     sizes = sorted({n, max(1, n // 4), b, max(1, b // 4)}, reverse=True)
-    plain = peak_mib(model, plain_step, x, y, tau)
+    plain = peak_mib(model, autograd_step, x, y, tau)
     cached = {s: peak_mib(model, cache_step, x, y, tau, s) for s in progress(sizes, len(sizes), "memory against B")}
     table = Table(
         "step",
@@ -213,7 +213,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     )
     for m in progress(by_n["N"], len(by_n["N"]), "memory against N"):
         xm, ym = pairs(args, device, m)
-        by_n["plain"].append(peak_mib(model, plain_step, xm, ym, tau)[0])
+        by_n["plain"].append(peak_mib(model, autograd_step, xm, ym, tau)[0])
         by_n["grad_cache"].append(peak_mib(model, cache_step, xm, ym, tau, min(b, m))[0])
         table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}", f"{m * m * elt / MIB:.2f}")
     print0(right_aligned(table, first=0))
@@ -238,13 +238,13 @@ def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> 
     """Forwarded rows (counted) and the time of one step (measured): plain autograd beside GradCache."""
     n, b, tau = args.global_batch, args.micro_batch_size, args.tau
     x, y = pairs(args, device, n)
-    plain_rows = rows_forwarded(model.encoder_x, plain_step, model, x, y, tau)
+    plain_rows = rows_forwarded(model.encoder_x, autograd_step, model, x, y, tau)
     cached_rows = rows_forwarded(model.encoder_x, cache_step, model, x, y, tau, n)
     seconds = interleaved_seconds(
         model,
         {
             "no-grad forward alone": (forward_only, (x, y)),
-            "plain autograd": (plain_step, (x, y, tau)),
+            "plain autograd": (autograd_step, (x, y, tau)),
             f"GradCache, B = N = {n}": (cache_step, (x, y, tau, n)),
             f"GradCache, B = {b}": (cache_step, (x, y, tau, b)),
         },

@@ -17,10 +17,10 @@ from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, loa
 from distlab.compare import against, all_ok, compare
 from distlab.sharding import accounting
 from distlab.sharding.checkpoint import save_and_resume
-from distlab.sharding.ddp import Replicated
 from distlab.sharding.flat import units_of
 from distlab.sharding.fsdp import Fsdp2, fsdp_held
 from distlab.sharding.problem import ShardingConfig, build_model, reference
+from distlab.sharding.replicated import Replicated
 from distlab.sharding.training import run_strategy
 from distlab.spawn import spawn
 

@@ -130,7 +130,7 @@ def emulated_table(results: Mapping[int, Mapping[str, float]], n: int) -> Table:
     return table
 
 
-def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[str, float]]], elem: int) -> Table:
+def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[str, float]]], e: int) -> Table:
     """Lesson 12: what the loss costs one rank; rows of (name, its `global_logits` or `local_logits`,
     its `loss_cost`)."""
     table = _table(
@@ -138,7 +138,7 @@ def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[
         "global: every rank all N x N logits; local: its C x N rows of S and of S^T; "
         "S: similarity entries its matmuls produce; exp: entries its softmaxes exponentiate; "
         f"largest, peak: tensor storage it allocates (PeakMemory), largest / N^2: the largest "
-        f"over an N x N matrix of {elem}-byte floats; time: median of 5, slowest rank",
+        f"over an N x N matrix of {e}-byte floats; time: median of 5, slowest rank",
     )
     for column in ("loss", "S", "exp", "largest", "/ N^2", "peak", "time"):
         table.add_column(column, justify="left" if column == "loss" else "right")
@@ -148,14 +148,14 @@ def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[
             f"{work['matmul']:,}",
             f"{work['softmax']:,}",
             f"{cost['largest_bytes'] / MIB:.2f} MiB",
-            f"{cost['largest_bytes'] / (n * n * elem):.3f}",
+            f"{cost['largest_bytes'] / (n * n * e):.3f}",
             f"{cost['peak_bytes'] / MIB:.1f} MiB",
             f"{1e3 * cost['seconds']:.0f} ms",
         )
     return table
 
 
-def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], backend: str) -> Table:
+def comm_table(p: int, n: int, d: int, e: int, seconds: Mapping[str, float], backend: str) -> Table:
     """Lesson 12: traffic per gathered N x d tensor by the ring formulas, and measured time."""
     note = (
         "; gloo runs a reduce_scatter as an all_reduce of a copy, so no saving shows on CPU"
@@ -165,7 +165,7 @@ def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], 
     table = _table(
         f"Communication per gathered N x d tensor (ring; N = {n}, d = {d}, P = {p})",
         f"sent: elements each rank sends (and receives); measured: median of 10, slowest rank, "
-        f"{elem}-byte floats on {backend}{note}",
+        f"{e}-byte floats on {backend}{note}",
     )
     for column in ("collective", "sent", "elements", "MiB", "measured"):
         table.add_column(column, justify="left" if column in ("collective", "sent") else "right")
@@ -176,7 +176,7 @@ def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], 
     }
     for name, elements in ring_elements(p, n, d).items():
         measured = f"{1e3 * seconds[name]:.2f} ms" if name in seconds else "-"
-        table.add_row(name, formulas[name], f"{elements:,.0f}", f"{elements * elem / MIB:.2f}", measured)
+        table.add_row(name, formulas[name], f"{elements:,.0f}", f"{elements * e / MIB:.2f}", measured)
     return table
 
 

@@ -16,8 +16,8 @@ Sequence parallelism splits the all-reduce into its two halves, a reduce-scatter
     gather_from_sp   (f-bar):  forward  all-gather along seq     backward  reduce-scatter along seq
     scatter_to_sp    (g-bar):  forward  reduce-scatter along seq  backward  all-gather along seq
 
-Bytes, ring accounting as in lesson 06 for a full tensor of b bytes: all-reduce 2(P-1)/P b,
-all-gather and reduce-scatter (P-1)/P b each (`distlab.comm.collectives`); so f-bar + g-bar send
+Bytes, ring accounting as in lesson 06 for a full tensor of `bytes`: all-reduce 2(P-1)/P bytes,
+all-gather and reduce-scatter (P-1)/P bytes each (`distlab.comm.collectives`); so f-bar + g-bar send
 exactly what f + g send. A `distlab.comm.ledger.Ledger` counts them by (direction, collective), in
 exact integers.
 """

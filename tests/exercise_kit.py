@@ -41,6 +41,7 @@ import pytest
 import torch
 from exercise_claims import Claims, Hints
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
+from helpers import lesson_path
 
 from distlab.spawn import spawn
 
@@ -82,11 +83,13 @@ class Answer:
 
 
 def solution(lesson: str, name: str) -> Answer:
-    return Answer(LESSONS / f"{lesson}.py", name)
+    """`name` in the lesson `lesson` (its slug: `helpers.lesson_path`)."""
+    return Answer(lesson_path(lesson, LESSONS), name)
 
 
 def exercise(lesson: str, name: str) -> Answer:
-    return Answer(EXERCISES / f"{lesson}.py", name)
+    """`name` in the lesson's exercise, lessons/exercises/NN_<slug>.py."""
+    return Answer(lesson_path(lesson, EXERCISES), name)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ MICRO_BATCHES = 4  # C = 6 at P = 4: unequal parts at P = 3 (C = 8)
 
 def _everything(rt):
     """Every claim of the lesson on one rank, with the lesson's own mechanisms."""
-    lesson = load_lesson("06_data_parallel")
+    lesson = load_lesson("data_parallel")
     out = {"collectives": []}
     n = full_numel(640, rt.world_size, torch.float64)
     for c in MEASURED:
@@ -172,7 +172,7 @@ def test_ranks_that_disagree_about_a_branch_wait_until_the_timeout():
 
 def test_the_lesson_passes_under_torchrun_at_80_columns():
     run = torchrun(
-        "06_data_parallel.py",
+        "data_parallel",
         2,
         "--global-batch",
         "24",

@@ -34,7 +34,7 @@ STEPS, LR = 3, 0.5
 
 def _everything(rt):
     """Every claim of the lesson on one rank, with the lesson's own layers and operators: name -> bool."""
-    lesson, P = load_lesson("08_tensor_parallel"), rt.world_size
+    lesson, P = load_lesson("tensor_parallel"), rt.world_size
     ok = {}
     for k, (mine, library) in lesson.OPERATORS.items():
         ours, theirs = check_operator(rt, k, mine), check_operator(rt, k, library)
@@ -107,7 +107,7 @@ def test_torchs_tensor_parallel_steps_with_sgds_cuda_default():
 
 
 def test_lesson_passes_at_p4_on_a_2x2_mesh():
-    out = assert_lesson_passes_at_80_columns("08_tensor_parallel.py", 4)
+    out = assert_lesson_passes_at_80_columns("tensor_parallel", 4)
     assert "a 2 x 2 mesh (dp x tp)" in out and "data-parallel group [0, 2]" in out
 
 
@@ -152,7 +152,7 @@ def _bias_on_every_rank(rt):
         def forward(self, x):
             return torch.nn.functional.linear(x, self.weight, self.bias)
 
-    lesson = load_lesson("08_tensor_parallel")
+    lesson = load_lesson("tensor_parallel")
     wrong = split_run(rt, CFG, "mlp", lesson.by_hand(), 1, LR, Layers(lesson.ColumnParallelLinear, BiasEverywhere))
     twin = split_run(rt, CFG, "mlp", operators.tensor_parallel(), 1, LR)
     return wrong.ok, all_ok(against(wrong.run, twin.run, 0.0, 0.0).values())
@@ -179,5 +179,5 @@ def test_bad_splits_are_one_line_naming_the_flag_on_every_rank():
     assert all(messages == per_rank[0] for messages in per_rank)
     for flag, message in zip(("--heads", "--ffn-width", "--seq-len", "--global-batch"), per_rank[0]):
         assert message.startswith(flag + ":") and "\n" not in message, message
-    assert_flag_refused("08_tensor_parallel.py", "--heads", "--heads", "0")
-    assert_flag_refused("08_tensor_parallel.py", "--dropout", "--dropout", "1")
+    assert_flag_refused("tensor_parallel", "--heads", "--heads", "0")
+    assert_flag_refused("tensor_parallel", "--dropout", "--dropout", "1")

@@ -46,7 +46,7 @@ def test_global_x_global_gradients(world_size):
 def _the_lessons_own(rt):
     """The lesson's variants, the check that they equal the library's (bit for bit), and the same check
     against a variant that is not their twin (the sum-backward gather: exact, so not the same numbers)."""
-    lesson = load_lesson("10_contrastive_global")
+    lesson = load_lesson("contrastive_global")
     ours = first_step_gradients(rt, lesson.VARIANTS, N, TAU, seed=SEED)
     wrong_twin = {lesson.GLOBAL_PLAIN.name: GLOBAL_SUM}
     return (
@@ -68,7 +68,7 @@ def test_the_lessons_gather_and_fix_equal_the_librarys(world_size):
         assert same_as_another == (world_size == 1)  # at P = 1 every gather is the identity
 
 
-LESSON = "10_contrastive_global.py"
+LESSON = "contrastive_global"
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():

@@ -72,7 +72,7 @@ def test_training_with_the_fix_follows_the_single_process(variant, exact):
     assert single.losses[-1] < single.losses[0]  # it trains, so matching trajectories mean something
 
 
-LESSON = "11_contrastive_local_naive.py"
+LESSON = "contrastive_local_naive"
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():

@@ -25,7 +25,7 @@ from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward
 
-LESSON = "15_sigmoid_and_ring.py"
+LESSON = "sigmoid_and_ring"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -45,7 +45,7 @@ def test_a_bad_flag_is_one_line():
 def _infonce_hand_ring(rt, merge_sums_as_they_are: bool):
     """The lesson's InfoNCE ring on this rank's 3 pairs against autograd on the whole batch; optionally
     with a wrong merge of the traveling column (m, l): the sums added without rescaling to one max."""
-    lesson = load_lesson("15_sigmoid_and_ring")
+    lesson = load_lesson("sigmoid_and_ring")
     if merge_sums_as_they_are:
         lesson.merge_lse = lambda got, mine: [torch.maximum(got[0], mine[0]), got[1] + mine[1]]
     gen = torch.Generator().manual_seed(5)

@@ -8,10 +8,10 @@ the tree agree with it:
   `lessons/notebooks/NN_<slug>.ipynb`, exercise `lessons/exercises/NN_<slug>.py` and test files
   `tests/test_lessonNN_*.py`, `tests/test_exerciseNN_*.py`;
 - rewrites, in every text file of the tree, `NN_<slug>` (always to the slug's number, so a stale number is
-  fixed too), `test_lessonNN` / `test_exerciseNN`, "lesson 14", "Lessons 10-16", "exercises 06, 08 and 10",
-  "notebook 13" (each number through the move; a range only where the moved range is a range again), and in
-  the README's lesson table the row's number and its "builds on" cell ("06's collectives", "12, 13"),
-  re-sorting the table's rows;
+  fixed too), `test_lessonNN` / `test_exerciseNN`, `--exercises -k NN`, "lesson 14", "Lessons 10-16",
+  "exercises 06, 08 and 10", "notebook 13" (each number through the move; a range only where the moved range
+  is a range again), and in the README's lesson table the row's number and its "builds on" cell ("06's
+  collectives", "12, 13"), re-sorting the table's rows;
 - reports what it cannot rewrite: a range that the move breaks apart, a number that names no lesson, and a
   bare "NN's" of a moved lesson outside the table (a sentence it cannot be sure is about a lesson).
 
@@ -41,7 +41,8 @@ SEP = r"(?:\s*,\s*(?:and\s+|or\s+)?|\s+and\s+|\s+or\s+|\s*[-\u2013]\s*|\s+to\s+)
 # "lessons 10-16, 18 and 20": the word, then numbers all written two-digit, or all written bare.
 WORD_LIST = re.compile(rf"\b({WORDS})(\s+)(\d\d(?:{SEP}\d\d)*(?!\d)|[1-9]\d?(?:{SEP}[1-9]\d?)*(?!\d))")
 TEST_FILE = re.compile(r"\btest_(lesson|exercise)(\d\d)(?=_)")
-TABLE_ROW = re.compile(r"^\| (\d\d) \|")
+EXERCISE_K = re.compile(r"(--exercises\s+-k\s+)(\d\d)(?!\d)")  # `pytest --exercises -k 10`
+TABLE_ROW = re.compile(r"^\| (\d\d) \| [^|]*\(lessons/\d\d_\w+\.py\)")  # a lesson table's row: it links the lesson
 POSSESSIVE = re.compile(r"(?<![\w.\-])(\d\d)'s\b")
 
 
@@ -122,6 +123,7 @@ class Rewriter:
     def text(self, text: str, where: str) -> str:
         text = self.slug.sub(lambda m: f"{self.new_of_slug[m.group(2)]:02d}_{m.group(2)}", text)
         text = TEST_FILE.sub(lambda m: f"test_{m.group(1)}{self._number(m.group(2), where)}", text)
+        text = EXERCISE_K.sub(lambda m: m.group(1) + self._number(m.group(2), where), text)
         lines = text.split("\n")
         for k, line in enumerate(lines):
             spot = f"{where}:{k + 1}"
@@ -136,7 +138,7 @@ class Rewriter:
 
 
 def _sorted_tables(lines: list[str]) -> list[str]:
-    """Runs of lesson-table rows (`| NN | ...`) sorted by their number, stable."""
+    """Runs of lesson-table rows (`| NN | [title](lessons/NN_<slug>.py) ...`) sorted by their number, stable."""
     out, run = [], []
     for line in [*lines, None]:
         if line is not None and TABLE_ROW.match(line):

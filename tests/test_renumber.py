@@ -87,6 +87,7 @@ def test_a_lesson_17_moved_to_10_renames_and_rewrites_everything_and_twice_chang
     fake = (tree / f"lessons/10_{FAKE}.py").read_text()
     assert fake.startswith('"""Lesson 10: experts. Builds on lessons 06 and 09; its notebook runs 10_expert_parallel')
     assert "# exercise 10, beside lessons 11-13" in (tree / f"tests/test_exercise10_{FAKE}.py").read_text()
+    assert "`pytest --exercises -k 11`" in (tree / "lessons/exercises/11_contrastive_global.py").read_text()
     assert f'"10_{FAKE}"  # lesson 10' in (tree / f"tests/test_lesson10_{FAKE}.py").read_text()
     readme = (tree / "README.md").read_text()
     rows = [line[:4] for line in readme.splitlines() if line[:2] == "| " and line[2:4].isdigit() and line[4:6] == " |"]

@@ -110,6 +110,31 @@ def parse_args():
     return parser.parse_args()
 
 
+def show_gradients(ref, ref_loss: float, ddp: dict, rows: list, dtype: torch.dtype) -> None:
+    """The tables of main's comparison: each variant's DDP gradient against the one-process reference
+    (`rows`), the fix per parameter, and every variant's loss beside the reference's."""
+    rtol, atol = tolerances(dtype)
+    print0(
+        method_table(
+            rows,
+            "DDP gradients after one step vs the single-process full batch (ref)",
+            caption=f"allclose: rtol {rtol:g}, atol {atol:g}; plain, P L: the plain gather, backward of P * L",
+        )
+    )
+    print0(
+        comparison_table(
+            compare(ref, ddp[GLOBAL_TIMES_P.name][1]),
+            "backward of P * L, per parameter, vs ref",
+            caption=f"allclose with rtol {rtol:g}, atol {atol:g}",
+        )
+    )
+    losses = {v.name: ddp[v.name][0] for v in VARIANTS}
+    print0(
+        f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()),
+        highlight=False,
+    )
+
+
 def main() -> int:
     args = check_flags_against_world(parse_args(), divides_global_batch)
     dtype = DTYPES[args.dtype]
@@ -129,29 +154,12 @@ def main() -> int:
         plain = compare_whole(ref, ddp[GLOBAL_PLAIN.name][1])
         plain_over_p = compare_whole(ref, ddp[GLOBAL_PLAIN.name][1], scale=1 / P)
         fixed = {GLOBAL_TIMES_P.name: compare_whole(ref, ddp[GLOBAL_TIMES_P.name][1])}
-        rtol, atol = tolerances(dtype)
         rows = [(GLOBAL_PLAIN.name, "ref", plain, P == 1), (GLOBAL_PLAIN.name, "ref / P", plain_over_p, True)]
         rows += [(name, "ref", err, True) for name, err in fixed.items()]
-        print0(
-            method_table(
-                rows,
-                "DDP gradients after one step vs the single-process full batch (ref)",
-                caption=f"allclose: rtol {rtol:g}, atol {atol:g}; plain, P L: the plain gather, backward of P * L",
-            )
-        )
-        print0(
-            comparison_table(
-                compare(ref, ddp[GLOBAL_TIMES_P.name][1]),
-                "backward of P * L, per parameter, vs ref",
-                caption=f"allclose with rtol {rtol:g}, atol {atol:g}",
-            )
-        )
+        show_gradients(ref, ref_loss, ddp, rows, dtype)
         losses = {v.name: ddp[v.name][0] for v in VARIANTS}
-        print0(
-            f"loss L: reference {ref_loss:.12f}; " + "; ".join(f"{k} {v:.12f}" for k, v in losses.items()),
-            highlight=False,
-        )
         print0(work_table(n, P, model.encoder_x[-1].out_features))
+        rtol, atol = tolerances(dtype)
 
         verdict.check(
             "the plain gather gives exactly 1/P of the full-batch gradient",

@@ -362,13 +362,13 @@ def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp
     print0("\n[bold]5. Averaging: right for a mean over samples, P times too small for a global loss[/]")
     model, x, target = build(cfg)
     ref = one_process(model, lambda k: (x, target), batch_lse_loss, sgd(cfg.lr), 1)
-    p = rt.world_size
+    world = rt.world_size
     loss, plain = ddp.global_loss_gradients(rt, cfg, times_p=False)
     _, scaled = ddp.global_loss_gradients(rt, cfg, times_p=True)
     rows = [
         ("mean loss", "one process", ddp_mean_row[2], True),
-        ("log-sum-exp, L", "one process", compare_whole(ref.first_grads, plain), p == 1),
-        ("log-sum-exp, L", "one process / P", compare_whole(ref.first_grads, plain, 1 / p), True),
+        ("log-sum-exp, L", "one process", compare_whole(ref.first_grads, plain), world == 1),
+        ("log-sum-exp, L", "one process / P", compare_whole(ref.first_grads, plain, 1 / world), True),
         ("log-sum-exp, P * L", "one process", compare_whole(ref.first_grads, scaled), True),
     ]
     print0(gradient_table(rows, "Under DDP: a mean over samples, and a loss every rank computes whole"))

@@ -57,7 +57,7 @@ from distlab.console import print0, rows_table
 from distlab.models import Block, BlockOptions, token_batch
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.sharding import accounting, holds
-from distlab.sharding.checkpoint import save_and_resume
+from distlab.sharding.dcp_resume import save_and_resume
 from distlab.sharding.flat import units_of
 from distlab.sharding.fsdp import Fsdp2, fsdp_held
 from distlab.sharding.problem import ShardingConfig, build_model, global_batch, reference, rows_of

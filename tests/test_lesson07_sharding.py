@@ -16,7 +16,7 @@ from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, loa
 
 from distlab.compare import against, all_ok, compare
 from distlab.sharding import accounting
-from distlab.sharding.checkpoint import save_and_resume
+from distlab.sharding.dcp_resume import save_and_resume
 from distlab.sharding.flat import units_of
 from distlab.sharding.fsdp import Fsdp2, fsdp_held
 from distlab.sharding.problem import ShardingConfig, build_model, reference

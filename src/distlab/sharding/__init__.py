@@ -9,7 +9,8 @@
   averaged by ring all-reduces, no DDP module; every rank's shards and AdamW on them, from which the lesson's
   ZeRO-1, -2 and -3 start; FSDP2's fully_shard);
 - `training`: the one training loop run by every strategy, measuring memory and counting bytes;
-- `checkpoint`: save sharded with torch.distributed.checkpoint, resume at another P;
+- `dcp_resume`: save sharded with torch.distributed.checkpoint, resume at another P (a distributed
+  checkpoint; not activation checkpointing, not `distlab.checkpointing`'s crash-resume);
 - `report`: the tables, laid out for 80 columns.
 
 ZeRO-1, -2 and -3 are written out in the lesson, and only there; the transformer block whose memory it

@@ -50,8 +50,8 @@ def all_gather_seq(x: torch.Tensor, group, ledger: Ledger, direction: str) -> to
 
 def reduce_scatter_seq(x: torch.Tensor, group, ledger: Ledger, direction: str) -> torch.Tensor:
     """(N, seq, ...) partial sums on each rank -> rank r's part (N, seq/P, ...) of their sum."""
-    p = dist.get_world_size(group)
-    parts = [c.contiguous() for c in x.chunk(p, dim=1)]
+    world = dist.get_world_size(group)
+    parts = [c.contiguous() for c in x.chunk(world, dim=1)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
     ledger.record(direction, "reduce_scatter", x, group)

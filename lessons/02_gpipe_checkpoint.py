@@ -161,23 +161,25 @@ def main() -> int:
         raise ValueError(f"--checkpoint-segments must be >= 2 (this lesson compares K with no checkpointing), got {k}")
     cfg = PipelineConfig.from_args(args, schedule="gpipe", probe=True)
     with distributed(args.device) as rt:
-        p, verdict = rt.world_size, Verdict(rt)
+        world, verdict = rt.world_size, Verdict(rt)
         print0(
-            f"[bold]Lesson 02: GPipe with activation checkpointing[/] - {args.layers} layers on {p} rank(s), "
+            f"[bold]Lesson 02: GPipe with activation checkpointing[/] - {args.layers} layers on {world} rank(s), "
             f"N={args.global_batch} in M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows"
         )
         # Both runs validate their input on every rank before any message (M, K, P <= layers).
         verdict.check(
-            "the schedule above is the library's GPipe (schedules.gpipe)", gpipe(p, m) == schedules.gpipe(p, m)
+            "the schedule above is the library's GPipe (schedules.gpipe)", gpipe(world, m) == schedules.gpipe(world, m)
         )
-        plain = train(rt, cfg, PipelineStep(rt, cfg, gpipe(p, m)))
+        plain = train(rt, cfg, PipelineStep(rt, cfg, gpipe(world, m)))
         ckpt = train(
-            rt, cfg.replace(checkpoint_segments=k), PipelineStep(rt, cfg.replace(checkpoint_segments=k), gpipe(p, m))
+            rt,
+            cfg.replace(checkpoint_segments=k),
+            PipelineStep(rt, cfg.replace(checkpoint_segments=k), gpipe(world, m)),
         )
 
-        timing = simulate(gpipe(p, m))
-        print0(render(timing, f"\nGPipe, P={p}, M={m}: one column per tick (F forward 1, I backward 2, . idle)"))
-        bubble, formula = verdict.figure("bubble", timing.bubble_fraction()), (p - 1) / (m + p - 1)
+        timing = simulate(gpipe(world, m))
+        print0(render(timing, f"\nGPipe, P={world}, M={m}: one column per tick (F forward 1, I backward 2, . idle)"))
+        bubble, formula = verdict.figure("bubble", timing.bubble_fraction()), (world - 1) / (m + world - 1)
         verdict.check(
             "the bubble counted in GPipe's grid is (P-1)/(M+P-1)",
             abs(bubble - formula) < 1e-12,
@@ -185,7 +187,10 @@ def main() -> int:
         )
         curve = verdict.figure(
             "bubble_curve",
-            {mm: simulate(gpipe(p, mm)).bubble_fraction() for mm in sorted({1, p, 2 * p, 4 * p, 8 * p, m})},
+            {
+                mm: simulate(gpipe(world, mm)).bubble_fraction()
+                for mm in sorted({1, world, 2 * world, 4 * world, 8 * world, m})
+            },
         )
         print0("bubble vs M, counted in the grids: " + ", ".join(f"M={mm} {b:.3f}" for mm, b in curve.items()))
 
@@ -196,9 +201,9 @@ def main() -> int:
             "GPipe's gradients, parameters and losses equal the unsplit model's, with and without checkpointing",
             matched,
         )
-        memory, measured = memory_table(gathered(plain), gathered(ckpt), k, stage_bounds(args.layers, p))
+        memory, measured = memory_table(gathered(plain), gathered(ckpt), k, stage_bounds(args.layers, world))
         print0(memory)
-        verdict.check(f"every stage holds all M={m} micro-batches at once", measured["in_flight"] == [m] * p)
+        verdict.check(f"every stage holds all M={m} micro-batches at once", measured["in_flight"] == [m] * world)
         verdict.check(*memory_claim(verdict.figure("memory", measured), k))
 
         show_timing(rt, cfg, args, {"plain": plain, "checkpointed": ckpt}, ref, verdict)

@@ -105,23 +105,23 @@ def main() -> int:
     m = args.micro_batches
     cfg = PipelineConfig.from_args(args, probe=True)
     with distributed(args.device) as rt:
-        p, verdict = rt.world_size, Verdict(rt)
+        world, verdict = rt.world_size, Verdict(rt)
         print0(
-            f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {p} rank(s), N={args.global_batch} in "
+            f"[bold]Lesson 03: 1F1B[/] - {args.layers} layers on {world} rank(s), N={args.global_batch} in "
             f"M={m} micro-batches of {microbatch_sizes(args.global_batch, m)} rows, {args.dtype}, {rt.backend}"
         )
-        orders = {"gpipe": gpipe(p, m), "1f1b": one_f_one_b(p, m)}
+        orders = {"gpipe": gpipe(world, m), "1f1b": one_f_one_b(world, m)}
         verdict.check(
             "the loop above is the library's 1F1B (schedules.one_f_one_b)",
-            orders["1f1b"] == schedules.one_f_one_b(p, m),
+            orders["1f1b"] == schedules.one_f_one_b(world, m),
         )
         runs = {name: train(rt, cfg, PipelineStep(rt, cfg, order)) for name, order in orders.items()}
 
         timings = {name: simulate(order) for name, order in orders.items()}
         for name, title in (("1f1b", "1F1B"), ("gpipe", "GPipe")):
-            print0(render(timings[name], f"\n{title}, P={p}, M={m} (ticks: F 1, I 2; . idle)"))
+            print0(render(timings[name], f"\n{title}, P={world}, M={m} (ticks: F 1, I 2; . idle)"))
         bubbles = verdict.figure("bubbles", {n: t.bubble_fraction() for n, t in timings.items()})
-        formula = (p - 1) / (m + p - 1)
+        formula = (world - 1) / (m + world - 1)
         verdict.check(
             "GPipe and 1F1B idle the same share of their grids, (P-1)/(M+P-1)",
             all(abs(b - formula) < 1e-12 for b in bubbles.values()),
@@ -135,7 +135,7 @@ def main() -> int:
         table, measured = memory_table({name: gathered(run) for name, run in runs.items()}, m)
         print0(table)
         verdict.figure("measured", measured)
-        closed_form = {"gpipe": [m] * p, "1f1b": [min(m, p - r) for r in range(p)]}
+        closed_form = {"gpipe": [m] * world, "1f1b": [min(m, world - r) for r in range(world)]}
         verdict.check(
             "in flight, measured while running: GPipe M on every rank, 1F1B min(M, P-r) on rank r",
             all(measured[n]["in_flight"] == peak_in_flight(orders[n]) == closed_form[n] for n in orders),

@@ -83,18 +83,18 @@ def both_engines(rt, cfg: PipelineConfig) -> tuple[dict, dict, dict]:
     return ours, theirs, refused
 
 
-def show_orders(theirs: dict, p: int, m: int, verdict: Verdict) -> None:
+def show_orders(theirs: dict, world: int, m: int, verdict: Verdict) -> None:
     """Each rank's order: what our schedule prescribes, what PyTorch ran, what it printed as its plan."""
     for name, run in theirs.items():  # what our schedule prescribes, what PyTorch ran, what it printed
         executed, planned = zip(*gathered((run.executed, run.planned)))
-        mine = make_schedule(name, p, m)
+        mine = make_schedule(name, world, m)
         print0(
             orders_table(
                 {f"ours ({TITLES[name]})": mine, "PyTorch executed": executed, "PyTorch pipeline_order": planned},
                 f"{TITLES[name]}: each rank's order",
             )
         )
-        differ = [r for r in range(p) if planned[r] != executed[r]]
+        differ = [r for r in range(world) if planned[r] != executed[r]]
         if differ:
             print0(f"[yellow]PyTorch's printed plan differs from what it runs on rank(s) {differ}[/]")
         verdict.check(
@@ -115,14 +115,14 @@ def main() -> int:
     cfg = PipelineConfig.from_args(args, gather_spans=False)
     m = cfg.micro_batches
     with distributed(args.device) as rt:
-        p, verdict = rt.world_size, Verdict(rt)
+        world, verdict = rt.world_size, Verdict(rt)
         print0(
-            f"[bold]Lesson 04: torch.distributed.pipelining[/] - {args.layers} layers on {p} rank(s), "
+            f"[bold]Lesson 04: torch.distributed.pipelining[/] - {args.layers} layers on {world} rank(s), "
             f"N={args.global_batch} in M={m} micro-batches, {args.dtype}, {rt.backend}"
         )
         ours, theirs, refused = both_engines(rt, cfg)
         for message in refused.values():
-            print0(f"[yellow]PyTorch's Schedule1F1B refuses M={m} < P={p}:[/] {message} (ours runs it: lesson 03)")
+            print0(f"[yellow]PyTorch's Schedule1F1B refuses M={m} < P={world}:[/] {message} (ours runs it: lesson 03)")
         ref = unsplit_reference(cfg)
         runs = {f"ours, {TITLES[n]}": r for n, r in ours.items()} | {TORCH_SCHEDULES[n]: r for n, r in theirs.items()}
         table, matched = check_runs(runs, ref, cfg.dtype)
@@ -137,7 +137,7 @@ def main() -> int:
         print0(table)
         verdict.check("PyTorch's equal ours, schedule by schedule", agree)
 
-        show_orders(theirs, p, m, verdict)
+        show_orders(theirs, world, m, verdict)
 
         # scale_grads=False with a mean loss: every gradient M times too large.
         one = cfg.replace(steps=1, scale_grads=False)

@@ -102,28 +102,28 @@ def stages_per_rank(name: str, v: int) -> int:
     return SCHEDULES[name].allowed_v[0] if SCHEDULES[name].allowed_v else v
 
 
-def formulas(name: str, p: int, m: int, v: int) -> tuple[float | None, list[int] | None]:
+def formulas(name: str, world: int, m: int, v: int) -> tuple[float | None, list[int] | None]:
     """The closed forms derived in the docstring (ticks F = I = W = 1): the bubble and each rank's
     in-flight count; None where the schedule's form needs a fuller pipeline (M >= P; ZB-V M >= 2P)."""
-    g = m // max(1, m // p)  # the interleaved schedule's round of micro-batches
-    if m < p or (name == "zbv" and m < 2 * p):
+    g = m // max(1, m // world)  # the interleaved schedule's round of micro-batches
+    if m < world or (name == "zbv" and m < 2 * world):
         return None, None
-    bubble = (p - 1) / (3 * v * m + p - 1) if name in SPLIT else (p - 1) / (v * m + p - 1)
+    bubble = (world - 1) / (3 * v * m + world - 1) if name in SPLIT else (world - 1) / (v * m + world - 1)
     held = {
         "gpipe": lambda r: m,
-        "1f1b": lambda r: min(m, p - r),
-        "zb-h1": lambda r: min(m, p),
-        "interleaved-1f1b": lambda r: min(v * m, (v - 1) * g + 2 * (p - r - 1) + 1),
-        "zbv": lambda r: 2 * p,
+        "1f1b": lambda r: min(m, world - r),
+        "zb-h1": lambda r: min(m, world),
+        "interleaved-1f1b": lambda r: min(v * m, (v - 1) * g + 2 * (world - r - 1) + 1),
+        "zbv": lambda r: 2 * world,
     }[name]
-    return bubble, [held(r) for r in range(p)]
+    return bubble, [held(r) for r in range(world)]
 
 
-def grids(verdict: Verdict, p: int, m: int, v: int) -> dict:
+def grids(verdict: Verdict, world: int, m: int, v: int) -> dict:
     """Each schedule's grid on one time axis (a character is half a stage's forward), and its bubble
     and in-flight counts against the closed forms."""
     print0(
-        f"\n[bold]The grids[/], P={p}, M={m}: F forward, I input gradient, W weight gradient (II: an "
+        f"\n[bold]The grids[/], P={world}, M={m}: F forward, I input gradient, W weight gradient (II: an "
         "unsplit backward, input and weight gradient together); lower case: a rank's second stage; "
         ". idle. One character: the forward of half a stage (interleaved and V schedules run stages "
         "of half the layers)."
@@ -140,9 +140,9 @@ def grids(verdict: Verdict, p: int, m: int, v: int) -> dict:
     out = {}
     for name in NAMES:
         vv = stages_per_rank(name, v)
-        schedule = make_schedule(name, p, m, vv)
+        schedule = make_schedule(name, world, m, vv)
         timing, held = simulate(schedule), peak_in_flight(schedule)
-        bubble, (want, want_held) = timing.bubble_fraction(), formulas(name, p, m, vv)
+        bubble, (want, want_held) = timing.bubble_fraction(), formulas(name, world, m, vv)
         print0(render(timing, f"{SCHEDULES[name].title}:", compact=True, stretch=2 // vv))
         table.add_row(
             SCHEDULES[name].title,
@@ -171,16 +171,16 @@ def grids(verdict: Verdict, p: int, m: int, v: int) -> dict:
     print0(table)
     verdict.check(
         "the ZB-H1 order above is the library's (schedules.zero_bubble, v=1)",
-        zb_h1(p, m) == make_schedule("zb-h1", p, m),
+        zb_h1(world, m) == make_schedule("zb-h1", world, m),
     )
     return out
 
 
-def bubble_curve(p: int, v: int) -> dict:
+def bubble_curve(world: int, v: int) -> dict:
     """Bubble against M, counted in each schedule's grid (the notebook plots it)."""
-    ms = [p, 2 * p, 4 * p, 8 * p]
+    ms = [world, 2 * world, 4 * world, 8 * world]
     curve = {
-        name: {mm: simulate(make_schedule(name, p, mm, stages_per_rank(name, v))).bubble_fraction() for mm in ms}
+        name: {mm: simulate(make_schedule(name, world, mm, stages_per_rank(name, v))).bubble_fraction() for mm in ms}
         for name in NAMES
     }
     table = Table(title="bubble against M, counted in the grids", title_justify="left")
@@ -277,13 +277,13 @@ def main() -> int:
     )
     cfg = PipelineConfig.from_args(args, stages_per_rank=v)
     with distributed(args.device) as rt:
-        p, verdict = rt.world_size, Verdict(rt)
+        world, verdict = rt.world_size, Verdict(rt)
         print0(
-            f"[bold]Lesson 05: interleaved 1F1B and zero bubble[/] - {args.layers} layers on {p} rank(s), "
+            f"[bold]Lesson 05: interleaved 1F1B and zero bubble[/] - {args.layers} layers on {world} rank(s), "
             f"N={args.global_batch} in M={m} micro-batches, v={v}, {args.dtype}, {rt.backend}"
         )
-        verdict.figure("grids", grids(verdict, p, m, v))
-        verdict.figure("bubble_curve", bubble_curve(p, v))
+        verdict.figure("grids", grids(verdict, world, m, v))
+        verdict.figure("bubble_curve", bubble_curve(world, v))
         ref = unsplit_reference(cfg)
         ours = ours_part(rt, cfg, ref, verdict)
         measured_part(rt, cfg, args, ours, ref, verdict)
@@ -294,10 +294,10 @@ def main() -> int:
 
 def torch_part(rt, cfg: PipelineConfig, ref, verdict: Verdict) -> dict:
     """torch's schedules of the same names: gradients, orders, and where they differ from ours."""
-    p, m = rt.world_size, cfg.micro_batches
+    world, m = rt.world_size, cfg.micro_batches
     configs = {n: cfg.replace(schedule=n, stages_per_rank=stages_per_rank(n, cfg.stages_per_rank)) for n in NAMES}
     label = {n: TORCH_SCHEDULES[n] + (" v=1" if n == "zb-h1" else "") for n in NAMES}
-    refused = {n: refusals(rt, c, sorted(set(range(1, 2 * p + 2)) | {m})) for n, c in configs.items()}
+    refused = {n: refusals(rt, c, sorted(set(range(1, 2 * world + 2)) | {m})) for n, c in configs.items()}
     print0(
         "M that PyTorch's constructors refuse at this P (ours run every M, but for interleaved rounds that do "
         "not divide M): " + "; ".join(f"{label[n]} {sorted(r)}" for n, r in refused.items() if r)
@@ -315,11 +315,11 @@ def torch_part(rt, cfg: PipelineConfig, ref, verdict: Verdict) -> dict:
     )
     both = {n: gathered((r.executed, r.planned)) for n, r in runs.items()}
     executed = {n: [list(e) for e, _ in ranks] for n, ranks in both.items()}
-    same = [n for n in runs if executed[n] == make_schedule(n, p, m, configs[n].stages_per_rank)]
+    same = [n for n in runs if executed[n] == make_schedule(n, world, m, configs[n].stages_per_rank)]
     if "zb-h1" in runs:
         print0(
             orders_table(
-                {"ours (ZB-H1)": make_schedule("zb-h1", p, m), "PyTorch executed": executed["zb-h1"]},
+                {"ours (ZB-H1)": make_schedule("zb-h1", world, m), "PyTorch executed": executed["zb-h1"]},
                 "ZB-H1: our order and what PyTorch's InterleavedZeroBubble ran (v=1)",
             )
         )

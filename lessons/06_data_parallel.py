@@ -12,10 +12,21 @@ x_0 everywhere. For a full tensor of `bytes` a ring algorithm sends, per rank,
     all_gather       (P-1)/P x bytes   reduce_scatter  (P-1)/P x bytes
     broadcast                  bytes   (a pipelined chain; the last rank sends nothing)
 
-`distlab/comm/collectives.py` (`COLLECTIVES`) holds what each computes and its formula;
-`distlab/comm/ring.py` (`Ring`) runs the rings by hand with send/recv and counts the bytes.
-Each result is checked against the same computation in one process, the bytes against the formula,
-and torch's time against the bytes.
+The rings are written out below (`RingByHand`): the P ranks stand in a circle, each sends only to its
+right neighbour r+1 and receives only from its left one r-1, so every link carries data at every step.
+The full tensor is cut into P chunks. Reduce-scatter: at step k rank r passes its partial sum of chunk
+r-k-1 on and adds the partial of chunk r-k-2 that arrives; after P-1 steps chunk r holds every rank's
+contribution. All-gather: at step k rank r passes chunk r-k on and receives chunk r-k-1, which its left
+neighbour received one step earlier. All-reduce: the two, one after the other. Broadcast: a chain
+0 -> 1 -> ... -> P-1 in pieces, each rank forwarding a piece as soon as it has it. Each step posts its
+send first (`isend`) and then receives: with a blocking send first on every rank, all P would wait for
+a receive nobody has posted yet.
+
+`distlab/comm/collectives.py` (`COLLECTIVES`) holds what each collective computes and its formula;
+`distlab/comm/ring.py` (`Ring`) is the library's twin of the rings below, on the one post-then-wait
+exchange that lessons 07 and 09 use: the lesson proves the two equal (the same results, bit for bit, and
+the same bytes). Each result is checked against the same computation in one process, the bytes against
+the formula, and torch's time against the bytes.
 
 Data parallelism. Every rank holds the whole model and C = N/P of the N rows. For a loss that is a
 MEAN OVER SAMPLES, L = 1/N sum_i l_i = 1/P sum_r L_r with L_r = 1/C sum_{i in r} l_i, so
@@ -75,6 +86,7 @@ from torch import nn
 
 from distlab import emulate
 from distlab.cli import DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float, positive_int
+from distlab.comm.ledger import Ledger
 from distlab.compare import all_ok, compare, compare_whole, tolerances
 from distlab.console import print0, rows_table
 from distlab.data_parallel import ddp
@@ -88,7 +100,76 @@ from distlab.reference import one_process, sgd
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict
 
-# ---- the mechanism: data parallelism by hand ----------------------------------------------------
+# ---- the mechanism, part 1: the collectives as rings by hand -------------------------------------
+
+BROADCAST_PIECES = 8  # the chain forwards a piece while the next one arrives
+
+
+class RingByHand:
+    """Rank r's place in a ring of P ranks: it sends only to r + 1 and receives only from r - 1, and
+    counts every byte it sends in `ledger` (the measured side of the ring formulas)."""
+
+    def __init__(self, rt: Runtime):
+        self.rank, self.world = rt.rank, rt.world_size
+        self.right, self.left = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        self.ledger = Ledger()
+
+    def send(self, chunk: torch.Tensor, to: int) -> dist.Work:
+        self.ledger.count_sends([chunk])  # bytes handed to the transport
+        return dist.isend(chunk, to)  # returns at once: the receive below can be posted meanwhile
+
+    def step(self, chunk: torch.Tensor, into: torch.Tensor) -> None:
+        """One ring step: `chunk` goes right while `into` fills from the left."""
+        sending = self.send(chunk, self.right)
+        dist.recv(into, self.left)
+        sending.wait()
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Chunk r of sum_q x_q on rank r. Sent: (P-1) chunks of bytes / P."""
+        r, P = self.rank, self.world
+        chunks = x.clone().chunk(P)  # views into one copy: the partial sums grow in place
+        incoming = torch.empty_like(chunks[0])
+        for k in range(P - 1):
+            self.step(chunks[(r - k - 1) % P], incoming)  # my partial of chunk r-k-1 goes on ...
+            chunks[(r - k - 2) % P].add_(incoming)  # ... and the left's partial of chunk r-k-2 joins mine
+        return chunks[r].clone()  # after P-1 steps: every rank's contribution to chunk r
+
+    def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """(x_0, ..., x_{P-1}) on every rank. Sent: (P-1) chunks of bytes / P."""
+        r, P = self.rank, self.world
+        out = mine.new_empty(P * mine.numel())
+        chunks = out.chunk(P)  # views: each arriving chunk lands in place
+        chunks[r].copy_(mine)
+        for k in range(P - 1):  # chunk r-k arrived one step ago (my own at k = 0): pass it on
+            self.step(chunks[(r - k) % P], chunks[(r - k - 1) % P])
+        return out
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """sum_q x_q on every rank: reduce-scatter, then all-gather the reduced chunks. Sent: 2 (P-1)/P bytes."""
+        return self.all_gather(self.reduce_scatter(x))
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, down the chain 0 -> 1 -> ... -> P-1. Sent: bytes, but by the last rank."""
+        r, P = self.rank, self.world
+        out = x.clone()
+        forwarding = []
+        for piece in out.chunk(BROADCAST_PIECES):
+            if r > 0:
+                dist.recv(piece, r - 1)  # lands in place
+            if r < P - 1:  # on its way while the next piece arrives
+                forwarding.append(self.send(piece, r + 1))
+        for sending in forwarding:
+            sending.wait()
+        return out
+
+
+def ring_by_hand(rt: Runtime, name: str, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Collective `name` on this rank's x by the ring above: (the result, the bytes this rank sent)."""
+    ring = RingByHand(rt)
+    return getattr(ring, name)(x), ring.ledger.sent
+
+
+# ---- the mechanism, part 2: data parallelism by hand --------------------------------------------
 
 
 def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:
@@ -150,12 +231,17 @@ class GradientBuckets:
 
 def show_collectives(rt: Runtime, args, verdict: Verdict) -> None:
     print0("\n[bold]1. The collectives: what they compute, what they send, how long they take[/]")
-    rows = measure_collectives(rt, int(args.message_mib * MIB), DTYPES[args.dtype], args.seed, args.repeats)
+    nbytes = int(args.message_mib * MIB)
+    rows = measure_collectives(rt, nbytes, DTYPES[args.dtype], args.seed, args.repeats, ring_by_hand)
     for row in rows:
         verdict.check(
             f"{row.name} = one process's; the ring sent {row.formula}",
             row.ok and row.ring_ok and row.counted_bytes == row.formula_bytes,
         )
+    verdict.check(
+        "the rings by hand = comm's Ring: the same results, bit for bit, and the same bytes",
+        all(row.same_as_library for row in rows),
+    )
     print0(semantics_table(rows))
     print0(cost_table(rows))
     verdict.figure("collectives", [vars(row) for row in rows])
@@ -276,13 +362,13 @@ def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp
     print0("\n[bold]5. Averaging: right for a mean over samples, P times too small for a global loss[/]")
     model, x, target = build(cfg)
     ref = one_process(model, lambda k: (x, target), batch_lse_loss, sgd(cfg.lr), 1)
-    p = rt.world_size
+    world = rt.world_size
     loss, plain = ddp.global_loss_gradients(rt, cfg, times_p=False)
     _, scaled = ddp.global_loss_gradients(rt, cfg, times_p=True)
     rows = [
         ("mean loss", "one process", ddp_mean_row[2], True),
-        ("log-sum-exp, L", "one process", compare_whole(ref.first_grads, plain), p == 1),
-        ("log-sum-exp, L", "one process / P", compare_whole(ref.first_grads, plain, 1 / p), True),
+        ("log-sum-exp, L", "one process", compare_whole(ref.first_grads, plain), world == 1),
+        ("log-sum-exp, L", "one process / P", compare_whole(ref.first_grads, plain, 1 / world), True),
         ("log-sum-exp, P * L", "one process", compare_whole(ref.first_grads, scaled), True),
     ]
     print0(gradient_table(rows, "Under DDP: a mean over samples, and a loss every rank computes whole"))

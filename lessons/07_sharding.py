@@ -62,11 +62,11 @@ from distlab.models import Block, BlockOptions, token_batch
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.scratch import scratch_dir
 from distlab.sharding import accounting, holds
-from distlab.sharding.checkpoint import save_and_resume
-from distlab.sharding.ddp import Replicated
+from distlab.sharding.dcp_resume import save_and_resume
 from distlab.sharding.flat import units_of
 from distlab.sharding.fsdp import Fsdp2, fsdp_held
 from distlab.sharding.problem import ShardingConfig, build_model, global_batch, reference, rows_of
+from distlab.sharding.replicated import Replicated
 from distlab.sharding.report import agreement_table, bytes_table, holds_table, memory_table
 from distlab.sharding.shards import Sharded
 from distlab.sharding.training import run_strategy
@@ -197,10 +197,10 @@ def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
     }
     for name, (build, batch, activations) in models.items():
         x, target = (rows_of(t, rt) for t in batch)
-        plain, mixed = holds.plain_step(build, x, target), holds.mixed_step(build, x, target)
-        psi, tensors = sum(p.numel() for p in build().parameters()), len(list(build().parameters()))
-        f64 = accounting.plain_step(psi, tensors, 8) | {"activations": activations(8)}
-        f16 = accounting.mixed_step(psi, tensors) | {"activations": activations(2)}
+        plain, mixed = holds.measure_one_dtype_step(build, x, target), holds.measure_mixed_step(build, x, target)
+        psi, tensors = sum(q.numel() for q in build().parameters()), len(list(build().parameters()))
+        f64 = accounting.expected_states_one_dtype(psi, tensors, 8) | {"activations": activations(8)}
+        f16 = accounting.expected_states_mixed(psi, tensors) | {"activations": activations(2)}
         text = {
             "weights": "e Psi",
             "gradients": "e Psi",

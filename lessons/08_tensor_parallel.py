@@ -13,22 +13,28 @@ heads per rank, attention head by head, the output projection row) each communic
     f (before the column layers):  forward identity,     backward all-reduce of dL/dX
     g (after the row layer):       forward all-reduce,   backward identity
 
-the two conjugate operators, written out below as autograd Functions (`Copy`, `Reduce`); the
-library's `distlab/tensor_parallel/operators.py` holds the same and is proven equal to them. Bytes per
+the two conjugate operators. Each is the other's transpose: the gradient of "the same X goes to every
+rank" is "add up what comes back", and the gradient of a sum is the same for every addend. Bytes per
 rank and step, e bytes an element: 2(P-1)/P N seq d e each way (N x seq x d: the activation), per MLP
 and per attention (ring accounting of lesson 06). Heads h and width d_ff must divide by P.
 
 Sequence parallelism. Between those regions the block runs LayerNorms, dropout and residual adds,
 the same work on the same whole tensors on every rank. Cut them along the sequence instead, and
 split each all-reduce into its halves: f-bar = all-gather forward / reduce-scatter backward, g-bar =
-reduce-scatter forward / all-gather backward (`operators.GatherFromSP`, `ScatterToSP`). (Korthikanti
-et al., "Reducing Activation Recomputation in Large Transformer Models", call these g and g-bar: their g
-is our f-bar, the operator entering a tensor-parallel region, as our f is. Here the bar marks the sequence
-parallel version of f and g, so f-bar enters a region and g-bar leaves it.) The bytes are
-the same ((P-1)/P + (P-1)/P = 2(P-1)/P of N seq d e); the region's activations shrink by P; the
-parameters used on sequence parts (LayerNorms, row biases: 6 d values) get partial gradients, all-
-reduced once after backward. Dropout is exact because the masks of the whole batch are drawn from
-(seed, step), each rank applying its part, the reference all of them (`model.dropout_masks`).
+reduce-scatter forward / all-gather backward. (Korthikanti et al., "Reducing Activation Recomputation in
+Large Transformer Models", call these g and g-bar: their g is our f-bar, the operator entering a tensor-
+parallel region, as our f is. Here the bar marks the sequence-parallel version of f and g, so f-bar
+enters a region and g-bar leaves it.) The bytes are the same ((P-1)/P + (P-1)/P = 2(P-1)/P of
+N seq d e); the region's activations shrink by P; the parameters used on sequence parts (LayerNorms,
+row biases: 6 d values) get partial gradients, all-reduced once after backward. Dropout is exact
+because the masks of the whole batch are drawn from (seed, step), each rank applying its part, the
+reference all of them (`model.dropout_masks`).
+
+The mechanism is written out below: the column- and row-parallel layers (`ColumnParallelLinear`,
+`RowParallelLinear`) and the four operators as autograd Functions (`Copy` f, `Reduce` g, `GatherSeq`
+f-bar, `ScatterSeq` g-bar), each recording what it sends in a ledger. The block (`distlab/tensor_parallel/
+blocks.py`: the MLP column then row, attention by heads) is built from them. The library's twins
+(`operators.py`, `layers.py`), which the 2-D mesh below uses, are proven equal to them, bit for bit.
 
 torch's own: the same block under `parallelize_module` with `ColwiseParallel`, `RowwiseParallel`,
 `SequenceParallel` on a `DeviceMesh` over gloo; its parameters become DTensors with placements, and
@@ -53,22 +59,66 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from distlab.cli import add_optimizer_args, check_flags_against_world, fraction, lesson_parser, positive_int, require
 from distlab.comm.ledger import Ledger
-from distlab.compare import all_ok, compare
+from distlab.compare import against, all_ok, compare
 from distlab.console import compact_table, print0
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
 from distlab.tensor_parallel.blocks import check_split
-from distlab.tensor_parallel.layers import reference_shards
+from distlab.tensor_parallel.layers import Layers, reference_shards
 from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.operator_checks import check_operator
 from distlab.tensor_parallel.report import COLLECTIVE, bytes_table, equality_table, mark
 from distlab.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
 from distlab.verdict import Verdict
 
-# ---- the mechanism: the two conjugate operators, by hand ----------------------------------------
+# ---- the mechanism, part 1: one Linear split two ways -------------------------------------------
+
+
+def _chunk(t: torch.Tensor, dim: int, rank: int, world_size: int) -> nn.Parameter:
+    return nn.Parameter(t.detach().chunk(world_size, dim=dim)[rank].clone())  # contiguous: rows or columns
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b cut by A's rows (the outputs): rank r holds A_r (d_out/P x d_in) and b_r, and computes
+    its d_out/P columns of Y, Y_r = X A_r^T + b_r, from the WHOLE input X."""
+
+    SPLIT = {"weight": 0, "bias": 0}  # the dim each parameter is cut along (to cut the reference alike)
+
+    def __init__(self, full: nn.Linear, rank: int, world_size: int):
+        super().__init__()
+        self.weight = _chunk(full.weight, 0, rank, world_size)
+        self.bias = _chunk(full.bias, 0, rank, world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) whole -> (..., d_out / P)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b cut by A's columns (the inputs): rank r holds A_r (d_out x d_in/P) and computes
+    X_r A_r^T from its d_in/P columns of X, a partial sum; Y = sum_r X_r A_r^T + b after g adds them up.
+    The bias is held whole and added once, after the sum (`SPLIT` None)."""
+
+    SPLIT = {"weight": 1, "bias": None}
+
+    def __init__(self, full: nn.Linear, rank: int, world_size: int):
+        super().__init__()
+        self.weight = _chunk(full.weight, 1, rank, world_size)
+        self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in / P) -> partial (..., d_out)
+        return F.linear(x, self.weight)  # no bias: it belongs to the sum, not to each addend
+
+
+# Column then row needs nothing in between: the column layer's output slice is the row layer's input slice.
+LAYERS = Layers(ColumnParallelLinear, RowParallelLinear)
+
+
+# ---- the mechanism, part 2: the conjugate operators, by hand ------------------------------------
 
 
 class Copy(torch.autograd.Function):
@@ -104,37 +154,89 @@ class Reduce(torch.autograd.Function):
         return grad, None, None
 
 
-def by_hand(group=None) -> operators.Comm:
-    """A block's (enter, exit) pair made of this lesson's f and g."""
+SEQ = 1  # the sequence dim of an activation (N, seq, d)
+
+
+def all_gather_seq(x: torch.Tensor, group, ledger: Ledger, phase: str) -> torch.Tensor:
+    """(N, seq/P, d) on each rank -> (N, seq, d): the ranks' parts in rank order."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    whole = torch.cat(parts, dim=SEQ)
+    ledger.record(phase, "all_gather", whole, group)  # the full tensor: the gathered one
+    return whole
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, ledger: Ledger, phase: str) -> torch.Tensor:
+    """(N, seq, d) partial sums on each rank -> rank r's part (N, seq/P, d) of their sum."""
+    parts = [part.contiguous() for part in x.chunk(dist.get_world_size(group), dim=SEQ)]
+    mine = torch.empty_like(parts[0])
+    dist.reduce_scatter(mine, parts, group=group)
+    ledger.record(phase, "reduce_scatter", x, group)  # the full tensor: the reduced one
+    return mine
+
+
+class GatherSeq(torch.autograd.Function):
+    """f-bar: each rank holds its seq/P tokens; the column layers need the whole sequence: all-gather.
+    Backward, each rank's gradient of the whole sequence is a partial sum (through its own columns):
+    reduce-scatter, rank r keeping the sum over ranks of its tokens' part."""
+
+    @staticmethod
+    def forward(ctx, x, group, ledger):
+        ctx.group, ctx.ledger = group, ledger
+        return all_gather_seq(x, group, ledger, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, ctx.group, ctx.ledger, "backward"), None, None
+
+
+class ScatterSeq(torch.autograd.Function):
+    """g-bar: the row layer leaves partial sums of the whole sequence; add them up and keep this rank's
+    tokens: reduce-scatter. Backward, the gradient of rank r's part is needed whole on every rank (the
+    same for every addend): all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, ledger):
+        ctx.group, ctx.ledger = group, ledger
+        return reduce_scatter_seq(x, group, ledger, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group, ctx.ledger, "backward"), None, None
+
+
+def by_hand(group=None, sequence_parallel: bool = False) -> operators.Comm:
+    """A block's (enter, exit) pair made of this lesson's operators: (f, g), or (f-bar, g-bar)."""
+    if sequence_parallel:
+        return operators.Comm(GatherSeq, ScatterSeq, group, Ledger(), sequence_parallel=True)
     return operators.Comm(Copy, Reduce, group, Ledger())
 
 
 # ---- the chapter, part by part ------------------------------------------------------------------
 
 
+OPERATORS = {"f": (Copy, operators.CopyToTP), "g": (Reduce, operators.ReduceFromTP)}
+OPERATORS |= {"f-bar": (GatherSeq, operators.GatherFromSP), "g-bar": (ScatterSeq, operators.ScatterToSP)}
+
+
 def show_operators(rt: Runtime, verdict: Verdict) -> None:
     print0("\n[bold]1. The conjugate operators, against one process holding every rank's tensors[/]")
-    ops = {
-        "f (lesson)": ("f", Copy),
-        "g (lesson)": ("g", Reduce),
-        "f (library)": ("f", operators.CopyToTP),
-        "g (library)": ("g", operators.ReduceFromTP),
-        "f-bar": ("f-bar", operators.GatherFromSP),
-        "g-bar": ("g-bar", operators.ScatterToSP),
-    }
-    results = {name: check_operator(rt, math, fn) for name, (math, fn) in ops.items()}
-    out = compact_table("Each operator forward and backward", ("operator", "forward", "backward", "max err", "exact"))
-    for name, res in results.items():
-        err = max(c.max_abs for c in res.against.values())
-        out.add_row(name, *_semantics(res.name), f"{err:.0e}", mark(res.ok))
-    print0(out)
-    same = all(
-        torch.equal(results[f"{k} (lesson)"].forward, results[f"{k} (library)"].forward)
-        and torch.equal(results[f"{k} (lesson)"].backward, results[f"{k} (library)"].backward)
-        for k in "fg"
+    out = compact_table(
+        "Each operator forward and backward",
+        ("operator", "forward", "backward", "max err", "exact", "= library"),
+        caption="= library: the library's twin (distlab.tensor_parallel.operators) gives the same "
+        "forward and backward, bit for bit",
     )
-    verdict.check("f, g, f-bar, g-bar forward, backward = one process's", all(r.ok for r in results.values()))
-    verdict.check("the library's f and g = the lesson's, bit for bit", same)
+    exact, same = [], []
+    for name, (mine, library) in OPERATORS.items():
+        ours, theirs = check_operator(rt, name, mine), check_operator(rt, name, library)
+        err = max(c.max_abs for c in ours.against.values())
+        exact.append(ours.ok)
+        same.append(torch.equal(ours.forward, theirs.forward) and torch.equal(ours.backward, theirs.backward))
+        out.add_row(name, *_semantics(name), f"{err:.0e}", mark(ours.ok), mark(same[-1]))
+    print0(out)
+    verdict.check("f, g, f-bar, g-bar forward, backward = one process's", all(exact))
+    verdict.check("the library's f, g, f-bar, g-bar = the lesson's, bit for bit", all(same))
 
 
 def _semantics(name: str) -> tuple[str, str]:
@@ -148,11 +250,11 @@ def _semantics(name: str) -> tuple[str, str]:
 
 def show_tensor_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
     print0(f"\n[bold]2. Tensor parallelism by hand: the MLP and attention, {args.steps} SGD steps[/]")
-    p = rt.world_size
-    outcomes = {part: split_run(rt, cfg, part, by_hand(), args.steps, args.lr) for part in ("mlp", "attention")}
-    print0(equality_table(f"Split over P = {p} (the lesson's f and g) against the unsplit layer", outcomes))
+    P = rt.world_size
+    outcomes = {part: split_run(rt, cfg, part, by_hand(), args.steps, args.lr, LAYERS) for part in ("mlp", "attention")}
+    print0(equality_table(f"Split over P = {P} (the lesson's layers, f and g) against the unsplit layer", outcomes))
     rows = [
-        (part, _sent(o.ledger), _nonzero(cost.expected_traffic(cfg, part, p, False, args.steps)))
+        (part, _sent(o.ledger), _nonzero(cost.expected_traffic(cfg, part, P, False, args.steps)))
         for part, o in outcomes.items()
     ]
     print0(
@@ -163,7 +265,7 @@ def show_tensor_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) 
         )
     )
     verdict.check(
-        f"MLP, attention by heads = unsplit (P = {p}, {args.steps} steps)", all(o.ok for o in outcomes.values())
+        f"MLP, attention by heads = unsplit (P = {P}, {args.steps} steps)", all(o.ok for o in outcomes.values())
     )
     verdict.check("their bytes per rank = 2(P-1)/P N seq d e each way", all(c == f for _, c, f in rows))
 
@@ -176,30 +278,40 @@ def _nonzero(bytes_by_key: dict) -> dict:  # at P = 1 nothing is sent: no rows
     return {key: value for key, value in bytes_by_key.items() if value}
 
 
-SPLITS = {"TP": operators.tensor_parallel, "TP + SP": operators.sequence_parallel}
+SPLITS = {"TP": by_hand, "TP + SP": lambda: by_hand(sequence_parallel=True)}  # the lesson's operators
+LIBRARY_SPLITS = {"TP": operators.tensor_parallel, "TP + SP": operators.sequence_parallel}  # their twins
 
 
 def show_sequence_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
     print0(f"\n[bold]3. Sequence parallelism (SP) beside tensor parallelism (TP): the block, dropout {cfg.dropout}[/]")
-    p = rt.world_size
-    outcomes = {name: split_run(rt, cfg, "block", make(), args.steps, args.lr) for name, make in SPLITS.items()}
-    print0(equality_table(f"The block on P = {p} against the unsplit block, the same masks", outcomes))
+    P = rt.world_size
+    outcomes = {name: split_run(rt, cfg, "block", make(), args.steps, args.lr, LAYERS) for name, make in SPLITS.items()}
+    print0(equality_table(f"The block on P = {P} against the unsplit block, the same masks", outcomes))
     rows = [
-        (name, _sent(o.ledger), _nonzero(cost.expected_traffic(cfg, "block", p, name != "TP", args.steps)))
+        (name, _sent(o.ledger), _nonzero(cost.expected_traffic(cfg, "block", P, name != "TP", args.steps)))
         for name, o in outcomes.items()
     ]
     print0(bytes_table(f"Bytes rank {rt.rank} sent in {args.steps} steps, and the formulas", rows))
     tp_bytes, sp_bytes = (o.ledger.sent_in("forward") + o.ledger.sent_in("backward") for o in outcomes.values())
-    verdict.check(f"the block, TP and TP + SP = unsplit (P = {p}, dropout on)", all(o.ok for o in outcomes.values()))
+    verdict.check(f"the block, TP and TP + SP = unsplit (P = {P}, dropout on)", all(o.ok for o in outcomes.values()))
     verdict.check(
         "block bytes = formulas; SP's activations send what TP's do",
         all(c == f for _, c, f in rows) and tp_bytes == sp_bytes,
+    )
+    twins = {name: split_run(rt, cfg, "block", make(), args.steps, args.lr) for name, make in LIBRARY_SPLITS.items()}
+    verdict.check(
+        "the library's layers and operators train the same block, bit for bit, sending the same bytes",
+        all(
+            all_ok(against(outcomes[name].run, twin.run, 0.0, 0.0).values())
+            and outcomes[name].ledger.sent_by == twin.ledger.sent_by
+            for name, twin in twins.items()
+        ),
     )
     show_memory(rt, cfg, verdict)
 
 
 def show_memory(rt: Runtime, cfg: BlockConfig, verdict: Verdict) -> None:
-    p, (region, gathered, split) = rt.world_size, cost.activation_terms(cfg)
+    P, (region, gathered, split) = rt.world_size, cost.activation_terms(cfg)
     out = compact_table(
         f"What one block's forward keeps for backward on rank {rt.rank}, bytes",
         ("split", "measured", "formula", "=", "peak"),
@@ -210,7 +322,8 @@ def show_memory(rt: Runtime, cfg: BlockConfig, verdict: Verdict) -> None:
     )
     measured = {}
     for name, make in SPLITS.items():
-        (saved, peak), formula = activation_bytes_measured(rt, cfg, make()), cost.activation_bytes(cfg, p, name != "TP")
+        saved, peak = activation_bytes_measured(rt, cfg, make(), LAYERS)
+        formula = cost.activation_bytes(cfg, P, name != "TP")
         measured[name] = (saved, formula)
         out.add_row(name, f"{saved:,}", f"{int(formula):,}", mark(saved == formula), f"{peak:,}")
     print0(out)
@@ -232,7 +345,7 @@ def show_torch(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
     same = []
     for name, make in SPLITS.items():
         comm = make()
-        ours = split_run(rt, cfg, "block", comm, args.steps, args.lr)
+        ours = split_run(rt, cfg, "block", comm, args.steps, args.lr, LAYERS)
         theirs, counts, placements = torch_tp.torch_run(rt, cfg, name != "TP", args.steps, args.lr)
         same.append(ours.ok and same_runs(ours.run, theirs))
         for phase, key in (("forward", "forward"), ("backward", "backward"), ("optimizer step", "gradients")):

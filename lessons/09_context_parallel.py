@@ -205,41 +205,41 @@ def show_exactness(rt: Runtime, args, verdict: Verdict) -> dict:
 
 def show_timeline(rt: Runtime, args, run: RingRun, verdict: Verdict) -> None:
     print0("\n[bold]2. The ring: whose k/v block each rank holds at each step (tiles computed)[/]")
-    p, cells = rt.world_size, []
-    for r in range(p):
-        held = [(r - i) % p for i in range(p)]
+    world, cells = rt.world_size, []
+    for r in range(world):
+        held = [(r - i) % world for i in range(world)]
         cells.append(
             (
                 f"rank {r}",
-                *(f"r{s} {piece_label(s, p, args.seq_len)} ({run.tallies[r][3 + i]})" for i, s in enumerate(held)),
+                *(f"r{s} {piece_label(s, world, args.seq_len)} ({run.tallies[r][3 + i]})" for i, s in enumerate(held)),
             )
         )
     print0("causal, zig-zag; a cell: r<s> <its pieces of 2P> (<tiles computed>)", highlight=False)
-    print0(rows_table("", ("", *(f"step {i}" for i in range(p))), cells))
+    print0(rows_table("", ("", *(f"step {i}" for i in range(world))), cells))
     verdict.figure(
         "timeline",
         [
             [
                 {
-                    "source": (r - i) % p,
-                    "pieces": piece_label((r - i) % p, p, args.seq_len),
+                    "source": (r - i) % world,
+                    "pieces": piece_label((r - i) % world, world, args.seq_len),
                     "tiles": run.tallies[r][3 + i],
                 }
-                for i in range(p)
+                for i in range(world)
             ]
-            for r in range(p)
+            for r in range(world)
         ],
     )
 
 
 def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
     print0("\n[bold]3. Causal work per rank: query-key products computed, zig-zag against contiguous[/]")
-    p, rows, counted = rt.world_size, [], {}
+    world, rows, counted = rt.world_size, [], {}
     for split in layouts.SPLITS:
         tallies = runs[(split, True)].tallies
         counted[split] = [t[2] for t in tallies]
-        formula = [layouts.work_formula(r, p, args.seq_len, split, True) for r in range(p)]
-        layout = [layouts.count_work(r, p, args.seq_len, split, True) for r in range(p)]
+        formula = [layouts.work_formula(r, world, args.seq_len, split, True) for r in range(world)]
+        layout = [layouts.count_work(r, world, args.seq_len, split, True) for r in range(world)]
         verdict.check(
             f"{split}: products per rank counted = formula = the layout's count",
             counted[split] == formula == [w.products for w in layout]
@@ -252,7 +252,7 @@ def show_work(rt: Runtime, args, runs: dict, verdict: Verdict) -> None:
     print0("tiles: full + diagonal; formula: zig-zag (2P+1)(seq/2P)^2, contiguous (r+1)(seq/P)^2", highlight=False)
     print0(rows_table("", ("", "tiles", "products", "formula"), rows))
     balanced = len(set(counted["zigzag"])) == 1
-    skewed = p == 1 or max(counted["contiguous"]) == p * min(counted["contiguous"])
+    skewed = world == 1 or max(counted["contiguous"]) == world * min(counted["contiguous"])
     verdict.check("zig-zag: equal work per rank; contiguous: last rank P x first's", balanced and skewed)
     verdict.figure("work", counted)
 
@@ -330,7 +330,7 @@ def parse_args():
 
 
 def main() -> int:
-    args = check_flags_against_world(parse_args(), lambda a, p: layouts.check_seq_len(a.seq_len, p, "zigzag"))
+    args = check_flags_against_world(parse_args(), lambda a, world: layouts.check_seq_len(a.seq_len, world, "zigzag"))
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
         print0(

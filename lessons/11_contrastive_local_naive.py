@@ -34,7 +34,7 @@ seed at P = 2, 4-6 lower at P = 3 and 4-7 lower at P = 4; the final loss is high
 At a sharp temperature (tau = 0.1) the harm shrinks to a slightly higher loss, with accuracy even a
 little higher: the wrong gradient is a different optimisation, not a guaranteed failure, which is why
 a lesson checks gradients against a reference instead of waiting for training to look wrong. A fix
-comes in lesson 12. `--emulate 8,16,48,240` trains with the plain gather's gradient at larger P in
+comes in lesson 12. `--detached-at 8,16,48,240` trains with the plain gather's gradient at larger P in
 one process.
 """
 
@@ -55,7 +55,7 @@ from distlab.compare import compare, compare_whole, comparison_table, tolerances
 from distlab.console import print0
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import DetachedBlocks, full_batch_gradients
-from distlab.contrastive.report import emulated_table, method_table, relative_errors, seeds_table
+from distlab.contrastive.report import detached_at_table, method_table, relative_errors, seeds_table
 from distlab.contrastive.step import first_step_gradients, wrap_ddp
 from distlab.contrastive.training import (
     OPTIMIZERS,
@@ -76,7 +76,7 @@ SINGLE, PLAIN = "one process", "plain"
 
 
 def world_sizes(text: str) -> tuple[int, ...]:
-    """--emulate's value: world sizes separated by commas, each a positive integer."""
+    """--detached-at's value: world sizes separated by commas, each a positive integer."""
     sizes = tuple(positive_int(part) for part in text.split(","))
     return tuple(dict.fromkeys(sizes))
 
@@ -90,38 +90,38 @@ def parse_args():
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer of every run")
     parser.add_argument("--eval-every", type=positive_int, default=10, help="steps between accuracy checks")
     parser.add_argument(
-        "--emulate",
+        "--detached-at",
         type=world_sizes,
         default=(),
         metavar="P1,P2,...",
-        help="also train with the plain gather's loss at these world sizes, emulated in one "
+        help="also train with the plain gather's loss at these world sizes, each run in one "
         "process (each must divide N; e.g. 8,16,48)",
     )
     args = parser.parse_args()
     if args.global_batch > args.train_size:
         parser.error(f"argument --global-batch: N = {args.global_batch} is more than --train-size {args.train_size}")
-    if any(args.global_batch % q for q in args.emulate):
+    if any(args.global_batch % q for q in args.detached_at):
         parser.error(
-            f"argument --emulate: every size must divide --global-batch {args.global_batch}, "
-            f"got {','.join(map(str, args.emulate))}"
+            f"argument --detached-at: every size must divide --global-batch {args.global_batch}, "
+            f"got {','.join(map(str, args.detached_at))}"
         )
     return args
 
 
 def first_step(rt: Runtime, args, verdict: Verdict) -> None:
     """One step's gradient with the plain gather, against the full batch and the detached blocks."""
-    p, n = rt.world_size, args.global_batch
+    world, n = rt.world_size, args.global_batch
     ddp = first_step_gradients(rt, (LOCAL_PLAIN,), n, args.tau, seed=args.seed, dtype=DTYPE)
     model, (x, y) = TwoTower(seed=args.seed, dtype=DTYPE), paired_data(n, seed=args.seed, dtype=DTYPE)
     ref_loss, ref = full_batch_gradients(model, x, y, 1 / args.tau)
-    _, detached = full_batch_gradients(model, x, y, 1 / args.tau, loss_fn=DetachedBlocks(p))
+    _, detached = full_batch_gradients(model, x, y, 1 / args.tau, loss_fn=DetachedBlocks(world))
     plain = ddp[LOCAL_PLAIN.name][1]
     errors = {"ref": compare_whole(ref, plain), "detached": compare_whole(detached, plain)}
     rtol, atol = tolerances(DTYPE)
     print0(
         method_table(
             [
-                (LOCAL_PLAIN.name, "ref", errors["ref"], p == 1),
+                (LOCAL_PLAIN.name, "ref", errors["ref"], world == 1),
                 (LOCAL_PLAIN.name, "detached", errors["detached"], True),
             ],
             "DDP gradients after one step",
@@ -129,8 +129,8 @@ def first_step(rt: Runtime, args, verdict: Verdict) -> None:
             f"block's embeddings detached in each block's rows; allclose: rtol {rtol:g}, atol {atol:g}",
         )
     )
-    print0(comparison_table(compare(ref, plain), "plain gather, per parameter, vs ref", expect_match=p == 1))
-    lost = lost_fraction(model, x, y, args.tau, p)
+    print0(comparison_table(compare(ref, plain), "plain gather, per parameter, vs ref", expect_match=world == 1))
+    lost = lost_fraction(model, x, y, args.tau, world)
     print0(
         f"lost at the embeddings (the s != r terms): ||dL/dZ - plain|| / ||dL/dZ|| = "
         f"{lost['z_x']:.1%} for z_x, {lost['z_y']:.1%} for z_y",
@@ -143,8 +143,8 @@ def first_step(rt: Runtime, args, verdict: Verdict) -> None:
         abs(loss - ref_loss) <= atol + rtol * abs(ref_loss),
     )
     verdict.check(
-        "the plain gather's gradient " + ("differs from" if p > 1 else "equals (P = 1)") + " the full batch's",
-        errors["ref"].ok == (p == 1),
+        "the plain gather's gradient " + ("differs from" if world > 1 else "equals (P = 1)") + " the full batch's",
+        errors["ref"].ok == (world == 1),
         f"max rel err {errors['ref'].max_rel:.2e}, cosine {errors['ref'].cosine:.4f}",
     )
     verdict.check(
@@ -156,12 +156,12 @@ def first_step(rt: Runtime, args, verdict: Verdict) -> None:
     verdict.figure("lost_fraction", lost)
 
 
-def lost_fraction(model: TwoTower, x: torch.Tensor, y: torch.Tensor, tau: float, p: int) -> dict[str, float]:
+def lost_fraction(model: TwoTower, x: torch.Tensor, y: torch.Tensor, tau: float, world: int) -> dict[str, float]:
     """At the embeddings, per tower: ||dL/dZ - plain's dZ|| / ||dL/dZ||, the share of the gradient lost."""
     with torch.no_grad():
         z = model(x, y)
     grads = {}
-    for name, loss_fn in (("true", clip_loss), ("plain", DetachedBlocks(p))):
+    for name, loss_fn in (("true", clip_loss), ("plain", DetachedBlocks(world))):
         a, b = (t.clone().requires_grad_() for t in z)
         loss_fn(a, b, 1 / tau).backward()
         grads[name] = (a.grad, b.grad)
@@ -224,12 +224,12 @@ def training(rt: Runtime, args, config: TrainConfig, verdict: Verdict) -> None:
     )
 
 
-def emulate(rt: Runtime, args, data: TrainData, config: TrainConfig, verdict: Verdict) -> None:
-    """Train with the detached-blocks loss for each --emulate P in one process: what DDP with the plain
+def train_detached_at(rt: Runtime, args, data: TrainData, config: TrainConfig, verdict: Verdict) -> None:
+    """Train with the detached-blocks loss for each --detached-at P in one process: what DDP with the plain
     gather computes (the tests prove it equal for P <= 4), at world sizes this machine cannot run.
     The ranks share the work round-robin."""
     mine = {}
-    for q in args.emulate[rt.rank :: rt.world_size]:
+    for q in args.detached_at[rt.rank :: rt.world_size]:
         run = train_single_process(
             TwoTower(seed=args.seed, dtype=DTYPE).to(rt.device), data, config, loss_fn=DetachedBlocks(q)
         )
@@ -237,16 +237,16 @@ def emulate(rt: Runtime, args, data: TrainData, config: TrainConfig, verdict: Ve
     every = [None] * rt.world_size
     dist.all_gather_object(every, mine)
     results = {q: r for part in every for q, r in part.items()}
-    print0(emulated_table(results, args.global_batch))
-    verdict.figure("emulated", results)
+    print0(detached_at_table(results, args.global_batch))
+    verdict.figure("detached_at", results)
 
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), divides_global_batch)
     with distributed(args.device) as rt:
-        verdict, p, n = Verdict(rt), rt.world_size, args.global_batch
+        verdict, world, n = Verdict(rt), rt.world_size, args.global_batch
         print0(
-            f"[bold]Lesson 11: local x global, plain all_gather[/] - N = {n} pairs, P = {p}, C = {n // p}, "
+            f"[bold]Lesson 11: local x global, plain all_gather[/] - N = {n} pairs, P = {world}, C = {n // world}, "
             f"tau = {args.tau}, float64, {rt.backend}",
             highlight=False,
         )
@@ -263,8 +263,8 @@ def main() -> int:
             highlight=False,
         )
         training(rt, args, config, verdict)
-        if args.emulate:
-            emulate(rt, args, data, config, verdict)
+        if args.detached_at:
+            train_detached_at(rt, args, data, config, verdict)
         verdict.figure("global_batch", n)
         return verdict.finish(args.json)
 

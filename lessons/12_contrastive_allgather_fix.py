@@ -114,7 +114,7 @@ def parse_args():
 
 def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     """One step of every sum, and of lesson 11's plain gather, against the full-batch reference."""
-    p, n, dtype = rt.world_size, args.global_batch, DTYPES[args.dtype]
+    world, n, dtype = rt.world_size, args.global_batch, DTYPES[args.dtype]
     ddp = first_step_gradients(rt, FIXES + (LOCAL_PLAIN,), n, args.tau, seed=args.seed, dtype=dtype)
     ref_loss, ref = full_batch_gradients(
         TwoTower(seed=args.seed, dtype=dtype), *paired_data(n, seed=args.seed, dtype=dtype), 1 / args.tau
@@ -122,7 +122,7 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
     errors = {v.name: compare_whole(ref, ddp[v.name][1]) for v in FIXES + (LOCAL_PLAIN,)}
     rtol, atol = tolerances(dtype)
     rows = [(v.name, "ref", errors[v.name], True) for v in FIXES]
-    rows.append((f"{LOCAL_PLAIN.name} (11)", "ref", errors[LOCAL_PLAIN.name], p == 1))
+    rows.append((f"{LOCAL_PLAIN.name} (11)", "ref", errors[LOCAL_PLAIN.name], world == 1))
     print0(
         method_table(
             rows,
@@ -142,8 +142,8 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
             f"max rel err {errors[v.name].max_rel:.1e}",
         )
     verdict.check(
-        "lesson 11's plain gather " + ("does not" if p > 1 else "does, at P = 1"),
-        errors[LOCAL_PLAIN.name].ok == (p == 1),
+        "lesson 11's plain gather " + ("does not" if world > 1 else "does, at P = 1"),
+        errors[LOCAL_PLAIN.name].ok == (world == 1),
         f"max rel err {errors[LOCAL_PLAIN.name].max_rel:.2e}",
     )
     verdict.check(
@@ -156,21 +156,24 @@ def exactness(rt: Runtime, args, verdict: Verdict) -> None:
 def cost(rt: Runtime, args, verdict: Verdict) -> None:
     """What the loss costs one rank, global x global against local x global, on unit-norm float32
     embeddings (what the model would output); then the backward collectives alone."""
-    p, n = rt.world_size, args.cost_global_batch
+    world, n = rt.world_size, args.cost_global_batch
     gen = torch.Generator().manual_seed(args.seed + rt.rank)
-    z = [F.normalize(torch.randn(n // p, 64, generator=gen), dim=-1).to(rt.device) for _ in range(2)]
+    z = [F.normalize(torch.randn(n // world, 64, generator=gen), dim=-1).to(rt.device) for _ in range(2)]
     global_cost, local_cost = (loss_cost(rt, *z, args.tau, v) for v in (GLOBAL_SUM, LOCAL_SUM))
     print0(
         cost_table(
-            n, p, [("global (10)", global_logits(n), global_cost), ("local", local_logits(n, p), local_cost)], elem=4
+            n,
+            world,
+            [("global (10)", global_logits(n), global_cost), ("local", local_logits(n, world), local_cost)],
+            e=4,
         )
     )
     seconds = collective_seconds(rt, args.comm_global_batch, args.comm_dim, torch.float32)
-    print0(comm_table(p, args.comm_global_batch, args.comm_dim, 4, seconds, rt.backend))
+    print0(comm_table(world, args.comm_global_batch, args.comm_dim, 4, seconds, rt.backend))
     local, full = local_cost["largest_bytes"], global_cost["largest_bytes"]
     verdict.check(
         "the largest tensor per rank is C x N, not N x N",
-        full == n * n * 4 and local == n // p * n * 4,
+        full == n * n * 4 and local == n // world * n * 4,
         f"{local / MIB:.2f} MiB instead of {full / MIB:.2f} MiB",
     )
     verdict.figure("cost", {"global": global_cost, "local": local_cost, "collective_seconds": seconds})
@@ -185,11 +188,11 @@ def world_rules(args, world_size: int) -> None:
 def main() -> int:
     args = check_flags_against_world(parse_args(), world_rules)
     with distributed(args.device) as rt:
-        p = rt.world_size
+        world = rt.world_size
         verdict = Verdict(rt)
         print0(
-            f"[bold]Lesson 12: the sum-backward all-gather[/] - N = {args.global_batch} pairs, P = {p}, "
-            f"C = {args.global_batch // p}, tau = {args.tau}, {args.dtype}, {rt.backend}",
+            f"[bold]Lesson 12: the sum-backward all-gather[/] - N = {args.global_batch} pairs, P = {world}, "
+            f"C = {args.global_batch // world}, tau = {args.tau}, {args.dtype}, {rt.backend}",
             highlight=False,
         )
         exactness(rt, args, verdict)

@@ -15,8 +15,16 @@ on them and its gradient G = dL/dH, the cache; (3) every micro-batch again with 
 of its rows, whose parameter gradient is G . dh/dtheta. Activations live for one micro-batch at a time. Dropout
 must draw the same masks in (1) and (3): each micro-batch's random state is saved in (1) and replayed in (3).
 
-The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs; the library's
-`GradCache.cache_step` (contrastive/grad_cache.py) adds dicts, mixed precision and DDP's `no_sync`.
+The mechanism. `grad_cache_step` below is the three steps for two towers and tensor inputs, each a few lines:
+(1) under `torch.no_grad()` every tower runs its micro-batches, a `RandContext` taken before each (the CPU's
+and the device's random state), and only the representations are kept; (2) the loss runs once on them as
+detached leaves that require grad, and its backward leaves G = dL/dH in each leaf's `.grad`: the cache, N x d
+numbers per tower; (3) every micro-batch runs again with a graph inside its `RandContext`, so dropout draws
+the masks of (1), and back-propagates <h, G_rows>, adding G . dh/dtheta into the parameters' `.grad`. The
+library's version is `GradCache` in src/distlab/contrastive/grad_cache.py, with luyug/GradCache's interface
+and the same three steps as methods (`forward_no_grad`, `build_cache`, `forward_backward`, called in turn
+by `cache_step`), plus dict and VLM inputs, mixed precision and DDP's `no_sync` on every micro-batch but
+the last; the replay is `RandContext` in src/distlab/random_state.py. The lesson checks both.
 
 The proof. Part 1, one process (rank 0): both equal the full batch's gradients (a deep copy, plain autograd, one
 loss; its micro-batches run with a graph in the same order from the same seed, so dropout draws the same masks);
@@ -139,7 +147,7 @@ def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
     return loss.detach()
 
 
-def plain_step(model: TwoTower, x, y, tau: float) -> None:
+def autograd_step(model: TwoTower, x, y, tau: float) -> None:
     rep_clip_loss(model.encoder_x(x), model.encoder_y(y), tau).backward()
 
 
@@ -180,7 +188,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     n, b, tau = args.global_batch, args.micro_batch_size, args.tau
     (x, y), elt = pairs(args, device, n), DTYPES[args.dtype].itemsize
     sizes = sorted({n, max(1, n // 4), b, max(1, b // 4)}, reverse=True)
-    plain = peak_mib(model, plain_step, x, y, tau)
+    plain = peak_mib(model, autograd_step, x, y, tau)
     cached = {s: peak_mib(model, cache_step, x, y, tau, s) for s in progress(sizes, len(sizes), "memory against B")}
     table = Table(
         "step",
@@ -205,7 +213,7 @@ def memory(model: TwoTower, args, device: torch.device, verdict: Verdict) -> dic
     )
     for m in progress(by_n["N"], len(by_n["N"]), "memory against N"):
         xm, ym = pairs(args, device, m)
-        by_n["plain"].append(peak_mib(model, plain_step, xm, ym, tau)[0])
+        by_n["plain"].append(peak_mib(model, autograd_step, xm, ym, tau)[0])
         by_n["grad_cache"].append(peak_mib(model, cache_step, xm, ym, tau, min(b, m))[0])
         table.add_row(str(m), f"{by_n['plain'][-1]:.1f}", f"{by_n['grad_cache'][-1]:.1f}", f"{m * m * elt / MIB:.2f}")
     print0(right_aligned(table, first=0))
@@ -230,13 +238,13 @@ def the_price(model: TwoTower, args, device: torch.device, verdict: Verdict) -> 
     """Forwarded rows (counted) and the time of one step (measured): plain autograd beside GradCache."""
     n, b, tau = args.global_batch, args.micro_batch_size, args.tau
     x, y = pairs(args, device, n)
-    plain_rows = rows_forwarded(model.encoder_x, plain_step, model, x, y, tau)
+    plain_rows = rows_forwarded(model.encoder_x, autograd_step, model, x, y, tau)
     cached_rows = rows_forwarded(model.encoder_x, cache_step, model, x, y, tau, n)
     seconds = interleaved_seconds(
         model,
         {
             "no-grad forward alone": (forward_only, (x, y)),
-            "plain autograd": (plain_step, (x, y, tau)),
+            "plain autograd": (autograd_step, (x, y, tau)),
             f"GradCache, B = N = {n}": (cache_step, (x, y, tau, n)),
             f"GradCache, B = {b}": (cache_step, (x, y, tau, b)),
         },

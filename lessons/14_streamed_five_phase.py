@@ -37,6 +37,15 @@ autograd, each rank's dropout replayed; `streamed_backward` against `distributed
 every parameter and the scale); the largest temporary the step made against N x N, C x N and B x N.
 Pitfalls avoided: streaming one dimension of S only (T x N still grows with N); no no_sync (an all-reduce
 per micro-batch); a recompute drawing new dropout masks (the gradient of another loss than the one reported).
+
+A float32 pitfall this float64 lesson does not meet. Written as above, L's term a_i - S_ii and G's diagonal
+coefficient R_ii + Q_ii - 2 each subtract two numbers of about the same size: a_i and S_ii are both about s
+(up to 100 for a learned scale), and R_ii, Q_ii both near 1 for a confident model, so float32's 7 digits
+leave few for the small difference. The library computes each difference where it is small. The positive's
+logit is read from the very tile whose running max it is compared with, so nll_i = a_i - S_ii is
+(m_i - S_ii) + log l_i, exactly log l_i when the positive is the row's max; and R_ii + Q_ii - 2 is
+expm1(-nll_x,i) + expm1(-nll_y,i), precise however small (src/distlab/streamed/tiles.py, `lse_and_nll` and
+`pair_coefficients`). Neither CUDA nor unit-norm embeddings are needed for any of it.
 """
 
 from __future__ import annotations

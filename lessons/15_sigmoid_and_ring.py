@@ -25,11 +25,17 @@ traveling column (m, l) (the online fold of src/distlab/online_softmax.py, the o
 and b with), pass 2 forms R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the
 gather's 6 C N d.
 
-The mechanism is written out below (`closed_form_grads`, `ring_by_hand`); the library's versions are
-src/distlab/streamed/sigmoid.py and ring.py, wired into `distributed_backward` by what the model
-returns ((z_x, z_y, s, beta) selects the sigmoid loss) and by EXCHANGE: "ring" in the config.
+The mechanism is written out below: `closed_form_grads`, the sigmoid ring `ring_by_hand`, and the InfoNCE
+ring in its two passes, `infonce_ring_by_hand`, on whole C x C blocks. Pass 1 makes each block of S once:
+my rows' (m, l) stay with me, the visiting block's column (m, l) travels with it (`ring_walk`: a block is
+posted on before the math, its accumulator after), and after P hops my own columns' (m, l) are home: a
+and b for my pairs. Pass 2 walks the text blocks again, each with its b_j, forms R + Q - 2 delta, adds
+(R + Q - 2 delta) z_y^j into my G_x and sends (R + Q - 2 delta)^T z_x^r on with block j, home as G_y. The
+library's versions are src/distlab/streamed/sigmoid.py and ring.py (T x T tiles, the fused kernels),
+wired into `distributed_backward` by what the model returns ((z_x, z_y, s, beta) selects the sigmoid
+loss) and by EXCHANGE: "ring" in the config.
 
-The self-check: the closed form against autograd; the hand ring against the library's; every
+The self-check: the closed form against autograd; each hand ring against the library's; every
 {InfoNCE, sigmoid} x {gather, ring} step against a deep copy on the whole batch (plain autograd, each
 rank's dropout replayed); the bytes each rank sent against the formula; the ring's memory against a
 bound that does not grow with P, and its bytes against the gather's.
@@ -55,11 +61,12 @@ from distlab.compare import all_ok, compare, grads_of
 from distlab.console import print0
 from distlab.memory import PeakMemory
 from distlab.models import TwoTower, paired_data
+from distlab.online_softmax import online_fold, rescale
 from distlab.runtime import distributed, run_main
 from distlab.streamed import loss_machinery
 from distlab.streamed.config import EXCHANGES
 from distlab.streamed.exchange import expected_bytes, step_ledger
-from distlab.streamed.ring import P2PRing, sigmoid_ring
+from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits
 from distlab.verdict import Verdict
 from distributed_clip import distributed_backward
@@ -138,6 +145,64 @@ def ring_by_hand(rt, x, y, s: float, beta: float):
     return g_x, g_y, ledger.sent
 
 
+def ring_walk(rt, ahead: list, visit, merge, ledger: Ledger) -> list:
+    """Every rank's block past this rank, and each block's accumulator home. At step k I hold the tensors
+    `ahead` of block j = r - k (my own at k = 0) and post them to r + 1 before `visit(j, ahead)` computes
+    my part of block j's accumulator; `merge(received, mine)` folds it into what ranks j .. r - 1 sent,
+    and the sum goes on to r + 1. After P steps my own block's accumulator is home, complete."""
+    world, r = rt.world_size, rt.rank
+    nxt, prv = (r + 1) % world, (r - 1) % world
+    acc_posted = None
+    for k in range(world):
+        j = (r - k) % world
+        if k < world - 1:  # tag 0: blocks, tag 1: accumulators (two streams between the same neighbours)
+            block_posted = post([(t, nxt) for t in ahead], [(torch.empty_like(t), prv) for t in ahead], None, ledger)
+        mine = visit(j, ahead)
+        if acc_posted is not None:
+            mine = merge(acc_posted.wait(), mine)
+        acc_posted = post([(t, nxt) for t in mine], [(torch.empty_like(t), prv) for t in mine], None, ledger, 1)
+        if k < world - 1:
+            ahead = block_posted.wait()
+    return acc_posted.wait()
+
+
+def merge_lse(received: list, mine: list) -> list:
+    """Two column (m, l) of the online fold as one: each sum rescaled to the larger max."""
+    (m_1, l_1), (m_2, l_2) = received, mine
+    m = torch.maximum(m_1, m_2)
+    return [m, l_1 * rescale(m_1, m) + l_2 * rescale(m_2, m)]
+
+
+def infonce_ring_by_hand(rt, x, y, s: float):
+    """The symmetric InfoNCE in two ring passes, whole C x C blocks: (my share of L, G_x, G_y for my
+    pairs, bytes sent). 4 C N d multiply-adds: C N d in pass 1, 3 C N d in pass 2."""
+    c, r, ledger = len(x), rt.rank, Ledger()
+    n = c * rt.world_size
+    rows = [x.new_full((c,), -math.inf), x.new_zeros(c)]  # my rows' running (m, l)
+
+    def fold(j: int, ahead: list) -> list:  # pass 1: S_rj once, into my rows and block j's columns
+        tile = s * x @ ahead[0].T
+        rows[:] = online_fold(*rows, tile.clone(), dim=1)
+        return list(online_fold(x.new_full((c,), -math.inf), x.new_zeros(c), tile, dim=0))
+
+    col_m, col_l = ring_walk(rt, [y], fold, merge_lse, ledger)
+    a, b = rows[0] + rows[1].log(), col_m + col_l.log()  # a_i for my rows, b_j for my columns
+    loss_part = (a + b - 2 * s * (x * y).sum(1)).sum() / (2 * n)  # my pairs' share of L
+    pair_y = torch.zeros_like(x)  # sum_j (R + Q - 2 delta)_ij z_j^y for my rows i
+
+    def products(j: int, ahead: list) -> list:  # pass 2: S_rj again, its coefficients, two products
+        y_j, b_j = ahead
+        tile = s * x @ y_j.T
+        coef = (tile - a[:, None]).exp() + (tile - b_j).exp()  # R_ij + Q_ij
+        if j == r:  # my own block holds my positives on its diagonal
+            coef -= 2 * torch.eye(c, dtype=x.dtype, device=x.device)
+        pair_y.add_(coef @ y_j)
+        return [coef.T @ x]  # my rows' part of (R + Q - 2 delta)^T Z_x for block j's columns
+
+    (pair_x,) = ring_walk(rt, [y, b], products, lambda received, mine: [received[0] + mine[0]], ledger)
+    return loss_part, s / (2 * n) * pair_y, s / (2 * n) * pair_x, ledger.sent
+
+
 def whole_batch(model, x, y, world: int, micro: int, dropout_seed: int):
     """Plain autograd on the whole batch, on a deep copy: rank r's pairs in its micro-batches, from rank
     r's random stream (the masks the step used); s and beta are ordinary tensors."""
@@ -187,6 +252,30 @@ def check_ring_by_hand(verdict, rt, c: int, t: int) -> None:
         f"the hand ring sent (P-1) C d + P C d elements ({sent:,} bytes)",
         sent == 8 * ((rt.world_size - 1) * c * 8 + (rt.world_size > 1) * rt.world_size * c * 8),
     )
+
+
+def check_infonce_ring_by_hand(verdict, rt, c: int, t: int) -> None:
+    n, r = c * rt.world_size, rt.rank
+    gen = torch.Generator().manual_seed(3)
+    z_x, z_y = (
+        F.normalize(torch.randn(n, 8, generator=gen, dtype=torch.float64), dim=1).to(rt.device) for _ in range(2)
+    )
+    mine = slice(r * c, (r + 1) * c)
+    loss_part, g_x, g_y, sent = infonce_ring_by_hand(rt, z_x[mine].contiguous(), z_y[mine].contiguous(), 10.0)
+    lib = infonce_ring(P2PRing(rt.world_size, r), z_x[mine], z_y[mine], 10.0, t)
+    leaves = [z.clone().requires_grad_() for z in (z_x, z_y)]
+    whole = infonce(*leaves, 10.0)
+    whole.backward()
+    shares = loss_part.clone()
+    dist.all_reduce(shares)  # the ranks' shares of L add up to L
+    ok = all(
+        torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+        for a, b in ((g_x, lib.g_x), (g_y, lib.g_y), (g_x, leaves[0].grad[mine]), (g_y, leaves[1].grad[mine]))
+    )
+    ok = ok and torch.allclose(loss_part, lib.loss_part, rtol=1e-10) and torch.allclose(shares, whole, rtol=1e-10)
+    verdict.check("the InfoNCE ring by hand = the library's ring = the whole batch's L, G_x, G_y", ok)
+    formula = expected_ring_bytes(rt.world_size, c, 8, 8, "infonce")
+    verdict.check(f"the InfoNCE hand ring sent what the library's formula says ({sent:,} bytes)", sent == formula)
 
 
 def check_steps(verdict, rt, args) -> None:
@@ -316,6 +405,7 @@ def main() -> int:
         )
         check_closed_form(verdict, c * rt.world_size, args.seed)
         check_ring_by_hand(verdict, rt, c, args.stream_chunk)
+        check_infonce_ring_by_hand(verdict, rt, c, args.stream_chunk)
         check_steps(verdict, rt, args)
         events = measure_memory(verdict, rt, args.memory_pairs, 64)
         print0(timeline_table(events, rt.world_size))

@@ -41,6 +41,7 @@ import pytest
 import torch
 from exercise_claims import Claims, Hints
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
+from helpers import lesson_path
 
 from distlab.spawn import spawn
 
@@ -82,11 +83,13 @@ class Answer:
 
 
 def solution(lesson: str, name: str) -> Answer:
-    return Answer(LESSONS / f"{lesson}.py", name)
+    """`name` in the lesson `lesson` (its slug: `helpers.lesson_path`)."""
+    return Answer(lesson_path(lesson, LESSONS), name)
 
 
 def exercise(lesson: str, name: str) -> Answer:
-    return Answer(EXERCISES / f"{lesson}.py", name)
+    """`name` in the lesson's exercise, lessons/exercises/NN_<slug>.py."""
+    return Answer(lesson_path(lesson, EXERCISES), name)
 
 
 @contextlib.contextmanager
@@ -192,7 +195,8 @@ class Exercise:
             seconds = time.monotonic() - start
             took = f"checked on {self.world} rank(s) in {seconds:.1f} s"
             text = self.message(verdict, hint_level)
-            request.config.stash.setdefault(TIMES, []).append((self.lesson, text is None, seconds))
+            numbered = exercise(self.lesson, self.name).path.stem  # "10_contrastive_global": the summary's name
+            request.config.stash.setdefault(TIMES, []).append((numbered, text is None, seconds))
             if text is not None:
                 pytest.fail(f"{text}\n  ({took})", pytrace=False)
 

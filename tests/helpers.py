@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -65,10 +66,21 @@ def strict_mode_off() -> bool:
     return not hasattr(dist.all_reduce, "strict_device") and not _get_current_function_mode_stack()
 
 
+def lesson_path(name: str, folder: Path = LESSONS, suffix: str = ".py") -> Path:
+    """A lesson's file found by its slug, whatever its number: `lesson_path("data_parallel")` is
+    lessons/06_data_parallel.py (so is "06_data_parallel" or "06_data_parallel.py": the number is ignored);
+    `folder`, `suffix`: its exercise or notebook. lessons/order.txt sets the numbers (scripts/renumber.py)."""
+    slug = re.sub(r"^\d\d_", "", Path(name).name.removesuffix(suffix))
+    found = sorted(folder.glob(f"[0-9][0-9]_{slug}{suffix}"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{len(found)} files for lesson {name!r} in {folder}: {[p.name for p in found]}")
+    return found[0]
+
+
 def torchrun(
     lesson: str, nproc: int, *args: str, timeout: float = 300, columns: int | None = None, max_restarts: int = 0
 ):
-    """Run `lessons/<lesson>` under torchrun, output captured; returns the CompletedProcess.
+    """Run the lesson (its slug, `lesson_path`'s) under torchrun, output captured; returns the CompletedProcess.
     `max_restarts`: how often torchrun restarts every rank after one fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if columns is not None:
@@ -83,7 +95,7 @@ def torchrun(
             str(nproc),
             "--max-restarts",
             str(max_restarts),
-            str(LESSONS / lesson),
+            str(lesson_path(lesson)),
             *args,
         ],
         capture_output=True,
@@ -102,13 +114,14 @@ def no_ellipsis(text: str) -> bool:
 # -- contrastive lessons 10-12 ------------------------------------------------------------------
 
 
-def load_lesson(filename: str):
-    """A lesson file as a module, `load_lesson("06_data_parallel")` or `load_lesson("07_x.py")` (its
-    name starts with a digit, so `import` cannot reach it); its `main()` does not run. Loaded once
-    per process."""
-    name = "lesson_" + Path(filename).stem
+def load_lesson(slug: str):
+    """A lesson file as a module, found by its slug: `load_lesson("data_parallel")` (a numbered name,
+    "06_data_parallel", works too; `lesson_path`). Its name starts with a digit, so `import` cannot reach it;
+    its `main()` does not run. Loaded once per process."""
+    path = lesson_path(slug)
+    name = "lesson_" + path.stem
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, LESSONS / f"{Path(filename).stem}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -168,7 +181,7 @@ def parse_lesson_args(lesson: str, *args: str) -> tuple[int | None, Any, str, st
     import io
 
     out, err, argv = io.StringIO(), io.StringIO(), sys.argv
-    sys.argv = [lesson, *args]
+    sys.argv = [lesson_path(lesson).name, *args]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             return None, load_lesson(lesson).parse_args(), out.getvalue(), err.getvalue()

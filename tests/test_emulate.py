@@ -36,7 +36,7 @@ DP = DataParallelConfig(global_batch=8, layers=3, width=8, steps=1, seed=5)
 
 def _buckets_on_the_emulated_device(rt, overlap):
     """Lesson 06's buckets over the emulated link, with slow layers: the averaged gradients."""
-    lesson = load_lesson("06_data_parallel")
+    lesson = load_lesson("data_parallel")
     model, x, target = build(DP)
     emulate.slow_layers(model, emulate.Device(0.2))
     link = emulate.Link(ms_per_mib=1.0)

@@ -19,7 +19,7 @@ from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.training import PipelineConfig, problem, train, unsplit_reference
 from distlab.timeline import Timeline, max_concurrency
 
-LESSON, NAME = "01_model_parallel", "model_parallel_step"
+LESSON, NAME = "model_parallel", "model_parallel_step"
 P = 3
 CFG = PipelineConfig(widths=(4, 6, 6, 5, 5, 3), global_batch=8, steps=2, lr=0.2, seed=3)
 OWN_SUM = "the gradient of the sum of this stage's own outputs"

@@ -17,7 +17,7 @@ from distlab.pipeline.schedules import Action, one_f_one_b
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 
-LESSON, NAME = "02_gpipe_checkpoint", "gpipe"
+LESSON, NAME = "gpipe_checkpoint", "gpipe"
 P, M = 3, 4
 CFG = PipelineConfig(
     widths=(4, *[6] * 11, 3), global_batch=7, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False

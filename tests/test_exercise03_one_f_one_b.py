@@ -16,7 +16,7 @@ from distlab.pipeline.schedules import Action, gpipe
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 
-LESSON, NAME = "03_one_f_one_b", "one_f_one_b"
+LESSON, NAME = "one_f_one_b", "one_f_one_b"
 P = 3
 CFG = PipelineConfig(widths=(4, *[6] * 5, 3), global_batch=10, steps=2, lr=0.2, seed=3, gather_spans=False)
 GPIPE, ONE_MORE = "M, all of them (GPipe's count)", "min(M, P - r + 1): one warm-up forward too many"

@@ -14,7 +14,7 @@ from distlab.pipeline.schedules import make_schedule
 from distlab.pipeline.torch_engine import TorchStep
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 
-LESSON, NAME = "04_torch_pipelining", "pipeline_for_rank"
+LESSON, NAME = "torch_pipelining", "pipeline_for_rank"
 P, M = 3, 4
 CFG = PipelineConfig(
     widths=(4, *[6] * 5, 3), global_batch=12, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False

@@ -18,7 +18,7 @@ from distlab.pipeline.schedules import Action, one_f_one_b
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
 
-LESSON, NAME = "05_interleaved_zero_bubble", "zb_h1"
+LESSON, NAME = "interleaved_zero_bubble", "zb_h1"
 P, M = 3, 4
 CFG = PipelineConfig(
     widths=(4, *[6] * 5, 3), global_batch=8, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False

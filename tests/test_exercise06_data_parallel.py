@@ -17,7 +17,7 @@ from exercise_watch import Watch
 from distlab.compare import grads_of
 from distlab.models import layered_mlp, regression_batch
 
-LESSON, NAME = "06_data_parallel", "all_reduce_gradients"
+LESSON, NAME = "data_parallel", "all_reduce_gradients"
 P, C, WIDTHS, STEPS, LR = 3, 4, (5, 8, 3), 2, 0.1
 OWN, FIRST, OWN_BY_P = "this rank's own rows' gradient", "rank 0's rows' gradient", "this rank's own gradient / P"
 

@@ -17,7 +17,7 @@ from distlab.sharding.flat import units_of
 from distlab.sharding.problem import ShardingConfig, build_model, reference
 from distlab.sharding.training import run_strategy
 
-LESSON, NAME = "07_sharding", "zero1"
+LESSON, NAME = "sharding", "zero1"
 P, CFG = 3, ShardingConfig(global_batch=6)
 BEFORE, OTHERS = "the weights before training", "the other ranks' shards"
 

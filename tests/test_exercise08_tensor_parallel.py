@@ -18,7 +18,7 @@ from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.operator_checks import MATH, check_operator
 from distlab.tensor_parallel.runs import split_run
 
-LESSON, NAME = "08_tensor_parallel", "Copy"
+LESSON, NAME = "tensor_parallel", "Copy"
 P, STEPS, LR = 3, 2, 0.5
 CFG = BlockConfig(batch=2, seq=3, dim=6, heads=3, ffn=6, dropout=0.0)
 SUM_X = "the sum of every rank's input (g's forward: an all-reduce)"

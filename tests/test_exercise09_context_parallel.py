@@ -21,7 +21,7 @@ from distlab.comm.ring import Ring
 from distlab.context_parallel.attention import Partial, causal_mask, fold_tile, scores
 from distlab.context_parallel.split import SKIP, Layout, count_work, pieces_of, shard, tile_kind
 
-LESSON, NAME = "09_context_parallel", "ring_forward"
+LESSON, NAME = "context_parallel", "ring_forward"
 P, HEADS, SEQ, HEAD_DIM = 4, 2, 24, 4
 BLOCK_SHAPE = (HEADS, SEQ // P, HEAD_DIM)
 BLOCK_CAUSAL = "attention with the diagonal tiles unmasked (a query sees its whole piece)"

@@ -15,7 +15,7 @@ from exercise_signatures import Equals, Mistake, Scaled
 from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.losses import clip_loss
 
-LESSON, NAME = "10_contrastive_global", "global_loss_times_p"
+LESSON, NAME = "contrastive_global", "global_loss_times_p"
 P, C, D, TAU = 3, 4, 5, 0.1
 HALF, AT_TAU = "the image-to-text half of L alone", "L at logit scale tau instead of 1/tau"
 

@@ -18,7 +18,7 @@ from exercise_watch import Watch, spanning
 from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.losses import clip_loss
 
-LESSON, NAME = "11_contrastive_local_naive", "local_clip_loss"
+LESSON, NAME = "contrastive_local_naive", "local_clip_loss"
 P, C, D, S = 3, 4, 5, 10.0
 N = P * C
 NO_OFFSET, ROWS_ONLY = "the loss with the positives at columns 0 .. C-1", "the row direction (images) alone"

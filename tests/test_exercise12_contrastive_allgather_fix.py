@@ -18,7 +18,7 @@ from exercise_watch import Watch
 from distlab.contrastive.gather import gather_plain
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 
-LESSON, NAME = "12_contrastive_allgather_fix", "gather_all_reduce"
+LESSON, NAME = "contrastive_allgather_fix", "gather_all_reduce"
 P, C, D, TAU = 3, 4, 5, 0.1
 N_D_BYTES = P * C * D * 8  # one N x d tensor of float64
 OWN_LOSS = "the gradient of this rank's own L_r alone"

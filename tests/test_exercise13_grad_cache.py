@@ -20,7 +20,7 @@ from distlab.contrastive.losses import clip_loss
 from distlab.models import TwoTower, paired_data
 from distlab.random_state import RandContext
 
-LESSON, NAME = "13_grad_cache", "grad_cache_step"
+LESSON, NAME = "grad_cache", "grad_cache_step"
 N, B, TAU, SEED = 8, 3, 0.1, 7
 PARTS = -(-N // B)  # K = 3 parts: 3, 3, 2 rows
 PER_PART = "the gradient of the sum of each part's own loss (the batch cut into K small batches)"

@@ -26,7 +26,7 @@ from distlab.data_parallel.ddp import counting
 from distlab.models import TwoTower, paired_data
 from distlab.streamed.config import parse_config
 
-LESSON, NAME = "14_streamed_five_phase", "streamed_backward"
+LESSON, NAME = "streamed_five_phase", "streamed_backward"
 P, SEED, N, B, T = 2, 5, 14, 4, 5  # C = 7: micro-batches (4, 3); d = 8 and 2d = 16 collide with no batch size
 CONFIG = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": T}
 SOLUTION = solution(LESSON, NAME)

@@ -15,7 +15,7 @@ from exercise_watch import Watch, spanning
 
 from distlab.contrastive.losses import sigmoid_loss
 
-LESSON, NAME = "15_sigmoid_and_ring", "ring_by_hand"
+LESSON, NAME = "sigmoid_and_ring", "ring_by_hand"
 P, C, D, S, BETA = 3, 4, 5, 10.0, -10.0
 N = P * C
 OWN_ROWS = "G_y from this rank's own rows alone (the other ranks' shares lost)"

@@ -20,7 +20,7 @@ from distlab.contrastive.digits import DigitsCLIP
 from distlab.contrastive.losses import clip_loss
 from distributed_clip import distributed_backward
 
-LESSON, NAME = "16_train_clip", "clip_step"
+LESSON, NAME = "train_clip", "clip_step"
 P, C, VOCAB, LENGTH, LR, CLIP_NORM = 2, 4, 12, 5, 0.5, 1e-2
 CONFIG = {"GLOBAL_BATCH_SIZE": P * C, "MICRO_BATCH_SIZE": 3, "STREAM_CHUNK_SIZE": 3}
 

@@ -12,7 +12,7 @@ CFG = PipelineConfig(widths=(6, 10, 12, 10, 8, 4), global_batch=16, steps=4, lr=
 
 
 def _lesson_step(rt, cfg):
-    return load_lesson("01_model_parallel").ModelParallelStep(rt, cfg)
+    return load_lesson("model_parallel").ModelParallelStep(rt, cfg)
 
 
 def _train(rt, cfgs):
@@ -44,4 +44,4 @@ def test_an_unhandled_error_names_its_rank():
 
 @pytest.mark.parametrize("argv", [("--width", "0"), ("--global-batch", "-1"), ("--input-features", "x")])
 def test_bad_flags_are_one_line_naming_the_flag(argv):
-    assert_flag_refused("01_model_parallel", argv[0], *argv)
+    assert_flag_refused("model_parallel", argv[0], *argv)

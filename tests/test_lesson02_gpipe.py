@@ -63,7 +63,7 @@ def test_bad_input_fails_identically_on_every_rank_before_any_message():
 
 
 def test_flags_are_validated_before_any_process_starts(capsys):
-    lesson = load_lesson("02_gpipe_checkpoint")
+    lesson = load_lesson("gpipe_checkpoint")
     for argv, flag in (
         (["--micro-batches", "0"], "--micro-batches"),
         (["--checkpoint-segments", "-1"], "--checkpoint-segments"),
@@ -78,7 +78,7 @@ def test_flags_are_validated_before_any_process_starts(capsys):
 
 
 def _claim(ratios, can_save):
-    return load_lesson("02_gpipe_checkpoint").memory_claim({"ratios": ratios, "can_save": can_save}, 2)
+    return load_lesson("gpipe_checkpoint").memory_claim({"ratios": ratios, "can_save": can_save}, 2)
 
 
 def test_the_memory_claim_says_only_what_was_measured():
@@ -92,6 +92,6 @@ def test_the_memory_claim_says_only_what_was_measured():
 def test_the_lesson_passes_at_p_1():
     """One GPU allows only P = 1: one stage, no bubble, and the emulated idle share has no ratio to print."""
     out = assert_lesson_passes_at_80_columns(
-        "02_gpipe_checkpoint.py", 1, "--width", "32", "--global-batch", "64", "--emulate-ms", "1"
+        "gpipe_checkpoint", 1, "--width", "32", "--global-batch", "64", "--emulate-ms", "1"
     )
     assert "P = 1: one stage, no bubble" in out

@@ -16,7 +16,7 @@ CFG = PipelineConfig(
 
 def _lesson_loop(rt, cfg):
     """Our runner executing the 1F1B loop written in the lesson."""
-    return PipelineStep(rt, cfg, load_lesson("03_one_f_one_b").one_f_one_b(rt.world_size, cfg.micro_batches))
+    return PipelineStep(rt, cfg, load_lesson("one_f_one_b").one_f_one_b(rt.world_size, cfg.micro_batches))
 
 
 def _train(rt, cfgs):
@@ -24,7 +24,7 @@ def _train(rt, cfgs):
 
 
 def test_the_lessons_loop_is_the_librarys_one_f_one_b():
-    loop = load_lesson("03_one_f_one_b").one_f_one_b
+    loop = load_lesson("one_f_one_b").one_f_one_b
     for p in range(1, 7):
         for m in range(1, 14):
             assert loop(p, m) == schedules.one_f_one_b(p, m), (p, m)
@@ -60,6 +60,6 @@ def test_saved_activation_bytes_follow_the_rows_in_flight():
 def test_the_lesson_passes_at_p_1():
     """One GPU allows only P = 1: one stage, no bubble, and the emulated idle share has no ratio to print."""
     out = assert_lesson_passes_at_80_columns(
-        "03_one_f_one_b.py", 1, "--width", "32", "--global-batch", "64", "--emulate-ms", "1"
+        "one_f_one_b", 1, "--width", "32", "--global-batch", "64", "--emulate-ms", "1"
     )
     assert "P = 1: one stage, no bubble" in out

@@ -103,7 +103,7 @@ def test_each_of_torchs_seven_schedules_equals_the_unsplit_model_and_runs_our_or
 
 def test_the_lesson_passes_under_torchrun_and_reads_whole_at_80_columns(tmp_path):
     assert_lesson_passes_at_80_columns(
-        "05_interleaved_zero_bubble.py", 2, "--emulate-ms", "0.5", "--json", str(tmp_path / "05.json")
+        "interleaved_zero_bubble", 2, "--emulate-ms", "0.5", "--json", str(tmp_path / "05.json")
     )
     report = json.loads((tmp_path / "05.json").read_text())
     assert report["passed"] and len(report["checks"]) >= 10
@@ -111,5 +111,5 @@ def test_the_lesson_passes_under_torchrun_and_reads_whole_at_80_columns(tmp_path
 
 
 def test_flags_are_refused_in_one_line_naming_them():
-    assert_flag_refused("05_interleaved_zero_bubble", "--stages-per-rank", "--stages-per-rank", "0")
-    assert_flag_refused("05_interleaved_zero_bubble", "--micro-batches", "--micro-batches", "x")
+    assert_flag_refused("interleaved_zero_bubble", "--stages-per-rank", "--stages-per-rank", "0")
+    assert_flag_refused("interleaved_zero_bubble", "--micro-batches", "--micro-batches", "x")

@@ -11,10 +11,9 @@ import torch
 from helpers import assert_same_error_on_every_rank, load_lesson, torchrun
 
 from distlab.comm.collectives import check_collective, full_numel, rank_input, ring_bytes
-from distlab.comm.ring import RING_RUNS, Ring
 from distlab.compare import all_ok, compare
 from distlab.data_parallel import ddp
-from distlab.data_parallel.measure import MEASURED
+from distlab.data_parallel.measure import MEASURED, library_ring, measure_collectives
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
 from distlab.data_parallel.training import train
 from distlab.reference import one_process, sgd
@@ -28,16 +27,16 @@ MICRO_BATCHES = 4  # C = 6 at P = 4: unequal parts at P = 3 (C = 8)
 
 def _everything(rt):
     """Every claim of the lesson on one rank, with the lesson's own mechanisms."""
-    lesson = load_lesson("06_data_parallel")
+    lesson = load_lesson("data_parallel")
     out = {"collectives": []}
     n = full_numel(640, rt.world_size, torch.float64)
     for c in MEASURED:
         got, expected = check_collective(c, rt, n, 1, torch.float64)
-        ring = Ring()
-        by_hand = RING_RUNS[c](ring, rank_input(c, n, rt.rank, rt, 1, torch.float64))
-        out["collectives"].append(
-            (c.name, got, by_hand, expected, ring.ledger.sent, ring_bytes(c.name, n, 8, rt.world_size, rt.rank))
-        )
+        x = rank_input(c, n, rt.rank, rt, 1, torch.float64)
+        by_hand, sent = lesson.ring_by_hand(rt, c.name, x)
+        library, library_sent = library_ring(rt, c.name, x)  # comm's Ring, the lesson's twin
+        formula = ring_bytes(c.name, n, 8, rt.world_size, rt.rank)
+        out["collectives"].append((c.name, got, by_hand, expected, sent, formula, library, library_sent))
     model = build(CFG)[0]
     out["by_hand"] = train(rt, CFG, model, lambda: lesson.all_reduce_gradients(model, rt))
     bucketed = build(CFG)[0]
@@ -78,11 +77,13 @@ def test_every_claim(world_size, references):
     ref, p = references["mean"], world_size
     assert ref.losses[-1] < ref.losses[0]  # it trains, so equal parameters mean something
     for rank, out in enumerate(per_rank):
-        # The collectives: torch's and the ring's result equal one process's; bytes = the formula.
-        for name, got, by_hand, expected, sent, formula in out["collectives"]:
+        # The collectives: torch's and the lesson's ring's results equal one process's; bytes = the formula;
+        # the lesson's ring and comm's Ring are one algorithm: the same result bit for bit, the same bytes.
+        for name, got, by_hand, expected, sent, formula, library, library_sent in out["collectives"]:
             assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12), name
             assert torch.allclose(by_hand, expected, rtol=1e-10, atol=1e-12), name
             assert sent == formula, (name, rank, sent, formula)
+            assert torch.equal(by_hand, library) and sent == library_sent, (name, rank)
         # Data parallel on the mean loss: every way equals one process on the whole batch.
         assert _same_run(ref, out["by_hand"])
         run, n_buckets = out["buckets"]
@@ -108,6 +109,24 @@ def test_every_claim(world_size, references):
         assert all_ok(compare(glob.first_grads, out["global_xP"][1]))
         # The check can fail: with more than one rank the plain gradient is not the reference.
         assert all_ok(compare(glob.first_grads, plain)) == (p == 1)
+
+
+def _shifted_ring(rt, name, x):
+    """comm's ring with its result rolled by one element, and one byte too many: a wrong ring by hand."""
+    result, sent = library_ring(rt, name, x)
+    return result.roll(1), sent + 1
+
+
+def _rows_with(rt, by_hand):
+    return [(row.ring_ok, row.same_as_library) for row in measure_collectives(rt, 640, torch.float64, 1, 1, by_hand)]
+
+
+def test_the_ring_checks_reject_a_wrong_ring():
+    """The lesson's claims about its rings can fail: a ring off by one element and one byte fails both
+    (one process's result, comm's Ring), and the library's own ring passes both."""
+    wrong, right = spawn(_rows_with, 2, _shifted_ring)[0], spawn(_rows_with, 2, library_ring)[0]
+    assert all(row == (False, False) for row in wrong), wrong
+    assert all(row == (True, True) for row in right), right
 
 
 def _no_division(rt):
@@ -153,7 +172,7 @@ def test_ranks_that_disagree_about_a_branch_wait_until_the_timeout():
 
 def test_the_lesson_passes_under_torchrun_at_80_columns():
     run = torchrun(
-        "06_data_parallel.py",
+        "data_parallel",
         2,
         "--global-batch",
         "24",

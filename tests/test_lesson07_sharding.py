@@ -16,11 +16,11 @@ from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, loa
 
 from distlab.compare import against, all_ok, compare
 from distlab.sharding import accounting
-from distlab.sharding.checkpoint import save_and_resume
-from distlab.sharding.ddp import Replicated
+from distlab.sharding.dcp_resume import save_and_resume
 from distlab.sharding.flat import units_of
 from distlab.sharding.fsdp import Fsdp2, fsdp_held
 from distlab.sharding.problem import ShardingConfig, build_model, reference
+from distlab.sharding.replicated import Replicated
 from distlab.sharding.training import run_strategy
 from distlab.spawn import spawn
 
@@ -29,7 +29,7 @@ CFG = ShardingConfig()  # layers of Psi_u = 221, 154, 60 parameters: no P in 2..
 
 def _sums_instead_of_averaging(model, rt, cfg):
     """The lesson's ZeRO-1 with the division by P undone: a sum of the ranks' gradients."""
-    z = load_lesson("07_sharding").zero1(model, rt, cfg)
+    z = load_lesson("sharding").zero1(model, rt, cfg)
     average = z.after_backward
 
     def summed():
@@ -42,7 +42,7 @@ def _sums_instead_of_averaging(model, rt, cfg):
 
 
 def _everything(rt, checkpoint_dir):
-    lesson = load_lesson("07_sharding")
+    lesson = load_lesson("sharding")
     makes = {
         "DDP": Replicated,
         "FSDP2": Fsdp2,
@@ -113,10 +113,10 @@ def test_every_stage_and_fsdp2_equal_one_process_and_the_formulas(world_size, re
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_lesson_passes_under_torchrun_at_80_columns(world_size):
-    out = assert_lesson_passes_at_80_columns("07_sharding.py", world_size)
+    out = assert_lesson_passes_at_80_columns("sharding", world_size)
     assert "resumed at P = 1" in out and "0 (bit-identical)" in out
 
 
 def test_bad_flags_are_one_line():
-    assert_flag_refused("07_sharding.py", "--steps", "--steps", "0")
-    assert_flag_refused("07_sharding.py", "--weight-decay", "--weight-decay", "-1")
+    assert_flag_refused("sharding", "--steps", "--steps", "0")
+    assert_flag_refused("sharding", "--weight-decay", "--weight-decay", "-1")

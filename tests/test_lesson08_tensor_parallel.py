@@ -1,9 +1,10 @@
-"""Lesson 08: the conjugate operators (the lesson's f and g, the library's f, g, f-bar, g-bar) equal one
-process's computation forward and backward; the MLP and attention split by heads, and the whole block
-under tensor and sequence parallelism (dropout masks replayed), equal the unsplit layer in float64
-(output, every gradient, 3 SGD steps); the bytes each rank sends and the activations it keeps equal
-their formulas; torch's parallelize_module equals ours; one dp x tp step on a DeviceMesh equals one
-process on the whole batch. Bad splits are refused the same way on every rank, before any collective."""
+"""Lesson 08: the conjugate operators f, g, f-bar, g-bar (the lesson's, and the library's twins) equal one
+process's computation forward and backward, and each other bit for bit; the MLP and attention split by
+heads with the lesson's layers, and the whole block under tensor and sequence parallelism (dropout masks
+replayed), equal the unsplit layer in float64 (output, every gradient, 3 SGD steps), and the library's
+layers and operators train the same block bit for bit; the bytes each rank sends and the activations it
+keeps equal their formulas; torch's parallelize_module equals ours; one dp x tp step on a DeviceMesh equals
+one process on the whole batch. Bad splits are refused the same way on every rank, before any collective."""
 
 from dataclasses import replace
 from fractions import Fraction
@@ -17,7 +18,7 @@ from helpers import (
 )
 
 from distlab.comm.ledger import Ledger
-from distlab.compare import all_ok, compare
+from distlab.compare import against, all_ok, compare
 from distlab.spawn import spawn
 from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
 from distlab.tensor_parallel.blocks import check_split
@@ -32,37 +33,32 @@ STEPS, LR = 3, 0.5
 
 
 def _everything(rt):
-    """Every claim of the lesson on one rank, the lesson's own f and g included: name -> bool."""
-    lesson, p = load_lesson("08_tensor_parallel"), rt.world_size
+    """Every claim of the lesson on one rank, with the lesson's own layers and operators: name -> bool."""
+    lesson, P = load_lesson("tensor_parallel"), rt.world_size
     ok = {}
-    lesson_ops = {"f": lesson.Copy, "g": lesson.Reduce}
-    library_ops = {
-        "f": operators.CopyToTP,
-        "g": operators.ReduceFromTP,
-        "f-bar": operators.GatherFromSP,
-        "g-bar": operators.ScatterToSP,
-    }
-    mine = {k: check_operator(rt, k, fn) for k, fn in lesson_ops.items()}
-    theirs = {k: check_operator(rt, k, fn) for k, fn in library_ops.items()}
-    for k, res in (mine | {f"library {k}": r for k, r in theirs.items()}).items():
-        ok[f"operator {k} = one process"] = res.ok
-    for k in "fg":
-        ok[f"library {k} = lesson's"] = torch.equal(mine[k].forward, theirs[k].forward) and torch.equal(
-            mine[k].backward, theirs[k].backward
+    for k, (mine, library) in lesson.OPERATORS.items():
+        ours, theirs = check_operator(rt, k, mine), check_operator(rt, k, library)
+        ok[f"operator {k} = one process"] = ours.ok
+        ok[f"library {k} = one process"] = theirs.ok
+        ok[f"library {k} = lesson's"] = torch.equal(ours.forward, theirs.forward) and torch.equal(
+            ours.backward, theirs.backward
         )
     for part in ("mlp", "attention"):
-        o = split_run(rt, CFG, part, lesson.by_hand(), STEPS, LR)
+        o = split_run(rt, CFG, part, lesson.by_hand(), STEPS, LR, lesson.LAYERS)
         ok[f"{part} = unsplit"] = o.ok
-        ok[f"{part} bytes"] = _sent(o.ledger) == _nonzero(cost.expected_traffic(CFG, part, p, False, STEPS))
-    for sp, make in ((False, operators.tensor_parallel), (True, operators.sequence_parallel)):
-        o = split_run(rt, CFG, "block", make(), STEPS, LR)
+        ok[f"{part} bytes"] = _sent(o.ledger) == _nonzero(cost.expected_traffic(CFG, part, P, False, STEPS))
+    for sp, library in ((False, operators.tensor_parallel), (True, operators.sequence_parallel)):
+        o = split_run(rt, CFG, "block", lesson.by_hand(sequence_parallel=sp), STEPS, LR, lesson.LAYERS)
         ok[f"block sp={sp} = unsplit"] = o.ok
-        ok[f"block sp={sp} bytes"] = _sent(o.ledger) == _nonzero(cost.expected_traffic(CFG, "block", p, sp, STEPS))
-        ok[f"block sp={sp} activations"] = activation_bytes_measured(rt, CFG, make())[0] == cost.activation_bytes(
-            CFG, p, sp
+        ok[f"block sp={sp} bytes"] = _sent(o.ledger) == _nonzero(cost.expected_traffic(CFG, "block", P, sp, STEPS))
+        twin = split_run(rt, CFG, "block", library(), STEPS, LR)  # the library's layers and operators
+        ok[f"block sp={sp} library = lesson's"] = (
+            all_ok(against(o.run, twin.run, 0.0, 0.0).values()) and o.ledger.sent_by == twin.ledger.sent_by
         )
+        held = activation_bytes_measured(rt, CFG, lesson.by_hand(sequence_parallel=sp), lesson.LAYERS)[0]
+        ok[f"block sp={sp} activations"] = held == cost.activation_bytes(CFG, P, sp)
         off = replace(CFG, dropout=0.0)
-        ours = split_run(rt, off, "block", make(), STEPS, LR)
+        ours = split_run(rt, off, "block", lesson.by_hand(sequence_parallel=sp), STEPS, LR, lesson.LAYERS)
         ok[f"parallelize_module sp={sp} = ours"] = ours.ok and same_runs(
             ours.run, torch_tp.torch_run(rt, off, sp, STEPS, LR)[0]
         )
@@ -74,7 +70,7 @@ def _everything(rt):
     )
     ok["2-D params"] = all_ok(compare(reference_shards(ref.params, model, where["i_tp"], where["tp"]), run.params))
     shard = sum(q.numel() for q in model.parameters())
-    ok["2-D bytes"] = _sent(model.attn.comm.ledger) == _nonzero(mesh2d.expected_2d_traffic(CFG, p, shard))
+    ok["2-D bytes"] = _sent(model.attn.comm.ledger) == _nonzero(mesh2d.expected_2d_traffic(CFG, P, shard))
     return ok
 
 
@@ -91,7 +87,7 @@ def test_every_claim(world_size):
     for rank, ok in enumerate(spawn(_everything, world_size)):
         failed = [name for name, good in ok.items() if not good]
         assert not failed, (rank, failed)
-        assert len(ok) == 23
+        assert len(ok) == 29
 
 
 def _torch_tp_with_cudas_optimizer_default(rt, sequence_parallel: bool):
@@ -111,7 +107,7 @@ def test_torchs_tensor_parallel_steps_with_sgds_cuda_default():
 
 
 def test_lesson_passes_at_p4_on_a_2x2_mesh():
-    out = assert_lesson_passes_at_80_columns("08_tensor_parallel.py", 4)
+    out = assert_lesson_passes_at_80_columns("tensor_parallel", 4)
     assert "a 2 x 2 mesh (dp x tp)" in out and "data-parallel group [0, 2]" in out
 
 
@@ -143,11 +139,28 @@ def _g_without_reduce(rt):
             return grad, None, None
 
     comm = operators.Comm(operators.CopyToTP, Broken, None, Ledger())
-    return split_run(rt, CFG, "mlp", comm, 1, LR).ok, check_operator(rt, "g", Broken).ok
+    broken, library = check_operator(rt, "g", Broken), check_operator(rt, "g", operators.ReduceFromTP)
+    return split_run(rt, CFG, "mlp", comm, 1, LR).ok, broken.ok, torch.equal(broken.forward, library.forward)
+
+
+def _bias_on_every_rank(rt):
+    """A row-parallel layer that adds its bias to each partial sum (P times in all): the run is no longer the
+    unsplit MLP's, nor the library's twin's, bit for bit."""
+    from distlab.tensor_parallel.layers import Layers, RowParallelLinear
+
+    class BiasEverywhere(RowParallelLinear):
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    lesson = load_lesson("tensor_parallel")
+    wrong = split_run(rt, CFG, "mlp", lesson.by_hand(), 1, LR, Layers(lesson.ColumnParallelLinear, BiasEverywhere))
+    twin = split_run(rt, CFG, "mlp", operators.tensor_parallel(), 1, LR)
+    return wrong.ok, all_ok(against(wrong.run, twin.run, 0.0, 0.0).values())
 
 
 def test_the_checks_can_fail():
-    assert spawn(_g_without_reduce, 2) == [(False, False), (False, False)]
+    assert spawn(_g_without_reduce, 2) == [(False, False, False)] * 2
+    assert spawn(_bias_on_every_rank, 2) == [(False, False)] * 2
 
 
 def _refusals(rt):
@@ -166,5 +179,5 @@ def test_bad_splits_are_one_line_naming_the_flag_on_every_rank():
     assert all(messages == per_rank[0] for messages in per_rank)
     for flag, message in zip(("--heads", "--ffn-width", "--seq-len", "--global-batch"), per_rank[0]):
         assert message.startswith(flag + ":") and "\n" not in message, message
-    assert_flag_refused("08_tensor_parallel.py", "--heads", "--heads", "0")
-    assert_flag_refused("08_tensor_parallel.py", "--dropout", "--dropout", "1")
+    assert_flag_refused("tensor_parallel", "--heads", "--heads", "0")
+    assert_flag_refused("tensor_parallel", "--dropout", "--dropout", "1")

@@ -36,7 +36,7 @@ def _ring(rt):
 
     from distlab.comm.ring import Ring
 
-    lesson = load_lesson("09_context_parallel")
+    lesson = load_lesson("context_parallel")
     out = {}
     for split, causal in CASES:
         q, k, v, dout = (shard(t, rt.rank, rt.world_size, split) for t in _inputs())
@@ -99,11 +99,11 @@ def _check(rt, seq_len, split):
 def test_a_sequence_length_the_split_cannot_cut_is_refused_on_every_rank():
     message = assert_same_error_on_every_rank(_check, 2, 18, "zigzag", match="--seq-len")
     assert "2P = 4" in message and "\n" not in message  # (the contiguous split's message: test_context_parallel)
-    assert_flag_refused("09_context_parallel", "--seq-len", "--seq-len", "0")
+    assert_flag_refused("context_parallel", "--seq-len", "--seq-len", "0")
 
 
 def test_the_lesson_refuses_a_bad_length_before_any_collective():
-    run = torchrun("09_context_parallel.py", 2, "--seq-len", "6", columns=80)
+    run = torchrun("context_parallel", 2, "--seq-len", "6", columns=80)
     lines = [line for line in run.stdout.splitlines() if "--seq-len" in line]
     assert run.returncode != 0 and len(lines) == 1 and "2P = 4" in lines[0], run.stdout + run.stderr
 
@@ -112,7 +112,7 @@ def test_the_lesson_refuses_a_bad_length_before_any_collective():
 # every P (equal to SDPA, bytes = formula); the tables are widest at P = 4 (a column per rank).
 @pytest.mark.parametrize("world", LAUNCHED)
 def test_the_lesson_passes(world):
-    out = assert_lesson_passes_at_80_columns("09_context_parallel.py", world)
+    out = assert_lesson_passes_at_80_columns("context_parallel", world)
     assert "zigzag, causal: P" in out and "4P-2 backward" in out
 
 

@@ -1,9 +1,16 @@
 """Lesson 10: global x global under DDP. The plain gather gives exactly 1/P of the full-batch
 gradient; back-propagating P * L gives all of it (and so does lesson 12's sum-backward gather, checked
-here on the same step)."""
+here on the same step). The lesson's own gather and losses equal the library's, bit for bit."""
 
 import pytest
-from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args, torchrun
+import torch
+from helpers import (
+    assert_flag_refused,
+    assert_lesson_passes_at_80_columns,
+    load_lesson,
+    parse_lesson_args,
+    torchrun,
+)
 
 from distlab.compare import all_ok, compare
 from distlab.contrastive.reference import full_batch_gradients
@@ -36,7 +43,32 @@ def test_global_x_global_gradients(world_size):
         assert all_ok(compare(ref_grads, plain)) == (world_size == 1)
 
 
-LESSON = "10_contrastive_global.py"
+def _the_lessons_own(rt):
+    """The lesson's variants, the check that they equal the library's (bit for bit), and the same check
+    against a variant that is not their twin (the sum-backward gather: exact, so not the same numbers)."""
+    lesson = load_lesson("contrastive_global")
+    ours = first_step_gradients(rt, lesson.VARIANTS, N, TAU, seed=SEED)
+    wrong_twin = {lesson.GLOBAL_PLAIN.name: GLOBAL_SUM}
+    return (
+        ours,
+        lesson.same_as_library(rt, ours, N, TAU, SEED, torch.float64),
+        lesson.same_as_library(rt, ours, N, TAU, SEED, torch.float64, twins=wrong_twin),
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_the_lessons_gather_and_fix_equal_the_librarys(world_size):
+    ref_loss, ref_grads = _reference()
+    for ours, same, same_as_another in spawn(_the_lessons_own, world_size):
+        (loss, plain), (fixed_loss, fixed) = ours["plain"], ours["plain, P L"]
+        assert loss == pytest.approx(ref_loss, rel=1e-10) and fixed_loss == loss
+        assert all_ok(compare({n: g / world_size for n, g in ref_grads.items()}, plain))
+        assert all_ok(compare(ref_grads, fixed))
+        assert same
+        assert same_as_another == (world_size == 1)  # at P = 1 every gather is the identity
+
+
+LESSON = "contrastive_global"
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():

@@ -72,7 +72,7 @@ def test_training_with_the_fix_follows_the_single_process(variant, exact):
     assert single.losses[-1] < single.losses[0]  # it trains, so matching trajectories mean something
 
 
-LESSON = "11_contrastive_local_naive.py"
+LESSON = "contrastive_local_naive"
 
 
 def test_the_lesson_passes_and_reads_whole_at_80_columns():
@@ -89,7 +89,7 @@ def test_the_lesson_passes_and_reads_whole_at_80_columns():
         "32",
         "--eval-every",
         "2",
-        "--emulate",
+        "--detached-at",
         "1,4",
     )
     # One progress line per run rank 0 shows (its one-process seeds 0 and 2, the three plain runs), no redraws.
@@ -101,9 +101,9 @@ def test_the_lesson_passes_and_reads_whole_at_80_columns():
 @pytest.mark.parametrize(
     "args, flag",
     [
-        (["--emulate", "abc"], "--emulate"),
-        (["--emulate", "8,0"], "--emulate"),
-        (["--emulate", "7"], "--emulate"),
+        (["--detached-at", "abc"], "--detached-at"),
+        (["--detached-at", "8,0"], "--detached-at"),
+        (["--detached-at", "7"], "--detached-at"),
         (["--global-batch", "0"], "--global-batch"),
         (["--global-batch", "5000"], "--global-batch"),
         (["--lr", "nan"], "--lr"),
@@ -116,7 +116,7 @@ def test_bad_flags_are_refused_before_any_process_group(args, flag):
     assert_flag_refused(LESSON, flag, *args)
 
 
-def test_emulate_takes_world_sizes_and_help_shows_the_defaults():
-    assert parse_lesson_args(LESSON, "--emulate", "8,16,8,240")[1].emulate == (8, 16, 240)
+def test_detached_at_takes_world_sizes_and_help_shows_the_defaults():
+    assert parse_lesson_args(LESSON, "--detached-at", "8,16,8,240")[1].detached_at == (8, 16, 240)
     code, _, out, _ = parse_lesson_args(LESSON, "--help")
     assert code == 0 and "(default: 240)" in out

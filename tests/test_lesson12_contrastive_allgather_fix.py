@@ -24,7 +24,7 @@ from distlab.runtime import Runtime
 from distlab.spawn import spawn
 
 N, TAU, SEED = 12, 0.1, 6
-LESSON = "12_contrastive_allgather_fix.py"
+LESSON = "contrastive_allgather_fix"
 
 
 def _fixes_first_step(rt):

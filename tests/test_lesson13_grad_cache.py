@@ -35,7 +35,7 @@ from distlab.spawn import spawn
 
 P, N, B, TAU, SEED = 2, 22, 4, 0.1, 11  # C = 11 pairs per rank in micro-batches of 4, 4, 3
 C = N // P
-LESSON = "13_grad_cache.py"
+LESSON = "grad_cache"
 
 
 def rep_clip_loss(rep_x, rep_y, tau=TAU):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import LESSONS, assert_lesson_passes_at_80_columns, load_lesson
+from helpers import assert_lesson_passes_at_80_columns, lesson_path, load_lesson
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.compare import all_ok, compare, grads_of
@@ -23,7 +23,7 @@ from distlab.spawn import free_port, spawn
 from distlab.streamed.config import parse_config
 from distributed_clip import distributed_backward
 
-LESSON = "14_streamed_five_phase.py"
+LESSON = "streamed_five_phase"
 N, B, T, TAU, SEED = 24, 5, 7, 0.1, 3  # C = 24 / P in micro-batches of at most 5, tiles of at most 7 x 7
 CONFIG = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": T}
 
@@ -91,7 +91,7 @@ def test_a_bad_config_is_one_clear_error_and_exit_code_2():
         MASTER_PORT=str(free_port()),
     )
     run = subprocess.run(
-        [sys.executable, str(LESSONS / LESSON), "--dataset-size", "10"],
+        [sys.executable, str(lesson_path(LESSON)), "--dataset-size", "10"],
         capture_output=True,
         text=True,
         env=env,

@@ -1,6 +1,7 @@
-"""Lesson 15 runs under torchrun at P = 2 and 3: the closed form equals autograd, the hand ring equals the
-library's and the whole batch, every {InfoNCE, sigmoid} x {gather, ring} step equals the whole batch
-with its bytes equal to the formula, the ring's memory stays under a bound that does not grow with P.
+"""Lesson 15 runs under torchrun at P = 2 and 3: the closed form equals autograd, each hand ring (sigmoid,
+InfoNCE in two passes) equals the library's and the whole batch, every {InfoNCE, sigmoid} x {gather, ring}
+step equals the whole batch with its bytes equal to the formula, the ring's memory stays under a bound that
+does not grow with P.
 
 And open_clip's `SigLipLoss` recipe (`distlab.contrastive.siglip_recipe`, its `bidir` and `gather`
 exchanges re-implemented with the same arithmetic) at P = 2 and 4 under DDP gives the same gradients as
@@ -11,7 +12,9 @@ model: the baseline the streamed sigmoid loss is measured against computes the s
 import copy
 
 import pytest
-from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns
+import torch
+import torch.nn.functional as F
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 from streamed_helpers import STREAMED_N as N
 from streamed_helpers import SigTowers, full_batch, local_rows
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -22,7 +25,7 @@ from distlab.models import paired_data
 from distlab.spawn import spawn
 from distributed_clip import distributed_backward
 
-LESSON = "15_sigmoid_and_ring.py"
+LESSON = "sigmoid_and_ring"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -32,11 +35,31 @@ def test_lesson_passes(world, monkeypatch):
     out = assert_lesson_passes_at_80_columns(
         LESSON, world, "--pairs-per-rank", "24", "--micro-batch-size", "10", "--memory-pairs", "128"
     )
-    assert out.count("PASS ") == 14 and "Ring: block held" in out
+    assert out.count("PASS ") == 16 and "Ring: block held" in out
 
 
 def test_a_bad_flag_is_one_line():
     assert_flag_refused(LESSON, "--pairs-per-rank", "--pairs-per-rank", "0")
+
+
+def _infonce_hand_ring(rt, merge_sums_as_they_are: bool):
+    """The lesson's InfoNCE ring on this rank's 3 pairs against autograd on the whole batch; optionally
+    with a wrong merge of the traveling column (m, l): the sums added without rescaling to one max."""
+    lesson = load_lesson("sigmoid_and_ring")
+    if merge_sums_as_they_are:
+        lesson.merge_lse = lambda got, mine: [torch.maximum(got[0], mine[0]), got[1] + mine[1]]
+    gen = torch.Generator().manual_seed(5)
+    z = [F.normalize(torch.randn(3 * rt.world_size, 4, generator=gen, dtype=torch.float64), dim=1) for _ in "xy"]
+    mine = slice(3 * rt.rank, 3 * rt.rank + 3)
+    _, g_x, g_y, _ = lesson.infonce_ring_by_hand(rt, z[0][mine].contiguous(), z[1][mine].contiguous(), 10.0)
+    leaves = [t.clone().requires_grad_() for t in z]
+    lesson.infonce(*leaves, 10.0).backward()
+    return all(torch.allclose(g, leaf.grad[mine], rtol=1e-10, atol=1e-14) for g, leaf in zip((g_x, g_y), leaves))
+
+
+def test_the_infonce_hand_ring_is_exact_and_its_check_can_fail():
+    assert spawn(_infonce_hand_ring, 3, False) == [True] * 3
+    assert spawn(_infonce_hand_ring, 3, True) == [False] * 3
 
 
 def recipe_and_step(rt):

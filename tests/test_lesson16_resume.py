@@ -17,7 +17,7 @@ from helpers import assert_flag_refused, torchrun
 from distlab.checkpointing import Checkpoints
 from distlab.spawn import SpawnError, spawn
 
-LESSON = "16_train_clip.py"
+LESSON = "train_clip"
 # 20 steps of N = 64 clear the lesson's 80% accuracy claim (about 90%); checkpoints after steps 5, 10, ...
 RUN = ("--steps", "20", "--warmup", "2", "--global-batch", "64", "--eval-every", "10")
 DIGEST = re.compile(r"parameters sha256:\s+([0-9a-f]{64})\n")  # (at 80 columns rich wraps before the hex)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from helpers import LESSONS, no_ellipsis, torchrun
+from helpers import lesson_path, no_ellipsis, torchrun
 
 from distlab.contrastive.digits import (
     CLASS_NAMES,
@@ -35,7 +35,7 @@ from distlab.contrastive.reference import full_batch_gradients
 from distlab.optim import decay_groups, warmup_cosine
 from distlab.spawn import free_port
 
-LESSON = "16_train_clip.py"
+LESSON = "train_clip"
 SIGMOID_STEPS = 40  # at P = 3 with the ring: about 95% zero-shot against the 80% claim (30 steps: 90%)
 LAST_LINE = re.compile(r"^zero-shot accuracy on held-out digits: (\d+\.\d)%$")
 
@@ -124,7 +124,7 @@ def test_the_accuracy_check_can_fail():
     run = subprocess.run(
         [
             sys.executable,
-            str(LESSONS / LESSON),
+            str(lesson_path(LESSON)),
             "--steps",
             "2",
             "--warmup",
@@ -148,7 +148,7 @@ def test_the_accuracy_check_can_fail():
 def test_a_bad_flag_is_one_clear_line_and_exit_code_2():
     # Refused while parsing, before any process group: no launcher needed.
     run = subprocess.run(
-        [sys.executable, str(LESSONS / LESSON), "--steps", "10", "--warmup", "10"],
+        [sys.executable, str(lesson_path(LESSON)), "--steps", "10", "--warmup", "10"],
         capture_output=True,
         text=True,
         timeout=120,

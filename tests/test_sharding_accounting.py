@@ -22,9 +22,9 @@ def test_a_flat_unit_pads_to_equal_shards_and_round_trips():
 
 def test_the_formulas_say_what_zero_says():
     psi = 1000
-    assert sum(accounting.mixed_step(psi, 0).values()) == 16 * psi  # 2 + 2 + 4 + 8 bytes per parameter
-    assert sum(accounting.plain_step(psi, 0, 8).values()) == 32 * psi
-    even = accounting.Sizes(psi=1200, shard=300, tensors=6, units=3, p=4, b=2)
+    assert sum(accounting.expected_states_mixed(psi, 0).values()) == 16 * psi  # 2 + 2 + 4 + 8 bytes per parameter
+    assert sum(accounting.expected_states_one_dtype(psi, 0, 8).values()) == 32 * psi
+    even = accounting.Sizes(psi=1200, shard=300, tensors=6, units=3, world=4, e=2)
     ddp = accounting.expected_bytes("DDP", even)
     assert ddp == 2 * 3 / 4 * 1200 * 2  # 2 (P-1)/P b Psi, the ring all-reduce
     assert accounting.expected_bytes("ZeRO-1", even) == accounting.expected_bytes("ZeRO-2", even) == ddp
@@ -59,8 +59,8 @@ def test_layer_norm_statistics_are_saved_in_the_devices_accumulation_type():
     """Lesson 07's block formula on a GPU: bf16 inputs, float32 statistics (the first GPU run's one miss)."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         for device in ("cpu", "cuda"):
-            b = torch.empty((), dtype=dtype).element_size()
-            assert _saved_stats_bytes(dtype, device) == accounting.layer_norm_stat_bytes(b, device), (dtype, device)
+            e = torch.empty((), dtype=dtype).element_size()
+            assert _saved_stats_bytes(dtype, device) == accounting.layer_norm_stat_bytes(e, device), (dtype, device)
     cpu, cuda = (
         accounting.block_activations(4, 8, 16, 2, 2, accounting.layer_norm_stat_bytes(2, dev))
         for dev in ("cpu", "cuda")

@@ -1,7 +1,7 @@
 """The sigmoid loss's tile math and the ring passes, against plain autograd on the whole batch.
 
 One process, float64, 1e-10: the closed forms of dL/dS, dL/ds, dL/dbeta (distlab.streamed.sigmoid) and
-the two InfoNCE ring passes and the sigmoid ring (distlab.streamed.ring), first with P ranks emulated
+the two InfoNCE ring passes and the sigmoid ring (distlab.streamed.ring), first with P ranks as threads
 in one process, then on real ranks (spawn, gloo, batch_isend_irecv). The bytes each rank sends equal
 expected_ring_bytes. The reference is autograd of L written out plainly, with s and beta as ordinary tensors.
 """
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from distlab.spawn import spawn
-from distlab.streamed.ring import P2PRing, emulate, expected_ring_bytes, infonce_ring, sigmoid_ring
+from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, run_in_threads, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, sigmoid_gathered
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -87,10 +87,10 @@ def run_ring(ring, z_x, z_y, loss, t, s=9.0, b=-2.0):
 
 @pytest.mark.parametrize("loss", ["infonce", "sigmoid"])
 @pytest.mark.parametrize("world,t", [(1, 4), (2, 3), (3, 2), (4, 8)])
-def test_emulated_ring_equals_autograd_and_sends_its_formula(loss, world, t):
+def test_the_ring_in_threads_equals_autograd_and_sends_its_formula(loss, world, t):
     n, d = 12, 5
     z_x, z_y = embeddings(n, d, 0.3)
-    shares, ends = emulate(world, lambda ring: run_ring(ring, z_x, z_y, loss, t))
+    shares, ends = run_in_threads(world, lambda ring: run_ring(ring, z_x, z_y, loss, t))
     assert_shares_add_up(shares, autograd_reference(z_x, z_y, 9.0, -2.0, loss), loss)
     assert [e.ledger.sent for e in ends] == [expected_ring_bytes(world, n // world, d, 8, loss)] * world
     # features are posted before the tiles that read them: "post block" precedes "tiles" at each step

@@ -122,7 +122,7 @@ def _theirs(rt, cfg):
 def _pipeline_naive(rt):
     from helpers import load_lesson  # lesson 01's send/recv chain lives in the lesson
 
-    _pipeline(rt, load_lesson("01_model_parallel").ModelParallelStep)
+    _pipeline(rt, load_lesson("model_parallel").ModelParallelStep)
 
 
 def _pipeline_gpipe_checkpointed(rt):

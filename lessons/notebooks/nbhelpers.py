@@ -1,6 +1,6 @@
 """What the read-along notebooks share, so no notebook pastes another's code.
 
-- `run_lesson("02_gpipe_checkpoint.py", 2, "--micro-batches", "8")`: the lesson under torchrun, its
+- `run_lesson("gpipe_checkpoint", 2, "--micro-batches", "8")`: the lesson under torchrun (found by its slug), its
   output shown as the lesson printed it (captured, so laid out at a generous width and with one
   final line instead of progress-bar redraws); raises if the lesson's claim failed.
 - `gantt(ax, timing, ...)`: a schedule's simulated grid as a Gantt chart, `timeline(ax, spans, ...)`:
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,19 @@ class LessonRun(subprocess.CompletedProcess):
         return f"<{self.lesson} under torchrun: exit {self.returncode}>"
 
 
+def lesson_path(slug: str) -> Path:
+    """The lesson file of `slug` ("data_parallel": lessons/06_data_parallel.py), whatever its number
+    (lessons/order.txt sets the numbers); a numbered name ("06_data_parallel.py") works too."""
+    slug = re.sub(r"^\d\d_", "", slug.removesuffix(".py"))
+    found = sorted(LESSONS.glob(f"[0-9][0-9]_{slug}.py"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{len(found)} lesson files for {slug!r} in {LESSONS}")
+    return found[0]
+
+
 def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> LessonRun:
-    """Run `lessons/<lesson>` with `nproc` ranks under torchrun and print what it printed."""
+    """Run the lesson `lesson` (its slug, as `lesson_path` finds it) with `nproc` ranks under torchrun and
+    print what it printed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("COLUMNS", None)  # captured output: the lesson picks its generous captured width ...
     if os.environ.get("DISTLAB_LESSON_COLUMNS"):  # ... unless the test suite asks for a narrow one
@@ -39,7 +51,7 @@ def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> Lesso
             "--standalone",
             "--nproc-per-node",
             str(nproc),
-            str(LESSONS / lesson),
+            str(lesson_path(lesson)),
             *map(str, args),
         ],
         capture_output=True,

@@ -54,31 +54,31 @@ class Collective:
     formula: str
 
 
-def _all_reduce(x: Tensor, p: int) -> Tensor:
+def _all_reduce(x: Tensor, world: int) -> Tensor:
     out = x.clone()
     dist.all_reduce(out)  # sum, in place
     return out
 
 
-def _all_gather(x: Tensor, p: int) -> Tensor:
-    out = x.new_empty(p * x.numel())
+def _all_gather(x: Tensor, world: int) -> Tensor:
+    out = x.new_empty(world * x.numel())
     compat.all_gather_single(out, x)
     return out
 
 
-def _reduce_scatter(x: Tensor, p: int) -> Tensor:
-    out = x.new_empty(x.numel() // p)
+def _reduce_scatter(x: Tensor, world: int) -> Tensor:
+    out = x.new_empty(x.numel() // world)
     compat.reduce_scatter_single(out, x)
     return out
 
 
-def _broadcast(x: Tensor, p: int) -> Tensor:
+def _broadcast(x: Tensor, world: int) -> Tensor:
     out = x.clone()
     dist.broadcast(out, src=0)
     return out
 
 
-def _all_to_all(x: Tensor, p: int) -> Tensor:
+def _all_to_all(x: Tensor, world: int) -> Tensor:
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x)  # P equal parts: part q goes to rank q
     return out
@@ -153,15 +153,15 @@ def all_to_all_bytes(send_counts: Sequence[int], row_bytes: int, rank: int) -> i
     return (sum(send_counts) - send_counts[rank]) * row_bytes
 
 
-def full_numel(nbytes: int, p: int, dtype: torch.dtype) -> int:
+def full_numel(nbytes: int, world: int, dtype: torch.dtype) -> int:
     """Elements of the full tensor: `nbytes` worth, rounded down to a multiple of P (at least P)."""
     per = torch.tensor([], dtype=dtype).element_size()
-    return max(p, nbytes // per // p * p)
+    return max(world, nbytes // per // world * world)
 
 
-def input_numel(c: Collective, n: int, p: int) -> int:
+def input_numel(c: Collective, n: int, world: int) -> int:
     """Elements of one rank's input: all_gather's input is one rank's chunk, the others the whole."""
-    return n // p if c.input_is_chunk else n
+    return n // world if c.input_is_chunk else n
 
 
 def rank_input(c: Collective, n: int, rank: int, rt: Runtime, seed: int, dtype: torch.dtype) -> Tensor:

@@ -121,15 +121,15 @@ class Ring:
         return out
 
 
-def _parts(counts: Sequence[int] | None, rows: int, p: int, name: str) -> list[int]:
+def _parts(counts: Sequence[int] | None, rows: int, world: int, name: str) -> list[int]:
     """The parts' sizes: as given (P non-negative counts), or `rows` cut into P equal parts."""
     if counts is None:
-        if rows % p:
-            raise ValueError(f"{name}: {rows} rows do not cut into P = {p} equal parts; give the counts")
-        return [rows // p] * p
+        if rows % world:
+            raise ValueError(f"{name}: {rows} rows do not cut into P = {world} equal parts; give the counts")
+        return [rows // world] * world
     counts = list(counts)
-    if len(counts) != p or any(c < 0 for c in counts):
-        raise ValueError(f"{name}: {counts} is not P = {p} non-negative counts")
+    if len(counts) != world or any(c < 0 for c in counts):
+        raise ValueError(f"{name}: {counts} is not P = {world} non-negative counts")
     return counts
 
 

@@ -49,8 +49,8 @@ class Sizes:
 
     def expected_bytes(self) -> tuple[int, int]:
         """(forward, backward) bytes each rank sends, by the formula above."""
-        p = self.world_size
-        return 2 * (p - 1) * self.block, ((4 * p - 2) * self.block if p > 1 else 0)
+        world = self.world_size
+        return 2 * (world - 1) * self.block, ((4 * world - 2) * self.block if world > 1 else 0)
 
     def memory_bound(self) -> tuple[int, int]:
         """(forward, backward) upper bounds on the bytes the ring allocates per rank."""

@@ -35,10 +35,10 @@ from distlab.runtime import Runtime
 from distlab.timeline import timed
 
 
-def ring_elements(p: int, n: int, d: int) -> dict[str, float]:
+def ring_elements(world: int, n: int, d: int) -> dict[str, float]:
     """Elements each rank sends (= receives) per gathered N x d tensor, for a ring of P ranks."""
     return {
-        f"{kind} ({direction})": float(ring_fraction(kind, p) * n * d)
+        f"{kind} ({direction})": float(ring_fraction(kind, world) * n * d)
         for kind, direction in (("all_gather", "forward"), ("all_reduce", "backward"), ("reduce_scatter", "backward"))
     }
 
@@ -49,9 +49,9 @@ def global_logits(n: int) -> dict[str, int]:
     return {"matmul": n * n, "softmax": 2 * n * n}
 
 
-def local_logits(n: int, p: int) -> dict[str, int]:
+def local_logits(n: int, world: int) -> dict[str, int]:
     """Local x global, per rank: the C x N rows of S and of S^T, each with its row softmax."""
-    return {"matmul": 2 * (n // p) * n, "softmax": 2 * (n // p) * n}
+    return {"matmul": 2 * (n // world) * n, "softmax": 2 * (n // world) * n}
 
 
 def _slowest(seconds: list[float], rt: Runtime) -> float:

@@ -60,20 +60,20 @@ def method_table(rows: list[tuple[str, str, Comparison, bool]], title: str, capt
     return table
 
 
-def work_table(n: int, p: int, d: int) -> Table:
+def work_table(n: int, world: int, d: int) -> Table:
     """Lesson 10: every rank computes the same N x N logits; what that costs in all."""
     table = _table(
         "The redundant work: every rank computes the same N x N logits",
-        f"N = {n}, d = {d}, P = {p}; exp: entries the row and column softmaxes exponentiate",
+        f"N = {n}, d = {d}, P = {world}; exp: entries the row and column softmaxes exponentiate",
     )
-    for column in ("per step", "formula", "one rank", f"all {p} ranks", "needed", "redundant"):
+    for column in ("per step", "formula", "one rank", f"all {world} ranks", "needed", "redundant"):
         table.add_column(column, justify="left" if column in ("per step", "formula") else "right")
     for what, formula, once in (
         ("S entries", "N^2", n * n),
         ("multiply-adds", "N^2 d", n * n * d),
         ("exp (softmax)", "2 N^2", 2 * n * n),
     ):
-        table.add_row(what, formula, f"{once:,}", f"{p * once:,}", f"{once:,}", f"{(p - 1) * once:,}")
+        table.add_row(what, formula, f"{once:,}", f"{world * once:,}", f"{once:,}", f"{(world - 1) * once:,}")
     return table
 
 
@@ -117,10 +117,10 @@ def seeds_table(runs: Mapping[int, Mapping[str, TrainRun]], held_out: int) -> Ta
     return table
 
 
-def emulated_table(results: Mapping[int, Mapping[str, float]], n: int) -> Table:
-    """Lesson 11 --emulate: the plain gather's training at world sizes run in one process."""
+def detached_at_table(results: Mapping[int, Mapping[str, float]], n: int) -> Table:
+    """Lesson 11 --detached-at: the plain gather's training at larger world sizes, each run in one process."""
     table = _table(
-        "The plain gather at larger P, emulated in one process (detached-blocks loss)",
+        "The plain gather at larger P, each P run in one process (detached-blocks loss)",
         f"final L: L averaged over the last {FINAL_STEPS} steps; P = 1 is the exact run",
     )
     for column in ("P", "C = N/P", "final L", "held-out accuracy"):
@@ -130,15 +130,15 @@ def emulated_table(results: Mapping[int, Mapping[str, float]], n: int) -> Table:
     return table
 
 
-def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[str, float]]], elem: int) -> Table:
+def cost_table(n: int, world: int, rows: list[tuple[str, Mapping[str, int], Mapping[str, float]]], e: int) -> Table:
     """Lesson 12: what the loss costs one rank; rows of (name, its `global_logits` or `local_logits`,
     its `loss_cost`)."""
     table = _table(
-        f"Per rank, the loss forward + backward from the embeddings (N = {n}, P = {p})",
+        f"Per rank, the loss forward + backward from the embeddings (N = {n}, P = {world})",
         "global: every rank all N x N logits; local: its C x N rows of S and of S^T; "
         "S: similarity entries its matmuls produce; exp: entries its softmaxes exponentiate; "
         f"largest, peak: tensor storage it allocates (PeakMemory), largest / N^2: the largest "
-        f"over an N x N matrix of {elem}-byte floats; time: median of 5, slowest rank",
+        f"over an N x N matrix of {e}-byte floats; time: median of 5, slowest rank",
     )
     for column in ("loss", "S", "exp", "largest", "/ N^2", "peak", "time"):
         table.add_column(column, justify="left" if column == "loss" else "right")
@@ -148,14 +148,14 @@ def cost_table(n: int, p: int, rows: list[tuple[str, Mapping[str, int], Mapping[
             f"{work['matmul']:,}",
             f"{work['softmax']:,}",
             f"{cost['largest_bytes'] / MIB:.2f} MiB",
-            f"{cost['largest_bytes'] / (n * n * elem):.3f}",
+            f"{cost['largest_bytes'] / (n * n * e):.3f}",
             f"{cost['peak_bytes'] / MIB:.1f} MiB",
             f"{1e3 * cost['seconds']:.0f} ms",
         )
     return table
 
 
-def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], backend: str) -> Table:
+def comm_table(world: int, n: int, d: int, e: int, seconds: Mapping[str, float], backend: str) -> Table:
     """Lesson 12: traffic per gathered N x d tensor by the ring formulas, and measured time."""
     note = (
         "; gloo runs a reduce_scatter as an all_reduce of a copy, so no saving shows on CPU"
@@ -163,9 +163,9 @@ def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], 
         else ""
     )
     table = _table(
-        f"Communication per gathered N x d tensor (ring; N = {n}, d = {d}, P = {p})",
+        f"Communication per gathered N x d tensor (ring; N = {n}, d = {d}, P = {world})",
         f"sent: elements each rank sends (and receives); measured: median of 10, slowest rank, "
-        f"{elem}-byte floats on {backend}{note}",
+        f"{e}-byte floats on {backend}{note}",
     )
     for column in ("collective", "sent", "elements", "MiB", "measured"):
         table.add_column(column, justify="left" if column in ("collective", "sent") else "right")
@@ -174,9 +174,9 @@ def comm_table(p: int, n: int, d: int, elem: int, seconds: Mapping[str, float], 
         "all_reduce (backward)": "2(P-1)/P N d",
         "reduce_scatter (backward)": "(P-1)/P N d",
     }
-    for name, elements in ring_elements(p, n, d).items():
+    for name, elements in ring_elements(world, n, d).items():
         measured = f"{1e3 * seconds[name]:.2f} ms" if name in seconds else "-"
-        table.add_row(name, formulas[name], f"{elements:,.0f}", f"{elements * elem / MIB:.2f}", measured)
+        table.add_row(name, formulas[name], f"{elements:,.0f}", f"{elements * e / MIB:.2f}", measured)
     return table
 
 

@@ -1,14 +1,17 @@
-"""Every collective run once and timed: torch's against one process, the ring by hand against the
-formula, torch's time against the bytes (lesson 06 and its notebook).
+"""Every collective run once and timed: torch's against one process, a ring by hand against the
+formula and against the library's ring, torch's time against the bytes (lesson 06 and its notebook).
 
 `measure_collectives` runs, for each of the four collectives lesson 06 teaches (`MEASURED`; the
-all-to-all comes with expert parallelism), torch's version and the ring by hand (`distlab.comm.ring`)
-on the same inputs, compares both with the single-process result, counts the bytes the ring sent, and
-times torch's version (median of `repeats`, slowest rank). Every rank returns its own rows.
+all-to-all comes with expert parallelism), torch's version, the ring by hand it is given (lesson 06's
+own) and the ground floor's (`distlab.comm.ring.Ring`) on the same inputs; compares torch's and the
+hand ring's with the single-process result, the hand ring's with the library's (bit for bit, and the
+bytes each sent); and times torch's version (median of `repeats`, slowest rank). Every rank returns its
+own rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,7 @@ from distlab.comm.collectives import (
     ALL_GATHER,
     ALL_REDUCE,
     BROADCAST,
+    BY_NAME,
     REDUCE_SCATTER,
     check_collective,
     full_numel,
@@ -29,6 +33,14 @@ from distlab.compare import tolerances
 from distlab.runtime import Runtime
 
 MEASURED = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)
+# (runtime, collective's name, this rank's input) -> (the result, the bytes this rank sent)
+ByHand = Callable[[Runtime, str, torch.Tensor], tuple[torch.Tensor, int]]
+
+
+def library_ring(rt: Runtime, name: str, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The ground floor's ring (`distlab.comm.ring.Ring`) for collective `name`: (result, bytes sent)."""
+    ring = Ring()
+    return RING_RUNS[BY_NAME[name]](ring, x), ring.ledger.sent
 
 
 @dataclass(frozen=True)
@@ -40,11 +52,14 @@ class CollectiveRow:
     ring_ok: bool  # the ring by hand's result allclose to one process's
     formula_bytes: int  # what the ring formula says this rank sends
     counted_bytes: int  # what the ring by hand sent from this rank
+    same_as_library: bool  # the ring by hand's result = the library ring's, bit for bit, and its bytes too
     seconds: float  # torch's collective: median over the repeats of the slowest rank
     full_bytes: int  # the full tensor
 
 
-def measure_collectives(rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int, repeats: int) -> list[CollectiveRow]:
+def measure_collectives(
+    rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int, repeats: int, by_hand: ByHand = library_ring
+) -> list[CollectiveRow]:
     rtol, atol = tolerances(dtype)
     n = full_numel(nbytes, rt.world_size, dtype)
     itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -52,8 +67,8 @@ def measure_collectives(rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int,
     for c in MEASURED:
         x = rank_input(c, n, rt.rank, rt, seed, dtype)
         got, expected = check_collective(c, rt, n, seed, dtype)
-        ring = Ring()
-        by_hand = RING_RUNS[c](ring, x)
+        mine, sent = by_hand(rt, c.name, x)
+        library, library_sent = library_ring(rt, c.name, x)
         seconds = time_call(rt, lambda c=c, x=x: c.run(x, rt.world_size), repeats)
         rows.append(
             CollectiveRow(
@@ -61,9 +76,10 @@ def measure_collectives(rt: Runtime, nbytes: int, dtype: torch.dtype, seed: int,
                 c.formula,
                 (got.cpu() - expected).abs().max().item(),
                 torch.allclose(got.cpu(), expected, rtol=rtol, atol=atol),
-                torch.allclose(by_hand.cpu(), expected, rtol=rtol, atol=atol),
+                torch.allclose(mine.cpu(), expected, rtol=rtol, atol=atol),
                 ring_bytes(c.name, n, itemsize, rt.world_size, rt.rank),
-                ring.ledger.sent,
+                sent,
+                torch.equal(mine, library) and sent == library_sent,
                 seconds,
                 n * itemsize,
             )

@@ -32,13 +32,15 @@ AFTER = {
 
 
 def semantics_table(rows: list) -> Table:
-    """What rank r ends with, and whether torch's and the ring's results equal one process's."""
+    """What rank r ends with, whether torch's and the ring by hand's results equal one process's, and
+    whether the ring by hand equals the library's (`distlab.comm.ring.Ring`: result and bytes)."""
     table = compact_table(
         "What each collective computes, against one process",
-        ("collective", "rank r ends with", "max |err|", "torch", "by hand"),
+        ("collective", "rank r ends with", "max |err|", "torch", "by hand", "= Ring"),
     )
     for row in rows:
-        table.add_row(row.name, AFTER[row.name], f"{row.max_err:.1e}", _mark(row.ok), _mark(row.ring_ok))
+        marks = (_mark(row.ok), _mark(row.ring_ok), _mark(row.same_as_library))
+        table.add_row(row.name, AFTER[row.name], f"{row.max_err:.1e}", *marks)
     return table
 
 

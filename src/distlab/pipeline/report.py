@@ -141,8 +141,8 @@ def show_measured(title: str, runs: dict[str, list[Span]], world_size: int, step
 def idle_against_grid(idle: float, world_size: int, micro_batches: int) -> str:
     """The emulated step's measured idle share beside its grid's (P-1)/(M+P-1), as a ratio when the grid
     has a bubble; at P = 1 it has none (one stage never waits), and a ratio to 0 means nothing."""
-    p, m = world_size, micro_batches
-    formula = (p - 1) / (m + p - 1)
+    world, m = world_size, micro_batches
+    formula = (world - 1) / (m + world - 1)
     line = f"emulated device: measured idle share {idle:.3f} against the grid's (P-1)/(M+P-1) = {formula:.3f} "
     if formula == 0:
         return line + "(P = 1: one stage, no bubble; the clock's wake-ups are what was measured)"
@@ -154,7 +154,7 @@ def show_timelines(rt, cfg, schedule: Schedule, name: str, real: PipelineRun, re
     again on the emulated device (each layer-pass a fixed time, slept: `distlab/emulate.py`), whose
     gradients must still be `ref`'s (a check). Prints both timelines and the emulated idle share against
     the grid's (P-1)/(M+P-1) (GPipe's and 1F1B's alike); returns `show_measured`'s figures."""
-    p, m = rt.world_size, cfg.micro_batches
+    world, m = rt.world_size, cfg.micro_batches
     spans = {"real CPU": real.spans}
     if cfg.emulate_ms:
         emulated = train(rt, cfg, PipelineStep(rt, cfg, schedule))
@@ -162,7 +162,7 @@ def show_timelines(rt, cfg, schedule: Schedule, name: str, real: PipelineRun, re
         print0(table)
         verdict.check(f"on the emulated device {name} still computes the unsplit model's gradients", matched)
         spans[f"emulated device, {cfg.emulate_ms:g} ms per layer-pass"] = emulated.spans
-    measured = show_measured(f"{name}'s last step", spans, p, cfg.steps - 1)
+    measured = show_measured(f"{name}'s last step", spans, world, cfg.steps - 1)
     if cfg.emulate_ms:
-        print0(idle_against_grid(list(measured.values())[-1]["idle"], p, m))
+        print0(idle_against_grid(list(measured.values())[-1]["idle"], world, m))
     return measured

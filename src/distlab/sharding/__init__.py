@@ -5,10 +5,12 @@
 - `flat`: a layer's parameters as one flat buffer padded to P equal shards (Psi not divisible by P);
 - `problem`: the model, each step's global batch, the loss, AdamW, the one-process reference;
 - `holds`: one step of plain data parallelism measured item by item (float64 and mixed precision);
-- `ddp`, `shards`, `fsdp`: the strategies' ground (DDP's ring all-reduce; every rank's shards and AdamW
-  on them, from which the lesson's ZeRO-1, -2 and -3 start; FSDP2's fully_shard);
+- `replicated`, `shards`, `fsdp`: the strategies' ground (the baseline: whole states on every rank, gradients
+  averaged by ring all-reduces, no DDP module; every rank's shards and AdamW on them, from which the lesson's
+  ZeRO-1, -2 and -3 start; FSDP2's fully_shard);
 - `training`: the one training loop run by every strategy, measuring memory and counting bytes;
-- `checkpoint`: save sharded with torch.distributed.checkpoint, resume at another P;
+- `dcp_resume`: save sharded with torch.distributed.checkpoint, resume at another P (a distributed
+  checkpoint; not activation checkpointing, not `distlab.checkpointing`'s crash-resume);
 - `report`: the tables, laid out for 80 columns.
 
 ZeRO-1, -2 and -3 are written out in the lesson, and only there; the transformer block whose memory it

@@ -45,24 +45,24 @@ class Sizes:
     shard: int  # Psi_P = sum_u ceil(Psi_u / P), one rank's elements of a sharded item
     tensors: int  # parameter tensors
     units: int  # layers (flat units)
-    p: int  # ranks, P
-    b: int  # bytes per element
+    world: int  # ranks, P
+    e: int  # bytes per element
 
     @classmethod
-    def of(cls, units: list[FlatUnit], p: int, b: int) -> Sizes:
+    def of(cls, units: list[FlatUnit], world: int, e: int) -> Sizes:
         return cls(
             sum(u.numel for u in units),
             sum(u.shard_numel for u in units),
             sum(len(u.sizes) for u in units),
             len(units),
-            p,
-            b,
+            world,
+            e,
         )
 
 
 def held(stage: str, s: Sizes) -> dict[str, int]:
     """Bytes of each item one rank holds after a step (gradients not yet zeroed), by stage."""
-    full, shard, steps = s.b * s.psi, s.b * s.shard, STEP_COUNT_BYTES * s.units
+    full, shard, steps = s.e * s.psi, s.e * s.shard, STEP_COUNT_BYTES * s.units
     table = {
         "DDP": {"weights": full, "gradients": full, "moments": 2 * full, "step counts": STEP_COUNT_BYTES * s.tensors},
         "ZeRO-1": {
@@ -89,19 +89,21 @@ def expected_bytes(stage: str, s: Sizes, first_shard: int = 0) -> int:
     gathers a layer again for backward only when backward reads its weights: the first layer's input needs
     no gradient, so its weights are not read (`first_shard` = its ceil(Psi_0 / P) elements, not gathered
     twice; 0 counts it, as FSDP2 does)."""
-    per_pass = (s.p - 1) * s.shard * s.b  # one reduce-scatter or one all-gather of every unit
+    per_pass = (s.world - 1) * s.shard * s.e  # one reduce-scatter or one all-gather of every unit
     if stage == "ZeRO-3":
-        return 3 * per_pass - (s.p - 1) * first_shard * s.b
+        return 3 * per_pass - (s.world - 1) * first_shard * s.e
     return 2 * per_pass
 
 
-def plain_step(psi: int, tensors: int, b: int) -> dict[str, int]:
-    """One process (or one DDP rank) training in one dtype of b bytes: the model states."""
-    return {"weights": b * psi, "gradients": b * psi, "moments": 2 * b * psi, "step counts": STEP_COUNT_BYTES * tensors}
+def expected_states_one_dtype(psi: int, tensors: int, e: int) -> dict[str, int]:
+    """The model states of one process (or one DDP rank) training in one dtype of e bytes, by formula (the
+    measured side: `distlab.sharding.holds.measure_one_dtype_step`)."""
+    return {"weights": e * psi, "gradients": e * psi, "moments": 2 * e * psi, "step counts": STEP_COUNT_BYTES * tensors}
 
 
-def mixed_step(psi: int, tensors: int) -> dict[str, int]:
-    """bf16 weights and gradients, a float32 master copy and float32 moments."""
+def expected_states_mixed(psi: int, tensors: int) -> dict[str, int]:
+    """bf16 weights and gradients, a float32 master copy and float32 moments, by formula (the measured side:
+    `distlab.sharding.holds.measure_mixed_step`)."""
     return {
         "weights": 2 * psi,
         "gradients": 2 * psi,
@@ -111,26 +113,26 @@ def mixed_step(psi: int, tensors: int) -> dict[str, int]:
     }
 
 
-def layer_norm_stat_bytes(b: int, device_type: str) -> int:
-    """Bytes per element of the mean and 1/std a LayerNorm saves for backward, for inputs of b bytes: on
+def layer_norm_stat_bytes(e: int, device_type: str) -> int:
+    """Bytes per element of the mean and 1/std a LayerNorm saves for backward, for inputs of e bytes: on
     the CPU in the input's dtype; on CUDA in its accumulation type, float32 for bf16 and fp16 inputs
     (torch's `layer_norm_cuda` allocates them so), float64 for float64."""
-    return max(b, 4) if device_type == "cuda" else b
+    return max(e, 4) if device_type == "cuda" else e
 
 
-def block_activations(rows: int, seq: int, d: int, heads: int, b: int, stat_bytes: int | None = None) -> int:
+def block_activations(rows: int, seq: int, d: int, heads: int, e: int, stat_bytes: int | None = None) -> int:
     """Bytes autograd saves in lesson 07's block, `distlab.models.Block` with q, k, v from one fused
     product and attention written out (counted op by op, by storage as `distlab.held` counts): 18 tensors of
     C x seq x d (input, LN1 output, q, k, v, the heads' merged output, LN2 input and output, the
     4d-wide fc1 output and GELU output (4 each), output and target), the softmax (C h seq^2), all
-    of b bytes, and the two LayerNorms' mean and 1/std (4 C seq) of `stat_bytes` bytes (default b;
+    of e bytes, and the two LayerNorms' mean and 1/std (4 C seq) of `stat_bytes` bytes (default e;
     `layer_norm_stat_bytes` gives the device's: on CUDA a bf16 block saves them in float32)."""
-    stat_bytes = b if stat_bytes is None else stat_bytes
-    return b * (18 * rows * seq * d + rows * heads * seq * seq) + stat_bytes * 4 * rows * seq
+    stat_bytes = e if stat_bytes is None else stat_bytes
+    return e * (18 * rows * seq * d + rows * heads * seq * seq) + stat_bytes * 4 * rows * seq
 
 
-def mlp_activations(rows: int, widths: tuple[int, ...], b: int) -> int:
+def mlp_activations(rows: int, widths: tuple[int, ...], e: int) -> int:
     """Bytes autograd saves for backward in `layered_mlp` under a mean-squared-error loss: the input
     (for the first weight's gradient), each hidden layer's tanh output (tanh's backward needs it,
     and it is the next Linear's input), and the output and target (the loss's backward)."""
-    return b * rows * (widths[0] + sum(widths[1:-1]) + 2 * widths[-1])
+    return e * rows * (widths[0] + sum(widths[1:-1]) + 2 * widths[-1])

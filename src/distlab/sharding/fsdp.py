@@ -38,18 +38,19 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool 
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
-def fsdp_held(model: nn.Module, p: int, rank: int, b: int) -> dict[str, int]:
-    """What rank `rank` holds after a step under FSDP2, by item. Weights and gradients: each
-    parameter's shard padded to ceil(rows / P) rows; AdamW's moments are made like the local shard,
-    which is unpadded: rank r's real rows, min(ceil(rows/P), rows - r ceil(rows/P)), at least 0."""
+def fsdp_held(model: nn.Module, world: int, rank: int, e: int) -> dict[str, int]:
+    """What rank `rank` of P = `world` holds after a step under FSDP2, by item, for e bytes per element.
+    Weights and gradients: each parameter's shard padded to ceil(rows / P) rows; AdamW's moments are made
+    like the local shard, which is unpadded: rank r's real rows, min(ceil(rows/P), rows - r ceil(rows/P)),
+    at least 0."""
 
     def rows(q: torch.Tensor, padded: bool) -> int:
-        per = math.ceil(q.shape[0] / p)
+        per = math.ceil(q.shape[0] / world)
         return per if padded else max(0, min(per, q.shape[0] - rank * per))
 
     params = list(model.parameters())
-    padded = b * sum(rows(q, True) * (q.numel() // q.shape[0]) for q in params)
-    local = b * sum(rows(q, False) * (q.numel() // q.shape[0]) for q in params)
+    padded = e * sum(rows(q, True) * (q.numel() // q.shape[0]) for q in params)
+    local = e * sum(rows(q, False) * (q.numel() // q.shape[0]) for q in params)
     return {"weights": padded, "gradients": padded, "moments": 2 * local, "step counts": 4 * len(params)}
 
 

@@ -35,8 +35,8 @@ def _held(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[
     return {k: storage_bytes(v) for k, v in model_states(params, [p.grad for p in params], states).items()}
 
 
-def plain_step(build: Callable[[], nn.Module], x: torch.Tensor, target: torch.Tensor) -> Holding:
-    """One AdamW step in the model's own dtype."""
+def measure_one_dtype_step(build: Callable[[], nn.Module], x: torch.Tensor, target: torch.Tensor) -> Holding:
+    """One AdamW step in the model's own dtype, measured (its formula: `accounting.expected_states_one_dtype`)."""
     with PeakMemory() as mem:
         model = build()
         optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
@@ -47,8 +47,9 @@ def plain_step(build: Callable[[], nn.Module], x: torch.Tensor, target: torch.Te
     return Holding(_held(list(model.parameters()), optimizer) | {"activations": saved.nbytes}, mem.peak_bytes)
 
 
-def mixed_step(build: Callable[[], nn.Module], x: torch.Tensor, target: torch.Tensor) -> Holding:
-    """One step of bf16 compute with a float32 master copy that AdamW steps."""
+def measure_mixed_step(build: Callable[[], nn.Module], x: torch.Tensor, target: torch.Tensor) -> Holding:
+    """One step of bf16 compute with a float32 master copy that AdamW steps, measured (its formula:
+    `accounting.expected_states_mixed`)."""
     with PeakMemory() as mem:
         model = build().to(torch.bfloat16)
         params = list(model.parameters())

@@ -25,7 +25,7 @@ back around the ring in its backward). 3 C N d.
 Each rank folds the ranks' contributions in arrival order, so its partial (a fresh tile's sums) is
 merged with the received accumulator only after the tile math: the accumulator's message, like the
 features', is in flight while the tiles run. `P2PRing` sends with the ground floor's exchange
-(`distlab.comm.ring.Ring.shift`: one batch_isend_irecv, over the wrapper's group); `ListRing` emulates P
+(`distlab.comm.ring.Ring.shift`: one batch_isend_irecv, over the wrapper's group); `ListRing` plays P
 ranks in one process (threads and queues, the same code path, the same `Posted` waiter).
 """
 
@@ -71,7 +71,7 @@ class P2PRing(Endpoint):
 
 
 class ListRing(Endpoint):
-    """One of P ranks emulated in one process: mailboxes (queues) per (tag, receiving rank)."""
+    """One of P ranks played by a thread of one process: mailboxes (queues) per (tag, receiving rank)."""
 
     def __init__(self, world: int, rank: int, mail: dict):
         super().__init__(world, rank)
@@ -83,8 +83,8 @@ class ListRing(Endpoint):
         return Posted(self.mail[tag, self.rank].get)  # delivered when the left neighbour has posted
 
 
-def emulate(world: int, body: Callable[[ListRing], object]) -> tuple[list, list[ListRing]]:
-    """Run body(endpoint) for P emulated ranks at once (one thread each); their results and endpoints."""
+def run_in_threads(world: int, body: Callable[[ListRing], object]) -> tuple[list, list[ListRing]]:
+    """Run body(endpoint) for P ranks at once, one thread each; their results and endpoints."""
     mail = {(tag, r): queue.Queue() for tag in (0, 1) for r in range(world)}
     ends = [ListRing(world, r, mail) for r in range(world)]
     results: list = [None] * world

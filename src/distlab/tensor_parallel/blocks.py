@@ -12,7 +12,9 @@ holds the head, untouched; the output projection row parallel over those heads' 
 
 The pair (enter, exit) is a `Comm`: (f, g) for tensor parallelism, (f-bar, g-bar) for sequence
 parallelism, where the block's input and output are cut along the sequence and the LayerNorms, dropout
-and residual adds run on seq / P tokens per rank. The code of the block is the same for both.
+and residual adds run on seq / P tokens per rank. The code of the block is the same for both. The split
+Linear layers are the library's unless a `Layers` pair says otherwise (lesson 08 builds the block from its
+own).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.models import MLP, Attention, Block, attend, masked
-from distlab.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from distlab.tensor_parallel.layers import LIBRARY_LAYERS, Layers
 from distlab.tensor_parallel.operators import Comm
 
 
@@ -40,11 +42,11 @@ def check_split(heads: int, ffn: int, world_size: int, seq: int | None = None) -
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, full: MLP, rank: int, world_size: int, comm: Comm):
+    def __init__(self, full: MLP, rank: int, world_size: int, comm: Comm, layers: Layers = LIBRARY_LAYERS):
         super().__init__()
         self.comm = comm
-        self.fc1 = ColumnParallelLinear(full.fc1, rank, world_size)
-        self.fc2 = RowParallelLinear(full.fc2, rank, world_size)
+        self.fc1 = layers.column(full.fc1, rank, world_size)
+        self.fc2 = layers.row(full.fc2, rank, world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = F.gelu(self.fc1(self.comm.to_parallel(x)))  # (N, seq, d_ff / P)
@@ -52,11 +54,11 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, full: Attention, rank: int, world_size: int, comm: Comm):
+    def __init__(self, full: Attention, rank: int, world_size: int, comm: Comm, layers: Layers = LIBRARY_LAYERS):
         super().__init__()
         self.comm, self.head_dim, self.options = comm, full.head_dim, full.options
-        self.q, self.k, self.v = (ColumnParallelLinear(lin, rank, world_size) for lin in (full.q, full.k, full.v))
-        self.out = RowParallelLinear(full.out, rank, world_size)
+        self.q, self.k, self.v = (layers.column(lin, rank, world_size) for lin in (full.q, full.k, full.v))
+        self.out = layers.row(full.out, rank, world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.comm.to_parallel(x)  # one f for q, k and v: their input gradients add up before it
@@ -67,13 +69,13 @@ class ParallelAttention(nn.Module):
 class ParallelBlock(nn.Module):
     """`distlab.models.Block` on P ranks; the LayerNorms replicated; masks are this rank's part of them."""
 
-    def __init__(self, full: Block, rank: int, world_size: int, comm: Comm):
+    def __init__(self, full: Block, rank: int, world_size: int, comm: Comm, layers: Layers = LIBRARY_LAYERS):
         super().__init__()
         self.ln1, self.ln2 = (nn.LayerNorm(ln.normalized_shape).to(ln.weight.dtype) for ln in (full.ln1, full.ln2))
         self.ln1.load_state_dict(full.ln1.state_dict())
         self.ln2.load_state_dict(full.ln2.state_dict())
-        self.attn = ParallelAttention(full.attn, rank, world_size, comm)
-        self.mlp = ParallelMLP(full.mlp, rank, world_size, comm)
+        self.attn = ParallelAttention(full.attn, rank, world_size, comm, layers)
+        self.mlp = ParallelMLP(full.mlp, rank, world_size, comm, layers)
 
     def forward(self, x: torch.Tensor, masks: tuple | None = None) -> torch.Tensor:
         m1, m2 = masks if masks is not None else (None, None)

@@ -8,10 +8,13 @@ needs one all-reduce, and b is added once, after it.
 Column then row needs no communication in between: the column layer's output slice is exactly the row
 layer's input slice (and an element-wise function such as GELU, or attention head by head, can sit
 between them). `SPLIT` says along which dim each parameter is cut (None: replicated), so the unsplit
-layer's gradients can be cut the same way to compare (`reference_shards`).
+layer's gradients can be cut the same way to compare (`reference_shards`). A block is built from a pair of
+layer kinds (`Layers`): these, or lesson 08's own, which the lesson proves equal to these.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,18 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., d_in / P) -> partial (..., d_out)
         return F.linear(x, self.weight)  # no bias: it belongs to the sum, not to each addend
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The two kinds of split Linear a block is built from: `column(full, rank, world_size)` and `row(...)`,
+    each with a `SPLIT` dict (the dim each parameter is cut along; None: held whole)."""
+
+    column: type = ColumnParallelLinear
+    row: type = RowParallelLinear
+
+
+LIBRARY_LAYERS = Layers()
 
 
 def reference_shards(

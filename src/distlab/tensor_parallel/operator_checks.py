@@ -22,13 +22,13 @@ from distlab.compare import Comparison, all_ok, compare_whole
 ROWS, PART, WIDTH = 2, 2, 3  # a tensor (ROWS, PART * P or PART, WIDTH): small, distinct on every rank
 
 
-def _full(q: int, p: int, salt: int) -> torch.Tensor:
+def _full(q: int, world: int, salt: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * salt + q)
-    return torch.randn(ROWS, PART * p, WIDTH, generator=gen, dtype=torch.float64)
+    return torch.randn(ROWS, PART * world, WIDTH, generator=gen, dtype=torch.float64)
 
 
-def _part(t: torch.Tensor, r: int, p: int) -> torch.Tensor:
-    return t.chunk(p, dim=1)[r]
+def _part(t: torch.Tensor, r: int, world: int) -> torch.Tensor:
+    return t.chunk(world, dim=1)[r]
 
 
 MATH = {  # name -> (rank r's input, rank r's output gradient weights, expected forward, expected backward)

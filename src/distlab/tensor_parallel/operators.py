@@ -19,8 +19,8 @@ Sequence parallelism splits the all-reduce into its two halves, a reduce-scatter
 (Korthikanti et al. name this pair g and g-bar; our bar means "the sequence-parallel f or g", so their g
 is our f-bar, and their g-bar our g-bar.)
 
-Bytes, ring accounting as in lesson 06 for a full tensor of b bytes: all-reduce 2(P-1)/P b,
-all-gather and reduce-scatter (P-1)/P b each (`distlab.comm.collectives`); so f-bar + g-bar send
+Bytes, ring accounting as in lesson 06 for a full tensor of `bytes`: all-reduce 2(P-1)/P bytes,
+all-gather and reduce-scatter (P-1)/P bytes each (`distlab.comm.collectives`); so f-bar + g-bar send
 exactly what f + g send. A `distlab.comm.ledger.Ledger` counts them by (direction, collective), in
 exact integers.
 """
@@ -53,8 +53,8 @@ def all_gather_seq(x: torch.Tensor, group, ledger: Ledger, direction: str) -> to
 
 def reduce_scatter_seq(x: torch.Tensor, group, ledger: Ledger, direction: str) -> torch.Tensor:
     """(N, seq, ...) partial sums on each rank -> rank r's part (N, seq/P, ...) of their sum."""
-    p = dist.get_world_size(group)
-    parts = [c.contiguous() for c in x.chunk(p, dim=1)]
+    world = dist.get_world_size(group)
+    parts = [c.contiguous() for c in x.chunk(world, dim=1)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
     ledger.record(direction, "reduce_scatter", x, group)

@@ -23,7 +23,7 @@ from distlab.compare import Comparison, against, all_ok
 from distlab.held import SavedActivations
 from distlab.memory import PeakMemory
 from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
-from distlab.tensor_parallel.layers import reference_shards
+from distlab.tensor_parallel.layers import LIBRARY_LAYERS, Layers, reference_shards
 from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks, regression_loss
 from distlab.tensor_parallel.operators import Comm
 from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
@@ -125,14 +125,17 @@ def rank_batch(cfg: BlockConfig, part: str, comm: Comm, steps: int, device: torc
     return Batch(mine(x).requires_grad_(), mine(target), x.numel(), masks)
 
 
-def split_module(cfg: BlockConfig, part: str, comm: Comm, device: torch.device):
-    rank, p = dist.get_rank(comm.group), dist.get_world_size(comm.group)
-    return PARTS[part][1](PARTS[part][0](build(cfg)[0]), rank, p, comm).to(device)
+def split_module(cfg: BlockConfig, part: str, comm: Comm, device: torch.device, layers: Layers = LIBRARY_LAYERS):
+    rank, world = dist.get_rank(comm.group), dist.get_world_size(comm.group)
+    return PARTS[part][1](PARTS[part][0](build(cfg)[0]), rank, world, comm, layers).to(device)
 
 
-def split_run(rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float) -> Outcome:
-    """`part` split over comm's group with comm's operators, `steps` SGD steps, against the reference."""
-    model = split_module(cfg, part, comm, rt.device)
+def split_run(
+    rt, cfg: BlockConfig, part: str, comm: Comm, steps: int, lr: float, layers: Layers = LIBRARY_LAYERS
+) -> Outcome:
+    """`part` split over comm's group with comm's operators and `layers`, `steps` SGD steps, against the
+    reference."""
+    model = split_module(cfg, part, comm, rt.device, layers)
     batch = rank_batch(cfg, part, comm, steps, rt.device)
     run = sgd_steps(model, batch, steps, lr, lambda: reduce_sequence_parallel_grads(model, comm))
     if comm.sequence_parallel:  # each rank holds its tokens' share of the loss: add them for the report
@@ -161,13 +164,13 @@ def same_runs(ours: Run, theirs: Run) -> bool:
     return all(c.ok for name, c in against(ours, theirs).items() if name != "losses")
 
 
-def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm) -> tuple[int, int]:
+def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm, layers: Layers = LIBRARY_LAYERS) -> tuple[int, int]:
     """(saved, peak) bytes of one block's forward on this rank. saved: what autograd saves for backward
     (`distlab.held.SavedActivations`: by storage; parameters, the input and the masks exist anyway and
     are not counted) plus the output: what stays alive until backward. peak: `PeakMemory`'s peak of the
     forward's allocations, temporaries included (its live count at the end is not used: gloo releases a
     collective's buffers from its own thread, a little later or not, so it varies from run to run)."""
-    model = split_module(cfg, "block", comm, rt.device)
+    model = split_module(cfg, "block", comm, rt.device, layers)
     batch = rank_batch(cfg, "block", comm, 1, rt.device)
     x = batch.x.detach()
     with PeakMemory() as mem, SavedActivations(exclude=[x, *batch.masks[0], *model.parameters()]) as saved:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distlab.tensor_parallel.layers import RowParallelLinear
 from distlab.tensor_parallel.operators import Comm, all_reduce
 from distlab.training import reduce_gradients
 
@@ -32,15 +31,16 @@ def seq_part(x: torch.Tensor | None, rank: int, world_size: int) -> torch.Tensor
 
 
 def sequence_cut_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters applied to sequence-cut activations: every LayerNorm's, the row-parallel biases
-    (in the block: ln1, ln2, attn.out.bias, mlp.fc2.bias, 6 d values)."""
+    """The parameters applied to sequence-cut activations: every LayerNorm's, and what a split layer holds
+    whole (its `SPLIT` says None: the row-parallel biases, added after the exit operator); in the block
+    ln1, ln2, attn.out.bias, mlp.fc2.bias, 6 d values."""
     found = []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
+        whole = [n for n, dim in getattr(module, "SPLIT", {}).items() if dim is None]
         if isinstance(module, nn.LayerNorm):
-            found += [(prefix + n, p) for n, p in module.named_parameters()]
-        elif isinstance(module, RowParallelLinear):
-            found.append((prefix + "bias", module.bias))
+            whole = [n for n, _ in module.named_parameters()]
+        found += [(prefix + n, getattr(module, n)) for n in whole]
     return found
 
 

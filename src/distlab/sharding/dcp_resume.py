@@ -76,12 +76,12 @@ class ResumeRun:
 def save_and_resume(rt: Runtime, cfg: ShardingConfig, path: str, before: int, after: int) -> ResumeRun:
     """Train `before` steps at P and save; resume from the checkpoint at P and at P' = max(1, P // 2)
     for `after` more steps; and the uninterrupted `before + after` steps at P, to compare with."""
-    p, p2 = rt.world_size, max(1, rt.world_size // 2)
-    straight, _ = fsdp_on(rt, cfg, p)
+    world, p2 = rt.world_size, max(1, rt.world_size // 2)
+    straight, _ = fsdp_on(rt, cfg, world)
     train_steps(rt, cfg, straight, 0, before)
     save(path, straight)  # reads the state, changes nothing: the run goes on
     uninterrupted = train_steps(rt, cfg, straight, before, after)
-    same, _ = fsdp_on(rt, cfg, p)
+    same, _ = fsdp_on(rt, cfg, world)
     load(path, same)
     same_p = train_steps(rt, cfg, same, before, after)
     other, sub = fsdp_on(rt, cfg, p2)

@@ -1,0 +1,111 @@
+"""scripts/renumber.py on a temporary copy of the tree: the move the lead will make (a lesson added as 17, put
+after 09) renames every numbered file and rewrites every reference; a second run changes nothing; a range the
+move breaks apart is reported, not guessed; and the real tree agrees with lessons/order.txt."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import ROOT, lesson_path
+
+SCRIPT = ROOT / "scripts" / "renumber.py"
+FAKE = "expert_parallel"
+
+
+def renumber(root: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(root), *flags], capture_output=True, text=True, timeout=120
+    )
+
+
+def copy_of_tree(tmp_path: Path) -> Path:
+    """The tracked and untracked-but-not-ignored files of the repository (no .git, no runs/)."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    tree = tmp_path / "tree"
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tree / name)
+    return tree
+
+
+def add_fake_lesson_17(tree: Path) -> None:
+    """What a helper adding a lesson leaves: lesson, notebook, exercise, two test files, a README row, an order
+    line at the end; then the lead moves its line after context_parallel."""
+    text = f'"""Lesson 17: experts. Builds on lessons 06 and 09; its notebook runs 17_{FAKE}.py."""\n'
+    (tree / f"lessons/17_{FAKE}.py").write_text(text)
+    (tree / f"lessons/exercises/17_{FAKE}.py").write_text(text)
+    (tree / f"lessons/notebooks/17_{FAKE}.ipynb").write_text('{"cells": ["run_lesson(\\"17_' + FAKE + '.py\\", 4)"]}')
+    (tree / f"tests/test_lesson17_{FAKE}.py").write_text(f'LESSON = "17_{FAKE}"  # lesson 17\n')
+    (tree / f"tests/test_exercise17_{FAKE}.py").write_text("# exercise 17, beside lessons 10-12\n")
+    readme = (tree / "README.md").read_text()
+    last = next(line for line in readme.splitlines() if line.startswith("| 16 |"))
+    row = f"| 17 | [expert parallelism](lessons/17_{FAKE}.py): experts | 06's collectives, 09 | equal |"
+    (tree / "README.md").write_text(readme.replace(last, last + "\n" + row))
+    order = tree / "lessons/order.txt"
+    order.write_text(order.read_text().replace("context_parallel\n", f"context_parallel\n{FAKE}\n"))
+
+
+def test_the_real_tree_agrees_with_the_order_file():
+    run = renumber(ROOT, "--check")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert lesson_path("data_parallel") == lesson_path("06_data_parallel.py") == ROOT / "lessons/06_data_parallel.py"
+
+
+def test_run_all_has_a_row_for_every_lesson_of_the_order_and_none_else():
+    order = [s for s in (ROOT / "lessons/order.txt").read_text().split("\n") if s and not s.startswith("#")]
+    table = (ROOT / "run_all.sh").read_text().split("LESSONS=(")[1].split("\n)")[0]
+    rows = [line.strip().strip('"').split("|")[0] for line in table.splitlines() if line.strip().startswith('"')]
+    assert set(rows) == set(order), set(rows) ^ set(order)
+    assert sorted(p.stem[3:] for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py")) == sorted(order)
+
+
+def test_a_lesson_17_moved_to_10_renames_and_rewrites_everything_and_twice_changes_nothing(tmp_path):
+    tree = copy_of_tree(tmp_path)
+    add_fake_lesson_17(tree)
+    first = renumber(tree)
+    assert first.returncode == 0, first.stderr
+    for path in (
+        f"lessons/10_{FAKE}.py",
+        f"lessons/notebooks/10_{FAKE}.ipynb",
+        f"lessons/exercises/10_{FAKE}.py",
+        f"tests/test_lesson10_{FAKE}.py",
+        f"tests/test_exercise10_{FAKE}.py",
+        "lessons/11_contrastive_global.py",
+        "lessons/notebooks/15_streamed_five_phase.ipynb",
+        "tests/test_lesson15_streamed.py",
+        "tests/test_lesson17_resume.py",
+        "lessons/09_context_parallel.py",
+    ):
+        assert (tree / path).is_file(), path
+    assert not list(tree.glob("lessons/16_train_clip.py")) and not list(tree.rglob("*.renumbering"))
+    fake = (tree / f"lessons/10_{FAKE}.py").read_text()
+    assert fake.startswith('"""Lesson 10: experts. Builds on lessons 06 and 09; its notebook runs 10_expert_parallel')
+    assert "# exercise 10, beside lessons 11-13" in (tree / f"tests/test_exercise10_{FAKE}.py").read_text()
+    assert "`pytest --exercises -k 11`" in (tree / "lessons/exercises/11_contrastive_global.py").read_text()
+    assert f'"10_{FAKE}"  # lesson 10' in (tree / f"tests/test_lesson10_{FAKE}.py").read_text()
+    readme = (tree / "README.md").read_text()
+    rows = [line[:4] for line in readme.splitlines() if line[:2] == "| " and line[2:4].isdigit() and line[4:6] == " |"]
+    assert rows == [f"| {k:02d}" for k in range(1, 18)]  # 17 lessons, the table re-sorted
+    assert f"| 10 | [expert parallelism](lessons/10_{FAKE}.py): experts | 06's collectives, 09 |" in readme
+    assert "src/distlab/contrastive/    lessons 11-17" in readme and "lessons/15_streamed_five_phase.py" in readme
+    assert "rewrote README.md" in first.stdout and "rewrote lessons/order.txt" not in first.stdout
+    assert "the range 07-16 is no range after the move" in first.stdout  # 06's "bridge to 07-16" is reported
+    second = renumber(tree, "--check")
+    assert second.returncode == 0 and "0 change(s), 0 reference(s)" in second.stdout, second.stdout
+
+
+def test_a_broken_order_file_is_refused_before_anything_changes(tmp_path):
+    tree = copy_of_tree(tmp_path)
+    order = tree / "lessons/order.txt"
+    order.write_text(order.read_text() + "no_such_lesson\n")
+    run = renumber(tree)
+    assert run.returncode != 0 and "no lesson file for ['no_such_lesson']" in run.stderr
+    order.write_text(order.read_text().replace("no_such_lesson\n", "sharding\n"))
+    assert "sharding listed more than once" in renumber(tree).stderr
+    assert (tree / "lessons/07_sharding.py").is_file()

@@ -7,7 +7,8 @@ the tree agree with it:
 - renames, for every lesson whose number changes, its lesson file `lessons/NN_<slug>.py`, notebook
   `lessons/notebooks/NN_<slug>.ipynb`, exercise `lessons/exercises/NN_<slug>.py` and test files
   `tests/test_lessonNN_*.py`, `tests/test_exerciseNN_*.py`;
-- rewrites, in every text file of the tree, `NN_<slug>` (always to the slug's number, so a stale number is
+- rewrites, in every text file of the tree but the records of past runs (`benchmarks/results/` keeps the
+  numbers the lessons had when they ran), `NN_<slug>` (always to the slug's number, so a stale number is
   fixed too), `test_lessonNN` / `test_exerciseNN`, `--exercises -k NN`, "lesson 14", "Lessons 10-16",
   "exercises 06, 08 and 10", "notebook 13" (each number through the move; a range only where the moved range
   is a range again), and in the README's lesson table the row's number and its "builds on" cell ("06's
@@ -34,6 +35,7 @@ from pathlib import Path
 ORDER = Path("lessons") / "order.txt"
 SKIP_DIRS = {".git", "runs", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".ruff_cache", "venv", ".venv"}
 SELF = {"scripts/renumber.py", "tests/test_renumber.py"}  # their examples ("lesson 14") are not references
+RECORDS = "benchmarks/results/"  # what a past run printed keeps the numbers the lessons had when it ran
 TEXT_SUFFIXES = {".py", ".md", ".ipynb", ".sh", ".txt", ".toml", ".json", ".cfg", ".yml", ".yaml", ".rst"}
 LESSON_FILE = re.compile(r"^(\d\d)_(\w+)\.py$")
 WORDS = r"[Ll]essons?|[Ee]xercises?|[Nn]otebooks?"
@@ -156,7 +158,7 @@ def text_files(root: Path) -> list[Path]:
     for path in sorted(root.rglob("*")):
         relative = path.relative_to(root)
         if path.is_file() and path.suffix in TEXT_SUFFIXES and not SKIP_DIRS & set(relative.parts):
-            if relative.as_posix() not in SELF:
+            if relative.as_posix() not in SELF and not relative.as_posix().startswith(RECORDS):
                 files.append(path)
     return files
 

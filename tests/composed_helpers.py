@@ -1,4 +1,4 @@
-"""Lesson 19's tests' shared parts: the lesson's model trained at a list of mesh shapes on this rank, against
+"""Lesson 12's tests' shared parts: the lesson's model trained at a list of mesh shapes on this rank, against
 one process (`lesson.reference`: a fresh whole model, plain autograd, torch's AdamW), and what every test
 asserts of that; the smaller model's flags the torchrun tests pass."""
 
@@ -10,7 +10,7 @@ from distlab.compare import all_ok
 from distlab.composed import cost
 from distlab.composed.config import ModelConfig, Shape
 
-LESSON = "19_composed_mesh"
+LESSON = "12_composed_mesh"
 CFG = ModelConfig()  # the lesson's defaults: V = 32, d = 32, h = 4, d_ff = 64, L = 4, seq = 16, N = 8, M = 2
 
 

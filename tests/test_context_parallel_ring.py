@@ -1,4 +1,4 @@
-"""The library's ring attention (`distlab.context_parallel.ring`, what lesson 19's transformer calls) is
+"""The library's ring attention (`distlab.context_parallel.ring`, what lesson 12's transformer calls) is
 lesson 09's ring: bit for bit the same out, dq, dk, dv, on a batch of sequences (N, h, seq/P, d_h), for
 every split and causal or not; both equal scaled_dot_product_attention on the whole sequence; and as the
 core of `distlab.models.Attention` it turns the block's attention into the ring's."""

@@ -1,9 +1,10 @@
-"""scripts/renumber.py on a temporary copy of the tree: the move the lead will make (a lesson added as 17, put
-after 09) renames every numbered file and rewrites every reference; a second run changes nothing; a range the
-move breaks apart is reported, not guessed; and the real tree agrees with lessons/order.txt."""
+"""scripts/renumber.py on a temporary copy of the tree: a lesson added at the end of the arc and put after 09
+(as expert parallelism was) renames every numbered file and rewrites every reference; a second run changes
+nothing; a range the move breaks apart is reported, not guessed; and the real tree agrees with lessons/order.txt."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,9 @@ from pathlib import Path
 from helpers import ROOT, lesson_path
 
 SCRIPT = ROOT / "scripts" / "renumber.py"
-FAKE = "expert_parallel"
+FAKE = "fake_parallel"  # a slug no lesson has
+ORDER = [s for s in (ROOT / "lessons/order.txt").read_text().split("\n") if s and not s.startswith("#")]
+LAST = len(ORDER)  # the fake lesson's number before the move; after it, 10
 
 
 def renumber(root: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -34,18 +37,20 @@ def copy_of_tree(tmp_path: Path) -> Path:
     return tree
 
 
-def add_fake_lesson_17(tree: Path) -> None:
+def add_fake_lesson(tree: Path) -> None:
     """What a helper adding a lesson leaves: lesson, notebook, exercise, two test files, a README row, an order
     line at the end; then the lead moves its line after context_parallel."""
-    text = f'"""Lesson 17: experts. Builds on lessons 06 and 09; its notebook runs 17_{FAKE}.py."""\n'
-    (tree / f"lessons/17_{FAKE}.py").write_text(text)
-    (tree / f"lessons/exercises/17_{FAKE}.py").write_text(text)
-    (tree / f"lessons/notebooks/17_{FAKE}.ipynb").write_text('{"cells": ["run_lesson(\\"17_' + FAKE + '.py\\", 4)"]}')
-    (tree / f"tests/test_lesson17_{FAKE}.py").write_text(f'LESSON = "17_{FAKE}"  # lesson 17\n')
-    (tree / f"tests/test_exercise17_{FAKE}.py").write_text("# exercise 17, beside lessons 10-12\n")
+    n = f"{LAST + 1:02d}"
+    text = f'"""Lesson {n}: experts. Builds on lessons 06 and 09; its notebook runs {n}_{FAKE}.py."""\n'
+    (tree / f"lessons/{n}_{FAKE}.py").write_text(text)
+    (tree / f"lessons/exercises/{n}_{FAKE}.py").write_text(text)
+    cell = f'run_lesson(\\"{n}_{FAKE}.py\\", 4)'
+    (tree / f"lessons/notebooks/{n}_{FAKE}.ipynb").write_text('{"cells": ["' + cell + '"]}')
+    (tree / f"tests/test_lesson{n}_{FAKE}.py").write_text(f'LESSON = "{n}_{FAKE}"  # lesson {n}\n')
+    (tree / f"tests/test_exercise{n}_{FAKE}.py").write_text(f"# exercise {n}, beside lessons 14-16\n")
     readme = (tree / "README.md").read_text()
-    last = next(line for line in readme.splitlines() if line.startswith("| 16 |"))
-    row = f"| 17 | [expert parallelism](lessons/17_{FAKE}.py): experts | 06's collectives, 09 | equal |"
+    last = next(line for line in readme.splitlines() if line.startswith(f"| {LAST:02d} |"))
+    row = f"| {n} | [experts](lessons/{n}_{FAKE}.py): experts | 06's collectives, 09 | equal |"
     (tree / "README.md").write_text(readme.replace(last, last + "\n" + row))
     order = tree / "lessons/order.txt"
     order.write_text(order.read_text().replace("context_parallel\n", f"context_parallel\n{FAKE}\n"))
@@ -65,9 +70,14 @@ def test_run_all_has_a_row_for_every_lesson_of_the_order_and_none_else():
     assert sorted(p.stem[3:] for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py")) == sorted(order)
 
 
-def test_a_lesson_17_moved_to_10_renames_and_rewrites_everything_and_twice_changes_nothing(tmp_path):
+def test_a_lesson_added_last_moved_to_10_renames_and_rewrites_everything_and_twice_changes_nothing(tmp_path):
     tree = copy_of_tree(tmp_path)
-    add_fake_lesson_17(tree)
+    moved = {  # every numbered test file from lesson 10 on, and where the move puts it
+        path.name: re.sub(r"(\d\d)", lambda m: f"{int(m.group(1)) + 1:02d}", path.name, count=1)
+        for path in (ROOT / "tests").glob("test_*[0-9][0-9]_*.py")
+        if int(re.search(r"(\d\d)", path.name).group(1)) >= 10
+    }
+    add_fake_lesson(tree)
     first = renumber(tree)
     assert first.returncode == 0, first.stderr
     for path in (
@@ -76,26 +86,27 @@ def test_a_lesson_17_moved_to_10_renames_and_rewrites_everything_and_twice_chang
         f"lessons/exercises/10_{FAKE}.py",
         f"tests/test_lesson10_{FAKE}.py",
         f"tests/test_exercise10_{FAKE}.py",
-        "lessons/11_contrastive_global.py",
-        "lessons/notebooks/15_streamed_five_phase.ipynb",
-        "tests/test_lesson15_streamed.py",
-        "tests/test_lesson17_resume.py",
         "lessons/09_context_parallel.py",
+        *(f"lessons/{k + 2:02d}_{slug}.py" for k, slug in enumerate(ORDER[9:], start=9)),
+        *(f"lessons/notebooks/{k + 2:02d}_{slug}.ipynb" for k, slug in enumerate(ORDER[9:], start=9)),
+        *(f"tests/{name}" for name in moved.values()),
     ):
         assert (tree / path).is_file(), path
-    assert not list(tree.glob("lessons/16_train_clip.py")) and not list(tree.rglob("*.renumbering"))
+    assert not list(tree.glob(f"lessons/{LAST:02d}_{ORDER[-1]}.py")) and not list(tree.rglob("*.renumbering"))
     fake = (tree / f"lessons/10_{FAKE}.py").read_text()
-    assert fake.startswith('"""Lesson 10: experts. Builds on lessons 06 and 09; its notebook runs 10_expert_parallel')
-    assert "# exercise 10, beside lessons 11-13" in (tree / f"tests/test_exercise10_{FAKE}.py").read_text()
-    assert "`pytest --exercises -k 11`" in (tree / "lessons/exercises/11_contrastive_global.py").read_text()
+    assert fake.startswith(f'"""Lesson 10: experts. Builds on lessons 06 and 09; its notebook runs 10_{FAKE}')
+    assert "# exercise 10, beside lessons 15-17" in (tree / f"tests/test_exercise10_{FAKE}.py").read_text()
+    k = ORDER.index("contrastive_global") + 2
+    assert f"`pytest --exercises -k {k}`" in (tree / f"lessons/exercises/{k}_contrastive_global.py").read_text()
     assert f'"10_{FAKE}"  # lesson 10' in (tree / f"tests/test_lesson10_{FAKE}.py").read_text()
     readme = (tree / "README.md").read_text()
     rows = [line[:4] for line in readme.splitlines() if line[:2] == "| " and line[2:4].isdigit() and line[4:6] == " |"]
-    assert rows == [f"| {k:02d}" for k in range(1, 18)]  # 17 lessons, the table re-sorted
-    assert f"| 10 | [expert parallelism](lessons/10_{FAKE}.py): experts | 06's collectives, 09 |" in readme
-    assert "src/distlab/contrastive/    lessons 11-17" in readme and "lessons/15_streamed_five_phase.py" in readme
+    assert rows == [f"| {k:02d}" for k in range(1, LAST + 2)]  # one lesson more, the table re-sorted
+    assert f"| 10 | [experts](lessons/10_{FAKE}.py): experts | 06's collectives, 09 |" in readme
+    first_contrastive = ORDER.index("contrastive_global") + 2
+    assert f"src/distlab/contrastive/    lessons {first_contrastive}-{LAST + 1}" in readme
     assert "rewrote README.md" in first.stdout and "rewrote lessons/order.txt" not in first.stdout
-    assert "the range 07-16 is no range after the move" in first.stdout  # 06's "bridge to 07-16" is reported
+    assert f"the range 07-{LAST} is no range after the move" in first.stdout  # 06's "bridge to 07-NN" is reported
     second = renumber(tree, "--check")
     assert second.returncode == 0 and "0 change(s), 0 reference(s)" in second.stdout, second.stdout
 

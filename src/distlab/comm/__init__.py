@@ -7,7 +7,7 @@
 - `ring`: the collectives by hand on that exchange (`Ring`: a shift, reduce-scatter, all-gather,
   all-reduce, broadcast, all-to-all with uneven parts), counting what they send;
 - `differentiable`: the all-to-all with its backward (the reverse all-to-all), for expert parallelism
-  and Ulysses (lessons 17, 18);
+  and Ulysses (lessons 10, 11);
 - `ledger`: what a rank sent, counted in exact integers (`Ledger.sent`), by phase and kind;
 - `timing`: how long a collective takes, on the slowest rank;
 - `watch`: torch's own collectives (DTensor's, FSDP2's, the pipeline schedules' sends), counted by the

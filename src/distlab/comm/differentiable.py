@@ -13,7 +13,7 @@ unlike the all-gather (whose backward sums) the all-to-all only moves.
 
 `AllToAll` counts the bytes that leave the rank in `ledger`, forward and backward each under its own
 phase: `distlab.comm.collectives.all_to_all_bytes`, the rows addressed to the other ranks times a row's
-bytes (a rank's part for itself never leaves it). Lesson 17 writes the same Function out and proves it
+bytes (a rank's part for itself never leaves it). Lesson 10 writes the same Function out and proves it
 equal to this one and to torch's `all_to_all_single_autograd`.
 """
 

@@ -1,4 +1,4 @@
-"""One transformer trained on a dp x pp x tp x cp mesh (lesson 19), the parts that are not the composition
+"""One transformer trained on a dp x pp x tp x cp mesh (lesson 12), the parts that are not the composition
 itself (that is written out in the lesson, from torch's DeviceMesh, fully_shard, parallelize_module and
 pipelining, and the ring of `distlab.context_parallel`):
 

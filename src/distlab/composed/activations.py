@@ -1,5 +1,5 @@
 """What autograd saves on a rank of the mesh, and the most of it alive at once: the activations' side of
-lesson 19's memory per rank.
+lesson 12's memory per rank.
 
 The ground floor's rule (`distlab.held`): a saved tensor counts the bytes of its storage, each storage once.
 Two things are new on the mesh. A DTensor is a wrapper: its bytes are its local tensor's, so the counter

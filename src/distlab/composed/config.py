@@ -1,4 +1,4 @@
-"""What lesson 19 trains, and on which mesh: the model's sizes, the mesh's shape, and the rules a shape
+"""What lesson 12 trains, and on which mesh: the model's sizes, the mesh's shape, and the rules a shape
 must keep, checked before any process group exists.
 
 A shape is four degrees, written as the flags are, dp x pp x tp x cp; their product is P. The mesh lays

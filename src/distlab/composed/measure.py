@@ -82,7 +82,7 @@ def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 @contextmanager
 def measuring(mesh_step, groups: dict) -> Iterator[StepMeasured]:
     """with measuring(mesh_step, groups) as measured: mesh_step.step(k); then `measured.sent` and
-    `measured.activations` (a lesson 19 `MeshStep`: its stage and schedule; `groups` by dimension label)."""
+    `measured.activations` (a lesson 12 `MeshStep`: its stage and schedule; `groups` by dimension label)."""
     measured = StepMeasured({}, (0, 0))
     with CollectiveWatch(groups, kinds=SENDS_ONLY) as watch, SavedLive() as saved:
         with _phases(mesh_step.stage, mesh_step.schedule, watch, saved):

@@ -1,4 +1,4 @@
-"""The transformer lesson 19 trains, its stages, and its data.
+"""The transformer lesson 12 trains, its stages, and its data.
 
 A decoder-only language model over a vocabulary of V tokens, built from the ground floor's block
 (`distlab.models.Block`: pre-LayerNorm, causal attention, q, k, v apart, an MLP of width d_ff):

@@ -1,4 +1,4 @@
-"""Context parallelism (lessons 09, 18): the sequence split over the ranks, attention by a ring or by
+"""Context parallelism (lessons 09, 11): the sequence split over the ranks, attention by a ring or by
 Ulysses' all-to-alls.
 
 - `split`: which positions each rank holds (contiguous or zig-zag), the tiles that causal attention
@@ -8,7 +8,7 @@ Ulysses' all-to-alls.
 - `cost`: the bytes each rank sends and the memory it holds, by formula;
 - `ring`: the ring loops as a library piece, for a model to call (`ring_core`, an attention core of
   `distlab.models.Attention`), proven equal to the lesson's;
-- `ulysses`: lesson 18's rule (P divides h and seq) and its bytes beside ring attention's.
+- `ulysses`: lesson 11's rule (P divides h and seq) and its bytes beside ring attention's.
 
 The ring loops are written out in `lessons/09_context_parallel.py`, on the ground floor's exchange
 (`distlab.comm.ring.Ring.shift`, posted ahead of the block math, counting what it sends).

@@ -2,7 +2,7 @@
 
 Lesson 09 writes the ring out (its `ring_forward`, `ring_backward`, `RingAttention`) and proves it equal to
 `scaled_dot_product_attention` on the whole sequence; this is the same loop without the lesson's tallies,
-for a model whose attention runs under context parallelism (lesson 19's transformer, where the ring is one
+for a model whose attention runs under context parallelism (lesson 12's transformer, where the ring is one
 dimension of a mesh: its group is the mesh's cp group). tests/test_context_parallel_ring.py proves it equal
 to the lesson's, bit for bit.
 

@@ -1,4 +1,4 @@
-"""Ulysses (lesson 18): the rule it needs, and what it sends beside ring attention, by formula.
+"""Ulysses (lesson 11): the rule it needs, and what it sends beside ring attention, by formula.
 
 Units as in `cost`: a block is one rank's q (or k, v, out, and their gradients) under the sequence split,
 h x seq/P x d_h values of e bytes. Ulysses' all-to-all turns a block into h/P heads x seq positions, the

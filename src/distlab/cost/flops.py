@@ -2,7 +2,7 @@
 
 A product of an (m x k) and a (k x n) matrix costs 2 m k n FLOPs (a multiply and an add per term), and the
 matrix products are all that is counted: the rule of `torch.utils.flop_counter.FlopCounterMode`, which the
-tests and lesson 20 hold these formulas to, exactly, for the block stack at several shapes. On T = rows x seq
+tests and lesson 13 hold these formulas to, exactly, for the block stack at several shapes. On T = rows x seq
 tokens, one block's forward costs
 
     2 T (d d + 2 d d_kv + d d)        q, k, v, out projections (d_kv = d with as many key/value heads as heads)

@@ -14,7 +14,7 @@ precision trains at. A datasheet's memory "GB" are binary (an H100 80GB shows 81
 `nvidia-smi`), so memory is counted in GiB (2^30 bytes); link bandwidths in GB (10^9 bytes/s). Latencies
 are not datasheet figures: they are typical NCCL ring-step latencies, stated as the planner's assumption.
 
-The CPU this runs on has no datasheet here: lesson 20 measures its matmul rate per dtype, its memory
+The CPU this runs on has no datasheet here: lesson 13 measures its matmul rate per dtype, its memory
 bandwidth and gloo's latency and bandwidth per collective at each P, and builds its `Device` and `Link` from
 what it measured (`measured_device`).
 """
@@ -149,5 +149,5 @@ def cluster(gpu: str, gpus_per_node: int = 8) -> Cluster:
 
 
 def measured_device(name: str, peak: dict[str, float], bandwidth: float, memory: int) -> Device:
-    """A device from measurements (lesson 20): the rates it reached at the sizes it was measured at."""
+    """A device from measurements (lesson 13): the rates it reached at the sizes it was measured at."""
     return Device(name, dict(peak), memory, bandwidth, "measured here")

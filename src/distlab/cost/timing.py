@@ -13,7 +13,7 @@ Tensor parallelism's collectives sit between the products that need them: expose
 parallelism runs beside the attention it feeds: exposed only beyond the attention's compute. The pipeline's
 sends are posted ahead (lesson 03) and the data-parallel reduction runs from hooks during backward (lesson
 06), so both hide behind compute, except what is left when compute runs out: the last unit's reduction, or
-ZeRO-3's first gather. On gloo here nothing overlaps (`Assumptions(overlap=())`): lesson 20 runs its
+ZeRO-3's first gather. On gloo here nothing overlaps (`Assumptions(overlap=())`): lesson 13 runs its
 collectives between the computations.
 
 A pipeline step is the schedule's grid (`distlab.pipeline.simulator.simulate`, lessons 02-05) at one tick per

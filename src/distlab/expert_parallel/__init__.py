@@ -1,4 +1,4 @@
-"""Expert parallelism (lesson 17): a mixture-of-experts layer whose E experts are split over the ranks.
+"""Expert parallelism (lesson 10): a mixture-of-experts layer whose E experts are split over the ranks.
 
 - `moe`: the model in one process, the reference: router (softmax gate, top-kappa), E expert MLPs, the
   capacity rule and its drops, the load-balancing loss, and the transformer block it sits in;
@@ -9,5 +9,5 @@
 
 The expert-parallel layer itself (the counts exchanged, the tokens dispatched by an all-to-all with uneven
 splits, the experts, the combine by the reverse all-to-all) is written out in
-`lessons/17_expert_parallel.py`, on the ground floor's all-to-all (`distlab.comm`).
+`lessons/10_expert_parallel.py`, on the ground floor's all-to-all (`distlab.comm`).
 """

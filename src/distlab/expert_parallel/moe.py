@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP in a transformer block, in one process: the model lesson 17 splits, and the
+"""A mixture-of-experts MLP in a transformer block, in one process: the model lesson 10 splits, and the
 reference it is checked against.
 
 Tokens. The block runs on x of shape (N, seq, d); the MoE sees its N seq tokens as rows u_t (t in global
@@ -30,7 +30,7 @@ tokens (Switch's P_i),
 which is 1 at perfect balance. phi comes from an argmax and carries no gradient; pi carries the router's.
 The training loss is L_task + alpha L_aux.
 
-Nothing here knows about ranks: the capacity loop below is the single-process rule, and lesson 17's
+Nothing here knows about ranks: the capacity loop below is the single-process rule, and lesson 10's
 expert-parallel layer is checked against it, never against itself.
 """
 
@@ -140,7 +140,7 @@ class MoEBlock(nn.Module):
 
         y = x + Attention(LN_1(x)),    z = y + MoE(LN_2(y)),    forward(x) = (z, L_aux).
 
-    `moe` is any module u -> (MoE(u), L_aux): `MoE` here, or lesson 17's expert-parallel layer."""
+    `moe` is any module u -> (MoE(u), L_aux): `MoE` here, or lesson 10's expert-parallel layer."""
 
     def __init__(self, cfg: MoEConfig, dtype: torch.dtype = torch.float64):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Lesson 17's tables: where the tokens went, the load per expert, the bytes per rank, the drops per gamma.
+"""Lesson 10's tables: where the tokens went, the load per expert, the bytes per rank, the drops per gamma.
 
 Each is a line that says what it shows and a `compact_table` of numbers under it (the line is not the
 table's title: a title wider than its table would wrap), so they read in 80 columns.

@@ -1,4 +1,4 @@
-"""What lesson 17's checks run: the batch, the loss, a few SGD steps of a split block, and the reference's.
+"""What lesson 10's checks run: the batch, the loss, a few SGD steps of a split block, and the reference's.
 
 The batch is N sequences of seq tokens of width d (`distlab.models.token_batch`), rank r holding sequences
 r C .. (r+1) C - 1; the loss of a rank is MSE(z, target) + alpha L_aux on its rows, a mean, so with equal

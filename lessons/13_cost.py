@@ -1,0 +1,442 @@
+"""Lesson 13: what a step costs. FLOPs, bytes held and bytes sent predicted from sizes alone, then
+measured on this machine; time predicted from a calibration of this machine, then measured; MFU done right.
+
+    torchrun --nproc-per-node 2 lessons/13_cost.py      # P = 1..4 (P must divide N, h, d_ff and seq)
+
+After splitting a step every way (01-09), the question is which split to use, and that starts with what
+a step costs. Every lesson proved one piece against real ranks; `distlab/cost` composes them, from the
+sizes of the model alone (no tensor is built):
+
+    FLOPs     a product of (m x k) and (k x n) matrices is 2 m k n: one block's forward on T tokens is
+              2T(4d^2 + 2 d d_ff) + 4 N seq^2 d; backward twice that; recomputation reruns the forward
+              (less its last product, which torch's checkpoint never needs again)
+    memory    weights, gradients, AdamW's moments (lesson 07, per ZeRO stage); activations per block
+              (lesson 08's region + gathered + inside / tp), times the micro-batches in flight (02-05)
+    bytes     per collective and mesh dimension: dp (07), tp and sp (08), cp (09), pp (01-03)
+    time      compute / peak + memory traffic / bandwidth + per collective (ring steps x latency + bytes /
+              bandwidth), the pipeline's bubble from its grid; what overlaps is an assumption, stated
+
+Part 1 measures what a datasheet would give for this machine (matmul FLOP/s per dtype at this step's
+sizes, memory bandwidth, the cost of one op, each collective's latency and bandwidth at each P), with all
+P ranks busy at once, as in the step. Part 2 counts a step's FLOPs with torch's FLOP counter. Part 3 runs
+four configurations of a block stack (data parallel, data parallel recomputing every block, tensor parallel
+with and without sequence parallelism) and puts prediction beside measurement: memory and bytes exactly
+(they are counted), time within a factor, and part 4 says where the time went and why the prediction
+misses (every op pays a fixed price of Python and dispatch, which a GPU hides behind its queue and this
+CPU does not; P ranks share two cores; gloo runs beside the math on the same cores).
+
+MFU (part 5) = the model's FLOPs (forward + backward, no recomputation) / (step time x P x the dense peak of
+the dtype the step computes in). Counting recomputation gives HFU, the hardware's utilisation; dividing by
+a datasheet's headline figure, the 2:4-sparse rate, halves MFU (NVIDIA/Megatron-LM#1565); dividing by
+another dtype's peak gives another number again (pytorch/torchtitan#668 divided bf16 steps by TF32's).
+`python -m distlab.plan` (README) ranks the splits of a real model on real GPUs with the same model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from distlab.cli import check_flags_against_world, lesson_parser, positive_float, positive_int, require
+from distlab.comm.ledger import Ledger
+from distlab.comm.timing import barrier, slowest_median, time_call
+from distlab.console import compact_table, print0, rows_table
+from distlab.cost import calibrate, memory, traffic
+from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
+from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.step import StepCost, step_cost
+from distlab.cost.timing import Assumptions, StepTime, predict
+from distlab.held import SavedActivations, model_states, storage_bytes
+from distlab.models import Block, BlockOptions, token_batch
+from distlab.plan.presets import MODELS, PUBLISHED
+from distlab.runtime import Runtime, distributed, run_main
+from distlab.sharding.ddp import Replicated
+from distlab.sharding.problem import ShardingConfig, adamw, rows_of
+from distlab.tensor_parallel import operators
+from distlab.tensor_parallel.blocks import ParallelBlock
+from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
+from distlab.training import Plain
+from distlab.verdict import Verdict
+
+OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)  # lesson 08's block
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+NO_OVERLAP = Assumptions(matmul_efficiency=1.0, link_efficiency=1.0, overlap=())  # measured rates; gloo blocks
+
+
+def configurations(p: int) -> dict[str, Parallel]:
+    return {
+        "DDP": Parallel(dp=p),
+        "DDP + recompute": Parallel(dp=p, recompute=True),
+        "TP": Parallel(tp=p),
+        "TP + SP": Parallel(tp=p, sp=True),
+    }
+
+
+# ---- the mechanism: predict a step from its sizes, then run it and measure ------------------------
+
+
+def rank_bytes(model: Transformer, batch: Batch, parallel: Parallel, e: int) -> dict[str, int]:
+    """What one rank of a block stack holds after a step and sends in it, by hand (lessons 06-08), for data
+    parallelism (every block's gradient all-reduced by a ring) or tensor parallelism with or without
+    sequence parallelism; AdamW, e bytes an element. `distlab.cost` composes the same (part 3 checks)."""
+    d, f, h, layers, p = model.dim, model.ffn, model.heads, model.layers, parallel.world
+    attention, mlp, norms = 4 * d * d + 4 * d, 2 * d * f + f + d, 4 * d  # one block's parameters, Psi_b
+    tp = parallel.tp
+    psi = (attention - d) // tp + d + (mlp - d) // tp + d + norms  # out's and fc2's biases stay whole
+    rows = batch.global_batch // parallel.dp
+    tokens = rows * batch.seq
+    region, gathered, inside = tokens * (2 * d + 4), 2 * tokens * d, tokens * (4 * d + 2 * f) + rows * h * batch.seq
+    if parallel.recompute:
+        kept = tokens * d  # each block keeps only its output
+    elif parallel.sp:
+        kept = (region + inside) // tp + gathered
+    else:
+        kept = region + gathered + inside // tp
+    if tp == 1:  # a ring all-reduce of each block's gradient, padded to P equal chunks: 2 (P-1) ceil(Psi_b / P)
+        sent = layers * 2 * (p - 1) * -(-psi // p) * e
+    else:  # f and g (or their halves) twice a block, each way: 2 (P-1)/P T d e each
+        sent = layers * 4 * 2 * (tp - 1) * tokens * d * e // tp
+        sent += 2 * (tp - 1) * 6 * d * layers * e // tp if parallel.sp else 0  # the LayerNorms' and row biases'
+    return {
+        "weights": e * layers * psi,
+        "gradients": e * layers * psi,
+        "moments": 2 * e * layers * psi,
+        "activations": e * layers * kept,
+        "sent": sent,
+    }
+
+
+@dataclass
+class Machine:
+    """This machine, measured (part 1): a device, the links of the two kinds of collective, an op's price."""
+
+    device: Device
+    ring: calibrate.Link  # the ring by hand: data parallelism's all-reduce (`Replicated`)
+    gloo: dict  # torch's collectives on gloo, by kind: tensor parallelism's f and g, f-bar and g-bar
+    op_seconds: float
+
+
+def predicted(args, parallel: Parallel, machine: Machine) -> tuple[StepCost, StepTime]:
+    """The cost model on sizes alone, and its time on this machine: nothing here runs the model."""
+    model = Transformer(args.layers, args.dim, args.heads, args.ffn_width)
+    cost = step_cost(model, Batch(args.global_batch, args.seq_len), parallel, "float32")
+    here = Cluster(machine.device, parallel.world, machine.ring, machine.ring)
+    links = {"dp": machine.ring, "tp": machine.gloo["all_reduce"]} | {("tp", k): v for k, v in machine.gloo.items()}
+    return cost, predict(cost, here, NO_OVERLAP, links)
+
+
+@dataclass
+class Measured:
+    held: dict[str, int]  # bytes of each model-state item after a step, by storage
+    activations: int  # what the forward keeps for backward, plus the output
+    sent: Counter  # bytes sent in a step, per collective (every phase)
+    flops: int  # FlopCounterMode's count of one step
+    seconds: float  # one step, the slowest rank's, median over the repeats
+    ops: int  # aten ops one step dispatches
+
+
+def build(rt: Runtime, args, parallel: Parallel):
+    """The stack on this rank (whole blocks, or their tensor-parallel parts), its trainee, its data, and
+    the ledger its collectives count their bytes in."""
+    blocks = [
+        Block(args.dim, args.heads, args.ffn_width, OPTIONS, seed=args.seed + i, dtype=torch.float32).to(rt.device)
+        for i in range(args.layers)
+    ]
+    x, target = (
+        t.to(rt.device) for t in token_batch(args.global_batch, args.seq_len, args.dim, args.seed + 100, torch.float32)
+    )
+    optimizer = ShardingConfig(lr=args.lr)  # AdamW, weight decay 0.1
+    if parallel.tp == 1:  # data parallel: C = N / P rows, one ring all-reduce per block (lesson 07's DDP)
+        model = nn.Sequential(*blocks)
+        trainee = Replicated(model, rt, optimizer)
+        return model, trainee, rows_of(x, rt), rows_of(target, rt), trainee.ring.ledger
+    comm = (operators.sequence_parallel if parallel.sp else operators.tensor_parallel)(None, Ledger())
+    model = nn.Sequential(*[ParallelBlock(b, rt.rank, rt.world_size, comm) for b in blocks])
+    trainee = Plain(model, adamw(model.parameters(), optimizer), lambda: reduce_sequence_parallel_grads(model, comm))
+    if parallel.sp:
+        x, target = (seq_part(t, rt.rank, rt.world_size) for t in (x, target))
+    return model, trainee, x, target, comm.ledger
+
+
+def forward(model: nn.Sequential, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+    for block in model:
+        x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+    return x
+
+
+class Trial:
+    """One configuration on this rank, built and run: one step under the FLOP counter (attention on its
+    math backend, so that the counter sees its products), one with its ops counted; then timed steps."""
+
+    def __init__(self, rt: Runtime, args, parallel: Parallel):
+        self.parallel, self.steps = parallel, 0
+        self.model, self.trainee, self.x, self.target, self.ledger = build(rt, args, parallel)
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            self.step()
+        with calibrate.CountOps() as count:
+            self.step()
+        self.flops, self.ops = counter.get_total_flops(), count.ops
+
+    def step(self) -> None:
+        self.trainee.zero_grad()
+        ((forward(self.model, self.x, self.parallel.recompute) - self.target) ** 2).mean().backward()
+        self.trainee.after_backward()
+        self.trainee.optimizer.step()
+        self.steps += 1
+
+    def measured(self, seconds: float) -> Measured:
+        """What the rank holds after its steps, sends per step, and keeps in one more forward."""
+        sent = Counter()
+        for (_, kind), nbytes in self.ledger.sent_by.items():  # the ring by hand counts messages: DDP's all-reduces
+            sent["all_reduce" if kind == "send" else kind] += nbytes // self.steps
+        params = list(self.model.parameters())
+        states = model_states(params, [q.grad for q in params], [self.trainee.optimizer.state[q] for q in params])
+        with SavedActivations(exclude=[self.x, *params]) as saved:
+            out = forward(self.model, self.x, self.parallel.recompute)
+        held = {item: storage_bytes(tensors) for item, tensors in states.items()}
+        return Measured(held, saved.nbytes + out.untyped_storage().nbytes(), sent, self.flops, seconds, self.ops)
+
+
+def timed(rt: Runtime, trials: dict[str, Trial], repeats: int) -> dict[str, float]:
+    """Each trial's step, the slowest rank's, median over `repeats`: the trials take turns, so a load that
+    drifts (P ranks and other jobs share this machine's cores) hits them all alike."""
+    seconds = {name: [] for name in trials}
+    for _ in range(repeats):
+        for name, trial in trials.items():
+            barrier(rt)
+            start = time.perf_counter()
+            trial.step()
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)  # the step has run, not only been queued
+            seconds[name].append(time.perf_counter() - start)
+    return {name: slowest_median(rt, s) for name, s in seconds.items()}
+
+
+# ---- the chapter, part by part ------------------------------------------------------------------
+
+
+def show_calibration(rt: Runtime, args, verdict: Verdict) -> Machine:
+    print0(f"\n[bold]1. This machine, measured with all {rt.world_size} ranks busy at once[/]")
+    tokens = args.global_batch // rt.world_size * args.seq_len
+    shapes = [(tokens, args.dim, args.dim), (tokens, args.dim, args.ffn_width), (tokens, args.ffn_width, args.dim)]
+    rates = {name: calibrate.matmul_rate(rt, shapes, dtype, args.repeats) for name, dtype in DTYPES.items()}
+    bandwidth = calibrate.copy_bandwidth(rt, 32 << 20, args.repeats)
+    op_seconds = calibrate.op_overhead(rt, args.repeats)
+    rows = [(f"matmul {n}, FLOP/s", f"{r / 1e9:.1f} G", "torch.mm on the step's products") for n, r in rates.items()]
+    rows += [("memory bandwidth", f"{bandwidth / 1e9:.1f} GB/s", "a 32 MiB copy: read + write")]
+    rows += [("one op", f"{op_seconds * 1e6:.1f} us", "a chain of tiny ops, forward + backward")]
+    links = {}
+    for p in range(2, rt.world_size + 1):
+        for kind, by_hand in (
+            ("all_reduce", True),
+            ("all_reduce", False),
+            ("all_gather", False),
+            ("reduce_scatter", False),
+        ):
+            links[kind, by_hand, p] = found = calibrate.link(rt, p, kind, by_hand, args.repeats)
+            rows.append((found.name, f"{found.latency * 1e6:.0f} us", f"{found.bandwidth / 1e9:.2f} GB/s"))
+    print0(rows_table("Calibration (latency per ring step; bandwidth)", ("what", "measured", "how / bandwidth"), rows))
+    p = rt.world_size
+    nothing = calibrate.Link("one rank: no link", 1.0, 0.0)
+    machine = Machine(
+        Device(f"this {rt.device.type}", rates, calibrate.memory_size(rt), bandwidth, "measured"),
+        links.get(("all_reduce", True, p), nothing),
+        {kind: links.get((kind, False, p), nothing) for kind in ("all_reduce", "all_gather", "reduce_scatter")},
+        op_seconds,
+    )
+    verdict.figure(
+        "calibration",
+        {
+            "rates": rates,
+            "bandwidth": bandwidth,
+            "op_seconds": op_seconds,
+            "links": {
+                f"{k[0]} {'ring' if k[1] else 'gloo'} P={k[2]}": [v.latency, v.bandwidth] for k, v in links.items()
+            },
+        },
+    )
+    return machine
+
+
+def show_configurations(rt: Runtime, args, machine: Machine, verdict: Verdict) -> dict:
+    print0(f"\n[bold]2-3. Four configurations of {args.layers} blocks on P = {rt.world_size}: predicted, measured[/]")
+    runs, trials = {}, {name: Trial(rt, args, parallel) for name, parallel in configurations(rt.world_size).items()}
+    seconds = timed(rt, trials, args.repeats)
+    for name, parallel in configurations(rt.world_size).items():
+        cost, forecast = predicted(args, parallel, machine)
+        got, rank = trials[name].measured(seconds[name]), cost.ranks[0]
+        states = {k: v for k, v in rank.memory.items() if k not in ("activations", "buffers")}
+        kept = memory.stage_activations(cost.model, cost.batch, parallel, 0, memory.PRECISIONS["float32"], 4)
+        sent = {kind: n for (_, kind), n in traffic.per_rank(cost.model, cost.batch, parallel, "float32").sent.items()}
+        rows = [("FLOPs", rank.flops.hardware, got.flops)] + [(k, v, got.held.get(k, 0)) for k, v in states.items()]
+        rows += [("activations", kept, got.activations)] + [(f"sent {k}", v, got.sent[k]) for k, v in sent.items()]
+        print0(
+            rows_table(
+                f"{name}: {parallel.label()}, rank {rt.rank}",
+                ("", "predicted", "measured", "="),
+                [(k, f"{a:,}", f"{b:,}", "yes" if a == b else "NO") for k, a, b in rows],
+            )
+        )
+        verdict.check(f"{name}: FLOPs = FlopCounterMode's", rank.flops.hardware == got.flops)
+        verdict.check(f"{name}: every item held = predicted", got.held == states)
+        verdict.check(f"{name}: activations kept = predicted", got.activations == kept)
+        verdict.check(f"{name}: bytes sent per collective = predicted", dict(got.sent) == sent)
+        by_hand = rank_bytes(cost.model, cost.batch, parallel, 4)
+        library = {k: states[k] for k in ("weights", "gradients", "moments")} | {"activations": kept}
+        verdict.check(
+            f"{name}: the lesson's arithmetic = distlab.cost's", by_hand == library | {"sent": sum(sent.values())}
+        )
+        runs[name] = (cost, forecast, got)
+    return runs
+
+
+def show_time(rt: Runtime, runs: dict, machine: Machine, verdict: Verdict) -> None:
+    print0("\n[bold]4. Time: the roofline's prediction, what one op's price adds, and the measurement[/]")
+    out = compact_table(
+        "Milliseconds per step (slowest rank, median)",
+        ("config", "compute", "memory", "comm", "roofline", "+ ops", "measured", "x"),
+        caption="compute = FLOPs / the matmul rate of part 1; memory = activations x 4 + states x 2, over the "
+        "bandwidth; comm = ring steps x latency + bytes / bandwidth, nothing overlapped (gloo blocks); + ops: "
+        "the roofline plus the ops a step dispatched x one op's price; x = measured / (+ ops)",
+    )
+    figures = {}
+    for name, (_, forecast, got) in runs.items():
+        with_ops = forecast.step + got.ops * machine.op_seconds
+        comm = sum(forecast.comm.values())
+        out.add_row(
+            name,
+            *(f"{t * 1e3:.1f}" for t in (forecast.compute, forecast.memory, comm, forecast.step, with_ops)),
+            f"{got.seconds * 1e3:.1f}",
+            f"{got.seconds / with_ops:.2f}",
+        )
+        figures[name] = {
+            "predicted": forecast.step,
+            "with_ops": with_ops,
+            "measured": got.seconds,
+            "ops": got.ops,
+            "compute": forecast.compute,
+            "memory": forecast.memory,
+            "comm": comm,
+        }
+    print0(out)
+    ratios = [f["measured"] / f["with_ops"] for f in figures.values()]
+    print0(
+        f"Measured / predicted: {min(ratios):.2f} to {max(ratios):.2f}. The roofline alone misses more: every op "
+        "pays a fixed price (part 1) that a GPU hides behind its queue and this CPU does not. What is left: P "
+        "ranks share two cores (and whatever else runs), so a rank's rate moves with what the others do; gloo "
+        "copies and sums on the cores the math runs on; part 1's rates are medians of a busy machine.",
+        highlight=False,
+    )
+    verdict.figure("time", figures)
+
+
+def show_mfu(rt: Runtime, runs: dict, machine: Machine, verdict: Verdict) -> None:
+    print0("\n[bold]5. MFU the right way, and two ways to get it wrong[/]")
+    peak, p = machine.device.peak["float32"], rt.world_size
+    rows, figures = [], {}
+    for name, (cost, _, got) in runs.items():
+        mfu = cost.model_flops / (got.seconds * p * peak)
+        hfu = cost.hardware_flops / (got.seconds * p * peak)
+        wrong = cost.model_flops / (got.seconds * p * machine.device.peak["float64"])
+        rows.append((name, f"{mfu:.1%}", f"{hfu:.1%}", f"{wrong:.1%}"))
+        figures[name] = {"mfu": mfu, "hfu": hfu, "mfu_float64_peak": wrong}
+    print0(
+        rows_table(
+            f"On this {rt.device.type} (float32 steps, the float32 matmul rate of part 1 as the peak)",
+            ("config", "MFU", "HFU (rec. counted)", "vs float64's peak"),
+            rows,
+        )
+    )
+    run = PUBLISHED[0]
+    cost = step_cost(MODELS[run.model], run.batch, run.parallel, "bf16", "cuda")
+    forecast = predict(cost, cluster(run.gpu))
+    print0(
+        f"{run.name} ({run.parallel.label()}), predicted on the {DEVICES[run.gpu].name} datasheet: MFU "
+        f"{forecast.mfu:.1%} against the dense bf16 peak, {forecast.mfu_sparse_peak:.1%} against the 2:4-sparse "
+        f"headline; reported {run.reported_mfu:.0%} (python -m distlab.plan --published).",
+        highlight=False,
+    )
+    figures["published"] = {
+        "mfu": forecast.mfu,
+        "mfu_sparse_peak": forecast.mfu_sparse_peak,
+        "reported": run.reported_mfu,
+    }
+    verdict.figure("mfu", figures)
+
+
+def show_roofline(rt: Runtime, args, runs: dict, machine: Machine, verdict: Verdict) -> None:
+    print0("\n[bold]6. The roofline: FLOPs per byte moved against FLOP/s reached[/]")
+    kernels = []
+    for n in (16, 64, 256, 512):
+        rate = calibrate.matmul_rate(rt, [(n, n, n)], torch.float32, args.repeats)
+        kernels.append((f"matmul {n}^3", 2 * n**3 / (3 * 4 * n * n), rate))
+    a, b = (torch.randn(1 << 20, device=rt.device) for _ in range(2))  # on the device part 1 measured
+    kernels.append(("add 2^20", 1 / 12, (1 << 20) / time_call(rt, lambda: a + b, args.repeats)))
+    for name, (cost, forecast, got) in runs.items():
+        moved = forecast.memory * machine.device.bandwidth
+        kernels.append(
+            (f"step {name}", cost.ranks[0].flops.hardware / moved, cost.ranks[0].flops.hardware / got.seconds)
+        )
+    ridge = machine.device.peak["float32"] / machine.device.bandwidth
+    print0(
+        rows_table(
+            f"Ridge point: {ridge:.1f} FLOPs per byte (peak / bandwidth); below it memory-bound",
+            ("kernel", "FLOPs / byte", "GFLOP/s"),
+            [(k, f"{i:.2f}", f"{r / 1e9:.2f}") for k, i, r in kernels],
+        )
+    )
+    verdict.figure(
+        "roofline", {"peak": machine.device.peak["float32"], "bandwidth": machine.device.bandwidth, "points": kernels}
+    )
+
+
+def parse_args():
+    parser = lesson_parser(__doc__)
+    parser.add_argument("--layers", type=positive_int, default=4, help="blocks in the stack")
+    parser.add_argument("--dim", type=positive_int, default=96, help="model width d (h must divide it)")
+    parser.add_argument("--heads", type=positive_int, default=12, help="attention heads h (P must divide it)")
+    parser.add_argument("--ffn-width", type=positive_int, default=384, help="MLP width d_ff (P must divide it)")
+    parser.add_argument("--seq-len", type=positive_int, default=48, help="tokens per sequence, seq (P divides it)")
+    parser.add_argument("--global-batch", type=positive_int, default=12, help="sequences per step, N (P divides it)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions (median reported)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
+    return parser.parse_args()
+
+
+def world_rules(args, p: int) -> None:
+    require(args.dim % args.heads == 0, "--heads", f"h = {args.heads} must divide d = {args.dim}")
+    for flag, value in (
+        ("--global-batch", args.global_batch),
+        ("--heads", args.heads),
+        ("--ffn-width", args.ffn_width),
+        ("--seq-len", args.seq_len),
+    ):
+        require(value % p == 0, flag, f"P = {p} ranks must divide {value}")
+
+
+def main() -> int:
+    args = check_flags_against_world(parse_args(), world_rules)
+    with distributed(args.device) as rt:  # on a GPU the calibration is the GPU's
+        world_rules(args, rt.world_size)
+        verdict = Verdict(rt)
+        print0(
+            f"[bold]Lesson 13: what a step costs[/] - P = {rt.world_size}, {args.layers} blocks, d = {args.dim}, "
+            f"h = {args.heads}, d_ff = {args.ffn_width}, N = {args.global_batch}, seq = {args.seq_len}, float32"
+        )
+        machine = show_calibration(rt, args, verdict)
+        runs = show_configurations(rt, args, machine, verdict)
+        show_time(rt, runs, machine, verdict)
+        show_mfu(rt, runs, machine, verdict)
+        show_roofline(rt, args, runs, machine, verdict)
+        return verdict.finish(args.json)
+
+
+if __name__ == "__main__":
+    run_main(main)

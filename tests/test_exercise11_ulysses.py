@@ -1,0 +1,204 @@
+"""Exercise 11: Ulysses attention, judged on 3 ranks against torch's scaled_dot_product_attention on the
+whole sequence in one process.
+
+Each rank takes its contiguous block of q, k, v (h x seq/P x d_h), calls the answer causal and not, and
+back-propagates its block of an upstream gradient. The lesson's claims: this rank's out and the gradients of
+its q, k, v equal one process's (float64, rtol 1e-10); and its collectives send 4 (P-1)/P blocks forward
+and as many backward (the judge prices every collective it sees: an all-to-all by the bytes that leave the
+rank, the others by the ring formulas), never the whole sequence."""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from exercise_kit import Exercise, solution, swapped
+from exercise_signatures import Equals, Mistake, Zero
+from exercise_watch import Watch
+
+from distlab.comm.ledger import Ledger
+from distlab.context_parallel.split import shard
+from distlab.contrastive.gather import gather_with_grad
+
+LESSON, NAME = "11_ulysses", "ulysses_attention"
+P, HEADS, SEQ, HEAD_DIM = 3, 6, 12, 4
+BLOCK = HEADS * (SEQ // P) * HEAD_DIM * 8
+OWN = "attention over this rank's own positions alone"
+ARRIVAL = "attention with the arrived rows read in arrival order (heads and positions mixed)"
+NOT_CAUSAL = "attention without the causal mask"
+
+
+def _arrival_order(full: list, rank: int, causal: bool) -> torch.Tensor:
+    """This rank's out when every rank reads what arrives as (h/P, seq, d_h) as it lies, rank by rank."""
+    mine, local = HEADS // P, SEQ // P
+    outs = []
+    for g in range(P):  # what rank g computes: its head group, the rows of every rank, unreordered
+        lying = [torch.stack([shard(t, s, P, "contiguous")[g * mine : (g + 1) * mine] for s in range(P)]) for t in full]
+        outs.append(F.scaled_dot_product_attention(*(t.reshape(mine, SEQ, HEAD_DIM) for t in lying), is_causal=causal))
+    return torch.cat([y[:, rank * local : (rank + 1) * local] for y in outs])
+
+
+def _ranks(rt, ulysses_attention, claims) -> None:
+    gen = torch.Generator().manual_seed(6)
+    full = [torch.randn(HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(4)]
+    for causal in (False, True):  # every rank runs every case: none may leave a collective early
+        name = "causal" if causal else "not causal"
+        q, k, v, dout = (shard(t, rt.rank, P, "contiguous").requires_grad_(i < 3) for i, t in enumerate(full))
+        with Watch() as watch:
+            out = ulysses_attention(q, k, v, causal, Ledger())
+            if out.requires_grad:
+                out.backward(dout)
+        whole = [t.clone().requires_grad_() for t in full[:3]]
+        ref = F.scaled_dot_product_attention(*whole, is_causal=causal)
+        ref.backward(full[3])
+        mine = [shard(t, rt.rank, P, "contiguous") for t in full[:3]]
+        claims.close(
+            f"{name}: out equals SDPA's on the whole sequence",
+            out.detach(),
+            shard(ref.detach(), rt.rank, P, "contiguous"),
+            what="out",
+            alternatives={
+                OWN: F.scaled_dot_product_attention(*mine, is_causal=causal),
+                ARRIVAL: _arrival_order(full[:3], rt.rank, causal),
+                NOT_CAUSAL: shard(F.scaled_dot_product_attention(*full[:3]), rt.rank, P, "contiguous"),
+            },
+        )
+        claims.tensors(
+            f"{name}: dq, dk, dv equal SDPA's",
+            {"dq": q.grad, "dk": k.grad, "dv": v.grad},
+            {n: shard(t.grad, rt.rank, P, "contiguous") for n, t in zip(("dq", "dk", "dv"), whole)},
+            what="the gradients of q, k, v",
+        )
+        claims.equal(
+            f"{name}: bytes sent = 4 (P-1)/P blocks forward, as many backward",
+            watch.sent(P),
+            8 * (P - 1) * BLOCK / P,
+            what="bytes sent (all-to-alls: the bytes that leave the rank; others: ring formulas)",
+            note=f"collectives: {dict(watch.calls())}",
+            hints=("an all-to-all sends each rank only its part: never gather what you do not keep",),
+        )
+
+
+MISTAKES = (
+    Mistake(
+        "attention over this rank's positions alone",
+        "out equals",
+        (Equals(OWN),),
+        (
+            "every query needs every key of the sequence, and this rank holds seq/P of them",
+            "move q, k, v so that each rank holds every position of h/P heads, attend, move the result back",
+            "all_to_all of x.reshape(h, seq/P d_h) with counts [h/P] * P, for q, k and v; then SDPA; then back",
+        ),
+    ),
+    Mistake(
+        "the arrived rows read in arrival order",
+        "not causal: out equals",
+        (Equals(ARRIVAL),),
+        (
+            "what arrives is P pieces, one per source rank, each h/P heads x seq/P positions: not yet a sequence",
+            "put the source rank's dimension next to the positions before you merge them: (P, h/P, seq/P, d_h) "
+            "-> (h/P, P, seq/P, d_h) -> (h/P, seq, d_h)",
+            "rows.view(P, h // P, seq // P, d_h).transpose(0, 1).reshape(h // P, seq, d_h)",
+        ),
+    ),
+    Mistake(
+        "the causal mask forgotten",
+        "causal: out equals",
+        (Equals(NOT_CAUSAL),),
+        (
+            "with whole sequences in hand, SDPA can mask them itself",
+            "pass the causal flag on to scaled_dot_product_attention",
+            "F.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=causal)",
+        ),
+        holds=("not causal: out equals",),
+    ),
+    Mistake(
+        "an all-to-all autograd cannot see",
+        "dq, dk, dv equal",
+        (Zero(),),
+        (
+            "out is right but no gradient reached q, k, v: the moves have no backward",
+            "dist.all_to_all_single writes into a buffer autograd knows nothing of; the backward of an all-to-all "
+            "is the reverse all-to-all",
+            "distlab.comm.differentiable.all_to_all(rows, counts, counts, group, ledger), both ways",
+        ),
+        holds=("out equals",),
+    ),
+)
+
+
+def own_positions(q, k, v, causal, ledger, group=None):
+    """No exchange at all: attention over the block this rank holds."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _arrival(x, ledger, phases, group=None):
+    p = dist.get_world_size(group)
+    heads, local, head_dim = x.shape
+    from distlab.comm.differentiable import all_to_all
+
+    rows = all_to_all(x.reshape(heads, local * head_dim), [heads // p] * p, [heads // p] * p, group, ledger, phases)
+    return rows.reshape(heads // p, p * local, head_dim)
+
+
+def arrival_order(q, k, v, causal, ledger, group=None):
+    """The arrived rows reshaped as they lie: source ranks and heads mixed into the positions."""
+    with swapped(solution(LESSON, NAME), seq_to_heads=_arrival):
+        return solution(LESSON, NAME).load()(q, k, v, causal, ledger, group)
+
+
+def never_causal(q, k, v, causal, ledger, group=None):
+    """The causal flag dropped on the way to SDPA."""
+    return solution(LESSON, NAME).load()(q, k, v, False, ledger, group)
+
+
+def _untracked(x, send, recv, group=None, ledger=None, phases=("forward", "backward")):
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.detach().contiguous(), list(recv), list(send), group=group)
+    return out
+
+
+def no_backward(q, k, v, causal, ledger, group=None):
+    """dist.all_to_all_single with no autograd Function around it."""
+    with swapped(solution(LESSON, NAME), all_to_all=_untracked):
+        return solution(LESSON, NAME).load()(q, k, v, causal, ledger, group)
+
+
+def gathered_sequence(q, k, v, causal, ledger, group=None):
+    """Right numbers, the whole sequence's k and v all-gathered (P - 1 blocks each) instead of moved."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    local = q.shape[1]
+    # lesson 16's gather (its backward a reduce-scatter), along dim 0: the positions first
+    k_all, v_all = (gather_with_grad(t.transpose(0, 1).contiguous()).transpose(0, 1) for t in (k, v))
+    mask = None
+    if causal:
+        positions = torch.arange(r * local, (r + 1) * local)
+        mask = torch.arange(p * local)[None, :] <= positions[:, None]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "attention mixes positions, never heads: give each rank whole sequences of fewer heads",
+        "all-to-all q, k, v from (h, seq/P) to (h/P, seq): part q of the heads to rank q, the arrived pieces "
+        "in rank order are the positions in order; SDPA; the reverse all-to-all for out",
+        "rows = all_to_all(x.reshape(h, seq/P d_h), [h/P] * P, [h/P] * P, group, ledger); "
+        "rows.view(P, h/P, seq/P, d_h).transpose(0, 1).reshape(h/P, seq, d_h)",
+    ),
+    numbers="equal",
+)
+WRONG = {
+    "attention over this rank's positions alone": "own_positions",
+    "the arrived rows read in arrival order": "arrival_order",
+    "the causal mask forgotten": "never_causal",
+    "an all-to-all autograd cannot see": "no_backward",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_sequence": "bytes sent"})

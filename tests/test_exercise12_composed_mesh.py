@@ -1,0 +1,137 @@
+"""Exercise 12: the parallelisms placed on the mesh's dimensions, judged on 4 ranks at 1 x 1 x 2 x 2
+(dp x pp x tp x cp) against one process on the whole batch.
+
+Each rank trains the lesson's model composed by the answer for two AdamW steps (the lesson's `train_shape`
+with the answer as its `build`) and one process trains the whole model on every step's whole batch
+(`lesson.reference`: plain autograd, torch's AdamW). The lesson's claims: every step's loss and every
+parameter this rank holds equal one process's (float64, 1e-10), and the bytes sent on each of the tp, cp and
+dp x cp groups in the measured step equal the lesson's formulas (the judge counts torch's own collectives by
+the group they ran on, `distlab.comm.watch`)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from exercise_kit import Exercise
+from exercise_signatures import Mistake, Zero
+from helpers import load_lesson
+
+from distlab.composed import cost
+from distlab.composed.config import ModelConfig, Shape
+from distlab.models import attention
+
+LESSON, NAME = "12_composed_mesh", "parallelize"
+P, SHAPE = 4, Shape(dp=1, pp=1, tp=2, cp=2)
+CFG = replace(ModelConfig(), layers=2, steps=2)
+DIMS = {"tp": "tp", "cp": "cp", "dp_cp": "dp x cp"}  # the group's label -> how the claims name it
+
+
+def _ranks(rt, parallelize, claims) -> None:
+    lesson = load_lesson(LESSON)
+    ref = lesson.reference(CFG)
+    one = lesson.train_shape(rt, CFG, SHAPE, build=parallelize)
+    losses = torch.tensor(one.run.losses, dtype=torch.float64)
+    claims.close(
+        "every step's loss equals one process's",
+        losses,
+        torch.tensor(ref.losses, dtype=torch.float64),
+        what="the losses",
+    )
+    claims.tensors(
+        "the parameters after the steps equal one process's",
+        one.run.params,
+        {n: ref.params[n] for n in one.run.params},
+        what="the parameters",
+    )
+    expected = cost.expected_sent(CFG, SHAPE, lesson.place_of(one.mesh_step))
+    for dim, named in DIMS.items():
+        got = sum(v for k, v in one.measured.sent.items() if k[0] == dim)
+        claims.equal(
+            f"bytes sent on the {named} group = the formula",
+            got,
+            int(sum(v for k, v in expected.items() if k[0] == dim)),
+            what=f"bytes this rank sent on its {named} group in step 2",
+            note=f"by (phase, collective): {dict((k[1:], v) for k, v in one.measured.sent.items() if k[0] == dim)}",
+        )
+
+
+NUMBERS = "equals one process"
+MISTAKES = (
+    Mistake(
+        "FSDP2 over dp alone",
+        "bytes sent on the dp x cp group",
+        (Zero(),),
+        (
+            "the cp ranks hold the same weights as the dp ranks and see other tokens: their gradients must average",
+            "shard and reduce over both dimensions at once: the flattened dp x cp mesh",
+            "fully_shard(..., mesh=shards) for every block and for the root",
+        ),
+        fails=(NUMBERS,),
+    ),
+    Mistake(
+        "no ring: each cp rank attends to its own positions only",
+        "bytes sent on the cp group",
+        (Zero(),),
+        (
+            "a query must see every earlier key, and under cp the keys are spread over the cp group",
+            "the blocks' attention core must be the ring, over mesh's cp group, on the zig-zag layout",
+            "block.attn.core = ring_core(Ring(mesh.get_group('cp')), Layout(shape.cp, cfg.seq, 'zigzag', causal=True))",
+        ),
+        fails=(NUMBERS,),
+    ),
+)
+
+
+def _solution():
+    return load_lesson(LESSON).parallelize
+
+
+def fsdp_over_dp_alone(model, cfg, shape, mesh, shards):
+    """The dp dimension where dp x cp belongs: at dp = 1 nothing is averaged over the cp ranks."""
+    return _solution()(model, cfg, shape, mesh, mesh["dp"])
+
+
+def no_ring(model, cfg, shape, mesh, shards):
+    """Everything but context parallelism's ring: each block attends with the plain core, to this rank's
+    own positions only."""
+    model = _solution()(model, cfg, shape, mesh, shards)
+    for block in model.layers.values():
+        block.attn.core = attention
+    return model
+
+
+def regathered_every_micro_batch(model, cfg, shape, mesh, shards):
+    """Right numbers, more bytes: FSDP2 frees each unit after its forward and gathers it again, per
+    micro-batch and in backward."""
+    model = _solution()(model, cfg, shape, mesh, shards)
+    for module in model.modules():
+        if hasattr(module, "set_reshard_after_forward"):
+            module.set_reshard_after_forward(True)
+    return model
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "each parallelism runs its collectives on its own dimension's group of the mesh, and only there",
+        "cp: the ring as the blocks' attention core; tp: parallelize_module on mesh['tp']; dp x cp: fully_shard",
+        "keep_stage, model.place(positions(...)[1]), ring_core on mesh.get_group('cp'), "
+        "parallelize_module(block, mesh['tp'], block_plan(sequence_parallel=True)) and the EDGES, then "
+        "fully_shard(block, mesh=shards, reshard_after_forward=False) and the root",
+    ),
+    numbers=NUMBERS,
+)
+WRONG = {
+    "FSDP2 over dp alone": "fsdp_over_dp_alone",
+    "no ring: each cp rank attends to its own positions only": "no_ring",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
+    Path(__file__), {"regathered_every_micro_batch": "bytes sent on the dp x cp group"}
+)

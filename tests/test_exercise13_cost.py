@@ -1,0 +1,183 @@
+"""Exercise 13: one rank's bytes held and sent by hand, judged on 2 ranks against what the lesson's own runs
+hold and send there (DDP, DDP recomputing every block, TP, TP + SP, float32, a 2-block stack), and against
+`distlab.cost`'s prediction.
+
+Each rank runs every configuration once with the lesson's `Trial` (what it holds by storage, what its forward
+keeps, what its collectives send per step) and calls the answer. The claims: weights, gradients, AdamW's
+moments, activations and bytes sent each equal the measurement and the cost model, exactly."""
+
+from argparse import Namespace
+from pathlib import Path
+
+from exercise_kit import Exercise, solution
+from exercise_signatures import Equals, Mistake
+
+from distlab.cost import memory, traffic
+from distlab.cost.shapes import PRECISIONS, Batch, Transformer
+from distlab.cost.step import step_cost
+
+LESSON, NAME, P = "13_cost", "rank_bytes", 2
+ARGS = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)
+MODEL, BATCH, E = Transformer(ARGS.layers, ARGS.dim, ARGS.heads, ARGS.ffn_width), Batch(12, 48), 4
+ITEMS = ("weights", "gradients", "moments", "activations", "sent")
+ONE_PASS = "the all-reduce priced as one pass of the ring, (P-1)/P of the gradient"
+ONE_MOMENT = "one moment, e Psi"
+ALL_CUT = "every activation cut by tp, the gathered inputs too"
+NO_VECTORS = "no all-reduce of the LayerNorms' and row biases' gradients"
+_MEASURED: dict = {}  # per process: each configuration is run once, whatever answer is judged
+
+
+def measured(rt, name: str, parallel) -> dict[str, int]:
+    """What the lesson's own run of `parallel` held and sent on this rank."""
+    if name not in _MEASURED:
+        got = solution(LESSON, "Trial").load()(rt, ARGS, parallel).measured(0.0)
+        _MEASURED[name] = {k: got.held[k] for k in ITEMS[:3]} | {
+            "activations": got.activations,
+            "sent": sum(got.sent.values()),
+        }
+    return _MEASURED[name]
+
+
+def predicted(parallel) -> dict[str, int]:
+    """distlab.cost's numbers for the same configuration."""
+    rank = step_cost(MODEL, BATCH, parallel, "float32").ranks[0]
+    kept = memory.stage_activations(MODEL, BATCH, parallel, 0, PRECISIONS["float32"], E)
+    return {k: rank.memory[k] for k in ITEMS[:3]} | {"activations": kept, "sent": rank.traffic.total}
+
+
+def wrong_values(parallel, right: dict[str, int]) -> dict[str, dict[str, int]]:
+    """What each catalogued misreading computes, from the right numbers (never from the answer)."""
+    tp, tokens, d = parallel.tp, BATCH.tokens, MODEL.dim
+    out = {"moments": {ONE_MOMENT: right["moments"] // 2}}
+    if tp == 1:
+        out["sent"] = {ONE_PASS: right["sent"] // 2}
+    if parallel.sp:
+        gathered = 2 * tokens * d * E * MODEL.layers
+        out["activations"] = {ALL_CUT: right["activations"] - gathered + gathered // tp}
+        vectors = traffic.per_rank(MODEL, BATCH, parallel, "float32").sent["tp", "all_reduce"]
+        out["sent"] = {NO_VECTORS: right["sent"] - vectors}
+    return out
+
+
+def _ranks(rt, rank_bytes, claims) -> None:
+    for name, parallel in solution(LESSON, "configurations").load()(P).items():
+        got, right = rank_bytes(MODEL, BATCH, parallel, E), predicted(parallel)
+        wrong, here = wrong_values(parallel, right), measured(rt, name, parallel)
+        for item in ITEMS:
+            value, alternatives = (got or {}).get(item), wrong.get(item, {})
+            claims.equal(
+                f"{name}: {item} = measured on {P} ranks",
+                value,
+                here[item],
+                what=f"{item}, bytes",
+                alternatives=alternatives,
+            )
+            claims.equal(
+                f"{name}: {item} = distlab.cost's", value, right[item], what=f"{item}, bytes", alternatives=alternatives
+            )
+
+
+MISTAKES = (
+    Mistake(
+        "an all-reduce priced as one pass",
+        "^DDP: sent",
+        (Equals(ONE_PASS),),
+        (
+            "an all-reduce is two passes of the ring: what does each rank send in a reduce-scatter, and again?",
+            "a ring all-reduce sends 2 (P-1)/P of the tensor per rank: a reduce-scatter, then an all-gather",
+            "sent = layers x 2 (P-1) ceil(Psi_b / P) e  (each block's flat gradient padded to P chunks)",
+        ),
+        holds=("DDP: weights",),
+    ),
+    Mistake(
+        "one moment, not two",
+        "moments",
+        (Equals(ONE_MOMENT),),
+        (
+            "AdamW keeps two running averages per parameter: which?",
+            "m (the gradient's average) and v (its square's): two tensors the size of the weights",
+            "moments = 2 x weights' bytes",
+        ),
+        holds=("weights",),
+    ),
+    Mistake(
+        "the gathered inputs cut too",
+        r"TP \+ SP: activations",
+        (Equals(ALL_CUT),),
+        (
+            "sequence parallelism cuts the region between the parallel layers, but not every tensor",
+            "f-bar all-gathers the LayerNorm's output before q, k, v and fc1: those inputs are whole on every rank",
+            "kept = (region + inside) / tp + gathered, gathered = 2 N seq d (lesson 08's cost.py)",
+        ),
+        holds=(r"^TP: activations",),
+    ),
+    Mistake(
+        "the LayerNorms' gradients never reduced",
+        r"TP \+ SP: sent",
+        (Equals(NO_VECTORS),),
+        (
+            "with the sequence cut, some parameters see only this rank's tokens: what of their gradients?",
+            "the LayerNorms' weights and biases and the row layers' biases get partial sums: all-reduce them once",
+            "sent += layers x 2 (tp-1)/tp x 6 d e",
+        ),
+        holds=(r"^TP: sent",),
+    ),
+)
+
+
+def _with(change):
+    """The lesson's answer with one piece computed wrong."""
+
+    def answer(model, batch, parallel, e):
+        out = solution(LESSON, NAME).load()(model, batch, parallel, e)
+        return change(out, model, batch, parallel, e)
+
+    return answer
+
+
+def _one_pass(out, model, batch, parallel, e):
+    return out | ({"sent": out["sent"] // 2} if parallel.tp == 1 else {})
+
+
+def _one_moment(out, model, batch, parallel, e):
+    return out | {"moments": out["moments"] // 2}
+
+
+def _all_cut(out, model, batch, parallel, e):
+    gathered = 2 * batch.tokens * model.dim * e * model.layers
+    return out | ({"activations": out["activations"] - gathered + gathered // parallel.tp} if parallel.sp else {})
+
+
+def _no_vectors(out, model, batch, parallel, e):
+    vectors = 2 * (parallel.tp - 1) * 6 * model.dim * model.layers * e // parallel.tp
+    return out | ({"sent": out["sent"] - vectors} if parallel.sp else {})
+
+
+ring_priced_as_one_pass = _with(_one_pass)
+one_moment = _with(_one_moment)
+gathered_cut_too = _with(_all_cut)
+no_layernorm_reduction = _with(_no_vectors)
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "each item is one of lesson 07's or 08's formulas, on this rank's share: whose rows, whose columns?",
+        "weights: a block's Psi_b cut by tp where q, k, v, fc1 (rows) and out, fc2 (columns) are cut; activations: "
+        "lesson 08's region + gathered + inside on the rows this rank sees; sent: the ring's fractions",
+        "data parallel: sent = layers 2 (P-1) ceil(Psi_b / P) e; tensor parallel: 8 (tp-1)/tp N seq d e a block, "
+        "plus 2 (tp-1)/tp 6 d e with sp",
+    ),
+)
+WRONG = {
+    "an all-reduce priced as one pass": "ring_priced_as_one_pass",
+    "one moment, not two": "one_moment",
+    "the gathered inputs cut too": "gathered_cut_too",
+    "the LayerNorms' gradients never reduced": "no_layernorm_reduction",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)

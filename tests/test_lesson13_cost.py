@@ -1,0 +1,87 @@
+"""Lesson 13: a step's FLOPs, bytes held and bytes sent, predicted by `distlab.cost` from sizes alone, equal
+what four configurations of a block stack (DDP, DDP recomputing every block, TP, TP + SP) count on real
+ranks; the lesson runs under torchrun at 80 columns and records its calibration, its predicted and measured
+times and its MFU in --json (the time is a figure, never a claim: it lives on a shared machine). The
+comparison can fail: the measured bytes of a sequence-parallel step are not what plain tensor parallelism
+sends. Part 1 calibrates a link over a subgroup on every rank, the one outside it too. Bad flags are refused in
+one line."""
+
+import json
+from argparse import Namespace
+
+import pytest
+from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
+
+from distlab.cost import traffic
+from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.spawn import spawn
+
+LESSON = "13_cost.py"
+SMALL = ("--layers", "2", "--repeats", "2")  # the lesson's claims at its sizes, a shorter timing
+
+
+def test_the_lesson_passes_at_80_columns_and_records_its_figures(tmp_path):
+    path = tmp_path / "cost.json"
+    out = assert_lesson_passes_at_80_columns(LESSON, 2, *SMALL, "--json", str(path))
+    assert "Measured / predicted:" in out and "2:4-sparse headline" in out
+    report = json.loads(path.read_text())
+    figures = report["figures"]
+    assert report["passed"] and set(figures["time"]) == {"DDP", "DDP + recompute", "TP", "TP + SP"}
+    for config in figures["time"].values():
+        assert 0 < config["predicted"] < config["with_ops"] and config["measured"] > 0
+    assert figures["mfu"]["DDP + recompute"]["hfu"] > figures["mfu"]["DDP + recompute"]["mfu"]
+    published = figures["mfu"]["published"]  # the 2:4-sparse headline is twice the dense peak
+    assert published["mfu_sparse_peak"] == pytest.approx(published["mfu"] / 2, rel=1e-3)
+    assert len(figures["roofline"]["points"]) == 9 and figures["calibration"]["rates"]["float32"] > 0
+
+
+def _sequence_parallel_bytes(rt):
+    """A sequence-parallel step of the lesson's own Trial: the bytes it sent per collective."""
+    lesson = load_lesson("13_cost")
+    args = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)
+    trial = lesson.Trial(rt, args, Parallel(tp=rt.world_size, sp=True))
+    return dict(trial.measured(0.0).sent)
+
+
+def test_the_bytes_check_can_fail():
+    """The lesson's claim compares per collective: plain TP's prediction does not match an SP step."""
+    got = spawn(_sequence_parallel_bytes, 2)[0]
+    model, batch = Transformer(2, 96, 12, 384), Batch(12, 48)
+    predicted = {
+        sp: {k: n for (_, k), n in traffic.per_rank(model, batch, Parallel(tp=2, sp=sp), "float32").sent.items()}
+        for sp in (True, False)
+    }
+    assert got == predicted[True] and got != predicted[False]
+
+
+@pytest.mark.parametrize("flag,value", [("--layers", "0"), ("--dim", "-4"), ("--repeats", "x")])
+def test_bad_flags_are_refused_in_one_line(flag, value):
+    assert_flag_refused(LESSON, flag, flag, value)
+
+
+@pytest.mark.parametrize(
+    "changes,flag",
+    [(dict(heads=5), "--heads"), (dict(global_batch=9), "--global-batch"), (dict(seq_len=47), "--seq-len")],
+)
+def test_the_world_rules_name_the_flag(changes, flag):
+    args = Namespace(**(dict(layers=4, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12) | changes))
+    with pytest.raises(ValueError, match=flag):
+        load_lesson(LESSON).world_rules(args, 2)
+
+
+def _links_over_a_subgroup(rt):
+    """Part 1's calibration of a link over ranks 0 .. 1 of 3: the rank outside the group calls it too."""
+    from distlab.cost import calibrate
+
+    return [calibrate.link(rt, 2, kind, by_hand, 1) for kind, by_hand in (("all_reduce", True), ("all_gather", False))]
+
+
+def test_a_link_is_calibrated_over_a_subgroup_on_every_rank():
+    """At P = 3 the lesson calibrates P = 2 as well: every rank returns the same named links (the slowest
+    rank's times), the one outside the group included."""
+    links = spawn(_links_over_a_subgroup, 3)
+    assert [[link.name for link in rank] for rank in links] == [
+        ["ring by hand all_reduce, P = 2", "gloo all_gather, P = 2"]
+    ] * 3
+    assert all(link.bandwidth > 0 and link.latency >= 0 for rank in links for link in rank)
+    assert links[0] == links[1] == links[2]

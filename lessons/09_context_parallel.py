@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from distlab.agree import rank_table
 from distlab.cli import DTYPES, check_flags_against_world, lesson_parser, positive_int
@@ -50,6 +49,7 @@ from distlab.comm.ring import Ring
 from distlab.compare import all_ok, compare, comparison_table
 from distlab.console import print0, rows_table
 from distlab.context_parallel import split as layouts
+from distlab.context_parallel import whole_sequence
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
 from distlab.context_parallel.cost import Sizes, beats_whole
 from distlab.context_parallel.split import DIAGONAL, SKIP, Layout, piece_label
@@ -145,17 +145,7 @@ class RingRun:
 
 def make_inputs(args) -> list[torch.Tensor]:
     """q, k, v and the upstream gradient dout of the whole sequence, the same on every rank."""
-    gen = torch.Generator().manual_seed(args.seed)
-    shape = (args.heads, args.seq_len, args.head_dim)
-    return [torch.randn(shape, generator=gen, dtype=DTYPES[args.dtype]) for _ in range(4)]
-
-
-def reference(inputs: list[torch.Tensor], causal: bool) -> dict:
-    """One process, the whole sequence: torch's scaled_dot_product_attention and plain autograd."""
-    q, k, v = (t.clone().requires_grad_() for t in inputs[:3])
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    out.backward(inputs[3])
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return whole_sequence.inputs(args.seed, args.heads, args.seq_len, args.head_dim, DTYPES[args.dtype])
 
 
 def gather(rt: Runtime, block: torch.Tensor, split: str) -> torch.Tensor:
@@ -197,7 +187,7 @@ def show_exactness(rt: Runtime, args, verdict: Verdict) -> dict:
     for split, causal in CASES:
         name = f"{split}, {'causal' if causal else 'not causal'}"
         runs[(split, causal)] = run = run_ring(rt, inputs, Layout(rt.world_size, args.seq_len, split, causal))
-        rows = compare(reference(inputs, causal), run.results)
+        rows = compare(whole_sequence.reference(inputs, causal), run.results)
         verdict.check(f"{name}: out, dq, dk, dv = SDPA's", all_ok(rows))
         print0(comparison_table(rows, f"{name}: P = {rt.world_size} ranks, gathered, against one process"))
     return runs

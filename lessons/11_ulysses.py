@@ -42,7 +42,7 @@ from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
 from distlab.compare import all_ok, compare, comparison_table
 from distlab.console import print0, rows_table
-from distlab.context_parallel import ulysses
+from distlab.context_parallel import ulysses, whole_sequence
 from distlab.context_parallel.cost import Sizes
 from distlab.context_parallel.split import shard, unshard
 from distlab.runtime import Runtime, distributed, run_main
@@ -86,17 +86,7 @@ def ulysses_attention(q, k, v, causal: bool, ledger: Ledger, group=None) -> torc
 
 def make_inputs(args) -> list[torch.Tensor]:
     """q, k, v and the upstream gradient dout of the whole sequence, the same on every rank."""
-    gen = torch.Generator().manual_seed(args.seed)
-    shape = (args.heads, args.seq_len, args.head_dim)
-    return [torch.randn(shape, generator=gen, dtype=DTYPES[args.dtype]) for _ in range(4)]
-
-
-def reference(inputs: list[torch.Tensor], causal: bool) -> dict:
-    """One process, the whole sequence: torch's scaled_dot_product_attention and plain autograd."""
-    q, k, v = (t.clone().requires_grad_() for t in inputs[:3])
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    out.backward(inputs[3])
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return whole_sequence.inputs(args.seed, args.heads, args.seq_len, args.head_dim, DTYPES[args.dtype])
 
 
 def run_ulysses(rt: Runtime, inputs: list[torch.Tensor], causal: bool) -> tuple[dict, tuple[int, int]]:
@@ -143,7 +133,7 @@ def show_exactness(rt: Runtime, args, verdict: Verdict) -> dict:
     for causal in (False, True):
         name = "causal" if causal else "not causal"
         results, sent[name] = run_ulysses(rt, inputs, causal)
-        rows = compare(reference(inputs, causal), results)
+        rows = compare(whole_sequence.reference(inputs, causal), results)
         verdict.check(f"{name}: out, dq, dk, dv = SDPA's", all_ok(rows))
         print0(comparison_table(rows, f"{name}: P = {rt.world_size} ranks, gathered, against one process"))
     return sent

@@ -57,8 +57,8 @@ from distlab.held import SavedActivations, model_states, storage_bytes
 from distlab.models import Block, BlockOptions, token_batch
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.runtime import Runtime, distributed, run_main
-from distlab.sharding.ddp import Replicated
 from distlab.sharding.problem import ShardingConfig, adamw, rows_of
+from distlab.sharding.replicated import Replicated
 from distlab.tensor_parallel import operators
 from distlab.tensor_parallel.blocks import ParallelBlock
 from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part

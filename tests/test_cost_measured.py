@@ -28,8 +28,8 @@ from distlab.pipeline import p2p
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.training import PipelineConfig
 from distlab.sharding import holds
-from distlab.sharding.ddp import Replicated
 from distlab.sharding.problem import ShardingConfig, build_model, global_batch, rows_of
+from distlab.sharding.replicated import Replicated
 from distlab.sharding.training import run_strategy
 from distlab.spawn import spawn
 from distlab.tensor_parallel import mesh2d, operators
@@ -192,7 +192,7 @@ def test_lesson07_what_a_step_holds_equals_the_cost_model(world_size):
     rt = Namespace(rank=0, world_size=world_size, device=torch.device("cpu"))
     for model, batch, build, data, loose in cases.values():
         x, target = (rows_of(t, rt) for t in data)
-        for measure, precision in ((holds.plain_step, "float64"), (holds.mixed_step, "bf16")):
+        for measure, precision in ((holds.measure_one_dtype_step, "float64"), (holds.measure_mixed_step, "bf16")):
             got = measure(build, x, target).items
             e = PRECISIONS[precision].e
             predicted = memory.per_rank(model, batch, Parallel(), precision)

@@ -117,7 +117,7 @@ def test_mixed_precision_states_are_lesson_07s_and_the_zero_papers():
     units = memory.rank_units(model, Parallel(dp=dp), 0, Batch(8))
     psi, tensors = model.parameters, len(model.block_weights()) * model.layers
     ddp = memory.model_states(units, "DDP", dp, memory.PRECISIONS["bf16"])
-    assert ddp == accounting.mixed_step(psi, tensors)
+    assert ddp == accounting.expected_states_mixed(psi, tensors)
     for zero, per_parameter in (("ZeRO-1", 4 + 14 / dp), ("ZeRO-2", 2 + 14 / dp), ("ZeRO-3", 16 / dp)):
         held = memory.model_states(units, zero, dp, memory.PRECISIONS["bf16"])
         assert sum(held.values()) - held["step counts"] == per_parameter * psi

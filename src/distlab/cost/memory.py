@@ -5,7 +5,7 @@ pipeline stages (lesson 02), cut by tensor parallelism (lesson 08: column and ro
 row biases whole), as flat units, one per layer, that ZeRO shards over dp ranks: Psi_P = sum_u ceil(Psi_u /
 dp). In one precision (float64, float32) the items are lesson 07's table as it is. Mixed precision prices
 the same items at two sizes: bf16 weights and gradients (the table at e = 2), a float32 master copy (the
-ZeRO-1/2 shard copy at 4 bytes; a whole one under DDP, `accounting.mixed_step`; ZeRO-3 keeps a float32 shard
+ZeRO-1/2 shard copy at 4 bytes; a whole one under DDP, `accounting.expected_states_mixed`; ZeRO-3 keeps a float32 shard
 beside its bf16 one) and float32 moments (the table at 4): 2 + 2 + 4 + 8 = 16 bytes per parameter in DDP, and
 ZeRO-1, -2, -3 the ZeRO paper's 2 + 2 + 12 / dp, 2 + 14 / dp, 16 / dp (ZeRO-1 plus the 2 / dp of the gradient
 shard its reduce-scatter leaves beside the whole gradient, as lesson 07 measures).
@@ -81,7 +81,7 @@ def model_states(units: list[tuple[int, int]], zero: str, dp: int, precision: Pr
         return accounting.held(zero, sizes(units, dp, precision.e))
     if zero == "DDP":
         at2 = sizes(units, dp, 2)
-        return accounting.mixed_step(at2.psi, at2.tensors)
+        return accounting.expected_states_mixed(at2.psi, at2.tensors)
     low, high = accounting.held(zero, sizes(units, dp, 2)), accounting.held(zero, sizes(units, dp, 4))
     master = high.get("shard copy", 4 * sizes(units, dp, 4).shard)  # ZeRO-3: a float32 shard beside the bf16
     return {

@@ -30,10 +30,10 @@ in one dtype e_m = e and there is no master):
 | ZeRO-3 | 2 Psi_P | 2 Psi_P         | -          | 4 Psi_P     | 8 Psi_P    | 16 Psi_P            |
 
 DDP's 16 Psi against 8 + 8 + 16 = 32 Psi in float64, and ZeRO-3's 16 Psi_P, are the ZeRO paper's
-(Rajbhandari et al., section 5: 2 + 2 + K with K = 12 for the master and moments); its ZeRO-1 and -2,
-2 Psi + 2 Psi + 12 Psi_P and 2 Psi + 14 Psi_P, keep the bf16 shard inside the whole bf16 weights and the
-gradient only in its shard: the stages here keep the shard they step as a tensor of its own (2 Psi_P),
-and ZeRO-1 the whole gradient beside its shard.
+(Rajbhandari et al., section 5: 2 + 2 + K with K = 12 for the master and moments). Its ZeRO-1 and -2,
+2 Psi + 2 Psi + 12 Psi_P and 2 Psi + 14 Psi_P, hold less: its bf16 shard is a slice of the whole bf16
+weights, here a tensor of its own (2 Psi_P), and its ZeRO-1 keeps no gradient shard beside the whole
+gradient, here the reduce-scatter's result (2 Psi_P).
 
 Bytes each rank sends in one step (a ring: `distlab.comm.ring`, over the padded units of
 P Psi_P elements): DDP's all-reduce 2 (P-1)/P e Psi; ZeRO-1 and ZeRO-2 a reduce-scatter of the gradients

@@ -23,6 +23,8 @@ elements of every sharded item (Psi / P when P divides every Psi_u).
 
 Per rank, after a step: DDP e Psi + e Psi + 2 e Psi; ZeRO-1 e Psi + (e Psi + e Psi_P) + 2 e Psi_P
 (+ the shard it steps, e Psi_P); ZeRO-2 e Psi + e Psi_P + 2 e Psi_P (+ e Psi_P); ZeRO-3 4 e Psi_P.
+Under mixed precision the same stages, the shards bf16, AdamW stepping a float32 master of each (e = 2,
+moments and master e_m = 4): DDP 16 Psi; ZeRO-1 4 Psi + 16 Psi_P; ZeRO-2 2 Psi + 16 Psi_P; ZeRO-3 16 Psi_P.
 Bytes each rank sends per step (rings, lesson 06): DDP's all-reduce 2 (P-1) e Psi_P; ZeRO-1 and -2 a
 reduce-scatter and an all-gather, the same; ZeRO-3 two all-gathers and a reduce-scatter, 1.5x, less
 g_0 = (P-1) e ceil(Psi_0 / P): backward never reads the first layer's weights (its input needs no
@@ -171,6 +173,7 @@ def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
 
 BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}
 SCRATCH = "distlab07-"  # the prefix of the lesson's own checkpoint directory (the system's temporary one)
+RTOL_MIXED, ATOL_MIXED = 2e-2, 1e-3  # mixed against one process: a few bf16 roundings (2^-8) of other sums
 BLOCK = BlockOptions(fused_qkv=True, sdpa=False)  # one qkv product; attention written out, its weights saved
 
 
@@ -275,6 +278,31 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
     verdict.figure("memory", {row[0]: row[1:] for row in mem})
     verdict.figure("sent", {row[0]: row[2:4] for row in sent})
     return runs
+
+
+def show_mixed(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
+    """DDP and the stages again, unchanged, on bf16 weights with a float32 master (`distlab.sharding.mixed`)."""
+    mixed = cfg.mixed()
+    print0("\n[bold]2b. The same stages, mixed: bf16 weights, float32 master and moments[/]")
+    sizes = accounting.Sizes.of(units_of(build_model(mixed), rt.rank, rt.world_size), rt.world_size, 2, 4)
+    ref, agree, mem = reference(mixed), {}, []
+    for stage, make in {"DDP": Replicated, **BY_HAND}.items():
+        run, formula = run_strategy(rt, mixed, make), accounting.held(stage, sizes)
+        agree[stage] = ("one process", against(ref, run, RTOL_MIXED, ATOL_MIXED))
+        mem.append((stage, sum(formula.values()), sum(run.held.values()), run.live_bytes, run.peak_bytes))
+        verdict.check(f"{stage} mixed: held per rank = formula, item by item", run.held == formula)
+    print0(agreement_table("Against one process under the same recipe: max |a-r|/max |r|", agree))
+    verdict.check(
+        f"DDP and ZeRO-1/2/3 mixed = one process mixed (rtol {RTOL_MIXED}, atol {ATOL_MIXED})",
+        all(all_ok(parts.values()) for _, parts in agree.values()),
+    )
+    print0(memory_table("Mixed, per rank, KiB", mem))
+    print0(
+        "bf16 sums in another order than one process's: a few bf16 roundings (2^-8) apart. Held: DDP "
+        "2+2+4+8 = 16 Psi; ZeRO-1 4 Psi + 16 Psi_P; ZeRO-2 2 Psi + 16 Psi_P; ZeRO-3 16 Psi_P.",
+        highlight=False,
+    )
+    verdict.figure("mixed_memory", {row[0]: row[1:] for row in mem})
 
 
 def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_run) -> None:
@@ -408,6 +436,7 @@ def main() -> int:
         show_holds(rt, cfg, verdict)
         ref = reference(cfg)
         runs = show_zero(rt, cfg, verdict, ref)
+        show_mixed(rt, cfg, verdict)
         show_fsdp2(rt, cfg, verdict, ref, runs["ZeRO-3"])
         show_checkpoint(rt, cfg, args, verdict)
         return verdict.finish(args.json)

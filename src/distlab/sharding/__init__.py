@@ -8,6 +8,8 @@
 - `replicated`, `shards`, `fsdp`: the strategies' ground (the baseline: whole states on every rank, gradients
   averaged by ring all-reduces, no DDP module; every rank's shards and AdamW on them, from which the lesson's
   ZeRO-1, -2 and -3 start; FSDP2's fully_shard);
+- `mixed`: mixed precision for those strategies (bf16 weights and gradients, a float32 master that AdamW
+  steps, hung on the optimizer's step hooks) and the same recipe written out for the one-process reference;
 - `training`: the one training loop run by every strategy, measuring memory and counting bytes;
 - `dcp_resume`: save sharded with torch.distributed.checkpoint, resume at another P (a distributed
   checkpoint; not activation checkpointing, not `distlab.checkpointing`'s crash-resume);

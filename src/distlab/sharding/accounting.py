@@ -17,8 +17,23 @@ own e Psi_P); ZeRO-2 reduce-scatters each layer's gradient as soon as backward h
 whole one; ZeRO-1/2 step a copy of their shard of the weights (the float32 master copy, under mixed
 precision) and all-gather the result into the weights; ZeRO-3's shard is the only copy of the weights.
 
-Mixed precision (bf16 weights and gradients, a float32 master copy and float32 moments) holds
-2 Psi + 2 Psi + 4 Psi + 8 Psi = 16 Psi bytes in DDP, against 8 + 8 + 16 = 32 Psi in float64.
+Mixed precision (bf16 weights and gradients, a float32 master copy and float32 moments,
+`distlab.sharding.mixed`) prices the same items at e = 2 but the moments at e_m = 4 bytes, and adds the
+master copy that AdamW steps: e_m Psi under DDP, e_m Psi_P beside each stage's bf16 shard (`Sizes.e_m`;
+in one dtype e_m = e and there is no master):
+
+| stage  | weights | gradients       | shard copy | master copy | moments    | bytes per rank      |
+|--------|---------|-----------------|------------|-------------|------------|---------------------|
+| DDP    | 2 Psi   | 2 Psi           | -          | 4 Psi       | 8 Psi      | 16 Psi              |
+| ZeRO-1 | 2 Psi   | 2 Psi + 2 Psi_P | 2 Psi_P    | 4 Psi_P     | 8 Psi_P    | 4 Psi + 16 Psi_P    |
+| ZeRO-2 | 2 Psi   | 2 Psi_P         | 2 Psi_P    | 4 Psi_P     | 8 Psi_P    | 2 Psi + 16 Psi_P    |
+| ZeRO-3 | 2 Psi_P | 2 Psi_P         | -          | 4 Psi_P     | 8 Psi_P    | 16 Psi_P            |
+
+DDP's 16 Psi against 8 + 8 + 16 = 32 Psi in float64, and ZeRO-3's 16 Psi_P, are the ZeRO paper's
+(Rajbhandari et al., section 5: 2 + 2 + K with K = 12 for the master and moments). Its ZeRO-1 and -2,
+2 Psi + 2 Psi + 12 Psi_P and 2 Psi + 14 Psi_P, hold less: its bf16 shard is a slice of the whole bf16
+weights, here a tensor of its own (2 Psi_P), and its ZeRO-1 keeps no gradient shard beside the whole
+gradient, here the reduce-scatter's result (2 Psi_P).
 
 Bytes each rank sends in one step (a ring: `distlab.comm.ring`, over the padded units of
 P Psi_P elements): DDP's all-reduce 2 (P-1)/P e Psi; ZeRO-1 and ZeRO-2 a reduce-scatter of the gradients
@@ -46,10 +61,19 @@ class Sizes:
     tensors: int  # parameter tensors
     units: int  # layers (flat units)
     world: int  # ranks, P
-    e: int  # bytes per element
+    e: int  # bytes per element of the weights and gradients
+    e_m: int | None = None  # of the moments and the master copy under mixed precision; None: e, no master
+
+    def __post_init__(self):
+        if self.e_m is None:
+            object.__setattr__(self, "e_m", self.e)
+
+    @property
+    def mixed(self) -> bool:
+        return self.e_m != self.e
 
     @classmethod
-    def of(cls, units: list[FlatUnit], world: int, e: int) -> Sizes:
+    def of(cls, units: list[FlatUnit], world: int, e: int, e_m: int | None = None) -> Sizes:
         return cls(
             sum(u.numel for u in units),
             sum(u.shard_numel for u in units),
@@ -57,31 +81,22 @@ class Sizes:
             len(units),
             world,
             e,
+            e_m,
         )
 
 
 def held(stage: str, s: Sizes) -> dict[str, int]:
-    """Bytes of each item one rank holds after a step (gradients not yet zeroed), by stage."""
+    """Bytes of each item one rank holds after a step (gradients not yet zeroed), by stage; under mixed
+    precision (`s.mixed`) the moments at e_m bytes and the master copy of what AdamW steps."""
     full, shard, steps = s.e * s.psi, s.e * s.shard, STEP_COUNT_BYTES * s.units
+    stepped = s.psi if stage == "DDP" else s.shard  # elements AdamW steps on this rank
     table = {
-        "DDP": {"weights": full, "gradients": full, "moments": 2 * full, "step counts": STEP_COUNT_BYTES * s.tensors},
-        "ZeRO-1": {
-            "weights": full,
-            "gradients": full + shard,
-            "shard copy": shard,
-            "moments": 2 * shard,
-            "step counts": steps,
-        },
-        "ZeRO-2": {
-            "weights": full,
-            "gradients": shard,
-            "shard copy": shard,
-            "moments": 2 * shard,
-            "step counts": steps,
-        },
-        "ZeRO-3": {"weights": shard, "gradients": shard, "moments": 2 * shard, "step counts": steps},
-    }
-    return table[stage]
+        "DDP": {"weights": full, "gradients": full, "step counts": STEP_COUNT_BYTES * s.tensors},
+        "ZeRO-1": {"weights": full, "gradients": full + shard, "shard copy": shard, "step counts": steps},
+        "ZeRO-2": {"weights": full, "gradients": shard, "shard copy": shard, "step counts": steps},
+        "ZeRO-3": {"weights": shard, "gradients": shard, "step counts": steps},
+    }[stage] | {"moments": 2 * s.e_m * stepped}
+    return table | ({"master copy": s.e_m * stepped} if s.mixed else {})
 
 
 def expected_bytes(stage: str, s: Sizes, first_shard: int = 0) -> int:

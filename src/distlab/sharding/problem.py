@@ -8,11 +8,13 @@ The loss is the mean squared error, a MEAN OVER SAMPLES, so every sharded stage 
 ranks' gradients (reduce-scatter, then divide by P) and must equal one process on the whole batch:
 `reference` is that process, a deep copy of the model with torch's own AdamW (weight decay on every
 parameter, one group), whose gradients, parameters and optimizer states every stage is compared with.
+Under mixed precision (`ShardingConfig.mixed`: bf16 model and batches, a float32 master that AdamW steps)
+the reference is the same process under the same recipe (`distlab.sharding.mixed.MasterStepped`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,8 @@ from torch import nn
 from distlab.models import layered_mlp, regression_batch
 from distlab.reference import one_process
 from distlab.runtime import Runtime
-from distlab.training import Run
+from distlab.sharding.mixed import MasterStepped
+from distlab.training import Run, train
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,12 @@ class ShardingConfig:
     lr: float = 0.01
     weight_decay: float = 0.1
     seed: int = 0
-    dtype: torch.dtype = torch.float64
+    dtype: torch.dtype = torch.float64  # the model's weights, gradients and batches
+    master: torch.dtype | None = None  # what AdamW steps and keeps its moments in, when not `dtype`
+
+    def mixed(self) -> ShardingConfig:
+        """The same problem under mixed precision: bf16 weights, gradients and batches, a float32 master."""
+        return replace(self, dtype=torch.bfloat16, master=torch.float32)
 
 
 def build_model(cfg: ShardingConfig) -> nn.Sequential:
@@ -60,12 +68,24 @@ def adamw(params, cfg: ShardingConfig) -> torch.optim.AdamW:
 
 def reference(cfg: ShardingConfig, steps: int | None = None) -> Run:
     """One process, the whole batch of each step, plain autograd, torch's AdamW: the independent
-    reference (`distlab.reference.one_process`), its AdamW states kept."""
+    reference (`distlab.reference.one_process`), its AdamW states kept; under mixed precision the
+    bf16 model whose float32 master AdamW steps (`MasterStepped`)."""
+    steps = cfg.steps if steps is None else steps
+    if cfg.master is not None:
+        model = build_model(cfg)  # a fresh model from the seed, the strategies' starting weights
+
+        def step(k: int) -> torch.Tensor:
+            x, target = global_batch(cfg, k)
+            loss = loss_fn(model(x), target)
+            loss.backward()
+            return loss
+
+        return train(MasterStepped(model, cfg.master, lambda params: adamw(params, cfg)), step, steps, True)
     return one_process(
         build_model(cfg),
         lambda k: global_batch(cfg, k),
         loss_fn,
         lambda params: adamw(params, cfg),
-        cfg.steps if steps is None else steps,
+        steps,
         keep_states=True,
     )

@@ -10,6 +10,11 @@ A stage is this object with its two hooks set (lesson 07 writes ZeRO-1, -2 and -
 training loop (`distlab.training.train`) drives it:
 
     zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step()
+
+Under mixed precision (`cfg.master`) the shards are bf16 like the weights (what the stages gather, and
+where their reduce-scatters leave the gradient), and AdamW steps a float32 master of each shard
+(`distlab.sharding.mixed.stepping_a_master`), rounded into the shard after each step: the stages are
+the same code in both.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from distlab.comm.ring import Ring
 from distlab.held import model_states
 from distlab.runtime import Runtime
 from distlab.sharding.flat import units_of
+from distlab.sharding.mixed import stepping_a_master
 from distlab.sharding.problem import ShardingConfig, adamw
 
 
@@ -37,10 +43,16 @@ class Sharded:
             nn.Parameter(u.my_shard(u.flatten([p.detach() for p in layer.parameters()])).clone())
             for u, layer in zip(self.units, self.layers)
         ]
-        self.optimizer = adamw(self.shards, cfg)
+        self.masters = []  # none in one dtype: AdamW steps the shards themselves
+        if cfg.master is None:
+            self.optimizer = adamw(self.shards, cfg)
+        else:
+            self.optimizer, self.masters = stepping_a_master(self.shards, cfg.master, lambda ps: adamw(ps, cfg))
+        self.stepped = self.masters or self.shards  # what AdamW steps and keeps moments of
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for shard in self.shards:
+            shard.grad = None
         self.model.zero_grad(set_to_none=True)
 
     def after_backward(self) -> None:
@@ -59,14 +71,14 @@ class Sharded:
         return out
 
     def params(self) -> dict[str, torch.Tensor]:
-        return self._whole(list(self.shards))
+        return self._whole(list(self.stepped))
 
     def grads(self) -> dict[str, torch.Tensor]:
         return self._whole([s.grad for s in self.shards])
 
     def states(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW's state of every parameter, from the shards (m and v gathered; the step count)."""
-        state = [self.optimizer.state[s] for s in self.shards]
+        state = [self.optimizer.state[s] for s in self.stepped]
         m = self._whole([st["exp_avg"] for st in state])
         v = self._whole([st["exp_avg_sq"] for st in state])
         step = {name: st["step"].cpu().clone() for st, u in zip(state, self.units) for name in u.names}
@@ -74,8 +86,10 @@ class Sharded:
 
     def items(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds, by item of `distlab.sharding.accounting.held`: ZeRO-1 and -2 keep
-        the whole weights beside the shards AdamW steps (the "shard copy"); ZeRO-3's shards are its weights."""
+        the whole weights beside the shards AdamW steps (the "shard copy"); ZeRO-3's shards are its weights;
+        under mixed precision each stage keeps the float32 masters of its shards too (the "master copy")."""
         weights = list(self.model.parameters())
         grads = [p.grad for p in weights + self.shards]
-        held = model_states(weights or self.shards, grads, [self.optimizer.state[s] for s in self.shards])
-        return held | ({"shard copy": list(self.shards)} if weights else {})
+        held = model_states(weights or self.shards, grads, [self.optimizer.state[s] for s in self.stepped])
+        held |= {"shard copy": list(self.shards)} if weights else {}
+        return held | ({"master copy": self.masters} if self.masters else {})

@@ -8,7 +8,9 @@ the same items at two sizes: bf16 weights and gradients (the table at e = 2), a 
 ZeRO-1/2 shard copy at 4 bytes; a whole one under DDP, `accounting.expected_states_mixed`; ZeRO-3 keeps a float32 shard
 beside its bf16 one) and float32 moments (the table at 4): 2 + 2 + 4 + 8 = 16 bytes per parameter in DDP, and
 ZeRO-1, -2, -3 the ZeRO paper's 2 + 2 + 12 / dp, 2 + 14 / dp, 16 / dp (ZeRO-1 plus the 2 / dp of the gradient
-shard its reduce-scatter leaves beside the whole gradient, as lesson 07 measures).
+shard its reduce-scatter leaves beside the whole gradient, as lesson 07 measures). Lesson 07's stages by hand
+also keep their bf16 shard as a tensor of its own, 2 / dp more for ZeRO-1 and -2 (`accounting.held` with
+e_m = 4 prices that); an implementation that steps a slice of the whole bf16 weights, as priced here, does not.
 
 Activations per block and micro-batch, what the forward leaves alive for backward plus its output (the
 input is the previous block's output, counted there), by storage as `distlab.held` counts:

@@ -49,11 +49,14 @@ BAD_DEVICES = {  # --device value -> the one error line
 }
 
 
+SHAPE_AT_2 = {"composed_mesh": ["--dp", "2", "--pp", "1", "--tp", "1", "--cp", "1"]}  # its default mesh is 8 ranks
+
+
 @pytest.mark.parametrize("value", [pytest.param("cuda", marks=NO_GPU), "tpu"])
 @pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
 def test_a_device_this_machine_lacks_is_one_line_naming_the_flag(lesson, value, monkeypatch, capsys):
     _torchrun_env(monkeypatch, rank=0, world_size=2)
-    monkeypatch.setattr(sys, "argv", [str(lesson), "--device", value])
+    monkeypatch.setattr(sys, "argv", [str(lesson), "--device", value, *SHAPE_AT_2.get(lesson.stem[3:], [])])
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(lesson), run_name="__main__")
     out, err = capsys.readouterr()

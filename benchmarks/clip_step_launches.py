@@ -1,10 +1,12 @@
-"""Launches and bytes per step of one rank's loss machinery, for both paths (KERNELS "torch" and "triton"),
+"""Launches and bytes per step of one rank's loss machinery, for the three paths (KERNELS "torch", "triton" and
+"triton-mm"),
 counted on the meta device: nothing is computed, so the count is the same on any device and a GPU-sized step
 counts on a laptop (`distlab.streamed.rank_work.count_rank`, `distlab.streamed.launches.LaunchCount`).
 
 A launch is a torch op that starts a kernel, or a Triton launch; its bytes are the tensors it reads and writes,
 each once (a floor: a tiled product re-reads its operands from the cache). The torch tiles' launches grow with
-the tiles a step walks, (C / T)(N / T) per pass; the kernels' are the same at every N.
+the tiles a step walks, (C / T)(N / T) per pass; the fused kernels' are the same at every N; "triton-mm" adds
+a coefficient kernel and a matmul per chunk of W (`distlab.streamed.kernels.coefficients`).
 
     python benchmarks/clip_step_launches.py     # N = 4,096 and 65,536, P = 8, d = 1,024, T = 1,024: a Markdown table
 """
@@ -16,7 +18,7 @@ import torch
 from distlab.streamed.config import parse_config
 from distlab.streamed.rank_work import TAU, count_rank
 
-PATHS = (("torch", "float32", torch.float32), ("triton", "bf16", torch.bfloat16))  # as each path is used
+PATHS = (("torch", "float32", torch.float32), ("triton", "bf16", torch.bfloat16), ("triton-mm", "bf16", torch.bfloat16))
 
 
 def count_launches(sizes: list[int], world: int, dim: int, chunk: int) -> list[dict]:
@@ -40,13 +42,13 @@ def launch_markdown(rows: list[dict], world: int, dim: int, chunk: int) -> str:
         "device, the same on any device; bytes: each launch's tensors read and written once; torch tiles in "
         "float32, kernels in bf16)",
         "",
-        "| N | loss | exchange | torch tiles: launches | GiB | kernels: launches | GiB |",
-        "|---:|---|---|---:|---:|---:|---:|",
+        "| N | loss | exchange | torch tiles: launches | GiB | kernels: launches | GiB | triton-mm: launches | GiB |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     by = {(r["n"], r["loss"], r["exchange"], r["kernels"]): r for r in rows}
     for n, loss, exchange in dict.fromkeys((r["n"], r["loss"], r["exchange"]) for r in rows):
         cells = [f"{n}", loss, exchange]
-        for kernels in ("torch", "triton"):
+        for kernels in ("torch", "triton", "triton-mm"):
             r = by[n, loss, exchange, kernels]
             cells += [f"{r['launches']:,}", f"{r['bytes'] / 2**30:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")

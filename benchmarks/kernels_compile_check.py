@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
 
+from distlab.streamed.kernels.coefficients import coefficient_kernel, default_gemm_blocks
 from distlab.streamed.kernels.launch import Blocks, default_blocks, tiling
 from distlab.streamed.kernels.lse import COLUMNS, ROWS, lse_kernel
 from distlab.streamed.kernels.product import INFONCE, SIGMOID, product_kernel
@@ -73,6 +74,9 @@ def compile_one(kernel, role: int, code: int, blocks: Blocks, dtype: torch.dtype
     operands = (Operand(q, 8192, 1024), Operand(k, 65536, 1024))
     if kernel is lse_kernel:
         args = (*operands, (v,) * 5, (1024, 8192, 1.0, 0))
+    elif kernel is coefficient_kernel:  # W for 2,048 rows of q (one chunk), in bf16 or float32
+        w = torch.empty(2048, 65536, dtype=torch.bfloat16 if code == BF16 else torch.float32, device=meta)
+        args = (*operands, (w, v, v), (v,) * 3, (1024, 1.0, 0, 0.0, 1.0))
     else:
         args = (*operands, (v,) * 3, (v,) * 3, (1024, 8192, 1.0, 0, 0.0, 1.0, 1.0))
     compiled = kernel.warmup(
@@ -92,12 +96,16 @@ def main() -> int:
             ("row + column fold (ring)", lse_kernel, COLUMNS),
             ("InfoNCE product", product_kernel, INFONCE),
             ("sigmoid product", product_kernel, SIGMOID),
+            ("InfoNCE coefficients (mm)", coefficient_kernel, INFONCE),
+            ("sigmoid coefficients (mm)", coefficient_kernel, SIGMOID),
         )
     ]
     failed = 0
     print(f"Triton {triton.__version__}, target sm_90; N = 65,536, P = 8, d = 1,024; the default blocks")
     for name, kernel, role, code, dtype in variants:
         blocks = default_blocks(code, False, sigmoid=kernel is product_kernel and role == SIGMOID)
+        if kernel is coefficient_kernel:
+            blocks = default_gemm_blocks(code, False)
         try:
             got = compile_one(kernel, role, code, blocks, dtype)
         except Exception as err:  # noqa: BLE001 - every variant is tried; the failures are counted

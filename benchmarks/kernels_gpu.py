@@ -4,7 +4,8 @@ bf16 matmul floor, at one rank's shape of a large step. Made to run once, in und
     python benchmarks/kernels_gpu.py OUT_DIR                         # one CUDA device (H100 / H200)
     TRITON_INTERPRET=1 python benchmarks/kernels_gpu.py OUT_DIR --cpu-dry-run   # the same code, tiny, on a CPU
 
-(a) exact: at P = 1, N = 512, d = 128 (N = 64, d = 32 in the dry run), KERNELS "triton" against the torch tiles
+(a) exact: at P = 1, N = 512, d = 128 (N = 64, d = 32 in the dry run), KERNELS "triton" (S and W in registers)
+    and "triton-mm" (W in memory, multiplied by cuBLAS: `kernels.coefficients`) against the torch tiles
     and plain autograd on the whole batch in float64 (`clip_loss`, `sigmoid_loss`), for {InfoNCE, sigmoid} x
     {gather, ring}: float32 embeddings at MATMUL_PRECISION "float32" to 1e-5 (relative, G_x and G_y); bf16
     embeddings at "bf16" within 1.25x of what plain autograd under bf16 autocast achieves against the same
@@ -12,12 +13,13 @@ bf16 matmul floor, at one rank's shape of a large step. Made to run once, in und
     logits; on this CPU 2.9e-3 / 3.3e-3 against autocast's 4.2e-3 / 3.4e-3, InfoNCE / sigmoid).
 (b) time and memory at one rank's shape of N = 65,536, P = 8 (C = 8,192), d = 1,024, bf16 embeddings
     (`rank_work.one_rank`: rank 0's tile work, the exchange left out): the InfoNCE machinery by the kernels
-    (gather, ring; "bf16", and "float32" for the default precision), by the torch tiles (float32, the default
-    T), open_clip's ClipLoss(local_loss=True, gather_with_grad=True) under bf16 autocast (`local_clip_loss`,
-    C x N logits, autograd), the 6 C N d bf16 matmul floor (cuBLAS, column chunks of 8,192); the sigmoid by the
-    kernels against open_clip's SigLipLoss (`siglip_recipe.block_loss` over the P blocks of C x C, autograd);
-    a few block sizes for the kernels; and at P = 1, N = 65,536 the kernels against the 6 N^2 d floor.
-(c) launches and bytes per step of both paths (the gathered InfoNCE), counted on the meta device at N = 4,096
+    (gather, ring; "bf16", and "float32" for the default precision; "triton-mm" beside them), by the torch
+    tiles (float32, the default T), open_clip's ClipLoss(local_loss=True, gather_with_grad=True) under bf16
+    autocast (`local_clip_loss`, C x N logits, autograd), the 6 C N d bf16 matmul floor (cuBLAS, column chunks
+    of 8,192); the sigmoid by the kernels against open_clip's SigLipLoss (`siglip_recipe.block_loss` over the P
+    blocks of C x C, autograd); a few block sizes for the kernels; and at P = 1, N = 65,536 the kernels (both
+    Triton paths) against the 6 N^2 d floor.
+(c) launches and bytes per step of the three paths (the gathered InfoNCE), counted on the meta device at N = 4,096
     and 65,536. --budget S (150 on a GPU): (b) skips what is left once S seconds have passed, and says so.
 
 Each row: the median of --repeats after a warm-up (which compiles), torch.cuda.synchronize around each,
@@ -108,12 +110,12 @@ def check_exact(shape, device) -> list[dict]:
         z_x, z_y = embeddings(n, d, device, dtype)
         for loss in ("infonce", "sigmoid"):
             true_x, true_y = truth(z_x, z_y, loss)
-            for exchange in ("gather", "ring"):
-                cfg = config(n, 1, exchange, "triton", precision)
-                got = one_rank(cfg, z_x, z_y, loss, tile_ops("triton", precision, 64, device, torch.float32))
+            for exchange, kernels in ((e, k) for e in ("gather", "ring") for k in ("triton", "triton-mm")):
+                cfg = config(n, 1, exchange, kernels, precision)
+                got = one_rank(cfg, z_x, z_y, loss, tile_ops(kernels, precision, 64, device, torch.float32))
                 tiles = one_rank(cfg, z_x, z_y, loss, TorchTiles(64, precision))
                 err = max(rel(got[0], true_x), rel(got[1], true_y))
-                row = dict(dtype=str(dtype), loss=loss, exchange=exchange, rel_truth=err)
+                row = dict(dtype=str(dtype), loss=loss, exchange=exchange, kernels=kernels, rel_truth=err)
                 row["rel_torch_tiles"] = max(rel(got[0], tiles[0]), rel(got[1], tiles[1]))
                 if dtype == torch.float32:
                     row["ok"] = err <= 1e-5 and row["rel_torch_tiles"] <= 1e-5
@@ -167,16 +169,21 @@ def methods(shape, device) -> dict:
         return lambda: one_rank(cfg, *z, loss, ops)
 
     rank = f"one rank of P = {world}"
+    in_memory = TritonTiles("bf16", w_in_memory=True)  # KERNELS "triton-mm"
     torch_t = chunk_for(config(n, world), d, device, torch.float32)  # the default T for this device
     calls = {
         "InfoNCE kernels, gather, bf16": (rank, machinery("infonce", "gather", TritonTiles("bf16"))),
         "InfoNCE kernels, ring, bf16": (rank, machinery("infonce", "ring", TritonTiles("bf16"))),
+        "InfoNCE triton-mm, gather, bf16": (rank, machinery("infonce", "gather", in_memory)),
+        "InfoNCE triton-mm, ring, bf16": (rank, machinery("infonce", "ring", in_memory)),
         "InfoNCE kernels, gather, float32": (rank, machinery("infonce", "gather", TritonTiles("float32"))),
         "InfoNCE torch tiles, float32": (rank, machinery("infonce", "gather", TorchTiles(torch_t, "float32"))),
         "open_clip ClipLoss, bf16 autocast": (rank, lambda: clip_recipe(*z, world)),
         "6 C N d floor, bf16 mm": (rank, lambda: floor(*z, world)),
         "sigmoid kernels, gather, bf16": (rank, machinery("sigmoid", "gather", TritonTiles("bf16"))),
         "sigmoid kernels, ring, bf16": (rank, machinery("sigmoid", "ring", TritonTiles("bf16"))),
+        "sigmoid triton-mm, gather, bf16": (rank, machinery("sigmoid", "gather", in_memory)),
+        "sigmoid triton-mm, ring, bf16": (rank, machinery("sigmoid", "ring", in_memory)),
         "open_clip SigLipLoss, bf16 autocast": (rank, lambda: siglip_recipe(*z, world)),
     }
     if device.type == "cuda":
@@ -184,6 +191,7 @@ def methods(shape, device) -> dict:
             name = f"InfoNCE kernels, gather, bf16, blocks {b.m}x{b.n}x{b.d} w{b.warps} s{b.stages}"
             calls[name] = (rank, machinery("infonce", "gather", TritonTiles("bf16", b)))
     calls["InfoNCE kernels, gather, bf16 (P = 1)"] = ("P = 1", machinery("infonce", "gather", TritonTiles("bf16"), 1))
+    calls["InfoNCE triton-mm, gather, bf16 (P = 1)"] = ("P = 1", machinery("infonce", "gather", in_memory, 1))
     calls["6 N^2 d floor, bf16 mm (P = 1)"] = ("P = 1", lambda: floor(*z, 1))
     return calls
 
@@ -242,7 +250,8 @@ def launch_counts(shape) -> list[dict]:
     (every loss and exchange: `benchmarks/results/clip_step_launches.md`, the same on any device)."""
     rows = []
     for n in (4096, shape["n"]):
-        for kernels, precision, dtype in (("triton", "bf16", torch.bfloat16), ("torch", "float32", torch.float32)):
+        paths = (("triton", "bf16", torch.bfloat16), ("triton-mm", "bf16", torch.bfloat16))
+        for kernels, precision, dtype in paths + (("torch", "float32", torch.float32),):
             keys = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": n // shape["world"], "STREAM_CHUNK_SIZE": 1024}
             keys |= {"TAU": TAU, "KERNELS": kernels, "MATMUL_PRECISION": precision}
             count = count_rank(parse_config(keys, shape["world"], 0), "infonce", shape["d"], dtype)
@@ -272,7 +281,7 @@ def table(title: str, header: tuple, rows: list) -> list[str]:
 
 def markdown(report) -> str:
     exact = [
-        (r["dtype"], r["loss"], r["exchange"], f"{r['rel_truth']:.1e}", f"{r['rel_torch_tiles']:.1e}")
+        (r["dtype"], r["loss"], r["exchange"], r["kernels"], f"{r['rel_truth']:.1e}", f"{r['rel_torch_tiles']:.1e}")
         + (f"{r['rel_autocast']:.1e}" if "rel_autocast" in r else "", r["ok"])
         for r in report.get("exact") or []
     ]
@@ -293,7 +302,7 @@ def markdown(report) -> str:
         for r in report.get("launches") or []
     ]
     lines = [f"# Fused kernels on {report['device']}", "", f"`{report['command']}`; {report['versions']}"]
-    header = ("dtype", "loss", "exchange", "rel. to truth", "rel. to torch tiles", "autocast's", "ok")
+    header = ("dtype", "loss", "exchange", "KERNELS", "rel. to truth", "rel. to torch tiles", "autocast's", "ok")
     lines += table("## (a) exact at P = 1 (G_x, G_y against plain autograd in float64)", header, exact)
     header = ("setting", "method", "seconds", "x ClipLoss", "peak GiB")
     lines += table("## (b) one rank's machinery, bf16 embeddings", header, timed)

@@ -24,7 +24,9 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):  # e
 
 from distlab.streamed.kernels.launch import Blocks  # noqa: E402
 
-SMALL_BLOCKS = Blocks(16, 16, 16, 1, 1, splits=3)  # every block edge crossed, and three column ranges merged
+# Every block edge crossed: for the fused kernels three column ranges merged, for the coefficient kernel
+# (KERNELS "triton-mm") W made 5 rows at a time (chunks that cut through a block of rows).
+SMALL_BLOCKS = Blocks(16, 16, 16, 1, 1, splits=3, w_rows=5)
 
 
 def relative(got: torch.Tensor, truth: torch.Tensor) -> float:

@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from kernel_helpers import SMALL_BLOCKS, relative
 
 from distlab.contrastive.losses import clip_loss
+from distlab.streamed.kernels import coefficients, product
 from distlab.streamed.kernels.lse import row_lse
-from distlab.streamed.kernels.product import pair_product, sigmoid_rows
 from distlab.streamed.tiles import Pairing, lse_and_nll
 
 ROWS, COLS, D, OFFSET, SCALE = 21, 45, 19, 7, 3.0
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 BLOCKS = [SMALL_BLOCKS, None]  # None: the default blocks (one range under the interpreter)
+PATHS = [product, coefficients]  # W in registers (KERNELS "triton"), W in memory ("triton-mm")
 
 
 def embeddings(dtype, n_q=ROWS, n_k=COLS, seed=0):
@@ -53,7 +54,8 @@ def infonce_truth(z_x, z_y, scale):
 
 @pytest.mark.parametrize("blocks", BLOCKS, ids=["small-blocks", "default"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_pair_product_is_the_infonce_gradient(dtype, blocks):
+@pytest.mark.parametrize("path", PATHS, ids=["fused", "mm"])
+def test_pair_product_is_the_infonce_gradient(path, dtype, blocks):
     """G_x = s/(2N) sum_j (R + Q - 2 delta)_ij z_j^y for rows OFFSET.. of Z_x, and G_y by the swapped roles."""
     z_x, z_y = embeddings(dtype, COLS, COLS)
     n, own = COLS, slice(OFFSET, OFFSET + ROWS)
@@ -63,17 +65,19 @@ def test_pair_product_is_the_infonce_gradient(dtype, blocks):
     coef = torch.expm1(diag - a) + torch.expm1(diag - b)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     a, b, coef = a.to(acc), b.to(acc), coef.to(acc)
-    g_x = pair_product(z_x[own], z_y, SCALE, Pairing(a[own], b, coef[own], OFFSET), "float32", SCALE / (2 * n), blocks)
-    g_y = pair_product(z_y[own], z_x, SCALE, Pairing(b[own], a, coef[own], OFFSET), "float32", SCALE / (2 * n), blocks)
+    out_scale = SCALE / (2 * n)
+    g_x = path.pair_product(z_x[own], z_y, SCALE, Pairing(a[own], b, coef[own], OFFSET), "float32", out_scale, blocks)
+    g_y = path.pair_product(z_y[own], z_x, SCALE, Pairing(b[own], a, coef[own], OFFSET), "float32", out_scale, blocks)
     truth_x, truth_y = infonce_truth(z_x, z_y, SCALE)
     assert relative(g_x, truth_x[own]) <= TOL[dtype] and relative(g_y, truth_y[own]) <= TOL[dtype]
-    off = pair_product(z_x[own], z_y, SCALE, Pairing(a[own], b, coef[own], OFFSET - 1), "float32", SCALE / (2 * n))
+    off = path.pair_product(z_x[own], z_y, SCALE, Pairing(a[own], b, coef[own], OFFSET - 1), "float32", SCALE / (2 * n))
     assert relative(off, truth_x[own]) > 1e-2  # the positives' coefficients on the wrong columns
 
 
 @pytest.mark.parametrize("blocks", BLOCKS, ids=["small-blocks", "default"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_sigmoid_rows_are_the_sigmoid_gradient(dtype, blocks):
+@pytest.mark.parametrize("path", PATHS, ids=["fused", "mm"])
+def test_sigmoid_rows_are_the_sigmoid_gradient(path, dtype, blocks):
     """D z_y s = dL/dZ_x for rows OFFSET.. (their positives at columns OFFSET..), the loss and dL/dbeta,
     with logits in the tens (s = 10, beta = -10, SigLIP's start) and in the hundreds (s = 300)."""
     for s, beta in ((10.0, -10.0), (300.0, 5.0)):
@@ -85,7 +89,7 @@ def test_sigmoid_rows_are_the_sigmoid_gradient(dtype, blocks):
         eps = 2 * torch.eye(COLS, dtype=torch.float64) - 1
         loss = -F.logsigmoid(eps * logits).sum() / COLS
         loss.backward()
-        d_k, loss_sum, d_sum = sigmoid_rows(z_x[own], z_y, (s, beta), COLS, OFFSET, "float32", blocks)
+        d_k, loss_sum, d_sum = path.sigmoid_rows(z_x[own], z_y, (s, beta), COLS, OFFSET, "float32", blocks)
         part = -F.logsigmoid(eps * logits)[own].sum()
         assert relative(d_k * s, zx.grad[own]) <= TOL[dtype]
         assert abs(loss_sum.item() - part.item()) <= TOL[dtype] * part.item()
@@ -93,7 +97,8 @@ def test_sigmoid_rows_are_the_sigmoid_gradient(dtype, blocks):
         assert abs(d_sum.item() - d_rows.item()) <= TOL[dtype] * abs(d_rows.item())
 
 
-def test_bf16_matmul_precision_is_within_plain_autograd_under_autocast():
+@pytest.mark.parametrize("path", PATHS, ids=["fused", "mm"])
+def test_bf16_matmul_precision_is_within_plain_autograd_under_autocast(path):
     """bf16 embeddings, MATMUL_PRECISION "bf16": the rows' G against the float64 truth for the same bf16
     embeddings, beside plain autograd under bf16 autocast (its logits rounded to bf16)."""
     z_x, z_y = embeddings(torch.bfloat16, COLS, COLS)
@@ -102,7 +107,7 @@ def test_bf16_matmul_precision_is_within_plain_autograd_under_autocast():
     s = SCALE * z_x.double() @ z_y.double().T
     a, b = s.logsumexp(1).float(), s.logsumexp(0).float()
     coef = (torch.expm1(s.diagonal() - s.logsumexp(1)) + torch.expm1(s.diagonal() - s.logsumexp(0))).float()
-    g_x = pair_product(z_x, z_y, SCALE, Pairing(a, b, coef, 0), "bf16", SCALE / (2 * n))
+    g_x = path.pair_product(z_x, z_y, SCALE, Pairing(a, b, coef, 0), "bf16", SCALE / (2 * n))
     zx, zy = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         clip_loss(zx, zy, SCALE).backward()

@@ -2,7 +2,8 @@
 batch, and the torch tiles.
 
 {InfoNCE, sigmoid} x {gather, ring} x {B >= C, B < C with dropout} under `spawn`, every combination at P = 2
-and a spread of them at P = 1, 3 and 4; d = 7 (not a power of two) and a learned logit scale (and bias).
+and a spread of them at P = 1, 3 and 4 (KERNELS "triton-mm", W in memory: four at P = 2, one at P = 3);
+d = 7 (not a power of two) and a learned logit scale (and bias).
 Float64 to 1e-10 against a deep copy of the model run on the whole batch in one process, plain autograd,
 each rank's dropout replayed (`streamed_helpers.full_batch`); float32 at P = 2 to 1e-5 against the same
 reference, and the Triton path against the torch tiles on the same ranks. Several cases per spawn: the
@@ -44,7 +45,8 @@ def step(rt, case, kernels):
 
 
 def run_cases(rt, cases):
-    return [(step(rt, case, "triton"), step(rt, case, "torch") if case.get("vs_torch") else None) for case in cases]
+    triton = [step(rt, case, case.get("kernels", "triton")) for case in cases]
+    return [(run, step(rt, case, "torch") if case.get("vs_torch") else None) for run, case in zip(triton, cases)]
 
 
 def reference(case, world):
@@ -69,8 +71,10 @@ def cases(world):
             dict(loss="infonce", exchange="gather", b=c // 2, dropout=0.3, dtype=torch.float32, vs_torch=True),
             dict(loss="sigmoid", exchange="ring", b=c, dropout=0.0, dtype=torch.float32, vs_torch=True),
         ]
-        return every
-    return every[1::3] if world == 1 else every[world - 3 :: 2]  # P = 1: 3 cases, P = 3: 4, P = 4: 4
+        # W in memory: InfoNCE gather (B < C, dropout) and ring, sigmoid gather, the float32 sigmoid ring
+        return every + [every[i] | {"kernels": "triton-mm"} for i in (1, 2, 5, 10)]
+    spread = every[1::3] if world == 1 else every[world - 3 :: 2]  # P = 1: 3 cases, P = 3: 4, P = 4: 4
+    return spread + ([spread[0] | {"kernels": "triton-mm"}] if world == 3 else [])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -1,7 +1,8 @@
 """Who does the tile work, how precisely, in what tiles, and how many launches it takes.
 
 - Launches per step, counted on the meta device (count, don't compute) at one rank's shape of P = 8,
-  d = 1,024: the Triton path's are the same at N = 4,096 and N = 65,536; the torch tiles' grow with N / T.
+  d = 1,024: the Triton path's are the same at N = 4,096 and N = 65,536; the torch tiles' grow with N / T;
+  "triton-mm"'s with the chunks of W its memory budget cuts.
 - MATMUL_PRECISION is the step's, never an ambient flag: under a caller's allow_tf32 = True and
   set_float32_matmul_precision("medium") (cuBLAS in TF32, this CPU's oneDNN in bf16), every matmul of a
   "float32" step runs in IEEE float32, gives the same bits as without them, and the caller's settings are
@@ -42,6 +43,24 @@ def test_fused_launches_per_step_do_not_grow_with_n(loss, exchange):
         count_rank(config(n, exchange, "torch", 256), loss, 1, torch.float32) for n in (4096, 8192)
     )
     assert torch_large.launches > 1.5 * torch_small.launches  # the check can fail: the torch tiles' count grows
+
+
+@pytest.mark.parametrize("loss", ["infonce", "sigmoid"])
+def test_w_in_memory_launches_grow_with_the_chunks_of_w_only(loss):
+    """KERNELS "triton-mm": where the fused path launches one product kernel, one coefficient kernel (and a
+    matmul) per chunk of W of at most W_BUDGET bytes: 4 chunks of a bf16 C x N at N = 65,536, P = 8; one at
+    N = 4,096."""
+    from distlab.streamed.kernels.coefficients import W_BUDGET
+
+    runs = ((65536, "triton"), (4096, "triton-mm"), (65536, "triton-mm"))
+    bf16 = {"MATMUL_PRECISION": "bf16"}  # W in bf16: 2 bytes an element
+    fused, small, large = (count_rank(config(n, kernels=k, **bf16), loss, 1024, torch.bfloat16) for n, k in runs)
+    products = fused.by_name["product_kernel"]
+    assert "product_kernel" not in large.by_name and large.by_name["coefficient_kernel"] > products
+    c, n = 65536 // 8, 65536
+    chunks = -(-c * n * 2 // W_BUDGET)  # bf16 W: each product's C x N in chunks of W_BUDGET
+    assert large.by_name["coefficient_kernel"] == products * chunks
+    assert small.by_name["coefficient_kernel"] == products
 
 
 class MatmulSettings(TorchDispatchMode):

@@ -7,10 +7,10 @@ device and a memory budget, `tile_size`); NORMALISERS, how phase 2 computes the 
 (every rank all N^2 similarities, no exchange); EXCHANGE, how the ranks' embeddings meet: "gather"
 (default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring`);
 KERNELS, who does the tile work: "auto" (default: the Triton kernels on CUDA tensors at a tensor-core
-MATMUL_PRECISION, the torch tiles elsewhere), "torch" or "triton" (`tile_ops`); MATMUL_PRECISION, how the
-tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`). A misspelt key is reported with the
-closest known name rather than silently ignored. `parse_config` is pure: given the same dict it raises the same
-ValueError on every rank.
+MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton" or "triton-mm" (`tile_ops`); MATMUL_PRECISION, how
+the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`). A misspelt key is reported with the closest
+known name rather than silently ignored. `parse_config` is pure: given the same dict it raises the same ValueError
+on every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from distlab.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE")
 OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION")
-KERNELS = ("auto", "torch", "triton")  # `tile_ops`
+KERNELS = ("auto", "torch", "triton", "triton-mm")  # `tile_ops`
 MATMUL_PRECISIONS = ("float32", "tf32", "bf16")  # `precision`
 NORMALISERS = ("sharded", "replicated")
 EXCHANGES = ("gather", "ring")
@@ -46,7 +46,7 @@ class StreamConfig:
     rank: int  # this rank's place in that group
     group: Any = field(default=None, compare=False)  # that process group (None: the world)
     exchange: str = "gather"  # "gather" or "ring"
-    kernels: str = "auto"  # who does the tile work: "auto", "torch" or "triton" (`tile_ops`)
+    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton" or "triton-mm" (`tile_ops`)
     precision: str = "float32"  # MATMUL_PRECISION: "float32", "tf32" or "bf16" (`precision`)
 
     @property

@@ -325,7 +325,7 @@ def distributed_backward(
     N is the batch of the wrapper's process group (a DDP subgroup: its ranks only). config:
     GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), TAU unless the model returns s; optional
     STREAM_CHUNK_SIZE (T), NORMALISERS ("sharded" | "replicated"), EXCHANGE ("gather" | "ring"),
-    KERNELS ("auto" | "torch" | "triton"), MATMUL_PRECISION ("float32" | "tf32" | "bf16"), as
+    KERNELS ("auto" | "torch" | "triton" | "triton-mm"), MATMUL_PRECISION ("float32" | "tf32" | "bf16"), as
     `config` describes them. With `grad_scaler` (torch.amp.GradScaler) the
     VJP is scaled as scaler.scale(loss).backward() would scale it. Called inside `model.no_sync()` it
     accumulates without reducing; the next call outside reduces, once. Bad inputs raise the same

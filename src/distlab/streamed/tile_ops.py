@@ -6,8 +6,10 @@ step's matmul precision (MATMUL_PRECISION, `precision`).
               checks exactness, not a fast path) and for IEEE float32, where cuBLAS's float32 matmul beat the
               kernels' FMA products 0.16 s to 0.75 s on an H100 (benchmarks/results/gpu/2026-11-26-kernels-h100)
     "torch"   the torch tiles: T x T tiles of S in memory, a dozen ops on each (`tiles`, `sigmoid`)
-    "triton"  the Triton kernels (`distlab.streamed.kernels`): CUDA tensors, or CPU tensors under Triton's
-              interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
+    "triton"  the Triton kernels (`distlab.streamed.kernels`), S and W in registers: CUDA tensors, or CPU
+              tensors under Triton's interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
+    "triton-mm"  the same, except phase 3's products (and the sigmoid's): W made by a Triton GEMM's epilogue
+              in chunks of rows in memory, then multiplied by torch's matmul (`kernels.coefficients`)
 
 `TorchTiles` and `TritonTiles` answer the same questions, so phases 2 and 3, the ring's passes and the sigmoid
 loss are written once: `row_lse` (a row log-sum-exp and its nll), `both_lse` (every row's and every
@@ -79,7 +81,17 @@ class TritonTiles:
 
     precision: str = "float32"
     blocks: Any = None  # a `kernels.launch.Blocks`, or None: the defaults for the dtype and device
-    name = "triton"
+    w_in_memory: bool = False  # KERNELS "triton-mm": the products by `kernels.coefficients`
+
+    @property
+    def name(self) -> str:
+        return "triton-mm" if self.w_in_memory else "triton"
+
+    def _products(self):
+        """The module whose pair_product and sigmoid_rows this path uses: W in registers or in memory."""
+        from distlab.streamed.kernels import coefficients, product
+
+        return coefficients if self.w_in_memory else product
 
     def prepare(self, z: torch.Tensor) -> torch.Tensor:
         """The kernels read float32, bf16 and fp16 as they are (and float64): nothing to copy."""
@@ -103,15 +115,14 @@ class TritonTiles:
         return (*self.row_lse(z_x, z_y, scale, 0), *self.row_lse(z_y, z_x, scale, 0))
 
     def pair_product(self, q, k, scale: float, pairing: Pairing) -> torch.Tensor:
-        from distlab.streamed.kernels.product import pair_product
-
-        return pair_product(*self._operands(q, k), scale, pairing, self.precision, blocks=self.blocks)
+        return self._products().pair_product(*self._operands(q, k), scale, pairing, self.precision, blocks=self.blocks)
 
     def sigmoid_block(self, x, y, logits, starts: tuple[int, int], n: int, want: tuple[bool, bool]):
         """Rows against columns: D y for the rows (want[0]) and D^T x for the columns (want[1]), each its own
         launch (the second recomputes S with the roles swapped; S^T's positives are S's)."""
-        from distlab.streamed.kernels.product import sigmoid_rows
         from distlab.streamed.sigmoid import BlockGrads
+
+        sigmoid_rows = self._products().sigmoid_rows
 
         pair, shift, (x, y) = (logits.s, logits.beta), starts[0] - starts[1], self._operands(x, y)
         d_y = d_x = None
@@ -159,12 +170,13 @@ def triton_ready() -> str | None:
 
 def kernels_problem(kernels: str, device: torch.device) -> str | None:
     """Why KERNELS cannot run on `device` (None: it can), in words naming the key."""
-    if kernels != "triton":
+    if kernels not in ("triton", "triton-mm"):
         return None
     if importlib.util.find_spec("triton") is None:
-        return "config['KERNELS'] = 'triton', but triton is not installed (pip install -r requirements.txt)"
+        return f"config['KERNELS'] = {kernels!r}, but triton is not installed (pip install -r requirements.txt)"
     if device.type not in ("cuda", "meta") and (why := triton_ready()) is not None:  # meta: counted, not run
-        return f"config['KERNELS'] = 'triton' runs Triton kernels, which need CUDA tensors (got {device.type}); {why}"
+        need = f"runs Triton kernels, which need CUDA tensors (got {device.type})"
+        return f"config['KERNELS'] = {kernels!r} {need}; {why}"
     return None
 
 
@@ -172,9 +184,9 @@ def tile_ops(kernels: str, precision: str, t: int, device: torch.device, dtype: 
     """The tile work for embeddings of `dtype` on `device`, as KERNELS and MATMUL_PRECISION say."""
     if (problem := kernels_problem(kernels, device)) is not None:
         raise ValueError(problem)
-    if kernels == "triton" and device.type == "cuda" and dtype == torch.float64:
+    if kernels in ("triton", "triton-mm") and device.type == "cuda" and dtype == torch.float64:
         raise ValueError(
-            "config['KERNELS'] = 'triton' with float64 embeddings on CUDA: Triton's tl.dot has no float64 on "
+            f"config['KERNELS'] = {kernels!r} with float64 embeddings on CUDA: Triton's tl.dot has no float64 on "
             "GPUs; use KERNELS 'auto' or 'torch' (float64 runs on the torch tiles)"
         )
     use_triton = kernels == "triton" or (
@@ -184,4 +196,6 @@ def tile_ops(kernels: str, precision: str, t: int, device: torch.device, dtype: 
         and precision != "float32"
         and importlib.util.find_spec("triton") is not None
     )
+    if kernels == "triton-mm":
+        return TritonTiles(precision, w_in_memory=True)
     return TritonTiles(precision) if use_triton else TorchTiles(t, precision)

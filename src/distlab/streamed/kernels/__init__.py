@@ -12,6 +12,8 @@ embeddings, the normalisers and G.
                          `columns`, the same tiles' column partials too (the ring's pass 1).
   `product.pair_product` phase 3: sum_j (R + Q - 2 delta)_ij k_j, S recomputed (G_x; G_y by swapping roles).
   `product.sigmoid_rows` the sigmoid loss: D k, and the sums of softplus(-eps S) and of D.
+  `coefficients`         the same two products with W in memory (KERNELS "triton-mm"): a Triton GEMM whose
+                         epilogue makes W, in chunks of rows, then torch's matmul W k (cuBLAS on GPUs).
 
 Every kernel takes float32, bf16 or fp16 embeddings (float64 under the interpreter), keeps its sums in float32
 (float64), and multiplies as MATMUL_PRECISION says (`tile`). `distlab.streamed.tile_ops` chooses between these

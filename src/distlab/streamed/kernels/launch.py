@@ -33,7 +33,9 @@ PRECISIONS = {"float32": IEEE, "tf32": TF32, "bf16": BF16}
 
 @dataclass(frozen=True)
 class Blocks:
-    """A launch configuration: the tile of S (m x n), the slice of d per dot (d), warps and pipeline stages."""
+    """A launch configuration: the tile of S (m x n), the slice of d per dot (d), warps and pipeline stages; for
+    the fused kernels how many ranges the columns are split in, for the coefficient kernel how many rows of W
+    one chunk holds."""
 
     m: int
     n: int
@@ -41,6 +43,7 @@ class Blocks:
     warps: int
     stages: int
     splits: int | None = None  # column ranges (None: from the device, `column_split`)
+    w_rows: int | None = None  # KERNELS "triton-mm": rows of W per chunk (None: from a budget, `coefficients`)
 
 
 def interpreted(kernel) -> bool:

@@ -61,6 +61,35 @@ def sigmoid_terms(s, hit, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def infonce_vector(at, index, ok, T: Tiling):
+    """One of the vectors the InfoNCE's coefficients read (lse_q, lse_k or the positives' coefficients) at
+    `index`; zeros for the sigmoid, which reads none."""
+    x = tl.zeros(index.shape, tl.float64 if T.PRECISION == 3 else tl.float32)
+    if T.ROLE == 0:
+        x = tl.load(at + index, mask=ok, other=0.0)
+    return x
+
+
+@triton.jit
+def coefficients(s, hit, normalisers, sigmoid_logits, T: Tiling):
+    """The tile of coefficients W from a tile of S (`hit`: where the positives are), and for the sigmoid each
+    element's softplus(v) (its share of N L; the InfoNCE's second value is unused):
+
+        InfoNCE  W = exp(S - lse_q) + exp(S - lse_k), the positives' R_ii + Q_ii - 2 passed in precisely
+                 (normalisers = (lse_q per row, lse_k per column, the positives' coefficients per row));
+        sigmoid  W = D = -(1/N) eps sigma(v) for S + beta (sigmoid_logits = (beta, 1/N))."""
+    lse_q, lse_k, coef = normalisers
+    if T.ROLE == 0:
+        w = tl.exp(s - lse_q[:, None]) + tl.exp(s - lse_k[None, :])  # R + Q
+        w = tl.where(hit, coef[:, None], w)  # R_ii + Q_ii - 2, passed in precisely
+        softplus = w
+    else:
+        w, softplus = sigmoid_terms(s + sigmoid_logits[0], hit, T.PRECISION)
+        w = w * sigmoid_logits[1]
+    return w, softplus
+
+
+@triton.jit
 def product_kernel(q: Operand, k: Operand, out, vectors, walk, T: Tiling):
     """out = (G partials, loss row sums, D row sums); vectors = (lse_q, lse_k, diag_coef) (InfoNCE);
     walk = (d, columns per split, s, offset of the positives, beta, 1/N, scale of the product)."""
@@ -74,9 +103,7 @@ def product_kernel(q: Operand, k: Operand, out, vectors, walk, T: Tiling):
     end = tl.minimum(start + per_split, k.rows)
     acc = tl.float64 if T.PRECISION == 3 else tl.float32
     g_rows = g_at + (split.to(tl.int64) * q.rows + rows[:, None]) * d  # this range's partial G, my rows
-    if T.ROLE == 0:
-        lse_q = tl.load(lse_q_at + rows, mask=row_ok, other=0.0)
-        coef = tl.load(coef_at + rows, mask=row_ok, other=0.0)
+    lse_q, coef = infonce_vector(lse_q_at, rows, row_ok, T), infonce_vector(coef_at, rows, row_ok, T)
     loss_sum = tl.zeros((T.BLOCK_M,), acc)
     d_sum = tl.zeros((T.BLOCK_M,), acc)
     for c0 in range(start, end, T.BLOCK_N):
@@ -85,13 +112,9 @@ def product_kernel(q: Operand, k: Operand, out, vectors, walk, T: Tiling):
         ok = row_ok[:, None] & col_ok[None, :]
         s = s_tile(q, k, rows, cols, d, scale, T)
         hit = cols[None, :] == rows[:, None] + offset
-        if T.ROLE == 0:
-            lse_k = tl.load(lse_k_at + cols, mask=col_ok, other=0.0)
-            w = tl.exp(s - lse_q[:, None]) + tl.exp(s - lse_k[None, :])  # R + Q
-            w = tl.where(hit, coef[:, None], w)  # R_ii + Q_ii - 2, passed in precisely
-        else:
-            w, softplus = sigmoid_terms(s + bias, hit, T.PRECISION)
-            w = w * inv_n
+        lse_k = infonce_vector(lse_k_at, cols, col_ok, T)
+        w, softplus = coefficients(s, hit, (lse_q, lse_k, coef), (bias, inv_n), T)
+        if T.ROLE == 1:
             loss_sum += tl.sum(tl.where(ok, softplus, 0.0), 1)
             d_sum += tl.sum(tl.where(ok, w, 0.0), 1)
         w = operand(tl.where(ok, w, 0.0), T.PRECISION)

@@ -1,0 +1,163 @@
+"""Phase 3 (and the sigmoid loss) with the coefficient tile W in memory: a Triton GEMM whose epilogue turns each
+S tile into W, then torch's matmul (cuBLAS on GPUs) for W k. KERNELS "triton-mm".
+
+`product` keeps W in registers and adds W k into G in global memory a d-slice at a time: at d = 1,024 each
+column block reads and writes the program's BLOCK_M x d slice of G, which on an H100 made the product the
+step's bottleneck (one rank of N = 65,536, P = 8: 0.035 s against the 6 C N d matmul floor's 0.0095 s,
+benchmarks/results/gpu/2026-11-26-kernels-h100). Here each product is two launches per chunk of rows:
+
+    1. `coefficient_kernel`: one program per BLOCK_M x BLOCK_N tile of S (`tile.s_tile`, d in slices of
+       BLOCK_D: a GEMM), whose epilogue makes W (`product.coefficients`: R + Q - 2 delta, or the sigmoid's
+       D) and stores it, in bf16 under MATMUL_PRECISION "bf16" (the rounding `product` gives W before its
+       second dot), else float32 (float64 for float64 embeddings); for the sigmoid also each row's partial
+       sums of softplus(v) and of D, one per column block, summed in order afterwards (no atomics);
+    2. G[rows] = out_scale W k: one matmul with float32 output over all of k's rows (cuBLAS accumulates
+       bf16 x bf16 in float32), so each row's sum is made in one place, as in `product`.
+
+S is made once per product, as in `product`; what changes is where the d-long accumulation of W k happens
+(cuBLAS's registers, along N, instead of global memory, along d). The price is memory: a chunk of W,
+w_rows x n_k, at most W_BUDGET bytes on a GPU (256 MiB: 2,048 rows of bf16 W at N = 65,536, which keeps one
+rank's step at P = 8 well inside 1/8 of ClipLoss's 8.3 GiB), CPU_BUDGET elsewhere, and launches: two per
+chunk, so their number grows with n_q n_k / W_BUDGET (not with N / T as the torch tiles' do).
+
+Cost per launch pair, q of n_q rows, k of n_k: 2 n_q n_k d multiply-adds (S, then W k), two exps per element
+of S (InfoNCE) or one exp and the series log1p (sigmoid); W written once and read once (2 or 4 bytes per
+element of S).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from distlab.streamed.kernels.launch import (
+    Blocks,
+    accumulator,
+    default_blocks,
+    interpreted,
+    launch,
+    nbytes,
+    precision_code,
+    tiling,
+)
+from distlab.streamed.kernels.product import INFONCE, SIGMOID, coefficients, infonce_vector
+from distlab.streamed.kernels.tile import BF16, BF16_WIDENED, Operand, Tiling, s_tile
+from distlab.streamed.tile_size import CPU_BUDGET
+from distlab.streamed.tiles import Pairing
+
+W_BUDGET = 256 * 2**20  # bytes of W alive at once on a GPU (the module docstring)
+
+
+@triton.jit
+def coefficient_kernel(q: Operand, k: Operand, out, vectors, walk, T: Tiling):
+    """out = (W, loss partials, D partials): W q.rows x k.rows, the partials q.rows x column blocks, both
+    row-major; vectors = (lse_q, lse_k, diag_coef)
+    (InfoNCE); walk = (d, s, offset of the positives, beta, 1/N)."""
+    w_at, loss_at, d_sum_at = out
+    d, scale, offset, bias, inv_n = walk
+    block, col_block = tl.program_id(0), tl.program_id(1)
+    rows = block * T.BLOCK_M + tl.arange(0, T.BLOCK_M)
+    cols = col_block * T.BLOCK_N + tl.arange(0, T.BLOCK_N)
+    row_ok, col_ok = rows < q.rows, cols < k.rows
+    ok = row_ok[:, None] & col_ok[None, :]
+    s = s_tile(q, k, rows, cols, d, scale, T)
+    hit = cols[None, :] == rows[:, None] + offset
+    lse_q, coef = infonce_vector(vectors[0], rows, row_ok, T), infonce_vector(vectors[2], rows, row_ok, T)
+    w, softplus = coefficients(s, hit, (lse_q, infonce_vector(vectors[1], cols, col_ok, T), coef), (bias, inv_n), T)
+    w = tl.where(ok, w, 0.0)
+    if T.ROLE == 1:  # this tile's share of each row's sums: one partial per (row, column block)
+        at = rows.to(tl.int64) * tl.num_programs(1) + col_block
+        tl.store(loss_at + at, tl.sum(tl.where(ok, softplus, 0.0), 1), mask=row_ok)
+        tl.store(d_sum_at + at, tl.sum(w, 1), mask=row_ok)
+    # W in the dtype of its buffer: bf16 under MATMUL_PRECISION "bf16" (rounded here, as `product` rounds W)
+    tl.store(w_at + rows[:, None].to(tl.int64) * k.rows + cols[None, :], w.to(w_at.dtype.element_ty), mask=ok)
+
+
+def default_gemm_blocks(code: int, interpreting: bool) -> Blocks:
+    """A GEMM's tile for the coefficient kernel: 128 x 128 x 64, 8 warps, 3 stages in bf16 (the usual Hopper
+    GEMM tile; its float32 accumulator is 64 registers a thread, leaving room for the epilogue), else
+    `launch.default_blocks`."""
+    if code == BF16 and not interpreting:
+        return Blocks(128, 128, 64, 8, 3)
+    return default_blocks(code, interpreting)
+
+
+def chunk_rows(n_q: int, n_k: int, itemsize: int, blocks: Blocks, device: torch.device) -> int:
+    """Rows of W per chunk: `blocks.w_rows`, else as many whole row blocks as W_BUDGET (CPU_BUDGET on a CPU;
+    the meta device counts a GPU's step) holds, at least one block, at most n_q."""
+    if blocks.w_rows is not None:
+        return max(1, min(blocks.w_rows, n_q))
+    budget = CPU_BUDGET if device.type == "cpu" else W_BUDGET
+    rows = budget // max(1, n_k * itemsize) // blocks.m * blocks.m
+    return max(1, min(max(rows, blocks.m), n_q))
+
+
+def product_f32(w: torch.Tensor, k: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """w @ k with a float32 (float64) result: on CUDA a 16-bit w and k go to cuBLAS as they are, accumulating in
+    float32 (`out_dtype`); elsewhere they are widened exactly first, which is the same arithmetic (a bf16
+    product is exact in float32) summed in another order."""
+    if w.device.type in ("cuda", "meta") and w.dtype in (torch.bfloat16, torch.float16) and w.dtype == k.dtype:
+        return torch.mm(w, k, out_dtype=acc)
+    return w.to(acc) @ k.to(acc)
+
+
+def _run(q, k, walk: tuple, vectors: tuple, role: int, precision: str, blocks: Blocks | None):
+    """W made chunk by chunk of q's rows, each multiplied into its rows of G at once: (G, loss row sums,
+    D row sums). walk = (s, offset or None, beta, 1/N, scale of the product)."""
+    n_q, d = q.shape
+    interpreting = interpreted(coefficient_kernel)
+    code = precision_code(precision, q.dtype, interpreting)
+    blocks = blocks or default_gemm_blocks(code, interpreting)
+    acc = accumulator(code)
+    w_dtype = torch.bfloat16 if code in (BF16, BF16_WIDENED) else acc
+    rows_per = chunk_rows(n_q, len(k), torch.finfo(w_dtype).bits // 8, blocks, q.device)
+    col_blocks = math.ceil(len(k) / blocks.n)
+    g = torch.empty(n_q, d, dtype=acc, device=q.device)
+    loss, d_sum = torch.empty(2, n_q if role == SIGMOID else 1, col_blocks, dtype=acc, device=q.device)
+    scale, offset, *logits, out_scale = walk
+    offset = len(k) if offset is None else offset  # no positive: an offset no column reaches
+    for r0 in range(0, n_q, rows_per):
+        rows = slice(r0, min(r0 + rows_per, n_q))
+        n_rows = rows.stop - r0
+        w = torch.empty(n_rows, len(k), dtype=w_dtype, device=q.device)
+        chunk_vectors = (vectors[0][rows], vectors[1], vectors[2][rows]) if role == INFONCE else vectors
+        parts = (loss[rows], d_sum[rows]) if role == SIGMOID else (loss, d_sum)
+        args = (Operand(q[rows], n_rows, q.stride(0)), Operand(k, len(k), k.stride(0)), (w, *parts), chunk_vectors)
+        args += ((d, float(scale), offset + r0, *logits), tiling(blocks, code, role))
+        grid = (triton.cdiv(n_rows, blocks.m), col_blocks)
+        launch(coefficient_kernel, grid, args, blocks, nbytes(q[rows], k, w, *parts, *chunk_vectors))
+        g[rows] = product_f32(w, k, acc).mul_(out_scale)
+    return g, loss.sum(1), d_sum.sum(1)
+
+
+def pair_product(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    pairing: Pairing,
+    precision: str,
+    out_scale: float = 1.0,
+    blocks: Blocks | None = None,
+) -> torch.Tensor:
+    """`product.pair_product`, W in memory: out_scale sum_j (R_ij + Q_ij - 2 delta_ij) k_j for every row of q."""
+    vectors = (pairing.lse_q, pairing.lse_k, pairing.diag_coef)
+    return _run(q, k, (scale, pairing.offset, 0.0, 0.0, float(out_scale)), vectors, INFONCE, precision, blocks)[0]
+
+
+def sigmoid_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    logits: tuple[float, float],
+    n: int,
+    offset: int | None,
+    precision: str,
+    blocks: Blocks | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`product.sigmoid_rows`, W in memory: (D k, the sum of softplus(-eps S) over the tile, the sum of D)."""
+    dummy = q.new_empty(0)
+    walk = (logits[0], offset, float(logits[1]), 1.0 / n, 1.0)
+    g, loss, d_sum = _run(q, k, walk, (dummy, dummy, dummy), SIGMOID, precision, blocks)
+    return g, loss.sum(), d_sum.sum()

@@ -311,19 +311,21 @@ def show_sequence_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict
 
 
 def show_memory(rt: Runtime, cfg: BlockConfig, verdict: Verdict) -> None:
-    P, (region, gathered, split) = rt.world_size, cost.activation_terms(cfg)
+    math = cost.sdpa_math_path(rt.device.type, cfg.dtype)  # attention keeps its softmax, not a log-sum-exp
+    P, (region, gathered, split) = rt.world_size, cost.activation_terms(cfg, math)
+    kept = "N h seq^2" if math else "N h seq"
     out = compact_table(
         f"What one block's forward keeps for backward on rank {rt.rank}, bytes",
         ("split", "measured", "formula", "=", "peak"),
         caption=f"formula: region + gathered + inside/P (TP), (region + inside)/P + gathered "
         f"(TP + SP), elements x 8: region = N seq (2d+4) = {region}, gathered = 2 N seq d = "
-        f"{gathered}, inside = N seq (4d + 2d_ff) + N h seq = {split}. "
+        f"{gathered}, inside = N seq (4d + 2d_ff) + {kept} = {split}. "
         "peak: PeakMemory's, temporaries and collective buffers included",
     )
     measured = {}
     for name, make in SPLITS.items():
         saved, peak = activation_bytes_measured(rt, cfg, make(), LAYERS)
-        formula = cost.activation_bytes(cfg, P, name != "TP")
+        formula = cost.activation_bytes(cfg, P, name != "TP", math)
         measured[name] = (saved, formula)
         out.add_row(name, f"{saved:,}", f"{int(formula):,}", mark(saved == formula), f"{peak:,}")
     print0(out)

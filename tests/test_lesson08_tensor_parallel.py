@@ -16,6 +16,7 @@ from helpers import (
     assert_lesson_passes_at_80_columns,
     load_lesson,
 )
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from distlab.comm.ledger import Ledger
 from distlab.compare import against, all_ok, compare
@@ -57,6 +58,9 @@ def _everything(rt):
         )
         held = activation_bytes_measured(rt, CFG, lesson.by_hand(sequence_parallel=sp), lesson.LAYERS)[0]
         ok[f"block sp={sp} activations"] = held == cost.activation_bytes(CFG, P, sp)
+        with sdpa_kernel(SDPBackend.MATH):  # the path float64 takes on CUDA: the softmax kept, N h seq^2
+            held = activation_bytes_measured(rt, CFG, lesson.by_hand(sequence_parallel=sp), lesson.LAYERS)[0]
+        ok[f"block sp={sp} activations, math attention"] = held == cost.activation_bytes(CFG, P, sp, math=True)
         off = replace(CFG, dropout=0.0)
         ours = split_run(rt, off, "block", lesson.by_hand(sequence_parallel=sp), STEPS, LR, lesson.LAYERS)
         ok[f"parallelize_module sp={sp} = ours"] = ours.ok and same_runs(
@@ -87,7 +91,7 @@ def test_every_claim(world_size):
     for rank, ok in enumerate(spawn(_everything, world_size)):
         failed = [name for name, good in ok.items() if not good]
         assert not failed, (rank, failed)
-        assert len(ok) == 29
+        assert len(ok) == 31
 
 
 def _torch_tp_with_cudas_optimizer_default(rt, sequence_parallel: bool):
@@ -124,6 +128,9 @@ def test_the_formulas_in_closed_form():
     region = cost.activation_terms(CFG)[0]
     assert cost.activation_bytes(CFG, 1, True) == cost.activation_bytes(CFG, 1, False)
     assert cost.activation_bytes(CFG, 4, False) - cost.activation_bytes(CFG, 4, True) == Fraction(3, 4) * region * 8
+    # Which attention runs: float64 on CUDA has no fused kernel (the math path); the CPU's and CUDA's bf16 do.
+    assert cost.sdpa_math_path("cuda", torch.float64)
+    assert not cost.sdpa_math_path("cpu", torch.float64) and not cost.sdpa_math_path("cuda", torch.bfloat16)
 
 
 def _g_without_reduce(rt):

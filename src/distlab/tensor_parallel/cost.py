@@ -17,8 +17,11 @@ Activation memory of one block's forward per rank: what it leaves alive for back
     between the parallel layers: region   = N seq (2d + 4)   y and z (N seq d each), LN_1 and LN_2's mean
                                              and 1/std (N seq each): cut by P under sequence parallelism
     inputs of q, k, v and fc1:   gathered = 2 N seq d        whole on every rank, in both
-    inside the parallel layers:  inside   = N seq (4d + 2 d_ff) + N h seq    q, k, v, the heads' output,
-                                             fc1's output and GELU's, softmax's log-sum-exp per head and row
+    inside the parallel layers:  inside   = N seq (4d + 2 d_ff) + kept      q, k, v, the heads' output,
+                                             fc1's output and GELU's, and what attention keeps (`sdpa_kept`):
+                                             kept = N h seq, a log-sum-exp per head and row, where a fused
+                                             kernel runs; N h seq^2, the softmax itself, on the math path
+                                             (float64 on CUDA: `sdpa_math_path`)
 
     tensor parallel:   region + gathered + inside / P      sequence parallel:   (region + inside) / P + gathered
 
@@ -28,6 +31,8 @@ Activation memory of one block's forward per rank: what it leaves alive for back
 from __future__ import annotations
 
 from fractions import Fraction
+
+import torch
 
 from distlab.comm.collectives import ring_fraction
 from distlab.tensor_parallel.model import BlockConfig
@@ -58,13 +63,28 @@ def expected_traffic(
     return out
 
 
-def activation_terms(cfg: BlockConfig) -> tuple[int, int, int]:
-    """(region, gathered, inside) of the docstring, in elements."""
+def sdpa_math_path(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's scaled_dot_product_attention takes its math path (composite ops, the softmax kept) rather
+    than a fused kernel for this block: on CUDA in float64, which none of its fused kernels takes (flash: fp16 and
+    bf16; memory-efficient: those and float32). The CPU's flash kernel takes float32 and float64."""
+    return device_type == "cuda" and dtype == torch.float64
+
+
+def sdpa_kept(cfg: BlockConfig, math: bool = False) -> int:
+    """Elements attention keeps for backward beyond q, k, v and its output: a fused kernel one log-sum-exp per
+    head and row, N h seq; the math path the softmax itself, N h seq^2 (measured on an H100, float64: 502,272
+    bytes a block at lesson 08's defaults against the CPU's 350,208, 8 N h seq (seq - 1) more)."""
+    return cfg.batch * cfg.heads * cfg.seq * (cfg.seq if math else 1)
+
+
+def activation_terms(cfg: BlockConfig, math: bool = False) -> tuple[int, int, int]:
+    """(region, gathered, inside) of the docstring, in elements; `math`: attention on its math path."""
     tokens = cfg.batch * cfg.seq
-    return tokens * (2 * cfg.dim + 4), 2 * tokens * cfg.dim, tokens * (4 * cfg.dim + 2 * cfg.ffn + cfg.heads)
+    inside = tokens * (4 * cfg.dim + 2 * cfg.ffn) + sdpa_kept(cfg, math)
+    return tokens * (2 * cfg.dim + 4), 2 * tokens * cfg.dim, inside
 
 
-def activation_bytes(cfg: BlockConfig, world_size: int, sequence_parallel: bool) -> Fraction:
-    region, gathered, split = activation_terms(cfg)
+def activation_bytes(cfg: BlockConfig, world_size: int, sequence_parallel: bool, math: bool = False) -> Fraction:
+    region, gathered, split = activation_terms(cfg, math)
     region_part = Fraction(region, world_size) if sequence_parallel else region
     return (region_part + gathered + Fraction(split, world_size)) * cfg.dtype.itemsize

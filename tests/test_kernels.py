@@ -47,7 +47,7 @@ def test_row_fold_equals_logsumexp(dtype, blocks):
 
 def infonce_truth(z_x, z_y, scale):
     """dL/dZ_x, dL/dZ_y of the symmetric InfoNCE by plain autograd over the whole S (float64)."""
-    z_x, z_y = z_x.double().requires_grad_(), z_y.double().requires_grad_()
+    z_x, z_y = (z.detach().double().clone().requires_grad_() for z in (z_x, z_y))  # never the caller's tensors
     clip_loss(z_x, z_y, scale).backward()
     return z_x.grad, z_y.grad
 
@@ -95,6 +95,31 @@ def test_sigmoid_rows_are_the_sigmoid_gradient(path, dtype, blocks):
         assert abs(loss_sum.item() - part.item()) <= TOL[dtype] * part.item()
         d_rows = torch.autograd.grad(-F.logsigmoid(eps * (s * zx @ zy.T + bias))[own].sum() / COLS, bias)[0]
         assert abs(d_sum.item() - d_rows.item()) <= TOL[dtype] * abs(d_rows.item())
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=["small-blocks", "default"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_w_for_both_products_is_both_gradients(dtype, blocks):
+    """W in memory, both products from one W (the rings' visits): the rows' and the columns' gradients of the
+    whole batch, InfoNCE (G_x, G_y) and sigmoid (dL/dZ_x, dL/dZ_y, the loss, dL/dbeta), W made 5 rows at a time."""
+    z_x, z_y = embeddings(dtype, COLS, COLS)
+    n, acc = COLS, torch.float64 if dtype == torch.float64 else torch.float32
+    s = SCALE * z_x.double() @ z_y.double().T
+    a, b, diag = s.logsumexp(1), s.logsumexp(0), s.diagonal()
+    coef = torch.expm1(diag - a) + torch.expm1(diag - b)
+    pairing = Pairing(a.to(acc), b.to(acc), coef.to(acc), 0)
+    g_x, g_y = coefficients.pair_products(z_x, z_y, SCALE, pairing, "float32", SCALE / (2 * n), blocks)
+    truth_x, truth_y = infonce_truth(z_x, z_y, SCALE)
+    assert relative(g_x, truth_x) <= TOL[dtype] and relative(g_y, truth_y) <= TOL[dtype]
+    zx, zy = (z.detach().double().clone().requires_grad_() for z in (z_x, z_y))  # not z_x itself in float64
+    bias = torch.tensor(-10.0, dtype=torch.float64, requires_grad=True)
+    eps = 2 * torch.eye(n, dtype=torch.float64) - 1
+    loss = -F.logsigmoid(eps * (10.0 * zx @ zy.T + bias)).sum() / n
+    loss.backward()
+    d_k, d_q, loss_sum, d_sum = coefficients.sigmoid_rows_and_columns(z_x, z_y, (10.0, -10.0), n, 0, "float32", blocks)
+    assert relative(d_k * 10.0, zx.grad) <= TOL[dtype] and relative(d_q * 10.0, zy.grad) <= TOL[dtype]
+    assert abs(loss_sum.item() / n - loss.item()) <= TOL[dtype] * loss.item()
+    assert abs(d_sum.item() - bias.grad.item()) <= TOL[dtype] * abs(bias.grad.item())
 
 
 @pytest.mark.parametrize("path", PATHS, ids=["fused", "mm"])

@@ -15,9 +15,10 @@ step's matmul precision (MATMUL_PRECISION, `precision`).
 loss are written once: `row_lse` (a row log-sum-exp and its nll), `both_lse` (every row's and every
 column's), `pair_product` (sum_j (R + Q - 2 delta)_ij k_j), `sigmoid_block`, and the ring's `ring_fold` and
 `ring_products`. Their arithmetic differs in one place: the torch tiles multiply each S tile twice in one
-T x T tile (the ring's pass 2 and the sigmoid ring feed both products from it), a kernel recomputes S for the
-second product instead of sharing one tile between programs (deterministic, no atomics): the InfoNCE ring is
-5 C N d multiply-adds with the kernels against 4 with the torch tiles, the sigmoid ring 4 against 3.
+T x T tile (the ring's pass 2 and the sigmoid ring feed both products from it), a fused kernel recomputes S for
+the second product instead of sharing one tile between programs (deterministic, no atomics): the InfoNCE ring is
+5 C N d multiply-adds with the fused kernels against 4 with the torch tiles, the sigmoid ring 4 against 3. With W
+in memory ("triton-mm") both products read the same W, as the torch tiles do: 4 and 3.
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ class TritonTiles:
 
         pair, shift, (x, y) = (logits.s, logits.beta), starts[0] - starts[1], self._operands(x, y)
         d_y = d_x = None
+        if self.w_in_memory and all(want):  # one D for both products
+            from distlab.streamed.kernels.coefficients import sigmoid_rows_and_columns
+
+            d_y, d_x, loss, d_sum = sigmoid_rows_and_columns(x, y, pair, n, shift, self.precision, self.blocks)
+            return BlockGrads(loss, d_y, d_x, d_sum)
         if want[0]:
             d_y, loss, d_sum = sigmoid_rows(x, y, pair, n, shift, self.precision, self.blocks)
         if want[1]:
@@ -144,6 +150,12 @@ class TritonTiles:
 
     def ring_products(self, x, y_j, scale: float, pairing: Pairing, into_rows: torch.Tensor) -> torch.Tensor:
         p = pairing
+        if self.w_in_memory:  # one W for both products
+            from distlab.streamed.kernels.coefficients import pair_products
+
+            rows, cols = pair_products(*self._operands(x, y_j), scale, p, self.precision, blocks=self.blocks)
+            into_rows += rows
+            return cols
         into_rows += self.pair_product(x, y_j, scale, p)
         return self.pair_product(y_j, x, scale, Pairing(p.lse_k, p.lse_q, p.diag_coef, p.offset))
 

@@ -28,6 +28,7 @@ element of S).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -104,10 +105,21 @@ def product_f32(w: torch.Tensor, k: torch.Tensor, acc: torch.dtype) -> torch.Ten
     return w.to(acc) @ k.to(acc)
 
 
-def _run(q, k, walk: tuple, vectors: tuple, role: int, precision: str, blocks: Blocks | None):
-    """W made chunk by chunk of q's rows, each multiplied into its rows of G at once: (G, loss row sums,
-    D row sums). walk = (s, offset or None, beta, 1/N, scale of the product)."""
-    n_q, d = q.shape
+class Job(NamedTuple):
+    """What one call computes. role: INFONCE or SIGMOID; walk = (s, offset of the positives or None, beta, 1/N,
+    scale of the products); vectors = the InfoNCE's (lse_q, lse_k, diag_coef); columns: W^T q as well, from the
+    same W (each chunk's share added in order)."""
+
+    role: int
+    walk: tuple
+    vectors: tuple
+    columns: bool = False
+
+
+def _run(q, k, job: Job, precision: str, blocks: Blocks | None):
+    """W made chunk by chunk of q's rows, each multiplied into its rows of G at once (and, with job.columns,
+    into all of W^T q): (G for q's rows, W^T q or None, loss row sums, D row sums)."""
+    (n_q, d), (role, walk, vectors, columns) = q.shape, job
     interpreting = interpreted(coefficient_kernel)
     code = precision_code(precision, q.dtype, interpreting)
     blocks = blocks or default_gemm_blocks(code, interpreting)
@@ -116,6 +128,7 @@ def _run(q, k, walk: tuple, vectors: tuple, role: int, precision: str, blocks: B
     rows_per = chunk_rows(n_q, len(k), torch.finfo(w_dtype).bits // 8, blocks, q.device)
     col_blocks = math.ceil(len(k) / blocks.n)
     g = torch.empty(n_q, d, dtype=acc, device=q.device)
+    g_cols = torch.zeros(len(k), d, dtype=acc, device=q.device) if columns else None
     loss, d_sum = torch.empty(2, n_q if role == SIGMOID else 1, col_blocks, dtype=acc, device=q.device)
     scale, offset, *logits, out_scale = walk
     offset = len(k) if offset is None else offset  # no positive: an offset no column reaches
@@ -130,7 +143,26 @@ def _run(q, k, walk: tuple, vectors: tuple, role: int, precision: str, blocks: B
         grid = (triton.cdiv(n_rows, blocks.m), col_blocks)
         launch(coefficient_kernel, grid, args, blocks, nbytes(q[rows], k, w, *parts, *chunk_vectors))
         g[rows] = product_f32(w, k, acc).mul_(out_scale)
-    return g, loss.sum(1), d_sum.sum(1)
+        if columns:
+            g_cols += product_f32(w.T, q[rows], acc)
+    return g, g_cols if g_cols is None else g_cols.mul_(out_scale), loss.sum(1), d_sum.sum(1)
+
+
+def pair_products(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    pairing: Pairing,
+    precision: str,
+    out_scale: float = 1.0,
+    blocks: Blocks | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out_scale sum_j (R_ij + Q_ij - 2 delta_ij) k_j for every row i of q (`pair_product`) and out_scale
+    sum_i (R_ij + Q_ij - 2 delta_ij) q_i for every row j of k, from the same W: the ring's two products of one
+    visit in 3 n_q n_k d multiply-adds (S once, then each product), where the fused kernels make S twice."""
+    vectors = (pairing.lse_q, pairing.lse_k, pairing.diag_coef)
+    job = Job(INFONCE, (scale, pairing.offset, 0.0, 0.0, float(out_scale)), vectors, columns=True)
+    return _run(q, k, job, precision, blocks)[:2]
 
 
 def pair_product(
@@ -144,7 +176,8 @@ def pair_product(
 ) -> torch.Tensor:
     """`product.pair_product`, W in memory: out_scale sum_j (R_ij + Q_ij - 2 delta_ij) k_j for every row of q."""
     vectors = (pairing.lse_q, pairing.lse_k, pairing.diag_coef)
-    return _run(q, k, (scale, pairing.offset, 0.0, 0.0, float(out_scale)), vectors, INFONCE, precision, blocks)[0]
+    job = Job(INFONCE, (scale, pairing.offset, 0.0, 0.0, float(out_scale)), vectors)
+    return _run(q, k, job, precision, blocks)[0]
 
 
 def sigmoid_rows(
@@ -157,7 +190,25 @@ def sigmoid_rows(
     blocks: Blocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`product.sigmoid_rows`, W in memory: (D k, the sum of softplus(-eps S) over the tile, the sum of D)."""
-    dummy = q.new_empty(0)
-    walk = (logits[0], offset, float(logits[1]), 1.0 / n, 1.0)
-    g, loss, d_sum = _run(q, k, walk, (dummy, dummy, dummy), SIGMOID, precision, blocks)
+    g, _, loss, d_sum = _run(q, k, sigmoid_job(q, logits, n, offset, False), precision, blocks)
     return g, loss.sum(), d_sum.sum()
+
+
+def sigmoid_rows_and_columns(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    logits: tuple[float, float],
+    n: int,
+    offset: int | None,
+    precision: str,
+    blocks: Blocks | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sigmoid_rows` and D^T q from the same D: (D k, D^T q, the sum of softplus(-eps S), the sum of D)."""
+    g, g_cols, loss, d_sum = _run(q, k, sigmoid_job(q, logits, n, offset, True), precision, blocks)
+    return g, g_cols, loss.sum(), d_sum.sum()
+
+
+def sigmoid_job(q: torch.Tensor, logits: tuple[float, float], n: int, offset: int | None, columns: bool) -> Job:
+    """The sigmoid's Job for S = s q k^T + beta (logits = (s, beta)): no vectors to read."""
+    dummy = q.new_empty(0)
+    return Job(SIGMOID, (logits[0], offset, float(logits[1]), 1.0 / n, 1.0), (dummy, dummy, dummy), columns)

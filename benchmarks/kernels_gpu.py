@@ -53,10 +53,11 @@ SHAPES = {
     "cpu": dict(check=(48, 24), n=128, world=8, d=24),  # the dry run: every path once, in the interpreter
 }
 SWEEP = [Blocks(128, 128, 64, 8, 3), Blocks(128, 64, 64, 8, 3)]  # beside the default 128 x 256 x 64, 8 warps, 3 stages
-# --sweep: launch configurations around each loss's default (m x n x d, warps, stages[, column splits]), each
-# checked exact at the check shape before it is timed.
+# --sweep: launch configurations around each loss's default (m x n x d, warps, stages[, column splits or rows of W
+# per chunk]), for the fused kernels and for W in memory ("triton-mm"), each checked exact at the check shape
+# before it is timed.
 GRID = {
-    "infonce": [
+    ("infonce", "triton"): [
         Blocks(128, 128, 64, 8, 4),
         Blocks(128, 256, 64, 8, 4),
         Blocks(128, 256, 32, 8, 4),
@@ -67,13 +68,24 @@ GRID = {
         Blocks(128, 256, 64, 8, 3, splits=2),
         Blocks(128, 256, 64, 8, 3, splits=10),
     ],
-    "sigmoid": [
+    ("sigmoid", "triton"): [
         Blocks(128, 64, 32, 8, 4),
         Blocks(128, 128, 64, 8, 4),
         Blocks(128, 256, 64, 8, 3),
         Blocks(128, 64, 64, 8, 3),
         Blocks(64, 128, 32, 4, 4),
         Blocks(128, 64, 32, 8, 4, splits=10),
+    ],
+    ("infonce", "triton-mm"): [
+        Blocks(128, 128, 64, 8, 4),
+        Blocks(128, 256, 64, 8, 3),
+        Blocks(128, 128, 64, 4, 4),
+        Blocks(128, 128, 64, 8, 3, w_rows=4096),
+        Blocks(128, 128, 64, 8, 3, w_rows=1024),
+    ],
+    ("sigmoid", "triton-mm"): [
+        Blocks(128, 128, 64, 8, 4),
+        Blocks(128, 128, 64, 8, 3, w_rows=4096),
     ],
 }
 
@@ -202,21 +214,22 @@ def sweep(shape, device, repeats, deadline) -> list[dict]:
     (n_check, d_check), rows = shape["check"], []
     small = embeddings(n_check, d_check, device, torch.bfloat16)
     z = embeddings(shape["n"], shape["d"], device, torch.bfloat16)
-    for loss, grid in GRID.items():
+    for (loss, kernels), grid in GRID.items():
         true_x, true_y = truth(*small, loss)
         plain = truth(*small, loss, autocast=True)
         allowed = 1.25 * max(rel(plain[0], true_x), rel(plain[1], true_y))
         for b in grid:
             if time.perf_counter() > deadline:
                 break
-            ops = TritonTiles("bf16", b)
+            ops = TritonTiles("bf16", b, w_in_memory=kernels == "triton-mm")
             got = one_rank(config(n_check, 1), *small, loss, ops)
             err = max(rel(got[0], true_x), rel(got[1], true_y))
-            row = dict(loss=loss, blocks=f"{b.m}x{b.n}x{b.d} w{b.warps} s{b.stages} splits {b.splits or 'auto'}")
+            split = f"rows of W {b.w_rows or 'auto'}" if ops.w_in_memory else f"splits {b.splits or 'auto'}"
+            row = dict(loss=loss, kernels=kernels, blocks=f"{b.m}x{b.n}x{b.d} w{b.warps} s{b.stages} {split}")
             row |= dict(rel_truth=err, ok=err <= allowed)
             cfg = config(shape["n"], shape["world"])
             row |= measure(lambda cfg=cfg, ops=ops, loss=loss: one_rank(cfg, *z, loss, ops), device, repeats)
-            print(f"sweep {loss:8s} {row['blocks']:32s} {row['seconds']:.4f} s  rel {err:.1e}", flush=True)
+            print(f"sweep {loss:8s} {kernels:9s} {row['blocks']:34s} {row['seconds']:.4f} s  rel {err:.1e}", flush=True)
             rows.append(row)
     return rows
 
@@ -293,7 +306,7 @@ def markdown(report) -> str:
         for name, r in timing.items()
     ]
     swept = [
-        (r["loss"], r["blocks"], f"{r['rel_truth']:.1e}", r["ok"], f"{r['seconds']:.4f}")
+        (r["loss"], r.get("kernels", "triton"), r["blocks"], f"{r['rel_truth']:.1e}", r["ok"], f"{r['seconds']:.4f}")
         + (f"{r['seconds'] / base:.2f}" if base else "",)
         for r in report.get("sweep") or []
     ]
@@ -307,7 +320,7 @@ def markdown(report) -> str:
     header = ("setting", "method", "seconds", "x ClipLoss", "peak GiB")
     lines += table("## (b) one rank's machinery, bf16 embeddings", header, timed)
     if swept:
-        header = ("loss", "blocks", "rel. to truth", "ok", "seconds", "x ClipLoss")
+        header = ("loss", "KERNELS", "blocks", "rel. to truth", "ok", "seconds", "x ClipLoss")
         lines += table("## (b2) launch configurations (bf16, gather, one rank)", header, swept)
     header = ("N", "loss", "exchange", "path", "launches", "MiB moved")
     lines += table("## (c) launches and bytes per step (one rank, counted on the meta device)", header, counted)

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_map
 
 from distlab.held import storage_bytes
 from distlab.memory import PeakMemory
@@ -83,17 +84,19 @@ class _Measured:
     def after_step(self) -> None:
         self.strategy.after_step()
 
-    def grads(self) -> dict[str, torch.Tensor]:
+    def _read(self, readout: Callable) -> dict:
+        """readout()'s tensors (a name -> tensor dict, or name -> dict of them) copied to the CPU, unmeasured."""
         with paused(self.mem):
-            return {name: t.cpu() for name, t in self.strategy.grads().items()}
+            return tree_map(lambda t: t.cpu(), readout())
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return self._read(self.strategy.grads)
 
     def params(self) -> dict[str, torch.Tensor]:
-        with paused(self.mem):
-            return {name: t.cpu() for name, t in self.strategy.params().items()}
+        return self._read(self.strategy.params)
 
     def states(self) -> dict[str, dict[str, torch.Tensor]]:
-        with paused(self.mem):
-            return {name: {k: t.cpu() for k, t in s.items()} for name, s in self.strategy.states().items()}
+        return self._read(self.strategy.states)
 
 
 def run_strategy(rt: Runtime, cfg: ShardingConfig, make: Callable, steps: int | None = None) -> StrategyRun:

@@ -30,7 +30,10 @@ launch walks every column block for a block of rows, makes each S tile from Z_x,
 it into the row LSEs (phase 2) or turns it into R + Q - 2 delta and multiplies it into G (phase 3), and
 drops it. `launches_table` counts both, for one rank of P = 8 at d = 1,024, on the meta device (nothing
 is computed): the kernels' launches per step are the same at every N, and their bytes are the embeddings,
-the normalisers and G, not the tiles.
+the normalisers and G, not the tiles. Unlike attention's output for a head of 64-256, G's rows are too wide
+for registers at d = 1,024, so the fused product adds into G in memory; KERNELS "triton-mm" instead writes
+the coefficients W (bf16) in chunks of rows and lets cuBLAS multiply them: W's bytes and two launches per
+chunk, against G's traffic (the table's third path; which wins is measured on a GPU, kernels_gpu.py).
 
 The self-check: `streamed_backward` and each loop's step 1 against a deep copy on the whole batch, plain
 autograd, each rank's dropout replayed; `streamed_backward` against `distributed_backward` (float64,
@@ -330,19 +333,22 @@ def run_caller_owned(run: Run, verdict: Verdict) -> None:
     verdict.figure("learned tau", 1 / model.logit_scale.exp().item())
 
 
+PATHS = {"torch": "torch tiles, float32", "triton": "Triton kernels, bf16", "triton-mm": "W in memory, bf16"}
+
+
 def launches_table(verdict: Verdict) -> None:
     """Launches and bytes per step of one rank (P = 8, d = 1,024, T = 1,024), the torch tiles against the
-    fused kernels, counted on the meta device at two N (`distlab.streamed.rank_work.count_rank`)."""
+    fused kernels and W in memory, counted on the meta device at two N (`distlab.streamed.rank_work.count_rank`)."""
     table = Table(title="one rank's step, P = 8, d = 1024, T = 1024 (counted, not run)", title_justify="left")
     for column in ("N", "path", "launches", "GiB read + written"):
         table.add_column(column, justify="left" if column == "path" else "right")
     counts = {}
     for n in (4096, 16384):
-        for kernels, precision, dtype in (("torch", "float32", torch.float32), ("triton", "bf16", torch.bfloat16)):
+        for kernels, name in PATHS.items():
+            precision, dtype = ("float32", torch.float32) if kernels == "torch" else ("bf16", torch.bfloat16)
             keys = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": n // 8, "STREAM_CHUNK_SIZE": 1024, "TAU": 0.07}
             cfg = parse_config(keys | {"KERNELS": kernels, "MATMUL_PRECISION": precision}, 8, 0)
             count = counts[n, kernels] = count_rank(cfg, "infonce", 1024, dtype)
-            name = "torch tiles, float32" if kernels == "torch" else "Triton kernels, bf16"
             table.add_row(f"{n:,}", name, f"{count.launches:,}", f"{count.moved_bytes / 2**30:.2f}")
     print0(table)
     verdict.check(

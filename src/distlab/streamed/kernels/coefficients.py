@@ -15,10 +15,14 @@ benchmarks/results/gpu/2026-11-26-kernels-h100). Here each product is two launch
        bf16 x bf16 in float32), so each row's sum is made in one place, as in `product`.
 
 S is made once per product, as in `product`; what changes is where the d-long accumulation of W k happens
-(cuBLAS's registers, along N, instead of global memory, along d). The price is memory: a chunk of W,
-w_rows x n_k, at most W_BUDGET bytes on a GPU (256 MiB: 2,048 rows of bf16 W at N = 65,536, which keeps one
-rank's step at P = 8 well inside 1/8 of ClipLoss's 8.3 GiB), CPU_BUDGET elsewhere, and launches: two per
-chunk, so their number grows with n_q n_k / W_BUDGET (not with N / T as the torch tiles' do).
+(cuBLAS's registers, along N, instead of global memory, along d). Where both products of one block are
+wanted (a ring's visit: W k for the rows, W^T q for the visiting columns) both read the same W
+(`pair_products`, `sigmoid_rows_and_columns`): one S for two products, as the torch tiles have it.
+
+The price is memory: a chunk of W, w_rows x n_k, at most W_BUDGET bytes on a GPU (256 MiB: 2,048 rows of
+bf16 W at N = 65,536, which keeps one rank's step at P = 8 well inside 1/8 of ClipLoss's 8.3 GiB), CPU_BUDGET
+elsewhere; and launches: two per chunk, so their number grows with n_q n_k / W_BUDGET (not with N / T as the
+torch tiles' do).
 
 Cost per launch pair, q of n_q rows, k of n_k: 2 n_q n_k d multiply-adds (S, then W k), two exps per element
 of S (InfoNCE) or one exp and the series log1p (sigmoid); W written once and read once (2 or 4 bytes per
@@ -55,8 +59,8 @@ W_BUDGET = 256 * 2**20  # bytes of W alive at once on a GPU (the module docstrin
 @triton.jit
 def coefficient_kernel(q: Operand, k: Operand, out, vectors, walk, T: Tiling):
     """out = (W, loss partials, D partials): W q.rows x k.rows, the partials q.rows x column blocks, both
-    row-major; vectors = (lse_q, lse_k, diag_coef)
-    (InfoNCE); walk = (d, s, offset of the positives, beta, 1/N)."""
+    row-major; vectors = (lse_q, lse_k, diag_coef) (InfoNCE); walk = (d, s, offset of the positives, beta,
+    1/N)."""
     w_at, loss_at, d_sum_at = out
     d, scale, offset, bias, inv_n = walk
     block, col_block = tl.program_id(0), tl.program_id(1)

@@ -105,8 +105,10 @@ def test_the_new_keys_are_checked():
         with pytest.raises(ValueError, match=match):
             config(64, **bad)
     assert config(64, t=None).t is None  # STREAM_CHUNK_SIZE is optional
-    with pytest.raises(ValueError, match="float64"):  # no float64 tl.dot on GPUs: refused, not miscompiled
-        tile_ops("triton", "float32", 8, torch.device("cuda"), torch.float64)
+    for kernels in ("triton", "triton-mm"):
+        with pytest.raises(ValueError, match=f"'{kernels}' with float64"):  # no float64 tl.dot on GPUs: refused
+            tile_ops(kernels, "float32", 8, torch.device("cuda"), torch.float64)
+    assert tile_ops("triton-mm", "bf16", 8, torch.device("cuda"), torch.float32).name == "triton-mm"
     assert tile_ops("auto", "float32", 8, torch.device("cuda"), torch.float64).name == "torch"
     assert tile_ops("auto", "bf16", 8, torch.device("cuda"), torch.float32).name == "triton"
     assert tile_ops("auto", "tf32", 8, torch.device("cuda"), torch.float32).name == "triton"
@@ -114,12 +116,14 @@ def test_the_new_keys_are_checked():
     assert tile_ops("auto", "bf16", 8, torch.device("cpu"), torch.float32).name == "torch"
     code = (
         "import torch; from distlab.streamed.tile_ops import tile_ops\n"
-        "try:\n    tile_ops('triton', 'float32', 8, torch.device('cpu'), torch.float32)\n"
-        "except ValueError as err:\n    print(err)"
+        "for kernels in ('triton', 'triton-mm'):\n"
+        "    try:\n        tile_ops(kernels, 'float32', 8, torch.device('cpu'), torch.float32)\n"
+        "    except ValueError as err:\n        print(err)"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
-    assert "config['KERNELS'] = 'triton'" in said and "TRITON_INTERPRET=1" in said, said
+    for kernels in ("triton", "triton-mm"):
+        assert f"config['KERNELS'] = '{kernels}' runs" in said and "TRITON_INTERPRET=1" in said, said
 
 
 def test_default_tiles_rows_up_to_c_columns_from_the_budget():

@@ -16,6 +16,18 @@ SCREENFUL = 40  # lines
 MACHINE_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/root/|/Users/|/tmp/|/private/var/|[A-Z]:\\\\Users)")
 RAW_ESCAPE = re.compile(r"\\x1b|\\u001b|\\033|\\e\[")
 BAR = re.compile(r"━|\d+/\d+ .*\d+:\d\d:\d\d|\d+%\|")  # rich's or tqdm's progress redraws
+# The lessons a notebook runs (nbhelpers.run_lesson), at the sizes below here: {slug: [P or None (the
+# notebook's), flags appended (the last of a flag wins)]}. Executing a notebook shows that its cells run on
+# what the lesson reports and that everything they print reads whole; the lesson's claims at the sizes the
+# cells show are made by its own test file (at those sizes or larger ones, at 80 columns) and by run_all.sh:
+#   composed_mesh: the mesh at P = 2 (each dimension alone, as test_lesson12_composed_mesh.py trains them); the
+#     notebook's P = 8 run claims nothing that test_lesson12_composed_mesh_p8.py and _p8_cp.py do not;
+#   interleaved_zero_bubble: still P = 4, the emulated device at 0.5 ms per layer-pass instead of 10 (its
+#     test file's), so the emulated step sleeps 20x less; every table as wide.
+SUITE_SIZES = {
+    "composed_mesh": [2, ["--dp", "2", "--pp", "1", "--tp", "1", "--cp", "1"]],
+    "interleaved_zero_bubble": [None, ["--emulate-ms", "0.5"]],
+}
 
 
 def outputs_text(notebook) -> list[str]:
@@ -49,6 +61,7 @@ def test_notebook_executes(path, monkeypatch):
     # The lessons the notebook runs (nbhelpers.run_lesson) lay out for 80 columns here, the width of
     # the narrowest terminal a learner reads them in: no cell of theirs may be cut short there either.
     monkeypatch.setenv("DISTLAB_LESSON_COLUMNS", "80")
+    monkeypatch.setenv("DISTLAB_NOTEBOOK_SIZES", json.dumps(SUITE_SIZES))
     notebook = nbformat.read(path, as_version=4)
     # Executed in memory, from the notebook's own folder (the notebooks call ../NN_lesson.py);
     # the committed file keeps the outputs of the real run it was saved with.

@@ -27,6 +27,21 @@ BAR = re.compile(r"━|\d+/\d+ .*\d+:\d\d:\d\d|\d+%\|")  # rich's or tqdm's prog
 SUITE_SIZES = {
     "composed_mesh": [2, ["--dp", "2", "--pp", "1", "--tp", "1", "--cp", "1"]],
     "interleaved_zero_bubble": [None, ["--emulate-ms", "0.5"]],
+    "data_parallel": [
+        None,
+        ["--global-batch", "24", "--layers", "3", "--width", "8", "--message-mib", "0.01", "--repeats", "2"]
+        + ["--bucket-mib", "0.0005", "--emulate-ms", "0.5"],
+    ],
+    "tensor_parallel": [2, []],
+    "context_parallel": [2, []],
+    "expert_parallel": [2, []],
+    "ulysses": [2, []],
+    "contrastive_global": [None, ["--global-batch", "48"]],
+    "grad_cache": [None, ["--global-batch", "96", "--micro-batch-size", "8", "--width", "512", "--repeats", "1"]],
+    "contrastive_local_naive": [
+        None,
+        ["--global-batch", "24", "--steps", "4", "--train-size", "96", "--held-out", "32", "--eval-every", "2"],
+    ],
 }
 
 

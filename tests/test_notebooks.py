@@ -1,5 +1,6 @@
 """Every read-along notebook runs top to bottom, so none can rot, and what it shows reads whole:
-no table cell cut short, no screenful of progress-bar redraws."""
+no table cell cut short, no screenful of progress-bar redraws. The lessons the notebooks run take the smaller
+sizes of SUITE_SIZES here (the claims they make are the same), and a timing cell repeats once."""
 
 import json
 import re
@@ -16,6 +17,36 @@ SCREENFUL = 40  # lines
 MACHINE_PATH = re.compile(r"(?<![\w.])(/work/|/home/|/root/|/Users/|/tmp/|/private/var/|[A-Z]:\\\\Users)")
 RAW_ESCAPE = re.compile(r"\\x1b|\\u001b|\\033|\\e\[")
 BAR = re.compile(r"━|\d+/\d+ .*\d+:\d\d:\d\d|\d+%\|")  # rich's or tqdm's progress redraws
+# The lessons a notebook runs (nbhelpers.run_lesson) run here at smaller sizes: {slug: [P or None (the
+# notebook's), flags appended (the last of a flag wins)]}. Executing a notebook shows that its cells run on what
+# the lesson reports and that all they print reads whole at 80 columns; the lesson still exits 1 if a claim
+# fails. Fewer sizes, no fewer claims: every claim the lesson makes at the notebook's sizes is made here too,
+#   at P = 2: tensor_parallel, context_parallel, expert_parallel, ulysses (their test files run the notebook's
+#     P = 4 command itself at 80 columns), composed_mesh (the mesh's dimensions one at a time; its test files
+#     make every claim of the notebook's P = 8 run at 80 columns, shape for shape);
+#   at the notebook's P, with the sizes of the lesson's own test file (as wide a table per rank):
+#     interleaved_zero_bubble (the emulated device at 0.5 ms a layer-pass, not 10), data_parallel,
+#     contrastive_global, contrastive_local_naive (4 steps), grad_cache.
+# The default sizes run in run_all.sh; the committed notebooks hold a run at the sizes their cells show.
+SUITE_SIZES = {
+    "composed_mesh": [2, ["--dp", "2", "--pp", "1", "--tp", "1", "--cp", "1"]],
+    "interleaved_zero_bubble": [None, ["--emulate-ms", "0.5"]],
+    "data_parallel": [
+        None,
+        ["--global-batch", "24", "--layers", "3", "--width", "8", "--message-mib", "0.01", "--repeats", "2"]
+        + ["--bucket-mib", "0.0005", "--emulate-ms", "0.5"],
+    ],
+    "tensor_parallel": [2, []],
+    "context_parallel": [2, []],
+    "expert_parallel": [2, []],
+    "ulysses": [2, []],
+    "contrastive_global": [None, ["--global-batch", "48"]],
+    "grad_cache": [None, ["--global-batch", "96", "--micro-batch-size", "8", "--width", "512", "--repeats", "1"]],
+    "contrastive_local_naive": [
+        None,
+        ["--global-batch", "24", "--steps", "4", "--train-size", "96", "--held-out", "32", "--eval-every", "2"],
+    ],
+}
 
 
 def outputs_text(notebook) -> list[str]:
@@ -49,6 +80,7 @@ def test_notebook_executes(path, monkeypatch):
     # The lessons the notebook runs (nbhelpers.run_lesson) lay out for 80 columns here, the width of
     # the narrowest terminal a learner reads them in: no cell of theirs may be cut short there either.
     monkeypatch.setenv("DISTLAB_LESSON_COLUMNS", "80")
+    monkeypatch.setenv("DISTLAB_NOTEBOOK_SIZES", json.dumps(SUITE_SIZES))
     notebook = nbformat.read(path, as_version=4)
     # Executed in memory, from the notebook's own folder (the notebooks call ../NN_lesson.py);
     # the committed file keeps the outputs of the real run it was saved with.

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -36,9 +37,35 @@ def lesson_path(slug: str) -> Path:
     return found[0]
 
 
+# The test suite's sizes (tests/test_notebooks.py): {slug: [P or null, [flags]]} as JSON. The suite executes a
+# notebook to show that its cells run and read whole; the lesson's claims at the sizes the cells show are made
+# by the lesson's own test file and run_all.sh, so the suite may run the lesson smaller (the flags are appended:
+# the last of a flag wins) or at another P. The committed outputs are those of a run at the sizes shown.
+SUITE_SIZES = "DISTLAB_NOTEBOOK_SIZES"
+
+
+def suite_sizes(lesson: str, nproc: int, args: tuple) -> tuple[int, tuple]:
+    """(P, flags) that `run_lesson` runs `lesson` with: as the notebook asks, unless DISTLAB_NOTEBOOK_SIZES
+    names the lesson's slug."""
+    sizes = json.loads(os.environ.get(SUITE_SIZES) or "{}")
+    slug = re.sub(r"^\d\d_", "", lesson_path(lesson).stem)
+    if slug not in sizes:
+        return nproc, args
+    world, flags = sizes[slug]
+    return world or nproc, (*args, *flags)
+
+
+def repeats(n: int) -> int:
+    """How often a notebook's own timing cell repeats what it times: `n`, or once when the test suite executes
+    the notebook (DISTLAB_NOTEBOOK_SIZES set), where the figures it prints are no claim and only the cell's
+    running is checked."""
+    return 1 if os.environ.get(SUITE_SIZES) else n
+
+
 def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> LessonRun:
     """Run the lesson `lesson` (its slug, as `lesson_path` finds it) with `nproc` ranks under torchrun and
-    print what it printed."""
+    print what it printed (the test suite may change the sizes: `suite_sizes`)."""
+    nproc, args = suite_sizes(lesson, nproc, args)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("COLUMNS", None)  # captured output: the lesson picks its generous captured width ...
     if os.environ.get("DISTLAB_LESSON_COLUMNS"):  # ... unless the test suite asks for a narrow one

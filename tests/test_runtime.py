@@ -1,6 +1,8 @@
 """spawn and process-group setup: results come back in rank order, a failing rank is named, none hang."""
 
 import gc
+import os
+import signal
 import threading
 import time
 
@@ -93,6 +95,19 @@ def test_spawn_reports_a_rank_that_dies_without_a_traceback():
     with pytest.raises(SpawnError, match="exited with code 3") as info:
         spawn(_exit_hard, 2, timeout_s=60)
     assert info.value.rank == 0
+
+
+def _segfault_on_rank_one(rt):
+    if rt.rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # as a crash in native code would
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_where_it_was():
+    with pytest.raises(SpawnError, match="signal 11") as info:
+        spawn(_segfault_on_rank_one, 2, timeout_s=60)
+    assert info.value.rank == 1
+    assert "_segfault_on_rank_one" in str(info.value)  # the dead rank's stack, as its faulthandler wrote it
 
 
 def test_spawn_rejects_empty_world():

@@ -9,11 +9,13 @@ echoes) are not blamed. Every child is reaped, on success, failure and timeout a
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -52,6 +54,7 @@ class _Launch:
     fn: Callable[..., Any]
     args: tuple
     kwargs: dict
+    crash_dir: str  # where each rank's faulthandler writes its stack if native code kills it
 
 
 def _child(rank: int, launch: _Launch, results) -> None:
@@ -65,6 +68,11 @@ def _child(rank: int, launch: _Launch, results) -> None:
     )
     # As torchrun does: one intra-op thread per rank, or W ranks fight over the cores.
     torch.set_num_threads(1)
+    # A crash in native code (a signal: SIGSEGV, SIGABRT) leaves no Python traceback to send back; faulthandler
+    # writes each thread's Python stack to a file the parent reads (this rank's stderr may be anyone's: the
+    # ranks are forked from a server started by the first spawn of the process).
+    crash_log = open(os.path.join(launch.crash_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - open until exit
+    faulthandler.enable(crash_log)
     failed_at = None
     try:
         with distributed(device=launch.device, timeout_s=launch.timeout_s) as rt:
@@ -121,7 +129,8 @@ def spawn(
     ctx = _mp_context()
     results = ctx.Queue()
     port = free_port()
-    launch = _Launch(world_size, port, device, timeout_s, fn, args, kwargs)
+    crash_dir = tempfile.TemporaryDirectory(prefix="distlab-spawn-")
+    launch = _Launch(world_size, port, device, timeout_s, fn, args, kwargs, crash_dir.name)
     procs = [ctx.Process(target=_child, name=f"distlab-rank{r}", args=(r, launch, results)) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -143,7 +152,7 @@ def spawn(
                 for r, p in enumerate(procs):
                     if r not in values and r not in failures and p.exitcode not in (None, 0):
                         # Died without a word (os._exit, a signal, a crash): it cannot be an echo.
-                        failures[r] = (float("-inf"), f"process exited with code {p.exitcode} and no traceback")
+                        failures[r] = (float("-inf"), _death_note(r, p.exitcode, crash_dir.name))
             else:
                 if ok:
                     values[rank] = pickle.loads(payload)
@@ -159,7 +168,18 @@ def spawn(
     finally:
         _reap(procs, grace_s=10.0 if len(values) == world_size else 0.0)
         results.close()
+        crash_dir.cleanup()
     return [values[r] for r in range(world_size)]
+
+
+def _death_note(rank: int, exitcode: int, crash_dir: str) -> str:
+    """What the parent can say of a rank that exited without sending a traceback: its exit code, and for a
+    signal the Python stack its faulthandler wrote."""
+    said = f"process exited with code {exitcode} and no traceback"
+    if exitcode < 0:
+        with open(os.path.join(crash_dir, f"rank{rank}.txt")) as log:
+            said += f" (killed by signal {-exitcode}); its faulthandler wrote:\n{log.read().strip()}"
+    return said
 
 
 def _reap(procs: list, grace_s: float) -> None:

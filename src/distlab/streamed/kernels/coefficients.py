@@ -164,9 +164,7 @@ def pair_products(
     """out_scale sum_j (R_ij + Q_ij - 2 delta_ij) k_j for every row i of q (`pair_product`) and out_scale
     sum_i (R_ij + Q_ij - 2 delta_ij) q_i for every row j of k, from the same W: the ring's two products of one
     visit in 3 n_q n_k d multiply-adds (S once, then each product), where the fused kernels make S twice."""
-    vectors = (pairing.lse_q, pairing.lse_k, pairing.diag_coef)
-    job = Job(INFONCE, (scale, pairing.offset, 0.0, 0.0, float(out_scale)), vectors, columns=True)
-    return _run(q, k, job, precision, blocks)[:2]
+    return _run(q, k, infonce_job(scale, pairing, out_scale, True), precision, blocks)[:2]
 
 
 def pair_product(
@@ -179,9 +177,7 @@ def pair_product(
     blocks: Blocks | None = None,
 ) -> torch.Tensor:
     """`product.pair_product`, W in memory: out_scale sum_j (R_ij + Q_ij - 2 delta_ij) k_j for every row of q."""
-    vectors = (pairing.lse_q, pairing.lse_k, pairing.diag_coef)
-    job = Job(INFONCE, (scale, pairing.offset, 0.0, 0.0, float(out_scale)), vectors)
-    return _run(q, k, job, precision, blocks)[0]
+    return _run(q, k, infonce_job(scale, pairing, out_scale, False), precision, blocks)[0]
 
 
 def sigmoid_rows(
@@ -216,3 +212,9 @@ def sigmoid_job(q: torch.Tensor, logits: tuple[float, float], n: int, offset: in
     """The sigmoid's Job for S = s q k^T + beta (logits = (s, beta)): no vectors to read."""
     dummy = q.new_empty(0)
     return Job(SIGMOID, (logits[0], offset, float(logits[1]), 1.0 / n, 1.0), (dummy, dummy, dummy), columns)
+
+
+def infonce_job(scale: float, pairing: Pairing, out_scale: float, columns: bool) -> Job:
+    """The InfoNCE's Job for S = s q k^T: the pairing's normalisers and positives, no sigmoid logits."""
+    vectors = (pairing.lse_q, pairing.lse_k, pairing.diag_coef)
+    return Job(INFONCE, (scale, pairing.offset, 0.0, 0.0, float(out_scale)), vectors, columns)

@@ -8,7 +8,7 @@ per-rank time and peak memory.
 
 Parts (d = 256, float32, T = 512):
   step     a small two-tower encoder (64 -> 256 -> d per tower), AdamW. open_clip recipe: one forward;
-           both towers' C x d embeddings gathered with the sum-backward gather (lesson 16), the C x N
+           both towers' C x d embeddings gathered with the sum-backward gather (lesson 23), the C x N
            local loss, backward, step: open_clip's ClipLoss(local_loss=True, gather_with_grad=True)
            under DDP. streamed, B = C: `distributed_backward` with one forward, the graph kept;
            streamed, B = C/8: eight micro-batches, each a no-grad forward then a recompute. The 6 C N d

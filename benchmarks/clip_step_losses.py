@@ -3,7 +3,7 @@ rows out, no encoder. Every call has the signature (z_x, z_y, rt, chunk, method)
 
 InfoNCE (tau = 0.07):
   open_clip recipe     ClipLoss(local_loss=True, gather_with_grad=True): the sum-backward gather
-                       (lesson 16), the C x N local loss, autograd; dL/dZ / P (DDP averages P losses)
+                       (lesson 23), the C x N local loss, autograd; dL/dZ / P (DDP averages P losses)
   streamed, B = C      the library's `loss_machinery` with EXCHANGE "gather": the all-gather,
   streamed, B = C/8    phase 2, phase 3 per micro-batch (6 C N d)
   streamed ring        `loss_machinery` with EXCHANGE "ring": two passes around the ring (4 C N d)

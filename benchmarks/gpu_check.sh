@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # distlab on one GPU: install, then (a) the library's step at P = 1 on cuda against plain autograd,
 # (b) the multi-rank tests on CPU/gloo (GPU hidden) and the step at P = 2, 4, 8 on CPU/gloo against plain
-# autograd, lesson 18 at P = 8; (c) every lesson at P = 1 with --device cuda (every one expected to pass),
+# autograd, lesson 25 at P = 8; (c) every lesson at P = 1 with --device cuda (every one expected to pass),
 # (d) time and memory of the streamed loss machinery against ClipLoss's C x N logits, (e) the peers
 # (benchmarks/peers_gpu.py: open_clip, memeff, siglip-kernel at P = 1) and the kernels' benchmark
 # (benchmarks/kernels_gpu.py, when the checkout has it).
@@ -562,11 +562,11 @@ start_b=$SECONDS
     > "$OUTDIR/pytest_cpu.log" 2>&1; echo $? > "$HELP/rc_b" ) &
 PID_B=$!; [[ $STEPS == *b* ]] && touch "$OUTDIR/pytest_cpu.log"
 # (b2) beside it: the library's step at P = 2, 4, 8 on CPU/gloo against plain autograd (the cases of (a)),
-# then lesson 18 at P = 8 (gloo)
+# then lesson 25 at P = 8 (gloo)
 [[ $STEPS == *b* ]] || echo 0 > "$HELP/rc_b2"
 [[ $STEPS == *b* ]] && ( export CUDA_VISIBLE_DEVICES=; timeout -k 10 240 "$PY" "$HELP/gpu_equiv.py" cpu "$OUTDIR" 2 4 8 > "$HELP/ranks.log" 2>&1
     rc=$?
-    timeout -k 10 240 "$PY" -m torch.distributed.run --standalone --nproc-per-node 8 lessons/18_streamed_five_phase.py \
+    timeout -k 10 240 "$PY" -m torch.distributed.run --standalone --nproc-per-node 8 lessons/25_streamed_five_phase.py \
       --device cpu > "$HELP/lesson14_p8.log" 2>&1 || rc=$((rc + 100))
     echo $rc > "$HELP/rc_b2" ) &
 PID_B2=$!
@@ -576,7 +576,7 @@ mkdir -p "$HELP/lessons"
 C_CAP=$((BUDGET * 2 / 5)); [ "$C_CAP" -gt 150 ] && C_CAP=150; [ "$MODE" = cpu ] && C_CAP=150
 JOBS=3; [ "$CORES" -ge 12 ] && JOBS=6
 # On the CPU the lessons run in strict device mode: cpu:0 stands in for cuda:0, and a tensor left on the host
-# fails as it would on a GPU (lessons 18 and 19 were caught so before their first GPU run was read).
+# fails as it would on a GPU (lessons 25 and 26 were caught so before their first GPU run was read).
 [ "$MODE" = cpu ] && export DISTLAB_STRICT_DEVICE=1
 run_lesson() {  # lesson file -> one line: name rc seconds verdict
   local f=$1 name; name=$(basename "$f" .py); local s=$SECONDS
@@ -589,7 +589,7 @@ run_lesson() {  # lesson file -> one line: name rc seconds verdict
 export -f run_lesson; export HELP DEV PY C_CAP
 LESSON_FILES=$(ls lessons/[0-9][0-9]_*.py)
 [ "$MODE" = cpu ] && LESSON_FILES="lessons/02_gpipe_checkpoint.py lessons/03_one_f_one_b.py
- lessons/16_contrastive_allgather_fix.py lessons/18_streamed_five_phase.py"
+ lessons/23_contrastive_allgather_fix.py lessons/25_streamed_five_phase.py"
 [[ $STEPS == *c* ]] || LESSON_FILES=""
 say "(c) lessons at P = 1 with --device $DEV, $JOBS at a time, at most $C_CAP s each"
 start=$SECONDS
@@ -606,7 +606,7 @@ say "waiting for (b)"
 wait $PID_B; RC_B=$(cat "$HELP/rc_b" 2>/dev/null || echo 99)
 wait $PID_B2; RC_B2=$(cat "$HELP/rc_b2" 2>/dev/null || echo 99); T_B=$((SECONDS - start_b))
 tail -3 "$OUTDIR/pytest_cpu.log"; grep -E "^P = |FAIL" "$HELP/ranks.log" 2>/dev/null | head -20
-{ echo; echo "=== lesson 18 at P = 8 on CPU/gloo"; grep -E "PASS|FAIL|rror" "$HELP/lesson14_p8.log" 2>/dev/null | head -20
+{ echo; echo "=== lesson 25 at P = 8 on CPU/gloo"; grep -E "PASS|FAIL|rror" "$HELP/lesson14_p8.log" 2>/dev/null | head -20
   echo; echo "=== the step at P = 2, 4, 8 on CPU/gloo"; cat "$HELP/ranks.log" 2>/dev/null; } >> "$OUTDIR/lessons.log"
 
 # --- (d) timing: streamed loss machinery vs ClipLoss ----------------------------------------------------
@@ -670,7 +670,7 @@ status() { [[ $STEPS == *$1* ]] || { echo skipped; return; }; [ "$2" = 0 ] && ec
   echo "|---|---|---:|"
   echo "| (a) step at P = 1 on $DEV = plain autograd (float64, float32, bf16; InfoNCE/sigmoid, gather/ring, recompute with dropout, strict mode) | $(status a $RC_A) | $T_A |"
   echo "| (b) multi-rank tests on CPU/gloo | $(status b "$RC_B"): $(grep -E '[0-9]+ (passed|failed)' "$OUTDIR/pytest_cpu.log" 2>/dev/null | tail -1) | $T_B |"
-  echo "| (b2) the step at P = 2, 4, 8 on CPU/gloo = plain autograd; lesson 18 at P = 8 | $(status b "$RC_B2"): $(grep -c PASS "$HELP/ranks.log" 2>/dev/null) PASS, $(grep -c FAIL "$HELP/ranks.log" 2>/dev/null) FAIL; lesson 18: $(grep -E 'PASS: every|FAIL: [0-9]' "$HELP/lesson14_p8.log" 2>/dev/null | tail -1) | $T_B |"
+  echo "| (b2) the step at P = 2, 4, 8 on CPU/gloo = plain autograd; lesson 25 at P = 8 | $(status b "$RC_B2"): $(grep -c PASS "$HELP/ranks.log" 2>/dev/null) PASS, $(grep -c FAIL "$HELP/ranks.log" 2>/dev/null) FAIL; lesson 25: $(grep -E 'PASS: every|FAIL: [0-9]' "$HELP/lesson14_p8.log" 2>/dev/null | tail -1) | $T_B |"
   echo "| (c) lessons at P = 1, --device $DEV (every one expected to pass${DRY_STRICT}) | $(awk -F'\t' '$2==0' "$HELP/lessons.tsv" | wc -l) of $(wc -l < "$HELP/lessons.tsv") exit 0$(awk -F'\t' '$2!=0 {printf "; FAIL %s", $1}' "$HELP/lessons.tsv") | $T_C |"
   echo "| (d) timing | $(status d $RC_D) | $T_D |"
   echo "| (e) peers ($PEERS)${KERNELS_BENCH:+ and $KERNELS_BENCH} | $(status e $RC_E) | $T_E |"

@@ -1,6 +1,6 @@
 """Tables and plots for benchmarks/contrastive_scaling.py: summary per method (largest N within the
 memory cap, log-log exponents), the streamed step against its targets at the largest N (peak memory
-<= 1/8 and loss-machinery time <= 1.2x of lesson 16's), a Markdown table and a PNG plot."""
+<= 1/8 and loss-machinery time <= 1.2x of lesson 23's), a Markdown table and a PNG plot."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def summarise(results: dict, cap: float) -> dict:
 
 
 def targets(results: dict) -> dict:
-    """At the largest N lesson 16 ran: the streamed step's peak memory <= 1/8 of lesson 16's and its
+    """At the largest N lesson 23 ran: the streamed step's peak memory <= 1/8 of lesson 23's and its
     loss-machinery time <= 1.2x."""
     loss = results["loss"]
     ran = [r["n"] for r in loss.get("12 local x global", []) if "peak_bytes" in r]
@@ -101,7 +101,7 @@ def write_markdown(path: Path, meta: dict, results: dict, summary: dict, goals: 
         lines.append("")
     for m, g in goals.items():
         lines.append(
-            f"- {m} at N = {g['n']}: peak memory {g['memory_vs_12']:.4f} x lesson 16's "
+            f"- {m} at N = {g['n']}: peak memory {g['memory_vs_12']:.4f} x lesson 23's "
             f"(target <= 1/8: {'met' if g['memory_target_met'] else 'MISSED'}), loss-machinery time "
             f"{g['time_vs_12']:.2f} x (target <= 1.2: {'met' if g['time_target_met'] else 'MISSED'})"
         )

@@ -1,10 +1,10 @@
-"""No lesson hangs at exit: lesson 20 twenty times in a row at P = 3 (N = 258), then every lesson three
+"""No lesson hangs at exit: lesson 27 twenty times in a row at P = 3 (N = 258), then every lesson three
 times at P = 3, each run under a wall-clock limit, and a count of how each run ended.
 
     python benchmarks/teardown_check.py                 # both parts; writes benchmarks/results/teardown_check.md
-    python benchmarks/teardown_check.py --repeat 20 --per-lesson 0    # only lesson 20
+    python benchmarks/teardown_check.py --repeat 20 --per-lesson 0    # only lesson 27
 
-Why. Lesson 20 (then lesson 16) hung at exit in about 3 of 7 runs at P = 3: its DDP outlived the
+Why. Lesson 27 (then lesson 23) hung at exit in about 3 of 7 runs at P = 3: its DDP outlived the
 process group in `main()`'s frame, so DDP's C++ reducer became the group's last owner and destroyed
 it with the GIL held, while a gloo worker thread held the group's mutex and waited for the GIL to free
 a tensor Python had dropped (`distlab.runtime.release_process_group` has the whole story; the test
@@ -29,13 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 P = 3
-LESSON_16 = ("20_train_clip.py", ("--global-batch", "258", "--steps", "20", "--warmup", "2", "--eval-every", "10"))
+LESSON_16 = ("27_train_clip.py", ("--global-batch", "258", "--steps", "20", "--warmup", "2", "--eval-every", "10"))
 LIGHT = {  # fewer steps and smaller timings than the defaults; the same code paths and claims
     "03_one_f_one_b.py": ("--micro-batches", "7"),
     "06_data_parallel.py": ("--steps", "2"),
-    "15_contrastive_local_naive.py": ("--steps", "20", "--eval-every", "10"),
-    "17_grad_cache.py": ("--repeats", "1"),
-    "20_train_clip.py": LESSON_16[1],
+    "22_contrastive_local_naive.py": ("--steps", "20", "--eval-every", "10"),
+    "24_grad_cache.py": ("--repeats", "1"),
+    "27_train_clip.py": LESSON_16[1],
 }
 
 
@@ -96,7 +96,7 @@ def summary(runs: list[dict]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=20, help="runs of lesson 20 in a row")
+    parser.add_argument("--repeat", type=int, default=20, help="runs of lesson 27 in a row")
     parser.add_argument("--per-lesson", type=int, default=3, help="runs of every lesson")
     parser.add_argument("--limit", type=float, default=600.0, help="seconds before a run counts as hung")
     parser.add_argument("--only", nargs="*", default=None, metavar="LESSON", help="these lesson files only")
@@ -125,7 +125,7 @@ def main() -> int:
         f"a run hangs if it has not exited after {args.limit:.0f} s. Load average at the start "
         f"{load[0]:.1f}, at the end {os.getloadavg()[0]:.1f} (2 cores, shared).",
         "",
-        f"Lesson 20 first, {args.repeat} runs in a row with `{' '.join(LESSON_16[1])}`; then every "
+        f"Lesson 27 first, {args.repeat} runs in a row with `{' '.join(LESSON_16[1])}`; then every "
         "lesson with the flags in `LIGHT`.",
         "",
     ]

@@ -67,9 +67,9 @@ step 1 here does) and every step is exact.
 
 The one fact the contrastive lessons hinge on. Averaging is right for a mean over samples. A loss
 that is not split over ranks, one every rank computes whole over the all-gathered batch (here a
-log-sum-exp over all N rows, `distlab/data_parallel/problem.py`; lesson 14's InfoNCE), back-propagates
+log-sum-exp over all N rows, `distlab/data_parallel/problem.py`; lesson 21's InfoNCE), back-propagates
 on rank r only through its own rows: g_r, with dL/dtheta = sum_r g_r. DDP's average is then
-dL/dtheta / P: exactly P times too small. Back-propagating P * L makes it exact (lesson 14).
+dL/dtheta / P: exactly P times too small. Back-propagating P * L makes it exact (lesson 21).
 
 Every claim is checked against an independent reference: a deep copy of the model run on the whole
 batch in one process with plain autograd. Times come from a shared CPU: read them as ratios.

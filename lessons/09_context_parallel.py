@@ -14,7 +14,7 @@ statistics per query row, max m, sum l and output o (all three under the same ma
 and ends with out = o / l and lse = m + log l. The send of the next block is posted (`Ring.shift` of
 distlab/comm/ring.py: one batch_isend_irecv to r+1 and from r-1) before the block math and waited for
 after it, so the transfer runs beside the compute. The (m, l)
-update is `distlab.online_softmax.online_fold`: the fold that gives lesson 18's streamed contrastive
+update is `distlab.online_softmax.online_fold`: the fold that gives lesson 25's streamed contrastive
 step its log-normalisers is the fold that merges attention blocks here. One function, imported by both.
 
 Backward (as FlashAttention's): delta = rowsum(dout * out); the k/v blocks go round again, and with
@@ -307,7 +307,7 @@ def show_fold(verdict: Verdict) -> None:
     for who, fold in (("ring attention", attention.online_fold), ("the streamed step", streamed_tiles.online_fold)):
         print0(f"the fold {who} calls: {fold.__module__}.{fold.__qualname__}", highlight=False)
     print0(f"one and the same function object: {same}", highlight=False)
-    verdict.check("one online fold for ring attention and lesson 18", same)
+    verdict.check("one online fold for ring attention and lesson 25", same)
 
 
 def parse_args():

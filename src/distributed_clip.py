@@ -11,13 +11,13 @@
 config = {"GLOBAL_BATCH_SIZE": N, "MICRO_BATCH_SIZE": B, "STREAM_CHUNK_SIZE": T, "TAU": tau}; leave TAU
 out when model(x, y) returns (z_x, z_y, logit_scale). Optional "NORMALISERS": "sharded" (default) or
 "replicated"; optional "EXCHANGE": "gather" (default) or "ring" (C x d blocks pass rank to rank,
-lesson 19). A model returning (z_x, z_y, logit_scale, logit_bias), or open_clip's output dict with a
+lesson 26). A model returning (z_x, z_y, logit_scale, logit_bias), or open_clip's output dict with a
 logit_bias, selects the sigmoid loss (SigLIP) instead of the symmetric InfoNCE. The model is DDP,
 torch.compile(DDP) or FSDP2-wrapped; forward(x, y) returns a tuple or open_clip's dict (output_dict=True),
 so a stock open_clip CLIP drops in. local_x and local_y may be tensors, or dicts, lists or tuples of tensors
 (a tokenizer's input_ids and attention_mask). `ClipLoss` and `SigLipLoss` are the same exact global loss
 as open_clip-style loss modules (`distlab.streamed.loss_modules`), for a trainer that owns its forward.
-See `distlab.streamed.step` for the phases and the math, lesson 18 for a training loop, and the README's
+See `distlab.streamed.step` for the phases and the math, lesson 25 for a training loop, and the README's
 "Using distributed_clip in your training".
 """
 

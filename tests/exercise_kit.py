@@ -195,7 +195,7 @@ class Exercise:
             seconds = time.monotonic() - start
             took = f"checked on {self.world} rank(s) in {seconds:.1f} s"
             text = self.message(verdict, hint_level)
-            numbered = exercise(self.lesson, self.name).path.stem  # "14_contrastive_global": the summary's name
+            numbered = exercise(self.lesson, self.name).path.stem  # "21_contrastive_global": the summary's name
             request.config.stash.setdefault(TIMES, []).append((numbered, text is None, seconds))
             if text is not None:
                 pytest.fail(f"{text}\n  ({took})", pytrace=False)

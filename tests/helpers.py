@@ -111,7 +111,7 @@ def no_ellipsis(text: str) -> bool:
     return "\u2026" not in text
 
 
-# -- contrastive lessons 14-16 ------------------------------------------------------------------
+# -- contrastive lessons 21-23 ------------------------------------------------------------------
 
 
 def load_lesson(slug: str):

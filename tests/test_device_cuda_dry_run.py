@@ -113,7 +113,7 @@ def test_a_rank_bound_to_one_gpu_by_cuda_visible_devices_takes_it(monkeypatch, d
 
 
 def test_a_deterministic_group_on_a_gpu_node_runs_with_deterministic_kernels(monkeypatch):
-    """`distributed(..., deterministic=True)`, what lessons 07 and 20 ask for: on while the block runs."""
+    """`distributed(..., deterministic=True)`, what lessons 07 and 27 ask for: on while the block runs."""
     _torchrun_env(monkeypatch, rank=0, world_size=1)
     _FakeGPUs(monkeypatch, count=1)
     with distributed("cuda", deterministic=True):

@@ -168,7 +168,7 @@ def gathered_sequence(q, k, v, causal, ledger, group=None):
     """Right numbers, the whole sequence's k and v all-gathered (P - 1 blocks each) instead of moved."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
     local = q.shape[1]
-    # lesson 16's gather (its backward a reduce-scatter), along dim 0: the positions first
+    # lesson 23's gather (its backward a reduce-scatter), along dim 0: the positions first
     k_all, v_all = (gather_with_grad(t.transpose(0, 1).contiguous()).transpose(0, 1) for t in (k, v))
     mask = None
     if causal:

@@ -110,7 +110,7 @@ def test_mismatched_embeddings_are_refused():
 # -- gathers, through processes --------------------------------------------------------------
 
 GATHERS = {"plain": gather_plain, "reduce_scatter": gather_with_grad, "library": gather_library}
-# Lesson 16's own all_reduce form is checked the same way in tests/test_lesson16_*.
+# Lesson 23's own all_reduce form is checked the same way in tests/test_lesson23_*.
 
 
 def _gather_forward_and_backward(rt):

@@ -1,7 +1,7 @@
 """distlab.reproducible: float32 stated, not inherited; deterministic kernels on CUDA; both undone after.
 
 No GPU here: the switches are torch's global flags and an environment variable, set and restored the same
-way whether or not a GPU reads them (the GPU check runs lessons 07 and 20 with them on a GPU)."""
+way whether or not a GPU reads them (the GPU check runs lessons 07 and 27 with them on a GPU)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _flag_made_without_device(rt):
-    """How lessons 01-04 and 17 agreed on a flag before `all_ranks_true` took a device."""
+    """How lessons 01-04 and 24 agreed on a flag before `all_ranks_true` took a device."""
     t = torch.tensor([1], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
 
@@ -39,7 +39,7 @@ def _timing_made_without_device(rt):
 
 
 def _ddp_of_unplaced_towers(rt):
-    """Lesson 17's towers: deep copies of a model built on the default device, wrapped in DDP."""
+    """Lesson 24's towers: deep copies of a model built on the default device, wrapped in DDP."""
     from distlab.models import TwoTower
 
     DDP(copy.deepcopy(TwoTower(seed=0).encoder_x))
@@ -83,7 +83,7 @@ def _gather_on_device(rt):
 BUGS = {  # what strict mode must catch: (case, the collective its message must name)
     "a flag made without device": (_flag_made_without_device, "torch.distributed.all_reduce"),
     "a timing made without device (cost.py)": (_timing_made_without_device, "torch.distributed.all_reduce"),
-    "DDP of towers built without device (lesson 17)": (_ddp_of_unplaced_towers, "DistributedDataParallel"),
+    "DDP of towers built without device (lesson 24)": (_ddp_of_unplaced_towers, "DistributedDataParallel"),
     "a functional gather of a .cpu() copy": (_gather_of_a_cpu_copy, "_c10d_functional.all_gather_into_tensor"),
     "a batch left on the host (an op, not a collective)": (
         _inputs_left_on_the_host,
@@ -172,7 +172,7 @@ def _contrastive_ddp_training(rt):
 
 
 def _ddp_rep_clip_loss(rep_x, rep_y, tau):
-    """Lesson 17's loss: this rank's rows of the global CLIP loss over the sum-backward gather."""
+    """Lesson 24's loss: this rank's rows of the global CLIP loss over the sum-backward gather."""
     from distlab.contrastive.gather import gather_with_grad
     from distlab.contrastive.losses import local_clip_loss
 
@@ -183,7 +183,7 @@ def _ddp_rep_clip_loss(rep_x, rep_y, tau):
 
 
 def _grad_cache_under_ddp(rt):
-    """As lesson 17 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
+    """As lesson 24 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
     from distlab.contrastive.grad_cache import GradCache
     from distlab.data_parallel.ddp import counting
     from distlab.memory import PeakMemory

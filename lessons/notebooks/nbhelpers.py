@@ -182,7 +182,7 @@ def timeline(ax, spans: list[dict], title: str = "") -> None:
     ax.set_title(title, fontsize=9, loc="left")
 
 
-# --- lesson 19: the ring against the gather, on real ranks ----------------------------------
+# --- lesson 26: the ring against the gather, on real ranks ----------------------------------
 
 
 def ring_and_gather(rt, c: int, d: int, t: int) -> dict:

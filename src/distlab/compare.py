@@ -128,7 +128,7 @@ def all_ok(rows: Iterable[Comparison]) -> bool:
 
 
 def comparison_table(rows: Iterable[Comparison], title: str, caption: str = "", expect_match: bool = True) -> Table:
-    """A rich table; with `expect_match=False` (lesson 15) a mismatch is what the lesson claims."""
+    """A rich table; with `expect_match=False` (lesson 22) a mismatch is what the lesson claims."""
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
     for column, justify in (
         ("tensor", "left"),

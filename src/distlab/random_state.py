@@ -1,6 +1,6 @@
 """Replaying randomness: the same dropout masks in a no-grad pass and in its recomputation.
 
-GradCache (lesson 17) and the streamed step (lesson 18) run every chunk twice: once without grad to
+GradCache (lesson 24) and the streamed step (lesson 25) run every chunk twice: once without grad to
 get representations, once with grad to back-propagate. If dropout draws different masks the second
 time, the gradient belongs to a different function than the loss that was computed. `RandContext`
 snapshots the random state before the first pass and replays it for the second:

@@ -5,7 +5,7 @@ in TF32: the inputs rounded to a 10-bit mantissa (relative error about 5e-4 per 
 is 6e-8), the accumulation in float32. Two switches decide it, and their defaults differ:
 `torch.backends.cuda.matmul.allow_tf32` (False) for matmuls, `torch.backends.cudnn.allow_tf32` (True) for
 cuDNN's convolutions. So a convolutional tower in "float32" computes in TF32 unless told otherwise, and a
-check at float32's tolerance (rtol 1e-5) can fail for no fault of the code it checks. Lesson 20 did on
+check at float32's tolerance (rtol 1e-5) can fail for no fault of the code it checks. Lesson 27 did on
 an H100 (torch 2.11): step 1's image-tower gradients 1.55e-4 from the reference, its text tower (no
 convolution) 6e-7; the step runs the towers on micro-batches of 64, the reference on the whole batch of
 256, and other shapes get other cuDNN kernels, rounded differently.

@@ -218,7 +218,7 @@ def release_process_group(group: dist.ProcessGroup | None = None) -> None:
     that points at it) holds the group too, and frees it with the GIL held: if the reducer is the
     last owner, the main thread holds the GIL and waits for the mutex while the worker holds the
     mutex and waits for the GIL, forever (the group's timeout covers collectives, not destructors).
-    Lesson 20 at P = 3 hung so at exit, its DDP outliving the group in `main()`'s frame.
+    Lesson 27 at P = 3 hung so at exit, its DDP outliving the group in `main()`'s frame.
 
     So: collect garbage while the group is alive (a wrapper that only a cycle keeps dies now); drop
     the reducer and logger of every DDP that something still holds (after the group is gone the

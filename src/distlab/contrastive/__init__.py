@@ -1,2 +1,2 @@
-"""Contrastive (CLIP) learning under data parallelism (lessons 14-20): losses, gathers, the DDP step,
+"""Contrastive (CLIP) learning under data parallelism (lessons 21-27): losses, gathers, the DDP step,
 GradCache, costs and the CLIP on digits. The streamed step is its own package, `distlab.streamed`."""

@@ -1,6 +1,6 @@
-"""What a contrastive step costs each rank: logits, memory, communication (lesson 16).
+"""What a contrastive step costs each rank: logits, memory, communication (lesson 23).
 
-Logits. Global x global (lesson 14): one N x N matmul per rank (N^2 entries), then a softmax over
+Logits. Global x global (lesson 21): one N x N matmul per rank (N^2 entries), then a softmax over
 its rows and one over its columns (2 N^2 exponentials). Local x global: the C x N rows of S and the
 C x N rows of S^T, two matmuls of 2 C N = 2 N^2 / P entries in all, and softmaxes over just those
 (2 C N exponentials: P times fewer). No tensor is bigger than C x N. At P = 2 the matmul work is

@@ -1,4 +1,4 @@
-"""Lesson 20's data on each rank: the digits split, the tokenised captions, and which rows each rank
+"""Lesson 27's data on each rank: the digits split, the tokenised captions, and which rows each rank
 trains on at each step (the model and the pieces themselves are in digits.py).
 
 Step k's global batch is pairs k N ... k N + N - 1 of the epoch's permutation (seeded by seed and

@@ -7,12 +7,12 @@ all ranks, sum_s dL_s/dZ[rC : (r+1)C].
 
 - `gather_plain`: an all-gather (`dist.all_gather_single`) has no autograd, so only the local block is
   put back with its graph and backward keeps rank r's slice of dL_r/dZ alone: what every other rank's loss says about
-  rank r's embeddings is dropped. Right when every rank computes the same global loss (lesson 14,
-  up to DDP's 1/P), wrong for local x global (lesson 15).
+  rank r's embeddings is dropped. Right when every rank computes the same global loss (lesson 21,
+  up to DDP's 1/P), wrong for local x global (lesson 22).
 - `gather_with_grad`: backward sums over ranks and hands rank r its slice, in one reduce-scatter
-  (`GatherSumBackward`): (P-1)/P * N d numbers sent per rank on a ring. Lesson 16 writes out the
+  (`GatherSumBackward`): (P-1)/P * N d numbers sent per rank on a ring. Lesson 23 writes out the
   same idea with an all_reduce backward (2 (P-1)/P * N d: every rank receives every block's sum and
-  keeps one) and checks both; lessons 17 and 18 import this one.
+  keeps one) and checks both; lessons 24 and 25 import this one.
 - `gather_library`: torch's own differentiable all-gather. torch 2.13 deprecates
   `torch.distributed.nn.functional.all_gather` and its warning names the replacement,
   `torch.distributed._functional_collectives.all_gather_single`, whose op has a registered autograd

@@ -26,10 +26,10 @@ state before each micro-batch in a `RandContext` (CPU and every CUDA device the 
 step 3 replays it. The cost: one extra forward per step, about 4/3 of a plain step when backward ~ 2
 forward. Two readings of the method that do not hold: with B = n it is *not* plain training (every
 sample still runs twice), and its memory is *not* that of B samples (the loss's n x n logits remain,
-whatever B; lesson 18 removes them).
+whatever B; lesson 25 removes them).
 
 Under DDP every rank caches its own C = N/P samples in micro-batches of B; the loss gathers the
-representations of all ranks with a gather whose backward sums over ranks (lesson 16), so G holds
+representations of all ranks with a gather whose backward sums over ranks (lesson 23), so G holds
 sum_r dL_r/dH_local, and DDP's average of the parameter gradients is d(mean_r L_r)/dtheta, the global
 batch's gradient. `no_sync_except_last=True` turns off DDP's all-reduce for every micro-batch but the
 last, where the accumulated gradient is reduced once. A model that appears twice in `models` (one

@@ -6,7 +6,7 @@ with logit scale s = 1/tau unless told otherwise; s = None: the scale the model 
 learned one). Two things vary it:
 
 - `loss_fn`: `sigmoid_loss` for a model that returns (z_x, z_y, s, beta) (SigLIP's; s = None passes
-  both). `DetachedBlocks(P)` is what lesson 15's plain gather really computes, written out in
+  both). `DetachedBlocks(P)` is what lesson 22's plain gather really computes, written out in
   one process without any of its code: split the batch into P blocks; for block r, the symmetric
   loss over block r's rows in which only block r's embeddings carry gradient (the other blocks are
   detached constants); average over r. Its gradient is
@@ -71,7 +71,7 @@ def full_batch_gradients(
     return loss.item(), grads_of(model)
 
 
-# -- what the plain gather computes (lesson 15) -------------------------------------------------
+# -- what the plain gather computes (lesson 22) -------------------------------------------------
 
 
 def _only_block_carries_grad(z: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""What lessons 14-18 print: how far a gradient is from the reference, and the tables around it.
+"""What lessons 21-25 print: how far a gradient is from the reference, and the tables around it.
 
 For gradients g (a variant's) and r (the single-process reference), over all parameters at once:
 
@@ -61,7 +61,7 @@ def method_table(rows: list[tuple[str, str, Comparison, bool]], title: str, capt
 
 
 def work_table(n: int, world: int, d: int) -> Table:
-    """Lesson 14: every rank computes the same N x N logits; what that costs in all."""
+    """Lesson 21: every rank computes the same N x N logits; what that costs in all."""
     table = _table(
         "The redundant work: every rank computes the same N x N logits",
         f"N = {n}, d = {d}, P = {world}; exp: entries the row and column softmaxes exponentiate",
@@ -78,7 +78,7 @@ def work_table(n: int, world: int, d: int) -> Table:
 
 
 def seeds_table(runs: Mapping[int, Mapping[str, TrainRun]], held_out: int) -> Table:
-    """Lesson 15: per seed, the one-process run (the true gradient) against DDP with the plain gather,
+    """Lesson 22: per seed, the one-process run (the true gradient) against DDP with the plain gather,
     and the mean and spread (sample standard deviation) over the seeds."""
     table = _table(
         "One process vs the plain gather: same data, weights, optimizer and steps per seed",
@@ -118,7 +118,7 @@ def seeds_table(runs: Mapping[int, Mapping[str, TrainRun]], held_out: int) -> Ta
 
 
 def detached_at_table(results: Mapping[int, Mapping[str, float]], n: int) -> Table:
-    """Lesson 15 --detached-at: the plain gather's training at larger world sizes, each run in one process."""
+    """Lesson 22 --detached-at: the plain gather's training at larger world sizes, each run in one process."""
     table = _table(
         "The plain gather at larger P, each P run in one process (detached-blocks loss)",
         f"final L: L averaged over the last {FINAL_STEPS} steps; P = 1 is the exact run",
@@ -131,7 +131,7 @@ def detached_at_table(results: Mapping[int, Mapping[str, float]], n: int) -> Tab
 
 
 def cost_table(n: int, world: int, rows: list[tuple[str, Mapping[str, int], Mapping[str, float]]], e: int) -> Table:
-    """Lesson 16: what the loss costs one rank; rows of (name, its `global_logits` or `local_logits`,
+    """Lesson 23: what the loss costs one rank; rows of (name, its `global_logits` or `local_logits`,
     its `loss_cost`)."""
     table = _table(
         f"Per rank, the loss forward + backward from the embeddings (N = {n}, P = {world})",
@@ -156,7 +156,7 @@ def cost_table(n: int, world: int, rows: list[tuple[str, Mapping[str, int], Mapp
 
 
 def comm_table(world: int, n: int, d: int, e: int, seconds: Mapping[str, float], backend: str) -> Table:
-    """Lesson 16: traffic per gathered N x d tensor by the ring formulas, and measured time."""
+    """Lesson 23: traffic per gathered N x d tensor by the ring formulas, and measured time."""
     note = (
         "; gloo runs a reduce_scatter as an all_reduce of a copy, so no saving shows on CPU"
         if "nccl" not in backend
@@ -183,7 +183,7 @@ def comm_table(world: int, n: int, d: int, e: int, seconds: Mapping[str, float],
 def memory_account_table(
     largest: int, peak: int, n: int, d: int, cfg, itemsize: int, allocator_peak: int | None = None
 ) -> Table:
-    """Lesson 18's memory account of one streamed step: what it allocated against the sizes it never
+    """Lesson 25's memory account of one streamed step: what it allocated against the sizes it never
     makes (B x N, C x N, N x N); `cfg` is the step's StreamConfig; on a GPU `allocator_peak` is
     `torch.cuda.max_memory_allocated` over the step, shown beside PeakMemory's peak."""
     table = Table(title="Memory account of step 1 (this rank, tensor storage the step allocated)", title_justify="left")
@@ -197,8 +197,8 @@ def memory_account_table(
         (f"gathered Z_x | Z_y (N x 2d = {n} x {2 * d})", n * 2 * d * itemsize),
         (f"one tile, T x T ({t} x {t})", t * t * itemsize),
         (f"B x N ({b} x {n}): never made", b * n * itemsize),
-        (f"C x N ({cfg.local} x {n}), lesson 16's logits", cfg.local * n * itemsize),
-        (f"N x N ({n} x {n}), lesson 14's logits", full),
+        (f"C x N ({cfg.local} x {n}), lesson 23's logits", cfg.local * n * itemsize),
+        (f"N x N ({n} x {n}), lesson 21's logits", full),
     ):
         table.add_row(label, f"{nbytes:,}", f"{nbytes / full:.4f}")
     return table

@@ -1,7 +1,7 @@
 """One DDP contrastive step: forward, a variant's loss, backward (DDP averages), and its gradients.
 
 The optimizer step and zero_grad are the caller's (`distlab.contrastive.training` owns the loop).
-`first_step_gradients` is what lessons 14-16 and their tests compare with the single-process
+`first_step_gradients` is what lessons 21-23 and their tests compare with the single-process
 reference: `TwoTower(seed)` in DDP, `paired_data(N, seed)` split into the ranks' blocks, one step
 per variant.
 """

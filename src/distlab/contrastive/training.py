@@ -1,5 +1,5 @@
 """Training the two-tower model for a fixed number of steps, single-process or under DDP, and
-measuring what it learned (lesson 15's three runs).
+measuring what it learned (lesson 22's three runs).
 
 All runs see the same data: a training set of `paired_data` pairs, and at step t the same global
 batch of N pairs drawn from it (`batch_schedule`, a seeded generator; rank r takes rows
@@ -129,7 +129,7 @@ def train_single_process(
     model: nn.Module, data: TrainData, config: TrainConfig, loss_fn: LossFn = clip_loss, label: str | None = None
 ) -> TrainRun:
     """The reference run: a deep copy of `model`, the whole global batch, plain autograd on
-    `loss_fn(z_x, z_y, s)` with s = 1/tau (clip_loss; lesson 15 passes the detached-blocks loss to see what the
+    `loss_fn(z_x, z_y, s)` with s = 1/tau (clip_loss; lesson 22 passes the detached-blocks loss to see what the
     plain gather does at a P this machine cannot run)."""
     model = copy.deepcopy(model)
     x, y = data.train

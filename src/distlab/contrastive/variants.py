@@ -1,4 +1,4 @@
-"""The DDP contrastive variants of lessons 14-16, each a loss and the gather it uses.
+"""The DDP contrastive variants of lessons 21-23, each a loss and the gather it uses.
 
 Every rank holds C = N / P pairs and its unit-norm embeddings z_x, z_y (C x d). A variant turns them
 into (the loss this rank back-propagates, the global loss L as a detached number). DDP then
@@ -13,9 +13,9 @@ and a variant is exact when grad = dL/dtheta, L = clip_loss(Z_x, Z_y) over all N
 | `GLOBAL_PLAIN`   | `global_loss`: all N x N logits     | `gather_plain`     | dL/dtheta / P    |
 | `GLOBAL_TIMES_P` | `global_loss_times_p`: backward P L | `gather_plain`     | exact            |
 | `GLOBAL_SUM`     | `global_loss`                       | `gather_with_grad` | exact            |
-| `LOCAL_PLAIN`    | `local_loss`: its C x N rows        | `gather_plain`     | wrong (lesson 15)|
-| `LOCAL_SUM`      | `local_loss`                        | `gather_with_grad` | exact (lesson 16)|
-| `LOCAL_LIBRARY`  | `local_loss`                        | `gather_library`   | exact (lesson 16)|
+| `LOCAL_PLAIN`    | `local_loss`: its C x N rows        | `gather_plain`     | wrong (lesson 22)|
+| `LOCAL_SUM`      | `local_loss`                        | `gather_with_grad` | exact (lesson 23)|
+| `LOCAL_LIBRARY`  | `local_loss`                        | `gather_library`   | exact (lesson 23)|
 
 Why `GLOBAL_PLAIN` is 1/P: each rank computes the same L but back-propagates only through its own
 block, so rank r finds g_r, the part of dL/dtheta that flows through its C samples, and

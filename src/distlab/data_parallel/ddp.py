@@ -5,7 +5,7 @@
   filled it, and divides by P: the mechanism lesson 06 writes by hand.
 - `count_and_average`: a DDP communication hook that does what DDP's default does (average the
   bucket over the ranks) and counts the calls, one per bucket per synchronised backward, and the
-  backwards that reduced (lesson 17: one per step under `no_sync` but the last); `counting` registers it.
+  backwards that reduced (lesson 24: one per step under `no_sync` but the last); `counting` registers it.
 - `accumulate`: gradient accumulation over micro-batches, with or without `no_sync()`. Without it
   every backward all-reduces; with it only the last one does. Both give the global gradient
   (averaging is linear), so `no_sync` saves communication, not correctness.
@@ -46,7 +46,7 @@ def wrap(model: nn.Module, rt: Runtime, find_unused_parameters: bool = False, bu
 class HookCalls:
     """What `count_and_average` saw: the buckets DDP handed to it (one all-reduce each), and the
     backwards that reduced (DDP may cut a backward's gradients into several buckets; the one marked
-    last closes it: lesson 17 counts one per step under `no_sync` but the last)."""
+    last closes it: lesson 24 counts one per step under `no_sync` but the last)."""
 
     calls: int = 0
     backwards: int = 0

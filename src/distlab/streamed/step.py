@@ -1,7 +1,7 @@
 """The streamed step: the exact global CLIP gradient with O(N d) memory per rank, in five phases.
 
 Global batch N over P ranks, C = N / P pairs per rank, embeddings Z_x, Z_y (N x d), logit scale s
-(1/tau, or the model's own), R / Q the row / column softmax of S (lesson 18 derives every line):
+(1/tau, or the model's own), R / Q the row / column softmax of S (lesson 25 derives every line):
 
     S = s Z_x Z_y^T,   a_i = log sum_j exp S_ij,   b_j = log sum_i exp S_ij
     L = 1/(2N) sum_i (a_i + b_i - 2 S_ii)

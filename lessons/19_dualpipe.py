@@ -1,0 +1,3 @@
+"""Placeholder for the lesson `dualpipe` (being written; not landed)."""
+
+raise SystemExit("lesson dualpipe: not written yet")

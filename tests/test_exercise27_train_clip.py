@@ -1,0 +1,150 @@
+"""Exercise 27: two steps of CLIP training with distributed_backward, judged on 2 ranks.
+
+A small DigitsCLIP (float64, learned scale started just above open_clip's bound of 100) under DDP takes
+two steps of the answer on each rank's C rows (micro-batches of B < C: the recompute path) with SGD and a
+tight clipping norm; the reference is a deep copy stepped in one process: plain autograd on clip_loss over
+the whole batch, the same clipping, SGD and clamp. The lesson's claims, at each step: the loss is the whole
+batch's, and every parameter's update, the logit scale's included, equals the reference's (float64, rtol
+1e-10)."""
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+from exercise_kit import Exercise
+from exercise_signatures import Mistake, Proportional, Tensors
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distlab.contrastive.digits import DigitsCLIP
+from distlab.contrastive.losses import clip_loss
+from distributed_clip import distributed_backward
+
+LESSON, NAME = "train_clip", "clip_step"
+P, C, VOCAB, LENGTH, LR, CLIP_NORM = 2, 4, 12, 5, 0.5, 1e-2
+CONFIG = {"GLOBAL_BATCH_SIZE": P * C, "MICRO_BATCH_SIZE": 3, "STREAM_CHUNK_SIZE": 3}
+
+
+def _ranks(rt, clip_step, claims) -> None:
+    gen = torch.Generator().manual_seed(5)
+    images = torch.randn(P * C, 1, 8, 8, generator=gen, dtype=torch.float64)
+    ids = torch.randint(1, VOCAB, (P * C, LENGTH), generator=gen)
+    model = DigitsCLIP(VOCAB, LENGTH, dim=8, width=4, seed=1).double()
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(100.0) + 0.05)  # s just above the bound: the clamp has work to do
+    ref, ddp, rows = copy.deepcopy(model), DDP(model), slice(rt.rank * C, (rt.rank + 1) * C)
+    optimizer, ref_optimizer = torch.optim.SGD(ddp.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in (1, 2):
+        mine, theirs = _values(model), _values(ref)
+        loss = clip_step(ddp, optimizer, images[rows], ids[rows], CONFIG, CLIP_NORM)
+        ref_optimizer.zero_grad()
+        ref_loss = clip_loss(*ref(images, ids))  # z_x, z_y, s: the whole batch
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), CLIP_NORM)
+        ref_optimizer.step()
+        ref.clamp_logit_scale_()
+        claims.equal(
+            f"step {step}: the loss is the whole batch's",
+            float(loss),
+            ref_loss.item(),
+            ok=abs(float(loss) - ref_loss.item()) < 1e-10,
+            what="L",
+        )
+        claims.tensors(
+            f"step {step}: every parameter's update equals one process's",
+            {n: p - mine[n] for n, p in _values(model).items()},
+            {n: p - theirs[n] for n, p in _values(ref).items()},
+            what="the updates",
+        )
+
+
+def _values(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+MISTAKES = (
+    Mistake(
+        "the gradient not clipped",
+        "step 1: every parameter",
+        (Proportional(but=("logit_scale",)),),
+        (
+            "every update is the same multiple of the reference's: the gradient's norm was never bounded",
+            "clip the global norm of the gradient (all trainable parameters together) after the backward, "
+            "before the step",
+            "torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",
+        ),
+        holds=("step 1: the loss",),
+    ),
+    Mistake(
+        "the logit scale not clamped",
+        "step 1: every parameter",
+        (Tensors(("logit_scale",)),),
+        (
+            "only the logit scale moved differently: open_clip keeps s = exp(logit_scale) in [1, 100]",
+            "after the optimizer's step, clamp the scale back into its bound",
+            "ddp.module.clamp_logit_scale_() after optimizer.step()",
+        ),
+    ),
+    Mistake(
+        "the gradients never zeroed",
+        "step 2: every parameter",
+        (),
+        (
+            "step 1 is right and step 2 is not: what does step 2 start from?",
+            "distributed_backward adds into .grad, as loss.backward() does: last step's gradient is still there",
+            "optimizer.zero_grad(set_to_none=True) first",
+        ),
+        holds=("step 1",),
+    ),
+)
+
+
+def without_clipping(ddp, optimizer, images, captions, config, clip_norm, bf16=False):
+    """The step without clipping the gradient's norm."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = distributed_backward(ddp, images, captions, config)
+    optimizer.step()
+    ddp.module.clamp_logit_scale_()
+    return loss
+
+
+def without_clamp(ddp, optimizer, images, captions, config, clip_norm, bf16=False):
+    """The step with s left wherever the optimizer put it."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = distributed_backward(ddp, images, captions, config)
+    torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)
+    optimizer.step()
+    return loss
+
+
+def without_zero_grad(ddp, optimizer, images, captions, config, clip_norm, bf16=False):
+    """The step that starts from whatever the last one left in .grad."""
+    loss = distributed_backward(ddp, images, captions, config)
+    torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)
+    optimizer.step()
+    ddp.module.clamp_logit_scale_()
+    return loss
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "distributed_backward is loss.backward() for the global batch: the rest is any training step",
+        "zero the gradients, back-propagate, bound the gradient's norm, step, keep the scale in its bound",
+        "zero_grad; L = distributed_backward(ddp, images, captions, config); clip_grad_norm_; step; "
+        "ddp.module.clamp_logit_scale_(); return L",
+    ),
+    numbers="loss|update",
+)
+WRONG = {
+    "the gradient not clipped": "without_clipping",
+    "the logit scale not clamped": "without_clamp",
+    "the gradients never zeroed": "without_zero_grad",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)

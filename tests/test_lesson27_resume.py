@@ -1,0 +1,192 @@
+"""A crash that loses nothing (lesson 27's --checkpoint-dir and --crash-at-step; issue 19 item 5).
+
+Under `torchrun --max-restarts 1`, rank 1 exits abruptly at step 13 of 20; torchrun stops rank 0 and
+restarts both; they resume from the checkpoint written after step 10 and finish. The parameters'
+SHA-256 equals an uninterrupted run's: every bit of the model, optimizer, scheduler, data order and
+random state came back. And the pieces: a checkpoint a dying rank left half-written (no manifest, or
+a file that no longer hashes to what the manifest says) is never loaded; a checkpoint of another run
+is refused; the flags are refused in one line naming the flag.
+"""
+
+import re
+
+import pytest
+import torch
+from helpers import assert_flag_refused, torchrun
+
+from distlab.checkpointing import Checkpoints
+from distlab.spawn import SpawnError, spawn
+
+LESSON = "train_clip"
+# 20 steps of N = 64 clear the lesson's 80% accuracy claim (about 90%); checkpoints after steps 5, 10, ...
+RUN = ("--steps", "20", "--warmup", "2", "--global-batch", "64", "--eval-every", "10")
+DIGEST = re.compile(r"parameters sha256:\s+([0-9a-f]{64})\n")  # (at 80 columns rich wraps before the hex)
+
+
+def _digest(stdout: str) -> str:
+    found = DIGEST.findall(stdout)
+    assert len(found) == 1, stdout
+    return found[0]
+
+
+def test_a_crashed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path):
+    straight = torchrun(LESSON, 2, *RUN)
+    assert straight.returncode == 0, straight.stdout + straight.stderr[-3000:]
+    crashed = torchrun(
+        LESSON,
+        2,
+        *RUN,
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--checkpoint-every",
+        "5",
+        "--crash-at-step",
+        "13",
+        max_restarts=1,
+    )
+    output = crashed.stdout + crashed.stderr
+    assert crashed.returncode == 0, output[-5000:]
+    assert "rank 1: os._exit(17) at step 13 (--crash-at-step)" in output  # the fault happened,
+    assert f"resumed from {tmp_path / 'step-000010'} (after step 10" in crashed.stdout  # once, and was survived
+    assert crashed.stdout.count("Lesson 27") == 2 and "PASS: every claim holds" in crashed.stdout
+    assert _digest(crashed.stdout) == _digest(straight.stdout)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000015", "step-000020"]  # the newest two
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint files, on two ranks in one process (spawn)
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_state(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1 / (t + 1))
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "log": {"loss": []}}
+
+
+def _train_step(state: dict) -> None:
+    state["optimizer"].zero_grad()
+    loss = state["model"](torch.randn(4, 3)).square().sum()  # draws from the global generator
+    loss.backward()
+    state["optimizer"].step()
+    state["scheduler"].step()
+    state["log"]["loss"].append(loss.item())
+
+
+def _tear(folder, how: str) -> None:
+    if how == "no manifest":  # a rank died before rank 0 wrote it
+        (folder / "manifest.json").unlink()
+    else:  # a file changed after its hash was taken
+        data = bytearray((folder / "state.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (folder / "state.pt").write_bytes(bytes(data))
+
+
+def _save_tear_restore(rt, directory: str, how: str):
+    """Save after steps 1 and 2, tear step 2 and leave a .partial of step 3 behind; restore into a
+    fresh state: it must be step 1's, bit for bit, each rank's generator included. (The state is the
+    same on every rank, as under DDP; the generators are not.)"""
+    run = {"lr": 0.1}
+    checkpoints, state = Checkpoints(rt, directory, 1, run), _run_state(0)
+    _train_step(state)
+    torch.rand(rt.rank + 1)  # each rank's generator elsewhere
+    checkpoints.after_step(1, state)
+    saved = ({k: v.clone() for k, v in state["model"].state_dict().items()}, torch.rand(3), list(state["log"]["loss"]))
+    _train_step(state)
+    checkpoints.after_step(2, state)
+    torch.distributed.barrier()
+    if rt.is_first:
+        _tear(checkpoints.directory / "step-000002", how)
+        (checkpoints.directory / "step-000003.partial").mkdir()
+        torch.save({"step": 3}, checkpoints.directory / "step-000003.partial" / "state.pt")
+    torch.distributed.barrier()
+    fresh = _run_state(100)
+    step = Checkpoints(rt, directory, 1, run).restore(fresh)
+    params, next_draw, log = saved
+    return (
+        step,
+        all(torch.equal(params[k], v) for k, v in fresh["model"].state_dict().items()),
+        torch.equal(torch.rand(3), next_draw),
+        fresh["log"]["loss"] == log,
+        fresh["scheduler"].last_epoch,
+        len(fresh["optimizer"].state),
+        [(folder.name, why) for folder, why in Checkpoints(rt, directory, 1, run).skipped()],
+    )
+
+
+@pytest.mark.parametrize("how", ["no manifest", "torn file"])
+def test_a_half_written_checkpoint_is_never_loaded(tmp_path, how):
+    why = "manifest.json is missing" if how == "no manifest" else "state.pt no longer hashes to the manifest's"
+    for rank_result in spawn(_save_tear_restore, 2, str(tmp_path), how):
+        assert rank_result[:6] == (1, True, True, True, 1, 2)
+        skipped = rank_result[6]  # each named with its reason (rank 0 prints these before it resumes)
+        assert [name for name, _ in skipped] == ["step-000002", "step-000003.partial"], skipped
+        assert skipped[0][1].startswith(why) and "half-way" in skipped[1][1], skipped
+
+
+def _restore_from_different_directories(rt, shared: str, local: str):
+    Checkpoints(rt, shared, 1, {"lr": 0.1}).save(1, _run_state(0))
+    torch.distributed.barrier()  # rank 0 has renamed it by now
+    directory = shared if rt.rank == 0 else local  # rank 1 reads a node-local directory that has none
+    try:
+        Checkpoints(rt, directory, 1, {"lr": 0.1}).restore(_run_state(0))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_that_see_different_newest_checkpoints_are_refused_naming_them(tmp_path):
+    results = spawn(_restore_from_different_directories, 2, str(tmp_path / "shared"), str(tmp_path / "local"))
+    assert results[0] == results[1] != "no error", results
+    assert "rank 0: step 1, rank 1: none" in results[0] and "same directory" in results[0], results[0]
+
+
+def _barrier_count(rt):
+    from distlab.checkpointing import _barrier
+
+    return _barrier(rt)
+
+
+def test_the_checkpoint_barrier_counts_every_rank_on_the_host():
+    """The barrier is a sum read on the host (an int), which under nccl is what makes the host wait for it
+    (the call alone only queues the all-reduce); here, on gloo, that every rank is counted."""
+    assert spawn(_barrier_count, 3) == [3, 3, 3]
+
+
+def _restore_as_another_run(rt, directory: str):
+    state = _run_state(0)
+    Checkpoints(rt, directory, 1, {"lr": 0.1}).save(1, state)
+    torch.distributed.barrier()  # rank 0 has renamed it by now
+    Checkpoints(rt, directory, 1, {"lr": 0.2}).restore(_run_state(0))
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    with pytest.raises(SpawnError, match="--checkpoint-dir: .* belongs to another run"):
+        spawn(_restore_as_another_run, 2, str(tmp_path))
+
+
+def test_bad_resume_flags_are_one_line_naming_the_flag(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert_flag_refused(LESSON, "--crash-at-step", "--crash-at-step", "3")  # no --checkpoint-dir
+    assert_flag_refused(LESSON, "--crash-at-step", "--checkpoint-dir", "x", "--steps", "20", "--crash-at-step", "21")
+    assert_flag_refused(LESSON, "--crash-rank", "--checkpoint-dir", "x", "--crash-at-step", "3", "--crash-rank", "2")
+    assert_flag_refused(LESSON, "--checkpoint-every", "--checkpoint-every", "0")
+
+
+def unsafe_loads(source: str) -> list[str]:
+    """The torch.load calls in `source` that may unpickle code (no weights_only=True)."""
+    return [call for call in re.findall(r"torch\.load\(([^)]*)\)", source) if "weights_only=True" not in call]
+
+
+def test_every_checkpoint_load_keeps_weights_only_and_the_docs_say_a_directory_must_be_trusted():
+    """torch.load with weights_only=False (or dcp.load's .metadata) unpickles: a planted file could run code."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    source = (root / "src" / "distlab" / "checkpointing.py").read_text()
+    assert "torch.load(" in source and unsafe_loads(source) == []
+    assert unsafe_loads('torch.load(folder / "state.pt", map_location="cpu")')  # the check can fail
+    for doc in (root / "lessons" / "07_sharding.py", root / "README.md"):
+        assert "checkpoint directory must be trusted" in " ".join(doc.read_text().split()).lower(), doc

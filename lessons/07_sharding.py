@@ -52,11 +52,11 @@ from torch.autograd.graph import saved_tensors_hooks
 from distlab.cli import (
     add_optimizer_args,
     check_flags_against_world,
+    checkpoint_dir,
     divides_global_batch,
     lesson_parser,
     positive_float,
     positive_int,
-    writable_dir,
 )
 from distlab.compare import against, all_ok, compare
 from distlab.console import print0, rows_table
@@ -382,7 +382,7 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
     # The lesson's own directory (no --checkpoint-dir) is removed however the run ends (`scratch_dir`).
     own = rt.is_first and not args.checkpoint_dir
     with scratch_dir(SCRATCH) if own else nullcontext() as scratch:
-        path = [args.checkpoint_dir or (str(scratch) if scratch else None)]
+        path = [args.checkpoint_dir or (str(scratch / "checkpoint") if scratch else None)]
         dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
         run = save_and_resume(rt, cfg, path[0], cfg.steps, cfg.steps)
         dist.barrier()  # every rank has read it before rank 0 removes it
@@ -416,7 +416,7 @@ def parse_args():
     parser.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        type=writable_dir,
+        type=checkpoint_dir,
         help="where part 4 saves (kept); default a temporary directory, removed at the end",
     )
     return parser.parse_args()

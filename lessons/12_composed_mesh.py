@@ -47,9 +47,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
-import tempfile
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,7 +60,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from distlab.agree import rank_table
-from distlab.cli import check_flags_against_world, lesson_parser, positive_float, positive_int, require
+from distlab.cli import (
+    check_flags_against_world,
+    checkpoint_dir,
+    lesson_parser,
+    positive_float,
+    positive_int,
+    require,
+)
 from distlab.comm.ring import Ring
 from distlab.compare import Comparison, all_ok, compare
 from distlab.composed import checkpoint, cost
@@ -74,6 +80,7 @@ from distlab.context_parallel.ring import ring_core
 from distlab.context_parallel.split import Layout, pieces_of
 from distlab.reference import one_process
 from distlab.runtime import Runtime, distributed, run_main
+from distlab.scratch import scratch_dir
 from distlab.tensor_parallel.torch_tp import plan as block_plan
 from distlab.training import Run, train
 from distlab.verdict import Verdict
@@ -84,6 +91,8 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 # ---- the mechanism: the mesh, its groups, and four parallelisms applied to one model -------------
+
+SCRATCH = "distlab12-"  # the prefix of the lesson's own checkpoint directory (the system's temporary one)
 
 
 def make_mesh(rt: Runtime, shape: Shape) -> tuple[DeviceMesh, DeviceMesh]:
@@ -376,7 +385,12 @@ def parse_args():
         help="AdamW steps, at least 2 (step 2 measured; a checkpoint before the last)",
     )
     parser.add_argument("--lr", type=positive_float, default=1e-2, help="AdamW learning rate")
-    parser.add_argument("--checkpoint-dir", metavar="DIR", help="where part 5 saves (kept); default a temporary one")
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        type=checkpoint_dir,
+        help="where part 5 saves (kept); default a temporary one, removed however the run ends",
+    )
     return parser.parse_args()
 
 
@@ -432,17 +446,18 @@ def main() -> int:
             f"[bold]Lesson 12: one transformer on a dp x pp x tp x cp mesh[/] - P = {rt.world_size}, "
             f"{describe(cfg)}, AdamW, {rt.backend}, float64"
         )
-        path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab19-") if rt.is_first else None)]
-        dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
-        ref = reference(cfg)
-        runs = show_training(rt, cfg, shapes, ref, verdict, path[0])
-        show_mesh(rt, runs[shapes[0]].mesh_step, verdict)
-        show_communication(rt, cfg, runs[shapes[0]], verdict)
-        show_memory(rt, cfg, runs, verdict)
-        show_resume(rt, cfg, runs[shapes[0]], other, path[0], ref, verdict)
-        dist.barrier()
-        if rt.is_first and not args.checkpoint_dir:
-            shutil.rmtree(path[0])  # the lesson's own temporary directory
+        # The lesson's own directory (no --checkpoint-dir) is removed however the run ends (`scratch_dir`).
+        own = rt.is_first and not args.checkpoint_dir
+        with scratch_dir(SCRATCH) if own else nullcontext() as scratch:
+            path = [args.checkpoint_dir or (str(scratch / "checkpoint") if scratch else None)]
+            dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
+            ref = reference(cfg)
+            runs = show_training(rt, cfg, shapes, ref, verdict, path[0])
+            show_mesh(rt, runs[shapes[0]].mesh_step, verdict)
+            show_communication(rt, cfg, runs[shapes[0]], verdict)
+            show_memory(rt, cfg, runs, verdict)
+            show_resume(rt, cfg, runs[shapes[0]], other, path[0], ref, verdict)
+            dist.barrier()  # every rank has read it before rank 0 removes it
         return verdict.finish(args.json)
 
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from distlab.committed import holds_only_checkpoint
 from distlab.compare import TOLERANCES
 from distlab.runtime import DEVICE_CHOICES
 
@@ -113,6 +114,24 @@ def writable_dir(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} cannot be made: {str(existing)!r} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written or made ({str(existing)!r}: permissions)")
+    return text
+
+
+def checkpoint_dir(text: str) -> str:
+    """A distributed checkpoint's folder (lessons 07 and 12): writable as `writable_dir`, its parent writable too
+    (the save is staged beside it, `distlab.committed`), and holding nothing but a checkpoint (a save replaces it
+    whole: a folder of other files is not one to replace)."""
+    writable_dir(text)
+    path = Path(text).absolute()
+    if not holds_only_checkpoint(path):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} holds files that are not a checkpoint's: give an empty or new folder"
+        )
+    existing = next(p for p in path.parents if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: its parent {str(existing)!r} cannot be written (a save is staged there)"
+        )
     return text
 
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -239,16 +240,32 @@ def release_process_group(group: dist.ProcessGroup | None = None) -> None:
     dist.destroy_process_group(group)
 
 
+def raised_by_a_check(err: BaseException) -> bool:
+    """Whether `err` was raised by a check of distlab's or a lesson's own (its innermost frame is in their
+    source), not by torch or Python underneath them: a ValueError from inside torch at run time is a failure
+    to show with its traceback, not bad input to answer with one line."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    source = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return source.is_relative_to(Path(__file__).resolve().parent) or source.parent.name in ("lessons", "benchmarks")
+
+
 def run_main(main: Callable[[], int]) -> None:
-    """Run a lesson's `main()` and exit with its code. A ValueError is bad input, raised the same
-    way on every rank before any collective: rank 0 prints it as one line and every rank exits 2,
-    instead of P identical tracebacks. torchrun stops every rank once one has failed, so the others
-    give rank 0 a moment to print its line before they exit."""
+    """Run a lesson's `main()` and exit with its code. A ValueError that distlab's or the lesson's own checks
+    raised is bad input, raised the same way on every rank before any collective: rank 0 prints it as one
+    line and every rank exits 2, instead of P identical tracebacks. torchrun stops every rank once one has
+    failed, so the others give rank 0 a moment to print its line before they exit. Any other error, a
+    ValueError from inside torch included, is a run-time failure: its traceback, as Python shows it."""
     from distlab.console import console, error_line  # (console imports nothing from here)
 
     try:
         code = main()
     except ValueError as err:
+        if not raised_by_a_check(err):
+            raise
         if os.environ.get("RANK", "0") == "0":
             console.print(error_line(str(err)), soft_wrap=True)
         else:

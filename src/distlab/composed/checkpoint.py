@@ -16,9 +16,13 @@ Three things make that piece loadable anywhere else:
   (`dcp.load` reads them from whichever files hold them), and `set_state_dict` puts them in place.
 
 Every rank calls save and load together (over the world's group): a rank with no piece of a tensor simply
-asks for none. Step k's batch is a function of (seed, k), so a resumed run sees the batches an uninterrupted
-one sees. At the same shape every sum runs in the same order again: bit-identical. At another, the dp x cp
-averages and the tp sums are grouped differently: equal to float64 rounding.
+asks for none. The folder is staged and committed (`distlab.committed`): a save killed half-way leaves the
+last whole checkpoint or none, never shards of two saves, and a load refuses a torn, truncated or damaged
+folder in one line naming the file, on every rank, before DCP reads it.
+
+Step k's batch is a function of (seed, k), so a resumed run sees the batches an uninterrupted one sees. At
+the same shape every sum runs in the same order again: bit-identical. At another, the dp x cp averages and
+the tp sums are grouped differently: equal to float64 rounding.
 """
 
 from __future__ import annotations
@@ -28,18 +32,20 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from distlab.committed import load_committed, save_committed
+
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # every optimizer entry keyed by its parameter's name
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank writes its shards of the model and of AdamW's states into `path`."""
+    """Every rank writes its shards of the model and of AdamW's states; `path` holds them once all are whole."""
     model_state, optim_state = get_state_dict(model, optimizer, options=FLAT)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    save_committed(path, lambda staging: dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staging))
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Into a model and optimizer laid out on any mesh: each rank reads the pieces its shards cover."""
     model_state, optim_state = get_state_dict(model, optimizer, options=FLAT)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    load_committed(path, lambda folder: dcp.load(state, checkpoint_id=folder))  # checked against its marker first
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT)

@@ -12,6 +12,9 @@ Steps are numbered globally and step t trains on `global_batch(cfg, t)` whatever
 at step t sees the batches an uninterrupted run sees. At the same P every reduction runs in the same
 order, so the resumed run is bit-identical; at another P the ranks' sums are grouped differently and
 the parameters agree to float64 rounding (1e-12 is asked).
+
+The folder is staged and committed (`distlab.committed`, on the ground floor): a save killed half-way
+leaves no folder that loads, and a torn or damaged one is refused in one line naming the file.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from distlab.committed import load_committed, save_committed
 from distlab.runtime import Runtime
 from distlab.sharding.fsdp import Fsdp2
 from distlab.sharding.problem import ShardingConfig, build_model
@@ -48,14 +52,20 @@ def train_steps(rt: Runtime, cfg: ShardingConfig, strategy: Fsdp2, first: int, s
 
 def save(path: str, strategy: Fsdp2) -> None:
     model, optim = get_state_dict(strategy.model, strategy.optimizer)
-    dcp.save({"model": model, "optim": optim}, checkpoint_id=path, process_group=_group(strategy))
+    group = _group(strategy)
+    save_committed(
+        path,
+        lambda staging: dcp.save({"model": model, "optim": optim}, checkpoint_id=staging, process_group=group),
+        group,
+    )
 
 
 def load(path: str, strategy: Fsdp2) -> None:
     """Into a fresh FSDP2 model and optimizer, sharded over however many ranks they live on."""
     model, optim = get_state_dict(strategy.model, strategy.optimizer)
     state = {"model": model, "optim": optim}
-    dcp.load(state, checkpoint_id=path, process_group=_group(strategy))
+    group = _group(strategy)
+    load_committed(path, lambda folder: dcp.load(state, checkpoint_id=folder, process_group=group), group)
     set_state_dict(strategy.model, strategy.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

@@ -1,0 +1,173 @@
+"""Distributed checkpoints a torn save cannot fool (`distlab.committed`, under lessons 07 and 12's DCP saves).
+
+Four ranks save a DTensor sharded over them (one `.distcp` file per rank) twice, with different values, into
+two folders. A folder with three of its four shards copied from the other save (what a save killed half-way
+leaves in place), one flipped bit, a truncated shard: each is refused on every rank in one line naming the file.
+Teeth: plain `dcp.load` takes the torn folder without a word, and each rank comes back with a different save's
+values. A whole folder loads and equals what was saved (bit for bit); a staged folder that was never marked
+(a save killed before its commit) is refused; the lessons' runner dresses only its own checks as a bad-input
+line; lesson 12's --checkpoint-dir is checked at parse time.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import ROOT, parse_lesson_args
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from distlab.committed import MARKER, load_committed, problem_of, save_committed, staging_of, write_marker
+from distlab.spawn import spawn
+
+P = 4
+ROWS = 8  # 2 rows a rank
+
+
+def _weights(version: int) -> torch.Tensor:
+    return torch.arange(ROWS * 3, dtype=torch.float64).reshape(ROWS, 3) + 1000 * version
+
+
+def _sharded(version: int):
+    mesh = init_device_mesh("cpu", (P,))
+    return {"w": distribute_tensor(_weights(version), mesh, [Shard(0)])}
+
+
+def _save_two(rt, root: str) -> None:
+    for version in (1, 2):
+        state = _sharded(version)
+        save_committed(f"{root}/v{version}", lambda staging, state=state: dcp.save(state, checkpoint_id=staging))
+
+
+def _load(rt, folder: str, checked: bool) -> dict:
+    """This rank's shard after loading `folder` (checked: through `load_committed`), or the error."""
+    state = _sharded(0)
+    try:
+        if checked:
+            load_committed(folder, lambda f: dcp.load(state, checkpoint_id=f))
+        else:
+            dcp.load(state, checkpoint_id=folder)
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"shard": state["w"].to_local().clone(), "rank": rt.rank}
+
+
+def _shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.distcp"))
+
+
+def test_a_whole_save_loads_bit_for_bit_and_leaves_no_staging(tmp_path):
+    spawn(_save_two, P, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v2"]  # no .partial, no .old left
+    assert len(_shards(tmp_path / "v2")) == P and (tmp_path / "v2" / MARKER).is_file()
+    for out in spawn(_load, P, str(tmp_path / "v2"), True):
+        assert torch.equal(out["shard"], _weights(2)[2 * out["rank"] : 2 * out["rank"] + 2])
+
+
+def _damaged(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Three damaged copies of save 2, and the file each error must name."""
+    spawn(_save_two, P, str(tmp_path))
+    cases = {}
+    torn = tmp_path / "torn"
+    shutil.copytree(tmp_path / "v2", torn)
+    for shard in _shards(tmp_path / "v1")[1:]:  # three of four shards from the other save
+        shutil.copy(shard, torn / shard.name)
+    cases["torn"] = (torn, _shards(torn)[1].name)
+    flipped = tmp_path / "flipped"
+    shutil.copytree(tmp_path / "v2", flipped)
+    shard = _shards(flipped)[2]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    shard.write_bytes(bytes(data))
+    cases["flipped"] = (flipped, shard.name)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tmp_path / "v2", truncated)
+    shard = _shards(truncated)[0]
+    shard.write_bytes(shard.read_bytes()[:-7])
+    cases["truncated"] = (truncated, shard.name)
+    return cases
+
+
+def test_torn_flipped_and_truncated_folders_are_refused_on_every_rank_naming_the_file(tmp_path):
+    for case, (folder, name) in _damaged(tmp_path).items():
+        errors = [out.get("error") for out in spawn(_load, P, str(folder), True)]
+        assert len(set(errors)) == 1 and errors[0] is not None, (case, errors)
+        assert name in errors[0] and "\n" not in errors[0], (case, errors[0])
+        if case == "truncated":
+            assert "bytes" in errors[0], errors[0]
+
+
+def test_teeth_plain_dcp_load_takes_the_torn_folder_and_mixes_two_saves(tmp_path):
+    folder, _ = _damaged(tmp_path)["torn"]
+    versions = set()
+    for out in spawn(_load, P, str(folder), False):
+        assert "error" not in out  # loaded without a word
+        versions.add(int(out["shard"][0, 0].item()) // 1000)
+    assert versions == {1, 2}  # rank 0 holds save 2's rows, ranks 1-3 save 1's
+
+
+def test_a_staged_folder_never_marked_is_refused_and_a_marked_one_passes(tmp_path):
+    folder = tmp_path / "ckpt"
+    staging = staging_of(folder)
+    staging.mkdir()
+    (staging / "__0_0.distcp").write_bytes(b"shard")
+    assert "COMMITTED.json is missing" in problem_of(staging)  # a save killed before its marker
+    assert problem_of(folder) == f"checkpoint {folder}: no such folder"
+    write_marker(staging)
+    assert problem_of(staging) is None
+    (staging / "extra.distcp").write_bytes(b"x")
+    assert "extra.distcp is not listed" in problem_of(staging)
+
+
+def test_the_runner_dresses_only_its_own_checks_as_a_bad_input_line():
+    def run(body: str) -> subprocess.CompletedProcess:
+        code = f"from distlab.runtime import run_main\nimport distlab.cli\n{body}"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+    check = run("run_main(lambda: distlab.cli.require(False, '--width', 'must be even'))")
+    assert check.returncode == 2 and check.stdout.strip() == "error: --width: must be even", check
+    assert "Traceback" not in check.stderr
+    underneath = run("import torch\nrun_main(lambda: torch.optim.SGD([], lr=0.1))")  # torch's own ValueError
+    assert underneath.returncode == 1 and "error:" not in underneath.stdout, underneath
+    assert "Traceback" in underneath.stderr and "empty parameter list" in underneath.stderr, underneath.stderr
+
+
+def test_lesson12_checkpoint_dir_is_checked_at_parse_time(tmp_path):
+    code, _, _, err = parse_lesson_args("12_composed_mesh", "--checkpoint-dir", "/etc/passwd")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "argument --checkpoint-dir:" in err, err
+    (tmp_path / "notes.txt").write_text("mine")
+    code, _, _, err = parse_lesson_args("12_composed_mesh", "--checkpoint-dir", str(tmp_path))
+    assert code == 2 and "not a checkpoint's" in err, err
+    code, args, _, _ = parse_lesson_args("12_composed_mesh", "--checkpoint-dir", str(tmp_path / "new"))
+    assert code is None and args.checkpoint_dir == str(tmp_path / "new")
+
+
+def _uncommitted_dcp_calls(source: str) -> list[int]:
+    """The lines of every `dcp.save(...)` / `dcp.load(...)` call not inside a save_committed / load_committed call."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if isinstance(func, ast.Attribute) and func.attr in ("save", "load") and getattr(func.value, "id", "") == "dcp":
+            up = parents.get(node)
+            while up is not None and not (
+                isinstance(up, ast.Call) and getattr(up.func, "id", "") in ("save_committed", "load_committed")
+            ):
+                up = parents.get(up)
+            if up is None:
+                found.append(node.lineno)
+    return found
+
+
+def test_the_library_writes_and_reads_no_distributed_checkpoint_uncommitted():
+    """Every dcp.save and dcp.load in the library goes through the commit (a new one would need its own)."""
+    assert _uncommitted_dcp_calls("import x as dcp\ndcp.save(state, checkpoint_id=path)\n") == [2]  # can fail
+    for path in (ROOT / "src").rglob("*.py"):
+        assert _uncommitted_dcp_calls(path.read_text()) == [], path

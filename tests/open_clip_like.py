@@ -183,9 +183,10 @@ def open_clip_recipe(image_features, text_features, logit_scale, local_loss: boo
     return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_text, labels)) / 2
 
 
-def accum_freq_backward(ddp, batches: list) -> float:
+def accum_freq_backward(ddp, batches: list, loss_fn=None) -> float:
     """open_clip_train's --accum-freq step on this rank's k = len(batches) batches (see the module
-    docstring); the model returns open_clip's dict. Returns the last loss."""
+    docstring); the model returns open_clip's dict. Returns the last loss. `loss_fn(z_x, z_y, s)`: the loss
+    that `create_loss(args)` built (default open_clip's ClipLoss(local_loss=True, gather_with_grad=True))."""
     cached: dict[str, list] = {}
     with torch.no_grad():
         for images, texts in batches:
@@ -200,6 +201,9 @@ def accum_freq_backward(ddp, batches: list) -> float:
             out = ddp(images, texts)
             logit_scale = out.pop("logit_scale")
             inputs = {key: torch.cat(val[:j] + [out[key]] + val[j + 1 :]) for key, val in cached.items()}
-            loss = open_clip_recipe(inputs["image_features"], inputs["text_features"], logit_scale, True, True)
+            if loss_fn is None:
+                loss = open_clip_recipe(inputs["image_features"], inputs["text_features"], logit_scale, True, True)
+            else:
+                loss = loss_fn(inputs["image_features"], inputs["text_features"], logit_scale)
             loss.backward()
     return loss.item()

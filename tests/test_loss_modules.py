@@ -2,7 +2,7 @@
 
 The model is tests/open_clip_like.py's CLIP (open_clip's layout and forward, float64, dropout 0.3 standing
 in for patch dropout). On every rank it runs its C pairs from that rank's random stream, and the loss
-module is called on its output as open_clip's `CLIPTask` calls a loss (`loss(**model_out,
+module is called on its output as open_clip_train's `train_one_epoch` calls a loss (`loss(**model_out,
 output_dict=True)`). The reference is plain autograd on the whole batch in one process
 (`contrastive.losses.clip_loss` / `sigmoid_loss` on a deep copy, each rank's dropout replayed:
 `full_batch_gradients` with `as_ranks`), rtol 1e-10: at P = 1, 2, 3, 4 under DDP, gathered and in a

@@ -79,13 +79,20 @@ def summed_over_ranks(part: torch.Tensor, group: Any = None) -> float:
 
 
 def rank_shares(
-    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits | float, exchange: str, tiles, group: Any = None
+    z_x: torch.Tensor,
+    z_y: torch.Tensor,
+    logits: Logits | float,
+    exchange: str,
+    tiles,
+    group: Any = None,
+    want_grads: bool = True,
 ) -> tuple[RankGrads, float]:
     """This rank's C rows' (G_x, G_y, dL/ds share, dL/dbeta share) and the global L, from its own detached
     C x d embeddings: a `Logits` (s, beta) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
     InfoNCE gather runs per micro-batch in `step`), over `group` (None: the world). `tiles` does the tile
     work (`tile_ops`; an int T: the torch tiles) under its matmul precision, autocast off; sums in the
-    compute dtype throughout."""
+    compute dtype throughout. Without `want_grads` (a loss under torch.no_grad()) the gathered sigmoid loss
+    computes no G (the ring's passes make L and G together: it computes them all)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dtype, tiles = compute_dtype(z_x.dtype, z_y.dtype), as_tile_ops(tiles)
     with pinned(tiles.precision, z_x.device.type):
@@ -103,5 +110,5 @@ def rank_shares(
             if all_x.dtype != all_y.dtype:
                 all_x, all_y = all_x.to(dtype), all_y.to(dtype)
             own = slice(rank * c, rank * c + c)
-            shares = sigmoid_gathered(all_x, all_y, logits, own, tiles)
+            shares = sigmoid_gathered(all_x, all_y, logits, own, tiles, want_grads=want_grads)
         return shares, summed_over_ranks(shares.loss_part, group)

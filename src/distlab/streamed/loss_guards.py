@@ -9,6 +9,12 @@ which exchange runs (EXCHANGE, T). Every rank judges the same table, so either a
 the exchange or all of them raise: ranks holding different C (the gather and the ring need equal
 shares), features of different widths or dtypes, replicas whose s or beta drifted apart, or ranks
 configured for different exchanges (one in the ring while another gathers would wait forever).
+
+The same table says which call this is: the module (numbered in the order this process's loss modules
+first exchanged), how many times it was called, and whether gradients are on. A loss called on some ranks only (an
+extra validation call on rank 0) pairs with another call elsewhere: a different module, count or grad mode,
+and every rank raises naming it, rather than exchanging features of different batches. A rank whose peers
+never call again waits the group's timeout in the exchange and raises naming its call, never hangs silently.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import torch.distributed as dist
 from distlab.agree import message_length, per_rank, raise_together, rank_table
 from distlab.streamed.config import EXCHANGES
 
-FIELDS = ("problem", "C", "d_x", "d_y", "dtype_x", "dtype_y", "scale", "has_bias", "bias", "EXCHANGE", "T")
+FIELDS = (
+    *("problem", "module", "call", "grad", "C", "d_x", "d_y", "dtype_x", "dtype_y"),
+    *("scale", "has_bias", "bias", "EXCHANGE", "T"),
+)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 NOT_KNOWN = float("nan")
 
@@ -40,6 +49,8 @@ class Call:
     exchange: str  # "gather" or "ring"
     t: int  # T, the side of a tile
     group: Any = None  # the process group (None: the world)
+    module: int = 0  # which loss module (numbered in the order of their first exchange)
+    count: int = 0  # the module's calls so far, this one included
 
 
 def as_number(v: Any) -> float:
@@ -95,6 +106,7 @@ def local_problem(call: Call, claimed: tuple[int, int], needs_bias: bool, place:
 def _row(call: Call, problem: str | None) -> list[float]:
     row = dict.fromkeys(FIELDS, NOT_KNOWN)
     row.update(problem=message_length(problem), EXCHANGE=EXCHANGES.index(call.exchange), T=call.t)
+    row.update(module=call.module, call=call.count, grad=float(torch.is_grad_enabled()))
     if problem is None:
         row.update(
             C=call.z_x.shape[0],
@@ -109,11 +121,28 @@ def _row(call: Call, problem: str | None) -> list[float]:
     return [row[k] for k in FIELDS]
 
 
+def _call_text(module: float, count: float, grad: float) -> str:
+    return f"module {module:g} call {count:g}{'' if grad else ' under no_grad'}"
+
+
 def agree(call: Call, problem: str | None) -> None:
     """One exchange over the group: return on every rank, or raise the same ValueError on every rank."""
     device = device_of(call)
-    table = rank_table(_row(call, problem), device, call.group)
+    try:
+        table = rank_table(_row(call, problem), device, call.group)
+    except RuntimeError as err:  # the group's timeout, or a peer gone: this call found no partner
+        raise RuntimeError(
+            f"loss module {call.module}, call {call.count}: the other ranks did not make this call ({err}); a loss "
+            "called on some ranks only (every rank must call each loss module equally often, in the same order)"
+        ) from err
     column = {key: table[:, FIELDS.index(key)].tolist() for key in FIELDS}
+    calls = list(zip(column["module"], column["call"], column["grad"]))
+    if len(set(calls)) > 1:
+        said = per_rank(range(len(calls)), lambda r: _call_text(*calls[int(r)]))
+        raise ValueError(
+            f"the ranks are in different loss calls ({said}): a loss called on some ranks only (every rank must "
+            "call each loss module equally often, in the same order, under the same grad mode)"
+        )
     raise_together(problem, device, lengths=column["problem"], group=call.group)
     names = {
         "EXCHANGE": ("the exchange", lambda v: EXCHANGES[int(v)]),

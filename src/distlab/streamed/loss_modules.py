@@ -32,6 +32,13 @@ and every error ends with the reminder to call `release_process_group()` before 
 are not finite give a loss and gradients that are not finite, as any loss would (a GradScaler skips the
 step). Without a process group and with world_size=1 it computes the loss of its own batch, with no
 exchange.
+
+In a practitioner's loop. Under torch.no_grad() (a validation loop), or when no input requires grad, it
+computes the loss alone (`loss_alone`: the InfoNCE's phases 1-2 without phase 3, the gathered sigmoid loss
+with S made once), the same number. Every call's place is agreed across ranks before the exchange (which
+module, its call count, the grad mode: `loss_guards`), so a loss called on some ranks only ends on every rank
+naming the calls instead of exchanging features of different batches or hanging. A second backward through one
+call is a clear RuntimeError: the first hands its gradients out and frees them.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ class StreamedContrastiveLoss(nn.Module):
     """What `ClipLoss` and `SigLipLoss` share: the settings, the checks, the call."""
 
     sigmoid = False  # the loss: the symmetric InfoNCE, or (SigLipLoss) the sigmoid loss
+    exchanging = 0  # loss modules of this process that have exchanged: numbered in the order of their first call
     accepts = ("local_loss", "gather_with_grad", "cache_labels")  # open_clip's own arguments, by name
 
     def __init__(
@@ -121,6 +129,7 @@ class StreamedContrastiveLoss(nn.Module):
         if kernels != "auto":
             self.settings["KERNELS"] = kernels  # the machinery's default is "auto"
         self.group, self.gradient_divide_factor = group, gradient_divide_factor
+        self.number, self.calls = 0, 0  # which module, its calls: agreed across ranks at every call (`loss_guards`)
         self.config(1, 1, 0)  # the settings, checked by the step's own config parsing: the same on every rank
 
     @classmethod
@@ -153,15 +162,19 @@ class StreamedContrastiveLoss(nn.Module):
             bias = (
                 logit_bias if logit_bias is None or isinstance(logit_bias, torch.Tensor) else torch.tensor(logit_bias)
             )
-            factor = self.gradient_divide_factor or float(cfg.world)  # m: what the wrapper divides the sum by
-            loss = StreamedLossFunction.apply((cfg, self.sigmoid, factor), image_features, text_features, scale, bias)
+            inputs = (image_features, text_features, scale, bias)
+            if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+                factor = self.gradient_divide_factor or float(cfg.world)  # m: what the wrapper divides the sum by
+                loss = StreamedLossFunction.apply((cfg, self.sigmoid, factor), *inputs)
+            else:  # torch.no_grad() (a validation loop): the loss alone, no gradient computed or kept
+                loss = loss_alone(cfg, self.sigmoid, *inputs)
         return {"contrastive_loss": loss} if output_dict else loss
 
     def _checked(self, z_x: Any, z_y: Any, s: Any, beta: Any) -> StreamConfig:
         """The call's config once every rank agreed to it, or the same ValueError on every rank."""
         exchange, t = self.settings["EXCHANGE"], self.settings.get("STREAM_CHUNK_SIZE", 0)
-        call = Call(z_x, z_y, s, beta, exchange, t, self.group)
         if not (dist.is_available() and dist.is_initialized()):
+            call = Call(z_x, z_y, s, beta, exchange, t, self.group)
             if self.claimed != (0, 1):
                 raise ValueError(
                     f"{type(self).__name__}(rank={self.claimed[0]}, world_size={self.claimed[1]}) needs an initialised "
@@ -171,6 +184,11 @@ class StreamedContrastiveLoss(nn.Module):
             if problem is not None:
                 raise ValueError(problem)
             return self.config(z_x.shape[0], 1, 0, local=True)
+        if self.number == 0:  # its first exchange: the next number (a module called on rank 0 only gets one there)
+            StreamedContrastiveLoss.exchanging += 1
+            self.number = StreamedContrastiveLoss.exchanging
+        self.calls += 1
+        call = Call(z_x, z_y, s, beta, exchange, t, self.group, self.number, self.calls)
         agree(call, local_problem(call, self.claimed, self.sigmoid))
         return self.config(z_x.shape[0], dist.get_world_size(self.group), dist.get_rank(self.group))
 
@@ -201,12 +219,12 @@ def rank_gradients(z_x, z_y, s: float, beta: float | None, cfg: StreamConfig, ne
             dtype = compute_dtype(z_x.dtype, z_y.dtype)
             z_x, z_y = z_x.to(dtype), z_y.to(dtype)
         if beta is not None:
-            shares = sigmoid_gathered(z_x, z_y, Logits(s, beta), slice(0, len(z_x)), ops)
+            shares = sigmoid_gathered(z_x, z_y, Logits(s, beta), slice(0, len(z_x)), ops, want_grads=any(needs))
             return shares.loss_part.item(), [shares.g_x, shares.g_y, shares.g_s, shares.g_b]
         emb = Embedded(z_x, z_y, s)
     elif beta is not None or cfg.exchange == "ring":
         logits = Logits(s, beta) if beta is not None else s
-        shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, ops, cfg.group)
+        shares, loss = rank_shares(z_x, z_y, logits, cfg.exchange, ops, cfg.group, want_grads=any(needs))
         return loss, [shares.g_x, shares.g_y, shares.g_s, shares.g_b]
     else:  # as the step's gather_embeddings: gathered as they are, then read as `ops` reads them
         emb = gather_embeddings(
@@ -219,6 +237,16 @@ def rank_gradients(z_x, z_y, s: float, beta: float | None, cfg: StreamConfig, ne
         return norm.loss, [None, None, None, None]
     grads = phase3_embedding_grads(emb, norm, slice(0, cfg.local), cfg, tuple(needs[:3]), ops)
     return norm.loss, [*grads, None]
+
+
+def loss_alone(cfg: StreamConfig, sigmoid: bool, z_x, z_y, s, beta) -> torch.Tensor:
+    """The global loss with no gradient work (under torch.no_grad(), or when no input requires grad): the
+    InfoNCE through phase 2 only (phase 3's G never runs), the gathered sigmoid loss with S made once; the
+    same number the forward with gradients gives."""
+    loss, _ = rank_gradients(
+        z_x.detach(), z_y.detach(), as_number(s), as_number(beta) if sigmoid else None, cfg, (False,) * 4
+    )
+    return torch.tensor(loss, dtype=compute_dtype(z_x.dtype, z_y.dtype), device=z_x.device)
 
 
 class StreamedLossFunction(torch.autograd.Function):
@@ -240,6 +268,12 @@ class StreamedLossFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
+        if ctx.grads is None:  # handed out by the first backward, and freed (they are C x d each)
+            raise RuntimeError(
+                "a second backward through one call of the streamed loss module: its gradients were handed out by "
+                "the first and freed (as autograd frees a graph without retain_graph=True); call the loss again "
+                "for another backward"
+            )
         out = [None]  # the plan
         for g, like, need in zip(ctx.grads, ctx.likes, ctx.needs_input_grad[1:5]):
             if not need or g is None:

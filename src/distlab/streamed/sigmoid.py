@@ -103,18 +103,23 @@ class RankGrads:
     """One rank's share of a contrastive loss and of its gradients; summed over ranks they are exact."""
 
     loss_part: torch.Tensor  # this rank's share of L (the ranks' shares add up to L)
-    g_x: torch.Tensor  # dL/dz_x for this rank's C rows
+    g_x: torch.Tensor | None  # dL/dz_x for this rank's C rows (None: not wanted)
     g_y: torch.Tensor | None  # dL/dz_y for this rank's C columns (None: not wanted)
-    g_s: torch.Tensor  # this rank's share of dL/ds
+    g_s: torch.Tensor | None  # this rank's share of dL/ds (None: not wanted)
     g_b: torch.Tensor | None  # this rank's share of dL/dbeta (None: the loss has no bias)
 
 
-def sigmoid_gathered(z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, tiles, want_g_y: bool = True):
+def sigmoid_gathered(
+    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, tiles, want_g_y: bool = True, want_grads=True
+):
     """With the gathered N x d Z_x, Z_y: my rows against every column (loss, G_x, ds, db: 2 C N d),
     and every row against my columns (G_y: 2 C N d more). `tiles`: a `tile_ops` TileOps, or T (the torch
-    tiles of at most T x T)."""
+    tiles of at most T x T). Without `want_grads` (a loss under torch.no_grad()): the loss and dL/dbeta's
+    sum alone, S once (2 C N d; the Triton kernel makes D Z_y beside it anyway), no G."""
     n, s, tiles = len(z_x), logits.s, as_tile_ops(tiles)
-    rows = tiles.sigmoid_block(z_x[own], z_y, logits, (own.start, 0), n, want=(True, False))
+    rows = tiles.sigmoid_block(z_x[own], z_y, logits, (own.start, 0), n, want=(want_grads, False))
+    if not want_grads:
+        return RankGrads(rows.loss_sum / n, None, None, None, rows.d_sum)
     g_s = (z_x[own] * rows.d_y).sum()
     g_y = None
     if want_g_y:

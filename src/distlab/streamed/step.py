@@ -368,12 +368,17 @@ def distributed_train_step(
 def agree_gradients_finite(model: nn.Module) -> None:
     """Every rank checks its own gradients (under FSDP2 its shards: one rank may hold the only NaN) and the
     ranks agree, over the wrapper's group, before anyone steps: one FloatingPointError on every rank naming
-    the ranks and the parameters, or none. One small all-gather per step; one host sync for the check."""
+    the ranks and the parameters, or none. One small all-gather per step; one host sync for the check.
+
+    The check is one fused pass (`finite_flags`): a gradient holds an inf or a NaN exactly when its largest
+    |g| is not finite (max propagates a NaN; an inf is its own max), and `torch._foreach_norm(grads, inf)`
+    takes every gradient's max |g| in one multi-tensor launch per device and dtype, reading each gradient once
+    and making one number per tensor (not a full-size boolean tensor each, as `torch.isfinite` would). The
+    infinity norm never overflows (no squares), so a finite gradient is never taken for a non-finite one."""
     group = exchange_group(model)
     named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]  # a DTensor's own shard
-    finite = torch.stack([torch.isfinite(g).all() for g in local]).tolist() if local else []
-    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    bad = [name for (name, _), ok in zip(named, finite_flags(local)) if not ok]
     problem = None
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
@@ -383,3 +388,23 @@ def agree_gradients_finite(model: nn.Module) -> None:
         )
     device = local[0].device if local else first_device(model, None)
     raise_together(problem, device, FloatingPointError, group=group)
+
+
+def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor holds only finite values: max |g| per tensor, fused per (device, dtype) group by
+    `torch._foreach_norm(..., inf)`; one host sync for all. An empty tensor is finite."""
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        if g.numel():  # the infinity norm of nothing is undefined: nothing is finite
+            groups.setdefault((g.device, g.dtype), []).append(i)
+    flags = [True] * len(grads)
+    if not groups:
+        return flags
+    checked = [
+        (at, torch.isfinite(torch.stack(torch._foreach_norm([grads[i] for i in at], float("inf")))))
+        for at in groups.values()
+    ]
+    every = torch.cat([ok.to(checked[0][1].device) for _, ok in checked]).tolist()  # the one host sync
+    for i, ok in zip([i for at, _ in checked for i in at], every):
+        flags[i] = ok
+    return flags

@@ -132,8 +132,9 @@ class TritonTiles:
 
             d_y, d_x, loss, d_sum = sigmoid_rows_and_columns(x, y, pair, n, shift, self.precision, self.blocks)
             return BlockGrads(loss, d_y, d_x, d_sum)
-        if want[0]:
+        if want[0] or not want[1]:  # (neither wanted: the loss alone, which this kernel makes beside D y)
             d_y, loss, d_sum = sigmoid_rows(x, y, pair, n, shift, self.precision, self.blocks)
+            d_y = d_y if want[0] else None
         if want[1]:
             d_x, loss, d_sum = sigmoid_rows(y, x, pair, n, -shift, self.precision, self.blocks)
         return BlockGrads(loss, d_y, d_x, d_sum)

@@ -1,0 +1,122 @@
+"""What a practitioner pays: the loss module in a validation loop, and the whole step with its finite-gradient
+guard, against open_clip's recipe.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/loss_module_costs.py
+
+Two rows, each method's wall clock (the slowest rank, median of --repeats, the methods interleaved so that load
+on a shared machine hits them alike; `measure.measure_interleaved`):
+
+  validation  N = --val-n (4,096) pairs of d = 256 float32 embeddings: `ClipLoss` under torch.no_grad() (the
+              gather and phase 2: no phase 3), against the loss alone (open_clip's recipe under no_grad: the
+              gather and the C x N logits' cross-entropy), and against the module with gradients on (forward
+              and backward: what it cost under no_grad before it knew to skip phase 3).
+  step        N = --step-n (1,024): `distributed_train_step` at B = C (zero_grad, the streamed backward, the
+              fused `agree_gradients_finite`, AdamW's step), against open_clip's recipe (its ClipLoss with
+              local_loss=True, gather_with_grad=True, backward, AdamW's step) on `clip_step.py`'s two-tower
+              encoder under DDP; and the guard alone.
+Writes benchmarks/results/loss_module_costs_p{P}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from distlab.cli import add_runtime_args, positive_int
+from distlab.console import print0
+from distlab.runtime import distributed, run_main
+from distlab.streamed.step import agree_gradients_finite
+from distributed_clip import ClipLoss, distributed_train_step
+
+sys.path.insert(0, str(Path(__file__).parent))
+from clip_step import device_name, local_batch, make_model, train_step  # noqa: E402
+from clip_step_losses import OPEN_CLIP, TAU, config, open_clip_loss  # noqa: E402
+from measure import local_embeddings, measure_interleaved  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def validation_calls(args, rt) -> dict:
+    z_x, z_y = local_embeddings(args.val_n, args.dim, rt)
+    module = ClipLoss(rank=rt.rank, world_size=rt.world_size, stream_chunk_size=args.stream_chunk)
+    s = torch.tensor(1 / TAU, device=rt.device)
+
+    def module_no_grad():
+        with torch.no_grad():
+            return module(z_x, z_y, s)
+
+    def loss_alone():
+        with torch.no_grad():
+            return open_clip_loss(z_x, z_y, rt)
+
+    def module_with_grad():
+        x, y = z_x.clone().requires_grad_(), z_y.clone().requires_grad_()
+        module(x, y, s).backward()
+
+    return {
+        "ClipLoss under no_grad": module_no_grad,
+        "the loss alone": loss_alone,
+        "ClipLoss + backward": module_with_grad,
+    }
+
+
+def step_calls(args, rt) -> dict:
+    x, y = local_batch(args.step_n, rt)
+    calls = {}
+    model = make_model(args, rt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    calls[OPEN_CLIP] = lambda: train_step(OPEN_CLIP, model, opt, x, y, rt, args.stream_chunk)
+    streamed = make_model(args, rt)
+    opt2 = torch.optim.AdamW(streamed.parameters(), lr=1e-4)
+    cfg = config(args.step_n, args.step_n // rt.world_size, args.stream_chunk)
+    calls["distributed_train_step, B = C (guard in)"] = lambda: distributed_train_step(streamed, opt2, x, y, cfg)
+    calls["the guard alone"] = lambda: agree_gradients_finite(streamed)
+    return calls
+
+
+def run_row(name: str, calls: dict, args, rt) -> dict:
+    for fn in calls.values():
+        fn()  # warm-up: DDP's first iteration, AdamW's state, lazy allocations
+    got = measure_interleaved(calls, rt, args.repeats)
+    base = next(iter(got))
+    for method, row in got.items():
+        ratio = row["time_s"] / got[base]["time_s"]
+        print0(f"{name:10s} {method:42s} time {row['time_s'] * 1e3:8.1f} ms  ({ratio:.2f}x the first)", highlight=False)
+    return got
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--val-n", type=positive_int, default=4096, help="N of the validation row")
+    parser.add_argument("--step-n", type=positive_int, default=1024, help="N of the step row")
+    parser.add_argument("--dim", type=positive_int, default=256, help="d, the embedding width")
+    parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T: tiles are at most T x T")
+    parser.add_argument("--repeats", type=positive_int, default=7, help="timed runs per method")
+    return add_runtime_args(parser).parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    with distributed(args.device) as rt:
+        meta = {"world": rt.world_size, "device": device_name(rt), "torch": torch.__version__, "backend": rt.backend}
+        meta["command"] = f"torchrun --standalone --nproc-per-node {rt.world_size} benchmarks/loss_module_costs.py"
+        meta["load_average_before"] = os.getloadavg()[0]
+        rows = {
+            f"validation N={args.val_n}": run_row("validation", validation_calls(args, rt), args, rt),
+            f"step N={args.step_n}": run_row("step", step_calls(args, rt), args, rt),
+        }
+        meta["load_average_after"] = os.getloadavg()[0]
+        if rt.is_first:
+            out = RESULTS / f"loss_module_costs_p{rt.world_size}.json"
+            out.write_text(json.dumps({"meta": meta, "args": vars(args), "rows": rows}, indent=1))
+            print0(f"wrote {out} (load average {meta['load_average_before']:.1f} before)", highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -13,7 +13,8 @@ on a shared machine hits them alike; `measure.measure_interleaved`):
   step        N = --step-n (1,024): `distributed_train_step` at B = C (zero_grad, the streamed backward, the
               fused `agree_gradients_finite`, AdamW's step), against open_clip's recipe (its ClipLoss with
               local_loss=True, gather_with_grad=True, backward, AdamW's step) on `clip_step.py`'s two-tower
-              encoder under DDP; and the guard alone.
+              encoder under DDP; the guard alone (check and exchange), its fused check alone, and the
+              per-tensor torch.isfinite check it made before.
 Writes benchmarks/results/loss_module_costs_p{P}.json.
 """
 
@@ -30,7 +31,7 @@ import torch
 from distlab.cli import add_runtime_args, positive_int
 from distlab.console import print0
 from distlab.runtime import distributed, run_main
-from distlab.streamed.step import agree_gradients_finite
+from distlab.streamed.step import agree_gradients_finite, finite_flags
 from distributed_clip import ClipLoss, distributed_train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,8 +76,16 @@ def step_calls(args, rt) -> dict:
     opt2 = torch.optim.AdamW(streamed.parameters(), lr=1e-4)
     cfg = config(args.step_n, args.step_n // rt.world_size, args.stream_chunk)
     calls["distributed_train_step, B = C (guard in)"] = lambda: distributed_train_step(streamed, opt2, x, y, cfg)
-    calls["the guard alone"] = lambda: agree_gradients_finite(streamed)
+    grads = [p.grad for p in streamed.parameters()]
+    calls["the guard: check and exchange"] = lambda: agree_gradients_finite(streamed)
+    calls["its check alone, fused (finite_flags)"] = lambda: finite_flags(grads)
+    calls["the check it made before (isfinite each)"] = lambda: isfinite_each(grads)
     return calls
+
+
+def isfinite_each(grads: list[torch.Tensor]) -> list[bool]:
+    """The check the guard made before its fused pass: a full-size boolean tensor per gradient."""
+    return torch.stack([torch.isfinite(g).all() for g in grads]).tolist()
 
 
 def run_row(name: str, calls: dict, args, rt) -> dict:

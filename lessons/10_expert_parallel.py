@@ -6,10 +6,16 @@ token travels to the rank that owns its experts and back, by two all-to-alls.
 The layer (`distlab/expert_parallel/moe.py`, also the one-process reference): a router gives every token a
 softmax gate over the E experts; the token goes to its kappa best (top-kappa, kappa = 1 or 2), and their
 outputs are added with the chosen gates as weights (renormalised over the two when kappa = 2). An expert
-takes at most capacity = ceil(gamma kappa N seq / E) tokens a step, by one stated rule: for every expert, the
-tokens routed to it in global order, the first `capacity` kept, the rest dropped (the same tokens at any P).
-The load-balancing loss is L_aux = E sum_i phi_i pi_i: phi_i the fraction of the step's choices that went to
-expert i, pi_i the mean gate of expert i (Switch, GShard); the loss is L_task + alpha L_aux.
+takes at most capacity = ceil(gamma kappa N seq / E) tokens a step, by this lesson's rule, global order: for
+every expert, the tokens routed to it in global order (rank 0's first), the first `capacity` kept, the rest
+dropped; the same tokens at any P, so the split layer equals one process, drops and all. GShard and Switch
+count capacity locally instead, per rank: each rank's buffer for an expert holds ceil(gamma kappa C seq / E) of
+that rank's own tokens (section 5 prints both, and each rank's drops under each).
+The load-balancing loss is L_aux = E sum_i phi_i pi_i: phi_i the fraction of the step's choices (all kappa of
+each token's) that went to expert i, pi_i the mean gate of expert i; the loss is L_task + alpha L_aux. (GShard's
+f_i counts each token's top-1 choice only; Switch, kappa = 1, cannot tell the two apart.) alpha = 1 here (the
+--aux-weight default) is 100 times Switch's usual 0.01: at this toy size and these few steps the balancing term
+must be strong enough to show within the run; at scale 0.01 (or less) keeps it from fighting the task loss.
 
 Expert parallelism. Rank r holds C = N / P sequences (C seq tokens) and the experts r E/P .. (r+1) E/P - 1;
 attention, LayerNorms and router are replicated and their gradients averaged as DDP averages (lesson 06).
@@ -31,12 +37,17 @@ it is the gradient of the mean over the step, exactly as DDP's average is for th
 The pitfall. DDP averages what every rank computes. L_aux from each rank's own counts phi^r, averaged, is
 (1/P) sum_r E sum_i phi^r_i pi^r_i, a mean of products and not the product of the means E sum_i phi_i pi_i:
 its gradient differs (measured below). The fix is the counts exchanged before the product (the all-gather of
-step 2; an all-reduce of phi would do), so that every rank uses the step's phi. Capacity the same way:
-counted per rank (each rank keeps its own first ceil(gamma kappa C seq / E)) it drops other tokens than one
-capacity over the step. With both fixes the layer equals one process on the whole batch, float64, drops
-and all. What the wrong statistics do to training (section 6): on data whose ranks hold different domains,
-local statistics make every rank spread its own tokens over every expert, so no expert can specialise in a
-domain, and the task loss stays higher; global statistics balance the step and leave the ranks free. Qiu et
+step 2; an all-reduce of phi would do), so that every rank uses the step's phi. Capacity is a choice between two
+rules, not a bug: GShard's local rule (each rank keeps its own first ceil(gamma kappa C seq / E)) drops other
+tokens than one process would, spread over the ranks that overflow; this lesson's global order drops exactly the
+one process's, and so puts every drop on the highest ranks (for each expert, a rank loses tokens only once the
+ranks before it have filled the capacity: at P = 4 the last rank takes most of the drops), and need not drop
+fewer (section 5 prints each rule's drops per rank). With global statistics and global order the layer equals
+one process on the whole batch, float64, drops and all. What the wrong statistics do to training (section 6): on
+data whose ranks hold different domains, local statistics make every rank spread its own tokens over every
+expert, so no expert can specialise in a domain, and the task loss stays higher; global statistics leave the
+ranks free to specialise. They balance the step's load only on average, not in every run: the table prints the
+step's load max/mean beside the task loss, and at P = 2 the global run's is the higher one. Qiu et
 al. (2025), "Demons in the Detail: On Implementing Load Balancing Loss for Training Specialized
 Mixture-of-Expert Models" (https://arxiv.org/abs/2501.11873), show the same at scale.
 
@@ -344,11 +355,11 @@ def show_statistics(rt: Runtime, args, verdict: Verdict) -> None:
 
 
 def show_capacity(rt: Runtime, args, verdict: Verdict) -> None:
-    print0("\n[bold]5. The other pitfall: capacity counted per rank drops other tokens[/]")
+    print0("\n[bold]5. Two capacity rules: GShard's per rank (local), and this lesson's global order[/]")
     cfg, p, rows = model_config(args), rt.world_size, problem(args).rows(rt.rank, rt.world_size)
     ref, x = runs.decisions(cfg, problem(args), p), problem(args).batch(cfg.dim)[0]
     z_want, share = MoEBlock(cfg)(x)[0].detach()[rows], len(ref.kept) // p
-    want, facts = ref.kept[rt.rank * share : (rt.rank + 1) * share], {}
+    want, facts, plans = ref.kept[rt.rank * share : (rt.rank + 1) * share], {}, {}
     for rule, tokens in (("rank", share), ("global", len(ref.kept))):
         block, layer = parallel_block(rt, cfg, rule=rule)
         with torch.no_grad():
@@ -356,11 +367,24 @@ def show_capacity(rt: Runtime, args, verdict: Verdict) -> None:
         got = torch.zeros_like(want)
         got[layer.plan.tokens.cpu(), layer.plan.slots.cpu()] = True
         every = rank_table([(~got).sum(), (got != want).sum(), compare_whole({"z": z_want}, {"z": z}).ok], rt.device)
-        facts[rule] = (capacity(cfg, tokens), int(every[:, 0].sum()), int(every[:, 1].sum()), bool(every[:, 2].min()))
+        per_rank = [int(v) for v in every[:, 0].tolist()]
+        facts[rule] = (capacity(cfg, tokens), sum(per_rank), int(every[:, 1].sum()), bool(every[:, 2].min()), per_rank)
+        plans[rule] = (layer.plan.routed.cpu(), layer.plan.kept.cpu())
     print0(report.capacity_table(facts, (capacity(cfg, len(ref.kept)), int((~ref.kept).sum()))))
-    verdict.check("capacity over the step: the reference's drops, its output", facts["global"][2:] == (0, True))
-    verdict.check("capacity per rank drops other tokens (P > 1)", p == 1 or facts["rank"][2] > 0)
+    verdict.check("global order: the reference's drops, its output", facts["global"][2:4] == (0, True))
+    verdict.check("global order drops on the highest ranks, expert by expert", drops_last(*plans["global"]))
+    verdict.check("GShard's per-rank rule drops other tokens (P > 1)", p == 1 or facts["rank"][2] > 0)
     verdict.figure("capacity", facts)
+
+
+def drops_last(routed: torch.Tensor, kept: torch.Tensor) -> bool:
+    """For every expert (a column of the P x E counts): once a rank drops some of its tokens, every later rank
+    drops all of its own (kept 0), and every earlier rank kept all of its own."""
+    for r in range(len(routed)):
+        short = kept[r] < routed[r]
+        if bool((short & ((kept[r + 1 :] > 0).any(0) if r + 1 < len(routed) else torch.zeros_like(short))).any()):
+            return False
+    return True
 
 
 def show_training(rt: Runtime, args, verdict: Verdict) -> None:
@@ -401,7 +425,9 @@ def parse_args():
     parser.add_argument("--experts", type=positive_int, default=12, help="experts E (P must divide it)")
     parser.add_argument("--top-k", type=int, choices=(1, 2), default=2, help="experts per token, kappa")
     parser.add_argument("--capacity-factor", type=positive_float, default=1.0, help="gamma: capacity factor")
-    parser.add_argument("--aux-weight", type=nonnegative_float, default=1.0, help="alpha: L_aux's weight")
+    parser.add_argument(
+        "--aux-weight", type=nonnegative_float, default=1.0, help="alpha: L_aux's weight (Switch's usual: 0.01)"
+    )
     parser.add_argument("--steps", type=positive_int, default=3, help="SGD steps of the equivalence check")
     parser.add_argument("--lr", type=positive_float, default=0.1, help="SGD learning rate of the check")
     parser.add_argument("--train-steps", type=positive_int, default=50, help="AdamW steps of section 6")

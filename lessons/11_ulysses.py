@@ -25,9 +25,23 @@ from P = 3 on, and at a fixed seq its bytes per rank do not shrink with P where 
 (`distlab/context_parallel/ulysses.py`). What Ulysses pays instead: every rank talks to every other at once
 (an all-to-all, slower than a neighbour's link across nodes), and P can be at most h, P dividing h (with
 grouped-query attention, the key/value heads). Ring attention has no such limit, talks to neighbours only and
-hides its transfers behind the block math. The two compose: Ulysses over the heads inside a node, a ring
-across nodes. Causal work is even by construction here: every rank computes whole causal sequences for its
-h/P heads, no zig-zag needed.
+hides its transfers behind the block math, once there is enough of it. Causal work is even by construction
+here: every rank computes whole causal sequences for its h/P heads, no zig-zag needed.
+
+The crossover (section 4). A ring step computes one q block against one k/v block while the next k/v pair
+travels. With c = seq/P positions a rank, the step's attention is 4 c^2 h d_h FLOPs (q k^T and p v, 2 c^2 d_h
+each per head) and its transfer 2 c h d_h e bytes (k and v). At F FLOP/s and B bytes/s the transfer hides when
+4 c^2 h d_h / F >= 2 c h d_h e / B, that is when c >= F e / (2 B): a length per rank, whatever h and d_h are
+(causal, half the block work on average: twice it). On an H100 in bf16 that is about 2,200 positions a rank
+over NVLink and 20,000 across nodes on a 400 Gb/s NIC; below it the ring waits on the wire, and Ulysses'
+all-to-all, which no block math can hide, moves fewer bytes for it.
+
+The hybrid (USP, Fang and Zhao 2024, https://arxiv.org/abs/2405.07719; LoongTrain's 2D attention): P = P_u x
+P_r ranks, P_u in a node, P_r nodes. The sequence is cut into P_r node chunks; inside a node Ulysses' all-to-all
+turns its P_u pieces of the node's chunk into the whole chunk of h/P_u heads per rank, over the fast links; across
+nodes the ranks holding the same heads form a ring of P_r and run ring attention on the chunks, its transfers
+hidden once a chunk is long enough (c = seq/P_r >= the crossover). P may exceed h (up to h P_r), the all-to-all
+never leaves a node, and only neighbour transfers cross the slow links.
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from distlab.console import print0, rows_table
 from distlab.context_parallel import ulysses, whole_sequence
 from distlab.context_parallel.cost import Sizes
 from distlab.context_parallel.split import shard, unshard
+from distlab.cost.hardware import DEVICES, LINKS
 from distlab.runtime import Runtime, distributed, run_main
 from distlab.verdict import Verdict
 
@@ -167,6 +182,30 @@ def show_bytes(rt: Runtime, args, sent: dict, verdict: Verdict) -> None:
     verdict.figure("bytes", {"counted": every, "formula": formula, "beside_ring": table})
 
 
+def crossover(flops: float, itemsize: int, bandwidth: float) -> float:
+    """c*: the positions a rank at which a ring step's attention (4 c^2 h d_h FLOPs at `flops`) lasts as long as
+    its k, v transfer (2 c h d_h e bytes at `bandwidth`): c* = F e / (2 B), not causal."""
+    return flops * itemsize / (2 * bandwidth)
+
+
+def show_crossover(rt: Runtime, args, verdict: Verdict) -> None:
+    print0("\n[bold]4. When the ring's transfers hide: c = seq/P >= F e / (2 B), by the formula[/]")
+    gpu, rows, found = DEVICES["h100"], [], {}
+    for link in LINKS["h100"]:
+        c = crossover(gpu.peak["bf16"], 2, link.bandwidth)
+        found[link.name] = c
+        rows.append((f"{link.name}, {link.bandwidth / 1e9:g} GB/s", f"{c:,.0f}", f"{2 * c:,.0f}"))
+    c = args.seq_len // rt.world_size
+    hidden = [name for name, at in found.items() if c >= at]
+    print0(
+        f"{gpu.name}, bf16 (e = 2 bytes) at {gpu.peak['bf16'] / 1e12:g} TFLOP/s; this run's c = {c}: "
+        + (f"hidden on {', '.join(hidden)}" if hidden else "the ring would wait on either link"),
+        highlight=False,
+    )
+    print0(rows_table("", ("link (one direction)", "c*, full attention", "c*, causal"), rows))
+    verdict.figure("crossover", {"device": gpu.name, "positions_per_rank": found})
+
+
 def parse_args():
     parser = lesson_parser(__doc__)
     parser.add_argument("--seq-len", type=positive_int, default=24, help="sequence length seq (P must divide it)")
@@ -187,6 +226,7 @@ def main() -> int:
         show_layouts(rt, args)
         sent = show_exactness(rt, args, verdict)
         show_bytes(rt, args, sent, verdict)
+        show_crossover(rt, args, verdict)
         return verdict.finish(args.json)
 
 

@@ -18,7 +18,11 @@ neighbours; `distlab.composed.config`), and `mesh[dim].get_group()` is the group
     pp      torch's PipelineStage and Schedule1F1B over the pp group: activations forward, their gradients
             back, n (s / tp) d e per micro-batch (sequence parallelism cuts the message by tp)
     tp      parallelize_module with lesson 08's plan, sequence parallel (f-bar, g-bar), and the embedding's
-            rows, the final norm and the head; DTensor derives the all-gathers and reduce-scatters
+            rows, the final norm and the head; DTensor derives the all-gathers and reduce-scatters. The
+            LayerNorms' gains and biases are replicated, but each tp rank normalised only its s / tp
+            positions: their gradients are partial sums, all-reduced over tp after the last backward (the
+            table's "tp gradients all_reduce": 2 (tp-1)/tp x 4 vectors of d a block, 2 more for the final
+            norm, x e; 2,048 bytes on the first of 2 x 2 x 2 x 1's stages: 1 x 8 x 32 x 8)
     cp      lesson 09's ring over the cp group (`distlab.context_parallel.ring`), the block's attention core
     dp x cp FSDP2 over the two flattened into one dimension of W = dp cp ranks: they hold the same weights
             and split the batch (dp by sequences, cp by positions), so their gradients are averaged together
@@ -39,7 +43,10 @@ sqrt(v) + eps and turns into a step; the k projection's bias is such a parameter
 
 Each step is measured (`distlab.composed.measure`): bytes per dimension at each point of the step, the
 activations autograd keeps and the model states, each against its closed form (`distlab.composed.cost`, built
-from lessons 07-09's formulas). Then a distributed checkpoint (`distlab.composed.checkpoint`) saved at this
+from lessons 07-09's formulas). Context parallelism cuts a rank's positions by cp, but at a fixed P a cp bought
+by halving dp doubles each rank's micro-batch n = N / (dp M): n s is unchanged, and 2 x 2 x 2 x 1 and
+1 x 2 x 2 x 2 keep the same activation peak. cp shrinks activations when it is added beside dp, or when one
+sequence is too long for a rank at n = 1. Then a distributed checkpoint (`distlab.composed.checkpoint`) saved at this
 shape resumes at the same shape, bit-identical, and at another (dp pp x 1 x tp x cp), to float64 rounding.
 """
 

@@ -103,6 +103,7 @@ def _everything(rt):
         ok[f"{rule} rule drops what the reference drops"] = torch.equal(
             got, ref.kept[rt.rank * share : (rt.rank + 1) * share]
         )
+        ok[f"{rule} rule drops on the highest ranks"] = lesson.drops_last(layer.plan.routed, layer.plan.kept)
     return ok
 
 
@@ -146,6 +147,14 @@ def test_capacity_counted_per_rank_drops_other_tokens(claims, world):
     ranks = claims[world]
     assert all(rank["global rule drops what the reference drops"] for rank in ranks)
     assert not all(rank["rank rule drops what the reference drops"] for rank in ranks)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_global_order_puts_every_drop_on_the_highest_ranks_and_gshards_rule_does_not(claims, world):
+    """For every expert a rank loses tokens only once the ranks before it kept all of theirs (global order);
+    GShard's per-rank rule drops on whichever rank overflows its own share (the check can fail: it does there)."""
+    assert all(rank["global rule drops on the highest ranks"] for rank in claims[world])
+    assert not claims[world][0]["rank rule drops on the highest ranks"]
 
 
 def test_at_p1_local_statistics_and_per_rank_capacity_are_the_global_ones(claims):

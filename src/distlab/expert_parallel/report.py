@@ -59,14 +59,16 @@ def statistics_table(found: dict[str, tuple[float, float, float]], one_process: 
 
 def capacity_table(facts: dict[str, tuple], reference: tuple[int, int]) -> Group:
     """Per capacity rule: (capacity, choices dropped, dropped choices that differ from the reference's,
-    output = the reference's); reference = (its capacity, its choices dropped)."""
-    names = {"rank": "each rank's C seq tokens", "global": "the step's N seq tokens"}
+    output = the reference's, dropped per rank); reference = (its capacity, its choices dropped)."""
+    names = {"rank": "per rank (GShard): C seq", "global": "global order: N seq"}
     rows = [
-        (names[k], most, dropped, other, "yes" if same else "no") for k, (most, dropped, other, same) in facts.items()
+        (names[k], most, dropped, ", ".join(map(str, per_rank)), other, "yes" if same else "no")
+        for k, (most, dropped, other, same, per_rank) in facts.items()
     ]
-    rows.append(("one process, whole batch", *reference, "", ""))
+    rows.append(("one process, whole batch", *reference, "", "", ""))
     line = "The same batch, capacity ceil(gamma kappa tokens / E) counted two ways (choices, every rank's)"
-    return _shown(line, ("capacity counted over", "capacity", "dropped", "not the ref's", "output = ref"), rows)
+    header = ("rule: tokens counted", "capacity", "dropped", "on rank 0, 1, ..", "not the ref's", "output = ref")
+    return _shown(line, header, rows)
 
 
 def training_table(means: dict[str, list[float]], last: int, spread: int) -> Group:

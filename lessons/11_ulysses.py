@@ -198,8 +198,8 @@ def show_crossover(rt: Runtime, args, verdict: Verdict) -> None:
     c = args.seq_len // rt.world_size
     hidden = [name for name, at in found.items() if c >= at]
     print0(
-        f"{gpu.name}, bf16 (e = 2 bytes) at {gpu.peak['bf16'] / 1e12:g} TFLOP/s; this run's c = {c}: "
-        + (f"hidden on {', '.join(hidden)}" if hidden else "the ring would wait on either link"),
+        f"{gpu.name}, bf16 (e = 2), {gpu.peak['bf16'] / 1e12:g} TFLOP/s; here c = {c}: "
+        + (f"hidden on {', '.join(hidden)}" if hidden else "the ring waits on either link"),
         highlight=False,
     )
     print0(rows_table("", ("link (one direction)", "c*, full attention", "c*, causal"), rows))

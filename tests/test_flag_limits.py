@@ -70,7 +70,7 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path: 
     assert accepted("06_data_parallel.py", "--json", str(tmp_path / "out.json"))
 
 
-@pytest.mark.parametrize("lesson", ["07_sharding.py", "27_train_clip.py"])
+@pytest.mark.parametrize("lesson", ["07_sharding.py", "12_composed_mesh.py", "27_train_clip.py"])
 def test_a_checkpoint_dir_that_is_a_file_is_refused_before_the_run(tmp_path: Path, lesson):
     (tmp_path / "file").write_text("")
     code, _, _, err = parse_lesson_args(lesson, "--checkpoint-dir", str(tmp_path / "file" / "sub"))

@@ -60,14 +60,14 @@ def statistics_table(found: dict[str, tuple[float, float, float]], one_process: 
 def capacity_table(facts: dict[str, tuple], reference: tuple[int, int]) -> Group:
     """Per capacity rule: (capacity, choices dropped, dropped choices that differ from the reference's,
     output = the reference's, dropped per rank); reference = (its capacity, its choices dropped)."""
-    names = {"rank": "per rank (GShard): C seq", "global": "global order: N seq"}
+    names = {"rank": "GShard, per rank", "global": "global order"}
     rows = [
         (names[k], most, dropped, ", ".join(map(str, per_rank)), other, "yes" if same else "no")
         for k, (most, dropped, other, same, per_rank) in facts.items()
     ]
-    rows.append(("one process, whole batch", *reference, "", "", ""))
-    line = "The same batch, capacity ceil(gamma kappa tokens / E) counted two ways (choices, every rank's)"
-    header = ("rule: tokens counted", "capacity", "dropped", "on rank 0, 1, ..", "not the ref's", "output = ref")
+    rows.append(("one process", *reference, "", "", ""))
+    line = "Capacity = ceil(gamma kappa tokens / E); tokens: a rank's C seq or all N seq"
+    header = ("rule", "capacity", "dropped", "per rank", "not ref's", "out = ref")
     return _shown(line, header, rows)
 
 

@@ -11,10 +11,13 @@ shares), features of different widths or dtypes, replicas whose s or beta drifte
 configured for different exchanges (one in the ring while another gathers would wait forever).
 
 The same table says which call this is: the module (numbered in the order this process's loss modules
-first exchanged), how many times it was called, and whether gradients are on. A loss called on some ranks only (an
-extra validation call on rank 0) pairs with another call elsewhere: a different module, count or grad mode,
-and every rank raises naming it, rather than exchanging features of different batches. A rank whose peers
-never call again waits the group's timeout in the exchange and raises naming its call, never hangs silently.
+first exchanged), how many times it was called, and whether gradients are on. A loss called on some ranks
+only (an extra validation call on rank 0) pairs with another call elsewhere: a different module, count or
+grad mode, and every rank raises naming each rank's call, rather than exchanging features of different
+batches. (An extra call with gradients on, of the same module, pairs with the other ranks' next call and
+cannot be told apart here; its rank is the one left waiting at the end.) A rank whose peers never make the
+call waits in the exchange until they leave or the group's timeout passes, and raises naming its call,
+never hangs silently.
 """
 
 from __future__ import annotations
@@ -132,8 +135,9 @@ def agree(call: Call, problem: str | None) -> None:
         table = rank_table(_row(call, problem), device, call.group)
     except RuntimeError as err:  # the group's timeout, or a peer gone: this call found no partner
         raise RuntimeError(
-            f"loss module {call.module}, call {call.count}: the other ranks did not make this call ({err}); a loss "
-            "called on some ranks only (every rank must call each loss module equally often, in the same order)"
+            f"loss module {call.module}, call {call.count}: the other ranks did not make this call ({err}): a loss "
+            "called on some ranks only (every rank must call each loss module equally often, in the same order), "
+            "or a rank that stopped"
         ) from err
     column = {key: table[:, FIELDS.index(key)].tolist() for key in FIELDS}
     calls = list(zip(column["module"], column["call"], column["grad"]))

@@ -76,11 +76,15 @@ def step_calls(args, rt) -> dict:
     opt2 = torch.optim.AdamW(streamed.parameters(), lr=1e-4)
     cfg = config(args.step_n, args.step_n // rt.world_size, args.stream_chunk)
     calls["distributed_train_step, B = C (guard in)"] = lambda: distributed_train_step(streamed, opt2, x, y, cfg)
-    grads = [p.grad for p in streamed.parameters()]
     calls["the guard: check and exchange"] = lambda: agree_gradients_finite(streamed)
-    calls["its check alone, fused (finite_flags)"] = lambda: finite_flags(grads)
-    calls["the check it made before (isfinite each)"] = lambda: isfinite_each(grads)
+    calls["its check alone, fused (finite_flags)"] = lambda: finite_flags(grads_of(streamed))
+    calls["the check it made before (isfinite each)"] = lambda: isfinite_each(grads_of(streamed))
     return calls
+
+
+def grads_of(model) -> list[torch.Tensor]:
+    """The gradients the last step left (every step sets them anew: read them at the call)."""
+    return [p.grad for p in model.parameters() if p.grad is not None]
 
 
 def isfinite_each(grads: list[torch.Tensor]) -> list[bool]:

@@ -15,6 +15,7 @@ on a shared machine hits them alike; `measure.measure_interleaved`):
               local_loss=True, gather_with_grad=True, backward, AdamW's step) on `clip_step.py`'s two-tower
               encoder under DDP; the guard alone (check and exchange), its fused check alone, and the
               per-tensor torch.isfinite check it made before.
+  check       the finite check alone on --check-tensors (8) gradients of 2^20 float32: fused against isfinite.
 Writes benchmarks/results/loss_module_costs_p{P}.json.
 """
 
@@ -82,6 +83,13 @@ def step_calls(args, rt) -> dict:
     return calls
 
 
+def check_calls(args, rt) -> dict:
+    """The finite check alone on a larger model's gradients: --check-tensors tensors of 2^20 float32 each."""
+    gen = torch.Generator().manual_seed(rt.rank)
+    grads = [torch.randn(2**20, generator=gen).to(rt.device) for _ in range(args.check_tensors)]
+    return {"fused (finite_flags)": lambda: finite_flags(grads), "isfinite each": lambda: isfinite_each(grads)}
+
+
 def grads_of(model) -> list[torch.Tensor]:
     """The gradients the last step left (every step sets them anew: read them at the call)."""
     return [p.grad for p in model.parameters() if p.grad is not None]
@@ -109,6 +117,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-n", type=positive_int, default=1024, help="N of the step row")
     parser.add_argument("--dim", type=positive_int, default=256, help="d, the embedding width")
     parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T: tiles are at most T x T")
+    parser.add_argument("--check-tensors", type=positive_int, default=8, help="gradients of 2^20 in the check row")
     parser.add_argument("--repeats", type=positive_int, default=7, help="timed runs per method")
     return add_runtime_args(parser).parse_args()
 
@@ -122,6 +131,7 @@ def main() -> int:
         rows = {
             f"validation N={args.val_n}": run_row("validation", validation_calls(args, rt), args, rt),
             f"step N={args.step_n}": run_row("step", step_calls(args, rt), args, rt),
+            f"check {args.check_tensors} x 2^20": run_row("check", check_calls(args, rt), args, rt),
         }
         meta["load_average_after"] = os.getloadavg()[0]
         if rt.is_first:

@@ -105,7 +105,7 @@ def main() -> int:
     for name, kernel, role, code, dtype in variants:
         blocks = default_blocks(code, False, sigmoid=kernel is product_kernel and role == SIGMOID)
         if kernel is coefficient_kernel:
-            blocks = default_gemm_blocks(code, False)
+            blocks = default_gemm_blocks(code, False, role)
         try:
             got = compile_one(kernel, role, code, blocks, dtype)
         except Exception as err:  # noqa: BLE001 - every variant is tried; the failures are counted

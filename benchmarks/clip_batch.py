@@ -15,7 +15,9 @@ every activation of both towers for all N pairs plus the N x N logits. `distribu
 micro-batch keeps one micro-batch's activations and the O(N d) embeddings (a no-grad forward of each
 micro-batch, the exact loss gradient dL/dZ streamed, then each micro-batch again with grad: about 4/3 the
 recipe's tower FLOPs; with B = N one forward, its graph kept, as the recipe), at MATMUL_PRECISION "bf16" (KERNELS
-"auto": the Triton kernels with W in memory on CUDA). B defaults to N_max: the largest micro-batch the card holds.
+"auto": the Triton kernels with W in memory on CUDA). B defaults to N_max at N_max (one forward, as the recipe) and
+to N_max / 2 above it: on an H200, B = N_max at 4 N_max ran out of memory (the recipe's B = N_max activations
+leave no room for the step's own buffers and a second model's states).
 
 0. Both models start from the same weights, and their first losses on one batch are printed side by side.
 1. The recipe's largest batch N_max: its peak memory measured at two small batches, a straight line through
@@ -67,7 +69,9 @@ def make_model(dry_run: bool, device: torch.device) -> tuple[nn.Module, str]:
         return TinyClip(16, 100).to(device), "tiny two-tower stand-in (dry run)"
     import open_clip
 
-    return open_clip.create_model("ViT-B-32", pretrained=None).to(device), f"open_clip {open_clip.__version__} ViT-B-32"
+    return open_clip.create_model("ViT-B-32", pretrained=None, output_dict=True).to(
+        device
+    ), f"open_clip {open_clip.__version__} ViT-B-32"
 
 
 def batch(n: int, dry_run: bool, device: torch.device, seed: int = 0):
@@ -122,7 +126,7 @@ def main() -> int:
     parser.add_argument("--cpu-dry-run", action="store_true", help="a tiny stand-in model on the CPU")
     parser.add_argument("--memory-gib", type=float, help="cap the device's memory (set_per_process_memory_fraction)")
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="left free when extrapolating N_max")
-    parser.add_argument("--micro-batch", type=int, help="distlab's B (rows per micro-batch; default N_max)")
+    parser.add_argument("--micro-batch", type=int, help="distlab's B (default: N_max at N_max, N_max / 2 above)")
     parser.add_argument("--n-max", type=int, help="skip the search: the recipe's largest batch")
     args = parser.parse_args()
     if args.micro_batch is not None and args.micro_batch < 1:
@@ -166,22 +170,23 @@ def main() -> int:
         while n_max >= 256 and run("open_clip recipe", n_max).get("oom", True):  # confirm it runs
             n_max //= 2
             torch.cuda.empty_cache() if device.type == "cuda" else None
-        micro = args.micro_batch or n_max
         for factor in (1, 4, 16):
-            n = n_max * factor
+            n, micro = n_max * factor, args.micro_batch or (n_max if factor == 1 else max(1, n_max // 2))
             for method in models:
                 if factor > 1 and method == "open_clip recipe" and rows and rows[-1].get("oom"):
                     continue  # already out of memory at a smaller batch
-                run(method, n, seed=1) if factor == 1 else None  # a warm-up at N_max (compiles, allocates)
+                if factor == 1 or method == "distlab step":  # a warm-up: compiles, allocates, tunes
+                    run(method, n, seed=1)
                 got = run(method, n, seed=2)
-                rows.append({"n": n, "factor": factor, "method": method, **got})
+                rows.append({"n": n, "factor": factor, "method": method, "micro": micro, **got})
                 print(json.dumps(rows[-1]), flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         lines = [
             f"# A CLIP batch one GPU could not hold: {name} on {card}",
             "",
-            f"N_max = {n_max} (open_clip's recipe), distlab's B = {micro}; first losses (N = 256, same weights) "
+            f"N_max = {n_max} (open_clip's recipe), distlab's B = {args.micro_batch or 'N_max, then N_max / 2'}; "
+            "first losses (N = 256, same weights) "
             f"{first['open_clip recipe']:.4f} (recipe) and {first['distlab step']:.4f} (distlab); "
             f"memory {'capped at ' + str(args.memory_gib) + ' GiB' if args.memory_gib else 'the whole card'}",
             "",
@@ -200,7 +205,14 @@ def main() -> int:
             )
         if rt.rank == 0:
             args.out.mkdir(parents=True, exist_ok=True)
-            report = {"card": card, "model": name, "n_max": n_max, "micro": micro, "first": first, "rows": rows}
+            report = {
+                "card": card,
+                "model": name,
+                "n_max": n_max,
+                "micro": args.micro_batch,
+                "first": first,
+                "rows": rows,
+            }
             (args.out / "clip_batch.json").write_text(json.dumps(report, indent=1))
             (args.out / "clip_batch.md").write_text("\n".join(lines) + "\n")
             print("\n".join(lines))

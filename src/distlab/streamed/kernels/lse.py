@@ -34,7 +34,7 @@ from distlab.streamed.kernels.launch import (
     precision_code,
     tiling,
 )
-from distlab.streamed.kernels.tile import Operand, Tiling, s_tile
+from distlab.streamed.kernels.tile import BF16, Operand, Tiling, s_tile
 
 ROWS, COLUMNS = 0, 1  # ROLE: the rows' fold only, or the columns' too
 
@@ -93,6 +93,16 @@ def merge(m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return top, (l * torch.exp(m - top)).sum(0)
 
 
+def fold_blocks(code: int, interpreting: bool, columns: bool) -> Blocks:
+    """The fold's tile: `launch.default_blocks`, except the ring's fold in bf16 (`columns`: column statistics
+    too), which in 128 x 256 tiles spills 1,256 bytes a thread and took 0.0013 s a visit on an H200, in
+    128 x 128 x 64 0.0010 s (one rank of N = 65,536, P = 8, d = 1,024;
+    benchmarks/results/gpu/2026-11-28-decide-h200)."""
+    if columns and code == BF16 and not interpreting:
+        return Blocks(128, 128, 64, 8, 3)
+    return default_blocks(code, interpreting)
+
+
 def row_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,7 +117,7 @@ def row_lse(
     float64 embeddings); q and k in one dtype, unit stride along d."""
     n_q, d = q.shape
     code = precision_code(precision, q.dtype, interpreted(lse_kernel))
-    blocks = blocks or default_blocks(code, interpreted(lse_kernel))
+    blocks = blocks or fold_blocks(code, interpreted(lse_kernel), columns)
     per_split, splits = column_split(n_q, len(k), blocks, q.device)
     row_blocks = triton.cdiv(n_q, blocks.m)
     kw = dict(dtype=accumulator(code), device=q.device)

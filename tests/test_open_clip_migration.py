@@ -1,5 +1,5 @@
-"""What moving from open_clip_train changes, measured against the whole batch (the README's "Migrating from
-open_clip_train" section quotes these figures; `pytest -s` prints them).
+"""What moving from open_clip_train changes, measured against the whole batch
+(docs/distributed_clip.md's "Migrating from open_clip_train" section quotes these figures; `pytest -s` prints them).
 
 open_clip's `ClipLoss` is re-implemented with every combination of its two flags (tests/open_clip_like.py
 `open_clip_recipe`: its `gather_features`, then `ClipLoss.forward`) and run under DDP on the stock-like

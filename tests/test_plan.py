@@ -22,7 +22,7 @@ from distlab.plan.presets import MODELS
 from distlab.plan.search import search
 
 ARGS = ["--model", "llama3-8b", "--gpus", "16", "--nodes", "2", "--global-batch", "64", "--seq-len", "4096"]
-BAND = (0.6, 1.3)  # predicted MFU / reported MFU: the band the README's lesson 13 results state
+BAND = (0.6, 1.3)  # predicted MFU / reported MFU: the band docs/results.md's lesson 13 results state
 
 
 def printed(argv: list[str]) -> tuple[int, str]:

@@ -93,7 +93,7 @@ XDIST=""; CORES=$(nproc --all); "$PY" -c "import xdist" 2>/dev/null && [ "$CORES
 # The torch.distributed names the project calls: any the installed torch lacks is listed (a torch older than the
 # pinned 2.13.0, as on an image that cannot reach PyPI). The gathers torch 2.11 names otherwise
 # (all_gather_single, reduce_scatter_single, the functional all_gather_single_autograd) go through
-# distlab.compat, which takes whichever name the installed torch has; the list says so.
+# distlab.processes.compat, which takes whichever name the installed torch has; the list says so.
 API=$("$PY" - <<'PY'
 import importlib, torch.distributed as dist, torch.distributed._functional_collectives as funcol
 names = ("all_reduce get_world_size get_rank isend ReduceOp irecv batch_isend_irecv barrier group "
@@ -101,10 +101,10 @@ names = ("all_reduce get_world_size get_rank isend ReduceOp irecv batch_isend_ir
          "init_process_group get_global_rank destroy_process_group Work reduce_scatter is_available broadcast_object_list "
          "broadcast TCPStore Store ProcessGroup PrefixStore HashStore GroupMember GradBucket DistError").split()
 missing = [n for n in names if not hasattr(dist, n)]
-missing += [f"{n} (distlab.compat: {old})" for n, old in (("all_gather_single", "all_gather_into_tensor"),
+missing += [f"{n} (distlab.processes.compat: {old})" for n, old in (("all_gather_single", "all_gather_into_tensor"),
             ("reduce_scatter_single", "reduce_scatter_tensor")) if not hasattr(dist, n)]
 if not hasattr(funcol, "all_gather_single_autograd"):
-    missing.append("_functional_collectives.all_gather_single_autograd (distlab.compat: all_gather_tensor_autograd)")
+    missing.append("_functional_collectives.all_gather_single_autograd (distlab.processes.compat: all_gather_tensor_autograd)")
 for mod, attr in (("torch.distributed.fsdp", "fully_shard"), ("torch.distributed.fsdp", "FSDPModule"),
                   ("torch.distributed.pipelining", "ScheduleZBVZeroBubble"), ("torch.distributed.checkpoint", "save")):
     try:
@@ -116,7 +116,7 @@ print("; ".join(missing))
 PY
 )
 [ -n "$API" ] && say "NOTE: this torch lacks what the project calls: $API"
-COMPAT=""; case "$API" in *distlab.compat*) COMPAT=" (2.11's collective names, through distlab.compat)" ;; esac
+COMPAT=""; case "$API" in *distlab.processes.compat*) COMPAT=" (2.11's collective names, through distlab.processes.compat)" ;; esac
 # The peers, as wheels carried in .whl/ (no network here): installed into a folder of their own, last on the path.
 SITE=/tmp/site; [ "$MODE" = cpu ] && SITE=$HELP/site
 PEERS="no .whl/ folder: the peers were not carried"
@@ -133,7 +133,7 @@ say "peers: $PEERS"
 # --- the helpers (written here so that this script is the one file to carry) ---------------------------
 cat > "$HELP/gpu_equiv.py" <<'PYEOF'
 """The library's step at P ranks on DEVICE against plain autograd on the whole batch, under spawn (torchrun's
-environment, distlab.runtime.distributed(DEVICE): on a GPU the group is cpu:gloo,cuda:nccl). (a) runs it at
+environment, distlab.processes.runtime.distributed(DEVICE): on a GPU the group is cpu:gloo,cuda:nccl). (a) runs it at
 P = 1 on cuda; (b) at P = 2, 4, 8 on the CPU (gloo). Usage: gpu_equiv.py DEVICE OUT_DIR [P ...]
 
 Cases: float64 (exact, 1e-9), float32 (1e-4), bf16 autocast (against plain autograd under the same autocast,
@@ -147,10 +147,10 @@ import copy, json, math, os, sys, time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import grads_of
+from distlab.proof.compare import grads_of
 from distlab.contrastive.losses import clip_loss
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.proof.models import paired_data
+from distlab.processes.spawn import spawn
 from distlab.streamed import loss_machinery
 from distributed_clip import distributed_backward
 from streamed_helpers import DROPOUT_SEED, SigTowers, Towers, full_batch, rank_streams
@@ -210,7 +210,7 @@ def one_case(rt, case):
     torch.manual_seed(DROPOUT_SEED + rt.rank)
     ctx = torch.autocast(dev.type, dtype=torch.bfloat16) if case["dtype"] == "bf16" else torch.autocast(dev.type, enabled=False)
     if case.get("strict"):
-        from distlab.strict import strict_device
+        from distlab.processes.strict import strict_device
         with strict_device(rt):
             with ctx:
                 loss = distributed_backward(ddp, x[mine], y[mine], config)
@@ -339,10 +339,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 from distlab.streamed import loss_machinery
 from distlab.streamed.tiles import streamed_lse, streamed_softmax_pair_product
-from distlab.chunks import chunks
+from distlab.pieces.chunks import chunks
 
 TAU = 0.07
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",

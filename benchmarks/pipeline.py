@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.cli import add_runtime_args, positive_int
-from distlab.console import print0
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.training import PipelineConfig
-from distlab.runtime import distributed, run_main
+from distlab.processes.cli import add_runtime_args
+from distlab.processes.flags import positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.console import print0
 
 RESULTS = Path(__file__).parent / "results"
 MICROBATCHES = (1, 2, 4, 8, 16, 32)

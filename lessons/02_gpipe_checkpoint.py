@@ -31,7 +31,7 @@ runs first in, first out, as PyTorch's does.
 
 Measured. The lesson records when each rank computes, twice: on the real CPU, where P ranks share
 this machine's cores and take turns on them (so the timeline shows the operating system's scheduling
-more than GPipe's), and on an emulated device (`--emulate-ms`, `distlab/emulate.py`): each layer's
+more than GPipe's), and on an emulated device (`--emulate-ms`, `distlab/proof/emulate.py`): each layer's
 forward or backward pass costs a fixed time in which the rank sleeps instead of holding a core, the
 real math still running inside it. There the ranks overlap as GPipe says, and the measured idle share
 of the step comes out near (P - 1)/(M + P - 1).
@@ -47,16 +47,6 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab import emulate
-from distlab.cli import (
-    add_mlp_args,
-    check_flags_against_world,
-    lesson_parser,
-    nonnegative_int,
-    positive_int,
-    stages_fit_layers,
-)
-from distlab.console import print0
 from distlab.pipeline import schedules
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.report import check_runs, gathered, show_timelines
@@ -64,9 +54,13 @@ from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule
 from distlab.pipeline.simulator import render, simulate
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
-from distlab.runtime import distributed, run_main
-from distlab.timeline import step_seconds
-from distlab.verdict import Verdict
+from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.processes.flags import check_flags_against_world, nonnegative_int, positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof import emulate
+from distlab.proof.console import print0
+from distlab.proof.timeline import step_seconds
+from distlab.proof.verdict import Verdict
 
 
 def gpipe(num_ranks: int, microbatches: int) -> Schedule:

@@ -47,7 +47,7 @@ What that buys, measured twice. On the real CPU (gloo, P ranks sharing this mach
 other jobs) buckets pay and overlap does not: every message has a fixed cost, so one all-reduce per
 tensor is slower than a few buckets, but gloo copies and sums on the same cores backward computes
 on, so backward slows down beside the all-reduces and the step is about as long either way. On the
-emulated device (`--emulate-ms`, `--link-ms-per-mib`, `distlab/emulate.py`: each layer's forward
+emulated device (`--emulate-ms`, `--link-ms-per-mib`, `distlab/proof/emulate.py`: each layer's forward
 costs a fixed time and its backward twice that, slept inside autograd with the real math running;
 each all-reduce waits its bytes' time on a link thread of its own, then runs) the two no longer
 compete, as on GPUs, where NCCL runs on its own CUDA stream. There the bucket of the last layers
@@ -84,21 +84,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab import emulate
-from distlab.cli import DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float, positive_int
 from distlab.comm.ledger import Ledger
-from distlab.compare import all_ok, compare, compare_whole, tolerances
-from distlab.console import print0, rows_table
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
 from distlab.data_parallel.report import cost_table, gradient_table, semantics_table, timeline_table, timing_table
 from distlab.data_parallel.training import train
-from distlab.memory import MIB
-from distlab.reference import one_process, sgd
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.verdict import Verdict
+from distlab.processes.cli import add_mlp_args, lesson_parser
+from distlab.processes.flags import check_flags_against_world, positive_float, positive_int
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof import emulate
+from distlab.proof.compare import DTYPES, all_ok, compare, compare_whole, tolerances
+from distlab.proof.console import print0, rows_table
+from distlab.proof.memory import MIB
+from distlab.proof.reference import one_process, sgd
+from distlab.proof.verdict import Verdict
 
 # ---- the mechanism, part 1: the collectives as rings by hand -------------------------------------
 

@@ -49,20 +49,20 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
-from distlab.cli import (
-    add_optimizer_args,
+from distlab.processes.cli import add_optimizer_args, lesson_parser
+from distlab.processes.flags import (
     check_flags_against_world,
     divides_global_batch,
-    lesson_parser,
     positive_float,
     positive_int,
     writable_dir,
 )
-from distlab.compare import against, all_ok, compare
-from distlab.console import print0, rows_table
-from distlab.models import Block, BlockOptions, token_batch
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.scratch import scratch_dir
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.scratch import scratch_dir
+from distlab.proof.compare import against, all_ok, compare
+from distlab.proof.console import print0, rows_table
+from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.verdict import Verdict
 from distlab.sharding import accounting, holds
 from distlab.sharding.dcp_resume import save_and_resume
 from distlab.sharding.flat import units_of
@@ -73,12 +73,11 @@ from distlab.sharding.report import agreement_table, bytes_table, holds_table, m
 from distlab.sharding.shards import Sharded
 from distlab.sharding.training import run_strategy
 from distlab.streamed.launches import LaunchCount
-from distlab.verdict import Verdict
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
 # `Sharded` (distlab/sharding/shards.py) holds what all three share: the layers' flat units, this
 # rank's shard of each (an nn.Parameter), AdamW on the shards, and a ring that counts the bytes.
-# The loop, the library's one (`distlab.training.train`), which the one-process reference runs too:
+# The loop, the library's one (`distlab.proof.training.train`), which the one-process reference runs too:
 # zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step().
 
 

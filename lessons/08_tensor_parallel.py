@@ -62,11 +62,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.cli import add_optimizer_args, check_flags_against_world, fraction, lesson_parser, positive_int, require
 from distlab.comm.ledger import Ledger
-from distlab.compare import against, all_ok, compare
-from distlab.console import compact_table, print0
-from distlab.runtime import Runtime, distributed, run_main
+from distlab.processes.cli import add_optimizer_args, lesson_parser
+from distlab.processes.flags import check_flags_against_world, fraction, positive_int, require
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import against, all_ok, compare
+from distlab.proof.console import compact_table, print0
+from distlab.proof.verdict import Verdict
 from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
 from distlab.tensor_parallel.blocks import check_split
 from distlab.tensor_parallel.layers import Layers, reference_shards
@@ -74,7 +76,6 @@ from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.operator_checks import check_operator
 from distlab.tensor_parallel.report import COLLECTIVE, bytes_table, equality_table, mark
 from distlab.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
-from distlab.verdict import Verdict
 
 # ---- the mechanism, part 1: one Linear split two ways -------------------------------------------
 

@@ -54,28 +54,22 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from distlab import compat
-from distlab.agree import rank_table
-from distlab.cli import (
-    check_flags_against_world,
-    lesson_parser,
-    nonnegative_float,
-    positive_float,
-    positive_int,
-    require,
-)
 from distlab.comm.collectives import all_to_all_bytes
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
 from distlab.comm.ring import Ring
-from distlab.compare import compare_whole, grads_of
-from distlab.console import print0, rows_table
 from distlab.expert_parallel import cost, report, runs, training
 from distlab.expert_parallel.checks import check_all_to_all, uneven_counts
 from distlab.expert_parallel.moe import MoE, MoEBlock, MoEConfig, balance_loss, capacity, kept_choices, route
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.training import mean_over_ranks, reduce_gradients
-from distlab.verdict import Verdict
+from distlab.processes import compat
+from distlab.processes.agree import rank_table
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import check_flags_against_world, nonnegative_float, positive_float, positive_int, require
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import compare_whole, grads_of
+from distlab.proof.console import print0, rows_table
+from distlab.proof.training import mean_over_ranks, reduce_gradients
+from distlab.proof.verdict import Verdict
 
 # ---- the mechanism: the all-to-all and its backward; the plan; dispatch, experts, combine --------------
 

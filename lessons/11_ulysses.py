@@ -36,17 +36,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.agree import rank_table
-from distlab.cli import DTYPES, check_flags_against_world, lesson_parser, positive_int
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
-from distlab.compare import all_ok, compare, comparison_table
-from distlab.console import print0, rows_table
 from distlab.context_parallel import ulysses, whole_sequence
 from distlab.context_parallel.cost import Sizes
 from distlab.context_parallel.split import shard, unshard
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.verdict import Verdict
+from distlab.processes.agree import rank_table
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import check_flags_against_world, positive_int
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table
+from distlab.proof.console import print0, rows_table
+from distlab.proof.verdict import Verdict
 
 PHASES = ("forward", "backward")  # the ledger's phase of a move, and of its gradient's move back
 

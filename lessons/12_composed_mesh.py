@@ -60,23 +60,24 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from distlab.agree import rank_table
-from distlab.cli import check_flags_against_world, lesson_parser, positive_float, positive_int, require
 from distlab.comm.ring import Ring
-from distlab.compare import Comparison, all_ok, compare
 from distlab.composed import checkpoint, cost
 from distlab.composed.config import LAYOUT, ModelConfig, Shape, check_model, check_shape, describe, folded, small_shapes
 from distlab.composed.measure import StepMeasured, held, measuring
 from distlab.composed.model import LanguageModel, entropy_rate, keep_stage, loss_fn, token_batch
 from distlab.composed.trainee import MeshTrainee, flat_states
-from distlab.console import print0, rows_table
 from distlab.context_parallel.ring import ring_core
 from distlab.context_parallel.split import Layout, pieces_of
-from distlab.reference import one_process
-from distlab.runtime import Runtime, distributed, run_main
+from distlab.processes.agree import rank_table
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import check_flags_against_world, positive_float, positive_int, require
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import Comparison, all_ok, compare
+from distlab.proof.console import print0, rows_table
+from distlab.proof.reference import one_process
+from distlab.proof.training import Run, train
+from distlab.proof.verdict import Verdict
 from distlab.tensor_parallel.torch_tp import plan as block_plan
-from distlab.training import Run, train
-from distlab.verdict import Verdict
 
 # torch's notes that are not this lesson's: the stage's logits are a view (the schedule never writes into
 # them), and gathering a parameter FSDP2 and tp both cut (for the comparison, once a step) takes two steps

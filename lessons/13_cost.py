@@ -44,26 +44,27 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from distlab.cli import check_flags_against_world, lesson_parser, positive_float, positive_int, require
 from distlab.comm.ledger import Ledger
 from distlab.comm.timing import barrier, slowest_median, time_call
-from distlab.console import compact_table, print0, rows_table
 from distlab.cost import calibrate, memory, traffic
 from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
 from distlab.cost.shapes import Batch, Parallel, Transformer
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
-from distlab.held import SavedActivations, model_states, storage_bytes
-from distlab.models import Block, BlockOptions, token_batch
 from distlab.plan.presets import MODELS, PUBLISHED
-from distlab.runtime import Runtime, distributed, run_main
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import check_flags_against_world, positive_float, positive_int, require
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.console import compact_table, print0, rows_table
+from distlab.proof.held import SavedActivations, model_states, storage_bytes
+from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.training import Plain
+from distlab.proof.verdict import Verdict
 from distlab.sharding.problem import ShardingConfig, adamw, rows_of
 from distlab.sharding.replicated import Replicated
 from distlab.tensor_parallel import operators
 from distlab.tensor_parallel.blocks import ParallelBlock
 from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
-from distlab.training import Plain
-from distlab.verdict import Verdict
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)  # lesson 08's block
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -21,7 +21,7 @@ as a middle step appears, then stays), where the gather holds N x 2d, growing wi
 (2P - 1) / (2P - 2) times the gather's (P - 1) C 2d for the sigmoid (1.5x at P = 2, 1.17x at P = 4), and
 about (3P - 2) / (2P - 2) for InfoNCE's two walks (2.0x, 1.67x; measured beside the memory table).
 The InfoNCE ring is the same walk twice: pass 1 folds each tile into the rank's row (m, l) and a
-traveling column (m, l) (the online fold of src/distlab/online_softmax.py, the one lesson 25 streams a
+traveling column (m, l) (the online fold of src/distlab/pieces/online_softmax.py, the one lesson 25 streams a
 and b with), pass 2 forms R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the
 gather's 6 C N d.
 
@@ -53,22 +53,23 @@ from rich.table import Table
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.chunks import balanced_chunks
-from distlab.cli import fraction, lesson_parser, positive_int
 from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import post
-from distlab.compare import all_ok, compare, grads_of
-from distlab.console import print0
-from distlab.memory import PeakMemory
-from distlab.models import TwoTower, paired_data
-from distlab.online_softmax import online_fold, rescale
-from distlab.runtime import distributed, run_main
+from distlab.pieces.chunks import balanced_chunks
+from distlab.pieces.online_softmax import online_fold, rescale
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import fraction, positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.console import print0
+from distlab.proof.memory import PeakMemory
+from distlab.proof.models import TwoTower, paired_data
+from distlab.proof.verdict import Verdict
 from distlab.streamed import loss_machinery
 from distlab.streamed.config import EXCHANGES
 from distlab.streamed.exchange import expected_bytes, step_ledger
 from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits
-from distlab.verdict import Verdict
 from distributed_clip import distributed_backward
 
 LOSSES = ("infonce", "sigmoid")

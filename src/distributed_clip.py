@@ -21,7 +21,7 @@ See `distlab.streamed.step` for the phases and the math, lesson 25 for a trainin
 "Using distributed_clip in your training".
 """
 
-from distlab.runtime import release_process_group
+from distlab.processes.runtime import release_process_group
 from distlab.streamed import distributed_backward, distributed_train_step
 from distlab.streamed.loss_modules import ClipLoss, SigLipLoss
 

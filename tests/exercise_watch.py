@@ -1,7 +1,7 @@
 """What the exercises' judge sees beyond numbers: every allocation's shape, how many tensors of a kind are
 alive at once, and every collective, on one rank.
 
-`Watch` is a `TorchDispatchMode`, like `distlab.memory.PeakMemory`: every op of the answer (its backward
+`Watch` is a `TorchDispatchMode`, like `distlab.proof.memory.PeakMemory`: every op of the answer (its backward
 too: autograd runs a CPU graph on the calling thread, under the same mode) passes through it. For each new
 storage it records the shape (so "nothing N x N, C x N or B x N" is a question about `shapes`), and, when
 `kind(shape)` names the tensor ("k/v block", "C x d block"), counts it alive until its storage is freed

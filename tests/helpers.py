@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ROOT / "lessons"
@@ -59,7 +59,7 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
 
 
 def strict_mode_off() -> bool:
-    """No strict device mode is on in this process (`distlab.strict`): nothing patched, no mode pushed."""
+    """No strict device mode is on in this process (`distlab.processes.strict`): nothing patched, no mode pushed."""
     import torch.distributed as dist
     from torch.overrides import _get_current_function_mode_stack
 
@@ -221,7 +221,7 @@ def equals_reference(runs, ref) -> bool:
     dtype's stated tolerance (float64: rtol 1e-10, atol 1e-12)."""
     import torch
 
-    from distlab.compare import all_ok, compare
+    from distlab.proof.compare import all_ok, compare
 
     losses = len(runs[0].losses) == len(ref.losses) and torch.allclose(
         torch.tensor(runs[0].losses), torch.tensor(ref.losses), rtol=1e-10, atol=1e-12

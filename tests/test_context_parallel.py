@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from distlab.context_parallel import split as layouts
 from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
-from distlab.online_softmax import online_fold, rescale
+from distlab.pieces.online_softmax import online_fold, rescale
 
 
 @pytest.mark.parametrize("split", layouts.SPLITS)

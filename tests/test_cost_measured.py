@@ -23,15 +23,15 @@ from distlab.context_parallel.split import Layout
 from distlab.cost import memory, traffic
 from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Transformer
 from distlab.data_parallel.measure import measure_collectives
-from distlab.models import Block, BlockOptions, token_batch
 from distlab.pipeline import p2p
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.training import PipelineConfig
+from distlab.processes.spawn import spawn
+from distlab.proof.models import Block, BlockOptions, token_batch
 from distlab.sharding import holds
 from distlab.sharding.problem import ShardingConfig, build_model, global_batch, rows_of
 from distlab.sharding.replicated import Replicated
 from distlab.sharding.training import run_strategy
-from distlab.spawn import spawn
 from distlab.tensor_parallel import mesh2d, operators
 from distlab.tensor_parallel.model import BlockConfig
 from distlab.tensor_parallel.runs import activation_bytes_measured, split_run

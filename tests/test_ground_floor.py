@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.compare import against, compare_whole
-from distlab.held import SavedActivations, model_states, storage_bytes
-from distlab.models import Block, BlockOptions, token_batch
-from distlab.reference import one_process, sgd
-from distlab.training import Plain, reduce_gradients, train
+from distlab.proof.compare import against, compare_whole
+from distlab.proof.held import SavedActivations, model_states, storage_bytes
+from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.reference import one_process, sgd
+from distlab.proof.training import Plain, reduce_gradients, train
 
 LR, STEPS = 0.1, 3
 

@@ -19,8 +19,8 @@ from helpers import (
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from distlab.comm.ledger import Ledger
-from distlab.compare import against, all_ok, compare
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import against, all_ok, compare
 from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
 from distlab.tensor_parallel.blocks import check_split
 from distlab.tensor_parallel.layers import reference_shards

@@ -17,7 +17,7 @@ from helpers import (
 )
 
 from distlab.context_parallel.split import Layout, check_seq_len, shard, unshard
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 
 HEADS, SEQ, HEAD_DIM = 2, 24, 4  # 24 = 2P x 3 at P = 4, 2P x 4 at P = 3
 SPAWNED = (1, 2, 3, 4)  # every P, with the lesson's own RingAttention (spawn: ranks forked in milliseconds)
@@ -84,8 +84,8 @@ def test_bytes_per_rank_equal_the_formula(runs, world):
 
 
 def test_ring_attention_and_the_streamed_step_import_the_same_fold():
-    from distlab import online_softmax
     from distlab.context_parallel import attention
+    from distlab.pieces import online_softmax
     from distlab.streamed import tiles as streamed_tiles
 
     assert attention.online_fold is online_softmax.online_fold

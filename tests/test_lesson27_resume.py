@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import assert_flag_refused, torchrun
 
-from distlab.checkpointing import Checkpoints
-from distlab.spawn import SpawnError, spawn
+from distlab.contrastive.checkpointing import Checkpoints
+from distlab.processes.spawn import SpawnError, spawn
 
 LESSON = "train_clip"
 # 20 steps of N = 64 clear the lesson's 80% accuracy claim (about 90%); checkpoints after steps 5, 10, ...
@@ -144,7 +144,7 @@ def test_ranks_that_see_different_newest_checkpoints_are_refused_naming_them(tmp
 
 
 def _barrier_count(rt):
-    from distlab.checkpointing import _barrier
+    from distlab.contrastive.checkpointing import _barrier
 
     return _barrier(rt)
 

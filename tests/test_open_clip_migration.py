@@ -27,10 +27,10 @@ import torch
 from open_clip_like import CLIP, image_text_data, open_clip_recipe
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 from distributed_clip import ClipLoss, distributed_backward
 
 N = 24

@@ -12,7 +12,6 @@ import sys
 import pytest
 from helpers import ROOT
 
-from distlab.console import console
 from distlab.cost.hardware import DEVICES, GIB, cluster
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions
@@ -20,6 +19,7 @@ from distlab.plan import report
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.search import search
+from distlab.proof.console import console
 
 ARGS = ["--model", "llama3-8b", "--gpus", "16", "--nodes", "2", "--global-batch", "64", "--seq-len", "4096"]
 BAND = (0.6, 1.3)  # predicted MFU / reported MFU: the band docs/results.md's lesson 13 results state

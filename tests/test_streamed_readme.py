@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from helpers import ROOT
 
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.models import paired_data
 
 PAGE = ROOT / "docs" / "distributed_clip.md"  # the README links it as "Using distributed_clip"
 SECTION = "# Using distributed_clip in your training"

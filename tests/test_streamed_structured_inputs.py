@@ -24,11 +24,11 @@ from streamed_helpers import DROPOUT_SEED, rank_streams
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.chunks import balanced_chunks
-from distlab.compare import all_ok, compare
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
-from distlab.spawn import spawn
-from distlab.split_inputs import samples_in, split_inputs, take_rows
+from distlab.pieces.chunks import balanced_chunks
+from distlab.pieces.split_inputs import samples_in, split_inputs, take_rows
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 from distlab.streamed.exit_hint import HINT
 from distributed_clip import distributed_backward
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (you will need it)
 
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
 from distlab.sharding.problem import ShardingConfig
 from distlab.sharding.shards import Sharded
 

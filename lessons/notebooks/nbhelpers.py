@@ -186,14 +186,14 @@ def timeline(ax, spans: list[dict], title: str = "") -> None:
 
 
 def ring_and_gather(rt, c: int, d: int, t: int) -> dict:
-    """On each of P ranks (under distlab.spawn): the loss machinery of {InfoNCE, sigmoid} x {gather,
+    """On each of P ranks (under distlab.processes.spawn): the loss machinery of {InfoNCE, sigmoid} x {gather,
     ring} on C x d random embeddings, its peak bytes (PeakMemory) and bytes sent; and the ring's
     timeline (rank, step, event, time)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from distlab.memory import PeakMemory
+    from distlab.proof.memory import PeakMemory
     from distlab.streamed import loss_machinery
     from distlab.streamed.exchange import step_ledger
     from distlab.streamed.ring import P2PRing, sigmoid_ring

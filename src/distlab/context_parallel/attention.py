@@ -9,7 +9,7 @@ output accumulator o (all under the same max):
     o' = o exp(m - m') + exp(A_t - m') v_t,
 
 and at the end  out = o / l,  lse = m + log l  (the row log-sum-exp of all the scores). The (m, l)
-update is `distlab.online_softmax.online_fold`, the very function that gives the streamed contrastive
+update is `distlab.pieces.online_softmax.online_fold`, the very function that gives the streamed contrastive
 step its log-normalisers; it leaves exp(A_t - m') in the tile, and o is rescaled by the same
 exp(m - m') (`rescale`).
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distlab.online_softmax import online_fold, rescale
+from distlab.pieces.online_softmax import online_fold, rescale
 
 
 @dataclass

@@ -9,7 +9,7 @@ Bytes sent per rank. Forward: k and v move P-1 times, 2(P-1) blocks. Backward: k
 times again and dk, dv P times (the last move takes them home), 2(P-1) + 2P = 4P-2 blocks; nothing
 at P = 1.
 
-Memory per rank (upper bounds; what `distlab.memory.PeakMemory` measures inside the ring). k/v pairs
+Memory per rank (upper bounds; what `distlab.proof.memory.PeakMemory` measures inside the ring). k/v pairs
 received and held at once: one at P = 2 (the rank's own pair is an input), two from P = 3 (the one
 in use and the one arriving). Forward: those, the output o (1 block), one tile's o-update (1/2
 block), the scores twice, 8 row vectors (m, l and their updates). Backward: those, two dk/dv pairs

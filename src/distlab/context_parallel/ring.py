@@ -12,7 +12,7 @@ query row (`attention.fold_tile`), the next block's shift posted before the math
 round again with their gradient accumulators (dk, dv), and every rank adds its tiles' contributions
 (`attention.tile_grads`, from the saved log-sum-exp); after P moves the accumulators are home.
 
-`ring_core(ring, layout)` adapts it to `distlab.models.Attention.core`: the block hands its heads'
+`ring_core(ring, layout)` adapts it to `distlab.proof.models.Attention.core`: the block hands its heads'
 (N, heads, seq/P, d_h) q, k, v to the ring instead of to torch's fused attention.
 """
 
@@ -92,7 +92,7 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_core(ring: Ring, layout: Layout):
-    """An attention core for `distlab.models.Attention.core`: (q, k, v, options) -> out by the ring. The
+    """An attention core for `distlab.proof.models.Attention.core`: (q, k, v, options) -> out by the ring. The
     layout says what is causal, so it must agree with the block's options (checked at every call)."""
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options) -> torch.Tensor:

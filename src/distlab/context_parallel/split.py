@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distlab.cli import require
+from distlab.processes.flags import require
 
 SPLITS = ("zigzag", "contiguous")
 FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"

@@ -20,8 +20,8 @@ whole heads, so P must divide h (and, with grouped-query attention, the key/valu
 
 from __future__ import annotations
 
-from distlab.cli import require
 from distlab.context_parallel.cost import Sizes
+from distlab.processes.flags import require
 
 
 def check_split(heads: int, seq_len: int, world_size: int) -> None:

@@ -13,7 +13,7 @@ also keep their bf16 shard as a tensor of its own, 2 / dp more for ZeRO-1 and -2
 e_m = 4 prices that); an implementation that steps a slice of the whole bf16 weights, as priced here, does not.
 
 Activations per block and micro-batch, what the forward leaves alive for backward plus its output (the
-input is the previous block's output, counted there), by storage as `distlab.held` counts:
+input is the previous block's output, counted there), by storage as `distlab.proof.held` counts:
 
 - attention by torch's fused kernel: lesson 08's region + gathered + inside / tp, (region + inside) / tp +
   gathered with sequence parallelism (`distlab.tensor_parallel.cost.activation_bytes`), on seq / cp tokens

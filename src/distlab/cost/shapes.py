@@ -4,13 +4,13 @@ line that names the field (`check`), before any formula is evaluated.
 
 The models are the lessons' own, described by sizes alone (no tensor is built):
 
-- `Transformer`: `layers` pre-LayerNorm blocks (`distlab.models.Block`: q, k, v, out projections, an MLP
+- `Transformer`: `layers` pre-LayerNorm blocks (`distlab.proof.models.Block`: q, k, v, out projections, an MLP
   of width d_ff, two norms), with the options the lessons' blocks take (torch's fused attention, which
   saves a log-sum-exp per head and row, or attention written out, which saves the h x seq x seq weights;
   one fused qkv product or three) and, for the planner's published models, the Llama options (grouped-query
   attention, a gated SwiGLU MLP, no biases, RMSNorm) and a vocabulary (an embedding, a final norm and an
   untied output head). `vocab = 0` is a plain block stack, the lessons' model.
-- `Mlp`: `distlab.models.layered_mlp(widths)`, the model of lessons 01-07.
+- `Mlp`: `distlab.proof.models.layered_mlp(widths)`, the model of lessons 01-07.
 
 A parameter tensor is a `Weight`: its name, its rows and columns (a vector has one column), and how tensor
 parallelism cuts it (lesson 08): "column" (rows split: q, k, v, fc1 and their biases), "row" (columns split:
@@ -129,7 +129,7 @@ class Transformer:
 
 @dataclass(frozen=True)
 class Mlp:
-    """`distlab.models.layered_mlp(widths)`: layer i maps widths[i] -> widths[i + 1], one unit each."""
+    """`distlab.proof.models.layered_mlp(widths)`: layer i maps widths[i] -> widths[i + 1], one unit each."""
 
     widths: tuple[int, ...]
 

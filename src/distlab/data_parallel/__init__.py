@@ -5,7 +5,7 @@
   are the ground floor's: `distlab.comm`);
 - `problem`: the model, the global batch and each rank's share, the two losses (a mean over
   samples, and a log-sum-exp over the whole batch), the gather with the local block's graph;
-- `training`: data-parallel SGD on the one training loop (`distlab.training`), whatever syncs the gradients;
+- `training`: data-parallel SGD on the one training loop (`distlab.proof.training`), whatever syncs the gradients;
 - `overlap`: step time of the sync strategies, and one step's bucket timeline;
 - `ddp`: DistributedDataParallel measured: averaging, `no_sync`, `find_unused_parameters`, a global loss;
 - `report`: the tables, laid out for 80 columns.

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import grads_of
 from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, gather_rows, mean_loss, shard
-from distlab.models import _init_linear_
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof.compare import grads_of
+from distlab.proof.models import _init_linear_
 
 
 def wrap(model: nn.Module, rt: Runtime, find_unused_parameters: bool = False, bucket_mib: float = 25.0) -> DDP:

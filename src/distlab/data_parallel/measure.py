@@ -29,8 +29,8 @@ from distlab.comm.collectives import (
 )
 from distlab.comm.ring import RING_RUNS, Ring
 from distlab.comm.timing import time_call
-from distlab.compare import tolerances
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof.compare import tolerances
 
 MEASURED = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)
 # (runtime, collective's name, this rank's input) -> (the result, the bytes this rank sent)

@@ -5,7 +5,7 @@ builds one fresh model per strategy and times forward + backward + sync, round-r
 strategies (so a noisy neighbour slows all of them alike), each repetition timed on the slowest rank,
 the median reported. `backward_timeline` records one step: when backward started and ended, and
 when each bucket's all-reduce was launched and completed, in milliseconds from the start of backward.
-`emulated_overlap` does both on the emulated device (`distlab/emulate.py`), where the all-reduces do
+`emulated_overlap` does both on the emulated device (`distlab/proof/emulate.py`), where the all-reduces do
 not compete with backward for the cores: the buckets after backward against from the hooks, and the
 share of the communication the hooks hid against 1 - (last bucket's bytes) / (all bytes).
 """
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from distlab import emulate
 from distlab.comm.timing import barrier, slowest_median
-from distlab.console import print0
 from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
 from distlab.data_parallel.report import timeline_table, timing_table
-from distlab.memory import MIB
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof import emulate
+from distlab.proof.console import print0
+from distlab.proof.memory import MIB
 
 Strategy = Callable[[nn.Module], tuple[nn.Module, Callable[[], None]]]
 

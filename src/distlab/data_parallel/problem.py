@@ -12,7 +12,7 @@ and keeps its own C = N / P rows (`shard`). Two losses, the distinction the less
   computes the same global L. Then rank r's backward finds g_r, the part of dL/dtheta that flows
   through its own rows, dL/dtheta = sum_r g_r, and averaging gives dL/dtheta / P.
 
-The reference for both is `distlab.reference.one_process`: a deep copy of the model, run on the
+The reference for both is `distlab.proof.reference.one_process`: a deep copy of the model, run on the
 whole batch in one process with plain autograd.
 """
 
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab import compat
-from distlab.cli import MLP_IN, MLP_OUT, divides_global_batch, require
-from distlab.models import layered_mlp, regression_batch
-from distlab.runtime import Runtime
+from distlab.processes import compat
+from distlab.processes.flags import divides_global_batch, require
+from distlab.processes.runtime import Runtime
+from distlab.proof.models import layered_mlp, mlp_widths, regression_batch
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class DataParallelConfig:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        return (MLP_IN, *[self.width] * (self.layers - 1), MLP_OUT)
+        return mlp_widths(self.layers, self.width)
 
 
 def check_config(rt: Runtime, cfg: DataParallelConfig) -> None:

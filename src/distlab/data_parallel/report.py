@@ -1,6 +1,6 @@
 """The tables lesson 06 prints, laid out to fit 80 columns whole (no cell is ever cut).
 
-Gradients are summed up by `distlab.compare.compare_whole`: the largest relative error, the norm
+Gradients are summed up by `distlab.proof.compare.compare_whole`: the largest relative error, the norm
 ratio ||g|| / ||r|| (a pure scaling bug shows as a clean 1/P), and allclose at the dtype's tolerance.
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Mapping
 import torch
 from rich.table import Table
 
-from distlab.compare import Comparison
-from distlab.console import compact_table
-from distlab.memory import MIB
+from distlab.proof.compare import Comparison
+from distlab.proof.console import compact_table
+from distlab.proof.memory import MIB
 
 Grads = Mapping[str, torch.Tensor]
 

@@ -1,4 +1,4 @@
-"""Data-parallel training on the one loop (`distlab.training.train`), whatever makes the gradients global.
+"""Data-parallel training on the one loop (`distlab.proof.training.train`), whatever makes the gradients global.
 
 Each rank runs forward and backward on its own C rows; `sync()` then turns the rank's gradients into
 the global batch's (lesson 06's all-reduce loop, its gradient buckets, or nothing for a DDP model,
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
-from distlab.runtime import Runtime
-from distlab.training import Plain, Run, mean_over_ranks
-from distlab.training import train as train_loop
+from distlab.processes.runtime import Runtime
+from distlab.proof.training import Plain, Run, mean_over_ranks
+from distlab.proof.training import train as train_loop
 
 
 def plain(model: nn.Module) -> nn.Module:

@@ -12,7 +12,7 @@ but k is the keys here). Its combine weights are the chosen gates, renormalised 
 
     MoE(u_t) = sum_{i chosen by t, kept} weight_t,i Expert_i(u_t),
 
-each expert an MLP of the ground floor (`distlab.models.MLP`, hidden width d_ff).
+each expert an MLP of the ground floor (`distlab.proof.models.MLP`, hidden width d_ff).
 
 Capacity, and the drop rule. An expert takes at most capacity = ceil(gamma kappa N seq / E) tokens a step
 (gamma: the capacity factor; gamma kappa N seq / E is its share at perfect balance times gamma). The rule
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from distlab.models import MLP, Block
+from distlab.proof.models import MLP, Block
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class MoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """The ground floor's pre-LayerNorm block (`distlab.models.Block`: its LayerNorms and attention) with
+    """The ground floor's pre-LayerNorm block (`distlab.proof.models.Block`: its LayerNorms and attention) with
     the MLP replaced by a mixture of experts:
 
         y = x + Attention(LN_1(x)),    z = y + MoE(LN_2(y)),    forward(x) = (z, L_aux).

@@ -1,11 +1,11 @@
 """What lesson 10's checks run: the batch, the loss, a few SGD steps of a split block, and the reference's.
 
-The batch is N sequences of seq tokens of width d (`distlab.models.token_batch`), rank r holding sequences
+The batch is N sequences of seq tokens of width d (`distlab.proof.models.token_batch`), rank r holding sequences
 r C .. (r+1) C - 1; the loss of a rank is MSE(z, target) + alpha L_aux on its rows, a mean, so with equal
 shares the step's loss is the mean of the ranks' (and its gradient the mean of theirs: DDP's average).
 
 The reference (`one_process_run`) is a deep copy of the whole `MoEBlock`, every expert in it, trained on the
-whole batch in one process with plain autograd (`distlab.reference.one_process`); `decisions` is its
+whole batch in one process with plain autograd (`distlab.proof.reference.one_process`); `decisions` is its
 routing of the whole batch, with what its capacity rule keeps, counted per rank and expert.
 """
 
@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.compare import Comparison, compare_whole
 from distlab.expert_parallel.moe import MoEBlock, MoEConfig, Routing, capacity, kept_choices, route
-from distlab.models import token_batch
-from distlab.reference import one_process, sgd
-from distlab.runtime import Runtime
-from distlab.training import Plain, Run, mean_over_ranks, train
+from distlab.processes.runtime import Runtime
+from distlab.proof.compare import Comparison, compare_whole
+from distlab.proof.models import token_batch
+from distlab.proof.reference import one_process, sgd
+from distlab.proof.training import Plain, Run, mean_over_ranks, train
 
 
 @dataclass(frozen=True)

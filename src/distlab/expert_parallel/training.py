@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.runtime import Runtime
-from distlab.training import mean_over_ranks
+from distlab.processes.runtime import Runtime
+from distlab.proof.training import mean_over_ranks
 
 DOMAIN_SHIFT = 2.0  # |mu_r| ~ this times sqrt(d): domains the router can tell apart
 

@@ -12,9 +12,9 @@
   steps, hung on the optimizer's step hooks) and the same recipe written out for the one-process reference;
 - `training`: the one training loop run by every strategy, measuring memory and counting bytes;
 - `dcp_resume`: save sharded with torch.distributed.checkpoint, resume at another P (a distributed
-  checkpoint; not activation checkpointing, not `distlab.checkpointing`'s crash-resume);
+  checkpoint; not activation checkpointing, not `distlab.contrastive.checkpointing`'s crash-resume);
 - `report`: the tables, laid out for 80 columns.
 
 ZeRO-1, -2 and -3 are written out in the lesson, and only there; the transformer block whose memory it
-accounts is `distlab.models.Block`.
+accounts is `distlab.proof.models.Block`.
 """

@@ -136,8 +136,8 @@ def layer_norm_stat_bytes(e: int, device_type: str) -> int:
 
 
 def block_activations(rows: int, seq: int, d: int, heads: int, e: int, stat_bytes: int | None = None) -> int:
-    """Bytes autograd saves in lesson 07's block, `distlab.models.Block` with q, k, v from one fused
-    product and attention written out (counted op by op, by storage as `distlab.held` counts): 18 tensors of
+    """Bytes autograd saves in lesson 07's block, `distlab.proof.models.Block` with q, k, v from one fused
+    product and attention written out (counted op by op, by storage as `distlab.proof.held` counts): 18 tensors of
     C x seq x d (input, LN1 output, q, k, v, the heads' merged output, LN2 input and output, the
     4d-wide fc1 output and GELU output (4 each), output and target), the softmax (C h seq^2), all
     of e bytes, and the two LayerNorms' mean and 1/std (4 C seq) of `stat_bytes` bytes (default e;

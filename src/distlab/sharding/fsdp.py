@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from distlab.held import model_states
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof.held import model_states
 from distlab.sharding.problem import ShardingConfig, adamw
 
 
@@ -55,7 +55,7 @@ def fsdp_held(model: nn.Module, world: int, rank: int, e: int) -> dict[str, int]
 
 
 class Fsdp2:
-    """A trainee of the one training loop (`distlab.training.train`) around a fully_shard'ed model."""
+    """A trainee of the one training loop (`distlab.proof.training.train`) around a fully_shard'ed model."""
 
     ring = None  # FSDP2's collectives run inside torch: not counted by a ring of ours
 

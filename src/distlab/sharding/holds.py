@@ -2,9 +2,9 @@
 
 The model states (weights, gradients, AdamW's moments and step counts, and under mixed precision the
 float32 master copy) are counted from the storages of the tensors that hold them after the step; the
-activations are what autograd saves for backward (`distlab.held.SavedActivations`, by storage;
+activations are what autograd saves for backward (`distlab.proof.held.SavedActivations`, by storage;
 parameters it saves are not counted again); the peak is `PeakMemory`'s over building the model and one
-step. Both counts follow `distlab.held`'s one rule: each storage once.
+step. Both counts follow `distlab.proof.held`'s one rule: each storage once.
 
 Mixed precision here is the classic recipe written out: bf16 weights compute forward and backward, a
 float32 master copy of the weights is what AdamW steps (its moments float32 too), and the updated
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.held import SavedActivations, model_states, storage_bytes
-from distlab.memory import PeakMemory
+from distlab.proof.held import SavedActivations, model_states, storage_bytes
+from distlab.proof.memory import PeakMemory
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from distlab.training import Plain, Tensors
+from distlab.proof.training import Plain, Tensors
 
 
 def stepping_a_master(

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.models import layered_mlp, regression_batch
-from distlab.reference import one_process
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof.models import layered_mlp, regression_batch
+from distlab.proof.reference import one_process
+from distlab.proof.training import Run, train
 from distlab.sharding.mixed import MasterStepped
-from distlab.training import Run, train
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def adamw(params, cfg: ShardingConfig) -> torch.optim.AdamW:
 
 def reference(cfg: ShardingConfig, steps: int | None = None) -> Run:
     """One process, the whole batch of each step, plain autograd, torch's AdamW: the independent
-    reference (`distlab.reference.one_process`), its AdamW states kept; under mixed precision the
+    reference (`distlab.proof.reference.one_process`), its AdamW states kept; under mixed precision the
     bf16 model whose float32 master AdamW steps (`MasterStepped`)."""
     steps = cfg.steps if steps is None else steps
     if cfg.master is not None:

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from distlab.comm.ring import Ring
-from distlab.held import model_states
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof.held import model_states
+from distlab.proof.training import Plain, Tensors
 from distlab.sharding.flat import units_of
 from distlab.sharding.mixed import states_by_name, stepping_a_master
 from distlab.sharding.problem import ShardingConfig, adamw
-from distlab.training import Plain, Tensors
 
 
 class Replicated(Plain):

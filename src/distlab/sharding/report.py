@@ -1,13 +1,13 @@
 """The tables lesson 07 prints, laid out to fit 80 columns whole.
 
-A run against another is `distlab.compare.against`: step 1's gradients, every parameter after the last
+A run against another is `distlab.proof.compare.against`: step 1's gradients, every parameter after the last
 step, every AdamW state (m, v, the step count) and every step's loss, each part one `Comparison`.
 """
 
 from __future__ import annotations
 
-from distlab.compare import Comparison, all_ok
-from distlab.console import rows_table
+from distlab.proof.compare import Comparison, all_ok
+from distlab.proof.console import rows_table
 
 
 def kib(n: int) -> str:

@@ -7,7 +7,7 @@ ring (`Ring`); the gathers that read a run whole for the record (`grads`, `param
 counted: they are the check's, not the stage's.
 
 A stage is this object with its two hooks set (lesson 07 writes ZeRO-1, -2 and -3 that way); the one
-training loop (`distlab.training.train`) drives it:
+training loop (`distlab.proof.training.train`) drives it:
 
     zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step()
 
@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distlab import compat
 from distlab.comm.ring import Ring
-from distlab.held import model_states
-from distlab.runtime import Runtime
+from distlab.processes import compat
+from distlab.processes.runtime import Runtime
+from distlab.proof.held import model_states
 from distlab.sharding.flat import units_of
 from distlab.sharding.mixed import stepping_a_master
 from distlab.sharding.problem import ShardingConfig, adamw

@@ -3,11 +3,11 @@
     zero_grad(); loss = mse(model(x_r), target_r); loss.backward(); after_backward();
     optimizer.step(); after_step()
 
-is `distlab.training.train` run for `cfg.steps` steps of the global batches of `distlab.sharding.problem`,
+is `distlab.proof.training.train` run for `cfg.steps` steps of the global batches of `distlab.sharding.problem`,
 everything from building the model on inside one `PeakMemory`: its peak is the step's peak (model
 states, activations and transient buffers), and what it still holds at the end (`live_bytes`) is the
 model states alone (the batches are made before it, the loss is dropped). `held` counts the same bytes
-item by item, from the storages of the tensors the strategy keeps (`distlab.held`); both are what the
+item by item, from the storages of the tensors the strategy keeps (`distlab.proof.held`); both are what the
 formulas of `distlab.sharding.accounting` predict. `sent` is the bytes the strategy's ring sent per step.
 The record's first gradients are read (gathered whole) with the measurement paused: they are the
 check's, not the strategy's.
@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
-from distlab.held import storage_bytes
-from distlab.memory import PeakMemory
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof.held import storage_bytes
+from distlab.proof.memory import PeakMemory
+from distlab.proof.training import Run, mean_over_ranks, train
 from distlab.sharding.problem import ShardingConfig, build_model, global_batch, loss_fn, rows_of
-from distlab.training import Run, mean_over_ranks, train
 
 
 @dataclass
 class StrategyRun(Run):
-    """A `distlab.training.Run` (whole tensors, gathered from the shards) and what the rank held and sent."""
+    """A `distlab.proof.training.Run` (whole tensors, gathered from the shards) and what the rank held and sent."""
 
     held: dict[str, int] = field(default_factory=dict)  # bytes of each item this rank holds after the last step
     live_bytes: int = 0  # PeakMemory: bytes still held after the last step
@@ -100,7 +100,7 @@ class _Measured:
 
 
 def run_strategy(rt: Runtime, cfg: ShardingConfig, make: Callable, steps: int | None = None) -> StrategyRun:
-    """`make(model, rt, cfg)` -> a strategy (a trainee of `distlab.training.train` with `model`, `items()`
+    """`make(model, rt, cfg)` -> a strategy (a trainee of `distlab.proof.training.train` with `model`, `items()`
     and a counting `ring` or None); trained and measured."""
     batches = local_rows(rt, cfg, 0, cfg.steps if steps is None else steps)
     with PeakMemory() as mem:

@@ -42,7 +42,7 @@ import torch
 from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import Posted
 from distlab.comm.ring import Ring
-from distlab.online_softmax import rescale
+from distlab.pieces.online_softmax import rescale
 from distlab.streamed.sigmoid import Logits, RankGrads
 from distlab.streamed.tile_ops import as_tile_ops
 from distlab.streamed.tiles import Pairing, RowFold, lse_and_nll

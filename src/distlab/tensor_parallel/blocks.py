@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.models import MLP, Attention, Block, attend, masked
+from distlab.proof.models import MLP, Attention, Block, attend, masked
 from distlab.tensor_parallel.layers import LIBRARY_LAYERS, Layers
 from distlab.tensor_parallel.operators import Comm
 
@@ -67,7 +67,7 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """`distlab.models.Block` on P ranks; the LayerNorms replicated; masks are this rank's part of them."""
+    """`distlab.proof.models.Block` on P ranks; the LayerNorms replicated; masks are this rank's part of them."""
 
     def __init__(self, full: Block, rank: int, world_size: int, comm: Comm, layers: Layers = LIBRARY_LAYERS):
         super().__init__()

@@ -1,6 +1,6 @@
 """The unsplit block and the batch every tensor-parallel check compares against (lesson 08).
 
-The block is `distlab.models.Block` (the one transformer block of the library) with causal attention,
+The block is `distlab.proof.models.Block` (the one transformer block of the library) with causal attention,
 separate q, k, v projections (each cut by heads on its own) and torch's fused attention: on x of shape
 (N, seq, d), h heads of width d_h = d / h, an MLP of width d_ff,
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distlab.models import Block, BlockOptions, token_batch
+from distlab.proof.models import Block, BlockOptions, token_batch
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)
 

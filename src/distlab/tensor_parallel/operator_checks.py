@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.comm.ledger import Ledger
-from distlab.compare import Comparison, all_ok, compare_whole
+from distlab.proof.compare import Comparison, all_ok, compare_whole
 
 ROWS, PART, WIDTH = 2, 2, 3  # a tensor (ROWS, PART * P or PART, WIDTH): small, distinct on every rank
 

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 from rich.table import Table
 
-from distlab.console import compact_table
+from distlab.proof.console import compact_table
 from distlab.tensor_parallel.runs import Outcome
 
 

@@ -1,6 +1,6 @@
 """One split run against the unsplit reference: the same starting weights, data and masks; the unsplit
 layer trained in one process on the whole batch with plain autograd, the split one on this rank, both
-by the one training loop (`distlab.training.train`); then its output, every gradient and the parameters
+by the one training loop (`distlab.proof.training.train`); then its output, every gradient and the parameters
 after the last step compared with the reference's, cut as this rank's parameters are cut.
 
 Parts: "mlp", "attention" (x straight in, no dropout) and "block" (LayerNorms, dropout masks,
@@ -19,15 +19,15 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.comm.ledger import Ledger
-from distlab.compare import Comparison, against, all_ok
-from distlab.held import SavedActivations
-from distlab.memory import PeakMemory
+from distlab.proof.compare import Comparison, against, all_ok
+from distlab.proof.held import SavedActivations
+from distlab.proof.memory import PeakMemory
+from distlab.proof.training import Plain, Run, train
 from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
 from distlab.tensor_parallel.layers import LIBRARY_LAYERS, Layers, reference_shards
 from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks, regression_loss
 from distlab.tensor_parallel.operators import Comm
 from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
-from distlab.training import Plain, Run, train
 
 PARTS = {
     "mlp": (lambda b: b.mlp, ParallelMLP),
@@ -166,7 +166,7 @@ def same_runs(ours: Run, theirs: Run) -> bool:
 
 def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm, layers: Layers = LIBRARY_LAYERS) -> tuple[int, int]:
     """(saved, peak) bytes of one block's forward on this rank. saved: what autograd saves for backward
-    (`distlab.held.SavedActivations`: by storage; parameters, the input and the masks exist anyway and
+    (`distlab.proof.held.SavedActivations`: by storage; parameters, the input and the masks exist anyway and
     are not counted) plus the output: what stays alive until backward. peak: `PeakMemory`'s peak of the
     forward's allocations, temporaries included (its live count at the end is not used: gloo releases a
     collective's buffers from its own thread, a little later or not, so it varies from run to run)."""

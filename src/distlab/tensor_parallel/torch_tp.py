@@ -30,15 +30,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from distlab.proof.training import Run
 from distlab.tensor_parallel.model import build, regression_loss
 from distlab.tensor_parallel.operators import sequence_parallel as sequence_parallel_ops
 from distlab.tensor_parallel.operators import tensor_parallel as tensor_parallel_ops
 from distlab.tensor_parallel.runs import Batch, rank_batch, sgd_steps
-from distlab.training import Run
 
 
 def plan(sequence_parallel: bool) -> dict:
-    """The parallelize plan of `distlab.models.Block`: q, k, v, fc1 column-wise, out and fc2 row-wise; with
+    """The parallelize plan of `distlab.proof.models.Block`: q, k, v, fc1 column-wise, out and fc2 row-wise; with
     sequence parallelism the LayerNorms on sequence parts and the two gathers before the column layers."""
     tp = {
         "attn.q": ColwiseParallel(),

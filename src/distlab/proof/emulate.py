@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.cli import nonnegative_float
-from distlab.memory import MIB
+from distlab.processes.flags import nonnegative_float
+from distlab.proof.memory import MIB
 
 
 def add_args(parser, ms_per_layer: float):

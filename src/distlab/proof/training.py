@@ -9,7 +9,7 @@
         trainee.after_step()           (ZeRO-1/2: all-gather the stepped shards into the weights)
     params = trainee.params(), and the optimizer's states where a lesson checks them
 
-The single-process reference (`distlab.reference.one_process`), a data-parallel replica, a tensor-parallel
+The single-process reference (`distlab.proof.reference.one_process`), a data-parallel replica, a tensor-parallel
 rank, every strategy of lesson 07 and every pipeline schedule run this loop. What differs is only `step`
 (which rows, which forward, which loss) and the trainee: how the gradients become global and where the
 tensors are read. `Plain` is the trainee of a module whose parameters this rank holds as they are; the
@@ -18,7 +18,7 @@ sharded strategies of lesson 07 hold them in shards, and read them whole (gather
 The record (`Run`) keeps step 1's gradients (a wrong gradient is wrong from the first step, before an
 optimizer can hide its scale), the parameters after the last step, each step's loss and, where asked, the
 optimizer's states, all as CPU copies under the unsplit model's parameter names, so that a run compares
-with the reference name by name (`distlab.compare`) and can be sent between ranks as it is.
+with the reference name by name (`distlab.proof.compare`) and can be sent between ranks as it is.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.compare import grads_of, params_of
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof.compare import grads_of, params_of
 
 Tensors = dict[str, torch.Tensor]
 

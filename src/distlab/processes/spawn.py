@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from distlab.runtime import distributed
+from distlab.processes.runtime import distributed
 
 
 class SpawnError(RuntimeError):

@@ -8,7 +8,7 @@ pass around, and always tears the group down again.
 Backend and device. On CPUs the group is gloo. On GPUs it is `"cpu:gloo,cuda:nccl"`: nccl carries
 CUDA tensors, and gloo still serves the few CPU tensors a program exchanges (object lists, a flag), so
 a stray CPU tensor is slow rather than fatal. The rule all the same: every collective runs on
-`rt.device`, the device the rank computes on (`distlab.strict` checks it in tests).
+`rt.device`, the device the rank computes on (`distlab.processes.strict` checks it in tests).
 
 Which GPU. torchrun starts LOCAL_WORLD_SIZE ranks on a node; rank r takes `cuda:LOCAL_RANK` when it
 sees at least that many GPUs. A launcher may instead bind one GPU to each rank (SLURM's
@@ -43,7 +43,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from distlab import reproducible
+from distlab.processes import reproducible
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
 SOLO_TIMEOUT_S = float(os.environ.get("DISTLAB_SOLO_TIMEOUT_S", "900"))  # a phase rank 0 runs alone
@@ -136,10 +136,10 @@ def distributed(
 
     The group is destroyed on success and on exception alike, so a failing lesson releases its
     sockets (and, on GPUs, its communicators) before the process exits. `strict=True` (default:
-    the environment variable DISTLAB_STRICT_DEVICE=1) runs the block in `distlab.strict`'s strict
+    the environment variable DISTLAB_STRICT_DEVICE=1) runs the block in `distlab.processes.strict`'s strict
     device mode, where a collective on a tensor not on `rt.device` raises. `deterministic=True` (for
     a lesson that claims bit-identical runs) runs it, on a GPU, with deterministic kernels only
-    (`distlab.reproducible.deterministic`, entered before anything runs on the GPU).
+    (`distlab.processes.reproducible.deterministic`, entered before anything runs on the GPU).
     """
     rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -173,7 +173,7 @@ def _process_group(
         with ExitStack() as stack:
             rt = Runtime(rank, world_size, local_rank, backend, dev)
             if strict if strict is not None else os.environ.get("DISTLAB_STRICT_DEVICE") == "1":
-                from distlab.strict import strict_device  # (strict imports this module)
+                from distlab.processes.strict import strict_device  # (strict imports this module)
 
                 rt = stack.enter_context(strict_device(rt))
             yield rt
@@ -244,7 +244,7 @@ def run_main(main: Callable[[], int]) -> None:
     way on every rank before any collective: rank 0 prints it as one line and every rank exits 2,
     instead of P identical tracebacks. torchrun stops every rank once one has failed, so the others
     give rank 0 a moment to print its line before they exit."""
-    from distlab.console import console, error_line  # (console imports nothing from here)
+    from distlab.proof.console import console, error_line  # (console imports nothing from here)
 
     try:
         code = main()

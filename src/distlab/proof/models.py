@@ -26,6 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 DEFAULT_WIDTHS = (16, 32, 32, 32, 32, 32, 32, 32, 8)  # 8 layers
+MLP_IN, MLP_OUT = DEFAULT_WIDTHS[0], DEFAULT_WIDTHS[-1]  # features in and out of every layered MLP
+
+
+def mlp_widths(layers: int, width: int) -> tuple[int, ...]:
+    """The widths of a layered MLP of `layers` layers, `width` wide inside: MLP_IN -> width ... -> MLP_OUT."""
+    return (MLP_IN, *[width] * (layers - 1), MLP_OUT)
 
 
 def _init_linear_(layer: nn.Linear, gen: torch.Generator) -> nn.Linear:

@@ -19,6 +19,7 @@ TOLERANCES = {  # dtype -> (rtol, atol)
     torch.float64: (1e-10, 1e-12),
     torch.float32: (1e-5, 1e-6),
 }
+DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in TOLERANCES}  # by name: what a lesson may offer
 
 
 def tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -104,7 +105,7 @@ def compare_whole(
 
 
 def against(reference, actual, rtol: float | None = None, atol: float | None = None) -> dict[str, Comparison]:
-    """A run against the reference run (`distlab.training.Run`s), each part as one `Comparison`: step 1's
+    """A run against the reference run (`distlab.proof.training.Run`s), each part as one `Comparison`: step 1's
     output (where both have it), step 1's gradients, the parameters after the last step, the optimizer's
     states (where the reference has them) and every step's loss."""
     parts = {}

@@ -1,7 +1,7 @@
 """The independent reference every equivalence check compares against: a deep copy of the whole
 model, trained on the whole batch in one process with plain autograd. No distribution, no
 micro-batches, nothing shared with the code under test but the model's starting weights and the
-training loop itself (`distlab.training.train`), which every run shares.
+training loop itself (`distlab.proof.training.train`), which every run shares.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from distlab.training import Plain, Run, train
+from distlab.proof.training import Plain, Run, train
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, target)
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from distlab.chunks import chunks
+from distlab.pieces.chunks import chunks
 
 PIXELS, GRID = "pixel_values", "image_grid_thw"
 STRUCTURES = (

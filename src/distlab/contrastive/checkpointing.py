@@ -47,10 +47,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.agree import per_rank, rank_table
-from distlab.cli import launched_world_size, positive_int, writable_dir
-from distlab.console import print0
-from distlab.runtime import Runtime
+from distlab.processes.agree import per_rank, rank_table
+from distlab.processes.flags import launched_world_size, positive_int, writable_dir
+from distlab.processes.runtime import Runtime
+from distlab.proof.console import print0
 
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"

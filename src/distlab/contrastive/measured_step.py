@@ -1,7 +1,7 @@
 """What one training step costs, measured in one process: peak memory, rows forwarded, time.
 
 - `peak_mib(model, step, *args)`: the peak and the largest tensor of the storage `step(model, *args)`
-  allocated (`distlab.memory.PeakMemory`), parameter gradients included, in MiB.
+  allocated (`distlab.proof.memory.PeakMemory`), parameter gradients included, in MiB.
 - `rows_forwarded(module, step, model, *args)`: how many rows went through `module`'s forward (a
   forward hook counts them): a recompute shows as twice the batch.
 - `interleaved_seconds(model, steps, repeats)`: the median time of each step, the methods taking
@@ -18,8 +18,8 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from distlab.console import progress
-from distlab.memory import MIB, PeakMemory
+from distlab.proof.console import progress
+from distlab.proof.memory import MIB, PeakMemory
 
 
 def right_aligned(table: Table, first: int = 1) -> Table:

@@ -13,7 +13,7 @@ deprecated aliases that warn; torch 2.11 has only the old ones, and in 2.11 the 
 `_autograd` carries no gradient. Each function below takes the new name when the installed torch has it,
 else the old one, with the same arguments and the same result.
 
-The name is looked up at every call, not once at import: strict device mode (`distlab.strict`) wraps
+The name is looked up at every call, not once at import: strict device mode (`distlab.processes.strict`) wraps
 `torch.distributed`'s collectives while it is on, and tests replace them, and both must see every call.
 """
 

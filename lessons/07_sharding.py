@@ -51,10 +51,10 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from distlab.processes.cli import add_optimizer_args, lesson_parser
 from distlab.processes.flags import (
+    add_global_batch,
     check_flags_against_world,
     divides_global_batch,
     positive_float,
-    positive_int,
     writable_dir,
 )
 from distlab.processes.runtime import Runtime, distributed, run_main
@@ -409,7 +409,7 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=24, help="rows per step, N")
+    add_global_batch(parser, 24)
     add_optimizer_args(parser, steps=3, lr=0.01, optimizer="AdamW")  # 3 steps, and 3 more after the checkpoint
     parser.add_argument("--weight-decay", type=positive_float, default=0.1, help="AdamW weight decay")
     parser.add_argument(

@@ -64,7 +64,7 @@ from torch import nn
 
 from distlab.comm.ledger import Ledger
 from distlab.processes.cli import add_optimizer_args, lesson_parser
-from distlab.processes.flags import check_flags_against_world, fraction, positive_int, require
+from distlab.processes.flags import add_global_batch, check_flags_against_world, fraction, positive_int, require
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.compare import against, all_ok, compare
 from distlab.proof.console import compact_table, print0
@@ -389,7 +389,7 @@ def show_two_d(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=12, help="sequences per step, N")
+    add_global_batch(parser, 12)
     parser.add_argument("--seq-len", type=positive_int, default=12, help="tokens per sequence, seq")
     parser.add_argument("--dim", type=positive_int, default=24, help="model width d (h must divide it)")
     add_optimizer_args(parser, steps=3, lr=0.5)

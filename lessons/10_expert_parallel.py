@@ -64,7 +64,15 @@ from distlab.expert_parallel.moe import MoE, MoEBlock, MoEConfig, balance_loss, 
 from distlab.processes import compat
 from distlab.processes.agree import rank_table
 from distlab.processes.cli import lesson_parser
-from distlab.processes.flags import check_flags_against_world, nonnegative_float, positive_float, positive_int, require
+from distlab.processes.flags import (
+    add_global_batch,
+    check_flags_against_world,
+    divides_global_batch,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    require,
+)
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.compare import compare_whole, grads_of
 from distlab.proof.console import print0, rows_table
@@ -387,7 +395,7 @@ def sync(block: nn.Module, rt: Runtime):
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=12, help="sequences per step, N (P divides it)")
+    add_global_batch(parser, 12)
     parser.add_argument("--seq-len", type=positive_int, default=8, help="tokens per sequence, seq")
     parser.add_argument("--dim", type=positive_int, default=8, help="model width d (h must divide it)")
     parser.add_argument("--heads", type=positive_int, default=2, help="attention heads h")
@@ -409,11 +417,7 @@ def parse_args():
 def world_rules(args, world_size: int) -> None:
     """E / P experts per rank and C = N / P sequences per rank, both whole."""
     require(args.experts % world_size == 0, "--experts", f"P = {world_size} ranks must divide E = {args.experts}")
-    require(
-        args.global_batch % world_size == 0,
-        "--global-batch",
-        f"P = {world_size} ranks must divide N = {args.global_batch}",
-    )
+    divides_global_batch(args, world_size)
 
 
 def main() -> int:

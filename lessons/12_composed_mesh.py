@@ -70,7 +70,7 @@ from distlab.context_parallel.ring import ring_core
 from distlab.context_parallel.split import Layout, pieces_of
 from distlab.processes.agree import rank_table
 from distlab.processes.cli import lesson_parser
-from distlab.processes.flags import check_flags_against_world, positive_float, positive_int, require
+from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.compare import Comparison, all_ok, compare
 from distlab.proof.console import print0, rows_table
@@ -362,7 +362,7 @@ def parse_args():
     parser.add_argument(
         "--resume-shape", default=None, help="where the checkpoint resumes (default: dp pp x 1 x tp x cp)"
     )
-    parser.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step, N")
+    add_global_batch(parser, 8)
     parser.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches per step, M (>= pp)")
     parser.add_argument("--seq-len", type=positive_int, default=16, help="tokens per sequence, seq")
     parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks L")

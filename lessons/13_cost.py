@@ -53,7 +53,7 @@ from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.processes.cli import lesson_parser
-from distlab.processes.flags import check_flags_against_world, positive_float, positive_int, require
+from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.console import compact_table, print0, rows_table
 from distlab.proof.held import SavedActivations, model_states, storage_bytes
@@ -405,7 +405,7 @@ def parse_args():
     parser.add_argument("--heads", type=positive_int, default=12, help="attention heads h (P must divide it)")
     parser.add_argument("--ffn-width", type=positive_int, default=384, help="MLP width d_ff (P must divide it)")
     parser.add_argument("--seq-len", type=positive_int, default=48, help="tokens per sequence, seq (P divides it)")
-    parser.add_argument("--global-batch", type=positive_int, default=12, help="sequences per step, N (P divides it)")
+    add_global_batch(parser, 12)
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     return parser.parse_args()

@@ -73,7 +73,7 @@ from distlab.pieces.online_softmax import online_fold
 from distlab.pieces.random_state import RandContext
 from distlab.processes import compat
 from distlab.processes.cli import add_contrastive_args, lesson_parser
-from distlab.processes.flags import fraction, positive_float, positive_int, require
+from distlab.processes.flags import fraction, p_divides_n, positive_float, positive_int, require
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table, grads_of, tolerances
 from distlab.proof.console import print0
@@ -225,7 +225,7 @@ class Run:
 
 def prepare(args, rt) -> Run:
     n, world = args.global_batch, rt.world_size
-    require(n % world == 0, "--global-batch", f"N={n} must be divisible by the world size P={world}")
+    p_divides_n(n, world)
     require(args.dataset_size >= n, "--dataset-size", f"must hold at least one global batch (N={n})")
     config = {
         "GLOBAL_BATCH_SIZE": n,

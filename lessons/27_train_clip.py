@@ -102,6 +102,7 @@ from distlab.contrastive.optim import decay_groups, warmup_cosine
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import (
+    add_global_batch,
     check_flags_against_world,
     divides_global_batch,
     fraction,
@@ -123,7 +124,7 @@ LOSSES = ("infonce", "sigmoid")
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=256, help="N pairs per step, over P ranks")
+    add_global_batch(parser, 256)
     parser.add_argument(
         "--micro-batch-size", type=positive_int, default=64, help="B; B >= C = N / P runs the towers once per step"
     )

@@ -109,3 +109,15 @@ def test_the_command_prints_one_line_and_exits_2():
 def test_when_nothing_fits_it_says_so():
     code, out = printed(["--model", "llama3-405b", "--gpus", "8", "--global-batch", "8"])
     assert code == 1 and "nothing fits" in out
+
+
+def test_the_planner_takes_no_lesson_memory_limit():
+    """GPT-2 small's vocabulary (50,304) is above the lessons' --vocab limit (a width^2 float64 matrix a lesson
+    would build); the planner builds no tensor, so its parser is `FlagParser` without the lessons' limits."""
+    from distlab.plan.cli import parse_args
+    from distlab.processes.cli import LIMITS
+
+    flags = ["--layers", "12", "--dim", "768", "--heads", "12", "--ffn-width", "3072", "--vocab", "50304"]
+    assert 50304 > LIMITS["--vocab"][0]  # a lesson would refuse it
+    args = parse_args([*flags, "--gpu", "a100", "--gpus", "8", "--global-batch", "480", "--seq-len", "1024"])
+    assert args.vocab == 50304 and args.global_batch == 480

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.processes import compat
-from distlab.processes.flags import divides_global_batch, require
+from distlab.processes.flags import divides_global_batch, p_divides_n, require
 from distlab.processes.runtime import Runtime
 from distlab.proof.models import layered_mlp, mlp_widths, regression_batch
 
@@ -47,12 +47,7 @@ class DataParallelConfig:
 
 def check_config(rt: Runtime, cfg: DataParallelConfig) -> None:
     """The same ValueError on every rank, before any collective."""
-    require(
-        cfg.global_batch % rt.world_size == 0,
-        "--global-batch",
-        f"N = {cfg.global_batch} rows must split evenly over P = {rt.world_size} ranks "
-        "(with unequal shares the average of the ranks' means is not the global mean)",
-    )
+    p_divides_n(cfg.global_batch, rt.world_size)  # unequal shares: the mean of the ranks' means is not N's
 
 
 def world_rules(args, world_size: int) -> None:

@@ -11,8 +11,10 @@ streamed contrastive step (log-normalisers of S = s Z_x Z_y^T over T x T tiles) 
 
 Attention needs one thing more than the sums: an output accumulator o = sum_j exp(x_j - m) v_j kept
 under the same running max, so when m grows to m' it is rescaled by exp(m - m'), the factor that
-rescales l (`rescale`). And it needs the weights exp(t_j - m') themselves: `online_fold` leaves them
-in the tile it consumes, so ring attention reads them there instead of exponentiating twice.
+rescales l (`rescale`). Two partial folds of disjoint parts of a row (from two ranks, say) merge the
+same way: m = max(m_1, m_2), l = l_1 exp(m_1 - m) + l_2 exp(m_2 - m) (`merge`). And attention needs
+the weights exp(t_j - m') themselves: `online_fold` leaves them in the tile it consumes, so ring
+attention reads them there instead of exponentiating twice.
 """
 
 from __future__ import annotations
@@ -34,3 +36,12 @@ def online_fold(
     new_max = torch.maximum(run_max, tile.amax(dim))
     run_sum.mul_(rescale(run_max, new_max)).add_(tile.sub_(new_max.unsqueeze(dim)).exp_().sum(dim))
     return new_max, run_sum
+
+
+def merge(
+    max_1: torch.Tensor, sum_1: torch.Tensor, max_2: torch.Tensor, sum_2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The folds (m_1, l_1) and (m_2, l_2) of two disjoint parts of a row, merged into the fold of both:
+    m = max(m_1, m_2), l = l_1 exp(m_1 - m) + l_2 exp(m_2 - m), each sum rescaled to the larger max."""
+    new_max = torch.maximum(max_1, max_2)
+    return new_max, sum_1 * rescale(max_1, new_max) + sum_2 * rescale(max_2, new_max)

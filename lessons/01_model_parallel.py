@@ -45,6 +45,8 @@ from distlab.proof.console import print0
 from distlab.proof.timeline import Timeline, busy_fractions, max_concurrency, render
 from distlab.proof.verdict import Verdict
 
+# ---- the mechanism: layers split across ranks, send/recv forward, gradients back -----------------
+
 
 def model_parallel_step(
     stage: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, shapes: list, span=lambda kind: nullcontext()
@@ -103,6 +105,9 @@ class ModelParallelStep:
 
     def measurements(self) -> dict:
         return {}
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):

@@ -53,6 +53,8 @@ from distlab.proof import emulate
 from distlab.proof.console import print0
 from distlab.proof.verdict import Verdict
 
+# ---- the mechanism: the 1F1B schedule, as data ---------------------------------------------------
+
 
 def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
     """Rank r: warm up with min(P - r - 1, M) forwards, then one forward and one backward in turn
@@ -66,6 +68,9 @@ def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
         order += [Action("I", i, r) for i in range(microbatches - warmup, microbatches)]
         schedule.append(order)
     return schedule
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):

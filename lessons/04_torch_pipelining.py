@@ -45,6 +45,8 @@ from distlab.proof.compare import all_ok, compare
 from distlab.proof.console import print0
 from distlab.proof.verdict import Verdict
 
+# ---- the mechanism: our split model, run by torch.distributed.pipelining -------------------------
+
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 
 
@@ -60,6 +62,9 @@ def pipeline_for_rank(
     stage = pipelining.PipelineStage(module, p, num_ranks, device)
     schedule_class = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[name]
     return stage, schedule_class(stage, microbatches, loss_fn=F.mse_loss)
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):

@@ -76,6 +76,8 @@ from distlab.proof.console import print0
 from distlab.proof.timeline import step_seconds
 from distlab.proof.verdict import Verdict
 
+# ---- the mechanism: the zero-bubble schedules, and their closed forms ----------------------------
+
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # ours, and torch's of the same names
 SPLIT = ("zb-h1", "zbv")  # I and W split: the floor (P-1)/(3vM+P-1)
 
@@ -118,6 +120,9 @@ def formulas(name: str, world: int, m: int, v: int) -> tuple[float | None, list[
         "zbv": lambda r: 2 * world,
     }[name]
     return bubble, [held(r) for r in range(world)]
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def grids(verdict: Verdict, world: int, m: int, v: int) -> dict:

@@ -170,7 +170,7 @@ def ring_by_hand(rt: Runtime, name: str, x: torch.Tensor) -> tuple[torch.Tensor,
     return getattr(ring, name)(x), ring.ledger.sent
 
 
-# ---- the mechanism, part 2: data parallelism by hand --------------------------------------------
+# ---- the mechanism, part 2: data parallelism by hand ---------------------------------------------
 
 
 def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:
@@ -227,7 +227,7 @@ class GradientBuckets:
         self.missing = [len(bucket) for bucket in self.buckets]
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_collectives(rt: Runtime, args, verdict: Verdict) -> None:

@@ -176,7 +176,7 @@ RTOL_MIXED, ATOL_MIXED = 2e-2, 1e-3  # mixed against one process: a few bf16 rou
 BLOCK = BlockOptions(fused_qkv=True, sdpa=False)  # one qkv product; attention written out, its weights saved
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:

@@ -77,7 +77,7 @@ from distlab.tensor_parallel.operator_checks import check_operator
 from distlab.tensor_parallel.report import COLLECTIVE, bytes_table, equality_table, mark
 from distlab.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
 
-# ---- the mechanism, part 1: one Linear split two ways -------------------------------------------
+# ---- the mechanism, part 1: one Linear split two ways --------------------------------------------
 
 
 def _chunk(t: torch.Tensor, dim: int, rank: int, world_size: int) -> nn.Parameter:
@@ -119,7 +119,7 @@ class RowParallelLinear(nn.Module):
 LAYERS = Layers(ColumnParallelLinear, RowParallelLinear)
 
 
-# ---- the mechanism, part 2: the conjugate operators, by hand ------------------------------------
+# ---- the mechanism, part 2: the conjugate operators, by hand -------------------------------------
 
 
 class Copy(torch.autograd.Function):
@@ -213,7 +213,7 @@ def by_hand(group=None, sequence_parallel: bool = False) -> operators.Comm:
     return operators.Comm(Copy, Reduce, group, Ledger())
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 OPERATORS = {"f": (Copy, operators.CopyToTP), "g": (Reduce, operators.ReduceFromTP)}

@@ -58,7 +58,7 @@ from distlab.proof.console import print0, rows_table
 from distlab.proof.memory import PeakMemory
 from distlab.proof.verdict import Verdict
 
-# ---- the mechanism: ring attention, forward and backward ---------------------------------------
+# ---- the mechanism: ring attention, forward and backward -----------------------------------------
 
 
 def ring_forward(ring: Ring, q, k, v, layout: Layout, tally: Counter):
@@ -177,7 +177,7 @@ def run_ring(rt: Runtime, inputs: list[torch.Tensor], layout: Layout) -> RingRun
     )
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 CASES = (("zigzag", False), ("zigzag", True), ("contiguous", True))
 

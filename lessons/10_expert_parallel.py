@@ -79,7 +79,7 @@ from distlab.proof.console import print0, rows_table
 from distlab.proof.training import mean_over_ranks, reduce_gradients
 from distlab.proof.verdict import Verdict
 
-# ---- the mechanism: the all-to-all and its backward; the plan; dispatch, experts, combine --------------
+# ---- the mechanism: the all-to-all and its backward; the plan; dispatch, experts, combine --------
 
 
 def _row_bytes(x: torch.Tensor) -> int:
@@ -210,7 +210,7 @@ def average_gradients(model: nn.Module, world: int) -> None:
         param.grad /= world
 
 
-# ---- the runs: the expert-parallel block, and what the reference decides ------------------------------
+# ---- the runs: the expert-parallel block, and what the reference decides -------------------------
 
 
 def parallel_block(rt: Runtime, cfg: MoEConfig, statistics: str = "global", rule: str = "global"):
@@ -232,7 +232,7 @@ def problem(args) -> runs.Problem:
     return runs.Problem(args.global_batch, args.seq_len, args.seed, args.steps, args.lr)
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_all_to_all(rt: Runtime, verdict: Verdict) -> None:

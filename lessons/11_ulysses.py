@@ -51,7 +51,7 @@ from distlab.proof.verdict import Verdict
 
 PHASES = ("forward", "backward")  # the ledger's phase of a move, and of its gradient's move back
 
-# ---- the mechanism: sequence split to head split and back -------------------------------------------------
+# ---- the mechanism: sequence split to head split and back ----------------------------------------
 
 
 def seq_to_heads(x: torch.Tensor, ledger: Ledger, phases: tuple[str, str], group=None) -> torch.Tensor:
@@ -82,7 +82,7 @@ def ulysses_attention(q, k, v, causal: bool, ledger: Ledger, group=None) -> torc
     return heads_to_seq(out, ledger, PHASES, group)
 
 
-# ---- the runs ---------------------------------------------------------------------------------------------
+# ---- the runs ------------------------------------------------------------------------------------
 
 
 def make_inputs(args) -> list[torch.Tensor]:
@@ -109,7 +109,7 @@ def gather(rt: Runtime, block: torch.Tensor) -> torch.Tensor:
     return unshard([b.cpu() for b in blocks], "contiguous")
 
 
-# ---- the chapter, part by part --------------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_layouts(rt: Runtime, args) -> None:

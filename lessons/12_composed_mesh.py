@@ -202,7 +202,7 @@ class ShapeRun:
     states: dict[str, int]
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def reference(cfg: ModelConfig) -> Run:
@@ -433,7 +433,7 @@ def main() -> int:
             f"[bold]Lesson 12: one transformer on a dp x pp x tp x cp mesh[/] - P = {rt.world_size}, "
             f"{describe(cfg)}, AdamW, {rt.backend}, float64"
         )
-        path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab19-") if rt.is_first else None)]
+        path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab12-") if rt.is_first else None)]
         dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
         ref = reference(cfg)
         runs = show_training(rt, cfg, shapes, ref, verdict, path[0])

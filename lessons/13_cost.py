@@ -80,7 +80,7 @@ def configurations(p: int) -> dict[str, Parallel]:
     }
 
 
-# ---- the mechanism: predict a step from its sizes, then run it and measure ------------------------
+# ---- the mechanism: predict a step from its sizes, then run it and measure -----------------------
 
 
 def rank_bytes(model: Transformer, batch: Batch, parallel: Parallel, e: int) -> dict[str, int]:
@@ -220,7 +220,7 @@ def timed(rt: Runtime, trials: dict[str, Trial], repeats: int) -> dict[str, floa
     return {name: slowest_median(rt, s) for name, s in seconds.items()}
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_calibration(rt: Runtime, args, verdict: Verdict) -> Machine:

@@ -57,7 +57,7 @@ from distlab.proof.console import print0
 from distlab.proof.models import TwoTower, paired_data
 from distlab.proof.verdict import Verdict
 
-# ---- the mechanism: the gather, the global loss, and the P-times fix ---------------------------
+# ---- the mechanism: the gather, the global loss, and the P-times fix -----------------------------
 
 
 def all_gather_blocks(z: torch.Tensor) -> torch.Tensor:
@@ -93,6 +93,9 @@ GLOBAL_PLAIN = Variant("plain", global_loss, gather_plain)
 GLOBAL_TIMES_P = Variant("plain, P L", global_loss_times_p, gather_plain)  # the fix (exercise 21)
 VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P)
 TWINS = {GLOBAL_PLAIN.name: library.GLOBAL_PLAIN, GLOBAL_TIMES_P.name: library.GLOBAL_TIMES_P}
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def same_as_library(rt, ours: dict, n: int, tau: float, seed: int, dtype: torch.dtype, twins=TWINS) -> bool:

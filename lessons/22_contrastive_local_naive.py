@@ -69,6 +69,9 @@ DTYPE = torch.float64
 SINGLE, PLAIN = "one process", "plain"
 
 
+# ---- the chapter, part by part -------------------------------------------------------------------
+
+
 def world_sizes(text: str) -> tuple[int, ...]:
     """--detached-at's value: world sizes separated by commas, each a positive integer."""
     sizes = tuple(positive_int(part) for part in text.split(","))

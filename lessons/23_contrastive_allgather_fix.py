@@ -63,6 +63,8 @@ from distlab.proof.memory import MIB
 from distlab.proof.models import TwoTower, paired_data
 from distlab.proof.verdict import Verdict
 
+# ---- the mechanism: the sum-backward all-gather, by hand -----------------------------------------
+
 
 class AllGatherSumBackward(torch.autograd.Function):
     @staticmethod
@@ -85,6 +87,9 @@ def gather_all_reduce(z: torch.Tensor) -> torch.Tensor:
 
 LOCAL_ALL_REDUCE = Variant("all_reduce", local_loss, gather_all_reduce)
 FIXES = (LOCAL_ALL_REDUCE, LOCAL_SUM, LOCAL_LIBRARY)
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args():

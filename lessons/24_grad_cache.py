@@ -115,6 +115,9 @@ def reference(model: TwoTower, x, y, args, world_size: int) -> tuple[float, dict
     return full_batch_gradients(model, x, y, 1 / args.tau, forward=forward)
 
 
+# ---- the mechanism: GradCache's three steps ------------------------------------------------------
+
+
 def rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch.Tensor:
     """CLIP loss on raw tower outputs: normalising is part of the loss, so part of the cache."""
     return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), 1 / tau)
@@ -138,6 +141,9 @@ def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
                 h = tower(part)
             torch.dot(h.flatten(), g.flatten()).backward()  #     d<h, G>/dtheta = G . dh/dtheta
     return loss.detach()
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def autograd_step(model: TwoTower, x, y, tau: float) -> None:

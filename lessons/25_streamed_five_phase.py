@@ -111,6 +111,9 @@ class ScaledTwoTower(TwoTower):
         return (*super().forward(x, y), self.logit_scale.exp())
 
 
+# ---- the mechanism: the log-normalisers and G in tiles, the five phases --------------------------
+
+
 def lse_by_tiles(q: torch.Tensor, k: torch.Tensor, s: float, t: int) -> torch.Tensor:
     """log sum_j exp(s q_i . k_j) for every row i of q, one tile of at most T x T at a time."""
     lse = q.new_empty(len(q))
@@ -176,6 +179,9 @@ def streamed_backward(
             # Phase 4: the VJP of P <(z_x, z_y, s), (G_x, G_y, dL/ds)>: DDP averages, the gradient sums.
             torch.autograd.backward(out, [world * g for g in (g_x, g_y, g_s)[: len(out)]])
     return loss.item()
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def classic_loop(ddp, optimizer, loader, config, rt, memory: PeakMemory) -> tuple[list, dict]:

@@ -100,6 +100,9 @@ class SigLipTwoTower(TwoTower):
         return (z_x, z_y, *head)
 
 
+# ---- the mechanism: the sigmoid loss's closed form, and the ring by hand -------------------------
+
+
 def sigmoid_loss(z_x, z_y, s, beta):
     labels = 2 * torch.eye(len(z_x), dtype=z_x.dtype, device=z_x.device) - 1
     return -F.logsigmoid(labels * (s * z_x @ z_y.T + beta)).sum() / len(z_x)
@@ -202,6 +205,9 @@ def infonce_ring_by_hand(rt, x, y, s: float):
 
     (pair_x,) = ring_walk(rt, [y, b], products, lambda received, mine: [received[0] + mine[0]], ledger)
     return loss_part, s / (2 * n) * pair_y, s / (2 * n) * pair_x, ledger.sent
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def whole_batch(model, x, y, world: int, micro: int, dropout_seed: int):

@@ -203,6 +203,9 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
     ddp.zero_grad(set_to_none=True)
 
 
+# ---- the mechanism: one CLIP step with distributed_backward, and the caller's loop ---------------
+
+
 def clip_step(ddp, optimizer, images, captions, config: dict, clip_norm: float, bf16: bool = False) -> float:
     """One step of the caller-owned loop: the exact global gradient into .grad, clipped, applied."""
     optimizer.zero_grad(set_to_none=True)
@@ -240,6 +243,9 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
             curves["accuracy"].append(data.zero_shot(model)[0])
         checkpoints.after_step(step + 1, state)  # every --checkpoint-every steps: write, rename
     return curves
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def curve_table(curves: dict) -> Table:

@@ -320,12 +320,13 @@ def check_steps(verdict, rt, args) -> None:
     print0(table)
 
 
-def measure_memory(verdict, rt, c: int, t: int) -> list:
-    """Peak bytes this rank's loss machinery allocates, gather against ring, at C fixed; and the ring's
-    timeline (what each rank posted and computed, when)."""
+def loss_memory(rt, c: int, d: int, t: int) -> dict:
+    """On this rank: the peak bytes and the bytes sent of the step's loss machinery, {InfoNCE, sigmoid} x
+    {gather, ring}, on C x d random embeddings ({(loss, exchange): (peak, sent)}); and the sigmoid ring's
+    timeline on this rank, "events": (rank, step, what, when). Notebook 26 runs it at P = 1-4."""
     gen = torch.Generator().manual_seed(2 + rt.rank)
-    z_x, z_y = (F.normalize(torch.randn(c, 64, generator=gen), dim=1).to(rt.device) for _ in range(2))
-    peaks, sent = {}, {}
+    z_x, z_y = (F.normalize(torch.randn(c, d, generator=gen), dim=1).to(rt.device) for _ in range(2))
+    out = {}
     for loss_name in LOSSES:
         for exchange in EXCHANGES:
             config = {
@@ -338,8 +339,22 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
             step_ledger.clear()
             with PeakMemory() as mem:  # the step's loss machinery, as it runs in the step
                 loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss_name == "sigmoid" else None)
-            peaks[loss_name, exchange], sent[loss_name, exchange] = mem.peak_bytes, step_ledger.sent
-            verdict.figure(f"peak MiB {loss_name} {exchange}", mem.peak_bytes / 2**20)
+            out[loss_name, exchange] = (mem.peak_bytes, step_ledger.sent)
+    ring = P2PRing(rt.world_size, rt.rank)
+    dist.barrier()  # every rank starts the ring together: the timeline shows the ring, not the wait
+    sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
+    out["events"] = [(rt.rank, k, what, when) for k, what, when in ring.events]
+    return out
+
+
+def measure_memory(verdict, rt, c: int, t: int) -> list:
+    """Peak bytes this rank's loss machinery allocates, gather against ring, at C fixed (`loss_memory`); and
+    the ring's timeline (what each rank posted and computed, when), gathered from every rank."""
+    measured = loss_memory(rt, c, 64, t)
+    peaks = {key: measured[key][0] for key in measured if key != "events"}
+    sent = {key: measured[key][1] for key in measured if key != "events"}
+    for (loss_name, exchange), peak in peaks.items():
+        verdict.figure(f"peak MiB {loss_name} {exchange}", peak / 2**20)
     block, n = c * 64 * 4, c * rt.world_size
     table = Table(title=f"Peak MiB per rank, C = {c}, d = 64", title_justify="left")
     for column in ("loss", "gather", "ring", "N x 2d"):
@@ -368,10 +383,8 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
         "the gather holds the N x 2d gathered embeddings, growing with P",
         all(peaks[loss, "gather"] >= 2 * n * 64 * 4 for loss in LOSSES),
     )
-    ring = P2PRing(rt.world_size, rt.rank)
-    sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
     every = [None] * rt.world_size
-    dist.all_gather_object(every, [(rt.rank, k, what, when) for k, what, when in ring.events])
+    dist.all_gather_object(every, measured["events"])
     return [event for events in every for event in events]
 
 

@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 
 from distlab.comm.ring import Ring
-from distlab.context_parallel import split as layouts
-from distlab.context_parallel import whole_sequence
-from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
-from distlab.context_parallel.cost import Sizes, beats_whole
-from distlab.context_parallel.split import DIAGONAL, SKIP, Layout, piece_label
+from distlab.layer_split.context_parallel import split as layouts
+from distlab.layer_split.context_parallel import whole_sequence
+from distlab.layer_split.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
+from distlab.layer_split.context_parallel.cost import Sizes, beats_whole
+from distlab.layer_split.context_parallel.split import DIAGONAL, SKIP, Layout, piece_label
 from distlab.processes.agree import rank_table
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import check_flags_against_world, positive_int
@@ -301,7 +301,7 @@ def show_memory_against_p(sizes: Sizes, verdict: Verdict) -> None:
 
 def show_fold(verdict: Verdict) -> None:
     print0("\n[bold]6. One fold: ring attention and the streamed contrastive step[/]")
-    from distlab.context_parallel import attention
+    from distlab.layer_split.context_parallel import attention
     from distlab.pieces.online_softmax import online_fold
     from distlab.streamed import tiles as streamed_tiles
 

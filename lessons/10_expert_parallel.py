@@ -3,7 +3,7 @@ token travels to the rank that owns its experts and back, by two all-to-alls.
 
     torchrun --nproc-per-node 4 lessons/10_expert_parallel.py    # P must divide E (--experts)
 
-The layer (`distlab/expert_parallel/moe.py`, also the one-process reference): a router gives every token a
+The layer (`distlab/layer_split/expert_parallel/moe.py`, also the one-process reference): a router gives every token a
 softmax gate over the E experts; the token goes to its kappa best (top-kappa, kappa = 1 or 2), and their
 outputs are added with the chosen gates as weights (renormalised over the two when kappa = 2). An expert
 takes at most capacity = ceil(gamma kappa N seq / E) tokens a step, by one stated rule: for every expert, the
@@ -42,7 +42,7 @@ Mixture-of-Expert Models" (https://arxiv.org/abs/2501.11873), show the same at s
 
 Bytes rank r sends, a token's row being d values of e bytes: dispatch, its tokens that leave for other
 ranks; combine, the other ranks' tokens it returns; backward, the same rows the other way; and the counts
-(`distlab/expert_parallel/cost.py`).
+(`distlab/layer_split/expert_parallel/cost.py`).
 """
 
 from __future__ import annotations
@@ -58,9 +58,17 @@ from distlab.comm.collectives import all_to_all_bytes
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
 from distlab.comm.ring import Ring
-from distlab.expert_parallel import cost, report, runs, training
-from distlab.expert_parallel.checks import check_all_to_all, uneven_counts
-from distlab.expert_parallel.moe import MoE, MoEBlock, MoEConfig, balance_loss, capacity, kept_choices, route
+from distlab.layer_split.expert_parallel import cost, report, runs, training
+from distlab.layer_split.expert_parallel.checks import check_all_to_all, uneven_counts
+from distlab.layer_split.expert_parallel.moe import (
+    MoE,
+    MoEBlock,
+    MoEConfig,
+    balance_loss,
+    capacity,
+    kept_choices,
+    route,
+)
 from distlab.processes import compat
 from distlab.processes.agree import rank_table
 from distlab.processes.cli import lesson_parser

@@ -22,7 +22,7 @@ Bytes each rank sends: an all-to-all keeps 1/P of a block (its own positions of 
 rest, (P-1)/P of a block; four of them each way, 4 (P-1)/P blocks forward and as many backward. Ring
 attention (lesson 09) sends 2 (P-1) blocks forward and 4P - 2 backward: the same forward at P = 2, more
 from P = 3 on, and at a fixed seq its bytes per rank do not shrink with P where Ulysses' do
-(`distlab/context_parallel/ulysses.py`). What Ulysses pays instead: every rank talks to every other at once
+(`distlab/layer_split/context_parallel/ulysses.py`). What Ulysses pays instead: every rank talks to every other at once
 (an all-to-all, slower than a neighbour's link across nodes), and P can be at most h, P dividing h (with
 grouped-query attention, the key/value heads). Ring attention has no such limit, talks to neighbours only and
 hides its transfers behind the block math. The two compose: Ulysses over the heads inside a node, a ring
@@ -38,9 +38,9 @@ import torch.nn.functional as F
 
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
-from distlab.context_parallel import ulysses, whole_sequence
-from distlab.context_parallel.cost import Sizes
-from distlab.context_parallel.split import shard, unshard
+from distlab.layer_split.context_parallel import ulysses, whole_sequence
+from distlab.layer_split.context_parallel.cost import Sizes
+from distlab.layer_split.context_parallel.split import shard, unshard
 from distlab.processes.agree import rank_table
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import check_flags_against_world, positive_int

@@ -19,7 +19,7 @@ neighbours; `distlab.composed.config`), and `mesh[dim].get_group()` is the group
             back, n (s / tp) d e per micro-batch (sequence parallelism cuts the message by tp)
     tp      parallelize_module with lesson 08's plan, sequence parallel (f-bar, g-bar), and the embedding's
             rows, the final norm and the head; DTensor derives the all-gathers and reduce-scatters
-    cp      lesson 09's ring over the cp group (`distlab.context_parallel.ring`), the block's attention core
+    cp      lesson 09's ring over the cp group (`distlab.layer_split.context_parallel.ring`), the block's attention core
     dp x cp FSDP2 over the two flattened into one dimension of W = dp cp ranks: they hold the same weights
             and split the batch (dp by sequences, cp by positions), so their gradients are averaged together
 
@@ -66,8 +66,9 @@ from distlab.composed.config import LAYOUT, ModelConfig, Shape, check_model, che
 from distlab.composed.measure import StepMeasured, held, measuring
 from distlab.composed.model import LanguageModel, entropy_rate, keep_stage, loss_fn, token_batch
 from distlab.composed.trainee import MeshTrainee, flat_states
-from distlab.context_parallel.ring import ring_core
-from distlab.context_parallel.split import Layout, pieces_of
+from distlab.layer_split.context_parallel.ring import ring_core
+from distlab.layer_split.context_parallel.split import Layout, pieces_of
+from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan
 from distlab.processes.agree import rank_table
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
@@ -77,7 +78,6 @@ from distlab.proof.console import print0, rows_table
 from distlab.proof.reference import one_process
 from distlab.proof.training import Run, train
 from distlab.proof.verdict import Verdict
-from distlab.tensor_parallel.torch_tp import plan as block_plan
 
 # torch's notes that are not this lesson's: the stage's logits are a view (the schedule never writes into
 # them), and gathering a parameter FSDP2 and tp both cut (for the comparison, once a step) takes two steps

@@ -51,6 +51,11 @@ from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
 from distlab.cost.shapes import Batch, Parallel, Transformer
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
+from distlab.data_split.sharding.problem import ShardingConfig, adamw, rows_of
+from distlab.data_split.sharding.replicated import Replicated
+from distlab.layer_split.tensor_parallel import operators
+from distlab.layer_split.tensor_parallel.blocks import ParallelBlock
+from distlab.layer_split.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
@@ -60,11 +65,6 @@ from distlab.proof.held import SavedActivations, model_states, storage_bytes
 from distlab.proof.models import Block, BlockOptions, token_batch
 from distlab.proof.training import Plain
 from distlab.proof.verdict import Verdict
-from distlab.sharding.problem import ShardingConfig, adamw, rows_of
-from distlab.sharding.replicated import Replicated
-from distlab.tensor_parallel import operators
-from distlab.tensor_parallel.blocks import ParallelBlock
-from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)  # lesson 08's block
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

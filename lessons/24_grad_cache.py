@@ -56,7 +56,7 @@ from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.contrastive.measured_step import interleaved_seconds, peak_mib, right_aligned, rows_forwarded
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.data_parallel.ddp import counting
+from distlab.data_split.data_parallel.ddp import counting
 from distlab.pieces.chunks import chunks
 from distlab.pieces.random_state import RandContext
 from distlab.processes.cli import add_contrastive_args, lesson_parser

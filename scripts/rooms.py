@@ -6,7 +6,8 @@ module under it). `NAMES` moves single names out of a module that was split (the
 flag types and rules and constants now live with their owners). The script makes the tree agree with them:
 
 - moves, for every old module whose file is still there, `src/distlab/<old>.py` to its new path (`git mv` in a
-  git work tree, so history follows), making a room's `__init__.py` from `ROOMS` when it is missing;
+  git work tree, so history follows), and a package file by file (a file a late branch added to the old package
+  follows the rest), making a room's `__init__.py` from `ROOMS` when it is missing;
 - rewrites, in every text file of the tree but the records of past runs (`benchmarks/results/` keeps the paths
   the modules had when they ran) and this script and its test (their examples are not references):
   `from distlab import runtime, compare` (one statement per new parent), `from distlab.cli import DTYPES, ...`
@@ -64,6 +65,12 @@ MODULES = {
     "distlab.checkpointing": "distlab.contrastive.checkpointing",
     "distlab.optim": "distlab.contrastive.optim",
     "distlab.step_cost": "distlab.contrastive.measured_step",
+    # the parts of the arc that hold several ways of splitting: data split (06-07), layer split (08-11)
+    "distlab.data_parallel": "distlab.data_split.data_parallel",
+    "distlab.sharding": "distlab.data_split.sharding",
+    "distlab.tensor_parallel": "distlab.layer_split.tensor_parallel",
+    "distlab.context_parallel": "distlab.layer_split.context_parallel",
+    "distlab.expert_parallel": "distlab.layer_split.expert_parallel",
 }
 
 # names split out of a module: (module, name) -> the module that owns the name now
@@ -101,6 +108,8 @@ ROOMS = {
     "distlab.processes": "The processes a run stands on: torchrun's environment, the process group, devices, flags.",
     "distlab.proof": "The proof machinery: the models a check trains, the reference, the comparison, the verdict.",
     "distlab.pieces": "A batch computed in pieces exactly as the whole: chunks, the online fold, replayed randomness.",
+    "distlab.data_split": "The data split (lessons 06-07): data parallelism, and sharding what a step holds.",
+    "distlab.layer_split": "The layer split (lessons 08-11): tensor, context and expert parallelism.",
 }
 
 SKIP_DIRS = {".git", "runs", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".ruff_cache", "venv", ".venv"}
@@ -218,34 +227,60 @@ def module_file(root: Path, module: str) -> Path:
 
 
 def moves(root: Path) -> list[tuple[Path, Path]]:
-    """(old file, new file) for every mapped module still at its old path; a package moves as a folder."""
+    """(old file, new file) for every mapped module still at its old path. A package moves file by file, so a
+    file a late branch added to the old package follows the others into the new one."""
     found = []
     for old, new in MODULES.items():
-        for source, target in (
-            (module_file(root, old), module_file(root, new)),
-            (root / "src" / as_path(old), root / "src" / as_path(new)),
-        ):
-            if source.exists() and (source.suffix == ".py" or (source / "__init__.py").is_file()):
-                if target.exists():
+        source, target = module_file(root, old), module_file(root, new)
+        pairs = [(source, target)] if source.is_file() else []
+        folder = root / "src" / as_path(old)
+        if (folder / "__init__.py").is_file() or (folder.is_dir() and any(folder.rglob("*.py"))):
+            pairs += [
+                (path, root / "src" / as_path(new) / path.relative_to(folder))
+                for path in sorted(folder.rglob("*"))
+                if path.is_file() and "__pycache__" not in path.parts
+            ]
+        for source, target in pairs:
+            if target.exists():
+                if target.read_bytes() != source.read_bytes():
                     raise SystemExit(f"both {source} and {target} exist: merge them by hand, then run again")
-                found.append((source, target))
+            found.append((source, target))
     return found
 
 
 def move(root: Path, source: Path, target: Path) -> None:
+    """`git mv` (history follows) where the file is tracked, else a rename; a room's missing `__init__.py` is
+    made from ROOMS; a copy already at the target (identical) is dropped; an emptied old folder is removed."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    package = target.parent
+    package = target.parent.parent if target.name == "__init__.py" else target.parent  # a package's own moves
     while package != root / "src" / "distlab" and not (package / "__init__.py").exists():
         name = package.relative_to(root / "src").as_posix().replace("/", ".")
         (package / "__init__.py").write_text(f'"""{ROOMS.get(name, name)}"""\n')
         package = package.parent
-    tracked = subprocess.run(
-        ["git", "ls-files", "--error-unmatch", str(source)], cwd=root, capture_output=True, check=False
+    tracked = (
+        subprocess.run(
+            ["git", "ls-files", "--error-unmatch", str(source)], cwd=root, capture_output=True, check=False
+        ).returncode
+        == 0
     )
-    if tracked.returncode == 0:
+    if target.exists() and tracked:
+        subprocess.run(["git", "rm", "-q", str(source)], cwd=root, check=True)
+    elif target.exists():
+        source.unlink()
+    elif tracked:
         subprocess.run(["git", "mv", str(source), str(target)], cwd=root, check=True)
     else:
         source.rename(target)
+    folder = source.parent
+    while folder != root / "src" / "distlab" and folder.is_dir():
+        for cache in folder.glob("__pycache__"):
+            for path in cache.iterdir():
+                path.unlink()
+            cache.rmdir()
+        if any(folder.iterdir()):
+            break
+        folder.rmdir()
+        folder = folder.parent
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ the functional one with autograd, forward and backward) is recorded with the byt
 input but the part for this rank itself, whatever the splits.
 
 DDP's own all-reduce runs inside its reducer, where no mode sees it: the checks count it with a DDP comm
-hook (`distlab.data_parallel.ddp.counting`).
+hook (`distlab.data_split.data_parallel.ddp.counting`).
 """
 
 from __future__ import annotations

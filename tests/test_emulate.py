@@ -4,7 +4,7 @@ bucketed all-reduce still compute the unsplit model's gradients. No timing is as
 import torch
 from helpers import equals_reference, load_lesson, per_config, train_each
 
-from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
+from distlab.data_split.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
 from distlab.processes.spawn import spawn
 from distlab.proof import emulate

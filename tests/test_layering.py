@@ -25,18 +25,20 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 DISTLAB = SRC / "distlab"
 GROUND_PACKAGES = ("processes", "comm", "proof", "pieces")  # the ground floor's rooms
+PARTS = ("data_split", "layer_split")  # a part of the arc: a folder of its sibling packages, and nothing else
 SIBLINGS = (  # one package per way of splitting training, or per step: each imports the ground floor only
     "pipeline",
-    "data_parallel",
-    "sharding",
-    "tensor_parallel",
-    "context_parallel",
-    "expert_parallel",
+    "data_split.data_parallel",
+    "data_split.sharding",
+    "layer_split.tensor_parallel",
+    "layer_split.context_parallel",
+    "layer_split.expert_parallel",
     "composed",
     "contrastive",
     "streamed",
 )
 TOP_PACKAGES = ("cost", "plan")  # the top floor: they read every sibling's formulas
+ROOMS = GROUND_PACKAGES + SIBLINGS + TOP_PACKAGES
 PACKAGES = sorted(p.name for p in DISTLAB.iterdir() if (p / "__init__.py").is_file())
 LESSONS_PARSER = "distlab.processes.cli"  # the lessons' command line: lessons, tests and benchmarks only
 LIBRARY = sorted(SRC.rglob("*.py"))  # distlab, and distributed_clip.py: the public path to the streamed step
@@ -70,18 +72,22 @@ def imports(source: str, module: str, is_package: bool = False) -> list[str]:
 def floor_breaks(source: str, module: str, is_package: bool = False) -> list[str]:
     """The imports of `module` that cross a floor: any sibling from the ground floor, another sibling from
     a sibling, the top floor from anything below it. The top floor itself may import every floor."""
-    parts = module.split(".")
-    if len(parts) > 1 and parts[1] in TOP_PACKAGES:
+    own = room_of(module)
+    if own in TOP_PACKAGES:
         return []
-    own = parts[1] if len(parts) > 1 and parts[1] in SIBLINGS else None
     breaks = []
     for name in imports(source, module, is_package):
-        target = name.split(".")
-        if target[0] != "distlab" or len(target) < 2:
-            continue
-        if (target[1] in SIBLINGS and target[1] != own) or target[1] in TOP_PACKAGES:
+        target = room_of(name)
+        if (target in SIBLINGS and target != own) or target in TOP_PACKAGES:
             breaks.append(f"{module} imports {name}")
     return sorted(set(breaks))
+
+
+def room_of(name: str) -> str | None:
+    """The room a dotted name lies in: distlab.layer_split.tensor_parallel.cost -> layer_split.tensor_parallel,
+    distlab.proof.compare -> proof; None outside distlab or for distlab itself (or a part's own folder)."""
+    inside = name.split(".")[1:] if name.split(".")[0] == "distlab" else []
+    return next((".".join(inside[:k]) for k in (2, 1) if ".".join(inside[:k]) in ROOMS), None)
 
 
 def outside_imports(source: str, module: str) -> list[str]:
@@ -95,19 +101,31 @@ def outside_imports(source: str, module: str) -> list[str]:
     )
 
 
+def entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name not in ("__init__.py", "__pycache__"))
+
+
 def test_the_floors_are_what_the_tree_holds():
-    """Every entry of src/distlab is a room named here, on one floor (a new package names its floor)."""
-    rooms = GROUND_PACKAGES + SIBLINGS + TOP_PACKAGES
-    assert len(set(rooms)) == len(rooms)
-    entries = sorted(p.name for p in DISTLAB.iterdir() if p.name not in ("__init__.py", "__pycache__"))
-    assert entries == sorted(rooms), set(entries) ^ set(rooms)
-    assert PACKAGES == sorted(rooms) and len(FLOORED) > 50
+    """Every entry of src/distlab is a room named here, or a part of the arc holding only its rooms; a new package
+    names its floor. `ls src/distlab` shows at most 12 entries besides __init__.py."""
+    assert len(set(ROOMS + PARTS)) == len(ROOMS + PARTS)
+    top = {room.split(".")[0] for room in ROOMS}
+    assert entries(DISTLAB) == PACKAGES == sorted(top), set(entries(DISTLAB)) ^ top
+    for part in PARTS:
+        assert [f"{part}.{name}" for name in entries(DISTLAB / part)] == sorted(r for r in ROOMS if r.startswith(part))
+    assert len(entries(DISTLAB)) <= 12 and len(FLOORED) > 50
 
 
 def test_every_room_says_what_lives_there():
-    for room in GROUND_PACKAGES + SIBLINGS + TOP_PACKAGES:
-        doc = ast.get_docstring(ast.parse((DISTLAB / room / "__init__.py").read_text()))
+    for room in ROOMS + PARTS:
+        doc = ast.get_docstring(ast.parse((DISTLAB / room.replace(".", "/") / "__init__.py").read_text()))
         assert doc and len(doc.split()) >= 12, room
+
+
+def test_a_room_is_found_at_its_depth():
+    assert room_of("distlab.layer_split.tensor_parallel.cost") == "layer_split.tensor_parallel"
+    assert room_of("distlab.proof.compare.compare") == "proof" and room_of("distlab.layer_split") is None
+    assert room_of("torch.distributed") is None and room_of("distlab") is None
 
 
 def lessons_parser_imports(source: str, module: str, is_package: bool = False) -> list[str]:
@@ -160,12 +178,15 @@ def test_the_library_never_imports_a_lesson_or_a_test():
     "module,planted",
     [
         ("distlab.streamed.step", "from distlab.contrastive.rand_context import RandContext"),
-        ("distlab.sharding.zero", "from distlab import data_parallel"),
-        ("distlab.tensor_parallel.cost", "def f():\n    import distlab.sharding.accounting\n"),
+        ("distlab.data_split.sharding.zero", "from distlab.data_split import data_parallel"),
+        ("distlab.layer_split.tensor_parallel.cost", "def f():\n    import distlab.data_split.sharding.accounting\n"),
         ("distlab.contrastive.cost", "from ..pipeline import p2p"),
-        ("distlab.comm.ring", "from distlab.data_parallel.ring import Ring"),  # the ground floor, upwards
+        ("distlab.comm.ring", "from distlab.data_split.data_parallel.ring import Ring"),  # the ground floor, upwards
         ("distlab.processes.runtime", "from distlab.streamed.peers import naming_dead_peers"),
-        ("distlab.sharding.accounting", "from distlab.cost.memory import model_states"),  # the top floor, from below
+        (
+            "distlab.data_split.sharding.accounting",
+            "from distlab.cost.memory import model_states",
+        ),  # the top floor, from below
         ("distlab.proof.models", "import distlab.plan"),
     ],
 )
@@ -178,10 +199,11 @@ def test_the_floor_check_fails_on_a_planted_import(module, planted):
 
 
 def test_the_top_floor_may_import_every_floor():
-    source = "from distlab.sharding import accounting\nfrom distlab.tensor_parallel.cost import activation_bytes\n"
+    source = "from distlab.data_split.sharding import accounting\n"
+    source += "from distlab.layer_split.tensor_parallel.cost import activation_bytes\n"
     assert not floor_breaks(source + "from distlab.cost.flops import forward\n", "distlab.plan.search")
     assert not floor_breaks(source, "distlab.cost.memory")
-    assert floor_breaks(source, "distlab.context_parallel.cost")  # the same imports from a sibling break
+    assert floor_breaks(source, "distlab.layer_split.context_parallel.cost")  # the same imports from a sibling break
 
 
 def test_a_package_may_import_itself_relatively_or_not():

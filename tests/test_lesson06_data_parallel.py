@@ -11,10 +11,10 @@ import torch
 from helpers import assert_same_error_on_every_rank, load_lesson, torchrun
 
 from distlab.comm.collectives import check_collective, full_numel, rank_input, ring_bytes
-from distlab.data_parallel import ddp
-from distlab.data_parallel.measure import MEASURED, library_ring, measure_collectives
-from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
-from distlab.data_parallel.training import train
+from distlab.data_split.data_parallel import ddp
+from distlab.data_split.data_parallel.measure import MEASURED, library_ring, measure_collectives
+from distlab.data_split.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
+from distlab.data_split.data_parallel.training import train
 from distlab.processes.spawn import SpawnError, spawn
 from distlab.proof.compare import all_ok, compare
 from distlab.proof.reference import one_process, sgd

@@ -21,9 +21,9 @@ from helpers import (
 
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
-from distlab.expert_parallel import cost, runs
-from distlab.expert_parallel.checks import check_all_to_all
-from distlab.expert_parallel.moe import MoEBlock, MoEConfig, Routing, capacity, kept_choices
+from distlab.layer_split.expert_parallel import cost, runs
+from distlab.layer_split.expert_parallel.checks import check_all_to_all
+from distlab.layer_split.expert_parallel.moe import MoEBlock, MoEConfig, Routing, capacity, kept_choices
 from distlab.processes.spawn import spawn
 
 # E = 12 splits over P = 1..4; 96 tokens, top-2: 192 choices, capacity 16 at gamma = 1 (32 dropped).

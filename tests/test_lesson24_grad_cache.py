@@ -26,7 +26,7 @@ from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.data_parallel.ddp import HookCalls, counting
+from distlab.data_split.data_parallel.ddp import HookCalls, counting
 from distlab.pieces.chunks import chunks
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare, grads_of

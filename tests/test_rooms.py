@@ -63,6 +63,9 @@ def old_tree(tmp_path: Path) -> Path:
     (distlab / "__init__.py").write_text('"""distlab."""\n')
     for name in ("runtime", "cli", "memory", "step_cost"):
         (distlab / f"{name}.py").write_text(f'"""{name}."""\nfrom distlab.console import print0\n')
+    (distlab / "tensor_parallel").mkdir()  # a package moves too, file by file
+    (distlab / "tensor_parallel" / "__init__.py").write_text('"""Lesson 08."""\n')
+    (distlab / "tensor_parallel" / "cost.py").write_text("from distlab.tensor_parallel.model import Block\n")
     (tree / "lessons").mkdir()
     (tree / "lessons" / "01_fake.py").write_text(LESSON)
     notebook = {
@@ -90,7 +93,17 @@ def test_the_modules_move_and_every_reference_follows(tmp_path):
     first = rooms(tree)
     assert first.returncode == 0, first.stderr
     distlab = tree / "src" / "distlab"
-    assert sorted(p.name for p in distlab.iterdir()) == ["__init__.py", "contrastive", "processes", "proof"]
+    assert sorted(p.name for p in distlab.iterdir()) == [
+        "__init__.py",
+        "contrastive",
+        "layer_split",
+        "processes",
+        "proof",
+    ]
+    moved = distlab / "layer_split" / "tensor_parallel"
+    assert (moved / "cost.py").read_text() == "from distlab.layer_split.tensor_parallel.model import Block\n"
+    assert (moved / "__init__.py").read_text() == '"""Lesson 08."""\n'
+    assert (distlab / "layer_split" / "__init__.py").read_text().startswith('"""The layer split')
     assert (distlab / "processes" / "runtime.py").is_file() and (distlab / "processes" / "cli.py").is_file()
     assert (distlab / "contrastive" / "measured_step.py").is_file()
     for room in ("processes", "proof", "contrastive"):  # a missing room's __init__.py is made, with a docstring
@@ -109,7 +122,8 @@ def test_the_modules_move_and_every_reference_follows(tmp_path):
 
 
 def test_a_branch_merged_after_the_move_is_rewritten_only(tmp_path):
-    """The lead's case: the modules moved already, a merged lesson still says the old paths."""
+    """The lead's case: the modules moved already, a merged lesson still says the old paths, and a merged branch
+    added a file to a package at its old place."""
     tree = old_tree(tmp_path)
     assert rooms(tree).returncode == 0
     (tree / "lessons" / "02_late.py").write_text(LESSON)
@@ -117,6 +131,12 @@ def test_a_branch_merged_after_the_move_is_rewritten_only(tmp_path):
     assert check.returncode == 1 and check.stdout.splitlines() == ["rewrote lessons/02_late.py"]
     assert rooms(tree).returncode == 0
     assert (tree / "lessons" / "02_late.py").read_text() == REWRITTEN
+    late = tree / "src" / "distlab" / "tensor_parallel" / "async_tp.py"
+    late.parent.mkdir()
+    late.write_text("from distlab.tensor_parallel import cost\n")
+    assert rooms(tree).returncode == 0 and not late.parent.exists()
+    moved = tree / "src" / "distlab" / "layer_split" / "tensor_parallel" / "async_tp.py"
+    assert moved.read_text() == "from distlab.layer_split.tensor_parallel import cost\n"
 
 
 def test_the_check_fails_on_an_old_path(tmp_path):

@@ -19,7 +19,7 @@ from streamed_helpers import STREAMED_N as N
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.contrastive.losses import clip_loss
-from distlab.data_parallel.ddp import counting
+from distlab.data_split.data_parallel.ddp import counting
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare, grads_of, params_of
 from distlab.proof.models import paired_data

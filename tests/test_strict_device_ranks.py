@@ -185,7 +185,7 @@ def _ddp_rep_clip_loss(rep_x, rep_y, tau):
 def _grad_cache_under_ddp(rt):
     """As lesson 24 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
     from distlab.contrastive.grad_cache import GradCache
-    from distlab.data_parallel.ddp import counting
+    from distlab.data_split.data_parallel.ddp import counting
     from distlab.proof.memory import PeakMemory
     from distlab.proof.models import TwoTower, paired_data
 

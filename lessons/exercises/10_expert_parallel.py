@@ -6,7 +6,7 @@ owns experts r E/P .. (r+1) E/P - 1. Write `expert_parallel_moe(layer, u)`: retu
 rank's tokens, equal to one process running the whole MoE on all N seq tokens of the step, where
 
     gate_t = softmax(u_t W_router^T);  token t goes to its kappa best experts, weights = their gates
-             (renormalised over the kappa when kappa = 2): `distlab.expert_parallel.moe.route` does this;
+             (renormalised over the kappa when kappa = 2): `distlab.layer_split.expert_parallel.moe.route` does this;
     MoE(u_t) = sum over the kept choices (t, i) of weight_t,i Expert_i(u_t);
     capacity = ceil(gamma kappa N seq / E) tokens per expert and step (`moe.capacity(cfg, N seq)`), kept in
              global order: for each expert, rank 0's tokens (in token order) first, then rank 1's, ...;
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.expert_parallel.moe import MoEConfig  # noqa: F401  (layer.cfg is one)
+from distlab.layer_split.expert_parallel.moe import MoEConfig  # noqa: F401  (layer.cfg is one)
 
 
 def expert_parallel_moe(layer, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,11 @@ The library is built in floors, and `ls src/distlab` shows them (tests/test_laye
   one-process reference, the comparison, the measurements, the verdict) and `pieces` (a batch computed in
   pieces exactly as the whole: chunks, input splits, the online softmax fold, replayed randomness);
 - on it, one package per way to split training, which import the ground floor and never each other:
-  `pipeline` (lessons 01-05), `data_parallel` (06), `sharding` (07), `tensor_parallel` (08),
-  `context_parallel` (09, 11), `expert_parallel` (10), `composed` (12: one transformer on a dp x pp x tp x cp
-  mesh), and the contrastive ones, `contrastive` (21-24, 27) and `streamed` (25-26, the step
-  `distributed_clip` imports);
+  `pipeline` (the model split, lessons 01-05); the data split, `data_split.data_parallel` (06) and
+  `data_split.sharding` (07); the layer split, `layer_split.tensor_parallel` (08),
+  `layer_split.context_parallel` (09, 11) and `layer_split.expert_parallel` (10); `composed` (12: one
+  transformer on a dp x pp x tp x cp mesh); and the contrastive ones, `contrastive` (21-24, 27) and `streamed`
+  (25-26, the step `distributed_clip` imports);
 - on top, the packages that read every way at once: `cost` (13: a step's FLOPs, bytes, memory and time from
   each package's formulas) and `plan` (the planner on the cost model, `python -m distlab.plan`). Nothing below
   imports them.

@@ -17,7 +17,7 @@ parallelism cuts it (lesson 08): "column" (rows split: q, k, v, fc1 and their bi
 out, fc2; their biases stay whole, added after g), or "whole" (norms; the embedding and head are cut by
 vocabulary rows, "column").
 
-The split is a `Parallel`: dp data-parallel ranks with a ZeRO stage (`distlab.sharding.accounting.STAGES`;
+The split is a `Parallel`: dp data-parallel ranks with a ZeRO stage (`distlab.data_split.sharding.accounting.STAGES`;
 FSDP2 is ZeRO-3, lesson 07), tp tensor-parallel ranks with or without sequence parallelism (lesson 08), pp
 pipeline ranks running a named schedule of `distlab.pipeline.schedules` with v stages per rank (lessons
 02-05), cp context-parallel ranks on a zig-zag ring (lesson 09), and activation recomputation per block.
@@ -33,9 +33,9 @@ import math
 from dataclasses import dataclass, fields
 from functools import cache
 
+from distlab.data_split.sharding.accounting import STAGES
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.schedules import make_schedule
-from distlab.sharding.accounting import STAGES
 
 ATTENTION = ("sdpa", "written")
 ORDER = ("tp", "cp", "pp", "dp")  # mesh dimensions, innermost (fastest links) first, as Llama 3 orders them
@@ -177,7 +177,7 @@ class Parallel:
     """How a step is split: P = dp tp pp cp ranks (see the module docstring)."""
 
     dp: int = 1
-    zero: str = "DDP"  # one of distlab.sharding.accounting.STAGES; FSDP2 is ZeRO-3
+    zero: str = "DDP"  # one of distlab.data_split.sharding.accounting.STAGES; FSDP2 is ZeRO-3
     tp: int = 1
     sp: bool = False  # sequence parallelism beside tensor parallelism
     cut_gathered: bool = False  # sp as Megatron-LM: q, k, v's and fc1's gathered input kept cut, gathered again

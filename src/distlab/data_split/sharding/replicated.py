@@ -3,7 +3,7 @@ every rank, gradients averaged by one ring all-reduce per layer (the same padded
 so the bytes compare), torch's AdamW on the whole model. A trainee of the one training loop.
 
 Under mixed precision (`cfg.master`) the bf16 gradients are all-reduced and AdamW steps a whole float32
-master copy of the weights (`distlab.sharding.mixed.stepping_a_master`): 2 + 2 + 4 + 8 = 16 Psi bytes."""
+master copy of the weights (`distlab.data_split.sharding.mixed.stepping_a_master`): 2 + 2 + 4 + 8 = 16 Psi bytes."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from distlab.comm.ring import Ring
+from distlab.data_split.sharding.flat import units_of
+from distlab.data_split.sharding.mixed import states_by_name, stepping_a_master
+from distlab.data_split.sharding.problem import ShardingConfig, adamw
 from distlab.processes.runtime import Runtime
 from distlab.proof.held import model_states
 from distlab.proof.training import Plain, Tensors
-from distlab.sharding.flat import units_of
-from distlab.sharding.mixed import states_by_name, stepping_a_master
-from distlab.sharding.problem import ShardingConfig, adamw
 
 
 class Replicated(Plain):

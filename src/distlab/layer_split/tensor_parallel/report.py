@@ -6,8 +6,8 @@ from fractions import Fraction
 
 from rich.table import Table
 
+from distlab.layer_split.tensor_parallel.runs import Outcome
 from distlab.proof.console import compact_table
-from distlab.tensor_parallel.runs import Outcome
 
 
 def mark(ok: bool) -> str:

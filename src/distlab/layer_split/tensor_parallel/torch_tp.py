@@ -30,11 +30,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from distlab.layer_split.tensor_parallel.model import build, regression_loss
+from distlab.layer_split.tensor_parallel.operators import sequence_parallel as sequence_parallel_ops
+from distlab.layer_split.tensor_parallel.operators import tensor_parallel as tensor_parallel_ops
+from distlab.layer_split.tensor_parallel.runs import Batch, rank_batch, sgd_steps
 from distlab.proof.training import Run
-from distlab.tensor_parallel.model import build, regression_loss
-from distlab.tensor_parallel.operators import sequence_parallel as sequence_parallel_ops
-from distlab.tensor_parallel.operators import tensor_parallel as tensor_parallel_ops
-from distlab.tensor_parallel.runs import Batch, rank_batch, sgd_steps
 
 
 def plan(sequence_parallel: bool) -> dict:

@@ -29,7 +29,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, gather_rows, mean_loss, shard
+from distlab.data_split.data_parallel.problem import (
+    DataParallelConfig,
+    batch_lse_loss,
+    build,
+    gather_rows,
+    mean_loss,
+    shard,
+)
 from distlab.processes.runtime import Runtime
 from distlab.proof.compare import grads_of
 from distlab.proof.models import _init_linear_

@@ -53,7 +53,8 @@ class Partial:
 
 def causal_mask(queries: range, keys: range, device: torch.device) -> torch.Tensor:
     """True where key position j > query position i (masked): the mask of a tile whose kind
-    (`distlab.context_parallel.split.tile_kind`) is diagonal; a full tile needs none, a skipped one no math."""
+    (`distlab.layer_split.context_parallel.split.tile_kind`) is diagonal; a full tile needs none, a skipped one
+    no math."""
     q_pos = torch.arange(queries.start, queries.stop, device=device)
     k_pos = torch.arange(keys.start, keys.stop, device=device)
     return k_pos.unsqueeze(0) > q_pos.unsqueeze(1)

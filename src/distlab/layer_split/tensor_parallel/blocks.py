@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distlab.layer_split.tensor_parallel.layers import LIBRARY_LAYERS, Layers
+from distlab.layer_split.tensor_parallel.operators import Comm
 from distlab.proof.models import MLP, Attention, Block, attend, masked
-from distlab.tensor_parallel.layers import LIBRARY_LAYERS, Layers
-from distlab.tensor_parallel.operators import Comm
 
 
 def check_split(heads: int, ffn: int, world_size: int, seq: int | None = None) -> None:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from distlab.comm.ring import Ring
-from distlab.context_parallel import split as layouts
-from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
-from distlab.context_parallel.split import DIAGONAL, SKIP, Layout
+from distlab.layer_split.context_parallel import split as layouts
+from distlab.layer_split.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
+from distlab.layer_split.context_parallel.split import DIAGONAL, SKIP, Layout
 
 
 def _tiles(layout: Layout, rows_of: int, keys_of: int):

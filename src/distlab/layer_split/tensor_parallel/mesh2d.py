@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from distlab.comm.collectives import ring_fraction
+from distlab.layer_split.tensor_parallel.blocks import ParallelBlock
+from distlab.layer_split.tensor_parallel.cost import expected_traffic
+from distlab.layer_split.tensor_parallel.model import BlockConfig, build, dropout_masks
+from distlab.layer_split.tensor_parallel.operators import all_reduce, tensor_parallel
+from distlab.layer_split.tensor_parallel.runs import Batch, sgd_steps
 from distlab.proof.training import Run, reduce_gradients
-from distlab.tensor_parallel.blocks import ParallelBlock
-from distlab.tensor_parallel.cost import expected_traffic
-from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks
-from distlab.tensor_parallel.operators import all_reduce, tensor_parallel
-from distlab.tensor_parallel.runs import Batch, sgd_steps
 
 
 def mesh_shape(world_size: int) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 Psi parameters in `tensors` tensors, split into `units` layers; P ranks; e bytes per element of the
 weights, gradients and AdamW moments (8 in float64). A sharded item keeps Psi_P = sum_u ceil(Psi_u / P)
-elements per rank (Psi_P = Psi / P when P divides every layer's Psi_u; `distlab.sharding.flat`).
+elements per rank (Psi_P = Psi / P when P divides every layer's Psi_u; `distlab.data_split.sharding.flat`).
 
 | item                     | DDP       | ZeRO-1              | ZeRO-2     | ZeRO-3     |
 |--------------------------|-----------|---------------------|------------|------------|
@@ -18,7 +18,7 @@ whole one; ZeRO-1/2 step a copy of their shard of the weights (the float32 maste
 precision) and all-gather the result into the weights; ZeRO-3's shard is the only copy of the weights.
 
 Mixed precision (bf16 weights and gradients, a float32 master copy and float32 moments,
-`distlab.sharding.mixed`) prices the same items at e = 2 but the moments at e_m = 4 bytes, and adds the
+`distlab.data_split.sharding.mixed`) prices the same items at e = 2 but the moments at e_m = 4 bytes, and adds the
 master copy that AdamW steps: e_m Psi under DDP, e_m Psi_P beside each stage's bf16 shard (`Sizes.e_m`;
 in one dtype e_m = e and there is no master):
 
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlab.sharding.flat import FlatUnit
+from distlab.data_split.sharding.flat import FlatUnit
 
 STEP_COUNT_BYTES = 4  # AdamW keeps its step count as a float32 scalar tensor per parameter tensor
 STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -112,13 +112,13 @@ def expected_bytes(stage: str, s: Sizes, first_shard: int = 0) -> int:
 
 def expected_states_one_dtype(psi: int, tensors: int, e: int) -> dict[str, int]:
     """The model states of one process (or one DDP rank) training in one dtype of e bytes, by formula (the
-    measured side: `distlab.sharding.holds.measure_one_dtype_step`)."""
+    measured side: `distlab.data_split.sharding.holds.measure_one_dtype_step`)."""
     return {"weights": e * psi, "gradients": e * psi, "moments": 2 * e * psi, "step counts": STEP_COUNT_BYTES * tensors}
 
 
 def expected_states_mixed(psi: int, tensors: int) -> dict[str, int]:
     """bf16 weights and gradients, a float32 master copy and float32 moments, by formula (the measured side:
-    `distlab.sharding.holds.measure_mixed_step`)."""
+    `distlab.data_split.sharding.holds.measure_mixed_step`)."""
     return {
         "weights": 2 * psi,
         "gradients": 2 * psi,

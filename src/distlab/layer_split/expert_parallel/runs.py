@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.expert_parallel.moe import MoEBlock, MoEConfig, Routing, capacity, kept_choices, route
+from distlab.layer_split.expert_parallel.moe import MoEBlock, MoEConfig, Routing, capacity, kept_choices, route
 from distlab.processes.runtime import Runtime
 from distlab.proof.compare import Comparison, compare_whole
 from distlab.proof.models import token_batch

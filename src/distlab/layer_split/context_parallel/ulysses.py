@@ -20,7 +20,7 @@ whole heads, so P must divide h (and, with grouped-query attention, the key/valu
 
 from __future__ import annotations
 
-from distlab.context_parallel.cost import Sizes
+from distlab.layer_split.context_parallel.cost import Sizes
 from distlab.processes.flags import require
 
 

@@ -23,11 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from distlab.data_split.sharding.fsdp import Fsdp2
+from distlab.data_split.sharding.problem import ShardingConfig, build_model
+from distlab.data_split.sharding.training import local_rows, steps_of
 from distlab.processes.runtime import Runtime
 from distlab.proof.training import train
-from distlab.sharding.fsdp import Fsdp2
-from distlab.sharding.problem import ShardingConfig, build_model
-from distlab.sharding.training import local_rows, steps_of
 
 
 def fsdp_on(rt: Runtime, cfg: ShardingConfig, ranks: int) -> tuple[Fsdp2, Runtime]:

@@ -1,5 +1,5 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) on the lesson's model, as a strategy for the loop of
-`distlab.sharding.training`: one `fully_shard` per layer (a layer's weights are all-gathered as one
+`distlab.data_split.sharding.training`: one `fully_shard` per layer (a layer's weights are all-gathered as one
 group, like ZeRO-3's flat unit), then one on the root. Its parameters become DTensors sharded on
 dim 0 (`Shard(0)`): rank r keeps rows r ceil(rows/P) .. of every parameter, each padded to
 ceil(rows/P) rows, so its bytes per rank are e sum_params ceil(rows/P) x (the other dims).
@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from distlab.data_split.sharding.problem import ShardingConfig, adamw
 from distlab.processes.runtime import Runtime
 from distlab.proof.held import model_states
-from distlab.sharding.problem import ShardingConfig, adamw
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:

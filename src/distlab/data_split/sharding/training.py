@@ -3,12 +3,13 @@
     zero_grad(); loss = mse(model(x_r), target_r); loss.backward(); after_backward();
     optimizer.step(); after_step()
 
-is `distlab.proof.training.train` run for `cfg.steps` steps of the global batches of `distlab.sharding.problem`,
+is `distlab.proof.training.train` run for `cfg.steps` steps of the global batches of
+`distlab.data_split.sharding.problem`,
 everything from building the model on inside one `PeakMemory`: its peak is the step's peak (model
 states, activations and transient buffers), and what it still holds at the end (`live_bytes`) is the
 model states alone (the batches are made before it, the loss is dropped). `held` counts the same bytes
 item by item, from the storages of the tensors the strategy keeps (`distlab.proof.held`); both are what the
-formulas of `distlab.sharding.accounting` predict. `sent` is the bytes the strategy's ring sent per step.
+formulas of `distlab.data_split.sharding.accounting` predict. `sent` is the bytes the strategy's ring sent per step.
 The record's first gradients are read (gathered whole) with the measurement paused: they are the
 check's, not the strategy's.
 """
@@ -22,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
+from distlab.data_split.sharding.problem import ShardingConfig, build_model, global_batch, loss_fn, rows_of
 from distlab.processes.runtime import Runtime
 from distlab.proof.held import storage_bytes
 from distlab.proof.memory import PeakMemory
 from distlab.proof.training import Run, mean_over_ranks, train
-from distlab.sharding.problem import ShardingConfig, build_model, global_batch, loss_fn, rows_of
 
 
 @dataclass

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from distlab.comm.timing import barrier, slowest_median
-from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
-from distlab.data_parallel.report import timeline_table, timing_table
+from distlab.data_split.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
+from distlab.data_split.data_parallel.report import timeline_table, timing_table
 from distlab.processes.runtime import Runtime
 from distlab.proof import emulate
 from distlab.proof.console import print0

@@ -1,6 +1,6 @@
 """This rank's shard of every layer, and AdamW on the shards: what each ZeRO stage of lesson 07 starts from.
 
-Each layer is one flat unit (`distlab.sharding.flat`): its Psi_u parameters flattened and padded to
+Each layer is one flat unit (`distlab.data_split.sharding.flat`): its Psi_u parameters flattened and padded to
 P ceil(Psi_u / P) elements; rank r keeps shard r of it as an nn.Parameter, and AdamW steps the shards
 only, so AdamW's moments are sharded from the start. Every byte a stage sends goes through a counting
 ring (`Ring`); the gathers that read a run whole for the record (`grads`, `params`, `states`) are not
@@ -13,7 +13,7 @@ training loop (`distlab.proof.training.train`) drives it:
 
 Under mixed precision (`cfg.master`) the shards are bf16 like the weights (what the stages gather, and
 where their reduce-scatters leave the gradient), and AdamW steps a float32 master of each shard
-(`distlab.sharding.mixed.stepping_a_master`), rounded into the shard after each step: the stages are
+(`distlab.data_split.sharding.mixed.stepping_a_master`), rounded into the shard after each step: the stages are
 the same code in both.
 """
 
@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from distlab.comm.ring import Ring
+from distlab.data_split.sharding.flat import units_of
+from distlab.data_split.sharding.mixed import stepping_a_master
+from distlab.data_split.sharding.problem import ShardingConfig, adamw
 from distlab.processes import compat
 from distlab.processes.runtime import Runtime
 from distlab.proof.held import model_states
-from distlab.sharding.flat import units_of
-from distlab.sharding.mixed import stepping_a_master
-from distlab.sharding.problem import ShardingConfig, adamw
 
 
 class Sharded:
@@ -85,7 +85,7 @@ class Sharded:
         return {name: {"exp_avg": m[name], "exp_avg_sq": v[name], "step": step[name]} for name in m}
 
     def items(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds, by item of `distlab.sharding.accounting.held`: ZeRO-1 and -2 keep
+        """The tensors this rank holds, by item of `distlab.data_split.sharding.accounting.held`: ZeRO-1 and -2 keep
         the whole weights beside the shards AdamW steps (the "shard copy"); ZeRO-3's shards are its weights;
         under mixed precision each stage keeps the float32 masters of its shards too (the "master copy")."""
         weights = list(self.model.parameters())

@@ -19,15 +19,15 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.comm.ledger import Ledger
+from distlab.layer_split.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
+from distlab.layer_split.tensor_parallel.layers import LIBRARY_LAYERS, Layers, reference_shards
+from distlab.layer_split.tensor_parallel.model import BlockConfig, build, dropout_masks, regression_loss
+from distlab.layer_split.tensor_parallel.operators import Comm
+from distlab.layer_split.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.proof.compare import Comparison, against, all_ok
 from distlab.proof.held import SavedActivations
 from distlab.proof.memory import PeakMemory
 from distlab.proof.training import Plain, Run, train
-from distlab.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
-from distlab.tensor_parallel.layers import LIBRARY_LAYERS, Layers, reference_shards
-from distlab.tensor_parallel.model import BlockConfig, build, dropout_masks, regression_loss
-from distlab.tensor_parallel.operators import Comm
-from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 
 PARTS = {
     "mlp": (lambda b: b.mlp, ParallelMLP),
@@ -181,7 +181,7 @@ def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm, layers: Layers =
 def block_costs(rt, cfg: BlockConfig) -> dict[str, tuple[float, int, bool]]:
     """For TP and TP + SP, one step of the block on this rank: (bytes sent, activation bytes kept,
     equal to the unsplit block) - what the notebook plots against P."""
-    from distlab.tensor_parallel.operators import sequence_parallel, tensor_parallel
+    from distlab.layer_split.tensor_parallel.operators import sequence_parallel, tensor_parallel
 
     out = {}
     for name, make in (("TP", tensor_parallel), ("TP + SP", sequence_parallel)):

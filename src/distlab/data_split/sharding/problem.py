@@ -9,7 +9,7 @@ ranks' gradients (reduce-scatter, then divide by P) and must equal one process o
 `reference` is that process, a deep copy of the model with torch's own AdamW (weight decay on every
 parameter, one group), whose gradients, parameters and optimizer states every stage is compared with.
 Under mixed precision (`ShardingConfig.mixed`: bf16 model and batches, a float32 master that AdamW steps)
-the reference is the same process under the same recipe (`distlab.sharding.mixed.MasterStepped`).
+the reference is the same process under the same recipe (`distlab.data_split.sharding.mixed.MasterStepped`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distlab.data_split.sharding.mixed import MasterStepped
 from distlab.processes.runtime import Runtime
 from distlab.proof.models import layered_mlp, regression_batch
 from distlab.proof.reference import one_process
 from distlab.proof.training import Run, train
-from distlab.sharding.mixed import MasterStepped
 
 
 @dataclass(frozen=True)

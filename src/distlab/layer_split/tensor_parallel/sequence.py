@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from distlab.layer_split.tensor_parallel.operators import Comm, all_reduce
 from distlab.proof.training import reduce_gradients
-from distlab.tensor_parallel.operators import Comm, all_reduce
 
 SEQ_DIM = 1
 

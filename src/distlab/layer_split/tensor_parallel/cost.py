@@ -35,7 +35,7 @@ from fractions import Fraction
 import torch
 
 from distlab.comm.collectives import ring_fraction
-from distlab.tensor_parallel.model import BlockConfig
+from distlab.layer_split.tensor_parallel.model import BlockConfig
 
 PARTS_IN = {"mlp": 1, "attention": 1, "block": 2}  # (enter, exit) pairs per forward
 

@@ -22,10 +22,10 @@ from streamed_helpers import DROPOUT_SEED, rank_streams
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.contrastive.reference import as_ranks, full_batch_gradients
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 from distlab.streamed.exit_hint import HINT
 from distributed_clip import ClipLoss, SigLipLoss
 

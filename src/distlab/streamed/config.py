@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from distlab.chunks import balanced_chunks
+from distlab.pieces.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE")
 OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION")

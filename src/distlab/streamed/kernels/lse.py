@@ -3,7 +3,7 @@ partials of the same tiles, in one launch.
 
 A program owns BLOCK_M rows and walks its range of columns (`launch.column_split`) a BLOCK_N block at a time:
 each S tile is made in registers (`tile.s_tile`, d in slices of BLOCK_D) and folded into the rows' running max
-m and sum l = sum_j exp(S_ij - m) (the online fold of `distlab.online_softmax`), then dropped. Where the tile
+m and sum l = sum_j exp(S_ij - m) (the online fold of `distlab.pieces.online_softmax`), then dropped. Where the tile
 holds row i's positive (column i + offset) its logit S_ii is stored from that very tile, so that
 nll_i = (m_i - S_ii) + log l_i is exactly log l_i when the positive is the row's max (`tiles.lse_and_nll`).
 With ROLE = COLUMNS the tile is also folded down its columns (max, then the sum of exp under it): one (m, l)
@@ -81,7 +81,7 @@ class Folded:
     positive lies in k; other entries undefined), and with `columns` the (m, l) of every column over q's rows."""
 
     m: torch.Tensor
-    l: torch.Tensor  # noqa: E741 - the fold's l, as in `distlab.online_softmax`
+    l: torch.Tensor  # noqa: E741 - the fold's l, as in `distlab.pieces.online_softmax`
     diag: torch.Tensor
     col_m: torch.Tensor | None = None
     col_l: torch.Tensor | None = None

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.runtime import distributed, run_main
+from distlab.processes.runtime import distributed, run_main
 from distributed_clip import distributed_train_step
 
 IMAGE, CONTEXT, VOCAB = 224, 77, 49408  # open_clip's ViT-B-32 inputs

@@ -41,6 +41,7 @@ import pytest
 import torch
 from exercise_claims import Claims, Hints
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
+from exercise_watch import unknown_ops
 from helpers import lesson_path
 
 from distlab.spawn import spawn
@@ -48,6 +49,7 @@ from distlab.spawn import spawn
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS, EXERCISES = ROOT / "lessons", ROOT / "lessons" / "exercises"
 DEFAULT_HINT_LEVEL = 1  # the idea, named; 0 for no help at all
+UNKNOWN_CLAIM = "every collective the answer runs is one the judge can price"
 
 
 def hint_level_default() -> int:
@@ -110,34 +112,52 @@ def swapped(answer: Answer, **names: Any):
 
 @dataclass(frozen=True)
 class Verdict:
-    """One answer's judgment: not written yet (`blank`), or every rank's findings and their diagnosis."""
+    """One answer's judgment: not written yet (`blank`), or every rank's findings and their diagnosis, at
+    the world size `world` it was judged at (the first where a claim failed, else the last)."""
 
     answer: Answer
     blank: str | None
     findings: Findings | None
     diagnosis: Diagnosis | None
+    world: int = 0
 
 
 def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple) -> list[dict]:
     """One rank: each answer in turn, loaded, run through the check's body; what it recorded, or that it is blank."""
     reports = []
     for answer in answers:
-        claims = Claims()
+        claims, before = Claims(), len(unknown_ops())
         try:
             body(rt, answer.load(), claims, *args)
         except NotImplementedError as err:
             reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
             continue
+        unknown = sorted(set(unknown_ops(before)))
+        if unknown:  # first: what the judge could not price makes every byte claim after it unsure
+            claims.holds(
+                UNKNOWN_CLAIM,
+                False,
+                what="collectives",
+                note=f"the judge cannot price {', '.join(unknown)}",
+                hints=(
+                    "the judge prices torch.distributed's collectives and the functional ones; this op is neither",
+                    "write the exchange with dist.all_reduce, all_gather, reduce_scatter, all_to_all, send/recv",
+                ),
+            )
+            claims.seen.insert(0, claims.seen.pop())
         reports.append({"seen": claims.seen})
     return reports
 
 
 @dataclass(frozen=True)
 class Exercise:
-    """An exercise's judge: `body(rt, fn, claims, *args)` on `world` ranks, its catalogue of mistakes, its
-    own hints (three levels, for a learner who has not started), `numbers` (a regex naming the claims about
-    numbers, which a structural wrong answer must keep), and where the solution is when the lesson calls
-    it from the library (`solution_at`)."""
+    """An exercise's judge: `body(rt, fn, claims, *args)` on `world` ranks, then on each of `also_at`
+    (world sizes where the lesson's claims read differently: a factor (P - 1) that equals 2 (P - 1)/P at
+    P = 2, a sub-group that is the whole world at P = 2; the body takes P from `rt.world_size` there), its
+    catalogue of mistakes, its own hints (three levels, for a learner who has not started), `numbers` (a
+    regex naming the claims about numbers, which a structural wrong answer must keep), the quantities a
+    ratio is read in (`quantities(P)`: {"M": 4, "C": 3, ...}; P is always one), and where the solution is
+    when the lesson calls it from the library (`solution_at`)."""
 
     lesson: str
     name: str
@@ -148,20 +168,31 @@ class Exercise:
     numbers: str = "equal"
     args: tuple = ()
     solution_at: Answer | None = None
+    also_at: tuple[int, ...] = ()
+    quantities: Callable[[int], dict] | None = None
 
     def judge(self, answers: list[Answer]) -> list[Verdict]:
-        """Every answer judged in one spawn of `world` ranks."""
-        reports = spawn(_rank, self.world, self.body, answers, self.args, timeout_s=60, limit_s=240)
-        verdicts = []
-        for k, answer in enumerate(answers):
-            mine = [rank[k] for rank in reports]
-            blank = next((r["blank"] for r in mine if "blank" in r), None)
-            if blank is not None:
-                verdicts.append(Verdict(answer, blank, None, None))
-                continue
-            findings = Findings([r["seen"] for r in mine])
-            verdicts.append(Verdict(answer, None, findings, diagnose(findings, self.mistakes, self.world)))
-        return verdicts
+        """Every answer judged in one spawn per world size: at `world` first, and at each of `also_at` the
+        answers that passed so far; an answer's verdict is its first failure's."""
+        verdicts: dict[Answer, Verdict] = {}
+        worlds = (self.world, *self.also_at)
+        for world in worlds:
+            pending = [a for a in dict.fromkeys(answers) if a not in verdicts]
+            if not pending:
+                break
+            reports = spawn(_rank, world, self.body, pending, self.args, timeout_s=60, limit_s=240)
+            quantities = {"P": world, **(self.quantities(world) if self.quantities else {})}
+            for k, answer in enumerate(pending):
+                mine = [rank[k] for rank in reports]
+                blank = next((r["blank"] for r in mine if "blank" in r), None)
+                if blank is not None:
+                    verdicts[answer] = Verdict(answer, blank, None, None, world)
+                    continue
+                findings = Findings([r["seen"] for r in mine])
+                diagnosis = diagnose(findings, self.mistakes, world, quantities)
+                if diagnosis is not None or world == worlds[-1]:
+                    verdicts[answer] = Verdict(answer, None, findings, diagnosis, world)
+        return [verdicts[a] for a in answers]
 
     def message(self, verdict: Verdict, level: int) -> str | None:
         """What a learner reads: None when every claim held."""
@@ -174,7 +205,8 @@ class Exercise:
             return "\n".join(lines)
         if verdict.diagnosis is None:
             return None
-        return f"{verdict.answer.path.name}: {verdict.diagnosis.message(level)}"
+        where = f" (judged at P = {verdict.world})" if self.also_at else ""
+        return f"{verdict.answer.path.name}{where}: {verdict.diagnosis.message(level)}"
 
     def judged(self) -> Answer:
         return self.solution_at or solution(self.lesson, self.name)
@@ -193,7 +225,7 @@ class Exercise:
             start = time.monotonic()
             (verdict,) = self.judge([answer])
             seconds = time.monotonic() - start
-            took = f"checked on {self.world} rank(s) in {seconds:.1f} s"
+            took = f"checked on {' and '.join(map(str, (self.world, *self.also_at)))} rank(s) in {seconds:.1f} s"
             text = self.message(verdict, hint_level)
             numbered = exercise(self.lesson, self.name).path.stem  # "21_contrastive_global": the summary's name
             request.config.stash.setdefault(TIMES, []).append((numbered, text is None, seconds))

@@ -17,7 +17,9 @@ signature; and the exercise's own hints by level. `Exercise.tests` turns that in
   file; the judge recognises that mistake and gives its hints, level by level;
 - `test_the_judge_checks_beyond_numbers[<answer>]` (`Exercise.structure_test`): a wrong answer whose numbers
   are right fails the structural claim it breaks (memory, collectives, bytes, a schedule's shape), and only
-  such claims.
+  such claims;
+- `test_the_judge_accepts_another_way[<answer>]` (`Exercise.accepts_test`): a right answer written another
+  way than the lesson's (a functional collective, a library gather the lesson names) passes every claim.
 
 The blank and every wrong answer run in one spawn (each rank judges them in turn), so an exercise's tests
 cost two spawns, not one per answer.
@@ -264,6 +266,18 @@ class Exercise:
             assert not numbers, f"{name} should keep the numbers right, but failed {numbers}"
 
         return test_the_judge_checks_beyond_numbers
+
+    def accepts_test(self, here: Path, correct: list[str]) -> Callable:
+        """`correct` names right answers in `here` written another way than the lesson's (another
+        collective, a library function the lesson names, one extra barrier): each must pass every claim."""
+        _WRONG.setdefault((self.lesson, here), set()).update(correct)
+
+        @pytest.mark.parametrize("name", correct)
+        def test_the_judge_accepts_another_way(name: str) -> None:
+            verdict = self.group(here)[Answer(here, name)]
+            assert verdict.blank is None and verdict.diagnosis is None, self.message(verdict, 3)
+
+        return test_the_judge_accepts_another_way
 
     def group(self, here: Path) -> dict[Answer, Verdict]:
         """The blank and every wrong answer in `here`, judged once in one spawn (cached per module)."""

@@ -208,7 +208,7 @@ class Exercise:
         if verdict.diagnosis is None:
             return None
         where = f" (judged at P = {verdict.world})" if self.also_at else ""
-        return f"{verdict.answer.path.name}{where}: {verdict.diagnosis.message(level)}"
+        return f"{verdict.answer.path.name}{where}: {verdict.diagnosis.message(level, self.hints)}"
 
     def judged(self) -> Answer:
         return self.solution_at or solution(self.lesson, self.name)

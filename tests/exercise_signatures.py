@@ -169,17 +169,22 @@ class Diagnosis:
     world: int
     quantities: dict = field(default_factory=dict)
 
-    def message(self, level: int) -> str:
+    def message(self, level: int, fallback: Hints = ()) -> str:
+        """What a learner reads at hint level `level`: the claim and by how much; from level 1 what the judge
+        saw and the hints, the mistake's when one is recognised, else the claim's own, else `fallback` (the
+        exercise's own hints: every claim has some)."""
         first = self.failing[min(self.failing)]
         ranks = ", ".join(map(str, sorted(self.failing)))
         lines = [f"claim '{self.claim}' failed on rank(s) {ranks}: {first.what}: {first.amount()}"]
         if self.also:
             lines.append(f"  also failed: {'; '.join(self.also)}")
-        hints = self.mistake.hints if self.mistake else first.hints
+        hints = self.mistake.hints if self.mistake else (first.hints or fallback)
         if level >= 1:
             lines.append(f"  the judge saw: {'; '.join(self.observations)}")
-            if self.mistake is None and hints:
+            if self.mistake is None and first.hints:
                 lines.append("  not one of the catalogued mistakes; the claim's own hints say where to look")
+            elif self.mistake is None and hints:
+                lines.append("  not one of the catalogued mistakes; the exercise's own hints say where to look")
             elif self.mistake is None:
                 lines.append("  no catalogued mistake leaves these traces; what the judge saw is all it can say")
             lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(hints[:level])]

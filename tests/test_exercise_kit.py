@@ -23,6 +23,7 @@ from exercise_signatures import (
     Zero,
     all_but,
     diagnose,
+    name_ratio,
 )
 from exercise_watch import Watch, _part_sent, spanning
 
@@ -163,3 +164,29 @@ def test_exercises_k_nn_collects_that_exercise_alone():
     )
     collected = [line for line in done.stdout.splitlines() if "::" in line]
     assert collected == ["tests/test_exercise06_data_parallel.py::test_exercise"], done.stdout + done.stderr
+
+
+def test_a_ratio_is_named_in_the_exercises_quantities():
+    assert name_ratio(1 / 9, {"P": 3}).startswith("1/P^2 = 0.111111: divided by P twice")
+    assert name_ratio(1 / 3, {"P": 3}).startswith("1/P = 0.333333")
+    assert name_ratio(0.25, {"P": 3, "M": 4}).startswith("1/M = 0.25")
+    assert "P/2" in name_ratio(1.5, {"P": 3})  # (P - 1) where 2 (P - 1)/P belongs (= P/(P-1) at P = 3)
+    assert "(= M here)" in name_ratio(4.0, {"P": 4, "M": 4})  # two quantities equal: both named
+    assert name_ratio(0.2718, {"P": 3, "M": 4}) is None and name_ratio(None, {"P": 3}) is None
+    text = _diagnosed(_findings([WANT / 9, WANT / 9, WANT / 9]), Scaled("P", lambda p: p)).message(1)
+    assert "got / reference = 1/P^2 = 0.111111: divided by P twice" in text, text
+
+
+def test_more_help_is_offered_only_where_more_exists_and_never_after_no_mistake():
+    no_hints = _diagnosed(_findings([2.5 * WANT]), Scaled("P", lambda p: p))
+    assert "--hint-level 1" in no_hints.message(0)  # level 1 adds what the judge saw
+    assert "--hint-level" not in no_hints.message(1)  # and nothing after it
+    claims = Claims()
+    claims.close("c", 2.5 * WANT, WANT, what="t", hints=("the claim's own idea",))
+    own = _diagnosed(Findings([claims.seen]), Scaled("P", lambda p: p))
+    text = own.message(1)
+    assert "the claim's own idea" in text and "no catalogued mistake" not in text, text
+    assert "--hint-level" not in text  # its one hint shown: no more to come
+    fallback = no_hints.message(2, fallback=HINTS)
+    assert "the idea" in fallback and "the step" in fallback and "--hint-level 3" in fallback, fallback
+    assert "no catalogued mistake" not in fallback

@@ -152,6 +152,7 @@ EXERCISE = Exercise(
         "[[Action(kind, i, r) for kind in 'FI' for i in range(M)] for r in range(P)]",
     ),
     numbers="is a schedule|equal the unsplit",
+    quantities=lambda p: {"M": M},
 )
 WRONG = {
     "one micro-batch at a time": "one_at_a_time",

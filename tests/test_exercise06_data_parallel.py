@@ -160,6 +160,7 @@ EXERCISE = Exercise(
         "combine the ranks' gradients with one collective, then rescale so a mean stays a mean",
         "for every parameter: dist.all_reduce(param.grad), then param.grad /= rt.world_size",
     ),
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
     "the sum over ranks, not the mean": "sum_without_mean",

@@ -189,6 +189,7 @@ EXERCISE = Exercise(
     ),
     numbers="gathers every|gradient",
     args=(0,),
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
     "the plain gather's backward (this rank's loss only)": "plain_gather",

@@ -174,6 +174,7 @@ EXERCISE = Exercise(
         "ddp.module.clamp_logit_scale_(); return L",
     ),
     numbers="loss|update",
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
     "the gradient not clipped": "without_clipping",

@@ -46,7 +46,7 @@ from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_hel
 from exercise_watch import unknown_ops
 from helpers import lesson_path
 
-from distlab.spawn import spawn
+from distlab.spawn import SpawnError, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS, EXERCISES = ROOT / "lessons", ROOT / "lessons" / "exercises"
@@ -122,6 +122,20 @@ class Verdict:
     findings: Findings | None
     diagnosis: Diagnosis | None
     world: int = 0
+    raised: str | None = None  # the answer raised (or hung): what, on which rank, and where in its file
+
+
+def _raised(err: Exception, answer: Answer) -> str:
+    """One rank's failure in a few lines: the error's last line, on which rank, and the answer's own line
+    that raised it (the deepest frame in the answer's file), never the judge's traceback."""
+    if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
+        return f"your answer did not finish: {err} (a collective some rank never joined?)"
+    lines = [line for line in err.child_traceback.splitlines() if line.strip()]
+    last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', err.child_traceback)
+    mine = [f for f in frames if Path(f[0]) == answer.path]
+    where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
+    return f"your answer raised on rank {err.rank}: {last}{where}"
 
 
 def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple) -> list[dict]:
@@ -182,7 +196,13 @@ class Exercise:
             pending = [a for a in dict.fromkeys(answers) if a not in verdicts]
             if not pending:
                 break
-            reports = spawn(_rank, world, self.body, pending, self.args, timeout_s=60, limit_s=240)
+            try:
+                reports = spawn(_rank, world, self.body, pending, self.args, timeout_s=60, limit_s=240)
+            except (SpawnError, TimeoutError) as err:
+                if len(pending) != 1:  # the authors' wrong answers, judged together: a crash there is a bug
+                    raise
+                verdicts[pending[0]] = Verdict(pending[0], None, None, None, world, _raised(err, pending[0]))
+                continue
             quantities = {"P": world, **(self.quantities(world) if self.quantities else {})}
             for k, answer in enumerate(pending):
                 mine = [rank[k] for rank in reports]
@@ -205,9 +225,15 @@ class Exercise:
             if level < len(self.hints):
                 lines.append(more_help(level))
             return "\n".join(lines)
+        where = f" (judged at P = {verdict.world})" if self.also_at else ""
+        if verdict.raised is not None:
+            lines = [f"{verdict.answer.path.name}{where}: {verdict.raised}"]
+            lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(self.hints[:level])]
+            if level < len(self.hints):
+                lines.append(more_help(level))
+            return "\n".join(lines)
         if verdict.diagnosis is None:
             return None
-        where = f" (judged at P = {verdict.world})" if self.also_at else ""
         return f"{verdict.answer.path.name}{where}: {verdict.diagnosis.message(level, self.hints)}"
 
     def judged(self) -> Answer:

@@ -190,3 +190,22 @@ def test_more_help_is_offered_only_where_more_exists_and_never_after_no_mistake(
     fallback = no_hints.message(2, fallback=HINTS)
     assert "the idea" in fallback and "the step" in fallback and "--hint-level 3" in fallback, fallback
     assert "no catalogued mistake" not in fallback
+
+
+def test_an_answer_that_raises_is_a_verdict_naming_its_own_line_not_a_traceback():
+    from exercise_kit import Answer, _raised
+
+    from distlab.spawn import SpawnError
+
+    answer = Answer(ROOT / "lessons/exercises/06_data_parallel.py", "all_reduce_gradients")
+    child = (
+        "Traceback (most recent call last):\n"
+        '  File "/x/judge.py", line 3, in body\n    fn(model, rt)\n'
+        f'  File "{answer.path}", line 41, in all_reduce_gradients\n    dist.all_reduce(grads)\n'
+        '  File "/torch/c10d.py", line 9, in all_reduce\n    work = group.allreduce([tensor])\n'
+        "TypeError: all_reduce(): argument 'tensor' must be Tensor, not list\n"
+    )
+    text = _raised(SpawnError(2, child), answer)
+    assert text.startswith("your answer raised on rank 2: TypeError: all_reduce(): argument"), text
+    assert "06_data_parallel.py:41 in all_reduce_gradients: dist.all_reduce(grads)" in text, text
+    assert "did not finish" in _raised(TimeoutError("ranks [1] did not finish within 240 s"), answer)

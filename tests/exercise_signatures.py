@@ -178,7 +178,8 @@ class Diagnosis:
         lines = [f"claim '{self.claim}' failed on rank(s) {ranks}: {first.what}: {first.amount()}"]
         if self.also:
             lines.append(f"  also failed: {'; '.join(self.also)}")
-        hints = self.mistake.hints if self.mistake else (first.hints or fallback)
+        # a claim's own hints first, the exercise's carrying on past them: every level adds something
+        hints = self.mistake.hints if self.mistake else first.hints + fallback[len(first.hints) :]
         if level >= 1:
             lines.append(f"  the judge saw: {'; '.join(self.observations)}")
             if self.mistake is None and first.hints:

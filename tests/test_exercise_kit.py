@@ -187,6 +187,8 @@ def test_more_help_is_offered_only_where_more_exists_and_never_after_no_mistake(
     text = own.message(1)
     assert "the claim's own idea" in text and "no catalogued mistake" not in text, text
     assert "--hint-level" not in text  # its one hint shown: no more to come
+    carried_on = own.message(3, fallback=HINTS)  # the claim's one hint, then the exercise's step and line
+    assert "hint 1: the claim's own idea" in carried_on and "hint 3: nearly the line" in carried_on, carried_on
     fallback = no_hints.message(2, fallback=HINTS)
     assert "the idea" in fallback and "the step" in fallback and "--hint-level 3" in fallback, fallback
     assert "no catalogued mistake" not in fallback

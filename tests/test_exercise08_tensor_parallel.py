@@ -26,6 +26,7 @@ CFG = BlockConfig(batch=2, seq=3, dim=6, heads=3, ffn=6, dropout=0.0)
 SUM_X = "the sum of every rank's input (g's forward: an all-reduce)"
 OWN_GRAD = "this rank's own gradient (an identity backward)"
 WORLD_SUM = "the sum over every rank of the world, not of the group"
+P_TIMES_OWN = "p times this rank's own gradient (as if every rank's were the same)"
 
 
 def _tensor(group_index: int, q: int, p: int, salt: int) -> torch.Tensor:
@@ -66,7 +67,11 @@ def _ranks(rt, copy, claims) -> None:
         sum(ws),
         what="dL/dx",
         tol=1e-12,
-        alternatives={OWN_GRAD: ws[r], **({WORLD_SUM: everyone} if group is not None else {})},
+        alternatives={
+            OWN_GRAD: ws[r],
+            P_TIMES_OWN: p * ws[r],
+            **({WORLD_SUM: everyone} if group is not None else {}),
+        },
     )
     whole = 2 * (p - 1) / p * xs[0].numel() * 8
     recorded = float(ledger.sent_by.get(("backward", "all_reduce"), 0))
@@ -125,6 +130,17 @@ MISTAKES = (
             "f is handed its group: on a mesh, the tensor-parallel group is a few ranks, not the world",
             "dist.all_reduce without group= reduces over every rank of the job; sum over ctx.group only",
             "dist.all_reduce(grad, group=ctx.group), and record it with the same group",
+        ),
+        holds=("forward:",),
+    ),
+    Mistake(
+        "the sum taken as P copies of this rank's gradient",
+        "backward:",
+        (Equals(P_TIMES_OWN),),
+        (
+            "the ranks' gradients differ: each comes through its own columns of the next layer",
+            "the sum over the group needs every rank's gradient, which only a collective brings",
+            "in backward: grad = grad.contiguous().clone(); dist.all_reduce(grad, group=ctx.group)",
         ),
         holds=("forward:",),
     ),
@@ -189,6 +205,14 @@ class Swapped(_Copy):
         return grad, None, None
 
 
+class TimesP(_Copy):
+    """No collective: the sum over the group taken as P times this rank's own gradient."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * dist.get_world_size(ctx.group), None, None
+
+
 class WorldAllReduce(_Copy):
     """The group ignored: the gradient summed over every rank of the job (recorded against the group)."""
 
@@ -240,6 +264,7 @@ WRONG = {
     "the ranks' gradients averaged": "AveragedBackward",
     "f and g swapped": "Swapped",
     "the all-reduce on the whole world, not the group": "WorldAllReduce",
+    "the sum taken as P copies of this rank's gradient": "TimesP",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG

@@ -7,23 +7,23 @@ The formats (OCP FP8, https://www.opencompute.org/documents/ocp-8-bit-floating-p
 e4m3 (4 exponent bits, 3 mantissa bits, max 448, unit roundoff u = 2^-4) carries the forward's X and W;
 e5m2 (max 57344, u = 2^-3) has the range the output gradient dY needs. The cast of a tensor T to format f:
 
-    amax = max |T|                 (tensorwise: one number; rowwise: one per row of the matmul's K dimension)
-    s    = max_f / amax            (float32; T s fills the format's range without overflowing it)
-    T_q  = cast_f(clamp(T s, -max_f, max_f))      (round to nearest, saturated: never inf)
-    A B  ~ _scaled_mm(A_q, B_q, 1/s_A, 1/s_B)      = (A_q B_q) / (s_A s_B), accumulated in float32
+    amax = max |T|                 (tensorwise: one number; rowwise: one per row, along the inner dimension n)
+    rho  = max_f / amax            (float32; T rho fills the format's range without overflowing it)
+    T_q  = cast_f(clamp(T rho, -max_f, max_f))      (round to nearest, saturated: never inf)
+    A B  ~ _scaled_mm(A_q, B_q, 1/rho_A, 1/rho_B)   = (A_q B_q) / (rho_A rho_B), accumulated in float32
 
 A linear layer Y = X W^T runs three of them: Y = X W^T (X, W in e4m3), dX = dY W and dW = dY^T X (dY in
 e5m2). Dynamic scaling (here, and the only kind torchao 0.18 implements) takes amax from the tensor being
 cast; delayed scaling (Transformer Engine's older recipe) takes it from a history of earlier steps, saving a
 pass over the tensor at the risk of saturating when the values grow.
 
-The error of one matmul is bounded before it runs. Casting with unit roundoff u_A and underflow e_A (half
-the format's subnormal spacing, unscaled) gives |A_q/s_A - A| <= u_A |A| + e_A elementwise; the product
-of two such operands is off by at most (u_A + u_B + u_A u_B) |A||B| (the issue's (2u + u^2) |X||W|^T when
-u_A = u_B) plus the underflow terms; float32 accumulation of K exact fp8 products and the two unscaling
-multiplications add gamma_(K+2) |A_q/s_A||B_q/s_B|, gamma_n = n u_32 / (1 - n u_32), u_32 = 2^-24. The
-lesson prints the measured error as a fraction of that bound. A training run has no such bound: its
-trajectory is measured against float32 and shown as measured.
+The error of one matmul is bounded before it runs. Casting with unit roundoff u_A and underflow lambda_A
+(half the format's subnormal spacing, divided by rho_A) gives |A_q/rho_A - A| <= u_A |A| + lambda_A
+elementwise; the product of two such operands is off by at most (u_A + u_B + u_A u_B) |A||B| (the issue's
+(2u + u^2) |X||W|^T when u_A = u_B) plus the underflow terms; float32 accumulation of n exact FP8 products
+and the two unscaling multiplications add theta_(n+2) |A_q/rho_A||B_q/rho_B|, with Higham's
+theta_m = m u_32 / (1 - m u_32), u_32 = 2^-24. The lesson prints the measured error as a fraction of that
+bound. A training run has no such bound: its trajectory is measured against float32 and shown as measured.
 
 The library practitioners use is torchao (`convert_to_float8_training`); the by-hand layer equals its
 Float8Linear bit for bit: forward, input gradient and weight gradient, and every step of a short training.
@@ -80,36 +80,36 @@ def underflow(fmt: torch.dtype) -> float:
 
 
 def amax_of(t: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """max |t| over the whole tensor, or over each row (the matmul's K runs along a row)."""
+    """max |t| over the whole tensor, or over each row (the matmul's inner dimension n runs along a row)."""
     return t.abs().amax(dim=-1, keepdim=True) if rowwise else t.abs().max()
 
 
 def scale_of(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    """s = max_f / amax, computed in float64 and stored in float32 (as torchao does, so eager and compiled
+    """rho = max_f / amax, computed in float64 and stored in float32 (as torchao does, so eager and compiled
     code agree on the division)."""
     return (torch.finfo(fmt).max / amax.double().clamp(min=EPS)).float()
 
 
 def saturated_cast(t: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    """cast_f(clamp(t s)): an element that rounds past max_f becomes max_f, never inf."""
+    """cast_f(clamp(t rho)): an element that rounds past max_f becomes max_f, never inf."""
     top = torch.finfo(fmt).max
     return (t.float() * scale).clamp(-top, top).to(fmt)
 
 
 def quantize(t: torch.Tensor, fmt: torch.dtype, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t_q, s): t in format fmt, t ~ t_q / s."""
+    """(t_q, rho): t in format fmt, t ~ t_q / rho."""
     scale = scale_of(amax_of(t, rowwise), fmt)
     return saturated_cast(t, scale, fmt), scale
 
 
 def fp8_matmul(a, b, a_fmt, b_fmt, rowwise: bool = False, fast_accum: bool = False) -> torch.Tensor:
-    """a @ b (float32, M x K @ K x N) with both operands cast to FP8: rowwise scales run along K, one per
+    """a @ b (float32, rows x n @ n x cols) with both operands cast to FP8: rowwise scales run along n, one per
     row of a and one per column of b. _scaled_mm wants b column-major and multiplies by the inverse scales."""
     a_q, a_scale = quantize(a, a_fmt, rowwise)
     bt_q, b_scale = quantize(b.t(), b_fmt, rowwise)  # b's columns are b.t()'s rows
     return torch._scaled_mm(
         a_q.contiguous(),
-        bt_q.contiguous().t(),  # column-major K x N
+        bt_q.contiguous().t(),  # column-major n x cols
         scale_a=a_scale.reciprocal(),
         scale_b=b_scale.reciprocal().t() if rowwise else b_scale.reciprocal(),
         out_dtype=torch.float32,
@@ -180,15 +180,16 @@ def error_bound(a, b, a_fmt, b_fmt, rowwise: bool = False) -> torch.Tensor:
     """Elementwise bound on |fp8_matmul(a, b) - a b| (the docstring's formula), float64. It reads only a, b
     and the formats: the scales are recomputed from amax, nothing from the product."""
     a64, b64 = a.double().abs(), b.double().abs()
-    ua = unit_roundoff(a_fmt) + 3 * U32  # the cast, plus float32's roundings of t s and of 1/s
+    ua = unit_roundoff(a_fmt) + 3 * U32  # the cast, plus float32's roundings of t rho and of 1/rho
     ub = unit_roundoff(b_fmt) + 3 * U32
-    ea = underflow(a_fmt) / scale_of(amax_of(a, rowwise), a_fmt).double() * (1 + U32)  # unscaled underflow
-    eb = underflow(b_fmt) / scale_of(amax_of(b.t(), rowwise), b_fmt).double().t() * (1 + U32)
-    k = a.shape[1]
+    lam_a = underflow(a_fmt) / scale_of(amax_of(a, rowwise), a_fmt).double() * (1 + U32)  # unscaled underflow
+    lam_b = underflow(b_fmt) / scale_of(amax_of(b.t(), rowwise), b_fmt).double().t() * (1 + U32)
+    n = a.shape[1]
     cast = (ua + ub + ua * ub) * (a64 @ b64)
-    cast += (1 + ua) * a64.sum(1, keepdim=True) * eb + (1 + ub) * ea * b64.sum(0, keepdim=True) + k * ea * eb
-    gamma = (k + 2) * U32 / (1 - (k + 2) * U32)
-    accumulate = gamma * (((1 + ua) * a64 + ea) @ ((1 + ub) * b64 + eb))
+    cast += (1 + ua) * a64.sum(1, keepdim=True) * lam_b + (1 + ub) * lam_a * b64.sum(0, keepdim=True)
+    cast += n * lam_a * lam_b
+    theta = (n + 2) * U32 / (1 - (n + 2) * U32)
+    accumulate = theta * (((1 + ua) * a64 + lam_a) @ ((1 + ub) * b64 + lam_b))
     return cast + accumulate
 
 
@@ -207,9 +208,9 @@ def show_formats(args, verdict: Verdict) -> None:
         rows.append((name, f"{info.max:g}", f"{info.tiny:.3g}", f"2^{int(torch.tensor(unit_roundoff(fmt)).log2())}"))
     print0(rows_table("", ("format", "max", "smallest normal", "u"), rows))
     x = torch.tensor([0.3, -1000.0, 1e-4])
-    q, s = quantize(x, FORMATS["e4m3"])
-    print0(f"x = {x.tolist()}: amax {amax_of(x, False).item():g}, s = 448/amax = {s.item():.4g},", highlight=False)
-    print0(f"x s cast to e4m3 = {q.float().tolist()}, back: {(q.float() / s).tolist()}", highlight=False)
+    q, rho = quantize(x, FORMATS["e4m3"])
+    print0(f"x = {x.tolist()}: amax {amax_of(x, False).item():g}, rho = 448/amax = {rho.item():.4g},", highlight=False)
+    print0(f"x rho cast to e4m3 = {q.float().tolist()}, back: {(q.float() / rho).tolist()}", highlight=False)
     gen = torch.Generator().manual_seed(args.seed + 3)
     a_q, b_q = (torch.randn(n, args.width, generator=gen).mul(8).to(args.forward_format) for n in (args.rows, 8))
     one = torch.ones((), device=args.place)
@@ -221,7 +222,7 @@ def show_formats(args, verdict: Verdict) -> None:
     )
     print0(
         "At unit scales _scaled_mm is the float32 matmul of the upcast operands; with scales, the CPU's oneDNN kernel "
-        "applies them inside its accumulation, a few float32 roundings away from (A_q B_q) / (s_A s_B).",
+        "applies them inside its accumulation, a few float32 roundings away from (A_q B_q) / (rho_A rho_B).",
         highlight=False,
     )
 

@@ -23,7 +23,7 @@ from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noq
 LESSON, NAME, P = "14_fp8_linear", "fp8_matmul", 1
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EXACT = 1e-300  # relative error below this: equal bit for bit
-UNINVERTED = "_scaled_mm given the scales s, not 1/s"
+UNINVERTED = "_scaled_mm given the scales rho, not 1/rho"
 EMULATED = "the operands unscaled and multiplied in float32 (torchao's emulate mode)"
 ONE_FORMAT = "both operands cast to a_fmt"
 
@@ -38,8 +38,8 @@ def _cast(t, fmt, rowwise):
 
 
 def _kernel(a, b, a_fmt, b_fmt, rowwise=False, invert=True):
-    (a_q, s_a), (bt_q, s_b) = _cast(a, a_fmt, rowwise), _cast(b.t(), b_fmt, rowwise)
-    scale_a, scale_b = (s_a.reciprocal(), s_b.reciprocal()) if invert else (s_a, s_b)
+    (a_q, rho_a), (bt_q, rho_b) = _cast(a, a_fmt, rowwise), _cast(b.t(), b_fmt, rowwise)
+    scale_a, scale_b = (rho_a.reciprocal(), rho_b.reciprocal()) if invert else (rho_a, rho_b)
     return torch._scaled_mm(
         a_q,
         bt_q.contiguous().t(),
@@ -50,8 +50,8 @@ def _kernel(a, b, a_fmt, b_fmt, rowwise=False, invert=True):
 
 
 def _emulated(a, b, a_fmt, b_fmt):
-    (a_q, s_a), (bt_q, s_b) = _cast(a, a_fmt, False), _cast(b.t(), b_fmt, False)
-    return (a_q.float() / s_a) @ (bt_q.float() / s_b).t()
+    (a_q, rho_a), (bt_q, rho_b) = _cast(a, a_fmt, False), _cast(b.t(), b_fmt, False)
+    return (a_q.float() / rho_a) @ (bt_q.float() / rho_b).t()
 
 
 def _torchao_layer(x, weight, dy):
@@ -114,9 +114,9 @@ MISTAKES = (
         "Y = X W\\^T equals",
         (Equals(UNINVERTED),),
         (
-            "X s is what was cast: the product of the casts is (X W^T) s_X s_W, and must be divided back",
-            "the scaled matmul multiplies its output by scale_a scale_b: give it 1/s, not s",
-            "torch._scaled_mm(a_q, b_q, scale_a=s_a.reciprocal(), scale_b=s_b.reciprocal(), out_dtype=torch.float32)",
+            "X rho is what was cast: the product of the casts is (X W^T) rho_X rho_W, and must be divided back",
+            "the scaled matmul multiplies its output by scale_a scale_b: give it 1/rho, not rho",
+            "torch._scaled_mm(a_q, b_q, scale_a=rho_a.reciprocal(), scale_b=rho_b.reciprocal(), out_dtype=...)",
         ),
     ),
     Mistake(
@@ -126,8 +126,8 @@ MISTAKES = (
         (
             "the numbers are close but not the kernel's: torchao multiplies the 8-bit operands in the kernel",
             "unscaling the operands first and multiplying in float32 rounds differently from the kernel, which "
-            "accumulates a_q b_q and applies 1/s_a and 1/s_b to the sum",
-            "torch._scaled_mm(a_q, b_q_column_major, scale_a=1/s_a, scale_b=1/s_b, out_dtype=torch.float32)",
+            "accumulates a_q b_q and applies 1/rho_a and 1/rho_b to the sum",
+            "torch._scaled_mm(a_q, b_q_column_major, scale_a=1/rho_a, scale_b=1/rho_b, out_dtype=torch.float32)",
         ),
         holds=("every product inside",),
     ),
@@ -146,7 +146,7 @@ MISTAKES = (
 
 
 def uninverted(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
-    """s where 1/s belongs: the product comes out s_a s_b times too large, squared."""
+    """s where 1/s belongs: the product comes out rho_a rho_b times too large, squared."""
     return _kernel(a, b, a_fmt, b_fmt, rowwise, invert=False)
 
 
@@ -168,10 +168,10 @@ EXERCISE = Exercise(
     MISTAKES,
     hints=(
         "scale each operand into its format's range, cast it, multiply the 8-bit numbers, divide the scales out",
-        "s = max_f / amax (float64, then float32), clamp T s to +-max_f, .to(fmt); torch._scaled_mm takes the "
+        "rho = max_f / amax (float64, then float32), clamp T rho to +-max_f, .to(fmt); torch._scaled_mm takes the "
         "inverse scales and b column-major",
-        "a_q = (a * s_a).clamp(-m, m).to(a_fmt); torch._scaled_mm(a_q, bt_q.contiguous().t(), "
-        "scale_a=1/s_a, scale_b=1/s_b, out_dtype=torch.float32, use_fast_accum=fast_accum)",
+        "a_q = (a * rho_a).clamp(-m, m).to(a_fmt); torch._scaled_mm(a_q, bt_q.contiguous().t(), "
+        "scale_a=1/rho_a, scale_b=1/rho_b, out_dtype=torch.float32, use_fast_accum=fast_accum)",
     ),
     numbers="equals",
 )

@@ -36,6 +36,7 @@ LESSONS=(
   "ulysses|3|the same at P = 3|"
   "composed_mesh|8|one transformer on a dp x pp x tp x cp mesh = one process at every P = 8 shape (2x2x2x1, cp with the others); bytes and memory per rank = formulas; DCP resume across shapes|"
   "cost|2|FLOPs, bytes held and bytes sent of four splits predicted from sizes = measured; time predicted beside measured; MFU the right way|"
+  "fp8_linear|1|by hand = torchao Float8Linear bit for bit (Y, dX, dW, every training step); every matmul inside its a-priori bound; it splits no work, so P = 1|"
 )
 
 mkdir -p runs

@@ -35,19 +35,17 @@ import math
 import torch
 import torch.distributed as dist
 
-for _noisy in ("torchao", "torch.utils._pytree"):  # torchao's import warns of CUDA kernels a CPU cannot load
+from distlab.cli import check_flags_against_world, lesson_parser, positive_float, positive_int, require
+from distlab.comm.watch import CollectiveWatch
+from distlab.compare import all_ok, compare, comparison_table
+from distlab.console import print0, rows_table
+from distlab.runtime import Runtime, distributed, run_main
+from distlab.verdict import Verdict
+
+# torchao is imported where it is compared (parts 3 and 5): the mechanism needs only torch, and its import
+# warns of CUDA kernels a CPU cannot load, so those loggers are quietened first.
+for _noisy in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
-
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
-from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear  # noqa: E402
-from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
-
-from distlab.cli import check_flags_against_world, lesson_parser, positive_float, positive_int, require  # noqa: E402
-from distlab.comm.watch import CollectiveWatch  # noqa: E402
-from distlab.compare import all_ok, compare, comparison_table  # noqa: E402
-from distlab.console import print0, rows_table  # noqa: E402
-from distlab.runtime import Runtime, distributed, run_main  # noqa: E402
-from distlab.verdict import Verdict  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 MAX_F = torch.finfo(E4M3).max  # 448
@@ -209,6 +207,9 @@ def show_outliers(args, verdict: Verdict) -> dict:
 
 def show_mx_equal_to_torchao(args, verdict: Verdict) -> None:
     print0("\n[bold]3. MX by hand against torchao's MXFP8Linear (emulated kernels), bit for bit[/]")
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
     gen = torch.Generator().manual_seed(args.seed + 2)
     x = torch.randn(args.rows, args.width, generator=gen)
     weight = torch.randn(args.out_width, args.width, generator=gen) / args.width**0.5
@@ -263,6 +264,7 @@ def _rows_of(rt: Runtime, psi_p: int, psi: int) -> slice:
 def show_torchao_fsdp(rt: Runtime, args, verdict: Verdict) -> None:
     print0("\n[bold]5. torchao's FSDP2 float8 all-gather: its cast of each shard[/]")
     from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     gen = torch.Generator().manual_seed(args.seed + 4)
     plain = torch.nn.Sequential(torch.nn.Linear(args.width, args.out_width, bias=False))

@@ -231,9 +231,9 @@ def show_fp8_gather(rt: Runtime, args, verdict: Verdict) -> dict:
     print0("\n[bold]4. Sharded weights gathered in FP8 with the global amax[/]")
     gen = torch.Generator().manual_seed(args.seed + 3)
     weight = torch.randn(args.out_width, args.width, generator=gen) / args.width**0.5
-    weight[rt.world_size - 1 :: rt.world_size] *= 4.0  # the largest values lie on one rank's shard only
     flat = weight.flatten()
     psi_p = math.ceil(flat.numel() / rt.world_size)
+    flat[-psi_p:] *= 4.0  # the largest values lie on the last rank's shard only
     with CollectiveWatch({"world": dist.group.WORLD}) as watch:
         gathered, rho = fp8_all_gather(shard_of(flat, rt.rank, rt.world_size).to(rt.device), E4M3)
     one = _cast_whole(flat)  # one process casting the whole weight

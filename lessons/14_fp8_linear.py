@@ -41,7 +41,7 @@ import torch.nn.functional as F
 for _noisy in ("torchao", "torch.utils._pytree"):  # torchao's import warns of CUDA kernels a CPU cannot load
     logging.getLogger(_noisy).setLevel(logging.ERROR)
 
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # noqa: E402
 
 from distlab.cli import lesson_parser, positive_float, positive_int  # noqa: E402
 from distlab.compare import all_ok, compare, comparison_table  # noqa: E402
@@ -160,16 +160,15 @@ def to_fp8(model: torch.nn.Module, fwd_fmt, grad_fmt) -> torch.nn.Module:
 
 
 def torchao_twin(model: torch.nn.Module, fwd_fmt, grad_fmt) -> torch.nn.Module:
-    """torchao's Float8Linear in place of every nn.Linear of a deep copy (its tensorwise recipe, our formats).
-    convert_to_float8_training swaps submodules in place and returns the root; a bare nn.Linear cannot be
-    swapped in place, so then it returns a new Float8Linear: always use what it returns."""
-    config = Float8LinearConfig.from_recipe_name("tensorwise")
-    for name in ("input", "weight", "weight_for_grad_input", "input_for_grad_weight"):
-        cast = getattr(config, f"cast_config_{name}")
-        object.__setattr__(config, f"cast_config_{name}", type(cast)(cast.scaling_type, target_dtype=fwd_fmt))
-    for name in ("grad_output", "grad_output_for_grad_weight"):
-        cast = getattr(config, f"cast_config_{name}")
-        object.__setattr__(config, f"cast_config_{name}", type(cast)(cast.scaling_type, target_dtype=grad_fmt))
+    """torchao's Float8Linear in place of every nn.Linear of a deep copy (its default: dynamic tensorwise
+    scaling; our formats; the casts for the backward's matmuls follow the forward's). convert_to_float8_training
+    swaps submodules in place and returns the root; a bare nn.Linear cannot be swapped in place, so then it
+    returns a new Float8Linear: always use what it returns."""
+    config = Float8LinearConfig(
+        cast_config_input=CastConfig(target_dtype=fwd_fmt),
+        cast_config_weight=CastConfig(target_dtype=fwd_fmt),
+        cast_config_grad_output=CastConfig(target_dtype=grad_fmt),
+    )
     return convert_to_float8_training(copy.deepcopy(model), config=config)
 
 

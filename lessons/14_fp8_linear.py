@@ -221,7 +221,7 @@ def show_formats(args, verdict: Verdict) -> None:
     )
     print0(
         "At unit scales _scaled_mm is the float32 matmul of the upcast operands; with scales, the CPU's oneDNN kernel "
-        "applies them inside its accumulation, a few float32 roundings away from (A_q B_q) / (rho_A rho_B).",
+        "applies them inside its kernel: float32 roundings away from (A_q B_q) / (rho_A rho_B), inside part 3's bound.",
         highlight=False,
     )
 

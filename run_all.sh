@@ -36,6 +36,8 @@ LESSONS=(
   "ulysses|3|the same at P = 3|"
   "composed_mesh|8|one transformer on a dp x pp x tp x cp mesh = one process at every P = 8 shape (2x2x2x1, cp with the others); bytes and memory per rank = formulas; DCP resume across shapes|"
   "cost|2|FLOPs, bytes held and bytes sent of four splits predicted from sizes = measured; time predicted beside measured; MFU the right way|"
+  "async_tensor_parallel|4|all-gather + matmul as a ring of partial matmuls = all-gather then matmul bit for bit, matmul + reduce-scatter as a travelling sum to 1e-12, torch's symm_mem fallbacks agree; the async MLP = the unsplit MLP; bytes = plain TP's; on the emulated device every message hides under a partial matmul|"
+  "async_tensor_parallel|2|the same at P = 2|"
 )
 
 mkdir -p runs

@@ -13,7 +13,9 @@ and a block's rows can be computed as soon as that block is here. All-gather + m
 steps: in step k rank r holds X_{(r-k) mod P}; it posts the send of that block to r+1 and the receive of
 X_{(r-k-1) mod P} from r-1 (batch_isend_irecv, `distlab.comm.p2p.post`), computes the block's rows of Y_r
 while the messages fly, then waits. Every row comes from the same product on the same numbers as in the
-unsplit matmul: equal bit for bit.
+unsplit matmul: equal bit for bit, as long as the BLAS computes a row the same way whatever the number of
+rows. It does at the lesson's shapes (checked); with a handful of rows (a few per block, under about 32 in
+the whole matmul) this machine's MKL takes another kernel for the blocks, and the last bit may differ.
 
 The row-parallel fc2 (rank r: B_r, d x d_ff/P) on H_r = GELU(Y_r) leaves a partial sum, and g-bar keeps
 rank r's rows of the total: Z_r = sum_q H_q[rows r] B_q^T + b, matmul then reduce-scatter. Decomposed, a

@@ -49,6 +49,7 @@ so the pair's hidden communication, DualPipe's own gain on a GPU cluster, is not
 
 from __future__ import annotations
 
+import argparse
 from collections import deque
 
 from distlab import emulate
@@ -253,13 +254,11 @@ def parse_args():
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=16, global_batch=32, steps=2)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M; at least 2P, and dividing N")
     emulate.add_args(parser, ms_per_layer=10.0)
-    args = parser.parse_args()
-    args.stages_per_rank = 2  # the V: two stages per rank (stages_fit_layers reads it)
-    return args
+    return parser.parse_args()
 
 
 def world_rules(args, world_size: int) -> None:
-    stages_fit_layers(args, world_size)
+    stages_fit_layers(argparse.Namespace(**vars(args), stages_per_rank=2), world_size)  # the V: 2 stages a rank
     m, n = args.micro_batches, args.global_batch
     require(n % m == 0, "--micro-batches", f"M = {m} must divide N = {n} (torch's schedules take equal micro-batches)")
     check_microbatches(world_size, m)  # M >= 2P, the same line on every rank

@@ -97,7 +97,7 @@ MISTAKES = (
 )
 
 
-def _ring(x, weight, bias, group, clock, place, use_received=True, bias_on=True):
+def _ring(x, weight, bias, group, clock, place, wrong=""):
     r, p = dist.get_rank(group), dist.get_world_size(group)
     held, gathered, y = x.contiguous(), [None] * p, [None] * p
     for k in range(p):
@@ -106,10 +106,10 @@ def _ring(x, weight, bias, group, clock, place, use_received=True, bias_on=True)
         if k < p - 1:
             transfer = clock.post(str(k), [(held, (r + 1) % p)], [(torch.empty_like(held), (r - 1) % p)], group)
         with clock.compute(str(k)):
-            y[where] = F.linear(held, weight, bias if bias_on else None)
+            y[where] = F.linear(held, weight, None if wrong == "no bias" else bias)
         if k < p - 1:
             (received,) = transfer.wait()
-            held = received if use_received else held
+            held = held if wrong == "own block" else received
     return torch.cat(gathered, dim=1), torch.cat(y, dim=1)
 
 
@@ -120,12 +120,12 @@ def in_arrival_order(x, weight, bias, group=None, clock=None):
 
 def without_bias(x, weight, bias, group=None, clock=None):
     """The ring right, the bias left out."""
-    return _ring(x, weight, bias, group, clock, lambda r, k, p: (r - k) % p, bias_on=False)
+    return _ring(x, weight, bias, group, clock, lambda r, k, p: (r - k) % p, "no bias")
 
 
 def own_block_only(x, weight, bias, group=None, clock=None):
     """The messages go and come, the held block is never replaced."""
-    return _ring(x, weight, bias, group, clock, lambda r, k, p: (r - k) % p, use_received=False)
+    return _ring(x, weight, bias, group, clock, lambda r, k, p: (r - k) % p, "own block")
 
 
 def gather_then_multiply(x, weight, bias, group=None, clock=None):

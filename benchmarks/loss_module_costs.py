@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from distlab.cli import add_runtime_args, positive_int
-from distlab.console import print0
-from distlab.runtime import distributed, run_main
+from distlab.processes.cli import add_runtime_args
+from distlab.processes.flags import positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.console import print0
 from distlab.streamed.step import agree_gradients_finite, finite_flags
 from distributed_clip import ClipLoss, distributed_train_step
 

@@ -1,4 +1,4 @@
-"""Distributed checkpoints a torn save cannot fool (`distlab.committed`, under lessons 07 and 12's DCP saves).
+"""Distributed checkpoints a torn save cannot fool (`distlab.processes.committed`, under lessons 07 and 12's DCP saves).
 
 Four ranks save a DTensor sharded over them (one `.distcp` file per rank) twice, with different values, into
 two folders. A folder with three of its four shards copied from the other save (what a save killed half-way
@@ -23,8 +23,8 @@ from helpers import ROOT, parse_lesson_args
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from distlab.committed import MARKER, load_committed, problem_of, save_committed, staging_of, write_marker
-from distlab.spawn import spawn
+from distlab.processes.committed import MARKER, load_committed, problem_of, save_committed, staging_of, write_marker
+from distlab.processes.spawn import spawn
 
 P = 4
 ROWS = 8  # 2 rows a rank
@@ -127,10 +127,10 @@ def test_a_staged_folder_never_marked_is_refused_and_a_marked_one_passes(tmp_pat
 
 def test_the_runner_dresses_only_its_own_checks_as_a_bad_input_line():
     def run(body: str) -> subprocess.CompletedProcess:
-        code = f"from distlab.runtime import run_main\nimport distlab.cli\n{body}"
+        code = f"from distlab.processes.runtime import run_main\nimport distlab.processes.cli\n{body}"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
-    check = run("run_main(lambda: distlab.cli.require(False, '--width', 'must be even'))")
+    check = run("run_main(lambda: distlab.processes.cli.require(False, '--width', 'must be even'))")
     assert check.returncode == 2 and check.stdout.strip() == "error: --width: must be even", check
     assert "Traceback" not in check.stderr
     underneath = run("import torch\nrun_main(lambda: torch.optim.SGD([], lr=0.1))")  # torch's own ValueError

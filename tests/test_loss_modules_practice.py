@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distlab.streamed.loss_modules as loss_modules
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 from distlab.streamed.step import agree_gradients_finite, finite_flags
 from distlab.streamed.tile_ops import TorchTiles
 from distributed_clip import ClipLoss, SigLipLoss, distributed_backward
@@ -101,7 +101,7 @@ def _assert_no_gradient_work(results: list[dict]) -> None:
 
 
 def test_under_no_grad_no_gradient_work_runs_alone():
-    from distlab.runtime import Runtime
+    from distlab.processes.runtime import Runtime
 
     rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
     _assert_no_gradient_work([_no_grad_against_grad(rt)])

@@ -21,11 +21,12 @@ BAR = re.compile(r"━|\d+/\d+ .*\d+:\d\d:\d\d|\d+%\|")  # rich's or tqdm's prog
 # notebook's), flags appended (the last of a flag wins)]}. Executing a notebook shows that its cells run on what
 # the lesson reports and that all they print reads whole at 80 columns; the lesson still exits 1 if a claim
 # fails. Fewer sizes, no fewer claims: every claim the lesson makes at the notebook's sizes is made here too,
-#   at P = 2: tensor_parallel, context_parallel, expert_parallel, ulysses (their test files run the notebook's
-#     P = 4 command itself at 80 columns), composed_mesh (the mesh's dimensions one at a time; its test files
-#     make every claim of the notebook's P = 8 run at 80 columns, shape for shape);
+#   at P = 2: tensor_parallel, context_parallel, expert_parallel, ulysses, async_tensor_parallel (the emulated
+#     device at 5 ms, not 20; their test files run the notebook's P = 4 command itself at 80 columns),
+#     composed_mesh (the mesh's dimensions one at a time; its test files make every claim of the notebook's
+#     P = 8 run at 80 columns, shape for shape);
 #   at the notebook's P, with the sizes of the lesson's own test file (as wide a table per rank):
-#     interleaved_zero_bubble (the emulated device at 0.5 ms a layer-pass, not 10), data_parallel,
+#     interleaved_zero_bubble (the emulated device at 0.5 ms a layer-pass, not 10), dualpipe (1 ms), data_parallel,
 #     contrastive_global, contrastive_local_naive (4 steps), grad_cache.
 # The default sizes run in run_all.sh; the committed notebooks hold a run at the sizes their cells show.
 SUITE_SIZES = {
@@ -40,6 +41,8 @@ SUITE_SIZES = {
     "context_parallel": [2, []],
     "expert_parallel": [2, []],
     "ulysses": [2, []],
+    "async_tensor_parallel": [2, ["--repeats", "1", "--emulate-ms", "5", "--link-ms", "5"]],
+    "dualpipe": [None, ["--emulate-ms", "1"]],
     "contrastive_global": [None, ["--global-batch", "48"]],
     "grad_cache": [None, ["--global-batch", "96", "--micro-batch-size", "8", "--width", "512", "--repeats", "1"]],
     "contrastive_local_naive": [
@@ -101,3 +104,44 @@ def test_the_check_can_fail():
     spam = {"cells": [{"outputs": [{"text": "\n".join(["train \u2501\u2501\u2501 3/10"] * 41)}]}]}
     with pytest.raises(AssertionError, match="progress-bar"):
         check_outputs(spam, "x")
+
+
+ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+PRINTED_LESSON = re.compile(r"\bLesson (\d\d)\b")  # the header each lesson prints, "Lesson 10: ..."
+JSON_NAME = re.compile(r"\blesson(\d\d)\.json\b|[\"/](\d\d)\.json\b")
+
+
+def printed_numbers(notebook: dict) -> tuple[set[str], set[str]]:
+    """The lesson numbers a notebook's saved outputs print in a lesson's header, and those its code's JSON
+    report names carry ("lesson10.json", "01.json")."""
+    printed, named = set(), set()
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            named |= {a or b for a, b in JSON_NAME.findall("".join(cell["source"]))}
+        for output in cell.get("outputs", []):
+            text = "".join(output.get("text", "")) + "".join(output.get("data", {}).get("text/plain", ""))
+            printed |= set(PRINTED_LESSON.findall(ESCAPE.sub("", text)))
+    return printed, named
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_notebook_shows_its_own_lessons_number(path):
+    """What a notebook's saved run printed is its own lesson's, under today's number (a notebook last run before
+    a renumbering says so), and its JSON report is named for that number."""
+    printed, named = printed_numbers(json.loads(path.read_text()))
+    number = path.name[:2]
+    assert named <= {number}, (path.name, named)
+    assert number in printed or not printed, (path.name, printed)
+    assert printed <= {number} | set(mentioned_lessons(path)), (path.name, printed)
+
+
+def mentioned_lessons(path: Path) -> set[str]:
+    """Lessons a notebook's own lesson names in its printout ("Lesson 22's ..."), which may appear beside its own."""
+    lesson = next(path.parent.parent.glob(f"{path.name[:2]}_*.py"))
+    return set(re.findall(r"\bLesson (\d\d)\b", lesson.read_text()))
+
+
+def test_the_number_check_can_fail():
+    stale = {"cells": [{"cell_type": "code", "source": ['run("--json", "lesson17.json")'], "outputs": []}]}
+    stale["cells"][0]["outputs"] = [{"text": "\x1b[1mLesson \x1b[0m\x1b[1;36m17\x1b[0m: expert parallelism"}]
+    assert printed_numbers(stale) == ({"17"}, {"17"})

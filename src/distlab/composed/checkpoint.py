@@ -16,7 +16,7 @@ Three things make that piece loadable anywhere else:
   (`dcp.load` reads them from whichever files hold them), and `set_state_dict` puts them in place.
 
 Every rank calls save and load together (over the world's group): a rank with no piece of a tensor simply
-asks for none. The folder is staged and committed (`distlab.committed`): a save killed half-way leaves the
+asks for none. The folder is staged and committed (`distlab.processes.committed`): a save killed half-way leaves the
 last whole checkpoint or none, never shards of two saves, and a load refuses a torn, truncated or damaged
 folder in one line naming the file, on every rank, before DCP reads it.
 
@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from distlab.committed import load_committed, save_committed
+from distlab.processes.committed import load_committed, save_committed
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # every optimizer entry keyed by its parameter's name
 

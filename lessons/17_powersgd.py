@@ -118,6 +118,12 @@ def views(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tenso
     return out
 
 
+def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a b, computed as torch's hook computes it: `bmm` on a batch of one. On the CPU, for small matrices, bmm
+    and mm add the products in different orders: the same numbers to rounding, not bit for bit."""
+    return torch.bmm(a[None], b[None], out=None if out is None else out[None])[0]
+
+
 def done(flat: torch.Tensor) -> torch.futures.Future:
     future = torch.futures.Future()
     future.set_result(flat)
@@ -158,16 +164,16 @@ def powersgd_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
     p_flat = flat.new_empty(sum(m.shape[0] * r for m, r in zip(mats, rs)))
     ps = views(p_flat, [(m.shape[0], r) for m, r in zip(mats, rs)])
     for m, q, p in zip(mats, qs, ps):
-        torch.matmul(m, q, out=p)  # 1. P_p = M_p Q
+        product(m, q, out=p)  # 1. P_p = M_p Q
     state.all_reduce(p_flat, "P")  # sum_p M_p Q: no 1/P, the orthonormalisation forgets the scale
     for p in ps:
         orthonormalise(p)  # 2.
     for m, p, q in zip(mats, ps, qs):
-        torch.matmul(m.t(), p, out=q)  # 3. Q_p = M_p^T P
+        product(m.t(), p, out=q)  # 3. Q_p = M_p^T P
     state.all_reduce(state.qs[index], "Q")
     state.qs[index].div_(world)  # Q = Mbar^T P, kept for the next step
     for m, p, q in zip(mats, ps, qs):
-        torch.matmul(p, q.t(), out=m)  # 4. P Q^T, written into the bucket
+        product(p, q.t(), out=m)  # 4. P Q^T, written into the bucket
     state.errors[index] = before - flat  # 5. E_p = M_p - what every rank now uses
     state.bucket_done(bucket)
     return done(flat)
@@ -223,10 +229,10 @@ def reference_step(local, errors, qs: dict, rng, r: int, rate: float) -> list[to
             grads.append(sum(ms[p][k] for p in range(world)) / world)
             continue
         gram_schmidt(qs[k])
-        big_p = sum(ms[p][k] @ qs[k] for p in range(world))
+        big_p = sum(product(ms[p][k], qs[k]) for p in range(world))
         gram_schmidt(big_p)
-        qs[k] = sum(ms[p][k].t() @ big_p for p in range(world)) / world
-        grads.append(big_p @ qs[k].t())
+        qs[k] = sum(product(ms[p][k].t(), big_p) for p in range(world)) / world
+        grads.append(product(big_p, qs[k].t()))
     for p in range(world):
         for k in range(count):
             errors[p][k] = ms[p][k] - grads[k]

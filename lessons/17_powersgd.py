@@ -249,15 +249,16 @@ def make_problem(args):
     return model, batch
 
 
-def train_ddp(rt: Runtime, args, hook: str, r: int) -> tuple[list[torch.Tensor], list[float], Ledger]:
-    """--steps SGD steps under torch's DDP with `hook` ("none", "by hand", "torch"): the parameters, the
-    loss on the whole batch after each step, and the by-hand hook's ledger."""
+def train_ddp(rt: Runtime, args, hook, r: int) -> tuple[list[torch.Tensor], list[float], Ledger]:
+    """--steps SGD steps under torch's DDP with `hook`: "none" (DDP's all-reduce), "torch" (torch's
+    powerSGD_hook) or a hook of ours (`powersgd_hook`) on a LowRankState: the parameters, the loss on the
+    whole batch after each step, and our state's ledger."""
     model, batch = make_problem(args)
     whole = copy.deepcopy(model)
     x, y = (t.chunk(rt.world_size)[rt.rank] for t in batch)
     ddp, state = DDP(model), LowRankState(r, args.min_compression_rate, args.seed)
-    if hook == "by hand":
-        ddp.register_comm_hook(state, powersgd_hook)
+    if callable(hook):
+        ddp.register_comm_hook(state, hook)
     elif hook == "torch":
         torch_state = torch_powersgd.PowerSGDState(
             None, r, START_ITER, args.min_compression_rate, random_seed=args.seed
@@ -287,7 +288,7 @@ def show_equality(rt: Runtime, args, verdict: Verdict) -> dict:
     plain, plain_losses, _ = train_ddp(rt, args, "none", 0)
     rows, losses = [], {"uncompressed": plain_losses}
     for r in sorted({*RANKS_SHOWN, args.rank}):
-        mine, losses[f"r = {r}"], _ = train_ddp(rt, args, "by hand", r)
+        mine, losses[f"r = {r}"], _ = train_ddp(rt, args, powersgd_hook, r)
         theirs, _, _ = train_ddp(rt, args, "torch", r)
         alone = one_process(model, batch, args, rt.world_size, r)
         to_torch, to_alone, to_plain = max_diff(mine, theirs), max_diff(mine, alone), max_diff(mine, plain)
@@ -311,7 +312,7 @@ def show_bytes(rt: Runtime, args, verdict: Verdict) -> None:
         f"\n[bold]2. Elements all-reduced per compressed step, r = {args.rank}, min rate {args.min_compression_rate}[/]"
     )
     model, _ = make_problem(args)
-    _, _, ledger = train_ddp(rt, args, "by hand", args.rank)
+    _, _, ledger = train_ddp(rt, args, powersgd_hook, args.rank)
     rows, total, plain = [], 0, 0
     for name, t in model.named_parameters():
         r = compressed_rank(t.shape, args.rank, args.min_compression_rate)

@@ -75,14 +75,10 @@ def _train(rt, args, kinds):
     out = {}
     for kind in kinds:
         if kind in WRONG:
-            right = lesson.powersgd_hook
-            lesson.powersgd_hook = _wrong(WRONG[kind], right)
-            try:
-                out[kind] = lesson.train_ddp(rt, args, "by hand", args.rank)[0]
-            finally:
-                lesson.powersgd_hook = right
+            out[kind] = lesson.train_ddp(rt, args, _wrong(WRONG[kind], lesson.powersgd_hook), args.rank)[0]
             continue
-        params, _, ledger = lesson.train_ddp(rt, args, kind, args.rank)
+        hook = lesson.powersgd_hook if kind == "by hand" else kind
+        params, _, ledger = lesson.train_ddp(rt, args, hook, args.rank)
         out[kind] = (params, dict(ledger.sent_by))
     return out
 

@@ -20,6 +20,8 @@ LESSONS=(
   "sharding|4|model states per item = formulas; ZeRO-1/2/3 by hand and FSDP2 = one process; bytes and memory per rank = formulas; DCP resume at P bit-identical, at P/2 to 1e-12|"
   "tensor_parallel|4|f, g (by hand), f-bar, g-bar exact; MLP, attention by heads, block with sequence parallelism = unsplit; bytes and activations = formulas; parallelize_module = ours; 2 x 2 mesh step = one process|"
   "context_parallel|4|ring attention (zig-zag, causal and not) = SDPA on the whole sequence, forward and backward; zig-zag work equal per rank; bytes and memory per rank = formulas|"
+  "powersgd|2|PowerSGD by hand as a DDP comm hook = torch's powerSGD_hook (bit for bit at r <= 2) and = the algebra in one process (bit for bit); differs from plain DDP; bytes (n + m) r per matrix; loss at r = 1, 2, 4|"
+  "powersgd|4|the same at P = 4 (= one process to 1e-12)|"
   "contrastive_global|4|plain gather = exactly 1/P of the full-batch gradient; backward of P*L exact|"
   "contrastive_local_naive|4|plain gather's gradient is wrong (= detached blocks); its training, three seeds, against one process|"
   "contrastive_allgather_fix|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"

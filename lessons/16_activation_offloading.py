@@ -307,6 +307,7 @@ def main() -> int:
             f"[bold]Lesson 16: activation offloading[/] - N = {args.global_batch}, width {args.width}, "
             f"{args.layers} hidden layers, float64, the emulated device"
         )
+        step(args, "plain")  # a warm-up: the first step pays one-off costs (threads, the allocator's first pages)
         runs = {how: step(args, how) for how in ("plain", "save_on_cpu", "serialised", "offload", "recompute")}
         show_exactness(args, runs, verdict)
         show_bytes(args, runs, verdict)

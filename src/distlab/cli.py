@@ -54,13 +54,13 @@ fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 SEED_MAX = 2**31 - 1
 WIDTHS = ("--width", "--dim", "--ffn-width", "--comm-dim", "--head-dim", "--input-features", "--vocab")
 PARTS = ("--layers", "--heads", "--stages-per-rank", "--micro-batches", "--checkpoint-segments")
-PARTS += ("--experts", "--top-k", "--dp", "--pp", "--tp", "--cp")
+PARTS += ("--experts", "--top-k", "--dp", "--pp", "--tp", "--cp", "--rank")
 ROWS = ("--global-batch", "--comm-global-batch", "--train-size", "--dataset-size", "--held-out")
 ROWS += ("--pairs-per-rank", "--memory-pairs", "--micro-batch-size", "--stream-chunk")
 COUNTS = ("--steps", "--epochs", "--repeats", "--seeds", "--warmup", "--eval-every", "--checkpoint-every")
 COUNTS += ("--accumulation-steps", "--train-steps")
 SCALES = ("--lr", "--train-lr", "--tau", "--max-grad-norm", "--clip-norm", "--weight-decay")
-SCALES += ("--capacity-factor", "--aux-weight")
+SCALES += ("--capacity-factor", "--aux-weight", "--min-compression-rate")
 _GROUPS = (  # (flags, the largest value, why)
     (("--seed",), SEED_MAX, "a 31-bit seed: lessons add offsets per rank and step"),
     (WIDTHS, 2**14, "a width^2 float64 matrix is 2 GiB"),

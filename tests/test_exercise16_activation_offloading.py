@@ -143,3 +143,6 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
+    Path(__file__), {"CopiesTwice": "bytes to the host", "NoPrefetch": "device peak"}
+)

@@ -132,6 +132,12 @@ def mean_of_everything(state, bucket):
     return future
 
 
+def wasteful(state, bucket):
+    """Right numbers, wrong bytes: the lesson's hook, plus an all-reduce of the whole bucket thrown away."""
+    dist.all_reduce(bucket.buffer().clone())
+    return _lesson().powersgd_hook(state, bucket)
+
+
 MISTAKES = (
     Mistake(
         "no compression",
@@ -197,3 +203,4 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"wasteful": "bytes sent"})

@@ -21,7 +21,7 @@ LESSONS=(
   "tensor_parallel|4|f, g (by hand), f-bar, g-bar exact; MLP, attention by heads, block with sequence parallelism = unsplit; bytes and activations = formulas; parallelize_module = ours; 2 x 2 mesh step = one process|"
   "context_parallel|4|ring attention (zig-zag, causal and not) = SDPA on the whole sequence, forward and backward; zig-zag work equal per rank; bytes and memory per rank = formulas|"
   "activation_offloading|1|saved tensors to a host pool and back, prefetched one group ahead, on the emulated device: gradients = no offloading = save_on_cpu bit for bit; bytes each way = lesson 07's formula; device peaks = formulas; timelines and recomputation beside it|"
-  "powersgd|2|PowerSGD by hand as a DDP comm hook = torch's powerSGD_hook (bit for bit at r <= 2) and = the algebra in one process (bit for bit); differs from plain DDP; bytes (n + m) r per matrix; loss at r = 1, 2, 4|"
+  "powersgd|2|PowerSGD by hand as a DDP comm hook = torch's powerSGD_hook (bit for bit at rho <= 2) and = the algebra in one process (bit for bit); differs from plain DDP; bytes (n + m) rho per matrix; loss at rho = 1, 2, 4|"
   "powersgd|4|the same at P = 4 (= one process to 1e-12)|"
   "contrastive_global|4|plain gather = exactly 1/P of the full-batch gradient; backward of P*L exact|"
   "contrastive_local_naive|4|plain gather's gradient is wrong (= detached blocks); its training, three seeds, against one process|"

@@ -23,9 +23,9 @@ The "device" tensors are the ones autograd holds; the "host pool" is a separate 
 bytes are counted by the offloader, storage by storage, not measured by an allocator. Copies are exact, so
 gradients equal those without offloading bit for bit; only time and the device peak change:
 
-    device peak of saved activations = max over consecutive groups (G_k + G_{k-1}): the group whose backward
-    runs and the one being prefetched (G_0 = e N (w_0 + w_1), G_k = e N w_{k+1}, the loss's G = 2 e N w_out);
-    without prefetch max_k G_k, at the price of waiting for every fetch; without offloading all of them.
+    device peak of saved activations = max over consecutive groups (H_k + H_{k-1}): the group whose backward
+    runs and the one being prefetched (H_0 = e N (w_0 + w_1), H_k = e N w_{k+1}, the loss's H = 2 e N w_out);
+    without prefetch max_k H_k, at the price of waiting for every fetch; without offloading all of them.
 
 Recomputation (lesson 02's checkpointing) also cuts the peak, by computing the forward again instead of moving
 it: the table puts the two side by side in time and peak on the same emulated device.
@@ -216,7 +216,7 @@ def forward_recomputing(model, x: torch.Tensor) -> torch.Tensor:
 
 
 def group_bytes(widths: tuple[int, ...], rows: int, e: int) -> list[int]:
-    """G_k by formula, in pack order: the first layer's input and tanh output, each later tanh's output, the
+    """H_k by formula, in pack order: the first layer's input and tanh output, each later tanh's output, the
     loss's input and target."""
     hidden = widths[1:-1]
     return [e * rows * (widths[0] + hidden[0])] + [e * rows * w for w in hidden[1:]] + [e * rows * 2 * widths[-1]]
@@ -252,8 +252,8 @@ def show_bytes(args, runs: dict, verdict: Verdict) -> None:
     groups = group_bytes(widths, args.global_batch, e)
     pairs = max(a + b for a, b in zip(groups, groups[1:]))
     serial = runs["serialised"]["offloader"]
-    verdict.check("device peak with prefetch = parameters + max (G_k + G_(k-1))", off.peak == pairs)
-    verdict.check("device peak without prefetch = parameters + max G_k", serial.peak == max(groups))
+    verdict.check("device peak with prefetch = parameters + max (H_k + H_(k-1))", off.peak == pairs)
+    verdict.check("device peak without prefetch = parameters + max H_k", serial.peak == max(groups))
     rows = [
         ("moved to the host", f"{off.sent:,}", f"{formula:,}"),
         ("moved back", f"{off.received:,}", f"{formula:,}"),

@@ -3,7 +3,7 @@
 The answer (the class `Offloader`) runs the lesson's step in place of the lesson's own: an MLP 16 -> 48 -> 48 ->
 48 -> 8 on N = 32 rows, float64, with prefetch. The lesson's claims: the gradients equal those without offloading
 bit for bit; the bytes copied to the host, and back, each equal lesson 07's activation formula; the device peak
-of saved activations equals max (G_k + G_(k-1)) over consecutive groups. The judge reads the counts the contract
+of saved activations equals max (H_k + H_(k-1)) over consecutive groups. The judge reads the counts the contract
 asks the class to keep (`sent`, `received`, `peak`)."""
 
 import argparse
@@ -52,7 +52,7 @@ def _ranks(rt, offloader, claims) -> None:
     )
     groups = lesson.group_bytes(widths, ARGS.global_batch, E)
     claims.equal(
-        "device peak = max (G_k + G_(k-1))",
+        "device peak = max (H_k + H_(k-1))",
         off.peak,
         max(a + b for a, b in zip(groups, groups[1:])),
         what="the peak of saved activations resident on the device",

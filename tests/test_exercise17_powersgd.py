@@ -1,9 +1,9 @@
 """Exercise 17: PowerSGD as a DDP communication hook, judged on 3 ranks against torch's powerSGD_hook.
 
-Each rank trains the same MLP under torch's DDP with the answer registered as its comm hook (r = 2, the first
+Each rank trains the same MLP under torch's DDP with the answer registered as its comm hook (rho = 2, the first
 two steps plain, then compressed with error feedback and warm start), 5 SGD steps on its C rows. The lesson's
 claims: the parameters equal those under torch's `powerSGD_hook` (float64, rtol 1e-10); and the all-reduces
-send, by the ring formula 2 (P-1)/P, e x the whole bucket in each plain step and e (sum (n + m) r + the vectors)
+send, by the ring formula 2 (P-1)/P, e x the whole bucket in each plain step and e (sum (n + m) rho + the vectors)
 in each compressed one, never the whole matrices."""
 
 import argparse
@@ -17,15 +17,15 @@ from exercise_watch import Watch
 
 LESSON, NAME = "powersgd", "powersgd_hook"
 P, STEPS = 3, 5
-ARGS = argparse.Namespace(width=24, layers=2, global_batch=24, steps=STEPS, lr=0.2, seed=3, rank=2)
+ARGS = argparse.Namespace(width=24, layers=2, global_batch=24, steps=STEPS, lr=0.2, seed=3, approx_rank=2)
 ARGS.min_compression_rate = 2.0
 EVERYTHING = 24 * 16 + 24 + 24 * 24 + 24 + 8 * 24 + 8  # parameters of 16 -> 24 -> 24 -> 8
-COMPRESSED = (24 + 16) * 2 + (24 + 24) * 2 + (8 + 24) * 2 + 24 + 24 + 8  # (n + m) r, and the biases whole
+COMPRESSED = (24 + 16) * 2 + (24 + 24) * 2 + (8 + 24) * 2 + 24 + 24 + 8  # (n + m) rho, and the biases whole
 UNCOMPRESSED, NO_FEEDBACK, SUMMED, COLD = (
     "uncompressed DDP (the mean of the whole bucket)",
     "PowerSGD without error feedback",
-    "PowerSGD with Q summed, not averaged",
-    "PowerSGD with a fresh Q every step",
+    "PowerSGD with V summed, not averaged",
+    "PowerSGD with a fresh V every step",
 )
 
 
@@ -36,7 +36,7 @@ def _lesson():
 def _train(rt, hook) -> dict:
     """--steps under DDP with `hook` (None: DDP's own all-reduce): the parameters by name."""
     lesson = _lesson()
-    params, _, _ = lesson.train_ddp(rt, ARGS, "none" if hook is None else hook, ARGS.rank)
+    params, _, _ = lesson.train_ddp(rt, ARGS, "none" if hook is None else hook, ARGS.approx_rank)
     names = [n for n, _ in lesson.make_problem(ARGS)[0].named_parameters()]
     return dict(zip(names, params))
 
@@ -70,7 +70,7 @@ def _ranks(rt, powersgd_hook, claims) -> None:
     # DDP's construction broadcasts the parameters and all-gathers their shapes: the hook's traffic is the
     # all-reduces (a learner's other collectives are counted too, by their ring formulas)
     sent = _hook_bytes(watch)
-    torch_state = dict(zip(got, lesson.train_ddp(rt, ARGS, "torch", ARGS.rank)[0]))
+    torch_state = dict(zip(got, lesson.train_ddp(rt, ARGS, "torch", ARGS.approx_rank)[0]))
     claims.tensors(
         "the parameters equal those under torch's powerSGD_hook",
         got,
@@ -79,7 +79,7 @@ def _ranks(rt, powersgd_hook, claims) -> None:
         alternatives={
             UNCOMPRESSED: _train(rt, None),
             NO_FEEDBACK: _train(rt, _named(no_error_feedback)),
-            SUMMED: _train(rt, _named(q_summed)),
+            SUMMED: _train(rt, _named(v_summed)),
             COLD: _train(rt, _named(cold_start)),
         },
     )
@@ -90,7 +90,7 @@ def _ranks(rt, powersgd_hook, claims) -> None:
         formula,
         what="bytes sent by the all-reduces (ring formula)",
         note=f"collectives: {dict(watch.calls())}",
-        hints=("send P and Q, (n + m) r numbers per matrix, never the n m of the matrix itself",),
+        hints=("send U and V, (n + m) rho numbers per matrix, never the n m of the matrix itself",),
     )
 
 
@@ -104,20 +104,20 @@ def no_error_feedback(state, bucket):
     return future
 
 
-def q_summed(state, bucket):
-    """Q summed over the ranks, never divided by P: the compressed gradients P times too large."""
+def v_summed(state, bucket):
+    """V summed over the ranks, never divided by P: the compressed gradients P times too large."""
     lesson = _lesson()
     future = lesson.powersgd_hook(state, bucket)
     if state.step > lesson.START_ITER:
         for g in bucket.gradients():
-            if lesson.compressed_rank(g.shape, state.r, state.min_compression_rate):
+            if lesson.compressed_rank(g.shape, state.rho, state.min_compression_rate):
                 g.mul_(dist.get_world_size())
     return future
 
 
 def cold_start(state, bucket):
-    """A fresh random Q every step: no warm start."""
-    state.qs.clear()
+    """A fresh random V every step: no warm start."""
+    state.vs.clear()
     return _lesson().powersgd_hook(state, bucket)
 
 
@@ -145,8 +145,8 @@ MISTAKES = (
         (Equals(UNCOMPRESSED),),
         (
             "the hook must send the two thin factors of each matrix, not the matrix",
-            "P_p = M_p Q (n x r), all-reduce; orthonormalise; Q_p = M_p^T P (m x r), all-reduce, divide by P",
-            "for each compressed matrix m: bmm(m, q) into P's buffer; all_reduce; Gram-Schmidt; bmm(m.t(), p) ...",
+            "U_r = M_r V (n x rho), all-reduce; orthonormalise; V_r = M_r^T U (m x rho), all-reduce, divide by P",
+            "for each compressed matrix m: bmm(m, v) into U's buffer; all_reduce; Gram-Schmidt; bmm(m.t(), u) ...",
         ),
     ),
     Mistake(
@@ -155,28 +155,28 @@ MISTAKES = (
         (Equals(NO_FEEDBACK),),
         (
             "what the low-rank approximation leaves out must come back next step",
-            "add state.errors[i] to the buffer first, keep E_p = M_p - (the buffer after) last, the vectors too",
+            "add state.errors[i] to the buffer first, keep Delta_r = M_r - (the buffer after) last, the vectors too",
             "before = flat.clone() after flat.add_(error); at the end state.errors[i] = before - flat",
         ),
     ),
     Mistake(
-        "Q summed, not averaged",
+        "V summed, not averaged",
         "parameters equal",
         (Equals(SUMMED),),
         (
             "DDP's gradient is a mean over the ranks, not a sum",
-            "P needs no 1/P (the orthonormalisation forgets its scale) but Q does",
-            "after the all-reduce of the Q buffer: q_flat.div_(world_size)",
+            "U needs no 1/P (the orthonormalisation forgets its scale) but V does",
+            "after the all-reduce of the V buffer: v_flat.div_(world_size)",
         ),
     ),
     Mistake(
-        "a fresh Q every step",
+        "a fresh V every step",
         "parameters equal",
         (Equals(COLD),),
         (
             "one power iteration per step only converges if it starts where the last one ended",
-            "draw Q once per bucket; keep the all-reduced Q in state.qs and re-orthonormalise it each step",
-            "if bucket.index() not in state.qs: draw; otherwise orthonormalise the Q you kept",
+            "draw V once per bucket; keep the all-reduced V in state.vs and re-orthonormalise it each step",
+            "if bucket.index() not in state.vs: draw; otherwise orthonormalise the V you kept",
         ),
     ),
 )
@@ -188,8 +188,8 @@ EXERCISE = Exercise(
     P,
     MISTAKES,
     hints=(
-        "the gradient every rank uses is P Q^T: two thin matrices all-reduced instead of one wide one",
-        "plain mean for 2 steps; then add the error, P = sum M Q, orthonormalise, Q = mean M^T P, P Q^T, new error",
+        "the gradient every rank uses is U V^T: two thin matrices all-reduced instead of one wide one",
+        "plain mean for 2 steps; then add the error, U = sum M V, orthonormalise, V = mean M^T U, U V^T, new error",
         "see lessons/17_powersgd.py's powersgd_hook: bucket.gradients() are views into bucket.buffer()",
     ),
     numbers="equal",
@@ -197,8 +197,8 @@ EXERCISE = Exercise(
 WRONG = {
     "no compression": "mean_of_everything",
     "no error feedback": "no_error_feedback",
-    "Q summed, not averaged": "q_summed",
-    "a fresh Q every step": "cold_start",
+    "V summed, not averaged": "v_summed",
+    "a fresh V every step": "cold_start",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG

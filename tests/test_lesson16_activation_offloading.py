@@ -1,7 +1,7 @@
 """Lesson 16: activation offloading by hand (saved-tensor hooks into a host pool, a copy thread, one group
 prefetched ahead) gives gradients bit for bit equal to no offloading and to torch's save_on_cpu, with and
 without prefetch, at several sizes; it moves exactly lesson 07's activation bytes each way; its device peak of
-saved activations equals max (G_k + G_(k-1)) with prefetch and max G_k without; only the first group is
+saved activations equals max (H_k + H_(k-1)) with prefetch and max H_k without; only the first group is
 fetched on demand with prefetch; the checks fail on a pool keyed by addresses (a reused address hands
 backward another tensor), on a pool that copies a tensor saved twice twice, and on one that never frees."""
 

@@ -1,9 +1,10 @@
-"""Lesson 17: PowerSGD by hand as a DDP communication hook equals torch's powerSGD_hook (bit for bit at r <= 2,
-where both orthonormalise by Gram-Schmidt; to 1e-12 at r = 4, where torch uses QR) and the same low-rank algebra
+"""Lesson 17: PowerSGD by hand as a DDP communication hook equals torch's powerSGD_hook (bit for bit at rho <= 2,
+where both orthonormalise by Gram-Schmidt; to 1e-12 at rho = 4, where torch uses QR) and the same low-rank algebra
 in one process on the P shares of the batch (bit for bit at P = 1, 2; 1e-12 at P = 3, 4), and differs from
-uncompressed DDP; the equality checks fail on wrong hooks (no error feedback, no 1/P on Q, no warm start); the
-bytes handed to the all-reduces equal e [sum (n + m) r over the compressed matrices + the rest whole], with the
-minimum compression rate's skip; a rank r larger than a weight matrix is one line naming --rank on every rank."""
+uncompressed DDP; the equality checks fail on wrong hooks (no error feedback, no 1/P on V, no warm start); the
+bytes handed to the all-reduces equal e [sum (n + m) rho over the compressed matrices + the rest whole], with the
+minimum compression rate's skip; a rank rho larger than a weight matrix is one line naming --approx-rank on every
+rank."""
 
 import argparse
 
@@ -24,7 +25,7 @@ WIDTH, LAYERS, N, STEPS = 24, 2, 24, 6  # widths 16, 24, 24, 8: P = 1, 2, 3, 4 d
 
 def _args(**changes) -> argparse.Namespace:
     args = dict(
-        width=WIDTH, layers=LAYERS, global_batch=N, steps=STEPS, lr=0.2, seed=3, rank=2, min_compression_rate=2.0
+        width=WIDTH, layers=LAYERS, global_batch=N, steps=STEPS, lr=0.2, seed=3, approx_rank=2, min_compression_rate=2.0
     )
     return argparse.Namespace(**{**args, **changes})
 
@@ -39,24 +40,24 @@ def no_error_feedback(hook, state, bucket):
     return future
 
 
-def q_not_averaged(hook, state, bucket):
-    """Q summed over the ranks and never divided by P: every compressed gradient P times too large."""
+def v_not_averaged(hook, state, bucket):
+    """V summed over the ranks and never divided by P: every compressed gradient P times too large."""
     lesson = load_lesson("powersgd")
     future = hook(state, bucket)
     if state.step > lesson.START_ITER:  # a compressed step just ran: undo the 1/P on the gradients it wrote
         for g in bucket.gradients():
-            if lesson.compressed_rank(g.shape, state.r, state.min_compression_rate):
+            if lesson.compressed_rank(g.shape, state.rho, state.min_compression_rate):
                 g.mul_(torch.distributed.get_world_size())
     return future
 
 
 def cold_start(hook, state, bucket):
-    """A fresh random Q every step (no warm start): one power iteration from scratch each time."""
-    state.qs.clear()
+    """A fresh random V every step (no warm start): one power iteration from scratch each time."""
+    state.vs.clear()
     return hook(state, bucket)
 
 
-WRONG = {"no error feedback": no_error_feedback, "Q not averaged": q_not_averaged, "cold start": cold_start}
+WRONG = {"no error feedback": no_error_feedback, "V not averaged": v_not_averaged, "cold start": cold_start}
 
 
 def _wrong(wrong, right):
@@ -75,10 +76,10 @@ def _train(rt, args, kinds):
     out = {}
     for kind in kinds:
         if kind in WRONG:
-            out[kind] = lesson.train_ddp(rt, args, _wrong(WRONG[kind], lesson.powersgd_hook), args.rank)[0]
+            out[kind] = lesson.train_ddp(rt, args, _wrong(WRONG[kind], lesson.powersgd_hook), args.approx_rank)[0]
             continue
         hook = lesson.powersgd_hook if kind == "by hand" else kind
-        params, _, ledger = lesson.train_ddp(rt, args, hook, args.rank)
+        params, _, ledger = lesson.train_ddp(rt, args, hook, args.approx_rank)
         out[kind] = (params, dict(ledger.sent_by))
     return out
 
@@ -89,7 +90,7 @@ def runs():
     for world in (1, 2, 3, 4):
         kinds = ("by hand", "torch", "none", *WRONG) if world == 2 else ("by hand", "torch")
         every[world, 2] = spawn(_train, world, _args(), kinds)[0]
-    every[2, 4] = spawn(_train, 2, _args(rank=4), ("by hand", "torch"))[0]
+    every[2, 4] = spawn(_train, 2, _args(approx_rank=4), ("by hand", "torch"))[0]
     return every
 
 
@@ -97,17 +98,17 @@ def _diff(a, b) -> float:
     return max((u - v).abs().max().item() for u, v in zip(a, b))
 
 
-def _one_process(world, r):
+def _one_process(world, rho):
     lesson = load_lesson("powersgd")
-    args = _args(rank=r)
+    args = _args(approx_rank=rho)
     model, batch = lesson.make_problem(args)
-    return lesson.one_process(model, batch, args, world, r)
+    return lesson.one_process(model, batch, args, world, rho)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_by_hand_equals_torchs_hook_and_one_process(runs, world):
     mine, theirs = runs[world, 2]["by hand"][0], runs[world, 2]["torch"][0]
-    assert _diff(mine, theirs) == 0.0  # r = 2: both Gram-Schmidt, the same sums in the same order
+    assert _diff(mine, theirs) == 0.0  # rho = 2: both Gram-Schmidt, the same sums in the same order
     alone = _one_process(world, 2)
     if world <= 2:
         assert _diff(mine, alone) == 0.0
@@ -136,7 +137,7 @@ def test_the_checks_fail_on_a_wrong_hook(runs, wrong):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_bytes_handed_to_the_all_reduces_equal_the_formula(runs, world):
-    """Widths 16 -> 24 -> 24 -> 8 at r = 2, rate 2: the 24 x 16 and 24 x 24 weights go as (n + m) r; the 8 x 24
+    """Widths 16 -> 24 -> 24 -> 8 at rho = 2, rate 2: the 24 x 16 and 24 x 24 weights go as (n + m) rho; the 8 x 24
     one too ((8 + 24) 2 x 2 = 128 < 192); the biases whole."""
     sent = runs[world, 2]["by hand"][1]
     compressed = (24 + 16) * 2 + (24 + 24) * 2 + (8 + 24) * 2
@@ -144,8 +145,8 @@ def test_bytes_handed_to_the_all_reduces_equal_the_formula(runs, world):
     everything = 24 * 16 + 24 + 24 * 24 + 24 + 8 * 24 + 8
     assert sent["plain", "all_reduce"] == 8 * everything * 2  # the first two steps, the whole bucket
     assert sent["whole", "all_reduce"] == 8 * whole * (STEPS - 2)
-    assert sent["P", "all_reduce"] + sent["Q", "all_reduce"] == 8 * compressed * (STEPS - 2)
-    assert sent["P", "all_reduce"] == 8 * (24 + 24 + 8) * 2 * (STEPS - 2)  # sum n r
+    assert sent["U", "all_reduce"] + sent["V", "all_reduce"] == 8 * compressed * (STEPS - 2)
+    assert sent["U", "all_reduce"] == 8 * (24 + 24 + 8) * 2 * (STEPS - 2)  # sum n rho
 
 
 def test_which_matrices_are_compressed():
@@ -153,33 +154,33 @@ def test_which_matrices_are_compressed():
     assert lesson.compressed_rank(torch.Size([8, 64]), 2, 2.0) == 2  # 144 x 2 < 512
     assert lesson.compressed_rank(torch.Size([8, 64]), 4, 2.0) == 0  # 288 x 2 >= 512: sent whole
     assert lesson.compressed_rank(torch.Size([64]), 1, 2.0) == 0  # a vector is always sent whole
-    assert lesson.compressed_rank(torch.Size([3, 64]), 8, 1.0) == 0  # r capped at 3: 201 >= 192
+    assert lesson.compressed_rank(torch.Size([3, 64]), 8, 1.0) == 0  # rho capped at 3: 201 >= 192
     assert lesson.compressed_rank(torch.Size([4, 4, 3, 3]), 1, 2.0) == 1  # a conv kernel as 4 x 36
 
 
-@pytest.mark.parametrize("r", [1, 2, 4])
-def test_orthonormalise(r):
+@pytest.mark.parametrize("rho", [1, 2, 4])
+def test_orthonormalise(rho):
     lesson = load_lesson("powersgd")
-    a = torch.randn(40, r, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+    a = torch.randn(40, rho, dtype=torch.float64, generator=torch.Generator().manual_seed(rho))
     mine, theirs = a.clone(), a.clone().unsqueeze(0)
     lesson.orthonormalise(mine)
-    assert torch.allclose(mine.T @ mine, torch.eye(r, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(mine.T @ mine, torch.eye(rho, dtype=torch.float64), atol=1e-12)
     torch_powersgd._orthogonalize_gram_schmidt(theirs)
-    if r <= 2:
+    if rho <= 2:
         assert torch.equal(mine, theirs[0])
     assert torch.allclose(mine, theirs[0], atol=1e-12)
 
 
-def _rules(rt, rank):
-    load_lesson("powersgd").world_rules(_args(rank=rank, width=64, layers=3, global_batch=48), rt.world_size)
+def _rules(rt, rho):
+    load_lesson("powersgd").world_rules(_args(approx_rank=rho, width=64, layers=3, global_batch=48), rt.world_size)
 
 
 def test_a_rank_larger_than_the_matrix_is_refused_on_every_rank():
-    message = assert_same_error_on_every_rank(_rules, 2, 9, match="--rank")
-    assert "r = 9" in message and "min(n, m) = 8" in message and "\n" not in message
-    assert_flag_refused("powersgd", "--rank", "--rank", "0")
+    message = assert_same_error_on_every_rank(_rules, 2, 9, match="--approx-rank")
+    assert "rho = 9" in message and "min(n, m) = 8" in message and "\n" not in message
+    assert_flag_refused("powersgd", "--approx-rank", "--approx-rank", "0")
 
 
 def test_the_lesson_passes():
     out = assert_lesson_passes_at_80_columns("powersgd", 2, "--steps", "6", "--width", "32")
-    assert "vs torch's hook" in out and "(n + m) r" in out and "step 6" in out
+    assert "vs torch's hook" in out and "(n + m) rho" in out and "step 6" in out

@@ -27,7 +27,7 @@ time; `copies` is a `distlab.timeline.Timeline(1)` for the copy thread's spans.
 
 The judge (one process, an MLP 16 -> 48 -> 48 -> 48 -> 8, N = 32, float64) checks the gradients against no
 offloading, bit for bit, the bytes each way against lesson 07's formula, and the peak against
-max (G_k + G_(k-1)) over consecutive groups.
+max (H_k + H_(k-1)) over consecutive groups.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 SEED_MAX = 2**31 - 1
 WIDTHS = ("--width", "--dim", "--ffn-width", "--comm-dim", "--head-dim", "--input-features", "--vocab")
 PARTS = ("--layers", "--heads", "--stages-per-rank", "--micro-batches", "--checkpoint-segments")
-PARTS += ("--experts", "--top-k", "--dp", "--pp", "--tp", "--cp", "--rank")
+PARTS += ("--experts", "--top-k", "--dp", "--pp", "--tp", "--cp", "--approx-rank")
 ROWS = ("--global-batch", "--comm-global-batch", "--train-size", "--dataset-size", "--held-out")
 ROWS += ("--pairs-per-rank", "--memory-pairs", "--micro-batch-size", "--stream-chunk")
 COUNTS = ("--steps", "--epochs", "--repeats", "--seeds", "--warmup", "--eval-every", "--checkpoint-every")

@@ -6,19 +6,19 @@ equal to torch's `powerSGD_hook` and to the same algebra in one process.
 Data parallelism (lesson 06) all-reduces every gradient: 2(P-1)/P x e n m bytes per rank for an n x m weight
 (e bytes per element). PowerSGD (Vogels et al. 2019, https://arxiv.org/abs/1905.13727) sends two thin factors
 instead (the paper's P and Q; here U and V, since P is the world size and Q a softmax). Rank r holds its
-gradient G_r, adds the error it kept last step, M_r = G_r + Delta_r, and with V an m x rho matrix of
-orthonormal columns (rho the rank of the approximation, rho << n, m; `--approx-rank`):
+gradient G_r, adds the error it kept last step, M_r = G_r + Delta_r, and with V an m x ell matrix of
+orthonormal columns (ell the rank of the approximation, ell << n, m; `--approx-rank`):
 
-    1. U_r = M_r V                      n x rho            all-reduce:  U = sum_r U_r = (sum_r M_r) V
+    1. U_r = M_r V                      n x ell            all-reduce:  U = sum_r U_r = (sum_r M_r) V
     2. U <- orthonormal columns of U    (Gram-Schmidt, below; no communication)
-    3. V_r = M_r^T U                    m x rho            all-reduce:  V = (1/P) sum_r V_r = Mbar^T U
-    4. the gradient every rank uses:    U V^T = U U^T Mbar, the mean Mbar projected on rho directions
+    3. V_r = M_r^T U                    m x ell            all-reduce:  V = (1/P) sum_r V_r = Mbar^T U
+    4. the gradient every rank uses:    U V^T = U U^T Mbar, the mean Mbar projected on ell directions
     5. error feedback:                  Delta_r <- M_r - U V^T, what this rank's share lost, added back next step
 
 One step of the power iteration per training step: V is kept from the last step (warm start) and
-re-orthonormalised, so over steps it tracks Mbar's top-rho right singular vectors at the price of one matmul
-pair. Bytes: (n + m) rho elements instead of n m. A matrix for which that saves too little (torch's
-`min_compression_rate`: compress when (n + m) rho x rate < n m) and every one-dimensional tensor (biases) is
+re-orthonormalised, so over steps it tracks Mbar's top-ell right singular vectors at the price of one matmul
+pair. Bytes: (n + m) ell elements instead of n m. A matrix for which that saves too little (torch's
+`min_compression_rate`: compress when (n + m) ell x rate < n m) and every one-dimensional tensor (biases) is
 all-reduced whole, and the error feedback covers them too: Delta_r <- M_r - mean, zero in sum over the ranks.
 
 Every step is linear in the sum over ranks except the orthonormalisation, which acts on the summed U: so the
@@ -30,10 +30,10 @@ all-reduces plainly for the first START_ITER steps (torch refuses fewer than 2 w
 The hook below (`powersgd_hook`) runs under torch's DDP (`register_comm_hook`): DDP hands it one bucket of
 gradients at a time, the flat buffer and views of each parameter's gradient in it, and takes back the
 buffer it should write into the parameters' .grad. Its twin is torch's
-`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: at rho <= 2 torch orthonormalises by the same
-Gram-Schmidt and the two agree bit for bit; at rho > 2 it calls Householder QR (LAPACK) and they agree to
+`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: at ell <= 2 torch orthonormalises by the same
+Gram-Schmidt and the two agree bit for bit; at ell > 2 it calls Householder QR (LAPACK) and they agree to
 rounding (1e-12 in float64). What compression costs is measured, not bounded: the loss after a few steps
-at rho = 1, 2, 4 beside uncompressed DDP.
+at ell = 1, 2, 4 beside uncompressed DDP.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations, as types, at registration.
@@ -64,40 +64,40 @@ from distlab.verdict import Verdict
 
 START_ITER = 2  # plain all-reduces first: DDP rebuilds its buckets after step 1 (torch's start_powerSGD_iter)
 IN_FEATURES, OUT_FEATURES = 16, 8
-RANKS_SHOWN = (1, 2, 4)  # the loss table's rho, with --approx-rank added
+RANKS_SHOWN = (1, 2, 4)  # the loss table's ell, with --approx-rank added
 
 # ---- the mechanism: the low-rank all-reduce as a DDP communication hook -----------------------------------
 
 
 def orthonormalise(columns: torch.Tensor) -> None:
-    """Gram-Schmidt in place on an n x rho matrix: column i divided by its norm, then its component removed
+    """Gram-Schmidt in place on an n x ell matrix: column i divided by its norm, then its component removed
     from every later column j: a_j <- a_j - (a_i . a_j) a_i. Afterwards columns^T columns = I (to rounding).
-    (torch's hook removes it from all later columns in one vectorised sum: the same numbers at rho <= 2.)"""
-    rho = columns.shape[1]
-    for i in range(rho):
+    (torch's hook removes it from all later columns in one vectorised sum: the same numbers at ell <= 2.)"""
+    ell = columns.shape[1]
+    for i in range(ell):
         col = columns[:, i]
         col /= torch.norm(col)
-        for j in range(i + 1, rho):
+        for j in range(i + 1, ell):
             later = columns[:, j]
             later -= torch.sum(col * later) * col
 
 
-def compressed_rank(shape: torch.Size, rho: int, min_compression_rate: float) -> int:
-    """The rank a gradient of this shape is sent at: 0 when it goes whole (a vector, or (n + m) rho x rate not
-    below n m), else min(n, m, rho)."""
+def compressed_rank(shape: torch.Size, ell: int, min_compression_rate: float) -> int:
+    """The rank a gradient of this shape is sent at: 0 when it goes whole (a vector, or (n + m) ell x rate not
+    below n m), else min(n, m, ell)."""
     if len(shape) < 2:
         return 0
     n, m = shape[0], shape[1:].numel()
-    rho = min(n, m, rho)
-    return rho if (n + m) * rho * min_compression_rate < n * m else 0
+    ell = min(n, m, ell)
+    return ell if (n + m) * ell * min_compression_rate < n * m else 0
 
 
 class LowRankState:
     """What the hook keeps between steps, per bucket: the error Delta_r, the warm-started V's (one flat buffer),
     the step count; and the bytes it handed to each all-reduce (`ledger`, phases "plain", "whole", "U", "V")."""
 
-    def __init__(self, rho: int, min_compression_rate: float = 2.0, seed: int = 0, group=None):
-        self.rho, self.min_compression_rate, self.group = rho, min_compression_rate, group
+    def __init__(self, ell: int, min_compression_rate: float = 2.0, seed: int = 0, group=None):
+        self.ell, self.min_compression_rate, self.group = ell, min_compression_rate, group
         self.rng = np.random.RandomState(seed)  # draws one seed per bucket for its first V (as torch's state does)
         self.step, self.errors, self.vs = 0, {}, {}
         self.ledger = Ledger()
@@ -144,10 +144,10 @@ def powersgd_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
     flat.add_(state.errors.setdefault(index, torch.zeros_like(flat)))  # M_r = G_r + Delta_r, the whole bucket
     before = flat.clone()
     grads = bucket.gradients()  # views into `flat`: writing them writes the buffer DDP returns
-    rhos = [compressed_rank(g.shape, state.rho, state.min_compression_rate) for g in grads]
-    whole = [g for g, rho in zip(grads, rhos) if rho == 0]
-    mats = [g.view(g.shape[0], -1) for g, rho in zip(grads, rhos) if rho > 0]
-    rhos = [rho for rho in rhos if rho > 0]
+    rhos = [compressed_rank(g.shape, state.ell, state.min_compression_rate) for g in grads]
+    whole = [g for g, ell in zip(grads, rhos) if ell == 0]
+    mats = [g.view(g.shape[0], -1) for g, ell in zip(grads, rhos) if ell > 0]
+    rhos = [ell for ell in rhos if ell > 0]
     # the tensors sent whole: one all-reduce of their concatenation, then the mean back in place
     packed = torch.cat([g.view(-1) for g in whole]) if whole else flat.new_empty(0)
     state.all_reduce(packed, "whole")
@@ -155,15 +155,15 @@ def powersgd_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
     for g, mean in zip(whole, packed.split([g.numel() for g in whole])):
         g.copy_(mean.view_as(g))
     if index not in state.vs:  # the first compressed step: V drawn from N(0, 1), seeded alike on every rank
-        state.vs[index] = flat.new_empty(sum(m.shape[1] * rho for m, rho in zip(mats, rhos)))
+        state.vs[index] = flat.new_empty(sum(m.shape[1] * ell for m, ell in zip(mats, rhos)))
         gen = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
-        for v in views(state.vs[index], [(m.shape[1], rho) for m, rho in zip(mats, rhos)]):
+        for v in views(state.vs[index], [(m.shape[1], ell) for m, ell in zip(mats, rhos)]):
             v.copy_(torch.randn(*v.shape, generator=gen, dtype=v.dtype))
-    vs = views(state.vs[index], [(m.shape[1], rho) for m, rho in zip(mats, rhos)])
+    vs = views(state.vs[index], [(m.shape[1], ell) for m, ell in zip(mats, rhos)])
     for v in vs:
         orthonormalise(v)  # warm start: last step's V, re-orthonormalised
-    u_flat = flat.new_empty(sum(m.shape[0] * rho for m, rho in zip(mats, rhos)))
-    us = views(u_flat, [(m.shape[0], rho) for m, rho in zip(mats, rhos)])
+    u_flat = flat.new_empty(sum(m.shape[0] * ell for m, ell in zip(mats, rhos)))
+    us = views(u_flat, [(m.shape[0], ell) for m, ell in zip(mats, rhos)])
     for m, v, u in zip(mats, vs, us):
         product(m, v, out=u)  # 1. U_r = M_r V
     state.all_reduce(u_flat, "U")  # sum_r M_r V: no 1/P, the orthonormalisation forgets the scale
@@ -183,9 +183,9 @@ def powersgd_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures
 # ---- the reference: the same algebra in one process, on the P shares of the batch -------------------------
 
 
-def one_process(model: nn.Module, batch, args, world: int, rho: int | None) -> list[torch.Tensor]:
+def one_process(model: nn.Module, batch, args, world: int, ell: int | None) -> list[torch.Tensor]:
     """The parameters after --steps SGD steps of a deep copy, each step's gradient formed in this one
-    process from the P ranks' gradients (plain autograd on each rank's rows), mean, or (rho given) the
+    process from the P ranks' gradients (plain autograd on each rank's rows), mean, or (ell given) the
     low-rank algebra of the docstring. DDP's one bucket lists the gradients last layer first: so are the
     first V's drawn."""
     model = copy.deepcopy(model)
@@ -196,10 +196,10 @@ def one_process(model: nn.Module, batch, args, world: int, rho: int | None) -> l
     optimizer = torch.optim.SGD(params, lr=args.lr)  # torch's SGD, as under DDP: p + (-lr) g, one rounding
     for step in range(args.steps):
         local = [torch.autograd.grad(F.mse_loss(model(x), y), params) for x, y in shares]
-        if rho is None or step < START_ITER:
+        if ell is None or step < START_ITER:
             grads = [sum(g[k] / world for g in local) for k in range(len(params))]
         else:
-            grads = reference_step(local, errors, vs, rng, rho, args.min_compression_rate)
+            grads = reference_step(local, errors, vs, rng, ell, args.min_compression_rate)
         for t, g in zip(params, grads):
             t.grad = g
         optimizer.step()
@@ -214,16 +214,16 @@ def gram_schmidt(a: torch.Tensor) -> None:
             a[:, j] -= (a[:, i] * a[:, j]).sum() * a[:, i]
 
 
-def reference_step(local, errors, vs: dict, rng, rho: int, rate: float) -> list[torch.Tensor]:
+def reference_step(local, errors, vs: dict, rng, ell: int, rate: float) -> list[torch.Tensor]:
     """One compressed step, parameter by parameter; `errors[r][k]` and `vs[k]` carried between steps."""
     world, count = len(local), len(local[0])
     ms = [[local[r][k] + errors[r][k] for k in range(count)] for r in range(world)]
-    order = [k for k in reversed(range(count)) if compressed_rank(ms[0][k].shape, rho, rate)]
+    order = [k for k in reversed(range(count)) if compressed_rank(ms[0][k].shape, ell, rate)]
     if not vs:
         gen = torch.Generator().manual_seed(int(rng.randint(1_000_000_000)))
         for k in order:
             n, m = ms[0][k].shape
-            vs[k] = torch.randn(m, min(n, m, rho), generator=gen, dtype=ms[0][k].dtype)
+            vs[k] = torch.randn(m, min(n, m, ell), generator=gen, dtype=ms[0][k].dtype)
     grads = []
     for k in range(count):
         if k not in vs:
@@ -250,19 +250,19 @@ def make_problem(args):
     return model, batch
 
 
-def train_ddp(rt: Runtime, args, hook, rho: int) -> tuple[list[torch.Tensor], list[float], Ledger]:
+def train_ddp(rt: Runtime, args, hook, ell: int) -> tuple[list[torch.Tensor], list[float], Ledger]:
     """--steps SGD steps under torch's DDP with `hook`: "none" (DDP's all-reduce), "torch" (torch's
     powerSGD_hook) or a hook of ours (`powersgd_hook`) on a LowRankState: the parameters, the loss on the
     whole batch after each step, and our state's ledger."""
     model, batch = make_problem(args)
     whole = copy.deepcopy(model)
     x, y = (t.chunk(rt.world_size)[rt.rank] for t in batch)
-    ddp, state = DDP(model), LowRankState(rho, args.min_compression_rate, args.seed)
+    ddp, state = DDP(model), LowRankState(ell, args.min_compression_rate, args.seed)
     if callable(hook):
         ddp.register_comm_hook(state, hook)
     elif hook == "torch":
         torch_state = torch_powersgd.PowerSGDState(
-            None, rho, START_ITER, args.min_compression_rate, random_seed=args.seed
+            None, ell, START_ITER, args.min_compression_rate, random_seed=args.seed
         )
         ddp.register_comm_hook(torch_state, torch_powersgd.powerSGD_hook)
     optimizer, losses = torch.optim.SGD(ddp.parameters(), lr=args.lr), []
@@ -288,48 +288,48 @@ def show_equality(rt: Runtime, args, verdict: Verdict) -> dict:
     model, batch = make_problem(args)
     plain, plain_losses, _ = train_ddp(rt, args, "none", 0)
     rows, losses = [], {"uncompressed": plain_losses}
-    for rho in sorted({*RANKS_SHOWN, args.approx_rank}):
-        mine, losses[f"rho = {rho}"], _ = train_ddp(rt, args, powersgd_hook, rho)
-        theirs, _, _ = train_ddp(rt, args, "torch", rho)
-        alone = one_process(model, batch, args, rt.world_size, rho)
+    for ell in sorted({*RANKS_SHOWN, args.approx_rank}):
+        mine, losses[f"ell = {ell}"], _ = train_ddp(rt, args, powersgd_hook, ell)
+        theirs, _, _ = train_ddp(rt, args, "torch", ell)
+        alone = one_process(model, batch, args, rt.world_size, ell)
         to_torch, to_alone, to_plain = max_diff(mine, theirs), max_diff(mine, alone), max_diff(mine, plain)
-        bitwise_torch = rho <= 2  # torch's Gram-Schmidt; Householder QR above
+        bitwise_torch = ell <= 2  # torch's Gram-Schmidt; Householder QR above
         how = "bit for bit" if bitwise_torch else "to 1e-12 (torch: QR)"
         verdict.check(
-            f"rho = {rho}: by hand = torch's hook, {how}", to_torch == 0 if bitwise_torch else to_torch < 1e-12
+            f"ell = {ell}: by hand = torch's hook, {how}", to_torch == 0 if bitwise_torch else to_torch < 1e-12
         )
         bitwise_alone = rt.world_size <= 2  # a sum of two is the same in either order
         how = "bit for bit" if bitwise_alone else "to 1e-12"
         verdict.check(
-            f"rho = {rho}: by hand = one process, {how}", to_alone == 0 if bitwise_alone else to_alone < 1e-12
+            f"ell = {ell}: by hand = one process, {how}", to_alone == 0 if bitwise_alone else to_alone < 1e-12
         )
-        verdict.check(f"rho = {rho}: differs from uncompressed DDP", to_plain > 1e-6, f"max |diff| {to_plain:.2e}")
-        rows.append((str(rho), f"{to_torch:.1e}", f"{to_alone:.1e}", f"{to_plain:.1e}"))
+        verdict.check(f"ell = {ell}: differs from uncompressed DDP", to_plain > 1e-6, f"max |diff| {to_plain:.2e}")
+        rows.append((str(ell), f"{to_torch:.1e}", f"{to_alone:.1e}", f"{to_plain:.1e}"))
     alone = one_process(model, batch, args, rt.world_size, None)
     verdict.check("uncompressed DDP = one process", max_diff(plain, alone) < 1e-12)
     print0(f"max |difference| of the parameters after {args.steps} SGD steps (the first {START_ITER} plain)")
-    print0(rows_table("", ("rho", "vs torch's hook", "vs one process", "vs plain DDP"), rows))
+    print0(rows_table("", ("ell", "vs torch's hook", "vs one process", "vs plain DDP"), rows))
     return losses
 
 
 def show_bytes(rt: Runtime, args, verdict: Verdict) -> None:
     rate = args.min_compression_rate
-    print0(f"\n[bold]2. Elements all-reduced per compressed step, rho = {args.approx_rank}, min rate {rate}[/]")
+    print0(f"\n[bold]2. Elements all-reduced per compressed step, ell = {args.approx_rank}, min rate {rate}[/]")
     model, _ = make_problem(args)
     _, _, ledger = train_ddp(rt, args, powersgd_hook, args.approx_rank)
     rows, total, plain = [], 0, 0
     for name, t in model.named_parameters():
-        rho = compressed_rank(t.shape, args.approx_rank, args.min_compression_rate)
-        sent = (t.shape[0] + t.shape[1]) * rho if rho else t.numel()
+        ell = compressed_rank(t.shape, args.approx_rank, args.min_compression_rate)
+        sent = (t.shape[0] + t.shape[1]) * ell if ell else t.numel()
         total, plain = total + sent, plain + t.numel()
         shape = " x ".join(map(str, t.shape))
-        rows.append((name, shape, f"{t.numel():,}", f"{sent:,}", f"(n + m) rho, rho = {rho}" if rho else "whole"))
+        rows.append((name, shape, f"{t.numel():,}", f"{sent:,}", f"(n + m) ell, ell = {ell}" if ell else "whole"))
     rows.append(("all", "", f"{plain:,}", f"{total:,}", f"{plain / total:.1f}x fewer"))
     print0(rows_table("", ("parameter", "n x m", "n m", "sent", "how"), rows))
     e, compressed_steps = model.parameters().__next__().element_size(), args.steps - START_ITER
     counted = ledger.sent - ledger.sent_in("plain")
     verdict.check(
-        "bytes handed to the all-reduces = e (sum (n + m) rho + the rest whole) per step",
+        "bytes handed to the all-reduces = e (sum (n + m) ell + the rest whole) per step",
         counted == e * total * compressed_steps and ledger.sent_in("plain") == e * plain * START_ITER,
         f"{counted:,} bytes in {compressed_steps} steps",
     )
@@ -347,13 +347,13 @@ def show_losses(losses: dict, args, verdict: Verdict) -> None:
 def parse_args():
     parser = lesson_parser(__doc__)
     parser.add_argument(
-        "--approx-rank", type=positive_int, default=2, help="rho, columns of U and V (rho <= min(n, m))"
+        "--approx-rank", type=positive_int, default=2, help="ell, columns of U and V (ell <= min(n, m))"
     )
     parser.add_argument("--width", type=positive_int, default=64, help="hidden width of the MLP")
     parser.add_argument("--layers", type=positive_int, default=3, help="hidden layers of the MLP")
     parser.add_argument("--global-batch", type=positive_int, default=48, help="rows per step, N (P must divide it)")
     parser.add_argument(
-        "--min-compression-rate", type=positive_float, default=2.0, help="compress when (n + m) rho x rate < n m"
+        "--min-compression-rate", type=positive_float, default=2.0, help="compress when (n + m) ell x rate < n m"
     )
     add_optimizer_args(parser, steps=12, lr=0.2)
     return parser.parse_args()
@@ -365,7 +365,7 @@ def world_rules(args, world_size: int) -> None:
     require(
         args.approx_rank <= smallest,
         "--approx-rank",
-        f"rho = {args.approx_rank} is larger than the smallest weight matrix allows (rho <= min(n, m) = {smallest})",
+        f"ell = {args.approx_rank} is larger than the smallest weight matrix allows (ell <= min(n, m) = {smallest})",
     )
     require(args.steps > START_ITER, "--steps", f"needs more than the {START_ITER} plain steps, got {args.steps}")
 
@@ -376,7 +376,7 @@ def main() -> int:
         verdict = Verdict(rt)
         print0(
             f"[bold]Lesson 17: PowerSGD[/] - P = {rt.world_size}, N = {args.global_batch}, width {args.width}, "
-            f"rho = {args.approx_rank}, {args.steps} SGD steps, float64, {rt.backend}"
+            f"ell = {args.approx_rank}, {args.steps} SGD steps, float64, {rt.backend}"
         )
         losses = show_equality(rt, args, verdict)
         show_bytes(rt, args, verdict)

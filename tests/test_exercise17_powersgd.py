@@ -1,9 +1,9 @@
 """Exercise 17: PowerSGD as a DDP communication hook, judged on 3 ranks against torch's powerSGD_hook.
 
-Each rank trains the same MLP under torch's DDP with the answer registered as its comm hook (rho = 2, the first
+Each rank trains the same MLP under torch's DDP with the answer registered as its comm hook (ell = 2, the first
 two steps plain, then compressed with error feedback and warm start), 5 SGD steps on its C rows. The lesson's
 claims: the parameters equal those under torch's `powerSGD_hook` (float64, rtol 1e-10); and the all-reduces
-send, by the ring formula 2 (P-1)/P, e x the whole bucket in each plain step and e (sum (n + m) rho + the vectors)
+send, by the ring formula 2 (P-1)/P, e x the whole bucket in each plain step and e (sum (n + m) ell + the vectors)
 in each compressed one, never the whole matrices."""
 
 import argparse
@@ -20,7 +20,7 @@ P, STEPS = 3, 5
 ARGS = argparse.Namespace(width=24, layers=2, global_batch=24, steps=STEPS, lr=0.2, seed=3, approx_rank=2)
 ARGS.min_compression_rate = 2.0
 EVERYTHING = 24 * 16 + 24 + 24 * 24 + 24 + 8 * 24 + 8  # parameters of 16 -> 24 -> 24 -> 8
-COMPRESSED = (24 + 16) * 2 + (24 + 24) * 2 + (8 + 24) * 2 + 24 + 24 + 8  # (n + m) rho, and the biases whole
+COMPRESSED = (24 + 16) * 2 + (24 + 24) * 2 + (8 + 24) * 2 + 24 + 24 + 8  # (n + m) ell, and the biases whole
 UNCOMPRESSED, NO_FEEDBACK, SUMMED, COLD = (
     "uncompressed DDP (the mean of the whole bucket)",
     "PowerSGD without error feedback",
@@ -90,7 +90,7 @@ def _ranks(rt, powersgd_hook, claims) -> None:
         formula,
         what="bytes sent by the all-reduces (ring formula)",
         note=f"collectives: {dict(watch.calls())}",
-        hints=("send U and V, (n + m) rho numbers per matrix, never the n m of the matrix itself",),
+        hints=("send U and V, (n + m) ell numbers per matrix, never the n m of the matrix itself",),
     )
 
 
@@ -110,7 +110,7 @@ def v_summed(state, bucket):
     future = lesson.powersgd_hook(state, bucket)
     if state.step > lesson.START_ITER:
         for g in bucket.gradients():
-            if lesson.compressed_rank(g.shape, state.rho, state.min_compression_rate):
+            if lesson.compressed_rank(g.shape, state.ell, state.min_compression_rate):
                 g.mul_(dist.get_world_size())
     return future
 
@@ -145,7 +145,7 @@ MISTAKES = (
         (Equals(UNCOMPRESSED),),
         (
             "the hook must send the two thin factors of each matrix, not the matrix",
-            "U_r = M_r V (n x rho), all-reduce; orthonormalise; V_r = M_r^T U (m x rho), all-reduce, divide by P",
+            "U_r = M_r V (n x ell), all-reduce; orthonormalise; V_r = M_r^T U (m x ell), all-reduce, divide by P",
             "for each compressed matrix m: bmm(m, v) into U's buffer; all_reduce; Gram-Schmidt; bmm(m.t(), u) ...",
         ),
     ),

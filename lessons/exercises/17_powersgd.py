@@ -5,7 +5,7 @@ DDP calls `powersgd_hook(state, bucket)` once per bucket of gradients in every b
 all-reduce, and writes into the parameters' .grad the buffer the returned future holds. Write the hook: for
 the first START_ITER = 2 steps the plain mean (1/P) sum_r G_r; from then on, with M_r = G_r + Delta_r (this
 rank's gradient plus the error it kept), every matrix n x m (a gradient g seen as g.view(g.shape[0], -1)) with
-(n + m) rho' x state.min_compression_rate < n m, rho' = min(n, m, state.rho), sent as two thin factors (the
+(n + m) ell' x state.min_compression_rate < n m, ell' = min(n, m, state.ell), sent as two thin factors (the
 paper's P and Q):
 
     U = sum_r M_r V          orthonormalise U's columns (Gram-Schmidt)
@@ -13,17 +13,17 @@ paper's P and Q):
 
 and every other tensor (the vectors) all-reduced whole and averaged; then Delta_r = M_r - (what the buffer now
 holds), for the whole bucket, vectors included. V's first value: N(0, 1) entries, drawn with
-torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000))) and torch.randn(m, rho', generator=...,
+torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000))) and torch.randn(m, ell', generator=...,
 dtype=...), one draw per bucket, the matrices in the bucket's order, then orthonormalised.
 
-What you have, `state` (the lesson's LowRankState): `state.rho`, `state.min_compression_rate`, `state.group`,
+What you have, `state` (the lesson's LowRankState): `state.ell`, `state.min_compression_rate`, `state.group`,
 `state.step` (completed steps; `state.bucket_done(bucket)` counts them: call it before you return),
 `state.errors` and `state.vs` (dicts by `bucket.index()`, yours to fill), `state.rng` (numpy), and
 `state.all_reduce(flat, phase)`: dist.all_reduce (a sum) that counts the bytes. `bucket.buffer()` is the flat
 gradient buffer, `bucket.gradients()` views of each parameter's gradient in it. Return a
 torch.futures.Future whose result is the buffer (`future.set_result(buffer)`).
 
-The judge (P = 3, an MLP 16 -> 24 -> 24 -> 8, rho = 2, 5 SGD steps) checks the parameters against torch's
+The judge (P = 3, an MLP 16 -> 24 -> 24 -> 8, ell = 2, 5 SGD steps) checks the parameters against torch's
 `powerSGD_hook` (float64, rtol 1e-10) and the bytes your all-reduces send against the ring formula for the
 factors and the vectors.
 """

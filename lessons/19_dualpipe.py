@@ -1,7 +1,8 @@
 """Lesson 19: DualPipeV, the V-shaped pipeline of DeepSeek-V3 in which one micro-batch's forward runs as a
-pair with another's backward, written as data and run by this repository's schedule runner.
+pair with another's backward, written as data and run by this repository's schedule runner; then DualPipe
+itself, in both directions, with two copies of the parameters and a runner for two opposite chains.
 
-    torchrun --nproc-per-node 4 lessons/19_dualpipe.py --micro-batches 8    # P = 2..4, M >= 2P
+    torchrun --nproc-per-node 4 lessons/19_dualpipe.py --micro-batches 8    # P = 2 or 4, M even, M >= 2P
 
 The idea. ZB-V (lesson 05) puts two half-size stages on each rank in a V, a = r down and b = 2P - 1 - r up,
 and splits each backward into I (the input's gradient) and W (the weights'). DualPipe (DeepSeek-V3, arXiv
@@ -39,30 +40,65 @@ The mechanism is `dualpipev` below: a pure function returning, per rank, its tic
 action or a pair. `flatten` hands the runner (`distlab.pipeline.runner.PipelineStep`) the actions in order,
 a pair as its forward then its backward; the simulator (`distlab.pipeline.simulator`) draws its grid.
 
+DualPipe in both directions (`dualpipe`, `DualPipeStep`). Two copies of the model, each cut in P whole
+chunks (1/P of the model). Chain 0 runs copy 0 with chunk k on rank k: its M/2 micro-batches enter at rank
+0. Chain 1 runs copy 1 with chunk k on rank P - 1 - k: its M/2 micro-batches enter at rank P - 1. So rank r
+holds chunk r of copy 0 and chunk P - 1 - r of copy 1, and its mirror P - 1 - r holds the same two chunks,
+each in the other copy: one exchange of both chunks' gradients and a sum (a + b there, b + a here: equal
+bit for bit) gives each copy the whole batch's gradient, and the copies step identically and stay equal.
+P must be even (no rank is its own mirror) and M even (M/2 from each end), M >= 2P.
+The order: fold the V. Chain 0's positions 0 .. P/2 - 1 (ranks 0 .. P/2 - 1) and P/2 .. P - 1 (ranks
+P - 1 .. P/2, read from the far end) are a V on H = P/2 "ranks" h = min(r, P - 1 - r), its a stage on rank
+h and its b stage on the mirror; chain 1 is the same V mirrored. Rank r runs DualPipeV(H, M/2)'s order of
+V-rank h, its a stage read as position h of its OWN chain (the one entering at its end) and its b as
+position P - 1 - h of the other. Both mirrors run one order on one clock, so each chain runs exactly as
+the V would (induction over the ticks), and every figure of the V carries over with P -> P/2, M -> M/2:
+    bubble = (P/2 - 1) / (3M + P/2 - 1)   per rank 3M ticks of work (2 chunks x M/2 x (F + I + W)) and
+                                          P/2 - 1 idle: the V's turn, now half as far from either end
+    in flight = 2 (P/2) + 1 = P + 1       whole-chunk activations, on every rank
+DeepSeek-V3 (Table 2) states bubble (PP/2 - 1)(F&B + B - 3W) and activations PP + 1 (a rank's chunk each).
+The activations agree exactly: P + 1. The bubble: our grid lets a pair's forward hand on its output as soon
+as that half ends; DeepSeek's F&B is one unit whose two halves interleave (each hiding the other's
+messages), so both results come out at its end. Simulated that way (`simulate_units(..., together=True)`),
+every rank idles exactly (P/2 - 1)(F&B + B - 3W) ticks when F = I = W = 1 tick and F&B = F + B = 3 (the
+pair no faster than its halves): 2 (P/2 - 1), twice the split grid's P/2 - 1. With a faster pair (F&B = 2
+or 2.5 ticks) the formula is the idle time of the worst rank, the one that sets the step; with I != W it
+is neither (an estimate): the tests pin each of these cases for P = 4, 6, 8.
+
 The proof. The flattened schedule trains the split MLP and its gradients, parameters and losses equal the
 unsplit model's on the whole batch in one process (float64). torch's `ScheduleDualPipeV` trains it too, and
 the order it executes (recorded, lesson 05) is ours, rank by rank. The grid's bubble and each rank's
 in-flight count equal the closed forms above, beside ZB-V and 1F1B; on the emulated device (`--emulate-ms`)
 the three step times follow their grids. Not modelled: the emulated device charges nothing for a message,
 so the pair's hidden communication, DualPipe's own gain on a GPU cluster, is not timed here.
+DualPipe, on its own runner: gradients, parameters and losses equal the unsplit model's (float64), the two
+copies of every chunk equal bit for bit after training, and its grid's bubble and in-flight counts equal the
+closed forms, beside the V's and 1F1B's. The two-chain runner posts its sends without waiting and receives
+each peer's messages in the peer's order: it needs no message tags (run here on gloo).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from collections import deque
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from distlab import emulate
 from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, require, stages_fit_layers
 from distlab.console import compact_table, print0
+from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.report import check_runs, gathered
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule, make_schedule
-from distlab.pipeline.simulator import peak_in_flight, render, simulate
+from distlab.pipeline.simulator import Timing, dependencies, peak_in_flight, render, simulate
 from distlab.pipeline.torch_engine import TorchStep
-from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
+from distlab.pipeline.training import PipelineConfig, problem, train, unsplit_reference
 from distlab.runtime import distributed, run_main
-from distlab.timeline import step_seconds
+from distlab.timeline import Timeline, step_seconds
 from distlab.verdict import Verdict
 
 Ticks = list[list[tuple[Action, ...]]]  # ticks[r] = rank r's units in order: one action, or a pair (F, B)
@@ -152,7 +188,267 @@ def flatten(ticks: Ticks) -> Schedule:
     return [[action for unit in order for action in unit] for order in ticks]
 
 
+# ---- DualPipe in both directions: two copies, two chains, one V each ----------------------------
+
+
+def check_dualpipe(num_ranks: int, microbatches: int) -> None:
+    """DualPipe's input rules, checked from what every rank knows (the same line everywhere)."""
+    if num_ranks % 2:
+        raise ValueError(
+            f"--nproc-per-node: DualPipe pairs rank r with rank P - 1 - r (their mirrored copies), so P must be "
+            f"even, got P = {num_ranks}"
+        )
+    if microbatches % 2 or microbatches < 2 * num_ranks:
+        raise ValueError(
+            f"--micro-batches: DualPipe feeds M/2 micro-batches from each end and needs M even and M >= 2P = "
+            f"{2 * num_ranks}, got M = {microbatches}"
+        )
+
+
+def direction_of(stage: int, num_ranks: int) -> tuple[int, int]:
+    """A DualPipe stage's (direction, position): stage d P + k is position k of chain d (0 down, 1 up)."""
+    return divmod(stage, num_ranks)
+
+
+def dualpipe_rank(stage: int, num_ranks: int) -> int:
+    """Chain 0's position k runs on rank k, chain 1's on rank P - 1 - k (it enters at the last rank)."""
+    d, k = direction_of(stage, num_ranks)
+    return k if d == 0 else num_ranks - 1 - k
+
+
+def dualpipe(num_ranks: int, microbatches: int) -> Ticks:
+    """DualPipe on P ranks and M micro-batches: the order of DualPipeV on H = P/2 ranks and M/2
+    micro-batches, run by rank r and by its mirror P - 1 - r alike (h = min(r, P - 1 - r) plays V-rank
+    h), its two stages relabelled. The V's a = h becomes position h of the rank's OWN chain (the one
+    entering at its end: chain 0 for r < H, chain 1 for r >= H), the V's b = P - 1 - h position P - 1 - h
+    of the OTHER chain. Actions are spelled Action(kind, i, stage) with stage = d P + k (position k of
+    chain d) and i = d M/2 + j (chain d's j-th micro-batch): one stage and one micro-batch per name."""
+    check_dualpipe(num_ranks, microbatches)
+    P, half = num_ranks, microbatches // 2
+    v_order = dualpipev(P // 2, half)
+    every = []
+    for r in range(P):
+        h, own = min(r, P - 1 - r), int(r >= P // 2)
+
+        def relabel(a: Action, h=h, own=own) -> Action:
+            d = own if a.stage == h else 1 - own  # the V's a stage: the own chain; its b: the other
+            return Action(a.kind, d * half + a.microbatch, d * P + a.stage)
+
+        every.append([tuple(relabel(a) for a in unit) for unit in v_order[h]])
+    return every
+
+
+def two_chain_dependencies(action: Action, num_ranks: int) -> list[Action]:
+    """The simulator's three dependencies (F after the previous stage's F; I after its own F and the
+    next stage's I; W after I), inside the action's own chain: the two chains share no data."""
+    d, k = direction_of(action.stage, num_ranks)
+    inner = dependencies(Action(action.kind, action.microbatch, k), num_ranks)
+    return [Action(x.kind, x.microbatch, d * num_ranks + x.stage) for x in inner]
+
+
+def simulate_units(
+    ticks: Ticks, deps, cost: dict[str, float], together: bool = False
+) -> tuple[float, list[float], dict[Action, float]]:
+    """Place every unit at its earliest time, one unit at a time per rank in the rank's order; returns
+    (the step's time, each rank's idle time, each action's finish). `cost`: F, I (split), B (unsplit I),
+    W, and FB, the time of a pair. `together` = False: a pair runs as its forward then its backward,
+    each result ready when its half ends (the runner's way, and DualPipeV's grid); True: DeepSeek's F&B,
+    one unit whose two results are ready only when the whole unit ends (its halves interleave, each
+    hiding the other's messages)."""
+    split = {(a.stage, a.microbatch) for order in ticks for unit in order for a in unit if a.kind == "W"}
+
+    def took(a: Action) -> float:
+        return (
+            cost["I"] if a.kind == "I" and (a.stage, a.microbatch) in split else cost["B" if a.kind == "I" else a.kind]
+        )
+
+    finish: dict[Action, float] = {}
+    nxt, free = [0] * len(ticks), [0.0] * len(ticks)
+    progress = True
+    while progress:
+        progress = False
+        for r, order in enumerate(ticks):
+            while nxt[r] < len(order):
+                unit = order[nxt[r]]
+                needs = [d for a in unit for d in deps(a) if d not in unit]
+                if any(d not in finish for d in needs):
+                    break  # wait for another rank; come back on the next sweep
+                end = free[r]
+                if together and len(unit) == 2:  # one unit: it starts when both halves can
+                    end = max([end, *(finish[d] for d in needs)]) + cost["FB"]
+                    finish.update({a: end for a in unit})
+                for a in unit if not (together and len(unit) == 2) else ():
+                    end = max([end, *(finish[d] for d in deps(a))]) + took(a)  # each half when it can
+                    finish[a] = end
+                free[r], nxt[r] = end, nxt[r] + 1
+                progress = True
+    if any(n < len(order) for n, order in zip(nxt, ticks)):
+        raise ValueError("the order deadlocks")
+    work = [sum(cost["FB"] if together and len(u) == 2 else sum(took(a) for a in u) for u in order) for order in ticks]
+    step = max(free)
+    return step, [step - w for w in work], finish
+
+
+class DualPipeStep:
+    """The runner for two opposite chains (a `training.Step`): the library's runner follows one chain of
+    stages, DualPipe has two, so this one is written here, where it is the mechanism. Rank r holds chunk r
+    of copy 0 (chain 0: rows enter at rank 0) and chunk P - 1 - r of copy 1 (chain 1: rows enter at rank
+    P - 1), both built from the same seed. Messages: a sender posts each one as it computes it (never
+    waiting); a receiver takes a peer's messages in the order the peer sends them, up to the one it needs,
+    so no order of receives can hang a schedule the simulator finds free of deadlock, and no tag is needed.
+    After the last unit, the mirrors meet: ranks r and P - 1 - r hold the same two chunks, each in the
+    other copy, so ONE exchange of their gradients (both chunks in chunk order) and a sum gives both copies
+    the whole batch's gradient: a + b on one side and b + a on the other, equal bit for bit, so the copies
+    step identically and stay equal. `sum_mirrors=False` is the wrong twin: each copy keeps half a batch."""
+
+    def __init__(self, rt, cfg: PipelineConfig, sum_mirrors: bool = True):
+        P, M = rt.world_size, cfg.micro_batches
+        check_dualpipe(P, M)
+        model, x, target = problem(cfg)
+        chunks = [split_stages(copy.deepcopy(model), P) for _ in range(2)]  # copy d's P chunks
+        self.P, self.rank, self.cfg, self.device, self.sum_mirrors = P, rt.rank, cfg, rt.device, sum_mirrors
+        self.mine = {
+            d * P + k: chunks[d][k] for d in (0, 1) for k in range(P) if dualpipe_rank(d * P + k, P) == rt.rank
+        }
+        self.stages = list(self.mine.values())  # what `train` steps: chunk r of copy 0, chunk P - 1 - r of copy 1
+        self.mirror = P - 1 - rt.rank
+        ticks = dualpipe(P, M)
+        self.actions = [a for unit in ticks[rt.rank] for a in unit]
+        self.split = {(a.stage, a.microbatch) for a in self.actions if a.kind == "W"}
+        self.x = [part.clone() for part in torch.tensor_split(x, M)]
+        self.target = [part.clone() for part in torch.tensor_split(target, M)]
+        self.shapes = [boundary_shapes(chunks[0], tuple(part.shape), cfg.dtype) for part in self.x]
+        for stage in self.mine.values():
+            stage.module.to(rt.device)
+        # What each peer sends this rank, in the peer's own order: (what, consuming stage, micro-batch).
+        self.incoming = {
+            peer: [m for a in flatten(ticks)[peer] if (m := self._message(a)) and dualpipe_rank(m[1], P) == rt.rank]
+            for peer in range(P)
+        }
+        self.timeline, self.peak = Timeline(rt.rank, rt.device), 0
+
+    def _message(self, a: Action) -> tuple[str, int, int] | None:
+        """What `a` hands on: F its output to the next position of its chain, I its input's gradient back."""
+        d, k = direction_of(a.stage, self.P)
+        if a.kind == "F" and k < self.P - 1:
+            return "activation", a.stage + 1, a.microbatch
+        if a.kind == "I" and k > 0:
+            return "gradient", a.stage - 1, a.microbatch
+        return None
+
+    def __call__(self, step: int) -> float | None:
+        self.held: dict = {}
+        self.inbox: dict = {}
+        self.sent: list = []
+        self.taken = dict.fromkeys(range(self.P), 0)
+        self.loss = torch.zeros((), dtype=torch.float64)
+        run = {"F": self._forward, "I": self._backward, "W": self._weight}
+        for a in self.actions:
+            with self.timeline.span(str(a), step):
+                run[a.kind](a)
+        for work in self.sent:
+            work.wait()
+        if self.sum_mirrors:
+            self._sum_mirrors()
+        last = {self.P - 1, 2 * self.P - 1} & set(self.mine)  # chain 0's last chunk on rank P - 1, chain 1's on 0
+        return self.loss.item() if last else None
+
+    def measurements(self) -> dict:
+        return dict(peak_in_flight=self.peak)
+
+    def _take(self, message: tuple[str, int, int]) -> torch.Tensor:
+        """Receive from the message's sender, in its order, until `message` is in."""
+        what, stage, i = message
+        d, k = direction_of(stage, self.P)
+        peer = dualpipe_rank(stage + (1 if what == "gradient" else -1), self.P)
+        while message not in self.inbox:
+            got = self.incoming[peer][self.taken[peer]]
+            self.taken[peer] += 1
+            gd, gk = direction_of(got[1], self.P)
+            shape = self.shapes[got[2]][gk + (got[0] == "gradient")]
+            buffer = torch.empty(shape, dtype=self.cfg.dtype, device=self.device)
+            dist.recv(buffer, peer)
+            self.inbox[got] = buffer.requires_grad_(got[0] == "activation")
+        return self.inbox.pop(message)
+
+    def _send(self, message: tuple[str, int, int], tensor: torch.Tensor) -> None:
+        self.sent.append(dist.isend(tensor.detach().contiguous(), dualpipe_rank(message[1], self.P)))
+
+    def _forward(self, a: Action) -> None:
+        d, k = direction_of(a.stage, self.P)
+        x = self.x[a.microbatch].to(self.device) if k == 0 else self._take(("activation", a.stage, a.microbatch))
+        out = self.mine[a.stage].module(x)
+        if k == self.P - 1:  # the chain's last chunk: the loss, scaled n_i / N (the whole batch's mean)
+            out = F.mse_loss(out, self.target[a.microbatch].to(self.device)) * (len(x) / self.cfg.global_batch)
+            self.loss += out.detach().cpu()
+        else:
+            self._send(self._message(a), out)
+        self.held[a.stage, a.microbatch] = [x, out, None]
+        self.peak = max(self.peak, len(self.held))
+
+    def _backward(self, a: Action) -> None:
+        d, k = direction_of(a.stage, self.P)
+        x, out, _ = entry = self.held[a.stage, a.microbatch]
+        grad = None if k == self.P - 1 else self._take(("gradient", a.stage, a.microbatch))
+        if (a.stage, a.microbatch) not in self.split:
+            out.backward(grad)
+            del self.held[a.stage, a.microbatch]
+            grad_x = x.grad
+        elif k > 0:
+            (grad_x,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+        entry[2] = grad
+        if k > 0:
+            self._send(self._message(a), grad_x)
+
+    def _weight(self, a: Action) -> None:
+        _, out, grad = self.held.pop((a.stage, a.microbatch))
+        torch.autograd.backward(out, grad, inputs=list(self.mine[a.stage].module.parameters()))
+
+    def _sum_mirrors(self) -> None:
+        """One exchange with the mirror rank: both chunks' gradients, in chunk order, then the sum."""
+        by_chunk = sorted(self.mine.values(), key=lambda s: s.index)
+        grads = [p.grad for s in by_chunk for p in s.module.parameters()]
+        mine = torch.cat([g.reshape(-1) for g in grads])
+        theirs = torch.empty_like(mine)
+        for work in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, mine, self.mirror), dist.P2POp(dist.irecv, theirs, self.mirror)]
+        ):
+            work.wait()
+        total = mine + theirs
+        for g, part in zip(grads, torch.split(total, [g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
 # ---- the chapter ---------------------------------------------------------------------------------
+
+
+UNIT = {"F": 1, "I": 1, "B": 2, "W": 1, "FB": 3}  # ticks of one stage: a pair costs its two halves here
+
+
+def dualpipe_timing(world: int, m: int) -> Timing:
+    """DualPipe's grid on the unit costs, its pairs run as forward then backward (the runner's way)."""
+    ticks = dualpipe(world, m)
+    step, _, finish = simulate_units(ticks, lambda a: two_chain_dependencies(a, world), UNIT)
+    split = {(a.stage, a.microbatch) for a in finish if a.kind == "W"}
+    took = {a: 2 if a.kind == "I" and (a.stage, a.microbatch) not in split else 1 for a in finish}
+    end = {a: int(f) for a, f in finish.items()}
+    start = {a: end[a] - took[a] for a in end}
+    grid: list[list[Action | None]] = [[None] * int(step) for _ in ticks]
+    for r, order in enumerate(flatten(ticks)):
+        for a in order:
+            grid[r][start[a] : end[a]] = [a] * took[a]
+    return Timing(start, end, grid)
+
+
+def dualpipe_formulas(world: int, m: int) -> tuple[float, list[int]]:
+    """Bubble (P/2 - 1)/(3M + P/2 - 1) and P + 1 whole-stage activations on every rank (the V's on P/2 ranks)."""
+    h = world // 2
+    return (h - 1) / (3 * m + h - 1), [world + 1] * world
+
+
+def deepseek_bubble(world: int, cost: dict[str, float]) -> float:
+    """DeepSeek-V3's Table 2: DualPipe's bubble (PP/2 - 1)(F&B + B - 3W), a time per rank."""
+    return (world // 2 - 1) * (cost["FB"] + cost["B"] - 3 * cost["W"])
 
 
 NAMES = ("1f1b", "zbv", "dualpipev")
@@ -183,7 +479,8 @@ def grids(verdict: Verdict, world: int, m: int) -> dict:
     out = compact_table(
         "Bubble and in-flight activations, from the grid and by the closed forms",
         ("schedule", "ticks", "bubble", "formula", "in flight", "formula"),
-        caption="in flight: (stage, micro-batch) activations held at once, per rank (half-size stages for the V's)",
+        caption="in flight: (stage, micro-batch) activations held at once, per rank (half-size stages for the V's); "
+        "DualPipe's ticks and stages are whole (1/P of a copy of the model), as 1F1B's",
     )
     shown, ok = {}, []
     for name in NAMES:
@@ -195,10 +492,17 @@ def grids(verdict: Verdict, world: int, m: int) -> dict:
         print0(render(timing, TITLES[name], compact=True, stretch=2 if name == "1f1b" else 1))
         out.add_row(TITLES[name], str(timing.ticks), f"{bubble:.4f}", f"{want_bubble:.4f}", str(held), str(want_held))
         shown[name] = {"ticks": timing.ticks, "bubble": bubble, "in_flight": held}
+    if world % 2 == 0:  # DualPipe: two chains of P whole stages (its grid is drawn in section 4)
+        timing = dualpipe_timing(world, m)
+        want_bubble, want_held = dualpipe_formulas(world, m)
+        held = peak_in_flight(flatten(dualpipe(world, m)))
+        ok.append(abs(timing.bubble_fraction() - want_bubble) < 1e-12 and held == want_held)
+        row = (f"{timing.bubble_fraction():.4f}", f"{want_bubble:.4f}", f"{held} whole", f"{want_held} whole")
+        out.add_row("DualPipe", f"{timing.ticks} x 2", *row)
     print0(out)
     pairs = [sum(len(unit) == 2 for unit in order) for order in dualpipev(world, m)]
     print0(f"DualPipeV's overlapped (F, B) pairs per rank: {pairs}")
-    verdict.check("bubbles and in-flight counts of DualPipeV, ZB-V and 1F1B = their closed forms", all(ok))
+    verdict.check("bubbles and in-flight counts of DualPipe, DualPipeV, ZB-V and 1F1B = their closed forms", all(ok))
     return shown
 
 
@@ -250,6 +554,44 @@ def emulated(rt, cfg: PipelineConfig, args, shown: dict, verdict: Verdict) -> No
     verdict.check("on the emulated device all three still give the unsplit model's gradients", matched)
 
 
+def both_directions(rt, cfg: PipelineConfig, verdict: Verdict) -> dict:
+    """DualPipe proper: its grid, its counts against the closed forms and DeepSeek's, and the two copies trained."""
+    world, m = rt.world_size, cfg.micro_batches
+    print0(
+        f"\n[bold]4. DualPipe in both directions[/], P = {world}, M = {m} (M/2 from each end): upper case "
+        "copy 0 (rows enter at rank 0), lower case copy 1 (rows enter at rank P - 1); stages of 1/P of the model"
+    )
+    timing, ticks = dualpipe_timing(world, m), dualpipe(world, m)
+    print0(render(timing, "DualPipe", compact=True, stretch=2))
+    bubble, held = timing.bubble_fraction(), peak_in_flight(flatten(ticks))
+    want_bubble, want_held = dualpipe_formulas(world, m)
+    _, idle, _ = simulate_units(ticks, lambda a: two_chain_dependencies(a, world), UNIT, together=True)
+    print0(
+        f"grid: {timing.ticks} ticks, bubble {bubble:.4f} (formula {want_bubble:.4f}), in flight {held} "
+        f"(formula {want_held[0]} each); pairs as one unit (DeepSeek's F&B = 3 ticks): idle {max(idle):g} "
+        f"ticks a rank, DeepSeek's (P/2 - 1)(F&B + B - 3W) = {deepseek_bubble(world, UNIT):g}"
+    )
+    verdict.check(
+        "DualPipe's bubble and in-flight counts = their closed forms (the V's on P/2 ranks; P + 1 = DeepSeek's)",
+        abs(bubble - want_bubble) < 1e-12 and held == want_held,
+    )
+    verdict.check(
+        "with each pair one unit, every rank idles DeepSeek's (P/2 - 1)(F&B + B - 3W)",
+        set(idle) == {deepseek_bubble(world, UNIT)},
+    )
+    run = train(rt, cfg, DualPipeStep(rt, cfg))
+    table, matched = check_runs({"DualPipe (two copies, mirrors summed)": run}, unsplit_reference(cfg), cfg.dtype)
+    print0(table)
+    params = gathered(run.params)  # every rank's, on every rank: the same verdict everywhere
+    same = all(torch.equal(t, params[world - 1 - r][n]) for r in range(world) for n, t in params[r].items())
+    verdict.check("DualPipe's two copies, each chunk's gradient summed with its mirror's, = the unsplit model", matched)
+    verdict.check("the two copies of every chunk are equal bit for bit after training", same)
+    verdict.check(
+        "the two-chain runner held the grid's in-flight counts", [x.peak_in_flight for x in gathered(run)] == held
+    )
+    return {"ticks": timing.ticks, "bubble": bubble, "in_flight": held, "idle_as_units": max(idle)}
+
+
 def parse_args():
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=16, global_batch=32, steps=2)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M; at least 2P, and dividing N")
@@ -262,6 +604,7 @@ def world_rules(args, world_size: int) -> None:
     m, n = args.micro_batches, args.global_batch
     require(n % m == 0, "--micro-batches", f"M = {m} must divide N = {n} (torch's schedules take equal micro-batches)")
     check_microbatches(world_size, m)  # M >= 2P, the same line on every rank
+    check_dualpipe(world_size, m)  # and, for DualPipe, P and M even
 
 
 def main() -> int:
@@ -277,6 +620,7 @@ def main() -> int:
         ours_and_torch(rt, cfg, verdict)
         if args.emulate_ms > 0:
             emulated(rt, cfg, args, shown, verdict)
+        verdict.figure("dualpipe", both_directions(rt, cfg, verdict))
         return verdict.finish(args.json)
 
 

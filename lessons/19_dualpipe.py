@@ -258,9 +258,9 @@ def simulate_units(
     split = {(a.stage, a.microbatch) for order in ticks for unit in order for a in unit if a.kind == "W"}
 
     def took(a: Action) -> float:
-        return (
-            cost["I"] if a.kind == "I" and (a.stage, a.microbatch) in split else cost["B" if a.kind == "I" else a.kind]
-        )
+        if a.kind == "I":
+            return cost["I"] if (a.stage, a.microbatch) in split else cost["B"]  # split, or a full backward
+        return cost[a.kind]
 
     finish: dict[Action, float] = {}
     nxt, free = [0] * len(ticks), [0.0] * len(ticks)
@@ -277,9 +277,10 @@ def simulate_units(
                 if together and len(unit) == 2:  # one unit: it starts when both halves can
                     end = max([end, *(finish[d] for d in needs)]) + cost["FB"]
                     finish.update({a: end for a in unit})
-                for a in unit if not (together and len(unit) == 2) else ():
-                    end = max([end, *(finish[d] for d in deps(a))]) + took(a)  # each half when it can
-                    finish[a] = end
+                else:  # each action (each half of a pair) as soon as its own inputs are in
+                    for a in unit:
+                        end = max([end, *(finish[d] for d in deps(a))]) + took(a)
+                        finish[a] = end
                 free[r], nxt[r] = end, nxt[r] + 1
                 progress = True
     if any(n < len(order) for n, order in zip(nxt, ticks)):
@@ -329,7 +330,7 @@ class DualPipeStep:
 
     def _message(self, a: Action) -> tuple[str, int, int] | None:
         """What `a` hands on: F its output to the next position of its chain, I its input's gradient back."""
-        d, k = direction_of(a.stage, self.P)
+        _, k = direction_of(a.stage, self.P)
         if a.kind == "F" and k < self.P - 1:
             return "activation", a.stage + 1, a.microbatch
         if a.kind == "I" and k > 0:
@@ -358,14 +359,13 @@ class DualPipeStep:
 
     def _take(self, message: tuple[str, int, int]) -> torch.Tensor:
         """Receive from the message's sender, in its order, until `message` is in."""
-        what, stage, i = message
-        d, k = direction_of(stage, self.P)
-        peer = dualpipe_rank(stage + (1 if what == "gradient" else -1), self.P)
+        what, stage, _ = message
+        peer = dualpipe_rank(stage + (1 if what == "gradient" else -1), self.P)  # the producing stage's rank
         while message not in self.inbox:
             got = self.incoming[peer][self.taken[peer]]
             self.taken[peer] += 1
-            gd, gk = direction_of(got[1], self.P)
-            shape = self.shapes[got[2]][gk + (got[0] == "gradient")]
+            _, k = direction_of(got[1], self.P)  # an activation enters position k; a gradient leaves it: k + 1
+            shape = self.shapes[got[2]][k + (got[0] == "gradient")]
             buffer = torch.empty(shape, dtype=self.cfg.dtype, device=self.device)
             dist.recv(buffer, peer)
             self.inbox[got] = buffer.requires_grad_(got[0] == "activation")
@@ -375,7 +375,7 @@ class DualPipeStep:
         self.sent.append(dist.isend(tensor.detach().contiguous(), dualpipe_rank(message[1], self.P)))
 
     def _forward(self, a: Action) -> None:
-        d, k = direction_of(a.stage, self.P)
+        _, k = direction_of(a.stage, self.P)
         x = self.x[a.microbatch].to(self.device) if k == 0 else self._take(("activation", a.stage, a.microbatch))
         out = self.mine[a.stage].module(x)
         if k == self.P - 1:  # the chain's last chunk: the loss, scaled n_i / N (the whole batch's mean)
@@ -387,7 +387,7 @@ class DualPipeStep:
         self.peak = max(self.peak, len(self.held))
 
     def _backward(self, a: Action) -> None:
-        d, k = direction_of(a.stage, self.P)
+        _, k = direction_of(a.stage, self.P)
         x, out, _ = entry = self.held[a.stage, a.microbatch]
         grad = None if k == self.P - 1 else self._take(("gradient", a.stage, a.microbatch))
         if (a.stage, a.microbatch) not in self.split:

@@ -14,11 +14,12 @@ unit idle twice as long); with pairs as one unit every rank idles DeepSeek's (P/
 the worst rank does at F&B = 2 and 2.5, and with I != W it does not hold. The unit simulator equals the library's
 on DualPipeV (its independent check). Odd P or M, or M < 2P, is refused in one line naming the flag, the same on
 every rank. With processes (P = 2): the two copies with their mirrors summed equal the unsplit model on every rank
-(float64) and the twin that skips the sum does not."""
+(float64) and each other bit for bit; the twin that skips the sum does neither."""
 
 from collections import Counter
 
 import pytest
+import torch
 from helpers import (
     assert_lesson_passes_at_80_columns,
     assert_same_error_on_every_rank,
@@ -201,3 +202,10 @@ def test_dualpipe_equals_the_unsplit_model_and_the_unsummed_twin_does_not():
     good, twin = per_config(spawn(_dual_and_unsummed, 2))
     assert _every_rank_exact(good, ref) and abs(good[0].losses[1] - ref.losses[1]) < 1e-12
     assert not _every_rank_exact(twin, ref)
+    assert _copies_equal(good) and not _copies_equal(twin)  # the lesson's bit-for-bit claim, and its twin
+
+
+def _copies_equal(ranks) -> bool:
+    """At P = 2 rank 0 holds chunk 0 of copy 0 and chunk 1 of copy 1, rank 1 the other copies: equal bit for bit."""
+    (first, second) = (ranks[0].params, ranks[1].params)
+    return first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)

@@ -498,7 +498,7 @@ def grids(verdict: Verdict, world: int, m: int) -> dict:
         held = peak_in_flight(flatten(dualpipe(world, m)))
         ok.append(abs(timing.bubble_fraction() - want_bubble) < 1e-12 and held == want_held)
         row = (f"{timing.bubble_fraction():.4f}", f"{want_bubble:.4f}", f"{held} whole", f"{want_held} whole")
-        out.add_row("DualPipe", f"{timing.ticks} x 2", *row)
+        out.add_row("DualPipe", str(timing.ticks), *row)
     print0(out)
     pairs = [sum(len(unit) == 2 for unit in order) for order in dualpipev(world, m)]
     print0(f"DualPipeV's overlapped (F, B) pairs per rank: {pairs}")

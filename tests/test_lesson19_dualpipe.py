@@ -31,6 +31,7 @@ from distlab.compare import all_ok, compare
 from distlab.pipeline.schedules import check_schedule, zbv
 from distlab.pipeline.simulator import dependencies, peak_in_flight, simulate
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
+from distlab.pipeline.two_chains import UNIT, chain_rank, simulate_units, two_chain_dependencies
 from distlab.spawn import spawn
 
 CASES = [(p, m) for p in range(2, 7) for m in range(2 * p, 2 * p + 6)]
@@ -91,9 +92,7 @@ def _placed_and_complete(lesson, ticks, world, m) -> bool:
     """Each action on its position's rank, in its own chain's micro-batches; F and I once per (stage, micro-batch)
     of its chain, at most one W, after the I."""
     actions = [(r, a) for r, order in enumerate(ticks) for unit in order for a in unit]
-    if any(
-        lesson.dualpipe_rank(a.stage, world) != r or a.microbatch // (m // 2) != a.stage // world for r, a in actions
-    ):
+    if any(chain_rank(a.stage, world) != r or a.microbatch // (m // 2) != a.stage // world for r, a in actions):
         return False
     counts = Counter((a.kind, a.stage, a.microbatch) for _, a in actions)
     every = [(s, i) for s in range(2 * world) for i in range(m) if i // (m // 2) == s // world]
@@ -136,15 +135,15 @@ def test_a_twin_that_calls_chain_0_everyones_own_is_misplaced(lesson):
 
 
 def _idle(lesson, world, m, cost, together):
-    deps = lambda a: lesson.two_chain_dependencies(a, world)  # noqa: E731
-    return lesson.simulate_units(lesson.dualpipe(world, m), deps, cost, together=together)[1]
+    deps = lambda a: two_chain_dependencies(a, world)  # noqa: E731
+    return simulate_units(lesson.dualpipe(world, m), deps, cost, together=together)[1]
 
 
 @pytest.mark.parametrize("world", [4, 6, 8])
 def test_deepseek_s_bubble_is_the_pairs_as_one_unit(lesson, world):
     """DeepSeek-V3's (P/2-1)(F&B+B-3W): every rank's idle time at F = I = W = 1, F&B = 3; the worst rank's at
     F&B = 2, 2.5; neither with I != W. The runner's split grid idles half of it."""
-    m, unit = 2 * world + 4, dict(lesson.UNIT)
+    m, unit = 2 * world + 4, dict(UNIT)
     exact = lesson.deepseek_bubble(world, unit)
     assert set(_idle(lesson, world, m, unit, True)) == {exact} == {2 * (world // 2 - 1)}
     assert set(_idle(lesson, world, m, unit, False)) == {world // 2 - 1} != {exact}  # the split grid: half of it
@@ -159,7 +158,7 @@ def test_deepseek_s_bubble_is_the_pairs_as_one_unit(lesson, world):
 def test_the_unit_simulator_equals_the_library_s_on_dualpipev(lesson, world):
     for m in range(2 * world, 2 * world + 3):
         ticks = lesson.dualpipev(world, m)
-        step, idle, _ = lesson.simulate_units(ticks, lambda a: dependencies(a, 2 * world), lesson.UNIT)
+        step, idle, _ = simulate_units(ticks, lambda a: dependencies(a, 2 * world), UNIT)
         timing = simulate(lesson.flatten(ticks))
         assert step == timing.ticks and idle == [row.count(None) for row in timing.grid]
 
@@ -186,7 +185,7 @@ def _dual_and_unsummed(rt):
     from distlab.pipeline.training import train
 
     lesson = load_lesson("dualpipe")
-    return [train(rt, CFG, lesson.DualPipeStep(rt, CFG, sum_mirrors=s)) for s in (True, False)]
+    return [train(rt, CFG, lesson.dualpipe_step(rt, CFG, sum_mirrors=s)) for s in (True, False)]
 
 
 def _every_rank_exact(ranks, ref) -> bool:

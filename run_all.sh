@@ -44,7 +44,7 @@ LESSONS=(
   "mxfp8_sharding|2|the same at P = 2|"
   "async_tensor_parallel|4|all-gather + matmul as a ring of partial matmuls = all-gather then matmul bit for bit, matmul + reduce-scatter as a travelling sum to 1e-12, torch's symm_mem fallbacks agree; the async MLP = the unsplit MLP; bytes = plain TP's; on the emulated device every message hides under a partial matmul|"
   "async_tensor_parallel|2|the same at P = 2|"
-  "dualpipe|4|DualPipeV as data (overlapped forward-backward pairs): ours on our runner and torch's ScheduleDualPipeV = the unsplit model; torch executes our order; bubble (P-1)/(6M+P-1) and 2P+1 in flight = the closed forms, beside ZB-V and 1F1B|--micro-batches 8"
+  "dualpipe|4|DualPipeV as data (overlapped forward-backward pairs): ours on our runner and torch's ScheduleDualPipeV = the unsplit model; torch executes our order; bubble (P-1)/(6M+P-1) and 2P+1 in flight = the closed forms, beside ZB-V and 1F1B; DualPipe in both directions (two copies, mirrors summed) = the unsplit model, P+1 in flight|--micro-batches 8"
   "dualpipe|2|the same at P = 2|--micro-batches 4"
 )
 

@@ -45,7 +45,7 @@ def _hook_bytes(watch: Watch) -> float:
     """What the watched collectives send by the ring formulas, DDP's own setup (its broadcasts, its shape
     all-gather) left out."""
     hook_only = Watch()
-    hook_only.collectives = [(kind, n) for kind, n in watch.collectives if kind not in ("broadcast", "all_gather")]
+    hook_only.collectives = [c for c in watch.collectives if c[0] not in ("broadcast", "all_gather")]
     return hook_only.sent(P)
 
 

@@ -67,7 +67,9 @@ from distlab.verdict import Verdict
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)  # lesson 08's block
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
-NO_OVERLAP = Assumptions(matmul_efficiency=1.0, link_efficiency=1.0, overlap=(), attention_share=1.0)  # measured; gloo blocks
+NO_OVERLAP = Assumptions(
+    matmul_efficiency=1.0, link_efficiency=1.0, overlap=(), attention_share=1.0
+)  # measured; gloo blocks
 
 
 def configurations(p: int) -> dict[str, Parallel]:

@@ -41,7 +41,9 @@ class ParallelDims:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name}: must be a positive integer, got {value!r}")
         if self.dp % self.ep:
-            raise ValueError(f"ep: expert parallelism takes its ranks from dp; ep = {self.ep} does not divide dp = {self.dp}")
+            raise ValueError(
+                f"ep: expert parallelism takes its ranks from dp; ep = {self.ep} does not divide dp = {self.dp}"
+            )
 
     @property
     def size(self) -> int:
@@ -73,7 +75,9 @@ class ParallelDims:
             name, _, value = part.partition("=")
             name = name.strip().lower()
             if name not in (*DIMS, "ep") or not value.strip().isdigit() or int(value) < 1 or name in degrees:
-                raise ValueError(f"{flag}: {part!r} is not one of dp=, pp=, tp=, cp=, ep= with a positive degree, once each")
+                raise ValueError(
+                    f"{flag}: {part!r} is not one of dp=, pp=, tp=, cp=, ep= with a positive degree, once each"
+                )
             degrees[name] = int(value)
         try:
             return cls(**degrees)

@@ -143,7 +143,9 @@ def block_activations(
     inside = tokens * (2 * (model.kv_dim - model.dim) + (width if model.gated else 0))
     if model.mla:  # the latents and their norms' inputs, q and k widened by the rotary part, v of h d_h
         h = model.heads
-        inside = tokens * (2 * (model.q_rank + model.kv_rank) + h * (2 * model.qk_dim + 2 * model.head_dim) - 4 * model.dim)
+        inside = tokens * (
+            2 * (model.q_rank + model.kv_rank) + h * (2 * model.qk_dim + 2 * model.head_dim) - 4 * model.dim
+        )
     if moe:  # the planner's estimate: each token's top_k (and shared) experts save what one gated MLP of
         # their width saves, the routed copies of its input, its router's scores; the dense MLP's do not exist
         per = 3 if model.gated else 2
@@ -222,7 +224,9 @@ def buffers(model, batch: Batch, parallel: Parallel, precision: Precision, pp_ra
 
 def states(model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int) -> dict[str, int]:
     """The model states: the dense weights' ZeRO-sharded over dp, the routed experts' over dp / ep."""
-    dense = model_states(rank_units(model, parallel, pp_rank, batch), parallel.zero, parallel.dp, precision, parallel.grad_bytes)
+    dense = model_states(
+        rank_units(model, parallel, pp_rank, batch), parallel.zero, parallel.dp, precision, parallel.grad_bytes
+    )
     routed = rank_units(model, parallel, pp_rank, batch, experts=True) if getattr(model, "experts", 0) else []
     experts = model_states(routed, parallel.zero, parallel.dp // parallel.ep, precision, parallel.grad_bytes)
     return {k: dense.get(k, 0) + experts.get(k, 0) for k in dict.fromkeys([*dense, *experts])}

@@ -134,7 +134,11 @@ class Transformer:
         d, kv, h = self.dim, self.kv_dim, self.heads
         if self.mla:
             qk, q_in = h * self.qk_dim, self.q_rank or d
-            q = self._linear("attn.q_down", self.q_rank, d, "whole") + self._norm("attn.q_norm", self.q_rank) if self.q_rank else []
+            q = (
+                self._linear("attn.q_down", self.q_rank, d, "whole") + self._norm("attn.q_norm", self.q_rank)
+                if self.q_rank
+                else []
+            )
             attention = q + self._linear("attn.q", qk, q_in, "column")
             attention += self._linear("attn.kv_down", self.kv_rank + self.rope_dim, d, "whole")
             attention += self._norm("attn.kv_norm", self.kv_rank)
@@ -153,7 +157,9 @@ class Transformer:
 
     def _mlp(self, name: str, width: int, experts: int = 0) -> list[Weight]:
         def linear(part: str, fan_out: int, fan_in: int, split: str) -> list[Weight]:
-            return [Weight(w.name, w.rows, w.cols, w.split, experts) for w in self._linear(part, fan_out, fan_in, split)]
+            return [
+                Weight(w.name, w.rows, w.cols, w.split, experts) for w in self._linear(part, fan_out, fan_in, split)
+            ]
 
         out = linear(f"{name}.fc1", width, self.dim, "column")
         if self.gated:
@@ -252,7 +258,12 @@ class Precision:
 
 PRECISIONS = {
     p.name: p
-    for p in (Precision("float64", 8), Precision("float32", 4), Precision("bf16", 2, True), Precision("fp8", 2, True, "fp8"))
+    for p in (
+        Precision("float64", 8),
+        Precision("float32", 4),
+        Precision("bf16", 2, True),
+        Precision("fp8", 2, True, "fp8"),
+    )
 }
 
 
@@ -323,7 +334,9 @@ def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision:
     if parallel.ep > 1 and not getattr(model, "experts", 0):
         _refuse("ep", "expert parallelism needs a mixture-of-experts model (experts > 0)")
     if parallel.dp % parallel.ep:
-        _refuse("ep", f"expert parallelism takes its ranks from dp; ep = {parallel.ep} does not divide dp = {parallel.dp}")
+        _refuse(
+            "ep", f"expert parallelism takes its ranks from dp; ep = {parallel.ep} does not divide dp = {parallel.dp}"
+        )
     if parallel.recompute and parallel.selective:
         _refuse("recompute", "full or selective recomputation, not both")
     if parallel.grad_bytes not in (0, 2, 4):
@@ -360,7 +373,10 @@ def _check_transformer(model: Transformer, batch: Batch, parallel: Parallel) -> 
     if model.experts and not (1 <= model.top_k <= model.experts and model.expert_ffn):
         _refuse("top_k", f"a mixture of {model.experts} experts needs 1 <= top_k <= experts and an expert width")
     if model.experts % parallel.ep or model.expert_ffn % parallel.tp:
-        _refuse("ep", f"ep = {parallel.ep}, tp = {parallel.tp} do not divide {model.experts} experts of width {model.expert_ffn}")
+        _refuse(
+            "ep",
+            f"ep = {parallel.ep}, tp = {parallel.tp} do not divide {model.experts} experts of width {model.expert_ffn}",
+        )
     if model.dense_layers > model.layers:
         _refuse("dense_layers", f"{model.dense_layers} dense layers, but only {model.layers} layers")
     if model.mla and parallel.cp > 1:

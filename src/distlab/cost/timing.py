@@ -106,7 +106,9 @@ def products_seconds(cost: StepCost, pp_rank: int, rate: float, sms: int, assump
     for w in weights:
         if w.cols == 1 or w.name == "embedding.weight":
             continue
-        rows, cols = (w.rows // p.tp, w.cols) if w.split == "column" else (w.rows, w.cols // (p.tp if w.split == "row" else 1))
+        rows, cols = (
+            (w.rows // p.tp, w.cols) if w.split == "column" else (w.rows, w.cols // (p.tp if w.split == "row" else 1))
+        )
         m = tokens * model.top_k * p.ep // w.experts if w.experts else tokens
         f = 2 * tokens * w.per_token(p.tp, model.top_k)
         useful += f

@@ -30,9 +30,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from distlab.comm.collectives import ring_fraction
 import torch
 
+from distlab.comm.collectives import ring_fraction
 from distlab.context_parallel.cost import Sizes as RingSizes
 from distlab.cost.memory import DTYPE_OF, rank_units, sizes
 from distlab.cost.schedule import owner, stages

@@ -82,7 +82,9 @@ def parse_args(argv=None):
         ("--link-efficiency", defaults.link_efficiency, "share of a link's bandwidth reached"),
     ):
         time.add_argument(flag, type=efficiency, default=value, help=f"{what} (0 < x <= 1)")
-    time.add_argument("--overlap", default=",".join(defaults.overlap), help=f"dimensions hidden behind compute: {OVERLAP}")
+    time.add_argument(
+        "--overlap", default=",".join(defaults.overlap), help=f"dimensions hidden behind compute: {OVERLAP}"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=10, help="configurations shown")
     out.add_argument("--plot", metavar="PATH", type=png_file, help="also draw MFU against memory into this PNG")
@@ -172,9 +174,8 @@ def layout_of(args, model: Transformer) -> tuple[Batch, Parallel]:
         raise ValueError(f"--layout: dp x pp x tp x cp = {dims.size} ranks, but --gpus {args.gpus}")
     rows = args.global_batch // dims.dp
     if args.global_batch % dims.dp or rows % args.micro_batch:
-        raise ValueError(
-            f"--micro-batch: N = {args.global_batch} does not cut into dp = {dims.dp} x micro-batches of {args.micro_batch}"
-        )
+        b, n = args.micro_batch, args.global_batch
+        raise ValueError(f"--micro-batch: N = {n} does not cut into dp = {dims.dp} x micro-batches of {b}")
     schedule = SCHEDULES[args.schedule]
     v = args.stages_per_rank or (2 if args.schedule == "interleaved" else 1)
     if v > 1 and args.schedule == "1f1b":

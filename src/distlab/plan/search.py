@@ -118,7 +118,9 @@ def first_fitting(model, batch: Batch, split: tuple, precision: str, budget: int
     return None
 
 
-def price(model, batch: Batch, parallel: Parallel, precision: str, cluster: Cluster, assumptions: Assumptions) -> Candidate:
+def price(
+    model, batch: Batch, parallel: Parallel, precision: str, cluster: Cluster, assumptions: Assumptions
+) -> Candidate:
     """One configuration's cost and predicted time, fitting or not (`--layout`); refused in one line if it
     cannot run (`distlab.cost.shapes.check`)."""
     cost = step_cost(model, batch, parallel, precision, "cuda")

@@ -6,7 +6,9 @@ packages, one per parallelism or step (pipeline, data_parallel, sharding, tensor
 context_parallel, contrastive, streamed): each imports the ground floor and itself, never a sibling, so
 each can be read, changed and tested on its own. The ground floor imports no sibling. On top stand the
 packages that read every parallelism at once (`distlab.cost`: a step's cost from each lesson's formula;
-`distlab.plan`, the planner on it): they may import any floor below, and nothing below imports them. And
+`distlab.plan`, the planner on it; `distlab.composed`, lesson 12's dp x pp x tp x cp mesh, whose shape is
+the cost model's `ParallelDims` and whose closed forms import lessons 08 and 09's instead of deriving them
+again): they may import any floor below and each other, and nothing below imports them. And
 data flows one way: lessons, tests and benchmarks import `distlab`, `distlab` never imports a lesson or a
 test.
 
@@ -23,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 DISTLAB = SRC / "distlab"
 GROUND_PACKAGES = ("comm",)  # shared packages of the ground floor
-TOP_PACKAGES = ("cost", "plan")  # the top floor: they read every sibling's formulas
+TOP_PACKAGES = ("cost", "plan", "composed")  # the top floor: they read every sibling's formulas
 PACKAGES = sorted(p.name for p in DISTLAB.iterdir() if (p / "__init__.py").is_file())
 SIBLINGS = [name for name in PACKAGES if name not in GROUND_PACKAGES + TOP_PACKAGES]
 LIBRARY = sorted(SRC.rglob("*.py"))  # distlab, and distributed_clip.py: the public path to the streamed step
@@ -111,6 +113,7 @@ def test_the_library_never_imports_a_lesson_or_a_test():
         ("distlab.runtime", "from distlab.streamed.peers import naming_dead_peers"),
         ("distlab.sharding.accounting", "from distlab.cost.memory import model_states"),  # the top floor, from below
         ("distlab.models", "import distlab.plan"),
+        ("distlab.tensor_parallel.cost", "from distlab.composed.config import Shape"),  # the top floor, from a sibling
     ],
 )
 def test_the_floor_check_fails_on_a_planted_import(module, planted):
@@ -123,6 +126,7 @@ def test_the_top_floor_may_import_every_floor():
     source = "from distlab.sharding import accounting\nfrom distlab.tensor_parallel.cost import activation_bytes\n"
     assert not floor_breaks(source + "from distlab.cost.flops import forward\n", "distlab.plan.search")
     assert not floor_breaks(source, "distlab.cost.memory")
+    assert not floor_breaks(source + "from distlab.cost.dims import ParallelDims\n", "distlab.composed.cost")
     assert floor_breaks(source, "distlab.context_parallel.cost")  # the same imports from a sibling break
 
 

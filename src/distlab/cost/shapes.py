@@ -23,8 +23,16 @@ pipeline ranks running a named schedule of `distlab.pipeline.schedules` with v s
 02-05), cp context-parallel ranks on a zig-zag ring (lesson 09), and activation recomputation per block.
 P = dp tp pp cp. With `cut_gathered`, sequence parallelism keeps the all-gathered inputs of q, k, v and fc1 as
 this rank's part and gathers them again in backward (Megatron-LM's choice, which lesson 08 names; the
-lesson's own keeps them whole). Expert parallelism needs a mixture-of-experts model, which the lessons do not have yet:
-ep > 1 is refused. The composed dp x pp x tp x cp lesson describes each of its mesh shapes as one `Parallel`.
+lesson's own keeps them whole). Expert parallelism (lesson 10) takes its ep ranks from dp: the routed experts
+live E / ep to a rank and their states shard over dp / ep ranks. A split's degrees are one
+`distlab.cost.dims.ParallelDims` (`Parallel.dims`), the type lesson 12's mesh and the planner's `--layout` use;
+`Parallel.on(dims, **strategy)` makes a split of a shape.
+
+The planner's models add what practitioners write: tied embeddings (GPT-2), multi-head latent attention
+(DeepSeek-V2/V3: q and k/v from low-rank latents, a rotary part per head), and a mixture of experts (routed
+experts, top-k, shared experts, the first blocks dense). Their weights are `Weight`s like any other (a routed
+expert's stand for `experts` copies); what no lesson measures of them (their activations) is the planner's
+estimate, said so where it is priced (`distlab.cost.memory`).
 """
 
 from __future__ import annotations

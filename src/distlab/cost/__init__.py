@@ -16,5 +16,6 @@ composed, never derived again (tests/test_cost_*.py hold the composition to the 
 | `timing`   | compute, memory, communication, overlap, bubble; step time, MFU | lesson 13 (time within a factor) |
 
 This package stands on every parallelism's package (the top floor, tests/test_layering.py, beside `plan` and
-`composed`, which share its `dims.ParallelDims`): nothing below imports it. `python -m distlab.plan` ranks the configurations that fit a cluster with it.
+`composed`, which share its `dims.ParallelDims`): nothing below imports it. `python -m distlab.plan` ranks
+the configurations that fit a cluster with it.
 """

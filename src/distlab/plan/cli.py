@@ -24,7 +24,7 @@ import json
 from distlab.console import console
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
-from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.shapes import Batch, Parallel, Transformer, check
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.flags import PlanParser, count, efficiency, gib, png_file, positive_int, writable_file
@@ -193,10 +193,12 @@ def layout_of(args, model: Transformer) -> tuple[Batch, Parallel]:
         selective=args.recompute == "selective",
         grad_bytes=4 if args.grad_dtype == "float32" else 0,
     )
+    batch, parallel = Batch(args.global_batch, args.seq_len, rows // args.micro_batch), Parallel.on(dims, **strategy)
     try:
-        return Batch(args.global_batch, args.seq_len, rows // args.micro_batch), Parallel.on(dims, **strategy)
+        check(model, batch, parallel, args.precision)  # every rule of the cost model, before any output
     except ValueError as err:
         raise ValueError(f"--layout: {err}") from None
+    return batch, parallel
 
 
 def main(argv=None) -> int:
@@ -213,12 +215,15 @@ def main(argv=None) -> int:
         return 0
     name, model = model_of(args)
     where = cluster(args.gpu, check_cluster(args))
+    if args.precision not in where.device.peak:
+        raise ValueError(f"--precision: the {where.device.name} has no {args.precision} rate (--devices)")
     reserve = int(args.reserve_gib * GIB)
     if reserve >= where.device.memory:
         raise ValueError(f"--reserve-gib: {args.reserve_gib} GiB is all of the {where.device.name}'s memory")
+    layout = layout_of(args, model) if args.layout else None  # refused before anything is printed
     console.print(report.header(name, model, args, where), highlight=False)
-    if args.layout:
-        return _one_layout(args, model, where, reserve, assumptions)
+    if layout:
+        return _one_layout(args, model, layout, where, reserve, assumptions)
     budget = where.device.memory - reserve
     found = search(model, args.global_batch, args.seq_len, args.gpus, where, args.precision, assumptions, budget)
     if not found:
@@ -235,12 +240,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _one_layout(args, model, where, reserve: int, assumptions: Assumptions) -> int:
-    batch, parallel = layout_of(args, model)
-    try:
-        priced = price(model, batch, parallel, args.precision, where, assumptions)
-    except ValueError as err:
-        raise ValueError(f"--layout: {err}") from None
+def _one_layout(args, model, layout: tuple[Batch, Parallel], where, reserve: int, assumptions: Assumptions) -> int:
+    batch, parallel = layout
+    priced = price(model, batch, parallel, args.precision, where, assumptions)
     result = report.candidate_json(priced, reserve, where.device)
     console.print(report.layout_line(priced, result), highlight=False)
     console.print(report.layout_table(priced, result, where.device))

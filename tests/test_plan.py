@@ -94,6 +94,10 @@ def test_the_datasheet_table_names_every_source():
         (["--layout", "dp=8", "--micro-batch", "3"], "--micro-batch: N = 64 does not cut into dp = 8"),
         (["--layout", "dp=4,pp=2", "--stages-per-rank", "2"], "--stages-per-rank: 1F1B runs one stage per rank"),
         (["--overlap", "dp,xx"], "--overlap: 'xx' is not one of"),
+        (
+            ["--layers", "4", "--dim", "64", "--heads", "4", "--ffn-width", "256", "--dense-layers", "1"],
+            "--dense-layers: ",
+        ),
         (["--gpu", "a100", "--precision", "fp8"], "--precision: the A100 SXM 80GB has no fp8 rate"),
         (["--reserve-gib", "80"], "--reserve-gib: 80.0 GiB is all of the H100 SXM's memory"),
     ],

@@ -109,6 +109,11 @@ def model_of(args) -> tuple[str, Transformer]:
         raise ValueError(f"--heads: h = {args.heads} does not divide d = {args.dim} (or give --head-dim)")
     if args.kv_heads and args.heads % args.kv_heads:
         raise ValueError(f"--kv-heads: {args.kv_heads} key/value heads do not divide h = {args.heads}")
+    moe_flags = {"--top-k": args.top_k > 1, "--expert-ffn-width": args.expert_ffn_width}
+    moe_flags |= {"--shared-experts": args.shared_experts, "--dense-layers": args.dense_layers}
+    stray = next((flag for flag, given in moe_flags.items() if given and not args.experts), None)
+    if stray:
+        raise ValueError(f"{stray}: belongs to a mixture of experts (--experts)")
     if args.experts and args.top_k > args.experts:
         raise ValueError(f"--top-k: {args.top_k} experts per token, but only {args.experts} experts")
     if args.dense_layers > args.layers:

@@ -70,7 +70,12 @@ def parse_args(argv=None):
     split.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule")
     split.add_argument("--stages-per-rank", type=positive_int, help="v, for interleaved (default 2)")
     split.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch, b")
-    split.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    split.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default="none",
+        help="selective: the MLP's activation function rebuilt in backward; full: every block",
+    )
     split.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage 0 (DDP) to 3 (default 1 with dp > 1)")
     split.add_argument("--grad-dtype", choices=("bf16", "float32"), default="bf16", help="gradients' dtype")
     time = parser.add_argument_group("the time model's assumptions")

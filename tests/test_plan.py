@@ -158,3 +158,28 @@ def test_when_nothing_fits_it_says_by_how_much():
     need = float(flat.split("needs ")[1].split(" GiB")[0])
     more = float(flat.split("the reserve), ")[1].split(" GiB more")[0])
     assert need - more == pytest.approx(79.65, abs=0.1)  # X - Y is what the device holds
+
+
+def test_the_published_table_in_the_docs_is_what_the_planner_prints():
+    """docs/planner.md's table holds the figures `--published` prints (predicted GiB, MFU, ratio), so the page
+    cannot go stale behind the model."""
+    lines = (ROOT / "docs" / "planner.md").read_text().splitlines()
+    table = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines if line.startswith("| Llama 3 405B")}
+    table |= {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines if line.startswith("| torchtitan")}
+    rows = report.published_rows(Assumptions())
+    assert len(table) == len(rows) == 5
+    for row, cells in zip(rows, table.values()):
+        gib, _, mfu, reported, ratio = (c.strip() for c in cells[1:])
+        assert gib == f"{row['memory_gib']:.1f}" and ratio == f"{row['ratio']:.2f}", (row["name"], cells)
+        assert mfu == f"{row['predicted_mfu']:.0%}" and reported == f"{row['reported_mfu']:.0%}"
+
+
+def test_a_mixture_of_experts_is_searched_with_expert_parallelism():
+    from distlab.cost.shapes import Transformer
+
+    model = Transformer(8, 1024, 8, 4096, 32000, gated=True, bias=False, rms_norm=True, experts=8, top_k=2,
+                        expert_ffn=2048)  # fmt: skip
+    found = search(model, 32, 4096, 16, cluster("h100"))
+    assert found and max(c.parallel.ep for c in found) > 1
+    assert all(c.memory <= DEVICES["h100"].memory - DEFAULT_RESERVE_GIB * GIB for c in found)
+    assert all(c.cost.ranks[0].traffic.sent["ep", "all_to_all"] > 0 for c in found if c.parallel.ep > 1)

@@ -2,7 +2,9 @@
 
 Per pipeline stage and micro-batch (a roofline, term by term):
 
-    compute   = FLOPs (forward, backward, recomputation) / (dense peak of the precision x matmul efficiency)
+    compute   = each matrix product's FLOPs / (dense peak of the precision x its shape's efficiency: the
+                large-product efficiency less tile and wave quantisation on the device's SMs), and attention's
+                seq^2 products at the share a causal kernel computes, at the attention kernel's efficiency
     memory    = bytes the elementwise work moves / memory bandwidth: every activation kept is written in
                 forward and read in backward, and so is its gradient (4 x the activations); the optimizer
                 reads and writes the model states (2 x their bytes) once per step
@@ -10,7 +12,9 @@ Per pipeline stage and micro-batch (a roofline, term by term):
                 (a ring all-reduce takes 2 (P-1) steps, a gather or a scatter P-1, a ring message one)
 
 Tensor parallelism's collectives sit between the products that need them: exposed. The ring of context
-parallelism runs beside the attention it feeds: exposed only beyond the attention's compute. The pipeline's
+parallelism runs beside the attention it feeds: exposed only beyond the attention's compute; expert
+parallelism's all-to-all hides behind the other micro-batch's compute (DualPipe's overlap), at most half of
+it. The pipeline's
 sends are posted ahead (lesson 03) and the data-parallel reduction runs from hooks during backward (lesson
 06), so both hide behind compute, except what is left when compute runs out: the last unit's reduction, or
 ZeRO-3's first gather. On gloo here nothing overlaps (`Assumptions(overlap=())`): lesson 13 runs its
@@ -21,9 +25,10 @@ stage forward of a micro-batch, a backward two ticks (three with recomputation);
 bubble. The step: that grid's length x the slowest stage's tick, plus the exposed data-parallel reduction,
 plus the optimizer's memory traffic.
 
-MFU = the model's FLOPs (forward + backward, no recomputation) / (step time x P x dense peak of the precision
-the step computes in). Two mistakes give other numbers: counting recomputation as useful (that is HFU, which
-flatters a step that recomputes), and dividing by the datasheet's headline figure, which is the 2:4-sparse
+MFU = the model's FLOPs (forward + backward, no recomputation, causal attention's masked half not counted:
+`needed_flops`) / (step time x P x dense peak of the precision the step computes in; bf16's for fp8). Two
+mistakes give other numbers: counting recomputation as useful (that is HFU, which flatters a step that
+recomputes), and dividing by the datasheet's headline figure, which is the 2:4-sparse
 rate, twice the dense one (NVIDIA/Megatron-LM#1565: a 42% MFU read as 21%).
 """
 
@@ -244,13 +249,10 @@ def needed_flops(cost: StepCost, assumptions: Assumptions) -> tuple[float, float
     model, batch = cost.model, cost.batch
     if not isinstance(model, Transformer) or assumptions.attention_share == 1:
         return cost.model_flops, cost.hardware_flops
-    whole = 3 * model.layers * attention_forward(model, batch.global_batch, batch.seq)  # forward and backward
-    if cost.parallel.recompute:
-        rerun = whole / 3
-    else:
-        rerun = 0
-    skipped = (1 - assumptions.attention_share) * whole
-    return cost.model_flops - skipped, cost.hardware_flops - skipped - (1 - assumptions.attention_share) * rerun
+    forward = model.layers * attention_forward(model, batch.global_batch, batch.seq)  # the whole square, once
+    runs = 3 + (1 if cost.parallel.recompute else 0)  # forward, backward (twice), and the recomputed forward
+    masked = 1 - assumptions.attention_share
+    return cost.model_flops - masked * 3 * forward, cost.hardware_flops - masked * runs * forward
 
 
 def mfu(model_flops: int, seconds: float, ranks: int, dense_peak: float) -> float:

@@ -14,8 +14,8 @@ from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled
 from exercise_watch import Watch
 
-from distlab.compare import grads_of
-from distlab.models import layered_mlp, regression_batch
+from distlab.proof.compare import grads_of
+from distlab.proof.models import layered_mlp, regression_batch
 
 LESSON, NAME = "data_parallel", "all_reduce_gradients"
 P, C, WIDTHS, STEPS, LR = 3, 4, (5, 8, 3), 2, 0.1

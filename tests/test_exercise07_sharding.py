@@ -12,10 +12,10 @@ import torch
 from exercise_kit import Exercise, solution
 from exercise_signatures import Confined, Equals, Mistake, Scaled
 
-from distlab.sharding import accounting
-from distlab.sharding.flat import units_of
-from distlab.sharding.problem import ShardingConfig, build_model, reference
-from distlab.sharding.training import run_strategy
+from distlab.data_split.sharding import accounting
+from distlab.data_split.sharding.flat import units_of
+from distlab.data_split.sharding.problem import ShardingConfig, build_model, reference
+from distlab.data_split.sharding.training import run_strategy
 
 LESSON, NAME = "sharding", "zero1"
 P, CFG = 3, ShardingConfig(global_batch=6)

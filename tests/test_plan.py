@@ -12,7 +12,6 @@ import sys
 import pytest
 from helpers import ROOT
 
-from distlab.console import console
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions
@@ -20,6 +19,7 @@ from distlab.plan import report
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.search import search
+from distlab.proof.console import console
 
 ARGS = ["--model", "llama3-8b", "--gpus", "16", "--nodes", "2", "--global-batch", "64", "--seq-len", "4096"]
 BAND = (0.6, 1.3)  # predicted MFU / reported MFU, every published run: the band docs/planner.md states
@@ -121,7 +121,7 @@ def test_impossible_input_is_refused_naming_the_flag(argv, words):
         (["--plot", "/tmp"], "argument --plot: '/tmp' is a directory"),
         (["--plot", "x.txt"], "argument --plot: 'x.txt': the plot is a PNG; give a name ending in .png"),
         (["--seq-len", str(1 << 25)], "argument --seq-len: at most 16,777,216 (tokens per sequence"),
-        (["--reserve-gib", "-1"], "argument --reserve-gib: expected GiB >= 0"),
+        (["--reserve-gib", "-1"], "argument --reserve-gib: expected a finite number >= 0"),
         (["--zero", "4"], "argument --zero: invalid choice"),
     ],
 )
@@ -183,3 +183,18 @@ def test_a_mixture_of_experts_is_searched_with_expert_parallelism():
     assert found and max(c.parallel.ep for c in found) > 1
     assert all(c.memory <= DEVICES["h100"].memory - DEFAULT_RESERVE_GIB * GIB for c in found)
     assert all(c.cost.ranks[0].traffic.sent["ep", "all_to_all"] > 0 for c in found if c.parallel.ep > 1)
+
+
+def test_the_planner_takes_no_lesson_memory_limit():
+    """GPT-2 small's vocabulary (50,304) is above the lessons' --vocab limit (a width^2 float64 matrix a lesson
+    would build); the planner builds no tensor, so its parser is `FlagParser` with the planner's own limits
+    (`distlab.plan.flags.LIMITS`), not the lessons'."""
+    from distlab.plan.cli import parse_args
+    from distlab.plan.flags import LIMITS as PLAN_LIMITS
+    from distlab.processes.cli import LIMITS
+
+    flags = ["--layers", "12", "--dim", "768", "--heads", "12", "--ffn-width", "3072", "--vocab", "50304"]
+    assert 50304 > LIMITS["--vocab"][0]  # a lesson would refuse it
+    assert 50304 <= PLAN_LIMITS["--vocab"][0]  # the planner's typo guard takes it
+    args = parse_args([*flags, "--gpu", "a100", "--gpus", "8", "--global-batch", "480", "--seq-len", "1024"])
+    assert args.vocab == 50304 and args.global_batch == 480

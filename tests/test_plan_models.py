@@ -16,20 +16,20 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from distlab.console import console
 from distlab.cost import flops, memory, traffic
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import GIB, cluster
 from distlab.cost.shapes import PRECISIONS, Batch, Parallel, Transformer
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, gemm_efficiency, predict
-from distlab.held import SavedActivations
-from distlab.models import Block, BlockOptions, token_batch
+from distlab.layer_split.tensor_parallel.cost import activation_bytes
+from distlab.layer_split.tensor_parallel.model import BlockConfig
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.report import ITEMS
-from distlab.tensor_parallel.cost import activation_bytes
-from distlab.tensor_parallel.model import BlockConfig
+from distlab.proof.console import console
+from distlab.proof.held import SavedActivations
+from distlab.proof.models import Block, BlockOptions, token_batch
 
 GPT2 = [
     *("--layers 12 --dim 768 --heads 12 --ffn-width 3072 --vocab 50304 --tied-embeddings --seq-len 1024".split()),

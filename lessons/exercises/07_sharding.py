@@ -2,7 +2,7 @@
 `pytest --exercises -k 07`; add `--hint-level 1`, 2 or 3 for help).
 
 Every rank holds the whole model and has just run backward on the mean loss over its own C = N / P rows.
-`Sharded(model, rt, cfg)` (distlab/sharding/shards.py) has already cut each layer u's Psi_u parameters into
+`Sharded(model, rt, cfg)` (distlab/data_split/sharding/shards.py) has already cut each layer u's Psi_u parameters into
 one flat buffer padded to P ceil(Psi_u / P) elements (`z.units[u]`, a FlatUnit that flattens a layer's
 tensors and unflattens a buffer back into views shaped like them), made `z.shards[u]`, this rank's shard r
 of it (an nn.Parameter), and an AdamW `z.optimizer` over the shards only: the optimizer states are sharded.
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (you will need it)
 
-from distlab.runtime import Runtime
-from distlab.sharding.problem import ShardingConfig
-from distlab.sharding.shards import Sharded
+from distlab.data_split.sharding.problem import ShardingConfig
+from distlab.data_split.sharding.shards import Sharded
+from distlab.processes.runtime import Runtime
 
 
 def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:

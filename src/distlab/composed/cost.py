@@ -1,8 +1,9 @@
 """What one rank of the mesh sends and holds per step, in closed form: lessons 07-09's formulas, composed.
-A block's activations and tensor-parallel bytes are lesson 08's (`distlab.tensor_parallel.cost`), the ring's
-bytes lesson 09's (`distlab.context_parallel.cost`), imported, not derived again (the composed mesh stands on
-the top floor beside the cost model, tests/test_layering.py); what is new here is the mesh around them: the
-embedding and head, FSDP2's per-parameter padding, torch's pipeline stage's receive buffers.
+A block's activations and tensor-parallel bytes are lesson 08's (`distlab.layer_split.tensor_parallel.cost`),
+the ring's bytes lesson 09's (`distlab.layer_split.context_parallel.cost`), imported, not derived again (the
+composed mesh stands on the top floor beside the cost model, tests/test_layering.py); what is new here is the
+mesh around them: the embedding and head, FSDP2's per-parameter padding, torch's pipeline stage's receive
+buffers.
 
 Notation: a shape dp x pp x tp x cp; W = dp cp the ranks FSDP2 shards over; a rank on pipeline stage p holds
 L_p = L / pp blocks. One micro-batch on a rank: n = N / (dp M) sequences of s = seq / cp positions; e bytes
@@ -54,9 +55,9 @@ from math import ceil
 
 from distlab.comm.collectives import ring_fraction
 from distlab.composed.config import ModelConfig, Shape
-from distlab.context_parallel.cost import Sizes as RingSizes
-from distlab.tensor_parallel.cost import activation_bytes, expected_traffic
-from distlab.tensor_parallel.model import BlockConfig
+from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
+from distlab.layer_split.tensor_parallel.cost import activation_bytes, expected_traffic
+from distlab.layer_split.tensor_parallel.model import BlockConfig
 
 IDS = 8  # bytes of an int64 token id
 

@@ -19,17 +19,26 @@ it. A bad input is refused in one line naming its flag.
 
 from __future__ import annotations
 
+import argparse
 import json
 
-from distlab.console import console
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.cost.shapes import Batch, Parallel, Transformer, check
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
-from distlab.plan.flags import PlanParser, count, efficiency, gib, png_file, positive_int, writable_file
+from distlab.plan.flags import LIMITS, efficiency, png_file
 from distlab.plan.presets import MODELS
 from distlab.plan.search import least_memory, price, search
+from distlab.processes.flags import (
+    FlagParser,
+    add_global_batch,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    writable_file,
+)
+from distlab.proof.console import console
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1"}
@@ -37,7 +46,14 @@ OVERLAP = ("dp", "cp", "pp", "ep", "tp")
 
 
 def parse_args(argv=None):
-    parser = PlanParser(prog="python -m distlab.plan", description=__doc__.split("\n\n")[0])
+    # the planner builds no tensor: its own limits (typo guards, with their reasons), none of the lessons'; its
+    # help texts say their defaults in words ("no embedding", "--ffn-width"), so argparse adds none
+    parser = FlagParser(
+        prog="python -m distlab.plan",
+        description=__doc__.split("\n\n")[0],
+        limits=LIMITS,
+        formatter_class=argparse.HelpFormatter,
+    )
     model = parser.add_argument_group("the model: a preset, or your own")
     model.add_argument("--model", choices=MODELS, default="llama3-8b", help="a published model")
     for flag, what in (("--layers", "blocks"), ("--dim", "width d"), ("--heads", "heads h"), ("--ffn-width", "d_ff")):
@@ -49,22 +65,26 @@ def parse_args(argv=None):
         "--ffn", choices=("gelu", "swiglu"), default="gelu", help="gelu: GPT's (biases, LayerNorm); swiglu: Llama's"
     )
     model.add_argument("--tied-embeddings", action="store_true", help="the head is the embedding's matrix")
-    model.add_argument("--experts", type=count, default=0, help="routed experts (a mixture of experts)")
+    model.add_argument("--experts", type=nonnegative_int, default=0, help="routed experts (a mixture of experts)")
     model.add_argument("--top-k", type=positive_int, default=1, help="experts per token")
     model.add_argument("--expert-ffn-width", type=positive_int, help="an expert's width (default: --ffn-width)")
-    model.add_argument("--shared-experts", type=count, default=0, help="always-on experts of the same width")
-    model.add_argument("--dense-layers", type=count, default=0, help="the first blocks, dense (DeepSeek: 3)")
-    model.add_argument("--q-rank", type=count, default=0, help="multi-head latent attention: query latent")
-    model.add_argument("--kv-rank", type=count, default=0, help="multi-head latent attention: key/value latent")
-    model.add_argument("--rope-dim", type=count, default=0, help="multi-head latent attention: rotary part")
+    model.add_argument("--shared-experts", type=nonnegative_int, default=0, help="always-on experts of the same width")
+    model.add_argument("--dense-layers", type=nonnegative_int, default=0, help="the first blocks, dense (DeepSeek: 3)")
+    model.add_argument("--q-rank", type=nonnegative_int, default=0, help="multi-head latent attention: query latent")
+    model.add_argument(
+        "--kv-rank", type=nonnegative_int, default=0, help="multi-head latent attention: key/value latent"
+    )
+    model.add_argument("--rope-dim", type=nonnegative_int, default=0, help="multi-head latent attention: rotary part")
     run = parser.add_argument_group("the run")
     run.add_argument("--gpu", choices=DEVICES, default="h100", help="GPU type (datasheet figures: --devices)")
     run.add_argument("--gpus", type=positive_int, default=8, help="GPUs in all, G")
     run.add_argument("--nodes", type=positive_int, default=1, help="nodes (G / nodes GPUs each, at most 8)")
-    run.add_argument("--global-batch", type=positive_int, default=64, help="sequences per step, N")
+    add_global_batch(run, 64)
     run.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence, seq")
     run.add_argument("--precision", choices=("bf16", "fp8", "float32"), default="bf16", help="what products run in")
-    run.add_argument("--reserve-gib", type=gib, default=DEFAULT_RESERVE_GIB, help="kept off the tensors (GiB)")
+    run.add_argument(
+        "--reserve-gib", type=nonnegative_float, default=DEFAULT_RESERVE_GIB, help="kept off the tensors (GiB)"
+    )
     split = parser.add_argument_group("one layout (--layout), priced whole")
     split.add_argument("--layout", help="dp=..,tp=..,pp=..,cp=..,ep=.. (a missing one is 1)")
     split.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule")

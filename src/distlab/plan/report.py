@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.console import compact_table, console
 from distlab.cost import memory
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, LINKS, TERA, Cluster, Device, cluster
 from distlab.cost.shapes import PRECISIONS, Parallel
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, needed_flops, predict
+from distlab.data_split.sharding.accounting import layer_norm_stat_bytes
+from distlab.layer_split.tensor_parallel.cost import sdpa_math_path
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.plan.search import Candidate
-from distlab.sharding.accounting import layer_norm_stat_bytes
-from distlab.tensor_parallel.cost import sdpa_math_path
+from distlab.proof.console import compact_table, console
 
 SCHEDULE_SHORT = {"1f1b": "1F1B", "interleaved-1f1b": "int", "gpipe": "GPipe", "zb-h1": "ZB", "interleaved-zb": "iZB"}
 ITEMS = (  # what a rank holds, item by item, as the other calculators break it down

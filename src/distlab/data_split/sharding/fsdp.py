@@ -1,0 +1,106 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) on the lesson's model, as a strategy for the loop of
+`distlab.data_split.sharding.training`: one `fully_shard` per layer (a layer's weights are all-gathered as one
+group, like ZeRO-3's flat unit), then one on the root. Its parameters become DTensors sharded on
+dim 0 (`Shard(0)`): rank r keeps rows r ceil(rows/P) .. of every parameter, each padded to
+ceil(rows/P) rows, so its bytes per rank are e sum_params ceil(rows/P) x (the other dims).
+
+How its options map onto the stages written by hand:
+
+    fully_shard(layer)                  ZeRO-3: gathered before forward, freed after it,
+                                        gathered again for backward
+    reshard_after_forward=False         ZeRO-3 keeping the gathered layer from forward to its
+                                        backward (one all-gather less, more memory between)
+    reshard_after_forward=k (an int)    after forward, resharded over k ranks (a smaller gather)
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)
+                                        the float32 shards are the master copy; bf16 is
+                                        gathered and computed with, gradients reduced in float32
+    set_requires_gradient_sync(False)   no reduce-scatter: accumulate whole gradients (no_sync)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from distlab.data_split.sharding.problem import ShardingConfig, adamw
+from distlab.processes.runtime import Runtime
+from distlab.proof.held import model_states
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+    """fully_shard each layer, then the root (which holds no parameter of its own here)."""
+    for layer in model.children():
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def fsdp_held(model: nn.Module, world: int, rank: int, e: int) -> dict[str, int]:
+    """What rank `rank` of P = `world` holds after a step under FSDP2, by item, for e bytes per element.
+    Weights and gradients: each parameter's shard padded to ceil(rows / P) rows; AdamW's moments are made
+    like the local shard, which is unpadded: rank r's real rows, min(ceil(rows/P), rows - r ceil(rows/P)),
+    at least 0."""
+
+    def rows(q: torch.Tensor, padded: bool) -> int:
+        per = math.ceil(q.shape[0] / world)
+        return per if padded else max(0, min(per, q.shape[0] - rank * per))
+
+    params = list(model.parameters())
+    padded = e * sum(rows(q, True) * (q.numel() // q.shape[0]) for q in params)
+    local = e * sum(rows(q, False) * (q.numel() // q.shape[0]) for q in params)
+    return {"weights": padded, "gradients": padded, "moments": 2 * local, "step counts": 4 * len(params)}
+
+
+class Fsdp2:
+    """A trainee of the one training loop (`distlab.proof.training.train`) around a fully_shard'ed model."""
+
+    ring = None  # FSDP2's collectives run inside torch: not counted by a ring of ours
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rt: Runtime,
+        cfg: ShardingConfig,
+        reshard_after_forward: bool = True,
+        mesh: DeviceMesh | None = None,
+    ):
+        mesh = mesh if mesh is not None else init_device_mesh(rt.device.type, (rt.world_size,))
+        self.model = shard_model(model, mesh, reshard_after_forward)
+        self.optimizer = adamw(self.model.parameters(), cfg)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def items(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.model.parameters())
+        states = [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params]
+        return model_states([p.to_local() for p in params], [p.grad.to_local() for p in params], states)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().cpu() for n, p in self.model.named_parameters()}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad.full_tensor().cpu() for n, p in self.model.named_parameters()}
+
+    def states(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {
+            n: {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
+                for k, v in self.optimizer.state[p].items()
+            }
+            for n, p in self.model.named_parameters()
+        }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor (AdamW's step count) as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -36,6 +36,8 @@ LESSONS=(
   "ulysses|3|the same at P = 3|"
   "composed_mesh|8|one transformer on a dp x pp x tp x cp mesh = one process at every P = 8 shape (2x2x2x1, cp with the others); bytes and memory per rank = formulas; DCP resume across shapes|"
   "cost|2|FLOPs, bytes held and bytes sent of four splits predicted from sizes = measured; time predicted beside measured; MFU the right way|"
+  "diloco|2|2 islands of 1: by hand = torchft DiLoCo (init_sync=False) = one-process islands bit for bit; the default's first-round heal reproduced; bytes S per round against DDP's H syncs|"
+  "diloco|4|2 islands of 2 (DDP inside), streaming F = 2: the same bit for bit; rank m heals from island m mod 2|--fragments 2"
 )
 
 mkdir -p runs

@@ -377,7 +377,7 @@ def show_loss_against_h(rt: Runtime, args, verdict: Verdict) -> None:
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), world_rules)
-    with distributed("cpu") as rt:
+    with distributed(args.device) as rt:  # the tensors stay on the CPU: gloo serves them on any backend
         verdict = Verdict(rt)
         world_rules(args, rt.world_size)
         print0(

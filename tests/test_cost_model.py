@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.cost import flops, memory
-from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer, check
+from distlab.cost.rules import check
+from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer
 from distlab.cost.step import step_cost
 from distlab.data_split.sharding import accounting
 from distlab.plan.presets import MODELS
@@ -126,13 +127,13 @@ def test_mixed_precision_states_are_lesson_07s_and_the_zero_papers():
 BAD = [
     (dict(parallel=Parallel(tp=3)), "tp: tp = 3 does not divide heads = 8"),
     (dict(parallel=Parallel(cp=3)), "cp: the zig-zag ring cuts seq = 32 into 2 cp = 6 pieces"),
-    (dict(parallel=Parallel(ep=2)), "ep: expert parallelism needs a mixture-of-experts model"),
+    (dict(parallel=Parallel(dp=2, ep=2)), "ep: expert parallelism needs a mixture-of-experts model"),
     (dict(parallel=Parallel(zero="ZeRO-4")), "zero: 'ZeRO-4' is not one of DDP, ZeRO-1, ZeRO-2, ZeRO-3"),
     (dict(parallel=Parallel(pp=9)), "pp: pp x v = 9 stages, but only 8 layers"),
     (dict(parallel=Parallel(dp=3)), "global_batch: N = 8 does not cut into dp x M = 3"),
     (dict(parallel=Parallel(pp=2, schedule="nope")), "schedule: unknown schedule 'nope'"),
     (dict(parallel=Parallel(cut_gathered=True, tp=2)), "cut_gathered: only sequence parallelism"),
-    (dict(precision="fp8"), "precision: 'fp8' is not one of float64, float32, bf16"),
+    (dict(precision="fp4"), "precision: 'fp4' is not one of float64, float32, bf16, fp8"),
     (dict(model=Transformer(8, 64, 6, 256)), "heads: h = 6 does not divide d = 64"),
     (dict(model=Transformer(8, 64, 8, 256, attention="written"), parallel=Parallel(tp=2)), "attention: written"),
     (dict(model=Mlp((16, 8)), parallel=Parallel(tp=2)), "tp: the layered MLP has no heads"),

@@ -172,27 +172,77 @@ def ring_by_hand(rt: Runtime, name: str, x: torch.Tensor) -> tuple[torch.Tensor,
 # ---- the mechanism, part 2: data parallelism by hand --------------------------------------------
 
 
-def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:
+def broadcast_parameters(model: nn.Module, rt: Runtime) -> None:
+    """Rank 0's parameters and buffers on every rank, in place: replicas built from different seeds (or
+    loaded differently) become one model before the first step, as torch's DDP does at construction."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:  # each tensor once: a tied weight is one
+            dist.broadcast(t, src=0)
+
+
+def trained(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a step trains: those that require grad, each tensor once (`parameters()` yields a tied
+    weight once), the root's own included."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def unused_check(model: nn.Module, rt: Runtime, find_unused_parameters: bool) -> list[nn.Parameter]:
+    """The trained parameters to reduce this step. A parameter without a gradient on this rank (a branch not
+    taken) is an error naming it, raised before any collective of the step, unless `find_unused_parameters`:
+    then one all-reduce of who used what, and a parameter some rank used is reduced with zeros for the ranks
+    that did not (exact: they add nothing to the sum), one that no rank used keeps no gradient, as in one
+    process (the optimizer skips it: no momentum, no weight decay)."""
+    params = trained(model)
+    if not find_unused_parameters:
+        missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"no gradient this step for {missing}: a branch not taken would leave the ranks apart; "
+                "pass find_unused_parameters=True if a step may leave parameters unused"
+            )
+        return params
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=rt.device)
+    dist.all_reduce(used)  # how many ranks used each parameter
+    reduced = [p for p, n in zip(params, used.tolist()) if n > 0]
+    for p in reduced:
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+    return reduced
+
+
+def all_reduce_gradients(model: nn.Module, rt: Runtime, find_unused_parameters: bool = False) -> None:
     """After backward: every gradient summed over the ranks, divided by P (the mean of the ranks'
-    means is the global mean when the shares are equal)."""
-    for param in model.parameters():
+    means is the global mean when the shares are equal). Frozen parameters have none and are skipped."""
+    for param in unused_check(model, rt, find_unused_parameters):
         dist.all_reduce(param.grad)  # in place, on the gradient's device: rt.device
         param.grad /= rt.world_size
 
 
 class GradientBuckets:
-    """All-reduce the gradients in buckets, each launched from backward as soon as it is full."""
+    """All-reduce the gradients in buckets, each launched from backward as soon as it is full, in order.
+    At construction rank 0's weights are broadcast (`broadcast_parameters`)."""
 
-    def __init__(self, model: nn.Module, rt: Runtime, bucket_bytes: float, overlap: bool = True, link=None):
-        self.rt, self.overlap, self.link = rt, overlap, link  # link: the emulated wire (emulate.Link), or gloo
+    def __init__(
+        self,
+        model: nn.Module,
+        rt: Runtime,
+        bucket_bytes: float,
+        overlap: bool = True,
+        link=None,
+        find_unused_parameters: bool = False,
+    ):
+        self.model, self.rt, self.overlap, self.link = model, rt, overlap, link  # link: emulate.Link, or gloo
+        self.find_unused = find_unused_parameters
+        broadcast_parameters(model, rt)
         # Backward produces gradients from the last layer to the first; filling the buckets in that
-        # order (as DDP does) makes the first bucket complete early in backward.
+        # order (as DDP does) makes the first bucket complete early in backward. A bucket closes once it
+        # holds bucket_bytes (a cap of 0: one tensor a bucket).
         self.buckets: list[list[nn.Parameter]] = [[]]
-        for param in reversed(list(model.parameters())):
-            if sum(p.numel() * p.element_size() for p in self.buckets[-1]) >= bucket_bytes:
+        for param in reversed(trained(model)):
+            if self.buckets[-1] and sum(p.numel() * p.element_size() for p in self.buckets[-1]) >= bucket_bytes:
                 self.buckets.append([])
             self.buckets[-1].append(param)
         self.missing = [len(bucket) for bucket in self.buckets]
+        self.launched = 0  # buckets 0 .. launched - 1 are on the wire
         self.in_flight: list[tuple[int, torch.Tensor, dist.Work]] = []
         self.events: dict[str, dict[int, float]] = {"launched": {}, "done": {}}  # for the timeline
         for i, bucket in enumerate(self.buckets):
@@ -201,29 +251,46 @@ class GradientBuckets:
 
     def _grad_ready(self, i: int, param: nn.Parameter) -> None:  # autograd: param.grad is complete
         self.missing[i] -= 1
-        if self.missing[i] == 0 and self.overlap:
-            self._launch(i)
+        # Launched strictly in order, as DDP's reducer does: every rank's k-th all-reduce is bucket k,
+        # even when gradients arrive in another order (a tied weight, a parameter used late).
+        while self.overlap and self.launched < len(self.buckets) and self.missing[self.launched] == 0:
+            self._launch(self.launched)
 
     def _launch(self, i: int) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])  # one message per bucket
         # Returns at once; the backend (or the emulated link's thread) reduces meanwhile.
         work = self.link.all_reduce(flat) if self.link else dist.all_reduce(flat, async_op=True)
         self.in_flight.append((i, flat, work))
+        self.launched = i + 1
         self.events["launched"][i] = time.perf_counter()
         work.get_future().then(lambda _: self.events["done"].__setitem__(i, time.perf_counter()))
 
     def wait(self) -> None:
-        """Before the optimizer step: every bucket reduced, divided by P, copied back into .grad."""
-        if not self.overlap:  # the baseline: the same buckets, launched after backward
-            for i in range(len(self.buckets)):
-                self._launch(i)
+        """Before the optimizer step: every bucket reduced, divided by P, copied back into .grad. A bucket
+        still waiting for a gradient (a branch not taken here) is launched now, with zeros for the missing
+        ones, under find_unused_parameters (unused on every rank: no gradient after, as in one process);
+        without it, an error naming the parameter, before this rank launches anything more."""
+        params = [p for bucket in self.buckets for p in bucket]
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.rt.device)
+        if not self.find_unused and not all(used.tolist()):
+            unused_check(self.model, self.rt, False)  # raises, naming the parameters
+        for i in range(self.launched, len(self.buckets)):  # the baseline (no overlap), or a gradient never made
+            for p in self.buckets[i]:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            self._launch(i)
+        if self.find_unused:  # who used what: after every bucket, so the same k-th all-reduce on every rank
+            dist.all_reduce(used)
         for i, flat, work in self.in_flight:
             work.wait()
             flat /= self.rt.world_size
             for param, grad in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):
                 param.grad.copy_(grad.view_as(param))
         self.in_flight.clear()
+        for p, n in zip(params, used.tolist()):
+            if self.find_unused and n == 0:
+                p.grad = None  # no rank used it: no gradient, as in one process (the optimizer skips it)
         self.missing = [len(bucket) for bucket in self.buckets]
+        self.launched = 0
 
 
 # ---- the chapter, part by part ------------------------------------------------------------------

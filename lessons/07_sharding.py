@@ -70,14 +70,15 @@ from distlab.sharding.fsdp import Fsdp2, fsdp_held
 from distlab.sharding.problem import ShardingConfig, build_model, global_batch, reference, rows_of
 from distlab.sharding.replicated import Replicated
 from distlab.sharding.report import agreement_table, bytes_table, holds_table, memory_table
-from distlab.sharding.shards import Sharded
+from distlab.sharding.shards import Sharded, no_gradient
 from distlab.sharding.training import run_strategy
 from distlab.streamed.launches import LaunchCount
 from distlab.verdict import Verdict
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
-# `Sharded` (distlab/sharding/shards.py) holds what all three share: the layers' flat units, this
-# rank's shard of each (an nn.Parameter), AdamW on the shards, and a ring that counts the bytes.
+# `Sharded` (distlab/sharding/shards.py) holds what all three share: rank 0's weights broadcast at
+# construction, the flat units (`unit.params`, the tensors a unit trains), this rank's shard of each (an
+# nn.Parameter), the optimizer on the shards, and a ring that counts the bytes.
 # The loop, the library's one (`distlab.training.train`), which the one-process reference runs too:
 # zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step().
 
@@ -86,14 +87,16 @@ def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
     """Optimizer states sharded; every rank keeps the whole weights and the whole gradient."""
     z = Sharded(model, rt, cfg)
 
-    def after_backward():  # shard r of each layer's mean gradient, to rank r
-        for unit, layer, shard in zip(z.units, z.layers, z.shards):
-            shard.grad = z.ring.reduce_scatter(unit.flatten([p.grad for p in layer.parameters()])) / rt.world_size
+    def after_backward():  # shard r of each unit's mean gradient, to rank r
+        for unit, shard in zip(z.units, z.shards):
+            grads = [p.grad for p in unit.params]
+            if not no_gradient(unit, grads):  # a branch not taken keeps no gradient, as in one process
+                shard.grad = z.ring.reduce_scatter(unit.flatten(grads)) / rt.world_size
 
     def after_step():  # every rank's stepped shard, all-gathered into the whole weights
         with torch.no_grad():
-            for unit, layer, shard in zip(z.units, z.layers, z.shards):
-                for p, new in zip(layer.parameters(), unit.unflatten(z.ring.all_gather(shard.detach()))):
+            for unit, shard in zip(z.units, z.shards):
+                for p, new in zip(unit.params, unit.unflatten(z.ring.all_gather(shard.detach()))):
                     p.copy_(new)
 
     z.after_backward, z.after_step = after_backward, after_step
@@ -101,74 +104,96 @@ def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
 
 
 def zero2(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
-    """ZeRO-1, with each layer's gradient reduce-scattered from backward itself and freed at once."""
+    """ZeRO-1, with each unit's gradient reduce-scattered from backward itself and freed at once."""
     z = zero1(model, rt, cfg)
-    z.after_backward = lambda: None  # the reduce-scatters ran during backward
 
-    def grad_ready(unit, params, shard, _):
-        if all(q.grad is not None for q in params):  # the layer's whole gradient is in
-            shard.grad = z.ring.reduce_scatter(unit.flatten([q.grad for q in params])) / rt.world_size
-            for q in params:
+    def grad_ready(unit, shard, _):
+        if all(q.grad is not None for q in unit.params):  # the unit's whole gradient is in
+            shard.grad = z.ring.reduce_scatter(unit.flatten([q.grad for q in unit.params])) / rt.world_size
+            for q in unit.params:
                 q.grad = None  # freed: only the shard stays
 
-    for unit, layer, shard in zip(z.units, z.layers, z.shards):
-        params = list(layer.parameters())
-        for p in params:
-            p.register_post_accumulate_grad_hook(functools.partial(grad_ready, unit, params, shard))
+    def after_backward():  # the reduce-scatters ran during backward; a unit left half done is refused
+        for unit, shard in zip(z.units, z.shards):
+            if shard.grad is None:
+                no_gradient(unit, [q.grad for q in unit.params])
+
+    for unit, shard in zip(z.units, z.shards):
+        for p in unit.params:
+            p.register_post_accumulate_grad_hook(functools.partial(grad_ready, unit, shard))
+    z.after_backward = after_backward
     return z
 
 
 class GatherLayer(torch.autograd.Function):
-    """Forward: all-gather layer i's shards into its whole flat weights. Backward: reduce-scatter the
-    whole flat gradient, / P: this rank's shard of the mean gradient (its .grad)."""
+    """Forward: all-gather unit i's shards into its whole flat weights, in the compute dtype. Backward:
+    reduce-scatter the whole flat gradient in the shards' dtype, / P: this rank's shard of the mean gradient."""
 
     @staticmethod
     def forward(ctx, shard, z, i):
         ctx.z, ctx.i = z, i
-        return z.ring.all_gather(shard.detach())
+        return z.ring.all_gather(shard.detach().to(z.compute))
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.z.again.pop(ctx.i, None)  # the layer's backward is over: free what was gathered for it
-        return ctx.z.ring.reduce_scatter(grad.contiguous()) / ctx.z.rt.world_size, None, None
+        z = ctx.z
+        z.again.pop(ctx.i, None)  # the unit's backward is over: free what was gathered for it
+        return z.ring.reduce_scatter(grad.to(z.shards[ctx.i].dtype).contiguous()) / z.rt.world_size, None, None
 
 
 def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
-    """Weights sharded too: each layer exists whole only while its forward or backward runs."""
+    """Weights sharded too: each unit exists whole only while its module's forward or backward runs (the
+    root's unit, the model's own and tied weights, for the whole forward). `cfg.compute`: gathered and
+    computed in that dtype (bf16), while the shards (the master weights) and gradients keep theirs."""
     z = Sharded(model, rt, cfg)
-    z.again = {}  # layer -> its weights gathered again for backward
+    z.whole_weights, z.compute = False, cfg.compute or z.shards[0].dtype
+    z.again, z.live, z.hooks = {}, {}, {}  # unit -> gathered again; gathered storage -> unit; unit -> its hooks
 
-    def gather(i, places, layer, args):  # forward pre-hook
+    def pack(t):  # a gathered weight is not kept for backward, only which unit and where in it
+        i = z.live.get(t.untyped_storage().data_ptr())
+        return t if i is None else (i, t.shape, t.stride(), t.storage_offset())
+
+    def unpack(saved):  # backward's first use of a unit's weights gathers them again
+        if isinstance(saved, torch.Tensor):
+            return saved
+        i, *where = saved
+        if i not in z.again:
+            z.again[i] = z.ring.all_gather(z.shards[i].detach().to(z.compute))
+        return z.again[i].as_strided(*where)
+
+    def gather(i, places, module, args):  # forward pre-hook
         whole = GatherLayer.apply(z.shards[i], z, i)
-        for (module, name), view in zip(places, z.units[i].unflatten(whole)):
-            setattr(module, name, view)
-        at = whole.untyped_storage().data_ptr()
+        for spots, view in zip(places, z.units[i].unflatten(whole)):
+            for owner, name in spots:  # a tied weight: the same view in every module that holds it
+                setattr(owner, name, view)
+        z.live[whole.untyped_storage().data_ptr()] = i
+        z.hooks[i] = saved_tensors_hooks(pack, unpack)
+        z.hooks[i].__enter__()
 
-        def pack(t):  # a gathered weight is not kept for backward, only where it was
-            return (t.shape, t.stride(), t.storage_offset()) if t.untyped_storage().data_ptr() == at else t
+    def free(i, places, module, args, out):  # forward hook: nothing refers to the whole weights any more
+        z.hooks.pop(i).__exit__(None, None, None)
+        z.live = {at: j for at, j in z.live.items() if j != i}
+        for spots in places:
+            for owner, name in spots:
+                setattr(owner, name, None)
 
-        def unpack(saved):  # backward's first use of the layer's weights gathers them again
-            if isinstance(saved, torch.Tensor):
-                return saved
-            if i not in z.again:
-                z.again[i] = z.ring.all_gather(z.shards[i].detach())
-            return z.again[i].as_strided(*saved)
-
-        z.hooks = saved_tensors_hooks(pack, unpack)
-        z.hooks.__enter__()
-
-    def free(places, layer, args, out):  # forward hook: nothing refers to the whole weights any more
-        z.hooks.__exit__(None, None, None)
-        for module, name in places:
-            setattr(module, name, None)
-
-    for i, layer in enumerate(z.layers):
-        places = [(m, n) for m in layer.modules() for n, _ in list(m.named_parameters(recurse=False))]
-        for module, name in places:
-            del module._parameters[name]  # the whole weights are gone; the shard is all that is left
-        layer.register_forward_pre_hook(functools.partial(gather, i, places))
-        layer.register_forward_hook(functools.partial(free, places))
+    for i, unit in enumerate(z.units):
+        places = [[(m, n) for m in model.modules() for n, q in m._parameters.items() if q is p] for p in unit.params]
+        for owner, name in (spot for spots in places for spot in spots):
+            del owner._parameters[name]  # the whole weights are gone; the shard is all that is left
+        module = model.get_submodule(unit.where)  # "" is the model itself
+        module.register_forward_pre_hook(functools.partial(gather, i, places))
+        module.register_forward_hook(functools.partial(free, i, places))
+    if cfg.compute is not None:  # frozen weights are only computed with: kept in the compute dtype
+        for p in z.frozen.values():
+            p.data = p.data.to(cfg.compute)
+        model.register_forward_pre_hook(lambda m, args: tuple(_cast(a, cfg.compute) for a in args))
     return z
+
+
+def _cast(a, dtype: torch.dtype):
+    """A floating-point input in the compute dtype (FSDP2's cast_forward_inputs); anything else as it is."""
+    return a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
 
 
 BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}

@@ -57,7 +57,7 @@ from distlab.held import SavedActivations, model_states, storage_bytes
 from distlab.models import Block, BlockOptions, token_batch
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.runtime import Runtime, distributed, run_main
-from distlab.sharding.problem import ShardingConfig, adamw, rows_of
+from distlab.sharding.problem import ShardingConfig, optimizer_of, rows_of
 from distlab.sharding.replicated import Replicated
 from distlab.tensor_parallel import operators
 from distlab.tensor_parallel.blocks import ParallelBlock
@@ -159,7 +159,9 @@ def build(rt: Runtime, args, parallel: Parallel):
         return model, trainee, rows_of(x, rt), rows_of(target, rt), trainee.ring.ledger
     comm = (operators.sequence_parallel if parallel.sp else operators.tensor_parallel)(None, Ledger())
     model = nn.Sequential(*[ParallelBlock(b, rt.rank, rt.world_size, comm) for b in blocks])
-    trainee = Plain(model, adamw(model.parameters(), optimizer), lambda: reduce_sequence_parallel_grads(model, comm))
+    trainee = Plain(
+        model, optimizer_of(model.parameters(), optimizer), lambda: reduce_sequence_parallel_grads(model, comm)
+    )
     if parallel.sp:
         x, target = (seq_part(t, rt.rank, rt.world_size) for t in (x, target))
     return model, trainee, x, target, comm.ledger

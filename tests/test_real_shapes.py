@@ -254,8 +254,9 @@ def _compute_dtype(rt, mechanism: str) -> str | None:
         return loss
 
     run = train(trainee, step, STEPS)
-    if any(p.dtype != torch.float32 for p in run.params.values()):
-        return f"master weights not float32: {sorted({str(p.dtype) for p in run.params.values()})}"
+    trained = [n for n, p in reference_model.named_parameters() if p.requires_grad]  # frozen: only computed with
+    if any(run.params[n].dtype != torch.float32 for n in trained):
+        return f"master weights not float32: {sorted({str(run.params[n].dtype) for n in trained})}"
     if not all(r.ok for r in compare(ref, run.params, RTOL_BF16, ATOL_BF16)):
         return "parameters differ from one process under the bf16 recipe"
     if all(r.ok for r in compare(plain.params, run.params, 1e-6, 1e-7)):

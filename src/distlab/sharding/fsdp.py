@@ -24,18 +24,34 @@ import math
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from distlab.held import model_states
 from distlab.runtime import Runtime
-from distlab.sharding.problem import ShardingConfig, adamw
+from distlab.sharding.problem import ShardingConfig, optimizer_of
+from distlab.sharding.shards import broadcast_model
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
-    """fully_shard each layer, then the root (which holds no parameter of its own here)."""
-    for layer in model.children():
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True, compute_dtype: torch.dtype | None = None
+) -> nn.Module:
+    """fully_shard each layer that holds parameters of its own, then the root, which takes the rest: the
+    model's own parameters (`logit_scale`) and every child that shares one with another (a tied embedding and
+    output: FSDP2 refuses a parameter in two groups). `compute_dtype` (bf16): gathered and computed in it,
+    the float32 shards the master weights, gradients reduced in the shards' dtype (MixedPrecisionPolicy)."""
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if compute_dtype is not None:
+        reduce_dtype = next(model.parameters()).dtype
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    everywhere = model.named_parameters(remove_duplicate=False)
+    holders: dict[int, set[str]] = {}
+    for name, p in everywhere:
+        holders.setdefault(id(p), set()).add(name.split(".")[0] if "." in name else "")
+    for name, layer in model.named_children():
+        own = list(layer.parameters())
+        if own and all(holders[id(p)] == {name} for p in own):
+            fully_shard(layer, **options)
+    return fully_shard(model, **options)
 
 
 def fsdp_held(model: nn.Module, world: int, rank: int, e: int) -> dict[str, int]:
@@ -68,8 +84,9 @@ class Fsdp2:
         mesh: DeviceMesh | None = None,
     ):
         mesh = mesh if mesh is not None else init_device_mesh(rt.device.type, (rt.world_size,))
-        self.model = shard_model(model, mesh, reshard_after_forward)
-        self.optimizer = adamw(self.model.parameters(), cfg)
+        broadcast_model(model)  # rank 0's weights everywhere (fully_shard keeps each rank's own rows)
+        self.model = shard_model(model, mesh, reshard_after_forward, cfg.compute)
+        self.optimizer = optimizer_of(self.model.parameters(), cfg)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -83,13 +100,17 @@ class Fsdp2:
     def items(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.model.parameters())
         states = [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params]
-        return model_states([p.to_local() for p in params], [p.grad.to_local() for p in params], states)
+        grads = [None if p.grad is None else p.grad.to_local() for p in params]
+        return model_states([p.to_local() for p in params], grads, states)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().cpu() for n, p in self.model.named_parameters()}
 
     def grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad.full_tensor().cpu() for n, p in self.model.named_parameters()}
+        return {
+            n: (torch.zeros(p.shape, dtype=p.dtype) if p.grad is None else p.grad.full_tensor().cpu())
+            for n, p in self.model.named_parameters()
+        }
 
     def states(self) -> dict[str, dict[str, torch.Tensor]]:
         return {

@@ -14,6 +14,7 @@ the reference is the same process under the same recipe (`distlab.sharding.mixed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,6 +38,12 @@ class ShardingConfig:
     seed: int = 0
     dtype: torch.dtype = torch.float64  # the model's weights, gradients and batches
     master: torch.dtype | None = None  # what AdamW steps and keeps its moments in, when not `dtype`
+    # The optimizer, made from the tensors it steps (functools.partial(torch.optim.SGD, lr=..., momentum=...));
+    # None: torch's AdamW at `lr` and `weight_decay`, the lesson's.
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
+    # ZeRO-3 and FSDP2: the dtype the weights are gathered and computed in (bf16), while the shards they step
+    # (the master weights) and the reduced gradients stay in `dtype` (FSDP2's MixedPrecisionPolicy); None: `dtype`.
+    compute: torch.dtype | None = None
 
     def mixed(self) -> ShardingConfig:
         """The same problem under mixed precision: bf16 weights, gradients and batches, a float32 master."""
@@ -62,7 +69,10 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)  # a mean over the rows: the ranks' means average to the global mean
 
 
-def adamw(params, cfg: ShardingConfig) -> torch.optim.AdamW:
+def optimizer_of(params, cfg: ShardingConfig) -> torch.optim.Optimizer:
+    """The problem's optimizer over `params`: `cfg.optimizer` if given, else torch's AdamW (lr, weight decay)."""
+    if cfg.optimizer is not None:
+        return cfg.optimizer(list(params))
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -80,12 +90,12 @@ def reference(cfg: ShardingConfig, steps: int | None = None) -> Run:
             loss.backward()
             return loss
 
-        return train(MasterStepped(model, cfg.master, lambda params: adamw(params, cfg)), step, steps, True)
+        return train(MasterStepped(model, cfg.master, lambda params: optimizer_of(params, cfg)), step, steps, True)
     return one_process(
         build_model(cfg),
         lambda k: global_batch(cfg, k),
         loss_fn,
-        lambda params: adamw(params, cfg),
+        lambda params: optimizer_of(params, cfg),
         steps,
         keep_states=True,
     )

@@ -40,8 +40,21 @@ Buckets and overlap. Backward produces gradients last layer first. `GradientBuck
 them into buckets of about --bucket-mib, and a `register_post_accumulate_grad_hook` on each
 parameter launches the bucket's all-reduce asynchronously as soon as its last gradient is in, so the
 reduction runs while backward computes the earlier layers; `wait()` comes before the optimizer step.
-DDP's reducer does the same in C++. The training loop they plug into is
+DDP's reducer does the same in C++, and launches the buckets strictly in order, as the class here does,
+so that every rank's k-th all-reduce is the same bucket. The training loop they plug into is
 `distlab/data_parallel/training.py` (`train`); the timing, `distlab/data_parallel/overlap.py`.
+
+The shapes real models have, and how the loop and the buckets take them. Rank 0's parameters and buffers
+are broadcast first (`broadcast_parameters`; `GradientBuckets` does it at construction, as DDP does), so
+ranks that built the model from different seeds train one model. Only parameters that require grad are
+reduced, each tensor once (`trained`): a frozen tower or bias is skipped (never stepped or decayed), a weight
+tied across two children (an embedding and its output layer) is one parameter with one gradient, and a
+parameter held by the model itself (CLIP's `logit_scale`) is reduced like any other. A parameter that got
+no gradient in a step (a branch not taken) is an error naming it, before any all-reduce of the step,
+unless `find_unused_parameters=True`: then one more all-reduce counts the ranks that used each parameter,
+the ranks that did not add zeros (exact: they add nothing to the sum), and a parameter no rank used keeps
+no gradient, as in one process, so no optimizer moves it. tests/test_real_shapes.py trains all of these
+against one process.
 
 What that buys, measured twice. On the real CPU (gloo, P ranks sharing this machine's cores with
 other jobs) buckets pay and overlap does not: every message has a fixed cost, so one all-reduce per
@@ -88,7 +101,7 @@ from distlab import emulate
 from distlab.cli import DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float, positive_int
 from distlab.comm.ledger import Ledger
 from distlab.compare import all_ok, compare, compare_whole, tolerances
-from distlab.console import print0, rows_table
+from distlab.console import print0
 from distlab.data_parallel import ddp
 from distlab.data_parallel.measure import measure_collectives
 from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
@@ -180,19 +193,11 @@ def broadcast_parameters(model: nn.Module, rt: Runtime) -> None:
             dist.broadcast(t, src=0)
 
 
-def trained(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters a step trains: those that require grad, each tensor once (`parameters()` yields a tied
-    weight once), the root's own included."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def unused_check(model: nn.Module, rt: Runtime, find_unused_parameters: bool) -> list[nn.Parameter]:
-    """The trained parameters to reduce this step. A parameter without a gradient on this rank (a branch not
-    taken) is an error naming it, raised before any collective of the step, unless `find_unused_parameters`:
-    then one all-reduce of who used what, and a parameter some rank used is reduced with zeros for the ranks
-    that did not (exact: they add nothing to the sum), one that no rank used keeps no gradient, as in one
-    process (the optimizer skips it: no momentum, no weight decay)."""
-    params = trained(model)
+    """The parameters to reduce this step (those that require grad). One without a gradient (a branch not taken)
+    is an error naming it, before any collective, unless `find_unused_parameters`: then one all-reduce counts
+    who used what; zeros stand in where a rank did not (exact), and one no rank used keeps no gradient."""
+    params = [p for p in model.parameters() if p.requires_grad]  # each tensor once: a tied weight is one
     if not find_unused_parameters:
         missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
         if missing:
@@ -237,7 +242,7 @@ class GradientBuckets:
         # order (as DDP does) makes the first bucket complete early in backward. A bucket closes once it
         # holds bucket_bytes (a cap of 0: one tensor a bucket).
         self.buckets: list[list[nn.Parameter]] = [[]]
-        for param in reversed(trained(model)):
+        for param in reversed([p for p in model.parameters() if p.requires_grad]):
             if self.buckets[-1] and sum(p.numel() * p.element_size() for p in self.buckets[-1]) >= bucket_bytes:
                 self.buckets.append([])
             self.buckets[-1].append(param)
@@ -266,10 +271,9 @@ class GradientBuckets:
         work.get_future().then(lambda _: self.events["done"].__setitem__(i, time.perf_counter()))
 
     def wait(self) -> None:
-        """Before the optimizer step: every bucket reduced, divided by P, copied back into .grad. A bucket
-        still waiting for a gradient (a branch not taken here) is launched now, with zeros for the missing
-        ones, under find_unused_parameters (unused on every rank: no gradient after, as in one process);
-        without it, an error naming the parameter, before this rank launches anything more."""
+        """Before the optimizer step: every bucket reduced, divided by P, copied back into .grad. A bucket still
+        waiting for a gradient (a branch not taken) is launched now with zeros for it under find_unused_parameters
+        (used by no rank: no gradient after); without the flag, an error naming it, before any more launches."""
         params = [p for bucket in self.buckets for p in bucket]
         used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.rt.device)
         if not self.find_unused and not all(used.tolist()):
@@ -366,65 +370,6 @@ def show_overlap(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict) -
         verdict.figure("emulated", emulated_overlap(rt, cfg, args, GradientBuckets))
 
 
-def show_ddp(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict, ref_grads: dict) -> None:
-    print0("\n[bold]4. DDP: no_sync for gradient accumulation, find_unused_parameters[/]")
-    k = args.accumulation_steps
-    rows, calls = [], {}
-    for no_sync in (True, False):
-        grads, calls[no_sync] = ddp.accumulate(rt, cfg, k, no_sync)
-        rows.append(
-            (
-                "no_sync but the last" if no_sync else "every micro-batch synced",
-                "one process",
-                compare_whole(ref_grads, grads),
-                True,
-            )
-        )
-    print0(gradient_table(rows, f"Gradient accumulation over {k} micro-batches per rank under DDP"))
-    print0(f"DDP all-reduce calls (comm hook): {calls[True]} with no_sync, {calls[False]} without")
-    verdict.check(
-        f"no_sync: gradients = one process's; all-reduce in 1 of {k} backwards",
-        all(r[2].ok for r in rows) and calls[True] * k == calls[False] and calls[True] > 0,
-    )
-    verdict.figure("allreduce_calls", {"no_sync": calls[True], "every": calls[False], "micro_batches": k})
-    show_unused(rt, cfg, verdict)
-
-
-def show_unused(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict) -> None:
-    ref = ddp.branchy_reference(cfg)
-    outcome, warned = {}, False
-    for flag in (False, True):
-        run = ddp.unused_branch(rt, cfg, flag)
-        cells = [
-            "= one process" if all_ok(compare(r, g)) else ("ranks differ" if not a else "wrong")
-            for r, g, a in zip(ref, run.grads, run.ranks_agree)
-        ]
-        cells += ["RuntimeError"] * (len(ddp.USE_AUX) - len(cells))
-        outcome[flag] = (cells, run.error)
-        warned = any(ddp.UNUSED_SEARCH_WARNING in line for line in run.warnings) if flag else warned
-    print0(
-        rows_table(
-            "A branch used in steps 1 and 3, not in step 2: gradients per step",
-            ("find_unused_parameters", "step 1", "step 2", "step 3"),
-            [(str(flag), *cells) for flag, (cells, _) in outcome.items()],
-        )
-    )
-    print0(f"without the flag, step 3's forward raised: {outcome[False][1].split('. ')[0]}.", highlight=False)
-    print0(
-        "with the flag DDP searches the graph for unused parameters after every forward; in step 1, which "
-        "used them all, torch " + ("warned" if warned else "did not warn") + " (on every rank; caught here "
-        "and said once) that the search found none and only costs time: the price of the flag on the "
-        "steps that do not need it",
-        highlight=False,
-    )
-    expect_step2 = "= one process" if rt.world_size == 1 else "ranks differ"
-    verdict.check(
-        "unused branch: un-averaged, then an error; with the flag exact",
-        outcome[False][0] == ["= one process", expect_step2, "RuntimeError"]
-        and outcome[True][0] == ["= one process"] * 3,
-    )
-
-
 def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp_mean_row: tuple) -> None:
     print0("\n[bold]5. Averaging: right for a mean over samples, P times too small for a global loss[/]")
     model, x, target = build(cfg)
@@ -487,7 +432,7 @@ def main() -> int:
         show_collectives(rt, args, verdict)
         ref_grads, ddp_mean_row = show_data_parallel(rt, cfg, args, verdict)
         show_overlap(rt, cfg, args, verdict)
-        show_ddp(rt, cfg, args, verdict, ref_grads)
+        ddp.show_ddp(rt, cfg, args.accumulation_steps, verdict, ref_grads)
         show_global_loss(rt, cfg, verdict, ddp_mean_row)
         return verdict.finish(args.json)
 

@@ -30,6 +30,14 @@ reduce-scatter and an all-gather, the same; ZeRO-3 two all-gathers and a reduce-
 g_0 = (P-1) e ceil(Psi_0 / P): backward never reads the first layer's weights (its input needs no
 gradient), so it is not gathered again. `distlab/sharding/accounting.py` holds every formula.
 
+The shapes real models have. Every stage starts from rank 0's weights and buffers (`Sharded` broadcasts
+them). A unit is the trainable parameters a child alone holds; one held by the model itself (`logit_scale`)
+or by two children (a tied embedding and output) is in the root's unit, which ZeRO-3 gathers for the whole
+forward: a tied weight is one shard, reduced and stepped once. Frozen parameters are no unit's (whole, never
+stepped or decayed). A unit no rank used (a branch not taken) keeps no gradient, as in one process; one half
+used is refused by name. Any torch.optim class (`ShardingConfig.optimizer`); `ShardingConfig.compute`: ZeRO-3
+and FSDP2 compute in bf16 over float32 shards and gradients (tests/test_real_shapes.py proves each shape).
+
 FSDP2 (`fully_shard`) is ZeRO-3 in PyTorch: same gradients, same states (`distlab/sharding/fsdp.py`
 maps its options onto the stages). `torch.distributed.checkpoint` saves its shards from every rank
 and loads them into any other sharding: saved at P, resumed at P (bit-identical) and at P / 2 (equal
@@ -66,7 +74,7 @@ from distlab.scratch import scratch_dir
 from distlab.sharding import accounting, holds
 from distlab.sharding.dcp_resume import save_and_resume
 from distlab.sharding.flat import units_of
-from distlab.sharding.fsdp import Fsdp2, fsdp_held
+from distlab.sharding.fsdp import Fsdp2, fsdp_held, show_reshard
 from distlab.sharding.problem import ShardingConfig, build_model, global_batch, reference, rows_of
 from distlab.sharding.replicated import Replicated
 from distlab.sharding.report import agreement_table, bytes_table, holds_table, memory_table
@@ -76,9 +84,8 @@ from distlab.streamed.launches import LaunchCount
 from distlab.verdict import Verdict
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
-# `Sharded` (distlab/sharding/shards.py) holds what all three share: rank 0's weights broadcast at
-# construction, the flat units (`unit.params`, the tensors a unit trains), this rank's shard of each (an
-# nn.Parameter), the optimizer on the shards, and a ring that counts the bytes.
+# `Sharded` (distlab/sharding/shards.py) holds what all three share: rank 0's weights broadcast, the flat
+# units (`unit.params`: what a unit trains), this rank's shard of each, the optimizer on them, a counting ring.
 # The loop, the library's one (`distlab.training.train`), which the one-process reference runs too:
 # zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step().
 
@@ -184,16 +191,13 @@ def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
         module = model.get_submodule(unit.where)  # "" is the model itself
         module.register_forward_pre_hook(functools.partial(gather, i, places))
         module.register_forward_hook(functools.partial(free, i, places))
-    if cfg.compute is not None:  # frozen weights are only computed with: kept in the compute dtype
+    if cfg.compute is not None:  # floating inputs cast as FSDP2 does; frozen weights, only computed with, too
         for p in z.frozen.values():
             p.data = p.data.to(cfg.compute)
-        model.register_forward_pre_hook(lambda m, args: tuple(_cast(a, cfg.compute) for a in args))
+        model.register_forward_pre_hook(
+            lambda m, args: tuple(a.to(cfg.compute) if a.is_floating_point() else a for a in args)
+        )
     return z
-
-
-def _cast(a, dtype: torch.dtype):
-    """A floating-point input in the compute dtype (FSDP2's cast_forward_inputs); anything else as it is."""
-    return a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
 
 
 BY_HAND = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}
@@ -357,7 +361,7 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
         highlight=False,
     )
     verdict.figure("fsdp2_memory", {row[0]: row[1:3] for row in mem})
-    show_reshard(gathers, build_model(cfg), verdict)
+    show_reshard(gathers, build_model(cfg), verdict)  # distlab/sharding/fsdp.py
     print0(
         rows_table(
             "FSDP2's options and the stages by hand",
@@ -370,31 +374,6 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
                 ("set_requires_gradient_sync(False)", "no reduce-scatter (as no_sync)"),
             ],
         )
-    )
-
-
-def show_reshard(gathers: dict[bool, int], model, verdict: Verdict) -> None:
-    """What reshard_after_forward changes: not what a rank holds after the step (the rows above are equal),
-    but the step itself: False keeps each gathered layer from its forward to its backward (memory FSDP2
-    frees by resizing, which PeakMemory cannot see) and so its backward gathers nothing again."""
-    if not gathers:
-        print0("At P = 1 FSDP2 gathers nothing: run at P >= 2 to see what reshard_after_forward changes.")
-        return
-    layers = sum(1 for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
-    print0(
-        rows_table(
-            "What reshard_after_forward changes: all-gathers per step",
-            ("reshard_after_forward", "all-gathers", "the gathered layer"),
-            [
-                ("True", f"{gathers[True]}", "freed after forward, gathered again"),
-                ("False", f"{gathers[False]}", "kept from forward to backward"),
-            ],
-        )
-    )
-    verdict.check(
-        f"reshard_after_forward=False saves the backward's all-gathers ({layers} layers)",
-        gathers[False] == layers and gathers[True] == 2 * layers,
-        f"{gathers[True]} -> {gathers[False]}",
     )
 
 

@@ -26,10 +26,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from distlab.console import print0, rows_table
 from distlab.held import model_states
 from distlab.runtime import Runtime
 from distlab.sharding.problem import ShardingConfig, optimizer_of
 from distlab.sharding.shards import broadcast_model
+from distlab.verdict import Verdict
 
 
 def shard_model(
@@ -125,3 +127,28 @@ class Fsdp2:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; a plain tensor (AdamW's step count) as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def show_reshard(gathers: dict[bool, int], model, verdict: Verdict) -> None:
+    """What reshard_after_forward changes: not what a rank holds after the step (the rows above are equal),
+    but the step itself: False keeps each gathered layer from its forward to its backward (memory FSDP2
+    frees by resizing, which PeakMemory cannot see) and so its backward gathers nothing again."""
+    if not gathers:
+        print0("At P = 1 FSDP2 gathers nothing: run at P >= 2 to see what reshard_after_forward changes.")
+        return
+    layers = sum(1 for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
+    print0(
+        rows_table(
+            "What reshard_after_forward changes: all-gathers per step",
+            ("reshard_after_forward", "all-gathers", "the gathered layer"),
+            [
+                ("True", f"{gathers[True]}", "freed after forward, gathered again"),
+                ("False", f"{gathers[False]}", "kept from forward to backward"),
+            ],
+        )
+    )
+    verdict.check(
+        f"reshard_after_forward=False saves the backward's all-gathers ({layers} layers)",
+        gathers[False] == layers and gathers[True] == 2 * layers,
+        f"{gathers[True]} -> {gathers[False]}",
+    )

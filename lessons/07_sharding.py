@@ -149,12 +149,11 @@ class GatherLayer(torch.autograd.Function):
 
 
 def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
-    """Weights sharded too: each unit exists whole only while its module's forward or backward runs (the
-    root's unit, the model's own and tied weights, for the whole forward). `cfg.compute`: gathered and
-    computed in that dtype (bf16), while the shards (the master weights) and gradients keep theirs."""
+    """Weights sharded too: each unit is whole only while its module's forward or backward runs (the root's:
+    the whole forward). `cfg.compute` (bf16): gathered and computed in it; shards and gradients keep theirs."""
     z = Sharded(model, rt, cfg)
     z.whole_weights, z.compute = False, cfg.compute or z.shards[0].dtype
-    z.again, z.live, z.hooks = {}, {}, {}  # unit -> gathered again; gathered storage -> unit; unit -> its hooks
+    z.again, z.live, z.hooks = {}, {}, {}  # unit: gathered again; gathered storage: unit; unit: its hooks
 
     def pack(t):  # a gathered weight is not kept for backward, only which unit and where in it
         i = z.live.get(t.untyped_storage().data_ptr())
@@ -188,6 +187,7 @@ def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
         places = [[(m, n) for m in model.modules() for n, q in m._parameters.items() if q is p] for p in unit.params]
         for owner, name in (spot for spots in places for spot in spots):
             del owner._parameters[name]  # the whole weights are gone; the shard is all that is left
+        unit.params = []  # not even the unit keeps them: ZeRO-3 holds the shard alone
         module = model.get_submodule(unit.where)  # "" is the model itself
         module.register_forward_pre_hook(functools.partial(gather, i, places))
         module.register_forward_hook(functools.partial(free, i, places))

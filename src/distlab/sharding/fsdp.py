@@ -86,7 +86,7 @@ class Fsdp2:
         mesh: DeviceMesh | None = None,
     ):
         mesh = mesh if mesh is not None else init_device_mesh(rt.device.type, (rt.world_size,))
-        broadcast_model(model)  # rank 0's weights everywhere (fully_shard keeps each rank's own rows)
+        broadcast_model(model, mesh.get_group())  # one model on the mesh (fully_shard keeps each rank's own rows)
         self.model = shard_model(model, mesh, reshard_after_forward, cfg.compute)
         self.optimizer = optimizer_of(self.model.parameters(), cfg)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.models import layered_mlp, regression_batch
+from distlab.models import RealShapes, layered_mlp, regression_batch
 from distlab.reference import one_process
 from distlab.runtime import Runtime
 from distlab.sharding.mixed import MasterStepped
@@ -44,13 +44,18 @@ class ShardingConfig:
     # ZeRO-3 and FSDP2: the dtype the weights are gathered and computed in (bf16), while the shards they step
     # (the master weights) and the reduced gradients stay in `dtype` (FSDP2's MixedPrecisionPolicy); None: `dtype`.
     compute: torch.dtype | None = None
+    # True: `distlab.models.RealShapes` (V = widths[0] = widths[-1], d = widths[1]; a root parameter, a tied
+    # embedding and output, a frozen tower and bias) instead of the MLP: the shapes a stage must handle.
+    real_shapes: bool = False
 
     def mixed(self) -> ShardingConfig:
         """The same problem under mixed precision: bf16 weights, gradients and batches, a float32 master."""
         return replace(self, dtype=torch.bfloat16, master=torch.float32)
 
 
-def build_model(cfg: ShardingConfig) -> nn.Sequential:
+def build_model(cfg: ShardingConfig) -> nn.Module:
+    if cfg.real_shapes:
+        return RealShapes(cfg.widths[0], cfg.widths[1], cfg.seed, cfg.dtype, unused=False)
     return layered_mlp(cfg.widths, seed=cfg.seed, dtype=cfg.dtype)
 
 

@@ -35,11 +35,12 @@ from distlab.sharding.mixed import stepping_a_master
 from distlab.sharding.problem import ShardingConfig, optimizer_of
 
 
-def broadcast_model(model: nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank, in place (every tensor once: a tied weight is one)."""
+def broadcast_model(model: nn.Module, group=None) -> None:
+    """The parameters and buffers of the group's first rank on every rank of `group` (None: all), in place
+    (every tensor once: a tied weight is one)."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, group=group, group_src=0)
 
 
 def no_gradient(unit, parts: list) -> bool:

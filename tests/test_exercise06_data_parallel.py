@@ -22,7 +22,7 @@ from distlab.models import RealShapes, regression_batch
 
 LESSON, NAME = "data_parallel", "all_reduce_gradients"
 P, C, V, D, STEPS, LR = 3, 4, 5, 4, 2, 0.1
-SHAPES = dict(v=V, d=D, seed=1, root=True, tied=True, frozen=True, unused=False)
+SHAPES = dict(v=V, d=D, seed=1, without=("unused",))
 OWN, FIRST, OWN_BY_P = "this rank's own rows' gradient", "rank 0's rows' gradient", "this rank's own gradient / P"
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from helpers import load_lesson
 
 from distlab.compare import compare
+from distlab.models import SHAPES as ALL
 from distlab.models import RealShapes, regression_batch
 from distlab.reference import one_process
 from distlab.spawn import spawn
@@ -31,13 +32,10 @@ from distlab.training import Plain, mean_over_ranks, train
 
 N, V, STEPS, SEED, LR, WD = 12, 6, 3, 5, 0.05, 0.1
 CAP = 100  # bytes: a few tensors a bucket, so the buckets are several
-NONE = dict(root=False, tied=False, frozen=False, unused=False)
-SHAPES = {  # name: (RealShapes flags, ranks start from different seeds)
+NONE = {"without": ALL}
+SHAPES = {  # name: (RealShapes' arguments, ranks start from different seeds)
     "plain": (NONE, False),  # the control: the lessons' own kind of model
-    "root": (NONE | {"root": True}, False),
-    "tied": (NONE | {"tied": True}, False),
-    "frozen": (NONE | {"frozen": True}, False),
-    "unused": (NONE | {"unused": True}, False),
+    **{shape: ({"without": tuple(s for s in ALL if s != shape)}, False) for shape in ALL},
     "seeds": (NONE, True),
     "combined": ({}, True),  # all four shapes, from different seeds
 }
@@ -73,7 +71,7 @@ def _cfg(opt: str, **more):
 def _make(mechanism: str, model, rt, opt: str, flags: dict, seeds: bool):
     """The trainee of `mechanism` around `model`, with only the API a case needs (today's where it suffices)."""
     dp, sharding = load_lesson("data_parallel"), load_lesson("sharding")
-    unused = {"find_unused_parameters": True} if flags.get("unused", True) else {}
+    unused = {"find_unused_parameters": True} if "unused" not in flags.get("without", ()) else {}
     if mechanism == "loop":
         if seeds:
             dp.broadcast_parameters(model, rt)
@@ -196,7 +194,7 @@ def _unused_refused(rt, mechanism: str) -> str | None:
     """Without find_unused_parameters a branch not taken is one RuntimeError naming the parameter, on every
     rank, before any all-reduce of the step (nothing is left un-averaged)."""
     dp = load_lesson("data_parallel")
-    model = RealShapes(seed=SEED, **NONE | {"unused": True})
+    model = RealShapes(seed=SEED, without=("root", "tied", "frozen"))
     sync = dp.GradientBuckets(model, rt, CAP).wait if mechanism == "buckets" else None
     x, t = (_rows(a, rt) for a in _batch(0))
     F.mse_loss(model(x), t).backward()

@@ -66,8 +66,11 @@ class _Embed(nn.Module):
         return x @ self.weight
 
 
+SHAPES = ("root", "tied", "frozen", "unused")  # RealShapes' shapes, each on unless named in `without`
+
+
 class RealShapes(nn.Module):
-    """x (N, V) -> (N, V) through d hidden units, with each shape switched on by its flag:
+    """x (N, V) -> (N, V) through d hidden units, with every shape of `SHAPES` but those named in `without`:
 
         h = tanh(x E); h = tanh(tower(h)); h = tanh(mix(h)); [h = h + branch(h), never here]
         out = logit_scale * (h E^T + head.bias)
@@ -81,16 +84,12 @@ class RealShapes(nn.Module):
     """
 
     def __init__(
-        self,
-        v: int = 6,
-        d: int = 5,
-        seed: int = 0,
-        dtype: torch.dtype = torch.float64,
-        root: bool = True,
-        tied: bool = True,
-        frozen: bool = True,
-        unused: bool = True,
+        self, v: int = 6, d: int = 5, seed: int = 0, dtype: torch.dtype = torch.float64, without: tuple[str, ...] = ()
     ):
+        unknown = set(without) - set(SHAPES)
+        if unknown:
+            raise ValueError(f"unknown shapes {sorted(unknown)}; known: {SHAPES}")
+        root, tied, frozen, unused = (shape not in without for shape in SHAPES)
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         if root:

@@ -55,7 +55,7 @@ class ShardingConfig:
 
 def build_model(cfg: ShardingConfig) -> nn.Module:
     if cfg.real_shapes:
-        return RealShapes(cfg.widths[0], cfg.widths[1], cfg.seed, cfg.dtype, unused=False)
+        return RealShapes(cfg.widths[0], cfg.widths[1], cfg.seed, cfg.dtype, without=("unused",))
     return layered_mlp(cfg.widths, seed=cfg.seed, dtype=cfg.dtype)
 
 

@@ -46,7 +46,9 @@ def broadcast_model(model: nn.Module, group=None) -> None:
 def no_gradient(unit, parts: list) -> bool:
     """True if none of the unit's parameters got a gradient this step (a branch not taken: the unit is left
     as one process leaves it, with no gradient, and the optimizer skips it); a unit with some and not others
-    is refused, naming them: its shard is stepped as one tensor, so it cannot skip part of itself."""
+    is refused, naming them: its shard is stepped as one tensor, so it cannot skip part of itself. Every rank
+    must take the same branches (as under FSDP2): ZeRO-3's gathers and ZeRO-2's reduce-scatters run from the
+    modules that run, so ranks that disagree would pair different collectives."""
     if all(g is None for g in parts):
         return True
     missing = [name for name, g in zip(unit.names, parts) if g is None]

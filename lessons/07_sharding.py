@@ -179,15 +179,15 @@ def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
     def free(i, places, module, args, out):  # forward hook: nothing refers to the whole weights any more
         z.hooks.pop(i).__exit__(None, None, None)
         z.live = {at: j for at, j in z.live.items() if j != i}
-        for spots in places:
-            for owner, name in spots:
-                setattr(owner, name, None)
+        for owner, name in (spot for spots in places for spot in spots):
+            setattr(owner, name, None)
 
     for i, unit in enumerate(z.units):
         places = [[(m, n) for m in model.modules() for n, q in m._parameters.items() if q is p] for p in unit.params]
         for owner, name in (spot for spots in places for spot in spots):
             del owner._parameters[name]  # the whole weights are gone; the shard is all that is left
-        unit.params = []  # not even the unit keeps them: ZeRO-3 holds the shard alone
+        unit.params = []  # not even the unit keeps them: ZeRO-3 holds the shard alone, the model's parameter
+        model.register_parameter(f"zero3_shard{i}", z.shards[i])  # model.parameters(): what the rank holds
         module = model.get_submodule(unit.where)  # "" is the model itself
         module.register_forward_pre_hook(functools.partial(gather, i, places))
         module.register_forward_hook(functools.partial(free, i, places))

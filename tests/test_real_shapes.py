@@ -130,6 +130,10 @@ def _one_case(rt, shape: str, mechanism: str, opt: str) -> str | None:
 
     run = train(trainee, step, STEPS, keep_states=True)
     run.losses = mean_over_ranks(run.losses, rt)
+    if mechanism == "ZeRO-3":  # what the rank holds is what model.parameters() shows: the shards, the frozen
+        held = {id(t) for t in trainee.shards} | {id(p) for p in trainee.frozen.values()}
+        if {id(p) for p in model.parameters()} != held:
+            return f"ZeRO-3's model.parameters(): {[n for n, _ in model.named_parameters()]}"
     return _check(ref, run, names)
 
 

@@ -23,7 +23,7 @@ it gives peak memory per rank against P at a fixed C (`--report` tables them tog
 counts the launches and bytes per step of both tile paths (torch tiles, Triton kernels) at its smallest and
 largest N on the meta device (`clip_step_launches.py`; run alone it counts the GPU-sized step).
 
-Memory: the peak of tensor storage a call allocated on a rank (`distlab.memory.PeakMemory`; also
+Memory: the peak of tensor storage a call allocated on a rank (`distlab.proof.memory.PeakMemory`; also
 `torch.cuda.max_memory_allocated` on GPUs), the worst rank, in its own run (watching every op slows
 small ones down). Time: the wall clock of the slowest rank, median of --repeats, the methods
 interleaved at each N so that load on a shared machine hits them alike. Before timing, each part's
@@ -43,10 +43,11 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.cli import add_runtime_args, positive_int
-from distlab.console import print0
-from distlab.models import TwoTower
-from distlab.runtime import distributed, run_main
+from distlab.processes.cli import add_runtime_args
+from distlab.processes.flags import positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.console import print0
+from distlab.proof.models import TwoTower
 from distributed_clip import distributed_backward
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from distlab.chunks import chunks
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.losses import local_clip_loss
 from distlab.contrastive.siglip_recipe import siglip_recipe_loss
+from distlab.pieces.chunks import chunks
 from distlab.streamed import loss_machinery
 
 TAU, S_SIGMOID, BETA = 0.07, 10.0, -10.0

@@ -23,7 +23,7 @@ from clip_step_losses import (
     SIGMOIDS,
 )
 
-from distlab.memory import MIB
+from distlab.proof.memory import MIB
 
 TITLES = {
     "step": "Whole training step, InfoNCE (two-tower encoder 64 -> 256 -> d, AdamW)",

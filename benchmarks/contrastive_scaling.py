@@ -14,7 +14,7 @@ smallest N):
 Two measurements per method and N. "loss": the machinery that turns this rank's C x d embeddings
 into dL/dZ_local (gathers included). "step": a whole DDP training step of a small two-tower encoder
 (64 -> 256 -> d per tower) on C pairs per rank, backward and SGD step included. Memory is the peak of
-tensor storage the call allocated on this rank (`distlab.memory.PeakMemory`, on any device; plus
+tensor storage the call allocated on this rank (`distlab.proof.memory.PeakMemory`, on any device; plus
 `torch.cuda.max_memory_allocated` on GPUs), taken in its own run, since watching every op slows
 small ops down; time is the wall clock of the slowest rank, the median of --repeats runs, methods
 interleaved so that load on a shared machine hits them alike. A method is not run at an N where its
@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.chunks import chunks
-from distlab.cli import add_runtime_args
-from distlab.console import print0
 from distlab.contrastive.gather import gather_plain, gather_with_grad
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.models import TwoTower
-from distlab.runtime import distributed, run_main
+from distlab.pieces.chunks import chunks
+from distlab.processes.cli import add_runtime_args
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.console import print0
+from distlab.proof.models import TwoTower
 from distlab.streamed import loss_machinery
 from distributed_clip import distributed_train_step
 

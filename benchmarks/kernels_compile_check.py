@@ -28,7 +28,7 @@ from triton.runtime import driver
 
 from distlab.streamed.kernels.coefficients import coefficient_kernel, default_gemm_blocks
 from distlab.streamed.kernels.launch import Blocks, default_blocks, tiling
-from distlab.streamed.kernels.lse import COLUMNS, ROWS, lse_kernel
+from distlab.streamed.kernels.lse import COLUMNS, ROWS, fold_blocks, lse_kernel
 from distlab.streamed.kernels.product import INFONCE, SIGMOID, product_kernel
 from distlab.streamed.kernels.tile import BF16, IEEE, TF32, Operand
 
@@ -104,8 +104,10 @@ def main() -> int:
     print(f"Triton {triton.__version__}, target sm_90; N = 65,536, P = 8, d = 1,024; the default blocks")
     for name, kernel, role, code, dtype in variants:
         blocks = default_blocks(code, False, sigmoid=kernel is product_kernel and role == SIGMOID)
+        if kernel is lse_kernel:
+            blocks = fold_blocks(code, False, role == COLUMNS)
         if kernel is coefficient_kernel:
-            blocks = default_gemm_blocks(code, False)
+            blocks = default_gemm_blocks(code, False, role)
         try:
             got = compile_one(kernel, role, code, blocks, dtype)
         except Exception as err:  # noqa: BLE001 - every variant is tried; the failures are counted

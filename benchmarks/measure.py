@@ -3,7 +3,7 @@
 `measure_interleaved(calls, rt, repeats)`: each call's memory, in a run of its own, then its median time,
 the calls taking turns (a burst of load on a shared machine hits them alike).
 
-Memory is the peak of tensor storage a call allocated (`distlab.memory.PeakMemory`, on any device;
+Memory is the peak of tensor storage a call allocated (`distlab.proof.memory.PeakMemory`, on any device;
 plus `torch.cuda.max_memory_allocated` on GPUs), the worst rank's; time is the wall clock of the
 slowest rank (a step is as slow as its slowest rank).
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.memory import PeakMemory
+from distlab.proof.memory import PeakMemory
 
 
 def local_embeddings(n: int, d: int, rt, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 from distlab.streamed import loss_machinery
 
 TAU, SIG_S, SIG_BETA = 0.07, 10.0, -10.0

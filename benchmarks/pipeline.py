@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.cli import add_runtime_args, positive_int
-from distlab.console import print0
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.training import PipelineConfig
-from distlab.runtime import distributed, run_main
+from distlab.processes.cli import add_runtime_args
+from distlab.processes.flags import add_global_batch, positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.console import print0
 
 RESULTS = Path(__file__).parent / "results"
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
@@ -48,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--report", action="store_true", help="merge the JSON files into a table and a plot")
     parser.add_argument("--layers", type=positive_int, default=16)
     parser.add_argument("--width", type=positive_int, default=512)
-    parser.add_argument("--global-batch", type=positive_int, default=512, help="N rows per step")
+    add_global_batch(parser, 512)
     parser.add_argument("--micro-batches", type=positive_int, nargs="+", default=list(MICROBATCHES), help="values of M")
     parser.add_argument("--warmup", type=positive_int, default=2)
     parser.add_argument("--repeats", type=positive_int, default=15)

@@ -7,7 +7,7 @@ times at P = 3, each run under a wall-clock limit, and a count of how each run e
 Why. Lesson 27 (then lesson 23) hung at exit in about 3 of 7 runs at P = 3: its DDP outlived the
 process group in `main()`'s frame, so DDP's C++ reducer became the group's last owner and destroyed
 it with the GIL held, while a gloo worker thread held the group's mutex and waited for the GIL to free
-a tensor Python had dropped (`distlab.runtime.release_process_group` has the whole story; the test
+a tensor Python had dropped (`distlab.processes.runtime.release_process_group` has the whole story; the test
 `test_release_frees_ddp_before_its_group_so_exit_cannot_hang` builds that state on purpose).
 
 A run "hangs" when it has not exited within --limit seconds after it started; a hang is killed and

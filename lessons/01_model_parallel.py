@@ -35,14 +35,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, stages_fit_layers
-from distlab.console import print0
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.report import per_tensor
 from distlab.pipeline.training import PipelineConfig, check_config, problem, train, unsplit_reference
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.timeline import Timeline, busy_fractions, max_concurrency, render
-from distlab.verdict import Verdict
+from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.processes.flags import check_flags_against_world, positive_int
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.console import print0
+from distlab.proof.timeline import Timeline, busy_fractions, max_concurrency, render
+from distlab.proof.verdict import Verdict
+
+# ---- the mechanism: layers split across ranks, send/recv forward, gradients back -----------------
 
 
 def model_parallel_step(
@@ -102,6 +105,9 @@ class ModelParallelStep:
 
     def measurements(self) -> dict:
         return {}
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):

@@ -31,7 +31,7 @@ runs first in, first out, as PyTorch's does.
 
 Measured. The lesson records when each rank computes, twice: on the real CPU, where P ranks share
 this machine's cores and take turns on them (so the timeline shows the operating system's scheduling
-more than GPipe's), and on an emulated device (`--emulate-ms`, `distlab/emulate.py`): each layer's
+more than GPipe's), and on an emulated device (`--emulate-ms`, `distlab/proof/emulate.py`): each layer's
 forward or backward pass costs a fixed time in which the rank sleeps instead of holding a core, the
 real math still running inside it. There the ranks overlap as GPipe says, and the measured idle share
 of the step comes out near (P - 1)/(M + P - 1).
@@ -47,16 +47,6 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab import emulate
-from distlab.cli import (
-    add_mlp_args,
-    check_flags_against_world,
-    lesson_parser,
-    nonnegative_int,
-    positive_int,
-    stages_fit_layers,
-)
-from distlab.console import print0
 from distlab.pipeline import schedules
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.report import check_runs, gathered, show_timelines
@@ -64,14 +54,23 @@ from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule
 from distlab.pipeline.simulator import render, simulate
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
-from distlab.runtime import distributed, run_main
-from distlab.timeline import step_seconds
-from distlab.verdict import Verdict
+from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.processes.flags import check_flags_against_world, nonnegative_int, positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof import emulate
+from distlab.proof.console import print0
+from distlab.proof.timeline import step_seconds
+from distlab.proof.verdict import Verdict
+
+# ---- the mechanism: GPipe's schedule, as data (the runner: distlab.pipeline) ---------------------
 
 
 def gpipe(num_ranks: int, microbatches: int) -> Schedule:
     """Rank r runs stage r: every forward F_0 .. F_{M-1}, then every backward I_0 .. I_{M-1}."""
     return [[Action(kind, i, r) for kind in "FI" for i in range(microbatches)] for r in range(num_ranks)]
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):
@@ -139,6 +138,21 @@ def memory_claim(m: dict, k: int) -> tuple[str, bool]:
     return f"stages with K={k} segments of >= 2 layers hold {max(cut):.2f}x or less, one-layer segments 1.00x", ok
 
 
+def show_bubble(verdict: Verdict, world: int, m: int) -> None:
+    """GPipe's grid drawn, its bubble counted against (P-1)/(M+P-1), and the bubble as M grows."""
+    timing = simulate(gpipe(world, m))
+    print0(render(timing, f"\nGPipe, P={world}, M={m}: one column per tick (F forward 1, I backward 2, . idle)"))
+    bubble, formula = verdict.figure("bubble", timing.bubble_fraction()), (world - 1) / (m + world - 1)
+    verdict.check(
+        "the bubble counted in GPipe's grid is (P-1)/(M+P-1)",
+        abs(bubble - formula) < 1e-12,
+        f"{bubble:.4f} = {formula:.4f}",
+    )
+    sizes = sorted({1, world, 2 * world, 4 * world, 8 * world, m})
+    curve = verdict.figure("bubble_curve", {mm: simulate(gpipe(world, mm)).bubble_fraction() for mm in sizes})
+    print0("bubble vs M, counted in the grids: " + ", ".join(f"M={mm} {b:.3f}" for mm, b in curve.items()))
+
+
 def show_timing(rt, cfg: PipelineConfig, args, runs: dict, ref, verdict: Verdict) -> None:
     """The measured timeline of GPipe's last step, on the real CPU and on the emulated device, and
     the emulated step's idle share against (P-1)/(M+P-1). (Timings are figures, never checks.)"""
@@ -177,22 +191,7 @@ def main() -> int:
             PipelineStep(rt, cfg.replace(checkpoint_segments=k), gpipe(world, m)),
         )
 
-        timing = simulate(gpipe(world, m))
-        print0(render(timing, f"\nGPipe, P={world}, M={m}: one column per tick (F forward 1, I backward 2, . idle)"))
-        bubble, formula = verdict.figure("bubble", timing.bubble_fraction()), (world - 1) / (m + world - 1)
-        verdict.check(
-            "the bubble counted in GPipe's grid is (P-1)/(M+P-1)",
-            abs(bubble - formula) < 1e-12,
-            f"{bubble:.4f} = {formula:.4f}",
-        )
-        curve = verdict.figure(
-            "bubble_curve",
-            {
-                mm: simulate(gpipe(world, mm)).bubble_fraction()
-                for mm in sorted({1, world, 2 * world, 4 * world, 8 * world, m})
-            },
-        )
-        print0("bubble vs M, counted in the grids: " + ", ".join(f"M={mm} {b:.3f}" for mm, b in curve.items()))
+        show_bubble(verdict, world, m)
 
         ref = unsplit_reference(cfg)
         table, matched = check_runs({"GPipe": plain, f"GPipe + checkpointing, K={k}": ckpt}, ref, cfg.dtype)

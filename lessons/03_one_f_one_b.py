@@ -29,7 +29,7 @@ show that blocking transfers in 1F1B's order would deadlock.
 
 Measured. The timeline of 1F1B's last step is recorded on the real CPU (P ranks taking turns on
 this machine's cores: mostly scheduling noise) and on an emulated device (`--emulate-ms`,
-`distlab/emulate.py`: each layer's pass costs a fixed time in which the rank sleeps, the real math
+`distlab/proof/emulate.py`: each layer's pass costs a fixed time in which the rank sleeps, the real math
 running inside it), where the warm-up, the alternation and the drain show as the grid draws them.
 
 M < P is allowed here: the first ranks then never reach a steady state and behave like GPipe
@@ -40,17 +40,20 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab import emulate
-from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, stages_fit_layers
-from distlab.console import print0
 from distlab.pipeline import schedules
 from distlab.pipeline.report import check_runs, gathered, show_timelines
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, Schedule, gpipe
 from distlab.pipeline.simulator import peak_in_flight, render, simulate
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
-from distlab.runtime import distributed, run_main
-from distlab.verdict import Verdict
+from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.processes.flags import check_flags_against_world, positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof import emulate
+from distlab.proof.console import print0
+from distlab.proof.verdict import Verdict
+
+# ---- the mechanism: the 1F1B schedule, as data ---------------------------------------------------
 
 
 def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
@@ -65,6 +68,9 @@ def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
         order += [Action("I", i, r) for i in range(microbatches - warmup, microbatches)]
         schedule.append(order)
     return schedule
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):

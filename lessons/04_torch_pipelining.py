@@ -33,16 +33,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, stages_fit_layers
-from distlab.compare import all_ok, compare
-from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import make_schedule
 from distlab.pipeline.torch_engine import TORCH_SCHEDULES, TorchStep
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from distlab.runtime import distributed, run_main
-from distlab.verdict import Verdict
+from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.processes.flags import check_flags_against_world, positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.compare import all_ok, compare
+from distlab.proof.console import print0
+from distlab.proof.verdict import Verdict
+
+# ---- the mechanism: our split model, run by torch.distributed.pipelining -------------------------
 
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 
@@ -59,6 +62,9 @@ def pipeline_for_rank(
     stage = pipelining.PipelineStage(module, p, num_ranks, device)
     schedule_class = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[name]
     return stage, schedule_class(stage, microbatches, loss_fn=F.mse_loss)
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None):

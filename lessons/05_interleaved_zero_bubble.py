@@ -36,7 +36,7 @@ W releases one, a split I does not, as W still needs what the forward saved):
 
 Measured. Every schedule runs twice: on the real CPU (P ranks taking turns on this machine's
 cores, where the bubble is not lost time and the extra messages and W's second walk through the
-graph cost more than a tick), and on an emulated device (`--emulate-ms`, `distlab/emulate.py`:
+graph cost more than a tick), and on an emulated device (`--emulate-ms`, `distlab/proof/emulate.py`:
 each layer's F, I or W costs a fixed time in which the rank sleeps, the real math running inside
 it). There the step times follow the grids: ZB-H1 / 1F1B comes out near the ratio of their lengths.
 
@@ -61,19 +61,22 @@ from collections import deque
 
 from rich.table import Table
 
-from distlab import emulate
-from distlab.cli import add_mlp_args, check_flags_against_world, lesson_parser, positive_int, require, stages_fit_layers
-from distlab.compare import all_ok, compare
-from distlab.console import print0
 from distlab.pipeline.report import check_runs, gathered, orders_table, show_measured
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 from distlab.pipeline.simulator import peak_in_flight, render, simulate
 from distlab.pipeline.torch_engine import TORCH_SCHEDULES, TorchStep, refusals
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from distlab.runtime import distributed, run_main
-from distlab.timeline import step_seconds
-from distlab.verdict import Verdict
+from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.processes.flags import check_flags_against_world, positive_int, require
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof import emulate
+from distlab.proof.compare import all_ok, compare
+from distlab.proof.console import print0
+from distlab.proof.timeline import step_seconds
+from distlab.proof.verdict import Verdict
+
+# ---- the mechanism: the zero-bubble schedules, and their closed forms ----------------------------
 
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # ours, and torch's of the same names
 SPLIT = ("zb-h1", "zbv")  # I and W split: the floor (P-1)/(3vM+P-1)
@@ -117,6 +120,9 @@ def formulas(name: str, world: int, m: int, v: int) -> tuple[float | None, list[
         "zbv": lambda r: 2 * world,
     }[name]
     return bubble, [held(r) for r in range(world)]
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def grids(verdict: Verdict, world: int, m: int, v: int) -> dict:

@@ -42,7 +42,7 @@ parameter launches the bucket's all-reduce asynchronously as soon as its last gr
 reduction runs while backward computes the earlier layers; `wait()` comes before the optimizer step.
 DDP's reducer does the same in C++, and launches the buckets strictly in order, as the class here does,
 so that every rank's k-th all-reduce is the same bucket. The training loop they plug into is
-`distlab/data_parallel/training.py` (`train`); the timing, `distlab/data_parallel/overlap.py`.
+`distlab/data_split/data_parallel/training.py` (`train`); the timing, `distlab/data_split/data_parallel/overlap.py`.
 
 The shapes real models have, and how the loop and the buckets take them. Rank 0's parameters and buffers
 are broadcast first (`broadcast_parameters`; `GradientBuckets` does it at construction, as DDP does), so
@@ -60,7 +60,7 @@ What that buys, measured twice. On the real CPU (gloo, P ranks sharing this mach
 other jobs) buckets pay and overlap does not: every message has a fixed cost, so one all-reduce per
 tensor is slower than a few buckets, but gloo copies and sums on the same cores backward computes
 on, so backward slows down beside the all-reduces and the step is about as long either way. On the
-emulated device (`--emulate-ms`, `--link-ms-per-mib`, `distlab/emulate.py`: each layer's forward
+emulated device (`--emulate-ms`, `--link-ms-per-mib`, `distlab/proof/emulate.py`: each layer's forward
 costs a fixed time and its backward twice that, slept inside autograd with the real math running;
 each all-reduce waits its bytes' time on a link thread of its own, then runs) the two no longer
 compete, as on GPUs, where NCCL runs on its own CUDA stream. There the bucket of the last layers
@@ -69,7 +69,7 @@ is exposed. If the link keeps up with backward, all but the last bucket hide:
 
     hidden share of the communication  ~  1 - (the last bucket's bytes) / (all the bytes).
 
-DDP, measured (`distlab/data_parallel/ddp.py`): it averages; `no_sync()` for gradient accumulation
+DDP, measured (`distlab/data_split/data_parallel/ddp.py`): it averages; `no_sync()` for gradient accumulation
 (`accumulate`: same gradient, one synchronised backward instead of one per micro-batch, counted by a
 comm hook); `find_unused_parameters` (`unused_branch`): with a branch a step does not use, torch 2.13
 returns from that step's backward with the gradients NOT averaged (no error), then raises at the next
@@ -80,7 +80,7 @@ step 1 here does) and every step is exact.
 
 The one fact the contrastive lessons hinge on. Averaging is right for a mean over samples. A loss
 that is not split over ranks, one every rank computes whole over the all-gathered batch (here a
-log-sum-exp over all N rows, `distlab/data_parallel/problem.py`; lesson 21's InfoNCE), back-propagates
+log-sum-exp over all N rows, `distlab/data_split/data_parallel/problem.py`; lesson 21's InfoNCE), back-propagates
 on rank r only through its own rows: g_r, with dL/dtheta = sum_r g_r. DDP's average is then
 dL/dtheta / P: exactly P times too small. Back-propagating P * L makes it exact (lesson 21).
 
@@ -97,21 +97,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab import emulate
-from distlab.cli import DTYPES, add_mlp_args, check_flags_against_world, lesson_parser, positive_float, positive_int
 from distlab.comm.ledger import Ledger
-from distlab.compare import all_ok, compare, compare_whole, tolerances
-from distlab.console import print0
-from distlab.data_parallel import ddp
-from distlab.data_parallel.measure import measure_collectives
-from distlab.data_parallel.overlap import backward_timeline, emulated_overlap, no_communication, time_strategies
-from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
-from distlab.data_parallel.report import cost_table, gradient_table, semantics_table, timeline_table, timing_table
-from distlab.data_parallel.training import train
-from distlab.memory import MIB
-from distlab.reference import one_process, sgd
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.verdict import Verdict
+from distlab.data_split.data_parallel import ddp
+from distlab.data_split.data_parallel.measure import measure_collectives
+from distlab.data_split.data_parallel.overlap import (
+    backward_timeline,
+    emulated_overlap,
+    no_communication,
+    time_strategies,
+)
+from distlab.data_split.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, mean_loss, world_rules
+from distlab.data_split.data_parallel.report import (
+    cost_table,
+    gradient_table,
+    semantics_table,
+    timeline_table,
+    timing_table,
+)
+from distlab.data_split.data_parallel.training import train
+from distlab.processes.cli import add_mlp_args, lesson_parser
+from distlab.processes.flags import check_flags_against_world, positive_float, positive_int
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof import emulate
+from distlab.proof.compare import DTYPES, all_ok, compare, compare_whole, tolerances
+from distlab.proof.console import print0
+from distlab.proof.memory import MIB
+from distlab.proof.reference import one_process, sgd
+from distlab.proof.verdict import Verdict
 
 # ---- the mechanism, part 1: the collectives as rings by hand -------------------------------------
 
@@ -182,7 +194,7 @@ def ring_by_hand(rt: Runtime, name: str, x: torch.Tensor) -> tuple[torch.Tensor,
     return getattr(ring, name)(x), ring.ledger.sent
 
 
-# ---- the mechanism, part 2: data parallelism by hand --------------------------------------------
+# ---- the mechanism, part 2: data parallelism by hand ---------------------------------------------
 
 
 def broadcast_parameters(model: nn.Module, rt: Runtime) -> None:
@@ -297,7 +309,7 @@ class GradientBuckets:
         self.launched = 0
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_collectives(rt: Runtime, args, verdict: Verdict) -> None:

@@ -28,7 +28,7 @@ moments and master e_m = 4): DDP 16 Psi; ZeRO-1 4 Psi + 16 Psi_P; ZeRO-2 2 Psi +
 Bytes each rank sends per step (rings, lesson 06): DDP's all-reduce 2 (P-1) e Psi_P; ZeRO-1 and -2 a
 reduce-scatter and an all-gather, the same; ZeRO-3 two all-gathers and a reduce-scatter, 1.5x, less
 g_0 = (P-1) e ceil(Psi_0 / P): backward never reads the first layer's weights (its input needs no
-gradient), so it is not gathered again. `distlab/sharding/accounting.py` holds every formula.
+gradient), so it is not gathered again. `distlab/data_split/sharding/accounting.py` holds every formula.
 
 The shapes real models have. Every stage starts from rank 0's weights and buffers (`Sharded` broadcasts
 them). A unit is the trainable parameters a child alone holds; one held by the model itself (`logit_scale`)
@@ -38,7 +38,7 @@ stepped or decayed). A unit no rank used (a branch not taken) keeps no gradient,
 used is refused by name. Any torch.optim class (`ShardingConfig.optimizer`); `ShardingConfig.compute`: ZeRO-3
 and FSDP2 compute in bf16 over float32 shards and gradients (tests/test_real_shapes.py proves each shape).
 
-FSDP2 (`fully_shard`) is ZeRO-3 in PyTorch: same gradients, same states (`distlab/sharding/fsdp.py`
+FSDP2 (`fully_shard`) is ZeRO-3 in PyTorch: same gradients, same states (`distlab/data_split/sharding/fsdp.py`
 maps its options onto the stages). `torch.distributed.checkpoint` saves its shards from every rank
 and loads them into any other sharding: saved at P, resumed at P (bit-identical) and at P / 2 (equal
 to float64 rounding), both against a run that never stopped.
@@ -57,36 +57,35 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
-from distlab.cli import (
-    add_optimizer_args,
+from distlab.data_split.sharding import accounting, holds
+from distlab.data_split.sharding.dcp_resume import save_and_resume
+from distlab.data_split.sharding.flat import units_of
+from distlab.data_split.sharding.fsdp import Fsdp2, fsdp_held, show_reshard
+from distlab.data_split.sharding.problem import ShardingConfig, build_model, global_batch, reference, rows_of
+from distlab.data_split.sharding.replicated import Replicated
+from distlab.data_split.sharding.report import agreement_table, bytes_table, holds_table, memory_table
+from distlab.data_split.sharding.shards import Sharded, no_gradient
+from distlab.data_split.sharding.training import run_strategy
+from distlab.processes.cli import add_optimizer_args, lesson_parser
+from distlab.processes.flags import (
+    add_global_batch,
     check_flags_against_world,
     divides_global_batch,
-    lesson_parser,
     positive_float,
-    positive_int,
     writable_dir,
 )
-from distlab.compare import against, all_ok, compare
-from distlab.console import print0, rows_table
-from distlab.models import Block, BlockOptions, token_batch
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.scratch import scratch_dir
-from distlab.sharding import accounting, holds
-from distlab.sharding.dcp_resume import save_and_resume
-from distlab.sharding.flat import units_of
-from distlab.sharding.fsdp import Fsdp2, fsdp_held, show_reshard
-from distlab.sharding.problem import ShardingConfig, build_model, global_batch, reference, rows_of
-from distlab.sharding.replicated import Replicated
-from distlab.sharding.report import agreement_table, bytes_table, holds_table, memory_table
-from distlab.sharding.shards import Sharded, no_gradient
-from distlab.sharding.training import run_strategy
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.scratch import scratch_dir
+from distlab.proof.compare import against, all_ok, compare
+from distlab.proof.console import print0, rows_table
+from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.verdict import Verdict
 from distlab.streamed.launches import LaunchCount
-from distlab.verdict import Verdict
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
-# `Sharded` (distlab/sharding/shards.py) holds what all three share: rank 0's weights broadcast, the flat
+# `Sharded` (distlab/data_split/sharding/shards.py) holds what all three share: rank 0's weights broadcast, the flat
 # units (`unit.params`: what a unit trains), this rank's shard of each, the optimizer on them, a counting ring.
-# The loop, the library's one (`distlab.training.train`), which the one-process reference runs too:
+# The loop, the library's one (`distlab.proof.training.train`), which the one-process reference runs too:
 # zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step().
 
 
@@ -206,7 +205,7 @@ RTOL_MIXED, ATOL_MIXED = 2e-2, 1e-3  # mixed against one process: a few bf16 rou
 BLOCK = BlockOptions(fused_qkv=True, sdpa=False)  # one qkv product; attention written out, its weights saved
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_holds(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
@@ -310,7 +309,8 @@ def show_zero(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref) -> dict:
 
 
 def show_mixed(rt: Runtime, cfg: ShardingConfig, verdict: Verdict) -> None:
-    """DDP and the stages again, unchanged, on bf16 weights with a float32 master (`distlab.sharding.mixed`)."""
+    """DDP and the stages again, unchanged, on bf16 weights with a float32 master
+    (`distlab.data_split.sharding.mixed`)."""
     mixed = cfg.mixed()
     print0("\n[bold]2b. The same stages, mixed: bf16 weights, float32 master and moments[/]")
     sizes = accounting.Sizes.of(units_of(build_model(mixed), rt.rank, rt.world_size), rt.world_size, 2, 4)
@@ -361,7 +361,7 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
         highlight=False,
     )
     verdict.figure("fsdp2_memory", {row[0]: row[1:3] for row in mem})
-    show_reshard(gathers, build_model(cfg), verdict)  # distlab/sharding/fsdp.py
+    show_reshard(gathers, build_model(cfg), verdict)  # distlab/data_split/sharding/fsdp.py
     print0(
         rows_table(
             "FSDP2's options and the stages by hand",
@@ -414,7 +414,7 @@ def show_checkpoint(rt: Runtime, cfg: ShardingConfig, args, verdict: Verdict) ->
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=24, help="rows per step, N")
+    add_global_batch(parser, 24)
     add_optimizer_args(parser, steps=3, lr=0.01, optimizer="AdamW")  # 3 steps, and 3 more after the checkpoint
     parser.add_argument("--weight-decay", type=positive_float, default=0.1, help="AdamW weight decay")
     parser.add_argument(

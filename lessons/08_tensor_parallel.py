@@ -32,7 +32,7 @@ reference all of them (`model.dropout_masks`).
 
 The mechanism is written out below: the column- and row-parallel layers (`ColumnParallelLinear`,
 `RowParallelLinear`) and the four operators as autograd Functions (`Copy` f, `Reduce` g, `GatherSeq`
-f-bar, `ScatterSeq` g-bar), each recording what it sends in a ledger. The block (`distlab/tensor_parallel/
+f-bar, `ScatterSeq` g-bar), each recording what it sends in a ledger. The block (`distlab/layer_split/tensor_parallel/
 blocks.py`: the MLP column then row, attention by heads) is built from them. The library's twins
 (`operators.py`, `layers.py`), which the 2-D mesh below uses, are proven equal to them, bit for bit.
 
@@ -41,16 +41,16 @@ torch's own: the same block under `parallelize_module` with `ColwiseParallel`, `
 DTensor derives the collectives from them. It computes what ours does; it communicates differently:
 each ColwiseParallel layer carries its own f, so q, k and v all-reduce their input gradients three
 times where our one f does it once, and under SequenceParallel the LayerNorms' gradients stay
-Partial until the optimizer step all-reduces them, one tensor each (`distlab/tensor_parallel/torch_tp.py`).
+Partial until the optimizer step all-reduces them, one tensor each (`distlab/layer_split/tensor_parallel/torch_tp.py`).
 
 Two dimensions: on a dp x tp mesh (`init_device_mesh(..., mesh_dim_names=("dp", "tp"))`, 2 x 2 at P = 4)
 each row splits the block, each column holds the same shard on N/dp rows and sums its gradients
-(`distlab/tensor_parallel/mesh2d.py`).
+(`distlab/layer_split/tensor_parallel/mesh2d.py`).
 
 Every claim is checked against an independent reference: the unsplit layer (a deep copy) trained in
 one process on the whole batch with plain autograd, float64: outputs, every gradient (the input's
 too), parameters and losses after --steps SGD steps; bytes against the formulas
-(`distlab/tensor_parallel/cost.py`); activation memory measured (`PeakMemory`) against its formula.
+(`distlab/layer_split/tensor_parallel/cost.py`); activation memory measured (`PeakMemory`) against its formula.
 """
 
 from __future__ import annotations
@@ -62,21 +62,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.cli import add_optimizer_args, check_flags_against_world, fraction, lesson_parser, positive_int, require
 from distlab.comm.ledger import Ledger
-from distlab.compare import against, all_ok, compare
-from distlab.console import compact_table, print0
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
-from distlab.tensor_parallel.blocks import check_split
-from distlab.tensor_parallel.layers import Layers, reference_shards
-from distlab.tensor_parallel.model import BlockConfig
-from distlab.tensor_parallel.operator_checks import check_operator
-from distlab.tensor_parallel.report import COLLECTIVE, bytes_table, equality_table, mark
-from distlab.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
-from distlab.verdict import Verdict
+from distlab.layer_split.tensor_parallel import cost, mesh2d, operators, torch_tp
+from distlab.layer_split.tensor_parallel.blocks import check_split
+from distlab.layer_split.tensor_parallel.layers import Layers, reference_shards
+from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.layer_split.tensor_parallel.operator_checks import check_operator
+from distlab.layer_split.tensor_parallel.report import COLLECTIVE, bytes_table, equality_table, mark
+from distlab.layer_split.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
+from distlab.processes.cli import add_optimizer_args, lesson_parser
+from distlab.processes.flags import add_global_batch, check_flags_against_world, fraction, positive_int, require
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import against, all_ok, compare
+from distlab.proof.console import compact_table, print0
+from distlab.proof.verdict import Verdict
 
-# ---- the mechanism, part 1: one Linear split two ways -------------------------------------------
+# ---- the mechanism, part 1: one Linear split two ways --------------------------------------------
 
 
 def _chunk(t: torch.Tensor, dim: int, rank: int, world_size: int) -> nn.Parameter:
@@ -118,7 +119,7 @@ class RowParallelLinear(nn.Module):
 LAYERS = Layers(ColumnParallelLinear, RowParallelLinear)
 
 
-# ---- the mechanism, part 2: the conjugate operators, by hand ------------------------------------
+# ---- the mechanism, part 2: the conjugate operators, by hand -------------------------------------
 
 
 class Copy(torch.autograd.Function):
@@ -212,7 +213,7 @@ def by_hand(group=None, sequence_parallel: bool = False) -> operators.Comm:
     return operators.Comm(Copy, Reduce, group, Ledger())
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 OPERATORS = {"f": (Copy, operators.CopyToTP), "g": (Reduce, operators.ReduceFromTP)}
@@ -224,7 +225,7 @@ def show_operators(rt: Runtime, verdict: Verdict) -> None:
     out = compact_table(
         "Each operator forward and backward",
         ("operator", "forward", "backward", "max err", "exact", "= library"),
-        caption="= library: the library's twin (distlab.tensor_parallel.operators) gives the same "
+        caption="= library: the library's twin (distlab.layer_split.tensor_parallel.operators) gives the same "
         "forward and backward, bit for bit",
     )
     exact, same = [], []
@@ -388,7 +389,7 @@ def show_two_d(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) -> None:
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=12, help="sequences per step, N")
+    add_global_batch(parser, 12)
     parser.add_argument("--seq-len", type=positive_int, default=12, help="tokens per sequence, seq")
     parser.add_argument("--dim", type=positive_int, default=24, help="model width d (h must divide it)")
     add_optimizer_args(parser, steps=3, lr=0.5)

@@ -14,7 +14,7 @@ statistics per query row, max m, sum l and output o (all three under the same ma
 and ends with out = o / l and lse = m + log l. The send of the next block is posted (`Ring.shift` of
 distlab/comm/ring.py: one batch_isend_irecv to r+1 and from r-1) before the block math and waited for
 after it, so the transfer runs beside the compute. The (m, l)
-update is `distlab.online_softmax.online_fold`: the fold that gives lesson 25's streamed contrastive
+update is `distlab.pieces.online_softmax.online_fold`: the fold that gives lesson 25's streamed contrastive
 step its log-normalisers is the fold that merges attention blocks here. One function, imported by both.
 
 Backward (as FlashAttention's): delta = rowsum(dout * out); the k/v blocks go round again, and with
@@ -22,7 +22,7 @@ each travels its gradient accumulator (dk, dv); every rank recomputes the tile's
 omega = e^(A - lse) from the saved lse and dA = omega * (dout v^T - delta), adds dq += dA k / sqrt(d_h)
 to its own dq and dk += dA^T q / sqrt(d_h), dv += omega^T dout to the travelling accumulators, and passes
 them on; after P moves they are home. A rank holds at most two received k/v pairs at once (the one in
-use, the one arriving), measured with distlab.memory.PeakMemory against a formula. That is less than the
+use, the one arriving), measured with distlab.proof.memory.PeakMemory against a formula. That is less than the
 whole sequence's k and v only from some P: at P = 2 the rank's own pair and the one received are the
 whole; section 5 tables the bound against P and says from which P each pass holds less.
 
@@ -43,21 +43,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.agree import rank_table
-from distlab.cli import DTYPES, check_flags_against_world, lesson_parser, positive_int
 from distlab.comm.ring import Ring
-from distlab.compare import all_ok, compare, comparison_table
-from distlab.console import print0, rows_table
-from distlab.context_parallel import split as layouts
-from distlab.context_parallel import whole_sequence
-from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
-from distlab.context_parallel.cost import Sizes, beats_whole
-from distlab.context_parallel.split import DIAGONAL, SKIP, Layout, piece_label
-from distlab.memory import PeakMemory
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.verdict import Verdict
+from distlab.layer_split.context_parallel import split as layouts
+from distlab.layer_split.context_parallel import whole_sequence
+from distlab.layer_split.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
+from distlab.layer_split.context_parallel.cost import Sizes, beats_whole
+from distlab.layer_split.context_parallel.split import DIAGONAL, SKIP, Layout, piece_label
+from distlab.processes.agree import rank_table
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import check_flags_against_world, positive_int
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table
+from distlab.proof.console import print0, rows_table
+from distlab.proof.memory import PeakMemory
+from distlab.proof.verdict import Verdict
 
-# ---- the mechanism: ring attention, forward and backward ---------------------------------------
+# ---- the mechanism: ring attention, forward and backward -----------------------------------------
 
 
 def ring_forward(ring: Ring, q, k, v, layout: Layout, tally: Counter):
@@ -176,7 +177,7 @@ def run_ring(rt: Runtime, inputs: list[torch.Tensor], layout: Layout) -> RingRun
     )
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 CASES = (("zigzag", False), ("zigzag", True), ("contiguous", True))
 
@@ -269,7 +270,8 @@ def show_memory(rt: Runtime, sizes: Sizes, run: RingRun, verdict: Verdict) -> No
     rows = [(f"rank {r}", *(f"{b:,}" for b in row)) for r, row in enumerate(peaks)]
     rows.append(("formula (bound)", f"{formula[0]:,}", f"{formula[1]:,}", f"{largest:,}"))
     print0(
-        f"bytes allocated inside the ring (distlab.memory.PeakMemory); the whole sequence's k and v would be {whole:,}",
+        "bytes allocated inside the ring (distlab.proof.memory.PeakMemory); "
+        f"the whole sequence's k and v would be {whole:,}",
         highlight=False,
     )
     print0(rows_table("", ("", "forward peak", "backward peak", "largest tensor"), rows))
@@ -299,8 +301,8 @@ def show_memory_against_p(sizes: Sizes, verdict: Verdict) -> None:
 
 def show_fold(verdict: Verdict) -> None:
     print0("\n[bold]6. One fold: ring attention and the streamed contrastive step[/]")
-    from distlab.context_parallel import attention
-    from distlab.online_softmax import online_fold
+    from distlab.layer_split.context_parallel import attention
+    from distlab.pieces.online_softmax import online_fold
     from distlab.streamed import tiles as streamed_tiles
 
     same = attention.online_fold is online_fold is streamed_tiles.online_fold

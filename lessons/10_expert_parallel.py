@@ -3,7 +3,7 @@ token travels to the rank that owns its experts and back, by two all-to-alls.
 
     torchrun --nproc-per-node 4 lessons/10_expert_parallel.py    # P must divide E (--experts)
 
-The layer (`distlab/expert_parallel/moe.py`, also the one-process reference): a router gives every token a
+The layer (`distlab/layer_split/expert_parallel/moe.py`, also the one-process reference): a router gives every token a
 softmax gate over the E experts; the token goes to its kappa best (top-kappa, kappa = 1 or 2), and their
 outputs are added with the chosen gates as weights (renormalised over the two when kappa = 2). An expert
 takes at most capacity = ceil(gamma kappa N seq / E) tokens a step, by one stated rule: for every expert, the
@@ -42,7 +42,7 @@ Mixture-of-Expert Models" (https://arxiv.org/abs/2501.11873), show the same at s
 
 Bytes rank r sends, a token's row being d values of e bytes: dispatch, its tokens that leave for other
 ranks; combine, the other ranks' tokens it returns; backward, the same rows the other way; and the counts
-(`distlab/expert_parallel/cost.py`).
+(`distlab/layer_split/expert_parallel/cost.py`).
 """
 
 from __future__ import annotations
@@ -54,30 +54,40 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from distlab import compat
-from distlab.agree import rank_table
-from distlab.cli import (
+from distlab.comm.collectives import all_to_all_bytes
+from distlab.comm.differentiable import all_to_all
+from distlab.comm.ledger import Ledger
+from distlab.comm.ring import Ring
+from distlab.layer_split.expert_parallel import cost, report, runs, training
+from distlab.layer_split.expert_parallel.checks import check_all_to_all, uneven_counts
+from distlab.layer_split.expert_parallel.moe import (
+    MoE,
+    MoEBlock,
+    MoEConfig,
+    balance_loss,
+    capacity,
+    kept_choices,
+    route,
+)
+from distlab.processes import compat
+from distlab.processes.agree import rank_table
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import (
+    add_global_batch,
     check_flags_against_world,
-    lesson_parser,
+    divides_global_batch,
     nonnegative_float,
     positive_float,
     positive_int,
     require,
 )
-from distlab.comm.collectives import all_to_all_bytes
-from distlab.comm.differentiable import all_to_all
-from distlab.comm.ledger import Ledger
-from distlab.comm.ring import Ring
-from distlab.compare import compare_whole, grads_of
-from distlab.console import print0, rows_table
-from distlab.expert_parallel import cost, report, runs, training
-from distlab.expert_parallel.checks import check_all_to_all, uneven_counts
-from distlab.expert_parallel.moe import MoE, MoEBlock, MoEConfig, balance_loss, capacity, kept_choices, route
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.training import mean_over_ranks, reduce_gradients
-from distlab.verdict import Verdict
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import compare_whole, grads_of
+from distlab.proof.console import print0, rows_table
+from distlab.proof.training import mean_over_ranks, reduce_gradients
+from distlab.proof.verdict import Verdict
 
-# ---- the mechanism: the all-to-all and its backward; the plan; dispatch, experts, combine --------------
+# ---- the mechanism: the all-to-all and its backward; the plan; dispatch, experts, combine --------
 
 
 def _row_bytes(x: torch.Tensor) -> int:
@@ -208,7 +218,7 @@ def average_gradients(model: nn.Module, world: int) -> None:
         param.grad /= world
 
 
-# ---- the runs: the expert-parallel block, and what the reference decides ------------------------------
+# ---- the runs: the expert-parallel block, and what the reference decides -------------------------
 
 
 def parallel_block(rt: Runtime, cfg: MoEConfig, statistics: str = "global", rule: str = "global"):
@@ -230,7 +240,7 @@ def problem(args) -> runs.Problem:
     return runs.Problem(args.global_batch, args.seq_len, args.seed, args.steps, args.lr)
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_all_to_all(rt: Runtime, verdict: Verdict) -> None:
@@ -393,7 +403,7 @@ def sync(block: nn.Module, rt: Runtime):
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=12, help="sequences per step, N (P divides it)")
+    add_global_batch(parser, 12)
     parser.add_argument("--seq-len", type=positive_int, default=8, help="tokens per sequence, seq")
     parser.add_argument("--dim", type=positive_int, default=8, help="model width d (h must divide it)")
     parser.add_argument("--heads", type=positive_int, default=2, help="attention heads h")
@@ -415,11 +425,7 @@ def parse_args():
 def world_rules(args, world_size: int) -> None:
     """E / P experts per rank and C = N / P sequences per rank, both whole."""
     require(args.experts % world_size == 0, "--experts", f"P = {world_size} ranks must divide E = {args.experts}")
-    require(
-        args.global_batch % world_size == 0,
-        "--global-batch",
-        f"P = {world_size} ranks must divide N = {args.global_batch}",
-    )
+    divides_global_batch(args, world_size)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ Bytes each rank sends: an all-to-all keeps 1/P of a block (its own positions of 
 rest, (P-1)/P of a block; four of them each way, 4 (P-1)/P blocks forward and as many backward. Ring
 attention (lesson 09) sends 2 (P-1) blocks forward and 4P - 2 backward: the same forward at P = 2, more
 from P = 3 on, and at a fixed seq its bytes per rank do not shrink with P where Ulysses' do
-(`distlab/context_parallel/ulysses.py`). What Ulysses pays instead: every rank talks to every other at once
+(`distlab/layer_split/context_parallel/ulysses.py`). What Ulysses pays instead: every rank talks to every other at once
 (an all-to-all, slower than a neighbour's link across nodes), and P can be at most h, P dividing h (with
 grouped-query attention, the key/value heads). Ring attention has no such limit, talks to neighbours only and
 hides its transfers behind the block math. The two compose: Ulysses over the heads inside a node, a ring
@@ -36,21 +36,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.agree import rank_table
-from distlab.cli import DTYPES, check_flags_against_world, lesson_parser, positive_int
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
-from distlab.compare import all_ok, compare, comparison_table
-from distlab.console import print0, rows_table
-from distlab.context_parallel import ulysses, whole_sequence
-from distlab.context_parallel.cost import Sizes
-from distlab.context_parallel.split import shard, unshard
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.verdict import Verdict
+from distlab.layer_split.context_parallel import ulysses, whole_sequence
+from distlab.layer_split.context_parallel.cost import Sizes
+from distlab.layer_split.context_parallel.split import shard, unshard
+from distlab.processes.agree import rank_table
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import check_flags_against_world, positive_int
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table
+from distlab.proof.console import print0, rows_table
+from distlab.proof.verdict import Verdict
 
 PHASES = ("forward", "backward")  # the ledger's phase of a move, and of its gradient's move back
 
-# ---- the mechanism: sequence split to head split and back -------------------------------------------------
+# ---- the mechanism: sequence split to head split and back ----------------------------------------
 
 
 def seq_to_heads(x: torch.Tensor, ledger: Ledger, phases: tuple[str, str], group=None) -> torch.Tensor:
@@ -81,7 +82,7 @@ def ulysses_attention(q, k, v, causal: bool, ledger: Ledger, group=None) -> torc
     return heads_to_seq(out, ledger, PHASES, group)
 
 
-# ---- the runs ---------------------------------------------------------------------------------------------
+# ---- the runs ------------------------------------------------------------------------------------
 
 
 def make_inputs(args) -> list[torch.Tensor]:
@@ -108,7 +109,7 @@ def gather(rt: Runtime, block: torch.Tensor) -> torch.Tensor:
     return unshard([b.cpu() for b in blocks], "contiguous")
 
 
-# ---- the chapter, part by part --------------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_layouts(rt: Runtime, args) -> None:

@@ -19,7 +19,7 @@ neighbours; `distlab.composed.config`), and `mesh[dim].get_group()` is the group
             back, n (s / tp) d e per micro-batch (sequence parallelism cuts the message by tp)
     tp      parallelize_module with lesson 08's plan, sequence parallel (f-bar, g-bar), and the embedding's
             rows, the final norm and the head; DTensor derives the all-gathers and reduce-scatters
-    cp      lesson 09's ring over the cp group (`distlab.context_parallel.ring`), the block's attention core
+    cp      lesson 09's ring over the cp group (`distlab.layer_split.context_parallel.ring`), the block's attention core
     dp x cp FSDP2 over the two flattened into one dimension of W = dp cp ranks: they hold the same weights
             and split the batch (dp by sequences, cp by positions), so their gradients are averaged together
 
@@ -60,23 +60,24 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from distlab.agree import rank_table
-from distlab.cli import check_flags_against_world, lesson_parser, positive_float, positive_int, require
 from distlab.comm.ring import Ring
-from distlab.compare import Comparison, all_ok, compare
 from distlab.composed import checkpoint, cost
 from distlab.composed.config import LAYOUT, ModelConfig, Shape, check_model, check_shape, describe, folded, small_shapes
 from distlab.composed.measure import StepMeasured, held, measuring
 from distlab.composed.model import LanguageModel, entropy_rate, keep_stage, loss_fn, token_batch
 from distlab.composed.trainee import MeshTrainee, flat_states
-from distlab.console import print0, rows_table
-from distlab.context_parallel.ring import ring_core
-from distlab.context_parallel.split import Layout, pieces_of
-from distlab.reference import one_process
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.tensor_parallel.torch_tp import plan as block_plan
-from distlab.training import Run, train
-from distlab.verdict import Verdict
+from distlab.layer_split.context_parallel.ring import ring_core
+from distlab.layer_split.context_parallel.split import Layout, pieces_of
+from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan
+from distlab.processes.agree import rank_table
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import Comparison, all_ok, compare
+from distlab.proof.console import print0, rows_table
+from distlab.proof.reference import one_process
+from distlab.proof.training import Run, train
+from distlab.proof.verdict import Verdict
 
 # torch's notes that are not this lesson's: the stage's logits are a view (the schedule never writes into
 # them), and gathering a parameter FSDP2 and tp both cut (for the comparison, once a step) takes two steps
@@ -201,7 +202,7 @@ class ShapeRun:
     states: dict[str, int]
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def reference(cfg: ModelConfig) -> Run:
@@ -361,7 +362,7 @@ def parse_args():
     parser.add_argument(
         "--resume-shape", default=None, help="where the checkpoint resumes (default: dp pp x 1 x tp x cp)"
     )
-    parser.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step, N")
+    add_global_batch(parser, 8)
     parser.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches per step, M (>= pp)")
     parser.add_argument("--seq-len", type=positive_int, default=16, help="tokens per sequence, seq")
     parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks L")
@@ -432,7 +433,7 @@ def main() -> int:
             f"[bold]Lesson 12: one transformer on a dp x pp x tp x cp mesh[/] - P = {rt.world_size}, "
             f"{describe(cfg)}, AdamW, {rt.backend}, float64"
         )
-        path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab19-") if rt.is_first else None)]
+        path = [args.checkpoint_dir or (tempfile.mkdtemp(prefix="distlab12-") if rt.is_first else None)]
         dist.broadcast_object_list(path, src=0)  # one directory for every rank (one machine)
         ref = reference(cfg)
         runs = show_training(rt, cfg, shapes, ref, verdict, path[0])

@@ -44,26 +44,27 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from distlab.cli import check_flags_against_world, lesson_parser, positive_float, positive_int, require
 from distlab.comm.ledger import Ledger
 from distlab.comm.timing import barrier, slowest_median, time_call
-from distlab.console import compact_table, print0, rows_table
 from distlab.cost import calibrate, memory, traffic
 from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
 from distlab.cost.shapes import Batch, Parallel, Transformer
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
-from distlab.held import SavedActivations, model_states, storage_bytes
-from distlab.models import Block, BlockOptions, token_batch
+from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of, rows_of
+from distlab.data_split.sharding.replicated import Replicated
+from distlab.layer_split.tensor_parallel import operators
+from distlab.layer_split.tensor_parallel.blocks import ParallelBlock
+from distlab.layer_split.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.plan.presets import MODELS, PUBLISHED
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.sharding.problem import ShardingConfig, optimizer_of, rows_of
-from distlab.sharding.replicated import Replicated
-from distlab.tensor_parallel import operators
-from distlab.tensor_parallel.blocks import ParallelBlock
-from distlab.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
-from distlab.training import Plain
-from distlab.verdict import Verdict
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.console import compact_table, print0, rows_table
+from distlab.proof.held import SavedActivations, model_states, storage_bytes
+from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.training import Plain
+from distlab.proof.verdict import Verdict
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)  # lesson 08's block
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,7 +80,7 @@ def configurations(p: int) -> dict[str, Parallel]:
     }
 
 
-# ---- the mechanism: predict a step from its sizes, then run it and measure ------------------------
+# ---- the mechanism: predict a step from its sizes, then run it and measure -----------------------
 
 
 def rank_bytes(model: Transformer, batch: Batch, parallel: Parallel, e: int) -> dict[str, int]:
@@ -221,7 +222,7 @@ def timed(rt: Runtime, trials: dict[str, Trial], repeats: int) -> dict[str, floa
     return {name: slowest_median(rt, s) for name, s in seconds.items()}
 
 
-# ---- the chapter, part by part ------------------------------------------------------------------
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def show_calibration(rt: Runtime, args, verdict: Verdict) -> Machine:
@@ -406,7 +407,7 @@ def parse_args():
     parser.add_argument("--heads", type=positive_int, default=12, help="attention heads h (P must divide it)")
     parser.add_argument("--ffn-width", type=positive_int, default=384, help="MLP width d_ff (P must divide it)")
     parser.add_argument("--seq-len", type=positive_int, default=48, help="tokens per sequence, seq (P divides it)")
-    parser.add_argument("--global-batch", type=positive_int, default=12, help="sequences per step, N (P divides it)")
+    add_global_batch(parser, 12)
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
     return parser.parse_args()

@@ -42,21 +42,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab import compat
-from distlab.cli import DTYPES, add_contrastive_args, check_flags_against_world, divides_global_batch, lesson_parser
-from distlab.compare import all_ok, compare, compare_whole, comparison_table, tolerances
-from distlab.console import print0
 from distlab.contrastive import variants as library
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.report import method_table, work_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import Losses, Variant
-from distlab.models import TwoTower, paired_data
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.verdict import Verdict
+from distlab.processes import compat
+from distlab.processes.cli import add_contrastive_args, lesson_parser
+from distlab.processes.flags import check_flags_against_world, divides_global_batch
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import DTYPES, all_ok, compare, compare_whole, comparison_table, tolerances
+from distlab.proof.console import print0
+from distlab.proof.models import TwoTower, paired_data
+from distlab.proof.verdict import Verdict
 
-# ---- the mechanism: the gather, the global loss, and the P-times fix ---------------------------
+# ---- the mechanism: the gather, the global loss, and the P-times fix -----------------------------
 
 
 def all_gather_blocks(z: torch.Tensor) -> torch.Tensor:
@@ -92,6 +93,9 @@ GLOBAL_PLAIN = Variant("plain", global_loss, gather_plain)
 GLOBAL_TIMES_P = Variant("plain, P L", global_loss_times_p, gather_plain)  # the fix (exercise 21)
 VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P)
 TWINS = {GLOBAL_PLAIN.name: library.GLOBAL_PLAIN, GLOBAL_TIMES_P.name: library.GLOBAL_TIMES_P}
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def same_as_library(rt, ours: dict, n: int, tau: float, seed: int, dtype: torch.dtype, twins=TWINS) -> bool:

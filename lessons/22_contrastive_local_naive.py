@@ -43,16 +43,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.cli import (
-    add_contrastive_args,
-    add_optimizer_args,
-    check_flags_against_world,
-    divides_global_batch,
-    lesson_parser,
-    positive_int,
-)
-from distlab.compare import compare, compare_whole, comparison_table, tolerances
-from distlab.console import print0
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import DetachedBlocks, full_batch_gradients
 from distlab.contrastive.report import detached_at_table, method_table, relative_errors, seeds_table
@@ -67,12 +57,19 @@ from distlab.contrastive.training import (
     train_single_process,
 )
 from distlab.contrastive.variants import LOCAL_PLAIN
-from distlab.models import TwoTower, paired_data
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.verdict import Verdict
+from distlab.processes.cli import add_contrastive_args, add_optimizer_args, lesson_parser
+from distlab.processes.flags import check_flags_against_world, divides_global_batch, positive_int
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import compare, compare_whole, comparison_table, tolerances
+from distlab.proof.console import print0
+from distlab.proof.models import TwoTower, paired_data
+from distlab.proof.verdict import Verdict
 
 DTYPE = torch.float64
 SINGLE, PLAIN = "one process", "plain"
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def world_sizes(text: str) -> tuple[int, ...]:

@@ -48,26 +48,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab import compat
-from distlab.cli import (
-    DTYPES,
-    add_contrastive_args,
-    check_flags_against_world,
-    divides_global_batch,
-    lesson_parser,
-    positive_int,
-)
-from distlab.compare import compare_whole, tolerances
-from distlab.console import print0
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.report import comm_table, cost_table, method_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_LIBRARY, LOCAL_PLAIN, LOCAL_SUM, Variant, local_loss
-from distlab.memory import MIB
-from distlab.models import TwoTower, paired_data
-from distlab.runtime import Runtime, distributed, run_main
-from distlab.verdict import Verdict
+from distlab.processes import compat
+from distlab.processes.cli import add_contrastive_args, lesson_parser
+from distlab.processes.flags import check_flags_against_world, divides_global_batch, positive_int
+from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.proof.compare import DTYPES, compare_whole, tolerances
+from distlab.proof.console import print0
+from distlab.proof.memory import MIB
+from distlab.proof.models import TwoTower, paired_data
+from distlab.proof.verdict import Verdict
+
+# ---- the mechanism: the sum-backward all-gather, by hand -----------------------------------------
 
 
 class AllGatherSumBackward(torch.autograd.Function):
@@ -91,6 +87,9 @@ def gather_all_reduce(z: torch.Tensor) -> torch.Tensor:
 
 LOCAL_ALL_REDUCE = Variant("all_reduce", local_loss, gather_all_reduce)
 FIXES = (LOCAL_ALL_REDUCE, LOCAL_SUM, LOCAL_LIBRARY)
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def parse_args():

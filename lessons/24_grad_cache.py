@@ -24,7 +24,7 @@ the masks of (1), and back-propagates <h, G_rows>, adding G . dh/dtheta into the
 library's version is `GradCache` in src/distlab/contrastive/grad_cache.py, with luyug/GradCache's interface
 and the same three steps as methods (`forward_no_grad`, `build_cache`, `forward_backward`, called in turn
 by `cache_step`), plus dict and VLM inputs, mixed precision and DDP's `no_sync` on every micro-batch but
-the last; the replay is `RandContext` in src/distlab/random_state.py. The lesson checks both.
+the last; the replay is `RandContext` in src/distlab/pieces/random_state.py. The lesson checks both.
 
 The proof. Part 1, one process (rank 0): both equal the full batch's gradients (a deep copy, plain autograd, one
 loss; its micro-batches run with a graph in the same order from the same seed, so dropout draws the same masks);
@@ -51,29 +51,22 @@ import torch.nn.functional as F
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.chunks import chunks
-from distlab.cli import (
-    DTYPES,
-    add_contrastive_args,
-    check_flags_against_world,
-    divides_global_batch,
-    fraction,
-    lesson_parser,
-    positive_int,
-)
-from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
-from distlab.console import print0, progress
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
+from distlab.contrastive.measured_step import interleaved_seconds, peak_mib, right_aligned, rows_forwarded
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.data_parallel.ddp import counting
-from distlab.memory import MIB
-from distlab.models import TwoTower, paired_data
-from distlab.random_state import RandContext
-from distlab.runtime import distributed, rank0_alone, run_main
-from distlab.step_cost import interleaved_seconds, peak_mib, right_aligned, rows_forwarded
-from distlab.verdict import Verdict
+from distlab.data_split.data_parallel.ddp import counting
+from distlab.pieces.chunks import chunks
+from distlab.pieces.random_state import RandContext
+from distlab.processes.cli import add_contrastive_args, lesson_parser
+from distlab.processes.flags import check_flags_against_world, divides_global_batch, fraction, positive_int
+from distlab.processes.runtime import distributed, rank0_alone, run_main
+from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table, grads_of, tolerances
+from distlab.proof.console import print0, progress
+from distlab.proof.memory import MIB
+from distlab.proof.models import TwoTower, paired_data
+from distlab.proof.verdict import Verdict
 
 IN_FEATURES = 128  # of each view
 TOWERS = ("encoder_x", "encoder_y")
@@ -122,6 +115,9 @@ def reference(model: TwoTower, x, y, args, world_size: int) -> tuple[float, dict
     return full_batch_gradients(model, x, y, 1 / args.tau, forward=forward)
 
 
+# ---- the mechanism: GradCache's three steps ------------------------------------------------------
+
+
 def rep_clip_loss(rep_x: torch.Tensor, rep_y: torch.Tensor, tau: float) -> torch.Tensor:
     """CLIP loss on raw tower outputs: normalising is part of the loss, so part of the cache."""
     return clip_loss(F.normalize(rep_x, dim=-1), F.normalize(rep_y, dim=-1), 1 / tau)
@@ -145,6 +141,9 @@ def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:
                 h = tower(part)
             torch.dot(h.flatten(), g.flatten()).backward()  #     d<h, G>/dtheta = G . dh/dtheta
     return loss.detach()
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def autograd_step(model: TwoTower, x, y, tau: float) -> None:

@@ -65,22 +65,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from distlab import compat
-from distlab.chunks import chunks
-from distlab.cli import DTYPES, add_contrastive_args, fraction, lesson_parser, positive_float, positive_int, require
-from distlab.compare import all_ok, compare, comparison_table, grads_of, tolerances
-from distlab.console import print0
 from distlab.contrastive.gather import all_gather_blocks
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.contrastive.report import memory_account_table
-from distlab.memory import PeakMemory
-from distlab.models import TwoTower, paired_data
-from distlab.online_softmax import online_fold
-from distlab.random_state import RandContext
-from distlab.runtime import distributed, run_main
+from distlab.pieces.chunks import chunks
+from distlab.pieces.online_softmax import online_fold
+from distlab.pieces.random_state import RandContext
+from distlab.processes import compat
+from distlab.processes.cli import add_contrastive_args, lesson_parser
+from distlab.processes.flags import fraction, p_divides_n, positive_float, positive_int, require
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table, grads_of, tolerances
+from distlab.proof.console import print0
+from distlab.proof.memory import PeakMemory
+from distlab.proof.models import TwoTower, paired_data
+from distlab.proof.verdict import Verdict
 from distlab.streamed.config import StreamConfig, parse_config, regime
 from distlab.streamed.rank_work import count_rank
-from distlab.verdict import Verdict
 from distributed_clip import distributed_backward, distributed_train_step
 
 
@@ -108,6 +109,9 @@ class ScaledTwoTower(TwoTower):
 
     def forward(self, x, y):
         return (*super().forward(x, y), self.logit_scale.exp())
+
+
+# ---- the mechanism: the log-normalisers and G in tiles, the five phases --------------------------
 
 
 def lse_by_tiles(q: torch.Tensor, k: torch.Tensor, s: float, t: int) -> torch.Tensor:
@@ -177,6 +181,9 @@ def streamed_backward(
     return loss.item()
 
 
+# ---- the chapter, part by part -------------------------------------------------------------------
+
+
 def classic_loop(ddp, optimizer, loader, config, rt, memory: PeakMemory) -> tuple[list, dict]:
     """The classic loop: sampler epochs, one `distributed_train_step` per batch, rank 0 logs."""
     losses, first = [], {}
@@ -224,7 +231,7 @@ class Run:
 
 def prepare(args, rt) -> Run:
     n, world = args.global_batch, rt.world_size
-    require(n % world == 0, "--global-batch", f"N={n} must be divisible by the world size P={world}")
+    p_divides_n(n, world)
     require(args.dataset_size >= n, "--dataset-size", f"must hold at least one global batch (N={n})")
     config = {
         "GLOBAL_BATCH_SIZE": n,

@@ -21,7 +21,7 @@ as a middle step appears, then stays), where the gather holds N x 2d, growing wi
 (2P - 1) / (2P - 2) times the gather's (P - 1) C 2d for the sigmoid (1.5x at P = 2, 1.17x at P = 4), and
 about (3P - 2) / (2P - 2) for InfoNCE's two walks (2.0x, 1.67x; measured beside the memory table).
 The InfoNCE ring is the same walk twice: pass 1 folds each tile into the rank's row (m, l) and a
-traveling column (m, l) (the online fold of src/distlab/online_softmax.py, the one lesson 25 streams a
+traveling column (m, l) (the online fold of src/distlab/pieces/online_softmax.py, the one lesson 25 streams a
 and b with), pass 2 forms R + Q - 2 delta and carries G_y home: 4 C N d multiply-adds against the
 gather's 6 C N d.
 
@@ -53,22 +53,23 @@ from rich.table import Table
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.chunks import balanced_chunks
-from distlab.cli import fraction, lesson_parser, positive_int
 from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import post
-from distlab.compare import all_ok, compare, grads_of
-from distlab.console import print0
-from distlab.memory import PeakMemory
-from distlab.models import TwoTower, paired_data
-from distlab.online_softmax import online_fold, rescale
-from distlab.runtime import distributed, run_main
+from distlab.pieces.chunks import balanced_chunks
+from distlab.pieces.online_softmax import online_fold, rescale
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import fraction, positive_int
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.console import print0
+from distlab.proof.memory import PeakMemory
+from distlab.proof.models import TwoTower, paired_data
+from distlab.proof.verdict import Verdict
 from distlab.streamed import loss_machinery
 from distlab.streamed.config import EXCHANGES
 from distlab.streamed.exchange import expected_bytes, step_ledger
 from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits
-from distlab.verdict import Verdict
 from distributed_clip import distributed_backward
 
 LOSSES = ("infonce", "sigmoid")
@@ -97,6 +98,9 @@ class SigLipTwoTower(TwoTower):
         z_x, z_y = super().forward(x, y)
         head = (self.logit_scale.exp(),) + ((self.logit_bias,) if self.logit_bias is not None else ())
         return (z_x, z_y, *head)
+
+
+# ---- the mechanism: the sigmoid loss's closed form, and the ring by hand -------------------------
 
 
 def sigmoid_loss(z_x, z_y, s, beta):
@@ -201,6 +205,9 @@ def infonce_ring_by_hand(rt, x, y, s: float):
 
     (pair_x,) = ring_walk(rt, [y, b], products, lambda received, mine: [received[0] + mine[0]], ledger)
     return loss_part, s / (2 * n) * pair_y, s / (2 * n) * pair_x, ledger.sent
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def whole_batch(model, x, y, world: int, micro: int, dropout_seed: int):
@@ -313,12 +320,13 @@ def check_steps(verdict, rt, args) -> None:
     print0(table)
 
 
-def measure_memory(verdict, rt, c: int, t: int) -> list:
-    """Peak bytes this rank's loss machinery allocates, gather against ring, at C fixed; and the ring's
-    timeline (what each rank posted and computed, when)."""
+def loss_memory(rt, c: int, d: int, t: int) -> dict:
+    """On this rank: the peak bytes and the bytes sent of the step's loss machinery, {InfoNCE, sigmoid} x
+    {gather, ring}, on C x d random embeddings ({(loss, exchange): (peak, sent)}); and the sigmoid ring's
+    timeline on this rank, "events": (rank, step, what, when). Notebook 26 runs it at P = 1-4."""
     gen = torch.Generator().manual_seed(2 + rt.rank)
-    z_x, z_y = (F.normalize(torch.randn(c, 64, generator=gen), dim=1).to(rt.device) for _ in range(2))
-    peaks, sent = {}, {}
+    z_x, z_y = (F.normalize(torch.randn(c, d, generator=gen), dim=1).to(rt.device) for _ in range(2))
+    out = {}
     for loss_name in LOSSES:
         for exchange in EXCHANGES:
             config = {
@@ -331,8 +339,22 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
             step_ledger.clear()
             with PeakMemory() as mem:  # the step's loss machinery, as it runs in the step
                 loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss_name == "sigmoid" else None)
-            peaks[loss_name, exchange], sent[loss_name, exchange] = mem.peak_bytes, step_ledger.sent
-            verdict.figure(f"peak MiB {loss_name} {exchange}", mem.peak_bytes / 2**20)
+            out[loss_name, exchange] = (mem.peak_bytes, step_ledger.sent)
+    ring = P2PRing(rt.world_size, rt.rank)
+    dist.barrier()  # every rank starts the ring together: the timeline shows the ring, not the wait
+    sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
+    out["events"] = [(rt.rank, k, what, when) for k, what, when in ring.events]
+    return out
+
+
+def measure_memory(verdict, rt, c: int, t: int) -> list:
+    """Peak bytes this rank's loss machinery allocates, gather against ring, at C fixed (`loss_memory`); and
+    the ring's timeline (what each rank posted and computed, when), gathered from every rank."""
+    measured = loss_memory(rt, c, 64, t)
+    peaks = {key: measured[key][0] for key in measured if key != "events"}
+    sent = {key: measured[key][1] for key in measured if key != "events"}
+    for (loss_name, exchange), peak in peaks.items():
+        verdict.figure(f"peak MiB {loss_name} {exchange}", peak / 2**20)
     block, n = c * 64 * 4, c * rt.world_size
     table = Table(title=f"Peak MiB per rank, C = {c}, d = 64", title_justify="left")
     for column in ("loss", "gather", "ring", "N x 2d"):
@@ -361,10 +383,8 @@ def measure_memory(verdict, rt, c: int, t: int) -> list:
         "the gather holds the N x 2d gathered embeddings, growing with P",
         all(peaks[loss, "gather"] >= 2 * n * 64 * 4 for loss in LOSSES),
     )
-    ring = P2PRing(rt.world_size, rt.rank)
-    sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
     every = [None] * rt.world_size
-    dist.all_gather_object(every, [(rt.rank, k, what, when) for k, what, when in ring.events])
+    dist.all_gather_object(every, measured["events"])
     return [event for events in every for event in events]
 
 

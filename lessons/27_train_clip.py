@@ -51,7 +51,7 @@ the caller owns everything else, as in any CLIP training loop (open_clip's `trai
 
 The data, the tiny word tokenizer, the towers and the zero-shot classifier are in
 src/distlab/contrastive/digits.py (each rank's rows at each step in digits_data.py); AdamW's decay
-groups and the warm-up + cosine schedule in src/distlab/optim.py. With B >= C every rank's C pairs
+groups and the warm-up + cosine schedule in src/distlab/contrastive/optim.py. With B >= C every rank's C pairs
 are one micro-batch and the towers run once per step; with B < C each micro-batch runs twice (a
 no-grad embed, then a recompute with grad).
 
@@ -68,7 +68,7 @@ A crash that loses nothing. `--checkpoint-dir DIR` writes everything the run is 
 rank's random generators; the data order is a function of seed and step) and resumes from the newest
 whole checkpoint it finds; `--crash-at-step 95` kills rank `--crash-rank` (default the last) at step
 95 on torchrun's first attempt. Under `torchrun --max-restarts 1` the run is restarted, resumes and ends
-bit-identical to an uninterrupted one: compare the `parameters sha256` lines (src/distlab/checkpointing.py).
+bit-identical to an uninterrupted one: compare the `parameters sha256` lines (src/distlab/contrastive/checkpointing.py).
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/27_train_clip.py \
         --checkpoint-dir /tmp/clip --crash-at-step 95
@@ -88,17 +88,7 @@ import torch
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.checkpointing import Checkpoints, add_resume_args, check_resume_args, parameters_sha256
-from distlab.cli import (
-    check_flags_against_world,
-    divides_global_batch,
-    fraction,
-    lesson_parser,
-    positive_float,
-    positive_int,
-)
-from distlab.compare import all_ok, compare, grads_of, tolerances
-from distlab.console import print0, progress
+from distlab.contrastive.checkpointing import Checkpoints, add_resume_args, check_resume_args, parameters_sha256
 from distlab.contrastive.digits import (
     SIGLIP_INIT_LOGIT_BIAS,
     ZERO_SHOT_TEMPLATE,
@@ -108,12 +98,23 @@ from distlab.contrastive.digits import (
 )
 from distlab.contrastive.digits_data import Digits
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
+from distlab.contrastive.optim import decay_groups, warmup_cosine
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.optim import decay_groups, warmup_cosine
-from distlab.reproducible import exact_float32
-from distlab.runtime import distributed, run_main
+from distlab.processes.cli import lesson_parser
+from distlab.processes.flags import (
+    add_global_batch,
+    check_flags_against_world,
+    divides_global_batch,
+    fraction,
+    positive_float,
+    positive_int,
+)
+from distlab.processes.reproducible import exact_float32
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.compare import all_ok, compare, grads_of, tolerances
+from distlab.proof.console import print0, progress
+from distlab.proof.verdict import Verdict
 from distlab.streamed.config import EXCHANGES
-from distlab.verdict import Verdict
 from distributed_clip import distributed_backward
 
 MIN_ACCURACY = 0.80  # chance is 1 in 10 digits; 8x chance is not luck
@@ -123,7 +124,7 @@ LOSSES = ("infonce", "sigmoid")
 
 def parse_args():
     parser = lesson_parser(__doc__)
-    parser.add_argument("--global-batch", type=positive_int, default=256, help="N pairs per step, over P ranks")
+    add_global_batch(parser, 256)
     parser.add_argument(
         "--micro-batch-size", type=positive_int, default=64, help="B; B >= C = N / P runs the towers once per step"
     )
@@ -202,6 +203,9 @@ def check_first_step(ddp, model, data: Digits, config: dict, verdict: Verdict) -
     ddp.zero_grad(set_to_none=True)
 
 
+# ---- the mechanism: one CLIP step with distributed_backward, and the caller's loop ---------------
+
+
 def clip_step(ddp, optimizer, images, captions, config: dict, clip_norm: float, bf16: bool = False) -> float:
     """One step of the caller-owned loop: the exact global gradient into .grad, clipped, applied."""
     optimizer.zero_grad(set_to_none=True)
@@ -214,8 +218,8 @@ def clip_step(ddp, optimizer, images, captions, config: dict, clip_norm: float, 
 
 
 def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: bool) -> dict:
-    """The caller-owned loop; returns the curves. With --checkpoint-dir it starts after the newest
-    whole checkpoint, if any, and writes one every --checkpoint-every steps (src/distlab/checkpointing.py)."""
+    """The caller-owned loop; returns the curves. With --checkpoint-dir it starts after the newest whole
+    checkpoint, if any, and writes one every --checkpoint-every steps (src/distlab/contrastive/checkpointing.py)."""
     model = ddp.module
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
     if model.logit_bias is not None:
@@ -239,6 +243,9 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
             curves["accuracy"].append(data.zero_shot(model)[0])
         checkpoints.after_step(step + 1, state)  # every --checkpoint-every steps: write, rename
     return curves
+
+
+# ---- the chapter, part by part -------------------------------------------------------------------
 
 
 def curve_table(curves: dict) -> Table:

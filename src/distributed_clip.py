@@ -17,11 +17,11 @@ torch.compile(DDP) or FSDP2-wrapped; forward(x, y) returns a tuple or open_clip'
 so a stock open_clip CLIP drops in. local_x and local_y may be tensors, or dicts, lists or tuples of tensors
 (a tokenizer's input_ids and attention_mask). `ClipLoss` and `SigLipLoss` are the same exact global loss
 as open_clip-style loss modules (`distlab.streamed.loss_modules`), for a trainer that owns its forward.
-See `distlab.streamed.step` for the phases and the math, lesson 25 for a training loop, and the README's
+See `distlab.streamed.step` for the phases and the math, lesson 25 for a training loop, and docs/distributed_clip.md,
 "Using distributed_clip in your training".
 """
 
-from distlab.runtime import release_process_group
+from distlab.processes.runtime import release_process_group
 from distlab.streamed import distributed_backward, distributed_train_step
 from distlab.streamed.loss_modules import ClipLoss, SigLipLoss
 

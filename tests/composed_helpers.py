@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from helpers import load_lesson
 
-from distlab.compare import all_ok
 from distlab.composed import cost
 from distlab.composed.config import ModelConfig, Shape
+from distlab.proof.compare import all_ok
 
 LESSON = "12_composed_mesh"
 CFG = ModelConfig()  # the lesson's defaults: V = 32, d = 32, h = 4, d_ff = 64, L = 4, seq = 16, N = 8, M = 2

@@ -43,7 +43,7 @@ from exercise_claims import Claims, Hints
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
 from helpers import lesson_path
 
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS, EXERCISES = ROOT / "lessons", ROOT / "lessons" / "exercises"

@@ -1,7 +1,7 @@
 """What the exercises' judge sees beyond numbers: every allocation's shape, how many tensors of a kind are
 alive at once, and every collective, on one rank.
 
-`Watch` is a `TorchDispatchMode`, like `distlab.memory.PeakMemory`: every op of the answer (its backward
+`Watch` is a `TorchDispatchMode`, like `distlab.proof.memory.PeakMemory`: every op of the answer (its backward
 too: autograd runs a CPU graph on the calling thread, under the same mode) passes through it. For each new
 storage it records the shape (so "nothing N x N, C x N or B x N" is a question about `shapes`), and, when
 `kind(shape)` names the tensor ("k/v block", "C x d block"), counts it alive until its storage is freed
@@ -13,7 +13,7 @@ the functional one with autograd, forward and backward) is recorded with the byt
 input but the part for this rank itself, whatever the splits.
 
 DDP's own all-reduce runs inside its reducer, where no mode sees it: the checks count it with a DDP comm
-hook (`distlab.data_parallel.ddp.counting`).
+hook (`distlab.data_split.data_parallel.ddp.counting`).
 """
 
 from __future__ import annotations

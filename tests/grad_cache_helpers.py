@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.compare import grads_of
 from distlab.contrastive.grad_cache import default_rep
 from distlab.contrastive.losses import clip_loss
+from distlab.proof.compare import grads_of
 
 N, TAU, SEED = 13, 0.1, 7
 

@@ -5,9 +5,6 @@ streamed step's tests share, in streamed_helpers.py)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,10 +12,24 @@ from typing import Any
 
 import torch
 
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ROOT / "lessons"
+
+
+def _nbhelpers():
+    """lessons/notebooks/nbhelpers.py, the one place that finds a lesson by its slug, loads it, and runs it under
+    torchrun: the notebooks' helpers, which the tests share rather than write again."""
+    if "nbhelpers" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("nbhelpers", LESSONS / "notebooks" / "nbhelpers.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["nbhelpers"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["nbhelpers"]
+
+
+lesson_path, load_lesson, torchrun = _nbhelpers().lesson_path, _nbhelpers().load_lesson, _nbhelpers().torchrun
 
 
 def _error_of(rt, fn: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
@@ -59,51 +70,11 @@ def all_ranks_true(flag: bool, device: torch.device) -> bool:
 
 
 def strict_mode_off() -> bool:
-    """No strict device mode is on in this process (`distlab.strict`): nothing patched, no mode pushed."""
+    """No strict device mode is on in this process (`distlab.processes.strict`): nothing patched, no mode pushed."""
     import torch.distributed as dist
     from torch.overrides import _get_current_function_mode_stack
 
     return not hasattr(dist.all_reduce, "strict_device") and not _get_current_function_mode_stack()
-
-
-def lesson_path(name: str, folder: Path = LESSONS, suffix: str = ".py") -> Path:
-    """A lesson's file found by its slug, whatever its number: `lesson_path("data_parallel")` is
-    lessons/06_data_parallel.py (so is "06_data_parallel" or "06_data_parallel.py": the number is ignored);
-    `folder`, `suffix`: its exercise or notebook. lessons/order.txt sets the numbers (scripts/renumber.py)."""
-    slug = re.sub(r"^\d\d_", "", Path(name).name.removesuffix(suffix))
-    found = sorted(folder.glob(f"[0-9][0-9]_{slug}{suffix}"))
-    if len(found) != 1:
-        raise FileNotFoundError(f"{len(found)} files for lesson {name!r} in {folder}: {[p.name for p in found]}")
-    return found[0]
-
-
-def torchrun(
-    lesson: str, nproc: int, *args: str, timeout: float = 300, columns: int | None = None, max_restarts: int = 0
-):
-    """Run the lesson (its slug, `lesson_path`'s) under torchrun, output captured; returns the CompletedProcess.
-    `max_restarts`: how often torchrun restarts every rank after one fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if columns is not None:
-        env["COLUMNS"] = str(columns)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "--max-restarts",
-            str(max_restarts),
-            str(lesson_path(lesson)),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
 
 
 def no_ellipsis(text: str) -> bool:
@@ -112,20 +83,6 @@ def no_ellipsis(text: str) -> bool:
 
 
 # -- contrastive lessons 21-23 ------------------------------------------------------------------
-
-
-def load_lesson(slug: str):
-    """A lesson file as a module, found by its slug: `load_lesson("data_parallel")` (a numbered name,
-    "06_data_parallel", works too; `lesson_path`). Its name starts with a digit, so `import` cannot reach it;
-    its `main()` does not run. Loaded once per process."""
-    path = lesson_path(slug)
-    name = "lesson_" + path.stem
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 GATHER_ROWS, GATHER_COLS = 2, 3
@@ -221,7 +178,7 @@ def equals_reference(runs, ref) -> bool:
     dtype's stated tolerance (float64: rtol 1e-10, atol 1e-12)."""
     import torch
 
-    from distlab.compare import all_ok, compare
+    from distlab.proof.compare import all_ok, compare
 
     losses = len(runs[0].losses) == len(ref.losses) and torch.allclose(
         torch.tensor(runs[0].losses), torch.tensor(ref.losses), rtol=1e-10, atol=1e-12

@@ -2,8 +2,8 @@
 
 `TRITON_INTERPRET=1` is read when `@triton.jit` decorates a function, Triton's own `tl.zeros` included, that
 is when triton is first imported; conftest.py sets it before anything is collected, and setting it here again
-keeps a module that imports this one right on its own. Ranks started by `distlab.spawn` inherit it. The interpreter
-runs the kernels' own code with numpy, one program after another: the same arithmetic, checked on a CPU.
+keeps a module that imports this one right on its own. Ranks started by `distlab.processes.spawn` inherit it.
+The interpreter runs the kernels' own code with numpy, one program after another: the same arithmetic, checked on a CPU.
 It needs Triton >= 3.9 (requirements.txt); with an older one the kernel tests are skipped, saying why.
 """
 

@@ -30,9 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.chunks import balanced_chunks
 from distlab.contrastive.gather import all_gather_blocks, gather_plain, gather_with_grad
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
+from distlab.pieces.chunks import balanced_chunks
 
 IMAGE_DIM, WIDTH, EMBED, VOCAB, CONTEXT = 12, 16, 8, 20, 5
 

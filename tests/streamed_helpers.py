@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.chunks import balanced_chunks
 from distlab.contrastive.losses import clip_loss, sigmoid_loss  # plain autograd: independent of streamed/
 from distlab.contrastive.reference import RankStreams, as_ranks
+from distlab.pieces.chunks import balanced_chunks
 
 STREAMED_N = 24  # a global batch divisible by P = 1, 2, 3 and 4
 DROPOUT_SEED = 100  # rank r's dropout stream starts from torch.manual_seed(DROPOUT_SEED + r)

@@ -2,7 +2,7 @@
 `dist.destroy_process_group()` while a DDP is still alive can hang forever (the usual ending of a training
 script, and 6 of 12 practitioner launches in the issue that asked for this test).
 
-The hang (the whole story is in `distlab.runtime.release_process_group`): a gloo worker thread holds the
+The hang (the whole story is in `distlab.processes.runtime.release_process_group`): a gloo worker thread holds the
 group's mutex while it frees a finished collective's tensor, which needs the GIL when Python has dropped
 the tensor; DDP's C++ reducer, if it outlives the group's Python handle, destroys the group with the GIL
 held and waits for that mutex. Left to chance it happens now and then; here it is made certain. Rank 0 of
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.spawn import free_port
+from distlab.processes.spawn import free_port
 from distributed_clip import release_process_group
 
 RUNS = 10

@@ -8,18 +8,17 @@ import sys
 
 import pytest
 
-from distlab.cli import (
-    add_mlp_args,
+from distlab.processes.cli import add_mlp_args, lesson_parser
+from distlab.processes.flags import (
     check_flags_against_world,
     divides_global_batch,
     fraction,
-    lesson_parser,
     positive_float,
     positive_int,
 )
-from distlab.console import CAPTURED_WIDTH, column_blocks
-from distlab.spawn import spawn
-from distlab.verdict import Verdict
+from distlab.processes.spawn import spawn
+from distlab.proof.console import CAPTURED_WIDTH, column_blocks
+from distlab.proof.verdict import Verdict
 
 
 @pytest.mark.parametrize(
@@ -77,7 +76,7 @@ def test_flags_are_checked_against_p_before_any_group(monkeypatch):
 
 
 def test_captured_output_gets_the_generous_width_whatever_force_color_says():
-    code = "from distlab.console import console; print(console.width)"
+    code = "from distlab.proof.console import console; print(console.width)"
     env = {"FORCE_COLOR": "1", "PATH": "", "PYTHONPATH": ":".join(sys.path)}
     width = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
     assert int(width) == CAPTURED_WIDTH
@@ -109,7 +108,7 @@ def test_a_claim_failing_on_one_rank_fails_everywhere(tmp_path):
 def test_an_input_width_the_mlp_cannot_take_names_its_flag():
     import argparse
 
-    from distlab.cli import check_mlp_input
+    from distlab.processes.cli import check_mlp_input
 
     with pytest.raises(ValueError, match=r"^--input-features: a batch of shape \(N, 5\) does not fit"):
         check_mlp_input(argparse.Namespace(input_features=5))

@@ -28,7 +28,7 @@ from distlab.comm.collectives import (
 from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import Posted, post
 from distlab.comm.ring import RING_RUNS, Ring
-from distlab.spawn import SpawnError, spawn
+from distlab.processes.spawn import SpawnError, spawn
 
 WORLDS = (1, 2, 3, 4)
 TOL = dict(rtol=1e-10, atol=1e-12)  # float64

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from distlab.comm.collectives import ring_bytes
 from distlab.comm.p2p import post
 from distlab.comm.watch import CollectiveWatch
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 
 E = 8  # float64
 

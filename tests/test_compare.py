@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distlab.compare import all_ok, compare, tolerances
+from distlab.proof.compare import all_ok, compare, tolerances
 
 
 def test_identical_tensors_pass_and_report_zero_error():

@@ -1,4 +1,4 @@
-"""distlab.context_parallel in one process: the splits cover the sequence once and count the work the
+"""distlab.layer_split.context_parallel in one process: the splits cover the sequence once and count the work the
 formulas say; attention folded one key/value tile at a time, in any order, equals torch's
 scaled_dot_product_attention (out, lse and, from the tiles' backward, dq, dk, dv); and the online fold
 it shares with the streamed contrastive step still computes a log-sum-exp."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distlab.context_parallel import split as layouts
-from distlab.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
-from distlab.online_softmax import online_fold, rescale
+from distlab.layer_split.context_parallel import split as layouts
+from distlab.layer_split.context_parallel.attention import Partial, Saved, causal_mask, fold_tile, tile_grads
+from distlab.pieces.online_softmax import online_fold, rescale
 
 
 @pytest.mark.parametrize("split", layouts.SPLITS)
@@ -122,7 +122,7 @@ def test_the_online_fold_still_computes_a_log_sum_exp_and_leaves_the_weights():
 
 
 def test_the_cost_formulas_in_blocks():
-    from distlab.context_parallel.cost import Sizes
+    from distlab.layer_split.context_parallel.cost import Sizes
 
     sizes = Sizes(heads=2, seq_len=48, head_dim=16, world_size=4, itemsize=8)
     assert (sizes.block, sizes.tile, sizes.row) == (2 * 12 * 16 * 8, 2 * 6 * 6 * 8, 2 * 12 * 8)

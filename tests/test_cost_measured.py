@@ -19,22 +19,22 @@ import torch
 from helpers import load_lesson
 
 from distlab.comm.ledger import Ledger
-from distlab.context_parallel.split import Layout
 from distlab.cost import memory, traffic
 from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Transformer
-from distlab.data_parallel.measure import measure_collectives
-from distlab.models import Block, BlockOptions, token_batch
+from distlab.data_split.data_parallel.measure import measure_collectives
+from distlab.data_split.sharding import holds
+from distlab.data_split.sharding.problem import ShardingConfig, build_model, global_batch, rows_of
+from distlab.data_split.sharding.replicated import Replicated
+from distlab.data_split.sharding.training import run_strategy
+from distlab.layer_split.context_parallel.split import Layout
+from distlab.layer_split.tensor_parallel import mesh2d, operators
+from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.layer_split.tensor_parallel.runs import activation_bytes_measured, split_run
 from distlab.pipeline import p2p
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.training import PipelineConfig
-from distlab.sharding import holds
-from distlab.sharding.problem import ShardingConfig, build_model, global_batch, rows_of
-from distlab.sharding.replicated import Replicated
-from distlab.sharding.training import run_strategy
-from distlab.spawn import spawn
-from distlab.tensor_parallel import mesh2d, operators
-from distlab.tensor_parallel.model import BlockConfig
-from distlab.tensor_parallel.runs import activation_bytes_measured, split_run
+from distlab.processes.spawn import spawn
+from distlab.proof.models import Block, BlockOptions, token_batch
 
 SHARDING = ShardingConfig()  # lesson 07: layers of 221, 154, 60 parameters, N = 24, AdamW, float64
 BLOCK = BlockConfig()  # lesson 08: N = 12, seq = 12, d = 24, h = 12, d_ff = 48, dropout 0.1, float64

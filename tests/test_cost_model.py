@@ -16,9 +16,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from distlab.cost import flops, memory
 from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer, check
 from distlab.cost.step import step_cost
-from distlab.models import Block, BlockOptions, layered_mlp, regression_batch, token_batch
+from distlab.data_split.sharding import accounting
 from distlab.plan.presets import MODELS
-from distlab.sharding import accounting
+from distlab.proof.models import Block, BlockOptions, layered_mlp, regression_batch, token_batch
 
 # (layers, d, h, d_ff, N, seq, attention, fused qkv, causal, recompute)
 SHAPES = [

@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab.runtime import GPU_BACKEND, distributed
-from distlab.spawn import spawn
-from distlab.strict import STAND_IN, StrictDeviceError, strict_device
+from distlab.processes.runtime import GPU_BACKEND, distributed
+from distlab.processes.spawn import spawn
+from distlab.processes.strict import STAND_IN, StrictDeviceError, strict_device
 
 LESSONS = sorted((Path(__file__).resolve().parent.parent / "lessons").glob("[0-9][0-9]_*.py"))
 
@@ -157,8 +157,8 @@ def _devices(rt):
     from distlab.contrastive.losses import clip_loss
     from distlab.contrastive.step import contrastive_loss
     from distlab.contrastive.variants import LOCAL_SUM
-    from distlab.models import TwoTower, paired_data
     from distlab.pipeline import p2p
+    from distlab.proof.models import TwoTower, paired_data
     from distlab.streamed.step import gather_pairs
 
     with strict_device(rt) as rt:

@@ -4,11 +4,11 @@ bucketed all-reduce still compute the unsplit model's gradients. No timing is as
 import torch
 from helpers import equals_reference, load_lesson, per_config, train_each
 
-from distlab import emulate
-from distlab.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
+from distlab.data_split.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
-from distlab.reference import one_process, sgd
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof import emulate
+from distlab.proof.reference import one_process, sgd
 
 CFG = PipelineConfig(
     widths=(6, *[8] * 8, 4), global_batch=13, steps=2, lr=0.2, seed=3, gather_spans=False, emulate_ms=0.2

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, OnRanks, Scaled, Zero
 
-from distlab.compare import grads_of
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.training import PipelineConfig, problem, train, unsplit_reference
-from distlab.timeline import Timeline, max_concurrency
+from distlab.proof.compare import grads_of
+from distlab.proof.timeline import Timeline, max_concurrency
 
 LESSON, NAME = "model_parallel", "model_parallel_step"
 P = 3

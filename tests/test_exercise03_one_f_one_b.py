@@ -10,11 +10,11 @@ from exercise_kit import Exercise
 from exercise_schedules import ONE_AT_A_TIME, why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, gpipe
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
+from distlab.proof.compare import all_ok, compare
 
 LESSON, NAME = "one_f_one_b", "one_f_one_b"
 P = 3

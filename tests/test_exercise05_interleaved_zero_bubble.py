@@ -12,11 +12,11 @@ from exercise_kit import Exercise
 from exercise_schedules import why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, one_f_one_b
 from distlab.pipeline.simulator import simulate
 from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
+from distlab.proof.compare import all_ok, compare
 
 LESSON, NAME = "interleaved_zero_bubble", "zb_h1"
 P, M = 3, 4

@@ -1,6 +1,6 @@
 """Exercise 06: data parallelism by hand, judged on 3 ranks against one process on the whole batch.
 
-The model has the shapes real models have (`distlab.models.RealShapes`): a parameter on the root module
+The model has the shapes real models have (`distlab.proof.models.RealShapes`): a parameter on the root module
 (`logit_scale`), an embedding weight tied to the output layer's, a frozen tower and a frozen bias (no
 gradient: nothing to reduce). Each rank builds the same model, runs backward on the mean loss over its C
 rows, calls the answer, and takes an SGD step. The lesson's claims: after the answer every rank's gradients
@@ -17,8 +17,8 @@ from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled, Tensors
 from exercise_watch import Watch
 
-from distlab.compare import grads_of
-from distlab.models import RealShapes, regression_batch
+from distlab.proof.compare import grads_of
+from distlab.proof.models import RealShapes, regression_batch
 
 LESSON, NAME = "data_parallel", "all_reduce_gradients"
 P, C, V, D, STEPS, LR = 3, 4, 5, 4, 2, 0.1

@@ -1,6 +1,6 @@
 """Exercise 07: ZeRO-1 by hand, judged on 3 ranks against one process on the whole batch.
 
-Each rank trains a model with the shapes real models have (`distlab.models.RealShapes`: a parameter on the
+Each rank trains a model with the shapes real models have (`distlab.proof.models.RealShapes`: a parameter on the
 root module, an embedding tied to the output layer, a frozen tower and a frozen bias; units of 25, 6 and 31
 trained parameters, the root's holding `logit_scale` and the tied weight: uneven shards at P = 3) for 3 AdamW
 steps with the answer's ZeRO-1. The lesson's claims: the parameters and AdamW's two moments equal one
@@ -14,10 +14,10 @@ import torch
 from exercise_kit import Exercise, solution
 from exercise_signatures import Confined, Equals, Mistake, Scaled
 
-from distlab.sharding import accounting
-from distlab.sharding.flat import units_of
-from distlab.sharding.problem import ShardingConfig, build_model, reference
-from distlab.sharding.training import run_strategy
+from distlab.data_split.sharding import accounting
+from distlab.data_split.sharding.flat import units_of
+from distlab.data_split.sharding.problem import ShardingConfig, build_model, reference
+from distlab.data_split.sharding.training import run_strategy
 
 LESSON, NAME = "sharding", "zero1"
 P, CFG = 3, ShardingConfig(global_batch=6, widths=(6, 5, 6), real_shapes=True)

@@ -13,10 +13,10 @@ from exercise_signatures import Equals, Mistake, Scaled
 from exercise_watch import Watch
 
 from distlab.comm.ledger import Ledger
-from distlab.tensor_parallel import cost, operators
-from distlab.tensor_parallel.model import BlockConfig
-from distlab.tensor_parallel.operator_checks import MATH, check_operator
-from distlab.tensor_parallel.runs import split_run
+from distlab.layer_split.tensor_parallel import cost, operators
+from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.layer_split.tensor_parallel.operator_checks import MATH, check_operator
+from distlab.layer_split.tensor_parallel.runs import split_run
 
 LESSON, NAME = "tensor_parallel", "Copy"
 P, STEPS, LR = 3, 2, 0.5

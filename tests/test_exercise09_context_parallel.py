@@ -18,8 +18,8 @@ from exercise_signatures import Equals, Mistake
 from exercise_watch import Watch
 
 from distlab.comm.ring import Ring
-from distlab.context_parallel.attention import Partial, causal_mask, fold_tile, scores
-from distlab.context_parallel.split import SKIP, Layout, count_work, pieces_of, shard, tile_kind
+from distlab.layer_split.context_parallel.attention import Partial, causal_mask, fold_tile, scores
+from distlab.layer_split.context_parallel.split import SKIP, Layout, count_work, pieces_of, shard, tile_kind
 
 LESSON, NAME = "context_parallel", "ring_forward"
 P, HEADS, SEQ, HEAD_DIM = 4, 2, 24, 4

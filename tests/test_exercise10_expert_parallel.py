@@ -19,9 +19,17 @@ from exercise_signatures import Equals, Mistake, Zero
 from exercise_watch import Watch
 
 from distlab.comm.ledger import Ledger
-from distlab.compare import grads_of
-from distlab.expert_parallel import cost, runs
-from distlab.expert_parallel.moe import MoEBlock, MoEConfig, Routing, balance_loss, capacity, kept_choices, route
+from distlab.layer_split.expert_parallel import cost, runs
+from distlab.layer_split.expert_parallel.moe import (
+    MoEBlock,
+    MoEConfig,
+    Routing,
+    balance_loss,
+    capacity,
+    kept_choices,
+    route,
+)
+from distlab.proof.compare import grads_of
 
 LESSON, NAME = "10_expert_parallel", "expert_parallel_moe"
 P = 3

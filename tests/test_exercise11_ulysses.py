@@ -17,8 +17,8 @@ from exercise_signatures import Equals, Mistake, Zero
 from exercise_watch import Watch
 
 from distlab.comm.ledger import Ledger
-from distlab.context_parallel.split import shard
 from distlab.contrastive.gather import gather_with_grad
+from distlab.layer_split.context_parallel.split import shard
 
 LESSON, NAME = "11_ulysses", "ulysses_attention"
 P, HEADS, SEQ, HEAD_DIM = 3, 6, 12, 4

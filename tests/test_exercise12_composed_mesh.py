@@ -18,7 +18,7 @@ from helpers import load_lesson
 
 from distlab.composed import cost
 from distlab.composed.config import ModelConfig, Shape
-from distlab.models import attention
+from distlab.proof.models import attention
 
 LESSON, NAME = "12_composed_mesh", "parallelize"
 P, SHAPE = 4, Shape(dp=1, pp=1, tp=2, cp=2)

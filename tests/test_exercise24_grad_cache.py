@@ -15,10 +15,10 @@ from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled
 from torch import nn
 
-from distlab.compare import grads_of
 from distlab.contrastive.losses import clip_loss
-from distlab.models import TwoTower, paired_data
-from distlab.random_state import RandContext
+from distlab.pieces.random_state import RandContext
+from distlab.proof.compare import grads_of
+from distlab.proof.models import TwoTower, paired_data
 
 LESSON, NAME = "grad_cache", "grad_cache_step"
 N, B, TAU, SEED = 8, 3, 0.1, 7

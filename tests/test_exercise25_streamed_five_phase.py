@@ -20,10 +20,10 @@ from exercise_watch import Watch, spanning
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import grads_of
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.data_parallel.ddp import counting
-from distlab.models import TwoTower, paired_data
+from distlab.data_split.data_parallel.ddp import counting
+from distlab.proof.compare import grads_of
+from distlab.proof.models import TwoTower, paired_data
 from distlab.streamed.config import parse_config
 
 LESSON, NAME = "streamed_five_phase", "streamed_backward"

@@ -12,10 +12,10 @@ from grad_cache_helpers import SEED, N, Output, grads_of_models, image_batch, re
 from torch import nn
 
 import distlab.contrastive.grad_cache as grad_cache_module
-from distlab.compare import all_ok, compare
 from distlab.contrastive.grad_cache import GradCache, default_rep
-from distlab.models import TwoTower, paired_data
-from distlab.split_inputs import split_inputs
+from distlab.pieces.split_inputs import split_inputs
+from distlab.proof.compare import all_ok, compare
+from distlab.proof.models import TwoTower, paired_data
 
 # --- tensors and lists, one and two models ----------------------------------------------------------
 

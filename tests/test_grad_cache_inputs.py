@@ -10,9 +10,9 @@ import pytest
 import torch
 from grad_cache_helpers import SEED, N, ToyVLM, grads_of_models, image_batch, reference, rep_clip_loss, text_batch
 
-from distlab.compare import all_ok, compare
 from distlab.contrastive.grad_cache import GradCache
-from distlab.split_inputs import split_inputs
+from distlab.pieces.split_inputs import split_inputs
+from distlab.proof.compare import all_ok, compare
 
 # --- dicts and VLM-style inputs -----------------------------------------------------------------------
 

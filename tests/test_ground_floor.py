@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.compare import against, compare_whole
-from distlab.held import SavedActivations, model_states, storage_bytes
-from distlab.models import Block, BlockOptions, token_batch
-from distlab.reference import one_process, sgd
-from distlab.training import Plain, reduce_gradients, train
+from distlab.pieces.online_softmax import merge, online_fold
+from distlab.proof.compare import against, compare_whole
+from distlab.proof.held import SavedActivations, model_states, storage_bytes
+from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.reference import one_process, sgd
+from distlab.proof.training import Plain, reduce_gradients, train
 
 LR, STEPS = 0.1, 3
 
@@ -152,3 +153,18 @@ def test_model_states_and_storage_bytes():
     assert bytes_by_item == {"weights": 64, "gradients": 64, "moments": 128, "step counts": 8}
     flat = torch.zeros(10)
     assert storage_bytes([flat[:3], flat[5:], flat]) == 40  # views of one storage: once, whole
+
+
+def test_two_partial_folds_merge_into_the_whole_rows_log_sum_exp():
+    """`merge` of the folds of two column ranges equals torch.logsumexp of the whole row (float64); the same
+    merge without the rescale to the larger max (a wrong twin) does not."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 12, generator=gen, dtype=torch.float64) * 30  # large logits: exp alone would overflow
+    folds = []
+    for part in (x[:, :7], x[:, 7:]):
+        m, l_ = torch.full((5,), float("-inf"), dtype=x.dtype), torch.zeros(5, dtype=x.dtype)
+        folds.append(online_fold(m, l_, part.clone(), dim=1))
+    m, l_ = merge(*folds[0], *folds[1])
+    torch.testing.assert_close(m + l_.log(), torch.logsumexp(x, dim=1), rtol=1e-12, atol=1e-12)
+    wrong = torch.maximum(folds[0][0], folds[1][0]) + (folds[0][1] + folds[1][1]).log()  # sums never rescaled
+    assert not torch.allclose(wrong, torch.logsumexp(x, dim=1), rtol=1e-6)

@@ -1,14 +1,16 @@
-"""The library is built in floors, and its imports say so.
+"""The library is built in floors of named rooms, and its imports say so.
 
-The ground floor is every top-level module of `distlab` (runtime, compare, console, models, ...) and its
-shared packages (`distlab.comm`: the collectives, the exchange, the ledger). On it stand the sibling
-packages, one per parallelism or step (pipeline, data_parallel, sharding, tensor_parallel,
-context_parallel, contrastive, streamed): each imports the ground floor and itself, never a sibling, so
-each can be read, changed and tested on its own. The ground floor imports no sibling. On top stand the
-packages that read every parallelism at once (`distlab.cost`: a step's cost from each lesson's formula;
-`distlab.plan`, the planner on it): they may import any floor below, and nothing below imports them. And
-data flows one way: lessons, tests and benchmarks import `distlab`, `distlab` never imports a lesson or a
-test.
+`ls src/distlab` shows the architecture: packages only, no loose module, each one named here. The ground floor
+has four rooms: `processes` (torchrun's environment, the process group, devices, flags and the lessons'
+command line), `comm` (the collectives, the exchange, the ledger), `proof` (the models a check trains, the
+training loop, the reference, the comparison, the measurements, the verdict) and `pieces` (a batch computed in
+pieces exactly as the whole). On it stand the sibling packages, one per parallelism or step (pipeline,
+data_parallel, sharding, tensor_parallel, context_parallel, expert_parallel, composed, contrastive, streamed):
+each imports the ground floor and itself, never a sibling, so each can be read, changed and tested on its own.
+The ground floor imports no sibling. On top stand the packages that read every parallelism at once
+(`distlab.cost`: a step's cost from each lesson's formula; `distlab.plan`, the planner on it): they may import
+any floor below, and nothing below imports them. And data flows one way: lessons, tests and benchmarks import
+`distlab`, `distlab` never imports a lesson, a test or the lessons' command line (`distlab.processes.cli`).
 
 Each rule is checked on the source (every import statement, also inside functions, relative ones
 resolved), and each check is shown to fail on a planted import.
@@ -22,10 +24,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 DISTLAB = SRC / "distlab"
-GROUND_PACKAGES = ("comm",)  # shared packages of the ground floor
+GROUND_PACKAGES = ("processes", "comm", "proof", "pieces")  # the ground floor's rooms
+PARTS = ("data_split", "layer_split")  # a part of the arc: a folder of its sibling packages, and nothing else
+SIBLINGS = (  # one package per way of splitting training, or per step: each imports the ground floor only
+    "pipeline",
+    "data_split.data_parallel",
+    "data_split.sharding",
+    "layer_split.tensor_parallel",
+    "layer_split.context_parallel",
+    "layer_split.expert_parallel",
+    "composed",
+    "contrastive",
+    "streamed",
+)
 TOP_PACKAGES = ("cost", "plan")  # the top floor: they read every sibling's formulas
+ROOMS = GROUND_PACKAGES + SIBLINGS + TOP_PACKAGES
 PACKAGES = sorted(p.name for p in DISTLAB.iterdir() if (p / "__init__.py").is_file())
-SIBLINGS = [name for name in PACKAGES if name not in GROUND_PACKAGES + TOP_PACKAGES]
+LESSONS_PARSER = "distlab.processes.cli"  # the lessons' command line: lessons, tests and benchmarks only
 LIBRARY = sorted(SRC.rglob("*.py"))  # distlab, and distributed_clip.py: the public path to the streamed step
 FLOORED = sorted(DISTLAB.rglob("*.py"))
 OUTSIDE = ("lessons", "tests", "helpers", "nbhelpers", "exercise_kit")  # what the library never imports
@@ -57,18 +72,22 @@ def imports(source: str, module: str, is_package: bool = False) -> list[str]:
 def floor_breaks(source: str, module: str, is_package: bool = False) -> list[str]:
     """The imports of `module` that cross a floor: any sibling from the ground floor, another sibling from
     a sibling, the top floor from anything below it. The top floor itself may import every floor."""
-    parts = module.split(".")
-    if len(parts) > 1 and parts[1] in TOP_PACKAGES:
+    own = room_of(module)
+    if own in TOP_PACKAGES:
         return []
-    own = parts[1] if len(parts) > 1 and parts[1] in SIBLINGS else None
     breaks = []
     for name in imports(source, module, is_package):
-        target = name.split(".")
-        if target[0] != "distlab" or len(target) < 2:
-            continue
-        if (target[1] in SIBLINGS and target[1] != own) or target[1] in TOP_PACKAGES:
+        target = room_of(name)
+        if (target in SIBLINGS and target != own) or target in TOP_PACKAGES:
             breaks.append(f"{module} imports {name}")
     return sorted(set(breaks))
+
+
+def room_of(name: str) -> str | None:
+    """The room a dotted name lies in: distlab.layer_split.tensor_parallel.cost -> layer_split.tensor_parallel,
+    distlab.proof.compare -> proof; None outside distlab or for distlab itself (or a part's own folder)."""
+    inside = name.split(".")[1:] if name.split(".")[0] == "distlab" else []
+    return next((".".join(inside[:k]) for k in (2, 1) if ".".join(inside[:k]) in ROOMS), None)
 
 
 def outside_imports(source: str, module: str) -> list[str]:
@@ -82,10 +101,65 @@ def outside_imports(source: str, module: str) -> list[str]:
     )
 
 
+def entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name not in ("__init__.py", "__pycache__"))
+
+
 def test_the_floors_are_what_the_tree_holds():
-    assert set(GROUND_PACKAGES) <= set(PACKAGES) and set(TOP_PACKAGES) <= set(PACKAGES)
-    assert {"pipeline", "data_parallel", "sharding", "tensor_parallel", "context_parallel"} <= set(SIBLINGS)
-    assert {"contrastive", "streamed"} <= set(SIBLINGS) and len(FLOORED) > 50
+    """Every entry of src/distlab is a room named here, or a part of the arc holding only its rooms; a new package
+    names its floor. `ls src/distlab` shows at most 12 entries besides __init__.py."""
+    assert len(set(ROOMS + PARTS)) == len(ROOMS + PARTS)
+    top = {room.split(".")[0] for room in ROOMS}
+    assert entries(DISTLAB) == PACKAGES == sorted(top), set(entries(DISTLAB)) ^ top
+    for part in PARTS:
+        assert [f"{part}.{name}" for name in entries(DISTLAB / part)] == sorted(r for r in ROOMS if r.startswith(part))
+    assert len(entries(DISTLAB)) <= 12 and len(FLOORED) > 50
+
+
+def test_every_room_says_what_lives_there():
+    for room in ROOMS + PARTS:
+        doc = ast.get_docstring(ast.parse((DISTLAB / room.replace(".", "/") / "__init__.py").read_text()))
+        assert doc and len(doc.split()) >= 12, room
+
+
+def test_a_room_is_found_at_its_depth():
+    assert room_of("distlab.layer_split.tensor_parallel.cost") == "layer_split.tensor_parallel"
+    assert room_of("distlab.proof.compare.compare") == "proof" and room_of("distlab.layer_split") is None
+    assert room_of("torch.distributed") is None and room_of("distlab") is None
+
+
+def lessons_parser_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The imports of `module` that reach the lessons' parser (the library keeps its own flags apart)."""
+    return sorted(
+        {
+            f"{module} imports {name}"
+            for name in imports(source, module, is_package)
+            if name == LESSONS_PARSER or name.startswith(LESSONS_PARSER + ".")
+        }
+    )
+
+
+def test_the_library_never_imports_the_lessons_parser():
+    offenders = [
+        b
+        for path in LIBRARY
+        if module_name(path) != LESSONS_PARSER
+        for b in lessons_parser_imports(path.read_text(), module_name(path), path.name == "__init__.py")
+    ]
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "from distlab.processes.cli import LessonParser",
+        "from distlab.processes import cli",
+        "import distlab.processes.cli",
+    ],
+)
+def test_the_parser_check_fails_on_a_planted_import(planted):
+    assert lessons_parser_imports(planted, "distlab.plan.cli")
+    assert not lessons_parser_imports("from distlab.processes.flags import FlagParser", "distlab.plan.cli")
 
 
 def test_sibling_packages_import_only_the_ground_floor():
@@ -104,26 +178,32 @@ def test_the_library_never_imports_a_lesson_or_a_test():
     "module,planted",
     [
         ("distlab.streamed.step", "from distlab.contrastive.rand_context import RandContext"),
-        ("distlab.sharding.zero", "from distlab import data_parallel"),
-        ("distlab.tensor_parallel.cost", "def f():\n    import distlab.sharding.accounting\n"),
+        ("distlab.data_split.sharding.zero", "from distlab.data_split import data_parallel"),
+        ("distlab.layer_split.tensor_parallel.cost", "def f():\n    import distlab.data_split.sharding.accounting\n"),
         ("distlab.contrastive.cost", "from ..pipeline import p2p"),
-        ("distlab.comm.ring", "from distlab.data_parallel.ring import Ring"),  # the ground floor, upwards
-        ("distlab.runtime", "from distlab.streamed.peers import naming_dead_peers"),
-        ("distlab.sharding.accounting", "from distlab.cost.memory import model_states"),  # the top floor, from below
-        ("distlab.models", "import distlab.plan"),
+        ("distlab.comm.ring", "from distlab.data_split.data_parallel.ring import Ring"),  # the ground floor, upwards
+        ("distlab.processes.runtime", "from distlab.streamed.peers import naming_dead_peers"),
+        (
+            "distlab.data_split.sharding.accounting",
+            "from distlab.cost.memory import model_states",
+        ),  # the top floor, from below
+        ("distlab.proof.models", "import distlab.plan"),
     ],
 )
 def test_the_floor_check_fails_on_a_planted_import(module, planted):
-    source = "from distlab.compare import compare\nfrom distlab.comm.p2p import post\n" + planted
+    source = "from distlab.proof.compare import compare\nfrom distlab.comm.p2p import post\n" + planted
     assert floor_breaks(source, module)
-    assert not floor_breaks("from distlab.compare import compare\nfrom distlab.comm.ledger import Ledger\n", module)
+    assert not floor_breaks(
+        "from distlab.proof.compare import compare\nfrom distlab.comm.ledger import Ledger\n", module
+    )
 
 
 def test_the_top_floor_may_import_every_floor():
-    source = "from distlab.sharding import accounting\nfrom distlab.tensor_parallel.cost import activation_bytes\n"
+    source = "from distlab.data_split.sharding import accounting\n"
+    source += "from distlab.layer_split.tensor_parallel.cost import activation_bytes\n"
     assert not floor_breaks(source + "from distlab.cost.flops import forward\n", "distlab.plan.search")
     assert not floor_breaks(source, "distlab.cost.memory")
-    assert floor_breaks(source, "distlab.context_parallel.cost")  # the same imports from a sibling break
+    assert floor_breaks(source, "distlab.layer_split.context_parallel.cost")  # the same imports from a sibling break
 
 
 def test_a_package_may_import_itself_relatively_or_not():
@@ -141,5 +221,5 @@ def test_a_package_may_import_itself_relatively_or_not():
 
 @pytest.mark.parametrize("planted", ["import helpers", "from tests.helpers import torchrun", "import test_comm"])
 def test_the_one_way_check_fails_on_a_planted_import(planted):
-    assert outside_imports(planted, "distlab.compare")
-    assert not outside_imports("from distlab.console import print0", "distlab.compare")
+    assert outside_imports(planted, "distlab.proof.compare")
+    assert not outside_imports("from distlab.proof.console import print0", "distlab.proof.compare")

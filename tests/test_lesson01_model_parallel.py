@@ -5,8 +5,8 @@ import pytest
 from helpers import assert_flag_refused, equals_reference, load_lesson, per_config, train_each
 
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
-from distlab.spawn import SpawnError, spawn
-from distlab.timeline import max_concurrency
+from distlab.processes.spawn import SpawnError, spawn
+from distlab.proof.timeline import max_concurrency
 
 CFG = PipelineConfig(widths=(6, 10, 12, 10, 8, 4), global_batch=16, steps=4, lr=0.2, seed=3)  # 5 layers
 

@@ -4,9 +4,9 @@ like the unsplit model on the whole batch; forgetting the micro-batch scale woul
 import pytest
 from helpers import assert_lesson_passes_at_80_columns, equals_reference, load_lesson, merged, per_config, train_each
 
-from distlab.compare import all_ok, compare
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 
 # 16 layers: 8 or 4 per stage, so K = 2 checkpoint segments of 4 or 2 layers really recompute
 # (a one-layer segment of this MLP saves and recomputes nothing; see probe.py). N = 13 rows:

@@ -7,7 +7,7 @@ from helpers import assert_lesson_passes_at_80_columns, equals_reference, load_l
 from distlab.pipeline import schedules
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.training import PipelineConfig, microbatch_sizes, unsplit_reference
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 
 CFG = PipelineConfig(
     widths=(6, *[8] * 15, 4), global_batch=13, steps=3, lr=0.2, seed=3, probe=True, gather_spans=False

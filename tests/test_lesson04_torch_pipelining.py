@@ -5,10 +5,10 @@ says: equal micro-batches only, 1F1B refuses M < P, scale_grads divides by M."""
 import pytest
 from helpers import equals_reference, merged, per_config, torch_step, train_each
 
-from distlab.compare import all_ok, compare
 from distlab.pipeline.schedules import make_schedule
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 
 CFG = PipelineConfig(widths=(6, *[8] * 7, 4), global_batch=180, steps=3, lr=0.2, seed=5, gather_spans=False)
 # N = 180 = 4 * 5 * 9: every M below divides it

@@ -15,12 +15,12 @@ from helpers import (
     train_each,
 )
 
-from distlab.compare import all_ok, compare
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import make_schedule
 from distlab.pipeline.simulator import peak_in_flight
 from distlab.pipeline.training import PipelineConfig, unsplit_reference
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 
 # 9 layers: v P = 8 stages at P = 4 (one stage holds two layers). N = 13 rows: uneven micro-batches
 # for every M > 1 here; K = 2 on some runs, so checkpointing meets the I/W split too.

@@ -11,13 +11,13 @@ import torch
 from helpers import assert_same_error_on_every_rank, load_lesson, torchrun
 
 from distlab.comm.collectives import check_collective, full_numel, rank_input, ring_bytes
-from distlab.compare import all_ok, compare
-from distlab.data_parallel import ddp
-from distlab.data_parallel.measure import MEASURED, library_ring, measure_collectives
-from distlab.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
-from distlab.data_parallel.training import train
-from distlab.reference import one_process, sgd
-from distlab.spawn import SpawnError, spawn
+from distlab.data_split.data_parallel import ddp
+from distlab.data_split.data_parallel.measure import MEASURED, library_ring, measure_collectives
+from distlab.data_split.data_parallel.problem import DataParallelConfig, batch_lse_loss, build, check_config, mean_loss
+from distlab.data_split.data_parallel.training import train
+from distlab.processes.spawn import SpawnError, spawn
+from distlab.proof.compare import all_ok, compare
+from distlab.proof.reference import one_process, sgd
 
 # N = 24 splits over 1, 2, 3 and 4 ranks; tiny float64 model, exact to rtol 1e-10 / atol 1e-12.
 CFG = DataParallelConfig(global_batch=24, layers=3, width=8, steps=3, lr=0.2, seed=5)

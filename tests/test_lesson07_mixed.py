@@ -12,13 +12,13 @@ import pytest
 import torch
 from helpers import load_lesson
 
-from distlab.compare import against, all_ok
-from distlab.sharding import accounting
-from distlab.sharding.flat import units_of
-from distlab.sharding.problem import ShardingConfig, build_model, reference
-from distlab.sharding.replicated import Replicated
-from distlab.sharding.training import run_strategy
-from distlab.spawn import spawn
+from distlab.data_split.sharding import accounting
+from distlab.data_split.sharding.flat import units_of
+from distlab.data_split.sharding.problem import ShardingConfig, build_model, reference
+from distlab.data_split.sharding.replicated import Replicated
+from distlab.data_split.sharding.training import run_strategy
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import against, all_ok
 
 MIXED = ShardingConfig().mixed()
 P = 2

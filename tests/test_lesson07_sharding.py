@@ -14,15 +14,15 @@ import pytest
 import torch
 from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 
-from distlab.compare import against, all_ok, compare
-from distlab.sharding import accounting
-from distlab.sharding.dcp_resume import save_and_resume
-from distlab.sharding.flat import units_of
-from distlab.sharding.fsdp import Fsdp2, fsdp_held
-from distlab.sharding.problem import ShardingConfig, build_model, reference
-from distlab.sharding.replicated import Replicated
-from distlab.sharding.training import run_strategy
-from distlab.spawn import spawn
+from distlab.data_split.sharding import accounting
+from distlab.data_split.sharding.dcp_resume import save_and_resume
+from distlab.data_split.sharding.flat import units_of
+from distlab.data_split.sharding.fsdp import Fsdp2, fsdp_held
+from distlab.data_split.sharding.problem import ShardingConfig, build_model, reference
+from distlab.data_split.sharding.replicated import Replicated
+from distlab.data_split.sharding.training import run_strategy
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import against, all_ok, compare
 
 CFG = ShardingConfig()  # layers of Psi_u = 221, 154, 60 parameters: no P in 2..4 divides them all
 

@@ -19,14 +19,14 @@ from helpers import (
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from distlab.comm.ledger import Ledger
-from distlab.compare import against, all_ok, compare
-from distlab.spawn import spawn
-from distlab.tensor_parallel import cost, mesh2d, operators, torch_tp
-from distlab.tensor_parallel.blocks import check_split
-from distlab.tensor_parallel.layers import reference_shards
-from distlab.tensor_parallel.model import BlockConfig
-from distlab.tensor_parallel.operator_checks import check_operator
-from distlab.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
+from distlab.layer_split.tensor_parallel import cost, mesh2d, operators, torch_tp
+from distlab.layer_split.tensor_parallel.blocks import check_split
+from distlab.layer_split.tensor_parallel.layers import reference_shards
+from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.layer_split.tensor_parallel.operator_checks import check_operator
+from distlab.layer_split.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import against, all_ok, compare
 
 # Small, and split by 1, 2, 3 and 4: h = 12 heads of width 2, d_ff = 24, seq = 12.
 CFG = BlockConfig(batch=6, seq=12, dim=24, heads=12, ffn=24, dropout=0.2, seed=3)
@@ -153,7 +153,7 @@ def _g_without_reduce(rt):
 def _bias_on_every_rank(rt):
     """A row-parallel layer that adds its bias to each partial sum (P times in all): the run is no longer the
     unsplit MLP's, nor the library's twin's, bit for bit."""
-    from distlab.tensor_parallel.layers import Layers, RowParallelLinear
+    from distlab.layer_split.tensor_parallel.layers import Layers, RowParallelLinear
 
     class BiasEverywhere(RowParallelLinear):
         def forward(self, x):

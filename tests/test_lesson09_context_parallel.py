@@ -16,8 +16,8 @@ from helpers import (
     torchrun,
 )
 
-from distlab.context_parallel.split import Layout, check_seq_len, shard, unshard
-from distlab.spawn import spawn
+from distlab.layer_split.context_parallel.split import Layout, check_seq_len, shard, unshard
+from distlab.processes.spawn import spawn
 
 HEADS, SEQ, HEAD_DIM = 2, 24, 4  # 24 = 2P x 3 at P = 4, 2P x 4 at P = 3
 SPAWNED = (1, 2, 3, 4)  # every P, with the lesson's own RingAttention (spawn: ranks forked in milliseconds)
@@ -84,8 +84,8 @@ def test_bytes_per_rank_equal_the_formula(runs, world):
 
 
 def test_ring_attention_and_the_streamed_step_import_the_same_fold():
-    from distlab import online_softmax
-    from distlab.context_parallel import attention
+    from distlab.layer_split.context_parallel import attention
+    from distlab.pieces import online_softmax
     from distlab.streamed import tiles as streamed_tiles
 
     assert attention.online_fold is online_softmax.online_fold
@@ -119,7 +119,7 @@ def test_the_lesson_passes(world):
 def test_the_bound_beats_the_whole_sequence_only_from_some_p():
     """Section 5's sentence: at the lesson's defaults (seq 48, h 2, d_h 16, float64) a rank at P = 2 may hold
     more than the whole sequence's k and v; the forward's bound is below it from P = 4, the backward's from 6."""
-    from distlab.context_parallel.cost import Sizes, beats_whole
+    from distlab.layer_split.context_parallel.cost import Sizes, beats_whole
 
     sizes = Sizes(heads=2, seq_len=48, head_dim=16, world_size=2, itemsize=8)
     worlds = [2, 3, 4, 6, 8, 12]

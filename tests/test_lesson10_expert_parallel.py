@@ -21,10 +21,10 @@ from helpers import (
 
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
-from distlab.expert_parallel import cost, runs
-from distlab.expert_parallel.checks import check_all_to_all
-from distlab.expert_parallel.moe import MoEBlock, MoEConfig, Routing, capacity, kept_choices
-from distlab.spawn import spawn
+from distlab.layer_split.expert_parallel import cost, runs
+from distlab.layer_split.expert_parallel.checks import check_all_to_all
+from distlab.layer_split.expert_parallel.moe import MoEBlock, MoEConfig, Routing, capacity, kept_choices
+from distlab.processes.spawn import spawn
 
 # E = 12 splits over P = 1..4; 96 tokens, top-2: 192 choices, capacity 16 at gamma = 1 (32 dropped).
 CFG = MoEConfig(dim=8, heads=2, ffn=16, experts=12, top_k=2, capacity_factor=1.0, aux_weight=0.5, seed=3)

@@ -16,10 +16,10 @@ from helpers import (
 
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
-from distlab.context_parallel import ulysses
-from distlab.context_parallel.cost import Sizes
-from distlab.context_parallel.split import shard, unshard
-from distlab.spawn import spawn
+from distlab.layer_split.context_parallel import ulysses
+from distlab.layer_split.context_parallel.cost import Sizes
+from distlab.layer_split.context_parallel.split import shard, unshard
+from distlab.processes.spawn import spawn
 
 HEADS, SEQ, HEAD_DIM = 12, 12, 3  # P = 1, 2, 3, 4 divide both
 

@@ -5,7 +5,7 @@ and at P = 8 with all of them (test_lesson12_composed_mesh_p8.py); bytes, model 
 rank equal their closed forms; a bad shape is one line naming its flag, before any process group.
 
 The reference is independent: `lesson.reference` trains a fresh whole `LanguageModel` in one process with
-plain autograd and torch's AdamW (`distlab.reference.one_process`), nothing of the mesh's code on its path."""
+plain autograd and torch's AdamW (`distlab.proof.reference.one_process`), nothing of the mesh's code on its path."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from dataclasses import replace
 from composed_helpers import CFG, LESSON, assert_every_shape_equals_one_process, shapes_against_one_process
 from helpers import load_lesson, torchrun, value_error
 
-from distlab.compare import all_ok
 from distlab.composed.config import Shape, small_shapes
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok
 
 
 def test_each_dimension_alone_at_p2_equals_one_process():

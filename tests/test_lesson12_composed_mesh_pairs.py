@@ -8,7 +8,7 @@ from dataclasses import replace
 from composed_helpers import CFG, assert_every_shape_equals_one_process, shapes_against_one_process
 
 from distlab.composed.config import small_shapes
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 
 SMALL = replace(CFG, layers=2, steps=2)
 

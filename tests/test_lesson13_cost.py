@@ -14,7 +14,7 @@ from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, loa
 
 from distlab.cost import traffic
 from distlab.cost.shapes import Batch, Parallel, Transformer
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 
 LESSON = "13_cost.py"
 SMALL = ("--layers", "2", "--repeats", "2")  # the lesson's claims at its sizes, a shorter timing

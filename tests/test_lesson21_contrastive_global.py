@@ -12,12 +12,12 @@ from helpers import (
     torchrun,
 )
 
-from distlab.compare import all_ok, compare
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_PLAIN, GLOBAL_SUM, GLOBAL_TIMES_P
-from distlab.models import TwoTower, paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
+from distlab.proof.models import TwoTower, paired_data
 
 N, TAU, SEED = 12, 0.1, 4  # N = 12 splits over 1, 2, 3 and 4 ranks
 VARIANTS = (GLOBAL_PLAIN, GLOBAL_TIMES_P, GLOBAL_SUM)

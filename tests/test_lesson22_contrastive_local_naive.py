@@ -7,13 +7,13 @@ import pytest
 import torch
 from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, parse_lesson_args
 
-from distlab.compare import all_ok, compare, compare_whole
 from distlab.contrastive.reference import DetachedBlocks, full_batch_gradients
 from distlab.contrastive.step import first_step_gradients, wrap_ddp
 from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule, train_ddp, train_single_process
 from distlab.contrastive.variants import LOCAL_PLAIN, LOCAL_SUM
-from distlab.models import TwoTower, paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare, compare_whole
+from distlab.proof.models import TwoTower, paired_data
 
 N, TAU, SEED = 12, 0.1, 5
 

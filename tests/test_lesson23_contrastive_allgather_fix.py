@@ -13,15 +13,15 @@ from helpers import (
     value_error,
 )
 
-from distlab.compare import all_ok, compare
 from distlab.contrastive.batch import local_block
 from distlab.contrastive.cost import global_logits, local_logits, loss_cost, ring_elements
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.step import ddp_step, first_step_gradients, wrap_ddp
 from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_SUM
-from distlab.models import TwoTower, paired_data
-from distlab.runtime import Runtime
-from distlab.spawn import spawn
+from distlab.processes.runtime import Runtime
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
+from distlab.proof.models import TwoTower, paired_data
 
 N, TAU, SEED = 12, 0.1, 6
 LESSON = "contrastive_allgather_fix"

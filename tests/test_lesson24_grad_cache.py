@@ -22,16 +22,16 @@ from helpers import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.chunks import chunks
-from distlab.compare import all_ok, compare, grads_of
 from distlab.contrastive.gather import gather_with_grad
 from distlab.contrastive.grad_cache import GradCache
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.data_parallel.ddp import HookCalls, counting
-from distlab.memory import PeakMemory
-from distlab.models import TwoTower, paired_data
-from distlab.spawn import spawn
+from distlab.data_split.data_parallel.ddp import HookCalls, counting
+from distlab.pieces.chunks import chunks
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.memory import PeakMemory
+from distlab.proof.models import TwoTower, paired_data
 
 P, N, B, TAU, SEED = 2, 22, 4, 0.1, 11  # C = 11 pairs per rank in micro-batches of 4, 4, 3
 C = N // P

@@ -16,10 +16,10 @@ import torch
 from helpers import assert_lesson_passes_at_80_columns, lesson_path, load_lesson
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare, grads_of
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
-from distlab.models import paired_data
-from distlab.spawn import free_port, spawn
+from distlab.processes.spawn import free_port, spawn
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.models import paired_data
 from distlab.streamed.config import parse_config
 from distributed_clip import distributed_backward
 

@@ -19,10 +19,10 @@ from streamed_helpers import STREAMED_N as N
 from streamed_helpers import SigTowers, full_batch, local_rows
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare, grads_of
 from distlab.contrastive.siglip_recipe import siglip_recipe_loss
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.models import paired_data
 from distributed_clip import distributed_backward
 
 LESSON = "sigmoid_and_ring"

@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import assert_flag_refused, torchrun
 
-from distlab.checkpointing import Checkpoints
-from distlab.spawn import SpawnError, spawn
+from distlab.contrastive.checkpointing import Checkpoints
+from distlab.processes.spawn import SpawnError, spawn
 
 LESSON = "train_clip"
 # 20 steps of N = 64 clear the lesson's 80% accuracy claim (about 90%); checkpoints after steps 5, 10, ...
@@ -144,7 +144,7 @@ def test_ranks_that_see_different_newest_checkpoints_are_refused_naming_them(tmp
 
 
 def _barrier_count(rt):
-    from distlab.checkpointing import _barrier
+    from distlab.contrastive.checkpointing import _barrier
 
     return _barrier(rt)
 
@@ -188,5 +188,5 @@ def test_every_checkpoint_load_keeps_weights_only_and_the_docs_say_a_directory_m
     source = (root / "src" / "distlab" / "checkpointing.py").read_text()
     assert "torch.load(" in source and unsafe_loads(source) == []
     assert unsafe_loads('torch.load(folder / "state.pt", map_location="cpu")')  # the check can fail
-    for doc in (root / "lessons" / "07_sharding.py", root / "README.md"):
+    for doc in (root / "lessons" / "07_sharding.py", root / "docs" / "results.md"):
         assert "checkpoint directory must be trusted" in " ".join(doc.read_text().split()).lower(), doc

@@ -31,9 +31,9 @@ from distlab.contrastive.digits import (
     zero_shot,
 )
 from distlab.contrastive.losses import sigmoid_loss
+from distlab.contrastive.optim import decay_groups, warmup_cosine
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.optim import decay_groups, warmup_cosine
-from distlab.spawn import free_port
+from distlab.processes.spawn import free_port
 
 LESSON = "train_clip"
 SIGMOID_STEPS = 40  # at P = 3 with the ring: about 95% zero-shot against the 80% claim (30 steps: 90%)

@@ -22,10 +22,10 @@ from streamed_helpers import DROPOUT_SEED, rank_streams
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.contrastive.reference import as_ranks, full_batch_gradients
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 from distlab.streamed.exit_hint import HINT
 from distributed_clip import ClipLoss, SigLipLoss
 
@@ -230,6 +230,7 @@ def test_open_clips_arguments_are_taken_or_refused_by_name_and_one_process_needs
         (lambda: ClipLoss(dist_impl="gather"), TypeError, "unexpected keyword argument 'dist_impl'"),
         (lambda: ClipLoss(exchange="allgather"), ValueError, "config['EXCHANGE'] must be one of ('gather', 'ring')"),
         (lambda: ClipLoss(stream_chunk_size=0), ValueError, "config['STREAM_CHUNK_SIZE'] must be >= 1"),
+        (lambda: ClipLoss(matmul_precision="fp8"), ValueError, "config['MATMUL_PRECISION'] must be one of"),
         (lambda: ClipLoss(local_loss=1), ValueError, "local_loss must be True or False"),
         (lambda: ClipLoss(1, 2), TypeError, "positional"),
     ]
@@ -247,3 +248,17 @@ def test_open_clips_arguments_are_taken_or_refused_by_name_and_one_process_needs
             ref_model, images, texts, None, sigmoid_loss if kind == "siglip" else clip_loss
         )
         assert math.isclose(loss.item(), ref_loss, rel_tol=1e-10) and all_ok(compare(ref, grads(model))), kind
+
+
+def test_the_matmul_precision_reaches_the_tiles():
+    """matmul_precision="bf16" rounds what the tiles multiply (the embeddings, on the CPU's torch tiles): the
+    gradient moves away from the float32 module's by bf16's rounding, no more; the default is float32's."""
+    images, texts = image_text_data(N)
+    got = {}
+    for precision in ("float32", "bf16"):
+        model = CLIP(dropout=0.0).float()
+        ClipLoss(stream_chunk_size=T, matmul_precision=precision)(*model(images.float(), texts)).backward()
+        got[precision] = grads(model)
+    assert ClipLoss().settings["MATMUL_PRECISION"] == "float32"  # distributed_backward's default too
+    moved = relative_error(got["bf16"], got["float32"])
+    assert 1e-5 < moved < 2e-2, moved

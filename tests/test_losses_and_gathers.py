@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_gather_result, gather_forward_and_backward, value_error
 
-from distlab.chunks import chunks
 from distlab.contrastive.gather import gather_library, gather_plain, gather_with_grad
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.contrastive.step import contrastive_loss
 from distlab.contrastive.variants import LOCAL_LIBRARY
-from distlab.models import TwoTower, paired_data
-from distlab.spawn import spawn
+from distlab.pieces.chunks import chunks
+from distlab.processes.spawn import spawn
+from distlab.proof.models import TwoTower, paired_data
 
 
 def _unit(n, d, seed, dtype=torch.float64):

@@ -5,8 +5,8 @@ import gc
 import torch
 from torch import nn
 
-from distlab.memory import MIB, PeakMemory
-from distlab.random_state import RandContext
+from distlab.pieces.random_state import RandContext
+from distlab.proof.memory import MIB, PeakMemory
 
 
 def test_peak_memory_counts_live_storage_and_releases_it():

@@ -101,3 +101,44 @@ def test_the_check_can_fail():
     spam = {"cells": [{"outputs": [{"text": "\n".join(["train \u2501\u2501\u2501 3/10"] * 41)}]}]}
     with pytest.raises(AssertionError, match="progress-bar"):
         check_outputs(spam, "x")
+
+
+ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+PRINTED_LESSON = re.compile(r"\bLesson (\d\d)\b")  # the header each lesson prints, "Lesson 10: ..."
+JSON_NAME = re.compile(r"\blesson(\d\d)\.json\b|[\"/](\d\d)\.json\b")
+
+
+def printed_numbers(notebook: dict) -> tuple[set[str], set[str]]:
+    """The lesson numbers a notebook's saved outputs print in a lesson's header, and those its code's JSON
+    report names carry ("lesson10.json", "01.json")."""
+    printed, named = set(), set()
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            named |= {a or b for a, b in JSON_NAME.findall("".join(cell["source"]))}
+        for output in cell.get("outputs", []):
+            text = "".join(output.get("text", "")) + "".join(output.get("data", {}).get("text/plain", ""))
+            printed |= set(PRINTED_LESSON.findall(ESCAPE.sub("", text)))
+    return printed, named
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_notebook_shows_its_own_lessons_number(path):
+    """What a notebook's saved run printed is its own lesson's, under today's number (a notebook last run before
+    a renumbering says so), and its JSON report is named for that number."""
+    printed, named = printed_numbers(json.loads(path.read_text()))
+    number = path.name[:2]
+    assert named <= {number}, (path.name, named)
+    assert number in printed or not printed, (path.name, printed)
+    assert printed <= {number} | set(mentioned_lessons(path)), (path.name, printed)
+
+
+def mentioned_lessons(path: Path) -> set[str]:
+    """Lessons a notebook's own lesson names in its printout ("Lesson 22's ..."), which may appear beside its own."""
+    lesson = next(path.parent.parent.glob(f"{path.name[:2]}_*.py"))
+    return set(re.findall(r"\bLesson (\d\d)\b", lesson.read_text()))
+
+
+def test_the_number_check_can_fail():
+    stale = {"cells": [{"cell_type": "code", "source": ['run("--json", "lesson17.json")'], "outputs": []}]}
+    stale["cells"][0]["outputs"] = [{"text": "\x1b[1mLesson \x1b[0m\x1b[1;36m17\x1b[0m: expert parallelism"}]
+    assert printed_numbers(stale) == ({"17"}, {"17"})

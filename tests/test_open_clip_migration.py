@@ -1,5 +1,5 @@
-"""What moving from open_clip_train changes, measured against the whole batch (the README's "Migrating from
-open_clip_train" section quotes these figures; `pytest -s` prints them).
+"""What moving from open_clip_train changes, measured against the whole batch
+(docs/distributed_clip.md's "Migrating from open_clip_train" section quotes these figures; `pytest -s` prints them).
 
 open_clip's `ClipLoss` is re-implemented with every combination of its two flags (tests/open_clip_like.py
 `open_clip_recipe`: its `gather_features`, then `ClipLoss.forward`) and run under DDP on the stock-like
@@ -27,10 +27,10 @@ import torch
 from open_clip_like import CLIP, image_text_data, open_clip_recipe
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 from distributed_clip import ClipLoss, distributed_backward
 
 N = 24

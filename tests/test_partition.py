@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from distlab.models import layered_mlp
 from distlab.pipeline.partition import boundary_shapes, split_stages, stage_bounds
+from distlab.proof.models import layered_mlp
 
 
 @pytest.mark.parametrize("layers", range(1, 13))

@@ -12,7 +12,6 @@ import sys
 import pytest
 from helpers import ROOT
 
-from distlab.console import console
 from distlab.cost.hardware import DEVICES, GIB, cluster
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions
@@ -20,9 +19,10 @@ from distlab.plan import report
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.search import search
+from distlab.proof.console import console
 
 ARGS = ["--model", "llama3-8b", "--gpus", "16", "--nodes", "2", "--global-batch", "64", "--seq-len", "4096"]
-BAND = (0.6, 1.3)  # predicted MFU / reported MFU: the band the README's lesson 13 results state
+BAND = (0.6, 1.3)  # predicted MFU / reported MFU: the band docs/results.md's lesson 13 results state
 
 
 def printed(argv: list[str]) -> tuple[int, str]:
@@ -109,3 +109,15 @@ def test_the_command_prints_one_line_and_exits_2():
 def test_when_nothing_fits_it_says_so():
     code, out = printed(["--model", "llama3-405b", "--gpus", "8", "--global-batch", "8"])
     assert code == 1 and "nothing fits" in out
+
+
+def test_the_planner_takes_no_lesson_memory_limit():
+    """GPT-2 small's vocabulary (50,304) is above the lessons' --vocab limit (a width^2 float64 matrix a lesson
+    would build); the planner builds no tensor, so its parser is `FlagParser` without the lessons' limits."""
+    from distlab.plan.cli import parse_args
+    from distlab.processes.cli import LIMITS
+
+    flags = ["--layers", "12", "--dim", "768", "--heads", "12", "--ffn-width", "3072", "--vocab", "50304"]
+    assert 50304 > LIMITS["--vocab"][0]  # a lesson would refuse it
+    args = parse_args([*flags, "--gpu", "a100", "--gpus", "8", "--global-batch", "480", "--seq-len", "1024"])
+    assert args.vocab == 50304 and args.global_batch == 480

@@ -1,6 +1,6 @@
 """Lessons 06 and 07's hand-written data parallelism and ZeRO on the shapes real models have (issue 41).
 
-`distlab.models.RealShapes` switches each shape on by a flag: a parameter on the root module (`logit_scale`), an
+`distlab.proof.models.RealShapes` switches each shape on by a flag: a parameter on the root module (`logit_scale`), an
 embedding / output weight tied across two children, a frozen tower and a frozen bias, a branch forward never
 takes; `seeds` starts every rank from its own seed, so only a broadcast at construction makes the replicas one
 model. Every mechanism written by hand (lesson 06's all-reduce loop and `GradientBuckets`, lesson 07's
@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from helpers import load_lesson
 
-from distlab.compare import compare
-from distlab.models import SHAPES as ALL
-from distlab.models import RealShapes, regression_batch
-from distlab.reference import one_process
-from distlab.spawn import spawn
-from distlab.training import Plain, mean_over_ranks, train
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import compare
+from distlab.proof.models import SHAPES as ALL
+from distlab.proof.models import RealShapes, regression_batch
+from distlab.proof.reference import one_process
+from distlab.proof.training import Plain, mean_over_ranks, train
 
 N, V, STEPS, SEED, LR, WD = 12, 6, 3, 5, 0.05, 0.1
 CAP = 100  # bytes: a few tensors a bucket, so the buckets are several
@@ -61,7 +61,7 @@ def _rows(t: torch.Tensor, rt) -> torch.Tensor:
 
 
 def _cfg(opt: str, **more):
-    from distlab.sharding.problem import ShardingConfig
+    from distlab.data_split.sharding.problem import ShardingConfig
 
     if opt == "AdamW":  # the lessons' own optimizer: lr and weight decay, through the config as always
         return ShardingConfig(lr=LR, weight_decay=WD, **more)
@@ -80,11 +80,11 @@ def _make(mechanism: str, model, rt, opt: str, flags: dict, seeds: bool):
         buckets = dp.GradientBuckets(model, rt, CAP, **unused)
         return Plain(model, OPTIMIZERS[opt](model.parameters()), buckets.wait)
     if mechanism == "DDP":
-        from distlab.sharding.replicated import Replicated
+        from distlab.data_split.sharding.replicated import Replicated
 
         return Replicated(model, rt, _cfg(opt))
     if mechanism == "FSDP2":
-        from distlab.sharding.fsdp import Fsdp2
+        from distlab.data_split.sharding.fsdp import Fsdp2
 
         return Fsdp2(model, rt, _cfg(opt))
     return sharding.BY_HAND[mechanism](model, rt, _cfg(opt))
@@ -151,7 +151,7 @@ def _guarded(rt, fn, *args) -> str | None:
 def _sharded_optimizer(rt, opt: str) -> str | None:
     """ZeRO-1 as usually taught: `ShardedOptimizer(params, torch.optim.X, **kwargs)` steps the parameters
     this rank owns and broadcasts them; with lesson 06's loop averaging, equal to the unsharded optimizer."""
-    from distlab.sharding.optimizer import ShardedOptimizer
+    from distlab.data_split.sharding.optimizer import ShardedOptimizer
 
     dp = load_lesson("data_parallel")
     reference_model = RealShapes(seed=SEED)
@@ -240,7 +240,7 @@ def _compute_dtype(rt, mechanism: str) -> str | None:
     """ZeRO-3 and FSDP2 with compute dtype bf16: float32 shards (the master) stepped, bf16 gathered and computed
     with, gradients reduced in float32; equal to one process under the same recipe at bf16's tolerance, and
     not to the float32 run (the bf16 compute happened)."""
-    from distlab.sharding.fsdp import Fsdp2
+    from distlab.data_split.sharding.fsdp import Fsdp2
 
     sharding = load_lesson("sharding")
     cfg = _cfg("AdamW", dtype=torch.float32, compute=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""distlab.reproducible: float32 stated, not inherited; deterministic kernels on CUDA; both undone after.
+"""distlab.processes.reproducible: float32 stated, not inherited; deterministic kernels on CUDA; both undone after.
 
 No GPU here: the switches are torch's global flags and an environment variable, set and restored the same
 way whether or not a GPU reads them (the GPU check runs lessons 07 and 27 with them on a GPU)."""
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from distlab.reproducible import CUBLAS_WORKSPACE, deterministic, exact_float32
+from distlab.processes.reproducible import CUBLAS_WORKSPACE, deterministic, exact_float32
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 

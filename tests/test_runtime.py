@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.runtime import GPU_BACKEND, choose_backend, release_process_group
-from distlab.spawn import SpawnError, free_port, spawn
+from distlab.processes.runtime import GPU_BACKEND, choose_backend, release_process_group
+from distlab.processes.spawn import SpawnError, free_port, spawn
 
 
 def _rank_and_sum(rt, offset):
@@ -140,7 +140,7 @@ def test_gpu_backend_serves_cpu_tensors_too():
 
 
 def _rank0_works_alone(rt, work_s: float, limit_s: float):
-    from distlab.runtime import rank0_alone
+    from distlab.processes.runtime import rank0_alone
 
     try:
         with rank0_alone(rt, "part 1", limit_s) as mine:

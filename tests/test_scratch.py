@@ -1,4 +1,4 @@
-"""`distlab.scratch.scratch_dir` (lesson 07's own checkpoint directory) leaves nothing behind: removed on an
+"""`distlab.processes.scratch.scratch_dir` (lesson 07's own checkpoint directory) leaves nothing behind: removed on an
 exception and on SIGTERM (torchrun's stop of the survivors) by the process itself; after SIGKILL, by the
 next `scratch_dir` of the same prefix, which removes directories whose owner no longer runs and keeps
 those whose owner does."""
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from distlab.scratch import scratch_dir, sweep
+from distlab.processes.scratch import scratch_dir, sweep
 
 PREFIX = "distlab-test-"
 HOLD = (
-    "import sys, time\nfrom pathlib import Path\nfrom distlab.scratch import scratch_dir\n"
+    "import sys, time\nfrom pathlib import Path\nfrom distlab.processes.scratch import scratch_dir\n"
     "with scratch_dir(sys.argv[1], Path(sys.argv[2])) as path:\n"
     "    print(path, flush=True)\n    time.sleep(60)\n"
 )

@@ -3,9 +3,9 @@ formulas say what the ZeRO paper says (16 Psi under mixed precision, ZeRO-3 send
 
 import torch
 
-from distlab.sharding import accounting
-from distlab.sharding.flat import FlatUnit, units_of
-from distlab.sharding.problem import ShardingConfig, build_model
+from distlab.data_split.sharding import accounting
+from distlab.data_split.sharding.flat import FlatUnit, units_of
+from distlab.data_split.sharding.problem import ShardingConfig, build_model
 
 
 def test_a_flat_unit_pads_to_equal_shards_and_round_trips():

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distlab.chunks import balanced_chunks
-from distlab.compare import all_ok, compare
 from distlab.contrastive.losses import clip_loss
+from distlab.pieces.chunks import balanced_chunks
+from distlab.proof.compare import all_ok, compare
 from distlab.streamed.config import parse_config
 from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
 

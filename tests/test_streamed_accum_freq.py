@@ -21,8 +21,8 @@ from open_clip_like import CLIP, accum_freq_backward, grads_by_name, image_text_
 from streamed_helpers import DROPOUT_SEED, local_rows, rank_streams
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import compare_whole
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import compare_whole
 from distributed_clip import distributed_backward
 
 N, ACCUM_FREQ = 24, 3  # P = 2: C = 12 pairs per rank, in 3 batches of B = 4

@@ -17,9 +17,9 @@ from streamed_helpers import Towers, full_batch, local_rows
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare, grads_of
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.models import paired_data
 from distributed_clip import distributed_backward, distributed_train_step
 
 

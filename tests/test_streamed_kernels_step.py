@@ -20,8 +20,8 @@ from streamed_helpers import STREAMED_N as N
 from streamed_helpers import SigTowers, Towers, full_batch, local_rows, rank_streams
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.models import paired_data
 from distributed_clip import distributed_backward
 
 D = 7

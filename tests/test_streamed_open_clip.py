@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare
-from distlab.models import paired_data
-from distlab.spawn import free_port, spawn
+from distlab.processes.spawn import free_port, spawn
+from distlab.proof.compare import all_ok, compare
+from distlab.proof.models import paired_data
 from distributed_clip import distributed_backward, distributed_train_step
 
 N = 12  # C = 6 pairs per rank at P = 2

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from streamed_helpers import Towers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.spawn import free_port, spawn
+from distlab.processes.spawn import free_port, spawn
 from distlab.streamed import peers
 from distributed_clip import distributed_backward
 

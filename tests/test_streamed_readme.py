@@ -1,4 +1,4 @@
-"""The README's "Using distributed_clip in your training" loop runs as printed: the first Python block of
+"""docs/distributed_clip.md's "Using distributed_clip in your training" loop runs as printed: the first Python block of
 that section, executed on every rank of a P = 2 `spawn`, trains a TinyCLIP under bf16 autocast with a
 GradScaler, clipping and accumulation; the loss goes down, the scale learns, every rank agrees, and the loop's
 last line, release_process_group(), leaves no process group behind."""
@@ -10,22 +10,22 @@ import torch
 import torch.distributed as dist
 from helpers import ROOT
 
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.models import paired_data
 
-SECTION = "## Using distributed_clip in your training"
+PAGE = ROOT / "docs" / "distributed_clip.md"  # the README links it as "Using distributed_clip"
+SECTION = "# Using distributed_clip in your training"
 
 
 def readme_snippet() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = PAGE.read_text()
     section = text[text.index(SECTION) :]
-    section = section[: section.index("\n## ", len(SECTION))]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def run_snippet(rt, code, n, steps):
     namespace = {"__name__": "readme_snippet"}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    exec(compile(code, str(PAGE), "exec"), namespace)  # noqa: S102 - the page's own code
     torch.manual_seed(0)
     model = namespace["TinyCLIP"]()
     c = n // rt.world_size

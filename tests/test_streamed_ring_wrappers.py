@@ -12,9 +12,9 @@ import torch.distributed as dist
 from streamed_helpers import DROPOUT_SEED, SigTowers, Towers, full_batch, rank_streams
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare, grads_of
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.models import paired_data
 from distributed_clip import distributed_backward
 
 N, B, DROPOUT = 12, 4, 0.2  # C = 6 pairs per rank in a subgroup of 2, micro-batches of at most 4

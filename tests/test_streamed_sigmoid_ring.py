@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
 from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, run_in_threads, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, sigmoid_gathered
 

@@ -18,9 +18,9 @@ from streamed_helpers import STREAMED_N as N
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare, grads_of
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.models import paired_data
 from distlab.streamed.exchange import expected_bytes, step_ledger
 from distributed_clip import distributed_backward
 

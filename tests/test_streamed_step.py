@@ -18,11 +18,11 @@ from streamed_helpers import DROPOUT_SEED, Towers, full_batch, local_rows, rank_
 from streamed_helpers import STREAMED_N as N
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare, grads_of, params_of
 from distlab.contrastive.losses import clip_loss
-from distlab.data_parallel.ddp import counting
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.data_split.data_parallel.ddp import counting
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare, grads_of, params_of
+from distlab.proof.models import paired_data
 from distlab.streamed import loss_machinery
 from distlab.streamed.step import agree_gradients_finite
 from distributed_clip import distributed_backward, distributed_train_step

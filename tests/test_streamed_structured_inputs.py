@@ -3,7 +3,7 @@
 A model written here with Hugging Face's call convention (`HFLike`: keyword inputs `input_ids`,
 `pixel_values`, `attention_mask`; an output object with unit-norm `image_embeds`, `text_embeds`; a
 `logit_scale` parameter, and SigLIP's `logit_bias`; dropout in both towers, a masked mean over the tokens)
-runs through the README's recipe (its `ForTheStep` adapter, executed as printed) under DDP at P = 2 and 3
+runs through docs/distributed_clip.md's recipe (its `ForTheStep` adapter, executed as printed) under DDP at P = 2 and 3
 with B < C, so every micro-batch is a dict cut to its rows and recomputed under its replayed dropout.
 The reference is plain autograd on the whole batch in one process (`clip_loss`, `sigmoid_loss`), each
 rank's micro-batches cut by hand and run from that rank's random stream; float64, rtol 1e-10. A
@@ -24,15 +24,16 @@ from streamed_helpers import DROPOUT_SEED, rank_streams
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.chunks import balanced_chunks
-from distlab.compare import all_ok, compare
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
-from distlab.spawn import spawn
-from distlab.split_inputs import samples_in, split_inputs, take_rows
+from distlab.pieces.chunks import balanced_chunks
+from distlab.pieces.split_inputs import samples_in, split_inputs, take_rows
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare
 from distlab.streamed.exit_hint import HINT
 from distributed_clip import distributed_backward
 
-HEADING = "### A Hugging Face CLIPModel or SiglipModel"
+PAGE = ROOT / "docs" / "distributed_clip.md"
+HEADING = "## A Hugging Face CLIPModel or SiglipModel"
 VOCAB, LENGTH, N = 11, 6, 12
 
 
@@ -109,12 +110,12 @@ def cut(batch, rows):
 
 
 def recipe():
-    """The README's Hugging Face block, as printed, executed: its names."""
-    text = (ROOT / "README.md").read_text()
+    """docs/distributed_clip.md's Hugging Face block, as printed, executed: its names."""
+    text = PAGE.read_text()
     section = text[text.index(HEADING) :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace = {"__name__": "readme_hf_recipe"}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    exec(compile(code, str(PAGE), "exec"), namespace)  # noqa: S102 - the page's own code
     return namespace
 
 

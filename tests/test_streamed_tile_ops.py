@@ -110,8 +110,8 @@ def test_the_new_keys_are_checked():
             tile_ops(kernels, "float32", 8, torch.device("cuda"), torch.float64)
     assert tile_ops("triton-mm", "bf16", 8, torch.device("cuda"), torch.float32).name == "triton-mm"
     assert tile_ops("auto", "float32", 8, torch.device("cuda"), torch.float64).name == "torch"
-    assert tile_ops("auto", "bf16", 8, torch.device("cuda"), torch.float32).name == "triton"
-    assert tile_ops("auto", "tf32", 8, torch.device("cuda"), torch.float32).name == "triton"
+    assert tile_ops("auto", "bf16", 8, torch.device("cuda"), torch.float32).name == "triton-mm"  # W in memory
+    assert tile_ops("auto", "tf32", 8, torch.device("cuda"), torch.float32).name == "triton-mm"
     assert tile_ops("auto", "float32", 8, torch.device("cuda"), torch.float32).name == "torch"  # IEEE: cuBLAS
     assert tile_ops("auto", "bf16", 8, torch.device("cpu"), torch.float32).name == "torch"
     code = (

@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.compare import all_ok, compare, grads_of
 from distlab.contrastive.losses import clip_loss
-from distlab.models import paired_data
-from distlab.spawn import spawn
+from distlab.processes.spawn import spawn
+from distlab.proof.compare import all_ok, compare, grads_of
+from distlab.proof.models import paired_data
 from distributed_clip import distributed_backward, distributed_train_step
 
 

@@ -1,4 +1,4 @@
-"""Strict device mode (`distlab.strict`): a collective on a tensor that is not on `rt.device` raises,
+"""Strict device mode (`distlab.processes.strict`): a collective on a tensor that is not on `rt.device` raises,
 so a GPU run cannot meet a device mismatch that the CPU suite did not.
 
 On a CPU machine strict mode names the CPU twice: `rt.device` becomes `cpu:0`, the stand-in for the
@@ -20,8 +20,8 @@ from helpers import strict_mode_off as _is_off
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.runtime import Runtime, distributed
-from distlab.strict import HOST, STAND_IN, StrictDeviceError, is_host, strict_device
+from distlab.processes.runtime import Runtime, distributed
+from distlab.processes.strict import HOST, STAND_IN, StrictDeviceError, is_host, strict_device
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_RANK = Runtime(rank=0, world_size=1, local_rank=0, backend="gloo", device=torch.device("cpu"))
@@ -118,7 +118,7 @@ def test_an_op_mixing_host_and_device_tensors_is_refused_as_a_gpu_would():
 def test_a_dispatch_mode_inside_strict_mode_changes_nothing():
     # PeakMemory sees every aten op with its device resolved (device=cpu): strict mode must not
     # take those for tensors made on the host.
-    from distlab.memory import PeakMemory
+    from distlab.proof.memory import PeakMemory
 
     with strict_device(ONE_RANK) as rt:
         placed = torch.zeros(3, device=rt.device)

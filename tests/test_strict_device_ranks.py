@@ -17,8 +17,8 @@ from helpers import all_ranks_true
 from helpers import strict_mode_off as _is_off
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.spawn import spawn
-from distlab.strict import HOST, StrictDeviceError, strict_device
+from distlab.processes.spawn import spawn
+from distlab.processes.strict import HOST, StrictDeviceError, strict_device
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def _timing_made_without_device(rt):
 
 def _ddp_of_unplaced_towers(rt):
     """Lesson 24's towers: deep copies of a model built on the default device, wrapped in DDP."""
-    from distlab.models import TwoTower
+    from distlab.proof.models import TwoTower
 
     DDP(copy.deepcopy(TwoTower(seed=0).encoder_x))
 
@@ -54,7 +54,7 @@ def _gather_of_a_cpu_copy(rt):
 
 def _inputs_left_on_the_host(rt):
     """Towers on the device, a batch made on the default device: a GPU refuses the first matmul."""
-    from distlab.models import TwoTower, paired_data
+    from distlab.proof.models import TwoTower, paired_data
 
     ddp = DDP(TwoTower(seed=0).to(rt.device))
     ddp(*paired_data(4, seed=1))
@@ -65,7 +65,7 @@ def _flag_on_device(rt):
 
 
 def _ddp_of_placed_towers(rt):
-    from distlab.models import TwoTower
+    from distlab.proof.models import TwoTower
 
     ddp = DDP(copy.deepcopy(TwoTower(seed=0).encoder_x).to(rt.device))
     ddp(torch.randn(2, 12, dtype=torch.float64, device=rt.device)).sum().backward()
@@ -163,7 +163,7 @@ def _contrastive_every_ddp_method(rt):
 def _contrastive_ddp_training(rt):
     from distlab.contrastive.training import TrainConfig, TrainData, batch_schedule, train_ddp
     from distlab.contrastive.variants import LOCAL_SUM
-    from distlab.models import TwoTower, paired_data
+    from distlab.proof.models import TwoTower, paired_data
 
     ddp = DDP(TwoTower(seed=0).to(rt.device))
     train, held_out = (tuple(t.to(rt.device) for t in paired_data(n, seed=s)) for n, s in ((16, 1), (8, 2)))
@@ -185,9 +185,9 @@ def _ddp_rep_clip_loss(rep_x, rep_y, tau):
 def _grad_cache_under_ddp(rt):
     """As lesson 24 runs it: a Python comm hook counting DDP's all-reduces, memory measured."""
     from distlab.contrastive.grad_cache import GradCache
-    from distlab.data_parallel.ddp import counting
-    from distlab.memory import PeakMemory
-    from distlab.models import TwoTower, paired_data
+    from distlab.data_split.data_parallel.ddp import counting
+    from distlab.proof.memory import PeakMemory
+    from distlab.proof.models import TwoTower, paired_data
 
     model = TwoTower(dropout=0.1, seed=5).to(rt.device)
     towers = [DDP(model.encoder_x), DDP(model.encoder_y)]
@@ -200,7 +200,7 @@ def _grad_cache_under_ddp(rt):
 
 
 def _streamed_step(rt):
-    from distlab.models import TwoTower, paired_data
+    from distlab.proof.models import TwoTower, paired_data
     from distributed_clip import distributed_train_step
 
     rows = slice(4 * rt.rank, 4 * rt.rank + 4)
@@ -232,7 +232,7 @@ def _contrastive_collective_seconds(rt):
 
 
 def _verdict_finish(rt):
-    from distlab.verdict import Verdict
+    from distlab.proof.verdict import Verdict
 
     verdict = Verdict(rt)
     verdict.check("a claim every rank makes", True)
@@ -263,7 +263,7 @@ def _blame(err: BaseException) -> str:
     frames = [
         f
         for f in traceback.extract_tb(err.__traceback__)
-        if "site-packages" not in f.filename and not f.filename.endswith("distlab/strict.py")
+        if "site-packages" not in f.filename and not f.filename.endswith("distlab/processes/strict.py")
     ]
     return f"{os.path.relpath(frames[-1].filename, ROOT)}:{frames[-1].lineno}" if frames else "?"
 

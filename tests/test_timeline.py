@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from distlab.timeline import Span, Timeline, busy_fractions, max_concurrency, render, timed
+from distlab.proof.timeline import Span, Timeline, busy_fractions, max_concurrency, render, timed
 
 
 def test_back_to_back_spans_do_not_overlap_but_nested_ones_do():

@@ -2,7 +2,7 @@
 `pytest --exercises -k 07`; add `--hint-level 1`, 2 or 3 for help).
 
 Every rank holds the whole model and has just run backward on the mean loss over its own C = N / P rows.
-`Sharded(model, rt, cfg)` (distlab/sharding/shards.py) has already broadcast rank 0's weights, grouped the
+`Sharded(model, rt, cfg)` (distlab/data_split/sharding/shards.py) has already broadcast rank 0's weights, grouped the
 trainable parameters into units (`z.units[u]`, a FlatUnit: `unit.params` are its tensors, each trained
 parameter in exactly one unit, the model's own and tied ones in the root's; frozen ones in none), cut each
 unit's Psi_u parameters into one flat buffer padded to P ceil(Psi_u / P) elements (`unit.flatten` of a list
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (you will need it)
 
-from distlab.runtime import Runtime
-from distlab.sharding.problem import ShardingConfig
-from distlab.sharding.shards import Sharded
+from distlab.data_split.sharding.problem import ShardingConfig
+from distlab.data_split.sharding.shards import Sharded
+from distlab.processes.runtime import Runtime
 
 
 def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:

@@ -24,7 +24,7 @@ What you are given: `ring.shift(k, v)` starts sending (k, v) to rank r + 1 and r
 rank r - 1, and returns at once; its `.wait()` returns the received (k, v). Shift before you compute on the
 block you hold, wait after: the transfer runs beside the math. `layout.pieces(rank)` gives a rank's pieces
 as (slice into its block, range of global positions). The lesson's tile helpers live in
-distlab.context_parallel.
+distlab.layer_split.context_parallel.
 
 The judge (P = 4) checks out and lse against scaled_dot_product_attention on the whole sequence, the bytes
 the ring sent (2 (P - 1) blocks), the products you counted against the layout's, and how many block-shaped
@@ -38,7 +38,7 @@ from collections import Counter
 import torch
 
 from distlab.comm.ring import Ring
-from distlab.context_parallel.split import Layout
+from distlab.layer_split.context_parallel.split import Layout
 
 
 def ring_forward(

@@ -6,7 +6,7 @@ owns experts r E/P .. (r+1) E/P - 1. Write `expert_parallel_moe(layer, u)`: retu
 rank's tokens, equal to one process running the whole MoE on all N seq tokens of the step, where
 
     gate_t = softmax(u_t W_router^T);  token t goes to its kappa best experts, weights = their gates
-             (renormalised over the kappa when kappa = 2): `distlab.expert_parallel.moe.route` does this;
+             (renormalised over the kappa when kappa = 2): `distlab.layer_split.expert_parallel.moe.route` does this;
     MoE(u_t) = sum over the kept choices (t, i) of weight_t,i Expert_i(u_t);
     capacity = ceil(gamma kappa N seq / E) tokens per expert and step (`moe.capacity(cfg, N seq)`), kept in
              global order: for each expert, rank 0's tokens (in token order) first, then rank 1's, ...;
@@ -26,7 +26,7 @@ What you are given: `layer.cfg` (a `MoEConfig`: `experts` E, `top_k` kappa, `cap
 for no capacity), `layer.router` (nn.Linear d -> E, no bias), `layer.experts` (an nn.ModuleDict: the key is
 an expert's global index as a string, "3", and the value its MLP; this rank's E / P experts), `layer.group`
 (the process group, None: the world). torch.distributed is initialised; `distlab.comm.differentiable` and
-`distlab.compat` hold collectives you may use. Every rank holds the same number of tokens.
+`distlab.processes.compat` hold collectives you may use. Every rank holds the same number of tokens.
 
 The judge (P = 3, E = 6, kappa = 2, gamma = 1, drops happen) checks the block's output, L_aux, the experts'
 and the replicated weights' gradients against one process on the whole batch (float64, rtol 1e-10), and
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.expert_parallel.moe import MoEConfig  # noqa: F401  (layer.cfg is one)
+from distlab.layer_split.expert_parallel.moe import MoEConfig  # noqa: F401  (layer.cfg is one)
 
 
 def expert_parallel_moe(layer, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

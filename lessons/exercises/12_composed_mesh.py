@@ -39,9 +39,9 @@ from torch.distributed.tensor.parallel import (  # noqa: F401  (parallelize_modu
 from distlab.comm.ring import Ring  # noqa: F401
 from distlab.composed.config import LAYOUT, ModelConfig, Shape  # noqa: F401
 from distlab.composed.model import LanguageModel, keep_stage  # noqa: F401
-from distlab.context_parallel.ring import ring_core  # noqa: F401
-from distlab.context_parallel.split import Layout, pieces_of  # noqa: F401
-from distlab.tensor_parallel.torch_tp import plan as block_plan  # noqa: F401
+from distlab.layer_split.context_parallel.ring import ring_core  # noqa: F401
+from distlab.layer_split.context_parallel.split import Layout, pieces_of  # noqa: F401
+from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan  # noqa: F401
 
 # ---- given: the lesson's own, as it is there ---------------------------------------------------
 

@@ -2,7 +2,7 @@
 lessons 07 and 08 for the formulas; check your answer with `pytest --exercises -k 13`; add `--hint-level 1`,
 2 or 3 for help).
 
-A stack of `model.layers` transformer blocks (`distlab.models.Block`: q, k, v and out projections of d x d
+A stack of `model.layers` transformer blocks (`distlab.proof.models.Block`: q, k, v and out projections of d x d
 with biases, torch's fused causal attention, an MLP d -> d_ff -> d with biases and GELU, two LayerNorms)
 trains with AdamW on N = `batch.global_batch` sequences of seq = `batch.seq` tokens, in e-byte elements,
 split over P ranks as `parallel` says: data parallel (`parallel.dp` = P; every rank holds the whole model

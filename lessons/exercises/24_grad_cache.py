@@ -18,14 +18,14 @@ plain autograd on the whole batch under the masks your first pass drew (float64;
 do not divide n = 8), and counts, with forward hooks, the rows each tower runs with a graph: at most b at a
 time, each row once.
 
-What you have: `distlab.random_state.RandContext` records a random state and restores it.
+What you have: `distlab.pieces.random_state.RandContext` records a random state and restores it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from distlab.random_state import RandContext  # noqa: F401  (you will need it)
+from distlab.pieces.random_state import RandContext  # noqa: F401  (you will need it)
 
 
 def grad_cache_step(towers, inputs, b: int, loss_fn) -> torch.Tensor:

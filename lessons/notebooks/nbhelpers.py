@@ -1,5 +1,8 @@
-"""What the read-along notebooks share, so no notebook pastes another's code.
+"""What the read-along notebooks share, so no notebook pastes another's code; and the one place that finds a
+lesson by its slug and runs it under torchrun (the tests use these too: tests/helpers.py imports them).
 
+- `lesson_path("data_parallel")`, `load_lesson("data_parallel")`: a lesson's file, and the file as a module,
+  whatever its number; `torchrun("data_parallel", 2, ...)`: the lesson under torchrun, output captured;
 - `run_lesson("gpipe_checkpoint", 2, "--micro-batches", "8")`: the lesson under torchrun (found by its slug), its
   output shown as the lesson printed it (captured, so laid out at a generous width and with one
   final line instead of progress-bar redraws); raises if the lesson's claim failed.
@@ -9,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -27,14 +31,49 @@ class LessonRun(subprocess.CompletedProcess):
         return f"<{self.lesson} under torchrun: exit {self.returncode}>"
 
 
-def lesson_path(slug: str) -> Path:
-    """The lesson file of `slug` ("data_parallel": lessons/06_data_parallel.py), whatever its number
-    (lessons/order.txt sets the numbers); a numbered name ("06_data_parallel.py") works too."""
-    slug = re.sub(r"^\d\d_", "", slug.removesuffix(".py"))
-    found = sorted(LESSONS.glob(f"[0-9][0-9]_{slug}.py"))
+def lesson_path(name: str, folder: Path = LESSONS, suffix: str = ".py") -> Path:
+    """A lesson's file found by its slug, whatever its number: `lesson_path("data_parallel")` is
+    lessons/06_data_parallel.py (so is "06_data_parallel" or "06_data_parallel.py": the number is ignored);
+    `folder`, `suffix`: its exercise or notebook. lessons/order.txt sets the numbers (scripts/renumber.py)."""
+    slug = re.sub(r"^\d\d_", "", Path(name).name.removesuffix(suffix))
+    found = sorted(folder.glob(f"[0-9][0-9]_{slug}{suffix}"))
     if len(found) != 1:
-        raise FileNotFoundError(f"{len(found)} lesson files for {slug!r} in {LESSONS}")
+        raise FileNotFoundError(f"{len(found)} files for lesson {name!r} in {folder}: {[p.name for p in found]}")
     return found[0]
+
+
+def load_lesson(slug: str):
+    """A lesson file as a module, found by its slug: `load_lesson("data_parallel")` (a numbered name,
+    "06_data_parallel", works too; `lesson_path`). Its name starts with a digit, so `import` cannot reach it;
+    its `main()` does not run. Loaded once per process."""
+    path = lesson_path(slug)
+    name = "lesson_" + path.stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def torchrun(
+    lesson: str,
+    nproc: int,
+    *args: str,
+    timeout: float | None = 300,
+    columns: int | str | None = None,
+    max_restarts: int = 0,
+) -> subprocess.CompletedProcess:
+    """Run the lesson (its slug, `lesson_path`'s) with `nproc` ranks under torchrun, output captured; returns the
+    CompletedProcess. `columns`: the width the lesson lays its output out for (None: its own, a captured
+    output's generous one); `max_restarts`: how often torchrun restarts every rank after one fails."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("COLUMNS", None)
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    command += ["--max-restarts", str(max_restarts), str(lesson_path(lesson)), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=LESSONS.parent)
 
 
 # The test suite's sizes (tests/test_notebooks.py): {slug: [P or null, [flags]]} as JSON. The suite executes a
@@ -66,26 +105,8 @@ def run_lesson(lesson: str, nproc: int, *args: str, check: bool = True) -> Lesso
     """Run the lesson `lesson` (its slug, as `lesson_path` finds it) with `nproc` ranks under torchrun and
     print what it printed (the test suite may change the sizes: `suite_sizes`)."""
     nproc, args = suite_sizes(lesson, nproc, args)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("COLUMNS", None)  # captured output: the lesson picks its generous captured width ...
-    if os.environ.get("DISTLAB_LESSON_COLUMNS"):  # ... unless the test suite asks for a narrow one
-        env["COLUMNS"] = os.environ["DISTLAB_LESSON_COLUMNS"]
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            str(lesson_path(lesson)),
-            *map(str, args),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=LESSONS.parent,
-    )
+    columns = os.environ.get("DISTLAB_LESSON_COLUMNS")  # the test suite may ask for a narrow width
+    run = torchrun(lesson, nproc, *args, timeout=None, columns=columns)
     run = LessonRun(run.args, run.returncode, run.stdout, run.stderr)
     run.lesson = lesson
     print(run.stdout, end="")
@@ -186,37 +207,7 @@ def timeline(ax, spans: list[dict], title: str = "") -> None:
 
 
 def ring_and_gather(rt, c: int, d: int, t: int) -> dict:
-    """On each of P ranks (under distlab.spawn): the loss machinery of {InfoNCE, sigmoid} x {gather,
-    ring} on C x d random embeddings, its peak bytes (PeakMemory) and bytes sent; and the ring's
-    timeline (rank, step, event, time)."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from distlab.memory import PeakMemory
-    from distlab.streamed import loss_machinery
-    from distlab.streamed.exchange import step_ledger
-    from distlab.streamed.ring import P2PRing, sigmoid_ring
-    from distlab.streamed.sigmoid import Logits
-
-    gen = torch.Generator().manual_seed(rt.rank)
-    z_x, z_y = (F.normalize(torch.randn(c, d, generator=gen), dim=1) for _ in range(2))
-    out = {}
-    for loss in ("infonce", "sigmoid"):
-        for exchange in ("gather", "ring"):
-            config = {
-                "GLOBAL_BATCH_SIZE": c * rt.world_size,
-                "MICRO_BATCH_SIZE": c,
-                "STREAM_CHUNK_SIZE": t,
-                "TAU": 0.1,
-                "EXCHANGE": exchange,
-            }
-            step_ledger.clear()
-            with PeakMemory() as mem:
-                loss_machinery(z_x, z_y, config, logit_bias=-10.0 if loss == "sigmoid" else None)
-            out[loss, exchange] = (mem.peak_bytes, step_ledger.sent)
-    ring = P2PRing(rt.world_size, rt.rank)
-    dist.barrier()
-    sigmoid_ring(ring, z_x, z_y, Logits(10.0, -10.0), t)
-    out["events"] = [(rt.rank, k, what, when) for k, what, when in ring.events]
-    return out
+    """Lesson 26's own measurement (`loss_memory`) on one of P ranks: the loss machinery of {InfoNCE, sigmoid} x
+    {gather, ring} on C x d random embeddings, its peak bytes and bytes sent, and the ring's timeline. Here
+    because `distlab.processes.spawn` runs only a function importable by name."""
+    return load_lesson("sigmoid_and_ring").loss_memory(rt, c, d, t)

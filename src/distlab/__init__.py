@@ -1,12 +1,24 @@
 """distlab: distributed training, built one runnable lesson at a time and proven by tests.
 
-The ground floor: the top-level modules (`runtime`: process groups, devices, `spawn`; `models`: toy models,
-the transformer block, data; `training`: the one training loop and its record; `reference`: the one-process
-reference; `compare`: reference vs distributed readout; `held`: what a step holds, counted by storage;
-`timeline`: who computes when; `console`, ...) and `comm` (collectives, the one point-to-point exchange, the
-byte ledger). On it, one package per way to split training (`pipeline`, `data_parallel`, `sharding`,
-`tensor_parallel`, `context_parallel`) and the contrastive ones (`contrastive`, `streamed`), which import the
-ground floor and never each other. The README's Layout lists every module.
+The library is built in floors, and `ls src/distlab` shows them (tests/test_layering.py checks every rule):
+
+- the ground floor, four rooms every package may use: `processes` (torchrun's environment, the process
+  group, devices, flags and the lessons' command line), `comm` (collectives and their byte formulas, the one
+  point-to-point exchange, the byte ledger), `proof` (the models a check trains, the one training loop, the
+  one-process reference, the comparison, the measurements, the verdict) and `pieces` (a batch computed in
+  pieces exactly as the whole: chunks, input splits, the online softmax fold, replayed randomness);
+- on it, one package per way to split training, which import the ground floor and never each other:
+  `pipeline` (the model split, lessons 01-05); the data split, `data_split.data_parallel` (06) and
+  `data_split.sharding` (07); the layer split, `layer_split.tensor_parallel` (08),
+  `layer_split.context_parallel` (09, 11) and `layer_split.expert_parallel` (10); `composed` (12: one
+  transformer on a dp x pp x tp x cp mesh); and the contrastive ones, `contrastive` (21-24, 27) and `streamed`
+  (25-26, the step `distributed_clip` imports);
+- on top, the packages that read every way at once: `cost` (13: a step's FLOPs, bytes, memory and time from
+  each package's formulas) and `plan` (the planner on the cost model, `python -m distlab.plan`). Nothing below
+  imports them.
+
+Lessons, tests and benchmarks import `distlab`; `distlab` never imports a lesson, a test or the lessons'
+command line (`distlab.processes.cli`). docs/layout.md lists every module.
 """
 
 __version__ = "0.1.0"

@@ -38,8 +38,8 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from distlab import compat
-from distlab.runtime import Runtime
+from distlab.processes import compat
+from distlab.processes.runtime import Runtime
 
 Tensor = torch.Tensor
 

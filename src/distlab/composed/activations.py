@@ -1,14 +1,14 @@
 """What autograd saves on a rank of the mesh, and the most of it alive at once: the activations' side of
 lesson 12's memory per rank.
 
-The ground floor's rule (`distlab.held`): a saved tensor counts the bytes of its storage, each storage once.
+The ground floor's rule (`distlab.proof.held`): a saved tensor counts the bytes of its storage, each storage once.
 Two things are new on the mesh. A DTensor is a wrapper: its bytes are its local tensor's, so the counter
 unwraps it. And the parameters autograd saves (a Linear keeps its weight, or a view of it, for the input's
 gradient) are not activations: under FSDP2 they are the gathered copies the unit holds anyway, so a saved
 tensor that is a parameter, or a view of one, is left out.
 
 `SavedLive` watches a whole pipeline step: each storage saved is live from the moment it is saved until it
-is freed (a `weakref.finalize` on the storage, as `distlab.memory.PeakMemory` does), so `peak_bytes` is the
+is freed (a `weakref.finalize` on the storage, as `distlab.proof.memory.PeakMemory` does), so `peak_bytes` is the
 most this rank kept for backward at once: under 1F1B, min(M, pp - p) micro-batches on stage p (lesson 03),
 each holding what `first_bytes` counts for the first one.
 """

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from distlab.comm.watch import CollectiveWatch
 from distlab.composed.activations import SavedLive
-from distlab.held import model_states, storage_bytes
+from distlab.proof.held import model_states, storage_bytes
 
 SENDS_ONLY = {"pp": ("send",), "cp": ("send",)}  # at dp = 1 the dp x cp group is the cp group: FSDP2's are not
 PHASES = {"forward_one_chunk": "forward", "backward_one_chunk": "backward", "perform_reduce_grad": "gradients"}

@@ -1,7 +1,7 @@
 """The transformer lesson 12 trains, its stages, and its data.
 
 A decoder-only language model over a vocabulary of V tokens, built from the ground floor's block
-(`distlab.models.Block`: pre-LayerNorm, causal attention, q, k, v apart, an MLP of width d_ff):
+(`distlab.proof.models.Block`: pre-LayerNorm, causal attention, q, k, v apart, an MLP of width d_ff):
 
     h_0 = E[tokens] + PE(positions)          E: V x d embedding; PE the fixed sinusoidal encoding
     h_l = Block_l(h_{l-1}),  l = 1 .. L
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.composed.config import ModelConfig
-from distlab.models import Block, BlockOptions
+from distlab.proof.models import Block, BlockOptions
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)
 SHARPNESS = 2.5  # the chain's logits are SHARPNESS N(0, 1): a few likely successors per token

@@ -2,7 +2,7 @@
 
 Under the composition every parameter of a rank's stage is a DTensor on the mesh: sharded by FSDP2 over
 the dp x cp ranks (`Shard(0)` of its rows) and, for the layers tensor parallelism cuts, over tp as well. The
-loop (`distlab.training.train`) reads gradients, parameters and AdamW's states by name to compare them with
+loop (`distlab.proof.training.train`) reads gradients, parameters and AdamW's states by name to compare them with
 one process's; `full_tensor()` gathers a DTensor whole on every rank of its mesh, and a rank holds only its
 own stage's names. The gathers are collectives: every rank of a stage calls them in the same order (the
 names' order), and a rank of another stage gathers its own names on its own groups at the same time.

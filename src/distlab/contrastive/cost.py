@@ -27,12 +27,12 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from distlab import compat
 from distlab.comm.collectives import ring_fraction
 from distlab.contrastive.variants import Variant
-from distlab.memory import PeakMemory
-from distlab.runtime import Runtime
-from distlab.timeline import timed
+from distlab.processes import compat
+from distlab.processes.runtime import Runtime
+from distlab.proof.memory import PeakMemory
+from distlab.proof.timeline import timed
 
 
 def ring_elements(world: int, n: int, d: int) -> dict[str, float]:

@@ -51,7 +51,7 @@ forward_no_grad, build_cache, forward_backward, cache_step(*inputs, no_sync_exce
 - the cache is cut by the rows each micro-batch actually produced, not by chunk_size, so a custom
   split_input_fn may cut unevenly;
 - dict values of unequal length and VLM patch counts are refused, where zip() would silently drop
-  samples; VLM dicts (pixel_values + image_grid_thw) are cut per image (`distlab.split_inputs`);
+  samples; VLM dicts (pixel_values + image_grid_thw) are cut per image (`distlab.pieces.split_inputs`);
 - bad input raises ValueError (an `assert` vanishes under `python -O`); autocast is
   `torch.autocast(device_type)`, so it runs on CPU as on GPU;
 - a model used twice is all-reduced once under no_sync_except_last, not once per use.
@@ -67,8 +67,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.random_state import RandContext
-from distlab.split_inputs import check_chunk_size, split_inputs
+from distlab.pieces.random_state import RandContext
+from distlab.pieces.split_inputs import check_chunk_size, split_inputs
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -137,7 +137,7 @@ class GradCache:
     # --- the pieces -----------------------------------------------------------------------------
 
     def split_inputs(self, model_input: Any, chunk_size: int) -> list:
-        """Chunks of `model_input`: the user's `split_input_fn` if given, else `distlab.split_inputs`."""
+        """Chunks of `model_input`: the user's `split_input_fn` if given, else `distlab.pieces.split_inputs`."""
         if self.split_input_fn is not None:
             return list(self.split_input_fn(model_input, chunk_size))
         try:

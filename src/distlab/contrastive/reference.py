@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.compare import grads_of
 from distlab.contrastive.losses import check_scale, clip_loss
+from distlab.proof.compare import grads_of
 
 Embeddings = tuple  # (Z_x, Z_y), or (Z_x, Z_y, s) from a model that returns its logit scale
 LossFn = Callable[..., torch.Tensor]  # (Z_x, Z_y, s) -> L, or (Z_x, Z_y, s, beta) -> L

@@ -2,7 +2,7 @@
 
 For gradients g (a variant's) and r (the single-process reference), over all parameters at once:
 
-- max relative error: max over tensors of max |g - r| / max |r| (`distlab.compare`'s figure),
+- max relative error: max over tensors of max |g - r| / max |r| (`distlab.proof.compare`'s figure),
 - norm ratio ||g|| / ||r||: a pure scaling bug shows here as a clean 1/P,
 - cosine(g, r): 1 when g points the same way as r, whatever its length,
 - allclose: every tensor within the dtype's stated tolerance (float64: rtol 1e-10, atol 1e-12).
@@ -17,10 +17,10 @@ from collections.abc import Mapping
 import torch
 from rich.table import Table
 
-from distlab.compare import Comparison
 from distlab.contrastive.cost import ring_elements
 from distlab.contrastive.training import FINAL_STEPS, TrainRun
-from distlab.memory import MIB
+from distlab.proof.compare import Comparison
+from distlab.proof.memory import MIB
 
 Grads = Mapping[str, torch.Tensor]
 

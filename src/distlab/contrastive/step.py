@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.compare import grads_of
 from distlab.contrastive.batch import check_inputs, local_block
 from distlab.contrastive.variants import Losses, Variant
-from distlab.models import TwoTower, paired_data
-from distlab.runtime import Runtime
+from distlab.processes.runtime import Runtime
+from distlab.proof.compare import grads_of
+from distlab.proof.models import TwoTower, paired_data
 
 
 def contrastive_loss(rt: Runtime, z_x: torch.Tensor, z_y: torch.Tensor, tau: float, variant: Variant) -> Losses:

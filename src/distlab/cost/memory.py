@@ -1,6 +1,6 @@
 """What one rank holds after a step, item by item, in bytes: every formula a lesson measured, composed.
 
-Model states (lesson 07, `distlab.sharding.accounting.held`): the rank's parameters are those of its
+Model states (lesson 07, `distlab.data_split.sharding.accounting.held`): the rank's parameters are those of its
 pipeline stages (lesson 02), cut by tensor parallelism (lesson 08: column and row weights by tp, norms and
 row biases whole), as flat units, one per layer, that ZeRO shards over dp ranks: Psi_P = sum_u ceil(Psi_u /
 dp). In one precision (float64, float32) the items are lesson 07's table as it is. Mixed precision prices
@@ -13,10 +13,10 @@ also keep their bf16 shard as a tensor of its own, 2 / dp more for ZeRO-1 and -2
 e_m = 4 prices that); an implementation that steps a slice of the whole bf16 weights, as priced here, does not.
 
 Activations per block and micro-batch, what the forward leaves alive for backward plus its output (the
-input is the previous block's output, counted there), by storage as `distlab.held` counts:
+input is the previous block's output, counted there), by storage as `distlab.proof.held` counts:
 
 - attention by torch's fused kernel: lesson 08's region + gathered + inside / tp, (region + inside) / tp +
-  gathered with sequence parallelism (`distlab.tensor_parallel.cost.activation_bytes`), on seq / cp tokens
+  gathered with sequence parallelism (`distlab.layer_split.tensor_parallel.cost.activation_bytes`), on seq / cp tokens
   under context parallelism (lesson 09: a rank keeps its own queries, keys and values; the blocks in flight
   are transient); with `cut_gathered` (Megatron-LM) the gathered inputs cut by tp too. Llama's options change
   three terms the lessons do not run, priced as fused kernels save them: grouped-query attention's k and v are
@@ -42,12 +42,12 @@ from functools import cache
 
 import torch
 
-from distlab.context_parallel.cost import Sizes as RingSizes
 from distlab.cost.schedule import in_flight, stages
 from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Precision, Transformer, ceil_div, stage_layers
-from distlab.sharding import accounting
-from distlab.tensor_parallel.cost import activation_bytes, activation_terms
-from distlab.tensor_parallel.model import BlockConfig
+from distlab.data_split.sharding import accounting
+from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
+from distlab.layer_split.tensor_parallel.cost import activation_bytes, activation_terms
+from distlab.layer_split.tensor_parallel.model import BlockConfig
 
 DTYPE_OF = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
 LN_STATISTICS = 4  # per token: LN_1's and LN_2's mean and 1/std, in lesson 08's region

@@ -4,20 +4,20 @@ line that names the field (`check`), before any formula is evaluated.
 
 The models are the lessons' own, described by sizes alone (no tensor is built):
 
-- `Transformer`: `layers` pre-LayerNorm blocks (`distlab.models.Block`: q, k, v, out projections, an MLP
+- `Transformer`: `layers` pre-LayerNorm blocks (`distlab.proof.models.Block`: q, k, v, out projections, an MLP
   of width d_ff, two norms), with the options the lessons' blocks take (torch's fused attention, which
   saves a log-sum-exp per head and row, or attention written out, which saves the h x seq x seq weights;
   one fused qkv product or three) and, for the planner's published models, the Llama options (grouped-query
   attention, a gated SwiGLU MLP, no biases, RMSNorm) and a vocabulary (an embedding, a final norm and an
   untied output head). `vocab = 0` is a plain block stack, the lessons' model.
-- `Mlp`: `distlab.models.layered_mlp(widths)`, the model of lessons 01-07.
+- `Mlp`: `distlab.proof.models.layered_mlp(widths)`, the model of lessons 01-07.
 
 A parameter tensor is a `Weight`: its name, its rows and columns (a vector has one column), and how tensor
 parallelism cuts it (lesson 08): "column" (rows split: q, k, v, fc1 and their biases), "row" (columns split:
 out, fc2; their biases stay whole, added after g), or "whole" (norms; the embedding and head are cut by
 vocabulary rows, "column").
 
-The split is a `Parallel`: dp data-parallel ranks with a ZeRO stage (`distlab.sharding.accounting.STAGES`;
+The split is a `Parallel`: dp data-parallel ranks with a ZeRO stage (`distlab.data_split.sharding.accounting.STAGES`;
 FSDP2 is ZeRO-3, lesson 07), tp tensor-parallel ranks with or without sequence parallelism (lesson 08), pp
 pipeline ranks running a named schedule of `distlab.pipeline.schedules` with v stages per rank (lessons
 02-05), cp context-parallel ranks on a zig-zag ring (lesson 09), and activation recomputation per block.
@@ -33,9 +33,9 @@ import math
 from dataclasses import dataclass, fields
 from functools import cache
 
+from distlab.data_split.sharding.accounting import STAGES
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.schedules import make_schedule
-from distlab.sharding.accounting import STAGES
 
 ATTENTION = ("sdpa", "written")
 ORDER = ("tp", "cp", "pp", "dp")  # mesh dimensions, innermost (fastest links) first, as Llama 3 orders them
@@ -129,7 +129,7 @@ class Transformer:
 
 @dataclass(frozen=True)
 class Mlp:
-    """`distlab.models.layered_mlp(widths)`: layer i maps widths[i] -> widths[i + 1], one unit each."""
+    """`distlab.proof.models.layered_mlp(widths)`: layer i maps widths[i] -> widths[i + 1], one unit each."""
 
     widths: tuple[int, ...]
 
@@ -177,7 +177,7 @@ class Parallel:
     """How a step is split: P = dp tp pp cp ranks (see the module docstring)."""
 
     dp: int = 1
-    zero: str = "DDP"  # one of distlab.sharding.accounting.STAGES; FSDP2 is ZeRO-3
+    zero: str = "DDP"  # one of distlab.data_split.sharding.accounting.STAGES; FSDP2 is ZeRO-3
     tp: int = 1
     sp: bool = False  # sequence parallelism beside tensor parallelism
     cut_gathered: bool = False  # sp as Megatron-LM: q, k, v's and fc1's gathered input kept cut, gathered again

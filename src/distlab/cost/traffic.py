@@ -3,19 +3,19 @@
 Each dimension's count is the formula its lesson proves against a ledger of real ranks (ring accounting,
 `distlab.comm.collectives`: an all-reduce sends 2 (P-1)/P of the tensor, a gather or a scatter (P-1)/P):
 
-- dp (lesson 07, `distlab.sharding.accounting.expected_bytes`, on the rank's own units at e bytes, bf16
+- dp (lesson 07, `distlab.data_split.sharding.accounting.expected_bytes`, on the rank's own units at e bytes, bf16
   gradients under mixed precision): DDP's all-reduce 2 (P-1) e Psi_P; ZeRO-1 and -2 a reduce-scatter and an
   all-gather, the same; ZeRO-3 two all-gathers and a reduce-scatter, less g_0 where the first unit's
   backward never reads its weights (the layered MLP's first Linear, an embedding). Lesson 07 runs one
   micro-batch; with M, gradients accumulate whole under DDP and ZeRO-1 (one reduction per step), ZeRO-2
   reduce-scatters every micro-batch (it keeps only a shard), ZeRO-3 gathers and reduce-scatters every one;
-- tp (lesson 08, `distlab.tensor_parallel.cost.expected_traffic` of one block on a micro-batch of N / (dp M)
+- tp (lesson 08, `distlab.layer_split.tensor_parallel.cost.expected_traffic` of one block on a micro-batch of N / (dp M)
   rows and seq / cp tokens): 2 (P-1)/P N seq d e each way per block, or its all-gather / reduce-scatter
   halves with sequence parallelism (plus the 6 d-vectors' gradients, once per step); recomputation runs the
   forward's collectives again, and `cut_gathered` (Megatron-LM) gathers q, k, v's and fc1's input again in
   backward. A vocabulary adds the planner's estimate of the embedding's and the head's
   two all-reduces of a micro-batch's T d (no lesson runs them);
-- cp (lesson 09, `distlab.context_parallel.cost.Sizes.expected_bytes`): per attention, 2 (P-1) k/v blocks
+- cp (lesson 09, `distlab.layer_split.context_parallel.cost.Sizes.expected_bytes`): per attention, 2 (P-1) k/v blocks
   forward and 4P - 2 backward, a block h/tp x seq/cp x d_h per sequence (grouped-query attention: kv_heads);
 - pp (lessons 01-03, `distlab.pipeline.p2p.comm_plan`): every micro-batch's activation to the next stage and
   its gradient back, one micro-batch's N / (dp M) x seq / cp x d e (a layered MLP's width at the cut),
@@ -28,13 +28,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from distlab.comm.collectives import ring_fraction
-from distlab.context_parallel.cost import Sizes as RingSizes
 from distlab.cost.memory import DTYPE_OF, rank_units, sizes
 from distlab.cost.schedule import owner, stages
 from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Transformer, ceil_div, stage_layers
-from distlab.sharding import accounting
-from distlab.tensor_parallel.cost import expected_traffic
-from distlab.tensor_parallel.model import BlockConfig
+from distlab.data_split.sharding import accounting
+from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
+from distlab.layer_split.tensor_parallel.cost import expected_traffic
+from distlab.layer_split.tensor_parallel.model import BlockConfig
 
 
 @dataclass

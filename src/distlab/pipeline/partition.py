@@ -6,7 +6,7 @@ start = p * per_rank` does not deliver that: 6 layers in 4 stages give 2, 2, 2, 
 last rank holds nothing. Here every stage gets at least one layer, for every stage count from 1 to `layers`.
 
 A stage's module keeps the unsplit model's names ('3.0.weight' is layer 3 wherever it lives), so
-`distlab.compare.grads_of(stage.module)` compares with the reference directly.
+`distlab.proof.compare.grads_of(stage.module)` compares with the reference directly.
 
 No rank hard-codes another's shape: every rank holds the whole model (it is built from a seed), so
 each derives the activation shape at every cut. Micro-batching already assumes that layers treat

@@ -1,7 +1,7 @@
 """What a pipeline stage holds for backward, and how much forward work it does: measured, not derived.
 
 Saved activations. Autograd keeps, from every forward, the tensors its backward will need (a
-Linear keeps its input, a Tanh its output). `distlab.held.SavedActivations` counts them per forward
+Linear keeps its input, a Tanh its output). `distlab.proof.held.SavedActivations` counts them per forward
 (one stage, one micro-batch) by the library's one rule: by storage, each storage once however many
 views of it are saved (Tanh's output is also the next Linear's input: one storage), parameters
 excluded (they exist anyway). A forward's saved tensors are freed when its backward has run (the
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from distlab.held import SavedActivations
+from distlab.proof.held import SavedActivations
 
 
 class StageProbe:

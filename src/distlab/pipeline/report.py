@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
-from distlab.compare import Comparison, compare, comparison_table, tolerances
-from distlab.console import print0
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Schedule
 from distlab.pipeline.training import PipelineRun, train
-from distlab.timeline import Span, busy_fractions, idle_fraction, max_concurrency
-from distlab.timeline import render as render_spans
-from distlab.training import Run
+from distlab.proof.compare import Comparison, compare, comparison_table, tolerances
+from distlab.proof.console import print0
+from distlab.proof.timeline import Span, busy_fractions, idle_fraction, max_concurrency
+from distlab.proof.timeline import render as render_spans
+from distlab.proof.training import Run
 
 
 def gathered(value: Any) -> list[Any]:
@@ -151,7 +151,7 @@ def idle_against_grid(idle: float, world_size: int, micro_batches: int) -> str:
 
 def show_timelines(rt, cfg, schedule: Schedule, name: str, real: PipelineRun, ref: Run, verdict) -> dict:
     """`name`'s last step measured on the real CPU (`real`'s spans) and, with `cfg.emulate_ms` > 0, run
-    again on the emulated device (each layer-pass a fixed time, slept: `distlab/emulate.py`), whose
+    again on the emulated device (each layer-pass a fixed time, slept: `distlab/proof/emulate.py`), whose
     gradients must still be `ref`'s (a check). Prints both timelines and the emulated idle share against
     the grid's (P-1)/(M+P-1) (GPipe's and 1F1B's alike); returns `show_measured`'s figures."""
     world, m = rt.world_size, cfg.micro_batches

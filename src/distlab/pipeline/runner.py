@@ -17,7 +17,7 @@ first N mod M get one row more, so any N >= M works). On stage p (vP stages in a
            torch.distributed.pipelining keeps the intermediate gradients between the two calls.)
 
 Messages between ranks follow `p2p.comm_plan`; two stages on one rank hand tensors over directly.
-With `cfg.emulate_ms` > 0 every action runs on the emulated device (`distlab/emulate.py`): the math,
+With `cfg.emulate_ms` > 0 every action runs on the emulated device (`distlab/proof/emulate.py`): the math,
 then a sleep until the action has taken its fixed time (F, split I, W one unit per layer, unsplit I two).
 
 The loss of a step is the mean over the whole batch. A micro-batch's loss l_i is a mean over its
@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from distlab.emulate import Device, action_units
 from distlab.pipeline import p2p
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.probe import StageProbe
@@ -58,8 +57,9 @@ from distlab.pipeline.schedules import (
     split_backward,
 )
 from distlab.pipeline.training import PipelineConfig, check_config, microbatch_sizes, problem
-from distlab.runtime import Runtime
-from distlab.timeline import Timeline
+from distlab.processes.runtime import Runtime
+from distlab.proof.emulate import Device, action_units
+from distlab.proof.timeline import Timeline
 
 
 def stage_forward(module: nn.Sequential, x: torch.Tensor, segments: int) -> torch.Tensor:
@@ -92,7 +92,7 @@ class PipelineStep:
         self.actions, self.plan = schedule[rt.rank], p2p.comm_plan(schedule, rt.rank)
         self.split, self.where, self.rank = split_backward(schedule), rank_of(schedule), rt.rank
         # Each micro-batch its own tensor, as a data loader hands them over: what a forward saves of it
-        # is its own rows (a view would keep the whole batch's storage, `distlab.held`'s counting rule).
+        # is its own rows (a view would keep the whole batch's storage, `distlab.proof.held`'s counting rule).
         self.x = [part.clone() for part in torch.tensor_split(x, cfg.micro_batches)]
         self.target = [part.clone() for part in torch.tensor_split(target, cfg.micro_batches)]
         self.shapes = [by_size[n] for n in sizes]  # uneven micro-batches: shapes differ in rows

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from distlab.pipeline.partition import boundary_shapes, split_stages
 from distlab.pipeline.schedules import Action, looped, v_shape
 from distlab.pipeline.training import PipelineConfig, check_config, problem
-from distlab.runtime import Runtime
-from distlab.timeline import Timeline
+from distlab.processes.runtime import Runtime
+from distlab.proof.timeline import Timeline
 
 TORCH_SCHEDULES = {  # our name -> torch's class
     "gpipe": "ScheduleGPipe",

@@ -4,7 +4,7 @@ Every pipeline in lessons 01-05 trains the same problem: `layered_mlp(widths, se
 regression batch of N rows (mean squared error, a mean over the whole batch), SGD for a few steps.
 What differs is only how one step's forward and backward run: lesson 01's send/recv chain, our
 runner executing a schedule (`runner.PipelineStep`), or PyTorch's engine (`torch_engine.TorchStep`).
-Each of those supplies a `Step`; `train` runs it in the one training loop (`distlab.training`), the
+Each of those supplies a `Step`; `train` runs it in the one training loop (`distlab.proof.training`), the
 same way for all of them: zero the gradients, run the step, keep this rank's gradients after step 1
 and its parameters after the last, step the optimizer; then it shares the losses.
 
@@ -24,15 +24,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.cli import DTYPES, mlp_widths
-from distlab.models import DEFAULT_WIDTHS, layered_mlp, regression_batch
 from distlab.pipeline.partition import Stage
 from distlab.pipeline.schedules import Action
-from distlab.reference import one_process, sgd
-from distlab.runtime import Runtime
-from distlab.timeline import Span, Timeline
-from distlab.training import Plain, Run
-from distlab.training import train as train_loop
+from distlab.processes.runtime import Runtime
+from distlab.proof.compare import DTYPES
+from distlab.proof.models import DEFAULT_WIDTHS, layered_mlp, mlp_widths, regression_batch
+from distlab.proof.reference import one_process, sgd
+from distlab.proof.timeline import Span, Timeline
+from distlab.proof.training import Plain, Run
+from distlab.proof.training import train as train_loop
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ class PipelineConfig:
 
     @classmethod
     def from_args(cls, args, **changes) -> PipelineConfig:
-        """The run a lesson's flags describe (`distlab.cli.add_mlp_args`, and `--micro-batches` where
+        """The run a lesson's flags describe (`distlab.processes.cli.add_mlp_args`, and `--micro-batches` where
         the lesson has it), with `changes` on top."""
         return cls(
-            widths=mlp_widths(args),
+            widths=mlp_widths(args.layers, args.width),
             global_batch=args.global_batch,
             steps=args.steps,
             lr=args.lr,
@@ -131,7 +131,7 @@ class Step(Protocol):
 
 @dataclass
 class PipelineRun(Run):
-    """A `distlab.training.Run` of this rank's stages (gradients after step 1 and parameters after the
+    """A `distlab.proof.training.Run` of this rank's stages (gradients after step 1 and parameters after the
     last step, under the unsplit model's names; every step's loss, shared by every rank), and what the
     step measured."""
 
@@ -145,7 +145,7 @@ class PipelineRun(Run):
 
 
 def train(rt: Runtime, cfg: PipelineConfig, step: Step) -> PipelineRun:
-    """`cfg.steps` SGD steps of the one loop (`distlab.training.train`), each one call of `step`; a
+    """`cfg.steps` SGD steps of the one loop (`distlab.proof.training.train`), each one call of `step`; a
     collective (call it on every rank)."""
     # This rank's layers as one module: their parameters keep the unsplit model's names ('3.0.weight').
     layers = nn.Sequential(OrderedDict(layer for s in step.stages for layer in s.module.named_children()))

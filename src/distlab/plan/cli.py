@@ -15,20 +15,21 @@ from __future__ import annotations
 
 import json
 
-from distlab.cli import LessonParser, fraction, positive_int
-from distlab.console import console
 from distlab.cost.hardware import DEVICES, GIB, cluster
 from distlab.cost.shapes import Transformer
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.presets import MODELS
 from distlab.plan.search import search
+from distlab.processes.flags import FlagParser, add_global_batch, fraction, positive_int
+from distlab.proof.console import console
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
 
 
 def parse_args(argv=None):
-    parser = LessonParser(prog="python -m distlab.plan", description=__doc__.split("\n\n")[0])
+    # no lesson's memory limits: the planner builds no tensor (its own limits, with their reasons, are `limits=`)
+    parser = FlagParser(prog="python -m distlab.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=MODELS, default="llama3-8b", help="a published model")
     for flag, what in (("--layers", "blocks"), ("--dim", "width d"), ("--heads", "heads h"), ("--ffn-width", "d_ff")):
         parser.add_argument(flag, type=positive_int, help=f"a model of your own: {what} (with the other three)")
@@ -36,7 +37,7 @@ def parse_args(argv=None):
     parser.add_argument("--gpu", choices=DEVICES, default="h100", help="GPU type (datasheet figures: --devices)")
     parser.add_argument("--gpus", type=positive_int, default=8, help="GPUs in all, G")
     parser.add_argument("--nodes", type=positive_int, default=1, help="nodes (G / nodes GPUs each, at most 8)")
-    parser.add_argument("--global-batch", type=positive_int, default=64, help="sequences per step, N")
+    add_global_batch(parser, 64)
     parser.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence, seq")
     parser.add_argument("--precision", choices=("bf16", "float32"), default="bf16", help="what the step computes in")
     parser.add_argument("--top", type=positive_int, default=10, help="configurations shown")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.console import compact_table
 from distlab.cost.hardware import DEVICES, GIB, LINKS, TERA, cluster
 from distlab.cost.shapes import Parallel
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, predict
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.plan.search import Candidate
+from distlab.proof.console import compact_table
 
 SCHEDULE_SHORT = {"1f1b": "1F1B", "interleaved-1f1b": "int", "gpipe": "GPipe"}
 

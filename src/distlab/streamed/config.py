@@ -6,11 +6,11 @@ device and a memory budget, `tile_size`); NORMALISERS, how phase 2 computes the 
 "sharded" (default; each rank its own C rows and columns of S, then a tiny all-gather) or "replicated"
 (every rank all N^2 similarities, no exchange); EXCHANGE, how the ranks' embeddings meet: "gather"
 (default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring`);
-KERNELS, who does the tile work: "auto" (default: the Triton kernels on CUDA tensors at a tensor-core
-MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton" or "triton-mm" (`tile_ops`); MATMUL_PRECISION, how
-the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`). A misspelt key is reported with the closest
-known name rather than silently ignored. `parse_config` is pure: given the same dict it raises the same ValueError
-on every rank.
+KERNELS, who does the tile work: "auto" (default: the Triton kernels with W in memory, "triton-mm", on CUDA
+tensors at a tensor-core MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton" or "triton-mm"
+(`tile_ops`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`).
+A misspelt key is reported with the closest known name rather than silently ignored. `parse_config` is pure:
+given the same dict it raises the same ValueError on every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from distlab.chunks import balanced_chunks
+from distlab.pieces.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE")
 OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION")

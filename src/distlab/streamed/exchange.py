@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlab import compat
 from distlab.comm.ledger import Ledger
+from distlab.processes import compat
 from distlab.streamed.precision import pinned
 from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_gathered

@@ -3,7 +3,7 @@
 An error from a training step usually ends the script, and the usual last line of a script,
 `dist.destroy_process_group()`, can hang the process forever when a DistributedDataParallel is still
 alive: its C++ reducer then destroys the group holding the GIL while a gloo worker waits for the GIL
-(`distlab.runtime.release_process_group` tells the whole story; tests/test_clean_exit.py makes it
+(`distlab.processes.runtime.release_process_group` tells the whole story; tests/test_clean_exit.py makes it
 happen). `distributed_clip.release_process_group()` ends in the order that cannot hang. So the hint
 goes where a user reads first: at the end of the error itself.
 """

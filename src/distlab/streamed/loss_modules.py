@@ -93,6 +93,7 @@ class StreamedContrastiveLoss(nn.Module):
         exchange: str = "gather",
         stream_chunk_size: int | None = None,
         kernels: str = "auto",
+        matmul_precision: str = "float32",
         group: Any = None,
         gradient_divide_factor: float | None = None,
         **open_clip_args: Any,
@@ -120,13 +121,17 @@ class StreamedContrastiveLoss(nn.Module):
             del self.settings["STREAM_CHUNK_SIZE"]  # the machinery chooses T
         if kernels != "auto":
             self.settings["KERNELS"] = kernels  # the machinery's default is "auto"
+        # The step's default, "float32": exact to float32 rounding, and on CUDA the torch tiles (cuBLAS). "bf16" or
+        # "tf32" let KERNELS "auto" take the Triton kernels (README, "Tiles and kernels": error and time of each).
+        self.settings["MATMUL_PRECISION"] = matmul_precision
         self.group, self.gradient_divide_factor = group, gradient_divide_factor
         self.config(1, 1, 0)  # the settings, checked by the step's own config parsing: the same on every rank
 
     @classmethod
     def signature(cls) -> str:
         return (
-            "rank, world_size, exchange, stream_chunk_size, kernels, group, gradient_divide_factor, and "
+            "rank, world_size, exchange, stream_chunk_size, kernels, matmul_precision, group, gradient_divide_factor, "
+            "and "
             f"open_clip's {', '.join(cls.accepts)}, use_horovod=False"
         )
 

@@ -42,7 +42,7 @@ import torch
 from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import Posted
 from distlab.comm.ring import Ring
-from distlab.online_softmax import rescale
+from distlab.pieces.online_softmax import merge
 from distlab.streamed.sigmoid import Logits, RankGrads
 from distlab.streamed.tile_ops import as_tile_ops
 from distlab.streamed.tiles import Pairing, RowFold, lse_and_nll
@@ -156,10 +156,8 @@ def expected_ring_bytes(world: int, c: int, d: int, itemsize: int, loss: str) ->
 
 
 def _merge_lse(received: list, partial: list) -> list:
-    """Two column (m, l) partials of the online fold, folded into one: each sum rescaled to the larger max."""
-    (m_1, l_1), (m_2, l_2) = received, partial
-    m = torch.maximum(m_1, m_2)
-    return [m, l_1 * rescale(m_1, m) + l_2 * rescale(m_2, m)]
+    """Two column (m, l) partials of the online fold, merged into one (the ground floor's `merge`)."""
+    return list(merge(*received, *partial))
 
 
 def _add(received: list, partial: list) -> list:

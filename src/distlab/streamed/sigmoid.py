@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from distlab.chunks import chunks
+from distlab.pieces.chunks import chunks
 from distlab.streamed.tile_ops import as_tile_ops
 from distlab.streamed.tiles import diagonal_crossing
 

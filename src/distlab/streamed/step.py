@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.agree import raise_together
-from distlab.random_state import RandContext
-from distlab.split_inputs import take_rows
+from distlab.pieces.random_state import RandContext
+from distlab.pieces.split_inputs import take_rows
+from distlab.processes.agree import raise_together
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import all_gather_counted, gather_pairs, rank_shares, step_ledger
 from distlab.streamed.exit_hint import hinting_release, with_hint

@@ -1,10 +1,13 @@
 """Which code does the step's tile work: the torch tiles or the Triton kernels (config key KERNELS), at the
 step's matmul precision (MATMUL_PRECISION, `precision`).
 
-    "auto"    (the default) the Triton kernels for CUDA tensors when triton imports and MATMUL_PRECISION is
-              "bf16" or "tf32" (tensor cores), the torch tiles elsewhere: for float64 on CUDA (the dtype that
-              checks exactness, not a fast path) and for IEEE float32, where cuBLAS's float32 matmul beat the
-              kernels' FMA products 0.16 s to 0.75 s on an H100 (benchmarks/results/gpu/2026-11-26-kernels-h100)
+    "auto"    (the default) "triton-mm" for CUDA tensors when triton imports and MATMUL_PRECISION is "bf16"
+              or "tf32" (tensor cores), the torch tiles elsewhere: for float64 on CUDA (the dtype that checks
+              exactness, not a fast path) and for IEEE float32, where cuBLAS's float32 matmul beat the kernels'
+              FMA products 0.16 s to 0.75 s on an H100 (benchmarks/results/gpu/2026-11-26-kernels-h100). W in
+              memory, not in registers: on an H200 at one rank of N = 65,536, P = 8, d = 1,024 it took 0.017 s
+              where the fused kernels took 0.033 s (InfoNCE) and 0.0085 s where they took 0.042 s (the sigmoid
+              ring), every path exact in bf16 there (benchmarks/results/gpu/2026-11-28-decide-h200)
     "torch"   the torch tiles: T x T tiles of S in memory, a dozen ops on each (`tiles`, `sigmoid`)
     "triton"  the Triton kernels (`distlab.streamed.kernels`), S and W in registers: CUDA tensors, or CPU
               tensors under Triton's interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
@@ -201,13 +204,13 @@ def tile_ops(kernels: str, precision: str, t: int, device: torch.device, dtype: 
             f"config['KERNELS'] = {kernels!r} with float64 embeddings on CUDA: Triton's tl.dot has no float64 on "
             "GPUs; use KERNELS 'auto' or 'torch' (float64 runs on the torch tiles)"
         )
-    use_triton = kernels == "triton" or (
+    triton_mm = kernels == "triton-mm" or (
         kernels == "auto"
         and device.type == "cuda"
         and dtype != torch.float64
         and precision != "float32"
         and importlib.util.find_spec("triton") is not None
     )
-    if kernels == "triton-mm":
-        return TritonTiles(precision, w_in_memory=True)
-    return TritonTiles(precision) if use_triton else TorchTiles(t, precision)
+    if kernels == "triton":
+        return TritonTiles(precision)
+    return TritonTiles(precision, w_in_memory=True) if triton_mm else TorchTiles(t, precision)

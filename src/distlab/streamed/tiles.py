@@ -9,7 +9,7 @@ Nothing here communicates: these functions take gathered (or, in the ring, visit
 tested against autograd in one process. `distlab.streamed.tile_ops` hands them to the step's phases 2 and 3
 and to the ring's passes (`TorchTiles`), or the Triton kernels that do the same work (`TritonTiles`).
 
-The streaming log-sum-exp is the online max/sum fold of `distlab.online_softmax` (every exponent <= 0,
+The streaming log-sum-exp is the online max/sum fold of `distlab.pieces.online_softmax` (every exponent <= 0,
 so nothing overflows however large S gets, and no row is ever whole).
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from distlab.chunks import chunks
-from distlab.online_softmax import online_fold
+from distlab.pieces.chunks import chunks
+from distlab.pieces.online_softmax import online_fold
 
 
 def diagonal_crossing(start_q: int, start_k: int, rows: int, cols: int) -> tuple[slice, slice] | None:
@@ -150,7 +150,7 @@ class RowFold:
     the tile of its own block that holds them, for its rows and for its columns)."""
 
     m: torch.Tensor
-    l: torch.Tensor  # noqa: E741 - the fold's l, as in `distlab.online_softmax`
+    l: torch.Tensor  # noqa: E741 - the fold's l, as in `distlab.pieces.online_softmax`
     diag_rows: torch.Tensor
     diag_cols: torch.Tensor
 

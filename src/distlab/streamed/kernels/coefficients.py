@@ -81,12 +81,14 @@ def coefficient_kernel(q: Operand, k: Operand, out, vectors, walk, T: Tiling):
     tl.store(w_at + rows[:, None].to(tl.int64) * k.rows + cols[None, :], w.to(w_at.dtype.element_ty), mask=ok)
 
 
-def default_gemm_blocks(code: int, interpreting: bool) -> Blocks:
-    """A GEMM's tile for the coefficient kernel: 128 x 128 x 64, 8 warps, 3 stages in bf16 (the usual Hopper
-    GEMM tile; its float32 accumulator is 64 registers a thread, leaving room for the epilogue), else
+def default_gemm_blocks(code: int, interpreting: bool, role: int) -> Blocks:
+    """A GEMM's tile for the coefficient kernel in bf16, by measurement on an H200 (one rank of N = 65,536,
+    P = 8, d = 1,024; benchmarks/results/gpu/2026-11-28-decide-h200, `kernels_gpu.py --sweep`): the InfoNCE
+    128 x 256 x 64, 8 warps, 3 stages (0.0160 s a step against 0.0173 s in 128 x 128 x 64); the sigmoid,
+    whose epilogue needs more registers, 128 x 128 x 64 (the usual Hopper GEMM tile; 0.0105 s). Elsewhere
     `launch.default_blocks`."""
     if code == BF16 and not interpreting:
-        return Blocks(128, 128, 64, 8, 3)
+        return Blocks(128, 128, 64, 8, 3) if role == SIGMOID else Blocks(128, 256, 64, 8, 3)
     return default_blocks(code, interpreting)
 
 
@@ -126,7 +128,7 @@ def _run(q, k, job: Job, precision: str, blocks: Blocks | None):
     (n_q, d), (role, walk, vectors, columns) = q.shape, job
     interpreting = interpreted(coefficient_kernel)
     code = precision_code(precision, q.dtype, interpreting)
-    blocks = blocks or default_gemm_blocks(code, interpreting)
+    blocks = blocks or default_gemm_blocks(code, interpreting, role)
     acc = accumulator(code)
     w_dtype = torch.bfloat16 if code in (BF16, BF16_WIDENED) else acc
     rows_per = chunk_rows(n_q, len(k), torch.finfo(w_dtype).bits // 8, blocks, q.device)

@@ -3,7 +3,7 @@ partials of the same tiles, in one launch.
 
 A program owns BLOCK_M rows and walks its range of columns (`launch.column_split`) a BLOCK_N block at a time:
 each S tile is made in registers (`tile.s_tile`, d in slices of BLOCK_D) and folded into the rows' running max
-m and sum l = sum_j exp(S_ij - m) (the online fold of `distlab.online_softmax`), then dropped. Where the tile
+m and sum l = sum_j exp(S_ij - m) (the online fold of `distlab.pieces.online_softmax`), then dropped. Where the tile
 holds row i's positive (column i + offset) its logit S_ii is stored from that very tile, so that
 nll_i = (m_i - S_ii) + log l_i is exactly log l_i when the positive is the row's max (`tiles.lse_and_nll`).
 With ROLE = COLUMNS the tile is also folded down its columns (max, then the sum of exp under it): one (m, l)
@@ -34,7 +34,7 @@ from distlab.streamed.kernels.launch import (
     precision_code,
     tiling,
 )
-from distlab.streamed.kernels.tile import Operand, Tiling, s_tile
+from distlab.streamed.kernels.tile import BF16, Operand, Tiling, s_tile
 
 ROWS, COLUMNS = 0, 1  # ROLE: the rows' fold only, or the columns' too
 
@@ -81,7 +81,7 @@ class Folded:
     positive lies in k; other entries undefined), and with `columns` the (m, l) of every column over q's rows."""
 
     m: torch.Tensor
-    l: torch.Tensor  # noqa: E741 - the fold's l, as in `distlab.online_softmax`
+    l: torch.Tensor  # noqa: E741 - the fold's l, as in `distlab.pieces.online_softmax`
     diag: torch.Tensor
     col_m: torch.Tensor | None = None
     col_l: torch.Tensor | None = None
@@ -91,6 +91,16 @@ def merge(m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """Partials (m, l) stacked along dim 0, folded into one: the max of the m's, the l's rescaled to it."""
     top = m.amax(0)
     return top, (l * torch.exp(m - top)).sum(0)
+
+
+def fold_blocks(code: int, interpreting: bool, columns: bool) -> Blocks:
+    """The fold's tile: `launch.default_blocks`, except the ring's fold in bf16 (`columns`: column statistics
+    too), which in 128 x 256 tiles spills 1,256 bytes a thread and took 0.0013 s a visit on an H200, in
+    128 x 128 x 64 0.0010 s (one rank of N = 65,536, P = 8, d = 1,024;
+    benchmarks/results/gpu/2026-11-28-decide-h200)."""
+    if columns and code == BF16 and not interpreting:
+        return Blocks(128, 128, 64, 8, 3)
+    return default_blocks(code, interpreting)
 
 
 def row_lse(
@@ -107,7 +117,7 @@ def row_lse(
     float64 embeddings); q and k in one dtype, unit stride along d."""
     n_q, d = q.shape
     code = precision_code(precision, q.dtype, interpreted(lse_kernel))
-    blocks = blocks or default_blocks(code, interpreted(lse_kernel))
+    blocks = blocks or fold_blocks(code, interpreted(lse_kernel), columns)
     per_split, splits = column_split(n_q, len(k), blocks, q.device)
     row_blocks = triton.cdiv(n_q, blocks.m)
     kw = dict(dtype=accumulator(code), device=q.device)

@@ -1,0 +1,223 @@
+"""A CLIP batch one GPU could not hold: open_clip's ViT-B-32 trained at P = 1 by open_clip's own recipe and by
+`distributed_train_step`, at the largest batch the recipe fits, then at 4x and 16x that batch.
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/clip_batch.py OUT                 # one GPU, ViT-B-32
+    torchrun --standalone --nproc-per-node 1 benchmarks/clip_batch.py OUT --memory-gib 40 # as if it had 40 GiB
+    torchrun --standalone --nproc-per-node 1 benchmarks/clip_batch.py OUT --cpu-dry-run   # tiny model, CPU
+
+The model: `open_clip.create_model("ViT-B-32")` with random weights (no download), bf16 autocast, AdamW; the
+inputs random images (3 x 224 x 224) and random token ids (77), so only the arithmetic is timed. The dry run
+(no open_clip on the CPU here) puts a tiny two-tower model with open_clip's output dict in its place.
+
+open_clip's recipe at P = 1: one forward of the whole batch, the N x N logits s Z_x Z_y^T, the symmetric
+cross entropy (what `open_clip.loss.ClipLoss` computes on one rank), backward, step. Its memory grows with N:
+every activation of both towers for all N pairs plus the N x N logits. `distributed_train_step` with B rows per
+micro-batch keeps one micro-batch's activations and the O(N d) embeddings (a no-grad forward of each
+micro-batch, the exact loss gradient dL/dZ streamed, then each micro-batch again with grad: about 4/3 the
+recipe's tower FLOPs; with B = N one forward, its graph kept, as the recipe), at MATMUL_PRECISION "bf16" (KERNELS
+"auto": the Triton kernels with W in memory on CUDA). B defaults to N_max at N_max (one forward, as the recipe) and
+to N_max / 2 above it: on an H200, B = N_max at 4 N_max ran out of memory (the recipe's B = N_max activations
+leave no room for the step's own buffers and a second model's states).
+
+0. Both models start from the same weights, and their first losses on one batch are printed side by side.
+1. The recipe's largest batch N_max: its peak memory measured at two small batches, a straight line through
+   them extrapolated to the device's memory (minus a reserve), rounded down to a multiple of 256, then run to
+   confirm (halved until it runs). 2. At N_max both step times side by side, after a warm-up step. 3. At 4 N_max
+   and 16 N_max the recipe is tried once (out of memory expected) and distlab's step timed, with its peak.
+Writes OUT/clip_batch.json and OUT/clip_batch.md (the card named in both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distlab.processes.runtime import distributed, run_main
+from distributed_clip import distributed_train_step
+
+IMAGE, CONTEXT, VOCAB = 224, 77, 49408  # open_clip's ViT-B-32 inputs
+
+
+class TinyClip(nn.Module):
+    """The dry run's stand-in for open_clip's CLIP: two small towers, a learnable logit scale, open_clip's
+    output dict (normalised features, s = exp(logit_scale))."""
+
+    def __init__(self, image: int, vocab: int, width: int = 32):
+        super().__init__()
+        self.visual = nn.Sequential(nn.Flatten(), nn.Linear(3 * image * image, width), nn.GELU(), nn.Linear(width, 16))
+        self.token_embedding = nn.Embedding(vocab, width)
+        self.text = nn.Sequential(nn.GELU(), nn.Linear(width, 16))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, image, text):
+        z_x = F.normalize(self.visual(image), dim=-1)
+        z_y = F.normalize(self.text(self.token_embedding(text).mean(1)), dim=-1)
+        return {"image_features": z_x, "text_features": z_y, "logit_scale": self.logit_scale.exp()}
+
+
+def make_model(dry_run: bool, device: torch.device) -> tuple[nn.Module, str]:
+    if dry_run:
+        return TinyClip(16, 100).to(device), "tiny two-tower stand-in (dry run)"
+    import open_clip
+
+    return open_clip.create_model("ViT-B-32", pretrained=None, output_dict=True).to(
+        device
+    ), f"open_clip {open_clip.__version__} ViT-B-32"
+
+
+def batch(n: int, dry_run: bool, device: torch.device, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    image, vocab = (16, 100) if dry_run else (IMAGE, VOCAB)
+    x = torch.randn(n, 3, image, image, generator=g).to(device)
+    y = torch.randint(0, vocab, (n, CONTEXT if not dry_run else 8), generator=g).to(device)
+    return x, y
+
+
+def recipe_step(model: nn.Module, optimizer, x, y, autocast) -> float:
+    """open_clip's recipe at P = 1: one forward, the N x N logits, the symmetric cross entropy, backward, step."""
+    optimizer.zero_grad(set_to_none=True)
+    with autocast():
+        out = model(x, y)
+        logits = out["logit_scale"] * out["image_features"] @ out["text_features"].T
+        labels = torch.arange(len(x), device=x.device)
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def distlab_step(model: nn.Module, optimizer, x, y, autocast, micro: int) -> float:
+    config = {"GLOBAL_BATCH_SIZE": len(x), "MICRO_BATCH_SIZE": micro, "MATMUL_PRECISION": "bf16"}
+    with autocast():
+        return distributed_train_step(model, optimizer, x, y, config)
+
+
+def timed(device: torch.device, call) -> dict:
+    """One call's wall time and peak memory above what was allocated before it (CUDA), or an OOM."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    try:
+        loss = call()
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out = {"seconds": time.perf_counter() - start, "loss": loss, "oom": False}
+    if device.type == "cuda":
+        out["peak_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--cpu-dry-run", action="store_true", help="a tiny stand-in model on the CPU")
+    parser.add_argument("--memory-gib", type=float, help="cap the device's memory (set_per_process_memory_fraction)")
+    parser.add_argument("--reserve-gib", type=float, default=4.0, help="left free when extrapolating N_max")
+    parser.add_argument("--micro-batch", type=int, help="distlab's B (default: N_max at N_max, N_max / 2 above)")
+    parser.add_argument("--n-max", type=int, help="skip the search: the recipe's largest batch")
+    args = parser.parse_args()
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
+    with distributed("cpu" if args.cpu_dry_run else "auto") as rt:
+        device, dry = rt.device, args.cpu_dry_run
+        if device.type == "cuda" and args.memory_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
+        card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+        def autocast():
+            return torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
+
+        torch.manual_seed(0)
+        base, name = make_model(dry, device)
+        models = {"open_clip recipe": base, "distlab step": DDP(copy.deepcopy(base))}
+        optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+
+        def run(method: str, n: int, seed: int = 0) -> dict:
+            x, y = batch(n, dry, device, seed)
+            model, opt = models[method], optimizers[method]
+            if method == "open_clip recipe":
+                return timed(device, lambda: recipe_step(model, opt, x, y, autocast))
+            return timed(device, lambda: distlab_step(model, opt, x, y, autocast, min(micro, n)))
+
+        micro = 256
+        first = {method: run(method, 256)["loss"] for method in models}  # the same weights, the same batch
+        print(f"first step's loss at N = 256: {first}", flush=True)
+        rows, n_max = [], args.n_max
+        if n_max is None:  # two probes, a straight line, the device's memory
+            small = [64, 128] if dry else [256, 512]
+            peaks = [run("open_clip recipe", n).get("peak_gib") for n in small]
+            if device.type == "cuda":
+                limit = (args.memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30) - 4
+                per = (peaks[1] - peaks[0]) / (small[1] - small[0])
+                n_max = int((limit - args.reserve_gib - peaks[0] + per * small[0]) / per) // 256 * 256
+            else:
+                n_max = 256
+        while n_max >= 256 and run("open_clip recipe", n_max).get("oom", True):  # confirm it runs
+            n_max //= 2
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        for factor in (1, 4, 16):
+            n, micro = n_max * factor, args.micro_batch or (n_max if factor == 1 else max(1, n_max // 2))
+            for method in models:
+                if factor > 1 and method == "open_clip recipe" and rows and rows[-1].get("oom"):
+                    continue  # already out of memory at a smaller batch
+                if factor == 1 or method == "distlab step":  # a warm-up: compiles, allocates, tunes
+                    run(method, n, seed=1)
+                got = run(method, n, seed=2)
+                rows.append({"n": n, "factor": factor, "method": method, "micro": micro, **got})
+                print(json.dumps(rows[-1]), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        lines = [
+            f"# A CLIP batch one GPU could not hold: {name} on {card}",
+            "",
+            f"N_max = {n_max} (open_clip's recipe), distlab's B = {args.micro_batch or 'N_max, then N_max / 2'}; "
+            "first losses (N = 256, same weights) "
+            f"{first['open_clip recipe']:.4f} (recipe) and {first['distlab step']:.4f} (distlab); "
+            f"memory {'capped at ' + str(args.memory_gib) + ' GiB' if args.memory_gib else 'the whole card'}",
+            "",
+            "| N | method | seconds a step | pairs / s | peak GiB | x recipe at N_max |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
+        ref = next((r for r in rows if r["factor"] == 1 and r["method"] == "open_clip recipe"), {})
+        for r in rows:
+            if r["oom"]:
+                lines.append(f"| {r['n']} | {r['method']} | out of memory | | | |")
+                continue
+            ratio = f"{r['seconds'] / ref['seconds']:.2f}" if ref.get("seconds") and r["factor"] == 1 else ""
+            peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else ""
+            lines.append(
+                f"| {r['n']} | {r['method']} | {r['seconds']:.3f} | {r['n'] / r['seconds']:.0f} | {peak} | {ratio} |"
+            )
+        if rt.rank == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            report = {
+                "card": card,
+                "model": name,
+                "n_max": n_max,
+                "micro": args.micro_batch,
+                "first": first,
+                "rows": rows,
+            }
+            (args.out / "clip_batch.json").write_text(json.dumps(report, indent=1))
+            (args.out / "clip_batch.md").write_text("\n".join(lines) + "\n")
+            print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

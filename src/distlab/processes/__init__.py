@@ -1,0 +1,15 @@
+"""The processes a run stands on: torchrun's environment, the process group, devices, and the command line.
+
+- `runtime`: the process group from torchrun's env (`Runtime`: who am I), backend and device, timeouts, the
+  release of every DDP before the group; `spawn`: torchrun's job inside one process (tests, notebooks);
+- `strict`: strict device mode (a collective on a tensor not on `rt.device` raises, on a CPU too);
+  `reproducible`: float32 that stays float32 on a GPU, deterministic runs; `compat`: the collectives whose
+  names changed between torch 2.11 and 2.13;
+- `agree`: agree across ranks, then raise: every rank the same error, or none;
+- `scratch`: a temporary directory a killed run does not leave behind;
+- `flags`: argument types, the rules that need the world size (`require`, the one "P divides N"), `FlagParser`
+  with a program's own limits; `cli`: the lessons' parser and their limits, for lessons only.
+
+What may not live here: anything that computes or judges a model's numbers (that is `distlab.proof`), and
+anything of one way of splitting. Nothing here imports a sibling package, and no library module imports `cli`.
+"""

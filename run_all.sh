@@ -36,6 +36,9 @@ LESSONS=(
   "ulysses|3|the same at P = 3|"
   "composed_mesh|8|one transformer on a dp x pp x tp x cp mesh = one process at every P = 8 shape (2x2x2x1, cp with the others); bytes and memory per rank = formulas; DCP resume across shapes|"
   "cost|2|FLOPs, bytes held and bytes sent of four splits predicted from sizes = measured; time predicted beside measured; MFU the right way|"
+  "fp8_linear|1|by hand = torchao Float8Linear bit for bit (Y, dX, dW, every training step); every matmul inside its a-priori bound; it splits no work, so P = 1|"
+  "mxfp8_sharding|4|MX blocks of 32 (e8m0 scales) by hand = torchao MXFP8Linear (emulated) bit for bit; outliers under three scalings; FP8 all-gather with the amax agreed first = one process casting the whole weight, bit for bit; bytes (P-1)(Psi_P + 4) counted = formula; torchao's FSDP2 float8 pre-all-gather cast matched|"
+  "mxfp8_sharding|2|the same at P = 2|"
 )
 
 mkdir -p runs

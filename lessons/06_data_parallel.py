@@ -36,25 +36,23 @@ MEAN OVER SAMPLES, L = 1/N sum_i l_i = 1/P sum_r L_r with L_r = 1/C sum_{i in r}
 backward on the local rows, all_reduce every gradient, divide by P (`all_reduce_gradients`, below),
 and every rank holds the gradient one process gets on the whole batch.
 
-Buckets and overlap. Backward produces gradients last layer first. `GradientBuckets` (below) packs
-them into buckets of about --bucket-mib, and a `register_post_accumulate_grad_hook` on each
-parameter launches the bucket's all-reduce asynchronously as soon as its last gradient is in, so the
-reduction runs while backward computes the earlier layers; `wait()` comes before the optimizer step.
-DDP's reducer does the same in C++, and launches the buckets strictly in order, as the class here does,
-so that every rank's k-th all-reduce is the same bucket. The training loop they plug into is
-`distlab/data_split/data_parallel/training.py` (`train`); the timing, `distlab/data_split/data_parallel/overlap.py`.
+Buckets and overlap. Backward produces gradients last layer first. `GradientBuckets` (below) packs them into
+buckets of about --bucket-mib, and a `register_post_accumulate_grad_hook` on each parameter launches the bucket's
+all-reduce asynchronously as soon as its last gradient is in, so the reduction runs while backward computes the
+earlier layers; `wait()` comes before the optimizer step. DDP's reducer does the same in C++, and launches the
+buckets strictly in order, as the class here does, so that every rank's k-th all-reduce is the same bucket. The
+training loop they plug into is `distlab/data_split/data_parallel/training.py` (`train`); the timing,
+`distlab/data_split/data_parallel/overlap.py`.
 
-The shapes real models have, and how the loop and the buckets take them. Rank 0's parameters and buffers
-are broadcast first (`broadcast_parameters`; `GradientBuckets` does it at construction, as DDP does), so
-ranks that built the model from different seeds train one model. Only parameters that require grad are
-reduced, each tensor once (`trained`): a frozen tower or bias is skipped (never stepped or decayed), a weight
-tied across two children (an embedding and its output layer) is one parameter with one gradient, and a
-parameter held by the model itself (CLIP's `logit_scale`) is reduced like any other. A parameter that got
-no gradient in a step (a branch not taken) is an error naming it, before any all-reduce of the step,
-unless `find_unused_parameters=True`: then one more all-reduce counts the ranks that used each parameter,
-the ranks that did not add zeros (exact: they add nothing to the sum), and a parameter no rank used keeps
-no gradient, as in one process, so no optimizer moves it. tests/test_real_shapes.py trains all of these
-against one process.
+The shapes real models have. Rank 0's parameters and buffers are broadcast first (`broadcast_parameters`;
+`GradientBuckets` does it at construction, as DDP does), so ranks that built the model from different seeds train
+one model. Only parameters that require grad are reduced, each tensor once (`unused_check`): a frozen tower or
+bias is skipped (never stepped or decayed), a weight tied across two children (an embedding and its output layer)
+is one parameter with one gradient, and one held by the model itself (CLIP's `logit_scale`) is reduced like any
+other. A parameter with no gradient in a step (a branch not taken) is an error naming it, before the step's first
+all-reduce, unless `find_unused_parameters=True`: then one more all-reduce counts the ranks that used each
+parameter, the others add zeros (exact: nothing added to the sum), and one no rank used keeps no gradient, as in
+one process, so no optimizer moves it. tests/test_real_shapes.py trains all of these against one process.
 
 What that buys, measured twice. On the real CPU (gloo, P ranks sharing this machine's cores with
 other jobs) buckets pay and overlap does not: every message has a fixed cost, so one all-reduce per
@@ -250,9 +248,8 @@ class GradientBuckets:
         self.model, self.rt, self.overlap, self.link = model, rt, overlap, link  # link: emulate.Link, or gloo
         self.find_unused = find_unused_parameters
         broadcast_parameters(model, rt)
-        # Backward produces gradients from the last layer to the first; filling the buckets in that
-        # order (as DDP does) makes the first bucket complete early in backward. A bucket closes once it
-        # holds bucket_bytes (a cap of 0: one tensor a bucket).
+        # Backward produces gradients from the last layer to the first; filling the buckets in that order (as
+        # DDP does) makes the first bucket complete early in backward. A bucket closes at bucket_bytes (0: 1 tensor).
         self.buckets: list[list[nn.Parameter]] = [[]]
         for param in reversed([p for p in model.parameters() if p.requires_grad]):
             if self.buckets[-1] and sum(p.numel() * p.element_size() for p in self.buckets[-1]) >= bucket_bytes:

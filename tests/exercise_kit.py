@@ -17,7 +17,9 @@ signature; and the exercise's own hints by level. `Exercise.tests` turns that in
   file; the judge recognises that mistake and gives its hints, level by level;
 - `test_the_judge_checks_beyond_numbers[<answer>]` (`Exercise.structure_test`): a wrong answer whose numbers
   are right fails the structural claim it breaks (memory, collectives, bytes, a schedule's shape), and only
-  such claims.
+  such claims;
+- `test_the_judge_accepts_another_way[<answer>]` (`Exercise.accepts_test`): a right answer written another
+  way than the lesson's (a functional collective, a library gather the lesson names) passes every claim.
 
 The blank and every wrong answer run in one spawn (each rank judges them in turn), so an exercise's tests
 cost two spawns, not one per answer.
@@ -41,13 +43,15 @@ import pytest
 import torch
 from exercise_claims import Claims, Hints
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
+from exercise_watch import unknown_ops
 from helpers import lesson_path
 
-from distlab.processes.spawn import spawn
+from distlab.processes.spawn import SpawnError, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS, EXERCISES = ROOT / "lessons", ROOT / "lessons" / "exercises"
 DEFAULT_HINT_LEVEL = 1  # the idea, named; 0 for no help at all
+UNKNOWN_CLAIM = "every collective the answer runs is one the judge can price"
 
 
 def hint_level_default() -> int:
@@ -110,34 +114,66 @@ def swapped(answer: Answer, **names: Any):
 
 @dataclass(frozen=True)
 class Verdict:
-    """One answer's judgment: not written yet (`blank`), or every rank's findings and their diagnosis."""
+    """One answer's judgment: not written yet (`blank`), or every rank's findings and their diagnosis, at
+    the world size `world` it was judged at (the first where a claim failed, else the last)."""
 
     answer: Answer
     blank: str | None
     findings: Findings | None
     diagnosis: Diagnosis | None
+    world: int = 0
+    raised: str | None = None  # the answer raised (or hung): what, on which rank, and where in its file
+
+
+def _raised(err: Exception, answer: Answer) -> str:
+    """One rank's failure in a few lines: the error's last line, on which rank, and the answer's own line
+    that raised it (the deepest frame in the answer's file), never the judge's traceback."""
+    if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
+        return f"your answer did not finish: {err} (a collective some rank never joined?)"
+    lines = [line for line in err.child_traceback.splitlines() if line.strip()]
+    last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', err.child_traceback)
+    mine = [f for f in frames if Path(f[0]) == answer.path]
+    where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
+    return f"your answer raised on rank {err.rank}: {last}{where}"
 
 
 def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple) -> list[dict]:
     """One rank: each answer in turn, loaded, run through the check's body; what it recorded, or that it is blank."""
     reports = []
     for answer in answers:
-        claims = Claims()
+        claims, before = Claims(), len(unknown_ops())
         try:
             body(rt, answer.load(), claims, *args)
         except NotImplementedError as err:
             reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
             continue
+        unknown = sorted(set(unknown_ops(before)))
+        if unknown:  # first: what the judge could not price makes every byte claim after it unsure
+            claims.holds(
+                UNKNOWN_CLAIM,
+                False,
+                what="collectives",
+                note=f"the judge cannot price {', '.join(unknown)}",
+                hints=(
+                    "the judge prices torch.distributed's collectives and the functional ones; this op is neither",
+                    "write the exchange with dist.all_reduce, all_gather, reduce_scatter, all_to_all, send/recv",
+                ),
+            )
+            claims.seen.insert(0, claims.seen.pop())
         reports.append({"seen": claims.seen})
     return reports
 
 
 @dataclass(frozen=True)
 class Exercise:
-    """An exercise's judge: `body(rt, fn, claims, *args)` on `world` ranks, its catalogue of mistakes, its
-    own hints (three levels, for a learner who has not started), `numbers` (a regex naming the claims about
-    numbers, which a structural wrong answer must keep), and where the solution is when the lesson calls
-    it from the library (`solution_at`)."""
+    """An exercise's judge: `body(rt, fn, claims, *args)` on `world` ranks, then on each of `also_at`
+    (world sizes where the lesson's claims read differently: a factor (P - 1) that equals 2 (P - 1)/P at
+    P = 2, a sub-group that is the whole world at P = 2; the body takes P from `rt.world_size` there), its
+    catalogue of mistakes, its own hints (three levels, for a learner who has not started), `numbers` (a
+    regex naming the claims about numbers, which a structural wrong answer must keep), the quantities a
+    ratio is read in (`quantities(P)`: {"M": 4, "C": 3, ...}; P is always one), and where the solution is
+    when the lesson calls it from the library (`solution_at`)."""
 
     lesson: str
     name: str
@@ -148,20 +184,37 @@ class Exercise:
     numbers: str = "equal"
     args: tuple = ()
     solution_at: Answer | None = None
+    also_at: tuple[int, ...] = ()
+    quantities: Callable[[int], dict] | None = None
 
     def judge(self, answers: list[Answer]) -> list[Verdict]:
-        """Every answer judged in one spawn of `world` ranks."""
-        reports = spawn(_rank, self.world, self.body, answers, self.args, timeout_s=60, limit_s=240)
-        verdicts = []
-        for k, answer in enumerate(answers):
-            mine = [rank[k] for rank in reports]
-            blank = next((r["blank"] for r in mine if "blank" in r), None)
-            if blank is not None:
-                verdicts.append(Verdict(answer, blank, None, None))
+        """Every answer judged in one spawn per world size: at `world` first, and at each of `also_at` the
+        answers that passed so far; an answer's verdict is its first failure's."""
+        verdicts: dict[Answer, Verdict] = {}
+        worlds = (self.world, *self.also_at)
+        for world in worlds:
+            pending = [a for a in dict.fromkeys(answers) if a not in verdicts]
+            if not pending:
+                break
+            try:
+                reports = spawn(_rank, world, self.body, pending, self.args, timeout_s=60, limit_s=240)
+            except (SpawnError, TimeoutError) as err:
+                if len(pending) != 1:  # the authors' wrong answers, judged together: a crash there is a bug
+                    raise
+                verdicts[pending[0]] = Verdict(pending[0], None, None, None, world, _raised(err, pending[0]))
                 continue
-            findings = Findings([r["seen"] for r in mine])
-            verdicts.append(Verdict(answer, None, findings, diagnose(findings, self.mistakes, self.world)))
-        return verdicts
+            quantities = {"P": world, **(self.quantities(world) if self.quantities else {})}
+            for k, answer in enumerate(pending):
+                mine = [rank[k] for rank in reports]
+                blank = next((r["blank"] for r in mine if "blank" in r), None)
+                if blank is not None:
+                    verdicts[answer] = Verdict(answer, blank, None, None, world)
+                    continue
+                findings = Findings([r["seen"] for r in mine])
+                diagnosis = diagnose(findings, self.mistakes, world, quantities)
+                if diagnosis is not None or world == worlds[-1]:
+                    verdicts[answer] = Verdict(answer, None, findings, diagnosis, world)
+        return [verdicts[a] for a in answers]
 
     def message(self, verdict: Verdict, level: int) -> str | None:
         """What a learner reads: None when every claim held."""
@@ -172,9 +225,16 @@ class Exercise:
             if level < len(self.hints):
                 lines.append(more_help(level))
             return "\n".join(lines)
+        where = f" (judged at P = {verdict.world})" if self.also_at else ""
+        if verdict.raised is not None:
+            lines = [f"{verdict.answer.path.name}{where}: {verdict.raised}"]
+            lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(self.hints[:level])]
+            if level < len(self.hints):
+                lines.append(more_help(level))
+            return "\n".join(lines)
         if verdict.diagnosis is None:
             return None
-        return f"{verdict.answer.path.name}: {verdict.diagnosis.message(level)}"
+        return f"{verdict.answer.path.name}{where}: {verdict.diagnosis.message(level, self.hints)}"
 
     def judged(self) -> Answer:
         return self.solution_at or solution(self.lesson, self.name)
@@ -193,7 +253,7 @@ class Exercise:
             start = time.monotonic()
             (verdict,) = self.judge([answer])
             seconds = time.monotonic() - start
-            took = f"checked on {self.world} rank(s) in {seconds:.1f} s"
+            took = f"checked on {' and '.join(map(str, (self.world, *self.also_at)))} rank(s) in {seconds:.1f} s"
             text = self.message(verdict, hint_level)
             numbered = exercise(self.lesson, self.name).path.stem  # "21_contrastive_global": the summary's name
             request.config.stash.setdefault(TIMES, []).append((numbered, text is None, seconds))
@@ -232,6 +292,18 @@ class Exercise:
             assert not numbers, f"{name} should keep the numbers right, but failed {numbers}"
 
         return test_the_judge_checks_beyond_numbers
+
+    def accepts_test(self, here: Path, correct: list[str]) -> Callable:
+        """`correct` names right answers in `here` written another way than the lesson's (another
+        collective, a library function the lesson names, one extra barrier): each must pass every claim."""
+        _WRONG.setdefault((self.lesson, here), set()).update(correct)
+
+        @pytest.mark.parametrize("name", correct)
+        def test_the_judge_accepts_another_way(name: str) -> None:
+            verdict = self.group(here)[Answer(here, name)]
+            assert verdict.blank is None and verdict.diagnosis is None, self.message(verdict, 3)
+
+        return test_the_judge_accepts_another_way
 
     def group(self, here: Path) -> dict[Answer, Verdict]:
         """The blank and every wrong answer in `here`, judged once in one spawn (cached per module)."""

@@ -22,4 +22,8 @@ def why_invalid(schedule, world: int, microbatches: int, split: bool = False) ->
         simulate(schedule)
     except ValueError as err:
         return str(err)
+    for rank, actions in enumerate(schedule):  # valid as a graph, but every rank must run its own stage
+        elsewhere = sorted({a.stage for a in actions} - {rank})
+        if elsewhere:
+            return f"rank {rank} runs stage {elsewhere[0]}: rank r's list holds stage r's actions"
     return ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exercise_claims import Hints, Seen, show
 
@@ -167,20 +167,29 @@ class Diagnosis:
     observations: tuple[str, ...]
     also: tuple[str, ...]
     world: int
+    quantities: dict = field(default_factory=dict)
 
-    def message(self, level: int) -> str:
+    def message(self, level: int, fallback: Hints = ()) -> str:
+        """What a learner reads at hint level `level`: the claim and by how much; from level 1 what the judge
+        saw and the hints, the mistake's when one is recognised, else the claim's own, else `fallback` (the
+        exercise's own hints: every claim has some)."""
         first = self.failing[min(self.failing)]
         ranks = ", ".join(map(str, sorted(self.failing)))
         lines = [f"claim '{self.claim}' failed on rank(s) {ranks}: {first.what}: {first.amount()}"]
         if self.also:
             lines.append(f"  also failed: {'; '.join(self.also)}")
+        # a claim's own hints first, the exercise's carrying on past them: every level adds something
+        hints = self.mistake.hints if self.mistake else first.hints + fallback[len(first.hints) :]
         if level >= 1:
             lines.append(f"  the judge saw: {'; '.join(self.observations)}")
-            hints = self.mistake.hints if self.mistake else first.hints
-            if self.mistake is None:
+            if self.mistake is None and first.hints:
+                lines.append("  not one of the catalogued mistakes; the claim's own hints say where to look")
+            elif self.mistake is None and hints:
+                lines.append("  not one of the catalogued mistakes; the exercise's own hints say where to look")
+            elif self.mistake is None:
                 lines.append("  no catalogued mistake leaves these traces; what the judge saw is all it can say")
             lines += [f"  hint {k + 1}: {hint}" for k, hint in enumerate(hints[:level])]
-        if level < 3:
+        if level == 0 or level < len(hints):  # level 1 adds what the judge saw; past that, only hints remain
             lines.append(more_help(level))
         return "\n".join(lines)
 
@@ -231,22 +240,26 @@ def recognise(findings: Findings, mistake: Mistake, world: int) -> Diagnosis | N
     return None
 
 
-def diagnose(findings: Findings, mistakes: tuple[Mistake, ...], world: int) -> Diagnosis | None:
+def diagnose(findings: Findings, mistakes: tuple[Mistake, ...], world: int, quantities: dict | None = None):
     """The first catalogued mistake the findings show, else the first failed claim with what the judge
-    saw there; None when every claim held."""
+    saw there (a ratio named in `quantities`, the exercise's P, M, C, N, ..., when it is one of theirs);
+    None when every claim held."""
     failed = findings.failed()
     if not failed:
         return None
+    quantities = {"P": world, **(quantities or {})}
     for mistake in mistakes:
         diagnosis = recognise(findings, mistake, world)
         if diagnosis is not None:
             return diagnosis
     failing = findings.failing(failed[0])
-    return Diagnosis(failed[0], failing, None, tuple(describe(failing, world)), tuple(failed[1:]), world)
+    facts = tuple(describe(failing, world, quantities))
+    return Diagnosis(failed[0], failing, None, facts, tuple(failed[1:]), world, quantities)
 
 
-def describe(failing: dict[int, Seen], world: int) -> list[str]:
-    """What the judge saw on a failed claim, fact by fact, with no guess at the cause."""
+def describe(failing: dict[int, Seen], world: int, quantities: dict | None = None) -> list[str]:
+    """What the judge saw on a failed claim, fact by fact, with no guess at the cause beyond what a ratio
+    in the exercise's own quantities reads as."""
     seen = list(failing.values())
     held = sorted(set(range(world)) - set(failing))
     facts = [f"ranks that held: {', '.join(map(str, held))}" if held else "it fails on every rank"]
@@ -259,7 +272,12 @@ def describe(failing: dict[int, Seen], world: int) -> list[str]:
     elif ratios == {None}:
         facts.append("no single factor relates it to the reference")
     else:
-        facts.append("got / reference: " + ", ".join(f"rank {r}: {_ratio(s)}" for r, s in failing.items()))
+        named = {r: name_ratio(s.ratio, quantities or {"P": world}) for r, s in failing.items()}
+        if len(ratios) == 1 and None not in ratios and named[min(named)]:
+            facts.append(f"got / reference = {named[min(named)]} on {'every failing rank' if len(seen) > 1 else 'it'}")
+        else:
+            each = ", ".join(f"rank {r}: {named[r] or _ratio(s)}" for r, s in failing.items())
+            facts.append(f"got / reference: {each}")
     if any(s.zero for s in seen):
         facts.append(f"zero on rank(s) {', '.join(str(r) for r, s in failing.items() if s.zero)}")
     for s in seen[:1]:
@@ -275,3 +293,61 @@ def describe(failing: dict[int, Seen], world: int) -> list[str]:
 
 def _ratio(seen: Seen) -> str:
     return "no single factor" if seen.ratio is None else f"{seen.ratio:.6g}"
+
+
+# ---- a ratio, read in the exercise's own quantities ---------------------------------------------------
+
+_READINGS = {  # an expression in one quantity q, and what a factor equal to it usually means
+    "q": "{q} times too large: a sum over the {q} where a mean was wanted (or a 1/{q} left out)",
+    "1/q": "divided by {q} once too often (a mean where a sum was wanted, or a 1/{q} applied twice)",
+    "q^2": "{q} twice over: a sum over the {q} applied twice, or a 1/{q} left out twice",
+    "1/q^2": "divided by {q} twice: the 1/{q} applied two times",
+    "(q-1)/q": "one of {q} parts missing: this rank's own part left out",
+    "q/(q-1)": "one part counted that should not be ({q} - 1 parts wanted, {q} summed)",
+    "q/2": "({q} - 1) where 2 ({q} - 1)/{q} belongs: a ring's two passes read as {q} - 1 whole tensors",
+    "2/q": "2 ({q} - 1)/{q} where ({q} - 1) belongs: a ring's price where whole tensors travel",
+}
+
+
+def _candidates(quantities: dict) -> list[tuple[str, float, str]]:
+    """(expression, value, reading) for every quantity (those equal to 1 or 2 read nothing), the products
+    and quotients of two of them, and the constants 2 and 1/2."""
+    out = []
+    usable = {q: float(v) for q, v in quantities.items() if isinstance(v, (int, float)) and v not in (0, 1)}
+    for q, v in usable.items():
+        forms = {
+            "q": v,
+            "1/q": 1 / v,
+            "q^2": v * v,
+            "1/q^2": 1 / (v * v),
+            "(q-1)/q": (v - 1) / v,
+            "q/(q-1)": v / (v - 1),
+            "q/2": v / 2,
+            "2/q": 2 / v,
+        }
+        for form, value in forms.items():
+            text = form.replace("q", q) if len(q) == 1 else form.replace("q", f"({q})")
+            out.append((text, value, _READINGS[form].format(q=q)))
+    names = list(usable)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            out.append((f"{a} {b}", usable[a] * usable[b], f"both {a} and {b} times too large"))
+            out.append((f"1/({a} {b})", 1 / (usable[a] * usable[b]), f"divided by {a} and by {b} once too often"))
+            out.append((f"{a}/{b}", usable[a] / usable[b], f"a factor {a} where {b} belongs"))
+            out.append((f"{b}/{a}", usable[b] / usable[a], f"a factor {b} where {a} belongs"))
+    out += [("2", 2.0, "twice too large: counted twice"), ("1/2", 0.5, "half: one of two halves missing")]
+    return out
+
+
+def name_ratio(k: float | None, quantities: dict) -> str | None:
+    """ "1/P^2 = 0.111111: divided by P twice ..." when k is one of the quantities' simple expressions (the
+    first that fits, the others equal to it named too), else None."""
+    if k is None:
+        return None
+    fits = [(text, reading) for text, value, reading in _candidates(quantities) if math.isclose(k, value, rel_tol=1e-6)]
+    if not fits:
+        return None
+    text, reading = fits[0]
+    same = sorted({t for t, _ in fits[1:] if t != text})
+    also = f" (= {', '.join(same)} here)" if same else ""
+    return f"{text} = {k:.6g}{also}: {reading}"

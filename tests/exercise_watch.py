@@ -6,11 +6,21 @@ too: autograd runs a CPU graph on the calling thread, under the same mode) passe
 storage it records the shape (so "nothing N x N, C x N or B x N" is a question about `shapes`), and, when
 `kind(shape)` names the tensor ("k/v block", "C x d block"), counts it alive until its storage is freed
 (a `weakref.finalize`): `peak[kind]` is the most of that kind this rank held at once, the per-rank memory
-a lesson bounds. Collectives reach the dispatcher as `c10d` ops: `collectives` lists each call's kind and
-the bytes of its whole tensor, and `sent` prices them by the ring formulas, so a check counts all-reduces
-and bytes without trusting what the answer says it sent. An all-to-all (torch's `all_to_all_single`, or
-the functional one with autograd, forward and backward) is recorded with the bytes it sends exactly: its
-input but the part for this rank itself, whatever the splits.
+a lesson bounds.
+
+Collectives reach the dispatcher as ops in one of three namespaces: `c10d` (what `torch.distributed`'s
+functions call, `torch.distributed.nn.functional`'s autograd gathers included), `_c10d_functional` (the
+functional collectives of `torch.distributed._functional_collectives`, DTensor's) and
+`_c10d_functional_autograd` (their autograd forms). `collectives` lists each call as a `Call`: its kind,
+the bytes of its whole tensor (the all-gather's output, the reduce-scatter's input, the all-reduce's
+tensor) and the size of the group it ran on; `sent` prices them by the ring formulas over that group, so a
+check counts all-reduces and bytes without trusting what the answer says it sent. A call whose bytes
+depend on the rank (an all-to-all, a gather, a scatter, a send) is recorded with the bytes this rank sends
+exactly: its input but the part for itself. A barrier costs nothing and is still listed.
+
+An op the table below does not know is never a crash: it is listed in `unknown` (and, for the judge,
+`unknown_ops()` collects every one this process saw, so `exercise_kit` turns it into a failed claim that
+names it), priced at nothing.
 
 DDP's own all-reduce runs inside its reducer, where no mode sees it: the checks count it with a DDP comm
 hook (`distlab.data_split.data_parallel.ddp.counting`).
@@ -22,6 +32,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from fractions import Fraction
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,21 +42,77 @@ from torch.utils._pytree import tree_leaves
 
 from distlab.comm.collectives import ring_fraction
 
-KINDS = {  # c10d's ops, by the collective they are
-    "allreduce_": "all_reduce",
-    "allgather_": "all_gather",
-    "_allgather_base_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_": "reduce_scatter",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "broadcast_": "broadcast",
-    "recv_": "recv",
-    "alltoall_base_": "all_to_all",
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+NOT_COLLECTIVES = {"check_for_nan", "wait_tensor", "_wrap_tensor_autograd"}  # in those namespaces, moving nothing
+
+# op name -> (the collective it is, how its whole tensor is found). The "how":
+#   first / second   the tensor(s) of that argument (c10d: the all-gather's outputs are its first argument,
+#                    the reduce-scatter's input its second)
+#   gathered         the input times the group's size (a functional all-gather takes only its input)
+#   sent             the bytes this rank sends, worked out from the rank (all-to-all, gather, scatter, send)
+#   none             nothing moves (a barrier, a receive: its sender counts it)
+C10D = {
+    "allreduce_": ("all_reduce", "first"),
+    "allreduce_coalesced_": ("all_reduce", "first"),
+    "allgather_": ("all_gather", "first"),
+    "_allgather_base_": ("all_gather", "first"),
+    "allgather_coalesced_": ("all_gather", "first"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "first"),
+    "reduce_scatter_": ("reduce_scatter", "second"),
+    "_reduce_scatter_base_": ("reduce_scatter", "second"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "second"),
+    "reduce_": ("reduce", "first"),
+    "broadcast_": ("broadcast", "first"),
+    "alltoall_base_": ("all_to_all", "sent"),
+    "alltoall_": ("all_to_all", "sent"),
+    "gather_": ("gather", "sent"),
+    "scatter_": ("scatter", "sent"),
+    "send": ("send", "first"),
+    "recv_": ("recv", "none"),
+    "recv_any_source_": ("recv", "none"),
+    "barrier": ("barrier", "none"),
+    "monitored_barrier_": ("barrier", "none"),
 }
+FUNCTIONAL = {  # _c10d_functional and _c10d_functional_autograd: (input, ..., group name last)
+    "all_reduce": ("all_reduce", "first"),
+    "all_reduce_": ("all_reduce", "first"),
+    "all_reduce_coalesced": ("all_reduce", "first"),
+    "all_reduce_coalesced_": ("all_reduce", "first"),
+    "all_gather_into_tensor": ("all_gather", "gathered"),
+    "all_gather_into_tensor_out": ("all_gather", "gathered"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "gathered"),
+    "reduce_scatter_tensor": ("reduce_scatter", "first"),
+    "reduce_scatter_tensor_out": ("reduce_scatter", "first"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "first"),
+    "all_to_all_single": ("all_to_all", "sent"),
+    "broadcast": ("broadcast", "first"),
+    "broadcast_": ("broadcast", "first"),
+    "isend": ("send", "first"),
+    "irecv": ("recv", "none"),
+    "batch_p2p_ops": ("send", "sent"),
+}
+# what rank r of a group of P sends, in units of the whole tensor ("sent" kinds are recorded as sent: 1)
+PRICES: dict[str, Callable[[int], Fraction]] = {
+    **{kind: (lambda p, kind=kind: ring_fraction(kind, p)) for kind in ("all_reduce", "all_gather", "reduce_scatter")},
+    "broadcast": lambda p: Fraction(p - 1, p),  # pipelined through a ring: (P-1)/P of it per rank
+    "reduce": lambda p: Fraction(p - 1, p),  # the broadcast run backwards
+    **{kind: (lambda p: Fraction(1)) for kind in ("send", "all_to_all", "gather", "scatter")},
+    **{kind: (lambda p: Fraction(0)) for kind in ("recv", "barrier")},
+}
+_UNKNOWN: list[str] = []  # every op this process saw that the tables above do not know (`unknown_ops`)
+
+
+class Call(NamedTuple):
+    """One collective this rank ran: its kind, the bytes of its whole tensor (or, for the kinds priced at
+    1, the bytes it sends) and the size of its group (None: the world passed to `Watch.sent`)."""
+
+    kind: str
+    nbytes: int
+    size: int | None = None
 
 
 class Watch(TorchDispatchMode):
-    """with Watch(kind) as w: ...;  w.shapes, w.peak[kind], w.calls(), w.sent(P)"""
+    """with Watch(kind) as w: ...;  w.shapes, w.peak[kind], w.calls(), w.sent(P), w.unknown"""
 
     def __init__(self, kind: Callable[[tuple], str | None] = lambda shape: None) -> None:
         super().__init__()
@@ -53,17 +120,15 @@ class Watch(TorchDispatchMode):
         self.shapes: set[tuple] = set()
         self.live: Counter = Counter()
         self.peak: Counter = Counter()
-        self.collectives: list[tuple[str, int]] = []  # (kind, bytes of the whole tensor; all_to_all: sent)
+        self.collectives: list[Call] = []
+        self.unknown: list[str] = []  # "namespace.op" of every op this watch could not price
         self._seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d":
-            self._collective(func.__name__.split(".")[0], args)
-            return out
-        if func.namespace == "_c10d_functional" and func.__name__.startswith("all_to_all_single"):
-            group = _resolve_process_group(args[3])  # (input, output splits, input splits, group name)
-            self.collectives.append(("all_to_all", _part_sent(args[0], args[2], group)))
+        name = func.__name__.split(".")[0]
+        if func.namespace in COLLECTIVE_NAMESPACES and name not in NOT_COLLECTIVES:
+            self._collective(func.namespace, name, args, kwargs or {})
             return out
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
@@ -88,35 +153,86 @@ class Watch(TorchDispatchMode):
         if kind is not None:
             self.live[kind] -= 1
 
-    def _collective(self, op: str, args: tuple) -> None:
-        kind = KINDS.get(op, op)
-        if kind == "all_to_all":  # (output, input, group, output splits, input splits, ...)
-            self.collectives.append((kind, _part_sent(args[1], args[4], dist.ProcessGroup.unbox(args[2]))))
+    def _collective(self, namespace: str, op: str, args: tuple, kwargs: dict) -> None:
+        table = C10D if namespace == "c10d" else FUNCTIONAL
+        if op not in table:
+            self.unknown.append(f"{namespace}.{op}")
+            _UNKNOWN.append(f"{namespace}.{op}")
+            self.collectives.append(Call(f"unknown {namespace}.{op}", 0))
             return
-        # the whole tensor of the ring formulas: the all-gather's output, the reduce-scatter's input
-        whole = args[1] if kind == "reduce_scatter" else args[0]
-        tensors = [t for t in tree_leaves(whole) if isinstance(t, torch.Tensor)]
-        self.collectives.append((kind, sum(t.numel() * t.element_size() for t in tensors)))
+        kind, how = table[op]
+        group = _group_of(namespace, args)
+        size = group.size() if group is not None else None
+        if how == "sent":
+            nbytes = _sent(namespace, op, args, group)
+        elif how == "none":
+            nbytes = 0
+        else:
+            whole = args[1] if how == "second" else args[0]
+            nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(whole) if isinstance(t, torch.Tensor))
+            nbytes *= size if how == "gathered" else 1
+        self.collectives.append(Call(kind, nbytes, size))
 
     def calls(self) -> Counter:
-        """How many times each collective ran, by kind ("all_reduce", "all_gather", "send", ...)."""
-        return Counter(kind for kind, _ in self.collectives)
+        """How many times each collective ran, by kind ("all_reduce", "all_gather", "send", "barrier", ...)."""
+        return Counter(call[0] for call in self.collectives)
 
     def sent(self, world: int) -> float:
-        """Bytes this rank sends in the collectives it ran, by the ring formulas (`distlab.comm`'s
-        `ring_fraction`: all-reduce 2 (P-1)/P of the tensor, all-gather and reduce-scatter (P-1)/P of the
-        whole), plus every send."""
-        fraction = {
-            **{
-                kind: lambda p, kind=kind: ring_fraction(kind, p)
-                for kind in ("all_reduce", "all_gather", "reduce_scatter")
-            },
-            "send": lambda p: 1,
-            "all_to_all": lambda p: 1,  # recorded as the bytes it sends
-            "recv": lambda p: 0,
-            "broadcast": lambda p: Fraction(p - 1, p),
-        }
-        return float(sum(fraction[kind](world) * nbytes for kind, nbytes in self.collectives))
+        """Bytes this rank sends in the collectives it ran: all-reduce 2 (P-1)/P of the tensor, all-gather
+        and reduce-scatter (P-1)/P of the whole, broadcast and reduce (P-1)/P of it (`distlab.comm`'s
+        `ring_fraction`; P the size of the group each ran on, `world` when unknown), plus the bytes each
+        all-to-all, gather, scatter and send hands over; receives and barriers send nothing, and an op
+        the judge does not know is priced at nothing (it fails its own claim, `unknown_ops`)."""
+        total = Fraction(0)
+        for call in self.collectives:
+            kind, nbytes, size = (*call, None)[:3]
+            if kind in PRICES:
+                total += PRICES[kind](size or world) * nbytes
+        return float(total)
+
+
+def unknown_ops(since: int = 0) -> list[str]:
+    """Every collective op this process saw that `Watch` cannot price, after the first `since`."""
+    return _UNKNOWN[since:]
+
+
+def _group_of(namespace: str, args: tuple):
+    """The process group an op ran on: a c10d op carries it boxed (its first ProcessGroup argument), a
+    functional one by name (its last argument; batch_p2p_ops's too)."""
+    if namespace == "c10d":
+        for a in args:
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    return dist.ProcessGroup.unbox(a)
+                except (RuntimeError, TypeError):
+                    continue
+        return None
+    try:
+        return _resolve_process_group(args[-1])
+    except (ValueError, RuntimeError, TypeError):
+        return None
+
+
+def _sent(namespace: str, op: str, args: tuple, group) -> int:
+    """The bytes this rank sends in a call whose share depends on its rank."""
+    me = group.rank() if group is not None else 0
+    if op == "alltoall_base_":  # (output, input, group, output splits, input splits, ...)
+        return _part_sent(args[1], args[4], group)
+    if op == "all_to_all_single":  # (input, output splits, input splits, group name)
+        return _part_sent(args[0], args[2], group)
+    if op == "alltoall_":  # (outputs, inputs, group, ...): every input but the one for this rank
+        return sum(_bytes(t) for q, t in enumerate(args[1]) if q != me)
+    if op == "gather_":  # (outputs, inputs, group, root, ...): a non-root sends its input, the root keeps its own
+        return 0 if me == args[3] else sum(_bytes(t) for t in args[1])
+    if op == "scatter_":  # (outputs, inputs, group, root, ...): the root sends every part but its own
+        return sum(_bytes(t) for q, t in enumerate(tree_leaves(args[1])) if q != me) if me == args[3] else 0
+    if op == "batch_p2p_ops":  # (op names, peers, tags, tensors, group name)
+        return sum(_bytes(t) for name, t in zip(args[0], args[3]) if "send" in name)
+    raise AssertionError(f"{namespace}.{op} is priced as sent but has no rule")
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _part_sent(x: torch.Tensor, splits: list[int] | None, group) -> int:

@@ -111,6 +111,16 @@ MISTAKES = (
             "Action(kind, i, r) in rank r's list",
         ),
     ),
+    Mistake(
+        "the stages numbered from the other end",
+        "is a schedule",
+        (Says("runs stage"),),
+        (
+            "an action names its stage, and rank r runs stage r: the first layers live on rank 0",
+            "the order is a valid pipeline, but on the wrong ranks: list r must hold stage r's actions",
+            "Action(kind, i, r) in rank r's list, r counted from 0 at the input",
+        ),
+    ),
 )
 
 
@@ -135,6 +145,13 @@ def swapped_arguments(num_ranks: int, microbatches: int):
     return [[Action(kind, i, r) for kind in "FI" for i in range(num_ranks)] for r in range(microbatches)]
 
 
+def stages_reversed(num_ranks: int, microbatches: int):
+    """Rank r running stage P - 1 - r: a valid pipeline, every stage on the wrong rank."""
+    return [
+        [Action(kind, i, num_ranks - 1 - r) for kind in "FI" for i in range(microbatches)] for r in range(num_ranks)
+    ]
+
+
 def all_on_stage_zero(num_ranks: int, microbatches: int):
     """Every rank's actions on stage 0."""
     return [[Action(kind, i, 0) for kind in "FI" for i in range(microbatches)] for _ in range(num_ranks)]
@@ -152,6 +169,7 @@ EXERCISE = Exercise(
         "[[Action(kind, i, r) for kind in 'FI' for i in range(M)] for r in range(P)]",
     ),
     numbers="is a schedule|equal the unsplit",
+    quantities=lambda p: {"M": M},
 )
 WRONG = {
     "one micro-batch at a time": "one_at_a_time",
@@ -159,6 +177,7 @@ WRONG = {
     "a backward before its forward": "backward_first",
     "P and M swapped": "swapped_arguments",
     "every rank's actions on stage 0": "all_on_stage_zero",
+    "the stages numbered from the other end": "stages_reversed",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG

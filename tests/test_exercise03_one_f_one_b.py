@@ -39,7 +39,12 @@ def _ranks(rt, one_f_one_b, claims) -> None:
         exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
             compare({n: ref.params[n] for n in run.params}, run.params)
         )
-        claims.holds(f"M={m}: the gradients and parameters equal the unsplit model's", exact, what="theta_p")
+        claims.holds(
+            f"M={m}: the gradients and parameters equal the unsplit model's",
+            exact,
+            what="theta_p",
+            hints=("a valid order trains the same model: a micro-batch run twice or skipped changes theta",),
+        )
         held, most = run.peak_in_flight, min(m, P - rt.rank)
         claims.equal(
             f"M={m}: rank r holds at most min(M, P - r) micro-batches",
@@ -57,6 +62,13 @@ def _ranks(rt, one_f_one_b, claims) -> None:
             ok=abs(bubble - formula) < 1e-12,
             what="the bubble",
             alternatives={ONE_AT_A_TIME: (P - 1) / P},
+            hints=(
+                "1F1B reorders the work but idles exactly as GPipe does: a larger bubble is a rank waiting "
+                "for a micro-batch it could have had",
+                "count the idle slots in the grid (distlab.pipeline.simulator.simulate): each rank should idle P - 1 "
+                "slots in all, at the start and at the end, none in the steady state",
+                "warm up with min(P - r - 1, M) forwards, then F and I in turn, then the remaining I's",
+            ),
         )
 
 

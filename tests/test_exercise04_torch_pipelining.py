@@ -140,6 +140,7 @@ EXERCISE = Exercise(
         "pipelining.ScheduleGPipe(stage, microbatches, loss_fn=F.mse_loss) (or Schedule1F1B)",
     ),
     numbers="equal",
+    quantities=lambda p: {"M": M},
 )
 WRONG = {
     "scale_grads turned off": "unscaled",

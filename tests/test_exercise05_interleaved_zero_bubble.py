@@ -181,6 +181,7 @@ EXERCISE = Exercise(
         "at the end: order += waiting",
     ),
     numbers="is a schedule|equal the unsplit",
+    quantities=lambda p: {"M": M},
 )
 WRONG = {
     "no W held back": "w_right_after_i",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled, Tensors
 from exercise_watch import Watch
@@ -162,6 +163,20 @@ def gathered_mean(model, rt) -> None:
         param.grad.copy_(torch.stack(every).mean(0))
 
 
+def with_a_barrier(model, rt) -> None:
+    """Right, written another way: the lesson's answer, then every rank waits for the others."""
+    for param in _trained(model):
+        dist.all_reduce(param.grad)
+        param.grad /= rt.world_size
+    dist.barrier()
+
+
+def functional_all_reduce(model, rt) -> None:
+    """Right, written another way: a functional collective (what DTensor runs), copied back in place."""
+    for param in _trained(model):
+        param.grad.copy_(funcol.all_reduce(param.grad, "avg", dist.group.WORLD).wait())
+
+
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -173,6 +188,7 @@ EXERCISE = Exercise(
         "combine the ranks' gradients with one collective, then rescale so a mean stays a mean",
         "for every parameter: dist.all_reduce(param.grad), then param.grad /= rt.world_size",
     ),
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
     "the sum over ranks, not the mean": "sum_without_mean",
@@ -184,3 +200,4 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_mean": "bytes sent"})
+test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["with_a_barrier", "functional_all_reduce"])

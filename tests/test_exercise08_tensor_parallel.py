@@ -1,13 +1,16 @@
 """Exercise 08: the operator f (identity forward, all-reduce backward), judged on 3 ranks against one
-process. The lesson's claims: f's forward and backward equal what one process computes from every rank's
-tensors; the MLP split with it (and the lesson's g) equals the unsplit MLP, the input's gradient and every
-parameter's after 2 SGD steps (float64, rtol 1e-10); its bytes per rank are 2(P-1)/P N seq d e per backward,
-as recorded in the ledger, and the ledger recorded is what the judge sees sent."""
+process, then at P = 4 as two groups of two with different inputs, where an all-reduce that ignores the
+group it is given sums over the whole world. The lesson's claims: f's forward and backward equal what one
+process computes from every group rank's tensors; the MLP split with it (and the lesson's g) equals the
+unsplit MLP, the input's gradient and every parameter's after 2 SGD steps (float64, rtol 1e-10); its bytes
+per rank are 2(p-1)/p N seq d e per backward (p the group's size), as recorded in the ledger, and the
+ledger recorded is what the judge sees sent."""
 
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled
 from exercise_watch import Watch
@@ -15,51 +18,75 @@ from exercise_watch import Watch
 from distlab.comm.ledger import Ledger
 from distlab.layer_split.tensor_parallel import cost, operators
 from distlab.layer_split.tensor_parallel.model import BlockConfig
-from distlab.layer_split.tensor_parallel.operator_checks import MATH, check_operator
 from distlab.layer_split.tensor_parallel.runs import split_run
 
 LESSON, NAME = "tensor_parallel", "Copy"
-P, STEPS, LR = 3, 2, 0.5
+P, PAIRS, STEPS, LR = 3, 4, 2, 0.5  # the whole world of 3; at 4 ranks, two groups of 2
 CFG = BlockConfig(batch=2, seq=3, dim=6, heads=3, ffn=6, dropout=0.0)
 SUM_X = "the sum of every rank's input (g's forward: an all-reduce)"
 OWN_GRAD = "this rank's own gradient (an identity backward)"
+WORLD_SUM = "the sum over every rank of the world, not of the group"
+P_TIMES_OWN = "p times this rank's own gradient (as if every rank's were the same)"
+
+
+def _tensor(group_index: int, q: int, p: int, salt: int) -> torch.Tensor:
+    """Group rank q's tensor in group `group_index` of size p: distinct in every group and every rank."""
+    gen = torch.Generator().manual_seed(10_000 * salt + 100 * group_index + q)
+    return torch.randn(2, 2 * p, 3, generator=gen, dtype=torch.float64)
+
+
+def _group(rt) -> tuple:
+    """(the group f runs on, its index): the world at P = 3, and at P = 4 this rank's pair {0, 1} or {2, 3}
+    (every rank builds both: new_group is collective)."""
+    if rt.world_size != PAIRS:
+        return None, 0
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return pairs[rt.rank // 2], rt.rank // 2
 
 
 def _ranks(rt, copy, claims) -> None:
-    make_x, make_w, _, _ = MATH["f"]
-    xs, ws = [make_x(q, P) for q in range(P)], [make_w(q, P) for q in range(P)]
+    group, index = _group(rt)
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    xs, ws = [_tensor(index, q, p, 1) for q in range(p)], [_tensor(index, q, p, 2) for q in range(p)]
+    everyone = sum(_tensor(g, q, p, 2) for g in range(rt.world_size // p) for q in range(p))
+    x, ledger = xs[r].clone().requires_grad_(), Ledger()
     with Watch() as watch:
-        op = check_operator(rt, "f", copy)
+        out = copy.apply(x, group, ledger)
+        (out * ws[r]).sum().backward()
     forward = claims.close(
         "forward: f(x) = x on every rank",
-        op.forward,
-        xs[rt.rank],
+        out,
+        xs[r],
         what="f(x)",
         tol=1e-12,
         alternatives={SUM_X: sum(xs)},
     )
     backward = claims.close(
-        "backward: the sum of every rank's gradient",
-        op.backward,
+        "backward: the sum of the group's gradients",
+        x.grad,
         sum(ws),
         what="dL/dx",
         tol=1e-12,
-        alternatives={OWN_GRAD: ws[rt.rank]},
+        alternatives={
+            OWN_GRAD: ws[r],
+            P_TIMES_OWN: p * ws[r],
+            **({WORLD_SUM: everyone} if group is not None else {}),
+        },
     )
-    whole = 2 * (P - 1) / P * xs[0].numel() * 8
-    recorded = float(op.ledger.sent_by.get(("backward", "all_reduce"), 0))
+    whole = 2 * (p - 1) / p * xs[0].numel() * 8
+    recorded = float(ledger.sent_by.get(("backward", "all_reduce"), 0))
     claims.equal(
         "bytes: f's backward sends one all-reduce of the gradient, and records it",
         recorded,
         whole,
-        ok=watch.sent(P) == whole == recorded,
+        ok=watch.sent(rt.world_size) == whole == recorded,
         what="bytes recorded",
-        note=f"the judge saw {watch.sent(P):g} sent",
+        note=f"the judge saw {watch.sent(rt.world_size):g} sent",
         hints=("the lesson's byte counts come from the ledger you record in: record each all-reduce you run",),
     )
     if not (forward and backward):
         return
-    outcome = split_run(rt, CFG, "mlp", operators.Comm(copy, operators.ReduceFromTP, None, Ledger()), STEPS, LR)
+    outcome = split_run(rt, CFG, "mlp", operators.Comm(copy, operators.ReduceFromTP, group, Ledger()), STEPS, LR)
     claims.equal(
         "the MLP split with it equals the unsplit MLP (gradients, parameters)",
         outcome.against["gradients"].max_abs,
@@ -67,9 +94,9 @@ def _ranks(rt, copy, claims) -> None:
         ok=outcome.ok,
         what="largest gradient difference",
     )
-    want = cost.expected_traffic(CFG, "mlp", P, False, STEPS)[("backward", "all_reduce")]
+    want = cost.expected_traffic(CFG, "mlp", p, False, STEPS)[("backward", "all_reduce")]
     got = outcome.ledger.sent_by.get(("backward", "all_reduce"), 0)
-    claims.equal("bytes recorded = 2(P-1)/P N seq d e per backward", float(got), float(want), what="bytes recorded")
+    claims.equal("bytes recorded = 2(p-1)/p N seq d e per backward", float(got), float(want), what="bytes recorded")
 
 
 MISTAKES = (
@@ -94,6 +121,28 @@ MISTAKES = (
             "an all-reduce sums; nothing divides by P here",
             "return the all-reduced gradient as it is",
         ),
+    ),
+    Mistake(
+        "the all-reduce on the whole world, not the group",
+        "backward:",
+        (Equals(WORLD_SUM),),
+        (
+            "f is handed its group: on a mesh, the tensor-parallel group is a few ranks, not the world",
+            "dist.all_reduce without group= reduces over every rank of the job; sum over ctx.group only",
+            "dist.all_reduce(grad, group=ctx.group), and record it with the same group",
+        ),
+        holds=("forward:",),
+    ),
+    Mistake(
+        "the sum taken as P copies of this rank's gradient",
+        "backward:",
+        (Equals(P_TIMES_OWN),),
+        (
+            "the ranks' gradients differ: each comes through its own columns of the next layer",
+            "the sum over the group needs every rank's gradient, which only a collective brings",
+            "in backward: grad = grad.contiguous().clone(); dist.all_reduce(grad, group=ctx.group)",
+        ),
+        holds=("forward:",),
     ),
     Mistake(
         "f and g swapped",
@@ -156,6 +205,35 @@ class Swapped(_Copy):
         return grad, None, None
 
 
+class TimesP(_Copy):
+    """No collective: the sum over the group taken as P times this rank's own gradient."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * dist.get_world_size(ctx.group), None, None
+
+
+class WorldAllReduce(_Copy):
+    """The group ignored: the gradient summed over every rank of the job (recorded against the group)."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        ctx.ledger.record("backward", "all_reduce", grad, ctx.group)
+        return grad, None, None
+
+
+class FunctionalAllReduce(_Copy):
+    """Right, written another way: the backward's all-reduce a functional collective (what DTensor runs)."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = funcol.all_reduce(grad.contiguous(), "sum", ctx.group or dist.group.WORLD).wait()
+        ctx.ledger.record("backward", "all_reduce", summed, ctx.group)
+        return summed, None, None
+
+
 class Unrecorded(_Copy):
     """Right numbers, but the all-reduce never recorded in the ledger: the lesson's byte counts see nothing."""
 
@@ -179,13 +257,17 @@ EXERCISE = Exercise(
         "ctx.ledger, returns (grad, None, None)",
     ),
     numbers="forward:|backward:|MLP",
+    also_at=(PAIRS,),
 )
 WRONG = {
     "an identity backward": "IdentityBackward",
     "the ranks' gradients averaged": "AveragedBackward",
     "f and g swapped": "Swapped",
+    "the all-reduce on the whole world, not the group": "WorldAllReduce",
+    "the sum taken as P copies of this rank's gradient": "TimesP",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"Unrecorded": "bytes"})
+test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["FunctionalAllReduce"])

@@ -125,7 +125,7 @@ def _ranks(rt, expert_parallel_moe, claims) -> None:
         kept = runs.decisions(CFG, PROBLEM, P).kept_counts
         tokens = cost.expected_bytes(kept, rt.rank, CFG.dim * 8)
         rows_bytes = tokens["dispatch"] + tokens["combine"] + tokens["combine backward"] + tokens["dispatch backward"]
-        sent = sum(b for kind, b in watch.collectives if kind == "all_to_all")
+        sent = sum(call.nbytes for call in watch.collectives if call.kind == "all_to_all")
         claims.equal(
             "bytes: the all-to-alls send the kept tokens' rows each way, and little more",
             sent,

@@ -26,6 +26,7 @@ BLOCK = HEADS * (SEQ // P) * HEAD_DIM * 8
 OWN = "attention over this rank's own positions alone"
 ARRIVAL = "attention with the arrived rows read in arrival order (heads and positions mixed)"
 NOT_CAUSAL = "attention without the causal mask"
+BOTH_SIDES = "attention with the rows read in arrival order on the way in and written back as they lie"
 
 
 def _arrival_order(full: list, rank: int, causal: bool) -> torch.Tensor:
@@ -36,6 +37,19 @@ def _arrival_order(full: list, rank: int, causal: bool) -> torch.Tensor:
         lying = [torch.stack([shard(t, s, P, "contiguous")[g * mine : (g + 1) * mine] for s in range(P)]) for t in full]
         outs.append(F.scaled_dot_product_attention(*(t.reshape(mine, SEQ, HEAD_DIM) for t in lying), is_causal=causal))
     return torch.cat([y[:, rank * local : (rank + 1) * local] for y in outs])
+
+
+def _arrival_both_ways(full: list, rank: int, causal: bool) -> torch.Tensor:
+    """This rank's out when the pieces are read in arrival order on the way in (as `_arrival_order`) and the
+    result cut into rows as it lies on the way back (no transpose either side): heads and positions mixed
+    in the attention, unmixed again in the output's places."""
+    mine, local = HEADS // P, SEQ // P
+    back = []
+    for g in range(P):
+        lying = [torch.stack([shard(t, s, P, "contiguous")[g * mine : (g + 1) * mine] for s in range(P)]) for t in full]
+        y = F.scaled_dot_product_attention(*(t.reshape(mine, SEQ, HEAD_DIM) for t in lying), is_causal=causal)
+        back.append(y.reshape(P * mine, local, HEAD_DIM)[rank * mine : (rank + 1) * mine])  # rank g's rows to us
+    return torch.cat(back)
 
 
 def _ranks(rt, ulysses_attention, claims) -> None:
@@ -60,6 +74,7 @@ def _ranks(rt, ulysses_attention, claims) -> None:
             alternatives={
                 OWN: F.scaled_dot_product_attention(*mine, is_causal=causal),
                 ARRIVAL: _arrival_order(full[:3], rt.rank, causal),
+                BOTH_SIDES: _arrival_both_ways(full[:3], rt.rank, causal),
                 NOT_CAUSAL: shard(F.scaled_dot_product_attention(*full[:3]), rt.rank, P, "contiguous"),
             },
         )
@@ -99,6 +114,19 @@ MISTAKES = (
             "put the source rank's dimension next to the positions before you merge them: (P, h/P, seq/P, d_h) "
             "-> (h/P, P, seq/P, d_h) -> (h/P, seq, d_h)",
             "rows.view(P, h // P, seq // P, d_h).transpose(0, 1).reshape(h // P, seq, d_h)",
+        ),
+    ),
+    Mistake(
+        "arrival order on both sides",
+        "not causal: out equals",
+        (Equals(BOTH_SIDES),),
+        (
+            "the two reshapes undo each other, so every output lands in its place, but the attention in between "
+            "ran on rows that mix heads and positions",
+            "the arrived pieces are (P, h/P, seq/P, d_h): bring the source rank next to the positions before the "
+            "attention, and take it out again before sending back",
+            "in: rows.view(P, h/P, seq/P, d_h).transpose(0, 1).reshape(h/P, seq, d_h); out: "
+            "y.view(h/P, P, seq/P, d_h).transpose(0, 1).reshape(P h/P, seq/P d_h)",
         ),
     ),
     Mistake(
@@ -144,6 +172,21 @@ def _arrival(x, ledger, phases, group=None):
 def arrival_order(q, k, v, causal, ledger, group=None):
     """The arrived rows reshaped as they lie: source ranks and heads mixed into the positions."""
     with swapped(solution(LESSON, NAME), seq_to_heads=_arrival):
+        return solution(LESSON, NAME).load()(q, k, v, causal, ledger, group)
+
+
+def _arrival_back(y, ledger, phases, group=None):
+    p = dist.get_world_size(group)
+    mine, seq, head_dim = y.shape
+    from distlab.comm.differentiable import all_to_all
+
+    rows = all_to_all(y.reshape(p * mine, seq // p * head_dim), [mine] * p, [mine] * p, group, ledger, phases)
+    return rows.view(p * mine, seq // p, head_dim)
+
+
+def arrival_both_sides(q, k, v, causal, ledger, group=None):
+    """No transpose on either side: the pieces read as they arrive, and the result cut as it lies."""
+    with swapped(solution(LESSON, NAME), seq_to_heads=_arrival, heads_to_seq=_arrival_back):
         return solution(LESSON, NAME).load()(q, k, v, causal, ledger, group)
 
 
@@ -195,6 +238,7 @@ EXERCISE = Exercise(
 WRONG = {
     "attention over this rank's positions alone": "own_positions",
     "the arrived rows read in arrival order": "arrival_order",
+    "arrival order on both sides": "arrival_both_sides",
     "the causal mask forgotten": "never_causal",
     "an all-to-all autograd cannot see": "no_backward",
 }

@@ -1,5 +1,7 @@
-"""Exercise 12: the parallelisms placed on the mesh's dimensions, judged on 4 ranks at 1 x 1 x 2 x 2
-(dp x pp x tp x cp) against one process on the whole batch.
+"""Exercise 12: the parallelisms placed on the mesh's dimensions, judged on 4 ranks at 1 x 1 x 2 x 2 and at
+2 x 2 x 1 x 1 (dp x pp x tp x cp) against one process on the whole batch: at the first the dp x cp group
+is the cp group, so an answer that shards over one of them alone passes there; at the second it is dp's,
+and the pipeline's stages are cut for real.
 
 Each rank trains the lesson's model composed by the answer for two AdamW steps (the lesson's `train_shape`
 with the answer as its `build`) and one process trains the whole model on every step's whole batch
@@ -21,33 +23,44 @@ from distlab.composed.config import ModelConfig, Shape
 from distlab.proof.models import attention
 
 LESSON, NAME = "12_composed_mesh", "parallelize"
-P, SHAPE = 4, Shape(dp=1, pp=1, tp=2, cp=2)
+P, SHAPES = 4, (Shape(dp=1, pp=1, tp=2, cp=2), Shape(dp=2, pp=2, tp=1, cp=1))
 CFG = replace(ModelConfig(), layers=2, steps=2)
 DIMS = {"tp": "tp", "cp": "cp", "dp_cp": "dp x cp"}  # the group's label -> how the claims name it
+
+
+def _name(shape: Shape) -> str:
+    return f"{shape.dp} x {shape.pp} x {shape.tp} x {shape.cp}"
 
 
 def _ranks(rt, parallelize, claims) -> None:
     lesson = load_lesson(LESSON)
     ref = lesson.reference(CFG)
-    one = lesson.train_shape(rt, CFG, SHAPE, build=parallelize)
+    for shape in SHAPES:
+        _shape(rt, lesson, ref, shape, parallelize, claims)
+        if not all(seen.ok for seen in claims.seen):  # a verdict needs the first shape that fails, no more
+            return
+
+
+def _shape(rt, lesson, ref, shape: Shape, parallelize, claims) -> None:
+    one, at = lesson.train_shape(rt, CFG, shape, build=parallelize), _name(shape)
     losses = torch.tensor(one.run.losses, dtype=torch.float64)
     claims.close(
-        "every step's loss equals one process's",
+        f"{at}: every step's loss equals one process's",
         losses,
         torch.tensor(ref.losses, dtype=torch.float64),
         what="the losses",
     )
     claims.tensors(
-        "the parameters after the steps equal one process's",
+        f"{at}: the parameters after the steps equal one process's",
         one.run.params,
         {n: ref.params[n] for n in one.run.params},
         what="the parameters",
     )
-    expected = cost.expected_sent(CFG, SHAPE, lesson.place_of(one.mesh_step))
+    expected = cost.expected_sent(CFG, shape, lesson.place_of(one.mesh_step))
     for dim, named in DIMS.items():
         got = sum(v for k, v in one.measured.sent.items() if k[0] == dim)
         claims.equal(
-            f"bytes sent on the {named} group = the formula",
+            f"{at}: bytes sent on the {named} group = the formula",
             got,
             int(sum(v for k, v in expected.items() if k[0] == dim)),
             what=f"bytes this rank sent on its {named} group in step 2",
@@ -59,11 +72,22 @@ NUMBERS = "equals one process"
 MISTAKES = (
     Mistake(
         "FSDP2 over dp alone",
-        "bytes sent on the dp x cp group",
+        "^1 x 1 x 2 x 2: bytes sent on the dp x cp group",
         (Zero(),),
         (
             "the cp ranks hold the same weights as the dp ranks and see other tokens: their gradients must average",
             "shard and reduce over both dimensions at once: the flattened dp x cp mesh",
+            "fully_shard(..., mesh=shards) for every block and for the root",
+        ),
+        fails=(NUMBERS,),
+    ),
+    Mistake(
+        "FSDP2 over cp alone",
+        "^2 x 2 x 1 x 1: bytes sent on the dp x cp group",
+        (Zero(),),
+        (
+            "the dp ranks hold the same weights and see other rows of the batch: their gradients must average",
+            "at dp = 1 the cp group is the whole dp x cp group, but not at dp = 2: shard over both dimensions",
             "fully_shard(..., mesh=shards) for every block and for the root",
         ),
         fails=(NUMBERS,),
@@ -89,6 +113,11 @@ def _solution():
 def fsdp_over_dp_alone(model, cfg, shape, mesh, shards):
     """The dp dimension where dp x cp belongs: at dp = 1 nothing is averaged over the cp ranks."""
     return _solution()(model, cfg, shape, mesh, mesh["dp"])
+
+
+def fsdp_over_cp_alone(model, cfg, shape, mesh, shards):
+    """The cp dimension where dp x cp belongs: right at dp = 1, where the two are one group."""
+    return _solution()(model, cfg, shape, mesh, mesh["cp"])
 
 
 def no_ring(model, cfg, shape, mesh, shards):
@@ -127,6 +156,7 @@ EXERCISE = Exercise(
 )
 WRONG = {
     "FSDP2 over dp alone": "fsdp_over_dp_alone",
+    "FSDP2 over cp alone": "fsdp_over_cp_alone",
     "no ring: each cp rank attends to its own positions only": "no_ring",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(

@@ -1,4 +1,5 @@
-"""Exercise 13: one rank's bytes held and sent by hand, judged on 2 ranks against what the lesson's own runs
+"""Exercise 13: one rank's bytes held and sent by hand, judged on 2 ranks and then on 3 (where (P - 1) and
+2 (P - 1)/P part: a naive all-reduce's price equals the ring's at P = 2 only) against what the lesson's own runs
 hold and send there (DDP, DDP recomputing every block, TP, TP + SP, float32, a 2-block stack), and against
 `distlab.cost`'s prediction.
 
@@ -16,11 +17,12 @@ from distlab.cost import memory, traffic
 from distlab.cost.shapes import PRECISIONS, Batch, Transformer
 from distlab.cost.step import step_cost
 
-LESSON, NAME, P = "13_cost", "rank_bytes", 2
+LESSON, NAME, P, ALSO = "13_cost", "rank_bytes", 2, 3
 ARGS = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)
 MODEL, BATCH, E = Transformer(ARGS.layers, ARGS.dim, ARGS.heads, ARGS.ffn_width), Batch(12, 48), 4
 ITEMS = ("weights", "gradients", "moments", "activations", "sent")
 ONE_PASS = "the all-reduce priced as one pass of the ring, (P-1)/P of the gradient"
+NAIVE = "the all-reduce priced as P - 1 whole gradients, (P-1) Psi e"
 ONE_MOMENT = "one moment, e Psi"
 ALL_CUT = "every activation cut by tp, the gathered inputs too"
 NO_VECTORS = "no all-reduce of the LayerNorms' and row biases' gradients"
@@ -29,13 +31,14 @@ _MEASURED: dict = {}  # per process: each configuration is run once, whatever an
 
 def measured(rt, name: str, parallel) -> dict[str, int]:
     """What the lesson's own run of `parallel` held and sent on this rank."""
-    if name not in _MEASURED:
+    key = (name, rt.world_size)
+    if key not in _MEASURED:
         got = solution(LESSON, "Trial").load()(rt, ARGS, parallel).measured(0.0)
-        _MEASURED[name] = {k: got.held[k] for k in ITEMS[:3]} | {
+        _MEASURED[key] = {k: got.held[k] for k in ITEMS[:3]} | {
             "activations": got.activations,
             "sent": sum(got.sent.values()),
         }
-    return _MEASURED[name]
+    return _MEASURED[key]
 
 
 def predicted(parallel) -> dict[str, int]:
@@ -50,7 +53,9 @@ def wrong_values(parallel, right: dict[str, int]) -> dict[str, dict[str, int]]:
     tp, tokens, d = parallel.tp, BATCH.tokens, MODEL.dim
     out = {"moments": {ONE_MOMENT: right["moments"] // 2}}
     if tp == 1:
-        out["sent"] = {ONE_PASS: right["sent"] // 2}
+        f, p = MODEL.ffn, parallel.world
+        psi_b = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 4 * d  # one block's parameters
+        out["sent"] = {ONE_PASS: right["sent"] // 2, NAIVE: MODEL.layers * (p - 1) * psi_b * E}
     if parallel.sp:
         gathered = 2 * tokens * d * E * MODEL.layers
         out["activations"] = {ALL_CUT: right["activations"] - gathered + gathered // tp}
@@ -60,13 +65,14 @@ def wrong_values(parallel, right: dict[str, int]) -> dict[str, dict[str, int]]:
 
 
 def _ranks(rt, rank_bytes, claims) -> None:
-    for name, parallel in solution(LESSON, "configurations").load()(P).items():
+    p = rt.world_size
+    for name, parallel in solution(LESSON, "configurations").load()(p).items():
         got, right = rank_bytes(MODEL, BATCH, parallel, E), predicted(parallel)
         wrong, here = wrong_values(parallel, right), measured(rt, name, parallel)
         for item in ITEMS:
             value, alternatives = (got or {}).get(item), wrong.get(item, {})
             claims.equal(
-                f"{name}: {item} = measured on {P} ranks",
+                f"{name}: {item} = measured on {p} ranks",
                 value,
                 here[item],
                 what=f"{item}, bytes",
@@ -86,6 +92,18 @@ MISTAKES = (
             "an all-reduce is two passes of the ring: what does each rank send in a reduce-scatter, and again?",
             "a ring all-reduce sends 2 (P-1)/P of the tensor per rank: a reduce-scatter, then an all-gather",
             "sent = layers x 2 (P-1) ceil(Psi_b / P) e  (each block's flat gradient padded to P chunks)",
+        ),
+        holds=("DDP: weights",),
+    ),
+    Mistake(
+        "an all-reduce priced as P - 1 whole gradients",
+        "^DDP: sent",
+        (Equals(NAIVE),),
+        (
+            "a ring all-reduce never sends a whole gradient: each rank sends chunks of 1/P of it",
+            "P - 1 chunks to reduce-scatter, P - 1 more to all-gather: 2 (P-1)/P of the tensor, not (P-1) of it; "
+            "the two agree at P = 2 only",
+            "sent = layers x 2 (P-1) ceil(Psi_b / P) e",
         ),
         holds=("DDP: weights",),
     ),
@@ -139,6 +157,12 @@ def _one_pass(out, model, batch, parallel, e):
     return out | ({"sent": out["sent"] // 2} if parallel.tp == 1 else {})
 
 
+def _naive(out, model, batch, parallel, e):
+    d, f, p = model.dim, model.ffn, parallel.world
+    psi_b = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 4 * d
+    return out | ({"sent": model.layers * (p - 1) * psi_b * e} if parallel.tp == 1 else {})
+
+
 def _one_moment(out, model, batch, parallel, e):
     return out | {"moments": out["moments"] // 2}
 
@@ -154,6 +178,7 @@ def _no_vectors(out, model, batch, parallel, e):
 
 
 ring_priced_as_one_pass = _with(_one_pass)
+naive_all_reduce = _with(_naive)
 one_moment = _with(_one_moment)
 gathered_cut_too = _with(_all_cut)
 no_layernorm_reduction = _with(_no_vectors)
@@ -171,9 +196,11 @@ EXERCISE = Exercise(
         "data parallel: sent = layers 2 (P-1) ceil(Psi_b / P) e; tensor parallel: 8 (tp-1)/tp N seq d e a block, "
         "plus 2 (tp-1)/tp 6 d e with sp",
     ),
+    also_at=(ALSO,),
 )
 WRONG = {
     "an all-reduce priced as one pass": "ring_priced_as_one_pass",
+    "an all-reduce priced as P - 1 whole gradients": "naive_all_reduce",
     "one moment, not two": "one_moment",
     "the gathered inputs cut too": "gathered_cut_too",
     "the LayerNorms' gradients never reduced": "no_layernorm_reduction",

@@ -125,6 +125,7 @@ EXERCISE = Exercise(
         "loss = clip_loss(gather(z_x), gather(z_y), 1 / tau); return P * loss, loss.detach()",
     ),
     args=(0,),
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
     "L back-propagated, not P L": "plain_loss",

@@ -178,6 +178,7 @@ EXERCISE = Exercise(
     ),
     numbers="loss|mean|gradient",
     solution_at=Answer(ROOT / "src/distlab/contrastive/losses.py", NAME),
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
     "the positives at the first rank's columns": "labels_without_offset",

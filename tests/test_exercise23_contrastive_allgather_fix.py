@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_nn
 from exercise_kit import Embeddings, Exercise
 from exercise_signatures import Equals, Mistake, all_but
 from exercise_watch import Watch
@@ -161,6 +163,18 @@ def gathered_backward(z):
     return _GatheredBackward.apply(z)
 
 
+def library_gather(z):
+    """Right, written another way: torch.distributed.nn.functional.all_gather, whose backward sums the
+    ranks' gradients (the library gather lesson 23 names); on gloo it runs as P scatters."""
+    return torch.cat(dist_nn.all_gather(z))
+
+
+def functional_gather(z):
+    """Right, written another way: the functional collectives' autograd all-gather (backward: a
+    reduce-scatter of the N x d gradient, summing)."""
+    return funcol.all_gather_tensor_autograd(z, 0, dist.group.WORLD)
+
+
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -175,6 +189,7 @@ EXERCISE = Exercise(
     ),
     numbers="gathers every|gradient",
     args=(0,),
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
     "the plain gather's backward (this rank's loss only)": "plain_gather",
@@ -185,3 +200,4 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_backward": "bytes sent"})
+test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["library_gather", "functional_gather"])

@@ -187,6 +187,7 @@ EXERCISE = Exercise(
         "`with state: h = tower(part)`, then torch.dot(h.flatten(), leaf.grad[part].flatten()).backward()",
     ),
     numbers="loss|gradient",
+    quantities=lambda p: {"N": N, "B": B},
 )
 WRONG = {
     "the random state not replayed": "without_replay",

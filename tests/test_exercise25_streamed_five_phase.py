@@ -243,6 +243,7 @@ EXERCISE = Exercise(
         "exp(S_ij - b_j) - 2 delta_ij) z_j^y; torch.autograd.backward(out, [P g_x, P g_y, P g_s])",
     ),
     numbers="loss|gradient",
+    quantities=lambda p: {"N": N, "C": N // p, "B": B, "chunk": T},
 )
 WRONG = {
     "the VJP without the factor P": "without_p",

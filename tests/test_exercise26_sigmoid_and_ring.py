@@ -190,6 +190,7 @@ EXERCISE = Exercise(
     ),
     numbers="equals",
     args=(0,),
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
     "the normaliser is C, not N": "one_over_c",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from exercise_kit import Exercise
-from exercise_signatures import Mistake, Proportional, Tensors
+from exercise_signatures import Equals, Mistake, Proportional, Tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.contrastive.digits import DigitsCLIP
@@ -23,6 +23,25 @@ from distributed_clip import distributed_backward
 LESSON, NAME = "train_clip", "clip_step"
 P, C, VOCAB, LENGTH, LR, CLIP_NORM = 2, 4, 12, 5, 0.5, 1e-2
 CONFIG = {"GLOBAL_BATCH_SIZE": P * C, "MICRO_BATCH_SIZE": 3, "STREAM_CHUNK_SIZE": 3}
+CLAMP_FIRST = "the reference's step with the clamp run before the optimizer's step, not after"
+TOWERS_ONLY = "the reference's step with the norm clipped over the towers alone, the logit scale left out"
+
+
+def _reference_step(ref, images, ids, clamp_first: bool = False, towers_only: bool = False):
+    """One step of the whole batch in one process, plain autograd: clip, SGD, then the clamp (or one of
+    two misreadings: the clamp first; the logit scale left out of the clipped norm); returns the loss."""
+    optimizer = torch.optim.SGD(ref.parameters(), lr=LR)  # plain SGD keeps no state: a fresh one is the same
+    optimizer.zero_grad()
+    loss = clip_loss(*ref(images, ids))  # z_x, z_y, s: the whole batch
+    loss.backward()
+    clipped = [p for n, p in ref.named_parameters() if not (towers_only and n == "logit_scale")]
+    torch.nn.utils.clip_grad_norm_(clipped, CLIP_NORM)
+    if clamp_first:
+        ref.clamp_logit_scale_()
+    optimizer.step()
+    if not clamp_first:
+        ref.clamp_logit_scale_()
+    return loss
 
 
 def _ranks(rt, clip_step, claims) -> None:
@@ -33,16 +52,14 @@ def _ranks(rt, clip_step, claims) -> None:
     with torch.no_grad():
         model.logit_scale.fill_(math.log(100.0) + 0.05)  # s just above the bound: the clamp has work to do
     ref, ddp, rows = copy.deepcopy(model), DDP(model), slice(rt.rank * C, (rt.rank + 1) * C)
-    optimizer, ref_optimizer = torch.optim.SGD(ddp.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
     for step in (1, 2):
         mine, theirs = _values(model), _values(ref)
         loss = clip_step(ddp, optimizer, images[rows], ids[rows], CONFIG, CLIP_NORM)
-        ref_optimizer.zero_grad()
-        ref_loss = clip_loss(*ref(images, ids))  # z_x, z_y, s: the whole batch
-        ref_loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), CLIP_NORM)
-        ref_optimizer.step()
-        ref.clamp_logit_scale_()
+        misread, towers = copy.deepcopy(ref), copy.deepcopy(ref)
+        _reference_step(misread, images, ids, clamp_first=True)
+        _reference_step(towers, images, ids, towers_only=True)
+        ref_loss = _reference_step(ref, images, ids)
         claims.equal(
             f"step {step}: the loss is the whole batch's",
             float(loss),
@@ -55,6 +72,10 @@ def _ranks(rt, clip_step, claims) -> None:
             {n: p - mine[n] for n, p in _values(model).items()},
             {n: p - theirs[n] for n, p in _values(ref).items()},
             what="the updates",
+            alternatives={
+                CLAMP_FIRST: {n: p - theirs[n] for n, p in _values(misread).items()},
+                TOWERS_ONLY: {n: p - theirs[n] for n, p in _values(towers).items()},
+            },
         )
 
 
@@ -63,6 +84,17 @@ def _values(model) -> dict:
 
 
 MISTAKES = (
+    Mistake(
+        "the logit scale left out of the clipped norm",
+        "step 1: every parameter",
+        (Equals(TOWERS_ONLY),),
+        (
+            "the gradient was clipped, but its norm left out one parameter: every update is off by a little",
+            "the bound is on the norm of every trainable parameter's gradient together, the logit scale's "
+            "included: leave none out of the list",
+            "torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",
+        ),
+    ),
     Mistake(
         "the gradient not clipped",
         "step 1: every parameter",
@@ -74,6 +106,16 @@ MISTAKES = (
             "torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",
         ),
         holds=("step 1: the loss",),
+    ),
+    Mistake(
+        "the clamp before the step",
+        "step 1: every parameter",
+        (Tensors(("logit_scale",)), Equals(CLAMP_FIRST)),
+        (
+            "the clamp ran, but before the optimizer's step: the step then carries s past its bound again",
+            "the bound holds for the parameter the next forward reads: clamp after optimizer.step(), not before",
+            "optimizer.step(); ddp.module.clamp_logit_scale_()  (in that order)",
+        ),
     ),
     Mistake(
         "the logit scale not clamped",
@@ -117,6 +159,27 @@ def without_clamp(ddp, optimizer, images, captions, config, clip_norm, bf16=Fals
     return loss
 
 
+def clamp_before_step(ddp, optimizer, images, captions, config, clip_norm, bf16=False):
+    """The clamp where it does nothing: before the step that moves s again."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = distributed_backward(ddp, images, captions, config)
+    torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)
+    ddp.module.clamp_logit_scale_()
+    optimizer.step()
+    return loss
+
+
+def towers_only_clipped(ddp, optimizer, images, captions, config, clip_norm, bf16=False):
+    """The norm clipped over the towers' parameters alone: the logit scale's gradient not in the norm."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = distributed_backward(ddp, images, captions, config)
+    towers = [p for n, p in ddp.module.named_parameters() if p.requires_grad and n != "logit_scale"]
+    torch.nn.utils.clip_grad_norm_(towers, clip_norm)
+    optimizer.step()
+    ddp.module.clamp_logit_scale_()
+    return loss
+
+
 def without_zero_grad(ddp, optimizer, images, captions, config, clip_norm, bf16=False):
     """The step that starts from whatever the last one left in .grad."""
     loss = distributed_backward(ddp, images, captions, config)
@@ -139,9 +202,12 @@ EXERCISE = Exercise(
         "ddp.module.clamp_logit_scale_(); return L",
     ),
     numbers="loss|update",
+    quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
+    "the logit scale left out of the clipped norm": "towers_only_clipped",
     "the gradient not clipped": "without_clipping",
+    "the clamp before the step": "clamp_before_step",
     "the logit scale not clamped": "without_clamp",
     "the gradients never zeroed": "without_zero_grad",
 }

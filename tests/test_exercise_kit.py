@@ -23,6 +23,7 @@ from exercise_signatures import (
     Zero,
     all_but,
     diagnose,
+    name_ratio,
 )
 from exercise_watch import Watch, _part_sent, spanning
 
@@ -163,3 +164,50 @@ def test_exercises_k_nn_collects_that_exercise_alone():
     )
     collected = [line for line in done.stdout.splitlines() if "::" in line]
     assert collected == ["tests/test_exercise06_data_parallel.py::test_exercise"], done.stdout + done.stderr
+
+
+def test_a_ratio_is_named_in_the_exercises_quantities():
+    assert name_ratio(1 / 9, {"P": 3}).startswith("1/P^2 = 0.111111: divided by P twice")
+    assert name_ratio(1 / 3, {"P": 3}).startswith("1/P = 0.333333")
+    assert name_ratio(0.25, {"P": 3, "M": 4}).startswith("1/M = 0.25")
+    assert "P/2" in name_ratio(1.5, {"P": 3})  # (P - 1) where 2 (P - 1)/P belongs (= P/(P-1) at P = 3)
+    assert "(= M here)" in name_ratio(4.0, {"P": 4, "M": 4})  # two quantities equal: both named
+    assert name_ratio(0.2718, {"P": 3, "M": 4}) is None and name_ratio(None, {"P": 3}) is None
+    text = _diagnosed(_findings([WANT / 9, WANT / 9, WANT / 9]), Scaled("P", lambda p: p)).message(1)
+    assert "got / reference = 1/P^2 = 0.111111: divided by P twice" in text, text
+
+
+def test_more_help_is_offered_only_where_more_exists_and_never_after_no_mistake():
+    no_hints = _diagnosed(_findings([2.5 * WANT]), Scaled("P", lambda p: p))
+    assert "--hint-level 1" in no_hints.message(0)  # level 1 adds what the judge saw
+    assert "--hint-level" not in no_hints.message(1)  # and nothing after it
+    claims = Claims()
+    claims.close("c", 2.5 * WANT, WANT, what="t", hints=("the claim's own idea",))
+    own = _diagnosed(Findings([claims.seen]), Scaled("P", lambda p: p))
+    text = own.message(1)
+    assert "the claim's own idea" in text and "no catalogued mistake" not in text, text
+    assert "--hint-level" not in text  # its one hint shown: no more to come
+    carried_on = own.message(3, fallback=HINTS)  # the claim's one hint, then the exercise's step and line
+    assert "hint 1: the claim's own idea" in carried_on and "hint 3: nearly the line" in carried_on, carried_on
+    fallback = no_hints.message(2, fallback=HINTS)
+    assert "the idea" in fallback and "the step" in fallback and "--hint-level 3" in fallback, fallback
+    assert "no catalogued mistake" not in fallback
+
+
+def test_an_answer_that_raises_is_a_verdict_naming_its_own_line_not_a_traceback():
+    from exercise_kit import Answer, _raised
+
+    from distlab.processes.spawn import SpawnError
+
+    answer = Answer(ROOT / "lessons/exercises/06_data_parallel.py", "all_reduce_gradients")
+    child = (
+        "Traceback (most recent call last):\n"
+        '  File "/x/judge.py", line 3, in body\n    fn(model, rt)\n'
+        f'  File "{answer.path}", line 41, in all_reduce_gradients\n    dist.all_reduce(grads)\n'
+        '  File "/torch/c10d.py", line 9, in all_reduce\n    work = group.allreduce([tensor])\n'
+        "TypeError: all_reduce(): argument 'tensor' must be Tensor, not list\n"
+    )
+    text = _raised(SpawnError(2, child), answer)
+    assert text.startswith("your answer raised on rank 2: TypeError: all_reduce(): argument"), text
+    assert "06_data_parallel.py:41 in all_reduce_gradients: dist.all_reduce(grads)" in text, text
+    assert "did not finish" in _raised(TimeoutError("ranks [1] did not finish within 240 s"), answer)

@@ -3,24 +3,27 @@ first; check your answer with `pytest --exercises -k 12`; add `--hint-level 1`, 
 printed at 0).
 
 The judge builds the 4-D mesh for you, `mesh` with dimensions ("pp", "dp", "cp", "tp") and `shards`, its dp
-and cp dimensions flattened into one (`mesh["dp", "cp"]._flatten("dp_cp")`), and hands you this rank's copy
-of the whole model. Write `parallelize`: cut the model to this rank's pipeline stage, give its embedding the
-positions this rank holds, and put every collective on the right group:
+and cp dimensions flattened into one, and hands you this rank's copy of the whole model. Write
+`parallelize`: cut the model to this rank's pipeline stage, give its embedding the positions this rank
+holds, and put every parallelism's collectives on its own group, and only there:
 
-    cp       each block's attention by the ring over mesh's "cp" group, on the zig-zag pieces
-             (block.attn.core = ring_core(Ring(group), Layout(cp, seq, "zigzag", causal=True)))
-    tp       parallelize_module on mesh["tp"]: each block with lesson 08's plan, sequence parallel, and the
-             embedding, final norm and head with the lesson's EDGES
-    dp x cp  fully_shard over `shards`, a unit per block and then the root, reshard_after_forward=False:
-             the dp and cp ranks hold the same weights and split the batch, so their gradients average
+    cp       a query must see every earlier key, and the keys are spread over the cp ranks on the zig-zag
+             pieces: each block's attention has to reach the other cp ranks' keys and values
+    tp       each block's weights cut over the tp ranks as lesson 08 cuts them, sequence parallel, and the
+             embedding, final norm and head as the lesson's EDGES say
+    dp x cp  the dp and cp ranks hold the same weights and split the batch between them: their gradients
+             must average over both dimensions at once, and the weights are sharded there, gathered once
+             per step (not again for every micro-batch)
 
-The judge trains the result on 4 ranks at 1 x 1 x 2 x 2 (dp x pp x tp x cp) for two AdamW steps against one
-process training the whole model on the whole batch (float64, 1e-10), and counts the bytes every collective
-sends on each group against the lesson's formulas (`distlab.composed.cost.expected_sent`): the numbers must
-be right, and so must the dimension each byte travels on.
+The judge trains the result on 4 ranks at two shapes, 1 x 1 x 2 x 2 and 2 x 2 x 1 x 1 (dp x pp x tp x cp),
+for two AdamW steps against one process training the whole model on the whole batch (float64, 1e-10), and
+counts the bytes every collective sends on each group against the lesson's formulas
+(`distlab.composed.cost.expected_sent`): the numbers must be right, and so must the dimension each byte
+travels on. Which calls do each part is the lesson's to show you (lessons/12_composed_mesh.py, its
+`parallelize`).
 
 What you have: the imports below, and the lesson's `positions` and `EDGES` copied here as given. Return the
-model (fully_shard returns it).
+model.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard  # noqa: F401  (you will need these)
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (  # noqa: F401  (parallelize_module: yours to call)
+from torch.distributed.tensor.parallel import (  # noqa: F401  (some of these are yours to call)
     ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,

@@ -1,0 +1,185 @@
+"""Exercise 14: one FP8 matmul by hand, judged on 1 rank (the lesson splits no work) against torchao.
+
+The rank calls the answer as a linear layer's three matmuls and compares each with torchao's Float8Linear
+(tensorwise recipe: X and W in e4m3, dY in e5m2) run forward and backward on the same tensors, bit for bit;
+the rowwise case with torchao's own axiswise casts (`tensor_to_scale`, `to_fp8_saturated`) through
+torch._scaled_mm, bit for bit; and every product against the lesson's a-priori error bound."""
+
+import copy
+import logging
+from pathlib import Path
+
+import torch
+from exercise_kit import Exercise, solution
+from exercise_signatures import Equals, Mistake
+
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
+
+from torchao.float8 import convert_to_float8_training  # noqa: E402
+from torchao.float8.config import ScalingGranularity  # noqa: E402
+from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated  # noqa: E402
+
+LESSON, NAME, P = "14_fp8_linear", "fp8_matmul", 1
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EXACT = 1e-300  # relative error below this: equal bit for bit
+UNINVERTED = "_scaled_mm given the scales rho, not 1/rho"
+EMULATED = "the operands unscaled and multiplied in float32 (torchao's emulate mode)"
+ONE_FORMAT = "both operands cast to a_fmt"
+
+
+def _cast(t, fmt, rowwise):
+    """torchao's cast: its scale (axiswise along the last dim for rowwise) and its saturated cast."""
+    if rowwise:
+        scale = tensor_to_scale(t, fmt, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+    else:
+        scale = tensor_to_scale(t, fmt)
+    return to_fp8_saturated(t * scale, fmt), scale
+
+
+def _kernel(a, b, a_fmt, b_fmt, rowwise=False, invert=True):
+    (a_q, rho_a), (bt_q, rho_b) = _cast(a, a_fmt, rowwise), _cast(b.t(), b_fmt, rowwise)
+    scale_a, scale_b = (rho_a.reciprocal(), rho_b.reciprocal()) if invert else (rho_a, rho_b)
+    return torch._scaled_mm(
+        a_q,
+        bt_q.contiguous().t(),
+        scale_a=scale_a,
+        scale_b=scale_b.t() if rowwise else scale_b,
+        out_dtype=torch.float32,
+    )
+
+
+def _emulated(a, b, a_fmt, b_fmt):
+    (a_q, rho_a), (bt_q, rho_b) = _cast(a, a_fmt, False), _cast(b.t(), b_fmt, False)
+    return (a_q.float() / rho_a) @ (bt_q.float() / rho_b).t()
+
+
+def _torchao_layer(x, weight, dy):
+    """Y, dX, dW of torchao's Float8Linear (tensorwise recipe, e4m3 forward, e5m2 output gradient)."""
+    plain = torch.nn.Linear(x.shape[1], weight.shape[0], bias=False)
+    plain.weight.data.copy_(weight)
+    layer = convert_to_float8_training(copy.deepcopy(plain))  # a bare Linear: use what it returns
+    xi = x.clone().requires_grad_()
+    y = layer(xi)
+    y.backward(dy)
+    return {"Y": y.detach(), "dX": xi.grad, "dW": layer.weight.grad}
+
+
+def _ranks(rt, fp8_matmul, claims) -> None:
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(24, 40, generator=gen)
+    weight = torch.randn(16, 40, generator=gen) / 40**0.5
+    dy = torch.randn(24, 16, generator=gen)
+    x[:, 0] *= 300.0  # an outlier channel: the tensorwise scale is set by it
+    ref = _torchao_layer(x, weight, dy)
+    matmuls = {
+        "Y = X W^T": (x, weight.t(), E4M3, E4M3, True),
+        "dX = dY W": (dy, weight, E5M2, E4M3, False),
+        "dW = dY^T X": (dy.t(), x, E5M2, E4M3, False),
+    }
+    bound = solution(LESSON, "error_bound").load()
+    inside = True
+    for (name, (a, b, fa, fb, fast)), key in zip(matmuls.items(), ref):
+        got = fp8_matmul(a, b, fa, fb, fast_accum=fast)
+        claims.close(
+            f"{name} equals torchao's Float8Linear bit for bit",
+            got,
+            ref[key],
+            what=key,
+            tol=EXACT,
+            alternatives={
+                UNINVERTED: _kernel(a, b, fa, fb, invert=False),
+                EMULATED: _emulated(a, b, fa, fb),
+                ONE_FORMAT: _kernel(a, b, fa, fa),
+            },
+        )
+        inside &= bool(((got.double() - a.double() @ b.double()).abs() <= bound(a, b, fa, fb)).all())
+    got = fp8_matmul(x, weight.t(), E4M3, E4M3, rowwise=True)
+    claims.close(
+        "rowwise: Y equals torchao's axiswise casts through _scaled_mm bit for bit",
+        got,
+        _kernel(x, weight.t(), E4M3, E4M3, rowwise=True),
+        what="Y (rowwise)",
+        tol=EXACT,
+        alternatives={"tensorwise scales": _kernel(x, weight.t(), E4M3, E4M3)},
+    )
+    error = (got.double() - x.double() @ weight.double().t()).abs()
+    inside &= bool((error <= bound(x, weight.t(), E4M3, E4M3, True)).all())
+    claims.holds("every product inside its a-priori bound", inside, what="|got - a b| against the lesson's bound")
+
+
+MISTAKES = (
+    Mistake(
+        "the scales passed uninverted",
+        "Y = X W\\^T equals",
+        (Equals(UNINVERTED),),
+        (
+            "X rho is what was cast: the product of the casts is (X W^T) rho_X rho_W, and must be divided back",
+            "the scaled matmul multiplies its output by scale_a scale_b: give it 1/rho, not rho",
+            "torch._scaled_mm(a_q, b_q, scale_a=rho_a.reciprocal(), scale_b=rho_b.reciprocal(), out_dtype=...)",
+        ),
+    ),
+    Mistake(
+        "the matmul emulated in float32",
+        "Y = X W\\^T equals",
+        (Equals(EMULATED),),
+        (
+            "the numbers are close but not the kernel's: torchao multiplies the 8-bit operands in the kernel",
+            "unscaling the operands first and multiplying in float32 rounds differently from the kernel, which "
+            "accumulates a_q b_q and applies 1/rho_a and 1/rho_b to the sum",
+            "torch._scaled_mm(a_q, b_q_column_major, scale_a=1/rho_a, scale_b=1/rho_b, out_dtype=torch.float32)",
+        ),
+        holds=("every product inside",),
+    ),
+    Mistake(
+        "one format for both operands",
+        "dX = dY W equals",
+        (Equals(ONE_FORMAT),),
+        (
+            "the forward is right; the backward's operands come in two formats",
+            "dY is cast to a_fmt (e5m2), the weight to b_fmt (e4m3): each operand its own format",
+            "quantize(a, a_fmt, rowwise) and quantize(b.t(), b_fmt, rowwise)",
+        ),
+        holds=("Y = X W\\^T equals",),
+    ),
+)
+
+
+def uninverted(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
+    """s where 1/s belongs: the product comes out rho_a rho_b times too large, squared."""
+    return _kernel(a, b, a_fmt, b_fmt, rowwise, invert=False)
+
+
+def emulated(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
+    """The casts right, the product computed in float32 from the unscaled operands."""
+    return _emulated(a, b, a_fmt, b_fmt)
+
+
+def one_format(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
+    """b cast in a's format."""
+    return solution(LESSON, NAME).load()(a, b, a_fmt, a_fmt, rowwise, fast_accum)
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "scale each operand into its format's range, cast it, multiply the 8-bit numbers, divide the scales out",
+        "rho = max_f / amax (float64, then float32), clamp T rho to +-max_f, .to(fmt); torch._scaled_mm takes the "
+        "inverse scales and b column-major",
+        "a_q = (a * rho_a).clamp(-m, m).to(a_fmt); torch._scaled_mm(a_q, bt_q.contiguous().t(), "
+        "scale_a=1/rho_a, scale_b=1/rho_b, out_dtype=torch.float32, use_fast_accum=fast_accum)",
+    ),
+    numbers="equals",
+)
+WRONG = {
+    "the scales passed uninverted": "uninverted",
+    "the matmul emulated in float32": "emulated",
+    "one format for both operands": "one_format",
+}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)

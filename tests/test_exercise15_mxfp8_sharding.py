@@ -1,0 +1,121 @@
+"""Exercise 15: the FP8 all-gather of ZeRO-3 shards, judged on 3 ranks against one process casting the whole
+weight.
+
+Each rank takes its shard of a 7 x 9 weight (Psi = 63, Psi_P = 21) whose largest values lie on the last rank's
+shard, and calls the answer under a Watch. The claims: the gathered weight equals one process's tensorwise cast
+of the whole weight, bit for bit (its bytes), on every rank; rho equals that cast's scale; and the collectives
+send no more than (P-1) Psi_P bytes of weight plus at most 8 bytes per peer for the scale (the lesson's
+all-gather of the amaxes sends 4, an all-reduce of one float32 8 (P-1)/P)."""
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from exercise_kit import Exercise
+from exercise_signatures import Equals, Mistake
+from exercise_watch import Watch
+
+LESSON, NAME, P = "15_mxfp8_sharding", "fp8_all_gather", 3
+E4M3 = torch.float8_e4m3fn
+PSI, PSI_P = 63, math.ceil(63 / P)
+EXACT = 1e-300
+OWN_AMAX = "each shard cast with its own amax, then gathered"
+
+
+def _weight() -> torch.Tensor:
+    weight = torch.randn(7, 9, generator=torch.Generator().manual_seed(15))
+    weight[P * 2 :] *= 10.0  # the last rank's shard holds the largest values
+    return weight.flatten()
+
+
+def _cast(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rho = (448.0 / t.abs().max().double().clamp(min=1e-12)).float()
+    return (t.float() * rho).clamp(-448, 448).to(E4M3), rho
+
+
+def _shard(flat: torch.Tensor, rank: int) -> torch.Tensor:
+    padded = torch.cat([flat, flat.new_zeros(P * PSI_P - PSI)])
+    return padded[rank * PSI_P : (rank + 1) * PSI_P]
+
+
+def _ranks(rt, fp8_all_gather, claims) -> None:
+    flat = _weight()
+    one, rho_one = _cast(flat)
+    own = torch.cat([_cast(_shard(flat, r))[0].float() for r in range(P)])[:PSI]
+    with Watch() as watch:
+        gathered, rho = fp8_all_gather(_shard(flat, rt.rank), E4M3)
+    claims.close(
+        "the gathered weight equals one process's cast bit for bit",
+        gathered[:PSI].float(),
+        one.float(),
+        what="the gathered weight (as numbers)",
+        tol=EXACT,
+        alternatives={OWN_AMAX: own},
+    )
+    claims.equal("rho equals one process's scale", float(rho), float(rho_one), what="rho")
+    sent = watch.sent(P)
+    claims.equal(
+        "bytes sent: (P-1) Psi_P of weight in 1 byte each, plus at most 8 per peer for the scale",
+        sent,
+        (P - 1) * (PSI_P + 4),
+        ok=(P - 1) * PSI_P <= sent <= (P - 1) * (PSI_P + 8),
+        what="bytes sent (ring formulas)",
+        note=f"collectives: {dict(watch.calls())}",
+        hints=("gather the 8-bit shards, not the float32 ones: cast first, then gather",),
+    )
+
+
+MISTAKES = (
+    Mistake(
+        "each shard cast with its own amax",
+        "gathered weight equals",
+        (Equals(OWN_AMAX),),
+        (
+            "a tensorwise scale belongs to the whole weight, and no rank sees the whole weight",
+            "agree on amax first: every rank contributes max |shard|, every rank takes the maximum of all of them",
+            "all-gather (or all-reduce with MAX) each shard's amax, then rho = max_f / max(amaxes); cast; gather",
+        ),
+    ),
+)
+
+
+def own_amax(shard, fmt, group=None):
+    """No agreement: rank r's shard cast with its own amax, the bytes gathered."""
+    top = torch.finfo(fmt).max
+    rho = (top / shard.abs().max().double().clamp(min=1e-12)).float()
+    mine = (shard.float() * rho).clamp(-top, top).to(fmt)
+    whole = torch.empty(dist.get_world_size(group) * shard.numel(), dtype=torch.uint8)
+    dist.all_gather_single(whole, mine.view(torch.uint8), group=group)
+    return whole.view(fmt), rho
+
+
+def gathered_in_float32(shard, fmt, group=None):
+    """Right numbers, 4 bytes an element: the float32 shards gathered, then the whole weight cast."""
+    whole = torch.empty(dist.get_world_size(group) * shard.numel())
+    dist.all_gather_single(whole, shard.float(), group=group)
+    top = torch.finfo(fmt).max
+    rho = (top / whole.abs().max().double().clamp(min=1e-12)).float()
+    return (whole * rho).clamp(-top, top).to(fmt), rho
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "agree on the scale, cast your own shard with it, then gather 1 byte per element",
+        "amax: each rank's max |shard| gathered (or all-reduced with MAX); rho = max_f / amax as lesson 14; the "
+        "cast shard viewed as uint8 so gloo can gather it",
+        "dist.all_gather_single(amaxes, shard.abs().max().reshape(1), group); ...; "
+        "dist.all_gather_single(whole_u8, shard_q.view(torch.uint8), group); whole_u8.view(fmt)",
+    ),
+    numbers="equals",
+)
+WRONG = {"each shard cast with its own amax": "own_amax"}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_in_float32": "bytes sent"})

@@ -39,6 +39,10 @@ LESSONS=(
   "fp8_linear|1|by hand = torchao Float8Linear bit for bit (Y, dX, dW, every training step); every matmul inside its a-priori bound; it splits no work, so P = 1|"
   "mxfp8_sharding|4|MX blocks of 32 (e8m0 scales) by hand = torchao MXFP8Linear (emulated) bit for bit; outliers under three scalings; FP8 all-gather with the amax agreed first = one process casting the whole weight, bit for bit; bytes (P-1)(Psi_P + 4) counted = formula; torchao's FSDP2 float8 pre-all-gather cast matched|"
   "mxfp8_sharding|2|the same at P = 2|"
+  "async_tensor_parallel|4|all-gather + matmul as a ring of partial matmuls = all-gather then matmul bit for bit, matmul + reduce-scatter as a travelling sum to 1e-12, torch's symm_mem fallbacks agree; the async MLP = the unsplit MLP; bytes = plain TP's; on the emulated device every message hides under a partial matmul|"
+  "async_tensor_parallel|2|the same at P = 2|"
+  "dualpipe|4|DualPipeV as data (overlapped forward-backward pairs): ours on our runner and torch's ScheduleDualPipeV = the unsplit model; torch executes our order; bubble (P-1)/(6M+P-1) and 2P+1 in flight = the closed forms, beside ZB-V and 1F1B|--micro-batches 8"
+  "dualpipe|2|the same at P = 2|--micro-batches 4"
 )
 
 mkdir -p runs

@@ -182,8 +182,9 @@ def rewrite_imports(text: str) -> str:
             homes.setdefault(new_home(module, name), []).append(name)
         if list(homes) == [module]:
             return match[0]
-        lines = [import_statement(indent, home, group) for home, group in homes.items()]
-        return "\n".join(lines) + (match["comment"] or "")
+        # a trailing comment (`# noqa: E402` after a logging set-up) belongs to every statement the line became
+        comment = match["comment"] or ""
+        return "\n".join(import_statement(indent, home, group) + comment for home, group in homes.items())
 
     return FROM_IMPORT.sub(replace, text)
 

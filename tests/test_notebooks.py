@@ -21,11 +21,12 @@ BAR = re.compile(r"━|\d+/\d+ .*\d+:\d\d:\d\d|\d+%\|")  # rich's or tqdm's prog
 # notebook's), flags appended (the last of a flag wins)]}. Executing a notebook shows that its cells run on what
 # the lesson reports and that all they print reads whole at 80 columns; the lesson still exits 1 if a claim
 # fails. Fewer sizes, no fewer claims: every claim the lesson makes at the notebook's sizes is made here too,
-#   at P = 2: tensor_parallel, context_parallel, expert_parallel, ulysses (their test files run the notebook's
-#     P = 4 command itself at 80 columns), composed_mesh (the mesh's dimensions one at a time; its test files
-#     make every claim of the notebook's P = 8 run at 80 columns, shape for shape);
+#   at P = 2: tensor_parallel, context_parallel, expert_parallel, ulysses, async_tensor_parallel (the emulated
+#     device at 5 ms, not 20; their test files run the notebook's P = 4 command itself at 80 columns),
+#     composed_mesh (the mesh's dimensions one at a time; its test files make every claim of the notebook's
+#     P = 8 run at 80 columns, shape for shape);
 #   at the notebook's P, with the sizes of the lesson's own test file (as wide a table per rank):
-#     interleaved_zero_bubble (the emulated device at 0.5 ms a layer-pass, not 10), data_parallel,
+#     interleaved_zero_bubble (the emulated device at 0.5 ms a layer-pass, not 10), dualpipe (1 ms), data_parallel,
 #     contrastive_global, contrastive_local_naive (4 steps), grad_cache.
 # The default sizes run in run_all.sh; the committed notebooks hold a run at the sizes their cells show.
 SUITE_SIZES = {
@@ -40,6 +41,8 @@ SUITE_SIZES = {
     "context_parallel": [2, []],
     "expert_parallel": [2, []],
     "ulysses": [2, []],
+    "async_tensor_parallel": [2, ["--repeats", "1", "--emulate-ms", "5", "--link-ms", "5"]],
+    "dualpipe": [None, ["--emulate-ms", "1"]],
     "contrastive_global": [None, ["--global-batch", "48"]],
     "grad_cache": [None, ["--global-batch", "96", "--micro-batch-size", "8", "--width", "512", "--repeats", "1"]],
     "contrastive_local_naive": [

@@ -52,7 +52,7 @@ _GROUPS = (  # (flags, the largest value, why)
     (ROWS, 2**20, "rows beyond any batch a lesson holds in memory"),
     (COUNTS, 10**6, "days of running on this machine"),
     (("--message-mib", "--bucket-mib"), 2**16, "64 GiB, beyond a machine's memory"),
-    (("--emulate-ms", "--link-ms-per-mib"), 10**4, "10 s of emulated time per layer or MiB"),
+    (("--emulate-ms", "--link-ms-per-mib", "--link-ms"), 10**4, "10 s of emulated time per layer, message or MiB"),
     (SCALES, 10**6, "beyond any useful value"),
 )
 LIMITS: dict[str, tuple[int, str]] = {flag: (most, why) for flags, most, why in _GROUPS for flag in flags}

@@ -1,0 +1,132 @@
+"""Exercise 19: DualPipeV as data, judged on 2 ranks by running it: the answer's units, flattened (a pair as its
+forward, then its backward), are executed by the pipeline runner, and the lesson's claims are checked: every
+rank's order is a schedule; the gradients and parameters equal the unsplit model's (float64); the grid's bubble
+is (P-1)/(6M+P-1); every rank holds 2P + 1 half-stage activations at its peak; the steady state runs its
+(forward, backward) pairs; torch's ScheduleDualPipeV plans the same order."""
+
+from pathlib import Path
+
+from exercise_kit import Exercise
+from exercise_schedules import why_invalid
+from exercise_signatures import Equals, Mistake, Zero
+from helpers import load_lesson
+
+from distlab.pipeline.runner import PipelineStep
+from distlab.pipeline.schedules import zbv
+from distlab.pipeline.simulator import peak_in_flight, simulate
+from distlab.pipeline.torch_engine import TorchStep
+from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
+from distlab.proof.compare import all_ok, compare
+
+LESSON, NAME = "dualpipe", "dualpipev"
+P, M = 2, 6
+CFG = PipelineConfig(
+    widths=(4, *[6] * 4, 3), global_batch=12, micro_batches=M, steps=1, lr=0.2, seed=3, gather_spans=False
+)
+CFG = CFG.replace(schedule="dualpipev", stages_per_rank=2)
+BACKWARD_FIRST = "2P, the pairs run backward first"
+
+
+def _flat(ticks):
+    return [[a for unit in order for a in unit] for order in ticks]
+
+
+def _ranks(rt, dualpipev, claims) -> None:
+    ticks = dualpipev(P, M)
+    schedule = _flat(ticks)
+    why = why_invalid(schedule, P, M)
+    if not claims.holds(
+        "every rank's order is a schedule (F and I once per micro-batch and stage, W after I, no deadlock)",
+        not why,
+        what="the schedule",
+        note=why,
+        hints=("each unit is a tuple of Actions; stage a = r, b = 2P - 1 - r",),
+    ):
+        return
+    run, ref = train(rt, CFG, PipelineStep(rt, CFG, schedule)), unsplit_reference(CFG)
+    exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads))
+    claims.holds("the gradients equal the unsplit model's", exact, what="the gradients")
+    bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (6 * M + P - 1)
+    claims.equal(
+        "the bubble counted in the grid is (P-1)/(6M+P-1)",
+        bubble,
+        formula,
+        ok=abs(bubble - formula) < 1e-12,
+        what="the bubble",
+    )
+    claims.equal(
+        "rank r holds 2P + 1 activations",
+        peak_in_flight(schedule)[rt.rank],
+        2 * P + 1,
+        what="half-stage activations held at once",
+        alternatives={BACKWARD_FIRST: 2 * P, "ZB-V's 2P": peak_in_flight(zbv(P, M))[rt.rank]},
+    )
+    r = rt.rank
+    pairs = sum(len(unit) == 2 for unit in ticks[r])
+    claims.equal(
+        "the steady state runs its pairs",
+        pairs,
+        2 * (M - 2 * P + r + 1) - (r == P - 1) + (P - r - 1),
+        what="(forward, backward) pairs on this rank",
+    )
+    planned = TorchStep(rt, CFG).planned
+    claims.holds("torch's ScheduleDualPipeV plans this order", planned == schedule[r], what="rank r's order")
+
+
+MISTAKES = (
+    Mistake(
+        "the pairs run backward first",
+        "holds 2P",
+        (Equals(BACKWARD_FIRST),),
+        (
+            "a pair is (forward, backward): the forward's activations are held while the backward releases its own",
+            "write each pair as (F, B), the forward first, as torch's OVERLAP_F_B does",
+            "me.add(F(a), B(b)), not me.add(B(b), F(a))",
+        ),
+    ),
+    Mistake(
+        "no pairs: every unit alone",
+        "runs its pairs",
+        (Zero(),),
+        (
+            "the order is right, but the overlap is not in the data: each pair is two units",
+            "phases 4 and 5 put one forward and one backward in a single tuple",
+            "ticks.append((forward, backward))",
+        ),
+    ),
+)
+
+
+def _solution():
+    return load_lesson("dualpipe")
+
+
+def backward_first(num_ranks, microbatches):
+    """Each pair (B, F)."""
+    return [[tuple(reversed(u)) for u in order] for order in _solution().dualpipev(num_ranks, microbatches)]
+
+
+def unpaired(num_ranks, microbatches):
+    """The right order, every action its own unit."""
+    return [[(a,) for u in order for a in u] for order in _solution().dualpipev(num_ranks, microbatches)]
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "the V of ZB-V, with the steady state's forward of one stage and backward of the other run as one unit",
+        "keep a counter per (kind, stage) for the next micro-batch, and a queue of held-back W's; then the eight "
+        "phases one after another",
+        "phase 4: for k in range(M - 2P + r + 1): add (F(a), B(b)) (two units on rank P - 1 at k = 0), "
+        "then (F(b), B(a))",
+    ),
+    numbers="is a schedule|equal the unsplit",
+)
+WRONG = {"the pairs run backward first": "backward_first", "no pairs: every unit alone": "unpaired"}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)

@@ -114,11 +114,18 @@ def _check(ref, run, names: list[str], rtol=1e-10, atol=1e-12) -> str | None:
     return None
 
 
+@functools.cache
+def _reference(shape: str, opt: str):
+    """The trainable parameters' names and one process's run of the shape under `opt` (read only: every
+    mechanism of a shape is checked against the same run, made once per rank)."""
+    reference_model = RealShapes(seed=SEED, **SHAPES[shape][0])
+    names = [n for n, p in reference_model.named_parameters() if p.requires_grad]
+    return names, one_process(reference_model, _batch, F.mse_loss, OPTIMIZERS[opt], STEPS, keep_states=True)
+
+
 def _one_case(rt, shape: str, mechanism: str, opt: str) -> str | None:
     flags, seeds = SHAPES[shape]
-    reference_model = RealShapes(seed=SEED, **flags)
-    names = [n for n, p in reference_model.named_parameters() if p.requires_grad]
-    ref = one_process(reference_model, _batch, F.mse_loss, OPTIMIZERS[opt], STEPS, keep_states=True)
+    names, ref = _reference(shape, opt)
     model = RealShapes(seed=SEED + (rt.rank if seeds else 0), **flags)
     trainee = _make(mechanism, model, rt, opt, flags, seeds)
     batches = [tuple(_rows(t, rt) for t in _batch(k)) for k in range(STEPS)]
@@ -154,9 +161,7 @@ def _sharded_optimizer(rt, opt: str) -> str | None:
     from distlab.data_split.sharding.optimizer import ShardedOptimizer
 
     dp = load_lesson("data_parallel")
-    reference_model = RealShapes(seed=SEED)
-    names = [n for n, p in reference_model.named_parameters() if p.requires_grad]
-    ref = one_process(reference_model, _batch, F.mse_loss, OPTIMIZERS[opt], STEPS, keep_states=True)
+    names, ref = _reference("combined", opt)  # every shape, as here
     model = RealShapes(seed=SEED + rt.rank)
     dp.broadcast_parameters(model, rt)
     kwargs = OPTIMIZERS[opt].keywords
@@ -281,6 +286,7 @@ def _every_case(rt) -> dict[str, str | None]:
         out[f"refused {mechanism}"] = _guarded(rt, _unused_refused, mechanism)
     for mechanism in ("ZeRO-3", "FSDP2"):
         out[f"bf16 {mechanism}"] = _guarded(rt, _compute_dtype, mechanism)
+    out["wrong twin"] = _guarded(rt, _summed_loop)  # here, not in a spawn of its own: one spawn per P
     return out
 
 
@@ -321,9 +327,7 @@ def test_bucket_cap_unused_error_and_compute_dtype(outcomes, p, case):
 def _summed_loop(rt) -> str | None:
     """A wrong twin the check must reject: lesson 06's loop without the division by P."""
     dp = load_lesson("data_parallel")
-    reference_model = RealShapes(seed=SEED, **NONE)
-    names = [n for n, p in reference_model.named_parameters()]
-    ref = one_process(reference_model, _batch, F.mse_loss, OPTIMIZERS["AdamW"], STEPS, keep_states=True)
+    names, ref = _reference("plain", "AdamW")  # no frozen parameter: every one trained
     model = RealShapes(seed=SEED, **NONE)
 
     def summed():
@@ -338,6 +342,7 @@ def _summed_loop(rt) -> str | None:
     return _check(ref, run, names)
 
 
-def test_the_check_rejects_a_wrong_twin():
-    said = spawn(_summed_loop, 2, timeout_s=30)
+@pytest.mark.parametrize("p", [2, 3])
+def test_the_check_rejects_a_wrong_twin(outcomes, p):
+    said = [ranks["wrong twin"] for ranks in outcomes[p]]
     assert all(s is not None and s.startswith("gradient") for s in said), said

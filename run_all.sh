@@ -20,6 +20,9 @@ LESSONS=(
   "sharding|4|model states per item = formulas; ZeRO-1/2/3 by hand and FSDP2 = one process; bytes and memory per rank = formulas; DCP resume at P bit-identical, at P/2 to 1e-12|"
   "tensor_parallel|4|f, g (by hand), f-bar, g-bar exact; MLP, attention by heads, block with sequence parallelism = unsplit; bytes and activations = formulas; parallelize_module = ours; 2 x 2 mesh step = one process|"
   "context_parallel|4|ring attention (zig-zag, causal and not) = SDPA on the whole sequence, forward and backward; zig-zag work equal per rank; bytes and memory per rank = formulas|"
+  "activation_offloading|1|saved tensors to a host pool and back, prefetched one group ahead, on the emulated device: gradients = no offloading = save_on_cpu bit for bit; bytes each way = lesson 07's formula; device peaks = formulas; timelines and recomputation beside it|"
+  "powersgd|2|PowerSGD by hand as a DDP comm hook = torch's powerSGD_hook (bit for bit at rho <= 2) and = the algebra in one process (bit for bit); differs from plain DDP; bytes (n + m) rho per matrix; loss at rho = 1, 2, 4|"
+  "powersgd|4|the same at P = 4 (= one process to 1e-12)|"
   "contrastive_global|4|plain gather = exactly 1/P of the full-batch gradient; backward of P*L exact|"
   "contrastive_local_naive|4|plain gather's gradient is wrong (= detached blocks); its training, three seeds, against one process|"
   "contrastive_allgather_fix|4|all_reduce, reduce_scatter and torch's gather exact; largest tensor C x N, not N x N|"
@@ -41,7 +44,7 @@ LESSONS=(
   "mxfp8_sharding|2|the same at P = 2|"
   "async_tensor_parallel|4|all-gather + matmul as a ring of partial matmuls = all-gather then matmul bit for bit, matmul + reduce-scatter as a travelling sum to 1e-12, torch's symm_mem fallbacks agree; the async MLP = the unsplit MLP; bytes = plain TP's; on the emulated device every message hides under a partial matmul|"
   "async_tensor_parallel|2|the same at P = 2|"
-  "dualpipe|4|DualPipeV as data (overlapped forward-backward pairs): ours on our runner and torch's ScheduleDualPipeV = the unsplit model; torch executes our order; bubble (P-1)/(6M+P-1) and 2P+1 in flight = the closed forms, beside ZB-V and 1F1B|--micro-batches 8"
+  "dualpipe|4|DualPipeV as data (overlapped forward-backward pairs): ours on our runner and torch's ScheduleDualPipeV = the unsplit model; torch executes our order; bubble (P-1)/(6M+P-1) and 2P+1 in flight = the closed forms, beside ZB-V and 1F1B; DualPipe in both directions (two copies, mirrors summed) = the unsplit model, P+1 in flight|--micro-batches 8"
   "dualpipe|2|the same at P = 2|--micro-batches 4"
 )
 

@@ -120,6 +120,89 @@ def timed(device: torch.device, call) -> dict:
     return out
 
 
+class Bench:
+    """The two methods side by side on one device: the recipe's model and a copy of it under DDP, each with its
+    AdamW; `run` times one step of either on a fresh random batch."""
+
+    RECIPE, DISTLAB = "open_clip recipe", "distlab step"
+
+    def __init__(self, device: torch.device, dry: bool):
+        self.device, self.dry, self.micro = device, dry, 256
+        torch.manual_seed(0)
+        base, self.name = make_model(dry, device)
+        self.models = {self.RECIPE: base, self.DISTLAB: DDP(copy.deepcopy(base))}
+        self.optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in self.models.items()}
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
+
+    def run(self, method: str, n: int, seed: int = 0) -> dict:
+        x, y = batch(n, self.dry, self.device, seed)
+        model, opt = self.models[method], self.optimizers[method]
+        if method == self.RECIPE:
+            return timed(self.device, lambda: recipe_step(model, opt, x, y, self.autocast))
+        return timed(self.device, lambda: distlab_step(model, opt, x, y, self.autocast, min(self.micro, n)))
+
+
+def largest_batch(bench: Bench, memory_gib: float | None, reserve_gib: float) -> int:
+    """The recipe's N_max: its peak at two small batches, a straight line to the device's memory (minus a
+    reserve), a multiple of 256, halved until a step runs."""
+    device, n_max = bench.device, 256
+    if device.type == "cuda":
+        small = [256, 512]
+        peaks = [bench.run(bench.RECIPE, n).get("peak_gib") for n in small]
+        limit = (memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30) - 4
+        per = (peaks[1] - peaks[0]) / (small[1] - small[0])
+        n_max = int((limit - reserve_gib - peaks[0] + per * small[0]) / per) // 256 * 256
+    while n_max >= 256 and bench.run(bench.RECIPE, n_max).get("oom", True):
+        n_max //= 2
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    return n_max
+
+
+def batches(bench: Bench, n_max: int, micro: int | None) -> list[dict]:
+    """Both methods at N_max, 4 N_max and 16 N_max (the recipe skipped once it ran out of memory), each after a
+    warm-up step that compiles, allocates and tunes."""
+    rows = []
+    for factor in (1, 4, 16):
+        n = n_max * factor
+        bench.micro = micro or (n_max if factor == 1 else max(1, n_max // 2))
+        for method in bench.models:
+            if factor > 1 and method == bench.RECIPE and rows and rows[-1].get("oom"):
+                continue
+            if factor == 1 or method == bench.DISTLAB:
+                bench.run(method, n, seed=1)
+            rows.append({"n": n, "factor": factor, "method": method, "micro": bench.micro, **bench.run(method, n, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache() if bench.device.type == "cuda" else None
+    return rows
+
+
+def markdown(report: dict, args) -> str:
+    """The table: seconds a step, pairs a second, peak memory, and the ratio to the recipe at N_max."""
+    first, rows = report["first"], report["rows"]
+    lines = [
+        f"# A CLIP batch one GPU could not hold: {report['model']} on {report['card']}",
+        "",
+        f"N_max = {report['n_max']} (open_clip's recipe), distlab's B = {args.micro_batch or 'N_max, then N_max / 2'}; "
+        f"first losses (N = 256, same weights) {first[Bench.RECIPE]:.4f} (recipe) and {first[Bench.DISTLAB]:.4f} "
+        f"(distlab); memory {f'capped at {args.memory_gib} GiB' if args.memory_gib else 'the whole card'}",
+        "",
+        "| N | method | seconds a step | pairs / s | peak GiB | x recipe at N_max |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    ref = next((r for r in rows if r["factor"] == 1 and r["method"] == Bench.RECIPE), {})
+    for r in rows:
+        if r["oom"]:
+            lines.append(f"| {r['n']} | {r['method']} | out of memory | | | |")
+            continue
+        ratio = f"{r['seconds'] / ref['seconds']:.2f}" if ref.get("seconds") and r["factor"] == 1 else ""
+        peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else ""
+        lines.append(
+            f"| {r['n']} | {r['method']} | {r['seconds']:.3f} | {r['n'] / r['seconds']:.0f} | {peak} | {ratio} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -132,90 +215,22 @@ def main() -> int:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     with distributed("cpu" if args.cpu_dry_run else "auto") as rt:
-        device, dry = rt.device, args.cpu_dry_run
+        device = rt.device
         if device.type == "cuda" and args.memory_gib:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
-        card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-
-        def autocast():
-            return torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda")
-
-        torch.manual_seed(0)
-        base, name = make_model(dry, device)
-        models = {"open_clip recipe": base, "distlab step": DDP(copy.deepcopy(base))}
-        optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-
-        def run(method: str, n: int, seed: int = 0) -> dict:
-            x, y = batch(n, dry, device, seed)
-            model, opt = models[method], optimizers[method]
-            if method == "open_clip recipe":
-                return timed(device, lambda: recipe_step(model, opt, x, y, autocast))
-            return timed(device, lambda: distlab_step(model, opt, x, y, autocast, min(micro, n)))
-
-        micro = 256
-        first = {method: run(method, 256)["loss"] for method in models}  # the same weights, the same batch
+        bench = Bench(device, args.cpu_dry_run)
+        first = {method: bench.run(method, 256)["loss"] for method in bench.models}  # same weights, same batch
         print(f"first step's loss at N = 256: {first}", flush=True)
-        rows, n_max = [], args.n_max
-        if n_max is None:  # two probes, a straight line, the device's memory
-            small = [64, 128] if dry else [256, 512]
-            peaks = [run("open_clip recipe", n).get("peak_gib") for n in small]
-            if device.type == "cuda":
-                limit = (args.memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30) - 4
-                per = (peaks[1] - peaks[0]) / (small[1] - small[0])
-                n_max = int((limit - args.reserve_gib - peaks[0] + per * small[0]) / per) // 256 * 256
-            else:
-                n_max = 256
-        while n_max >= 256 and run("open_clip recipe", n_max).get("oom", True):  # confirm it runs
-            n_max //= 2
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-        for factor in (1, 4, 16):
-            n, micro = n_max * factor, args.micro_batch or (n_max if factor == 1 else max(1, n_max // 2))
-            for method in models:
-                if factor > 1 and method == "open_clip recipe" and rows and rows[-1].get("oom"):
-                    continue  # already out of memory at a smaller batch
-                if factor == 1 or method == "distlab step":  # a warm-up: compiles, allocates, tunes
-                    run(method, n, seed=1)
-                got = run(method, n, seed=2)
-                rows.append({"n": n, "factor": factor, "method": method, "micro": micro, **got})
-                print(json.dumps(rows[-1]), flush=True)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        lines = [
-            f"# A CLIP batch one GPU could not hold: {name} on {card}",
-            "",
-            f"N_max = {n_max} (open_clip's recipe), distlab's B = {args.micro_batch or 'N_max, then N_max / 2'}; "
-            "first losses (N = 256, same weights) "
-            f"{first['open_clip recipe']:.4f} (recipe) and {first['distlab step']:.4f} (distlab); "
-            f"memory {'capped at ' + str(args.memory_gib) + ' GiB' if args.memory_gib else 'the whole card'}",
-            "",
-            "| N | method | seconds a step | pairs / s | peak GiB | x recipe at N_max |",
-            "|---:|---|---:|---:|---:|---:|",
-        ]
-        ref = next((r for r in rows if r["factor"] == 1 and r["method"] == "open_clip recipe"), {})
-        for r in rows:
-            if r["oom"]:
-                lines.append(f"| {r['n']} | {r['method']} | out of memory | | | |")
-                continue
-            ratio = f"{r['seconds'] / ref['seconds']:.2f}" if ref.get("seconds") and r["factor"] == 1 else ""
-            peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else ""
-            lines.append(
-                f"| {r['n']} | {r['method']} | {r['seconds']:.3f} | {r['n'] / r['seconds']:.0f} | {peak} | {ratio} |"
-            )
+        n_max = args.n_max or largest_batch(bench, args.memory_gib, args.reserve_gib)
+        card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        report = {"card": card, "model": bench.name, "n_max": n_max, "micro": args.micro_batch, "first": first}
+        report["rows"] = batches(bench, n_max, args.micro_batch)
         if rt.rank == 0:
             args.out.mkdir(parents=True, exist_ok=True)
-            report = {
-                "card": card,
-                "model": name,
-                "n_max": n_max,
-                "micro": args.micro_batch,
-                "first": first,
-                "rows": rows,
-            }
             (args.out / "clip_batch.json").write_text(json.dumps(report, indent=1))
-            (args.out / "clip_batch.md").write_text("\n".join(lines) + "\n")
-            print("\n".join(lines))
+            (args.out / "clip_batch.md").write_text(markdown(report, args))
+            print(markdown(report, args))
     return 0
 
 

@@ -9,9 +9,10 @@ from distlab.pipeline.simulator import simulate
 ONE_AT_A_TIME = "(P-1)/P, lesson 01's: one micro-batch in the pipeline at a time"
 
 
-def why_invalid(schedule, world: int, microbatches: int, split: bool = False) -> str:
+def why_invalid(schedule, world: int, microbatches: int, split: bool = False, stages_of=None) -> str:
     """ "" when `schedule` is P lists running F and I (and W, when `split`) once per micro-batch and stage
-    without deadlock; else why not: "4 lists for 3 ranks", "0F0 appears twice", "the schedule deadlocks", ..."""
+    without deadlock, each rank only its own stages (`stages_of(r)`: stage r unless given; a V schedule's rank
+    r holds stages r and 2P - 1 - r); else why not: "4 lists for 3 ranks", "0F0 appears twice", ..."""
     try:
         if len(schedule) != world:
             return f"{len(schedule)} lists for {world} ranks"
@@ -22,8 +23,10 @@ def why_invalid(schedule, world: int, microbatches: int, split: bool = False) ->
         simulate(schedule)
     except ValueError as err:
         return str(err)
-    for rank, actions in enumerate(schedule):  # valid as a graph, but every rank must run its own stage
-        elsewhere = sorted({a.stage for a in actions} - {rank})
+    own = stages_of or (lambda rank: {rank})
+    for rank, actions in enumerate(schedule):  # valid as a graph, but every rank must run its own stages
+        elsewhere = sorted({a.stage for a in actions} - own(rank))
         if elsewhere:
-            return f"rank {rank} runs stage {elsewhere[0]}: rank r's list holds stage r's actions"
+            mine = ", ".join(str(stage) for stage in sorted(own(rank)))
+            return f"rank {rank} runs stage {elsewhere[0]}: rank {rank}'s list holds stage {mine}'s actions only"
     return ""

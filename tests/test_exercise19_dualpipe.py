@@ -34,7 +34,7 @@ def _flat(ticks):
 def _ranks(rt, dualpipev, claims) -> None:
     ticks = dualpipev(P, M)
     schedule = _flat(ticks)
-    why = why_invalid(schedule, P, M)
+    why = why_invalid(schedule, P, M, stages_of=lambda r: {r, 2 * P - 1 - r})  # the V: stages r, 2P-1-r
     if not claims.holds(
         "every rank's order is a schedule (F and I once per micro-batch and stage, W after I, no deadlock)",
         not why,

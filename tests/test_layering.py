@@ -5,12 +5,14 @@ has four rooms: `processes` (torchrun's environment, the process group, devices,
 command line), `comm` (the collectives, the exchange, the ledger), `proof` (the models a check trains, the
 training loop, the reference, the comparison, the measurements, the verdict) and `pieces` (a batch computed in
 pieces exactly as the whole). On it stand the sibling packages, one per parallelism or step (pipeline,
-data_parallel, sharding, tensor_parallel, context_parallel, expert_parallel, composed, contrastive, streamed):
-each imports the ground floor and itself, never a sibling, so each can be read, changed and tested on its own.
-The ground floor imports no sibling. On top stand the packages that read every parallelism at once
-(`distlab.cost`: a step's cost from each lesson's formula; `distlab.plan`, the planner on it): they may import
-any floor below, and nothing below imports them. And data flows one way: lessons, tests and benchmarks import
-`distlab`, `distlab` never imports a lesson, a test or the lessons' command line (`distlab.processes.cli`).
+data_parallel, sharding, tensor_parallel, context_parallel, expert_parallel, contrastive, streamed): each
+imports the ground floor and itself, never a sibling, so each can be read, changed and tested on its own. The
+ground floor imports no sibling. On top stand the packages that read every parallelism at once (`distlab.cost`:
+a step's cost from each lesson's formula; `distlab.plan`, the planner on it; `distlab.composed`, lesson 12's
+dp x pp x tp x cp mesh, whose shape is the cost model's `ParallelDims` and whose closed forms import lessons 08
+and 09's instead of deriving them again): they may import any floor below and each other, and nothing below
+imports them. And data flows one way: lessons, tests and benchmarks import `distlab`, `distlab` never imports
+a lesson, a test or the lessons' command line (`distlab.processes.cli`).
 
 Each rule is checked on the source (every import statement, also inside functions, relative ones
 resolved), and each check is shown to fail on a planted import.
@@ -33,11 +35,10 @@ SIBLINGS = (  # one package per way of splitting training, or per step: each imp
     "layer_split.tensor_parallel",
     "layer_split.context_parallel",
     "layer_split.expert_parallel",
-    "composed",
     "contrastive",
     "streamed",
 )
-TOP_PACKAGES = ("cost", "plan")  # the top floor: they read every sibling's formulas
+TOP_PACKAGES = ("cost", "plan", "composed")  # the top floor: they read every sibling's formulas
 ROOMS = GROUND_PACKAGES + SIBLINGS + TOP_PACKAGES
 PACKAGES = sorted(p.name for p in DISTLAB.iterdir() if (p / "__init__.py").is_file())
 LESSONS_PARSER = "distlab.processes.cli"  # the lessons' command line: lessons, tests and benchmarks only
@@ -188,6 +189,10 @@ def test_the_library_never_imports_a_lesson_or_a_test():
             "from distlab.cost.memory import model_states",
         ),  # the top floor, from below
         ("distlab.proof.models", "import distlab.plan"),
+        (
+            "distlab.layer_split.tensor_parallel.cost",
+            "from distlab.composed.config import Shape",
+        ),  # the top floor, from a sibling
     ],
 )
 def test_the_floor_check_fails_on_a_planted_import(module, planted):
@@ -203,6 +208,7 @@ def test_the_top_floor_may_import_every_floor():
     source += "from distlab.layer_split.tensor_parallel.cost import activation_bytes\n"
     assert not floor_breaks(source + "from distlab.cost.flops import forward\n", "distlab.plan.search")
     assert not floor_breaks(source, "distlab.cost.memory")
+    assert not floor_breaks(source + "from distlab.cost.dims import ParallelDims\n", "distlab.composed.cost")
     assert floor_breaks(source, "distlab.layer_split.context_parallel.cost")  # the same imports from a sibling break
 
 

@@ -15,6 +15,6 @@ SMALL = replace(CFG, layers=2, steps=2)
 
 def test_each_pair_of_dimensions_at_p4_equals_one_process():
     shapes = small_shapes(4)
-    assert len(shapes) == 6 and all(sorted(vars(s).values()) == [1, 1, 2, 2] for s in shapes)
+    assert len(shapes) == 6 and all(sorted((s.dp, s.pp, s.tp, s.cp)) == [1, 1, 2, 2] and s.ep == 1 for s in shapes)
     per_rank = spawn(shapes_against_one_process, 4, shapes, SMALL, timeout_s=240)
     assert_every_shape_equals_one_process(per_rank, shapes, SMALL)

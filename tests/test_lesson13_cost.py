@@ -12,7 +12,7 @@ from argparse import Namespace
 import pytest
 from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 
-from distlab.cost import traffic
+from distlab.cost import memory, traffic
 from distlab.cost.shapes import Batch, Parallel, Transformer
 from distlab.processes.spawn import spawn
 
@@ -32,7 +32,7 @@ def test_the_lesson_passes_at_80_columns_and_records_its_figures(tmp_path):
     assert figures["mfu"]["DDP + recompute"]["hfu"] > figures["mfu"]["DDP + recompute"]["mfu"]
     published = figures["mfu"]["published"]  # the 2:4-sparse headline is twice the dense peak
     assert published["mfu_sparse_peak"] == pytest.approx(published["mfu"] / 2, rel=1e-3)
-    assert len(figures["roofline"]["points"]) == 9 and figures["calibration"]["rates"]["float32"] > 0
+    assert len(figures["roofline"]["points"]) == 10 and figures["calibration"]["rates"]["float32"] > 0
 
 
 def _sequence_parallel_bytes(rt):
@@ -85,3 +85,26 @@ def test_a_link_is_calibrated_over_a_subgroup_on_every_rank():
     ] * 3
     assert all(link.bandwidth > 0 and link.latency >= 0 for rank in links for link in rank)
     assert links[0] == links[1] == links[2]
+
+
+def test_the_time_factor_ranks_only_beyond_it_and_the_roof_needs_a_reason():
+    """Two configurations inside the stated factor are not ranked; a kernel above the roof with a working set
+    beyond the caches is marked ABOVE (the lesson's verdict fails on it), one in cache is named so."""
+    lesson = load_lesson("13_cost")
+    factor = lesson.TIME_FACTOR
+    pairs = lesson.ranked({"a": 1.0, "b": factor / 2, "c": factor * factor})
+    assert [(a, b, may) for a, b, _, may in pairs] == [("a", "b", False), ("b", "c", True)]
+    peak, bandwidth = 1e11, 1e10
+    assert lesson.roof_note("add 2^25", 1 / 12, 1e10, peak, bandwidth).startswith("ABOVE")
+    assert lesson.roof_note("add 2^20", 1 / 12, 1e10, peak, bandwidth) == "above: 12 MiB working set, in cache"
+    assert lesson.roof_note("add 2^25", 1 / 12, 1e8, peak, bandwidth) == "under"
+
+
+def test_the_lessons_arithmetic_knows_the_math_path():
+    """On CUDA in float64 attention keeps its softmax: the lesson's count by hand and distlab.cost's agree."""
+    lesson = load_lesson("13_cost")
+    model, batch, parallel = Transformer(2, 96, 12, 384), Batch(12, 48), Parallel(tp=2, sp=True)
+    for math in (False, True):
+        kept = memory.stage_activations(model, batch, parallel, 0, memory.PRECISIONS["float64"], 8, math)
+        assert lesson.rank_bytes(model, batch, parallel, 8, math)["activations"] == kept
+    assert lesson.rank_bytes(model, batch, parallel, 8, True) != lesson.rank_bytes(model, batch, parallel, 8)

@@ -185,7 +185,7 @@ def test_every_checkpoint_load_keeps_weights_only_and_the_docs_say_a_directory_m
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    source = (root / "src" / "distlab" / "checkpointing.py").read_text()
+    source = (root / "src" / "distlab" / "contrastive" / "checkpointing.py").read_text()
     assert "torch.load(" in source and unsafe_loads(source) == []
     assert unsafe_loads('torch.load(folder / "state.pt", map_location="cpu")')  # the check can fail
     for doc in (root / "lessons" / "07_sharding.py", root / "docs" / "results.md"):

@@ -27,7 +27,8 @@ BAR = re.compile(r"━|\d+/\d+ .*\d+:\d\d:\d\d|\d+%\|")  # rich's or tqdm's prog
 #     P = 8 run at 80 columns, shape for shape);
 #   at the notebook's P, with the sizes of the lesson's own test file (as wide a table per rank):
 #     interleaved_zero_bubble (the emulated device at 0.5 ms a layer-pass, not 10), dualpipe (1 ms), data_parallel,
-#     contrastive_global, contrastive_local_naive (4 steps), grad_cache.
+#     contrastive_global, contrastive_local_naive (4 steps), grad_cache, powersgd (6 steps, width 32),
+#     activation_offloading (width 64, N = 64, 2 ms a layer-pass).
 # The default sizes run in run_all.sh; the committed notebooks hold a run at the sizes their cells show.
 SUITE_SIZES = {
     "composed_mesh": [2, ["--dp", "2", "--pp", "1", "--tp", "1", "--cp", "1"]],
@@ -44,6 +45,8 @@ SUITE_SIZES = {
     "async_tensor_parallel": [2, ["--repeats", "1", "--emulate-ms", "5", "--link-ms", "5"]],
     "dualpipe": [None, ["--emulate-ms", "1"]],
     "contrastive_global": [None, ["--global-batch", "48"]],
+    "powersgd": [None, ["--steps", "6", "--width", "32"]],
+    "activation_offloading": [None, ["--width", "64", "--global-batch", "64", "--emulate-ms", "2"]],
     "grad_cache": [None, ["--global-batch", "96", "--micro-batch-size", "8", "--width", "512", "--repeats", "1"]],
     "contrastive_local_naive": [
         None,

@@ -104,7 +104,8 @@ def test_a_lesson_added_last_moved_to_10_renames_and_rewrites_everything_and_twi
     assert rows == [f"| {k:02d}" for k in range(1, LAST + 2)]  # one lesson more, the table re-sorted
     assert f"| 10 | [experts](lessons/10_{FAKE}.py): experts | 06's collectives, 09 |" in readme
     first_contrastive = ORDER.index("contrastive_global") + 2
-    assert f"src/distlab/contrastive/    lessons {first_contrastive}-{LAST + 1}" in readme
+    layout = (tree / "docs" / "layout.md").read_text()  # the README's layout lives in docs/ now
+    assert f"src/distlab/contrastive/    lessons {first_contrastive}-{LAST + 1}" in layout
     assert "rewrote README.md" in first.stdout and "rewrote lessons/order.txt" not in first.stdout
     assert f"the range 07-{LAST} is no range after the move" in first.stdout  # 06's "bridge to 07-NN" is reported
     second = renumber(tree, "--check")

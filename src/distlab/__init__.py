@@ -10,11 +10,11 @@ The library is built in floors, and `ls src/distlab` shows them (tests/test_laye
 - on it, one package per way to split training, which import the ground floor and never each other:
   `pipeline` (the model split, lessons 01-05); the data split, `data_split.data_parallel` (06) and
   `data_split.sharding` (07); the layer split, `layer_split.tensor_parallel` (08),
-  `layer_split.context_parallel` (09, 11) and `layer_split.expert_parallel` (10); `composed` (12: one
-  transformer on a dp x pp x tp x cp mesh); and the contrastive ones, `contrastive` (21-24, 27) and `streamed`
-  (25-26, the step `distributed_clip` imports);
+  `layer_split.context_parallel` (09, 11) and `layer_split.expert_parallel` (10); and the contrastive ones,
+  `contrastive` (21-24, 27) and `streamed` (25-26, the step `distributed_clip` imports);
 - on top, the packages that read every way at once: `cost` (13: a step's FLOPs, bytes, memory and time from
-  each package's formulas) and `plan` (the planner on the cost model, `python -m distlab.plan`). Nothing below
+  each package's formulas), `plan` (the planner on the cost model, `python -m distlab.plan`) and `composed`
+  (12: one transformer on a dp x pp x tp x cp mesh, its shape the cost model's `ParallelDims`). Nothing below
   imports them.
 
 Lessons, tests and benchmarks import `distlab`; `distlab` never imports a lesson, a test or the lessons'

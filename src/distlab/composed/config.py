@@ -1,14 +1,10 @@
 """What lesson 12 trains, and on which mesh: the model's sizes, the mesh's shape, and the rules a shape
 must keep, checked before any process group exists.
 
-A shape is four degrees, written as the flags are, dp x pp x tp x cp; their product is P. The mesh lays
-them out in another order, outermost first (`LAYOUT`, torchtitan's): pipeline stages outermost, tensor
-parallelism innermost, so that the ranks of one tp group are neighbours (on a GPU node: one NVLink island)
-and the pp group, which sends least, spans the farthest ranks. Rank r sits at
-
-    r = ((i_pp dp + i_dp) cp + i_cp) tp + i_tp,
-
-and the group of a dimension is every rank that differs from r in that coordinate alone.
+A shape is four degrees, written as the flags are, dp x pp x tp x cp; their product is P. It is the one
+type of a run's shape, `distlab.cost.dims.ParallelDims` (lesson 13, the cost model and the planner price
+the same object): its layout on the mesh (`LAYOUT`, torchtitan's: pipeline outermost, tensor parallelism
+innermost), each rank's coordinates and each sub-mesh's members are written there once.
 
 What each degree must divide (each broken rule names its flag):
 
@@ -25,53 +21,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-DIMS = ("dp", "pp", "tp", "cp")  # how a shape is written and flagged
-LAYOUT = ("pp", "dp", "cp", "tp")  # the mesh's dimensions, outermost first
+from distlab.cost.dims import DIMS, LAYOUT, ParallelDims  # noqa: F401 (DIMS, LAYOUT: lesson 12's names)
 
-
-@dataclass(frozen=True)
-class Shape:
-    """Degrees of data, pipeline, tensor and context parallelism; P = dp pp tp cp."""
-
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    cp: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.dp * self.pp * self.tp * self.cp
-
-    @property
-    def shards(self) -> int:
-        """W = dp cp: the ranks that hold the same parameters and split the batch (rows or positions),
-        over which FSDP2 shards the model states and averages the gradients."""
-        return self.dp * self.cp
-
-    def __str__(self) -> str:
-        return "x".join(str(getattr(self, d)) for d in DIMS)
-
-    @classmethod
-    def parse(cls, text: str, flag: str = "--shapes") -> Shape:
-        """'2x2x2x1' (dp x pp x tp x cp; a missing trailing degree is 1)."""
-        parts = text.lower().split("x")
-        if not 1 <= len(parts) <= 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"{flag}: {text!r} is not a shape dp x pp x tp x cp of positive degrees, e.g. 2x2x2x1")
-        return cls(*map(int, parts))
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Rank r's place on the mesh, by dimension name (the formula of the module docstring)."""
-        out = {}
-        for dim in reversed(LAYOUT):
-            rank, out[dim] = divmod(rank, getattr(self, dim))
-        return out
-
-    def members(self, rank: int, dim: str) -> str:
-        """'0,2': the ranks of `rank`'s group along `dim` (dp_cp: along dp and cp), from the layout alone."""
-        varies = ("dp", "cp") if dim == "dp_cp" else (dim,)
-        at = self.coordinates(rank)
-        same = [r for r in range(self.size) if all(self.coordinates(r)[d] == at[d] for d in LAYOUT if d not in varies)]
-        return ",".join(map(str, same))
+# One type for a run's shape, shared with lesson 13, the cost model and the planner (torchtitan's ParallelDims)
+Shape = ParallelDims
 
 
 def small_shapes(world_size: int) -> list[Shape]:

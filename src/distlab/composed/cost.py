@@ -1,4 +1,9 @@
 """What one rank of the mesh sends and holds per step, in closed form: lessons 07-09's formulas, composed.
+A block's activations and tensor-parallel bytes are lesson 08's (`distlab.layer_split.tensor_parallel.cost`),
+the ring's bytes lesson 09's (`distlab.layer_split.context_parallel.cost`), imported, not derived again (the
+composed mesh stands on the top floor beside the cost model, tests/test_layering.py); what is new here is the
+mesh around them: the embedding and head, FSDP2's per-parameter padding, torch's pipeline stage's receive
+buffers.
 
 Notation: a shape dp x pp x tp x cp; W = dp cp the ranks FSDP2 shards over; a rank on pipeline stage p holds
 L_p = L / pp blocks. One micro-batch on a rank: n = N / (dp M) sequences of s = seq / cp positions; e bytes
@@ -50,6 +55,9 @@ from math import ceil
 
 from distlab.comm.collectives import ring_fraction
 from distlab.composed.config import ModelConfig, Shape
+from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
+from distlab.layer_split.tensor_parallel.cost import activation_bytes, expected_traffic
+from distlab.layer_split.tensor_parallel.model import BlockConfig
 
 IDS = 8  # bytes of an int64 token id
 
@@ -86,6 +94,11 @@ def stage_units(cfg: ModelConfig, shape: Shape, stage: int) -> list[dict[str, tu
     return units + ([root] if root else [])
 
 
+def _block(cfg: ModelConfig, n: int, s: int) -> BlockConfig:
+    """Lesson 08's sizes of one block on a micro-batch of n sequences of s positions."""
+    return BlockConfig(n, s, cfg.dim, cfg.heads, cfg.ffn, 0.0, 0, cfg.dtype)
+
+
 def expected_sent(cfg: ModelConfig, shape: Shape, place: Place) -> dict[tuple[str, str, str], Fraction]:
     """Bytes this rank sends in one step, by (dimension, phase, collective); zero entries left out."""
     e, m, first, last = cfg.dtype.itemsize, cfg.micro_batches, place.stage == 0, place.stage == shape.pp - 1
@@ -93,15 +106,21 @@ def expected_sent(cfg: ModelConfig, shape: Shape, place: Place) -> dict[tuple[st
     act, out = n * s * cfg.dim * e, {}
     out["pp", "forward", "send"] = 0 if last else m * act // tp
     out["pp", "backward", "send"] = 0 if first else m * act // tp
+    # lesson 08's bytes per block (`expected_traffic`, sequence parallel), and the same collectives around
+    # the embedding (first stage) and the head (last stage), one activation each, r a
+    blocks = expected_traffic(_block(cfg, n, s), "block", tp, True, per)
     r = ring_fraction("all_gather", tp)  # = reduce-scatter's
-    out["tp", "forward", "all_gather"] = m * r * ((2 * per + last) * act + last * n * s * cfg.vocab * e)
-    out["tp", "forward", "reduce_scatter"] = m * r * (2 * per + first) * act
-    out["tp", "backward", "all_gather"] = m * r * (2 * per + first) * act
-    out["tp", "backward", "reduce_scatter"] = m * r * (2 * per + last) * act
+    out["tp", "forward", "all_gather"] = m * (
+        blocks["forward", "all_gather"] + r * last * (act + n * s * cfg.vocab * e)
+    )
+    out["tp", "forward", "reduce_scatter"] = m * (blocks["forward", "reduce_scatter"] + r * first * act)
+    out["tp", "backward", "all_gather"] = m * (blocks["backward", "all_gather"] + r * first * act)
+    out["tp", "backward", "reduce_scatter"] = m * (blocks["backward", "reduce_scatter"] + r * last * act)
     out["tp", "gradients", "all_reduce"] = ring_fraction("all_reduce", tp) * (4 * per + 2 * last) * cfg.dim * e
-    block = n * (cfg.heads // tp) * s * cfg.head_dim * e
-    out["cp", "forward", "send"] = m * per * 2 * (shape.cp - 1) * block
-    out["cp", "backward", "send"] = m * per * (4 * shape.cp - 2) * block if shape.cp > 1 else 0
+    # lesson 09's ring (`Sizes.expected_bytes`), per sequence, every block, every micro-batch
+    ring_forward, ring_backward = RingSizes(cfg.heads // tp, cfg.seq, cfg.head_dim, shape.cp, e).expected_bytes()
+    out["cp", "forward", "send"] = m * per * n * ring_forward
+    out["cp", "backward", "send"] = m * per * n * ring_backward
     w = shape.shards
     padded = sum(ceil(rows / w) * cols for unit in stage_units(cfg, shape, place.stage) for rows, cols in unit.values())
     out["dp_cp", "forward", "all_gather"] = out["dp_cp", "gradients", "reduce_scatter"] = (w - 1) * padded * e
@@ -123,11 +142,11 @@ def in_flight(cfg: ModelConfig, shape: Shape, stage: int) -> int:
 
 
 def expected_activations(cfg: ModelConfig, shape: Shape, stage: int) -> tuple[int, int]:
-    """(bytes one micro-batch saves on this stage, the peak over the step), by the module docstring."""
-    e, tp, d, h = cfg.dtype.itemsize, shape.tp, cfg.dim, cfg.heads
+    """(bytes one micro-batch saves on this stage, the peak over the step), by the module docstring: a block's
+    is lesson 08's sequence-parallel count (`activation_bytes`) on n sequences of s positions."""
+    e, tp, d = cfg.dtype.itemsize, shape.tp, cfg.dim
     n, s, per = cfg.batch // (shape.dp * cfg.micro_batches), cfg.seq // shape.cp, cfg.layers // shape.pp
-    region, gathered, inside = n * s * (2 * d + 4), 2 * n * s * d, n * s * (4 * d + 2 * cfg.ffn) + n * h * s
-    layer = (Fraction(region + inside, tp) + gathered) * e
+    layer = activation_bytes(_block(cfg, n, s), tp, True)
     ids = (cfg.batch // shape.dp) * s * IDS  # one storage for the rank's whole share of the step
     shared, own = 0, per * layer
     if stage == 0:

@@ -5,15 +5,17 @@ composed, never derived again (tests/test_cost_*.py hold the composition to the 
 
 | module     | what                                              | proved by                                     |
 |------------|---------------------------------------------------|-----------------------------------------------|
+| `dims`     | a run's shape (dp, pp, tp, cp, ep): checked, laid out, its sub-meshes named | lesson 12's mesh |
 | `shapes`   | a model by its sizes, the batch, the precision, the split; bad input refused in one line | -   |
 | `flops`    | forward, backward, recomputation; the model's FLOPs | lesson 13 (torch's FlopCounterMode)         |
 | `memory`   | weights, gradients, optimizer states, activations | lesson 07 (ZeRO), 08 (TP/SP), 02-05 (in flight) |
-| `traffic`  | bytes per collective per mesh dimension           | 07 (dp), 08 (tp), 09 (cp), 01-03 (pp)         |
+| `traffic`  | bytes per collective per mesh dimension           | 07 (dp), 08 (tp), 09 (cp), 10 (ep), 01-03 (pp) |
 | `schedule` | the pipeline's placement, in-flight counts, grid  | 02-05 (`distlab.pipeline.simulator`)          |
 | `step`     | all of it for each pipeline position: `step_cost` | -                                             |
 | `hardware` | devices (datasheets) and links; a measured device | lesson 13 measures this machine               |
 | `timing`   | compute, memory, communication, overlap, bubble; step time, MFU | lesson 13 (time within a factor) |
 
-This package stands on every parallelism's package (the top floor, tests/test_layering.py): nothing below
-imports it. `python -m distlab.plan` ranks the configurations that fit a cluster with it.
+This package stands on every parallelism's package (the top floor, tests/test_layering.py, beside `plan` and
+`composed`, which share its `dims.ParallelDims`): nothing below imports it. `python -m distlab.plan` ranks
+the configurations that fit a cluster with it.
 """

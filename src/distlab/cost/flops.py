@@ -62,27 +62,32 @@ class Flops:
 
 
 def attention_forward(model: Transformer, rows: int, seq: int, tp: int = 1, cp: int = 1) -> int:
-    """q k^T and omega v for rows sequences, seq / cp queries per rank against all seq keys, h / tp heads."""
-    return 2 * 2 * rows * (seq // cp) * seq * model.dim // tp
+    """q k^T and omega v for rows sequences, seq / cp queries per rank against all seq keys, h / tp heads:
+    2 rows (seq / cp) seq h (d_qk + d_h) / tp, which is 4 rows seq^2 d when d_qk = d_h = d / h."""
+    per_head = model.qk_dim + model.head_dim
+    return 2 * rows * (seq // cp) * seq * model.heads * per_head // tp
 
 
-def products_forward(weights, tokens: int, tp: int = 1) -> int:
-    """2 x tokens x (the elements of every matrix a rank multiplies by): its Linears' products."""
-    return sum(2 * tokens * w.on_rank(tp) for w in weights if w.cols > 1 and w.name not in LOOKUPS)
+def products_forward(weights, tokens: int, tp: int = 1, top_k: int = 0) -> int:
+    """2 x tokens x (the elements of every matrix a rank multiplies a token by): its Linears' products (a
+    routed expert's: top_k of them per token; with balanced routing every rank gets as many token-expert
+    pairs as its own tokens chose, whatever ep)."""
+    return sum(2 * tokens * w.per_token(tp, top_k) for w in weights if w.cols > 1 and w.name not in LOOKUPS)
 
 
 @cache
-def block_forward(model: Transformer, rows: int, seq: int, tp: int = 1, cp: int = 1) -> int:
+def block_forward(model: Transformer, rows: int, seq: int, tp: int = 1, cp: int = 1, moe: bool = False) -> int:
     """One block's forward on one rank: its projections and MLP on rows x seq / cp tokens, and attention."""
     tokens = rows * (seq // cp)
-    return products_forward(model.block_weights(), tokens, tp) + attention_forward(model, rows, seq, tp, cp)
+    products = products_forward(model.block_weights(moe), tokens, tp, model.top_k)
+    return products + attention_forward(model, rows, seq, tp, cp)
 
 
 @cache
-def last_product(model: Transformer, rows: int, seq: int, tp: int = 1, cp: int = 1) -> int:
+def last_product(model: Transformer, rows: int, seq: int, tp: int = 1, cp: int = 1, moe: bool = False) -> int:
     """fc2's forward in one block: what torch's checkpoint does not rerun (nothing saved its output)."""
-    fc2 = [w for w in model.block_weights() if w.name == "mlp.fc2.weight"]
-    return products_forward(fc2, rows * (seq // cp), tp)
+    fc2 = [w for w in model.block_weights(moe) if w.name.endswith("fc2.weight")]
+    return products_forward(fc2, rows * (seq // cp), tp, model.top_k)
 
 
 def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stage: int) -> Flops:
@@ -94,11 +99,13 @@ def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stag
         forward = sum(products_forward(units[i], rows) for i in layers)
         skipped = 2 * rows * model.widths[0] * model.widths[1] if 0 in layers else 0  # the data needs no dX
         return Flops(forward, 2 * forward - skipped)
-    tp, cp = parallel.tp, parallel.cp
-    block = block_forward(model, rows, batch.seq, tp, cp)
-    forward, rerun = len(layers) * block, len(layers) * (block - last_product(model, rows, batch.seq, tp, cp))
+    tp, cp, forward, rerun = parallel.tp, parallel.cp, 0, 0
+    for layer in layers:
+        block = block_forward(model, rows, batch.seq, tp, cp, model.is_moe(layer))
+        forward += block
+        rerun += block - last_product(model, rows, batch.seq, tp, cp, model.is_moe(layer))
     if model.vocab and stage == parallel.pp * parallel.stages_per_rank - 1:
-        forward += products_forward(model.head_weights(), rows * (batch.seq // cp), tp)  # the head
+        forward += products_forward([model.head_matrix()], rows * (batch.seq // cp), tp)  # tied or not
     return Flops(forward, 2 * forward, rerun if parallel.recompute else 0)
 
 

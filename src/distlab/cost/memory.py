@@ -46,7 +46,7 @@ from distlab.cost.schedule import in_flight, stages
 from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Precision, Transformer, ceil_div, stage_layers
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
-from distlab.layer_split.tensor_parallel.cost import activation_bytes, activation_terms
+from distlab.layer_split.tensor_parallel.cost import activation_bytes, activation_terms, sdpa_math_path
 from distlab.layer_split.tensor_parallel.model import BlockConfig
 
 DTYPE_OF = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
@@ -54,20 +54,30 @@ LN_STATISTICS = 4  # per token: LN_1's and LN_2's mean and 1/std, in lesson 08's
 
 
 @cache
-def unit_sizes(model: Transformer | Mlp, tp: int) -> tuple[tuple[int, int], ...]:
-    """(elements one of tp ranks holds, tensors) of each of the model's flat units."""
-    return tuple((sum(w.on_rank(tp) for w in unit), len(unit)) for unit in model.units())
+def unit_sizes(model: Transformer | Mlp, tp: int, ep: int = 0) -> tuple[tuple[int, int], ...]:
+    """(elements one of tp ranks holds, tensors) of each of the model's flat units: its dense weights, or
+    with ep > 0 its routed experts' (one of ep expert-parallel ranks' share), which ZeRO shards over the
+    dp / ep ranks that hold the same experts."""
+    return tuple(
+        (sum(w.on_rank(tp, ep or 1) for w in mine), len(mine))
+        for mine in ([w for w in unit if bool(w.experts) == bool(ep)] for unit in model.units())
+    )
 
 
-def rank_units(model: Transformer | Mlp, parallel: Parallel, pp_rank: int, batch: Batch) -> list[tuple[int, int]]:
-    """(elements on this rank, tensors) of every flat unit of the stages pipeline rank `pp_rank` holds."""
-    units, held = unit_sizes(model, parallel.tp), stages(parallel, batch, pp_rank)
+def rank_units(
+    model: Transformer | Mlp, parallel: Parallel, pp_rank: int, batch: Batch, experts: bool = False
+) -> list[tuple[int, int]]:
+    """(elements on this rank, tensors) of every flat unit of the stages pipeline rank `pp_rank` holds (with
+    `experts`: of the routed experts' units instead, empty for a dense model). A tied head on a last stage
+    that is not the first holds a copy of the embedding (Megatron-LM's: its gradient all-reduced with it)."""
+    units, held = unit_sizes(model, parallel.tp, parallel.ep if experts else 0), stages(parallel, batch, pp_rank)
     bounds, offset = stage_layers(model, parallel), 1 if getattr(model, "vocab", 0) else 0
     last = parallel.pp * parallel.stages_per_rank - 1
     mine = [i + offset for s in held for i in bounds[s]]
     if offset:
-        mine = ([0] if 0 in held else []) + mine + ([len(units) - 1] if last in held else [])
-    return [units[i] for i in mine]
+        tied_copy = model.tied and last in held and 0 not in held
+        mine = ([0] if 0 in held or tied_copy else []) + mine + ([len(units) - 1] if last in held else [])
+    return [units[i] for i in mine if units[i][1]]
 
 
 def sizes(units: list[tuple[int, int]], dp: int, e: int) -> accounting.Sizes:
@@ -77,18 +87,25 @@ def sizes(units: list[tuple[int, int]], dp: int, e: int) -> accounting.Sizes:
     )
 
 
-def model_states(units: list[tuple[int, int]], zero: str, dp: int, precision: Precision) -> dict[str, int]:
-    """Bytes of each model-state item this rank holds after a step (lesson 07's items, see the docstring)."""
+def model_states(
+    units: list[tuple[int, int]], zero: str, dp: int, precision: Precision, grad_bytes: int = 0
+) -> dict[str, int]:
+    """Bytes of each model-state item this rank holds after a step (lesson 07's items, see the docstring);
+    `grad_bytes` 4: float32 gradients under mixed precision (Megatron-LM's and DeepSpeed's default), the
+    gradient items of lesson 07's table at 4 bytes: 18 bytes a parameter under DDP, not 16."""
+    if not units:
+        return {}
     if not precision.mixed:
         return accounting.held(zero, sizes(units, dp, precision.e))
     if zero == "DDP":
         at2 = sizes(units, dp, 2)
-        return accounting.expected_states_mixed(at2.psi, at2.tensors)
+        out = accounting.expected_states_mixed(at2.psi, at2.tensors)
+        return out | ({"gradients": 4 * at2.psi} if grad_bytes == 4 else {})
     low, high = accounting.held(zero, sizes(units, dp, 2)), accounting.held(zero, sizes(units, dp, 4))
     master = high.get("shard copy", 4 * sizes(units, dp, 4).shard)  # ZeRO-3: a float32 shard beside the bf16
     return {
         "weights": low["weights"],
-        "gradients": low["gradients"],
+        "gradients": (high if grad_bytes == 4 else low)["gradients"],
         "master copy": master,
         "moments": high["moments"],
         "step counts": low["step counts"],
@@ -99,49 +116,93 @@ def _block_config(model: Transformer, rows: int, seq: int, e: int) -> BlockConfi
     return BlockConfig(rows, seq, model.dim, model.heads, model.ffn, 0.0, 0, DTYPE_OF[e])
 
 
-def block_activations(model: Transformer, rows: int, seq: int, parallel: Parallel, e: int, stat_bytes: int) -> Fraction:
-    """Bytes one block keeps for backward, plus its output, on one rank, for rows sequences (docstring)."""
+def block_activations(
+    model: Transformer,
+    rows: int,
+    seq: int,
+    parallel: Parallel,
+    e: int,
+    stat_bytes: int,
+    math: bool = False,
+    moe: bool = False,
+) -> Fraction:
+    """Bytes one block keeps for backward, plus its output, on one rank, for rows sequences (docstring).
+    `math`: torch's attention on its math path, which keeps the softmax (`sdpa_math_path`); `moe`: a block
+    whose MLP is a mixture of experts."""
     tp, cp, tokens = parallel.tp, parallel.cp, rows * (seq // parallel.cp)
     if model.attention == "written":
         whole = accounting.block_activations(rows, seq, model.dim, model.heads, e, stat_bytes)
         return Fraction(whole - 2 * e * tokens * model.dim)  # less the input and the target
     cfg = _block_config(model, rows, seq // cp, e)
-    base = activation_bytes(cfg, tp, parallel.sp)
+    base = activation_bytes(cfg, tp, parallel.sp, math)
     if parallel.cut_gathered:  # Megatron-LM keeps the gathered inputs cut too
         base -= Fraction(e * activation_terms(cfg)[1] * (tp - 1), tp)
     # Llama's options, against the lessons' block: k, v of T d_kv; a fused SwiGLU saves three T d_ff
     # tensors (its gate's and up's outputs, the product fc2 multiplies), GELU two (fc1's output, GELU's)
-    inside = tokens * (2 * (model.kv_dim - model.dim) + (model.ffn if model.gated else 0))
+    width = model.ffn
+    inside = tokens * (2 * (model.kv_dim - model.dim) + (width if model.gated else 0))
+    if model.mla:  # the latents and their norms' inputs, q and k widened by the rotary part, v of h d_h
+        h = model.heads
+        inside = tokens * (
+            2 * (model.q_rank + model.kv_rank) + h * (2 * model.qk_dim + 2 * model.head_dim) - 4 * model.dim
+        )
+    if moe:  # the planner's estimate: each token's top_k (and shared) experts save what one gated MLP of
+        # their width saves, the routed copies of its input, its router's scores; the dense MLP's do not exist
+        per = 3 if model.gated else 2
+        experts = (model.top_k + model.shared_experts) * per * model.expert_ffn
+        inside += tokens * (experts - per * width + model.top_k * model.dim + model.experts)
+        width = (model.top_k + model.shared_experts) * model.expert_ffn
+    if parallel.selective:  # the activation function's output is rebuilt in backward, not kept
+        inside -= tokens * width
     # the norms' statistics, in the region: priced at stat_bytes, not e; RMSNorm keeps one per row, not two
     statistics = tokens * LN_STATISTICS // (2 if model.rms_norm else 1)
     region = (stat_bytes - e) * statistics - (e * tokens * LN_STATISTICS // 2 if model.rms_norm else 0)
     return base + Fraction(e * inside, tp) + Fraction(region, tp if parallel.sp else 1)
 
 
-def stage_activations(model, batch: Batch, parallel: Parallel, stage: int, precision: Precision, stat_bytes: int):
+def stage_activations(
+    model, batch: Batch, parallel: Parallel, stage: int, precision: Precision, stat_bytes: int, math: bool = False
+):
     """Bytes one micro-batch leaves on pipeline stage `stage` for its backward (and its output)."""
     rows, e = batch.global_batch // (parallel.dp * batch.micro_batches), precision.e
     layers, last = stage_layers(model, parallel)[stage], stage == parallel.pp * parallel.stages_per_rank - 1
     if isinstance(model, Mlp):
         widths = model.widths[layers.start : layers.stop + 1]
         return accounting.mlp_activations(rows, widths, e) - (0 if last else e * rows * widths[-1])
-    block = block_activations(model, rows, batch.seq, parallel, e, stat_bytes)
     tokens = rows * (batch.seq // parallel.cp) // (parallel.tp if parallel.sp else 1)
-    kept = e * tokens * model.dim * len(layers) if parallel.recompute else block * len(layers)
+    if parallel.recompute:
+        kept = e * tokens * model.dim * len(layers)
+    else:
+        kept = sum(
+            block_activations(model, rows, batch.seq, parallel, e, stat_bytes, math, model.is_moe(i)) for i in layers
+        )
     if model.vocab and stage == 0:
         kept += e * tokens * model.dim  # the embedding's output, the first block's input
     return int(kept) if kept == int(kept) else kept  # whole bytes wherever tp cuts the terms evenly
 
 
-def activations(model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int, stat_bytes: int) -> int:
-    """The rank's activations at its peak: its largest stage's, times the micro-batches it holds at once."""
+def activation_parts(
+    model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int, stat_bytes: int, math: bool = False
+) -> dict[str, int]:
+    """The rank's activations at its peak, in two parts: one micro-batch's (its largest stage's, and with
+    recomputation one block's whole activations, rebuilt for its backward), and the pipeline's in flight:
+    the other micro-batches the schedule holds at once."""
     held = stages(parallel, batch, pp_rank)
-    per = max(stage_activations(model, batch, parallel, s, precision, stat_bytes) for s in held)
-    total = in_flight(parallel, batch, pp_rank) * per
+    per = max(stage_activations(model, batch, parallel, s, precision, stat_bytes, math) for s in held)
+    one = per
     if parallel.recompute and isinstance(model, Transformer):  # one block's whole activations, rebuilt for its backward
         rows = batch.global_batch // (parallel.dp * batch.micro_batches)
-        total += block_activations(model, rows, batch.seq, parallel, precision.e, stat_bytes)
-    return int(total)
+        moe = model.experts > 0 and model.dense_layers < model.layers
+        one += block_activations(model, rows, batch.seq, parallel, precision.e, stat_bytes, math, moe)
+    extra = (in_flight(parallel, batch, pp_rank) - 1) * per
+    return {"activations": int(one + extra) - int(extra), "pipeline in-flight": int(extra)}
+
+
+def activations(
+    model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int, stat_bytes: int, math: bool = False
+) -> int:
+    """The rank's activations at its peak: its largest stage's, times the micro-batches it holds at once."""
+    return sum(activation_parts(model, batch, parallel, precision, pp_rank, stat_bytes, math).values())
 
 
 def buffers(model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int) -> int:
@@ -156,14 +217,28 @@ def buffers(model, batch: Batch, parallel: Parallel, precision: Precision, pp_ra
         out += rows * RingSizes(heads, batch.seq, model.head_dim, parallel.cp, e).memory_bound()[1]
     if model.vocab and parallel.pp * parallel.stages_per_rank - 1 in stages(parallel, batch, pp_rank):
         out += rows * (batch.seq // parallel.cp) * (model.vocab // parallel.tp) * (e + 4)  # logits, log-softmax
+    if parallel.ep > 1:  # one MoE layer's all-to-all: the routed copies sent, and as many received
+        out += 2 * rows * (batch.seq // parallel.cp) * model.top_k * model.dim * e
     return out
 
 
+def states(model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int) -> dict[str, int]:
+    """The model states: the dense weights' ZeRO-sharded over dp, the routed experts' over dp / ep."""
+    dense = model_states(
+        rank_units(model, parallel, pp_rank, batch), parallel.zero, parallel.dp, precision, parallel.grad_bytes
+    )
+    routed = rank_units(model, parallel, pp_rank, batch, experts=True) if getattr(model, "experts", 0) else []
+    experts = model_states(routed, parallel.zero, parallel.dp // parallel.ep, precision, parallel.grad_bytes)
+    return {k: dense.get(k, 0) + experts.get(k, 0) for k in dict.fromkeys([*dense, *experts])}
+
+
 def per_rank(model, batch: Batch, parallel: Parallel, precision: str, pp_rank: int = 0, device: str = "cpu"):
-    """Every item one rank of pipeline position `pp_rank` holds after a step, in bytes."""
+    """Every item one rank of pipeline position `pp_rank` holds after a step, in bytes (`device`: where
+    LayerNorm's statistics' dtype and torch's attention path are decided)."""
     p = PRECISIONS[precision]
     stat_bytes = accounting.layer_norm_stat_bytes(p.e, device)
-    items = model_states(rank_units(model, parallel, pp_rank, batch), parallel.zero, parallel.dp, p)
-    items["activations"] = activations(model, batch, parallel, p, pp_rank, stat_bytes)
+    math = sdpa_math_path(device, DTYPE_OF[p.e])
+    items = states(model, batch, parallel, p, pp_rank)
+    items["activations"] = activations(model, batch, parallel, p, pp_rank, stat_bytes, math)
     items["buffers"] = buffers(model, batch, parallel, p, pp_rank)
     return items

@@ -23,8 +23,16 @@ pipeline ranks running a named schedule of `distlab.pipeline.schedules` with v s
 02-05), cp context-parallel ranks on a zig-zag ring (lesson 09), and activation recomputation per block.
 P = dp tp pp cp. With `cut_gathered`, sequence parallelism keeps the all-gathered inputs of q, k, v and fc1 as
 this rank's part and gathers them again in backward (Megatron-LM's choice, which lesson 08 names; the
-lesson's own keeps them whole). Expert parallelism needs a mixture-of-experts model, which the lessons do not have yet:
-ep > 1 is refused. The composed dp x pp x tp x cp lesson describes each of its mesh shapes as one `Parallel`.
+lesson's own keeps them whole). Expert parallelism (lesson 10) takes its ep ranks from dp: the routed experts
+live E / ep to a rank and their states shard over dp / ep ranks. A split's degrees are one
+`distlab.cost.dims.ParallelDims` (`Parallel.dims`), the type lesson 12's mesh and the planner's `--layout` use;
+`Parallel.on(dims, **strategy)` makes a split of a shape.
+
+The planner's models add what practitioners write: tied embeddings (GPT-2), multi-head latent attention
+(DeepSeek-V2/V3: q and k/v from low-rank latents, a rotary part per head), and a mixture of experts (routed
+experts, top-k, shared experts, the first blocks dense). Their weights are `Weight`s like any other (a routed
+expert's stand for `experts` copies); what no lesson measures of them (their activations) is the planner's
+estimate, said so where it is priced (`distlab.cost.memory`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import cache
 
+from distlab.cost.dims import ParallelDims
 from distlab.data_split.sharding.accounting import STAGES
 from distlab.pipeline.partition import stage_bounds
 from distlab.pipeline.schedules import make_schedule
@@ -47,16 +56,23 @@ class Weight:
     rows: int
     cols: int = 1  # 1: a vector
     split: str = "whole"  # how tensor parallelism cuts it: "column" (rows), "row" (columns), "whole"
+    experts: int = 0  # > 0: one such matrix for each of this many routed experts (a mixture of experts)
 
     @property
     def numel(self) -> int:
-        return self.rows * self.cols
+        return self.rows * self.cols * max(1, self.experts)
 
-    def on_rank(self, tp: int) -> int:
-        """Elements one of tp tensor-parallel ranks holds."""
+    def on_rank(self, tp: int, ep: int = 1) -> int:
+        """Elements one of tp tensor-parallel (and, for routed experts, one of ep expert-parallel) ranks holds."""
         if self.split == "column":
-            return self.rows // tp * self.cols
-        return self.rows * (self.cols // tp) if self.split == "row" else self.numel
+            one = self.rows // tp * self.cols
+        else:
+            one = self.rows * (self.cols // tp) if self.split == "row" else self.rows * self.cols
+        return one * max(1, self.experts) // ep if self.experts else one
+
+    def per_token(self, tp: int, top_k: int) -> int:
+        """Elements of this matrix one token multiplies by on a rank: a routed expert's top_k of them."""
+        return self.on_rank(tp) // self.experts * top_k if self.experts else self.on_rank(tp)
 
 
 @dataclass(frozen=True)
@@ -75,10 +91,37 @@ class Transformer:
     gated: bool = False  # SwiGLU: silu(x W_g) * (x W_1) W_2, three d x d_ff matrices (Llama)
     bias: bool = True  # every Linear has a bias (the lessons'; Llama has none)
     rms_norm: bool = False  # RMSNorm, a gain only (Llama); else LayerNorm, gain and bias
+    tied: bool = False  # the head multiplies by the embedding's matrix (GPT-2): one matrix, not two
+    head_size: int = 0  # d_h of q, k, v; 0: d / h (DeepSeek-V3's MLA: 128 at d = 7,168, h = 128)
+    # multi-head latent attention (DeepSeek-V2/V3): q from a q_rank latent, k and v from a kv_rank latent,
+    # and rope_dim more dimensions per head of q and k that carry the rotary position (k's shared by the heads)
+    q_rank: int = 0  # 0: q straight from x
+    kv_rank: int = 0  # > 0: multi-head latent attention
+    rope_dim: int = 0
+    # a mixture of experts (lesson 10): in every block after the first `dense_layers`, the MLP is `experts`
+    # routed gated experts of width `expert_ffn`, each token to `top_k` of them, beside `shared_experts`
+    # always-on experts of the same width
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.heads
+        return self.head_size or self.dim // self.heads
+
+    @property
+    def qk_dim(self) -> int:
+        """Per head, the width q k^T sums over: d_h, and MLA's rotary part."""
+        return self.head_dim + self.rope_dim
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_rank > 0
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer >= self.dense_layers
 
     @property
     def kv_dim(self) -> int:
@@ -90,37 +133,77 @@ class Transformer:
             [Weight(f"{name}.bias", fan_out, 1, bias_split)] if self.bias else []
         )
 
-    def _norm(self, name: str) -> list[Weight]:
-        return [Weight(f"{name}.weight", self.dim)] + ([] if self.rms_norm else [Weight(f"{name}.bias", self.dim)])
+    def _norm(self, name: str, width: int = 0) -> list[Weight]:
+        width = width or self.dim
+        return [Weight(f"{name}.weight", width)] + ([] if self.rms_norm else [Weight(f"{name}.bias", width)])
 
-    def block_weights(self) -> list[Weight]:
-        """One block's parameter tensors, in `named_parameters` order."""
-        d, kv = self.dim, self.kv_dim
-        if self.fused_qkv:
-            qkv = self._linear("attn.qkv", d + 2 * kv, d, "column")
+    def block_weights(self, moe: bool = False) -> list[Weight]:
+        """One block's parameter tensors, in `named_parameters` order (`moe`: a block whose MLP is experts)."""
+        d, kv, h = self.dim, self.kv_dim, self.heads
+        if self.mla:
+            qk, q_in = h * self.qk_dim, self.q_rank or d
+            q = (
+                self._linear("attn.q_down", self.q_rank, d, "whole") + self._norm("attn.q_norm", self.q_rank)
+                if self.q_rank
+                else []
+            )
+            attention = q + self._linear("attn.q", qk, q_in, "column")
+            attention += self._linear("attn.kv_down", self.kv_rank + self.rope_dim, d, "whole")
+            attention += self._norm("attn.kv_norm", self.kv_rank)
+            attention += self._linear("attn.kv_up", h * 2 * self.head_dim, self.kv_rank, "column")
+        elif self.fused_qkv:
+            attention = self._linear("attn.qkv", h * self.head_dim + 2 * kv, d, "column")
         else:
-            qkv = [
+            attention = [
                 w
-                for name, rows in (("q", d), ("k", kv), ("v", kv))
+                for name, rows in (("q", h * self.head_dim), ("k", kv), ("v", kv))
                 for w in self._linear(f"attn.{name}", rows, d, "column")
             ]
-        mlp = self._linear("mlp.fc1", self.ffn, d, "column")
+        attention += self._linear("attn.out", d, h * self.head_dim, "row")
+        mlp = self._experts() if moe else self._mlp("mlp", self.ffn)
+        return self._norm("ln1") + attention + self._norm("ln2") + mlp
+
+    def _mlp(self, name: str, width: int, experts: int = 0) -> list[Weight]:
+        def linear(part: str, fan_out: int, fan_in: int, split: str) -> list[Weight]:
+            return [
+                Weight(w.name, w.rows, w.cols, w.split, experts) for w in self._linear(part, fan_out, fan_in, split)
+            ]
+
+        out = linear(f"{name}.fc1", width, self.dim, "column")
         if self.gated:
-            mlp += self._linear("mlp.gate", self.ffn, d, "column")
-        mlp += self._linear("mlp.fc2", d, self.ffn, "row")
-        return self._norm("ln1") + qkv + self._linear("attn.out", d, d, "row") + self._norm("ln2") + mlp
+            out += linear(f"{name}.gate", width, self.dim, "column")
+        return out + linear(f"{name}.fc2", self.dim, width, "row")
+
+    def _experts(self) -> list[Weight]:
+        """A mixture-of-experts MLP: the router, the shared experts (as one MLP of their summed width, the
+        same products), the routed experts."""
+        shared = self._mlp("mlp.shared", self.shared_experts * self.expert_ffn) if self.shared_experts else []
+        router = [Weight("mlp.router.weight", self.experts, self.dim)]
+        return router + shared + self._mlp("mlp.experts", self.expert_ffn, self.experts)
+
+    def layer_weights(self, layer: int) -> list[Weight]:
+        return self.block_weights(self.is_moe(layer))
 
     def units(self) -> list[list[Weight]]:
         """The model's layers as ZeRO's flat units (lesson 07: one unit per child of the model): the
         embedding, each block, the final norm with the head."""
-        blocks = [self.block_weights() for _ in range(self.layers)]
+        blocks = [self.layer_weights(i) for i in range(self.layers)]
         if not self.vocab:
             return blocks
         return [[Weight("embedding.weight", self.vocab, self.dim, "column")], *blocks, self.head_weights()]
 
     def head_weights(self) -> list[Weight]:
-        """The final norm and the untied head (vocab > 0)."""
-        return self._norm("norm") + [Weight("head.weight", self.vocab, self.dim, "column")]
+        """The final norm and the head (vocab > 0); a tied head is the embedding's matrix, held there."""
+        return self._norm("norm") + ([] if self.tied else [self.head_matrix()])
+
+    def head_matrix(self) -> Weight:
+        """The head's vocab x d product, tied or not (what its FLOPs count)."""
+        return Weight("head.weight", self.vocab, self.dim, "column")
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token's forward multiplies by or looks up: a routed expert's top_k of them."""
+        return sum(w.numel // max(1, w.experts) * (self.top_k if w.experts else 1) for u in self.units() for w in u)
 
     @property
     def parameters(self) -> int:
@@ -162,14 +245,34 @@ class Batch:
 @dataclass(frozen=True)
 class Precision:
     """e bytes per element of weights, gradients and activations; mixed: bf16 ones beside a float32 master
-    copy and float32 AdamW moments (lesson 07's 16 Psi bytes)."""
+    copy and float32 AdamW moments (lesson 07's 16 Psi bytes). `peak`: the device rate its matrix products
+    run at; fp8 is bf16 training whose Linears multiply in fp8 (Transformer Engine's recipe: bf16 weights,
+    float32 master and moments, fp8 copies made for the product and dropped), so its bytes are bf16's and its
+    products run at the fp8 peak; MFU still divides by the bf16 peak (`mfu_peak`), as DeepSeek-V3 reports."""
 
     name: str
     e: int
     mixed: bool = False
+    peak: str = ""  # "": the precision's own name
+
+    @property
+    def rate(self) -> str:
+        return self.peak or self.name
+
+    @property
+    def mfu_peak(self) -> str:
+        return "bf16" if self.name == "fp8" else self.name
 
 
-PRECISIONS = {p.name: p for p in (Precision("float64", 8), Precision("float32", 4), Precision("bf16", 2, True))}
+PRECISIONS = {
+    p.name: p
+    for p in (
+        Precision("float64", 8),
+        Precision("float32", 4),
+        Precision("bf16", 2, True),
+        Precision("fp8", 2, True, "fp8"),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -185,12 +288,24 @@ class Parallel:
     schedule: str = "1f1b"  # a name in distlab.pipeline.schedules.SCHEDULES
     stages_per_rank: int = 1  # v
     cp: int = 1
-    ep: int = 1
+    ep: int = 1  # expert-parallel ranks, taken from dp (`distlab.cost.dims`)
     recompute: bool = False  # torch.utils.checkpoint around every block
+    selective: bool = False  # recompute only the MLP's activation function (GELU, SwiGLU's product): see memory
+    grad_bytes: int = 0  # bytes of a gradient element under mixed precision (0: the precision's e; Megatron: 4)
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The run's shape, the one type lesson 12, lesson 13 and the planner share."""
+        return ParallelDims(self.dp, self.pp, self.tp, self.cp, self.ep)
+
+    @classmethod
+    def on(cls, dims: ParallelDims, **strategy) -> Parallel:
+        """A split of shape `dims` with the strategy `strategy` (zero, sp, schedule, recompute, ...)."""
+        return cls(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, **strategy)
 
     def label(self) -> str:
         """A short name: dp4 ZeRO-1 tp2+sp pp2 (1f1b, M) cp2, the sizes that are not 1."""
@@ -199,7 +314,8 @@ class Parallel:
         parts += [f"tp{self.tp}{sp}" if self.tp > 1 else ""]
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         parts += [f"pp{self.pp} {self.schedule}{v}" if self.pp > 1 else "", f"cp{self.cp}" if self.cp > 1 else ""]
-        parts += ["recompute" if self.recompute else ""]
+        parts += [f"ep{self.ep}" if self.ep > 1 else ""]
+        parts += ["recompute" if self.recompute else "selective recompute" if self.selective else ""]
         return " ".join(p for p in parts if p) or "one rank"
 
 
@@ -217,14 +333,22 @@ def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision:
     """Every reason the configuration cannot run, the first one raised as one line naming its field."""
     for obj in (batch, parallel):
         for name, value in _sizes(obj).items():
-            if value < 1:
+            if value < 1 and name != "grad_bytes":  # 0: as the precision's e
                 _refuse(name, f"must be a positive integer, got {value}")
     if precision not in PRECISIONS:
         _refuse("precision", f"{precision!r} is not one of {', '.join(PRECISIONS)}")
     if parallel.zero not in STAGES:
         _refuse("zero", f"{parallel.zero!r} is not one of {', '.join(STAGES)} (FSDP2 is ZeRO-3)")
-    if parallel.ep > 1:
-        _refuse("ep", "expert parallelism needs a mixture-of-experts model; the cost model has none yet")
+    if parallel.ep > 1 and not getattr(model, "experts", 0):
+        _refuse("ep", "expert parallelism needs a mixture-of-experts model (experts > 0)")
+    if parallel.dp % parallel.ep:
+        _refuse(
+            "ep", f"expert parallelism takes its ranks from dp; ep = {parallel.ep} does not divide dp = {parallel.dp}"
+        )
+    if parallel.recompute and parallel.selective:
+        _refuse("recompute", "full or selective recomputation, not both")
+    if parallel.grad_bytes not in (0, 2, 4):
+        _refuse("grad_bytes", f"gradients are bf16 (2) or float32 (4) bytes, got {parallel.grad_bytes}")
     rows = parallel.dp * batch.micro_batches
     if batch.global_batch % rows:
         _refuse("global_batch", f"N = {batch.global_batch} does not cut into dp x M = {rows} equal micro-batches")
@@ -245,15 +369,26 @@ def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision:
 
 def _check_transformer(model: Transformer, batch: Batch, parallel: Parallel) -> None:
     for name, value in _sizes(model).items():
-        if value < (0 if name in ("vocab", "kv_heads") else 1):
+        if value < (1 if name in ("layers", "dim", "heads", "ffn") else 0):
             _refuse(name, f"must be positive, got {value}")
     if model.attention not in ATTENTION:
         _refuse("attention", f"{model.attention!r} is not one of {', '.join(ATTENTION)}")
     llama = model.gated or model.rms_norm or model.kv_heads not in (0, model.heads) or not model.bias
     if model.attention == "written" and (llama or parallel.tp > 1):
         _refuse("attention", "written out, attention is lesson 07's one-rank block: no Llama options, tp = 1")
-    if model.dim % model.heads:
+    if model.dim % model.heads and not model.head_size:
         _refuse("heads", f"h = {model.heads} does not divide d = {model.dim}")
+    if model.experts and not (1 <= model.top_k <= model.experts and model.expert_ffn):
+        _refuse("top_k", f"a mixture of {model.experts} experts needs 1 <= top_k <= experts and an expert width")
+    if model.experts % parallel.ep or model.expert_ffn % parallel.tp:
+        _refuse(
+            "ep",
+            f"ep = {parallel.ep}, tp = {parallel.tp} do not divide {model.experts} experts of width {model.expert_ffn}",
+        )
+    if model.dense_layers > model.layers:
+        _refuse("dense_layers", f"{model.dense_layers} dense layers, but only {model.layers} layers")
+    if model.mla and parallel.cp > 1:
+        _refuse("cp", "the ring of lesson 09 sends k and v blocks; multi-head latent attention's are not priced")
     kv = model.kv_heads or model.heads
     if model.heads % kv:
         _refuse("kv_heads", f"{kv} key/value heads do not divide h = {model.heads}")

@@ -2,7 +2,9 @@
 
 Per pipeline stage and micro-batch (a roofline, term by term):
 
-    compute   = FLOPs (forward, backward, recomputation) / (dense peak of the precision x matmul efficiency)
+    compute   = each matrix product's FLOPs / (dense peak of the precision x its shape's efficiency: the
+                large-product efficiency less tile and wave quantisation on the device's SMs), and attention's
+                seq^2 products at the share a causal kernel computes, at the attention kernel's efficiency
     memory    = bytes the elementwise work moves / memory bandwidth: every activation kept is written in
                 forward and read in backward, and so is its gradient (4 x the activations); the optimizer
                 reads and writes the model states (2 x their bytes) once per step
@@ -10,7 +12,9 @@ Per pipeline stage and micro-batch (a roofline, term by term):
                 (a ring all-reduce takes 2 (P-1) steps, a gather or a scatter P-1, a ring message one)
 
 Tensor parallelism's collectives sit between the products that need them: exposed. The ring of context
-parallelism runs beside the attention it feeds: exposed only beyond the attention's compute. The pipeline's
+parallelism runs beside the attention it feeds: exposed only beyond the attention's compute; expert
+parallelism's all-to-all hides behind the other micro-batch's compute (DualPipe's overlap), at most half of
+it. The pipeline's
 sends are posted ahead (lesson 03) and the data-parallel reduction runs from hooks during backward (lesson
 06), so both hide behind compute, except what is left when compute runs out: the last unit's reduction, or
 ZeRO-3's first gather. On gloo here nothing overlaps (`Assumptions(overlap=())`): lesson 13 runs its
@@ -21,14 +25,16 @@ stage forward of a micro-batch, a backward two ticks (three with recomputation);
 bubble. The step: that grid's length x the slowest stage's tick, plus the exposed data-parallel reduction,
 plus the optimizer's memory traffic.
 
-MFU = the model's FLOPs (forward + backward, no recomputation) / (step time x P x dense peak of the precision
-the step computes in). Two mistakes give other numbers: counting recomputation as useful (that is HFU, which
-flatters a step that recomputes), and dividing by the datasheet's headline figure, which is the 2:4-sparse
+MFU = the model's FLOPs (forward + backward, no recomputation, causal attention's masked half not counted:
+`needed_flops`) / (step time x P x dense peak of the precision the step computes in; bf16's for fp8). Two
+mistakes give other numbers: counting recomputation as useful (that is HFU, which flatters a step that
+recomputes), and dividing by the datasheet's headline figure, which is the 2:4-sparse
 rate, twice the dense one (NVIDIA/Megatron-LM#1565: a 42% MFU read as 21%).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from distlab.cost.flops import attention_forward
@@ -43,20 +49,89 @@ RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1
 
 @dataclass(frozen=True)
 class Assumptions:
-    """What the prediction takes on faith, stated: the fraction of the dense peak large products reach,
-    the fraction of a link's bandwidth a collective reaches (nccl-tests' bus bandwidth against the wire),
-    and which dimensions' communication hides behind compute."""
+    """What the prediction takes on faith, stated and overridable (the planner's flags of the same names):
 
-    matmul_efficiency: float = 0.7
+    matmul_efficiency     the share of the dense peak a large, well-shaped matrix product reaches (cuBLAS on
+                          an H100 reaches about 75-80% in bf16); smaller or ragged products reach less, by
+                          tile and wave quantisation on the device's SMs (`gemm_efficiency`)
+    attention_efficiency  the share of the dense peak the fused attention kernel reaches (FlashAttention-2/3
+                          forward and backward together, about half)
+    attention_share       the share of the seq^2 products a causal kernel computes (it skips the masked
+                          tiles: about half; 1 for a kernel that computes the whole square)
+    link_efficiency       the share of a link's bandwidth a collective reaches (nccl-tests' bus bandwidth)
+    overlap               the dimensions whose communication hides behind compute"""
+
+    matmul_efficiency: float = 0.8
     link_efficiency: float = 0.8
-    overlap: tuple[str, ...] = ("dp", "cp", "pp")
+    overlap: tuple[str, ...] = ("dp", "cp", "pp", "ep")
+    attention_efficiency: float = 0.5
+    attention_share: float = 0.5
+    tile: tuple[int, int] = (128, 256)  # the output tile one SM computes (CUTLASS/cuBLAS on Hopper)
 
     def lines(self) -> list[str]:
         return [
-            f"matrix products at {self.matmul_efficiency:.0%} of the dense peak",
-            f"collectives at {self.link_efficiency:.0%} of a link's bandwidth",
-            "overlapped with compute: " + (", ".join(self.overlap) or "nothing") + "; exposed: the rest",
+            f"matrix products at {self.matmul_efficiency:.0%} of the dense peak when large, less by tile "
+            f"({self.tile[0]} x {self.tile[1]}) and wave quantisation on the SMs (--matmul-efficiency)",
+            f"attention at {self.attention_efficiency:.0%} of the dense peak, {self.attention_share:.0%} of its "
+            "seq^2 products computed (causal) (--attention-efficiency, --attention-share)",
+            f"collectives at {self.link_efficiency:.0%} of a link's bandwidth: NVLink inside a node, the network "
+            "across nodes (--link-efficiency)",
+            "overlapped with compute: " + (", ".join(self.overlap) or "nothing") + "; exposed: the rest (--overlap)",
         ]
+
+
+def gemm_efficiency(m: int, n: int, k: int, sms: int, assumptions: Assumptions) -> float:
+    """The share of the dense peak an (m x k) @ (k x n) product reaches: the large-product efficiency times
+    the tile quantisation (the output is computed in whole tiles: m n / (tiles x tile area) of the work is
+    useful) times the wave quantisation (the tiles run in waves of one per SM: a last wave half full idles
+    half the SMs). `sms` 0: a device without SMs (a CPU, measured): no quantisation."""
+    if not sms or not m or not n:
+        return assumptions.matmul_efficiency
+    tm, tn = assumptions.tile
+    tiles = math.ceil(m / tm) * math.ceil(n / tn)
+    useful = m * n / (tiles * tm * tn)
+    waves = tiles / (math.ceil(tiles / sms) * sms)
+    short_k = min(1.0, k / 512)  # a product too thin to fill the pipeline of its loads: the planner's guess
+    return assumptions.matmul_efficiency * useful * waves * (0.5 + 0.5 * short_k)
+
+
+def products_seconds(cost: StepCost, pp_rank: int, rate: float, sms: int, assumptions: Assumptions) -> float:
+    """Seconds of the rank's matrix products, each at its shape's efficiency (forward's shapes, for
+    backward and recomputation too): one micro-batch's T = rows x seq / cp tokens through every weight."""
+    model, p, batch = cost.model, cost.parallel, cost.batch
+    rank = cost.ranks[pp_rank]
+    if not isinstance(model, Transformer):
+        return rank.flops.hardware / (rate * assumptions.matmul_efficiency)
+    tokens = batch.global_batch // (p.dp * batch.micro_batches) * (batch.seq // p.cp)
+    useful = weighted = 0.0
+    layers = [i for s in stages(p, batch, pp_rank) for i in stage_layers(model, p)[s]]
+    weights = [w for i in layers for w in model.layer_weights(i)]
+    if model.vocab and p.pp * p.stages_per_rank - 1 in stages(p, batch, pp_rank):
+        weights.append(model.head_matrix())
+    for w in weights:
+        if w.cols == 1 or w.name == "embedding.weight":
+            continue
+        rows, cols = (
+            (w.rows // p.tp, w.cols) if w.split == "column" else (w.rows, w.cols // (p.tp if w.split == "row" else 1))
+        )
+        m = tokens * model.top_k * p.ep // w.experts if w.experts else tokens
+        f = 2 * tokens * w.per_token(p.tp, model.top_k)
+        useful += f
+        weighted += f / gemm_efficiency(m, rows, cols, sms, assumptions)
+    attention = attention_flops(cost, pp_rank)
+    products = rank.flops.hardware - attention
+    return products * (weighted / useful if useful else 1 / assumptions.matmul_efficiency) / rate
+
+
+def attention_flops(cost: StepCost, pp_rank: int) -> int:
+    """The seq^2 products of the rank's step, counted whole (forward, backward twice, recomputation)."""
+    model, p, batch = cost.model, cost.parallel, cost.batch
+    if not isinstance(model, Transformer):
+        return 0
+    layers = sum(len(stage_layers(model, p)[s]) for s in stages(p, batch, pp_rank))
+    rows = batch.global_batch // (p.dp * batch.micro_batches)
+    runs = 4 if p.recompute else 3
+    return runs * batch.micro_batches * layers * attention_forward(model, rows, batch.seq, p.tp, p.cp)
 
 
 @dataclass
@@ -79,12 +154,14 @@ class StepTime:
 
 
 def spans(cost: StepCost) -> dict[str, int]:
-    """How many consecutive ranks each dimension's group spans, innermost first (tp, cp, pp, dp)."""
+    """How many consecutive ranks each dimension's group spans, innermost first (tp, cp, pp, dp); ep, taken
+    from dp's innermost ranks, spans tp cp pp ep."""
     sizes, stride, out = {"tp": cost.parallel.tp, "cp": cost.parallel.cp, "pp": cost.parallel.pp}, 1, {}
     sizes["dp"] = cost.parallel.dp
     for dim in ORDER:
         stride *= sizes[dim]
         out[dim] = stride
+    out["ep"] = out["pp"] * cost.parallel.ep
     return out
 
 
@@ -97,7 +174,8 @@ def collective_seconds(kind: str, nbytes: int, calls: int, group: int, link: Lin
 def comm_seconds(cost: StepCost, pp_rank: int, links: dict, efficiency: float) -> dict[str, float]:
     """Seconds of each dimension's communication on one pipeline position's rank. `links`: a dimension's
     link, or a (dimension, collective)'s where one kind of collective runs at its own rate."""
-    group = {"dp": cost.parallel.dp, "tp": cost.parallel.tp, "pp": cost.parallel.pp, "cp": cost.parallel.cp}
+    p = cost.parallel
+    group = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
     out: dict[str, float] = {}
     rank = cost.ranks[pp_rank]
     for (dim, kind), nbytes in rank.traffic.sent.items():
@@ -112,7 +190,7 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
     for a group that fits in a node, the network for one that does not)."""
     p, precision, device = cost.parallel, PRECISIONS[cost.precision], cluster.device
     links = links or {dim: cluster.link(span) for dim, span in spans(cost).items()}
-    rate = device.peak[precision.name] * assumptions.matmul_efficiency
+    rate = device.peak[precision.rate]
     ticks_per_mb = 4 if p.recompute else 3
     worst = None
     for rank in cost.ranks:
@@ -121,16 +199,20 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
             stage_activations(cost.model, cost.batch, p, s, precision, precision.e)
             for s in stages(p, cost.batch, rank.pp_rank)
         )
-        compute, memory = rank.flops.hardware / rate, 4 * m * acts / device.bandwidth
+        attention = attention_flops(cost, rank.pp_rank)
+        attention_s = assumptions.attention_share * attention / (rate * assumptions.attention_efficiency)
+        if not device.sms:  # a measured device: its products' rate was measured whole, attention included
+            attention_s = attention / (rate * assumptions.matmul_efficiency)
+        compute = products_seconds(cost, rank.pp_rank, rate, device.sms, assumptions) + attention_s
+        memory = 4 * m * acts / device.bandwidth
         comm = comm_seconds(cost, rank.pp_rank, links, assumptions.link_efficiency)
         exposed = {dim: t for dim, t in comm.items() if dim not in assumptions.overlap}
         if "cp" in comm and "cp" in assumptions.overlap and isinstance(cost.model, Transformer):
-            layers = sum(len(stage_layers(cost.model, p)[s]) for s in stages(p, cost.batch, rank.pp_rank))
-            rows = cost.batch.global_batch // (p.dp * m)
-            attention = 3 * m * layers * attention_forward(cost.model, rows, cost.batch.seq, p.tp, p.cp) / rate
-            exposed["cp"] = max(0.0, comm["cp"] - attention)
+            exposed["cp"] = max(0.0, comm["cp"] - attention_s)
+        if "ep" in comm and "ep" in assumptions.overlap:  # DualPipe-style: hidden behind the other micro-batch's
+            exposed["ep"] = max(0.0, comm["ep"] - compute / 2)  # compute, at most half of it
         ticks = m * p.stages_per_rank * ticks_per_mb  # the rank's own: every stage it holds, every micro-batch
-        per_tick = (compute + memory + exposed.get("tp", 0.0) + exposed.get("cp", 0.0)) / ticks
+        per_tick = (compute + memory + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)) / ticks
         if worst is None or per_tick > worst[0]:
             worst = (per_tick, compute, memory, comm, exposed, rank)
     per_tick, compute, memory, comm, exposed, rank = worst
@@ -144,7 +226,9 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
         exposed["dp"] = max(comm["dp"] / units, comm["dp"] - compute * 2 / 3)
     step = ticks * per_tick + exposed.get("dp", 0.0) + exposed.get("pp", 0.0) + optimizer
     world = p.world
-    dense, sparse = device.peak[precision.name], device.sparse.get(precision.name, device.peak[precision.name])
+    dense = device.peak[precision.mfu_peak]
+    sparse = device.sparse.get(precision.mfu_peak, dense)
+    needed, done = needed_flops(cost, assumptions)
     return StepTime(
         compute,
         memory + optimizer,
@@ -152,10 +236,23 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
         exposed,
         bubble,
         step,
-        cost.model_flops / (step * world * dense),
-        cost.hardware_flops / (step * world * dense),
-        cost.model_flops / (step * world * sparse),
+        needed / (step * world * dense),
+        done / (step * world * dense),
+        needed / (step * world * sparse),
     )
+
+
+def needed_flops(cost: StepCost, assumptions: Assumptions) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of the step, with causal attention's seq^2 products at the share a
+    causal kernel computes (`attention_share`): the masked half is work the model does not need, so MFU does
+    not count it (at 128K tokens it is most of a Llama's FLOPs). With share 1, FlopCounterMode's count."""
+    model, batch = cost.model, cost.batch
+    if not isinstance(model, Transformer) or assumptions.attention_share == 1:
+        return cost.model_flops, cost.hardware_flops
+    forward = model.layers * attention_forward(model, batch.global_batch, batch.seq)  # the whole square, once
+    runs = 3 + (1 if cost.parallel.recompute else 0)  # forward, backward (twice), and the recomputed forward
+    masked = 1 - assumptions.attention_share
+    return cost.model_flops - masked * 3 * forward, cost.hardware_flops - masked * runs * forward
 
 
 def mfu(model_flops: int, seconds: float, ranks: int, dense_peak: float) -> float:

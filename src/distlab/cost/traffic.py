@@ -17,6 +17,9 @@ Each dimension's count is the formula its lesson proves against a ledger of real
   two all-reduces of a micro-batch's T d (no lesson runs them);
 - cp (lesson 09, `distlab.layer_split.context_parallel.cost.Sizes.expected_bytes`): per attention, 2 (P-1) k/v blocks
   forward and 4P - 2 backward, a block h/tp x seq/cp x d_h per sequence (grouped-query attention: kv_heads);
+- ep (lesson 10, `distlab.layer_split.expert_parallel.cost.expected_bytes` on a balanced routing matrix): per
+  mixture-of-experts layer and micro-batch, dispatch and combine forward and backward, (ep - 1) / ep of the
+  rank's T top_k routed rows of d e each way; the routed experts' gradients reduce over dp / ep ranks;
 - pp (lessons 01-03, `distlab.pipeline.p2p.comm_plan`): every micro-batch's activation to the next stage and
   its gradient back, one micro-batch's N / (dp M) x seq / cp x d e (a layered MLP's width at the cut),
   where the next stage lives on another rank (the turn of a V does not).
@@ -27,12 +30,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from distlab.comm.collectives import ring_fraction
 from distlab.cost.memory import DTYPE_OF, rank_units, sizes
 from distlab.cost.schedule import owner, stages
 from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Transformer, ceil_div, stage_layers
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
+from distlab.layer_split.expert_parallel.cost import expected_bytes
 from distlab.layer_split.tensor_parallel.cost import expected_traffic
 from distlab.layer_split.tensor_parallel.model import BlockConfig
 
@@ -64,25 +70,50 @@ def _micro_rows(batch: Batch, parallel: Parallel) -> int:
     return batch.global_batch // (parallel.dp * batch.micro_batches)
 
 
-def data_parallel(traffic: Traffic, model, batch: Batch, parallel: Parallel, precision: str, pp_rank: int) -> None:
-    """Lesson 07's bytes on this rank's units (see the module docstring for M > 1)."""
-    dp, units, m = parallel.dp, rank_units(model, parallel, pp_rank, batch), batch.micro_batches
-    s = sizes(units, dp, PRECISIONS[precision].e)
+def data_parallel(
+    traffic: Traffic, model, batch: Batch, parallel: Parallel, precision: str, pp_rank: int, experts: bool = False
+) -> None:
+    """Lesson 07's bytes on this rank's units (see the module docstring for M > 1); `experts`: the routed
+    experts' units, over the dp / ep ranks that hold the same experts. Float32 gradients
+    (`parallel.grad_bytes` 4) reduce at 4 bytes; the weights gather at e."""
+    dp = parallel.dp // parallel.ep if experts else parallel.dp
+    units, m = rank_units(model, parallel, pp_rank, batch, experts), batch.micro_batches
+    if dp == 1 or not units:
+        return
+    e = PRECISIONS[precision].e
+    s = sizes(units, dp, e)
     holds_first = 0 in stages(parallel, batch, pp_rank)
     needs_no_weights = isinstance(model, Mlp) or bool(getattr(model, "vocab", 0))  # data in; an embedding
-    first = ceil_div(units[0][0], dp) if holds_first and needs_no_weights else 0
+    first = ceil_div(units[0][0], dp) if holds_first and needs_no_weights and not experts else 0
     one_pass = accounting.expected_bytes("ZeRO-1", s) // 2  # one reduce-scatter (or all-gather) of every unit
+    grads = (parallel.grad_bytes or e) / e  # a gradient's bytes against a weight's
     stage, n = parallel.zero, len(units)
     if stage == "DDP":
-        traffic.add(("dp", "all_reduce"), accounting.expected_bytes(stage, s), n)
+        traffic.add(("dp", "all_reduce"), grads * accounting.expected_bytes(stage, s), n)
     elif stage in ("ZeRO-1", "ZeRO-2"):
         scatters = m if stage == "ZeRO-2" else 1
-        traffic.add(("dp", "reduce_scatter"), scatters * one_pass, scatters * n)
+        traffic.add(("dp", "reduce_scatter"), grads * scatters * one_pass, scatters * n)
         traffic.add(("dp", "all_gather"), one_pass, n)
     else:
         gathers = accounting.expected_bytes(stage, s, first) - one_pass  # forward's and backward's
-        traffic.add(("dp", "reduce_scatter"), m * one_pass, m * n)
+        traffic.add(("dp", "reduce_scatter"), grads * m * one_pass, m * n)
         traffic.add(("dp", "all_gather"), m * gathers, m * (2 * n - (1 if first else 0)))
+
+
+def expert_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel: Parallel, e: int, layers: int):
+    """Lesson 10's bytes (`distlab.layer_split.expert_parallel.cost.expected_bytes`) for every mixture-of-experts layer
+    and micro-batch, with balanced routing: each of a rank's T tokens sends its top_k copies, E / ep experts
+    to an owner, so the routing matrix between the ep ranks is T k / ep everywhere. Dispatch and combine
+    forward, their mirrors backward; recomputation runs the forward's again. The counts' all-gather is
+    left out (E int64 numbers, nothing beside a step's rows)."""
+    tokens = _micro_rows(batch, parallel) * (batch.seq // parallel.cp)
+    kept = torch.full((parallel.ep, model.experts), tokens * model.top_k, dtype=torch.int64)  # E x the real count
+    phases = {k: v for k, v in expected_bytes(kept, 0, model.dim * e).items() if k != "counts"}
+    forwards = batch.micro_batches * layers * (2 if parallel.recompute else 1)
+    backwards = batch.micro_batches * layers
+    for phase, nbytes in phases.items():
+        runs = backwards if "backward" in phase else forwards
+        traffic.add(("ep", "all_to_all"), runs * nbytes // model.experts, runs)
 
 
 def tensor_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel: Parallel, e: int, blocks: int):
@@ -137,7 +168,12 @@ def per_rank(model, batch: Batch, parallel: Parallel, precision: str, pp_rank: i
     traffic, e = Traffic(), PRECISIONS[precision].e
     if parallel.dp > 1:
         data_parallel(traffic, model, batch, parallel, precision, pp_rank)
-    blocks = sum(len(stage_layers(model, parallel)[s]) for s in stages(parallel, batch, pp_rank))
+        if getattr(model, "experts", 0):
+            data_parallel(traffic, model, batch, parallel, precision, pp_rank, experts=True)
+    mine = [i for s in stages(parallel, batch, pp_rank) for i in stage_layers(model, parallel)[s]]
+    blocks = len(mine)
+    if parallel.ep > 1:
+        expert_parallel(traffic, model, batch, parallel, e, sum(model.is_moe(i) for i in mine))
     if isinstance(model, Transformer) and parallel.tp > 1:
         tensor_parallel(traffic, model, batch, parallel, e, blocks)
     if isinstance(model, Transformer) and parallel.cp > 1:

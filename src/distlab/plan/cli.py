@@ -1,68 +1,176 @@
-"""python -m distlab.plan: which split of a model over a cluster fits, and which is fastest.
+"""python -m distlab.plan: which split of a model over a cluster fits, and which is fastest; or what one
+given split costs.
 
     python -m distlab.plan --model llama3-70b --gpu h100 --gpus 64 --nodes 8 --global-batch 512 --seq-len 8192
-    python -m distlab.plan --layers 32 --dim 4096 --heads 32 --ffn-width 16384 --vocab 50304 --gpus 16 --nodes 2
+    python -m distlab.plan --layers 12 --dim 768 --heads 12 --ffn-width 3072 --vocab 50304 --tied-embeddings \\
+        --seq-len 1024 --global-batch 480 --gpu a100-40gb --gpus 8 --layout dp=8
+    python -m distlab.plan --model deepseek-v3 --gpu h800 --gpus 2048 --nodes 256 --global-batch 15360 \\
+        --seq-len 4096 --layout dp=128,pp=16,ep=64 --schedule zero-bubble --precision fp8
     python -m distlab.plan --published        # the published runs beside their predictions
     python -m distlab.plan --devices          # the datasheet figures and their sources
 
-It enumerates the configurations (distlab/plan/search.py), keeps those whose every rank fits the GPU's
-memory by the cost model (distlab/cost), ranks them by predicted step time, and prints the fastest with
-their memory, step time and MFU, then the assumptions the prediction rests on. A bad input is refused in
-one line naming its flag.
+Without --layout it enumerates the configurations (distlab/plan/search.py), keeps those whose every rank
+fits the GPU's memory less the reserve by the cost model (distlab/cost), ranks them by predicted step time,
+and prints the fastest with their memory, step time and MFU. With --layout it prices that one layout with
+the strategy the flags give (--schedule, --micro-batch, --recompute, --zero, --grad-dtype, --precision),
+its memory item by item. Then the assumptions the prediction rests on, each with the flag that overrides
+it. A bad input is refused in one line naming its flag.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
-from distlab.cost.hardware import DEVICES, GIB, cluster
-from distlab.cost.shapes import Transformer
+from distlab.cost.dims import ParallelDims
+from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
+from distlab.cost.shapes import Batch, Parallel, Transformer, check
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
+from distlab.plan.flags import LIMITS, efficiency, png_file
 from distlab.plan.presets import MODELS
-from distlab.plan.search import search
-from distlab.processes.flags import FlagParser, add_global_batch, fraction, positive_int
+from distlab.plan.search import least_memory, price, search
+from distlab.processes.flags import (
+    FlagParser,
+    add_global_batch,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    writable_file,
+)
 from distlab.proof.console import console
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
+SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1"}
+OVERLAP = ("dp", "cp", "pp", "ep", "tp")
 
 
 def parse_args(argv=None):
-    # no lesson's memory limits: the planner builds no tensor (its own limits, with their reasons, are `limits=`)
-    parser = FlagParser(prog="python -m distlab.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="llama3-8b", help="a published model")
+    # the planner builds no tensor: its own limits (typo guards, with their reasons), none of the lessons'; its
+    # help texts say their defaults in words ("no embedding", "--ffn-width"), so argparse adds none
+    parser = FlagParser(
+        prog="python -m distlab.plan",
+        description=__doc__.split("\n\n")[0],
+        limits=LIMITS,
+        formatter_class=argparse.HelpFormatter,
+    )
+    model = parser.add_argument_group("the model: a preset, or your own")
+    model.add_argument("--model", choices=MODELS, default="llama3-8b", help="a published model")
     for flag, what in (("--layers", "blocks"), ("--dim", "width d"), ("--heads", "heads h"), ("--ffn-width", "d_ff")):
-        parser.add_argument(flag, type=positive_int, help=f"a model of your own: {what} (with the other three)")
-    parser.add_argument("--vocab", type=positive_int, help="your model's vocabulary (default: no embedding, no head)")
-    parser.add_argument("--gpu", choices=DEVICES, default="h100", help="GPU type (datasheet figures: --devices)")
-    parser.add_argument("--gpus", type=positive_int, default=8, help="GPUs in all, G")
-    parser.add_argument("--nodes", type=positive_int, default=1, help="nodes (G / nodes GPUs each, at most 8)")
-    add_global_batch(parser, 64)
-    parser.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence, seq")
-    parser.add_argument("--precision", choices=("bf16", "float32"), default="bf16", help="what the step computes in")
-    parser.add_argument("--top", type=positive_int, default=10, help="configurations shown")
-    parser.add_argument("--matmul-efficiency", type=fraction, default=0.7, help="share of the dense peak reached")
-    parser.add_argument("--link-efficiency", type=fraction, default=0.8, help="share of a link's bandwidth reached")
-    parser.add_argument("--plot", metavar="PATH", help="also draw MFU against memory per GPU into this PNG")
-    parser.add_argument("--json", metavar="PATH", help="also write every fitting configuration here")
-    parser.add_argument("--published", action="store_true", help="the published runs beside their predictions")
-    parser.add_argument("--devices", action="store_true", help="the datasheet figures and their sources")
+        model.add_argument(flag, type=positive_int, help=f"a model of your own: {what} (with the other three)")
+    model.add_argument("--vocab", type=positive_int, help="vocabulary (default: no embedding, no head)")
+    model.add_argument("--kv-heads", type=positive_int, help="key/value heads (grouped-query attention)")
+    model.add_argument("--head-dim", type=positive_int, help="d_h, if not d / h")
+    model.add_argument(
+        "--ffn", choices=("gelu", "swiglu"), default="gelu", help="gelu: GPT's (biases, LayerNorm); swiglu: Llama's"
+    )
+    model.add_argument("--tied-embeddings", action="store_true", help="the head is the embedding's matrix")
+    model.add_argument("--experts", type=nonnegative_int, default=0, help="routed experts (a mixture of experts)")
+    model.add_argument("--top-k", type=positive_int, default=1, help="experts per token")
+    model.add_argument("--expert-ffn-width", type=positive_int, help="an expert's width (default: --ffn-width)")
+    model.add_argument("--shared-experts", type=nonnegative_int, default=0, help="always-on experts of the same width")
+    model.add_argument("--dense-layers", type=nonnegative_int, default=0, help="the first blocks, dense (DeepSeek: 3)")
+    model.add_argument("--q-rank", type=nonnegative_int, default=0, help="multi-head latent attention: query latent")
+    model.add_argument(
+        "--kv-rank", type=nonnegative_int, default=0, help="multi-head latent attention: key/value latent"
+    )
+    model.add_argument("--rope-dim", type=nonnegative_int, default=0, help="multi-head latent attention: rotary part")
+    run = parser.add_argument_group("the run")
+    run.add_argument("--gpu", choices=DEVICES, default="h100", help="GPU type (datasheet figures: --devices)")
+    run.add_argument("--gpus", type=positive_int, default=8, help="GPUs in all, G")
+    run.add_argument("--nodes", type=positive_int, default=1, help="nodes (G / nodes GPUs each, at most 8)")
+    add_global_batch(run, 64)
+    run.add_argument("--seq-len", type=positive_int, default=8192, help="tokens per sequence, seq")
+    run.add_argument("--precision", choices=("bf16", "fp8", "float32"), default="bf16", help="what products run in")
+    run.add_argument(
+        "--reserve-gib", type=nonnegative_float, default=DEFAULT_RESERVE_GIB, help="kept off the tensors (GiB)"
+    )
+    split = parser.add_argument_group("one layout (--layout), priced whole")
+    split.add_argument("--layout", help="dp=..,tp=..,pp=..,cp=..,ep=.. (a missing one is 1)")
+    split.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule")
+    split.add_argument("--stages-per-rank", type=positive_int, help="v, for interleaved (default 2)")
+    split.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch, b")
+    split.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default="none",
+        help="selective: the MLP's activation function rebuilt in backward; full: every block",
+    )
+    split.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage 0 (DDP) to 3 (default 1 with dp > 1)")
+    split.add_argument("--grad-dtype", choices=("bf16", "float32"), default="bf16", help="gradients' dtype")
+    time = parser.add_argument_group("the time model's assumptions")
+    defaults = Assumptions()
+    for flag, value, what in (
+        ("--matmul-efficiency", defaults.matmul_efficiency, "share of the dense peak a large product reaches"),
+        ("--attention-efficiency", defaults.attention_efficiency, "share of the dense peak attention reaches"),
+        ("--attention-share", defaults.attention_share, "share of seq^2 products computed (causal: about half)"),
+        ("--link-efficiency", defaults.link_efficiency, "share of a link's bandwidth reached"),
+    ):
+        time.add_argument(flag, type=efficiency, default=value, help=f"{what} (0 < x <= 1)")
+    time.add_argument(
+        "--overlap", default=",".join(defaults.overlap), help=f"dimensions hidden behind compute: {OVERLAP}"
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=positive_int, default=10, help="configurations shown")
+    out.add_argument("--plot", metavar="PATH", type=png_file, help="also draw MFU against memory into this PNG")
+    out.add_argument("--json", metavar="PATH", type=writable_file, help="also write the result here")
+    out.add_argument("--published", action="store_true", help="the published runs beside their predictions")
+    out.add_argument("--devices", action="store_true", help="the datasheet figures and their sources")
     return parser.parse_args(argv)
 
 
 def model_of(args) -> tuple[str, Transformer]:
     own = {"--layers": args.layers, "--dim": args.dim, "--heads": args.heads, "--ffn-width": args.ffn_width}
+    extra = ("vocab", "kv_heads", "head_dim", "tied_embeddings", "experts", "q_rank", "kv_rank", "expert_ffn_width")
     if not any(own.values()):
-        if args.vocab:
-            raise ValueError("--vocab: a vocabulary belongs to a model of your own (--layers, --dim, --heads, ...)")
+        named = next((f"--{name.replace('_', '-')}" for name in extra if getattr(args, name)), None)
+        if named:
+            raise ValueError(f"{named}: belongs to a model of your own (--layers, --dim, --heads, --ffn-width)")
         return args.model, MODELS[args.model]
     missing = [flag for flag, value in own.items() if not value]
     if missing:
         raise ValueError(f"{missing[0]}: a model of your own needs --layers, --dim, --heads and --ffn-width")
-    if args.dim % args.heads:
-        raise ValueError(f"--heads: h = {args.heads} does not divide d = {args.dim}")
-    model = Transformer(args.layers, args.dim, args.heads, args.ffn_width, args.vocab or 0)
-    return f"{args.layers} blocks, d = {args.dim}, h = {args.heads}, d_ff = {args.ffn_width}", model
+    if args.dim % args.heads and not args.head_dim:
+        raise ValueError(f"--heads: h = {args.heads} does not divide d = {args.dim} (or give --head-dim)")
+    if args.kv_heads and args.heads % args.kv_heads:
+        raise ValueError(f"--kv-heads: {args.kv_heads} key/value heads do not divide h = {args.heads}")
+    moe_flags = {"--top-k": args.top_k > 1, "--expert-ffn-width": args.expert_ffn_width}
+    moe_flags |= {"--shared-experts": args.shared_experts, "--dense-layers": args.dense_layers}
+    stray = next((flag for flag, given in moe_flags.items() if given and not args.experts), None)
+    if stray:
+        raise ValueError(f"{stray}: belongs to a mixture of experts (--experts)")
+    if args.experts and args.top_k > args.experts:
+        raise ValueError(f"--top-k: {args.top_k} experts per token, but only {args.experts} experts")
+    if args.dense_layers > args.layers:
+        raise ValueError(f"--dense-layers: {args.dense_layers}, but only {args.layers} layers")
+    if (args.q_rank or args.rope_dim) and not args.kv_rank:
+        raise ValueError("--kv-rank: multi-head latent attention (--q-rank, --rope-dim) needs its key/value latent")
+    swiglu = args.ffn == "swiglu"
+    model = Transformer(
+        args.layers,
+        args.dim,
+        args.heads,
+        args.ffn_width,
+        args.vocab or 0,
+        kv_heads=args.kv_heads or 0,
+        gated=swiglu,
+        bias=not swiglu,
+        rms_norm=swiglu,
+        tied=args.tied_embeddings,
+        head_size=args.head_dim or 0,
+        q_rank=args.q_rank,
+        kv_rank=args.kv_rank,
+        rope_dim=args.rope_dim,
+        experts=args.experts,
+        top_k=args.top_k if args.experts else 0,
+        expert_ffn=(args.expert_ffn_width or args.ffn_width) if args.experts else 0,
+        shared_experts=args.shared_experts if args.experts else 0,
+        dense_layers=args.dense_layers if args.experts else 0,
+    )
+    what = f"{args.layers} blocks, d = {args.dim}, h = {args.heads}, d_ff = {args.ffn_width}, {args.ffn}"
+    if args.experts:
+        what += f", {args.experts} experts top-{args.top_k}"
+    return what, model
 
 
 def check_cluster(args) -> int:
@@ -75,9 +183,57 @@ def check_cluster(args) -> int:
     return per_node
 
 
+def assumptions_of(args) -> Assumptions:
+    overlap = tuple(d.strip() for d in args.overlap.split(",") if d.strip())
+    bad = [d for d in overlap if d not in OVERLAP]
+    if bad:
+        raise ValueError(f"--overlap: {bad[0]!r} is not one of {', '.join(OVERLAP)}")
+    return Assumptions(
+        matmul_efficiency=args.matmul_efficiency,
+        link_efficiency=args.link_efficiency,
+        overlap=overlap,
+        attention_efficiency=args.attention_efficiency,
+        attention_share=args.attention_share,
+    )
+
+
+def layout_of(args, model: Transformer) -> tuple[Batch, Parallel]:
+    """--layout and the strategy flags as the cost model's batch and split (one line naming a bad flag)."""
+    dims = ParallelDims.parse_layout(args.layout)
+    if dims.size != args.gpus:
+        raise ValueError(f"--layout: dp x pp x tp x cp = {dims.size} ranks, but --gpus {args.gpus}")
+    rows = args.global_batch // dims.dp
+    if args.global_batch % dims.dp or rows % args.micro_batch:
+        b, n = args.micro_batch, args.global_batch
+        raise ValueError(f"--micro-batch: N = {n} does not cut into dp = {dims.dp} x micro-batches of {b}")
+    schedule = SCHEDULES[args.schedule]
+    v = args.stages_per_rank or (2 if args.schedule == "interleaved" else 1)
+    if v > 1 and args.schedule == "1f1b":
+        raise ValueError("--stages-per-rank: 1F1B runs one stage per rank; --schedule interleaved takes v > 1")
+    if v > 1 and args.schedule == "zero-bubble":
+        schedule = "interleaved-zb"
+    zero = args.zero if args.zero is not None else (1 if dims.dp > 1 else 0)
+    strategy = dict(
+        zero="DDP" if zero == 0 else f"ZeRO-{zero}",
+        sp=dims.tp > 1,
+        cut_gathered=dims.tp > 1,
+        schedule=schedule,
+        stages_per_rank=v,
+        recompute=args.recompute == "full",
+        selective=args.recompute == "selective",
+        grad_bytes=4 if args.grad_dtype == "float32" else 0,
+    )
+    batch, parallel = Batch(args.global_batch, args.seq_len, rows // args.micro_batch), Parallel.on(dims, **strategy)
+    try:
+        check(model, batch, parallel, args.precision)  # every rule of the cost model, before any output
+    except ValueError as err:
+        raise ValueError(f"--layout: {err}") from None
+    return batch, parallel
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    assumptions = Assumptions(args.matmul_efficiency or 0.7, args.link_efficiency or 0.8)
+    assumptions = assumptions_of(args)
     if args.devices:
         console.print(report.devices_table())
         return 0
@@ -89,32 +245,41 @@ def main(argv=None) -> int:
         return 0
     name, model = model_of(args)
     where = cluster(args.gpu, check_cluster(args))
-    found = search(model, args.global_batch, args.seq_len, args.gpus, where, args.precision, assumptions)
-    tokens = args.global_batch * args.seq_len
-    console.print(
-        f"{name}: {model.parameters / 1e9:.2f} B parameters; {tokens:,} tokens per step on {args.gpus} x "
-        f"{where.device.name} ({args.nodes} node{'s' * (args.nodes > 1)}), {args.precision}",
-        highlight=False,
-    )
+    if args.precision not in where.device.peak:
+        raise ValueError(f"--precision: the {where.device.name} has no {args.precision} rate (--devices)")
+    reserve = int(args.reserve_gib * GIB)
+    if reserve >= where.device.memory:
+        raise ValueError(f"--reserve-gib: {args.reserve_gib} GiB is all of the {where.device.name}'s memory")
+    layout = layout_of(args, model) if args.layout else None  # refused before anything is printed
+    console.print(report.header(name, model, args, where), highlight=False)
+    if layout:
+        return _one_layout(args, model, layout, where, reserve, assumptions)
+    budget = where.device.memory - reserve
+    found = search(model, args.global_batch, args.seq_len, args.gpus, where, args.precision, assumptions, budget)
     if not found:
-        console.print("nothing fits: no split of these sizes holds every rank in memory", highlight=False)
+        least = least_memory(model, args.global_batch, args.seq_len, args.gpus, where, args.precision)
+        console.print(report.nothing_fits(least, reserve, where.device), highlight=False)
         return 1
-    console.print(report.plan_table(found, args.top, where.device.memory))
-    for line in assumptions.lines() + [f"{where.device.name}: {where.device.source}"]:
-        console.print("  " + line, highlight=False)
+    console.print(report.plan_table(found, args.top, budget))
+    report.print_assumptions(assumptions, where, reserve)
     if args.plot:
         report.plot(found, args.plot, f"{name} on {args.gpus} x {where.device.name}")
     if args.json:
-        rows = [
-            {
-                "split": c.parallel.label(),
-                "micro_batches": c.cost.batch.micro_batches,
-                "memory_gib": c.memory / GIB,
-                "step_s": c.time.step,
-                "mfu": c.time.mfu,
-            }
-            for c in found
-        ]
         with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
+            json.dump([report.candidate_json(c, reserve, where.device) for c in found], out, indent=1)
     return 0
+
+
+def _one_layout(args, model, layout: tuple[Batch, Parallel], where, reserve: int, assumptions: Assumptions) -> int:
+    batch, parallel = layout
+    priced = price(model, batch, parallel, args.precision, where, assumptions)
+    result = report.candidate_json(priced, reserve, where.device)
+    console.print(report.layout_line(priced, result), highlight=False)
+    console.print(report.layout_table(priced, result, where.device))
+    report.print_assumptions(assumptions, where, reserve)
+    if args.plot:
+        report.plot([priced], args.plot, f"{parallel.label()} on {args.gpus} x {where.device.name}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=1)
+    return 0 if result["fits"] else 1

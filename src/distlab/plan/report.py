@@ -5,15 +5,130 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.cost.hardware import DEVICES, GIB, LINKS, TERA, cluster
-from distlab.cost.shapes import Parallel
+from distlab.cost import memory
+from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, LINKS, TERA, Cluster, Device, cluster
+from distlab.cost.shapes import PRECISIONS, Parallel
 from distlab.cost.step import step_cost
-from distlab.cost.timing import Assumptions, predict
+from distlab.cost.timing import Assumptions, needed_flops, predict
+from distlab.data_split.sharding.accounting import layer_norm_stat_bytes
+from distlab.layer_split.tensor_parallel.cost import sdpa_math_path
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.plan.search import Candidate
-from distlab.proof.console import compact_table
+from distlab.proof.console import compact_table, console
 
-SCHEDULE_SHORT = {"1f1b": "1F1B", "interleaved-1f1b": "int", "gpipe": "GPipe"}
+SCHEDULE_SHORT = {"1f1b": "1F1B", "interleaved-1f1b": "int", "gpipe": "GPipe", "zb-h1": "ZB", "interleaved-zb": "iZB"}
+ITEMS = (  # what a rank holds, item by item, as the other calculators break it down
+    "weights",
+    "gradients",
+    "optimizer states",
+    "master weights",
+    "activations",
+    "pipeline in-flight",
+    "communication buffers",
+    "reserve",
+)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.0f} M"
+
+
+def header(name: str, model, args, where: Cluster) -> str:
+    """What is planned: the model, its parameters (active ones for a mixture), the tokens and the cluster."""
+    active = f" ({_count(model.active_parameters)} active)" if getattr(model, "experts", 0) else ""
+    tokens = args.global_batch * args.seq_len
+    return (
+        f"{name}: {_count(model.parameters)} parameters{active}; {tokens:,} tokens per step on {args.gpus} x "
+        f"{where.device.name} ({args.nodes} node{'s' * (args.nodes > 1)}), {args.precision}"
+    )
+
+
+def memory_items(candidate: Candidate, reserve: int) -> dict[str, int]:
+    """Bytes the fullest rank holds, by `ITEMS` (the cost model's items, named as practitioners name them:
+    optimizer states = AdamW's moments and step counts; pipeline in-flight = the micro-batches beyond one
+    that the schedule keeps at once), and the reserve."""
+    cost = candidate.cost
+    rank = max(cost.ranks, key=lambda r: r.held)
+    held, precision = rank.memory, PRECISIONS[cost.precision]
+    stat_bytes = layer_norm_stat_bytes(precision.e, "cuda")
+    math = sdpa_math_path("cuda", memory.DTYPE_OF[precision.e])
+    parts = memory.activation_parts(cost.model, cost.batch, cost.parallel, precision, rank.pp_rank, stat_bytes, math)
+    return {
+        "weights": held.get("weights", 0),
+        "gradients": held.get("gradients", 0),
+        "optimizer states": held.get("moments", 0) + held.get("step counts", 0),
+        "master weights": held.get("master copy", 0) + held.get("shard copy", 0),
+        "activations": parts["activations"],
+        "pipeline in-flight": parts["pipeline in-flight"],
+        "communication buffers": held.get("buffers", 0),
+        "reserve": reserve,
+    }
+
+
+def candidate_json(candidate: Candidate, reserve: int, device: Device) -> dict:
+    """One configuration as --json writes it: step_s, mfu, hfu, memory_gib (every item, the reserve too),
+    memory (GiB by item), whether it fits the device."""
+    items = memory_items(candidate, reserve)
+    total = sum(items.values())
+    return {
+        "layout": candidate.parallel.label(),
+        "dims": {d: getattr(candidate.parallel, d) for d in ("dp", "pp", "tp", "cp", "ep")},
+        "micro_batches": candidate.cost.batch.micro_batches,
+        "step_s": candidate.time.step,
+        "mfu": candidate.time.mfu,
+        "hfu": candidate.time.hfu,
+        "bubble": candidate.time.bubble,
+        "memory_gib": total / GIB,
+        "memory": {k: v / GIB for k, v in items.items()},
+        "device_gib": device.memory / GIB,
+        "fits": total <= device.memory,
+        "exposed_s": dict(candidate.time.exposed),
+    }
+
+
+def layout_line(candidate: Candidate, result: dict) -> str:
+    """One layout's time and utilisation, one line."""
+    return (
+        f"{candidate.parallel.label()}, M = {candidate.cost.batch.micro_batches} micro-batches: "
+        f"{result['step_s']:.3g} s a step, MFU {result['mfu']:.1%}, HFU {result['hfu']:.1%}, "
+        f"bubble {result['bubble']:.0%}"
+    )
+
+
+def layout_table(candidate: Candidate, result: dict, device: Device) -> Table:
+    """One layout's memory item by item, on its fullest rank."""
+    verdict = "fits" if result["fits"] else f"does NOT fit, {result['memory_gib'] - device.memory / GIB:.1f} GiB over"
+    out = compact_table(
+        "Memory of the fullest rank",
+        ("item", "GiB"),
+        caption=f"{result['memory_gib']:.2f} of the {device.name}'s {device.memory / GIB:.2f} GiB: {verdict}",
+    )
+    for item, value in result["memory"].items():
+        out.add_row(item, f"{value:.2f}")
+    out.add_row("total", f"{result['memory_gib']:.2f}")
+    return out
+
+
+def nothing_fits(least: int | None, reserve: int, device: Device) -> str:
+    """The refusal with its margin: what the most frugal split needs, and how much more than the device holds."""
+    if least is None:
+        return "nothing fits: no split of these sizes can run (the sizes divide no layout of these GPUs)"
+    need = least + reserve
+    return (
+        f"nothing fits: the best layout needs {need / GIB:.1f} GiB per GPU ({reserve / GIB:.1f} of it the reserve), "
+        f"{(need - device.memory) / GIB:.1f} GiB more than the {device.name} holds ({device.memory / GIB:.2f} GiB)"
+    )
+
+
+def print_assumptions(assumptions: Assumptions, where: Cluster, reserve: int) -> None:
+    lines = assumptions.lines() + [
+        f"a reserve of {reserve / GIB:.1f} GiB per GPU for the CUDA context, NCCL's buffers and fragmentation "
+        f"(--reserve-gib; default {DEFAULT_RESERVE_GIB})",
+        f"{where.device.name}: {where.device.memory / GIB:.2f} GiB as the driver reports it; {where.device.source}",
+        f"links: {where.intra.name} inside a node of {where.gpus_per_node}, {where.inter.name} across nodes",
+    ]
+    for line in lines:
+        console.print("  " + line, highlight=False)
 
 
 def _zero(p: Parallel) -> str:
@@ -26,14 +141,14 @@ def _schedule(p: Parallel) -> str:
     return SCHEDULE_SHORT.get(p.schedule, p.schedule) + (f" v{p.stages_per_rank}" if p.stages_per_rank > 1 else "")
 
 
-def plan_table(found: list[Candidate], top: int, memory: int) -> Table:
-    """The `top` fastest configurations that fit."""
+def plan_table(found: list[Candidate], top: int, budget: int) -> Table:
+    """The `top` fastest configurations that fit `budget` bytes (the device's memory less the reserve)."""
     out = compact_table(
-        f"The {min(top, len(found))} fastest of {len(found)} configurations that fit {memory / GIB:.0f} GiB",
-        ("#", "dp", "tp", "pp", "cp", "ZeRO", "sched", "M", "rec", "GiB", "s", "MFU", "bubble"),
+        f"The {min(top, len(found))} fastest of {len(found)} configurations that fit {budget / GIB:.1f} GiB",
+        ("#", "dp", "tp", "pp", "cp", "ep", "ZeRO", "sched", "M", "rec", "GiB", "s", "MFU", "bubble"),
         caption="tp: with sequence parallelism (Megatron-LM's); ZeRO: the dp ranks' stage; sched: 1F1B, or int "
-        "v2 (interleaved, 2 stages per rank); M: micro-batches per dp rank; rec: recomputation; GiB: the most "
-        "any rank holds; s: predicted step time; bubble: the schedule's idle share",
+        "v2 (interleaved, 2 stages per rank); M: micro-batches per dp rank; rec: recomputation (sel: selective); "
+        "GiB: the most any rank holds, the reserve apart; s: predicted step time; bubble: the schedule's idle share",
     )
     for k, c in enumerate(found[:top], 1):
         p = c.parallel
@@ -43,10 +158,11 @@ def plan_table(found: list[Candidate], top: int, memory: int) -> Table:
             str(p.tp),
             str(p.pp),
             str(p.cp),
+            str(p.ep),
             _zero(p),
             _schedule(p),
             str(c.cost.batch.micro_batches),
-            "yes" if p.recompute else "no",
+            "yes" if p.recompute else "sel" if p.selective else "no",
             f"{c.memory / GIB:.1f}",
             f"{c.time.step:.3g}",
             f"{c.time.mfu:.0%}",
@@ -85,6 +201,8 @@ def published_rows(assumptions: Assumptions) -> list[dict]:
         where = cluster(run.gpu)
         cost = step_cost(MODELS[run.model], run.batch, run.parallel, "bf16", "cuda")
         time = predict(cost, where, assumptions)
+        needed, _ = needed_flops(cost, assumptions)
+        mfu = time.mfu * (cost.model_flops / needed if run.full_square else 1)  # the report's numerator
         rows.append(
             {
                 "name": run.name,
@@ -92,9 +210,10 @@ def published_rows(assumptions: Assumptions) -> list[dict]:
                 "memory_gib": cost.peak_held / GIB,
                 "device_gib": where.device.memory / GIB,
                 "fits": cost.peak_held <= where.device.memory,
-                "predicted_mfu": time.mfu,
+                "headroom_gib": (where.device.memory - cost.peak_held) / GIB - DEFAULT_RESERVE_GIB,
+                "predicted_mfu": mfu,
                 "reported_mfu": run.reported_mfu,
-                "ratio": time.mfu / run.reported_mfu,
+                "ratio": mfu / run.reported_mfu,
                 "source": run.source,
                 "assumed": run.assumed,
             }
@@ -105,8 +224,10 @@ def published_rows(assumptions: Assumptions) -> list[dict]:
 def published_table(rows: list[dict]) -> Table:
     out = compact_table(
         "Published runs: predicted memory must fit where they ran; MFU predicted beside MFU reported",
-        ("run", "GiB", "of", "fits", "MFU", "reported", "ratio"),
-        caption="GiB: the most any rank holds, predicted; of: the GPU's; ratio: predicted / reported MFU. Sources: "
+        ("run", "GiB", "of", "fits", "left", "MFU", "reported", "ratio"),
+        caption="GiB: the most any rank holds, predicted; of: the GPU's; left: what remains after the default "
+        f"reserve of {DEFAULT_RESERVE_GIB} GiB; ratio: predicted / reported MFU, each counted as the report counts "
+        "it (causal attention at its half, or torchtitan's whole square). Sources: "
         + "; ".join(sorted({r["source"] for r in rows})),
     )
     for r in rows:
@@ -115,6 +236,7 @@ def published_table(rows: list[dict]) -> Table:
             f"{r['memory_gib']:.1f}",
             f"{r['device_gib']:.0f}",
             "yes" if r["fits"] else "NO",
+            f"{r['headroom_gib']:.1f}",
             f"{r['predicted_mfu']:.0%}",
             f"{r['reported_mfu']:.0%}",
             f"{r['ratio']:.2f}",

@@ -5,14 +5,17 @@ The configurations tried, for G GPUs, g to a node, N sequences of seq tokens:
     tp   a power of two up to g (inside a node), dividing the heads, the key/value heads, d_ff, the vocabulary;
          with sequence parallelism as Megatron-LM runs it (the gathered inputs kept cut)
     cp   1, or a power of two leaving every rank at least `MIN_CP_TOKENS` tokens of each sequence
-    pp   a divisor of G / (tp cp), at most the layers; 1F1B, and interleaved 1F1B (v = 2) where it applies
+    pp   a divisor of G / (tp cp), at most the layers; 1F1B, and interleaved 1F1B (v = 2, 4) where it applies
     dp   G / (tp cp pp), dividing N
-    b    sequences per micro-batch, 1, 2, 4 or 8 (M = N / (dp b) micro-batches, at least pp)
+    ep   (a mixture of experts) the largest power of two dividing dp and the experts, at most `MAX_EP`
+    b    sequences per micro-batch, 1, 2, 4, 8 or 16 (M = N / (dp b) micro-batches, at least pp)
     then the first that fits, in this order, of ZeRO-1, -2, -3 (dp > 1; DDP holds more than ZeRO-1 and sends
-    the same), each without and then with activation recomputation: the first that fits is the cheapest.
+    the same), each without, then with selective, then with full activation recomputation: the first that
+    fits is the cheapest.
 
 A configuration fits when every rank's predicted bytes (`distlab.cost.step`: model states, activations at
-the schedule's peak, the planner's transient buffers) are at most the device's memory. The fitting ones are
+the schedule's peak, the planner's transient buffers) and the reserve are at most the device's memory
+(`budget`). A configuration given whole (`--layout`) is priced by `price`, fitting or not. The fitting ones are
 ranked by predicted step time (`distlab.cost.timing.predict`), fastest first; MFU ranks them the same way
 (the model's FLOPs and P are the same for all).
 """
@@ -22,14 +25,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.cost import memory
-from distlab.cost.hardware import Cluster
+from distlab.cost.hardware import DEFAULT_RESERVE_GIB, GIB, Cluster
 from distlab.cost.shapes import Batch, Parallel, Transformer, check
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
 
-MICRO_BATCH_ROWS = (1, 2, 4, 8)
+MICRO_BATCH_ROWS = (1, 2, 4, 8, 16)
 MIN_CP_TOKENS = 4096
 STAGES = ("ZeRO-1", "ZeRO-2", "ZeRO-3")
+RECOMPUTE = (dict(), dict(selective=True), dict(recompute=True))  # none, selective, full: cheapest first
+MAX_EP = 64
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,14 @@ def splits(model: Transformer, batch: Batch, gpus: int, gpus_per_node: int):
                 yield from _schedules(model, batch, tp, cp, pp, dp)
 
 
+def expert_ranks(model: Transformer, dp: int) -> int:
+    """ep for a mixture of experts: the largest power of two dividing dp and the experts, at most MAX_EP."""
+    ep = 1
+    while getattr(model, "experts", 0) and ep * 2 <= MAX_EP and dp % (ep * 2) == 0 and model.experts % (ep * 2) == 0:
+        ep *= 2
+    return ep
+
+
 def _schedules(model: Transformer, batch: Batch, tp: int, cp: int, pp: int, dp: int):
     rows = batch.global_batch // dp
     for b in (b for b in MICRO_BATCH_ROWS if rows % b == 0):
@@ -74,8 +87,9 @@ def _schedules(model: Transformer, batch: Batch, tp: int, cp: int, pp: int, dp: 
         if m < pp:
             continue
         yield tp, cp, pp, dp, m, "1f1b", 1
-        if pp > 1 and m % pp == 0 and model.layers >= 2 * pp:
-            yield tp, cp, pp, dp, m, "interleaved-1f1b", 2
+        for v in (2, 4):
+            if pp > 1 and m % pp == 0 and model.layers >= v * pp:
+                yield tp, cp, pp, dp, m, "interleaved-1f1b", v
 
 
 def likely_peak(model, batch: Batch, parallel: Parallel, precision: str) -> int:
@@ -85,21 +99,56 @@ def likely_peak(model, batch: Batch, parallel: Parallel, precision: str) -> int:
     return max(sum(memory.per_rank(model, batch, parallel, precision, r, "cuda").values()) for r in ranks)
 
 
-def first_fitting(model, batch: Batch, split: tuple, precision: str, cluster: Cluster) -> Parallel | None:
-    """The cheapest ZeRO stage and recomputation setting with which `split` fits (module docstring)."""
+def first_fitting(model, batch: Batch, split: tuple, precision: str, budget: int) -> Parallel | None:
+    """The cheapest ZeRO stage and recomputation setting with which `split` fits `budget` bytes (module
+    docstring)."""
     tp, cp, pp, dp, _, schedule, v = split
     sp = dict(sp=True, cut_gathered=True) if tp > 1 else {}
-    for recompute in (False, True):
+    ep = expert_ranks(model, dp)
+    for recompute in RECOMPUTE:
         for zero in STAGES if dp > 1 else ("DDP",):
-            parallel = Parallel(dp, zero, tp, pp=pp, schedule=schedule, stages_per_rank=v, cp=cp, **sp)
-            parallel = Parallel(**{**parallel.__dict__, "recompute": recompute})
+            parallel = Parallel(dp, zero, tp, pp=pp, schedule=schedule, stages_per_rank=v, cp=cp, ep=ep, **sp)
+            parallel = Parallel(**{**parallel.__dict__, **recompute})
             try:
                 check(model, batch, parallel, precision)
             except ValueError:
                 return None
-            if likely_peak(model, batch, parallel, precision) <= cluster.device.memory:
+            if likely_peak(model, batch, parallel, precision) <= budget:
                 return parallel
     return None
+
+
+def price(
+    model, batch: Batch, parallel: Parallel, precision: str, cluster: Cluster, assumptions: Assumptions
+) -> Candidate:
+    """One configuration's cost and predicted time, fitting or not (`--layout`); refused in one line if it
+    cannot run (`distlab.cost.shapes.check`)."""
+    cost = step_cost(model, batch, parallel, precision, "cuda")
+    return Candidate(cost, predict(cost, cluster, assumptions))
+
+
+def least_memory(model, global_batch: int, seq: int, gpus: int, cluster: Cluster, precision: str) -> int | None:
+    """The fewest bytes per GPU any split needs (ZeRO-3, full recomputation, the fewest bytes in flight):
+    what "nothing fits" reports. None when no split of these sizes can run at all."""
+    best = None
+    for split in splits(model, Batch(global_batch, seq), gpus, cluster.gpus_per_node):
+        tp, cp, pp, dp, m, schedule, v = split
+        if schedule != "1f1b":
+            continue
+        batch = Batch(global_batch, seq, m)
+        sp = dict(sp=True, cut_gathered=True) if tp > 1 else {}
+        zero = "ZeRO-3" if dp > 1 else "DDP"
+        parallel = Parallel(dp, zero, tp, pp=pp, cp=cp, ep=expert_ranks(model, dp), recompute=True, **sp)
+        try:
+            check(model, batch, parallel, precision)
+        except ValueError:
+            continue
+        quick = likely_peak(model, batch, parallel, precision)
+        if best is None or quick < best[0]:
+            best = (quick, batch, parallel)
+    if best is None:
+        return None
+    return step_cost(model, best[1], best[2], precision, "cuda").peak_held
 
 
 def search(
@@ -110,14 +159,17 @@ def search(
     cluster: Cluster,
     precision: str = "bf16",
     assumptions: Assumptions | None = None,
+    budget: int | None = None,
 ) -> list[Candidate]:
-    """Every configuration that fits, fastest first (ties: fewer pipeline, then tensor ranks)."""
+    """Every configuration that fits `budget` bytes a GPU (default: the device's memory less the default
+    reserve), fastest first (ties: fewer pipeline, then tensor ranks)."""
     found, assumptions = [], assumptions or Assumptions()
+    budget = budget if budget is not None else cluster.device.memory - int(DEFAULT_RESERVE_GIB * GIB)
     for split in splits(model, Batch(global_batch, seq), gpus, cluster.gpus_per_node):
         batch = Batch(global_batch, seq, split[4])
-        parallel = first_fitting(model, batch, split, precision, cluster)
+        parallel = first_fitting(model, batch, split, precision, budget)
         if parallel is not None:
             cost = step_cost(model, batch, parallel, precision, "cuda")
-            if cost.peak_held <= cluster.device.memory:  # every rank, not only the first and the last
+            if cost.peak_held <= budget:  # every rank, not only the first and the last
                 found.append(Candidate(cost, predict(cost, cluster, assumptions)))
     return sorted(found, key=lambda c: (round(c.time.step, 9), c.parallel.pp, c.parallel.tp, c.parallel.label()))

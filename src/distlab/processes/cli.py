@@ -34,14 +34,14 @@ SEED_MAX = 2**31 - 1
 WIDTHS = ("--width", "--dim", "--ffn-width", "--comm-dim", "--head-dim", "--input-features", "--vocab")
 WIDTHS += ("--out-width", "--block")  # lessons 14-15: a layer's output width, an MX block
 PARTS = ("--layers", "--heads", "--stages-per-rank", "--micro-batches", "--checkpoint-segments")
-PARTS += ("--experts", "--top-k", "--dp", "--pp", "--tp", "--cp")
+PARTS += ("--experts", "--top-k", "--dp", "--pp", "--tp", "--cp", "--approx-rank")
 ROWS = ("--global-batch", "--comm-global-batch", "--train-size", "--dataset-size", "--held-out")
 ROWS += ("--pairs-per-rank", "--memory-pairs", "--micro-batch-size", "--stream-chunk")
 ROWS += ("--rows", "--cost-rows")  # lessons 14-15: rows of X; the rows the FP8 cost table prices
 COUNTS = ("--steps", "--epochs", "--repeats", "--seeds", "--warmup", "--eval-every", "--checkpoint-every")
 COUNTS += ("--accumulation-steps", "--train-steps")
 SCALES = ("--lr", "--train-lr", "--tau", "--max-grad-norm", "--clip-norm", "--weight-decay")
-SCALES += ("--capacity-factor", "--aux-weight")
+SCALES += ("--capacity-factor", "--aux-weight", "--min-compression-rate")
 SCALES += ("--outlier",)  # lesson 15: how much larger its outliers are
 _GROUPS = (  # (flags, the largest value, why)
     (("--seed",), SEED_MAX, "a 31-bit seed: lessons add offsets per rank and step"),

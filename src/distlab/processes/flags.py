@@ -49,7 +49,7 @@ def writable_file(text: str) -> str:
     """A file the run will write at its end (--json): refused now if it could not be written then."""
     path = Path(text)
     folder = path.parent
-    if path.is_dir():
+    if text.endswith(os.sep) or path.is_dir():  # "out/" names a directory even before it exists
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"the directory of {text!r}, {str(folder)!r}, does not exist")

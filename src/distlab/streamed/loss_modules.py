@@ -88,8 +88,6 @@ class StreamedContrastiveLoss(nn.Module):
     def __init__(
         self,
         *,
-        rank: int = 0,
-        world_size: int = 1,
         exchange: str = "gather",
         stream_chunk_size: int | None = None,
         kernels: str = "auto",
@@ -100,6 +98,8 @@ class StreamedContrastiveLoss(nn.Module):
     ):
         super().__init__()
         name = type(self).__name__
+        # open_clip's args.rank and args.world_size, by name as open_clip's own losses take them
+        rank, world_size = open_clip_args.pop("rank", 0), open_clip_args.pop("world_size", 1)
         if open_clip_args.pop("use_horovod", False):
             raise ValueError(f"{name}(use_horovod=True): this loss exchanges over torch.distributed only")
         for key, value in open_clip_args.items():

@@ -1,0 +1,101 @@
+"""One shape of a parallel run: how many ranks each dimension has, (dp, pp, tp, cp, ep), checked once, with
+the names of its sub-meshes (torchtitan's `ParallelDims`). Lesson 12 builds its device mesh from it, lesson 13
+and the cost model price it (`distlab.cost.shapes.Parallel` holds one beside the strategy: ZeRO stage,
+schedule, recomputation), the planner parses `--layout dp=64,tp=8,pp=16` into it.
+
+P = dp pp tp cp ranks. Expert parallelism adds no ranks: its ep ranks are taken from data parallelism (ep
+divides dp, as torchtitan and DeepSeek-V3 lay it out), so an expert's weights live on dp / ep ranks of each
+dp group, every other dense weight on all dp. The mesh lays the dimensions out outermost first (`LAYOUT`):
+pipeline stages outermost, tensor parallelism innermost, so that the ranks of a tp group are neighbours (on a
+GPU node: one NVLink island) and the pp group, which sends least, spans the farthest ranks. Rank r sits at
+
+    r = ((i_pp dp + i_dp) cp + i_cp) tp + i_tp,
+
+and the group of a dimension is every rank that differs from r in that coordinate alone. Its sub-meshes are
+named by the dimension ("dp", "pp", "tp", "cp"), and "dp_cp" for FSDP2's (the ranks that hold the same
+parameters and split the batch, W = dp cp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DIMS = ("dp", "pp", "tp", "cp")  # how a shape is written: dp x pp x tp x cp
+LAYOUT = ("pp", "dp", "cp", "tp")  # the mesh's dimensions, outermost first
+SUBMESHES = (*LAYOUT, "dp_cp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of data, pipeline, tensor, context and expert parallelism; P = dp pp tp cp (ep inside dp)."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f.name}: must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(
+                f"ep: expert parallelism takes its ranks from dp; ep = {self.ep} does not divide dp = {self.dp}"
+            )
+
+    @property
+    def size(self) -> int:
+        """P, the ranks of the run."""
+        return self.dp * self.pp * self.tp * self.cp
+
+    @property
+    def shards(self) -> int:
+        """W = dp cp: the ranks that hold the same parameters and split the batch (rows or positions),
+        over which FSDP2 shards the model states and averages the gradients."""
+        return self.dp * self.cp
+
+    def __str__(self) -> str:
+        return "x".join(str(getattr(self, d)) for d in DIMS) + (f" ep{self.ep}" if self.ep > 1 else "")
+
+    @classmethod
+    def parse(cls, text: str, flag: str = "--shapes") -> ParallelDims:
+        """'2x2x2x1' (dp x pp x tp x cp; a missing trailing degree is 1)."""
+        parts = text.lower().split("x")
+        if not 1 <= len(parts) <= 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"{flag}: {text!r} is not a shape dp x pp x tp x cp of positive degrees, e.g. 2x2x2x1")
+        return cls(*map(int, parts))
+
+    @classmethod
+    def parse_layout(cls, text: str, flag: str = "--layout") -> ParallelDims:
+        """'dp=64,tp=8,pp=16' (any of dp, pp, tp, cp, ep, each once; a missing one is 1)."""
+        degrees: dict[str, int] = {}
+        for part in (p.strip() for p in text.split(",")):
+            name, _, value = part.partition("=")
+            name = name.strip().lower()
+            if name not in (*DIMS, "ep") or not value.strip().isdigit() or int(value) < 1 or name in degrees:
+                raise ValueError(
+                    f"{flag}: {part!r} is not one of dp=, pp=, tp=, cp=, ep= with a positive degree, once each"
+                )
+            degrees[name] = int(value)
+        try:
+            return cls(**degrees)
+        except ValueError as err:
+            raise ValueError(f"{flag}: {err}") from None
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Rank r's place on the mesh, by dimension name (the formula of the module docstring)."""
+        out = {}
+        for dim in reversed(LAYOUT):
+            rank, out[dim] = divmod(rank, getattr(self, dim))
+        return out
+
+    def members(self, rank: int, dim: str) -> str:
+        """'0,2': the ranks of `rank`'s group along sub-mesh `dim` (`SUBMESHES`), from the layout alone."""
+        if dim not in SUBMESHES:
+            raise ValueError(f"{dim!r} is not a sub-mesh; one of {', '.join(SUBMESHES)}")
+        varies = ("dp", "cp") if dim == "dp_cp" else (dim,)
+        at = self.coordinates(rank)
+        same = [r for r in range(self.size) if all(self.coordinates(r)[d] == at[d] for d in LAYOUT if d not in varies)]
+        return ",".join(map(str, same))

@@ -1,0 +1,211 @@
+"""The planner's models as practitioners write them, each count held to an independent one: parameters of
+GPT-2 against torch's own modules (tied embeddings), DeepSeek-V3 against its published 671 B and 37 B, a
+mixture of experts against the count written out; expert parallelism's all-to-all against lesson 10's rows
+that leave a rank; float32 gradients at 18 bytes a parameter; attention with unequal q k and v widths (MLA)
+against torch's FLOP counter; the time model's tile and wave quantisation and causal half; and the
+activations of torch's math attention path (the softmax kept) against what autograd saves on this CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from distlab.cost import flops, memory, traffic
+from distlab.cost.dims import ParallelDims
+from distlab.cost.hardware import GIB, cluster
+from distlab.cost.shapes import PRECISIONS, Batch, Parallel, Transformer
+from distlab.cost.step import step_cost
+from distlab.cost.timing import Assumptions, gemm_efficiency, predict
+from distlab.layer_split.tensor_parallel.cost import activation_bytes
+from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.plan.cli import main
+from distlab.plan.presets import MODELS
+from distlab.plan.report import ITEMS
+from distlab.proof.console import console
+from distlab.proof.held import SavedActivations
+from distlab.proof.models import Block, BlockOptions, token_batch
+
+GPT2 = [
+    *("--layers 12 --dim 768 --heads 12 --ffn-width 3072 --vocab 50304 --tied-embeddings --seq-len 1024".split()),
+    *("--global-batch 480 --gpu a100-40gb --gpus 8 --layout dp=8".split()),
+]
+
+
+class TinyGpt(nn.Module):
+    """GPT-2's shape in torch modules (no position embedding: rotary, or counted apart), its head tied."""
+
+    def __init__(self, vocab: int, d: int, layers: int, ffn: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                dict(
+                    ln1=nn.LayerNorm(d),
+                    qkv=nn.Linear(d, 3 * d),
+                    out=nn.Linear(d, d),
+                    ln2=nn.LayerNorm(d),
+                    fc1=nn.Linear(d, ffn),
+                    fc2=nn.Linear(ffn, d),
+                )
+            )
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embedding.weight  # tied: one matrix
+
+
+def test_gpt2_counts_124m_parameters_as_torch_does():
+    small = TinyGpt(96, 16, 3, 64)
+    assert Transformer(3, 16, 4, 64, 96, tied=True).parameters == sum(p.numel() for p in small.parameters())
+    assert Transformer(3, 16, 4, 64, 96).parameters != sum(p.numel() for p in small.parameters())  # untied: twice
+    d, layers, vocab = 768, 12, 50304
+    assert MODELS["gpt2-124m"].parameters == vocab * d + layers * (12 * d * d + 13 * d) + 2 * d == 123_689_472
+
+
+def test_the_gpt2_command_prints_and_writes_its_memory_items(tmp_path):
+    path = tmp_path / "gpt2.json"
+    with console.capture() as captured:
+        code = main([*GPT2, "--json", str(path)])
+    out, result = captured.get(), json.loads(path.read_text())
+    assert code == 0 and "124 M parameters" in out and "dp8 ZeRO-1" in out
+    assert {"step_s", "mfu", "hfu", "memory_gib", "memory"} <= set(result) and tuple(result["memory"]) == ITEMS
+    assert result["memory_gib"] == pytest.approx(sum(result["memory"].values()), rel=1e-12)
+    assert result["memory"]["reserve"] == 4.0 and result["fits"] and 0 < result["mfu"] == result["hfu"] < 1
+    assert all(item in out for item in ITEMS)
+
+
+def test_deepseek_v3_is_expressible_within_one_percent():
+    model = MODELS["deepseek-v3"]
+    assert abs(model.parameters / 671e9 - 1) < 0.01
+    assert abs(model.active_parameters / 37e9 - 1) < 0.02  # 37.55 B: the embedding's lookup counted as active
+
+
+def test_a_mixture_of_experts_counts_as_written_out():
+    d, f, e, layers, dense, shared, k = 64, 32, 8, 4, 1, 2, 2
+    model = Transformer(layers, d, 4, 128, 0, gated=True, bias=False, rms_norm=True, experts=e, top_k=k,
+                        expert_ffn=f, shared_experts=shared, dense_layers=dense)  # fmt: skip
+    attention, norms = 4 * d * d, 2 * d
+    expert = 3 * d * f
+    dense_block = attention + norms + 3 * d * 128
+    moe_block = attention + norms + e * d + shared * expert + e * expert
+    assert model.parameters == dense * dense_block + (layers - dense) * moe_block
+    active = dense * dense_block + (layers - dense) * (attention + norms + e * d + (shared + k) * expert)
+    assert model.active_parameters == active
+
+
+def moe(experts=8, top_k=2) -> Transformer:
+    return Transformer(4, 64, 4, 128, 0, gated=True, bias=False, rms_norm=True, experts=experts, top_k=top_k,
+                       expert_ffn=32, dense_layers=1)  # fmt: skip
+
+
+def test_expert_parallelism_sends_the_rows_that_leave_a_rank():
+    """Lesson 10's bytes with balanced routing: each of a micro-batch's T tokens sends top_k rows of d e,
+    (ep - 1) / ep of them to other ranks, forward and back, and their gradients in backward: 4 ways."""
+    model, batch = moe(), Batch(16, 32, 2)
+    for ep in (2, 4):
+        parallel = Parallel(dp=4, zero="ZeRO-1", ep=ep)
+        sent = traffic.per_rank(model, batch, parallel, "bf16").sent["ep", "all_to_all"]
+        tokens = 16 // (4 * 2) * 32
+        per_phase = tokens * model.top_k * (ep - 1) // ep * model.dim * 2
+        assert sent == 4 * per_phase * 2 * 3  # four phases, two micro-batches, three MoE layers
+    assert traffic.per_rank(model, batch, Parallel(dp=4, zero="ZeRO-1"), "bf16").sent["ep", "all_to_all"] == 0
+
+
+def test_experts_are_held_by_their_ep_rank_and_sharded_over_the_rest():
+    model, batch = moe(), Batch(16, 32, 2)
+    routed = [w.numel for unit in model.units() for w in unit if w.experts]
+    dense = model.parameters - sum(routed)
+    for ep in (1, 2, 4):
+        held = memory.per_rank(model, batch, Parallel(dp=4, zero="DDP", ep=ep), "float32")["weights"]
+        assert held == 4 * (dense + sum(routed) // ep)
+        zero1 = memory.per_rank(model, batch, Parallel(dp=4, zero="ZeRO-1", ep=ep), "float32")["moments"]
+        assert zero1 == 2 * 4 * (dense // 4 + sum(routed) // ep // (4 // ep))  # dp ranks; dp / ep for experts
+
+
+def test_float32_gradients_hold_18_bytes_a_parameter_under_ddp():
+    model = Transformer(2, 64, 4, 256)
+    for grad_bytes, per in ((0, 16), (4, 18)):
+        held = memory.per_rank(model, Batch(4, 8), Parallel(dp=2, grad_bytes=grad_bytes), "bf16")
+        states = sum(v for k, v in held.items() if k not in ("activations", "buffers", "step counts"))
+        assert states == per * model.parameters
+    bf16 = traffic.per_rank(model, Batch(4, 8), Parallel(dp=2), "bf16").total
+    assert traffic.per_rank(model, Batch(4, 8), Parallel(dp=2, grad_bytes=4), "bf16").total == 2 * bf16
+
+
+def test_selective_recomputation_keeps_less_and_computes_the_same_products():
+    model, batch = Transformer(4, 64, 4, 256, 100), Batch(4, 32, 2)
+    held = {
+        name: step_cost(model, batch, Parallel(**kw), "bf16").ranks[0].memory["activations"]
+        for name, kw in (("none", {}), ("selective", dict(selective=True)), ("full", dict(recompute=True)))
+    }
+    assert held["full"] < held["selective"] < held["none"]
+    assert held["none"] - held["selective"] == 2 * 4 * 32 * 256 * 4 // 2  # d_ff per token, 4 blocks, bf16
+    none, selective = (flops.rank_flops(model, batch, Parallel(selective=s)) for s in (False, True))
+    assert none == selective
+
+
+def test_attention_flops_with_unequal_widths_equal_the_flop_counter():
+    """MLA's q and k carry d_h + rope_dim per head, v d_h: 2 rows seq^2 h (d_qk + d_h) a forward."""
+    rows, heads, seq, qk, v = 2, 4, 16, 12, 8
+    q, k = (torch.randn(rows, heads, seq, qk) for _ in range(2))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.scaled_dot_product_attention(q, k, torch.randn(rows, heads, seq, v))
+    model = Transformer(1, 64, heads, 64, head_size=v, rope_dim=qk - v, kv_rank=16)
+    assert flops.attention_forward(model, rows, seq) == counter.get_total_flops()
+    assert flops.attention_forward(Transformer(1, 64, heads, 64, head_size=v), rows, seq) != counter.get_total_flops()
+
+
+def test_the_time_model_knows_the_shape():
+    a, sms = Assumptions(), 132
+    full = gemm_efficiency(128 * 132, 256, 4096, sms, a)
+    assert full == pytest.approx(a.matmul_efficiency)  # whole tiles, whole waves, a deep k
+    assert gemm_efficiency(128 * 132 + 1, 256, 4096, sms, a) == pytest.approx(full * 132 / 266, rel=0.01)
+    assert gemm_efficiency(128 * 132, 255, 4096, sms, a) == pytest.approx(full * 255 / 256)  # a tile part idle
+    assert gemm_efficiency(7, 7, 7, 0, a) == a.matmul_efficiency  # a measured device: no quantisation
+
+
+def test_causal_attention_costs_half_its_square():
+    model, batch, parallel = MODELS["llama3-8b"], Batch(8, 131072, 8), Parallel(dp=1, tp=8, sp=True)
+    cost = step_cost(model, batch, parallel, "bf16", "cuda")
+    half, whole = (predict(cost, cluster("h100"), Assumptions(attention_share=s)) for s in (0.5, 1.0))
+    attention = 3 * model.layers * flops.attention_forward(model, 8, 131072, 8) / (989.4e12 * 0.5)
+    assert whole.compute - half.compute == pytest.approx(attention / 2, rel=1e-9)
+
+
+def test_the_math_path_keeps_the_softmax_as_the_formula_says():
+    """On CUDA, float64 attention runs torch's math path, which keeps the softmax (lesson 08's cause of lesson
+    13's CUDA misses). Forced here on the CPU: what autograd saves equals the formula with math=True, and not
+    the fused kernel's."""
+    n, seq, d, h, ffn = 2, 12, 24, 4, 48
+    block = Block(d, h, ffn, BlockOptions(causal=True, fused_qkv=False, sdpa=True), seed=0, dtype=torch.float64)
+    x, _ = token_batch(n, seq, d, 1, torch.float64)
+    with sdpa_kernel(SDPBackend.MATH), SavedActivations(exclude=[x, *block.parameters()]) as saved:
+        out = block(x)
+    got = saved.nbytes + out.untyped_storage().nbytes()
+    cfg = BlockConfig(n, seq, d, h, ffn, 0.0, 0, torch.float64)
+    assert got == activation_bytes(cfg, 1, False, math=True) != activation_bytes(cfg, 1, False)
+    model, batch = Transformer(1, d, h, ffn), Batch(n, seq)
+    on_cuda = memory.per_rank(model, batch, Parallel(), "float64", 0, "cuda")["activations"]
+    assert on_cuda == memory.per_rank(model, batch, Parallel(), "float64", 0, "cpu")[
+        "activations"
+    ] + 8 * n * h * seq * (seq - 1)
+
+
+def test_one_shape_type_for_lessons_and_planner():
+    dims = ParallelDims.parse_layout("dp=64,tp=8,pp=16")
+    assert Parallel.on(dims, zero="ZeRO-1").dims == dims and dims.size == 8192 and str(dims) == "64x16x8x1"
+    from distlab.composed.config import Shape
+
+    assert Shape is ParallelDims and Shape.parse("2x2x2x1") == ParallelDims(2, 2, 2, 1)
+    assert dims.members(0, "tp") == ",".join(map(str, range(8)))
+    with pytest.raises(ValueError, match="ep: expert parallelism takes its ranks from dp"):
+        ParallelDims(dp=6, ep=4)
+    assert PRECISIONS["fp8"].rate == "fp8" and PRECISIONS["fp8"].mfu_peak == "bf16"
+    assert GIB == 2**30

@@ -41,38 +41,25 @@ another dtype's peak gives another number again (pytorch/torchtitan#668 divided 
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint
-from torch.utils.flop_counter import FlopCounterMode
 
-from distlab.comm.ledger import Ledger
-from distlab.comm.timing import barrier, slowest_median, time_call
+from distlab.comm.timing import time_call
 from distlab.cost import calibrate, memory, traffic
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
 from distlab.cost.shapes import Batch, Parallel, Transformer
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
-from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of, rows_of
-from distlab.data_split.sharding.replicated import Replicated
-from distlab.layer_split.tensor_parallel import operators
-from distlab.layer_split.tensor_parallel.blocks import ParallelBlock
+from distlab.cost.trial import Trial, timed
 from distlab.layer_split.tensor_parallel.cost import sdpa_math_path
-from distlab.layer_split.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.console import compact_table, print0, rows_table
-from distlab.proof.held import SavedActivations, model_states, storage_bytes
-from distlab.proof.models import Block, BlockOptions, token_batch
-from distlab.proof.training import Plain
+from distlab.proof.models import BlockOptions
 from distlab.proof.verdict import Verdict
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)  # lesson 08's block
@@ -154,95 +141,6 @@ def predicted(args, parallel: Parallel, machine: Machine) -> tuple[StepCost, Ste
     return cost, predict(cost, here, NO_OVERLAP, links)
 
 
-@dataclass
-class Measured:
-    held: dict[str, int]  # bytes of each model-state item after a step, by storage
-    activations: int  # what the forward keeps for backward, plus the output
-    sent: Counter  # bytes sent in a step, per collective (every phase)
-    flops: int  # FlopCounterMode's count of one step
-    seconds: float  # one step, the slowest rank's, median over the repeats
-    ops: int  # aten ops one step dispatches
-
-
-def build(rt: Runtime, args, parallel: Parallel):
-    """The stack on this rank (whole blocks, or their tensor-parallel parts), its trainee, its data, and
-    the ledger its collectives count their bytes in."""
-    blocks = [
-        Block(args.dim, args.heads, args.ffn_width, OPTIONS, seed=args.seed + i, dtype=torch.float32).to(rt.device)
-        for i in range(args.layers)
-    ]
-    x, target = (
-        t.to(rt.device) for t in token_batch(args.global_batch, args.seq_len, args.dim, args.seed + 100, torch.float32)
-    )
-    optimizer = ShardingConfig(lr=args.lr)  # AdamW, weight decay 0.1
-    if parallel.tp == 1:  # data parallel: C = N / P rows, one ring all-reduce per block (lesson 07's DDP)
-        model = nn.Sequential(*blocks)
-        trainee = Replicated(model, rt, optimizer)
-        return model, trainee, rows_of(x, rt), rows_of(target, rt), trainee.ring.ledger
-    comm = (operators.sequence_parallel if parallel.sp else operators.tensor_parallel)(None, Ledger())
-    model = nn.Sequential(*[ParallelBlock(b, rt.rank, rt.world_size, comm) for b in blocks])
-    trainee = Plain(
-        model, optimizer_of(model.parameters(), optimizer), lambda: reduce_sequence_parallel_grads(model, comm)
-    )
-    if parallel.sp:
-        x, target = (seq_part(t, rt.rank, rt.world_size) for t in (x, target))
-    return model, trainee, x, target, comm.ledger
-
-
-def forward(model: nn.Sequential, x: torch.Tensor, recompute: bool) -> torch.Tensor:
-    for block in model:
-        x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
-    return x
-
-
-class Trial:
-    """One configuration on this rank, built and run: one step under the FLOP counter (attention on its
-    math backend, so that the counter sees its products), one with its ops counted; then timed steps."""
-
-    def __init__(self, rt: Runtime, args, parallel: Parallel):
-        self.parallel, self.steps = parallel, 0
-        self.model, self.trainee, self.x, self.target, self.ledger = build(rt, args, parallel)
-        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-            self.step()
-        with calibrate.CountOps() as count:
-            self.step()
-        self.flops, self.ops = counter.get_total_flops(), count.ops
-
-    def step(self) -> None:
-        self.trainee.zero_grad()
-        ((forward(self.model, self.x, self.parallel.recompute) - self.target) ** 2).mean().backward()
-        self.trainee.after_backward()
-        self.trainee.optimizer.step()
-        self.steps += 1
-
-    def measured(self, seconds: float) -> Measured:
-        """What the rank holds after its steps, sends per step, and keeps in one more forward."""
-        sent = Counter()
-        for (_, kind), nbytes in self.ledger.sent_by.items():  # the ring by hand counts messages: DDP's all-reduces
-            sent["all_reduce" if kind == "send" else kind] += nbytes // self.steps
-        params = list(self.model.parameters())
-        states = model_states(params, [q.grad for q in params], [self.trainee.optimizer.state[q] for q in params])
-        with SavedActivations(exclude=[self.x, *params]) as saved:
-            out = forward(self.model, self.x, self.parallel.recompute)
-        held = {item: storage_bytes(tensors) for item, tensors in states.items()}
-        return Measured(held, saved.nbytes + out.untyped_storage().nbytes(), sent, self.flops, seconds, self.ops)
-
-
-def timed(rt: Runtime, trials: dict[str, Trial], repeats: int) -> dict[str, float]:
-    """Each trial's step, the slowest rank's, median over `repeats`: the trials take turns, so a load that
-    drifts (P ranks and other jobs share this machine's cores) hits them all alike."""
-    seconds = {name: [] for name in trials}
-    for _ in range(repeats):
-        for name, trial in trials.items():
-            barrier(rt)
-            start = time.perf_counter()
-            trial.step()
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize(rt.device)  # the step has run, not only been queued
-            seconds[name].append(time.perf_counter() - start)
-    return {name: slowest_median(rt, s) for name, s in seconds.items()}
-
-
 # ---- the chapter, part by part -------------------------------------------------------------------
 
 
@@ -291,7 +189,8 @@ def show_calibration(rt: Runtime, args, verdict: Verdict) -> Machine:
 
 def show_configurations(rt: Runtime, args, machine: Machine, verdict: Verdict) -> dict:
     print0(f"\n[bold]2-3. Four configurations of {args.layers} blocks on P = {rt.world_size}: predicted, measured[/]")
-    runs, trials = {}, {name: Trial(rt, args, parallel) for name, parallel in configurations(rt.world_size).items()}
+    trials = {name: Trial(rt, args, parallel, OPTIONS) for name, parallel in configurations(rt.world_size).items()}
+    runs = {}
     seconds = timed(rt, trials, args.repeats)
     for name, parallel in configurations(rt.world_size).items():
         cost, forecast = predicted(args, parallel, machine)

@@ -128,7 +128,7 @@ def test_lesson08_block_bytes_calls_and_activations_equal_the_cost_model(measure
     for name, sp in (("TP", False), ("TP + SP", True)):
         parallel = Parallel(tp=p, sp=sp)
         predicted = traffic.per_rank(model, Batch(BLOCK.batch, BLOCK.seq), parallel, "float64")
-        kept = memory.block_activations(model, BLOCK.batch, BLOCK.seq, parallel, 8, 8)
+        kept = memory.block_activations(model, Batch(BLOCK.batch, BLOCK.seq), parallel, 8, 8)
         for sent_by, calls, saved in (rank[("08", name)] for rank in ranks):
             assert _phases_summed(sent_by) == _by_dimension(predicted, "tp")
             assert _phases_summed(calls) == {k: n for (d, k), n in predicted.calls.items() if d == "tp"}

@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.cost import flops, memory
-from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer, check
+from distlab.cost.rules import check
+from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer
 from distlab.cost.step import step_cost
 from distlab.data_split.sharding import accounting
 from distlab.plan.presets import MODELS

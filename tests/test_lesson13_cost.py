@@ -14,6 +14,7 @@ from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, loa
 
 from distlab.cost import memory, traffic
 from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.trial import Trial
 from distlab.processes.spawn import spawn
 
 LESSON = "13_cost.py"
@@ -36,10 +37,10 @@ def test_the_lesson_passes_at_80_columns_and_records_its_figures(tmp_path):
 
 
 def _sequence_parallel_bytes(rt):
-    """A sequence-parallel step of the lesson's own Trial: the bytes it sent per collective."""
+    """A sequence-parallel step of the lesson's Trial (`distlab.cost.trial`): the bytes it sent per collective."""
     lesson = load_lesson("13_cost")
     args = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)
-    trial = lesson.Trial(rt, args, Parallel(tp=rt.world_size, sp=True))
+    trial = Trial(rt, args, Parallel(tp=rt.world_size, sp=True), lesson.OPTIONS)
     return dict(trial.measured(0.0).sent)
 
 

@@ -13,6 +13,7 @@ import pytest
 from helpers import ROOT
 
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
+from distlab.cost.shapes import Batch
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
@@ -42,7 +43,7 @@ def test_every_printed_configuration_fits_the_memory_it_claims(tmp_path):
     path = tmp_path / "plan.json"
     code, _ = printed([*ARGS, "--json", str(path), "--plot", str(tmp_path / "plan.png")])
     rows = json.loads(path.read_text())
-    found = search(MODELS["llama3-8b"], 64, 4096, 16, cluster("h100"))
+    found = search(MODELS["llama3-8b"], Batch(64, 4096), 16, cluster("h100"))
     assert code == 0 and len(rows) == len(found) > 10 and (tmp_path / "plan.png").stat().st_size > 10_000
     steps = [c.time.step for c in found]
     assert steps == sorted(steps)  # fastest first
@@ -179,7 +180,7 @@ def test_a_mixture_of_experts_is_searched_with_expert_parallelism():
 
     model = Transformer(8, 1024, 8, 4096, 32000, gated=True, bias=False, rms_norm=True, experts=8, top_k=2,
                         expert_ffn=2048)  # fmt: skip
-    found = search(model, 32, 4096, 16, cluster("h100"))
+    found = search(model, Batch(32, 4096), 16, cluster("h100"))
     assert found and max(c.parallel.ep for c in found) > 1
     assert all(c.memory <= DEVICES["h100"].memory - DEFAULT_RESERVE_GIB * GIB for c in found)
     assert all(c.cost.ranks[0].traffic.sent["ep", "all_to_all"] > 0 for c in found if c.parallel.ep > 1)

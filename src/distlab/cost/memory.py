@@ -118,17 +118,17 @@ def _block_config(model: Transformer, rows: int, seq: int, e: int) -> BlockConfi
 
 def block_activations(
     model: Transformer,
-    rows: int,
-    seq: int,
+    rows: Batch,
     parallel: Parallel,
     e: int,
     stat_bytes: int,
     math: bool = False,
     moe: bool = False,
 ) -> Fraction:
-    """Bytes one block keeps for backward, plus its output, on one rank, for rows sequences (docstring).
-    `math`: torch's attention on its math path, which keeps the softmax (`sdpa_math_path`); `moe`: a block
-    whose MLP is a mixture of experts."""
+    """Bytes one block keeps for backward, plus its output, on one rank, for the rows.global_batch sequences of
+    rows.seq tokens this rank holds (docstring). `math`: torch's attention on its math path, which keeps the
+    softmax (`sdpa_math_path`); `moe`: a block whose MLP is a mixture of experts."""
+    rows, seq = rows.global_batch, rows.seq
     tp, cp, tokens = parallel.tp, parallel.cp, rows * (seq // parallel.cp)
     if model.attention == "written":
         whole = accounting.block_activations(rows, seq, model.dim, model.heads, e, stat_bytes)
@@ -174,7 +174,8 @@ def stage_activations(
         kept = e * tokens * model.dim * len(layers)
     else:
         kept = sum(
-            block_activations(model, rows, batch.seq, parallel, e, stat_bytes, math, model.is_moe(i)) for i in layers
+            block_activations(model, Batch(rows, batch.seq), parallel, e, stat_bytes, math, model.is_moe(i))
+            for i in layers
         )
     if model.vocab and stage == 0:
         kept += e * tokens * model.dim  # the embedding's output, the first block's input
@@ -193,7 +194,7 @@ def activation_parts(
     if parallel.recompute and isinstance(model, Transformer):  # one block's whole activations, rebuilt for its backward
         rows = batch.global_batch // (parallel.dp * batch.micro_batches)
         moe = model.experts > 0 and model.dense_layers < model.layers
-        one += block_activations(model, rows, batch.seq, parallel, precision.e, stat_bytes, math, moe)
+        one += block_activations(model, Batch(rows, batch.seq), parallel, precision.e, stat_bytes, math, moe)
     extra = (in_flight(parallel, batch, pp_rank) - 1) * per
     return {"activations": int(one + extra) - int(extra), "pipeline in-flight": int(extra)}
 

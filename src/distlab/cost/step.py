@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.cost import flops, memory, traffic
-from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer, check
+from distlab.cost.rules import check
+from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class StepCost:
 def step_cost(
     model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision: str, device_type: str = "cpu"
 ) -> StepCost:
-    """The cost of one step, checked first (`shapes.check`: one line naming the field that cannot work).
+    """The cost of one step, checked first (`rules.check`: one line naming the field that cannot work).
     `device_type`: where the LayerNorm statistics' dtype is decided (on CUDA float32 under bf16)."""
     check(model, batch, parallel, precision)
     ranks = [

@@ -24,7 +24,8 @@ import json
 
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
-from distlab.cost.shapes import Batch, Parallel, Transformer, check
+from distlab.cost.rules import check
+from distlab.cost.shapes import Batch, Parallel, Transformer
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.flags import LIMITS, efficiency, png_file
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
     if layout:
         return _one_layout(args, model, layout, where, reserve, assumptions)
     budget = where.device.memory - reserve
-    found = search(model, args.global_batch, args.seq_len, args.gpus, where, args.precision, assumptions, budget)
+    found = search(model, Batch(args.global_batch, args.seq_len), args.gpus, where, args.precision, assumptions, budget)
     if not found:
         least = least_memory(model, args.global_batch, args.seq_len, args.gpus, where, args.precision)
         console.print(report.nothing_fits(least, reserve, where.device), highlight=False)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from distlab.cost import memory
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, GIB, Cluster
-from distlab.cost.shapes import Batch, Parallel, Transformer, check
+from distlab.cost.rules import check
+from distlab.cost.shapes import Batch, Parallel, Transformer
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
 
@@ -122,7 +123,7 @@ def price(
     model, batch: Batch, parallel: Parallel, precision: str, cluster: Cluster, assumptions: Assumptions
 ) -> Candidate:
     """One configuration's cost and predicted time, fitting or not (`--layout`); refused in one line if it
-    cannot run (`distlab.cost.shapes.check`)."""
+    cannot run (`distlab.cost.rules.check`)."""
     cost = step_cost(model, batch, parallel, precision, "cuda")
     return Candidate(cost, predict(cost, cluster, assumptions))
 
@@ -153,8 +154,7 @@ def least_memory(model, global_batch: int, seq: int, gpus: int, cluster: Cluster
 
 def search(
     model: Transformer,
-    global_batch: int,
-    seq: int,
+    batch: Batch,
     gpus: int,
     cluster: Cluster,
     precision: str = "bf16",
@@ -165,7 +165,8 @@ def search(
     reserve), fastest first (ties: fewer pipeline, then tensor ranks)."""
     found, assumptions = [], assumptions or Assumptions()
     budget = budget if budget is not None else cluster.device.memory - int(DEFAULT_RESERVE_GIB * GIB)
-    for split in splits(model, Batch(global_batch, seq), gpus, cluster.gpus_per_node):
+    global_batch, seq = batch.global_batch, batch.seq
+    for split in splits(model, batch, gpus, cluster.gpus_per_node):
         batch = Batch(global_batch, seq, split[4])
         parallel = first_fitting(model, batch, split, precision, budget)
         if parallel is not None:

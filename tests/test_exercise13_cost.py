@@ -3,7 +3,7 @@
 hold and send there (DDP, DDP recomputing every block, TP, TP + SP, float32, a 2-block stack), and against
 `distlab.cost`'s prediction.
 
-Each rank runs every configuration once with the lesson's `Trial` (what it holds by storage, what its forward
+Each rank runs every configuration once with `distlab.cost.trial.Trial` (what it holds by storage, what its forward
 keeps, what its collectives send per step) and calls the answer. The claims: weights, gradients, AdamW's
 moments, activations and bytes sent each equal the measurement and the cost model, exactly."""
 
@@ -16,6 +16,7 @@ from exercise_signatures import Equals, Mistake
 from distlab.cost import memory, traffic
 from distlab.cost.shapes import PRECISIONS, Batch, Transformer
 from distlab.cost.step import step_cost
+from distlab.cost.trial import Trial
 
 LESSON, NAME, P, ALSO = "13_cost", "rank_bytes", 2, 3
 ARGS = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)
@@ -33,7 +34,7 @@ def measured(rt, name: str, parallel) -> dict[str, int]:
     """What the lesson's own run of `parallel` held and sent on this rank."""
     key = (name, rt.world_size)
     if key not in _MEASURED:
-        got = solution(LESSON, "Trial").load()(rt, ARGS, parallel).measured(0.0)
+        got = Trial(rt, ARGS, parallel, solution(LESSON, "OPTIONS").load()).measured(0.0)
         _MEASURED[key] = {k: got.held[k] for k in ITEMS[:3]} | {
             "activations": got.activations,
             "sent": sum(got.sent.values()),

@@ -1,0 +1,176 @@
+"""Exercise 20: DiLoCo's outer step, judged on 2 ranks (2 islands of one rank) against one process.
+
+Each rank is an island: it starts from the shared weights theta, takes H = 2 SGD steps on its own rows,
+and calls the answer, twice (two rounds, so the momentum counts). The lesson's claims: after each round
+every island's weights equal one process's (the islands' mean pseudogradient theta - theta_i fed to
+torch.optim.SGD with Nesterov momentum as its gradient; float64, rtol 1e-10), theta holds them too, and a
+round sends one all-reduce of the fragment between the 2 islands (the judge prices what it sees)."""
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from exercise_kit import Exercise
+from exercise_signatures import Equals, Mistake
+from exercise_watch import Watch
+
+from distlab.proof.models import layered_mlp, regression_batch
+
+LESSON, NAME = "diloco", "outer_step_by_hand"
+P, ROWS, WIDTHS, H, ROUNDS, INNER_LR, LR, MU = 2, 4, (5, 8, 3), 2, 2, 0.1, 0.7, 0.9
+SLIP, LOCAL, SUM = "the sign slip: theta_i - theta", "the step taken from the island's own weights", "the sum"
+
+
+class Nesterov:
+    """The outer optimizer the answer is handed: buf = mu buf + g; param -= lr (g + mu buf)."""
+
+    def __init__(self):
+        self.buf = {}
+
+    def step(self, param, grad) -> None:
+        buf = self.buf.get(id(param))
+        buf = grad.clone() if buf is None else buf.mul_(MU).add_(grad)
+        self.buf[id(param)] = buf
+        param.add_(grad.add(buf, alpha=MU), alpha=-LR)
+
+
+def _inner(model, seed: int) -> None:
+    x, y = regression_batch(ROWS, WIDTHS[0], WIDTHS[-1], seed=seed)
+    for _ in range(H):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= INNER_LR * p.grad
+
+
+def _ranks(rt, outer_step_by_hand, claims) -> None:
+    model = layered_mlp(WIDTHS, seed=1)
+    world = copy.deepcopy(model)  # one process's global weights
+    twins = [copy.deepcopy(model) for _ in range(P)]  # one process's islands
+    outer_opt = torch.optim.SGD(world.parameters(), lr=LR, momentum=MU, nesterov=True)
+    theta = {p: p.detach().clone() for p in model.parameters()}
+    outer, size = Nesterov(), sum(p.numel() * 8 for p in model.parameters())
+    for rnd in range(ROUNDS):
+        _inner(model, seed=10 * rnd + rt.rank)
+        for i, twin in enumerate(twins):
+            _inner(twin, seed=10 * rnd + i)
+        with torch.no_grad():
+            deltas = {n: [w - t.get_parameter(n) for t in twins] for n, w in world.named_parameters()}
+            slip = {
+                n: w + (d[0] + d[1]) / 2 * LR * (1 + MU) for (n, w), d in zip(world.named_parameters(), deltas.values())
+            }
+            local = {n: twins[rt.rank].get_parameter(n) - (d[0] + d[1]) / 2 * LR * (1 + MU) for n, d in deltas.items()}
+            for n, w in world.named_parameters():
+                w.grad = (deltas[n][0] + deltas[n][1]) / 2
+            outer_opt.step()
+            for twin in twins:
+                twin.load_state_dict(world.state_dict())
+        with Watch() as watch:
+            sent = outer_step_by_hand(model, theta, outer, dist.group.WORLD)
+        alternatives = {SLIP: slip, LOCAL: local} if rnd == 0 else {}
+        if not claims.tensors(
+            f"round {rnd + 1}: the weights equal one process's islands",
+            dict(model.named_parameters()),
+            dict(world.named_parameters()),
+            what="the weights after the outer step",
+            alternatives=alternatives,
+            hints=("delta = theta - theta_i, averaged; the outer step starts from theta",),
+        ):
+            return
+        claims.tensors(
+            f"round {rnd + 1}: theta holds the new weights",
+            {n: theta[p] for n, p in model.named_parameters()},
+            dict(world.named_parameters()),
+            what="theta",
+        )
+        claims.equal(
+            f"round {rnd + 1}: bytes sent = one all-reduce of the fragment between 2 islands",
+            watch.sent(P),
+            size,
+            what="bytes sent (ring formulas)",
+            note=f"collectives: {dict(watch.calls())}",
+        )
+        claims.equal(f"round {rnd + 1}: the bytes returned are the bytes sent", sent, size, what="the return value")
+
+
+MISTAKES = (
+    Mistake(
+        "the pseudogradient's sign slipped",
+        "weights equal",
+        (Equals(SLIP),),
+        (
+            "the outer optimizer subtracts its gradient: which way must delta point?",
+            "delta = theta - theta_i (before minus after), the direction a gradient points",
+            "delta = theta[param] - param, all-reduced and halved, then outer.step(param, delta) from theta",
+        ),
+    ),
+    Mistake(
+        "the outer step from the island's own weights",
+        "weights equal",
+        (Equals(LOCAL),),
+        (
+            "every island must take the outer step from the same place",
+            "the outer step starts from theta, the round's start, not from where this island went",
+            "param.copy_(theta[param]) before outer.step(param, delta)",
+        ),
+    ),
+)
+
+
+def _answer(param, theta, outer, delta, start) -> None:
+    param.copy_(start)
+    outer.step(param, delta)
+    theta[param] = param.detach().clone()
+
+
+def sign_slip(fragment, theta, outer, across) -> int:
+    """theta_i - theta: the weights walk away from where the islands went."""
+    with torch.no_grad():
+        for param in fragment.parameters():
+            delta = param - theta[param]
+            dist.all_reduce(delta, group=across)
+            _answer(param, theta, outer, delta / 2, theta[param])
+    return sum(p.numel() * 8 for p in fragment.parameters())
+
+
+def from_local(fragment, theta, outer, across) -> int:
+    """The outer step from this island's own weights: the islands end apart."""
+    with torch.no_grad():
+        for param in fragment.parameters():
+            delta = theta[param] - param
+            dist.all_reduce(delta, group=across)
+            _answer(param, theta, outer, delta / 2, param.detach().clone())
+    return sum(p.numel() * 8 for p in fragment.parameters())
+
+
+def rebroadcast(fragment, theta, outer, across) -> int:
+    """Right numbers, bytes twice over: the stepped weights broadcast from island 0 "to be safe"."""
+    with torch.no_grad():
+        for param in fragment.parameters():
+            delta = theta[param] - param
+            dist.all_reduce(delta, group=across)
+            _answer(param, theta, outer, delta / 2, theta[param])
+            dist.broadcast(param, src=0, group=across)
+    return sum(p.numel() * 8 for p in fragment.parameters())
+
+
+EXERCISE = Exercise(
+    LESSON,
+    NAME,
+    _ranks,
+    P,
+    MISTAKES,
+    hints=(
+        "the islands agree once per round, on the mean of where they went",
+        "delta = theta - theta_i; one all-reduce, halve it; the step starts from theta",
+        "for every parameter: delta = theta[p] - p; all_reduce; delta /= 2; p.copy_(theta[p]); "
+        "outer.step(p, delta); theta[p] = p.clone()",
+    ),
+)
+WRONG = {"the pseudogradient's sign slipped": "sign_slip", "the outer step from the island's own weights": "from_local"}
+test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
+    Path(__file__), WRONG
+)
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"rebroadcast": "bytes sent"})

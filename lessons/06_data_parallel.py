@@ -36,12 +36,23 @@ MEAN OVER SAMPLES, L = 1/N sum_i l_i = 1/P sum_r L_r with L_r = 1/C sum_{i in r}
 backward on the local rows, all_reduce every gradient, divide by P (`all_reduce_gradients`, below),
 and every rank holds the gradient one process gets on the whole batch.
 
-Buckets and overlap. Backward produces gradients last layer first. `GradientBuckets` (below) packs
-them into buckets of about --bucket-mib, and a `register_post_accumulate_grad_hook` on each
-parameter launches the bucket's all-reduce asynchronously as soon as its last gradient is in, so the
-reduction runs while backward computes the earlier layers; `wait()` comes before the optimizer step.
-DDP's reducer does the same in C++. The training loop they plug into is
-`distlab/data_split/data_parallel/training.py` (`train`); the timing, `distlab/data_split/data_parallel/overlap.py`.
+Buckets and overlap. Backward produces gradients last layer first. `GradientBuckets` (below) packs them into
+buckets of about --bucket-mib, and a `register_post_accumulate_grad_hook` on each parameter launches the bucket's
+all-reduce asynchronously as soon as its last gradient is in, so the reduction runs while backward computes the
+earlier layers; `wait()` comes before the optimizer step. DDP's reducer does the same in C++, and launches the
+buckets strictly in order, as the class here does, so that every rank's k-th all-reduce is the same bucket. The
+training loop they plug into is `distlab/data_split/data_parallel/training.py` (`train`); the timing,
+`distlab/data_split/data_parallel/overlap.py`.
+
+The shapes real models have. Rank 0's parameters and buffers are broadcast first (`broadcast_parameters`;
+`GradientBuckets` does it at construction, as DDP does), so ranks that built the model from different seeds train
+one model. Only parameters that require grad are reduced, each tensor once (`unused_check`): a frozen tower or
+bias is skipped (never stepped or decayed), a weight tied across two children (an embedding and its output layer)
+is one parameter with one gradient, and one held by the model itself (CLIP's `logit_scale`) is reduced like any
+other. A parameter with no gradient in a step (a branch not taken) is an error naming it, before the step's first
+all-reduce, unless `find_unused_parameters=True`: then one more all-reduce counts the ranks that used each
+parameter, the others add zeros (exact: nothing added to the sum), and one no rank used keeps no gradient, as in
+one process, so no optimizer moves it. tests/test_real_shapes.py trains all of these against one process.
 
 What that buys, measured twice. On the real CPU (gloo, P ranks sharing this machine's cores with
 other jobs) buckets pay and overlap does not: every message has a fixed cost, so one all-reduce per
@@ -107,7 +118,7 @@ from distlab.processes.flags import check_flags_against_world, positive_float, p
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof import emulate
 from distlab.proof.compare import DTYPES, all_ok, compare, compare_whole, tolerances
-from distlab.proof.console import print0, rows_table
+from distlab.proof.console import print0
 from distlab.proof.memory import MIB
 from distlab.proof.reference import one_process, sgd
 from distlab.proof.verdict import Verdict
@@ -184,27 +195,68 @@ def ring_by_hand(rt: Runtime, name: str, x: torch.Tensor) -> tuple[torch.Tensor,
 # ---- the mechanism, part 2: data parallelism by hand ---------------------------------------------
 
 
-def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:
+def broadcast_parameters(model: nn.Module, rt: Runtime) -> None:
+    """Rank 0's parameters and buffers on every rank, in place: replicas built from different seeds (or
+    loaded differently) become one model before the first step, as torch's DDP does at construction."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:  # each tensor once: a tied weight is one
+            dist.broadcast(t, src=0)
+
+
+def unused_check(model: nn.Module, rt: Runtime, find_unused_parameters: bool) -> list[nn.Parameter]:
+    """The parameters to reduce this step (those that require grad). One without a gradient (a branch not taken)
+    is an error naming it, before any collective, unless `find_unused_parameters`: then one all-reduce counts
+    who used what; zeros stand in where a rank did not (exact), and one no rank used keeps no gradient."""
+    params = [p for p in model.parameters() if p.requires_grad]  # each tensor once: a tied weight is one
+    if not find_unused_parameters:
+        missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            raise RuntimeError(
+                f"no gradient this step for {missing}: a branch not taken would leave the ranks apart; "
+                "pass find_unused_parameters=True if a step may leave parameters unused"
+            )
+        return params
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=rt.device)
+    dist.all_reduce(used)  # how many ranks used each parameter
+    reduced = [p for p, n in zip(params, used.tolist()) if n > 0]
+    for p in reduced:
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+    return reduced
+
+
+def all_reduce_gradients(model: nn.Module, rt: Runtime, find_unused_parameters: bool = False) -> None:
     """After backward: every gradient summed over the ranks, divided by P (the mean of the ranks'
-    means is the global mean when the shares are equal)."""
-    for param in model.parameters():
+    means is the global mean when the shares are equal). Frozen parameters have none and are skipped."""
+    for param in unused_check(model, rt, find_unused_parameters):
         dist.all_reduce(param.grad)  # in place, on the gradient's device: rt.device
         param.grad /= rt.world_size
 
 
 class GradientBuckets:
-    """All-reduce the gradients in buckets, each launched from backward as soon as it is full."""
+    """All-reduce the gradients in buckets, each launched from backward as soon as it is full, in order.
+    At construction rank 0's weights are broadcast (`broadcast_parameters`)."""
 
-    def __init__(self, model: nn.Module, rt: Runtime, bucket_bytes: float, overlap: bool = True, link=None):
-        self.rt, self.overlap, self.link = rt, overlap, link  # link: the emulated wire (emulate.Link), or gloo
-        # Backward produces gradients from the last layer to the first; filling the buckets in that
-        # order (as DDP does) makes the first bucket complete early in backward.
+    def __init__(
+        self,
+        model: nn.Module,
+        rt: Runtime,
+        bucket_bytes: float,
+        overlap: bool = True,
+        link=None,
+        find_unused_parameters: bool = False,
+    ):
+        self.model, self.rt, self.overlap, self.link = model, rt, overlap, link  # link: emulate.Link, or gloo
+        self.find_unused = find_unused_parameters
+        broadcast_parameters(model, rt)
+        # Backward produces gradients from the last layer to the first; filling the buckets in that order (as
+        # DDP does) makes the first bucket complete early in backward. A bucket closes at bucket_bytes (0: 1 tensor).
         self.buckets: list[list[nn.Parameter]] = [[]]
-        for param in reversed(list(model.parameters())):
-            if sum(p.numel() * p.element_size() for p in self.buckets[-1]) >= bucket_bytes:
+        for param in reversed([p for p in model.parameters() if p.requires_grad]):
+            if self.buckets[-1] and sum(p.numel() * p.element_size() for p in self.buckets[-1]) >= bucket_bytes:
                 self.buckets.append([])
             self.buckets[-1].append(param)
         self.missing = [len(bucket) for bucket in self.buckets]
+        self.launched = 0  # buckets 0 .. launched - 1 are on the wire
         self.in_flight: list[tuple[int, torch.Tensor, dist.Work]] = []
         self.events: dict[str, dict[int, float]] = {"launched": {}, "done": {}}  # for the timeline
         for i, bucket in enumerate(self.buckets):
@@ -213,29 +265,45 @@ class GradientBuckets:
 
     def _grad_ready(self, i: int, param: nn.Parameter) -> None:  # autograd: param.grad is complete
         self.missing[i] -= 1
-        if self.missing[i] == 0 and self.overlap:
-            self._launch(i)
+        # Launched strictly in order, as DDP's reducer does: every rank's k-th all-reduce is bucket k,
+        # even when gradients arrive in another order (a tied weight, a parameter used late).
+        while self.overlap and self.launched < len(self.buckets) and self.missing[self.launched] == 0:
+            self._launch(self.launched)
 
     def _launch(self, i: int) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])  # one message per bucket
         # Returns at once; the backend (or the emulated link's thread) reduces meanwhile.
         work = self.link.all_reduce(flat) if self.link else dist.all_reduce(flat, async_op=True)
         self.in_flight.append((i, flat, work))
+        self.launched = i + 1
         self.events["launched"][i] = time.perf_counter()
         work.get_future().then(lambda _: self.events["done"].__setitem__(i, time.perf_counter()))
 
     def wait(self) -> None:
-        """Before the optimizer step: every bucket reduced, divided by P, copied back into .grad."""
-        if not self.overlap:  # the baseline: the same buckets, launched after backward
-            for i in range(len(self.buckets)):
-                self._launch(i)
+        """Before the optimizer step: every bucket reduced, divided by P, copied back into .grad. A bucket still
+        waiting for a gradient (a branch not taken) is launched now with zeros for it under find_unused_parameters
+        (used by no rank: no gradient after); without the flag, an error naming it, before any more launches."""
+        params = [p for bucket in self.buckets for p in bucket]
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.rt.device)
+        if not self.find_unused and not all(used.tolist()):
+            unused_check(self.model, self.rt, False)  # raises, naming the parameters
+        for i in range(self.launched, len(self.buckets)):  # the baseline (no overlap), or a gradient never made
+            for p in self.buckets[i]:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            self._launch(i)
+        if self.find_unused:  # who used what: after every bucket, so the same k-th all-reduce on every rank
+            dist.all_reduce(used)
         for i, flat, work in self.in_flight:
             work.wait()
             flat /= self.rt.world_size
             for param, grad in zip(self.buckets[i], flat.split([p.numel() for p in self.buckets[i]])):
                 param.grad.copy_(grad.view_as(param))
         self.in_flight.clear()
+        for p, n in zip(params, used.tolist()):
+            if self.find_unused and n == 0:
+                p.grad = None  # no rank used it: no gradient, as in one process (the optimizer skips it)
         self.missing = [len(bucket) for bucket in self.buckets]
+        self.launched = 0
 
 
 # ---- the chapter, part by part -------------------------------------------------------------------
@@ -311,65 +379,6 @@ def show_overlap(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict) -
         verdict.figure("emulated", emulated_overlap(rt, cfg, args, GradientBuckets))
 
 
-def show_ddp(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict, ref_grads: dict) -> None:
-    print0("\n[bold]4. DDP: no_sync for gradient accumulation, find_unused_parameters[/]")
-    k = args.accumulation_steps
-    rows, calls = [], {}
-    for no_sync in (True, False):
-        grads, calls[no_sync] = ddp.accumulate(rt, cfg, k, no_sync)
-        rows.append(
-            (
-                "no_sync but the last" if no_sync else "every micro-batch synced",
-                "one process",
-                compare_whole(ref_grads, grads),
-                True,
-            )
-        )
-    print0(gradient_table(rows, f"Gradient accumulation over {k} micro-batches per rank under DDP"))
-    print0(f"DDP all-reduce calls (comm hook): {calls[True]} with no_sync, {calls[False]} without")
-    verdict.check(
-        f"no_sync: gradients = one process's; all-reduce in 1 of {k} backwards",
-        all(r[2].ok for r in rows) and calls[True] * k == calls[False] and calls[True] > 0,
-    )
-    verdict.figure("allreduce_calls", {"no_sync": calls[True], "every": calls[False], "micro_batches": k})
-    show_unused(rt, cfg, verdict)
-
-
-def show_unused(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict) -> None:
-    ref = ddp.branchy_reference(cfg)
-    outcome, warned = {}, False
-    for flag in (False, True):
-        run = ddp.unused_branch(rt, cfg, flag)
-        cells = [
-            "= one process" if all_ok(compare(r, g)) else ("ranks differ" if not a else "wrong")
-            for r, g, a in zip(ref, run.grads, run.ranks_agree)
-        ]
-        cells += ["RuntimeError"] * (len(ddp.USE_AUX) - len(cells))
-        outcome[flag] = (cells, run.error)
-        warned = any(ddp.UNUSED_SEARCH_WARNING in line for line in run.warnings) if flag else warned
-    print0(
-        rows_table(
-            "A branch used in steps 1 and 3, not in step 2: gradients per step",
-            ("find_unused_parameters", "step 1", "step 2", "step 3"),
-            [(str(flag), *cells) for flag, (cells, _) in outcome.items()],
-        )
-    )
-    print0(f"without the flag, step 3's forward raised: {outcome[False][1].split('. ')[0]}.", highlight=False)
-    print0(
-        "with the flag DDP searches the graph for unused parameters after every forward; in step 1, which "
-        "used them all, torch " + ("warned" if warned else "did not warn") + " (on every rank; caught here "
-        "and said once) that the search found none and only costs time: the price of the flag on the "
-        "steps that do not need it",
-        highlight=False,
-    )
-    expect_step2 = "= one process" if rt.world_size == 1 else "ranks differ"
-    verdict.check(
-        "unused branch: un-averaged, then an error; with the flag exact",
-        outcome[False][0] == ["= one process", expect_step2, "RuntimeError"]
-        and outcome[True][0] == ["= one process"] * 3,
-    )
-
-
 def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp_mean_row: tuple) -> None:
     print0("\n[bold]5. Averaging: right for a mean over samples, P times too small for a global loss[/]")
     model, x, target = build(cfg)
@@ -432,7 +441,7 @@ def main() -> int:
         show_collectives(rt, args, verdict)
         ref_grads, ddp_mean_row = show_data_parallel(rt, cfg, args, verdict)
         show_overlap(rt, cfg, args, verdict)
-        show_ddp(rt, cfg, args, verdict, ref_grads)
+        ddp.show_ddp(rt, cfg, args.accumulation_steps, verdict, ref_grads)
         show_global_loss(rt, cfg, verdict, ddp_mean_row)
         return verdict.finish(args.json)
 

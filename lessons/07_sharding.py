@@ -30,6 +30,14 @@ reduce-scatter and an all-gather, the same; ZeRO-3 two all-gathers and a reduce-
 g_0 = (P-1) e ceil(Psi_0 / P): backward never reads the first layer's weights (its input needs no
 gradient), so it is not gathered again. `distlab/data_split/sharding/accounting.py` holds every formula.
 
+The shapes real models have. Every stage starts from rank 0's weights and buffers (`Sharded` broadcasts
+them). A unit is the trainable parameters a child alone holds; one held by the model itself (`logit_scale`)
+or by two children (a tied embedding and output) is in the root's unit, which ZeRO-3 gathers for the whole
+forward: a tied weight is one shard, reduced and stepped once. Frozen parameters are no unit's (whole, never
+stepped or decayed). A unit no rank used (a branch not taken) keeps no gradient, as in one process; one half
+used is refused by name. Any torch.optim class (`ShardingConfig.optimizer`); `ShardingConfig.compute`: ZeRO-3
+and FSDP2 compute in bf16 over float32 shards and gradients (tests/test_real_shapes.py proves each shape).
+
 FSDP2 (`fully_shard`) is ZeRO-3 in PyTorch: same gradients, same states (`distlab/data_split/sharding/fsdp.py`
 maps its options onto the stages). `torch.distributed.checkpoint` saves its shards from every rank
 and loads them into any other sharding: saved at P, resumed at P (bit-identical) and at P / 2 (equal
@@ -52,11 +60,11 @@ from torch.autograd.graph import saved_tensors_hooks
 from distlab.data_split.sharding import accounting, holds
 from distlab.data_split.sharding.dcp_resume import save_and_resume
 from distlab.data_split.sharding.flat import units_of
-from distlab.data_split.sharding.fsdp import Fsdp2, fsdp_held
+from distlab.data_split.sharding.fsdp import Fsdp2, fsdp_held, show_reshard
 from distlab.data_split.sharding.problem import ShardingConfig, build_model, global_batch, reference, rows_of
 from distlab.data_split.sharding.replicated import Replicated
 from distlab.data_split.sharding.report import agreement_table, bytes_table, holds_table, memory_table
-from distlab.data_split.sharding.shards import Sharded
+from distlab.data_split.sharding.shards import Sharded, no_gradient
 from distlab.data_split.sharding.training import run_strategy
 from distlab.processes.cli import add_optimizer_args, lesson_parser
 from distlab.processes.flags import (
@@ -75,8 +83,8 @@ from distlab.proof.verdict import Verdict
 from distlab.streamed.launches import LaunchCount
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
-# `Sharded` (distlab/data_split/sharding/shards.py) holds what all three share: the layers' flat units, this
-# rank's shard of each (an nn.Parameter), AdamW on the shards, and a ring that counts the bytes.
+# `Sharded` (distlab/data_split/sharding/shards.py) holds what all three share: rank 0's weights broadcast, the flat
+# units (`unit.params`: what a unit trains), this rank's shard of each, the optimizer on them, a counting ring.
 # The loop, the library's one (`distlab.proof.training.train`), which the one-process reference runs too:
 # zero_grad(); loss.backward(); after_backward(); optimizer.step(); after_step().
 
@@ -85,14 +93,16 @@ def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
     """Optimizer states sharded; every rank keeps the whole weights and the whole gradient."""
     z = Sharded(model, rt, cfg)
 
-    def after_backward():  # shard r of each layer's mean gradient, to rank r
-        for unit, layer, shard in zip(z.units, z.layers, z.shards):
-            shard.grad = z.ring.reduce_scatter(unit.flatten([p.grad for p in layer.parameters()])) / rt.world_size
+    def after_backward():  # shard r of each unit's mean gradient, to rank r
+        for unit, shard in zip(z.units, z.shards):
+            grads = [p.grad for p in unit.params]
+            if not no_gradient(unit, grads):  # a branch not taken keeps no gradient, as in one process
+                shard.grad = z.ring.reduce_scatter(unit.flatten(grads)) / rt.world_size
 
     def after_step():  # every rank's stepped shard, all-gathered into the whole weights
         with torch.no_grad():
-            for unit, layer, shard in zip(z.units, z.layers, z.shards):
-                for p, new in zip(layer.parameters(), unit.unflatten(z.ring.all_gather(shard.detach()))):
+            for unit, shard in zip(z.units, z.shards):
+                for p, new in zip(unit.params, unit.unflatten(z.ring.all_gather(shard.detach()))):
                     p.copy_(new)
 
     z.after_backward, z.after_step = after_backward, after_step
@@ -100,73 +110,92 @@ def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
 
 
 def zero2(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
-    """ZeRO-1, with each layer's gradient reduce-scattered from backward itself and freed at once."""
+    """ZeRO-1, with each unit's gradient reduce-scattered from backward itself and freed at once."""
     z = zero1(model, rt, cfg)
-    z.after_backward = lambda: None  # the reduce-scatters ran during backward
 
-    def grad_ready(unit, params, shard, _):
-        if all(q.grad is not None for q in params):  # the layer's whole gradient is in
-            shard.grad = z.ring.reduce_scatter(unit.flatten([q.grad for q in params])) / rt.world_size
-            for q in params:
+    def grad_ready(unit, shard, _):
+        if all(q.grad is not None for q in unit.params):  # the unit's whole gradient is in
+            shard.grad = z.ring.reduce_scatter(unit.flatten([q.grad for q in unit.params])) / rt.world_size
+            for q in unit.params:
                 q.grad = None  # freed: only the shard stays
 
-    for unit, layer, shard in zip(z.units, z.layers, z.shards):
-        params = list(layer.parameters())
-        for p in params:
-            p.register_post_accumulate_grad_hook(functools.partial(grad_ready, unit, params, shard))
+    def after_backward():  # the reduce-scatters ran during backward; a unit left half done is refused
+        for unit, shard in zip(z.units, z.shards):
+            if shard.grad is None:
+                no_gradient(unit, [q.grad for q in unit.params])
+
+    for unit, shard in zip(z.units, z.shards):
+        for p in unit.params:
+            p.register_post_accumulate_grad_hook(functools.partial(grad_ready, unit, shard))
+    z.after_backward = after_backward
     return z
 
 
 class GatherLayer(torch.autograd.Function):
-    """Forward: all-gather layer i's shards into its whole flat weights. Backward: reduce-scatter the
-    whole flat gradient, / P: this rank's shard of the mean gradient (its .grad)."""
+    """Forward: all-gather unit i's shards into its whole flat weights, in the compute dtype. Backward:
+    reduce-scatter the whole flat gradient in the shards' dtype, / P: this rank's shard of the mean gradient."""
 
     @staticmethod
     def forward(ctx, shard, z, i):
         ctx.z, ctx.i = z, i
-        return z.ring.all_gather(shard.detach())
+        return z.ring.all_gather(shard.detach().to(z.compute))
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.z.again.pop(ctx.i, None)  # the layer's backward is over: free what was gathered for it
-        return ctx.z.ring.reduce_scatter(grad.contiguous()) / ctx.z.rt.world_size, None, None
+        z = ctx.z
+        z.again.pop(ctx.i, None)  # the unit's backward is over: free what was gathered for it
+        return z.ring.reduce_scatter(grad.to(z.shards[ctx.i].dtype).contiguous()) / z.rt.world_size, None, None
 
 
 def zero3(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:
-    """Weights sharded too: each layer exists whole only while its forward or backward runs."""
+    """Weights sharded too: each unit is whole only while its module's forward or backward runs (the root's:
+    the whole forward). `cfg.compute` (bf16): gathered and computed in it; shards and gradients keep theirs."""
     z = Sharded(model, rt, cfg)
-    z.again = {}  # layer -> its weights gathered again for backward
+    z.whole_weights, z.compute = False, cfg.compute or z.shards[0].dtype
+    z.again, z.live, z.hooks = {}, {}, {}  # unit: gathered again; gathered storage: unit; unit: its hooks
 
-    def gather(i, places, layer, args):  # forward pre-hook
+    def pack(t):  # a gathered weight is not kept for backward, only which unit and where in it
+        i = z.live.get(t.untyped_storage().data_ptr())
+        return t if i is None else (i, t.shape, t.stride(), t.storage_offset())
+
+    def unpack(saved):  # backward's first use of a unit's weights gathers them again
+        if isinstance(saved, torch.Tensor):
+            return saved
+        i, *where = saved
+        if i not in z.again:
+            z.again[i] = z.ring.all_gather(z.shards[i].detach().to(z.compute))
+        return z.again[i].as_strided(*where)
+
+    def gather(i, places, module, args):  # forward pre-hook
         whole = GatherLayer.apply(z.shards[i], z, i)
-        for (module, name), view in zip(places, z.units[i].unflatten(whole)):
-            setattr(module, name, view)
-        at = whole.untyped_storage().data_ptr()
+        for spots, view in zip(places, z.units[i].unflatten(whole)):
+            for owner, name in spots:  # a tied weight: the same view in every module that holds it
+                setattr(owner, name, view)
+        z.live[whole.untyped_storage().data_ptr()] = i
+        z.hooks[i] = saved_tensors_hooks(pack, unpack)
+        z.hooks[i].__enter__()
 
-        def pack(t):  # a gathered weight is not kept for backward, only where it was
-            return (t.shape, t.stride(), t.storage_offset()) if t.untyped_storage().data_ptr() == at else t
+    def free(i, places, module, args, out):  # forward hook: nothing refers to the whole weights any more
+        z.hooks.pop(i).__exit__(None, None, None)
+        z.live = {at: j for at, j in z.live.items() if j != i}
+        for owner, name in (spot for spots in places for spot in spots):
+            setattr(owner, name, None)
 
-        def unpack(saved):  # backward's first use of the layer's weights gathers them again
-            if isinstance(saved, torch.Tensor):
-                return saved
-            if i not in z.again:
-                z.again[i] = z.ring.all_gather(z.shards[i].detach())
-            return z.again[i].as_strided(*saved)
-
-        z.hooks = saved_tensors_hooks(pack, unpack)
-        z.hooks.__enter__()
-
-    def free(places, layer, args, out):  # forward hook: nothing refers to the whole weights any more
-        z.hooks.__exit__(None, None, None)
-        for module, name in places:
-            setattr(module, name, None)
-
-    for i, layer in enumerate(z.layers):
-        places = [(m, n) for m in layer.modules() for n, _ in list(m.named_parameters(recurse=False))]
-        for module, name in places:
-            del module._parameters[name]  # the whole weights are gone; the shard is all that is left
-        layer.register_forward_pre_hook(functools.partial(gather, i, places))
-        layer.register_forward_hook(functools.partial(free, places))
+    for i, unit in enumerate(z.units):
+        places = [[(m, n) for m in model.modules() for n, q in m._parameters.items() if q is p] for p in unit.params]
+        for owner, name in (spot for spots in places for spot in spots):
+            del owner._parameters[name]  # the whole weights are gone; the shard is all that is left
+        unit.params = []  # not even the unit keeps them: ZeRO-3 holds the shard alone, the model's parameter
+        model.register_parameter(f"zero3_shard{i}", z.shards[i])  # model.parameters(): what the rank holds
+        module = model.get_submodule(unit.where)  # "" is the model itself
+        module.register_forward_pre_hook(functools.partial(gather, i, places))
+        module.register_forward_hook(functools.partial(free, i, places))
+    if cfg.compute is not None:  # floating inputs cast as FSDP2 does; frozen weights, only computed with, too
+        for p in z.frozen.values():
+            p.data = p.data.to(cfg.compute)
+        model.register_forward_pre_hook(
+            lambda m, args: tuple(a.to(cfg.compute) if a.is_floating_point() else a for a in args)
+        )
     return z
 
 
@@ -332,7 +361,7 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
         highlight=False,
     )
     verdict.figure("fsdp2_memory", {row[0]: row[1:3] for row in mem})
-    show_reshard(gathers, build_model(cfg), verdict)
+    show_reshard(gathers, build_model(cfg), verdict)  # distlab/data_split/sharding/fsdp.py
     print0(
         rows_table(
             "FSDP2's options and the stages by hand",
@@ -345,31 +374,6 @@ def show_fsdp2(rt: Runtime, cfg: ShardingConfig, verdict: Verdict, ref, zero3_ru
                 ("set_requires_gradient_sync(False)", "no reduce-scatter (as no_sync)"),
             ],
         )
-    )
-
-
-def show_reshard(gathers: dict[bool, int], model, verdict: Verdict) -> None:
-    """What reshard_after_forward changes: not what a rank holds after the step (the rows above are equal),
-    but the step itself: False keeps each gathered layer from its forward to its backward (memory FSDP2
-    frees by resizing, which PeakMemory cannot see) and so its backward gathers nothing again."""
-    if not gathers:
-        print0("At P = 1 FSDP2 gathers nothing: run at P >= 2 to see what reshard_after_forward changes.")
-        return
-    layers = sum(1 for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
-    print0(
-        rows_table(
-            "What reshard_after_forward changes: all-gathers per step",
-            ("reshard_after_forward", "all-gathers", "the gathered layer"),
-            [
-                ("True", f"{gathers[True]}", "freed after forward, gathered again"),
-                ("False", f"{gathers[False]}", "kept from forward to backward"),
-            ],
-        )
-    )
-    verdict.check(
-        f"reshard_after_forward=False saves the backward's all-gathers ({layers} layers)",
-        gathers[False] == layers and gathers[True] == 2 * layers,
-        f"{gathers[True]} -> {gathers[False]}",
     )
 
 

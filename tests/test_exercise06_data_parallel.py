@@ -1,9 +1,12 @@
 """Exercise 06: data parallelism by hand, judged on 3 ranks against one process on the whole batch.
 
-Each rank builds the same model, runs backward on the mean loss over its C rows, calls the answer, and
-takes an SGD step. The lesson's claims: after the answer every rank's gradients equal one process's on all
-N rows, and after 2 steps so do the parameters (float64, rtol 1e-10); and a step sends no more than one
-all-reduce of every gradient, 2 (P-1)/P Psi e bytes (the judge prices the collectives it sees)."""
+The model has the shapes real models have (`distlab.proof.models.RealShapes`): a parameter on the root module
+(`logit_scale`), an embedding weight tied to the output layer's, a frozen tower and a frozen bias (no
+gradient: nothing to reduce). Each rank builds the same model, runs backward on the mean loss over its C
+rows, calls the answer, and takes an SGD step. The lesson's claims: after the answer every rank's gradients
+equal one process's on all N rows, and after 2 steps so do the parameters (float64, rtol 1e-10); and a step
+sends no more than one all-reduce of every gradient, 2 (P-1)/P Psi e bytes (the judge prices the
+collectives it sees)."""
 
 import copy
 from pathlib import Path
@@ -12,15 +15,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from exercise_kit import Exercise
-from exercise_signatures import Equals, Mistake, Scaled
+from exercise_signatures import Equals, Mistake, Scaled, Tensors
 from exercise_watch import Watch
 
 from distlab.proof.compare import grads_of
-from distlab.proof.models import layered_mlp, regression_batch
+from distlab.proof.models import RealShapes, regression_batch
 
 LESSON, NAME = "data_parallel", "all_reduce_gradients"
-P, C, WIDTHS, STEPS, LR = 3, 4, (5, 8, 3), 2, 0.1
+P, C, V, D, STEPS, LR = 3, 4, 5, 4, 2, 0.1
+SHAPES = dict(v=V, d=D, seed=1, without=("unused",))
 OWN, FIRST, OWN_BY_P = "this rank's own rows' gradient", "rank 0's rows' gradient", "this rank's own gradient / P"
+
+
+def _trained(model) -> list:
+    """The parameters a step trains: those that require grad, each tensor once (a tied weight is one)."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _local_gradients(model, x, y) -> list[dict]:
@@ -35,9 +44,9 @@ def _local_gradients(model, x, y) -> list[dict]:
 
 
 def _ranks(rt, all_reduce_gradients, claims) -> None:
-    model, ref = layered_mlp(WIDTHS, seed=1), layered_mlp(WIDTHS, seed=1)
-    x, y = regression_batch(P * C, WIDTHS[0], WIDTHS[-1], seed=2)
-    rows, psi = slice(rt.rank * C, (rt.rank + 1) * C), sum(p.numel() for p in model.parameters())
+    model, ref = RealShapes(**SHAPES), RealShapes(**SHAPES)
+    x, y = regression_batch(P * C, V, V, seed=2)
+    rows, psi = slice(rt.rank * C, (rt.rank + 1) * C), sum(p.numel() for p in _trained(model))
     for step in range(STEPS):
         local = _local_gradients(model, x, y)
         model.zero_grad(), ref.zero_grad()
@@ -64,7 +73,7 @@ def _ranks(rt, all_reduce_gradients, claims) -> None:
             note=f"collectives: {dict(watch.calls())}",
         )
         with torch.no_grad():
-            for p, q in zip(model.parameters(), ref.parameters()):
+            for p, q in zip(_trained(model), _trained(ref)):
                 p -= LR * p.grad
                 q -= LR * q.grad
     claims.tensors(
@@ -97,6 +106,16 @@ MISTAKES = (
         ),
     ),
     Mistake(
+        "the root module's own parameter left out",
+        "gradients equal",
+        (Tensors(("logit_scale",)),),
+        (
+            "one gradient is still this rank's own: a parameter no layer holds",
+            "the model itself holds logit_scale; looping over its children's parameters never reaches it",
+            "loop over model.parameters() (those that require grad): every parameter, the root's included",
+        ),
+    ),
+    Mistake(
         "a broadcast, not a reduction",
         "gradients equal",
         (Equals(FIRST),),
@@ -111,25 +130,34 @@ MISTAKES = (
 
 def sum_without_mean(model, rt) -> None:
     """The sum over ranks, P times the mean."""
-    for param in model.parameters():
+    for param in _trained(model):
         dist.all_reduce(param.grad)
 
 
 def reduced_copy(model, rt) -> None:
     """The division first: the all-reduce sums a new tensor, and param.grad is never touched."""
-    for param in model.parameters():
+    for param in _trained(model):
         dist.all_reduce(param.grad / rt.world_size)
+
+
+def children_only(model, rt) -> None:
+    """The layers' parameters averaged, the root's own (logit_scale) never reached."""
+    for child in model.children():
+        for param in child.parameters():
+            if param.requires_grad:
+                dist.all_reduce(param.grad)
+                param.grad /= rt.world_size
 
 
 def broadcast_from_zero(model, rt) -> None:
     """Every replica made equal to rank 0's: the same gradients everywhere, of rank 0's rows only."""
-    for param in model.parameters():
+    for param in _trained(model):
         dist.broadcast(param.grad, src=0)
 
 
 def gathered_mean(model, rt) -> None:
     """Right numbers, the wrong collective: every rank's whole gradient gathered, then averaged here."""
-    for param in model.parameters():
+    for param in _trained(model):
         every = [torch.empty_like(param.grad) for _ in range(rt.world_size)]
         dist.all_gather(every, param.grad)
         param.grad.copy_(torch.stack(every).mean(0))
@@ -137,7 +165,7 @@ def gathered_mean(model, rt) -> None:
 
 def with_a_barrier(model, rt) -> None:
     """Right, written another way: the lesson's answer, then every rank waits for the others."""
-    for param in model.parameters():
+    for param in _trained(model):
         dist.all_reduce(param.grad)
         param.grad /= rt.world_size
     dist.barrier()
@@ -145,7 +173,7 @@ def with_a_barrier(model, rt) -> None:
 
 def functional_all_reduce(model, rt) -> None:
     """Right, written another way: a functional collective (what DTensor runs), copied back in place."""
-    for param in model.parameters():
+    for param in _trained(model):
         param.grad.copy_(funcol.all_reduce(param.grad, "avg", dist.group.WORLD).wait())
 
 
@@ -166,6 +194,7 @@ WRONG = {
     "the sum over ranks, not the mean": "sum_without_mean",
     "the all-reduce ran on a copy": "reduced_copy",
     "a broadcast, not a reduction": "broadcast_from_zero",
+    "the root module's own parameter left out": "children_only",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG

@@ -1,7 +1,9 @@
 """Exercise 07: ZeRO-1 by hand, judged on 3 ranks against one process on the whole batch.
 
-Each rank trains the lesson's MLP (layers of 221, 154 and 60 parameters: uneven shards at P = 3) for 3
-AdamW steps with the answer's ZeRO-1. The lesson's claims: the parameters and AdamW's two moments equal one
+Each rank trains a model with the shapes real models have (`distlab.proof.models.RealShapes`: a parameter on the
+root module, an embedding tied to the output layer, a frozen tower and a frozen bias; units of 25, 6 and 31
+trained parameters, the root's holding `logit_scale` and the tied weight: uneven shards at P = 3) for 3 AdamW
+steps with the answer's ZeRO-1. The lesson's claims: the parameters and AdamW's two moments equal one
 process's on all N rows (float64, 1e-10); the weights every rank computes with are the stepped shards,
 gathered; each rank sends 2 (P-1) e Psi_P bytes per step (DDP's); and it holds the formula's bytes of each
 item (the whole weights and gradients, a P-th of the moments)."""
@@ -18,7 +20,7 @@ from distlab.data_split.sharding.problem import ShardingConfig, build_model, ref
 from distlab.data_split.sharding.training import run_strategy
 
 LESSON, NAME = "sharding", "zero1"
-P, CFG = 3, ShardingConfig(global_batch=6)
+P, CFG = 3, ShardingConfig(global_batch=6, widths=(6, 5, 6), real_shapes=True)
 BEFORE, OTHERS = "the weights before training", "the other ranks' shards"
 
 
@@ -67,14 +69,14 @@ def _ranks(rt, zero1, claims) -> None:
         what="shard.grad",
     )
     claims.tensors("the parameters after 3 AdamW steps equal one process's", run.params, ref.params, what="theta")
+    names = [n for unit in z.units for n in unit.names]  # the trained parameters, each once
     for key, moment in (("exp_avg", "first"), ("exp_avg_sq", "second")):
         claims.tensors(
             f"AdamW's {moment} moment equals one process's",
-            {n: s[key] for n, s in run.states.items()},
-            {n: s[key] for n, s in ref.states.items()},
+            {n: run.states[n][key] for n in names},
+            {n: ref.states[n][key] for n in names},
             what=key,
         )
-    names = [n for n, _ in z.model.named_parameters()]
     claims.close(
         "the weights each rank computes with are the stepped shards, gathered",
         _flat(dict(z.model.named_parameters()), names),
@@ -118,8 +120,8 @@ MISTAKES = (
         (
             "the optimizer steps the shards, not the weights: the forward still runs the first weights",
             "after the step, every rank needs every stepped shard back in its whole weights",
-            "after_step: for each layer, unit.unflatten(z.ring.all_gather(shard.detach())) copied into "
-            "the layer's parameters under no_grad",
+            "after_step: for each unit, unit.unflatten(z.ring.all_gather(shard.detach())) copied into "
+            "unit.params under no_grad",
         ),
     ),
     Mistake(
@@ -167,10 +169,10 @@ def own_shard_only(model, rt, cfg):
 
     def after_step():
         with torch.no_grad():
-            for unit, layer, shard in zip(z.units, z.layers, z.shards):
-                whole = unit.flatten([p.detach() for p in layer.parameters()])
+            for unit, shard in zip(z.units, z.shards):
+                whole = unit.flatten([p.detach() for p in unit.params])
                 unit.my_shard(whole).copy_(shard.detach())
-                for p, new in zip(layer.parameters(), unit.unflatten(whole)):
+                for p, new in zip(unit.params, unit.unflatten(whole)):
                     p.copy_(new)
 
     z.after_step = after_step
@@ -182,8 +184,8 @@ def all_reduced(model, rt, cfg):
     z = _lesson_zero1(model, rt, cfg)
 
     def after_backward():
-        for unit, layer, shard in zip(z.units, z.layers, z.shards):
-            whole = z.ring.all_reduce(unit.flatten([p.grad for p in layer.parameters()]))
+        for unit, shard in zip(z.units, z.shards):
+            whole = z.ring.all_reduce(unit.flatten([p.grad for p in unit.params]))
             shard.grad = unit.my_shard(whole).clone() / rt.world_size
 
     z.after_backward = after_backward
@@ -197,8 +199,9 @@ def whole_gradients_freed(model, rt, cfg):
 
     def after_backward():
         reduce()
-        for p in z.model.parameters():
-            p.grad = None
+        for unit in z.units:
+            for p in unit.params:
+                p.grad = None
 
     z.after_backward = after_backward
     return z
@@ -214,8 +217,8 @@ EXERCISE = Exercise(
         "each rank steps one P-th of the weights; the gradient it needs there is the mean over all ranks",
         "after backward: reduce-scatter each layer's flat gradient into your shard (a mean); after the step: "
         "all-gather the stepped shards back into every rank's weights",
-        "shard.grad = z.ring.reduce_scatter(unit.flatten(grads)) / P; after the step copy "
-        "unit.unflatten(z.ring.all_gather(shard.detach())) into the layer's parameters",
+        "shard.grad = z.ring.reduce_scatter(unit.flatten([p.grad for p in unit.params])) / P; after the step "
+        "copy unit.unflatten(z.ring.all_gather(shard.detach())) into unit.params",
     ),
     numbers="equal|weights|shard is stepped",
 )

@@ -12,6 +12,10 @@ batch. The judge checks the gradients and, after two SGD steps, the parameters a
 rtol 1e-10), and prices the collectives you call by the ring formulas: a step may send no more than the
 lesson's collective does, 2 (P-1)/P Psi e bytes per rank for Psi parameters of e bytes.
 
+The judge's model has the shapes real models have: a parameter held by the model itself, not by a layer
+(`logit_scale`), an embedding weight tied to the output layer's (one tensor, one gradient), and frozen
+parameters (requires_grad False: no gradient, nothing to reduce). Every rank uses every parameter.
+
 What you have: torch.distributed is initialised; `rt.world_size` is P, `rt.rank` this rank, and
 `rt.device` the device every tensor (and so every collective) is on.
 """

@@ -2,12 +2,15 @@
 `pytest --exercises -k 07`; add `--hint-level 1`, 2 or 3 for help).
 
 Every rank holds the whole model and has just run backward on the mean loss over its own C = N / P rows.
-`Sharded(model, rt, cfg)` (distlab/data_split/sharding/shards.py) has already cut each layer u's Psi_u parameters into
-one flat buffer padded to P ceil(Psi_u / P) elements (`z.units[u]`, a FlatUnit that flattens a layer's
-tensors and unflattens a buffer back into views shaped like them), made `z.shards[u]`, this rank's shard r
-of it (an nn.Parameter), and an AdamW `z.optimizer` over the shards only: the optimizer states are sharded.
-`z.ring` (distlab/comm/ring.py) runs the ring collectives and counts every byte they send. The loop
-the judge drives is
+`Sharded(model, rt, cfg)` (distlab/data_split/sharding/shards.py) has already broadcast rank 0's weights, grouped the
+trainable parameters into units (`z.units[u]`, a FlatUnit: `unit.params` are its tensors, each trained
+parameter in exactly one unit, the model's own and tied ones in the root's; frozen ones in none), cut each
+unit's Psi_u parameters into one flat buffer padded to P ceil(Psi_u / P) elements (`unit.flatten` of a list
+of tensors laid out like `unit.params`, `unit.unflatten` of a buffer back into views shaped like them), made
+`z.shards[u]`, this rank's shard r of it (an nn.Parameter), and an AdamW `z.optimizer` over the shards only:
+the optimizer states are sharded. `z.ring` (distlab/comm/ring.py) runs the ring collectives and counts every
+byte they send. The judge's model has a parameter on the root module, an embedding tied to the output layer
+and frozen parameters; every trained parameter gets a gradient in every step. The loop the judge drives is
 
     z.zero_grad(); loss.backward(); z.after_backward(); z.optimizer.step(); z.after_step()
 

@@ -21,7 +21,7 @@ from distlab.comm.ledger import Ledger
 from distlab.comm.timing import barrier, slowest_median
 from distlab.cost import calibrate
 from distlab.cost.shapes import Parallel
-from distlab.data_split.sharding.problem import ShardingConfig, adamw, rows_of
+from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of, rows_of
 from distlab.data_split.sharding.replicated import Replicated
 from distlab.layer_split.tensor_parallel import operators
 from distlab.layer_split.tensor_parallel.blocks import ParallelBlock
@@ -59,7 +59,9 @@ def build(rt: Runtime, args, parallel: Parallel, options: BlockOptions):
         return model, trainee, rows_of(x, rt), rows_of(target, rt), trainee.ring.ledger
     comm = (operators.sequence_parallel if parallel.sp else operators.tensor_parallel)(None, Ledger())
     model = nn.Sequential(*[ParallelBlock(b, rt.rank, rt.world_size, comm) for b in blocks])
-    trainee = Plain(model, adamw(model.parameters(), optimizer), lambda: reduce_sequence_parallel_grads(model, comm))
+    trainee = Plain(
+        model, optimizer_of(model.parameters(), optimizer), lambda: reduce_sequence_parallel_grads(model, comm)
+    )
     if parallel.sp:
         x, target = (seq_part(t, rt.rank, rt.world_size) for t in (x, target))
     return model, trainee, x, target, comm.ledger

@@ -40,8 +40,8 @@ def model_states(
     return {
         "weights": list(weights),
         "gradients": [g for g in gradients if g is not None],
-        "moments": [state[k] for state in states for k in ("exp_avg", "exp_avg_sq")],
-        "step counts": [state["step"] for state in states],
+        "moments": [state[k] for state in states for k in ("exp_avg", "exp_avg_sq") if k in state],
+        "step counts": [state["step"] for state in states if "step" in state],
     }
 
 

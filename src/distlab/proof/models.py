@@ -9,6 +9,9 @@
   out, dropout masks given to forward or none; `token_batch` the (N, seq, d) inputs and targets it trains on.
 - `TwoTower`: the contrastive model `distributed_clip` expects: `encoder_x`, `encoder_y`, and `forward(x, y)`
   returning L2-normalised embeddings (z_x, z_y); optional dropout.
+- `RealShapes`: the shapes a real model's parameters take that a plain stack of layers lacks (lessons 06-07 and
+  their tests): a parameter on the root module (CLIP's `logit_scale`), an embedding / output weight tied across
+  two children, a frozen tower and a frozen bias, and a branch that forward never takes.
 - `paired_data`: pairs (x_i, y_i) that are two noisy nonlinear views of one shared latent, so a two-tower
   model can learn to retrieve y_i from x_i and retrieval accuracy means something.
 
@@ -56,6 +59,62 @@ def layered_mlp(
         last = i == len(widths) - 2
         layers.append(linear if last else nn.Sequential(linear, nn.Tanh()))
     return nn.Sequential(*layers)
+
+
+class _Embed(nn.Module):
+    """A (V, d) table applied to a soft one-hot row: x @ weight (an embedding lookup when x is one-hot)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+SHAPES = ("root", "tied", "frozen", "unused")  # RealShapes' shapes, each on unless named in `without`
+
+
+class RealShapes(nn.Module):
+    """x (N, V) -> (N, V) through d hidden units, with every shape of `SHAPES` but those named in `without`:
+
+        h = tanh(x E); h = tanh(tower(h)); h = tanh(mix(h)); [h = h + branch(h), never here]
+        out = logit_scale * (h E^T + head.bias)
+
+    - `root`: `logit_scale`, one number held by the model itself, no child's (shape (1,): fully_shard refuses
+      0-dim parameters);
+    - `tied`: `head.weight` IS `embed.weight` (E, V x d), one tensor held by two children (GPT-2's tied
+      embedding); untied, head gets its own (V, d) weight;
+    - `frozen`: `tower` (weight and bias) and `mix.bias` do not require grad (a frozen tower, LiT's; a frozen bias);
+    - `unused`: `branch` exists and requires grad, but forward never calls it (a branch not taken).
+    """
+
+    def __init__(
+        self, v: int = 6, d: int = 5, seed: int = 0, dtype: torch.dtype = torch.float64, without: tuple[str, ...] = ()
+    ):
+        unknown = set(without) - set(SHAPES)
+        if unknown:
+            raise ValueError(f"unknown shapes {sorted(unknown)}; known: {SHAPES}")
+        root, tied, frozen, unused = (shape not in without for shape in SHAPES)
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        if root:
+            self.logit_scale = nn.Parameter(torch.full((1,), 1.5, dtype=dtype))  # 1-D: FSDP2 refuses 0-dim
+        self.embed = _Embed(nn.Parameter(torch.randn(v, d, generator=gen, dtype=dtype) / d**0.5))
+        self.tower = _init_linear_(nn.Linear(d, d, dtype=dtype), gen).requires_grad_(not frozen)
+        self.mix = _init_linear_(nn.Linear(d, d, dtype=dtype), gen)
+        self.mix.bias.requires_grad_(not frozen)
+        self.branch = _init_linear_(nn.Linear(d, d, dtype=dtype), gen) if unused else None
+        self.head = _init_linear_(nn.Linear(d, v, dtype=dtype), gen)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.tower(h))
+        h = torch.tanh(self.mix(h))  # self.branch is never called: its parameters get no gradient
+        out = self.head(h)
+        return out * self.logit_scale if hasattr(self, "logit_scale") else out
 
 
 def regression_batch(

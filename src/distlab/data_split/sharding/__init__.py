@@ -10,6 +10,8 @@
   ZeRO-1, -2 and -3 start; FSDP2's fully_shard);
 - `mixed`: mixed precision for those strategies (bf16 weights and gradients, a float32 master that AdamW
   steps, hung on the optimizer's step hooks) and the same recipe written out for the one-process reference;
+- `optimizer`: ZeRO-1 as usually taught, `ShardedOptimizer(params, torch.optim.X, **kwargs)`: any optimizer, each
+  parameter stepped whole by the rank that owns it, then broadcast;
 - `training`: the one training loop run by every strategy, measuring memory and counting bytes;
 - `dcp_resume`: save sharded with torch.distributed.checkpoint, resume at another P (a distributed
   checkpoint; not activation checkpointing, not `distlab.contrastive.checkpointing`'s crash-resume);

@@ -24,18 +24,36 @@ import math
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from distlab.data_split.sharding.problem import ShardingConfig, adamw
+from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of
+from distlab.data_split.sharding.shards import broadcast_model
 from distlab.processes.runtime import Runtime
+from distlab.proof.console import print0, rows_table
 from distlab.proof.held import model_states
+from distlab.proof.verdict import Verdict
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
-    """fully_shard each layer, then the root (which holds no parameter of its own here)."""
-    for layer in model.children():
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True, compute_dtype: torch.dtype | None = None
+) -> nn.Module:
+    """fully_shard each layer that holds parameters of its own, then the root, which takes the rest: the
+    model's own parameters (`logit_scale`) and every child that shares one with another (a tied embedding and
+    output: FSDP2 refuses a parameter in two groups). `compute_dtype` (bf16): gathered and computed in it,
+    the float32 shards the master weights, gradients reduced in the shards' dtype (MixedPrecisionPolicy)."""
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if compute_dtype is not None:
+        reduce_dtype = next(model.parameters()).dtype
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    everywhere = model.named_parameters(remove_duplicate=False)
+    holders: dict[int, set[str]] = {}
+    for name, p in everywhere:
+        holders.setdefault(id(p), set()).add(name.split(".")[0] if "." in name else "")
+    for name, layer in model.named_children():
+        own = list(layer.parameters())
+        if own and all(holders[id(p)] == {name} for p in own):
+            fully_shard(layer, **options)
+    return fully_shard(model, **options)
 
 
 def fsdp_held(model: nn.Module, world: int, rank: int, e: int) -> dict[str, int]:
@@ -68,8 +86,9 @@ class Fsdp2:
         mesh: DeviceMesh | None = None,
     ):
         mesh = mesh if mesh is not None else init_device_mesh(rt.device.type, (rt.world_size,))
-        self.model = shard_model(model, mesh, reshard_after_forward)
-        self.optimizer = adamw(self.model.parameters(), cfg)
+        broadcast_model(model, mesh.get_group())  # one model on the mesh (fully_shard keeps each rank's own rows)
+        self.model = shard_model(model, mesh, reshard_after_forward, cfg.compute)
+        self.optimizer = optimizer_of(self.model.parameters(), cfg)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -83,13 +102,17 @@ class Fsdp2:
     def items(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.model.parameters())
         states = [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params]
-        return model_states([p.to_local() for p in params], [p.grad.to_local() for p in params], states)
+        grads = [None if p.grad is None else p.grad.to_local() for p in params]
+        return model_states([p.to_local() for p in params], grads, states)
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().cpu() for n, p in self.model.named_parameters()}
 
     def grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad.full_tensor().cpu() for n, p in self.model.named_parameters()}
+        return {
+            n: (torch.zeros(p.shape, dtype=p.dtype) if p.grad is None else p.grad.full_tensor().cpu())
+            for n, p in self.model.named_parameters()
+        }
 
     def states(self) -> dict[str, dict[str, torch.Tensor]]:
         return {
@@ -104,3 +127,28 @@ class Fsdp2:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; a plain tensor (AdamW's step count) as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def show_reshard(gathers: dict[bool, int], model, verdict: Verdict) -> None:
+    """What reshard_after_forward changes: not what a rank holds after the step (the rows above are equal),
+    but the step itself: False keeps each gathered layer from its forward to its backward (memory FSDP2
+    frees by resizing, which PeakMemory cannot see) and so its backward gathers nothing again."""
+    if not gathers:
+        print0("At P = 1 FSDP2 gathers nothing: run at P >= 2 to see what reshard_after_forward changes.")
+        return
+    layers = sum(1 for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
+    print0(
+        rows_table(
+            "What reshard_after_forward changes: all-gathers per step",
+            ("reshard_after_forward", "all-gathers", "the gathered layer"),
+            [
+                ("True", f"{gathers[True]}", "freed after forward, gathered again"),
+                ("False", f"{gathers[False]}", "kept from forward to backward"),
+            ],
+        )
+    )
+    verdict.check(
+        f"reshard_after_forward=False saves the backward's all-gathers ({layers} layers)",
+        gathers[False] == layers and gathers[True] == 2 * layers,
+        f"{gathers[True]} -> {gathers[False]}",
+    )

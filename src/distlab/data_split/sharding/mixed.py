@@ -38,7 +38,7 @@ def stepping_a_master(
 
     def take_gradients(*_):
         for master, t in zip(masters, low):
-            master.grad = t.grad.to(dtype)
+            master.grad = None if t.grad is None else t.grad.to(dtype)  # None: not stepped (frozen, unused)
 
     def round_into_low(*_):
         with torch.no_grad():
@@ -65,7 +65,7 @@ class MasterStepped(Plain):
 
     def after_backward(self) -> None:
         for master, p in zip(self.masters.values(), self.model.parameters()):
-            master.grad = p.grad.to(master.dtype)
+            master.grad = None if p.grad is None else p.grad.to(master.dtype)
 
     def after_step(self) -> None:
         with torch.no_grad():

@@ -14,6 +14,7 @@ the reference is the same process under the same recipe (`distlab.data_split.sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from distlab.data_split.sharding.mixed import MasterStepped
 from distlab.processes.runtime import Runtime
-from distlab.proof.models import layered_mlp, regression_batch
+from distlab.proof.models import RealShapes, layered_mlp, regression_batch
 from distlab.proof.reference import one_process
 from distlab.proof.training import Run, train
 
@@ -37,13 +38,24 @@ class ShardingConfig:
     seed: int = 0
     dtype: torch.dtype = torch.float64  # the model's weights, gradients and batches
     master: torch.dtype | None = None  # what AdamW steps and keeps its moments in, when not `dtype`
+    # The optimizer, made from the tensors it steps (functools.partial(torch.optim.SGD, lr=..., momentum=...));
+    # None: torch's AdamW at `lr` and `weight_decay`, the lesson's.
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
+    # ZeRO-3 and FSDP2: the dtype the weights are gathered and computed in (bf16), while the shards they step
+    # (the master weights) and the reduced gradients stay in `dtype` (FSDP2's MixedPrecisionPolicy); None: `dtype`.
+    compute: torch.dtype | None = None
+    # True: `distlab.proof.models.RealShapes` (V = widths[0] = widths[-1], d = widths[1]; a root parameter, a tied
+    # embedding and output, a frozen tower and bias) instead of the MLP: the shapes a stage must handle.
+    real_shapes: bool = False
 
     def mixed(self) -> ShardingConfig:
         """The same problem under mixed precision: bf16 weights, gradients and batches, a float32 master."""
         return replace(self, dtype=torch.bfloat16, master=torch.float32)
 
 
-def build_model(cfg: ShardingConfig) -> nn.Sequential:
+def build_model(cfg: ShardingConfig) -> nn.Module:
+    if cfg.real_shapes:
+        return RealShapes(cfg.widths[0], cfg.widths[1], cfg.seed, cfg.dtype, without=("unused",))
     return layered_mlp(cfg.widths, seed=cfg.seed, dtype=cfg.dtype)
 
 
@@ -62,7 +74,10 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)  # a mean over the rows: the ranks' means average to the global mean
 
 
-def adamw(params, cfg: ShardingConfig) -> torch.optim.AdamW:
+def optimizer_of(params, cfg: ShardingConfig) -> torch.optim.Optimizer:
+    """The problem's optimizer over `params`: `cfg.optimizer` if given, else torch's AdamW (lr, weight decay)."""
+    if cfg.optimizer is not None:
+        return cfg.optimizer(list(params))
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -80,12 +95,12 @@ def reference(cfg: ShardingConfig, steps: int | None = None) -> Run:
             loss.backward()
             return loss
 
-        return train(MasterStepped(model, cfg.master, lambda params: adamw(params, cfg)), step, steps, True)
+        return train(MasterStepped(model, cfg.master, lambda params: optimizer_of(params, cfg)), step, steps, True)
     return one_process(
         build_model(cfg),
         lambda k: global_batch(cfg, k),
         loss_fn,
-        lambda params: adamw(params, cfg),
+        lambda params: optimizer_of(params, cfg),
         steps,
         keep_states=True,
     )

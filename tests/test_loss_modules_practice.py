@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distlab.streamed.loss_modules as loss_modules
 from distlab.processes.spawn import spawn
-from distlab.streamed.step import agree_gradients_finite, finite_flags
+from distlab.streamed.guards import agree_gradients_finite, finite_flags
 from distlab.streamed.tile_ops import TorchTiles
 from distributed_clip import ClipLoss, SigLipLoss, distributed_backward
 

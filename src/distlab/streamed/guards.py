@@ -15,6 +15,8 @@ the parameters. So no rank leaves early (`distlab.processes.agree`: every rank j
 2. `Ready.agreed_outputs`, phase 1's forward run inside the guard: the embedding widths and dtypes,
    the logit scale s (finite, positive, the same on every rank), and whether the forward raised or
    returned something outside the contract on some rank (that rank still joins the exchange).
+3. `agree_gradients_finite`, after the backward and before the optimizer: every rank's gradients checked
+   in one fused pass (`finite_flags`) and agreed, so a non-finite gradient never reaches the parameters.
 
 Every exchange runs over the wrapper's process group (a DDP subgroup: its ranks only). A ValueError
 for bad input; a RuntimeError when model(x, y) itself raised on some rank (on that rank chained to the
@@ -336,3 +338,48 @@ def _dtype_code(z: torch.Tensor) -> float:
 def _differ(values: list[float]) -> bool:
     """Two known values differ (NaN: a rank that did not know)."""
     return len({v for v in values if not math.isnan(v)}) > 1
+
+
+def agree_gradients_finite(model: torch.nn.Module) -> None:
+    """Every rank checks its own gradients (under FSDP2 its shards: one rank may hold the only NaN) and the
+    ranks agree, over the wrapper's group, before anyone steps: one FloatingPointError on every rank naming
+    the ranks and the parameters, or none. One small all-gather per step; one host sync for the check.
+
+    The check is one fused pass (`finite_flags`): a gradient holds an inf or a NaN exactly when its largest
+    |g| is not finite (max propagates a NaN; an inf is its own max), and `torch._foreach_norm(grads, inf)`
+    takes every gradient's max |g| in one multi-tensor launch per device and dtype, reading each gradient once
+    and making one number per tensor (not a full-size boolean tensor each, as `torch.isfinite` would). The
+    infinity norm never overflows (no squares), so a finite gradient is never taken for a non-finite one."""
+    group = exchange_group(model)
+    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]  # a DTensor's own shard
+    bad = [name for (name, _), ok in zip(named, finite_flags(local)) if not ok]
+    problem = None
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        problem = (
+            f"a non-finite gradient (the loss was finite: the backward overflowed or made a NaN) in "
+            f"{', '.join(bad[:3])}{more}: the optimizer did not step, parameters and optimizer state are as they were"
+        )
+    device = local[0].device if local else first_device(model, None)
+    raise_together(problem, device, FloatingPointError, group=group)
+
+
+def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor holds only finite values: max |g| per tensor, fused per (device, dtype) group by
+    `torch._foreach_norm(..., inf)`; one host sync for all. An empty tensor is finite."""
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        if g.numel():  # the infinity norm of nothing is undefined: nothing is finite
+            groups.setdefault((g.device, g.dtype), []).append(i)
+    flags = [True] * len(grads)
+    if not groups:
+        return flags
+    checked = [
+        (at, torch.isfinite(torch.stack(torch._foreach_norm([grads[i] for i in at], float("inf")))))
+        for at in groups.values()
+    ]
+    every = torch.cat([ok.to(checked[0][1].device) for _, ok in checked]).tolist()  # the one host sync
+    for i, ok in zip([i for at, _ in checked for i in at], every):
+        flags[i] = ok
+    return flags

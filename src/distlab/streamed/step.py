@@ -42,18 +42,17 @@ from torch import nn
 
 from distlab.pieces.random_state import RandContext
 from distlab.pieces.split_inputs import take_rows
-from distlab.processes.agree import raise_together
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import all_gather_counted, gather_pairs, rank_shares, step_ledger
 from distlab.streamed.exit_hint import hinting_release, with_hint
-from distlab.streamed.guards import Outputs, Ready, as_outputs, exchange_group, ready_step
+from distlab.streamed.guards import Outputs, Ready, agree_gradients_finite, as_outputs, exchange_group, ready_step
 from distlab.streamed.peers import naming_dead_peers
 from distlab.streamed.precision import pinned
 from distlab.streamed.sigmoid import Logits
 from distlab.streamed.tile_ops import TileOps, kernels_problem, tile_ops
 from distlab.streamed.tile_size import chunk_for, warn_if_many_launches
 from distlab.streamed.tiles import Pairing
-from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, first_device, surrogate_multiplier
+from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, surrogate_multiplier
 
 
 @dataclass
@@ -363,48 +362,3 @@ def distributed_train_step(
         raise
     optimizer.step()
     return loss
-
-
-def agree_gradients_finite(model: nn.Module) -> None:
-    """Every rank checks its own gradients (under FSDP2 its shards: one rank may hold the only NaN) and the
-    ranks agree, over the wrapper's group, before anyone steps: one FloatingPointError on every rank naming
-    the ranks and the parameters, or none. One small all-gather per step; one host sync for the check.
-
-    The check is one fused pass (`finite_flags`): a gradient holds an inf or a NaN exactly when its largest
-    |g| is not finite (max propagates a NaN; an inf is its own max), and `torch._foreach_norm(grads, inf)`
-    takes every gradient's max |g| in one multi-tensor launch per device and dtype, reading each gradient once
-    and making one number per tensor (not a full-size boolean tensor each, as `torch.isfinite` would). The
-    infinity norm never overflows (no squares), so a finite gradient is never taken for a non-finite one."""
-    group = exchange_group(model)
-    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
-    local = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]  # a DTensor's own shard
-    bad = [name for (name, _), ok in zip(named, finite_flags(local)) if not ok]
-    problem = None
-    if bad:
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        problem = (
-            f"a non-finite gradient (the loss was finite: the backward overflowed or made a NaN) in "
-            f"{', '.join(bad[:3])}{more}: the optimizer did not step, parameters and optimizer state are as they were"
-        )
-    device = local[0].device if local else first_device(model, None)
-    raise_together(problem, device, FloatingPointError, group=group)
-
-
-def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor holds only finite values: max |g| per tensor, fused per (device, dtype) group by
-    `torch._foreach_norm(..., inf)`; one host sync for all. An empty tensor is finite."""
-    groups: dict[tuple, list[int]] = {}
-    for i, g in enumerate(grads):
-        if g.numel():  # the infinity norm of nothing is undefined: nothing is finite
-            groups.setdefault((g.device, g.dtype), []).append(i)
-    flags = [True] * len(grads)
-    if not groups:
-        return flags
-    checked = [
-        (at, torch.isfinite(torch.stack(torch._foreach_norm([grads[i] for i in at], float("inf")))))
-        for at in groups.values()
-    ]
-    every = torch.cat([ok.to(checked[0][1].device) for _, ok in checked]).tolist()  # the one host sync
-    for i, ok in zip([i for at, _ in checked for i in at], every):
-        flags[i] = ok
-    return flags

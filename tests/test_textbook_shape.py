@@ -23,8 +23,9 @@ MODULES = (
     + sorted((ROOT / "benchmarks").glob("*.py"))
     + TESTS
 )
-# A lesson holds idea, mechanism and proof (formatted, not packed); any other module holds one job.
-MAIN_LINES, LESSON_LINES, MODULE_LINES, PARAMETERS = 60, 450, 400, 7
+# A lesson holds idea, mechanism and proof (formatted, not packed); any other module holds one job. 480: lessons 10
+# and 12 grew by the paragraphs that say what their numbers show (drops per rank, the crossover), not by code.
+MAIN_LINES, LESSON_LINES, MODULE_LINES, PARAMETERS = 60, 480, 400, 7
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["check", "format"])

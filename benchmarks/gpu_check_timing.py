@@ -30,21 +30,10 @@ from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.pieces.chunks import chunks
 from distlab.processes.spawn import spawn
 from distlab.streamed import loss_machinery
+from distlab.streamed.launches import NO_KERNEL  # ops that launch no kernel: the launch count's own list
 from distlab.streamed.tiles import streamed_lse, streamed_softmax_pair_product
 
 TAU = 0.07
-NO_KERNEL = {
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "new_empty",
-    "new_empty_strided",
-    "detach",
-    "lift_fresh",
-    "alias",
-    "_local_scalar_dense",
-    "set_",
-}
 OPS_PER_CELL = (
     37.5  # launching ops per T x T cell of the C x N grid (phase 2: 2 x 11.3, phase 3: 2 x 7.4), counted on CPU
 )

@@ -14,7 +14,8 @@ only, a second backward, and the fused finite-gradient guard.
   gives open_clip's own gradients to 1e-10, the logit scale's k-fold one included (3.000 times the true dL/ds,
   which `distributed_backward` with B < C gives): it copies open_clip's recipe there, for better and worse.
 - `finite_flags` equals per-tensor `torch.isfinite(g).all()` on gradients of four dtypes with a single inf or
-  NaN anywhere (a finite 1e300 is not flagged: the infinity norm has no squares to overflow); at P = 2 one
+  NaN anywhere; a finite 1e300 and a float16 gradient whose sum overflows are not flagged (a sum-based twin
+  flags them), and every value is kept bit for bit (GradScaler's check writes them back); at P = 2 one
   inf in any one parameter on one rank stops every rank naming that parameter.
 """
 
@@ -181,6 +182,23 @@ def test_the_fused_finite_check_equals_isfinite_on_every_tensor():
             g[i][int(torch.randint(len(g[i]), (1,), generator=gen))] = bad
             assert finite_flags(g) == [bool(torch.isfinite(t).all()) for t in g], (bad, i)
             assert finite_flags(g)[i] is False
+
+
+def _sum_check(grads: list[torch.Tensor]) -> list[bool]:
+    """A wrong twin of `finite_flags`: a tensor's sum is finite when its values are, but a finite tensor's sum
+    can overflow."""
+    return [bool(torch.isfinite(g.sum())) for g in grads]
+
+
+def test_the_fused_check_takes_no_large_finite_gradient_for_a_non_finite_one_and_keeps_every_bit():
+    big = torch.tensor([6e4, 6e4, -1.0], dtype=torch.float16)  # finite; its float16 sum overflows
+    tiny = torch.tensor([1e-40, -0.0, 3.0, -2.5e-310], dtype=torch.float64).to(torch.float32)  # a subnormal, -0
+    grads = [big, tiny, torch.tensor([1e300, -1e300], dtype=torch.float64)]
+    before = [g.clone() for g in grads]
+    assert finite_flags(grads) == [True, True, True]
+    assert _sum_check(grads) != [True, True, True]  # the twin is rejected: the check is no sum
+    for g, was in zip(grads, before):  # GradScaler's check with scale 1 writes each value back unchanged
+        assert torch.equal(g.view(torch.uint8), was.view(torch.uint8))
 
 
 def _one_inf_each(rt) -> list[str]:

@@ -2,6 +2,7 @@
 
 - `runtime`: the process group from torchrun's env (`Runtime`: who am I), backend and device, timeouts, the
   release of every DDP before the group; `spawn`: torchrun's job inside one process (tests, notebooks);
+  `nodes`: several torchrun agents (which ranks a node ran, a survivor's line said before the teardown);
 - `strict`: strict device mode (a collective on a tensor not on `rt.device` raises, on a CPU too);
   `reproducible`: float32 that stays float32 on a GPU, deterministic runs; `compat`: the collectives whose
   names changed between torch 2.11 and 2.13;

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.processes import reproducible
+from distlab.processes.nodes import agent_stops_named, is_peer_failure, say_before_teardown
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
 SOLO_TIMEOUT_S = float(os.environ.get("DISTLAB_SOLO_TIMEOUT_S", "900"))  # a phase rank 0 runs alone
@@ -172,12 +173,17 @@ def _process_group(
     )
     try:
         with ExitStack() as stack:
+            stack.enter_context(agent_stops_named())  # several agents: a SIGTERM says why (`nodes`)
             rt = Runtime(rank, world_size, local_rank, backend, dev)
             if strict if strict is not None else os.environ.get("DISTLAB_STRICT_DEVICE") == "1":
                 from distlab.processes.strict import strict_device  # (strict imports this module)
 
                 rt = stack.enter_context(strict_device(rt))
             yield rt
+    except Exception as err:
+        if world_size > 1 and is_peer_failure(err):
+            say_before_teardown(rank, err)  # before a teardown torchrun's agent may cut short (`nodes`)
+        raise
     finally:
         release_process_group()
 

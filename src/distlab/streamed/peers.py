@@ -32,7 +32,10 @@ rank killed 20 times: 83 of 83 survivor messages named exactly it):
 Every survivor's verdict is then the same set, whenever its own main thread fails. What a heartbeat
 cannot see: a process alive but stuck (a deadlock in Python) keeps beating and is not named (the
 backend's error is raised as it was); a rank killed before its first step never beat, and is named;
-with rank 0 dead outside torchrun the store is gone too, and rank 0 is what the survivors name.
+with rank 0 dead outside torchrun the store is gone too, and rank 0 is what the survivors name. Under several
+torchrun agents a node's ranks stop together (its agent stops them all once one fails), so a verdict names them
+all and their node; when node 0, whose agent serves the store, stops, the survivors name node 0
+(`distlab.processes.nodes`; tests/test_two_agents.py kills a rank on either node of two agents).
 
 It needs the backend's error to reach the rank's own thread, as an exception the step can catch. gloo
 raises it there. NCCL by default does not: a collective only queues a kernel and returns, the error (a
@@ -58,27 +61,13 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-BACKEND_WORDS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Timed out",
-    "timed out",
-    "NCCL",
-    "ProcessGroupGloo",
-)
+from distlab.processes.nodes import is_peer_failure, nodes_of, store_holder
+
 BEAT_S = 0.25  # how often every process adds 1 to its count
 WINDOW_S = 3.0  # a rank whose count did not move over this long has stopped
 KEY = "distlab.peers"  # the store keys' prefix: KEY/beat/<rank>, KEY/incident, KEY/judged/<rank>
 _warned: set[tuple[int, ...]] = set()  # groups whose "naming is off" warning this process gave
 _beat: Heartbeat | None = None  # this process's heartbeat, for the current default store
-
-
-def is_peer_failure(err: BaseException) -> bool:
-    """The backend's error for a peer that vanished or stopped answering (not the model's)."""
-    return isinstance(err, dist.DistError) or (
-        isinstance(err, RuntimeError) and any(word in str(err) for word in BACKEND_WORDS)
-    )
 
 
 def naming_off_reason(group) -> str | None:
@@ -182,12 +171,11 @@ def heartbeat() -> Heartbeat:
 
 
 def store_gone(err: BaseException) -> RuntimeError:
-    """The error when the store went before this process had a verdict: its holder stopped."""
-    holder = "torchrun's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) else "rank 0"
+    """The error when the store went before this process had a verdict: its holder stopped (under several torchrun
+    agents, node 0, whose agent serves the store: `distlab.processes.nodes`)."""
     return RuntimeError(
         "a peer died during the streamed step's exchanges, and the process group's store is gone with it "
-        f"before any rank judged who stopped: {holder}, which held the store, stopped answering "
-        f"(backend: {str(err)[:160]})"
+        f"before any rank judged who stopped: {store_holder()} (backend: {str(err)[:160]})"
     )
 
 
@@ -213,7 +201,7 @@ def naming_dead_peers(group) -> Iterator[None]:
             raise  # every rank of the group still beats: the error was not a peer's death (passed on as it was)
         who = f"rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))}"
         raise RuntimeError(
-            f"{who} died during the streamed step's exchanges: its process stopped (no heartbeat for "
+            f"{who} died during the streamed step's exchanges{nodes_of(named)}: its process stopped (no heartbeat for "
             f"{WINDOW_S:g} s) while this rank, {dist.get_rank()}, waited for it; the step cannot go on "
             f"(backend: {str(err)[:160]})"
         ) from err

@@ -3,19 +3,23 @@ guard, against open_clip's recipe.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/loss_module_costs.py
 
-Two rows, each method's wall clock (the slowest rank, median of --repeats, the methods interleaved so that load
-on a shared machine hits them alike; `measure.measure_interleaved`):
+Three rows, each method's wall clock (the slowest rank, median of --repeats, the methods interleaved so that load
+on a shared machine hits them alike; `measure.measure_interleaved`) and its ratio to the row's first method: the
+median over the repetitions of the two methods' times within one repetition (the same load on both); and the CPU
+seconds each call spent in its process (`time.process_time`, the worst rank's median and paired ratio): on a
+machine shared with other jobs the wall clock is mostly the wait for a core, the CPU seconds what a method costs:
 
   validation  N = --val-n (4,096) pairs of d = 256 float32 embeddings: `ClipLoss` under torch.no_grad() (the
               gather and phase 2: no phase 3), against the loss alone (open_clip's recipe under no_grad: the
               gather and the C x N logits' cross-entropy), and against the module with gradients on (forward
               and backward: what it cost under no_grad before it knew to skip phase 3).
   step        N = --step-n (1,024): `distributed_train_step` at B = C (zero_grad, the streamed backward, the
-              fused `agree_gradients_finite`, AdamW's step), against open_clip's recipe (its ClipLoss with
+              fused `agree_gradients_finite`, AdamW's step; the torch tiles make each rank's own block of S once,
+              `own_block`), against open_clip's recipe (its ClipLoss with
               local_loss=True, gather_with_grad=True, backward, AdamW's step) on `clip_step.py`'s two-tower
-              encoder under DDP; the guard alone (check and exchange), its fused check alone, and the
-              per-tensor torch.isfinite check it made before.
-  check       the finite check alone on --check-tensors (8) gradients of 2^20 float32: fused against isfinite.
+              encoder under DDP; the guard alone (check and exchange), its fused check alone (GradScaler's), the
+              infinity norm `torch._foreach_norm` it made before, and a per-tensor torch.isfinite.
+  check       the finite check alone on --check-tensors (8) gradients of 2^20 float32: the same three.
 Writes benchmarks/results/loss_module_costs_p{P}.json.
 """
 
@@ -24,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,7 +45,7 @@ from distributed_clip import ClipLoss, distributed_train_step
 sys.path.insert(0, str(Path(__file__).parent))
 from clip_step import device_name, local_batch, make_model, train_step  # noqa: E402
 from clip_step_losses import OPEN_CLIP, TAU, config, open_clip_loss  # noqa: E402
-from measure import local_embeddings, measure_interleaved  # noqa: E402
+from measure import local_embeddings, measure_interleaved, worst_rank  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -80,7 +86,8 @@ def step_calls(args, rt) -> dict:
     calls["distributed_train_step, B = C (guard in)"] = lambda: distributed_train_step(streamed, opt2, x, y, cfg)
     calls["the guard: check and exchange"] = lambda: agree_gradients_finite(streamed)
     calls["its check alone, fused (finite_flags)"] = lambda: finite_flags(grads_of(streamed))
-    calls["the check it made before (isfinite each)"] = lambda: isfinite_each(grads_of(streamed))
+    calls["the infinity norm it took before"] = lambda: inf_norm_check(grads_of(streamed))
+    calls["a full-size isfinite each"] = lambda: isfinite_each(grads_of(streamed))
     return calls
 
 
@@ -88,7 +95,11 @@ def check_calls(args, rt) -> dict:
     """The finite check alone on a larger model's gradients: --check-tensors tensors of 2^20 float32 each."""
     gen = torch.Generator().manual_seed(rt.rank)
     grads = [torch.randn(2**20, generator=gen).to(rt.device) for _ in range(args.check_tensors)]
-    return {"fused (finite_flags)": lambda: finite_flags(grads), "isfinite each": lambda: isfinite_each(grads)}
+    return {
+        "fused (finite_flags)": lambda: finite_flags(grads),
+        "infinity norm (_foreach_norm)": lambda: inf_norm_check(grads),
+        "isfinite each": lambda: isfinite_each(grads),
+    }
 
 
 def grads_of(model) -> list[torch.Tensor]:
@@ -97,19 +108,46 @@ def grads_of(model) -> list[torch.Tensor]:
 
 
 def isfinite_each(grads: list[torch.Tensor]) -> list[bool]:
-    """The check the guard made before its fused pass: a full-size boolean tensor per gradient."""
+    """The plain check: a full-size boolean tensor per gradient."""
     return torch.stack([torch.isfinite(g).all() for g in grads]).tolist()
+
+
+def inf_norm_check(grads: list[torch.Tensor]) -> list[bool]:
+    """The check the guard made before GradScaler's: every gradient's max |g| by `torch._foreach_norm(..., inf)`."""
+    return torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).tolist()
 
 
 def run_row(name: str, calls: dict, args, rt) -> dict:
     for fn in calls.values():
         fn()  # warm-up: DDP's first iteration, AdamW's state, lazy allocations
-    got = measure_interleaved(calls, rt, args.repeats)
-    base = next(iter(got))
+    cpu = {method: [] for method in calls}
+    got = measure_interleaved({m: cpu_timed(fn, cpu[m]) for m, fn in calls.items()}, rt, args.repeats)
+    base, base_cpu = got[next(iter(got))]["times_s"], cpu[next(iter(got))][-args.repeats :]
     for method, row in got.items():
-        ratio = row["time_s"] / got[base]["time_s"]
-        print0(f"{name:10s} {method:42s} time {row['time_s'] * 1e3:8.1f} ms  ({ratio:.2f}x the first)", highlight=False)
+        # Each repetition ran every method in turn: the ratio within one repetition saw the same load.
+        row["paired_ratio"] = statistics.median(t / t0 for t, t0 in zip(row["times_s"], base))
+        mine = cpu[method][-args.repeats :]  # the timed runs' (the first call measured memory)
+        row["cpu_s"], row["cpu_ratio"] = worst_rank(
+            [statistics.median(mine), statistics.median(t / t0 for t, t0 in zip(mine, base_cpu))], rt
+        )
+        print0(
+            f"{name:10s} {method:42s} wall {row['time_s'] * 1e3:7.1f} ms ({row['paired_ratio']:.2f}x)  "
+            f"CPU {row['cpu_s'] * 1e3:7.1f} ms ({row['cpu_ratio']:.2f}x)",
+            highlight=False,
+        )
     return got
+
+
+def cpu_timed(fn, into: list[float]):
+    """`fn`, noting the CPU seconds this process spent in each call (its threads too: gloo's among them). On a
+    shared machine the wall clock is mostly the wait for a core; the CPU seconds are what the method costs."""
+
+    def timed():
+        start = time.process_time()
+        fn()
+        into.append(time.process_time() - start)
+
+    return timed
 
 
 def parse_args() -> argparse.Namespace:

@@ -46,6 +46,7 @@ from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import all_gather_counted, gather_pairs, rank_shares, step_ledger
 from distlab.streamed.exit_hint import hinting_release, with_hint
 from distlab.streamed.guards import Outputs, Ready, agree_gradients_finite, as_outputs, exchange_group, ready_step
+from distlab.streamed.own_block import block_pair_products, own_lse
 from distlab.streamed.peers import naming_dead_peers
 from distlab.streamed.precision import pinned
 from distlab.streamed.sigmoid import Logits
@@ -144,6 +145,8 @@ def own_normalisers(emb: Embedded, cfg: StreamConfig, ops: TileOps) -> tuple[tor
     """The sharded phase 2's tile work: my rows' a and nll_x (my rows of S), my columns' b and nll_y (my rows
     of S^T); 2 C N d multiply-adds."""
     own = slice(cfg.offset, cfg.offset + cfg.local)
+    if ops.name == "torch":  # the own block S[own, own] made once for both (`own_block`)
+        return own_lse(emb.z_x, emb.z_y, emb.s, own, ops)
     a_own, nll_x = ops.row_lse(emb.z_x[own], emb.z_y, emb.s, cfg.offset)
     b_own, nll_y = ops.row_lse(emb.z_y[own], emb.z_x, emb.s, cfg.offset)
     return a_own, nll_x, b_own, nll_y
@@ -159,10 +162,13 @@ def phase3_embedding_grads(
     coef, scale = norm.diag_coef[rows], emb.s / (2 * cfg.n)
     g_x = g_y = g_s = None
     with pinned(ops.precision, emb.z_x.device.type):
-        if needs[0] or needs[2]:
+        if ops.name == "torch" and (needs[0] or needs[2]) and needs[1]:  # S[glob, glob] made once (`own_block`)
+            g_x, g_y = block_pair_products(emb.z_x, emb.z_y, emb.s, (norm.a, norm.b), coef, glob, ops)
+            g_x, g_y = g_x.mul_(scale), g_y.mul_(scale)
+        elif needs[0] or needs[2]:
             pairing = Pairing(norm.a[glob], norm.b, coef, glob.start)
             g_x = ops.pair_product(emb.z_x[glob], emb.z_y, emb.s, pairing).mul_(scale)
-        if needs[1]:
+        if needs[1] and g_y is None:
             pairing = Pairing(norm.b[glob], norm.a, coef, glob.start)
             g_y = ops.pair_product(emb.z_y[glob], emb.z_x, emb.s, pairing).mul_(scale)
         if needs[2]:

@@ -37,8 +37,21 @@ DiLoCo asks for only after the first H inner steps, "heals" the islands at step 
 rank m of one island receives island (m mod 2)'s state, so at P = 2 island 1's first H steps are thrown
 away and island 0's are counted twice (at P = 4 the two ranks of one island even heal from different
 islands and drift apart); the simulation reproduces the first round bit for bit. Checked on torch 2.13
-CPU with torchft 0.2.0. Not shown here: an island lost mid-round and its return (torchft's quorum
-shrinks to the survivors, whose step is then the one-island round; the returning island heals).
+CPU with torchft 0.2.0.
+
+A lost island (as torchft 0.2.0's source does it). Here each island member is a process of its own (torchrun
+stops every rank when one dies); island 1's are SIGKILLed mid-window, before sync LOST = 1 (syncs count from
+0). The Lighthouse waits while island 1 still heartbeats (a quorum needs over half the islands heartbeating),
+calls it dead after HEARTBEAT_MS and gives island 0 a quorum of one. Island 0's Manager all-reduces over it,
+divides by num_participants = 1 and commits (min_replica_size = 1): delta = delta_0, island 1's half round
+is lost. (With min_replica_size = 2 should_commit says no: DiLoCo puts theta back, the step does not advance,
+the window is redone.) Island 1 restarts: a new process, the same replica id, step 0. It trains a window and
+asks for a quorum, which the Lighthouse holds until island 0 asks (at sync BACK = 2). Being behind, it heals
+first: it receives island 0's state of that moment (its weights after this window, DiLoCo's saved theta, the
+outer momentum, the step), so its pseudogradient is island 0's and (delta_0 + delta_0) / 2 = delta_0 exactly;
+from the next sync on both count. The rows follow torchft's step, so the healed island goes on at the
+survivors' rows. The reference leaves island 1 out of syncs LOST .. BACK-1 and copies island 0 into it at
+BACK; torchft equals it bit for bit.
 
 The reference: one process, the two islands as two plain models, each island's ranks as separate
 backward passes on their rows, averaged; torch.optim.SGD as the outer optimizer. No collectives.
@@ -60,7 +73,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distlab.comm.collectives import ring_bytes
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import check_flags_against_world, positive_int, require
-from distlab.processes.lighthouse import island_stores, lighthouse, lighthouse_shows, manager
+from distlab.processes.lighthouse import TIMEOUT, island_stores, lighthouse, lighthouse_shows, manager
 from distlab.processes.lives import Lives
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.console import print0, rows_table
@@ -230,8 +243,10 @@ def island_life(args, island: int, member: int, members: int, at: tuple[str, int
 
     if fate == "restarted":  # ask for a quorum only once the survivors' quorum has shrunk to them
         lighthouse_shows(at[0], "Num participants: 1")
-    store = dist.TCPStore("127.0.0.1", at[1], is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=member, world_size=members)
+    store = dist.TCPStore("127.0.0.1", at[1], is_master=False, timeout=TIMEOUT)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("ddp", store), rank=member, world_size=members, timeout=TIMEOUT
+    )
     model, every, counts = build_model(args.seed), args.h // args.fragments, []
     ddp = DistributedDataParallel(model)
     inner, pieces = torch.optim.SGD(ddp.parameters(), lr=INNER_LR), fragments_of(model, args.fragments)
@@ -282,7 +297,8 @@ def show_lost_island(rt: Runtime, args, groups, verdict: Verdict) -> list[int]:
     alone = [ISLANDS] * LOST + [1] * (BACK - LOST) + [ISLANDS] * (SYNCS - BACK)
     seen = [None] * rt.world_size
     dist.all_gather_object(seen, (island, killed, counts))
-    print0(f"quorum per sync: island 0 {seen[0][2]}; island 1 killed (exit {seen[-1][1]}), back at sync {BACK}")
+    print0(f"island 1 killed (exit {seen[-1][1]}) before sync {LOST}, back at {BACK}; quorums {seen[0][2]}")
+    verdict.figure("quorum_sizes", seen[0][2])  # islands in each sync's quorum, as island 0 saw them
     ok = killed == (-signal.SIGKILL if island else 0) and counts == alone[BACK if island else 0 :]
     verdict.check("island 1 SIGKILLed mid-round: the quorum shrank to island 0, then grew", agreed(rt, ok))
     reference = simulate(trial, rt.world_size // ISLANDS, lost=(LOST, BACK))[island]

@@ -91,5 +91,5 @@ def lighthouse_shows(address: str, text: str, limit_s: float = 60.0) -> None:
         if text in status:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the Lighthouse did not show {text!r} in {limit_s:.0f} s; it shows:\n{status}")
+            raise TimeoutError(f"the Lighthouse did not show {text!r} in {limit_s:g} s; it shows:\n{status}")
         time.sleep(0.05)

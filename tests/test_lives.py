@@ -1,12 +1,16 @@
 """Child processes a lesson kills and restarts (distlab.processes.lives), and the Lighthouse's status page
 (distlab.processes.lighthouse): a child's value comes back, its traceback comes back, a child killed by SIGKILL
-is named by its exit code, and leaving the block kills and reaps a child still running (its pid is gone). The
+is named by its exit code, and leaving the block kills and reaps a child still running (its pid is gone), also
+when the parent is stopped by SIGTERM (as torchrun stops ranks); a parent SIGKILLed takes its children with it. The
 status page is read for what it shows, and a wait for what it never shows ends in one error that quotes it.
 The targets are standard-library functions, so a child imports nothing of the tests."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +39,40 @@ def test_leaving_the_block_kills_and_reaps_a_child_still_running():
     (pid,) = lives.pids
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # killed and reaped: not even a zombie
+
+
+PARENT = """
+import os, sys, time
+from distlab.processes.lives import Lives
+with Lives() as lives:  # the child says it runs (a file), then sleeps; the parent prints its pid and sleeps
+    lives.start(exec, f"import pathlib, time; pathlib.Path({sys.argv[1]!r}).touch(); time.sleep(600)")
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.02)
+    print(lives.pids[0], flush=True)
+    time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever adopted it; it runs nothing)."""
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's")
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_child_does_not_outlive_its_parent(stop, tmp_path):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path / "ready")], stdout=subprocess.PIPE, text=True
+    )
+    child = int(parent.stdout.readline())
+    assert running(child)
+    parent.send_signal(stop)
+    assert parent.wait(30) == (128 + stop if stop == signal.SIGTERM else -stop)
+    deadline = time.monotonic() + 10
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(child)
 
 
 def test_the_lighthouse_status_page_is_read_and_a_wait_that_never_ends_says_what_it_saw():

@@ -3,10 +3,12 @@
 is named by its exit code, and leaving the block kills and reaps a child still running (its pid is gone), also
 when the parent is stopped by SIGTERM (as torchrun stops ranks); a parent SIGKILLed takes its children with it. The
 status page is read for what it shows, and a wait for what it never shows ends in one error that quotes it.
-The targets are standard-library functions, so a child imports nothing of the tests."""
+The Lighthouse a block started is shut down when the block raises (its port closed). The children's targets
+are standard-library functions, so a child imports nothing of the tests."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from distlab.processes.lighthouse import lighthouse_shows
+from distlab.processes.lighthouse import lighthouse, lighthouse_shows
 from distlab.processes.lives import Lives
+from distlab.processes.spawn import spawn
 
 
 def test_a_value_a_traceback_and_a_kill_come_back():
@@ -85,3 +88,27 @@ def test_the_lighthouse_status_page_is_read_and_a_wait_that_never_ends_says_what
             lighthouse_shows(server.address(), "[3 heartbeating]", limit_s=0.3)
     finally:
         server.shutdown()
+
+
+def _listening(address: str) -> bool:
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def _lighthouse_after_a_failure(rt) -> tuple[bool, bool]:
+    """In the rank itself (a Lighthouse dies with its process anyway): is the block's Lighthouse still listening
+    once the block has raised; and is a Lighthouse kept alive (the wrong twin) seen listening?"""
+    from torchft.coordination import LighthouseServer
+
+    with pytest.raises(KeyError), lighthouse(rt, min_replicas=1) as address:
+        raise KeyError("the block fails with the Lighthouse up")
+    kept = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    return _listening(address), _listening(kept.address())
+
+
+def test_the_lighthouse_is_shut_down_when_its_block_raises():
+    assert spawn(_lighthouse_after_a_failure, 1) == [(False, True)]

@@ -258,7 +258,7 @@ def island_life(args, island: int, member: int, members: int, at: tuple[str, int
         while ft.current_step() < SYNCS:
             synced = ft.current_step()
             for k in range(1, every + 1):
-                if fate == "killed" and (synced, k) == (LOST, every):
+                if fate == "killed" and (synced, k) == (LOST, every // 2 + 1):
                     os.kill(os.getpid(), signal.SIGKILL)  # mid-round, no goodbye: a machine lost
                 if fate == "survivor" and (synced, k) == (BACK, every):  # the timeline the same on every run:
                     lighthouse_shows(at[0], "[1/1 participants healthy]")  # the restarted island is asking

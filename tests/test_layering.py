@@ -213,10 +213,12 @@ def test_the_top_floor_may_import_every_floor():
 
 
 def test_a_package_may_import_itself_relatively_or_not():
-    source = "from . import tiles\nfrom .sigmoid import Logits\nfrom distlab.streamed.config import parse_config\n"
+    source = (
+        "from . import torch_tiles\nfrom .sigmoid import Logits\nfrom distlab.streamed.config import parse_config\n"
+    )
     assert imports(source, "distlab.streamed.step") == [
         "distlab.streamed",
-        "distlab.streamed.tiles",
+        "distlab.streamed.torch_tiles",
         "distlab.streamed.sigmoid",
         "distlab.streamed.sigmoid.Logits",
         "distlab.streamed.config",

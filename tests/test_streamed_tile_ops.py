@@ -21,11 +21,11 @@ import pytest  # noqa: E402
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distlab.streamed import tile_size
+from distlab.streamed import chunk_size as tile_size
 from distlab.streamed.config import parse_config
+from distlab.streamed.kernel_choice import tile_ops
 from distlab.streamed.precision import BACKENDS, matmul_settings
 from distlab.streamed.rank_work import count_rank, one_rank
-from distlab.streamed.tile_ops import tile_ops
 
 
 def config(n, exchange="gather", kernels="triton", t=1024, **extra):
@@ -115,7 +115,7 @@ def test_the_new_keys_are_checked():
     assert tile_ops("auto", "float32", 8, torch.device("cuda"), torch.float32).name == "torch"  # IEEE: cuBLAS
     assert tile_ops("auto", "bf16", 8, torch.device("cpu"), torch.float32).name == "torch"
     code = (
-        "import torch; from distlab.streamed.tile_ops import tile_ops\n"
+        "import torch; from distlab.streamed.kernel_choice import tile_ops\n"
         "for kernels in ('triton', 'triton-mm'):\n"
         "    try:\n        tile_ops(kernels, 'float32', 8, torch.device('cpu'), torch.float32)\n"
         "    except ValueError as err:\n        print(err)"

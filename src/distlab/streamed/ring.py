@@ -43,9 +43,9 @@ from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import Posted
 from distlab.comm.ring import Ring
 from distlab.pieces.online_softmax import merge
+from distlab.streamed.kernel_choice import as_tile_ops
 from distlab.streamed.sigmoid import Logits, RankGrads
-from distlab.streamed.tile_ops import as_tile_ops
-from distlab.streamed.tiles import Pairing, RowFold, lse_and_nll
+from distlab.streamed.torch_tiles import Pairing, RowFold, lse_and_nll
 from distlab.streamed.wrappers import compute_dtype
 
 

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from distlab.pieces.chunks import chunks
-from distlab.streamed.tile_ops import as_tile_ops
-from distlab.streamed.tiles import diagonal_crossing
+from distlab.streamed.kernel_choice import as_tile_ops
+from distlab.streamed.torch_tiles import diagonal_crossing
 
 
 def sigmoid_tile(s_tile: torch.Tensor, row0: int, col0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,16 +42,16 @@ from torch import nn
 
 from distlab.pieces.random_state import RandContext
 from distlab.pieces.split_inputs import take_rows
+from distlab.streamed.chunk_size import chunk_for, warn_if_many_launches
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import all_gather_counted, gather_pairs, rank_shares, step_ledger
 from distlab.streamed.exit_hint import hinting_release, with_hint
-from distlab.streamed.guards import Outputs, Ready, agree_gradients_finite, as_outputs, exchange_group, ready_step
+from distlab.streamed.kernel_choice import TileOps, kernels_problem, tile_ops
 from distlab.streamed.peers import naming_dead_peers
 from distlab.streamed.precision import pinned
 from distlab.streamed.sigmoid import Logits
-from distlab.streamed.tile_ops import TileOps, kernels_problem, tile_ops
-from distlab.streamed.tile_size import chunk_for, warn_if_many_launches
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.step_guards import Outputs, Ready, agree_gradients_finite, as_outputs, exchange_group, ready_step
+from distlab.streamed.torch_tiles import Pairing
 from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, surrogate_multiplier
 
 

@@ -1,6 +1,6 @@
 """Triton kernels for the streamed step's tile work: FlashAttention's idea applied to the contrastive loss.
 
-The torch tiles (`distlab.streamed.tiles`, `distlab.streamed.sigmoid`) make each T x T tile of S in memory and
+The torch tiles (`distlab.streamed.torch_tiles`, `distlab.streamed.sigmoid`) make each T x T tile of S in memory and
 then walk it with a dozen element-wise ops, each one a kernel launch that reads and writes the whole tile:
 about 37 launches per T x T tile and 160 bytes per (i, j) of the C x N grid. Here the S tile lives in
 registers: one launch walks every column block of a block of rows, makes each S tile from q and k
@@ -16,7 +16,7 @@ embeddings, the normalisers and G.
                          epilogue makes W, in chunks of rows, then torch's matmul W k (cuBLAS on GPUs).
 
 Every kernel takes float32, bf16 or fp16 embeddings (float64 under the interpreter), keeps its sums in float32
-(float64), and multiplies as MATMUL_PRECISION says (`tile`). `distlab.streamed.tile_ops` chooses between these
+(float64), and multiplies as MATMUL_PRECISION says (`tile`). `distlab.streamed.kernel_choice` chooses between these
 and the torch tiles (config key KERNELS). Triton is imported by these modules only, and only when the Triton
 path is chosen: `import distlab` works without it.
 """

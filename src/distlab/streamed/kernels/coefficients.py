@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.streamed.chunk_size import CPU_BUDGET
 from distlab.streamed.kernels.launch import (
     Blocks,
     accumulator,
@@ -49,9 +50,8 @@ from distlab.streamed.kernels.launch import (
     tiling,
 )
 from distlab.streamed.kernels.product import INFONCE, SIGMOID, coefficients, infonce_vector
-from distlab.streamed.kernels.tile import BF16, BF16_WIDENED, Operand, Tiling, s_tile
-from distlab.streamed.tile_size import CPU_BUDGET
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.kernels.register_tile import BF16, BF16_WIDENED, Operand, Tiling, s_tile
+from distlab.streamed.torch_tiles import Pairing
 
 W_BUDGET = 256 * 2**20  # bytes of W alive at once on a GPU (the module docstring)
 

@@ -34,7 +34,7 @@ from distlab.streamed.kernels.launch import (
     precision_code,
     tiling,
 )
-from distlab.streamed.kernels.tile import BF16, Operand, Tiling, s_tile
+from distlab.streamed.kernels.register_tile import BF16, Operand, Tiling, s_tile
 
 ROWS, COLUMNS = 0, 1  # ROLE: the rows' fold only, or the columns' too
 

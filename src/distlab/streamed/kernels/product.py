@@ -43,8 +43,8 @@ from distlab.streamed.kernels.launch import (
     precision_code,
     tiling,
 )
-from distlab.streamed.kernels.tile import Operand, Tiling, dot, log1p, operand, s_tile
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.kernels.register_tile import Operand, Tiling, dot, log1p, operand, s_tile
+from distlab.streamed.torch_tiles import Pairing
 
 INFONCE, SIGMOID = 0, 1  # ROLE
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from distlab.streamed.precision import rounded
-from distlab.streamed.tiles import (
+from distlab.streamed.torch_tiles import (
     Pairing,
     RowFold,
     ring_fold_tiles,
@@ -110,7 +110,7 @@ class TritonTiles:
 
     def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         from distlab.streamed.kernels.lse import row_lse
-        from distlab.streamed.tiles import lse_and_nll
+        from distlab.streamed.torch_tiles import lse_and_nll
 
         folded = row_lse(*self._operands(q, k), scale, offset, self.precision, blocks=self.blocks)
         return lse_and_nll(folded.m, folded.l, folded.diag)

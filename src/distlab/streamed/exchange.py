@@ -90,7 +90,7 @@ def rank_shares(
     """This rank's C rows' (G_x, G_y, dL/ds share, dL/dbeta share) and the global L, from its own detached
     C x d embeddings: a `Logits` (s, beta) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
     InfoNCE gather runs per micro-batch in `step`), over `group` (None: the world). `tiles` does the tile
-    work (`tile_ops`; an int T: the torch tiles) under its matmul precision, autocast off; sums in the
+    work (`kernel_choice`; an int T: the torch tiles) under its matmul precision, autocast off; sums in the
     compute dtype throughout. Without `want_grads` (a loss under torch.no_grad()) the gathered sigmoid loss
     computes no G (the ring's passes make L and G together: it computes them all)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -166,7 +166,7 @@ def _add(received: list, partial: list) -> list:
 
 def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, tiles) -> RankGrads:
     """This rank's share of the symmetric InfoNCE and its gradients, from its own C x d z_x, z_y and
-    the two ring passes (4 C N d with the torch tiles, 5 with the kernels: `tile_ops`). g_y is for this
+    the two ring passes (4 C N d with the torch tiles, 5 with the kernels: `kernel_choice`). g_y is for this
     rank's own C columns (= its pairs' z_y). `tiles`: a TileOps, or T (the torch tiles)."""
     c, n, me, tiles = len(x), len(x) * ring.world, ring.rank, as_tile_ops(tiles)
     kw = dict(dtype=compute_dtype(x.dtype), device=x.device)

@@ -113,7 +113,7 @@ def sigmoid_gathered(
     z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, tiles, want_g_y: bool = True, want_grads=True
 ):
     """With the gathered N x d Z_x, Z_y: my rows against every column (loss, G_x, ds, db: 2 C N d),
-    and every row against my columns (G_y: 2 C N d more). `tiles`: a `tile_ops` TileOps, or T (the torch
+    and every row against my columns (G_y: 2 C N d more). `tiles`: a `kernel_choice` TileOps, or T (the torch
     tiles of at most T x T). Without `want_grads` (a loss under torch.no_grad()): the loss and dL/dbeta's
     sum alone, S once (2 C N d; the Triton kernel makes D Z_y beside it anyway), no G."""
     n, s, tiles = len(z_x), logits.s, as_tile_ops(tiles)

@@ -54,7 +54,7 @@ def interpreted(kernel) -> bool:
 def precision_code(precision: str, dtype: torch.dtype, interpreting: bool) -> int:
     """How tl.dot multiplies: float64 embeddings in float64 whatever MATMUL_PRECISION says (the dtype that
     checks exactness), else MATMUL_PRECISION's float32, tf32 or bf16 (under the interpreter bf16 as
-    BF16_WIDENED, tf32 as float32: see `tile`)."""
+    BF16_WIDENED, tf32 as float32: see `register_tile`)."""
     if dtype == torch.float64:
         return F64
     code = PRECISIONS[precision]

@@ -18,9 +18,9 @@ Each rule is checked on the source (every import statement, also inside function
 resolved), and each check is shown to fail on a planted import. No import circle of more than two modules exists
 anywhere in the library, deferred imports included (an import inside a function that closes a circle is still
 the circle: the streamed step's launch warning once closed one of nine modules that way). The two-module circles
-left are a pair that is one idea in two files: `processes.runtime` and `processes.strict` (strict device mode
-wraps the runtime's collectives; the runtime switches it on), `streamed.sigmoid` and `streamed.kernel_choice`
-(the torch tiles' sigmoid block, chosen there).
+left are a pair each, one idea in two files: `processes.runtime` and `processes.strict` (strict device mode
+checks tensors against a `Runtime`'s device; `distributed(strict=True)` turns it on), `streamed.sigmoid` and
+`streamed.kernel_choice` (the sigmoid's torch-tile block is one of the choices; the sigmoid loss takes a choice).
 """
 
 import ast

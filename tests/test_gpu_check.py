@@ -4,6 +4,7 @@ script reads them. (The check itself runs with `bash benchmarks/gpu_check.sh --c
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -47,3 +48,18 @@ def test_the_environment_questions_answer_as_the_script_reads_them():
     assert int(count) == torch.cuda.device_count() and cuda == str(torch.version.cuda)
     assert ask("missing") == ""  # the pinned stack has every package the check needs
     assert ask("api") == ""  # and torch 2.13 every name the project calls
+
+
+def test_the_equivalence_cases_are_one_base_and_their_changes():
+    """gpu_check_equiv.py's CASES are `case(name, **changes)` over one BASE: each differs from it only where its
+    name says, is allowed its dtype's tolerance, and is named once (the records key on the names)."""
+    spec = importlib.util.spec_from_file_location("gpu_check_equiv", ROOT / "benchmarks" / "gpu_check_equiv.py")
+    equiv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(equiv)
+    names = [each["name"] for each in equiv.CASES]
+    assert len(names) == len(set(names)) == 10
+    for each in equiv.CASES:
+        assert set(equiv.BASE) <= set(each) and each["tol"] == equiv.TOLERANCES[each["dtype"]], each
+    ring = equiv.case("ring", exchange="ring", dtype="float32")
+    assert ring == equiv.BASE | {"exchange": "ring", "dtype": "float32", "name": "ring", "tol": 1e-4}
+    assert equiv.case("x", **equiv.WHOLE)["b"] == equiv.N  # B = C: one micro-batch a rank at any P

@@ -2,13 +2,13 @@
 
 Keys: GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), TAU (tau; leave it out when the model returns its own
 logit scale s), and the optional STREAM_CHUNK_SIZE (T, the side of the torch tiles; left out: from the
-device and a memory budget, `tile_size`); NORMALISERS, how phase 2 computes the log-normalisers a, b:
+device and a memory budget, `chunk_size`); NORMALISERS, how phase 2 computes the log-normalisers a, b:
 "sharded" (default; each rank its own C rows and columns of S, then a tiny all-gather) or "replicated"
 (every rank all N^2 similarities, no exchange); EXCHANGE, how the ranks' embeddings meet: "gather"
 (default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring`);
 KERNELS, who does the tile work: "auto" (default: the Triton kernels with W in memory, "triton-mm", on CUDA
 tensors at a tensor-core MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton" or "triton-mm"
-(`tile_ops`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`).
+(`kernel_choice`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`).
 A misspelt key is reported with the closest known name rather than silently ignored. `parse_config` is pure:
 given the same dict it raises the same ValueError on every rank.
 """
@@ -26,7 +26,7 @@ from distlab.pieces.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE")
 OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION")
-KERNELS = ("auto", "torch", "triton", "triton-mm")  # `tile_ops`
+KERNELS = ("auto", "torch", "triton", "triton-mm")  # `kernel_choice`
 MATMUL_PRECISIONS = ("float32", "tf32", "bf16")  # `precision`
 NORMALISERS = ("sharded", "replicated")
 EXCHANGES = ("gather", "ring")
@@ -39,14 +39,14 @@ class StreamConfig:
 
     n: int  # N, the global batch
     b: int  # B, the largest micro-batch
-    t: int | None  # T, the stream chunk (tiles are at most T x T); None: from the device (`tile_size`)
+    t: int | None  # T, the stream chunk (tiles are at most T x T); None: from the device (`chunk_size`)
     tau: float | None  # None: the model returns the logit scale s
     normalisers: str  # "sharded" or "replicated"
     world: int  # P, the size of the group the wrapper reduces over
     rank: int  # this rank's place in that group
     group: Any = field(default=None, compare=False)  # that process group (None: the world)
     exchange: str = "gather"  # "gather" or "ring"
-    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton" or "triton-mm" (`tile_ops`)
+    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton" or "triton-mm" (`kernel_choice`)
     precision: str = "float32"  # MATMUL_PRECISION: "float32", "tf32" or "bf16" (`precision`)
 
     @property

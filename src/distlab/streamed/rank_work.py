@@ -15,12 +15,12 @@ import torch
 
 from distlab.comm.p2p import Posted
 from distlab.streamed.config import StreamConfig
-from distlab.streamed.launches import LaunchCount
+from distlab.streamed.kernel_choice import TileOps, tile_ops
+from distlab.streamed.launch_count import LaunchCount
 from distlab.streamed.precision import pinned
 from distlab.streamed.ring import Endpoint, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, sigmoid_gathered
 from distlab.streamed.step import Embedded, Normalisers, own_normalisers, phase3_embedding_grads
-from distlab.streamed.tile_ops import TileOps, tile_ops
 from distlab.streamed.wrappers import compute_dtype
 
 TAU, S_SIGMOID, BETA = 0.07, 10.0, -10.0  # CLIP's temperature; SigLIP's initial scale and bias

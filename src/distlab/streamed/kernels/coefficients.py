@@ -6,7 +6,7 @@ column block reads and writes the program's BLOCK_M x d slice of G, which on an 
 step's bottleneck (one rank of N = 65,536, P = 8: 0.035 s against the 6 C N d matmul floor's 0.0095 s,
 benchmarks/results/gpu/2026-11-26-kernels-h100). Here each product is two launches per chunk of rows:
 
-    1. `coefficient_kernel`: one program per BLOCK_M x BLOCK_N tile of S (`tile.s_tile`, d in slices of
+    1. `coefficient_kernel`: one program per BLOCK_M x BLOCK_N tile of S (`register_tile.s_tile`, d in slices of
        BLOCK_D: a GEMM), whose epilogue makes W (`product.coefficients`: R + Q - 2 delta, or the sigmoid's
        D) and stores it, in bf16 under MATMUL_PRECISION "bf16" (the rounding `product` gives W before its
        second dot), else float32 (float64 for float64 embeddings); for the sigmoid also each row's partial
@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.streamed.chunk_size import CPU_BUDGET
 from distlab.streamed.kernels.launch import (
     Blocks,
     accumulator,
@@ -49,9 +50,8 @@ from distlab.streamed.kernels.launch import (
     tiling,
 )
 from distlab.streamed.kernels.product import INFONCE, SIGMOID, coefficients, infonce_vector
-from distlab.streamed.kernels.tile import BF16, BF16_WIDENED, Operand, Tiling, s_tile
-from distlab.streamed.tile_size import CPU_BUDGET
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.kernels.register_tile import BF16, BF16_WIDENED, Operand, Tiling, s_tile
+from distlab.streamed.torch_tiles import Pairing
 
 W_BUDGET = 256 * 2**20  # bytes of W alive at once on a GPU (the module docstring)
 

@@ -1,7 +1,7 @@
 """Phase 3's kernel (and the sigmoid loss's): sum_j W_ij k_j for a block of rows, W recomputed from S tile by
 tile, never stored.
 
-For each BLOCK_N block of columns a program makes its S tile in registers (`tile.s_tile`), turns it into the
+For each BLOCK_N block of columns a program makes its S tile in registers (`register_tile.s_tile`), turns it into the
 tile of coefficients W, and adds W k[cols] into its rows of G (d in slices of BLOCK_D):
 
     InfoNCE (ROLE = INFONCE)   W_ij = exp(S_ij - lse_q_i) + exp(S_ij - lse_k_j) - 2 delta_ij = R + Q - 2 delta,
@@ -43,8 +43,8 @@ from distlab.streamed.kernels.launch import (
     precision_code,
     tiling,
 )
-from distlab.streamed.kernels.tile import Operand, Tiling, dot, log1p, operand, s_tile
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.kernels.register_tile import Operand, Tiling, dot, log1p, operand, s_tile
+from distlab.streamed.torch_tiles import Pairing
 
 INFONCE, SIGMOID = 0, 1  # ROLE
 

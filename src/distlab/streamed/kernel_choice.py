@@ -8,7 +8,7 @@ step's matmul precision (MATMUL_PRECISION, `precision`).
               memory, not in registers: on an H200 at one rank of N = 65,536, P = 8, d = 1,024 it took 0.017 s
               where the fused kernels took 0.033 s (InfoNCE) and 0.0085 s where they took 0.042 s (the sigmoid
               ring), every path exact in bf16 there (benchmarks/results/gpu/2026-11-28-decide-h200)
-    "torch"   the torch tiles: T x T tiles of S in memory, a dozen ops on each (`tiles`, `sigmoid`)
+    "torch"   the torch tiles: T x T tiles of S in memory, a dozen ops on each (`torch_tiles`, `sigmoid`)
     "triton"  the Triton kernels (`distlab.streamed.kernels`), S and W in registers: CUDA tensors, or CPU
               tensors under Triton's interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
     "triton-mm"  the same, except phase 3's products (and the sigmoid's): W made by a Triton GEMM's epilogue
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from distlab.streamed.precision import rounded
-from distlab.streamed.tiles import (
+from distlab.streamed.torch_tiles import (
     Pairing,
     RowFold,
     ring_fold_tiles,
@@ -110,7 +110,7 @@ class TritonTiles:
 
     def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         from distlab.streamed.kernels.lse import row_lse
-        from distlab.streamed.tiles import lse_and_nll
+        from distlab.streamed.torch_tiles import lse_and_nll
 
         folded = row_lse(*self._operands(q, k), scale, offset, self.precision, blocks=self.blocks)
         return lse_and_nll(folded.m, folded.l, folded.diag)

@@ -229,8 +229,22 @@ def rewrite_notebook(text: str) -> str:
     return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
 
 
+def tree_files(root: Path) -> list[Path]:
+    """Every file of the tree: in a git checkout the tracked ones and the untracked ones git does not ignore
+    (a local build's egg-info or an ignored scratch folder is not the tree), elsewhere every file below it."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=False,
+    )
+    if listed.returncode != 0:
+        return sorted(root.rglob("*"))
+    return sorted(root / name for name in listed.stdout.decode().split("\0") if name)
+
+
 def text_files(root: Path):
-    for path in sorted(root.rglob("*")):
+    for path in tree_files(root):
         relative = path.relative_to(root).as_posix()
         if any(part in SKIP_DIRS for part in path.relative_to(root).parts) or not path.is_file():
             continue

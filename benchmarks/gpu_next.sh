@@ -5,7 +5,8 @@
 #      P = 1 ring against the cuBLAS floors), and the tile search once per kind and d, printed as rows to commit;
 #   2. benchmarks/clip_batch.py --n-max 3840: open_clip's ViT-B-32 at its largest batch, then 4x and 16x it;
 #   3. lessons 05 and 13 at P = 1 on the device (05 with --emulate-ms 2.5: at P = 1 its emulated device sleeps
-#      for all 16 layers a pass, 4x what run_all's P = 4 sleeps, about 46 s of sleeps at the default 10 ms;
+#      for all 16 layers a pass, 4x what run_all's P = 4 sleeps: 3 passes x 8 micro-batches x 16 layers x
+#      10 ms x 3 steps x 5 schedules = 58 s of sleeps at the default 10 ms;
 #      2.5 ms keeps P = 4's 40 ms a tick and the lesson's claims, which are about gradients, not the sleeps).
 #
 #   bash benchmarks/gpu_next.sh OUT                  # one H100 / H200, carry [".whl"] for siglip-kernel

@@ -17,7 +17,8 @@ this order:
     4. a search: each of a few candidates (tiles, warps, stages, rows of W) run on the call's own operands,
        timed (`cuda_timer`: the median of 3 after a warm-up that compiles), the fastest kept, then written to the
        cache file atomically (a temporary file in the same folder, then `os.replace`: a reader sees the old file
-       or the new one, never half of one). A candidate that fails to compile or to launch is skipped.
+       or the new one, never half of one; ranks of one machine writing at once may lose one another's entry,
+       which is searched again on its next first use). A candidate that fails to compile or to launch is skipped.
 
 Ranks of one step may time differently and choose differently; each rank's result stays exact (every
 candidate is the same arithmetic, summed in another order), only bit-identity across ranks' configurations is

@@ -7,8 +7,8 @@ paths built since the H200 record timed against that record's rows and against t
 Rows, in the order of what they decide (each the median of --repeats after a warm-up that compiles; peak memory
 above the start; a row that raises is recorded and skipped; rows past --budget are listed, not run):
   E  exact on this card first: every path against plain autograd in float64 (`kernels_gpu.check_exact`: float32
-     to 1e-5, bf16 within 1.25x autocast's own error), and the sigmoid's loss value through the division-free
-     log1p (`tile.log1p_cheap`, the GPU's approximate lg2) in float32 to 1e-5;
+     to 1e-5, bf16 within 1.25x autocast's own error), and the sigmoid's loss value (its epilogue's approximate
+     divisions and log1p series, `product.sigmoid_terms`) in float32 to 1e-5;
   A  this card's baselines: open_clip's ClipLoss and SigLipLoss recipes, cuBLAS floors of 6, 4 and 3 C N d;
   B  one rank of N = 65,536, P = 8, d = 1,024, bf16, the defaults as they now are (tiles from
      `kernels.tuning`, W in 512 MiB chunks, the column product added in place): InfoNCE ring and gather, the

@@ -43,7 +43,7 @@ from distlab.streamed.kernels.launch import (
     precision_code,
     tiling,
 )
-from distlab.streamed.kernels.tile import Operand, Tiling, dot, log1p, log1p_cheap, operand, s_tile
+from distlab.streamed.kernels.tile import Operand, Tiling, dot, log1p, operand, s_tile
 from distlab.streamed.tiles import Pairing
 
 INFONCE, SIGMOID = 0, 1  # ROLE
@@ -54,16 +54,16 @@ def sigmoid_terms(s, hit, PRECISION: tl.constexpr):
     """(N D, softplus(v)) for a tile of logits S = s q k^T + beta: v = -eps S with eps = +1 where `hit`
     (the positives), N D = -eps sigma(v). sigma(v) and softplus(v) never overflow for any |S|.
 
-    What each element costs (the epilogue of the sigmoid's GEMM, `coefficients`): one exp, one division and
-    `log1p_cheap` (seven fused multiply-adds, one lg2, a select); float64 keeps the 17-term atanh series.
-    Triton's float32 `/` is already the GPU's approximate division (div.full.f32, 2 ulp), so sigma costs one
-    approximate reciprocal and a multiply."""
+    What each element costs on sm_90 (the PTX of the sigmoid GEMM's epilogue, bf16 128 x 128 x 64, Triton 3.9,
+    `kernels_compile_check.py`): one ex2.approx, two div.full.f32 (Triton's float32 `/` is already the GPU's
+    approximate division, 2 ulp: sigma's and the series' z) and ten fused multiply-adds, no register spilled.
+    A log1p through `tl.log2` (a short series below 1/8, log2(1 + x) above) was tried and compiled worse:
+    Triton lowers `tl.log2` to libdevice's accurate log2f (twelve more multiply-adds and the selects around it, not
+    the MUFU lg2.approx), and the kernel then spilled 220 bytes a thread; the approximate lg2 needs inline PTX,
+    which the interpreter cannot run, so nothing here could prove it."""
     v = tl.where(hit, -s, s)
     x = tl.exp(-tl.abs(v))
-    if PRECISION == 3:
-        softplus = tl.maximum(v, 0.0) + log1p(x, 17)
-    else:
-        softplus = tl.maximum(v, 0.0) + log1p_cheap(x)
+    softplus = tl.maximum(v, 0.0) + log1p(x, 17 if PRECISION == 3 else 8)
     sig = tl.where(v >= 0, 1.0, x) / (1.0 + x)
     return tl.where(hit, -sig, sig), softplus
 

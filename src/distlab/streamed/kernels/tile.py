@@ -101,17 +101,3 @@ def log1p(x, TERMS: tl.constexpr):
     for i in tl.static_range(TERMS):
         p = p * z2 + 1.0 / (2 * (TERMS - 1 - i) + 1)
     return 2.0 * z * p
-
-
-@triton.jit
-def log1p_cheap(x):
-    """log(1 + x) for 0 <= x <= 1 in float32 without a division: below 1/8 the series
-    x - x^2/2 + x^3/3 - ... + x^7/7 by Horner (its error is at most x^8/8, relative at most (1/8)^7 / 7.5 =
-    6.4e-8 of log(1 + x) >= 0.9375 x), from 1/8 up log2(1 + x) ln 2 (1 + x rounded costs at most 1.1e-7 in
-    the log, relative at most 9e-7 of log(1 + 1/8) = 0.118; on a GPU lg2 is the approximate MUFU instruction,
-    whose own error the GPU run measures). Both branches are computed and one selected (no divergence)."""
-    # the coefficients are compile-time constants: no division is left in the kernel
-    high = -1.0 / 4 + x * (1.0 / 5 + x * (-1.0 / 6 + x * (1.0 / 7)))  # the terms from x^4 on, over x^3
-    series = x * (1.0 + x * (-1.0 / 2 + x * (1.0 / 3 + x * high)))
-    logged = tl.log2(1.0 + x) * 0.6931471805599453
-    return tl.where(x < 0.125, series, logged)

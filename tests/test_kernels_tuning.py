@@ -92,6 +92,8 @@ def test_a_card_on_record_takes_the_committed_table(tmp_path):
         name = tuning.key(tuning.H200, d, torch.bfloat16, "bf16", kind)
         choice = tuning.choose_on(name, kind, SLOW, timer.run, timer, tmp_path / "tiles.json")
         assert choice.source == "table" and (choice.blocks.m, choice.blocks.n, choice.blocks.d) == want
+    h100 = tuning.key(tuning.H100, 1024, torch.bfloat16, "bf16", "infonce")  # the fused kernels on the H100
+    assert tuning.choose_on(h100, "infonce", SLOW, timer.run, timer, tmp_path / "tiles.json").blocks.n == 256
     assert timer.calls == 0 and not (tmp_path / "tiles.json").exists()
     tf32 = tuning.key(tuning.H200, 1024, torch.float32, "tf32", "infonce-mm")  # not on record: searched
     assert tuning.choose_on(tf32, "infonce-mm", SLOW, timer.run, timer, tmp_path / "tiles.json").source == "search"
@@ -112,7 +114,8 @@ def test_on_a_cpu_the_cache_is_never_read_or_written(tmp_path, monkeypatch):
     z_x, z_y = (torch.randn(24, 8, generator=gen) for _ in range(2))
     for exchange, loss in (("gather", "infonce"), ("ring", "infonce"), ("ring", "sigmoid")):
         cfg = parse_config(keys | {"EXCHANGE": exchange, "KERNELS": "triton-mm"}, 2, 0)
-        one_rank(cfg, z_x, z_y, loss, TritonTiles("float32", w_in_memory=True))  # the fold and both GEMMs
+        for w_in_memory in (True, False):  # the folds, both GEMMs, and the fused products
+            one_rank(cfg, z_x, z_y, loss, TritonTiles("float32", w_in_memory=w_in_memory))
     assert not cache.parent.exists()
     assert tuning.choose("fold", z_x, "float32", SLOW, lambda b: None).source == "default"
     with pytest.raises(AssertionError, match="touched"):  # the check can fail: off the CPU gate the cache is read

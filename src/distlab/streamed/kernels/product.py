@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.streamed.kernels import tuning
 from distlab.streamed.kernels.launch import (
     Blocks,
     accumulator,
@@ -147,7 +148,10 @@ def _run(q, k, walk: tuple, vectors: tuple, role: int, precision: str, blocks: B
     n_q, d = q.shape
     interpreting = interpreted(product_kernel)
     code = precision_code(precision, q.dtype, interpreting)
-    blocks = blocks or default_blocks(code, interpreting, sigmoid=role == SIGMOID)
+    if blocks is None:  # on CUDA measured per card and d (`tuning`), elsewhere `launch.default_blocks`
+        default = default_blocks(code, interpreting, sigmoid=role == SIGMOID)
+        again = lambda b: _run(q, k, walk, vectors, role, precision, b)  # noqa: E731 - one candidate's run
+        blocks = tuning.choose("sigmoid" if role == SIGMOID else "infonce", q, precision, default, again).blocks
     per_split, splits = column_split(n_q, len(k), blocks, q.device)
     g = torch.empty(splits, n_q, d, dtype=accumulator(code), device=q.device)
     loss, d_sum = torch.empty(2, splits, n_q if role == SIGMOID else 1, dtype=g.dtype, device=q.device)

@@ -6,10 +6,11 @@ What a launch configuration is worth depends on the card, on d (how long each S 
 registers the epilogue leaves) and on the dtype; one sweep on one card at one d (the defaults) is a guess
 elsewhere. So a configuration is looked up by its key,
 
-    device name | d | dtype | precision | kind        kind: "fold", "ring-fold", "infonce-mm", "sigmoid-mm"
+    device name | d | dtype | precision | kind        kind: "fold", "ring-fold", "infonce-mm", "sigmoid-mm",
+                                                            "infonce", "sigmoid"
 
-(the row fold, the ring's fold with column statistics, the InfoNCE's and the sigmoid's coefficient GEMM), in
-this order:
+(the row fold, the ring's fold with column statistics, the InfoNCE's and the sigmoid's coefficient GEMM, and
+their fused products, W in registers), in this order:
 
     1. WINNERS, the table committed from the GPU runs on record (no search: a user's first step is not one);
     2. this process's memory of earlier answers;
@@ -58,14 +59,21 @@ def _b(m, n, d, stages=3, warps=8):
 # - H200, d = 512, 256, 128 (ring_parts/): the whole InfoNCE ring timed with one block set for its fold and its
 #   GEMM: 128 x 256 x 64 at 4 stages (0.0136 s), 128 x 128 x 64 (0.0086 s), 128 x 256 x 64 at 4 stages
 #   (0.0101 s), against the defaults' 0.0141, 0.0109 and 0.0111 s; so both kinds take that set.
-# - H100, d = 1,024 (benchmarks/results/gpu/2026-11-26-kernels-h100/sweep): the fused kernels only
-#   ("triton-mm" was not yet built): no row here; the fused defaults of `launch` are that sweep's winners.
+# - the fused products (KERNELS "triton"), d = 1,024: on the H200 (sweep/) the InfoNCE's 128 x 256 x 64 in 10
+#   column ranges (0.0293 s against 0.0333 s in the ranges the SM count gave then), the sigmoid's 128 x 256 x 64
+#   (0.0385 s against 0.0407 s in 128 x 128); on the H100 (2026-11-26-kernels-h100/sweep, the only kernels timed
+#   there: "triton-mm" was not yet built) the InfoNCE's 128 x 256 x 64 (0.0350 s), the sigmoid's 128 x 128 x 64
+#   (0.0456 s).
 SMALL_D = {128: _b(128, 256, 64, 4)}
 WINNERS: dict[tuple[str, str], dict[int, Blocks]] = {
     (H200, "ring-fold"): {1024: _b(128, 128, 64), 512: _b(128, 256, 64, 4), 256: _b(128, 128, 64)} | SMALL_D,
     (H200, "infonce-mm"): {1024: _b(128, 256, 64), 512: _b(128, 256, 64, 4), 256: _b(128, 128, 64)} | SMALL_D,
     (H200, "sigmoid-mm"): {1024: _b(128, 128, 64, 4)},
     (H200, "fold"): {1024: _b(128, 256, 64)},
+    (H200, "infonce"): {1024: replace(_b(128, 256, 64), splits=10)},
+    (H200, "sigmoid"): {1024: _b(128, 256, 64)},
+    (H100, "infonce"): {1024: _b(128, 256, 64)},
+    (H100, "sigmoid"): {1024: _b(128, 128, 64)},
 }
 # Which KERNELS "auto" takes on CUDA at a tensor-core precision, per card and d: on the H200 W in memory won at
 # every d timed (ring_parts/: 128 to 1,024, both losses, both exchanges, and at tf32).

@@ -48,6 +48,7 @@ H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_nam
 
 
 def _b(m, n, d, stages=3, warps=8):
+    """Blocks(m, n, d, warps, stages), stages first: the records vary them more than the warps (8 in every winner)."""
     return Blocks(m, n, d, warps, stages)
 
 

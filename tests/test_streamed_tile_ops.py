@@ -49,7 +49,7 @@ def test_fused_launches_per_step_do_not_grow_with_n(loss, exchange):
 @pytest.mark.parametrize("loss", ["infonce", "sigmoid"])
 def test_w_in_memory_launches_grow_with_the_chunks_of_w_only(loss):
     """KERNELS "triton-mm": where the fused path launches one product kernel, one coefficient kernel (and a
-    matmul) per chunk of W of at most W_BUDGET bytes: 4 chunks of a bf16 C x N at N = 65,536, P = 8; one at
+    matmul) per chunk of W of at most W_BUDGET bytes: 2 chunks of a bf16 C x N at N = 65,536, P = 8; one at
     N = 4,096."""
     from distlab.streamed.kernels.coefficients import W_BUDGET
 

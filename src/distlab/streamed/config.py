@@ -8,7 +8,9 @@ device and a memory budget, `chunk_size`); NORMALISERS, how phase 2 computes the
 (default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring`);
 KERNELS, who does the tile work: "auto" (default: the Triton kernels with W in memory, "triton-mm", on CUDA
 tensors at a tensor-core MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton" or "triton-mm"
-(`kernel_choice`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`).
+(`kernel_choice`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`);
+W_MEMORY_MIB, for "triton-mm" the most MiB of the coefficient tile W alive at once (left out: 512 on a GPU,
+4,096 rows of bf16 W at N = 65,536; `kernels.coefficients`).
 A misspelt key is reported with the closest known name rather than silently ignored. `parse_config` is pure:
 given the same dict it raises the same ValueError on every rank.
 """
@@ -25,7 +27,7 @@ from typing import Any
 from distlab.pieces.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE")
-OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION")
+OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION", "W_MEMORY_MIB")
 KERNELS = ("auto", "torch", "triton", "triton-mm")  # `kernel_choice`
 MATMUL_PRECISIONS = ("float32", "tf32", "bf16")  # `precision`
 NORMALISERS = ("sharded", "replicated")
@@ -48,6 +50,12 @@ class StreamConfig:
     exchange: str = "gather"  # "gather" or "ring"
     kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton" or "triton-mm" (`kernel_choice`)
     precision: str = "float32"  # MATMUL_PRECISION: "float32", "tf32" or "bf16" (`precision`)
+    w_mib: int | None = None  # W_MEMORY_MIB: "triton-mm"'s budget for W (None: the default, `kernels.coefficients`)
+
+    @property
+    def w_budget(self) -> int | None:
+        """W_MEMORY_MIB in bytes (None: left out)."""
+        return None if self.w_mib is None else self.w_mib * 2**20
 
     @property
     def local(self) -> int:
@@ -143,8 +151,9 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = 
     precision = config.get("MATMUL_PRECISION", "float32")
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"config['MATMUL_PRECISION'] must be one of {MATMUL_PRECISIONS}, got {precision!r}")
+    w_mib = _int_key(config, "W_MEMORY_MIB") if "W_MEMORY_MIB" in config else None
     if n % world:
         raise ValueError(
             f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: every rank must hold N / P pairs"
         )
-    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange, kernels, precision)
+    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange, kernels, precision, w_mib)

@@ -66,7 +66,7 @@ def count_rank(cfg: StreamConfig, loss: str, d: int, dtype: torch.dtype) -> Laun
     STREAM_CHUNK_SIZE, which the torch tiles need here; the kernels ignore it)."""
     meta = torch.device("meta")
     z_x, z_y = (torch.empty(cfg.n, d, dtype=dtype, device=meta) for _ in range(2))
-    ops = tile_ops(cfg.kernels, cfg.precision, cfg.t or 1, meta, dtype)
+    ops = tile_ops(cfg.kernels, cfg.precision, cfg.t or 1, meta, dtype, d, cfg.w_budget)
     with LaunchCount() as count:
         one_rank(cfg, z_x, z_y, loss, ops)
     return count

@@ -222,7 +222,7 @@ def step_tile_ops(cfg: StreamConfig, z_x: torch.Tensor, z_y: torch.Tensor) -> Ti
     STREAM_CHUNK_SIZE, or the default for this device and shape (`chunk_size`)."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     t = cfg.t or chunk_for(cfg, z_x.shape[1], z_x.device, dtype)
-    ops = tile_ops(cfg.kernels, cfg.precision, t, z_x.device, dtype)
+    ops = tile_ops(cfg.kernels, cfg.precision, t, z_x.device, dtype, z_x.shape[1], cfg.w_budget)
     if ops.name == "torch":
         warn_if_many_launches(cfg, t, z_x.device, dtype)
     return ops

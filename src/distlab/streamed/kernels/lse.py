@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.streamed.kernels import tuning
 from distlab.streamed.kernels.launch import (
     Blocks,
     accumulator,
@@ -117,7 +118,10 @@ def row_lse(
     float64 embeddings); q and k in one dtype, unit stride along d."""
     n_q, d = q.shape
     code = precision_code(precision, q.dtype, interpreted(lse_kernel))
-    blocks = blocks or fold_blocks(code, interpreted(lse_kernel), columns)
+    if blocks is None:  # on CUDA measured per card and d (`tuning`), elsewhere `fold_blocks`
+        default = fold_blocks(code, interpreted(lse_kernel), columns)
+        again = lambda b: row_lse(q, k, scale, offset, precision, columns, b)  # noqa: E731 - one candidate's run
+        blocks = tuning.choose("ring-fold" if columns else "fold", q, precision, default, again).blocks
     per_split, splits = column_split(n_q, len(k), blocks, q.device)
     row_blocks = triton.cdiv(n_q, blocks.m)
     kw = dict(dtype=accumulator(code), device=q.device)

@@ -46,8 +46,8 @@ LESSONS=(
   "async_tensor_parallel|2|the same at P = 2|"
   "dualpipe|4|DualPipeV as data (overlapped forward-backward pairs): ours on our runner and torch's ScheduleDualPipeV = the unsplit model; torch executes our order; bubble (P-1)/(6M+P-1) and 2P+1 in flight = the closed forms, beside ZB-V and 1F1B; DualPipe in both directions (two copies, mirrors summed) = the unsplit model, P+1 in flight|--micro-batches 8"
   "dualpipe|2|the same at P = 2|--micro-batches 4"
-  "diloco|2|2 islands of 1: by hand = torchft DiLoCo (init_sync=False) = one-process islands bit for bit; the default's first-round heal reproduced; bytes S per round against DDP's H syncs|"
-  "diloco|4|2 islands of 2 (DDP inside), streaming F = 2: the same bit for bit; rank m heals from island m mod 2|--fragments 2"
+  "diloco|2|2 islands of 1: by hand = torchft DiLoCo (init_sync=False) = one-process islands bit for bit; the default's first-round heal reproduced; island 1 killed mid-round and healed = the reference with its round dropped; bytes S per round against DDP's H syncs|"
+  "diloco|4|2 islands of 2 (DDP inside), streaming F = 2: the same bit for bit; rank m heals from island m mod 2; the lost island too|--fragments 2"
 )
 
 mkdir -p runs

@@ -125,78 +125,31 @@ def tiles_case(rt, n, d, t, dtype):
     return dict(rel_gx=rel(g_x, rx.grad), rel_gy=rel(g_y, ry.grad), loss=loss, loss_ref=lref.item())
 
 
-CASES = []
-for dtype, tol in (("float64", 1e-9), ("float32", 1e-4), ("bf16", 3e-2)):
-    CASES += [
-        dict(
-            name=f"{dtype} InfoNCE gather B=C tau",
-            dtype=dtype,
-            tol=tol,
-            loss="infonce",
-            exchange="gather",
-            b=N,
-            t=16,
-            dropout=0.0,
-            scale=False,
-        ),
-        dict(
-            name=f"{dtype} InfoNCE gather B<C dropout learned-s",
-            dtype=dtype,
-            tol=tol,
-            loss="infonce",
-            exchange="gather",
-            b="half",
-            t=7,
-            dropout=0.3,
-            scale=True,
-        ),
-    ]
-CASES += [
-    dict(
-        name="float64 InfoNCE ring B<C dropout",
-        dtype="float64",
-        tol=1e-9,
-        loss="infonce",
-        exchange="ring",
-        b="half",
-        t=7,
-        dropout=0.3,
-        scale=True,
+TOLERANCES = {"float64": 1e-9, "float32": 1e-4, "bf16": 3e-2}  # relative error allowed against autograd
+BASE = dict(dtype="float64", loss="infonce", exchange="gather", b="half", t=7, dropout=0.3, scale=True)
+WHOLE = dict(b=N, t=16, dropout=0.0)  # B = C: one micro-batch a rank, nothing recomputed, no dropout
+
+
+def case(name: str, **changes) -> dict:
+    """One case: BASE (micro-batches of C / 2 with dropout, a learned scale, T = 7) with `changes`, allowed the
+    tolerance of its dtype."""
+    spec = BASE | changes
+    return spec | {"name": name, "tol": TOLERANCES[spec["dtype"]]}
+
+
+CASES = [
+    *(
+        each
+        for dtype in TOLERANCES
+        for each in (
+            case(f"{dtype} InfoNCE gather B=C tau", dtype=dtype, scale=False, **WHOLE),
+            case(f"{dtype} InfoNCE gather B<C dropout learned-s", dtype=dtype),
+        )
     ),
-    dict(
-        name="float64 sigmoid gather B<C dropout",
-        dtype="float64",
-        tol=1e-9,
-        loss="sigmoid",
-        exchange="gather",
-        b="half",
-        t=7,
-        dropout=0.3,
-        scale=True,
-    ),
-    dict(
-        name="float64 sigmoid ring B=C",
-        dtype="float64",
-        tol=1e-9,
-        loss="sigmoid",
-        exchange="ring",
-        b=N,
-        t=16,
-        dropout=0.0,
-        scale=True,
-    ),
-    dict(
-        name="float32 InfoNCE gather B<C dropout, strict device mode",
-        dtype="float32",
-        tol=1e-4,
-        loss="infonce",
-        exchange="gather",
-        b="half",
-        t=7,
-        dropout=0.3,
-        scale=True,
-        strict=True,
-    ),
+    case("float64 InfoNCE ring B<C dropout", exchange="ring"),
+    case("float64 sigmoid gather B<C dropout", loss="sigmoid"),
+    case("float64 sigmoid ring B=C", loss="sigmoid", exchange="ring", **WHOLE),
+    case("float32 InfoNCE gather B<C dropout, strict device mode", dtype="float32", strict=True),
 ]
 
 

@@ -30,7 +30,7 @@ from distlab.streamed.kernels.coefficients import coefficient_kernel, default_ge
 from distlab.streamed.kernels.launch import Blocks, default_blocks, tiling
 from distlab.streamed.kernels.lse import COLUMNS, ROWS, fold_blocks, lse_kernel
 from distlab.streamed.kernels.product import INFONCE, SIGMOID, product_kernel
-from distlab.streamed.kernels.tile import BF16, IEEE, TF32, Operand
+from distlab.streamed.kernels.register_tile import BF16, IEEE, TF32, Operand
 
 
 class Hopper(CudaDriver):

@@ -42,11 +42,11 @@ import torch.nn.functional as F
 
 from distlab.contrastive.losses import clip_loss, local_clip_loss, sigmoid_loss
 from distlab.contrastive.siglip_recipe import block_loss
+from distlab.streamed.chunk_size import chunk_for
 from distlab.streamed.config import parse_config
+from distlab.streamed.kernel_choice import TorchTiles, TritonTiles, tile_ops
 from distlab.streamed.kernels.launch import Blocks
 from distlab.streamed.rank_work import BETA, S_SIGMOID, TAU, count_rank, one_rank
-from distlab.streamed.tile_ops import TorchTiles, TritonTiles, tile_ops
-from distlab.streamed.tile_size import chunk_for
 
 SHAPES = {
     "gpu": dict(check=(512, 128), n=65536, world=8, d=1024),

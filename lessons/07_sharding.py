@@ -80,7 +80,7 @@ from distlab.proof.compare import against, all_ok, compare
 from distlab.proof.console import print0, rows_table
 from distlab.proof.models import Block, BlockOptions, token_batch
 from distlab.proof.verdict import Verdict
-from distlab.streamed.launches import LaunchCount
+from distlab.streamed.launch_count import LaunchCount
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
 # `Sharded` (distlab/data_split/sharding/shards.py) holds what all three share: rank 0's weights broadcast, the flat

@@ -303,7 +303,7 @@ def show_fold(verdict: Verdict) -> None:
     print0("\n[bold]6. One fold: ring attention and the streamed contrastive step[/]")
     from distlab.layer_split.context_parallel import attention
     from distlab.pieces.online_softmax import online_fold
-    from distlab.streamed import tiles as streamed_tiles
+    from distlab.streamed import torch_tiles as streamed_tiles
 
     same = attention.online_fold is online_fold is streamed_tiles.online_fold
     for who, fold in (("ring attention", attention.online_fold), ("the streamed step", streamed_tiles.online_fold)):

@@ -53,7 +53,7 @@ from distlab.cost.shapes import Batch, Parallel, Transformer
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
 from distlab.cost.trial import Trial, timed
-from distlab.layer_split.tensor_parallel.cost import sdpa_math_path
+from distlab.layer_split.tensor_parallel.cost import efficient_attention_extra, sdpa_math_path
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
@@ -187,6 +187,17 @@ def show_calibration(rt: Runtime, args, verdict: Verdict) -> Machine:
     return machine
 
 
+def cuda_attention_extra(device_type: str, model: Transformer, batch: Batch, parallel: Parallel) -> int:
+    """What CUDA's float32 attention (the memory-efficient kernel) keeps beyond the formula's log-sum-exp, per
+    rank over the stack (`efficient_attention_extra`: its log-sum-exp padded to 32 queries, its dropout seed and
+    offset): nothing on a CPU, where the fused kernel keeps exactly N h seq, or when every block keeps only its
+    output (recomputation)."""
+    if device_type != "cuda" or parallel.recompute:
+        return 0
+    rows = batch.global_batch // parallel.dp
+    return model.layers * efficient_attention_extra(rows, model.heads // parallel.tp, batch.seq)
+
+
 def show_configurations(rt: Runtime, args, machine: Machine, verdict: Verdict) -> dict:
     print0(f"\n[bold]2-3. Four configurations of {args.layers} blocks on P = {rt.world_size}: predicted, measured[/]")
     trials = {name: Trial(rt, args, parallel, OPTIONS) for name, parallel in configurations(rt.world_size).items()}
@@ -198,6 +209,7 @@ def show_configurations(rt: Runtime, args, machine: Machine, verdict: Verdict) -
         states = {k: v for k, v in rank.memory.items() if k not in ("activations", "buffers")}
         math = sdpa_math_path(rt.device.type, torch.float32)  # which attention runs: the formula must know
         kept = memory.stage_activations(cost.model, cost.batch, parallel, 0, memory.PRECISIONS["float32"], 4, math)
+        kept += cuda_attention_extra(rt.device.type, cost.model, cost.batch, parallel)
         sent = {kind: n for (_, kind), n in traffic.per_rank(cost.model, cost.batch, parallel, "float32").sent.items()}
         rows = [("FLOPs", rank.flops.hardware, got.flops)] + [(k, v, got.held.get(k, 0)) for k, v in states.items()]
         rows += [("activations", kept, got.activations)] + [(f"sent {k}", v, got.sent[k]) for k, v in sent.items()]
@@ -213,6 +225,7 @@ def show_configurations(rt: Runtime, args, machine: Machine, verdict: Verdict) -
         verdict.check(f"{name}: activations kept = predicted", got.activations == kept)
         verdict.check(f"{name}: bytes sent per collective = predicted", dict(got.sent) == sent)
         by_hand = rank_bytes(cost.model, cost.batch, parallel, 4, math)
+        by_hand["activations"] += cuda_attention_extra(rt.device.type, cost.model, cost.batch, parallel)
         library = {k: states[k] for k in ("weights", "gradients", "moments")} | {"activations": kept}
         verdict.check(
             f"{name}: the lesson's arithmetic = distlab.cost's", by_hand == library | {"sent": sum(sent.values())}

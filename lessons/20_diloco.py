@@ -37,8 +37,21 @@ DiLoCo asks for only after the first H inner steps, "heals" the islands at step 
 rank m of one island receives island (m mod 2)'s state, so at P = 2 island 1's first H steps are thrown
 away and island 0's are counted twice (at P = 4 the two ranks of one island even heal from different
 islands and drift apart); the simulation reproduces the first round bit for bit. Checked on torch 2.13
-CPU with torchft 0.2.0. Not shown here: an island lost mid-round and its return (torchft's quorum
-shrinks to the survivors, whose step is then the one-island round; the returning island heals).
+CPU with torchft 0.2.0.
+
+A lost island (as torchft 0.2.0's source does it). Here each island member is a process of its own (torchrun
+stops every rank when one dies); island 1's are SIGKILLed mid-window, before sync LOST = 1 (syncs count from
+0). The Lighthouse waits while island 1 still heartbeats (a quorum needs over half the islands heartbeating),
+calls it dead after HEARTBEAT_MS and gives island 0 a quorum of one. Island 0's Manager all-reduces over it,
+divides by num_participants = 1 and commits (min_replica_size = 1): delta = delta_0, island 1's half round
+is lost. (With min_replica_size = 2 should_commit says no: DiLoCo puts theta back, the step does not advance,
+the window is redone.) Island 1 restarts: a new process, the same replica id, step 0. It trains a window and
+asks for a quorum, which the Lighthouse holds until island 0 asks (at sync BACK = 2). Being behind, it heals
+first: it receives island 0's state of that moment (its weights after this window, DiLoCo's saved theta, the
+outer momentum, the step), so its pseudogradient is island 0's and (delta_0 + delta_0) / 2 = delta_0 exactly;
+from the next sync on both count. The rows follow torchft's step, so the healed island goes on at the
+survivors' rows. The reference leaves island 1 out of syncs LOST .. BACK-1 and copies island 0 into it at
+BACK; torchft equals it bit for bit.
 
 The reference: one process, the two islands as two plain models, each island's ranks as separate
 backward passes on their rows, averaged; torch.optim.SGD as the outer optimizer. No collectives.
@@ -48,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
@@ -59,6 +73,8 @@ from torch.nn.parallel import DistributedDataParallel
 from distlab.comm.collectives import ring_bytes
 from distlab.processes.cli import lesson_parser
 from distlab.processes.flags import check_flags_against_world, positive_int, require
+from distlab.processes.lighthouse import TIMEOUT, island_stores, lighthouse, lighthouse_shows, manager
+from distlab.processes.lives import Lives
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.console import print0, rows_table
 from distlab.proof.verdict import Verdict
@@ -66,7 +82,9 @@ from distlab.proof.verdict import Verdict
 ISLANDS = 2
 WIDTH, LAYERS, ROWS = 8, 4, 4  # d, the model's Linear layers, rows per rank per inner step
 INNER_LR, OUTER_LR, OUTER_MOMENTUM = 0.1, 0.7, 0.9
-TORCHFT_TIMEOUT = timedelta(seconds=30)
+LOST, BACK, SYNCS = 1, 2, 4  # island 1 dies in the window before sync LOST, is back at BACK; SYNCS in all
+HEARTBEAT_MS = 2000  # the Lighthouse calls an island dead after this long without a heartbeat
+LIFE_S = 120.0  # the longest an island process may take
 LIGHTHOUSES: list[str] = []  # every Lighthouse address rank 0 started (the tests check each is closed after exit)
 
 
@@ -172,55 +190,25 @@ def train_islands(rt: Runtime, args, groups, hooks=None) -> tuple[nn.Module, int
 
 @contextmanager
 def torchft_islands(rt: Runtime, island: int, member: int, init_sync: bool):
-    """A Lighthouse (rank 0, 127.0.0.1, a free port) and a store per island; yields a function that makes
-    this rank's Manager. Everything is shut down on every way out, the Lighthouse last."""
-    os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at INFO otherwise
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.coordination import LighthouseServer
+    """A Lighthouse and a store per island; yields a function that makes this rank's Manager. Everything is shut
+    down on every way out, the Managers first, the Lighthouse last."""
+    members, managers = rt.world_size // ISLANDS, []
+    with lighthouse(rt, min_replicas=ISLANDS, join_timeout_ms=100) as address:
+        LIGHTHOUSES.extend([address] if rt.rank == 0 else [])
+        _stores, ports = island_stores(rt, ISLANDS, member, count=1)
 
-    lighthouse = (
-        LighthouseServer(bind="127.0.0.1:0", min_replicas=ISLANDS, join_timeout_ms=100) if rt.rank == 0 else None
-    )
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if member == 0 else None
-    found = [lighthouse.address() if lighthouse else None, store.port if store else None]
-    LIGHTHOUSES.extend([found[0]] if lighthouse else [])
-    everyone = [None] * rt.world_size
-    dist.all_gather_object(everyone, found)
-    per = rt.world_size // ISLANDS
-    managers = []
-
-    def manager(model: nn.Module) -> Manager:
-        managers.append(
-            Manager(
-                pg=ProcessGroupGloo(timeout=TORCHFT_TIMEOUT),
-                load_state_dict=model.load_state_dict,
-                state_dict=model.state_dict,
-                min_replica_size=ISLANDS,
-                use_async_quorum=False,  # DiLoCo needs the quorum before the pseudogradients
-                replica_id=f"island{island}",
-                store_addr="127.0.0.1",
-                store_port=everyone[island * per][1],
-                rank=member,
-                world_size=per,
-                lighthouse_addr=everyone[0][0],
-                hostname="127.0.0.1",
-                init_sync=init_sync,
-                timeout=TORCHFT_TIMEOUT,
-                quorum_timeout=TORCHFT_TIMEOUT,
-                connect_timeout=TORCHFT_TIMEOUT,
+        def make(model: nn.Module):
+            at = (address, ports[island][0])
+            managers.append(
+                manager(model, f"island{island}", member, members, at, init_sync=init_sync, min_replica_size=ISLANDS)
             )
-        )
-        return managers[-1]
+            return managers[-1]
 
-    try:
-        yield manager
-    finally:
-        for m in managers:
-            m.shutdown(wait=True)
-        dist.barrier()  # every island's manager is gone before the Lighthouse goes
-        if lighthouse is not None:
-            lighthouse.shutdown()
-        del store
+        try:
+            yield make
+        finally:
+            for m in managers:
+                m.shutdown(wait=True)
 
 
 def train_torchft(rt: Runtime, args, groups, init_sync: bool) -> nn.Module:
@@ -242,15 +230,99 @@ def train_torchft(rt: Runtime, args, groups, init_sync: bool) -> nn.Module:
         return train_islands(rt, args, groups, hooks)[0]
 
 
+# ---- an island lost mid-round, and back: each island member in a process of its own -------------------
+
+
+def island_life(args, island: int, member: int, members: int, at: tuple[str, int], fate: str):
+    """One island member's life in its own process, `fate` "survivor", "killed" or "restarted": DDP inside the
+    island (its own gloo group), torchft's Manager (min_replica_size 1: a quorum of one island may commit) and
+    DiLoCo. The rows follow torchft's step (syncs committed), so a healed island continues at the survivor's
+    step and a window that did not commit would be redone on the same rows. Returns the number of islands in
+    each sync's quorum and the final weights."""
+    from torchft.local_sgd import DiLoCo
+
+    if fate == "restarted":  # ask for a quorum only once the survivors' quorum has shrunk to them
+        lighthouse_shows(at[0], "Num participants: 1")
+    store = dist.TCPStore("127.0.0.1", at[1], is_master=False, timeout=TIMEOUT)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("ddp", store), rank=member, world_size=members, timeout=TIMEOUT
+    )
+    model, every, counts = build_model(args.seed), args.h // args.fragments, []
+    ddp = DistributedDataParallel(model)
+    inner, pieces = torch.optim.SGD(ddp.parameters(), lr=INNER_LR), fragments_of(model, args.fragments)
+    outers = [torch.optim.SGD(f.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True) for f in pieces]
+    ft = manager(model, f"island{island}", member, members, at, init_sync=False, min_replica_size=1)
+    if fate != "restarted":  # both islands heartbeat before the first quorum is asked for
+        lighthouse_shows(at[0], f"[{ISLANDS} heartbeating]")
+    with DiLoCo(ft, pieces, inner, outers, sync_every=args.h):
+        while ft.current_step() < SYNCS:
+            synced = ft.current_step()
+            for k in range(1, every + 1):
+                if fate == "killed" and (synced, k) == (LOST, every // 2 + 1):
+                    os.kill(os.getpid(), signal.SIGKILL)  # mid-round, no goodbye: a machine lost
+                if fate == "survivor" and (synced, k) == (BACK, every):  # the timeline the same on every run:
+                    lighthouse_shows(at[0], "[1/1 participants healthy]")  # the restarted island is asking
+                inner.zero_grad()
+                loss_of(ddp, *rows(args.seed, synced * every + k, island, member)).backward()
+                inner.step()  # DiLoCo synchronises after the window's last step
+            counts.append(ft.num_participants())
+    ft.shutdown(wait=True)
+    dist.destroy_process_group()
+    return counts, model.state_dict()
+
+
+def lost_and_back(rt: Runtime, args, island: int, member: int) -> tuple[int, list[int], dict, list[int]]:
+    """Run the islands as processes of their own; island 1's are killed mid-round and started again (same
+    replica id, a fresh store). (island 1's first exit code, each sync's quorum size, weights, every pid)."""
+    members = rt.world_size // ISLANDS
+    with lighthouse(rt, min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_MS) as address, Lives() as lives:
+        LIGHTHOUSES.extend([address] if rt.rank == 0 else [])
+        _stores, ports = island_stores(rt, ISLANDS, member, count=2)  # one per life of an island
+        fate = "killed" if island == 1 else "survivor"
+        life = lives.start(island_life, args, island, member, members, (address, ports[island][0]), fate)
+        killed = life.wait(LIFE_S) if island == 1 else 0
+        if island == 1:
+            life = lives.start(island_life, args, island, member, members, (address, ports[1][1]), "restarted")
+        counts, weights = life.result(LIFE_S)
+    return killed, counts, weights, lives.pids
+
+
+def show_lost_island(rt: Runtime, args, groups, verdict: Verdict) -> list[int]:
+    """Island 1 killed mid-round, the survivors on alone, island 1 back by healing: against the one-process
+    islands with island 1's pseudogradients left out of syncs LOST .. BACK-1 and its heal at BACK."""
+    island, member = groups[0], groups[1]
+    trial = copy.copy(args)
+    trial.rounds = SYNCS // args.fragments
+    killed, counts, weights, pids = lost_and_back(rt, trial, island, member)
+    alone = [ISLANDS] * LOST + [1] * (BACK - LOST) + [ISLANDS] * (SYNCS - BACK)
+    seen = [None] * rt.world_size
+    dist.all_gather_object(seen, (island, killed, counts))
+    print0(f"island 1 killed (exit {seen[-1][1]}) before sync {LOST}, back at {BACK}; quorums {seen[0][2]}")
+    verdict.figure("quorum_sizes", seen[0][2])  # islands in each sync's quorum, as island 0 saw them
+    ok = killed == (-signal.SIGKILL if island else 0) and counts == alone[BACK if island else 0 :]
+    verdict.check("island 1 SIGKILLed mid-round: the quorum shrank to island 0, then grew", agreed(rt, ok))
+    reference = simulate(trial, rt.world_size // ISLANDS, lost=(LOST, BACK))[island]
+    model = build_model(args.seed)
+    model.load_state_dict(weights)
+    verdict.check(
+        "survivors and healed island = one process, island 1's round dropped", agreed(rt, same_bits(model, reference))
+    )
+    never_lost = simulate(trial, rt.world_size // ISLANDS)[island]
+    verdict.check("... which is not the run that lost nothing", agreed(rt, not same_bits(model, never_lost)))
+    return pids
+
+
 # ---- the reference: the islands in one process ----------------------------------------------------------
 
 
-def simulate(args, members: int, heal_from: int | None = None, sign: float = 1.0) -> list[nn.Module]:
+def simulate(args, members: int, heal_from: int | None = None, sign: float = 1.0, lost=None) -> list[nn.Module]:
     """Both islands in one process, plain autograd: each member's backward on its rows, the island's mean of
     them; torch.optim.SGD (Nesterov) on the global weights as the outer optimizer. Returns the islands' models
     (after a fragment's synchronisation the other fragments still differ between islands). `heal_from`: at
     the first synchronisation the other island becomes a copy of this one (torchft's init_sync). `sign` = -1
-    is the pseudogradient's sign slip (a wrong twin)."""
+    is the pseudogradient's sign slip (a wrong twin). `lost` = (k, j): island 1 is lost before synchronisation
+    k (counted from 0) and back at j > k: syncs k .. j-1 average island 0's pseudogradient alone, and at j
+    island 1 is first made a copy of island 0 (the heal)."""
     world = build_model(args.seed)
     islands = [copy.deepcopy(world) for _ in range(ISLANDS)]
     inners = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in islands]
@@ -271,12 +343,15 @@ def simulate(args, members: int, heal_from: int | None = None, sign: float = 1.0
             continue
         if heal_from is not None and synced == 0:
             islands[1 - heal_from].load_state_dict(islands[heal_from].state_dict())
+        if lost is not None and synced == lost[1]:
+            islands[1].load_state_dict(islands[0].state_dict())
+        counted = islands[:1] if lost is not None and lost[0] <= synced < lost[1] else islands
         synced += 1
         names = [n for n, p in world.named_parameters() if any(p is q for q in pieces[frag].parameters())]
         with torch.no_grad():
             for name in names:
                 theta = world.get_parameter(name)
-                theta.grad = sign * sum(theta - m.get_parameter(name) for m in islands) / ISLANDS
+                theta.grad = sign * sum(theta - m.get_parameter(name) for m in counted) / len(counted)
             outers[frag].step()
             outers[frag].zero_grad()
             for model in islands:
@@ -387,11 +462,13 @@ def main() -> int:
         )
         groups = island_groups(rt)
         sent = show_equalities(rt, args, groups, verdict)
+        island_pids = show_lost_island(rt, args, groups, verdict)
         show_bytes(rt, args, sent, verdict)
         show_loss_against_h(rt, args, verdict)
         pids = [None] * rt.world_size
-        dist.all_gather_object(pids, os.getpid())
-        verdict.figure("rank_pids", pids)  # the tests check that none outlives the run
+        dist.all_gather_object(pids, (os.getpid(), island_pids))
+        verdict.figure("rank_pids", [rank for rank, _ in pids])  # the tests check that none outlives the run
+        verdict.figure("island_pids", [pid for _, island in pids for pid in island])
         verdict.figure("lighthouses", LIGHTHOUSES)
         return verdict.finish(args.json)
 

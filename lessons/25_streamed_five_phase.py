@@ -47,7 +47,7 @@ coefficient R_ii + Q_ii - 2 each subtract two numbers of about the same size: a_
 leave few for the small difference. The library computes each difference where it is small. The positive's
 logit is read from the very tile whose running max it is compared with, so nll_i = a_i - S_ii is
 (m_i - S_ii) + log l_i, exactly log l_i when the positive is the row's max; and R_ii + Q_ii - 2 is
-expm1(-nll_x,i) + expm1(-nll_y,i), precise however small (src/distlab/streamed/tiles.py, `lse_and_nll` and
+expm1(-nll_x,i) + expm1(-nll_y,i), precise however small (src/distlab/streamed/torch_tiles.py, `lse_and_nll` and
 `pair_coefficients`). Neither CUDA nor unit-norm embeddings are needed for any of it.
 """
 

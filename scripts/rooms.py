@@ -11,9 +11,10 @@ flag types and rules and constants now live with their owners). The script makes
 - rewrites, in every text file of the tree but the records of past runs (`benchmarks/results/` keeps the paths
   the modules had when they ran) and this script and its test (their examples are not references):
   `from distlab import runtime, compare` (one statement per new parent), `from distlab.cli import DTYPES, ...`
-  (a moved name goes to its owner), every dotted `distlab.<old>` (imports, `mock.patch("distlab.runtime.x")`,
-  prose) and every file path `distlab/<old>.py`. In a notebook only the cells' sources are rewritten, never
-  an output, and the notebook is written back in nbformat's layout.
+  (a moved name goes to its owner), `from distlab.streamed import tiles` (a module renamed where it is keeps the
+  name the file knew it by: `import torch_tiles as tiles`), every dotted `distlab.<old>` (imports,
+  `mock.patch("distlab.runtime.x")`, prose) and every file path `distlab/<old>.py`. In a notebook only the
+  cells' sources are rewritten, never an output, and the notebook is written back in nbformat's layout.
 
 An old path never starts a new one, so a second run finds nothing to move or rewrite and changes nothing
 (idempotent): after merging a branch that still uses the old paths, run it again and it rewrites only what that
@@ -72,6 +73,16 @@ MODULES = {
     "distlab.tensor_parallel": "distlab.layer_split.tensor_parallel",
     "distlab.context_parallel": "distlab.layer_split.context_parallel",
     "distlab.expert_parallel": "distlab.layer_split.expert_parallel",
+    # the streamed step's modules named for what differs between them (issue 40): the tile work in torch ops
+    # (S tiles in memory) against the kernels' S tile in registers; the choice between them (KERNELS); the
+    # default T (the stream chunk); launches counted against the kernels' launching; the step's guards
+    # against the loss modules'
+    "distlab.streamed.tiles": "distlab.streamed.torch_tiles",
+    "distlab.streamed.tile_ops": "distlab.streamed.kernel_choice",
+    "distlab.streamed.tile_size": "distlab.streamed.chunk_size",
+    "distlab.streamed.kernels.tile": "distlab.streamed.kernels.register_tile",
+    "distlab.streamed.launches": "distlab.streamed.launch_count",
+    "distlab.streamed.guards": "distlab.streamed.step_guards",
 }
 
 # names split out of a module: (module, name) -> the module that owns the name now
@@ -162,14 +173,16 @@ def import_statement(indent: str, module: str, names: list[str]) -> str:
     return f"{indent}from {module} import (\n{inner}{indent})"
 
 
-def new_home(module: str, name: str) -> str:
-    """Where `name` of `from module import name` lives after the move (a submodule or a moved name)."""
-    bare = name.split(" as ")[0]
-    if module == "distlab" and f"distlab.{bare}" in MODULES:
-        return MODULES[f"distlab.{bare}"].rpartition(".")[0]
+def new_home(module: str, name: str) -> tuple[str, str]:
+    """Where `name` of `from module import name` lives after the move (a submodule or a moved name), and the name
+    to import it by there: a submodule renamed keeps the name the file used, `tiles` -> `torch_tiles as tiles`."""
+    bare, _, alias = name.partition(" as ")
+    if f"{module}.{bare}" in MODULES:
+        home, _, leaf = MODULES[f"{module}.{bare}"].rpartition(".")
+        return home, name if leaf == bare else f"{leaf} as {alias or bare}"
     if (module, bare) in NAMES:
-        return NAMES[(module, bare)]
-    return module
+        return NAMES[(module, bare)], name
+    return module, name
 
 
 def rewrite_imports(text: str) -> str:
@@ -181,8 +194,9 @@ def rewrite_imports(text: str) -> str:
         names = import_names(match["group"] if match["group"] is not None else match["line"])
         homes: dict[str, list[str]] = {}
         for name in names:
-            homes.setdefault(new_home(module, name), []).append(name)
-        if list(homes) == [module]:
+            home, name_there = new_home(module, name)
+            homes.setdefault(home, []).append(name_there)
+        if list(homes) == [module] and homes[module] == names:
             return match[0]
         # a trailing comment (`# noqa: E402` after a logging set-up) belongs to every statement the line became
         comment = match["comment"] or ""
@@ -215,8 +229,22 @@ def rewrite_notebook(text: str) -> str:
     return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
 
 
+def tree_files(root: Path) -> list[Path]:
+    """Every file of the tree: in a git checkout the tracked ones and the untracked ones git does not ignore
+    (a local build's egg-info or an ignored scratch folder is not the tree), elsewhere every file below it."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=False,
+    )
+    if listed.returncode != 0:
+        return sorted(root.rglob("*"))
+    return sorted(root / name for name in listed.stdout.decode().split("\0") if name)
+
+
 def text_files(root: Path):
-    for path in sorted(root.rglob("*")):
+    for path in tree_files(root):
         relative = path.relative_to(root).as_posix()
         if any(part in SKIP_DIRS for part in path.relative_to(root).parts) or not path.is_file():
             continue

@@ -4,6 +4,8 @@ script reads them. (The check itself runs with `bash benchmarks/gpu_check.sh --c
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -47,3 +49,53 @@ def test_the_environment_questions_answer_as_the_script_reads_them():
     assert int(count) == torch.cuda.device_count() and cuda == str(torch.version.cuda)
     assert ask("missing") == ""  # the pinned stack has every package the check needs
     assert ask("api") == ""  # and torch 2.13 every name the project calls
+
+
+def test_the_equivalence_cases_are_one_base_and_their_changes():
+    """gpu_check_equiv.py's CASES are `case(name, **changes)` over one BASE: each differs from it only where its
+    name says, is allowed its dtype's tolerance, and is named once (the records key on the names)."""
+    spec = importlib.util.spec_from_file_location("gpu_check_equiv", ROOT / "benchmarks" / "gpu_check_equiv.py")
+    equiv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(equiv)
+    names = [each["name"] for each in equiv.CASES]
+    assert len(names) == len(set(names)) == 10
+    for each in equiv.CASES:
+        assert set(equiv.BASE) <= set(each) and each["tol"] == equiv.TOLERANCES[each["dtype"]], each
+    ring = equiv.case("ring", exchange="ring", dtype="float32")
+    assert ring == equiv.BASE | {"exchange": "ring", "dtype": "float32", "name": "ring", "tol": 1e-4}
+    assert equiv.case("x", **equiv.WHOLE)["b"] == equiv.N  # B = C: one micro-batch a rank at any P
+
+
+NEXT = ROOT / "benchmarks" / "gpu_next.sh"
+
+
+def test_the_next_run_holds_no_python_and_runs_what_exists():
+    text = NEXT.read_text()
+    assert python_heredocs(text) == []
+    named = set(re.findall(r"\b((?:benchmarks|lessons)/[\w/]+\.py)", text))
+    assert {"benchmarks/gpu_next.py", "benchmarks/clip_batch.py", "lessons/13_cost.py"} <= named
+    assert all((ROOT / name).is_file() for name in named), sorted(n for n in named if not (ROOT / n).is_file())
+    assert "--n-max 3840" in text and "--emulate-ms" in text
+
+
+def test_the_next_runs_dry_run_passes(tmp_path):
+    """benchmarks/gpu_next.py --cpu-dry-run (the script's step 1; the whole script's dry run also trains the tiny
+    ViT stand-in and runs lessons 05 and 13 on the CPU, a few minutes): every row exact, timed and searched once,
+    under the interpreter; the tile cache stays where the script points it, on a CPU nowhere."""
+    import os
+
+    env = os.environ | {"TRITON_INTERPRET": "1", "DISTLAB_KERNEL_CACHE": str(tmp_path / "cache" / "tiles.json")}
+    script = ROOT / "benchmarks" / "gpu_next.py"
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--cpu-dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_next.json").read_text())
+    assert report["exact"] and all(row["ok"] for row in report["exact"]) and not report["skipped"]
+    assert {"InfoNCE ring, defaults", "P = 1 InfoNCE ring", "visit fold 128x128x64"} <= set(report["timing"])
+    assert {row["kind"] for row in report["search"]} == {"fold", "ring-fold", "infonce-mm", "sigmoid-mm"}
+    assert not (tmp_path / "cache").exists()

@@ -16,7 +16,7 @@ from kernel_helpers import SMALL_BLOCKS, relative
 from distlab.contrastive.losses import clip_loss
 from distlab.streamed.kernels import coefficients, product
 from distlab.streamed.kernels.lse import row_lse
-from distlab.streamed.tiles import Pairing, lse_and_nll
+from distlab.streamed.torch_tiles import Pairing, lse_and_nll
 
 ROWS, COLS, D, OFFSET, SCALE = 21, 45, 19, 7, 3.0
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

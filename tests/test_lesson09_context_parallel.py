@@ -86,7 +86,7 @@ def test_bytes_per_rank_equal_the_formula(runs, world):
 def test_ring_attention_and_the_streamed_step_import_the_same_fold():
     from distlab.layer_split.context_parallel import attention
     from distlab.pieces import online_softmax
-    from distlab.streamed import tiles as streamed_tiles
+    from distlab.streamed import torch_tiles as streamed_tiles
 
     assert attention.online_fold is online_softmax.online_fold
     assert streamed_tiles.online_fold is online_softmax.online_fold

@@ -109,3 +109,21 @@ def test_the_lessons_arithmetic_knows_the_math_path():
         kept = memory.stage_activations(model, batch, parallel, 0, memory.PRECISIONS["float64"], 8, math)
         assert lesson.rank_bytes(model, batch, parallel, 8, math)["activations"] == kept
     assert lesson.rank_bytes(model, batch, parallel, 8, True) != lesson.rank_bytes(model, batch, parallel, 8)
+
+
+def test_cuda_float32_attention_keeps_a_padded_log_sum_exp():
+    """On CUDA the float32 blocks run the memory-efficient attention, which keeps its log-sum-exp padded to 32
+    queries and its dropout seed and offset (read from PyTorch's source; `efficient_attention_extra`): at the
+    lesson's 12 sequences x 12 heads x 48 tokens, 4 x 12 x 12 x 16 + 16 = 9,232 bytes a block beyond the formula;
+    h / tp heads under TP; nothing on a CPU or when blocks recompute. A rule that forgets the padding is short."""
+    from distlab.layer_split.tensor_parallel.cost import efficient_attention_extra
+
+    lesson = load_lesson("13_cost")
+    model, batch = Transformer(4, 96, 12, 384), Batch(12, 48)
+    assert efficient_attention_extra(12, 12, 48) == 9232 and efficient_attention_extra(12, 12, 64) == 16
+    assert lesson.cuda_attention_extra("cuda", model, batch, Parallel()) == 4 * 9232
+    assert lesson.cuda_attention_extra("cuda", model, batch, Parallel(tp=2, sp=True)) == 4 * (4 * 12 * 6 * 16 + 16)
+    assert lesson.cuda_attention_extra("cuda", model, batch, Parallel(recompute=True)) == 0
+    assert lesson.cuda_attention_extra("cpu", model, batch, Parallel()) == 0
+    unpadded = 4 * (4 * 12 * 12 * 0 + 16)  # the twin without the padding
+    assert lesson.cuda_attention_extra("cuda", model, batch, Parallel()) != unpadded

@@ -3,10 +3,15 @@ torchft's DiLoCo (init_sync=False) and a one-process simulation of the islands b
 lesson under torchrun, its claims read from its JSON) and, for the outer step, in one process here; torchft's
 default heal is the simulation with one island's first round counted twice; the outer step written by hand
 equals torch's Nesterov SGD and a wrong twin (no look-ahead) is rejected; a sign slip changes the result;
-bad input (H < 1, a fragment count that does not divide the layers or H, an odd P) is one line naming the
-flag; after the run no rank and no Lighthouse is left (checked by process id and by the port)."""
+an island lost mid-round: the one-process reference's lost syncs are the survivor's DiLoCo alone (against a
+one-island loop written here, a mean over the configured 2 islands rejected) and the sync of its return, healed,
+is the survivor's alone too; under torchrun island 1's processes are SIGKILLed, the survivors' torchft run and the
+restarted island equal that reference bit for bit (the lesson's claims); bad input (H < 1, a fragment count that
+does not divide the layers or H, an odd P) is one line naming the flag; after the run no rank, no island process
+and no Lighthouse is left (checked by process id and by the port)."""
 
 import argparse
+import copy
 import json
 import os
 import socket
@@ -60,6 +65,43 @@ def test_streaming_fragments_leave_the_unsynced_fragment_local():
     assert [lesson.synced_fragment(s, 4, 2) for s in range(1, 9)] == [None, 0, None, 1, None, 0, None, 1]
 
 
+def _one_island(lesson, args, mean_over: int):
+    """Island 0 alone, written out: H SGD steps on its rows, then delta = theta - theta_0 (divided by
+    `mean_over`) as the gradient of torch's Nesterov SGD on theta; the island starts the next round at theta."""
+    theta = lesson.build_model(args.seed)
+    local = copy.deepcopy(theta)
+    outer = torch.optim.SGD(theta.parameters(), lr=lesson.OUTER_LR, momentum=lesson.OUTER_MOMENTUM, nesterov=True)
+    inner = torch.optim.SGD(local.parameters(), lr=lesson.INNER_LR)
+    for step in range(1, args.rounds * args.h + 1):
+        inner.zero_grad()
+        lesson.loss_of(local, *lesson.rows(args.seed, step, 0, 0)).backward()
+        inner.step()
+        if step % args.h == 0:
+            for t, mine in zip(theta.parameters(), local.parameters()):
+                t.grad = (t - mine).detach() / mean_over
+            outer.step()
+            local.load_state_dict(theta.state_dict())
+    return theta
+
+
+def test_a_lost_islands_syncs_are_the_survivors_alone():
+    lesson = load_lesson(LESSON)
+    args = _args(rounds=3)
+    never_back = lesson.simulate(args, members=1, lost=(0, 99))[0]  # island 1 lost before the first sync
+    assert lesson.same_bits(never_back, _one_island(lesson, args, mean_over=1))  # bit for bit
+    assert not lesson.same_bits(never_back, _one_island(lesson, args, mean_over=2))  # the dead island as zero
+
+
+def test_the_sync_of_a_healed_return_is_the_survivors_alone_then_both_count():
+    lesson = load_lesson(LESSON)
+    healed = lesson.simulate(_args(rounds=3), members=1, lost=(1, 2))  # back (healed) at sync 2
+    out = lesson.simulate(_args(rounds=3), members=1, lost=(1, 3))  # still out at sync 2
+    assert all(lesson.same_bits(a, b) for a, b in zip(healed, out))  # (delta_0 + delta_0) / 2 = delta_0
+    four_healed = lesson.simulate(_args(rounds=4), members=1, lost=(1, 2))
+    four_out = lesson.simulate(_args(rounds=4), members=1, lost=(1, 4))
+    assert not lesson.same_bits(four_healed[0], four_out[0])  # at sync 3 the healed island counts
+
+
 @pytest.mark.parametrize(
     ("flag", "args"), [("--h", ("--h", "0")), ("--rounds", ("--rounds", "0")), ("--fragments", ("--fragments", "0"))]
 )
@@ -90,10 +132,13 @@ def test_lesson_at_p2_holds_and_leaves_nothing_running(tmp_path):
     record = json.loads(out.read_text())
     names = [c["name"] for c in record["checks"] if c["ok"]]
     assert any("torchft (init_sync=False)" in n for n in names) and any("counted twice" in n for n in names)
-    for pid in record["figures"]["rank_pids"]:
+    assert any("SIGKILLed mid-round" in n for n in names) and any("round dropped" in n for n in names)
+    islands = record["figures"]["island_pids"]
+    assert len(islands) == 3  # island 0's process, island 1's killed one and its restart
+    for pid in record["figures"]["rank_pids"] + islands:
         with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)  # the rank is gone
-    assert len(record["figures"]["lighthouses"]) == 2  # one Lighthouse per torchft run, both closed:
+            os.kill(pid, 0)  # the rank, or the island process, is gone
+    assert len(record["figures"]["lighthouses"]) == 3  # one Lighthouse per torchft run, all closed:
     for address in record["figures"]["lighthouses"]:
         host, port = address.removeprefix("http://").rsplit(":", 1)
         with pytest.raises(OSError), socket.create_connection((host.strip("[]"), int(port)), timeout=2):

@@ -149,3 +149,28 @@ def test_the_check_fails_on_an_old_path(tmp_path):
 def test_the_real_tree_is_in_its_rooms():
     check = rooms(ROOT, "--check")
     assert check.returncode == 0, check.stdout
+
+
+def test_a_module_renamed_in_its_package_keeps_the_name_a_file_knew_it_by(tmp_path):
+    """streamed's tile modules were renamed where they are (tiles -> torch_tiles, guards -> step_guards): a branch
+    written before gets the new paths, and a module it imported from the package keeps its old name as an alias,
+    so the code below the import still reads."""
+    tree = tmp_path / "tree"
+    streamed = tree / "src" / "distlab" / "streamed"
+    streamed.mkdir(parents=True)
+    for name in ("__init__", "torch_tiles", "step_guards", "config"):
+        (streamed / f"{name}.py").write_text(f'"""{name}."""\n')
+    late = tree / "tests" / "test_late.py"
+    late.parent.mkdir()
+    late.write_text(
+        "from distlab.streamed import config, guards, tiles as t\n"
+        "from distlab.streamed.tiles import Pairing\n"
+        'patch("distlab.streamed.guards.ready_step")  # src/distlab/streamed/guards.py\n'
+    )
+    assert rooms(tree).returncode == 0
+    assert late.read_text() == (
+        "from distlab.streamed import config, step_guards as guards, torch_tiles as t\n"
+        "from distlab.streamed.torch_tiles import Pairing\n"
+        'patch("distlab.streamed.step_guards.ready_step")  # src/distlab/streamed/step_guards.py\n'
+    )
+    assert rooms(tree, "--check").returncode == 0  # a second run changes nothing

@@ -13,7 +13,7 @@ from distlab.contrastive.losses import clip_loss
 from distlab.pieces.chunks import balanced_chunks
 from distlab.proof.compare import all_ok, compare
 from distlab.streamed.config import parse_config
-from distlab.streamed.tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
+from distlab.streamed.torch_tiles import streamed_lse, streamed_lse_both, streamed_softmax_pair_product
 
 
 def closed_form(z_x, z_y, s, t):

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from distlab.streamed.kernel_choice import TorchTiles
 from distlab.streamed.own_block import block_pair_products, merged, others, own_lse
-from distlab.streamed.tile_ops import TorchTiles
 
 S_SCALE = 7.0
 CASES = [

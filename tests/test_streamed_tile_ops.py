@@ -9,7 +9,8 @@
   back afterwards.
 - The config keys: a bad KERNELS or MATMUL_PRECISION is named; "triton" on CPU tensors without the
   interpreter is refused naming the key.
-- T left out: rows up to C, columns from the budget; a launch-heavy T on CUDA is warned about once.
+- T left out: rows up to C, columns from the budget; a launch-heavy T on CUDA is warned about once, from a
+  constant of launches per tile that the step, counted again here, holds it to.
 """
 
 import os
@@ -21,11 +22,11 @@ import pytest  # noqa: E402
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distlab.streamed import tile_size
+from distlab.streamed import chunk_size, kernel_choice
 from distlab.streamed.config import parse_config
+from distlab.streamed.kernel_choice import tile_ops
 from distlab.streamed.precision import BACKENDS, matmul_settings
 from distlab.streamed.rank_work import count_rank, one_rank
-from distlab.streamed.tile_ops import tile_ops
 
 
 def config(n, exchange="gather", kernels="triton", t=1024, **extra):
@@ -48,7 +49,7 @@ def test_fused_launches_per_step_do_not_grow_with_n(loss, exchange):
 @pytest.mark.parametrize("loss", ["infonce", "sigmoid"])
 def test_w_in_memory_launches_grow_with_the_chunks_of_w_only(loss):
     """KERNELS "triton-mm": where the fused path launches one product kernel, one coefficient kernel (and a
-    matmul) per chunk of W of at most W_BUDGET bytes: 4 chunks of a bf16 C x N at N = 65,536, P = 8; one at
+    matmul) per chunk of W of at most W_BUDGET bytes: 2 chunks of a bf16 C x N at N = 65,536, P = 8; one at
     N = 4,096."""
     from distlab.streamed.kernels.coefficients import W_BUDGET
 
@@ -115,7 +116,7 @@ def test_the_new_keys_are_checked():
     assert tile_ops("auto", "float32", 8, torch.device("cuda"), torch.float32).name == "torch"  # IEEE: cuBLAS
     assert tile_ops("auto", "bf16", 8, torch.device("cpu"), torch.float32).name == "torch"
     code = (
-        "import torch; from distlab.streamed.tile_ops import tile_ops\n"
+        "import torch; from distlab.streamed.kernel_choice import tile_ops\n"
         "for kernels in ('triton', 'triton-mm'):\n"
         "    try:\n        tile_ops(kernels, 'float32', 8, torch.device('cpu'), torch.float32)\n"
         "    except ValueError as err:\n        print(err)"
@@ -128,21 +129,43 @@ def test_the_new_keys_are_checked():
 
 def test_default_tiles_rows_up_to_c_columns_from_the_budget():
     two_gib = 2 * 2**30
-    t = tile_size.default_chunk(8192, 65536, two_gib, 4)  # an H100's budget, one rank of P = 8
-    assert t >= 8192 and t % 64 == 0 and 8192 * t * 4 * tile_size.ALIVE <= two_gib
-    assert 8192 * (t + 64) * 4 * tile_size.ALIVE > two_gib  # the largest that fits
-    square = tile_size.default_chunk(65536, 65536, two_gib, 4)  # P = 1: C x C does not fit, square tiles
-    assert square < 65536 and square * square * 4 * tile_size.ALIVE <= two_gib
-    assert tile_size.default_chunk(12, 24, tile_size.CPU_BUDGET, 8) == 24  # small C: the whole batch at once
+    t = chunk_size.default_chunk(8192, 65536, two_gib, 4)  # an H100's budget, one rank of P = 8
+    assert t >= 8192 and t % 64 == 0 and 8192 * t * 4 * chunk_size.ALIVE <= two_gib
+    assert 8192 * (t + 64) * 4 * chunk_size.ALIVE > two_gib  # the largest that fits
+    square = chunk_size.default_chunk(65536, 65536, two_gib, 4)  # P = 1: C x C does not fit, square tiles
+    assert square < 65536 and square * square * 4 * chunk_size.ALIVE <= two_gib
+    assert chunk_size.default_chunk(12, 24, chunk_size.CPU_BUDGET, 8) == 24  # small C: the whole batch at once
 
 
 def test_a_launch_heavy_t_on_cuda_is_warned_about_once(monkeypatch):
-    monkeypatch.setattr(tile_size, "budget_bytes", lambda device: 2 * 2**30)
-    monkeypatch.setattr(tile_size, "_warned", set())
+    monkeypatch.setattr(chunk_size, "budget_bytes", lambda device: 2 * 2**30)
+    monkeypatch.setattr(chunk_size, "_warned", set())
     cfg, cuda = config(65536, kernels="torch", t=128), torch.device("cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tile_size.warn_if_many_launches(cfg, 128, cuda, torch.float32)
-        tile_size.warn_if_many_launches(cfg, 128, cuda, torch.float32)
-        tile_size.warn_if_many_launches(cfg, 21824, cuda, torch.float32)  # the default: few launches
+        chunk_size.warn_if_many_launches(cfg, 128, cuda, torch.float32)
+        chunk_size.warn_if_many_launches(cfg, 128, cuda, torch.float32)
+        chunk_size.warn_if_many_launches(cfg, 21824, cuda, torch.float32)  # the default: few launches
     assert len(caught) == 1 and "T = 128" in str(caught[0].message) and "T = 21824" in str(caught[0].message)
+
+
+@pytest.mark.parametrize("exchange", ["gather", "ring"])
+def test_the_warning_s_launches_per_tile_are_the_counted_ones(exchange, monkeypatch):
+    """`chunk_size.LAUNCHES_PER_TILE` is a constant, so the warning imports nothing of the step it warns about;
+    here one rank's torch-tile step is counted on the meta device at the shape it names, and it must be what
+    that step launches per tile. Shown able to fail: torch tiles that launch one op more count differently."""
+    cfg = parse_config(chunk_size.COUNTED_AT | {"EXCHANGE": exchange}, chunk_size.COUNTED_WORLD, 0)
+
+    def counted() -> tuple[int, int]:
+        return count_rank(cfg, "infonce", 1, torch.float32).launches, chunk_size.tiles_per_step(cfg, cfg.t)
+
+    launches, tiles = counted()
+    assert launches / tiles == chunk_size.LAUNCHES_PER_TILE[exchange], (
+        f"the torch tiles now launch {launches} kernels over {tiles} tiles: set chunk_size.LAUNCHES_PER_TILE"
+        f"[{exchange!r}] to {launches} / {tiles}"
+    )
+    for name in ("streamed_softmax_pair_product", "ring_product_tiles"):  # the wrong twin: one op more a product
+        product = getattr(kernel_choice, name)
+        monkeypatch.setattr(kernel_choice, name, lambda *args, product=product: product(*args).clone())
+    twin, _ = counted()
+    assert twin > launches and twin / tiles != chunk_size.LAUNCHES_PER_TILE[exchange]

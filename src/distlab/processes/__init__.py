@@ -9,6 +9,8 @@
 - `agree`: agree across ranks, then raise: every rank the same error, or none;
 - `scratch`: a temporary directory a killed run does not leave behind; `committed`: a distributed checkpoint
   staged, then committed by a marker of sizes and SHA-256s written last, and checked against it before a load;
+- `lives`: child processes a lesson lets die (SIGKILL) and starts again, each reaped on every way out;
+  `lighthouse`: torchft's Lighthouse, stores and Managers on the loopback, and its status page read (lesson 20);
 - `flags`: argument types, the rules that need the world size (`require`, the one "P divides N"), `FlagParser`
   with a program's own limits; `cli`: the lessons' parser and their limits, for lessons only.
 

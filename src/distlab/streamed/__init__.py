@@ -1,7 +1,33 @@
-"""The streamed contrastive step, one job a file: `tiles` (the tile math on one process), `config`
-(the config dict), `guards` (a step every rank agreed to, or one error on every rank), `wrappers`
-(DDP / compile / FSDP2, BatchNorm, device, precision), `peers` (naming a rank that died mid-step),
-`step` (the five phases, `distributed_backward`, `distributed_train_step`)."""
+"""The streamed contrastive step (lessons 25-26): the exact InfoNCE or sigmoid gradient of a global batch of N
+pairs, with O(C d) activations per rank and tiles of at most T x T, never N x N. One job a file:
+
+the step
+  `step`            the five phases, `distributed_backward`, `distributed_train_step`
+  `config`          the config dict read into the names the math uses (N, B, T, TAU, NORMALISERS, EXCHANGE, ...)
+  `step_guards`     the step's call: a step every rank agreed to run, or the same error on every rank
+  `wrappers`        DDP, torch.compile(DDP), FSDP2, BatchNorm, the device and the compute dtype
+  `peers`           a rank that dies mid-step, named on the survivors
+  `exit_hint`       every error of the step and the loss modules ends with how to exit cleanly
+how the ranks' embeddings meet
+  `exchange`        the gather or the ring (EXCHANGE), and the bytes each rank sends
+  `ring`            the ring: C x d blocks pass rank to rank, the InfoNCE's and the sigmoid's passes
+the losses' tile work
+  `torch_tiles`     the InfoNCE's tiles in torch ops, S in memory: log-sum-exps by the online fold, G by tiles
+  `sigmoid`         the sigmoid loss (SigLIP): its closed-form gradient, in tiles
+  `kernels`         the same tile work as Triton kernels, S in registers (`kernels.register_tile`)
+  `kernel_choice`   KERNELS: the torch tiles or the kernels, behind one interface (`TileOps`)
+  `precision`       MATMUL_PRECISION, pinned around the tiles
+  `chunk_size`      the default T (the stream chunk), and the warning when a T launches too many kernels
+counting the tile work
+  `rank_work`       one rank's tile work without the exchange, to count or time a large step on one device
+  `launch_count`    `LaunchCount`: the launches and bytes of a block of code (on the meta device too)
+the loss as a module
+  `loss_modules`    `ClipLoss`, `SigLipLoss`: the step's exact global loss where a trainer plugs a loss
+  `loss_guards`     a loss module's call, checked and agreed across ranks
+
+Every contrastive loss of the repository, these and `distlab.contrastive`'s, is listed with where it lives and
+what it is for in docs/losses.md. The public import path is `distributed_clip`.
+"""
 
 from distlab.streamed.step import distributed_backward, distributed_train_step, loss_machinery
 

@@ -2,13 +2,15 @@
 
 Keys: GLOBAL_BATCH_SIZE (N), MICRO_BATCH_SIZE (B), TAU (tau; leave it out when the model returns its own
 logit scale s), and the optional STREAM_CHUNK_SIZE (T, the side of the torch tiles; left out: from the
-device and a memory budget, `tile_size`); NORMALISERS, how phase 2 computes the log-normalisers a, b:
+device and a memory budget, `chunk_size`); NORMALISERS, how phase 2 computes the log-normalisers a, b:
 "sharded" (default; each rank its own C rows and columns of S, then a tiny all-gather) or "replicated"
 (every rank all N^2 similarities, no exchange); EXCHANGE, how the ranks' embeddings meet: "gather"
 (default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring`);
 KERNELS, who does the tile work: "auto" (default: the Triton kernels with W in memory, "triton-mm", on CUDA
 tensors at a tensor-core MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton" or "triton-mm"
-(`tile_ops`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`).
+(`kernel_choice`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`);
+W_MEMORY_MIB, for "triton-mm" the most MiB of the coefficient tile W alive at once (left out: 512 on a GPU,
+4,096 rows of bf16 W at N = 65,536; `kernels.coefficients`).
 A misspelt key is reported with the closest known name rather than silently ignored. `parse_config` is pure:
 given the same dict it raises the same ValueError on every rank.
 """
@@ -25,8 +27,8 @@ from typing import Any
 from distlab.pieces.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE")
-OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION")
-KERNELS = ("auto", "torch", "triton", "triton-mm")  # `tile_ops`
+OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION", "W_MEMORY_MIB")
+KERNELS = ("auto", "torch", "triton", "triton-mm")  # `kernel_choice`
 MATMUL_PRECISIONS = ("float32", "tf32", "bf16")  # `precision`
 NORMALISERS = ("sharded", "replicated")
 EXCHANGES = ("gather", "ring")
@@ -39,15 +41,21 @@ class StreamConfig:
 
     n: int  # N, the global batch
     b: int  # B, the largest micro-batch
-    t: int | None  # T, the stream chunk (tiles are at most T x T); None: from the device (`tile_size`)
+    t: int | None  # T, the stream chunk (tiles are at most T x T); None: from the device (`chunk_size`)
     tau: float | None  # None: the model returns the logit scale s
     normalisers: str  # "sharded" or "replicated"
     world: int  # P, the size of the group the wrapper reduces over
     rank: int  # this rank's place in that group
     group: Any = field(default=None, compare=False)  # that process group (None: the world)
     exchange: str = "gather"  # "gather" or "ring"
-    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton" or "triton-mm" (`tile_ops`)
+    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton" or "triton-mm" (`kernel_choice`)
     precision: str = "float32"  # MATMUL_PRECISION: "float32", "tf32" or "bf16" (`precision`)
+    w_mib: int | None = None  # W_MEMORY_MIB: "triton-mm"'s budget for W (None: the default, `kernels.coefficients`)
+
+    @property
+    def w_budget(self) -> int | None:
+        """W_MEMORY_MIB in bytes (None: left out)."""
+        return None if self.w_mib is None else self.w_mib * 2**20
 
     @property
     def local(self) -> int:
@@ -143,8 +151,9 @@ def parse_config(config: Mapping[str, Any], world: int, rank: int, group: Any = 
     precision = config.get("MATMUL_PRECISION", "float32")
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"config['MATMUL_PRECISION'] must be one of {MATMUL_PRECISIONS}, got {precision!r}")
+    w_mib = _int_key(config, "W_MEMORY_MIB") if "W_MEMORY_MIB" in config else None
     if n % world:
         raise ValueError(
             f"GLOBAL_BATCH_SIZE N={n} is not divisible by the world size P={world}: every rank must hold N / P pairs"
         )
-    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange, kernels, precision)
+    return StreamConfig(n, b, t, _tau(config), normalisers, world, rank, group, exchange, kernels, precision, w_mib)

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from distlab.comm.ledger import Ledger
 from distlab.processes import compat
+from distlab.streamed.kernel_choice import as_tile_ops
 from distlab.streamed.precision import pinned
 from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_gathered
-from distlab.streamed.tile_ops import as_tile_ops
 from distlab.streamed.wrappers import compute_dtype
 
 step_ledger = Ledger()  # what this rank sent in the current step (`step` clears it as a step begins)
@@ -90,7 +90,7 @@ def rank_shares(
     """This rank's C rows' (G_x, G_y, dL/ds share, dL/dbeta share) and the global L, from its own detached
     C x d embeddings: a `Logits` (s, beta) selects the sigmoid loss, a bare s the InfoNCE (ring only: the
     InfoNCE gather runs per micro-batch in `step`), over `group` (None: the world). `tiles` does the tile
-    work (`tile_ops`; an int T: the torch tiles) under its matmul precision, autocast off; sums in the
+    work (`kernel_choice`; an int T: the torch tiles) under its matmul precision, autocast off; sums in the
     compute dtype throughout. Without `want_grads` (a loss under torch.no_grad()) the gathered sigmoid loss
     computes no G (the ring's passes make L and G together: it computes them all)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)

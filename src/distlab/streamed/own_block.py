@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from distlab.streamed.tile_ops import TileOps
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.kernel_choice import TileOps
+from distlab.streamed.torch_tiles import Pairing
 
 
 def others(block: slice, n: int) -> list[slice]:

@@ -15,12 +15,12 @@ import torch
 
 from distlab.comm.p2p import Posted
 from distlab.streamed.config import StreamConfig
-from distlab.streamed.launches import LaunchCount
+from distlab.streamed.kernel_choice import TileOps, tile_ops
+from distlab.streamed.launch_count import LaunchCount
 from distlab.streamed.precision import pinned
 from distlab.streamed.ring import Endpoint, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, sigmoid_gathered
 from distlab.streamed.step import Embedded, Normalisers, own_normalisers, phase3_embedding_grads
-from distlab.streamed.tile_ops import TileOps, tile_ops
 from distlab.streamed.wrappers import compute_dtype
 
 TAU, S_SIGMOID, BETA = 0.07, 10.0, -10.0  # CLIP's temperature; SigLIP's initial scale and bias
@@ -66,7 +66,7 @@ def count_rank(cfg: StreamConfig, loss: str, d: int, dtype: torch.dtype) -> Laun
     STREAM_CHUNK_SIZE, which the torch tiles need here; the kernels ignore it)."""
     meta = torch.device("meta")
     z_x, z_y = (torch.empty(cfg.n, d, dtype=dtype, device=meta) for _ in range(2))
-    ops = tile_ops(cfg.kernels, cfg.precision, cfg.t or 1, meta, dtype)
+    ops = tile_ops(cfg.kernels, cfg.precision, cfg.t or 1, meta, dtype, d, cfg.w_budget)
     with LaunchCount() as count:
         one_rank(cfg, z_x, z_y, loss, ops)
     return count

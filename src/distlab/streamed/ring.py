@@ -43,9 +43,9 @@ from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import Posted
 from distlab.comm.ring import Ring
 from distlab.pieces.online_softmax import merge
+from distlab.streamed.kernel_choice import as_tile_ops
 from distlab.streamed.sigmoid import Logits, RankGrads
-from distlab.streamed.tile_ops import as_tile_ops
-from distlab.streamed.tiles import Pairing, RowFold, lse_and_nll
+from distlab.streamed.torch_tiles import Pairing, RowFold, lse_and_nll
 from distlab.streamed.wrappers import compute_dtype
 
 
@@ -166,7 +166,7 @@ def _add(received: list, partial: list) -> list:
 
 def infonce_ring(ring: Endpoint, x: torch.Tensor, y: torch.Tensor, s: float, tiles) -> RankGrads:
     """This rank's share of the symmetric InfoNCE and its gradients, from its own C x d z_x, z_y and
-    the two ring passes (4 C N d with the torch tiles, 5 with the kernels: `tile_ops`). g_y is for this
+    the two ring passes (4 C N d with the torch tiles, 5 with the kernels: `kernel_choice`). g_y is for this
     rank's own C columns (= its pairs' z_y). `tiles`: a TileOps, or T (the torch tiles)."""
     c, n, me, tiles = len(x), len(x) * ring.world, ring.rank, as_tile_ops(tiles)
     kw = dict(dtype=compute_dtype(x.dtype), device=x.device)

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from distlab.pieces.chunks import chunks
-from distlab.streamed.tile_ops import as_tile_ops
-from distlab.streamed.tiles import diagonal_crossing
+from distlab.streamed.kernel_choice import as_tile_ops
+from distlab.streamed.torch_tiles import diagonal_crossing
 
 
 def sigmoid_tile(s_tile: torch.Tensor, row0: int, col0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +113,7 @@ def sigmoid_gathered(
     z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, tiles, want_g_y: bool = True, want_grads=True
 ):
     """With the gathered N x d Z_x, Z_y: my rows against every column (loss, G_x, ds, db: 2 C N d),
-    and every row against my columns (G_y: 2 C N d more). `tiles`: a `tile_ops` TileOps, or T (the torch
+    and every row against my columns (G_y: 2 C N d more). `tiles`: a `kernel_choice` TileOps, or T (the torch
     tiles of at most T x T). Without `want_grads` (a loss under torch.no_grad()): the loss and dL/dbeta's
     sum alone, S once (2 C N d; the Triton kernel makes D Z_y beside it anyway), no G."""
     n, s, tiles = len(z_x), logits.s, as_tile_ops(tiles)

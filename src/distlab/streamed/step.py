@@ -13,7 +13,7 @@ phase 1  `phase1_forward`: the local forward, inside the guard (every rank agree
          B >= C: one forward with grad, its graph kept for phase 4. B < C: micro-batches of at most
          B rows (`config.micro`) without grad, each one's random state saved. Then
          `gather_embeddings`: one all-gather of detached copies [sync 1].
-phase 2  `phase2_normalisers`: a, b and L over T x T tiles (`tiles`). "sharded": each rank its own
+phase 2  `phase2_normalisers`: a, b and L over T x T tiles (`torch_tiles`). "sharded": each rank its own
          C rows and C columns of S, then a tiny all-gather of 2N floats; "replicated": all N^2 each.
 phase 3  `phase3_embedding_grads`: one micro-batch's G_x, G_y (and its share of dL/ds) over T x T tiles.
 phase 4  `phase4_outputs`, `phase4_backward`: the micro-batch's outputs with a graph (the kept ones,
@@ -21,9 +21,9 @@ phase 4  `phase4_outputs`, `phase4_backward`: the micro-batch's outputs with a g
          wrapper's reduction factor (its average of the ranks' VJPs becomes their sum: the gradient).
 phase 5  the wrapper's reduction [sync 2]: every micro-batch's backward but the last runs with it off.
 
-The loss-specific math is phases 2 and 3, done by `tile_ops` (KERNELS: the torch tiles of `tiles`, or the
-Triton kernels of `kernels`, at MATMUL_PRECISION, pinned by `precision`; T from `tile_size` when the config
-leaves it out); the exchange is `gather_embeddings`; the guards are `guards.ready_step`; a rank that dies
+The loss-specific math is phases 2 and 3, done by `kernel_choice` (KERNELS: the torch tiles of `torch_tiles`, or the
+Triton kernels of `kernels`, at MATMUL_PRECISION, pinned by `precision`; T from `chunk_size` when the config
+leaves it out); the exchange is `gather_embeddings`; the guards are `step_guards.ready_step`; a rank that dies
 mid-step is named by `peers`; wrappers, BatchNorm and autocast are `wrappers`. Every exchange runs over the
 wrapper's process group. Cost per rank: 6 C N d multiply-adds of loss machinery, O(N d) memory plus tiles of
 at most T x T (the kernels' tiles live in registers).
@@ -42,17 +42,17 @@ from torch import nn
 
 from distlab.pieces.random_state import RandContext
 from distlab.pieces.split_inputs import take_rows
+from distlab.streamed.chunk_size import chunk_for, warn_if_many_launches
 from distlab.streamed.config import StreamConfig, parse_config
 from distlab.streamed.exchange import all_gather_counted, gather_pairs, rank_shares, step_ledger
 from distlab.streamed.exit_hint import hinting_release, with_hint
-from distlab.streamed.guards import Outputs, Ready, agree_gradients_finite, as_outputs, exchange_group, ready_step
+from distlab.streamed.kernel_choice import TileOps, kernels_problem, tile_ops
 from distlab.streamed.own_block import block_pair_products, own_lse
 from distlab.streamed.peers import naming_dead_peers
 from distlab.streamed.precision import pinned
 from distlab.streamed.sigmoid import Logits
-from distlab.streamed.tile_ops import TileOps, kernels_problem, tile_ops
-from distlab.streamed.tile_size import chunk_for, warn_if_many_launches
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.step_guards import Outputs, Ready, agree_gradients_finite, as_outputs, exchange_group, ready_step
+from distlab.streamed.torch_tiles import Pairing
 from distlab.streamed.wrappers import Wrapped, batchnorm_snapshot, compute_dtype, surrogate_multiplier
 
 
@@ -225,10 +225,10 @@ def loss_machinery(
 
 def step_tile_ops(cfg: StreamConfig, z_x: torch.Tensor, z_y: torch.Tensor) -> TileOps:
     """Who does this step's tile work (KERNELS, MATMUL_PRECISION) for embeddings like z_x, z_y, and its T:
-    STREAM_CHUNK_SIZE, or the default for this device and shape (`tile_size`)."""
+    STREAM_CHUNK_SIZE, or the default for this device and shape (`chunk_size`)."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
     t = cfg.t or chunk_for(cfg, z_x.shape[1], z_x.device, dtype)
-    ops = tile_ops(cfg.kernels, cfg.precision, t, z_x.device, dtype)
+    ops = tile_ops(cfg.kernels, cfg.precision, t, z_x.device, dtype, z_x.shape[1], cfg.w_budget)
     if ops.name == "torch":
         warn_if_many_launches(cfg, t, z_x.device, dtype)
     return ops

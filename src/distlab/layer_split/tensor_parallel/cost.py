@@ -88,3 +88,20 @@ def activation_bytes(cfg: BlockConfig, world_size: int, sequence_parallel: bool,
     region, gathered, split = activation_terms(cfg, math)
     region_part = Fraction(region, world_size) if sequence_parallel else region
     return (region_part + gathered + Fraction(split, world_size)) * cfg.dtype.itemsize
+
+
+LSE_ALIGN = 32  # CUDA's memory-efficient attention pads its saved log-sum-exp to a multiple of 32 queries
+
+
+def efficient_attention_extra(rows: int, heads: int, seq: int) -> int:
+    """Bytes CUDA's memory-efficient attention keeps for backward beyond `sdpa_kept`'s N h seq float32
+    log-sum-exps, per call on `rows` sequences and `heads` heads. It is the kernel SDPA takes for float32 on
+    CUDA (flash takes fp16 and bf16 only). Read from PyTorch's source
+    (aten/src/ATen/native/transformers/cuda/attention.cu, `_efficient_attention_forward`):
+      - the log-sum-exp it returns, and autograd saves, is float32 of shape (rows, heads, ceil(seq / 32) 32)
+        ("padded in case M is not a good number for loading during backward"), not (rows, heads, seq);
+      - it returns the dropout generator's seed and offset too, two int64 scalars that backward reads, made
+        (0-dim CPU tensors) and saved even without dropout: 16 bytes a call.
+    So 4 rows heads (ceil(seq / 32) 32 - seq) + 16 bytes: at lesson 13's 12 x 12 x 48, 9,232 a block."""
+    padded = -(-seq // LSE_ALIGN) * LSE_ALIGN
+    return 4 * rows * heads * (padded - seq) + 2 * 8

@@ -1,10 +1,10 @@
 """Triton kernels for the streamed step's tile work: FlashAttention's idea applied to the contrastive loss.
 
-The torch tiles (`distlab.streamed.tiles`, `distlab.streamed.sigmoid`) make each T x T tile of S in memory and
+The torch tiles (`distlab.streamed.torch_tiles`, `distlab.streamed.sigmoid`) make each T x T tile of S in memory and
 then walk it with a dozen element-wise ops, each one a kernel launch that reads and writes the whole tile:
 about 37 launches per T x T tile and 160 bytes per (i, j) of the C x N grid. Here the S tile lives in
 registers: one launch walks every column block of a block of rows, makes each S tile from q and k
-(`tile.s_tile`), uses it (folds it into the log-sum-exps, or turns it into coefficients and multiplies them
+(`register_tile.s_tile`), uses it (folds it into the log-sum-exps, or turns it into coefficients and multiplies them
 into G) and drops it. Per step the launches no longer grow with N / T, and what reaches memory is the
 embeddings, the normalisers and G.
 
@@ -15,8 +15,14 @@ embeddings, the normalisers and G.
   `coefficients`         the same two products with W in memory (KERNELS "triton-mm"): a Triton GEMM whose
                          epilogue makes W, in chunks of rows, then torch's matmul W k (cuBLAS on GPUs).
 
+  `register_tile`        what every kernel shares: the S tile made in registers, the dot at the step's
+                         precision, a log1p accurate for the sigmoid (the torch tiles' S tile lives in memory:
+                         `distlab.streamed.torch_tiles`).
+  `launch`               launching them: block sizes, the columns split across programs, each launch reported
+                         to `distlab.streamed.launch_count` (on the meta device counted and not run).
+
 Every kernel takes float32, bf16 or fp16 embeddings (float64 under the interpreter), keeps its sums in float32
-(float64), and multiplies as MATMUL_PRECISION says (`tile`). `distlab.streamed.tile_ops` chooses between these
-and the torch tiles (config key KERNELS). Triton is imported by these modules only, and only when the Triton
-path is chosen: `import distlab` works without it.
+(float64), and multiplies as MATMUL_PRECISION says (`register_tile`). `distlab.streamed.kernel_choice` chooses
+between these and the torch tiles (config key KERNELS). Triton is imported by these modules only, and only when
+the Triton path is chosen: `import distlab` works without it.
 """

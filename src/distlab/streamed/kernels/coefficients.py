@@ -6,23 +6,28 @@ column block reads and writes the program's BLOCK_M x d slice of G, which on an 
 step's bottleneck (one rank of N = 65,536, P = 8: 0.035 s against the 6 C N d matmul floor's 0.0095 s,
 benchmarks/results/gpu/2026-11-26-kernels-h100). Here each product is two launches per chunk of rows:
 
-    1. `coefficient_kernel`: one program per BLOCK_M x BLOCK_N tile of S (`tile.s_tile`, d in slices of
+    1. `coefficient_kernel`: one program per BLOCK_M x BLOCK_N tile of S (`register_tile.s_tile`, d in slices of
        BLOCK_D: a GEMM), whose epilogue makes W (`product.coefficients`: R + Q - 2 delta, or the sigmoid's
        D) and stores it, in bf16 under MATMUL_PRECISION "bf16" (the rounding `product` gives W before its
        second dot), else float32 (float64 for float64 embeddings); for the sigmoid also each row's partial
        sums of softplus(v) and of D, one per column block, summed in order afterwards (no atomics);
-    2. G[rows] = out_scale W k: one matmul with float32 output over all of k's rows (cuBLAS accumulates
-       bf16 x bf16 in float32), so each row's sum is made in one place, as in `product`.
+    2. G[rows] = W k: one matmul over all of k's rows, written straight into G's rows (`out=`; cuBLAS
+       accumulates bf16 x bf16 in float32), so each row's sum is made in one place, as in `product`; where
+       the visiting columns' product is wanted too, W^T q[rows] is added into it in place (`addmm_`), not
+       as `g_cols += product`, which would make a n_k x d float32 temporary and read G's columns twice more
+       per chunk (about 34 GB at P = 1, N = 65,536 in 2,048-row chunks). out_scale multiplies once, at the end.
 
 S is made once per product, as in `product`; what changes is where the d-long accumulation of W k happens
 (cuBLAS's registers, along N, instead of global memory, along d). Where both products of one block are
 wanted (a ring's visit: W k for the rows, W^T q for the visiting columns) both read the same W
 (`pair_products`, `sigmoid_rows_and_columns`): one S for two products, as the torch tiles have it.
 
-The price is memory: a chunk of W, w_rows x n_k, at most W_BUDGET bytes on a GPU (256 MiB: 2,048 rows of
-bf16 W at N = 65,536, which keeps one rank's step at P = 8 well inside 1/8 of ClipLoss's 8.3 GiB), CPU_BUDGET
-elsewhere; and launches: two per chunk, so their number grows with n_q n_k / W_BUDGET (not with N / T as the
-torch tiles' do).
+The price is memory: a chunk of W, w_rows x n_k, at most the budget's bytes: W_BUDGET on a GPU (512 MiB: 4,096
+rows of bf16 W at N = 65,536, as fast as 8,192 rows and 9% faster than 2,048 on an H200,
+benchmarks/results/gpu/2026-11-28-decide-h200/decide; one rank's step at P = 8 then stays inside 1/8 of
+ClipLoss's 8.3 GiB), the config's W_MEMORY_MIB where it is set (`Job.w_bytes`), CPU_BUDGET on a CPU; and
+launches: two or three per chunk, so their number grows with n_q n_k / budget (not with N / T as the torch
+tiles' do). On CUDA the tile, warps, stages and rows of W come from `tuning` (measured per card and d).
 
 Cost per launch pair, q of n_q rows, k of n_k: 2 n_q n_k d multiply-adds (S, then W k), two exps per element
 of S (InfoNCE) or one exp and the series log1p (sigmoid); W written once and read once (2 or 4 bytes per
@@ -38,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.streamed.chunk_size import CPU_BUDGET
+from distlab.streamed.kernels import tuning
 from distlab.streamed.kernels.launch import (
     Blocks,
     accumulator,
@@ -49,11 +56,10 @@ from distlab.streamed.kernels.launch import (
     tiling,
 )
 from distlab.streamed.kernels.product import INFONCE, SIGMOID, coefficients, infonce_vector
-from distlab.streamed.kernels.tile import BF16, BF16_WIDENED, Operand, Tiling, s_tile
-from distlab.streamed.tile_size import CPU_BUDGET
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.kernels.register_tile import BF16, BF16_WIDENED, Operand, Tiling, s_tile
+from distlab.streamed.torch_tiles import Pairing
 
-W_BUDGET = 256 * 2**20  # bytes of W alive at once on a GPU (the module docstring)
+W_BUDGET = 512 * 2**20  # bytes of W alive at once on a GPU (the module docstring)
 
 
 @triton.jit
@@ -92,46 +98,74 @@ def default_gemm_blocks(code: int, interpreting: bool, role: int) -> Blocks:
     return default_blocks(code, interpreting)
 
 
-def chunk_rows(n_q: int, n_k: int, itemsize: int, blocks: Blocks, device: torch.device) -> int:
-    """Rows of W per chunk: `blocks.w_rows`, else as many whole row blocks as W_BUDGET (CPU_BUDGET on a CPU;
-    the meta device counts a GPU's step) holds, at least one block, at most n_q."""
-    if blocks.w_rows is not None:
-        return max(1, min(blocks.w_rows, n_q))
-    budget = CPU_BUDGET if device.type == "cpu" else W_BUDGET
-    rows = budget // max(1, n_k * itemsize) // blocks.m * blocks.m
-    return max(1, min(max(rows, blocks.m), n_q))
+def chunk_rows(n_q: int, n_k: int, itemsize: int, blocks: Blocks, device: torch.device, budget: int | None) -> int:
+    """Rows of W per chunk: as many whole row blocks as the budget holds (`budget` bytes, else W_BUDGET, and
+    CPU_BUDGET on a CPU; the meta device counts a GPU's step), at least one block, at most n_q; `blocks.w_rows`
+    where it is set and fits in that budget."""
+    budget = budget or (CPU_BUDGET if device.type == "cpu" else W_BUDGET)
+    rows = max(budget // max(1, n_k * itemsize) // blocks.m * blocks.m, blocks.m)
+    return max(1, min(rows, blocks.w_rows or rows, n_q))
 
 
-def product_f32(w: torch.Tensor, k: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """w @ k with a float32 (float64) result: on CUDA a 16-bit w and k go to cuBLAS as they are, accumulating in
-    float32 (`out_dtype`); elsewhere they are widened exactly first, which is the same arithmetic (a bf16
-    product is exact in float32) summed in another order."""
+def mm_into(out: torch.Tensor, w: torch.Tensor, k: torch.Tensor, add: bool) -> torch.Tensor:
+    """out = w @ k (add: out += w @ k) in out's dtype (float32, or float64), written in place: on CUDA a 16-bit
+    w and k go to cuBLAS as they are, accumulating in float32 (`out_dtype`); elsewhere they are widened exactly
+    first, which is the same arithmetic (a bf16 product is exact in float32) summed in another order."""
     if w.device.type in ("cuda", "meta") and w.dtype in (torch.bfloat16, torch.float16) and w.dtype == k.dtype:
-        return torch.mm(w, k, out_dtype=acc)
-    return w.to(acc) @ k.to(acc)
+        if not add:
+            return torch.mm(w, k, out_dtype=out.dtype, out=out)
+        if mixed_addmm(w.device):
+            return torch.addmm(out, w, k, out_dtype=out.dtype, out=out)
+        return out.add_(torch.mm(w, k, out_dtype=out.dtype))  # older torch: a float32 self with bf16 factors refused
+    return out.addmm_(w.to(out.dtype), k.to(out.dtype), beta=1 if add else 0)
+
+
+_MIXED: dict[str, bool] = {}
+
+
+def mixed_addmm(device: torch.device) -> bool:
+    """Whether this torch adds a 16-bit product into a float32 matrix in place on `device` (addmm with
+    out_dtype and a float32 self: newer torch accepts it, older asks self to be 16-bit too). Asked once."""
+    if device.type not in _MIXED:
+        a = torch.zeros(2, 2, dtype=torch.bfloat16, device=device)
+        try:
+            torch.addmm(torch.zeros(2, 2, device=device), a, a, out_dtype=torch.float32)
+            _MIXED[device.type] = True
+        except RuntimeError:
+            _MIXED[device.type] = False
+    return _MIXED[device.type]
 
 
 class Job(NamedTuple):
     """What one call computes. role: INFONCE or SIGMOID; walk = (s, offset of the positives or None, beta, 1/N,
     scale of the products); vectors = the InfoNCE's (lse_q, lse_k, diag_coef); columns: W^T q as well, from the
-    same W (each chunk's share added in order)."""
+    same W (each chunk's share added in order); w_bytes: the most bytes of W alive at once."""
 
     role: int
     walk: tuple
     vectors: tuple
     columns: bool = False
+    w_bytes: int | None = None  # the budget of W in bytes (config W_MEMORY_MIB); None: `chunk_rows`'s default
 
 
-def _run(q, k, job: Job, precision: str, blocks: Blocks | None):
-    """W made chunk by chunk of q's rows, each multiplied into its rows of G at once (and, with job.columns,
-    into all of W^T q): (G for q's rows, W^T q or None, loss row sums, D row sums)."""
-    (n_q, d), (role, walk, vectors, columns) = q.shape, job
+def gemm_blocks(q: torch.Tensor, k: torch.Tensor, job: Job, precision: str) -> Blocks:
+    """The launch configuration: on CUDA measured (`tuning`: the table, the cache, or a search on these very
+    operands), elsewhere `default_gemm_blocks`."""
     interpreting = interpreted(coefficient_kernel)
-    code = precision_code(precision, q.dtype, interpreting)
-    blocks = blocks or default_gemm_blocks(code, interpreting, role)
+    default = default_gemm_blocks(precision_code(precision, q.dtype, interpreting), interpreting, job.role)
+    kind = "sigmoid-mm" if job.role == SIGMOID else "infonce-mm"
+    return tuning.choose(kind, q, precision, default, lambda blocks: run(q, k, job, precision, blocks)).blocks
+
+
+def run(q, k, job: Job, precision: str, blocks: Blocks | None):
+    """W made chunk by chunk of q's rows, each multiplied into its rows of G at once (and, with job.columns,
+    added into all of W^T q): (G for q's rows, W^T q or None, loss row sums, D row sums)."""
+    (n_q, d), (role, walk, vectors, columns, w_bytes) = q.shape, job
+    code = precision_code(precision, q.dtype, interpreted(coefficient_kernel))
+    blocks = blocks or gemm_blocks(q, k, job, precision)
     acc = accumulator(code)
     w_dtype = torch.bfloat16 if code in (BF16, BF16_WIDENED) else acc
-    rows_per = chunk_rows(n_q, len(k), torch.finfo(w_dtype).bits // 8, blocks, q.device)
+    rows_per = chunk_rows(n_q, len(k), torch.finfo(w_dtype).bits // 8, blocks, q.device, w_bytes)
     col_blocks = math.ceil(len(k) / blocks.n)
     g = torch.empty(n_q, d, dtype=acc, device=q.device)
     g_cols = torch.zeros(len(k), d, dtype=acc, device=q.device) if columns else None
@@ -148,10 +182,11 @@ def _run(q, k, job: Job, precision: str, blocks: Blocks | None):
         args += ((d, float(scale), offset + r0, *logits), tiling(blocks, code, role))
         grid = (triton.cdiv(n_rows, blocks.m), col_blocks)
         launch(coefficient_kernel, grid, args, blocks, nbytes(q[rows], k, w, *parts, *chunk_vectors))
-        g[rows] = product_f32(w, k, acc).mul_(out_scale)
+        mm_into(g[rows], w, k, add=False)  # rows of a row-major G: a contiguous view, written in place
         if columns:
-            g_cols += product_f32(w.T, q[rows], acc)
-    return g, g_cols if g_cols is None else g_cols.mul_(out_scale), loss.sum(1), d_sum.sum(1)
+            mm_into(g_cols, w.T, q[rows], add=True)
+    g_cols = None if g_cols is None else g_cols.mul_(out_scale)
+    return g.mul_(out_scale), g_cols, loss.sum(1), d_sum.sum(1)
 
 
 def pair_products(
@@ -166,7 +201,7 @@ def pair_products(
     """out_scale sum_j (R_ij + Q_ij - 2 delta_ij) k_j for every row i of q (`pair_product`) and out_scale
     sum_i (R_ij + Q_ij - 2 delta_ij) q_i for every row j of k, from the same W: the ring's two products of one
     visit in 3 n_q n_k d multiply-adds (S once, then each product), where the fused kernels make S twice."""
-    return _run(q, k, infonce_job(scale, pairing, out_scale, True), precision, blocks)[:2]
+    return run(q, k, infonce_job(scale, pairing, out_scale, True), precision, blocks)[:2]
 
 
 def pair_product(
@@ -179,7 +214,7 @@ def pair_product(
     blocks: Blocks | None = None,
 ) -> torch.Tensor:
     """`product.pair_product`, W in memory: out_scale sum_j (R_ij + Q_ij - 2 delta_ij) k_j for every row of q."""
-    return _run(q, k, infonce_job(scale, pairing, out_scale, False), precision, blocks)[0]
+    return run(q, k, infonce_job(scale, pairing, out_scale, False), precision, blocks)[0]
 
 
 def sigmoid_rows(
@@ -192,7 +227,7 @@ def sigmoid_rows(
     blocks: Blocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`product.sigmoid_rows`, W in memory: (D k, the sum of softplus(-eps S) over the tile, the sum of D)."""
-    g, _, loss, d_sum = _run(q, k, sigmoid_job(q, logits, n, offset, False), precision, blocks)
+    g, _, loss, d_sum = run(q, k, sigmoid_job(q, logits, n, offset, False), precision, blocks)
     return g, loss.sum(), d_sum.sum()
 
 
@@ -206,7 +241,7 @@ def sigmoid_rows_and_columns(
     blocks: Blocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sigmoid_rows` and D^T q from the same D: (D k, D^T q, the sum of softplus(-eps S), the sum of D)."""
-    g, g_cols, loss, d_sum = _run(q, k, sigmoid_job(q, logits, n, offset, True), precision, blocks)
+    g, g_cols, loss, d_sum = run(q, k, sigmoid_job(q, logits, n, offset, True), precision, blocks)
     return g, g_cols, loss.sum(), d_sum.sum()
 
 

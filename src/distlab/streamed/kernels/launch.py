@@ -1,5 +1,5 @@
 """Launching the kernels: the precision code, block sizes, how the columns are split across programs, and the
-launch itself (counted by `distlab.streamed.launches`; on the meta device counted and not run).
+launch itself (counted by `distlab.streamed.launch_count`; on the meta device counted and not run).
 
 Block sizes. `tl.dot` needs every side >= 16. bf16 (tensor cores), chosen by timing on an H100 (Triton 3.6;
 one rank of N = 65,536, P = 8, d = 1,024; benchmarks/results/gpu/2026-11-26-kernels-h100, `kernels_gpu.py
@@ -13,7 +13,8 @@ crossed.
 
 Column splits. A program owns BLOCK_M rows and walks a range of columns; at one rank's shape of P = 8
 (C = 8,192 rows, BLOCK_M = 128) that is 64 programs, half an H100's 132 SMs. So the columns are cut into
-`splits` ranges (grid = row blocks x splits, about two programs per SM), each range writes its own partial
+`splits` ranges (grid = row blocks x splits, at least two programs per SM in whole waves: `whole_waves`), each
+range writes its own partial
 (m, l) or G, and the partials are combined in a fixed order after the launch: deterministic, no atomics.
 """
 
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from distlab.streamed.kernels.tile import BF16, BF16_WIDENED, F64, IEEE, TF32, Tiling
-from distlab.streamed.launches import record_kernel
+from distlab.streamed.kernels.register_tile import BF16, BF16_WIDENED, F64, IEEE, TF32, Tiling
+from distlab.streamed.launch_count import record_kernel
 
 PRECISIONS = {"float32": IEEE, "tf32": TF32, "bf16": BF16}
 
@@ -54,7 +55,7 @@ def interpreted(kernel) -> bool:
 def precision_code(precision: str, dtype: torch.dtype, interpreting: bool) -> int:
     """How tl.dot multiplies: float64 embeddings in float64 whatever MATMUL_PRECISION says (the dtype that
     checks exactness), else MATMUL_PRECISION's float32, tf32 or bf16 (under the interpreter bf16 as
-    BF16_WIDENED, tf32 as float32: see `tile`)."""
+    BF16_WIDENED, tf32 as float32: see `register_tile`)."""
     if dtype == torch.float64:
         return F64
     code = PRECISIONS[precision]
@@ -85,17 +86,33 @@ def tiling(blocks: Blocks, code: int, role: int) -> Tiling:
 
 
 def column_split(n_q: int, n_k: int, blocks: Blocks, device: torch.device) -> tuple[int, int]:
-    """(columns per split, splits): `blocks.splits`, else about two programs per SM on CUDA (one range
-    elsewhere: the interpreter runs programs one after another), every split a whole number of column blocks
-    and none empty."""
+    """(columns per split, splits): `blocks.splits`, else on CUDA as many as fill whole waves of the device's
+    SMs (`whole_waves`; one range elsewhere: the interpreter runs programs one after another), every split a
+    whole number of column blocks and none empty."""
     row_blocks, col_blocks = math.ceil(n_q / blocks.m), math.ceil(n_k / blocks.n)
     splits = blocks.splits
     if splits is None:
-        programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        splits = math.ceil(programs / row_blocks)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        splits = whole_waves(row_blocks, sms) if sms else 1
     splits = max(1, min(splits, col_blocks))
     per_split = math.ceil(col_blocks / splits) * blocks.n
     return per_split, math.ceil(n_k / per_split)
+
+
+def whole_waves(row_blocks: int, sms: int) -> int:
+    """Column ranges s such that the row_blocks s programs fill whole waves of `sms` SMs: the fewest s giving at
+    least two programs per SM whose last wave is at least 90% full, else the fullest last wave among up to twice
+    that many. (At C = 8,192 in 128-row blocks on 132 SMs: s = 6, 384 programs in 2.9 waves; the earlier
+    "about two per SM", s = 5, left 320 programs in 2.4 waves, the last 42% full.)"""
+    least = max(1, math.ceil(2 * sms / row_blocks))
+
+    def fill(s: int) -> float:
+        programs = row_blocks * s
+        return programs / (sms * math.ceil(programs / sms))
+
+    options = range(least, 2 * least + 1)
+    full = [s for s in options if fill(s) >= 0.9]
+    return min(full) if full else max(options, key=fill)
 
 
 def launch(kernel, grid: tuple, args: tuple, blocks: Blocks, moved_bytes: int) -> None:

@@ -2,10 +2,10 @@
 partials of the same tiles, in one launch.
 
 A program owns BLOCK_M rows and walks its range of columns (`launch.column_split`) a BLOCK_N block at a time:
-each S tile is made in registers (`tile.s_tile`, d in slices of BLOCK_D) and folded into the rows' running max
+each S tile is made in registers (`register_tile.s_tile`, d in slices of BLOCK_D) and folded into the rows' running max
 m and sum l = sum_j exp(S_ij - m) (the online fold of `distlab.pieces.online_softmax`), then dropped. Where the tile
 holds row i's positive (column i + offset) its logit S_ii is stored from that very tile, so that
-nll_i = (m_i - S_ii) + log l_i is exactly log l_i when the positive is the row's max (`tiles.lse_and_nll`).
+nll_i = (m_i - S_ii) + log l_i is exactly log l_i when the positive is the row's max (`torch_tiles.lse_and_nll`).
 With ROLE = COLUMNS the tile is also folded down its columns (max, then the sum of exp under it): one (m, l)
 per (row block, column), which the ring's pass 1 merges into the visiting block's column normalisers, so one
 S tile serves both folds. Each column range writes its own (m, l) partial; `row_lse` merges them in order.
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.streamed.kernels import tuning
 from distlab.streamed.kernels.launch import (
     Blocks,
     accumulator,
@@ -34,7 +35,7 @@ from distlab.streamed.kernels.launch import (
     precision_code,
     tiling,
 )
-from distlab.streamed.kernels.tile import BF16, Operand, Tiling, s_tile
+from distlab.streamed.kernels.register_tile import BF16, Operand, Tiling, s_tile
 
 ROWS, COLUMNS = 0, 1  # ROLE: the rows' fold only, or the columns' too
 
@@ -117,7 +118,10 @@ def row_lse(
     float64 embeddings); q and k in one dtype, unit stride along d."""
     n_q, d = q.shape
     code = precision_code(precision, q.dtype, interpreted(lse_kernel))
-    blocks = blocks or fold_blocks(code, interpreted(lse_kernel), columns)
+    if blocks is None:  # on CUDA measured per card and d (`tuning`), elsewhere `fold_blocks`
+        default = fold_blocks(code, interpreted(lse_kernel), columns)
+        again = lambda b: row_lse(q, k, scale, offset, precision, columns, b)  # noqa: E731 - one candidate's run
+        blocks = tuning.choose("ring-fold" if columns else "fold", q, precision, default, again).blocks
     per_split, splits = column_split(n_q, len(k), blocks, q.device)
     row_blocks = triton.cdiv(n_q, blocks.m)
     kw = dict(dtype=accumulator(code), device=q.device)

@@ -1,7 +1,7 @@
 """Phase 3's kernel (and the sigmoid loss's): sum_j W_ij k_j for a block of rows, W recomputed from S tile by
 tile, never stored.
 
-For each BLOCK_N block of columns a program makes its S tile in registers (`tile.s_tile`), turns it into the
+For each BLOCK_N block of columns a program makes its S tile in registers (`register_tile.s_tile`), turns it into the
 tile of coefficients W, and adds W k[cols] into its rows of G (d in slices of BLOCK_D):
 
     InfoNCE (ROLE = INFONCE)   W_ij = exp(S_ij - lse_q_i) + exp(S_ij - lse_k_j) - 2 delta_ij = R + Q - 2 delta,
@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.streamed.kernels import tuning
 from distlab.streamed.kernels.launch import (
     Blocks,
     accumulator,
@@ -43,8 +44,8 @@ from distlab.streamed.kernels.launch import (
     precision_code,
     tiling,
 )
-from distlab.streamed.kernels.tile import Operand, Tiling, dot, log1p, operand, s_tile
-from distlab.streamed.tiles import Pairing
+from distlab.streamed.kernels.register_tile import Operand, Tiling, dot, log1p, operand, s_tile
+from distlab.streamed.torch_tiles import Pairing
 
 INFONCE, SIGMOID = 0, 1  # ROLE
 
@@ -52,7 +53,15 @@ INFONCE, SIGMOID = 0, 1  # ROLE
 @triton.jit
 def sigmoid_terms(s, hit, PRECISION: tl.constexpr):
     """(N D, softplus(v)) for a tile of logits S = s q k^T + beta: v = -eps S with eps = +1 where `hit`
-    (the positives), N D = -eps sigma(v). sigma(v) and softplus(v) never overflow for any |S|."""
+    (the positives), N D = -eps sigma(v). sigma(v) and softplus(v) never overflow for any |S|.
+
+    What each element costs on sm_90 (the PTX of the sigmoid GEMM's epilogue, bf16 128 x 128 x 64, Triton 3.9,
+    `kernels_compile_check.py`): one ex2.approx, two div.full.f32 (Triton's float32 `/` is already the GPU's
+    approximate division, 2 ulp: sigma's and the series' z) and ten fused multiply-adds, no register spilled.
+    A log1p through `tl.log2` (a short series below 1/8, log2(1 + x) above) was tried and compiled worse:
+    Triton lowers `tl.log2` to libdevice's accurate log2f (twelve more multiply-adds and the selects around it, not
+    the MUFU lg2.approx), and the kernel then spilled 220 bytes a thread; the approximate lg2 needs inline PTX,
+    which the interpreter cannot run, so nothing here could prove it."""
     v = tl.where(hit, -s, s)
     x = tl.exp(-tl.abs(v))
     softplus = tl.maximum(v, 0.0) + log1p(x, 17 if PRECISION == 3 else 8)
@@ -139,7 +148,10 @@ def _run(q, k, walk: tuple, vectors: tuple, role: int, precision: str, blocks: B
     n_q, d = q.shape
     interpreting = interpreted(product_kernel)
     code = precision_code(precision, q.dtype, interpreting)
-    blocks = blocks or default_blocks(code, interpreting, sigmoid=role == SIGMOID)
+    if blocks is None:  # on CUDA measured per card and d (`tuning`), elsewhere `launch.default_blocks`
+        default = default_blocks(code, interpreting, sigmoid=role == SIGMOID)
+        again = lambda b: _run(q, k, walk, vectors, role, precision, b)  # noqa: E731 - one candidate's run
+        blocks = tuning.choose("sigmoid" if role == SIGMOID else "infonce", q, precision, default, again).blocks
     per_split, splits = column_split(n_q, len(k), blocks, q.device)
     g = torch.empty(splits, n_q, d, dtype=accumulator(code), device=q.device)
     loss, d_sum = torch.empty(2, splits, n_q if role == SIGMOID else 1, dtype=g.dtype, device=q.device)

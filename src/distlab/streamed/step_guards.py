@@ -37,7 +37,7 @@ import torch.distributed as dist
 from distlab.pieces.split_inputs import samples_in
 from distlab.processes.agree import message_length, per_rank, raise_together, rank_table
 from distlab.streamed.config import EXCHANGES, KERNELS, MATMUL_PRECISIONS, NORMALISERS, StreamConfig, parse_config
-from distlab.streamed.tile_ops import kernels_problem
+from distlab.streamed.kernel_choice import kernels_problem
 from distlab.streamed.wrappers import Wrapped, batchnorm_in_training, first_device, trainable, unwrap
 
 DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

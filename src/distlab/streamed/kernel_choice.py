@@ -1,14 +1,15 @@
 """Which code does the step's tile work: the torch tiles or the Triton kernels (config key KERNELS), at the
 step's matmul precision (MATMUL_PRECISION, `precision`).
 
-    "auto"    (the default) "triton-mm" for CUDA tensors when triton imports and MATMUL_PRECISION is "bf16"
+    "auto"    (the default) the measured winner for the card and d (`kernels.tuning.auto_kernels`, said once
+              in the log): "triton-mm" for CUDA tensors when triton imports and MATMUL_PRECISION is "bf16"
               or "tf32" (tensor cores), the torch tiles elsewhere: for float64 on CUDA (the dtype that checks
               exactness, not a fast path) and for IEEE float32, where cuBLAS's float32 matmul beat the kernels'
               FMA products 0.16 s to 0.75 s on an H100 (benchmarks/results/gpu/2026-11-26-kernels-h100). W in
               memory, not in registers: on an H200 at one rank of N = 65,536, P = 8, d = 1,024 it took 0.017 s
               where the fused kernels took 0.033 s (InfoNCE) and 0.0085 s where they took 0.042 s (the sigmoid
               ring), every path exact in bf16 there (benchmarks/results/gpu/2026-11-28-decide-h200)
-    "torch"   the torch tiles: T x T tiles of S in memory, a dozen ops on each (`tiles`, `sigmoid`)
+    "torch"   the torch tiles: T x T tiles of S in memory, a dozen ops on each (`torch_tiles`, `sigmoid`)
     "triton"  the Triton kernels (`distlab.streamed.kernels`), S and W in registers: CUDA tensors, or CPU
               tensors under Triton's interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
     "triton-mm"  the same, except phase 3's products (and the sigmoid's): W made by a Triton GEMM's epilogue
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from distlab.streamed.precision import rounded
-from distlab.streamed.tiles import (
+from distlab.streamed.torch_tiles import (
     Pairing,
     RowFold,
     ring_fold_tiles,
@@ -84,18 +85,31 @@ class TritonTiles:
     """The Triton kernels: one launch per row fold or product, whatever N and T are (T is not used)."""
 
     precision: str = "float32"
-    blocks: Any = None  # a `kernels.launch.Blocks`, or None: the defaults for the dtype and device
+    blocks: Any = None  # a `kernels.launch.Blocks`, or None: measured on CUDA (`kernels.tuning`), else the defaults
     w_in_memory: bool = False  # KERNELS "triton-mm": the products by `kernels.coefficients`
+    w_budget: int | None = None  # "triton-mm": bytes of W alive at once (W_MEMORY_MIB); None: the module's default
 
     @property
     def name(self) -> str:
         return "triton-mm" if self.w_in_memory else "triton"
 
-    def _products(self):
-        """The module whose pair_product and sigmoid_rows this path uses: W in registers or in memory."""
-        from distlab.streamed.kernels import coefficients, product
+    def _mm(self, q, k, job):
+        """KERNELS "triton-mm": `coefficients.run` for a Job, W in chunks of this step's budget:
+        (rows' product, columns' product or None, loss row sums, D row sums)."""
+        from distlab.streamed.kernels.coefficients import run
 
-        return coefficients if self.w_in_memory else product
+        return run(q, k, job._replace(w_bytes=self.w_budget), self.precision, self.blocks)
+
+    def _sigmoid_rows(self, q, k, pair, n: int, shift: int):
+        """(D k, the loss's sum, D's sum) for q's rows against k, W in registers or in memory."""
+        if self.w_in_memory:
+            from distlab.streamed.kernels.coefficients import sigmoid_job
+
+            g, _, loss, d_sum = self._mm(q, k, sigmoid_job(q, pair, n, shift, False))
+            return g, loss.sum(), d_sum.sum()
+        from distlab.streamed.kernels.product import sigmoid_rows
+
+        return sigmoid_rows(q, k, pair, n, shift, self.precision, self.blocks)
 
     def prepare(self, z: torch.Tensor) -> torch.Tensor:
         """The kernels read float32, bf16 and fp16 as they are (and float64): nothing to copy."""
@@ -110,7 +124,7 @@ class TritonTiles:
 
     def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         from distlab.streamed.kernels.lse import row_lse
-        from distlab.streamed.tiles import lse_and_nll
+        from distlab.streamed.torch_tiles import lse_and_nll
 
         folded = row_lse(*self._operands(q, k), scale, offset, self.precision, blocks=self.blocks)
         return lse_and_nll(folded.m, folded.l, folded.diag)
@@ -119,27 +133,32 @@ class TritonTiles:
         return (*self.row_lse(z_x, z_y, scale, 0), *self.row_lse(z_y, z_x, scale, 0))
 
     def pair_product(self, q, k, scale: float, pairing: Pairing) -> torch.Tensor:
-        return self._products().pair_product(*self._operands(q, k), scale, pairing, self.precision, blocks=self.blocks)
+        q, k = self._operands(q, k)
+        if self.w_in_memory:
+            from distlab.streamed.kernels.coefficients import infonce_job
+
+            return self._mm(q, k, infonce_job(scale, pairing, 1.0, False))[0]
+        from distlab.streamed.kernels.product import pair_product
+
+        return pair_product(q, k, scale, pairing, self.precision, blocks=self.blocks)
 
     def sigmoid_block(self, x, y, logits, starts: tuple[int, int], n: int, want: tuple[bool, bool]):
         """Rows against columns: D y for the rows (want[0]) and D^T x for the columns (want[1]), each its own
         launch (the second recomputes S with the roles swapped; S^T's positives are S's)."""
         from distlab.streamed.sigmoid import BlockGrads
 
-        sigmoid_rows = self._products().sigmoid_rows
-
         pair, shift, (x, y) = (logits.s, logits.beta), starts[0] - starts[1], self._operands(x, y)
         d_y = d_x = None
         if self.w_in_memory and all(want):  # one D for both products
-            from distlab.streamed.kernels.coefficients import sigmoid_rows_and_columns
+            from distlab.streamed.kernels.coefficients import sigmoid_job
 
-            d_y, d_x, loss, d_sum = sigmoid_rows_and_columns(x, y, pair, n, shift, self.precision, self.blocks)
-            return BlockGrads(loss, d_y, d_x, d_sum)
+            d_y, d_x, loss, d_sum = self._mm(x, y, sigmoid_job(x, pair, n, shift, True))
+            return BlockGrads(loss.sum(), d_y, d_x, d_sum.sum())
         if want[0] or not want[1]:  # (neither wanted: the loss alone, which this kernel makes beside D y)
-            d_y, loss, d_sum = sigmoid_rows(x, y, pair, n, shift, self.precision, self.blocks)
+            d_y, loss, d_sum = self._sigmoid_rows(x, y, pair, n, shift)
             d_y = d_y if want[0] else None
         if want[1]:
-            d_x, loss, d_sum = sigmoid_rows(y, x, pair, n, -shift, self.precision, self.blocks)
+            d_x, loss, d_sum = self._sigmoid_rows(y, x, pair, n, -shift)
         return BlockGrads(loss, d_y, d_x, d_sum)
 
     def ring_fold(self, x, y_j, scale: float, rows_fold: RowFold, own: bool) -> list:
@@ -155,9 +174,9 @@ class TritonTiles:
     def ring_products(self, x, y_j, scale: float, pairing: Pairing, into_rows: torch.Tensor) -> torch.Tensor:
         p = pairing
         if self.w_in_memory:  # one W for both products
-            from distlab.streamed.kernels.coefficients import pair_products
+            from distlab.streamed.kernels.coefficients import infonce_job
 
-            rows, cols = pair_products(*self._operands(x, y_j), scale, p, self.precision, blocks=self.blocks)
+            rows, cols = self._mm(*self._operands(x, y_j), infonce_job(scale, p, 1.0, True))[:2]
             into_rows += rows
             return cols
         into_rows += self.pair_product(x, y_j, scale, p)
@@ -196,8 +215,18 @@ def kernels_problem(kernels: str, device: torch.device) -> str | None:
     return None
 
 
-def tile_ops(kernels: str, precision: str, t: int, device: torch.device, dtype: torch.dtype):
-    """The tile work for embeddings of `dtype` on `device`, as KERNELS and MATMUL_PRECISION say."""
+def tile_ops(
+    kernels: str,
+    precision: str,
+    t: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    d: int | None = None,
+    w_budget: int | None = None,
+):
+    """The tile work for embeddings of `dtype` and width d on `device`, as KERNELS and MATMUL_PRECISION say;
+    "triton-mm" keeps at most w_budget bytes of W alive (W_MEMORY_MIB; None: `kernels.coefficients`' default).
+    "auto" takes `auto_choice`'s answer."""
     if (problem := kernels_problem(kernels, device)) is not None:
         raise ValueError(problem)
     if kernels in ("triton", "triton-mm") and device.type == "cuda" and dtype == torch.float64:
@@ -205,13 +234,23 @@ def tile_ops(kernels: str, precision: str, t: int, device: torch.device, dtype: 
             f"config['KERNELS'] = {kernels!r} with float64 embeddings on CUDA: Triton's tl.dot has no float64 on "
             "GPUs; use KERNELS 'auto' or 'torch' (float64 runs on the torch tiles)"
         )
-    triton_mm = kernels == "triton-mm" or (
-        kernels == "auto"
-        and device.type == "cuda"
-        and dtype != torch.float64
-        and precision != "float32"
-        and importlib.util.find_spec("triton") is not None
-    )
-    if kernels == "triton":
-        return TritonTiles(precision)
-    return TritonTiles(precision, w_in_memory=True) if triton_mm else TorchTiles(t, precision)
+    if kernels == "auto":
+        kernels = auto_choice(device, d, dtype, precision)[0]
+    if kernels == "torch":
+        return TorchTiles(t, precision)
+    return TritonTiles(precision, w_in_memory=kernels == "triton-mm", w_budget=w_budget)
+
+
+def auto_choice(device: torch.device, d: int | None, dtype: torch.dtype, precision: str) -> tuple[str, str]:
+    """KERNELS "auto": which path it takes for these embeddings, and why in a sentence
+    (`kernels.tuning.auto_kernels`; the torch tiles wherever triton is not installed); on CUDA said once in the
+    log (logger distlab.streamed.kernels.tuning, INFO)."""
+    if device.type != "cuda":
+        return "torch", f"{device.type} tensors: the torch tiles (the kernels need CUDA)"
+    if importlib.util.find_spec("triton") is None:
+        return "torch", "triton is not installed: the torch tiles"
+    from distlab.streamed.kernels.tuning import auto_kernels, say_once
+
+    kernels, why = auto_kernels(device, d, dtype, precision)
+    say_once(f"KERNELS 'auto' at d = {d}, {dtype}, MATMUL_PRECISION {precision!r}: {kernels!r}: {why}")
+    return kernels, why

@@ -6,7 +6,7 @@ softmax; T the stream chunk (`STREAM_CHUNK_SIZE`), so every tile is at most T x 
 T, columns in chunks of T, whatever the micro-batch B is).
 
 Nothing here communicates: these functions take gathered (or, in the ring, visiting) embeddings and are
-tested against autograd in one process. `distlab.streamed.tile_ops` hands them to the step's phases 2 and 3
+tested against autograd in one process. `distlab.streamed.kernel_choice` hands them to the step's phases 2 and 3
 and to the ring's passes (`TorchTiles`), or the Triton kernels that do the same work (`TritonTiles`).
 
 The streaming log-sum-exp is the online max/sum fold of `distlab.pieces.online_softmax` (every exponent <= 0,

@@ -102,6 +102,9 @@ def check_calls(args, rt) -> dict:
     }
 
 
+ROWS = {"validation": validation_calls, "step": step_calls, "check": check_calls}
+
+
 def grads_of(model) -> list[torch.Tensor]:
     """The gradients the last step left (every step sets them anew: read them at the call)."""
     return [p.grad for p in model.parameters() if p.grad is not None]
@@ -158,6 +161,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stream-chunk", type=positive_int, default=512, help="T: tiles are at most T x T")
     parser.add_argument("--check-tensors", type=positive_int, default=8, help="gradients of 2^20 in the check row")
     parser.add_argument("--repeats", type=positive_int, default=7, help="timed runs per method")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which rows to run")
     return add_runtime_args(parser).parse_args()
 
 
@@ -166,15 +170,14 @@ def main() -> int:
     with distributed(args.device) as rt:
         meta = {"world": rt.world_size, "device": device_name(rt), "torch": torch.__version__, "backend": rt.backend}
         meta["command"] = f"torchrun --standalone --nproc-per-node {rt.world_size} benchmarks/loss_module_costs.py"
+        meta["command"] += "".join(f" {a}" for a in sys.argv[1:])
         meta["load_average_before"] = os.getloadavg()[0]
-        rows = {
-            f"validation N={args.val_n}": run_row("validation", validation_calls(args, rt), args, rt),
-            f"step N={args.step_n}": run_row("step", step_calls(args, rt), args, rt),
-            f"check {args.check_tensors} x 2^20": run_row("check", check_calls(args, rt), args, rt),
-        }
+        sizes = {"validation": f"N={args.val_n}", "step": f"N={args.step_n}", "check": f"{args.check_tensors} x 2^20"}
+        rows = {f"{row} {sizes[row]}": run_row(row, ROWS[row](args, rt), args, rt) for row in args.rows}
         meta["load_average_after"] = os.getloadavg()[0]
         if rt.is_first:
-            out = RESULTS / f"loss_module_costs_p{rt.world_size}.json"
+            suffix = "" if args.rows == list(ROWS) else "_" + "_".join(args.rows)
+            out = RESULTS / f"loss_module_costs_p{rt.world_size}{suffix}.json"
             out.write_text(json.dumps({"meta": meta, "args": vars(args), "rows": rows}, indent=1))
             print0(f"wrote {out} (load average {meta['load_average_before']:.1f} before)", highlight=False)
     return 0

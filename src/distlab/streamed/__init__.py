@@ -13,6 +13,7 @@ how the ranks' embeddings meet
   `ring`            the ring: C x d blocks pass rank to rank, the InfoNCE's and the sigmoid's passes
 the losses' tile work
   `torch_tiles`     the InfoNCE's tiles in torch ops, S in memory: log-sum-exps by the online fold, G by tiles
+  `own_block`       the torch tiles' phases 2 and 3 with a rank's own block of S made once for rows and columns
   `sigmoid`         the sigmoid loss (SigLIP): its closed-form gradient, in tiles
   `kernels`         the same tile work as Triton kernels, S in registers (`kernels.register_tile`)
   `kernel_choice`   KERNELS: the torch tiles or the kernels, behind one interface (`TileOps`)

@@ -25,7 +25,7 @@ import json
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.shapes import Batch, Parallel
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.flags import LIMITS, efficiency, png_file
@@ -40,6 +40,7 @@ from distlab.processes.flags import (
     writable_file,
 )
 from distlab.proof.console import console
+from distlab.proof.sizes import Transformer
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1"}

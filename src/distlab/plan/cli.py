@@ -28,7 +28,7 @@ from distlab.cost.rules import check
 from distlab.cost.shapes import Batch, Parallel
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
-from distlab.plan.flags import LIMITS, efficiency, png_file
+from distlab.plan.flags import LIMITS
 from distlab.plan.presets import MODELS
 from distlab.plan.search import least_memory, price, search
 from distlab.processes.flags import (
@@ -36,7 +36,9 @@ from distlab.processes.flags import (
     add_global_batch,
     nonnegative_float,
     nonnegative_int,
+    png_file,
     positive_int,
+    share,
     writable_file,
 )
 from distlab.proof.console import console
@@ -108,7 +110,7 @@ def parse_args(argv=None):
         ("--attention-share", defaults.attention_share, "share of seq^2 products computed (causal: about half)"),
         ("--link-efficiency", defaults.link_efficiency, "share of a link's bandwidth reached"),
     ):
-        time.add_argument(flag, type=efficiency, default=value, help=f"{what} (0 < x <= 1)")
+        time.add_argument(flag, type=share, default=value, help=f"{what} (0 < x <= 1)")
     time.add_argument(
         "--overlap", default=",".join(defaults.overlap), help=f"dimensions hidden behind compute: {OVERLAP}"
     )

@@ -1,9 +1,10 @@
 """What one rank of the mesh sends and holds per step, in closed form: lessons 07-09's formulas, composed.
 A block's activations and tensor-parallel bytes are lesson 08's (`distlab.layer_split.tensor_parallel.cost`),
-the ring's bytes lesson 09's (`distlab.layer_split.context_parallel.cost`), imported, not derived again (the
-composed mesh stands on the top floor beside the cost model, tests/test_layering.py); what is new here is the
-mesh around them: the embedding and head, FSDP2's per-parameter padding, torch's pipeline stage's receive
-buffers.
+the ring's bytes lesson 09's (`distlab.layer_split.context_parallel.cost`), FSDP2's padded shards lesson 07's
+(`distlab.data_split.sharding.fsdp.fsdp_states`), and the parameters and how tensor parallelism cuts each the
+size record's (`distlab.proof.sizes.Transformer`): imported, not derived again (the composed mesh stands on
+the top floor beside the cost model, tests/test_layering.py). What is new here is the mesh around them: the
+embedding and head's collectives, the stage's units, torch's pipeline stage's receive buffers.
 
 Notation: a shape dp x pp x tp x cp; W = dp cp the ranks FSDP2 shards over; a rank on pipeline stage p holds
 L_p = L / pp blocks. One micro-batch on a rank: n = N / (dp M) sequences of s = seq / cp positions; e bytes
@@ -26,8 +27,9 @@ Bytes sent per step (ring accounting, `distlab.comm.collectives`), by dimension:
         last backward, each (W - 1) e sum_params ceil(rows / W) cols: a parameter's rows (of this tp rank's
         piece) padded to a multiple of W.
 
-Model states per rank (lesson 07's FSDP2, on this tp rank's pieces): weights and gradients e sum ceil(rows / W)
-cols (padded); AdamW's two moments 2 e sum (this shard's real rows) cols; a 4-byte step count per parameter.
+Model states per rank (lesson 07's FSDP2, `fsdp_states`, on this tp rank's pieces): weights and gradients
+e sum ceil(rows / W) cols (padded); AdamW's two moments 2 e sum (this shard's real rows) cols; a 4-byte step
+count per parameter.
 
 Activations (lesson 08's terms with N seq -> n s, each block sequence parallel; lesson 09's ring saves what
 torch's attention saves: q, k, v, out and a log-sum-exp per head and row). Per micro-batch and block
@@ -51,10 +53,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from math import ceil
 
 from distlab.comm.collectives import ring_fraction
 from distlab.composed.config import RunConfig, Shape
+from distlab.data_split.sharding.fsdp import fsdp_states
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.tensor_parallel.cost import activation_bytes, expected_traffic
 from distlab.layer_split.tensor_parallel.model import BlockConfig
@@ -110,19 +112,17 @@ def expected_sent(cfg: RunConfig, shape: Shape, place: Place) -> dict[tuple[str,
     ).expected_bytes()
     out["cp", "forward", "send"] = m * per * n * ring_forward
     out["cp", "backward", "send"] = m * per * n * ring_backward
-    w = shape.shards
-    padded = sum(ceil(rows / w) * cols for unit in stage_units(cfg, shape, place.stage) for rows, cols in unit)
-    out["dp_cp", "forward", "all_gather"] = out["dp_cp", "gradients", "reduce_scatter"] = (w - 1) * padded * e
+    # lesson 07's FSDP2: every unit gathered once and its gradient reduce-scattered once, (W - 1) padded shards each
+    shard = expected_states(cfg, shape, place)["weights"]
+    out["dp_cp", "forward", "all_gather"] = out["dp_cp", "gradients", "reduce_scatter"] = (shape.shards - 1) * shard
     return {key: Fraction(v) for key, v in out.items() if v}
 
 
 def expected_states(cfg: RunConfig, shape: Shape, place: Place) -> dict[str, int]:
-    """Bytes of each model-state item on this rank after a step."""
-    e, w = cfg.dtype.itemsize, shape.shards
+    """Bytes of each model-state item on this rank after a step: lesson 07's FSDP2 (`fsdp_states`) over the
+    W = dp cp ranks, on this tp rank's pieces of the stage's parameters."""
     params = [piece for unit in stage_units(cfg, shape, place.stage) for piece in unit]
-    padded = sum(ceil(rows / w) * cols for rows, cols in params)
-    real = sum(max(0, min(ceil(rows / w), rows - place.shard * ceil(rows / w))) * cols for rows, cols in params)
-    return {"weights": e * padded, "gradients": e * padded, "moments": 2 * e * real, "step counts": 4 * len(params)}
+    return fsdp_states(params, shape.shards, place.shard, cfg.dtype.itemsize)
 
 
 def in_flight(cfg: RunConfig, shape: Shape, stage: int) -> int:

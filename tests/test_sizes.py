@@ -1,4 +1,5 @@
-"""One transformer size record (`distlab.proof.sizes.Transformer`) describes the models the lessons build.
+"""One transformer size record (`distlab.proof.sizes.Transformer`) describes the models the lessons build, and
+one validation (`ParallelDims.check`) says which shapes can run them.
 
 Lesson 08's block (`BlockConfig.model`, one layer) and lesson 12's language model (`RunConfig.model`) are built
 from the record's sizes; the cost model and lesson 12's closed forms read the record's `Weight`s instead of
@@ -8,15 +9,19 @@ record that differs in one option.
 """
 
 from dataclasses import replace
+from itertools import product
 
 import pytest
 import torch
 
-from distlab.composed.config import RunConfig
+from distlab.composed.config import RunConfig, check_shape
 from distlab.composed.cost import stage_units
 from distlab.composed.model import LanguageModel, keep_stage
+from distlab.cost import rules
 from distlab.cost.dims import ParallelDims
+from distlab.cost.shapes import Batch, Parallel
 from distlab.layer_split.tensor_parallel.model import BlockConfig, build
+from distlab.plan.search import layouts
 from distlab.proof.sizes import Transformer, Weight
 
 
@@ -77,3 +82,37 @@ def test_a_block_config_is_one_block():
     with pytest.raises(ValueError, match="one layer"):
         BlockConfig(Transformer(layers=2, dim=24, heads=12, ffn=48))
     assert BlockConfig(Transformer(layers=3, dim=24, heads=12, ffn=48, vocab=8).one_block()).model.layers == 1
+
+
+def _refusal(check, *args) -> str | None:
+    try:
+        check(*args)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_lesson12_the_cost_model_and_the_planner_refuse_a_shape_for_one_reason():
+    """`ParallelDims.check` is the one validation of a shape: on lesson 12's run, every shape of degrees 1-4 it
+    refuses, the cost model refuses in the same words, lesson 12 under the blamed word's flag, and the planner's
+    search never tries; every shape it lets run, the planner tries when its own choices allow (powers of two,
+    tp inside a node of 8, no cp below `MIN_CP_TOKENS` tokens a rank)."""
+    cfg = RunConfig()
+    batch = Batch(cfg.batch, cfg.seq, cfg.micro_batches)
+    refused, searched = 0, {}
+    for degrees in product((1, 2, 3, 4), repeat=4):
+        dims = ParallelDims(*degrees)
+        why = _refusal(dims.check, cfg.model, cfg.batch, cfg.seq, cfg.micro_batches)
+        priced = _refusal(rules.check, cfg.model, batch, Parallel.on(dims, sp=dims.tp > 1), "float64")
+        flagged = _refusal(check_shape, cfg, dims, dims.size)
+        if dims.size not in searched:
+            searched[dims.size] = set(layouts(cfg.model, Batch(cfg.batch, cfg.seq), dims.size, 8))
+        tried = dims in searched[dims.size]
+        if why is None:
+            powers = all(d & (d - 1) == 0 for d in degrees[2:])
+            assert tried == (powers and dims.tp <= 8 and dims.cp == 1), dims
+            continue
+        refused += 1
+        blamed, _, message = why.partition(": ")
+        assert priced == why and flagged == f"--{blamed.replace('_', '-')}: {message}" and not tried, dims
+    assert 0 < refused < 4**4

@@ -75,6 +75,7 @@ from distlab.processes.flags import add_global_batch, check_flags_against_world,
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.compare import against, all_ok, compare
 from distlab.proof.console import compact_table, print0
+from distlab.proof.sizes import Transformer
 from distlab.proof.verdict import Verdict
 
 # ---- the mechanism, part 1: one Linear split two ways --------------------------------------------
@@ -261,7 +262,7 @@ def show_tensor_parallel(rt: Runtime, cfg: BlockConfig, args, verdict: Verdict) 
     print0(
         bytes_table(
             f"Bytes rank {rt.rank} sent in {args.steps} steps; formula 2(P-1)/P N seq d e "
-            f"each way a step, N seq d = {cfg.batch * cfg.seq * cfg.dim}, e = 8",
+            f"each way a step, N seq d = {cfg.batch * cfg.seq * cfg.model.dim}, e = 8",
             rows,
         )
     )
@@ -402,7 +403,8 @@ def parse_args():
 
 
 def block_config(args) -> BlockConfig:
-    return BlockConfig(args.global_batch, args.seq_len, args.dim, args.heads, args.ffn_width, args.dropout, args.seed)
+    block = Transformer(layers=1, dim=args.dim, heads=args.heads, ffn=args.ffn_width)
+    return BlockConfig(block, args.global_batch, args.seq_len, args.dropout, args.seed)
 
 
 def world_rules(args, world_size: int) -> None:
@@ -418,7 +420,8 @@ def main() -> int:
         verdict = Verdict(rt)
         print0(
             f"[bold]Lesson 08: tensor and sequence parallelism[/] - P = {rt.world_size}, N = {cfg.batch}, "
-            f"seq = {cfg.seq}, d = {cfg.dim}, h = {cfg.heads}, d_ff = {cfg.ffn}, backend {rt.backend}, float64"
+            f"seq = {cfg.seq}, d = {cfg.model.dim}, h = {cfg.model.heads}, d_ff = {cfg.model.ffn}, "
+            f"backend {rt.backend}, float64"
         )
         show_operators(rt, verdict)
         show_tensor_parallel(rt, cfg, args, verdict)

@@ -68,7 +68,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from distlab.comm.ring import Ring
 from distlab.composed import checkpoint, cost
-from distlab.composed.config import LAYOUT, ModelConfig, Shape, check_model, check_shape, describe, folded, small_shapes
+from distlab.composed.config import LAYOUT, RunConfig, Shape, check_model, check_shape, describe, folded, small_shapes
 from distlab.composed.measure import StepMeasured, held, measuring
 from distlab.composed.model import LanguageModel, entropy_rate, keep_stage, loss_fn, token_batch
 from distlab.composed.trainee import MeshTrainee, flat_states
@@ -90,6 +90,7 @@ from distlab.processes.scratch import scratch_dir
 from distlab.proof.compare import Comparison, all_ok, compare
 from distlab.proof.console import print0, rows_table
 from distlab.proof.reference import one_process
+from distlab.proof.sizes import Transformer
 from distlab.proof.training import Run, train
 from distlab.proof.verdict import Verdict
 
@@ -109,7 +110,7 @@ def make_mesh(rt: Runtime, shape: Shape) -> tuple[DeviceMesh, DeviceMesh]:
     return mesh, mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2 shards over both: they hold the same weights
 
 
-def positions(cfg: ModelConfig, shape: Shape, at: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def positions(cfg: RunConfig, shape: Shape, at: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the positions of this rank's tokens: its cp rank's zig-zag pieces; the part of them its tp rank's
     embedding output holds under sequence parallelism)."""
     mine = torch.cat([torch.arange(r.start, r.stop) for r in pieces_of(at["cp"], shape.cp, cfg.seq, "zigzag")])
@@ -123,7 +124,7 @@ EDGES = {  # the embedding, the final norm and the head under tensor + sequence 
 }
 
 
-def parallelize(model: LanguageModel, cfg: ModelConfig, shape: Shape, mesh: DeviceMesh, shards: DeviceMesh):
+def parallelize(model: LanguageModel, cfg: RunConfig, shape: Shape, mesh: DeviceMesh, shards: DeviceMesh):
     """The composition, one dimension at a time, on this rank's copy of the whole model."""
     at = {d: mesh.get_local_rank(d) for d in LAYOUT}
     keep_stage(model, at["pp"], shape.pp)  # pp: this rank's blocks (and the embedding, or the norm and head)
@@ -148,7 +149,7 @@ class MeshStep:
     over the pp group; `step(k)` runs step k's micro-batches (a `training.Step`: this rank's loss, None off
     the last stage)."""
 
-    def __init__(self, rt: Runtime, cfg: ModelConfig, shape: Shape, build=parallelize):
+    def __init__(self, rt: Runtime, cfg: RunConfig, shape: Shape, build=parallelize):
         self.cfg, self.shape, self.device = cfg, shape, rt.device
         self.mesh, self.shards = make_mesh(rt, shape)
         self.at = {d: self.mesh.get_local_rank(d) for d in LAYOUT}
@@ -184,7 +185,7 @@ class MeshStep:
         return (every / self.shape.shards).tolist()
 
 
-def train_shape(rt: Runtime, cfg: ModelConfig, shape: Shape, save_to: str | None = None, build=parallelize):
+def train_shape(rt: Runtime, cfg: RunConfig, shape: Shape, save_to: str | None = None, build=parallelize):
     """cfg.steps AdamW steps at `shape` composed by `build` (the exercise's judge passes the learner's), step 2
     measured; with `save_to`, a checkpoint before the last step."""
     mesh_step, measured = MeshStep(rt, cfg, shape, build), {}
@@ -221,7 +222,7 @@ class ShapeRun:
 # ---- the chapter, part by part -------------------------------------------------------------------
 
 
-def reference(cfg: ModelConfig) -> Run:
+def reference(cfg: RunConfig) -> Run:
     """One process, the whole model on every step's whole batch: plain autograd, torch's AdamW."""
     optimizer = functools.partial(torch.optim.AdamW, lr=cfg.lr)
     return one_process(LanguageModel(cfg), lambda k: token_batch(cfg, k), loss_fn, optimizer, cfg.steps, True)
@@ -257,7 +258,7 @@ GROUPS = ("tp", "cp", "dp", "pp", "dp_cp")
 SENDING = ("tp", "cp", "pp", "dp_cp")  # (the dp group itself carries nothing: FSDP2 runs on dp x cp)
 
 
-def show_training(rt: Runtime, cfg: ModelConfig, shapes: list[Shape], ref: Run, verdict: Verdict, path: str):
+def show_training(rt: Runtime, cfg: RunConfig, shapes: list[Shape], ref: Run, verdict: Verdict, path: str):
     print0(f"\n[bold]1. {cfg.steps} AdamW steps at each shape of P = {rt.world_size}, against one process[/]")
     runs, rows = {}, []
     for shape in shapes:
@@ -284,7 +285,7 @@ def show_training(rt: Runtime, cfg: ModelConfig, shapes: list[Shape], ref: Run, 
 MARK = {True: "[green]yes[/]", False: "[bold red]NO[/]"}  # the tables' last column
 
 
-def show_communication(rt: Runtime, cfg: ModelConfig, one: ShapeRun, verdict: Verdict) -> None:
+def show_communication(rt: Runtime, cfg: RunConfig, one: ShapeRun, verdict: Verdict) -> None:
     shape, at = one.shape, one.mesh_step.at
     print0(f"\n[bold]3. What rank {rt.rank} sends in one step at {shape}, by dimension, against the formulas[/]")
     expected = cost.expected_sent(cfg, shape, place_of(one.mesh_step))
@@ -305,7 +306,7 @@ def place_of(mesh_step: MeshStep) -> cost.Place:
     return cost.Place(mesh_step.at["pp"], mesh_step.shards.get_local_rank())
 
 
-def show_memory(rt: Runtime, cfg: ModelConfig, runs: dict[Shape, ShapeRun], verdict: Verdict) -> None:
+def show_memory(rt: Runtime, cfg: RunConfig, runs: dict[Shape, ShapeRun], verdict: Verdict) -> None:
     print0("\n[bold]4. Per rank and step: model states, activations, bytes sent; measured = formula[/]")
     rows, figures = [], {}
     for shape, one in runs.items():
@@ -331,7 +332,7 @@ def show_memory(rt: Runtime, cfg: ModelConfig, runs: dict[Shape, ShapeRun], verd
     verdict.figure("per_rank", figures)
 
 
-def show_resume(rt: Runtime, cfg: ModelConfig, one: ShapeRun, other: Shape, path: str, ref: Run, verdict: Verdict):
+def show_resume(rt: Runtime, cfg: RunConfig, one: ShapeRun, other: Shape, path: str, ref: Run, verdict: Verdict):
     shapes = [one.shape] + ([other] if other != one.shape else [])
     print0(
         f"\n[bold]5. A checkpoint saved at {one.shape} after step {cfg.steps - 1} (torch.distributed.checkpoint), "
@@ -356,7 +357,7 @@ def show_resume(rt: Runtime, cfg: ModelConfig, one: ShapeRun, other: Shape, path
     print0(rows_table("After the last step", ("resumed at", "parameters, AdamW states", "="), rows))
 
 
-def resumed(rt: Runtime, cfg: ModelConfig, shape: Shape, path: str) -> Run:
+def resumed(rt: Runtime, cfg: RunConfig, shape: Shape, path: str) -> Run:
     """A fresh model and optimizer at `shape`, loaded from the checkpoint, trained for the last step."""
     again = MeshStep(rt, cfg, shape)
     checkpoint.load(path, again.trainee.model, again.trainee.optimizer)
@@ -402,20 +403,9 @@ def parse_args():
     return parser.parse_args()
 
 
-def model_config(args) -> ModelConfig:
-    return ModelConfig(
-        args.vocab,
-        args.dim,
-        args.heads,
-        args.ffn_width,
-        args.layers,
-        args.seq_len,
-        args.global_batch,
-        args.micro_batches,
-        args.steps,
-        args.lr,
-        args.seed,
-    )
+def run_config(args) -> RunConfig:
+    model = Transformer(args.layers, args.dim, args.heads, args.ffn_width, args.vocab, key_bias=False)
+    return RunConfig(model, args.seq_len, args.global_batch, args.micro_batches, args.steps, args.lr, args.seed)
 
 
 def shapes_of(args, world_size: int) -> tuple[list[Shape], Shape]:
@@ -434,7 +424,7 @@ def world_rules(args, world_size: int) -> None:
     """Every rule, before any process group: the model's, the flags' shape's (naming --dp .. --cp), each of
     --shapes and the resume shape (naming their flag)."""
     require(args.steps >= 2, "--steps", f"{args.steps} step: at least 2 (step 2 is measured, the last resumed)")
-    cfg = model_config(args)
+    cfg = run_config(args)
     check_model(cfg)
     shapes, other = shapes_of(args, world_size)
     check_shape(cfg, shapes[0], world_size)
@@ -445,7 +435,7 @@ def world_rules(args, world_size: int) -> None:
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), world_rules)  # before any process group, every rank alike
-    cfg = model_config(args)
+    cfg = run_config(args)
     with distributed(args.device, deterministic=True) as rt:  # the same-shape resume is bit-identical
         shapes, other = shapes_of(args, rt.world_size)
         world_rules(args, rt.world_size)  # (outside torchrun the rules wait until here)

@@ -49,7 +49,7 @@ from distlab.comm.timing import time_call
 from distlab.cost import calibrate, memory, traffic
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
-from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.shapes import Batch, Parallel
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
 from distlab.cost.trial import Trial, timed
@@ -60,6 +60,7 @@ from distlab.processes.flags import add_global_batch, check_flags_against_world,
 from distlab.processes.runtime import Runtime, distributed, run_main
 from distlab.proof.console import compact_table, print0, rows_table
 from distlab.proof.models import BlockOptions
+from distlab.proof.sizes import Transformer
 from distlab.proof.verdict import Verdict
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)  # lesson 08's block

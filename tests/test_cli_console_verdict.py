@@ -13,8 +13,10 @@ from distlab.processes.flags import (
     check_flags_against_world,
     divides_global_batch,
     fraction,
+    png_file,
     positive_float,
     positive_int,
+    share,
 )
 from distlab.processes.spawn import spawn
 from distlab.proof.console import CAPTURED_WIDTH, column_blocks
@@ -46,6 +48,18 @@ def test_argument_types_accept_good_values():
     assert positive_int("3") == 3 and positive_float("0.5") == 0.5 and fraction("0") == 0.0
     with pytest.raises(argparse.ArgumentTypeError):
         fraction("1")
+    assert share("1") == 1.0 and share("0.5") == 0.5  # a share of a peak: the peak itself allowed
+    for bad in ("0", "1.5", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match="a share 0 < x <= 1"):
+            share(bad)
+
+
+def test_a_plot_is_a_png_file_that_can_be_written(tmp_path):
+    assert png_file(str(tmp_path / "plan.PNG")) == str(tmp_path / "plan.PNG")
+    with pytest.raises(argparse.ArgumentTypeError, match="give a name ending in .png"):
+        png_file(str(tmp_path / "plan.txt"))
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        png_file(str(tmp_path / "missing" / "plan.png"))
 
 
 def test_help_shows_defaults():

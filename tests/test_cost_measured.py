@@ -20,7 +20,7 @@ from helpers import load_lesson
 
 from distlab.comm.ledger import Ledger
 from distlab.cost import memory, traffic
-from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Transformer
+from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel
 from distlab.data_split.data_parallel.measure import measure_collectives
 from distlab.data_split.sharding import holds
 from distlab.data_split.sharding.problem import ShardingConfig, build_model, global_batch, rows_of
@@ -35,6 +35,7 @@ from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.training import PipelineConfig
 from distlab.processes.spawn import spawn
 from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.sizes import Transformer
 
 SHARDING = ShardingConfig()  # lesson 07: layers of 221, 154, 60 parameters, N = 24, AdamW, float64
 BLOCK = BlockConfig()  # lesson 08: N = 12, seq = 12, d = 24, h = 12, d_ff = 48, dropout 0.1, float64
@@ -124,7 +125,7 @@ def test_lesson07_every_item_held_and_byte_sent_equal_the_cost_model(measured, s
 
 def test_lesson08_block_bytes_calls_and_activations_equal_the_cost_model(measured):
     p, ranks = measured
-    model = Transformer(1, BLOCK.dim, BLOCK.heads, BLOCK.ffn)
+    model = BLOCK.model
     for name, sp in (("TP", False), ("TP + SP", True)):
         parallel = Parallel(tp=p, sp=sp)
         predicted = traffic.per_rank(model, Batch(BLOCK.batch, BLOCK.seq), parallel, "float64")
@@ -140,9 +141,7 @@ def test_lesson08_two_d_step_sends_what_the_cost_model_says(measured):
     if p != 4:
         pytest.skip("the 2 x 2 mesh needs P = 4")
     dp, tp = mesh2d.mesh_shape(p)
-    predicted = traffic.per_rank(
-        Transformer(1, BLOCK.dim, BLOCK.heads, BLOCK.ffn), Batch(BLOCK.batch, BLOCK.seq), Parallel(dp, tp=tp), "float64"
-    )
+    predicted = traffic.per_rank(BLOCK.model, Batch(BLOCK.batch, BLOCK.seq), Parallel(dp, tp=tp), "float64")
     for rank in ranks:
         counted = rank["08 2-D"]
         assert _phases_summed({k: v for k, v in counted.items() if k[0] != "data parallel"}) == _by_dimension(

@@ -15,11 +15,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.cost import flops, memory
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer
+from distlab.cost.shapes import Batch, Mlp, Parallel
 from distlab.cost.step import step_cost
 from distlab.data_split.sharding import accounting
 from distlab.plan.presets import MODELS
 from distlab.proof.models import Block, BlockOptions, layered_mlp, regression_batch, token_batch
+from distlab.proof.sizes import Transformer
 
 # (layers, d, h, d_ff, N, seq, attention, fused qkv, causal, recompute)
 SHAPES = [
@@ -130,7 +131,9 @@ BAD = [
     (dict(parallel=Parallel(dp=2, ep=2)), "ep: expert parallelism needs a mixture-of-experts model"),
     (dict(parallel=Parallel(zero="ZeRO-4")), "zero: 'ZeRO-4' is not one of DDP, ZeRO-1, ZeRO-2, ZeRO-3"),
     (dict(parallel=Parallel(pp=9)), "pp: pp x v = 9 stages, but only 8 layers"),
-    (dict(parallel=Parallel(dp=3)), "global_batch: N = 8 does not cut into dp x M = 3"),
+    (dict(parallel=Parallel(dp=3)), "dp: N = 8 sequences do not split over dp = 3"),
+    (dict(batch=Batch(8, 32, 3), parallel=Parallel(dp=2)), "micro_batches: N / dp = 4 sequences per data-parallel"),
+    (dict(parallel=Parallel(tp=2, sp=True), batch=Batch(8, 33)), "tp: sequence parallelism cuts seq / cp = 33"),
     (dict(parallel=Parallel(pp=2, schedule="nope")), "schedule: unknown schedule 'nope'"),
     (dict(parallel=Parallel(cut_gathered=True, tp=2)), "cut_gathered: only sequence parallelism"),
     (dict(precision="fp4"), "precision: 'fp4' is not one of float64, float32, bf16, fp8"),

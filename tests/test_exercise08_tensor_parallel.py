@@ -19,10 +19,11 @@ from distlab.comm.ledger import Ledger
 from distlab.layer_split.tensor_parallel import cost, operators
 from distlab.layer_split.tensor_parallel.model import BlockConfig
 from distlab.layer_split.tensor_parallel.runs import split_run
+from distlab.proof.sizes import Transformer
 
 LESSON, NAME = "tensor_parallel", "Copy"
 P, PAIRS, STEPS, LR = 3, 4, 2, 0.5  # the whole world of 3; at 4 ranks, two groups of 2
-CFG = BlockConfig(batch=2, seq=3, dim=6, heads=3, ffn=6, dropout=0.0)
+CFG = BlockConfig(Transformer(layers=1, dim=6, heads=3, ffn=6), batch=2, seq=3, dropout=0.0)
 SUM_X = "the sum of every rank's input (g's forward: an all-reduce)"
 OWN_GRAD = "this rank's own gradient (an identity backward)"
 WORLD_SUM = "the sum over every rank of the world, not of the group"

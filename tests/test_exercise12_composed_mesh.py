@@ -19,12 +19,12 @@ from exercise_signatures import Mistake, Zero
 from helpers import load_lesson
 
 from distlab.composed import cost
-from distlab.composed.config import ModelConfig, Shape
+from distlab.composed.config import MODEL, RunConfig, Shape
 from distlab.proof.models import attention
 
 LESSON, NAME = "12_composed_mesh", "parallelize"
 P, SHAPES = 4, (Shape(dp=1, pp=1, tp=2, cp=2), Shape(dp=2, pp=2, tp=1, cp=1))
-CFG = replace(ModelConfig(), layers=2, steps=2)
+CFG = RunConfig(replace(MODEL, layers=2), steps=2)
 DIMS = {"tp": "tp", "cp": "cp", "dp_cp": "dp x cp"}  # the group's label -> how the claims name it
 
 

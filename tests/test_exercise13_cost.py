@@ -14,9 +14,10 @@ from exercise_kit import Exercise, solution
 from exercise_signatures import Equals, Mistake
 
 from distlab.cost import memory, traffic
-from distlab.cost.shapes import PRECISIONS, Batch, Transformer
+from distlab.cost.shapes import PRECISIONS, Batch
 from distlab.cost.step import step_cost
 from distlab.cost.trial import Trial
+from distlab.proof.sizes import Transformer
 
 LESSON, NAME, P, ALSO = "13_cost", "rank_bytes", 2, 3
 ARGS = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)

@@ -27,9 +27,10 @@ from distlab.layer_split.tensor_parallel.operator_checks import check_operator
 from distlab.layer_split.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import against, all_ok, compare
+from distlab.proof.sizes import Transformer
 
 # Small, and split by 1, 2, 3 and 4: h = 12 heads of width 2, d_ff = 24, seq = 12.
-CFG = BlockConfig(batch=6, seq=12, dim=24, heads=12, ffn=24, dropout=0.2, seed=3)
+CFG = BlockConfig(Transformer(layers=1, dim=24, heads=12, ffn=24), batch=6, seq=12, dropout=0.2, seed=3)
 STEPS, LR = 3, 0.5
 
 
@@ -117,12 +118,12 @@ def test_lesson_passes_at_p4_on_a_2x2_mesh():
 
 def test_the_formulas_in_closed_form():
     # Tensor parallel: 2(P-1)/P N seq d e each way per MLP; sequence parallel: the same, halves of it.
-    a_bytes = CFG.batch * CFG.seq * CFG.dim * 8
+    a_bytes = CFG.batch * CFG.seq * CFG.model.dim * 8
     tp = cost.expected_traffic(CFG, "mlp", 4, False)
     sp = cost.expected_traffic(CFG, "block", 4, True)
     assert tp[("forward", "all_reduce")] == Fraction(3, 2) * a_bytes
     assert sp[("forward", "all_gather")] + sp[("forward", "reduce_scatter")] == 2 * Fraction(3, 2) * a_bytes
-    assert sp[("gradients", "all_reduce")] == Fraction(3, 2) * 6 * CFG.dim * 8
+    assert sp[("gradients", "all_reduce")] == Fraction(3, 2) * 6 * CFG.model.dim * 8
     assert all(v == 0 for v in cost.expected_traffic(CFG, "block", 1, True).values())
     # Activations: P = 1 is the unsplit block either way; sequence parallelism saves (P-1)/P S.
     region = cost.activation_terms(CFG)[0]

@@ -10,7 +10,7 @@ from composed_helpers import CFG, assert_every_shape_equals_one_process, shapes_
 from distlab.composed.config import small_shapes
 from distlab.processes.spawn import spawn
 
-SMALL = replace(CFG, layers=2, steps=2)
+SMALL = replace(CFG, model=replace(CFG.model, layers=2), steps=2)
 
 
 def test_each_pair_of_dimensions_at_p4_equals_one_process():

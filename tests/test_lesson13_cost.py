@@ -13,9 +13,10 @@ import pytest
 from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 
 from distlab.cost import memory, traffic
-from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.shapes import Batch, Parallel
 from distlab.cost.trial import Trial
 from distlab.processes.spawn import spawn
+from distlab.proof.sizes import Transformer
 
 LESSON = "13_cost.py"
 SMALL = ("--layers", "2", "--repeats", "2")  # the lesson's claims at its sizes, a shorter timing

@@ -176,7 +176,7 @@ def test_the_published_table_in_the_docs_is_what_the_planner_prints():
 
 
 def test_a_mixture_of_experts_is_searched_with_expert_parallelism():
-    from distlab.cost.shapes import Transformer
+    from distlab.proof.sizes import Transformer
 
     model = Transformer(8, 1024, 8, 4096, 32000, gated=True, bias=False, rms_norm=True, experts=8, top_k=2,
                         expert_ffn=2048)  # fmt: skip

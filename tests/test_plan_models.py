@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from distlab.cost import flops, memory, traffic
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import GIB, cluster
-from distlab.cost.shapes import PRECISIONS, Batch, Parallel, Transformer
+from distlab.cost.shapes import PRECISIONS, Batch, Parallel
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, gemm_efficiency, predict
 from distlab.layer_split.tensor_parallel.cost import activation_bytes
@@ -30,6 +30,7 @@ from distlab.plan.report import ITEMS
 from distlab.proof.console import console
 from distlab.proof.held import SavedActivations
 from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.sizes import Transformer
 
 GPT2 = [
     *("--layers 12 --dim 768 --heads 12 --ffn-width 3072 --vocab 50304 --tied-embeddings --seq-len 1024".split()),
@@ -189,9 +190,9 @@ def test_the_math_path_keeps_the_softmax_as_the_formula_says():
     with sdpa_kernel(SDPBackend.MATH), SavedActivations(exclude=[x, *block.parameters()]) as saved:
         out = block(x)
     got = saved.nbytes + out.untyped_storage().nbytes()
-    cfg = BlockConfig(n, seq, d, h, ffn, 0.0, 0, torch.float64)
-    assert got == activation_bytes(cfg, 1, False, math=True) != activation_bytes(cfg, 1, False)
     model, batch = Transformer(1, d, h, ffn), Batch(n, seq)
+    cfg = BlockConfig(model, n, seq, 0.0, 0, torch.float64)
+    assert got == activation_bytes(cfg, 1, False, math=True) != activation_bytes(cfg, 1, False)
     on_cuda = memory.per_rank(model, batch, Parallel(), "float64", 0, "cuda")["activations"]
     assert on_cuda == memory.per_rank(model, batch, Parallel(), "float64", 0, "cpu")[
         "activations"

@@ -25,7 +25,8 @@ and compares your numbers with what the ranks held and sent, and with `distlab.c
 
 from __future__ import annotations
 
-from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.shapes import Batch, Parallel
+from distlab.proof.sizes import Transformer
 
 
 def rank_bytes(model: Transformer, batch: Batch, parallel: Parallel, e: int) -> dict[str, int]:

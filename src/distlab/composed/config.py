@@ -6,22 +6,23 @@ type of a run's shape, `distlab.cost.dims.ParallelDims` (lesson 13, the cost mod
 the same object): its layout on the mesh (`LAYOUT`, torchtitan's: pipeline outermost, tensor parallelism
 innermost), each rank's coordinates and each sub-mesh's members are written there once.
 
-What each degree must divide (each broken rule names its flag):
-
-    dp   the N sequences of a step; and N / dp into the M micro-batches (`--micro-batches`)
-    pp   the L layers into stages; and M >= pp (torch's 1F1B schedule needs every stage busy)
-    tp   the h heads, d_ff, the vocabulary V (embedding and head rows), and the seq / cp positions of a
-         cp rank (sequence parallelism cuts them)
-    cp   seq into 2 cp pieces (the zig-zag split of lesson 09)
+What each degree must divide is the shape's one validation, `ParallelDims.check` (the cost model and the
+planner ask the same): dp the N sequences and N / dp into the M micro-batches (`--micro-batches`); tp the h
+heads, d_ff, the vocabulary V and the seq / cp positions of a cp rank (the lesson always runs sequence
+parallelism); cp seq into 2 cp zig-zag pieces. The lesson adds two rules of its own, each for a reason of
+its mesh: pp divides L (`keep_stage` gives every stage L / pp blocks) and M >= pp (torch's Schedule1F1B
+needs every stage busy); and `check_model` asks seq to cut into 2 pieces at cp = 1 too (the zig-zag layout
+places every rank's positions, cp = 1 included). Each broken rule names its flag.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from distlab.cost.dims import DIMS, LAYOUT, ParallelDims  # noqa: F401 (DIMS, LAYOUT: lesson 12's names)
+from distlab.proof.sizes import Transformer
 
 # One type for a run's shape, shared with lesson 13, the cost model and the planner (torchtitan's ParallelDims)
 Shape = ParallelDims
@@ -43,16 +44,17 @@ def folded(shape: Shape) -> Shape:
     return Shape(1, dp, tp, cp)
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """A small decoder-only transformer and its data: V tokens, width d, h heads, MLP width d_ff, L
-    blocks; N sequences of seq tokens a step, in M micro-batches; AdamW at lr for `steps` steps."""
+# The lesson's model: V = 32 tokens, d = 32, h = 4, d_ff = 64, L = 4 blocks, k without its bias (`model.py`)
+MODEL = Transformer(layers=4, dim=32, heads=4, ffn=64, vocab=32, key_bias=False)
 
-    vocab: int = 32
-    dim: int = 32
-    heads: int = 4
-    ffn: int = 64
-    layers: int = 4
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What lesson 12 trains, on what: the model's sizes (`model`, the library's one size record: V tokens,
+    width d, h heads, MLP width d_ff, L blocks); N sequences of seq tokens a step, in M micro-batches; AdamW
+    at lr for `steps` steps."""
+
+    model: Transformer = MODEL
     seq: int = 16
     batch: int = 8
     micro_batches: int = 2
@@ -61,12 +63,8 @@ class ModelConfig:
     seed: int = 0
     dtype: torch.dtype = torch.float64
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
 
-
-def check_shape(cfg: ModelConfig, shape: Shape, world_size: int, flag: str | None = None) -> None:
+def check_shape(cfg: RunConfig, shape: Shape, world_size: int, flag: str | None = None) -> None:
     """Every rule of the module docstring, in order; the first one broken raises one ValueError naming its
     flag, the same on every rank, before any process group exists. A shape given by the four flags names
     the degree's own (--pp: ...); one from a list names the list's flag and the shape (--shapes: 2x2x2x1: ...)."""
@@ -81,37 +79,31 @@ def check_shape(cfg: ModelConfig, shape: Shape, world_size: int, flag: str | Non
     if shape.size != world_size:
         named = flag or "--dp, --pp, --tp, --cp"
         raise ValueError(f"{named}: {listed}dp x pp x tp x cp = {shape.size} ranks, but P = {world_size}")
-    rows = cfg.batch // shape.dp
-    need(cfg.batch % shape.dp == 0, "dp", f"N = {cfg.batch} sequences do not split over dp = {shape.dp}")
-    need(
-        rows % cfg.micro_batches == 0,
-        "micro-batches",
-        f"N / dp = {rows} sequences per data-parallel rank do not split into M = {cfg.micro_batches} micro-batches",
-    )
-    need(cfg.layers % shape.pp == 0, "pp", f"L = {cfg.layers} layers do not split into pp = {shape.pp} stages")
+    try:
+        shape.check(cfg.model, cfg.batch, cfg.seq, cfg.micro_batches, sequence_parallel=True)
+    except ValueError as err:
+        blamed, _, message = str(err).partition(": ")
+        need(False, blamed.replace("_", "-"), message)
+    layers = cfg.model.layers
+    need(layers % shape.pp == 0, "pp", f"L = {layers} layers do not split into pp = {shape.pp} stages")
     need(
         cfg.micro_batches >= shape.pp,
         "micro-batches",
         f"M = {cfg.micro_batches} micro-batches, fewer than pp = {shape.pp} stages (1F1B needs M >= pp)",
     )
-    for what, count in (("h = heads", cfg.heads), ("d_ff", cfg.ffn), ("V = vocabulary", cfg.vocab)):
-        need(count % shape.tp == 0, "tp", f"{what} {count} does not split over tp = {shape.tp}")
-    need(cfg.seq % (2 * shape.cp) == 0, "cp", f"seq = {cfg.seq} does not cut into 2 cp = {2 * shape.cp} zig-zag pieces")
-    local = cfg.seq // shape.cp
-    need(
-        local % shape.tp == 0,
-        "tp",
-        f"seq / cp = {local} positions per cp rank do not split over tp = {shape.tp} (sequence parallelism)",
-    )
 
 
-def check_model(cfg: ModelConfig) -> None:
-    """The model's own rules, whatever the mesh: h divides d."""
-    if cfg.dim % cfg.heads:
-        raise ValueError(f"--dim: d = {cfg.dim} is not a multiple of h = {cfg.heads} heads")
+def check_model(cfg: RunConfig) -> None:
+    """The run's own rules, whatever the mesh: h divides d; seq cuts into the zig-zag layout's 2 pieces."""
+    if cfg.model.dim % cfg.model.heads:
+        raise ValueError(f"--dim: d = {cfg.model.dim} is not a multiple of h = {cfg.model.heads} heads")
+    if cfg.seq % 2:
+        raise ValueError(f"--seq-len: seq = {cfg.seq} does not cut into the zig-zag layout's 2 pieces")
 
 
-def describe(cfg: ModelConfig) -> str:
-    names = {"vocab": "V", "dim": "d", "heads": "h", "ffn": "d_ff", "layers": "L", "batch": "N", "micro_batches": "M"}
-    shown = [f for f in fields(cfg) if f.name in names or f.name == "seq"]
-    return ", ".join(f"{names.get(f.name, f.name)} = {getattr(cfg, f.name)}" for f in shown)
+def describe(cfg: RunConfig) -> str:
+    """V = 32, d = 32, h = 4, d_ff = 64, L = 4, seq = 16, N = 8, M = 2: the sizes in the README's notation."""
+    m = cfg.model
+    sizes = (("V", m.vocab), ("d", m.dim), ("h", m.heads), ("d_ff", m.ffn), ("L", m.layers), ("seq", cfg.seq))
+    sizes += (("N", cfg.batch), ("M", cfg.micro_batches))
+    return ", ".join(f"{name} = {value}" for name, value in sizes)

@@ -1,9 +1,10 @@
 """What one rank of the mesh sends and holds per step, in closed form: lessons 07-09's formulas, composed.
 A block's activations and tensor-parallel bytes are lesson 08's (`distlab.layer_split.tensor_parallel.cost`),
-the ring's bytes lesson 09's (`distlab.layer_split.context_parallel.cost`), imported, not derived again (the
-composed mesh stands on the top floor beside the cost model, tests/test_layering.py); what is new here is the
-mesh around them: the embedding and head, FSDP2's per-parameter padding, torch's pipeline stage's receive
-buffers.
+the ring's bytes lesson 09's (`distlab.layer_split.context_parallel.cost`), FSDP2's padded shards lesson 07's
+(`distlab.data_split.sharding.fsdp.fsdp_states`), and the parameters and how tensor parallelism cuts each the
+size record's (`distlab.proof.sizes.Transformer`): imported, not derived again (the composed mesh stands on
+the top floor beside the cost model, tests/test_layering.py). What is new here is the mesh around them: the
+embedding and head's collectives, the stage's units, torch's pipeline stage's receive buffers.
 
 Notation: a shape dp x pp x tp x cp; W = dp cp the ranks FSDP2 shards over; a rank on pipeline stage p holds
 L_p = L / pp blocks. One micro-batch on a rank: n = N / (dp M) sequences of s = seq / cp positions; e bytes
@@ -26,8 +27,9 @@ Bytes sent per step (ring accounting, `distlab.comm.collectives`), by dimension:
         last backward, each (W - 1) e sum_params ceil(rows / W) cols: a parameter's rows (of this tp rank's
         piece) padded to a multiple of W.
 
-Model states per rank (lesson 07's FSDP2, on this tp rank's pieces): weights and gradients e sum ceil(rows / W)
-cols (padded); AdamW's two moments 2 e sum (this shard's real rows) cols; a 4-byte step count per parameter.
+Model states per rank (lesson 07's FSDP2, `fsdp_states`, on this tp rank's pieces): weights and gradients
+e sum ceil(rows / W) cols (padded); AdamW's two moments 2 e sum (this shard's real rows) cols; a 4-byte step
+count per parameter.
 
 Activations (lesson 08's terms with N seq -> n s, each block sequence parallel; lesson 09's ring saves what
 torch's attention saves: q, k, v, out and a log-sum-exp per head and row). Per micro-batch and block
@@ -51,10 +53,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from math import ceil
 
 from distlab.comm.collectives import ring_fraction
-from distlab.composed.config import ModelConfig, Shape
+from distlab.composed.config import RunConfig, Shape
+from distlab.data_split.sharding.fsdp import fsdp_states
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.tensor_parallel.cost import activation_bytes, expected_traffic
 from distlab.layer_split.tensor_parallel.model import BlockConfig
@@ -70,40 +72,27 @@ class Place:
     shard: int
 
 
-def block_parameters(cfg: ModelConfig, tp: int, prefix: str) -> dict[str, tuple[int, int]]:
-    """Each parameter of a block, as (rows, cols) of this tp rank's piece (cols = 1 for a vector)."""
-    d, f = cfg.dim, cfg.ffn
-    column = {"attn.q": (d, True), "attn.k": (d, False), "attn.v": (d, True), "mlp.fc1": (f, True)}
-    out = {f"{prefix}{ln}.{w}": (d, 1) for ln in ("ln1", "ln2") for w in ("weight", "bias")}
-    for name, (width, bias) in column.items():  # rows cut by tp (k has no bias: model.py)
-        out[f"{prefix}{name}.weight"] = (width // tp, d)
-        if bias:
-            out[f"{prefix}{name}.bias"] = (width // tp, 1)
-    for name, width in (("attn.out", d), ("mlp.fc2", f)):  # columns cut by tp; the bias whole
-        out[f"{prefix}{name}.weight"], out[f"{prefix}{name}.bias"] = (d, width // tp), (d, 1)
-    return out
+def stage_units(cfg: RunConfig, shape: Shape, stage: int) -> list[list[tuple[int, int]]]:
+    """FSDP2's units on a stage, each the (rows, cols) of this tp rank's piece of every parameter: its blocks,
+    then the rest (the root's own: the embedding on the first stage, the final norm and the head on the last).
+    The parameters and how tensor parallelism cuts each are the size record's (`Transformer.block_weights`)."""
+    model, per = cfg.model, cfg.model.layers // shape.pp
+    blocks = [model.layer_weights(i) for i in range(stage * per, (stage + 1) * per)]
+    root = [model.embedding()] if stage == 0 else []
+    root += model.head_weights() if stage == shape.pp - 1 else []
+    return [[w.piece(shape.tp) for w in unit] for unit in blocks + ([root] if root else [])]
 
 
-def stage_units(cfg: ModelConfig, shape: Shape, stage: int) -> list[dict[str, tuple[int, int]]]:
-    """FSDP2's units on a stage, each {parameter: (rows, cols)}: its blocks, then the rest (the root's own)."""
-    per, d, v = cfg.layers // shape.pp, cfg.dim, cfg.vocab // shape.tp
-    units = [block_parameters(cfg, shape.tp, f"layers.{i}.") for i in range(stage * per, (stage + 1) * per)]
-    root = {"embed.weight": (v, d)} if stage == 0 else {}
-    if stage == shape.pp - 1:
-        root |= {"norm.weight": (d, 1), "norm.bias": (d, 1), "head.weight": (v, d)}
-    return units + ([root] if root else [])
-
-
-def _block(cfg: ModelConfig, n: int, s: int) -> BlockConfig:
+def _block(cfg: RunConfig, n: int, s: int) -> BlockConfig:
     """Lesson 08's sizes of one block on a micro-batch of n sequences of s positions."""
-    return BlockConfig(n, s, cfg.dim, cfg.heads, cfg.ffn, 0.0, 0, cfg.dtype)
+    return BlockConfig(cfg.model.one_block(), n, s, dropout=0.0, dtype=cfg.dtype)
 
 
-def expected_sent(cfg: ModelConfig, shape: Shape, place: Place) -> dict[tuple[str, str, str], Fraction]:
+def expected_sent(cfg: RunConfig, shape: Shape, place: Place) -> dict[tuple[str, str, str], Fraction]:
     """Bytes this rank sends in one step, by (dimension, phase, collective); zero entries left out."""
     e, m, first, last = cfg.dtype.itemsize, cfg.micro_batches, place.stage == 0, place.stage == shape.pp - 1
-    n, s, per, tp = cfg.batch // (shape.dp * m), cfg.seq // shape.cp, cfg.layers // shape.pp, shape.tp
-    act, out = n * s * cfg.dim * e, {}
+    n, s, per, tp = cfg.batch // (shape.dp * m), cfg.seq // shape.cp, cfg.model.layers // shape.pp, shape.tp
+    act, out = n * s * cfg.model.dim * e, {}
     out["pp", "forward", "send"] = 0 if last else m * act // tp
     out["pp", "backward", "send"] = 0 if first else m * act // tp
     # lesson 08's bytes per block (`expected_traffic`, sequence parallel), and the same collectives around
@@ -111,41 +100,41 @@ def expected_sent(cfg: ModelConfig, shape: Shape, place: Place) -> dict[tuple[st
     blocks = expected_traffic(_block(cfg, n, s), "block", tp, True, per)
     r = ring_fraction("all_gather", tp)  # = reduce-scatter's
     out["tp", "forward", "all_gather"] = m * (
-        blocks["forward", "all_gather"] + r * last * (act + n * s * cfg.vocab * e)
+        blocks["forward", "all_gather"] + r * last * (act + n * s * cfg.model.vocab * e)
     )
     out["tp", "forward", "reduce_scatter"] = m * (blocks["forward", "reduce_scatter"] + r * first * act)
     out["tp", "backward", "all_gather"] = m * (blocks["backward", "all_gather"] + r * first * act)
     out["tp", "backward", "reduce_scatter"] = m * (blocks["backward", "reduce_scatter"] + r * last * act)
-    out["tp", "gradients", "all_reduce"] = ring_fraction("all_reduce", tp) * (4 * per + 2 * last) * cfg.dim * e
+    out["tp", "gradients", "all_reduce"] = ring_fraction("all_reduce", tp) * (4 * per + 2 * last) * cfg.model.dim * e
     # lesson 09's ring (`Sizes.expected_bytes`), per sequence, every block, every micro-batch
-    ring_forward, ring_backward = RingSizes(cfg.heads // tp, cfg.seq, cfg.head_dim, shape.cp, e).expected_bytes()
+    ring_forward, ring_backward = RingSizes(
+        cfg.model.heads // tp, cfg.seq, cfg.model.head_dim, shape.cp, e
+    ).expected_bytes()
     out["cp", "forward", "send"] = m * per * n * ring_forward
     out["cp", "backward", "send"] = m * per * n * ring_backward
-    w = shape.shards
-    padded = sum(ceil(rows / w) * cols for unit in stage_units(cfg, shape, place.stage) for rows, cols in unit.values())
-    out["dp_cp", "forward", "all_gather"] = out["dp_cp", "gradients", "reduce_scatter"] = (w - 1) * padded * e
+    # lesson 07's FSDP2: every unit gathered once and its gradient reduce-scattered once, (W - 1) padded shards each
+    shard = expected_states(cfg, shape, place)["weights"]
+    out["dp_cp", "forward", "all_gather"] = out["dp_cp", "gradients", "reduce_scatter"] = (shape.shards - 1) * shard
     return {key: Fraction(v) for key, v in out.items() if v}
 
 
-def expected_states(cfg: ModelConfig, shape: Shape, place: Place) -> dict[str, int]:
-    """Bytes of each model-state item on this rank after a step."""
-    e, w = cfg.dtype.itemsize, shape.shards
-    params = [shape_ for unit in stage_units(cfg, shape, place.stage) for shape_ in unit.values()]
-    padded = sum(ceil(rows / w) * cols for rows, cols in params)
-    real = sum(max(0, min(ceil(rows / w), rows - place.shard * ceil(rows / w))) * cols for rows, cols in params)
-    return {"weights": e * padded, "gradients": e * padded, "moments": 2 * e * real, "step counts": 4 * len(params)}
+def expected_states(cfg: RunConfig, shape: Shape, place: Place) -> dict[str, int]:
+    """Bytes of each model-state item on this rank after a step: lesson 07's FSDP2 (`fsdp_states`) over the
+    W = dp cp ranks, on this tp rank's pieces of the stage's parameters."""
+    params = [piece for unit in stage_units(cfg, shape, place.stage) for piece in unit]
+    return fsdp_states(params, shape.shards, place.shard, cfg.dtype.itemsize)
 
 
-def in_flight(cfg: ModelConfig, shape: Shape, stage: int) -> int:
+def in_flight(cfg: RunConfig, shape: Shape, stage: int) -> int:
     """Micro-batches whose activations stage `stage` holds at once under 1F1B: min(M, pp - p)."""
     return min(cfg.micro_batches, shape.pp - stage)
 
 
-def expected_activations(cfg: ModelConfig, shape: Shape, stage: int) -> tuple[int, int]:
+def expected_activations(cfg: RunConfig, shape: Shape, stage: int) -> tuple[int, int]:
     """(bytes one micro-batch saves on this stage, the peak over the step), by the module docstring: a block's
     is lesson 08's sequence-parallel count (`activation_bytes`) on n sequences of s positions."""
-    e, tp, d = cfg.dtype.itemsize, shape.tp, cfg.dim
-    n, s, per = cfg.batch // (shape.dp * cfg.micro_batches), cfg.seq // shape.cp, cfg.layers // shape.pp
+    e, tp, d = cfg.dtype.itemsize, shape.tp, cfg.model.dim
+    n, s, per = cfg.batch // (shape.dp * cfg.micro_batches), cfg.seq // shape.cp, cfg.model.layers // shape.pp
     layer = activation_bytes(_block(cfg, n, s), tp, True)
     ids = (cfg.batch // shape.dp) * s * IDS  # one storage for the rank's whole share of the step
     shared, own = 0, per * layer
@@ -153,7 +142,7 @@ def expected_activations(cfg: ModelConfig, shape: Shape, stage: int) -> tuple[in
         shared += ids
     if stage == shape.pp - 1:
         shared += ids  # the targets
-        own += (Fraction(n * s * (d + 2), tp) + n * s * d + n * s * cfg.vocab) * e + 8
+        own += (Fraction(n * s * (d + 2), tp) + n * s * d + n * s * cfg.model.vocab) * e + 8
     held = in_flight(cfg, shape, stage)
     buffers = 0 if stage == 0 else (cfg.micro_batches - held) * n * (s // tp) * d * e  # done, still held
     return int(own + shared), int(held * own + buffers + shared)

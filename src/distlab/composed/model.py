@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.composed.config import ModelConfig
+from distlab.composed.config import RunConfig
 from distlab.proof.models import Block, BlockOptions
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)
@@ -55,24 +55,25 @@ def sinusoid(positions: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Ten
 class LanguageModel(nn.Module):
     """tokens (n, seq) -> logits (n, seq, V); any of embed, norm, head may be None (a middle stage)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: RunConfig):
         super().__init__()
-        gen = torch.Generator().manual_seed(cfg.seed)
-        self.embed = nn.Embedding(cfg.vocab, cfg.dim, dtype=cfg.dtype)
+        m, gen = cfg.model, torch.Generator().manual_seed(cfg.seed)
+        self.embed = nn.Embedding(m.vocab, m.dim, dtype=cfg.dtype)
         with torch.no_grad():
             self.embed.weight.normal_(generator=gen)
-        blocks = (Block(cfg.dim, cfg.heads, cfg.ffn, OPTIONS, cfg.seed + 1 + i, cfg.dtype) for i in range(cfg.layers))
+        blocks = (Block(m.dim, m.heads, m.ffn, OPTIONS, cfg.seed + 1 + i, cfg.dtype) for i in range(m.layers))
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
         for block in self.layers.values():
-            block.attn.k.register_parameter("bias", None)  # its gradient is zero (module docstring)
-        self.norm = nn.LayerNorm(cfg.dim, dtype=cfg.dtype)
+            if not m.key_bias:  # its gradient is zero (module docstring)
+                block.attn.k.register_parameter("bias", None)
+        self.norm = nn.LayerNorm(m.dim, dtype=cfg.dtype)
         with torch.no_grad():
-            self.norm.weight.copy_(1 + 0.1 * torch.randn(cfg.dim, generator=gen, dtype=cfg.dtype))
-            self.norm.bias.copy_(0.1 * torch.randn(cfg.dim, generator=gen, dtype=cfg.dtype))
-        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False, dtype=cfg.dtype)
+            self.norm.weight.copy_(1 + 0.1 * torch.randn(m.dim, generator=gen, dtype=cfg.dtype))
+            self.norm.bias.copy_(0.1 * torch.randn(m.dim, generator=gen, dtype=cfg.dtype))
+        self.head = nn.Linear(m.dim, m.vocab, bias=False, dtype=cfg.dtype)
         with torch.no_grad():
-            self.head.weight.uniform_(-(cfg.dim**-0.5), cfg.dim**-0.5, generator=gen)
-        self.dim, self.dtype = cfg.dim, cfg.dtype
+            self.head.weight.uniform_(-(m.dim**-0.5), m.dim**-0.5, generator=gen)
+        self.dim, self.dtype = m.dim, cfg.dtype
         self.place(torch.arange(cfg.seq))
 
     def place(self, positions: torch.Tensor) -> None:
@@ -109,26 +110,28 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def chain(cfg: ModelConfig) -> torch.Tensor:
+def chain(cfg: RunConfig) -> torch.Tensor:
     """The Markov chain's V x V transition probabilities (row t: the distribution of t's successor)."""
     gen = torch.Generator().manual_seed(10_000 + cfg.seed)
-    return torch.softmax(SHARPNESS * torch.randn(cfg.vocab, cfg.vocab, generator=gen, dtype=torch.float64), dim=1)
+    return torch.softmax(
+        SHARPNESS * torch.randn(cfg.model.vocab, cfg.model.vocab, generator=gen, dtype=torch.float64), dim=1
+    )
 
 
-def entropy_rate(cfg: ModelConfig) -> float:
+def entropy_rate(cfg: RunConfig) -> float:
     """The chain's entropy per token, in nats, under its stationary distribution: the loss's floor."""
     transitions = chain(cfg)
     stationary = torch.linalg.matrix_power(transitions, 256)[0]
     return -(stationary.unsqueeze(1) * transitions * transitions.log()).sum().item()
 
 
-def token_batch(cfg: ModelConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(cfg: RunConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step `step`'s (tokens, targets), (N, seq) each: N sequences walked on the chain from uniform starts;
     the targets are the tokens shifted by one."""
     gen = torch.Generator().manual_seed(1_000_000 * (cfg.seed + 1) + step)
     transitions = chain(cfg)
     walk = torch.empty(cfg.batch, cfg.seq + 1, dtype=torch.long)
-    walk[:, 0] = torch.randint(cfg.vocab, (cfg.batch,), generator=gen)
+    walk[:, 0] = torch.randint(cfg.model.vocab, (cfg.batch,), generator=gen)
     for t in range(cfg.seq):
         walk[:, t + 1] = torch.multinomial(transitions[walk[:, t]], 1, generator=gen).squeeze(1)
     return walk[:, :-1].clone(), walk[:, 1:].clone()

@@ -14,11 +14,27 @@ GPU node: one NVLink island) and the pp group, which sends least, spans the fart
 and the group of a dimension is every rank that differs from r in that coordinate alone. Its sub-meshes are
 named by the dimension ("dp", "pp", "tp", "cp"), and "dp_cp" for FSDP2's (the ranks that hold the same
 parameters and split the batch, W = dp cp).
+
+What a shape must divide of a model and a batch is written here once (`check`), for whoever asks: lesson 12's
+flags, the cost model's `distlab.cost.rules.check` (lesson 13, the planner's `--layout`) and the planner's
+search. Each broken rule is one line that begins with what it blames ("tp: ..."); a caller that names flags
+maps that word to its own flag. What a caller adds is its own and says why (lesson 12: an even cut into
+stages, torch's 1F1B; the planner: the layouts it chooses to try).
+
+    dp   the N sequences of a step; and N / dp into the M micro-batches ("micro_batches")
+    pp   pp v stages of at least a layer each (v stages per rank; pipeline.partition cuts them as even as can be)
+    tp   the h heads (the key/value heads under grouped-query attention), d_ff, an expert's width, the
+         vocabulary V (embedding and head rows); under sequence parallelism also the seq / cp positions of a
+         cp rank
+    cp   seq into 2 cp pieces (the zig-zag split of lesson 09)
+    ep   the experts (a mixture of experts: ep > 1 needs one), and dp (at construction)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+from distlab.proof.sizes import Transformer
 
 DIMS = ("dp", "pp", "tp", "cp")  # how a shape is written: dp x pp x tp x cp
 LAYOUT = ("pp", "dp", "cp", "tp")  # the mesh's dimensions, outermost first
@@ -44,6 +60,71 @@ class ParallelDims:
             raise ValueError(
                 f"ep: expert parallelism takes its ranks from dp; ep = {self.ep} does not divide dp = {self.dp}"
             )
+
+    def check(
+        self,
+        model: Transformer,
+        global_batch: int,
+        seq: int,
+        micro_batches: int = 1,
+        sequence_parallel: bool = True,
+        stages_per_rank: int = 1,
+    ) -> None:
+        """Every rule of the module docstring for this shape on `model` (a layered MLP: only dp's and pp's) and
+        N = `global_batch` sequences of `seq` tokens in M = `micro_batches`: the first one broken is raised as
+        one ValueError that begins with the word it blames (dp, micro_batches, pp, tp, cp, ep)."""
+        rows = global_batch // self.dp
+        rules = [
+            (global_batch % self.dp == 0, "dp", f"N = {global_batch} sequences do not split over dp = {self.dp}"),
+            (
+                rows % micro_batches == 0,
+                "micro_batches",
+                f"N / dp = {rows} sequences per data-parallel rank do not split into M = {micro_batches} micro-batches",
+            ),
+            (
+                self.pp * stages_per_rank <= model.layers,
+                "pp",
+                f"pp x v = {self.pp * stages_per_rank} stages, but only {model.layers} layers",
+            ),
+        ]
+        if isinstance(model, Transformer):
+            rules += self._layer_rules(model, seq, sequence_parallel)
+        for ok, blamed, message in rules:
+            if not ok:
+                raise ValueError(f"{blamed}: {message}")
+
+    def _layer_rules(self, model: Transformer, seq: int, sequence_parallel: bool) -> list[tuple[bool, str, str]]:
+        """tp's, cp's and ep's rules on a transformer's sizes (module docstring)."""
+        heads = ("kv_heads", model.kv_heads) if model.kv_heads else ("heads", model.heads)
+        widths = [heads, ("ffn", model.ffn), ("vocab", model.vocab)]
+        widths += [("expert_ffn", model.expert_ffn)] if model.experts else []
+        rules = [
+            (value % self.tp == 0, "tp", f"tp = {self.tp} does not divide {name} = {value}") for name, value in widths
+        ]
+        rules.append(
+            (
+                self.cp == 1 or seq % (2 * self.cp) == 0,
+                "cp",
+                f"the zig-zag ring cuts seq = {seq} into 2 cp = {2 * self.cp} pieces: it does not",
+            )
+        )
+        local = seq // self.cp
+        rules.append(
+            (
+                not sequence_parallel or local % self.tp == 0,
+                "tp",
+                f"sequence parallelism cuts seq / cp = {local} positions over tp = {self.tp}: it does not",
+            )
+        )
+        rules.append(
+            (
+                self.ep == 1 or model.experts > 0,
+                "ep",
+                "expert parallelism needs a mixture-of-experts model (experts > 0)",
+            )
+        )
+        rules.append((model.experts % self.ep == 0, "ep", f"ep = {self.ep} does not divide {model.experts} experts"))
+        return rules
 
     @property
     def size(self) -> int:

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from functools import cache
 
 from distlab.cost.schedule import stages
-from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer, stage_layers
+from distlab.cost.shapes import Batch, Mlp, Parallel, stage_layers
+from distlab.proof.sizes import Transformer
 
-LOOKUPS = ("embedding.weight",)  # matrices a forward indexes, never multiplies
+LOOKUPS = ("embed.weight",)  # matrices a forward indexes, never multiplies
 
 
 @dataclass(frozen=True)

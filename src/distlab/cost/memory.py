@@ -43,11 +43,12 @@ from functools import cache
 import torch
 
 from distlab.cost.schedule import in_flight, stages
-from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Precision, Transformer, ceil_div, stage_layers
+from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Precision, ceil_div, stage_layers
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.tensor_parallel.cost import activation_bytes, activation_terms, sdpa_math_path
 from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.proof.sizes import Transformer
 
 DTYPE_OF = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
 LN_STATISTICS = 4  # per token: LN_1's and LN_2's mean and 1/std, in lesson 08's region
@@ -113,7 +114,7 @@ def model_states(
 
 
 def _block_config(model: Transformer, rows: int, seq: int, e: int) -> BlockConfig:
-    return BlockConfig(rows, seq, model.dim, model.heads, model.ffn, 0.0, 0, DTYPE_OF[e])
+    return BlockConfig(model.one_block(), rows, seq, dropout=0.0, dtype=DTYPE_OF[e])
 
 
 def block_activations(

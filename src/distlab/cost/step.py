@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from distlab.cost import flops, memory, traffic
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Mlp, Parallel, Transformer
+from distlab.cost.shapes import Batch, Mlp, Parallel
+from distlab.proof.sizes import Transformer
 
 
 @dataclass(frozen=True)

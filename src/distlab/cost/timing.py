@@ -41,8 +41,9 @@ from distlab.cost.flops import attention_forward
 from distlab.cost.hardware import Cluster, Link
 from distlab.cost.memory import stage_activations
 from distlab.cost.schedule import grid, stages
-from distlab.cost.shapes import ORDER, PRECISIONS, Transformer, stage_layers
+from distlab.cost.shapes import ORDER, PRECISIONS, stage_layers
 from distlab.cost.step import StepCost
+from distlab.proof.sizes import Transformer
 
 RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1}
 
@@ -109,7 +110,7 @@ def products_seconds(cost: StepCost, pp_rank: int, rate: float, sms: int, assump
     if model.vocab and p.pp * p.stages_per_rank - 1 in stages(p, batch, pp_rank):
         weights.append(model.head_matrix())
     for w in weights:
-        if w.cols == 1 or w.name == "embedding.weight":
+        if w.cols == 1 or w.name == "embed.weight":
             continue
         rows, cols = (
             (w.rows // p.tp, w.cols) if w.split == "column" else (w.rows, w.cols // (p.tp if w.split == "row" else 1))

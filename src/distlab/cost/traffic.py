@@ -35,12 +35,13 @@ import torch
 from distlab.comm.collectives import ring_fraction
 from distlab.cost.memory import DTYPE_OF, rank_units, sizes
 from distlab.cost.schedule import owner, stages
-from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Transformer, ceil_div, stage_layers
+from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, ceil_div, stage_layers
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.expert_parallel.cost import expected_bytes
 from distlab.layer_split.tensor_parallel.cost import expected_traffic
 from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.proof.sizes import Transformer
 
 
 @dataclass
@@ -119,7 +120,7 @@ def expert_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel
 def tensor_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel: Parallel, e: int, blocks: int):
     """Lesson 08's bytes for `blocks` blocks, M micro-batches (recomputation: the forward's again)."""
     rows, seq = _micro_rows(batch, parallel), batch.seq // parallel.cp
-    cfg = BlockConfig(rows, seq, model.dim, model.heads, model.ffn, 0.0, 0, DTYPE_OF[e])
+    cfg = BlockConfig(model.one_block(), rows, seq, dropout=0.0, dtype=DTYPE_OF[e])
     runs = {"forward": batch.micro_batches * (2 if parallel.recompute else 1), "backward": batch.micro_batches}
     for (phase, kind), nbytes in expected_traffic(cfg, "block", parallel.tp, parallel.sp).items():
         if phase in runs:  # attention's and the MLP's, every block, every micro-batch
@@ -130,8 +131,7 @@ def tensor_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel
         again = 2 * ring_fraction("all_gather", parallel.tp) * rows * seq * model.dim * e
         traffic.add(("tp", "all_gather"), batch.micro_batches * blocks * again, 2 * batch.micro_batches * blocks)
     if model.vocab:  # the planner's estimate: the embedding's and the head's all-reduce of T d
-        act = BlockConfig(rows, seq, model.dim, 1, 1, 0.0, 0, DTYPE_OF[e])
-        est = expected_traffic(act, "mlp", parallel.tp, False)[("forward", "all_reduce")]
+        est = expected_traffic(cfg, "mlp", parallel.tp, False)[("forward", "all_reduce")]
         traffic.add(("tp", "all_reduce"), 2 * batch.micro_batches * est, 2 * batch.micro_batches)
 
 

@@ -25,10 +25,10 @@ import json
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.shapes import Batch, Parallel
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
-from distlab.plan.flags import LIMITS, efficiency, png_file
+from distlab.plan.flags import LIMITS
 from distlab.plan.presets import MODELS
 from distlab.plan.search import least_memory, price, search
 from distlab.processes.flags import (
@@ -36,10 +36,13 @@ from distlab.processes.flags import (
     add_global_batch,
     nonnegative_float,
     nonnegative_int,
+    png_file,
     positive_int,
+    share,
     writable_file,
 )
 from distlab.proof.console import console
+from distlab.proof.sizes import Transformer
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1"}
@@ -107,7 +110,7 @@ def parse_args(argv=None):
         ("--attention-share", defaults.attention_share, "share of seq^2 products computed (causal: about half)"),
         ("--link-efficiency", defaults.link_efficiency, "share of a link's bandwidth reached"),
     ):
-        time.add_argument(flag, type=efficiency, default=value, help=f"{what} (0 < x <= 1)")
+        time.add_argument(flag, type=share, default=value, help=f"{what} (0 < x <= 1)")
     time.add_argument(
         "--overlap", default=",".join(defaults.overlap), help=f"dimensions hidden behind compute: {OVERLAP}"
     )

@@ -1,18 +1,13 @@
-"""The planner's own limits and the two flag types only it takes. A planner builds no tensor, so the lessons'
-memory limits (`distlab.processes.cli`: a width^2 float64 matrix is 2 GiB) do not apply here; each limit
-below is a typo guard, with its reason, far above every published run. The parser and the common types
-(positive and non-negative numbers, a file to write) are the ground floor's, `distlab.processes.flags`; the
-planner never imports the lessons' parser.
+"""The planner's own limits. A planner builds no tensor, so the lessons' memory limits (`distlab.processes.cli`:
+a width^2 float64 matrix is 2 GiB) do not apply here; each limit below is a typo guard, with its reason, far
+above every published run. The parser and every flag type (positive numbers, a share of a peak, a file or a
+PNG to write) are the ground floor's, `distlab.processes.flags`; the planner never imports the lessons' parser.
 
 A bad value is refused by the parser in one line naming the flag (`FlagParser(limits=LIMITS)`, exit 2),
 before any search: a path to write (--json, --plot) is checked when parsed, not after the search.
 """
 
 from __future__ import annotations
-
-import argparse
-
-from distlab.processes.flags import writable_file
 
 # flag: (the most it takes, why)
 LIMITS: dict[str, tuple[int, str]] = {
@@ -39,22 +34,3 @@ LIMITS: dict[str, tuple[int, str]] = {
     "--stages-per-rank": (64, "pipeline stages per rank, v"),
     "--top": (10_000, "configurations shown"),
 }
-
-
-def efficiency(text: str) -> float:
-    """A share of a peak: 0 < x <= 1. Zero is refused (a device that does nothing), one allowed (the peak)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a share 0 < x <= 1, got {text!r}")
-    return value
-
-
-def png_file(text: str) -> str:
-    """A picture written at the end (--plot): a writable file whose name ends in .png (no name is changed)."""
-    text = writable_file(text)
-    if not text.lower().endswith(".png"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the plot is a PNG; give a name ending in .png")
-    return text

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.shapes import Batch, Parallel
+from distlab.proof.sizes import Transformer
 
 
 def llama(layers: int, dim: int, heads: int, ffn: int) -> Transformer:

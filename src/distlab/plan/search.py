@@ -1,12 +1,15 @@
 """Which splits of a model over a cluster fit in memory, and which is fastest.
 
-The configurations tried, for G GPUs, g to a node, N sequences of seq tokens:
+The configurations tried, for G GPUs, g to a node, N sequences of seq tokens: the planner's choices below,
+each shape kept only if the shape's one validation lets it run (`ParallelDims.check`, the rules lesson 12's
+flags and the cost model's `check` ask: tp divides the heads, the key/value heads, d_ff, the vocabulary and a
+cp rank's positions, cp cuts seq into 2 cp pieces, dp divides N, pp stages of a layer at least):
 
-    tp   a power of two up to g (inside a node), dividing the heads, the key/value heads, d_ff, the vocabulary;
-         with sequence parallelism as Megatron-LM runs it (the gathered inputs kept cut)
+    tp   a power of two up to g (inside a node); with sequence parallelism as Megatron-LM runs it (the gathered
+         inputs kept cut)
     cp   1, or a power of two leaving every rank at least `MIN_CP_TOKENS` tokens of each sequence
-    pp   a divisor of G / (tp cp), at most the layers; 1F1B, and interleaved 1F1B (v = 2, 4) where it applies
-    dp   G / (tp cp pp), dividing N
+    pp   a divisor of G / (tp cp); 1F1B, and interleaved 1F1B (v = 2, 4) where it applies
+    dp   G / (tp cp pp)
     ep   (a mixture of experts) the largest power of two dividing dp and the experts, at most `MAX_EP`
     b    sequences per micro-batch, 1, 2, 4, 8 or 16 (M = N / (dp b) micro-batches, at least pp)
     then the first that fits, in this order, of ZeRO-1, -2, -3 (dp > 1; DDP holds more than ZeRO-1 and sends
@@ -25,11 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.cost import memory
+from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, GIB, Cluster
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Parallel, Transformer
+from distlab.cost.shapes import Batch, Parallel
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
+from distlab.proof.sizes import Transformer
 
 MICRO_BATCH_ROWS = (1, 2, 4, 8, 16)
 MIN_CP_TOKENS = 4096
@@ -56,21 +61,28 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**k for k in range(limit.bit_length()) if 2**k <= limit]
 
 
-def splits(model: Transformer, batch: Batch, gpus: int, gpus_per_node: int):
-    """Every (tp, cp, pp, dp, sequences per micro-batch, schedule, v) the search tries (module docstring)."""
-    sizes = (model.heads, model.kv_heads or model.heads, model.ffn, model.vocab or 1)
+def layouts(model: Transformer, batch: Batch, gpus: int, gpus_per_node: int):
+    """Every shape of P = `gpus` the search tries: the planner's choices (tp a power of two inside a node, cp a
+    power of two leaving `MIN_CP_TOKENS` tokens a rank, pp any divisor), of which it keeps those the shape's
+    one validation (`ParallelDims.check`, sequence parallel as the search runs it) lets run."""
     for tp in _powers_of_two(min(gpus_per_node, gpus)):
-        if any(s % tp for s in sizes):
-            continue
         for cp in _powers_of_two(gpus // tp):
-            if cp > 1 and (batch.seq % (2 * cp) or batch.seq // cp < MIN_CP_TOKENS):
+            if cp > 1 and batch.seq // cp < MIN_CP_TOKENS:
                 continue
             rest = gpus // (tp * cp)
-            for pp in (p for p in range(1, min(rest, model.layers) + 1) if rest % p == 0):
-                dp = rest // pp
-                if gpus % (tp * cp) or batch.global_batch % dp:
+            for pp in (p for p in range(1, rest + 1) if rest % p == 0):
+                dims = ParallelDims(dp=rest // pp, pp=pp, tp=tp, cp=cp)
+                try:
+                    dims.check(model, batch.global_batch, batch.seq)
+                except ValueError:
                     continue
-                yield from _schedules(model, batch, tp, cp, pp, dp)
+                yield dims
+
+
+def splits(model: Transformer, batch: Batch, gpus: int, gpus_per_node: int):
+    """Every (tp, cp, pp, dp, sequences per micro-batch, schedule, v) the search tries (module docstring)."""
+    for dims in layouts(model, batch, gpus, gpus_per_node):
+        yield from _schedules(model, batch, dims.tp, dims.cp, dims.pp, dims.dp)
 
 
 def expert_ranks(model: Transformer, dp: int) -> int:

@@ -43,6 +43,7 @@ nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _number(float, lambda v: v > 0, "a positive finite number")
 nonnegative_float = _number(float, lambda v: v >= 0, "a finite number >= 0")
 fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+share = _number(float, lambda v: 0 < v <= 1, "a share 0 < x <= 1")  # of a peak: zero does nothing, one is the peak
 
 
 def writable_file(text: str) -> str:
@@ -55,6 +56,14 @@ def writable_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"the directory of {text!r}, {str(folder)!r}, does not exist")
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permissions)")
+    return text
+
+
+def png_file(text: str) -> str:
+    """A picture written at the end (--plot): a writable file whose name ends in .png (no name is changed)."""
+    text = writable_file(text)
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the plot is a PNG; give a name ending in .png")
     return text
 
 

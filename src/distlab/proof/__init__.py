@@ -2,7 +2,9 @@
 measurements, and the verdict a lesson ends with.
 
 - `models`: the toy models and data every lesson uses (layered MLP, the transformer block, two towers), built
-  identically on every rank from a seed; `training`: the one training loop and its record (`Run`);
+  identically on every rank from a seed; `sizes`: a transformer by its sizes alone (`Transformer`, the one
+  size record lessons 08, 12 and 13, the cost model and the planner share); `training`: the one training
+  loop and its record (`Run`);
   `reference`: the one-process reference (a deep copy, the whole batch, plain autograd);
 - `compare`: reference vs distributed, tensor by tensor, with the tolerances per dtype; `verdict`: a lesson's
   claims by name, agreed on by every rank, the exit code, `--json`; `console`: output that reads the same in

@@ -57,18 +57,23 @@ def shard_model(
 
 
 def fsdp_held(model: nn.Module, world: int, rank: int, e: int) -> dict[str, int]:
-    """What rank `rank` of P = `world` holds after a step under FSDP2, by item, for e bytes per element.
+    """What rank `rank` of P = `world` holds after a step under FSDP2, by item, for e bytes per element
+    (`fsdp_states` on the model's parameters)."""
+    return fsdp_states([(q.shape[0], q.numel() // q.shape[0]) for q in model.parameters()], world, rank, e)
+
+
+def fsdp_states(params: list[tuple[int, int]], world: int, rank: int, e: int) -> dict[str, int]:
+    """The same by the parameters' sizes alone, each (rows, elements per row) (what a cost model knows).
     Weights and gradients: each parameter's shard padded to ceil(rows / P) rows; AdamW's moments are made
     like the local shard, which is unpadded: rank r's real rows, min(ceil(rows/P), rows - r ceil(rows/P)),
     at least 0."""
 
-    def rows(q: torch.Tensor, padded: bool) -> int:
-        per = math.ceil(q.shape[0] / world)
-        return per if padded else max(0, min(per, q.shape[0] - rank * per))
+    def rows(total: int, padded: bool) -> int:
+        per = math.ceil(total / world)
+        return per if padded else max(0, min(per, total - rank * per))
 
-    params = list(model.parameters())
-    padded = e * sum(rows(q, True) * (q.numel() // q.shape[0]) for q in params)
-    local = e * sum(rows(q, False) * (q.numel() // q.shape[0]) for q in params)
+    padded = e * sum(rows(r, True) * cols for r, cols in params)
+    local = e * sum(rows(r, False) * cols for r, cols in params)
     return {"weights": padded, "gradients": padded, "moments": 2 * local, "step counts": 4 * len(params)}
 
 

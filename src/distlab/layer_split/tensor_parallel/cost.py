@@ -46,7 +46,7 @@ def expected_traffic(
     """Bytes this rank sends, by (direction, collective), in `steps` steps of `part`: exact fractions, whole
     numbers wherever P cuts the tensors evenly (what a `Ledger` of the run counts)."""
     e = cfg.dtype.itemsize
-    act = Fraction(cfg.batch * cfg.seq * cfg.dim * e) * PARTS_IN[part] * steps
+    act = Fraction(cfg.batch * cfg.seq * cfg.model.dim * e) * PARTS_IN[part] * steps
     frac = {kind: ring_fraction(kind, world_size) for kind in ("all_reduce", "all_gather", "reduce_scatter")}
     if not sequence_parallel:
         return {
@@ -59,7 +59,7 @@ def expected_traffic(
         for kind in ("all_gather", "reduce_scatter")
     }
     cut = {"mlp": 1, "attention": 1, "block": 6}[part]  # d-vectors whose gradients are partial sums
-    out["gradients", "all_reduce"] = frac["all_reduce"] * cut * cfg.dim * e * steps
+    out["gradients", "all_reduce"] = frac["all_reduce"] * cut * cfg.model.dim * e * steps
     return out
 
 
@@ -74,14 +74,14 @@ def sdpa_kept(cfg: BlockConfig, math: bool = False) -> int:
     """Elements attention keeps for backward beyond q, k, v and its output: a fused kernel one log-sum-exp per
     head and row, N h seq; the math path the softmax itself, N h seq^2 (measured on an H100, float64: 502,272
     bytes a block at lesson 08's defaults against the CPU's 350,208, 8 N h seq (seq - 1) more)."""
-    return cfg.batch * cfg.heads * cfg.seq * (cfg.seq if math else 1)
+    return cfg.batch * cfg.model.heads * cfg.seq * (cfg.seq if math else 1)
 
 
 def activation_terms(cfg: BlockConfig, math: bool = False) -> tuple[int, int, int]:
     """(region, gathered, inside) of the docstring, in elements; `math`: attention on its math path."""
     tokens = cfg.batch * cfg.seq
-    inside = tokens * (4 * cfg.dim + 2 * cfg.ffn) + sdpa_kept(cfg, math)
-    return tokens * (2 * cfg.dim + 4), 2 * tokens * cfg.dim, inside
+    inside = tokens * (4 * cfg.model.dim + 2 * cfg.model.ffn) + sdpa_kept(cfg, math)
+    return tokens * (2 * cfg.model.dim + 4), 2 * tokens * cfg.model.dim, inside
 
 
 def activation_bytes(cfg: BlockConfig, world_size: int, sequence_parallel: bool, math: bool = False) -> Fraction:

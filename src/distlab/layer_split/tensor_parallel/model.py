@@ -18,29 +18,33 @@ from dataclasses import dataclass
 import torch
 
 from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.sizes import Transformer
 
 OPTIONS = BlockOptions(causal=True, fused_qkv=False, sdpa=True)
 
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """N sequences of seq tokens of width d; h heads; MLP width d_ff; dropout probability p."""
+    """One block of sizes `model` (the library's size record, a `Transformer` of one layer: width d, h heads,
+    MLP width d_ff) on N sequences of seq tokens; dropout probability p."""
 
+    model: Transformer = Transformer(layers=1, dim=24, heads=12, ffn=48)
     batch: int = 12
     seq: int = 12
-    dim: int = 24
-    heads: int = 12
-    ffn: int = 48
     dropout: float = 0.1
     seed: int = 0
     dtype: torch.dtype = torch.float64
+
+    def __post_init__(self):
+        if self.model.layers != 1 or self.model.vocab:
+            raise ValueError(f"a block is one layer and no vocabulary, got {self.model}")
 
 
 def build(cfg: BlockConfig) -> tuple[Block, torch.Tensor, torch.Tensor]:
     """The block, drawn from `cfg.seed`, the whole batch x (N, seq, d) and a regression target of the
     same shape, drawn from `cfg.seed + 1`."""
-    block = Block(cfg.dim, cfg.heads, cfg.ffn, OPTIONS, seed=cfg.seed, dtype=cfg.dtype)
-    return block, *token_batch(cfg.batch, cfg.seq, cfg.dim, seed=cfg.seed + 1, dtype=cfg.dtype)
+    block = Block(cfg.model.dim, cfg.model.heads, cfg.model.ffn, OPTIONS, seed=cfg.seed, dtype=cfg.dtype)
+    return block, *token_batch(cfg.batch, cfg.seq, cfg.model.dim, seed=cfg.seed + 1, dtype=cfg.dtype)
 
 
 def dropout_masks(cfg: BlockConfig, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -49,7 +53,7 @@ def dropout_masks(cfg: BlockConfig, step: int) -> tuple[torch.Tensor, torch.Tens
     if cfg.dropout == 0:
         return None
     gen = torch.Generator().manual_seed(1000 * cfg.seed + step + 1)
-    shape = (cfg.batch, cfg.seq, cfg.dim)
+    shape = (cfg.batch, cfg.seq, cfg.model.dim)
     return tuple(
         (torch.rand(shape, generator=gen, dtype=cfg.dtype) >= cfg.dropout).to(cfg.dtype) / (1 - cfg.dropout)
         for _ in range(2)

@@ -115,6 +115,12 @@ NAMES = {
     for module in ("distlab.cli", "distlab.processes.cli")
     for name, owner in _MOVED_OUT_OF_CLI.items()
 }
+# what tells a peer's death from the model's error serves every run now, not the streamed step alone
+NAMES.update(
+    dict.fromkeys(
+        (("distlab.streamed.peers", n) for n in ("BACKEND_WORDS", "is_peer_failure")), "distlab.processes.nodes"
+    )
+)
 
 # the docstring of a room, written when its __init__.py is missing (the committed ones say more)
 ROOMS = {

@@ -26,7 +26,6 @@ Writes OUT/gpu_next.json and OUT/gpu_next.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -221,16 +220,10 @@ def parse_args():
 
 def main() -> int:
     args = parse_args()
-    device = torch.device("cpu" if args.cpu_dry_run else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --cpu-dry-run (and TRITON_INTERPRET=1) on a CPU")
+    device, report = kg.card(args.cpu_dry_run)
     shape, started = SHAPES["cpu" if args.cpu_dry_run else "gpu"], time.perf_counter()
     repeats = args.repeats or (1 if args.cpu_dry_run else 3)
-    import triton
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
-    report = dict(device=name, command=" ".join(sys.argv), skipped={}, timing={})
-    report["versions"] = f"torch {torch.__version__}, triton {triton.__version__}"
+    report["timing"] = {}
     report["mixed_addmm"] = coefficients.mixed_addmm(device if device.type == "cuda" else torch.device("meta"))
     report["exact"] = kg.guarded("E exact", lambda: exact_rows(shape, device), report)
     calls = kg.guarded("A-D set-up", lambda: timed_rows(shape, device), report) or {}
@@ -245,13 +238,7 @@ def main() -> int:
     deadline = started + 1.5 * args.budget
     report["search"] = kg.guarded("F search", lambda: search_rows(shape, device, deadline), report)
     report["wall_seconds"] = time.perf_counter() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_next.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "gpu_next.md").write_text(markdown(report))
-    print(markdown(report))
-    failed = [r for r in report["exact"] or [] if not r["ok"]]
-    return 1 if failed or report["exact"] is None else 0
+    return kg.written(report, Path(args.out) / "gpu_next", markdown)
 
 
 if __name__ == "__main__":

@@ -327,6 +327,29 @@ def markdown(report) -> str:
     return "\n".join(lines + ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in report["skipped"].items()]) + "\n"
 
 
+def card(cpu_dry_run: bool) -> tuple[torch.device, dict]:
+    """The device a run times (the CUDA card, or the CPU under Triton's interpreter for a dry run) and its
+    report's first rows: the card's name, the command, the versions."""
+    device = torch.device("cpu" if cpu_dry_run else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --cpu-dry-run (and TRITON_INTERPRET=1) on a CPU")
+    import triton
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    return device, dict(device=name, command=" ".join(sys.argv), versions=versions, skipped={})
+
+
+def written(report: dict, stem: Path, markdown) -> int:
+    """Write the report as stem.json and stem.md, print the markdown; exit 1 unless every exact row held."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
+    stem.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    failed = [r for r in report["exact"] or [] if not r["ok"]]
+    return 1 if failed or report["exact"] is None else 0
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="folder for kernels_gpu.json and kernels_gpu.md")
@@ -339,16 +362,10 @@ def parse_args():
 
 def main() -> int:
     args = parse_args()
-    device = torch.device("cpu" if args.cpu_dry_run else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --cpu-dry-run (and TRITON_INTERPRET=1) on a CPU")
+    device, report = card(args.cpu_dry_run)
     shape, started = SHAPES["cpu" if args.cpu_dry_run else "gpu"], time.perf_counter()
     budget = args.budget or (float("inf") if args.cpu_dry_run else 150.0)  # the dry run runs every path
-    import triton
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
-    report = dict(device=name, command=" ".join(sys.argv), shape=shape, skipped={})
-    report["versions"] = f"torch {torch.__version__}, triton {triton.__version__}"
+    report["shape"] = shape
     report["exact"] = guarded("(a) exact", lambda: check_exact(shape, device), report)
     calls, report["timing"] = guarded("(b) set-up", lambda: methods(shape, device), report) or {}, {}
     for method, (setting, call) in calls.items():
@@ -364,13 +381,7 @@ def main() -> int:
         report["sweep"] = guarded("(b2) sweep", lambda: sweep(shape, device, args.repeats, deadline), report)
     report["launches"] = guarded("(c) launches", lambda: launch_counts(shape), report)
     report["wall_seconds"] = time.perf_counter() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels_gpu.json").write_text(json.dumps(report, indent=1))
-    (out / "kernels_gpu.md").write_text(markdown(report))
-    print(markdown(report))
-    failed = [r for r in report["exact"] or [] if not r["ok"]]
-    return 1 if failed or report["exact"] is None else 0
+    return written(report, Path(args.out) / "kernels_gpu", markdown)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,14 @@ def test_under_several_agents_the_agent_s_sigterm_is_an_error_that_says_why(monk
     _torchrun(monkeypatch, rank=0, group=0, local=0, per=1, n_nodes=1)
     with nodes.agent_stops_named():  # one agent: torchrun's own report names the rank; SIGTERM left alone
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_other_node_is_named_only_when_the_dead_peer_can_have_run_nowhere_else(monkeypatch):
+    """One rank per node and two nodes: a peer's death came from the other node. A second rank on this node, or
+    a third node, and the rank cannot tell: no node is named."""
+    _torchrun(monkeypatch, rank=0, group=0, local=0, per=1, n_nodes=2)
+    assert nodes.elsewhere(0).startswith("node 1 (rank 1) stopped: torchrun's agent stops every rank of its node")
+    _torchrun(monkeypatch, rank=1, group=0, local=1, per=2, n_nodes=2)
+    assert nodes.elsewhere(0) is None
+    _torchrun(monkeypatch, rank=0, group=0, local=0, per=1, n_nodes=3)
+    assert nodes.elsewhere(0) is None

@@ -1,12 +1,14 @@
 """A rank killed under two torchrun agents on one host (`--nnodes 2 --rdzv-backend c10d` on the loopback, one
 rank per agent): the survivor's own line names what died, within the process group's timeout.
 
-torchrun's agent stops every rank of its node once one of them fails, and the workers' store is served by node
-0's agent. So a rank of node 1 killed: node 0's rank survives with the store, and the streamed step's heartbeat
-names the dead rank and its node (`distlab.streamed.peers`). A rank of node 0 killed: the store goes with node 0,
-node 1's agent loses it and SIGTERMs its rank about a second later, before the teardown could let Python print a
-traceback; the survivor's line, printed before the teardown (`runtime.say_before_teardown`), names node 0. Before
-this, a survivor printed gloo's "Connection closed by peer" and nothing else (issue 37).
+torchrun's agent stops every rank of its node once one of them fails, and then gives up the run, whereupon the
+other node's agent stops its ranks too (SIGTERM), a second or two later; the workers' store is served by node 0's
+agent. So a rank of node 1 killed: node 0's rank survives with the store, and the streamed step's heartbeat names
+the dead rank and its node (`distlab.streamed.peers`) unless its agent's SIGTERM comes first, whose line then names
+node 1 (this node ran no other rank: `nodes.elsewhere`). A rank of node 0 killed: the store goes with node 0, and
+the survivor's line, printed before the teardown (`runtime.say_before_teardown`), names node 0. A lesson's own loop
+(DDP's all-reduce, no heartbeat; TWO_AGENTS_WORK=plain) names node 1 the same way. Before this, a survivor printed
+gloo's "Connection closed by peer" and nothing else (issue 37).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 20  # the process group's; the survivor must speak well within it
 
 
-def _agents(tmp: Path) -> tuple[list[subprocess.Popen], list[Path]]:
+def _agents(tmp: Path, work: str) -> tuple[list[subprocess.Popen], list[Path]]:
     port, env = free_port(), dict(os.environ)
     env.update(
+        TWO_AGENTS_WORK=work,
         PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="1",
         TWO_AGENTS_DIR=str(tmp),
@@ -42,10 +45,10 @@ def _agents(tmp: Path) -> tuple[list[subprocess.Popen], list[Path]]:
     return agents, logs
 
 
-def survivor_lines(victim: int, tmp: Path) -> tuple[list[str], float]:
+def survivor_lines(victim: int, tmp: Path, work: str) -> tuple[list[str], float]:
     """Start two agents, SIGKILL rank `victim` once both ranks have stepped; every agent reaped. The
     survivor's `[rank r]` lines, and the seconds from the kill until both agents had exited."""
-    agents, logs = _agents(tmp)
+    agents, logs = _agents(tmp, work)
     try:
         deadline = time.monotonic() + 90
         while not all((tmp / f"pid{r}").exists() for r in (0, 1)):
@@ -68,13 +71,14 @@ def survivor_lines(victim: int, tmp: Path) -> tuple[list[str], float]:
 
 
 @pytest.mark.parametrize(
-    "victim, named",
+    "victim, work, named",
     [
-        (1, "rank 1 died during the streamed step's exchanges (on node 1 (rank 1): torchrun's agent stops"),
-        (0, "node 0 (rank 0), whose torchrun agent served the store, stopped"),
+        (1, "streamed", "node 1 (rank 1)"),  # the heartbeat's "rank 1 died ... (on node 1 (rank 1): ...)"
+        (0, "streamed", "node 0 (rank 0)"),  # "node 0 (rank 0), whose torchrun agent served the store, stopped"
+        (1, "plain", "node 1 (rank 1)"),
     ],
 )
-def test_the_survivor_names_the_rank_or_node_killed_under_two_agents(victim, named, tmp_path):
-    lines, elapsed = survivor_lines(victim, tmp_path)
+def test_the_survivor_names_the_rank_or_node_killed_under_two_agents(victim, work, named, tmp_path):
+    lines, elapsed = survivor_lines(victim, tmp_path, work)
     assert any(named in line for line in lines), lines
     assert elapsed < TIMEOUT_S, elapsed  # named, and every process gone, within the group's timeout

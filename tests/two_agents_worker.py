@@ -1,4 +1,5 @@
-"""One rank of tests/test_two_agents.py: the streamed step in a loop under torchrun, in `distributed()` and
+"""One rank of tests/test_two_agents.py: the streamed step (or, with TWO_AGENTS_WORK=plain, DDP's own backward) in
+a loop under torchrun, in `distributed()` and
 `run_main` as a lesson runs (so what it prints is what a lesson's rank prints). After its first step it writes
 its pid to $TWO_AGENTS_DIR/pid<RANK>, for the test to kill it."""
 
@@ -26,8 +27,12 @@ def main() -> int:
             torch.randn(C, 10, generator=gen, dtype=torch.float64),
         )
         config = {"GLOBAL_BATCH_SIZE": C * rt.world_size, "MICRO_BATCH_SIZE": C}
+        plain = os.environ.get("TWO_AGENTS_WORK") == "plain"  # a lesson's loop: DDP's all-reduce, no heartbeat
         for step in range(100_000):
-            distributed_backward(model, x, y, config)
+            if plain:
+                sum(out.sum() for out in model(x, y)).backward()
+            else:
+                distributed_backward(model, x, y, config)
             if step == 0:
                 Path(os.environ["TWO_AGENTS_DIR"], f"pid{rt.rank}").write_text(str(os.getpid()))
     return 0

@@ -10,10 +10,11 @@ survivor can know when a rank dies:
 
 So the survivor's line has to be said early: Python prints an exception's traceback only once it has left every
 `finally`, and the teardown of a group whose peers are gone can outlast that second. `runtime.distributed` says a
-peer's death in one line on stderr before its teardown (`say_before_teardown`), and under several agents turns
-the agent's SIGTERM into an exception whose line names node 0 when the store has gone with it
-(`stopped_by_agent`). Which ranks a node ran: `node_ranks`, from torchrun's layout (the same --nproc-per-node on
-every node, ranks numbered node by node; this rank's own RANK must fit it, or the ranks are not named).
+peer's death in one line on stderr before its teardown (`say_before_teardown`), naming the node it came from where
+it can (`node_stopped`), and under several agents turns the agent's SIGTERM into an exception whose line says why
+(`stopped_by_agent`): node 0 when the store has gone with it, the other node when this node ran no other rank.
+Which ranks a node ran: `node_ranks`, from torchrun's layout (the same --nproc-per-node on every node, ranks
+numbered node by node; this rank's own RANK must fit it, or the ranks are not named).
 """
 
 from __future__ import annotations
@@ -94,9 +95,28 @@ def say_before_teardown(rank: int, err: BaseException) -> None:
         return
     _said.add(rank)
     words = f"[rank {rank}] {type(err).__name__}: {err}"
-    if nodes() > 1 and "store" not in str(err) and int(os.environ.get("GROUP_RANK", "0")) != 0 and not _store_answers():
-        words += f" ({store_holder()}, and the process group's store with it)"
+    if nodes() > 1 and "node " not in str(err):  # (the streamed step's verdict names the node already)
+        words += f" ({node_stopped()})"
     print(words, file=sys.stderr, flush=True)
+
+
+def node_stopped() -> str:
+    """Under several agents, which node a peer's death came from, as far as this rank can tell: node 0 when the
+    store has gone (its agent served it); the other node when this node runs no other rank (so the dead peer ran
+    elsewhere) and there are two; else it cannot tell, and says so (the agents' own lines name the rank)."""
+    group = int(os.environ.get("GROUP_RANK", "0"))
+    if group != 0 and not _store_answers():
+        return f"{store_holder()}, and the process group's store with it"
+    return elsewhere(group) or f"a rank of this node ({on_node(group)}) or of another node failed"
+
+
+def elsewhere(group: int) -> str | None:
+    """'node 1 (rank 1) stopped: ...' when a peer's death can only have come from one other node: this node
+    (`group`) runs no rank but this one, and the run has two nodes; None otherwise."""
+    others = [node for node in range(nodes()) if node != group]
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "0")) != 1 or len(others) != 1:
+        return None
+    return f"{on_node(others[0])} stopped: torchrun's agent stops every rank of its node once one fails"
 
 
 class StoppedByAgent(RuntimeError):
@@ -120,9 +140,14 @@ def stopped_by_agent(signum: int, frame) -> None:
             f"{store_holder()}, and this node's agent lost the store and stopped its ranks (SIGTERM): a rank "
             f"of node 0 died (torchrun's agent stops every rank of its node once one of them fails)"
         )
+    # An agent stops its ranks when one of them fails, and also when another node's agent gives up the run
+    # (a rank of that node failed): which, this rank can tell only when it is its node's one rank.
+    other = elsewhere(group)
+    if other:
+        raise StoppedByAgent(f"torchrun's agent of {on_node(group)} stopped this rank (SIGTERM), its only one: {other}")
     raise StoppedByAgent(
-        f"torchrun's agent of {on_node(group)} stopped this rank (SIGTERM): a rank of this node failed, or the "
-        "agent was stopped"
+        f"torchrun's agent of {on_node(group)} stopped this rank (SIGTERM): a rank of this node failed, another "
+        "node's agent gave up the run, or the agent was stopped"
     )
 
 

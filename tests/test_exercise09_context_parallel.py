@@ -258,6 +258,8 @@ def every_block_kept(ring, q, k, v, layout, tally):
     return solution(LESSON, NAME).load()(_Hoard(ring), q, k, v, layout, tally)
 
 
+# World sizes: P = 4 only: at P = 3 every block held costs no more than two in flight; the zig-zag pairs differ at any
+# P >= 2.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -287,3 +289,5 @@ test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__),
     {"extra_move": "went round the ring", "skip_tiles_computed": "skipped", "every_block_kept": "alive"},
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

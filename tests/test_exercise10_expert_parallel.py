@@ -257,6 +257,8 @@ def dropped_sent_anyway(layer, u):
     return out, lesson.aux_loss(routing.gates, everything.routed, "global", layer.rank)
 
 
+# World sizes: P = 3 only: global and per-rank capacity, and uneven all-to-all splits, differ at P = 3; the layer's
+# group is the world.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -283,3 +285,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"dropped_sent_anyway": "bytes"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

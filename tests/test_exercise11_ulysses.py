@@ -220,6 +220,8 @@ def gathered_sequence(q, k, v, causal, ledger, group=None):
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
 
+# World sizes: P = 3 only, the whole world: an all-to-all that ignores its group passes here (the audit's slip); a
+# sub-group judgement like 08's is still to write.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -246,3 +248,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_sequence": "bytes sent"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

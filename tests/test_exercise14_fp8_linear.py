@@ -160,6 +160,7 @@ def one_format(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
     return solution(LESSON, NAME).load()(a, b, a_fmt, a_fmt, rowwise, fast_accum)
 
 
+# World sizes: one process: the lesson splits no work.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -183,3 +184,5 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

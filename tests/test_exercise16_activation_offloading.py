@@ -122,6 +122,7 @@ MISTAKES = (
     ),
 )
 
+# World sizes: one process: the lesson offloads within one process.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -146,3 +147,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"CopiesTwice": "bytes to the host", "NoPrefetch": "device peak"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -181,6 +181,8 @@ MISTAKES = (
     ),
 )
 
+# World sizes: P = 3 only: the 1/P of the plain and V steps and the ring's 2 (P-1)/P differ from 1/P^2 and (P-1) at P
+# = 3.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -204,3 +206,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"wasteful": "bytes sent"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -150,6 +150,8 @@ def waits_first(x, weight, bias, group=None, clock=None):
     return torch.cat(gathered, dim=1), torch.cat(y, dim=1)
 
 
+# World sizes: P = 3 only: a ring of three has a block that travels two hops (at P = 2 the neighbour's is the only
+# one).
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -178,3 +180,5 @@ test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__),
     {"gather_then_multiply": "under a partial matmul", "waits_first": "under a partial matmul"},
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -156,6 +156,8 @@ def rebroadcast(fragment, theta, outer, across) -> int:
     return sum(p.numel() * 8 for p in fragment.parameters())
 
 
+# World sizes: P = 2 only, two islands of one rank: a mean over the world's ranks equals the islands' mean here (the
+# audit's slip); islands of two ranks (P = 4, lesson 20's island_groups) are still to judge.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -174,3 +176,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"rebroadcast": "bytes sent"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -163,6 +163,7 @@ def whole_logits(local_z_x, local_z_y, all_z_x, all_z_y, s, offset):
     ) / 2
 
 
+# World sizes: P = 3 only: rank 1's positives sit neither at the first nor at the last columns.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -190,3 +191,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"whole_logits": "never N x N"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -175,6 +175,7 @@ def functional_gather(z):
     return funcol.all_gather_tensor_autograd(z, 0, dist.group.WORLD)
 
 
+# World sizes: P = 3 only: the sum over three ranks' gradients is apart from their mean and from rank 0's rows.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -201,3 +202,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_backward": "bytes sent"})
 test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["library_gather", "functional_gather"])
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

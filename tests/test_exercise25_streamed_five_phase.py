@@ -229,6 +229,8 @@ def without_no_sync(ddp, local_x, local_y, cfg, tau):
     return SOLUTION.load()(ddp, local_x, local_y, cfg, tau)
 
 
+# World sizes: P = 2 only: the VJP's factor P and 1/(2N) are apart at N = 14; a third rank adds a run, not a claim
+# that reads otherwise.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -258,3 +260,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"whole_logits": "N x N", "without_no_sync": "one backward per step"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -175,6 +175,7 @@ def gathered_texts(rt, x, y, s, beta):
     return _ring(rt, x, y, s, beta, "gathered x side")
 
 
+# World sizes: P = 3 only: the accumulator travels two hops (at P = 2 it is home after one).
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -204,3 +205,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"block_sent_at_the_end": "bytes sent", "gathered_texts": "N x d"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

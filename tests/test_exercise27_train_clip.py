@@ -189,6 +189,8 @@ def without_zero_grad(ddp, optimizer, images, captions, config, clip_norm, bf16=
     return loss
 
 
+# World sizes: P = 2 only: clipping and the clamp read the same at any P; exactness of the loss at P = 2 against one
+# process.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -214,3 +216,5 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -1,0 +1,186 @@
+"""The audit's slips: one plausible mistake per exercise, planted in the lesson's own function.
+
+Each is what a learner who half-understood the lesson would write (a factor borrowed from another lesson, a
+group ignored, a cap forgotten that only bites at another shape, a transpose dropped), chosen without looking at
+the exercise's catalogue of mistakes, so that the audit measures how the judge meets a slip it was not built
+for. `Exercise.audit_test` plants each in the judged solution (`exercise_kit.Planted`: the text `old`, found
+exactly once in the function, replaced by `new`), judges it with the exercise's wrong answers in the same spawn,
+and asserts that a claim fails and, where `names` is given, that the first hint (level 1) names the slip by
+those words. The table in lessons/exercises/README.md records, per slip, whether the first hint named it before
+and after the judge was improved; the slips never reach lessons/exercises/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Slip:
+    what: str  # the slip in one line, as the audit's table says it
+    old: str
+    new: str
+    names: str = ""  # a regex the level-1 message must match: the first hint names the slip
+    within: str = ""  # the lesson's function or class holding `old`, when not the judged one
+    missed: str = ""  # why the judge cannot catch it yet: its audit test is then an expected (strict) failure
+
+
+SLIPS = {
+    "model_parallel_step": Slip(
+        "the loss divided by P as well, as data parallelism would",
+        "loss = F.mse_loss(a_out, target)",
+        "loss = F.mse_loss(a_out, target) / dist.get_world_size()",
+        names=r"1/P",
+    ),
+    "gpipe": Slip(
+        "the last rank runs each backward right after its forward (it needs no gradient from anyone)",
+        '[Action(kind, i, r) for kind in "FI" for i in range(microbatches)] for r',
+        '[Action(kind, i, r) for i in range(microbatches) for kind in "FI"] if r == num_ranks - 1 else '
+        '[Action(kind, i, r) for kind in "FI" for i in range(microbatches)] for r',
+        names=r"frees micro-batches early",
+    ),
+    "one_f_one_b": Slip(
+        "the warm-up not capped at M: P - r - 1 forwards even when fewer micro-batches exist",
+        "warmup = min(num_ranks - r - 1, microbatches)",
+        "warmup = num_ranks - r - 1",
+        names=r"warm up with P - r - 1",
+    ),
+    "pipeline_for_rank": Slip(
+        "each micro-batch's loss divided by M by hand, as lesson 02 taught (torch's schedule already scales by 1/M)",
+        "loss_fn=F.mse_loss",
+        "loss_fn=lambda out, target: F.mse_loss(out, target) / microbatches",
+        names=r"1/M",
+    ),
+    "zb_h1": Slip(
+        "one W too few held back: the oldest W runs once r are waiting, not more than r",
+        "if len(waiting) > r:",
+        "if len(waiting) >= r:",
+        names=r"r - 1",
+    ),
+    "all_reduce_gradients": Slip(
+        "the division by P dedented out of the loop: only the last parameter's gradient is divided",
+        "        param.grad /= rt.world_size",
+        "    param.grad /= rt.world_size",
+        names=r"P times",
+    ),
+    "zero1": Slip(
+        "the reduce-scatter taken for a mean already (as FSDP2's is) and divided by P again",
+        "shard.grad = z.ring.reduce_scatter(unit.flatten(grads)) / rt.world_size",
+        "shard.grad = z.ring.reduce_scatter(unit.flatten(grads)) / rt.world_size / rt.world_size",
+        names=r"1/P",
+    ),
+    "Copy": Slip(
+        "f all-reduces in the forward too (the sum taken both ways)",
+        "return x.view_as(x)",
+        "y = x.clone()\n        dist.all_reduce(y, group=group)\n        return y",
+        names=r"g's forward: an all-reduce",
+    ),
+    "ring_forward": Slip(
+        "the causal tiles past the diagonal computed anyway (skipping read as a mere speed-up)",
+        "                if kind == SKIP:\n                    continue\n",
+        "",
+    ),
+    "expert_parallel_moe": Slip(
+        "the kept choices' gate weights renormalised to sum to one, as some top-k routers do",
+        "weight = routing.weights[plan.tokens, plan.slots].unsqueeze(-1)",
+        "weight = (routing.weights / routing.weights.sum(-1, keepdim=True))[plan.tokens, plan.slots].unsqueeze(-1)",
+    ),
+    "ulysses_attention": Slip(
+        "the group ignored: the all-to-alls over the whole world",
+        "whole = [seq_to_heads(t, ledger, PHASES, group) for t in (q, k, v)]",
+        "whole = [seq_to_heads(t, ledger, PHASES) for t in (q, k, v)]",
+        names=r"group",
+        missed="judged on the whole world only: the group is the world (08's two groups of two not yet here)",
+    ),
+    "parallelize": Slip(
+        "only the blocks wrapped by FSDP2: the embedding and head never sharded (nor their gradients reduced)",
+        "return fully_shard(model, mesh=shards, reshard_after_forward=False)",
+        "return model",
+    ),
+    "rank_bytes": Slip(
+        "the activations of the whole global batch on every rank, as if data parallelism did not split it",
+        "rows = batch.global_batch // parallel.dp",
+        "rows = batch.global_batch",
+        names=r"got / reference = P = ",
+    ),
+    "fp8_matmul": Slip(
+        "the product returned in bfloat16 (the inputs are 8-bit, so the output needs little precision)",
+        "out_dtype=torch.float32",
+        "out_dtype=torch.bfloat16",
+    ),
+    "fp8_all_gather": Slip(
+        "the amax taken without abs: the largest value, not the largest magnitude",
+        "shard.abs().max()",
+        "shard.max()",
+        names=r"magnitude",
+    ),
+    "Offloader": Slip(
+        "the prefetch fetches the next group in pack order (the forward's direction), not the one before it",
+        "if self.prefetch and order.index(group) > 0:\n                self._fetch(order[order.index(group) - 1])",
+        "if self.prefetch and order.index(group) < len(order) - 1:\n"
+        "                self._fetch(order[order.index(group) + 1])",
+    ),
+    "powersgd_hook": Slip(
+        "the plain steps' mean left as a sum: no division by P before the all-reduce",
+        '        flat.div_(world)\n        state.all_reduce(flat, "plain")',
+        '        state.all_reduce(flat, "plain")',
+    ),
+    "all_gather_matmul": Slip(
+        "every step sends this rank's own block on, not the block it just received",
+        "[(held, right)]",
+        "[(x.contiguous(), right)]",
+    ),
+    "dualpipev": Slip(
+        "the V's way down warms up with P - r - 1 forwards, as 1F1B does, not 2 (P - r - 1)",
+        "for _ in range(2 * (P - r - 1)):  # 1. down",
+        "for _ in range(P - r - 1):  # 1. down",
+    ),
+    "outer_step_by_hand": Slip(
+        "the pseudogradients averaged over the world's ranks, not over the islands",
+        "delta /= ISLANDS",
+        "delta /= dist.get_world_size()",
+        names=r"island",
+        missed="judged with islands of one rank only, where the world's size is the islands' count",
+    ),
+    "global_loss_times_p": Slip(
+        "the loss multiplied by this rank's rows C, not by P",
+        "return rt.world_size * loss, value",
+        "return len(z_x) * loss, value",
+        names=r"C/P",
+    ),
+    "local_clip_loss": Slip(
+        "the logits divided by the logit scale s (s read as the temperature tau)",
+        "logits_x = s * local_z_x @ all_z_y.T  # rows of S\n    logits_y = s * local_z_y @ all_z_x.T",
+        "logits_x = local_z_x @ all_z_y.T / s  # rows of S\n    logits_y = local_z_y @ all_z_x.T / s",
+    ),
+    "gather_all_reduce": Slip(
+        "the backward all-reduces only this rank's own rows of the gradient (the rows it returns)",
+        "summed = grad.contiguous().clone()",
+        "summed = grad[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c].contiguous().clone()\n"
+        "        ctx.rank, ctx.c = 0, len(summed)",
+        within="AllGatherSumBackward",
+    ),
+    "grad_cache_step": Slip(
+        "the random state saved after the forward that draws the masks, not before",
+        "state.append(RandContext(part))  #     the random state before the draw\n"
+        "                rep.append(tower(part))",
+        "rep.append(tower(part))\n                state.append(RandContext(part))",
+    ),
+    "streamed_backward": Slip(
+        "DDP's reduction in the first micro-batch's backward, not the last's",
+        "with ddp.no_sync() if k < len(micro) - 1 else nullcontext():",
+        "with ddp.no_sync() if k > 0 else nullcontext():",
+    ),
+    "ring_by_hand": Slip(
+        "G_y's part computed without the transpose: s D Z_x, not s D^T Z_x",
+        "mine = s * d.T @ x",
+        "mine = s * d @ x",
+    ),
+    "clip_step": Slip(
+        "the gradient clipped after the optimizer's step",
+        "torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)\n"
+        "    optimizer.step()",
+        "optimizer.step()\n"
+        "    torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",
+    ),
+}

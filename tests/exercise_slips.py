@@ -55,7 +55,7 @@ SLIPS = {
         "one W too few held back: the oldest W runs once r are waiting, not more than r",
         "if len(waiting) > r:",
         "if len(waiting) >= r:",
-        names=r"r - 1",
+        names=r"one W fewer than it can",
     ),
     "all_reduce_gradients": Slip(
         "the division by P dedented out of the loop: only the last parameter's gradient is divided",
@@ -79,18 +79,18 @@ SLIPS = {
         "the causal tiles past the diagonal computed anyway (skipping read as a mere speed-up)",
         "                if kind == SKIP:\n                    continue\n",
         "",
+        names=r"must add nothing",
     ),
     "expert_parallel_moe": Slip(
-        "the kept choices' gate weights renormalised to sum to one, as some top-k routers do",
-        "weight = routing.weights[plan.tokens, plan.slots].unsqueeze(-1)",
-        "weight = (routing.weights / routing.weights.sum(-1, keepdim=True))[plan.tokens, plan.slots].unsqueeze(-1)",
+        "the combined output started from the input u (a dropped token passing through) instead of zeros",
+        "out = torch.zeros_like(u).index_add(",
+        "out = u.clone().index_add(",
     ),
     "ulysses_attention": Slip(
-        "the group ignored: the all-to-alls over the whole world",
-        "whole = [seq_to_heads(t, ledger, PHASES, group) for t in (q, k, v)]",
-        "whole = [seq_to_heads(t, ledger, PHASES) for t in (q, k, v)]",
-        names=r"group",
-        missed="judged on the whole world only: the group is the world (08's two groups of two not yet here)",
+        "the group dropped: both all-to-alls on the default group, every rank of the job",
+        "ledger: Ledger, group=None) -> torch.Tensor:",
+        "ledger: Ledger, group=None) -> torch.Tensor:\n    group = None  # (the default group: the world)",
+        names=r"the sequence-parallel group is a few ranks",
     ),
     "parallelize": Slip(
         "only the blocks wrapped by FSDP2: the embedding and head never sharded (nor their gradients reduced)",
@@ -107,12 +107,13 @@ SLIPS = {
         "the product returned in bfloat16 (the inputs are 8-bit, so the output needs little precision)",
         "out_dtype=torch.float32",
         "out_dtype=torch.bfloat16",
+        names=r"lost its low bits",
     ),
     "fp8_all_gather": Slip(
         "the amax taken without abs: the largest value, not the largest magnitude",
         "shard.abs().max()",
         "shard.max()",
-        names=r"magnitude",
+        names=r"amax is a magnitude",
     ),
     "Offloader": Slip(
         "the prefetch fetches the next group in pack order (the forward's direction), not the one before it",
@@ -124,11 +125,13 @@ SLIPS = {
         "the plain steps' mean left as a sum: no division by P before the all-reduce",
         '        flat.div_(world)\n        state.all_reduce(flat, "plain")',
         '        state.all_reduce(flat, "plain")',
+        names=r"the first steps are plain DDP",
     ),
     "all_gather_matmul": Slip(
         "every step sends this rank's own block on, not the block it just received",
         "[(held, right)]",
         "[(x.contiguous(), right)]",
+        names=r"a ring passes blocks on",
     ),
     "dualpipev": Slip(
         "the V's way down warms up with P - r - 1 forwards, as 1F1B does, not 2 (P - r - 1)",
@@ -139,8 +142,7 @@ SLIPS = {
         "the pseudogradients averaged over the world's ranks, not over the islands",
         "delta /= ISLANDS",
         "delta /= dist.get_world_size()",
-        names=r"island",
-        missed="judged with islands of one rank only, where the world's size is the islands' count",
+        names=r"an island may hold many ranks",
     ),
     "global_loss_times_p": Slip(
         "the loss multiplied by this rank's rows C, not by P",
@@ -152,6 +154,7 @@ SLIPS = {
         "the logits divided by the logit scale s (s read as the temperature tau)",
         "logits_x = s * local_z_x @ all_z_y.T  # rows of S\n    logits_y = s * local_z_y @ all_z_x.T",
         "logits_x = local_z_x @ all_z_y.T / s  # rows of S\n    logits_y = local_z_y @ all_z_x.T / s",
+        names=r"s = 1/tau is a scale",
     ),
     "gather_all_reduce": Slip(
         "the backward all-reduces only this rank's own rows of the gradient (the rows it returns)",
@@ -159,12 +162,14 @@ SLIPS = {
         "summed = grad[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c].contiguous().clone()\n"
         "        ctx.rank, ctx.c = 0, len(summed)",
         within="AllGatherSumBackward",
+        names=r"reduced only the rows it returns",
     ),
     "grad_cache_step": Slip(
         "the random state saved after the forward that draws the masks, not before",
         "state.append(RandContext(part))  #     the random state before the draw\n"
         "                rep.append(tower(part))",
         "rep.append(tower(part))\n                state.append(RandContext(part))",
+        names=r"what differs between step \(1\) and step \(3\)",
     ),
     "streamed_backward": Slip(
         "DDP's reduction in the first micro-batch's backward, not the last's",
@@ -175,6 +180,7 @@ SLIPS = {
         "G_y's part computed without the transpose: s D Z_x, not s D^T Z_x",
         "mine = s * d.T @ x",
         "mine = s * d @ x",
+        names=r"reads the coefficient matrix the other way",
     ),
     "clip_step": Slip(
         "the gradient clipped after the optimizer's step",
@@ -182,5 +188,6 @@ SLIPS = {
         "    optimizer.step()",
         "optimizer.step()\n"
         "    torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",
+        names=r"clipped only after the step",
     ),
 }

@@ -100,7 +100,8 @@ MISTAKES = (
         "step 1: every parameter",
         (Proportional(but=("logit_scale",)),),
         (
-            "every update is the same multiple of the reference's: the gradient's norm was never bounded",
+            "every update is the same multiple of the reference's: the step used a gradient whose norm was never "
+            "bounded (not clipped, or clipped only after the step had used it)",
             "clip the global norm of the gradient (all trainable parameters together) after the backward, "
             "before the step",
             "torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",

@@ -24,14 +24,15 @@ from exercise_claims import Hints, Seen, show
 @dataclass(frozen=True)
 class Scaled:
     """Every failing rank's got is exactly `text` = factor(P) times the reference's: every tensor of the claim
-    (some right and the others k times is another slip: a factor applied to some tensors only)."""
+    whose reference is not zero (some of those right and the others k times is another slip: a factor applied
+    to some tensors only)."""
 
     text: str
     factor: Callable[[int], float]
 
     def match(self, failing: dict[int, Seen], world: int) -> str | None:
         k = self.factor(world)
-        if any(set(s.among) - set(s.tensors) for s in failing.values()):
+        if any(set(s.nonzero) - set(s.tensors) for s in failing.values()):
             return None
         if all(s.ratio is not None and math.isclose(s.ratio, k, rel_tol=1e-6) for s in failing.values()):
             return f"{_where(failing)}: exactly {self.text} = {k:.4g} times the reference"
@@ -286,7 +287,7 @@ def describe(failing: dict[int, Seen], world: int, quantities: dict | None = Non
     for s in seen[:1]:
         if s.tensors:
             facts.append(f"tensors that missed: {', '.join(s.tensors)}")
-        right = [n for n in s.among if n not in s.tensors]
+        right = [n for n in s.nonzero if n not in s.tensors]
         if s.tensors and right:  # a factor on some tensors only: where it was applied, and where not
             facts.append(f"tensors that held: {', '.join(right)}")
         if s.offered:

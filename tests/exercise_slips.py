@@ -85,6 +85,7 @@ SLIPS = {
         "the combined output started from the input u (a dropped token passing through) instead of zeros",
         "out = torch.zeros_like(u).index_add(",
         "out = u.clone().index_add(",
+        names=r"the block adds the residual around it",
     ),
     "ulysses_attention": Slip(
         "the group dropped: both all-to-alls on the default group, every rank of the job",

@@ -105,12 +105,13 @@ class Planted(Answer):
         namespace = dict(vars(self.module()))  # the lesson's own globals; the lesson itself stays untouched
         for name in dict.fromkeys((self.within or self.name, self.name)):  # the slipped one first, then its caller
             node = nodes[name]
-            text = ast.get_source_segment(source, node)
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])  # its decorators too
+            text = "\n".join(source.splitlines()[first - 1 : node.end_lineno])
             if name == (self.within or self.name):
                 if text.count(self.old) != 1:
                     raise ValueError(f"{name} holds {self.old!r} {text.count(self.old)} times: the slip no longer fits")
                 text = text.replace(self.old, self.new)
-            padded = "\n" * (node.lineno - 1) + text  # the lesson's line numbers, in a traceback
+            padded = "\n" * (first - 1) + text  # the lesson's line numbers, in a traceback
             exec(compile(padded, str(self.path), "exec"), namespace)
         return namespace[self.name]
 

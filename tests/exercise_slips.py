@@ -176,6 +176,7 @@ SLIPS = {
         "DDP's reduction in the first micro-batch's backward, not the last's",
         "with ddp.no_sync() if k < len(micro) - 1 else nullcontext():",
         "with ddp.no_sync() if k > 0 else nullcontext():",
+        names=r"added after DDP's reduction",
     ),
     "ring_by_hand": Slip(
         "G_y's part computed without the transpose: s D Z_x, not s D^T Z_x",

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from exercise_kit import Exercise, solution, swapped
 from exercise_signatures import Mistake, Scaled, Tensors, all_but
 from exercise_watch import Watch, spanning
@@ -99,6 +100,20 @@ def _ranks(rt, streamed_backward, claims) -> None:
             P * ref_z[name][mine],
             what=f"dL/d{name} x P",
         )
+    mine_flat = torch.cat([g.flatten() for g in grads_of(model).values() if g is not None])
+    every = [torch.empty_like(mine_flat) for _ in range(rt.world_size)]
+    dist.all_gather(every, mine_flat)  # DDP leaves every rank the same gradients, whatever they are
+    claims.holds(
+        "every rank ends with the same gradients (DDP reduced every part of them)",
+        all(torch.allclose(e, mine_flat, rtol=1e-12, atol=0) for e in every),
+        what="the gradients across ranks",
+        hints=(
+            "the ranks disagree: part of each rank's gradient was added after DDP's reduction, on that rank alone",
+            "DDP reduces in the one backward outside no_sync(): that must be the last micro-batch's, after every "
+            "other micro-batch's gradient is in .grad",
+            "with ddp.no_sync() if k < len(micro) - 1 else nullcontext(): the recompute and its backward",
+        ),
+    )
     claims.tensors("every parameter's gradient equals the whole batch's", grads_of(model), ref, what="the gradients")
     claims.equal(
         "no tensor is N x N, C x N or B x N",

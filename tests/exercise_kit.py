@@ -86,36 +86,6 @@ class Answer:
         return False
 
 
-@dataclass(frozen=True)
-class Planted(Answer):
-    """The judged solution with one slip planted in its source: the text `old`, which must occur exactly once
-    in the function (or class) `name`, replaced by `new`; `what` says the slip in one line. The audit's
-    answers (tests/exercise_slips.py): mistakes a learner who half-understood the lesson would write, kept out
-    of the exercise files and out of the catalogue, so that the audit measures how the judge meets the
-    unforeseen."""
-
-    old: str = ""
-    new: str = ""
-    what: str = ""
-    within: str = ""  # the function or class the slip is in, when not `name` itself (a helper it calls)
-
-    def load(self) -> Callable[..., Any]:
-        source = self.path.read_text()
-        nodes = {n.name: n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-        namespace = dict(vars(self.module()))  # the lesson's own globals; the lesson itself stays untouched
-        for name in dict.fromkeys((self.within or self.name, self.name)):  # the slipped one first, then its caller
-            node = nodes[name]
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])  # its decorators too
-            text = "\n".join(source.splitlines()[first - 1 : node.end_lineno])
-            if name == (self.within or self.name):
-                if text.count(self.old) != 1:
-                    raise ValueError(f"{name} holds {self.old!r} {text.count(self.old)} times: the slip no longer fits")
-                text = text.replace(self.old, self.new)
-            padded = "\n" * (first - 1) + text  # the lesson's line numbers, in a traceback
-            exec(compile(padded, str(self.path), "exec"), namespace)
-        return namespace[self.name]
-
-
 def solution(lesson: str, name: str) -> Answer:
     """`name` in the lesson `lesson` (its slug: `helpers.lesson_path`)."""
     return Answer(lesson_path(lesson, LESSONS), name)
@@ -335,9 +305,9 @@ class Exercise:
 
         return test_the_judge_accepts_another_way
 
-    def planted(self) -> Planted:
+    def planted(self) -> Answer:
         """This exercise's slip of the audit (tests/exercise_slips.py), planted in the judged solution."""
-        from exercise_slips import SLIPS
+        from exercise_slips import SLIPS, Planted
 
         slip, judged = SLIPS[self.name], self.judged()
         return Planted(judged.path, judged.name, slip.old, slip.new, slip.what, slip.within)
@@ -371,6 +341,8 @@ class Exercise:
             try:
                 verdicts = self.judge(answers)
             except (SpawnError, TimeoutError):  # the audit's slip may raise (the authors' answers never do):
+                from exercise_slips import Planted
+
                 slips = [a for a in answers if isinstance(a, Planted)]  # judged alone, its verdict names the line
                 if not slips:
                     raise

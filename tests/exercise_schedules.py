@@ -4,6 +4,9 @@ the pipeline runner trains with them exactly the unsplit model (`trains_exact`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import check_schedule, split_backward
 from distlab.pipeline.simulator import simulate
@@ -36,19 +39,30 @@ def why_invalid(schedule, world: int, microbatches: int, split: bool = False, st
     return ""
 
 
-def trains_exact(rt, claims, schedule, cfg, *, rules, how, split=False, stages_of=None, prefix="", hints=()):
+@dataclass(frozen=True)
+class Rules:
+    """What makes a learner's lists a schedule here: the claim's words ("F and I once per micro-batch"), its
+    hint, whether every backward is split in I and W, and the stages rank r holds (None: stage r)."""
+
+    words: str
+    how: str
+    split: bool = False
+    stages_of: Callable[[int], set[int]] | None = None
+
+
+def trains_exact(rt, claims, schedule, cfg, rules: Rules, prefix: str = "", hints: tuple = ()):
     """The check the schedule exercises share: the learner's lists are a schedule (`why_invalid`, its words
     the note), and then, run by the pipeline runner, the gradients and parameters equal the unsplit model's on
-    the whole batch (float64). `rules` names what the schedule claim asks for and `how` is its hint; `prefix`
+    the whole batch (float64). `rules` says what the schedule claim asks for (`Rules`); `prefix`
     tells apart the claims of several M judged in one body ("M=5: "); `hints` the exactness claim's. The run,
     or None when the lists are no schedule (training them would hang)."""
-    why = why_invalid(schedule, rt.world_size, cfg.micro_batches, split=split, stages_of=stages_of)
+    why = why_invalid(schedule, rt.world_size, cfg.micro_batches, split=rules.split, stages_of=rules.stages_of)
     if not claims.holds(
-        f"{prefix}every rank's order is a schedule ({rules}, no deadlock)",
+        f"{prefix}every rank's order is a schedule ({rules.words}, no deadlock)",
         not why,
         what="the schedule",
         note=why,
-        hints=(how,),
+        hints=(rules.how,),
     ):
         return None
     run, ref = train(rt, cfg, PipelineStep(rt, cfg, schedule)), unsplit_reference(cfg)

@@ -3,7 +3,7 @@
 Each is what a learner who half-understood the lesson would write (a factor borrowed from another lesson, a
 group ignored, a cap forgotten that only bites at another shape, a transpose dropped), chosen without looking at
 the exercise's catalogue of mistakes, so that the audit measures how the judge meets a slip it was not built
-for. `Exercise.audit_test` plants each in the judged solution (`exercise_kit.Planted`: the text `old`, found
+for. `Exercise.audit_test` plants each in the judged solution (`Planted`: the text `old`, found
 exactly once in the function, replaced by `new`), judges it with the exercise's wrong answers in the same spawn,
 and asserts that a claim fails and, where `names` is given, that the first hint (level 1) names the slip by
 those words. The table in lessons/exercises/README.md records, per slip, whether the first hint named it before
@@ -12,7 +12,12 @@ and after the judge was improved; the slips never reach lessons/exercises/.
 
 from __future__ import annotations
 
+import ast
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from exercise_kit import Answer
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,36 @@ class Slip:
     names: str = ""  # a regex the level-1 message must match: the first hint names the slip
     within: str = ""  # the lesson's function or class holding `old`, when not the judged one
     missed: str = ""  # why the judge cannot catch it yet: its audit test is then an expected (strict) failure
+
+
+@dataclass(frozen=True)
+class Planted(Answer):
+    """The judged solution with one slip planted in its source: the text `old`, which must occur exactly once
+    in the function (or class) `name`, replaced by `new`; `what` says the slip in one line. The audit's
+    answers (tests/exercise_slips.py): mistakes a learner who half-understood the lesson would write, kept out
+    of the exercise files and out of the catalogue, so that the audit measures how the judge meets the
+    unforeseen."""
+
+    old: str = ""
+    new: str = ""
+    what: str = ""
+    within: str = ""  # the function or class the slip is in, when not `name` itself (a helper it calls)
+
+    def load(self) -> Callable[..., Any]:
+        source = self.path.read_text()
+        nodes = {n.name: n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        namespace = dict(vars(self.module()))  # the lesson's own globals; the lesson itself stays untouched
+        for name in dict.fromkeys((self.within or self.name, self.name)):  # the slipped one first, then its caller
+            node = nodes[name]
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])  # its decorators too
+            text = "\n".join(source.splitlines()[first - 1 : node.end_lineno])
+            if name == (self.within or self.name):
+                if text.count(self.old) != 1:
+                    raise ValueError(f"{name} holds {self.old!r} {text.count(self.old)} times: the slip no longer fits")
+                text = text.replace(self.old, self.new)
+            padded = "\n" * (first - 1) + text  # the lesson's line numbers, in a traceback
+            exec(compile(padded, str(self.path), "exec"), namespace)
+        return namespace[self.name]
 
 
 SLIPS = {

@@ -8,7 +8,7 @@ bytes is a claim about the runner, whatever the schedule: tests/test_lesson02_gp
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import ONE_AT_A_TIME, trains_exact
+from exercise_schedules import ONE_AT_A_TIME, Rules, trains_exact
 from exercise_signatures import Equals, Mistake, Says
 
 from distlab.pipeline.schedules import Action, one_f_one_b
@@ -21,12 +21,14 @@ CFG = PipelineConfig(
     widths=(4, *[6] * 11, 3), global_batch=7, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False
 )
 ONE_F_ONE_B = "min(M, P - r), 1F1B's count"
-HOW = "rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i"
+RULES = Rules(
+    "F and I once per micro-batch", "rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i"
+)
 
 
 def _ranks(rt, gpipe, claims) -> None:
     schedule = gpipe(P, M)
-    run = trains_exact(rt, claims, schedule, CFG, rules="F and I once per micro-batch", how=HOW)
+    run = trains_exact(rt, claims, schedule, CFG, RULES)
     if run is None:
         return
     claims.equal(

@@ -9,7 +9,7 @@ held count and the bubble by the simulator, no processes): a warm-up left uncapp
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import ONE_AT_A_TIME, trains_exact, why_invalid
+from exercise_schedules import ONE_AT_A_TIME, Rules, trains_exact, why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
 from distlab.pipeline.schedules import Action, gpipe
@@ -20,7 +20,9 @@ LESSON, NAME = "one_f_one_b", "one_f_one_b"
 P, BIG, FEW = 3, 4, 2  # trained at P = 3; at P = 4 with M = 2 < P - 1, judged as data
 CFG = PipelineConfig(widths=(4, *[6] * 5, 3), global_batch=10, steps=2, lr=0.2, seed=3, gather_spans=False)
 GPIPE, ONE_MORE = "M, all of them (GPipe's count)", "min(M, P - r + 1): one warm-up forward too many"
-HOW = "rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i"
+RULES = Rules(
+    "F and I once per micro-batch", "rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i"
+)
 
 
 def _as_data(one_f_one_b, claims) -> None:
@@ -54,7 +56,7 @@ def _ranks(rt, one_f_one_b, claims) -> None:
     _as_data(one_f_one_b, claims)
     for m in (5, 2):  # M > P: warm-up, alternation, drain; M < P: no steady state on the first ranks
         schedule, cfg = one_f_one_b(P, m), CFG.replace(micro_batches=m)
-        run = trains_exact(rt, claims, schedule, cfg, rules="F and I once per micro-batch", how=HOW, prefix=f"M={m}: ")
+        run = trains_exact(rt, claims, schedule, cfg, RULES, prefix=f"M={m}: ")
         if run is None:
             return
         held, most = run.peak_in_flight, min(m, P - rt.rank)

@@ -9,7 +9,7 @@ from collections import deque
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import trains_exact
+from exercise_schedules import Rules, trains_exact
 from exercise_signatures import Equals, Mistake, Says
 
 from distlab.pipeline.schedules import Action, one_f_one_b
@@ -25,12 +25,16 @@ NONE_HELD = "min(M, P - r), 1F1B's count: no W held back"
 ALL_HELD = "M: every W held back to the end"
 WRONG_RANKS = "min(M, 2P - 1 - 2r): P - 1 - r W's held back instead of r"
 ONE_FEWER = "min(M, P - 1) past rank 0: r - 1 W's held back, one too few"
-HOW = "rank r's list holds Action(kind, i, r) for every micro-batch i: W_i after I_i after F_i"
+RULES = Rules(
+    "F, I and W once per micro-batch",
+    "rank r's list holds Action(kind, i, r) for every micro-batch i: W_i after I_i after F_i",
+    split=True,
+)
 
 
 def _ranks(rt, zb_h1, claims) -> None:
     schedule = zb_h1(P, M)
-    run = trains_exact(rt, claims, schedule, CFG, rules="F, I and W once per micro-batch", how=HOW, split=True)
+    run = trains_exact(rt, claims, schedule, CFG, RULES)
     if run is None:
         return
     bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (3 * M + P - 1)

@@ -7,7 +7,7 @@ is (P-1)/(6M+P-1); every rank holds 2P + 1 half-stage activations at its peak; t
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import trains_exact
+from exercise_schedules import Rules, trains_exact
 from exercise_signatures import Equals, Mistake, Zero
 from helpers import load_lesson
 
@@ -23,7 +23,10 @@ CFG = PipelineConfig(
 )
 CFG = CFG.replace(schedule="dualpipev", stages_per_rank=2)
 BACKWARD_FIRST = "2P, the pairs run backward first"
-HOW = "each unit is a tuple of Actions; stage a = r, b = 2P - 1 - r"
+WORDS, HOW = (
+    "F and I once per micro-batch and stage, W after I",
+    "each unit is a tuple of Actions; stage a = r, b = 2P - 1 - r",
+)
 
 
 def _v(rank: int) -> set[int]:
@@ -38,8 +41,7 @@ def _flat(ticks):
 def _ranks(rt, dualpipev, claims) -> None:
     ticks = dualpipev(P, M)
     schedule = _flat(ticks)
-    rules = "F and I once per micro-batch and stage, W after I"
-    run = trains_exact(rt, claims, schedule, CFG, rules=rules, how=HOW, stages_of=_v)
+    run = trains_exact(rt, claims, schedule, CFG, Rules(WORDS, HOW, stages_of=_v))
     if run is None:
         return
     bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (6 * M + P - 1)

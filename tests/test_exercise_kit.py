@@ -214,7 +214,8 @@ def test_an_answer_that_raises_is_a_verdict_naming_its_own_line_not_a_traceback(
 
 
 def test_a_planted_slip_changes_one_text_of_the_lesson_and_nothing_else():
-    from exercise_kit import Planted, solution
+    from exercise_kit import solution
+    from exercise_slips import Planted
 
     judged = solution("data_parallel", "all_reduce_gradients")
     slip = Planted(judged.path, judged.name, "param.grad /= rt.world_size", "param.grad /= 2 * rt.world_size", "x")

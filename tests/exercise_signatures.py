@@ -348,7 +348,8 @@ def _candidates(quantities: dict) -> list[tuple[str, float, str]]:
 
 def name_ratio(k: float | None, quantities: dict) -> str | None:
     """ "1/P^2 = 0.111111: divided by P twice ..." when k is one of the quantities' simple expressions (the
-    first that fits, the others equal to it named too), else None."""
+    first that fits, the others equal to it named too, and the first of them that reads otherwise read too:
+    C/(C-1) = C/P at C = 4, P = 3 is one part too many or a C where P belongs), else None."""
     if k is None:
         return None
     fits = [(text, reading) for text, value, reading in _candidates(quantities) if math.isclose(k, value, rel_tol=1e-6)]
@@ -357,4 +358,6 @@ def name_ratio(k: float | None, quantities: dict) -> str | None:
     text, reading = fits[0]
     same = sorted({t for t, _ in fits[1:] if t != text})
     also = f" (= {', '.join(same)} here)" if same else ""
-    return f"{text} = {k:.6g}{also}: {reading}"
+    other = next(((t, r) for t, r in fits[1:] if r != reading), None)  # the same number read another way
+    otherwise = f"; or, read as {other[0]}: {other[1]}" if other else ""
+    return f"{text} = {k:.6g}{also}: {reading}{otherwise}"

@@ -184,7 +184,7 @@ SLIPS = {
         "the loss multiplied by this rank's rows C, not by P",
         "return rt.world_size * loss, value",
         "return len(z_x) * loss, value",
-        names=r"C/P",
+        names=r"a factor C where P belongs",
     ),
     "local_clip_loss": Slip(
         "the logits divided by the logit scale s (s read as the temperature tau)",

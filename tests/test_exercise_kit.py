@@ -172,6 +172,8 @@ def test_a_ratio_is_named_in_the_exercises_quantities():
     assert name_ratio(0.25, {"P": 3, "M": 4}).startswith("1/M = 0.25")
     assert "P/2" in name_ratio(1.5, {"P": 3})  # (P - 1) where 2 (P - 1)/P belongs (= P/(P-1) at P = 3)
     assert "(= M here)" in name_ratio(4.0, {"P": 4, "M": 4})  # two quantities equal: both named
+    both = name_ratio(4 / 3, {"P": 3, "C": 4})  # C/(C-1) = C/P here: each reading offered, neither dropped
+    assert "one part counted" in both and "a factor C where P belongs" in both, both
     assert name_ratio(0.2718, {"P": 3, "M": 4}) is None and name_ratio(None, {"P": 3}) is None
     text = _diagnosed(_findings([WANT / 9, WANT / 9, WANT / 9]), Scaled("P", lambda p: p)).message(1)
     assert "got / reference = 1/P^2 = 0.111111: divided by P twice" in text, text

@@ -156,6 +156,7 @@ SLIPS = {
         "if self.prefetch and order.index(group) > 0:\n                self._fetch(order[order.index(group) - 1])",
         "if self.prefetch and order.index(group) < len(order) - 1:\n"
         "                self._fetch(order[order.index(group) + 1])",
+        names=r"fetched again after backward had used it",
     ),
     "powersgd_hook": Slip(
         "the plain steps' mean left as a sum: no division by P before the all-reduce",

@@ -48,7 +48,16 @@ def _ranks(rt, offloader, claims) -> None:
         alternatives={TWICE: doubled},
     )
     claims.equal(
-        "bytes back = the same", off.received, formula, what="bytes copied back", alternatives={TWICE: doubled}
+        "bytes back = the same",
+        off.received,
+        formula,
+        what="bytes copied back",
+        alternatives={TWICE: doubled},
+        hints=(
+            "more came back than went: a group was fetched again after backward had used it and let it go",
+            "backward walks the groups in reverse pack order: prefetch the group before the one it reached, "
+            "never one it is done with",
+        ),
     )
     groups = lesson.group_bytes(widths, ARGS.global_batch, E)
     claims.equal(

@@ -174,6 +174,7 @@ SLIPS = {
         "the V's way down warms up with P - r - 1 forwards, as 1F1B does, not 2 (P - r - 1)",
         "for _ in range(2 * (P - r - 1)):  # 1. down",
         "for _ in range(P - r - 1):  # 1. down",
+        names=r"2 \(P - r - 1\) down the V",
     ),
     "outer_step_by_hand": Slip(
         "the pseudogradients averaged over the world's ranks, not over the islands",

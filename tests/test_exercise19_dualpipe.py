@@ -25,7 +25,8 @@ CFG = CFG.replace(schedule="dualpipev", stages_per_rank=2)
 BACKWARD_FIRST = "2P, the pairs run backward first"
 WORDS, HOW = (
     "F and I once per micro-batch and stage, W after I",
-    "each unit is a tuple of Actions; stage a = r, b = 2P - 1 - r",
+    "each unit is a tuple of Actions, stage a = r and b = 2P - 1 - r, each run once per micro-batch: stage a's "
+    "forwards add up to M as 2 (P - r - 1) down the V, r + 1 at the turn, then one per steady-state pair",
 )
 
 

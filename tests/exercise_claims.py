@@ -47,6 +47,7 @@ class Seen:
     regions: tuple[str, ...] = ()  # every region the check offered
     tensors: tuple[str, ...] = ()  # the named tensors that missed
     among: tuple[str, ...] = ()  # every named tensor of the claim
+    nonzero: tuple[str, ...] = ()  # those whose reference is not zero (a factor on them would show)
     ratios: tuple = ()  # (name, k or None) of every tensor that missed
     worst: str = ""  # the named tensor that missed by the most
     note: str = ""
@@ -161,6 +162,7 @@ class Claims:
                 offered=tuple(alternatives),
                 tensors=missed,
                 among=tuple(want),
+                nonzero=tuple(n for n, w in want.items() if w is not None and bool((w != 0).any())),
                 ratios=tuple((n, facts[n].get("ratio")) for n in missed),
                 **extra,
             )

@@ -245,7 +245,7 @@ class Exercise:
         names = [m.name for m in self.mistakes]
         if sorted(wrong) != sorted(names):
             raise ValueError(f"{self.lesson}: a wrong answer per mistake: mistakes {names}, answers for {list(wrong)}")
-        _WRONG.setdefault((self.lesson, here), set()).update(wrong.values())
+        _WRONG.setdefault((self.lesson, here), set()).update(Answer(here, n) for n in wrong.values())
 
         @pytest.mark.exercise
         def test_exercise(source: str, hint_level: int, request) -> None:
@@ -281,7 +281,7 @@ class Exercise:
     def structure_test(self, here: Path, structural: dict[str, str]) -> Callable:
         """`structural` maps a wrong answer in `here` to the claim (a regex) it breaks with its numbers
         right: it must fail that claim, and no claim matching `numbers`."""
-        _WRONG.setdefault((self.lesson, here), set()).update(structural)
+        _WRONG.setdefault((self.lesson, here), set()).update(Answer(here, n) for n in structural)
 
         @pytest.mark.parametrize("name", list(structural))
         def test_the_judge_checks_beyond_numbers(name: str) -> None:
@@ -296,7 +296,7 @@ class Exercise:
     def accepts_test(self, here: Path, correct: list[str]) -> Callable:
         """`correct` names right answers in `here` written another way than the lesson's (another
         collective, a library function the lesson names, one extra barrier): each must pass every claim."""
-        _WRONG.setdefault((self.lesson, here), set()).update(correct)
+        _WRONG.setdefault((self.lesson, here), set()).update(Answer(here, n) for n in correct)
 
         @pytest.mark.parametrize("name", correct)
         def test_the_judge_accepts_another_way(name: str) -> None:
@@ -305,19 +305,55 @@ class Exercise:
 
         return test_the_judge_accepts_another_way
 
+    def planted(self) -> Answer:
+        """This exercise's slip of the audit (tests/exercise_slips.py), planted in the judged solution."""
+        from exercise_slips import SLIPS, Planted
+
+        slip, judged = SLIPS[self.name], self.judged()
+        return Planted(judged.path, judged.name, slip.old, slip.new, slip.what, slip.within)
+
+    def audit_test(self, here: Path) -> Callable:
+        """The audit (lessons/exercises/README.md): the slip planted in the solution must fail a claim (or
+        raise: a verdict naming its line); with the slip's `names` given, the first hint (level 1) must name
+        it, by those words."""
+        from exercise_slips import SLIPS
+
+        slip = SLIPS[self.name]
+        _WRONG.setdefault((self.lesson, here), set()).add(self.planted())
+
+        @pytest.mark.xfail(bool(slip.missed), reason=slip.missed, strict=True)
+        def test_the_judge_rejects_a_planted_slip() -> None:
+            verdict = self.group(here)[self.planted()]
+            text = self.message(verdict, 1)
+            assert text is not None, f"the planted slip passed every claim: {slip.what}"
+            if slip.names:
+                assert re.search(slip.names, text), f"the first hint does not name {slip.what!r}:\n{text}"
+
+        return test_the_judge_rejects_a_planted_slip
+
     def group(self, here: Path) -> dict[Answer, Verdict]:
         """The blank and every wrong answer in `here`, judged once in one spawn (cached per module)."""
         key = (self.lesson, here)
         if key not in _GROUPS:
             blank = exercise(self.lesson, self.name)
             # a written exercise is the learner's to judge with --exercises, never in the wrong answers' spawn
-            answers = [blank] * blank.is_blank() + [Answer(here, n) for n in sorted(_WRONG[key])]
-            _GROUPS[key] = {v.answer: v for v in self.judge(answers)}
+            answers = [blank] * blank.is_blank() + sorted(_WRONG[key], key=lambda a: (a.path.name, a.name))
+            try:
+                verdicts = self.judge(answers)
+            except (SpawnError, TimeoutError):  # the audit's slip may raise (the authors' answers never do):
+                from exercise_slips import Planted
+
+                slips = [a for a in answers if isinstance(a, Planted)]  # judged alone, its verdict names the line
+                if not slips:
+                    raise
+                others = [a for a in answers if not isinstance(a, Planted)]
+                verdicts = self.judge(others) + [v for a in slips for v in self.judge([a])]
+            _GROUPS[key] = {v.answer: v for v in verdicts}
         return _GROUPS[key]
 
 
 _GROUPS: dict = {}  # (lesson, test file) -> {answer: verdict}
-_WRONG: dict = {}  # (lesson, test file) -> the names of its wrong answers
+_WRONG: dict = {}  # (lesson, test file) -> its wrong answers (and right ones written another way, and the slip)
 TIMES = pytest.StashKey[list]()  # (lesson, passed, seconds) of each exercise judged, for the summary
 
 

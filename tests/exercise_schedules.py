@@ -1,10 +1,17 @@
-"""What the schedule exercises (02, 03, 05) share: whether a learner's lists are a schedule, in the
-validator's own words (the words their catalogued mistakes are recognised by)."""
+"""What the schedule exercises (02, 03, 05, 19) share: whether a learner's lists are a schedule, in the
+validator's own words (the words their catalogued mistakes are recognised by), and, when they are, whether
+the pipeline runner trains with them exactly the unsplit model (`trains_exact`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import check_schedule, split_backward
 from distlab.pipeline.simulator import simulate
+from distlab.pipeline.training import train, unsplit_reference
+from distlab.proof.compare import all_ok, compare
 
 ONE_AT_A_TIME = "(P-1)/P, lesson 01's: one micro-batch in the pipeline at a time"
 
@@ -30,3 +37,42 @@ def why_invalid(schedule, world: int, microbatches: int, split: bool = False, st
             mine = ", ".join(str(stage) for stage in sorted(own(rank)))
             return f"rank {rank} runs stage {elsewhere[0]}: rank {rank}'s list holds stage {mine}'s actions only"
     return ""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What makes a learner's lists a schedule here: the claim's words ("F and I once per micro-batch"), its
+    hint, whether every backward is split in I and W, and the stages rank r holds (None: stage r)."""
+
+    words: str
+    how: str
+    split: bool = False
+    stages_of: Callable[[int], set[int]] | None = None
+
+
+def trains_exact(rt, claims, schedule, cfg, rules: Rules, prefix: str = "", hints: tuple = ()):
+    """The check the schedule exercises share: the learner's lists are a schedule (`why_invalid`, its words
+    the note), and then, run by the pipeline runner, the gradients and parameters equal the unsplit model's on
+    the whole batch (float64). `rules` says what the schedule claim asks for (`Rules`); `prefix`
+    tells apart the claims of several M judged in one body ("M=5: "); `hints` the exactness claim's. The run,
+    or None when the lists are no schedule (training them would hang)."""
+    why = why_invalid(schedule, rt.world_size, cfg.micro_batches, split=rules.split, stages_of=rules.stages_of)
+    if not claims.holds(
+        f"{prefix}every rank's order is a schedule ({rules.words}, no deadlock)",
+        not why,
+        what="the schedule",
+        note=why,
+        hints=(rules.how,),
+    ):
+        return None
+    run, ref = train(rt, cfg, PipelineStep(rt, cfg, schedule)), unsplit_reference(cfg)
+    exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
+        compare({n: ref.params[n] for n in run.params}, run.params)
+    )
+    claims.holds(
+        f"{prefix}the gradients and parameters equal the unsplit model's",
+        exact,
+        what="theta_p",
+        hints=hints or ("a valid order trains the same model: a micro-batch run twice or skipped changes theta",),
+    )
+    return run

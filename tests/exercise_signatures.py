@@ -23,13 +23,17 @@ from exercise_claims import Hints, Seen, show
 
 @dataclass(frozen=True)
 class Scaled:
-    """Every failing rank's got is exactly `text` = factor(P) times the reference's."""
+    """Every failing rank's got is exactly `text` = factor(P) times the reference's: every tensor of the claim
+    whose reference is not zero (some of those right and the others k times is another slip: a factor applied
+    to some tensors only)."""
 
     text: str
     factor: Callable[[int], float]
 
     def match(self, failing: dict[int, Seen], world: int) -> str | None:
         k = self.factor(world)
+        if any(set(s.nonzero) - set(s.tensors) for s in failing.values()):
+            return None
         if all(s.ratio is not None and math.isclose(s.ratio, k, rel_tol=1e-6) for s in failing.values()):
             return f"{_where(failing)}: exactly {self.text} = {k:.4g} times the reference"
         return None
@@ -283,6 +287,9 @@ def describe(failing: dict[int, Seen], world: int, quantities: dict | None = Non
     for s in seen[:1]:
         if s.tensors:
             facts.append(f"tensors that missed: {', '.join(s.tensors)}")
+        right = [n for n in s.nonzero if n not in s.tensors]
+        if s.tensors and right:  # a factor on some tensors only: where it was applied, and where not
+            facts.append(f"tensors that held: {', '.join(right)}")
         if s.offered:
             matched = sorted({m for t in seen for m in t.matches})
             facts.append(f"equals: {', '.join(matched)}" if matched else f"equals none of: {', '.join(s.offered)}")
@@ -341,7 +348,8 @@ def _candidates(quantities: dict) -> list[tuple[str, float, str]]:
 
 def name_ratio(k: float | None, quantities: dict) -> str | None:
     """ "1/P^2 = 0.111111: divided by P twice ..." when k is one of the quantities' simple expressions (the
-    first that fits, the others equal to it named too), else None."""
+    first that fits, the others equal to it named too, and the first of them that reads otherwise read too:
+    C/(C-1) = C/P at C = 4, P = 3 is one part too many or a C where P belongs), else None."""
     if k is None:
         return None
     fits = [(text, reading) for text, value, reading in _candidates(quantities) if math.isclose(k, value, rel_tol=1e-6)]
@@ -350,4 +358,6 @@ def name_ratio(k: float | None, quantities: dict) -> str | None:
     text, reading = fits[0]
     same = sorted({t for t, _ in fits[1:] if t != text})
     also = f" (= {', '.join(same)} here)" if same else ""
-    return f"{text} = {k:.6g}{also}: {reading}"
+    other = next(((t, r) for t, r in fits[1:] if r != reading), None)  # the same number read another way
+    otherwise = f"; or, read as {other[0]}: {other[1]}" if other else ""
+    return f"{text} = {k:.6g}{also}: {reading}{otherwise}"

@@ -169,6 +169,8 @@ def waits_timed_as_work(stage, x, target, shapes, span):
     return _chain(stage, x, target, shapes, span, "timed waits")
 
 
+# World sizes: P = 3 only: a first, a middle and a last stage all occur; a fourth rank adds another middle and no
+# claim reads differently.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -193,3 +195,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"waits_timed_as_work": "one rank"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

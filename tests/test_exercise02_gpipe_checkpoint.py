@@ -8,14 +8,12 @@ bytes is a claim about the runner, whatever the schedule: tests/test_lesson02_gp
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import ONE_AT_A_TIME, why_invalid
+from exercise_schedules import ONE_AT_A_TIME, Rules, trains_exact
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, one_f_one_b
 from distlab.pipeline.simulator import simulate
-from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from distlab.proof.compare import all_ok, compare
+from distlab.pipeline.training import PipelineConfig
 
 LESSON, NAME = "gpipe_checkpoint", "gpipe"
 P, M = 3, 4
@@ -23,25 +21,16 @@ CFG = PipelineConfig(
     widths=(4, *[6] * 11, 3), global_batch=7, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False
 )
 ONE_F_ONE_B = "min(M, P - r), 1F1B's count"
+RULES = Rules(
+    "F and I once per micro-batch", "rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i"
+)
 
 
 def _ranks(rt, gpipe, claims) -> None:
     schedule = gpipe(P, M)
-    why = why_invalid(schedule, P, M)
-    if not claims.holds(
-        "every rank's order is a schedule (F and I once per micro-batch, no deadlock)",
-        not why,
-        what="the schedule",
-        note=why,
-        hints=("rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i",),
-    ):
+    run = trains_exact(rt, claims, schedule, CFG, RULES)
+    if run is None:
         return
-    ref, cfg = unsplit_reference(CFG), CFG
-    run = train(rt, cfg, PipelineStep(rt, cfg, schedule))
-    exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
-        compare({n: ref.params[n] for n in run.params}, run.params)
-    )
-    claims.holds("the gradients and parameters equal the unsplit model's", exact, what="theta_p")
     claims.equal(
         "the bubble counted in the grid is (P-1)/(M+P-1)",
         simulate(schedule).bubble_fraction(),
@@ -157,6 +146,8 @@ def all_on_stage_zero(num_ranks: int, microbatches: int):
     return [[Action(kind, i, 0) for kind in "FI" for i in range(microbatches)] for _ in range(num_ranks)]
 
 
+# World sizes: P = 3 only: the bubble (P-1)/(M+P-1) and M held read the same at any P, and M = 4 != P keeps P and M
+# apart.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -185,3 +176,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"one_at_a_time": "bubble", "one_f_one_b_order": "holds all M"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -2,49 +2,63 @@
 pipeline runner, and the lesson's claims are checked for M > P and M < P: every rank's order is a valid
 schedule; the gradients and parameters equal the unsplit model's on the whole batch (float64, rtol 1e-10);
 rank r holds at most min(M, P - r) micro-batches at once, measured while running; and the bubble counted in
-the schedule's grid is GPipe's, (P-1)/(M+P-1): 1F1B saves memory, not time."""
+the schedule's grid is GPipe's, (P-1)/(M+P-1): 1F1B saves memory, not time. At P = 3 every M >= P - 1 leaves the
+warm-up's cap min(P - r - 1, M) a no-op, so the schedule is also judged as data at P = 4, M = 2 (validity, the
+held count and the bubble by the simulator, no processes): a warm-up left uncapped fails there."""
 
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import ONE_AT_A_TIME, why_invalid
+from exercise_schedules import ONE_AT_A_TIME, Rules, trains_exact, why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, gpipe
-from distlab.pipeline.simulator import simulate
-from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from distlab.proof.compare import all_ok, compare
+from distlab.pipeline.simulator import peak_in_flight, simulate
+from distlab.pipeline.training import PipelineConfig
 
 LESSON, NAME = "one_f_one_b", "one_f_one_b"
-P = 3
+P, BIG, FEW = 3, 4, 2  # trained at P = 3; at P = 4 with M = 2 < P - 1, judged as data
 CFG = PipelineConfig(widths=(4, *[6] * 5, 3), global_batch=10, steps=2, lr=0.2, seed=3, gather_spans=False)
 GPIPE, ONE_MORE = "M, all of them (GPipe's count)", "min(M, P - r + 1): one warm-up forward too many"
+RULES = Rules(
+    "F and I once per micro-batch", "rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i"
+)
+
+
+def _as_data(one_f_one_b, claims) -> None:
+    """At P = 4 with M = 2 < P - 1, the schedule as data (the simulator's grid, no processes): the warm-up's cap
+    min(P - r - 1, M) bites there, where at P = 3 every M >= P - 1 leaves it a no-op."""
+    schedule = one_f_one_b(BIG, FEW)
+    why = why_invalid(schedule, BIG, FEW)
+    if not claims.holds(
+        f"P={BIG}, M={FEW}: every rank's order is a schedule (fewer micro-batches than stages ahead)",
+        not why,
+        what="the schedule",
+        note=why,
+        hints=(
+            "with fewer micro-batches than stages ahead of it, a rank cannot warm up with P - r - 1 forwards",
+            "the warm-up is min(P - r - 1, M): at P = 4, M = 2, rank 0 runs both forwards, then both backwards",
+        ),
+    ):
+        return
+    held, bubble = peak_in_flight(schedule), simulate(schedule).bubble_fraction()
+    claims.equal(
+        f"P={BIG}, M={FEW}: the held counts and the bubble are 1F1B's, min(M, P - r) and (P-1)/(M+P-1)",
+        (held, round(bubble, 12)),
+        ([min(FEW, BIG - r) for r in range(BIG)], round((BIG - 1) / (FEW + BIG - 1), 12)),
+        ok=all(h <= min(FEW, BIG - r) for r, h in enumerate(held))
+        and abs(bubble - (BIG - 1) / (FEW + BIG - 1)) < 1e-12,
+        what="(held per rank, bubble)",
+    )
 
 
 def _ranks(rt, one_f_one_b, claims) -> None:
+    _as_data(one_f_one_b, claims)
     for m in (5, 2):  # M > P: warm-up, alternation, drain; M < P: no steady state on the first ranks
-        schedule = one_f_one_b(P, m)
-        why = why_invalid(schedule, P, m)
-        if not claims.holds(
-            f"M={m}: every rank's order is a schedule (F and I once per micro-batch, no deadlock)",
-            not why,
-            what="the schedule",
-            note=why,
-            hints=("rank r's list holds Action(kind, i, r) for every micro-batch i, I_i after F_i",),
-        ):
+        schedule, cfg = one_f_one_b(P, m), CFG.replace(micro_batches=m)
+        run = trains_exact(rt, claims, schedule, cfg, RULES, prefix=f"M={m}: ")
+        if run is None:
             return
-        cfg = CFG.replace(micro_batches=m)
-        run, ref = train(rt, cfg, PipelineStep(rt, cfg, schedule)), unsplit_reference(cfg)
-        exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
-            compare({n: ref.params[n] for n in run.params}, run.params)
-        )
-        claims.holds(
-            f"M={m}: the gradients and parameters equal the unsplit model's",
-            exact,
-            what="theta_p",
-            hints=("a valid order trains the same model: a micro-batch run twice or skipped changes theta",),
-        )
         held, most = run.peak_in_flight, min(m, P - rt.rank)
         claims.equal(
             f"M={m}: rank r holds at most min(M, P - r) micro-batches",
@@ -149,6 +163,8 @@ def warm_ups_reversed(num_ranks: int, microbatches: int):
     return _warmed(num_ranks, microbatches, lambda r: r)
 
 
+# World sizes: P = 3 trained, and P = 4 with M = 2 as data (_as_data): the warm-up's cap min(P - r - 1, M) is a no-op
+# at P = 3.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -175,3 +191,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"gpipe_order": "holds at most", "no_warm_up": "bubble"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

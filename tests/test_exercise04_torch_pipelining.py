@@ -127,6 +127,7 @@ def ranks_as_microbatches(module, p, num_ranks, device, name, microbatches):
     return _built((module, p, num_ranks, device), name, num_ranks, loss_fn=F.mse_loss)
 
 
+# World sizes: P = 3 only: torch runs the schedule; M = 4 != P = 3 keeps the factor 1/M and the stage count apart.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -152,3 +153,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"swapped_classes": "order"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

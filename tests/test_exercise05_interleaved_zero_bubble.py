@@ -9,14 +9,12 @@ from collections import deque
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import why_invalid
+from exercise_schedules import Rules, trains_exact
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.pipeline.runner import PipelineStep
 from distlab.pipeline.schedules import Action, one_f_one_b
 from distlab.pipeline.simulator import simulate
-from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from distlab.proof.compare import all_ok, compare
+from distlab.pipeline.training import PipelineConfig
 
 LESSON, NAME = "interleaved_zero_bubble", "zb_h1"
 P, M = 3, 4
@@ -26,24 +24,19 @@ CFG = PipelineConfig(
 NONE_HELD = "min(M, P - r), 1F1B's count: no W held back"
 ALL_HELD = "M: every W held back to the end"
 WRONG_RANKS = "min(M, 2P - 1 - 2r): P - 1 - r W's held back instead of r"
+ONE_FEWER = "min(M, P - 1) past rank 0: r - 1 W's held back, one too few"
+RULES = Rules(
+    "F, I and W once per micro-batch",
+    "rank r's list holds Action(kind, i, r) for every micro-batch i: W_i after I_i after F_i",
+    split=True,
+)
 
 
 def _ranks(rt, zb_h1, claims) -> None:
     schedule = zb_h1(P, M)
-    why = why_invalid(schedule, P, M, split=True)
-    if not claims.holds(
-        "every rank's order is a schedule (F, I and W once per micro-batch, no deadlock)",
-        not why,
-        what="the schedule",
-        note=why,
-        hints=("rank r's list holds Action(kind, i, r) for every micro-batch i: W_i after I_i after F_i",),
-    ):
+    run = trains_exact(rt, claims, schedule, CFG, RULES)
+    if run is None:
         return
-    run, ref = train(rt, CFG, PipelineStep(rt, CFG, schedule)), unsplit_reference(CFG)
-    exact = all_ok(compare({n: ref.first_grads[n] for n in run.first_grads}, run.first_grads)) and all_ok(
-        compare({n: ref.params[n] for n in run.params}, run.params)
-    )
-    claims.holds("the gradients and parameters equal the unsplit model's", exact, what="theta_p")
     bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (3 * M + P - 1)
     claims.equal(
         "the bubble counted in the grid is (P-1)/(3M+P-1)",
@@ -58,7 +51,12 @@ def _ranks(rt, zb_h1, claims) -> None:
         run.peak_in_flight,
         min(M, P),
         what="micro-batches held at once",
-        alternatives={NONE_HELD: min(M, P - rt.rank), ALL_HELD: M, WRONG_RANKS: min(M, 2 * P - 1 - 2 * rt.rank)},
+        alternatives={
+            NONE_HELD: min(M, P - rt.rank),
+            ALL_HELD: M,
+            WRONG_RANKS: min(M, 2 * P - 1 - 2 * rt.rank),
+            ONE_FEWER: min(M, P - (rt.rank > 0)),
+        },
     )
 
 
@@ -93,6 +91,17 @@ MISTAKES = (
             "the last ranks wait longest for gradients in 1F1B: rank r holds back r W's",
             "len(waiting) > r, not len(waiting) > P - 1 - r",
         ),
+    ),
+    Mistake(
+        "one W too few held back",
+        "holds min",
+        (Equals(ONE_FEWER),),
+        (
+            "each rank past the first holds back one W fewer than it can: the bubble is larger than ZB-H1's",
+            "rank r keeps r W's waiting: the oldest runs only once more than r wait (r + 1 in the queue)",
+            "pop the oldest when len(waiting) > r, not when len(waiting) >= r",
+        ),
+        fails=("bubble",),
     ),
     Mistake(
         "a W before its I",
@@ -163,11 +172,17 @@ def unsplit(num_ranks: int, microbatches: int):
     return one_f_one_b(num_ranks, microbatches)
 
 
+def one_w_too_few_held(num_ranks: int, microbatches: int):
+    """Rank r holds back r - 1 W's (none on rank 0)."""
+    return _held_back(num_ranks, microbatches, lambda r: max(r - 1, 0))
+
+
 def one_w_too_many_held(num_ranks: int, microbatches: int):
     """Right numbers and the formula's bubble, but r + 1 W's held back: every micro-batch held at once."""
     return _held_back(num_ranks, microbatches, lambda r: r + 1)
 
 
+# World sizes: P = 3 only: rank r holds r W's, so ranks 0, 1, 2 already show none, one and two held back (M = 4 > P).
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -187,6 +202,7 @@ WRONG = {
     "no W held back": "w_right_after_i",
     "every W held back to the end": "all_w_at_the_end",
     "the W's held back on the wrong ranks": "held_back_on_wrong_ranks",
+    "one W too few held back": "one_w_too_few_held",
     "a W before its I": "w_before_i",
     "the backward never split": "unsplit",
 }
@@ -196,3 +212,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"w_right_after_i": "bubble", "one_w_too_many_held": "holds min"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -177,6 +177,8 @@ def functional_all_reduce(model, rt) -> None:
         param.grad.copy_(funcol.all_reduce(param.grad, "avg", dist.group.WORLD).wait())
 
 
+# World sizes: P = 3 only: 1/P against 1/P^2 and 2 (P-1)/P Psi against (P-1) Psi already differ at P = 3 (they meet at
+# P = 2).
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -201,3 +203,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_mean": "bytes sent"})
 test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["with_a_barrier", "functional_all_reduce"])
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -207,6 +207,8 @@ def whole_gradients_freed(model, rt, cfg):
     return z
 
 
+# World sizes: P = 3 only: shards uneven and 2 (P-1)/P apart from (P-1) at P = 3; resuming at another P is lesson 07's
+# own test.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -233,3 +235,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"all_reduced": "bytes sent", "whole_gradients_freed": "bytes held"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

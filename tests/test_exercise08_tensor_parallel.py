@@ -245,6 +245,7 @@ class Unrecorded(_Copy):
         return grad, None, None
 
 
+# World sizes: P = 3 (the whole world) and P = 4 as two groups of two (also_at): a group ignored sums over the world.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -272,3 +273,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"Unrecorded": "bytes"})
 test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["FunctionalAllReduce"])
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

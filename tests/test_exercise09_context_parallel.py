@@ -27,6 +27,7 @@ BLOCK_SHAPE = (HEADS, SEQ // P, HEAD_DIM)
 BLOCK_CAUSAL = "attention with the diagonal tiles unmasked (a query sees its whole piece)"
 WRONG_WAY = "attention with block a masked as if it were block 2r - a (the ring read the wrong way)"
 OWN_BLOCK = "attention over this rank's own k/v block alone"
+FUTURE = "attention with the tiles after the diagonal folded in unmasked (only the diagonal tiles masked)"
 
 
 def _positions(rank: int) -> torch.Tensor:
@@ -53,6 +54,9 @@ def _misreadings(full: list, rank: int, causal: bool) -> dict:
     return {
         BLOCK_CAUSAL: _attention(q_r, k, v, every[None] // piece <= mine[:, None] // piece),
         WRONG_WAY: _attention(q_r, k, v, believed[None] <= mine[:, None]),
+        FUTURE: _attention(
+            q_r, k, v, (every[None] // piece != mine[:, None] // piece) | (every[None] <= mine[:, None])
+        ),
     }
 
 
@@ -129,6 +133,17 @@ MISTAKES = (
         holds=("not causal: out",),
     ),
     Mistake(
+        "the tiles after the diagonal folded in",
+        "causal: out equals",
+        (Equals(FUTURE),),
+        (
+            "a query saw keys of later pieces: a tile whose keys all come after its queries must add nothing",
+            "skipping those tiles is the causal mask at the tile's scale, not a speed-up: fold only tiles at or "
+            "before the diagonal, and mask the diagonal ones",
+            "if tile_kind(positions, key_positions, causal) == SKIP: continue",
+        ),
+    ),
+    Mistake(
         "the ring read the wrong way",
         "causal: out equals",
         (Equals(WRONG_WAY),),
@@ -176,7 +191,7 @@ MISTAKES = (
 
 def _ring(slip: str | None, ring, qkv: tuple, layout, tally):
     """Ring attention as a learner writes it, with one slip (None: none): "no rescale", "no mask",
-    "wrong way", "never swap", "extra move", "no skip"."""
+    "wrong way", "never swap", "extra move", "no skip", "future"."""
     q, k, v = qkv
     out, lse, mine, kv = torch.empty_like(q), q.new_empty(q.shape[:-1]), layout.pieces(ring.rank), (k, v)
     parts = [Partial.start(out[..., rows, :]) for rows, _ in mine]
@@ -186,9 +201,9 @@ def _ring(slip: str | None, ring, qkv: tuple, layout, tally):
         for (rows, positions), part in zip(mine, parts):
             for cols, keys in layout.pieces(source):
                 kind = tile_kind(positions, keys, layout.causal)
-                if kind == SKIP and slip != "no skip":
+                if kind == SKIP and slip not in ("no skip", "future"):
                     continue
-                masked = layout.causal and (slip != "no mask" or kind == SKIP)
+                masked = layout.causal and (slip != "no mask" or kind == SKIP) and (slip != "future" or kind != SKIP)
                 mask = causal_mask(positions, keys, q.device) if masked else None
                 if slip == "no rescale":
                     tile = scores(q[..., rows, :], kv[0][..., cols, :], mask)
@@ -239,6 +254,11 @@ def skip_tiles_computed(ring, q, k, v, layout, tally):
     return _ring("no skip", ring, (q, k, v), layout, tally)
 
 
+def future_tiles_folded(ring, q, k, v, layout, tally):
+    """The tiles after the diagonal folded in, unmasked: skipping taken for a speed-up."""
+    return _ring("future", ring, (q, k, v), layout, tally)
+
+
 class _Hoard:
     """A ring that keeps every block it delivers."""
 
@@ -258,6 +278,8 @@ def every_block_kept(ring, q, k, v, layout, tally):
     return solution(LESSON, NAME).load()(_Hoard(ring), q, k, v, layout, tally)
 
 
+# World sizes: P = 4 only: at P = 3 every block held costs no more than two in flight; the zig-zag pairs differ at any
+# P >= 2.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -275,6 +297,7 @@ EXERCISE = Exercise(
 )
 WRONG = {
     "the diagonal tiles unmasked": "no_diagonal_mask",
+    "the tiles after the diagonal folded in": "future_tiles_folded",
     "the ring read the wrong way": "wrong_way",
     "the arriving block never used": "never_swapped",
     "o not rescaled when the max grows": "no_rescale",
@@ -287,3 +310,5 @@ test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__),
     {"extra_move": "went round the ring", "skip_tiles_computed": "skipped", "every_block_kept": "alive"},
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -38,6 +38,7 @@ PROBLEM = runs.Problem(n=6, seq=6, seed=2)  # 36 tokens, 72 choices, capacity 12
 PER_RANK = "the output with the capacity counted per rank (each rank its own first ceil(gamma kappa C seq / E))"
 UNWEIGHTED = "the output with the experts' outputs added unweighted"
 LOCAL = "L_aux with phi from this rank's own counts"
+ON_U = "the output with the experts' outputs added onto u, the layer's input, not onto zeros"
 
 
 def _alternatives(reference: MoEBlock, x: torch.Tensor, rows: slice) -> dict:
@@ -48,10 +49,15 @@ def _alternatives(reference: MoEBlock, x: torch.Tensor, rows: slice) -> dict:
         per_rank = reference.moe(u[mine])[0]  # the reference rule on this rank's tokens alone
         routing = route(reference.moe.router, u, CFG.top_k)
         kept = kept_choices(routing, capacity(CFG, len(u)))
+        whole = reference.moe(u)[0]  # the layer's output on the whole batch, the global rule
         plain = torch.zeros_like(u)
         for t, slot in kept.nonzero().tolist():
             plain[t] += reference.moe.experts[str(int(routing.chosen[t, slot]))](u[t])
-    return {PER_RANK: y[rows] + per_rank.view_as(y[rows]), UNWEIGHTED: (y + plain.view_as(y))[rows]}
+    return {
+        PER_RANK: y[rows] + per_rank.view_as(y[rows]),
+        UNWEIGHTED: (y + plain.view_as(y))[rows],
+        ON_U: (y + (whole + u).view_as(y))[rows],
+    }
 
 
 def _aux(reference: MoEBlock, x: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +145,16 @@ def _ranks(rt, expert_parallel_moe, claims) -> None:
 
 MISTAKES = (
     Mistake(
+        "the combine started from the input",
+        "block's output equals",
+        (Equals(ON_U),),
+        (
+            "the layer's output is the weighted experts' outputs alone: the block adds the residual around it",
+            "each token's output starts from zeros, and a dropped token's output stays zero (the residual carries it)",
+            "out = torch.zeros_like(u).index_add(0, tokens, weight * back)",
+        ),
+    ),
+    Mistake(
         "L_aux from this rank's own counts",
         "L_aux equals",
         (Equals(LOCAL),),
@@ -189,6 +205,12 @@ MISTAKES = (
 
 def _solve(layer, u):
     return solution(LESSON, NAME).load()(layer, u)
+
+
+def onto_the_input(layer, u):
+    """Every token's weighted expert outputs added onto its own row of u (a dropped token "passing through")."""
+    out, aux = _solve(layer, u)
+    return out + u, aux
 
 
 def local_statistics(layer, u):
@@ -257,6 +279,8 @@ def dropped_sent_anyway(layer, u):
     return out, lesson.aux_loss(routing.gates, everything.routed, "global", layer.rank)
 
 
+# World sizes: P = 3 only: global and per-rank capacity, and uneven all-to-all splits, differ at P = 3; the layer's
+# group is the world.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -278,8 +302,11 @@ WRONG = {
     "capacity counted per rank": "per_rank_capacity",
     "the outputs combined without their weights": "unweighted",
     "an all-to-all autograd cannot see": "no_backward",
+    "the combine started from the input": "onto_the_input",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"dropped_sent_anyway": "bytes"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

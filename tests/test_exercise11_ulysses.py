@@ -1,5 +1,6 @@
 """Exercise 11: Ulysses attention, judged on 3 ranks against torch's scaled_dot_product_attention on the
-whole sequence in one process.
+whole sequence in one process, then at P = 4 as two groups of two with different sequences, where an all-to-all
+that ignores the group it is given mixes the two groups' sequences.
 
 Each rank takes its contiguous block of q, k, v (h x seq/P x d_h), calls the answer causal and not, and
 back-propagates its block of an upstream gradient. The lesson's claims: this rank's out and the gradients of
@@ -21,15 +22,30 @@ from distlab.contrastive.gather import gather_with_grad
 from distlab.layer_split.context_parallel.split import shard
 
 LESSON, NAME = "11_ulysses", "ulysses_attention"
-P, HEADS, SEQ, HEAD_DIM = 3, 6, 12, 4
-BLOCK = HEADS * (SEQ // P) * HEAD_DIM * 8
+P, PAIRS, HEADS, SEQ, HEAD_DIM = 3, 4, 12, 12, 4  # the whole world of 3; at 4 ranks, two groups of 2
 OWN = "attention over this rank's own positions alone"
 ARRIVAL = "attention with the arrived rows read in arrival order (heads and positions mixed)"
 NOT_CAUSAL = "attention without the causal mask"
 BOTH_SIDES = "attention with the rows read in arrival order on the way in and written back as they lie"
+WORLD = "attention over both groups' sequences end to end: the all-to-alls on the whole world, not the group"
 
 
-def _arrival_order(full: list, rank: int, causal: bool) -> torch.Tensor:
+def _group(rt) -> tuple:
+    """(the group the answer runs on, its index): the world (None) at P = 3, and at P = 4 this rank's pair
+    {0, 1} or {2, 3} (every rank builds both: new_group is collective)."""
+    if rt.world_size != PAIRS:
+        return None, 0
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return pairs[rt.rank // 2], rt.rank // 2
+
+
+def _sequences(index: int) -> list:
+    """Group `index`'s q, k, v and upstream gradient (h, seq, d_h each): different in every group."""
+    gen = torch.Generator().manual_seed(6 + 100 * index)
+    return [torch.randn(HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(4)]
+
+
+def _arrival_order(full: list, rank: int, causal: bool, P: int) -> torch.Tensor:
     """This rank's out when every rank reads what arrives as (h/P, seq, d_h) as it lies, rank by rank."""
     mine, local = HEADS // P, SEQ // P
     outs = []
@@ -39,7 +55,7 @@ def _arrival_order(full: list, rank: int, causal: bool) -> torch.Tensor:
     return torch.cat([y[:, rank * local : (rank + 1) * local] for y in outs])
 
 
-def _arrival_both_ways(full: list, rank: int, causal: bool) -> torch.Tensor:
+def _arrival_both_ways(full: list, rank: int, causal: bool, P: int) -> torch.Tensor:
     """This rank's out when the pieces are read in arrival order on the way in (as `_arrival_order`) and the
     result cut into rows as it lies on the way back (no transpose either side): heads and positions mixed
     in the attention, unmixed again in the output's places."""
@@ -53,41 +69,48 @@ def _arrival_both_ways(full: list, rank: int, causal: bool) -> torch.Tensor:
 
 
 def _ranks(rt, ulysses_attention, claims) -> None:
-    gen = torch.Generator().manual_seed(6)
-    full = [torch.randn(HEADS, SEQ, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(4)]
+    group, index = _group(rt)
+    P, r = dist.get_world_size(group), dist.get_rank(group)  # the group's size and this rank's place in it
+    block = HEADS * (SEQ // P) * HEAD_DIM * 8
+    full = _sequences(index)
     for causal in (False, True):  # every rank runs every case: none may leave a collective early
         name = "causal" if causal else "not causal"
-        q, k, v, dout = (shard(t, rt.rank, P, "contiguous").requires_grad_(i < 3) for i, t in enumerate(full))
+        q, k, v, dout = (shard(t, r, P, "contiguous").requires_grad_(i < 3) for i, t in enumerate(full))
         with Watch() as watch:
-            out = ulysses_attention(q, k, v, causal, Ledger())
+            out = ulysses_attention(q, k, v, causal, Ledger(), group)
             if out.requires_grad:
                 out.backward(dout)
         whole = [t.clone().requires_grad_() for t in full[:3]]
         ref = F.scaled_dot_product_attention(*whole, is_causal=causal)
         ref.backward(full[3])
-        mine = [shard(t, rt.rank, P, "contiguous") for t in full[:3]]
+        mine = [shard(t, r, P, "contiguous") for t in full[:3]]
+        alternatives = {
+            OWN: F.scaled_dot_product_attention(*mine, is_causal=causal),
+            ARRIVAL: _arrival_order(full[:3], r, causal, P),
+            BOTH_SIDES: _arrival_both_ways(full[:3], r, causal, P),
+            NOT_CAUSAL: shard(F.scaled_dot_product_attention(*full[:3]), r, P, "contiguous"),
+        }
+        if group is not None:  # both groups' sequences one after the other, cut over the world's ranks
+            ends = [torch.cat(ts, dim=1) for ts in zip(*(_sequences(g)[:3] for g in range(2)))]
+            world = F.scaled_dot_product_attention(*ends, is_causal=causal)
+            alternatives[WORLD] = shard(world, rt.rank, rt.world_size, "contiguous")
         claims.close(
             f"{name}: out equals SDPA's on the whole sequence",
             out.detach(),
-            shard(ref.detach(), rt.rank, P, "contiguous"),
+            shard(ref.detach(), r, P, "contiguous"),
             what="out",
-            alternatives={
-                OWN: F.scaled_dot_product_attention(*mine, is_causal=causal),
-                ARRIVAL: _arrival_order(full[:3], rt.rank, causal),
-                BOTH_SIDES: _arrival_both_ways(full[:3], rt.rank, causal),
-                NOT_CAUSAL: shard(F.scaled_dot_product_attention(*full[:3]), rt.rank, P, "contiguous"),
-            },
+            alternatives=alternatives,
         )
         claims.tensors(
             f"{name}: dq, dk, dv equal SDPA's",
             {"dq": q.grad, "dk": k.grad, "dv": v.grad},
-            {n: shard(t.grad, rt.rank, P, "contiguous") for n, t in zip(("dq", "dk", "dv"), whole)},
+            {n: shard(t.grad, r, P, "contiguous") for n, t in zip(("dq", "dk", "dv"), whole)},
             what="the gradients of q, k, v",
         )
         claims.equal(
             f"{name}: bytes sent = 4 (P-1)/P blocks forward, as many backward",
             watch.sent(P),
-            8 * (P - 1) * BLOCK / P,
+            8 * (P - 1) * block / P,
             what="bytes sent (all-to-alls: the bytes that leave the rank; others: ring formulas)",
             note=f"collectives: {dict(watch.calls())}",
             hints=("an all-to-all sends each rank only its part: never gather what you do not keep",),
@@ -130,6 +153,16 @@ MISTAKES = (
         ),
     ),
     Mistake(
+        "the all-to-alls on the whole world, not the group",
+        "out equals",
+        (Equals(WORLD),),
+        (
+            "the answer is handed its group: on a mesh, the sequence-parallel group is a few ranks, not the world",
+            "an all-to-all without group= runs over every rank of the job, so the groups' sequences run together",
+            "pass group on to both all-to-alls (seq_to_heads and heads_to_seq), and size the split by its size",
+        ),
+    ),
+    Mistake(
         "the causal mask forgotten",
         "causal: out equals",
         (Equals(NOT_CAUSAL),),
@@ -153,6 +186,11 @@ MISTAKES = (
         holds=("out equals",),
     ),
 )
+
+
+def whole_world(q, k, v, causal, ledger, group=None):
+    """The group dropped: every all-to-all on the default group, the whole world."""
+    return solution(LESSON, NAME).load()(q, k, v, causal, ledger)
 
 
 def own_positions(q, k, v, causal, ledger, group=None):
@@ -220,6 +258,8 @@ def gathered_sequence(q, k, v, causal, ledger, group=None):
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
 
+# World sizes: P = 3 (the whole world) and P = 4 as two groups of two (also_at): an all-to-all that ignores its group
+# runs the groups' sequences together.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -234,15 +274,19 @@ EXERCISE = Exercise(
         "rows.view(P, h/P, seq/P, d_h).transpose(0, 1).reshape(h/P, seq, d_h)",
     ),
     numbers="equal",
+    also_at=(PAIRS,),
 )
 WRONG = {
     "attention over this rank's positions alone": "own_positions",
     "the arrived rows read in arrival order": "arrival_order",
     "arrival order on both sides": "arrival_both_sides",
     "the causal mask forgotten": "never_causal",
+    "the all-to-alls on the whole world, not the group": "whole_world",
     "an all-to-all autograd cannot see": "no_backward",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_sequence": "bytes sent"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -139,6 +139,7 @@ def regathered_every_micro_batch(model, cfg, shape, mesh, shards):
     return model
 
 
+# World sizes: 4 ranks at 1 x 1 x 2 x 2 and 2 x 2 x 1 x 1: the dp x cp group is cp's at the first, dp's at the second.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -165,3 +166,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"regathered_every_micro_batch": "bytes sent on the dp x cp group"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -185,6 +185,8 @@ one_moment = _with(_one_moment)
 gathered_cut_too = _with(_all_cut)
 no_layernorm_reduction = _with(_no_vectors)
 
+# World sizes: P = 2 and P = 3 (also_at): a naive all-reduce's (P - 1) Psi equals the ring's 2 (P-1)/P Psi at P = 2
+# only.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -210,3 +212,5 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -26,6 +26,7 @@ EXACT = 1e-300  # relative error below this: equal bit for bit
 UNINVERTED = "_scaled_mm given the scales rho, not 1/rho"
 EMULATED = "the operands unscaled and multiplied in float32 (torchao's emulate mode)"
 ONE_FORMAT = "both operands cast to a_fmt"
+ROUNDED = "the kernel's product rounded to bfloat16 (out_dtype)"
 
 
 def _cast(t, fmt, rowwise):
@@ -37,7 +38,7 @@ def _cast(t, fmt, rowwise):
     return to_fp8_saturated(t * scale, fmt), scale
 
 
-def _kernel(a, b, a_fmt, b_fmt, rowwise=False, invert=True):
+def _kernel(a, b, a_fmt, b_fmt, rowwise=False, invert=True, out_dtype=torch.float32):
     (a_q, rho_a), (bt_q, rho_b) = _cast(a, a_fmt, rowwise), _cast(b.t(), b_fmt, rowwise)
     scale_a, scale_b = (rho_a.reciprocal(), rho_b.reciprocal()) if invert else (rho_a, rho_b)
     return torch._scaled_mm(
@@ -45,7 +46,7 @@ def _kernel(a, b, a_fmt, b_fmt, rowwise=False, invert=True):
         bt_q.contiguous().t(),
         scale_a=scale_a,
         scale_b=scale_b.t() if rowwise else scale_b,
-        out_dtype=torch.float32,
+        out_dtype=out_dtype,
     )
 
 
@@ -91,6 +92,7 @@ def _ranks(rt, fp8_matmul, claims) -> None:
                 UNINVERTED: _kernel(a, b, fa, fb, invert=False),
                 EMULATED: _emulated(a, b, fa, fb),
                 ONE_FORMAT: _kernel(a, b, fa, fa),
+                ROUNDED: _kernel(a, b, fa, fb, out_dtype=torch.bfloat16).float(),
             },
         )
         inside &= bool(((got.double() - a.double() @ b.double()).abs() <= bound(a, b, fa, fb)).all())
@@ -142,6 +144,16 @@ MISTAKES = (
         ),
         holds=("Y = X W\\^T equals",),
     ),
+    Mistake(
+        "the product rounded to bfloat16",
+        "Y = X W\\^T equals",
+        (Equals(ROUNDED),),
+        (
+            "the casts and the kernel are right; the result lost its low bits on the way out",
+            "8-bit operands, but the kernel accumulates in float32 and the layer's output is float32: keep it",
+            "torch._scaled_mm(..., out_dtype=torch.float32)",
+        ),
+    ),
 )
 
 
@@ -155,11 +167,17 @@ def emulated(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
     return _emulated(a, b, a_fmt, b_fmt)
 
 
+def rounded(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
+    """Right casts and kernel, the output asked for in bfloat16."""
+    return _kernel(a, b, a_fmt, b_fmt, rowwise, out_dtype=torch.bfloat16)
+
+
 def one_format(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
     """b cast in a's format."""
     return solution(LESSON, NAME).load()(a, b, a_fmt, a_fmt, rowwise, fast_accum)
 
 
+# World sizes: one process: the lesson splits no work.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -179,7 +197,10 @@ WRONG = {
     "the scales passed uninverted": "uninverted",
     "the matmul emulated in float32": "emulated",
     "one format for both operands": "one_format",
+    "the product rounded to bfloat16": "rounded",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

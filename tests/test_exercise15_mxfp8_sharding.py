@@ -21,12 +21,16 @@ E4M3 = torch.float8_e4m3fn
 PSI, PSI_P = 63, math.ceil(63 / P)
 EXACT = 1e-300
 OWN_AMAX = "each shard cast with its own amax, then gathered"
+SIGNED = "max_f / max w, the largest value, not the largest magnitude"
 
 
 def _weight() -> torch.Tensor:
     weight = torch.randn(7, 9, generator=torch.Generator().manual_seed(15))
     weight[P * 2 :] *= 10.0  # the last rank's shard holds the largest values
-    return weight.flatten()
+    flat = weight.flatten()
+    top = flat.abs().argmax()
+    flat[top] = -flat[top].abs()  # the largest magnitude negative: max |w| is not max w
+    return flat
 
 
 def _cast(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +57,10 @@ def _ranks(rt, fp8_all_gather, claims) -> None:
         tol=EXACT,
         alternatives={OWN_AMAX: own},
     )
-    claims.equal("rho equals one process's scale", float(rho), float(rho_one), what="rho")
+    signed = float((448.0 / flat.max().double()).float())
+    claims.equal(
+        "rho equals one process's scale", float(rho), float(rho_one), what="rho", alternatives={SIGNED: signed}
+    )
     sent = watch.sent(P)
     claims.equal(
         "bytes sent: (P-1) Psi_P of weight in 1 byte each, plus at most 8 per peer for the scale",
@@ -77,7 +84,28 @@ MISTAKES = (
             "all-gather (or all-reduce with MAX) each shard's amax, then rho = max_f / max(amaxes); cast; gather",
         ),
     ),
+    Mistake(
+        "the amax of the signed values",
+        "rho equals",
+        (Equals(SIGNED),),
+        (
+            "the scale must keep the most negative value in range too: amax is a magnitude",
+            "amax = max |w| over the whole weight: each rank's max of shard.abs(), then the maximum of those",
+            "shard.abs().max(), not shard.max()",
+        ),
+    ),
 )
+
+
+def signed_amax(shard, fmt, group=None):
+    """The amax agreed, but of the signed values: the most negative weight overflows the format."""
+    amaxes = shard.new_empty(dist.get_world_size(group))
+    dist.all_gather_single(amaxes, shard.max().reshape(1).float(), group=group)
+    top = torch.finfo(fmt).max
+    rho = (top / amaxes.max().double().clamp(min=1e-12)).float()
+    whole = torch.empty(dist.get_world_size(group) * shard.numel(), dtype=torch.uint8)
+    dist.all_gather_single(whole, (shard.float() * rho).clamp(-top, top).to(fmt).view(torch.uint8), group=group)
+    return whole.view(fmt), rho
 
 
 def own_amax(shard, fmt, group=None):
@@ -99,6 +127,8 @@ def gathered_in_float32(shard, fmt, group=None):
     return (whole * rho).clamp(-top, top).to(fmt), rho
 
 
+# World sizes: P = 3 only: the amax agreed over three shards, the largest magnitude (negative) on the last; (P-1)
+# Psi_P has no look-alike at P = 3.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -114,8 +144,10 @@ EXERCISE = Exercise(
     ),
     numbers="equals",
 )
-WRONG = {"each shard cast with its own amax": "own_amax"}
+WRONG = {"each shard cast with its own amax": "own_amax", "the amax of the signed values": "signed_amax"}
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_in_float32": "bytes sent"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

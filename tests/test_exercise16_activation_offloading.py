@@ -48,7 +48,16 @@ def _ranks(rt, offloader, claims) -> None:
         alternatives={TWICE: doubled},
     )
     claims.equal(
-        "bytes back = the same", off.received, formula, what="bytes copied back", alternatives={TWICE: doubled}
+        "bytes back = the same",
+        off.received,
+        formula,
+        what="bytes copied back",
+        alternatives={TWICE: doubled},
+        hints=(
+            "more came back than went: a group was fetched again after backward had used it and let it go",
+            "backward walks the groups in reverse pack order: prefetch the group before the one it reached, "
+            "never one it is done with",
+        ),
     )
     groups = lesson.group_bytes(widths, ARGS.global_batch, E)
     claims.equal(
@@ -122,6 +131,7 @@ MISTAKES = (
     ),
 )
 
+# World sizes: one process: the lesson offloads within one process.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -146,3 +156,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"CopiesTwice": "bytes to the host", "NoPrefetch": "device peak"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

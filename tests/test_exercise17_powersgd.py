@@ -27,6 +27,7 @@ UNCOMPRESSED, NO_FEEDBACK, SUMMED, COLD = (
     "PowerSGD with V summed, not averaged",
     "PowerSGD with a fresh V every step",
 )
+PLAIN_SUMMED = "PowerSGD with the plain steps' gradients summed, not averaged"
 
 
 def _lesson():
@@ -81,6 +82,7 @@ def _ranks(rt, powersgd_hook, claims) -> None:
             NO_FEEDBACK: _train(rt, _named(no_error_feedback)),
             SUMMED: _train(rt, _named(v_summed)),
             COLD: _train(rt, _named(cold_start)),
+            PLAIN_SUMMED: _train(rt, _named(plain_summed)),
         },
     )
     formula = 2 * (P - 1) / P * 8 * (EVERYTHING * 2 + COMPRESSED * (STEPS - 2))
@@ -113,6 +115,14 @@ def v_summed(state, bucket):
             if lesson.compressed_rank(g.shape, state.ell, state.min_compression_rate):
                 g.mul_(dist.get_world_size())
     return future
+
+
+def plain_summed(state, bucket):
+    """The first steps' whole bucket all-reduced but never divided by P."""
+    lesson = _lesson()
+    if state.step < lesson.START_ITER:
+        bucket.buffer().mul_(dist.get_world_size())  # the lesson's hook divides by P: undone
+    return lesson.powersgd_hook(state, bucket)
 
 
 def cold_start(state, bucket):
@@ -170,6 +180,16 @@ MISTAKES = (
         ),
     ),
     Mistake(
+        "the plain steps summed, not averaged",
+        "parameters equal",
+        (Equals(PLAIN_SUMMED),),
+        (
+            "the first steps are plain DDP, and DDP's gradient is a mean over the ranks, not a sum",
+            "in the steps before compression starts, divide the bucket by P around its all-reduce",
+            "flat.div_(world) before state.all_reduce(flat, 'plain')",
+        ),
+    ),
+    Mistake(
         "a fresh V every step",
         "parameters equal",
         (Equals(COLD),),
@@ -181,6 +201,8 @@ MISTAKES = (
     ),
 )
 
+# World sizes: P = 3 only: the 1/P of the plain and V steps and the ring's 2 (P-1)/P differ from 1/P^2 and (P-1) at P
+# = 3.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -199,8 +221,11 @@ WRONG = {
     "no error feedback": "no_error_feedback",
     "V summed, not averaged": "v_summed",
     "a fresh V every step": "cold_start",
+    "the plain steps summed, not averaged": "plain_summed",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"wasteful": "bytes sent"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -20,6 +20,7 @@ P, N, SEQ, D_IN, D_OUT = 3, 4, 12, 8, 6  # enough rows that MKL multiplies a row
 ARRIVAL = "Y's blocks in the order they arrived"
 NO_BIAS = "X W_r^T without the bias"
 OWN = "this rank's own block, P times"
+NEIGHBOUR = "the left neighbour's block wherever another rank's belongs (each rank sends its own block every step)"
 
 
 def _ranks(rt, all_gather_matmul, claims) -> None:
@@ -44,6 +45,7 @@ def _ranks(rt, all_gather_matmul, claims) -> None:
             ARRIVAL: torch.cat([F.linear(blocks[s], w, b) for s in order], dim=1),
             NO_BIAS: F.linear(x, w),
             OWN: torch.cat([F.linear(blocks[r], w, b)] * P, dim=1),
+            NEIGHBOUR: torch.cat([F.linear(blocks[r if s == r else (r - 1) % P], w, b) for s in range(P)], dim=1),
         },
     )
     claims.holds("Y equals one process's bit for bit", torch.equal(y, want), what="Y, every bit")
@@ -94,6 +96,16 @@ MISTAKES = (
             "(held,) = transfer.wait()",
         ),
     ),
+    Mistake(
+        "this rank's own block sent every step",
+        "Y equals the whole X",
+        (Equals(NEIGHBOUR),),
+        (
+            "a ring passes blocks on: what this rank sends in step k is what it received in step k - 1",
+            "every step sends the held block, the one just received, so that block r - k reaches this rank in step k",
+            "post [(held, right)], not [(x, right)]: held is replaced by what arrived",
+        ),
+    ),
 )
 
 
@@ -104,7 +116,8 @@ def _ring(x, weight, bias, group, clock, place, wrong=""):
         where = place(r, k, p)
         gathered[where] = held
         if k < p - 1:
-            transfer = clock.post(str(k), [(held, (r + 1) % p)], [(torch.empty_like(held), (r - 1) % p)], group)
+            sent = x.contiguous() if wrong == "own sent" else held
+            transfer = clock.post(str(k), [(sent, (r + 1) % p)], [(torch.empty_like(held), (r - 1) % p)], group)
         with clock.compute(str(k)):
             y[where] = F.linear(held, weight, None if wrong == "no bias" else bias)
         if k < p - 1:
@@ -126,6 +139,11 @@ def without_bias(x, weight, bias, group=None, clock=None):
 def own_block_only(x, weight, bias, group=None, clock=None):
     """The messages go and come, the held block is never replaced."""
     return _ring(x, weight, bias, group, clock, lambda r, k, p: (r - k) % p, "own block")
+
+
+def own_block_sent(x, weight, bias, group=None, clock=None):
+    """The block received is multiplied, but every step sends this rank's own block on."""
+    return _ring(x, weight, bias, group, clock, lambda r, k, p: (r - k) % p, "own sent")
 
 
 def gather_then_multiply(x, weight, bias, group=None, clock=None):
@@ -150,6 +168,8 @@ def waits_first(x, weight, bias, group=None, clock=None):
     return torch.cat(gathered, dim=1), torch.cat(y, dim=1)
 
 
+# World sizes: P = 3 only: a ring of three has a block that travels two hops (at P = 2 the neighbour's is the only
+# one).
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -170,6 +190,7 @@ WRONG = {
     "blocks put in the order they arrived": "in_arrival_order",
     "the bias forgotten": "without_bias",
     "the received block never used": "own_block_only",
+    "this rank's own block sent every step": "own_block_sent",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
@@ -178,3 +199,5 @@ test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__),
     {"gather_then_multiply": "under a partial matmul", "waits_first": "under a partial matmul"},
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -113,6 +113,7 @@ def scale_tau(rt, z_x, z_y, tau, gather):
     return rt.world_size * loss, loss.detach()
 
 
+# World sizes: P = 3 only: P L against L and N L: C = 4 != P = 3 keeps the factors apart.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -136,3 +137,5 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

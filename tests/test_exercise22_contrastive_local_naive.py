@@ -23,11 +23,12 @@ P, C, D, S = 3, 4, 5, 10.0
 N = P * C
 NO_OFFSET, ROWS_ONLY = "the loss with the positives at columns 0 .. C-1", "the row direction (images) alone"
 LOCAL_COLUMNS = "the loss with each column normalised over this rank's C rows only"
+AS_TAU = "the loss with the logits divided by s, not multiplied (s read as the temperature tau)"
 
 
-def _rows_loss(z_x, z_y, rows: slice) -> torch.Tensor:
-    """Rank r's L_r read off the whole N x N logits (one process)."""
-    logits = S * z_x @ z_y.T
+def _rows_loss(z_x, z_y, rows: slice, s: float = S) -> torch.Tensor:
+    """Rank r's L_r read off the whole N x N logits (one process), at logit scale s."""
+    logits = s * z_x @ z_y.T
     nll_rows = -torch.log_softmax(logits, 1).diagonal()[rows]
     nll_cols = -torch.log_softmax(logits, 0).diagonal()[rows]
     return (nll_rows.mean() + nll_cols.mean()) / 2
@@ -43,6 +44,7 @@ def _alternatives(z_x, z_y, rows: slice) -> dict[str, float]:
         LOCAL_COLUMNS: (
             (F.cross_entropy(mine, torch.arange(rows.start, rows.stop)) + F.cross_entropy(mine[:, rows].T, first)) / 2
         ).item(),
+        AS_TAU: _rows_loss(z_x, z_y, rows, 1 / S).item(),
     }
 
 
@@ -88,6 +90,16 @@ def _ranks(rt, local_clip_loss, claims) -> None:
 
 MISTAKES = (
     Mistake(
+        "s read as the temperature",
+        "your loss is rank r",
+        (Equals(AS_TAU),),
+        (
+            "the logits are s times the similarities: s = 1/tau is a scale, large for a sharp softmax",
+            "S = s Z_x Z_y^T: multiply by the logit scale (divide only by a temperature tau)",
+            "logits = s * local_z_x @ all_z_y.T, and the same for the texts",
+        ),
+    ),
+    Mistake(
         "the positives at the first rank's columns",
         "rank r's rows",
         (all_but(0), Equals(NO_OFFSET)),
@@ -130,6 +142,12 @@ MISTAKES = (
 )
 
 
+def divided_by_s(local_z_x, local_z_y, all_z_x, all_z_y, s, offset):
+    """The logits divided by the scale, as if it were tau."""
+    labels = torch.arange(offset, offset + len(local_z_x))
+    return (F.cross_entropy(local_z_x @ all_z_y.T / s, labels) + F.cross_entropy(local_z_y @ all_z_x.T / s, labels)) / 2
+
+
 def labels_without_offset(local_z_x, local_z_y, all_z_x, all_z_y, s, offset):
     """Every rank's positives at columns 0 .. C-1 (rank 0's pairs)."""
     labels = torch.arange(len(local_z_x))
@@ -163,6 +181,7 @@ def whole_logits(local_z_x, local_z_y, all_z_x, all_z_y, s, offset):
     ) / 2
 
 
+# World sizes: P = 3 only: rank 1's positives sit neither at the first nor at the last columns.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -181,6 +200,7 @@ EXERCISE = Exercise(
     quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
+    "s read as the temperature": "divided_by_s",
     "the positives at the first rank's columns": "labels_without_offset",
     "the two directions added, not averaged": "directions_added",
     "one direction only": "rows_only",
@@ -190,3 +210,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"whole_logits": "never N x N"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -26,6 +26,7 @@ N_D_BYTES = P * C * D * 8  # one N x d tensor of float64
 OWN_LOSS = "the gradient of this rank's own L_r alone"
 MEAN = "its local term plus the mean over ranks of the gathered term"
 FIRST_ROWS = "its local term plus the gathered term of rank 0's rows"
+OWN_ROWS = "its local term plus the sum over ranks s of L_s's gathered term at s's own rows (each rank's rows reduced)"
 
 
 def _ranks(rt, gather, claims, seed: int) -> None:
@@ -69,13 +70,19 @@ def _misreadings(e: Embeddings, rows: slice) -> list[dict]:
         local_clip_loss(a_x[mine], a_y[mine], b_x, b_y, 1 / TAU, s * C).backward()
     own_x, own_y = e.whole()
     local_clip_loss(own_x[rows], own_y[rows], own_x, own_y, 1 / TAU, rows.start).backward()
+    at_own = [0, 0]  # sum_s dL_s/dZ at rank s's own rows, through the gathered leaves: what each rank reduces
+    for s in range(P):
+        mine, (a_sx, a_sy), (b_sx, b_sy) = slice(s * C, (s + 1) * C), e.whole(), e.whole()
+        local_clip_loss(a_sx[mine], a_sy[mine], b_sx, b_sy, 1 / TAU, s * C).backward()
+        at_own = [at_own[0] + b_sx.grad[mine], at_own[1] + b_sy.grad[mine]]
     return [
         {
             OWN_LOSS: own.grad[rows],
             MEAN: a.grad[rows] + b.grad[rows] / P,
             FIRST_ROWS: a.grad[rows] + b.grad[:C],
+            OWN_ROWS: a.grad[rows] + reduced,
         }
-        for own, a, b in ((own_x, a_x, b_x), (own_y, a_y, b_y))
+        for own, a, b, reduced in ((own_x, a_x, b_x, at_own[0]), (own_y, a_y, b_y, at_own[1]))
     ]
 
 
@@ -98,6 +105,16 @@ MISTAKES = (
             "dL/dz_r is a sum over the ranks' losses, not their mean",
             "sum_s dL_s/dZ: the reduction must be a SUM (DDP's average comes later, once)",
             "dist.all_reduce(summed, op=dist.ReduceOp.SUM), and no division",
+        ),
+    ),
+    Mistake(
+        "only this rank's rows of the gradient all-reduced",
+        "gradient at z_x",
+        (Equals(OWN_ROWS),),
+        (
+            "each rank reduced only the rows it returns, so the sum added different ranks' rows together",
+            "all-reduce the whole N x d gradient: rank s's loss sends gradient to every rank's rows, then cut rows r",
+            "summed = grad.contiguous().clone(); dist.all_reduce(summed); return summed[r C : (r + 1) C]",
         ),
     ),
     Mistake(
@@ -136,6 +153,14 @@ class _FirstRows(_Averaged):
         return summed[: ctx.c]
 
 
+class _OwnRowsReduced(_Averaged):
+    @staticmethod
+    def backward(ctx, grad):
+        mine = grad[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c].contiguous().clone()
+        dist.all_reduce(mine)  # every rank's own rows of its own gradient, added: rows of different ranks
+        return mine
+
+
 class _GatheredBackward(_Averaged):
     @staticmethod
     def backward(ctx, grad):
@@ -158,6 +183,11 @@ def first_rows(z):
     return _FirstRows.apply(z)
 
 
+def own_rows_reduced(z):
+    """Only the rows each rank returns all-reduced: the ranks' different rows added together."""
+    return _OwnRowsReduced.apply(z)
+
+
 def gathered_backward(z):
     """Right numbers, P times the bytes: every rank's whole N x d gradient all-gathered, summed here."""
     return _GatheredBackward.apply(z)
@@ -175,6 +205,7 @@ def functional_gather(z):
     return funcol.all_gather_tensor_autograd(z, 0, dist.group.WORLD)
 
 
+# World sizes: P = 3 only: the sum over three ranks' gradients is apart from their mean and from rank 0's rows.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -195,9 +226,12 @@ WRONG = {
     "the plain gather's backward (this rank's loss only)": "plain_gather",
     "the ranks' gradients averaged, not summed": "averaged",
     "rank 0's rows returned on every rank": "first_rows",
+    "only this rank's rows of the gradient all-reduced": "own_rows_reduced",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_backward": "bytes sent"})
 test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["library_gather", "functional_gather"])
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

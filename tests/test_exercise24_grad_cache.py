@@ -173,6 +173,7 @@ def graph_kept(towers, inputs, b, loss_fn):
     return _three_steps(towers, inputs, b, loss_fn, "graph kept")
 
 
+# World sizes: one process: GradCache is the lesson's part 1, on one rank.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -198,3 +199,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"graph_kept": "at most b rows"})
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

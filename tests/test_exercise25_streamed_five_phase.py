@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from exercise_kit import Exercise, solution, swapped
 from exercise_signatures import Mistake, Scaled, Tensors, all_but
 from exercise_watch import Watch, spanning
@@ -99,6 +100,20 @@ def _ranks(rt, streamed_backward, claims) -> None:
             P * ref_z[name][mine],
             what=f"dL/d{name} x P",
         )
+    mine_flat = torch.cat([g.flatten() for g in grads_of(model).values() if g is not None])
+    every = [torch.empty_like(mine_flat) for _ in range(rt.world_size)]
+    dist.all_gather(every, mine_flat)  # DDP leaves every rank the same gradients, whatever they are
+    claims.holds(
+        "every rank ends with the same gradients (DDP reduced every part of them)",
+        all(torch.allclose(e, mine_flat, rtol=1e-12, atol=0) for e in every),
+        what="the gradients across ranks",
+        hints=(
+            "the ranks disagree: part of each rank's gradient was added after DDP's reduction, on that rank alone",
+            "DDP reduces in the one backward outside no_sync(): that must be the last micro-batch's, after every "
+            "other micro-batch's gradient is in .grad",
+            "with ddp.no_sync() if k < len(micro) - 1 else nullcontext(): the recompute and its backward",
+        ),
+    )
     claims.tensors("every parameter's gradient equals the whole batch's", grads_of(model), ref, what="the gradients")
     claims.equal(
         "no tensor is N x N, C x N or B x N",
@@ -229,6 +244,8 @@ def without_no_sync(ddp, local_x, local_y, cfg, tau):
     return SOLUTION.load()(ddp, local_x, local_y, cfg, tau)
 
 
+# World sizes: P = 2 only: the VJP's factor P and 1/(2N) are apart at N = 14; a third rank adds a run, not a claim
+# that reads otherwise.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -258,3 +275,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"whole_logits": "N x N", "without_no_sync": "one backward per step"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -21,6 +21,7 @@ N = P * C
 OWN_ROWS = "G_y from this rank's own rows alone (the other ranks' shares lost)"
 PREVIOUS = "G_y from rank r - 1's rows alone (the accumulator passed on, never added to)"
 EVERY_BLOCK = "G_x with eps = +1 on the diagonal of every block, not of the whole batch"
+UNTRANSPOSED = "G_y with each block's D where D^T belongs (s D Z_x, not s D^T Z_x)"
 
 
 def _coefficients(x, y, eps) -> torch.Tensor:
@@ -35,7 +36,11 @@ def _misreadings(e: Embeddings, rank: int) -> tuple[dict, dict]:
     blocks = 2 * torch.eye(C, dtype=x.dtype).repeat(P, P) - 1
     return (
         {EVERY_BLOCK: S * _coefficients(x, y, blocks)[mine] @ y},
-        {OWN_ROWS: S * d[mine, mine].T @ x[mine], PREVIOUS: S * d[prev, mine].T @ x[prev]},
+        {
+            OWN_ROWS: S * d[mine, mine].T @ x[mine],
+            PREVIOUS: S * d[prev, mine].T @ x[prev],
+            UNTRANSPOSED: S * sum(d[j * C : (j + 1) * C, mine] @ x[j * C : (j + 1) * C] for j in range(P)),
+        },
     )
 
 
@@ -69,6 +74,16 @@ def _ranks(rt, ring, claims, seed: int) -> None:
 
 
 MISTAKES = (
+    Mistake(
+        "D where D^T belongs in G_y",
+        "G_y equals",
+        (Equals(UNTRANSPOSED),),
+        (
+            "G_x is right, G_y is not: the texts' gradient reads the coefficient matrix the other way",
+            "D is (my images) x (block j's texts): the texts' share is s D^T Z_x, a sum down the columns",
+            "mine = s * d.T @ x",
+        ),
+    ),
     Mistake(
         "the normaliser is C, not N",
         "G_x equals",
@@ -114,7 +129,7 @@ MISTAKES = (
 
 def _ring(rt, x, y, s, beta, slip: str | None):
     """The ring as a learner writes it, with one slip (None: none): "norm C", "every block", "own rows",
-    "no add", "last send", "gathered x side"."""
+    "no add", "last send", "gathered x side", "no transpose"."""
     world, r, c = rt.world_size, rt.rank, len(x)
     nxt, prv, n = (r + 1) % world, (r - 1) % world, c * (world if slip != "norm C" else 1)
     g_x, block, acc, own, sent = torch.zeros_like(x), y, None, None, 0
@@ -133,7 +148,7 @@ def _ring(rt, x, y, s, beta, slip: str | None):
         labels = -torch.ones(c, c, dtype=x.dtype) + positive
         d = -labels * torch.sigmoid(-labels * (s * x @ block.T + beta)) / n
         g_x += s * d @ block
-        mine = s * d.T @ x
+        mine = s * (d if slip == "no transpose" else d.T) @ x
         own = mine if j == r else own
         if acc is not None and slip not in ("own rows", "no add"):
             mine += acc
@@ -165,6 +180,10 @@ def accumulator_not_added(rt, x, y, s, beta):
     return _ring(rt, x, y, s, beta, "no add")
 
 
+def untransposed(rt, x, y, s, beta):
+    return _ring(rt, x, y, s, beta, "no transpose")
+
+
 def block_sent_at_the_end(rt, x, y, s, beta):
     """Right numbers, a text block sent in the last step too: P C d feature elements, not (P - 1) C d."""
     return _ring(rt, x, y, s, beta, "last send")
@@ -175,6 +194,7 @@ def gathered_texts(rt, x, y, s, beta):
     return _ring(rt, x, y, s, beta, "gathered x side")
 
 
+# World sizes: P = 3 only: the accumulator travels two hops (at P = 2 it is home after one).
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -197,6 +217,7 @@ WRONG = {
     "eps = +1 on every block's diagonal": "every_block_positive",
     "no traveling accumulator": "own_rows_only",
     "the accumulator passed on without adding": "accumulator_not_added",
+    "D where D^T belongs in G_y": "untransposed",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
@@ -204,3 +225,5 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
     Path(__file__), {"block_sent_at_the_end": "bytes sent", "gathered_texts": "N x d"}
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

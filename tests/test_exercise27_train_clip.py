@@ -100,7 +100,8 @@ MISTAKES = (
         "step 1: every parameter",
         (Proportional(but=("logit_scale",)),),
         (
-            "every update is the same multiple of the reference's: the gradient's norm was never bounded",
+            "every update is the same multiple of the reference's: the step used a gradient whose norm was never "
+            "bounded (not clipped, or clipped only after the step had used it)",
             "clip the global norm of the gradient (all trainable parameters together) after the backward, "
             "before the step",
             "torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",
@@ -189,6 +190,8 @@ def without_zero_grad(ddp, optimizer, images, captions, config, clip_norm, bf16=
     return loss
 
 
+# World sizes: P = 2 only: clipping and the clamp read the same at any P; exactness of the loss at P = 2 against one
+# process.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -214,3 +217,5 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+
+test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -172,6 +172,8 @@ def test_a_ratio_is_named_in_the_exercises_quantities():
     assert name_ratio(0.25, {"P": 3, "M": 4}).startswith("1/M = 0.25")
     assert "P/2" in name_ratio(1.5, {"P": 3})  # (P - 1) where 2 (P - 1)/P belongs (= P/(P-1) at P = 3)
     assert "(= M here)" in name_ratio(4.0, {"P": 4, "M": 4})  # two quantities equal: both named
+    both = name_ratio(4 / 3, {"P": 3, "C": 4})  # C/(C-1) = C/P here: each reading offered, neither dropped
+    assert "one part counted" in both and "a factor C where P belongs" in both, both
     assert name_ratio(0.2718, {"P": 3, "M": 4}) is None and name_ratio(None, {"P": 3}) is None
     text = _diagnosed(_findings([WANT / 9, WANT / 9, WANT / 9]), Scaled("P", lambda p: p)).message(1)
     assert "got / reference = 1/P^2 = 0.111111: divided by P twice" in text, text
@@ -211,3 +213,34 @@ def test_an_answer_that_raises_is_a_verdict_naming_its_own_line_not_a_traceback(
     assert text.startswith("your answer raised on rank 2: TypeError: all_reduce(): argument"), text
     assert "06_data_parallel.py:41 in all_reduce_gradients: dist.all_reduce(grads)" in text, text
     assert "did not finish" in _raised(TimeoutError("ranks [1] did not finish within 240 s"), answer)
+
+
+def test_a_planted_slip_changes_one_text_of_the_lesson_and_nothing_else():
+    from exercise_kit import solution
+    from exercise_slips import Planted
+
+    judged = solution("data_parallel", "all_reduce_gradients")
+    slip = Planted(judged.path, judged.name, "param.grad /= rt.world_size", "param.grad /= 2 * rt.world_size", "x")
+    planted = slip.load()
+    assert planted is not judged.load() and judged.load().__code__.co_firstlineno == planted.__code__.co_firstlineno
+    assert "2 * rt.world_size" not in judged.path.read_text()  # the lesson's file is never touched
+    gone = Planted(judged.path, judged.name, "a text the lesson does not hold", "", "x")
+    try:
+        gone.load()
+    except ValueError as err:
+        assert "no longer fits" in str(err)
+    else:
+        raise AssertionError("a slip whose text is gone must say so, not judge the lesson unchanged")
+
+
+def test_a_factor_on_some_tensors_only_is_not_read_as_a_factor_on_all():
+    claims = Claims()
+    want = {"a": WANT, "b": 2 * WANT, "frozen": torch.zeros(2)}
+    claims.tensors("c", {"a": 3 * WANT, "b": 2 * WANT, "frozen": torch.zeros(2)}, want, what="t")
+    findings = Findings([claims.seen])
+    assert Scaled("P", lambda p: p).match(findings.failing("c"), 3) is None  # b is right: not "every tensor P times"
+    facts = diagnose(findings, (), 3).observations
+    assert any("tensors that held: b" in fact for fact in facts), facts  # "frozen" is zero: it proves nothing
+    claims = Claims()
+    claims.tensors("c", {"a": 3 * WANT, "b": 6 * WANT, "frozen": torch.zeros(2)}, want, what="t")
+    assert Scaled("P", lambda p: p).match(Findings([claims.seen]).failing("c"), 3)

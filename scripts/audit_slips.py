@@ -1,0 +1,47 @@
+"""The judge's audit: each exercise's planted slip (tests/exercise_slips.py) judged alone, one row per exercise:
+caught or not, whether the first hint (level 1) names the slip by its `names` words, and that first hint.
+
+    PYTHONPATH=src python scripts/audit_slips.py            # every exercise (one spawn or two each)
+    PYTHONPATH=src python scripts/audit_slips.py 03 20      # some
+
+The same slips are asserted by each exercise's `test_the_judge_rejects_a_planted_slip`; this prints what a learner
+would read, for the table in lessons/exercises/README.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _exercise(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # the ranks unpickle its body by this name
+    spec.loader.exec_module(module)
+    return module.EXERCISE
+
+
+def main(numbers: list[str]) -> None:
+    from exercise_slips import SLIPS
+
+    for path in sorted((ROOT / "tests").glob("test_exercise[0-9][0-9]_*.py")):
+        number = path.stem[len("test_exercise") :][:2]
+        if numbers and number not in numbers:
+            continue
+        exercise = _exercise(path)
+        slip = SLIPS[exercise.name]
+        (verdict,) = exercise.judge([exercise.planted()])
+        text = exercise.message(verdict, 1)
+        caught = text is not None
+        named = caught and bool(slip.names) and re.search(slip.names, text) is not None
+        print(f"| {number} | {slip.what} | {'yes' if caught else 'no'} | {'yes' if named else '?'} |", flush=True)
+        print("\n".join(f"    {line}" for line in (text or "(every claim held)").splitlines()), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -20,6 +20,9 @@ embeddings, the normalisers and G.
                          `distlab.streamed.torch_tiles`).
   `launch`               launching them: block sizes, the columns split across programs, each launch reported
                          to `distlab.streamed.launch_count` (on the meta device counted and not run).
+  `tuning`               which blocks on which card: the winners measured per (card, d, path), committed as a
+                         table, else a short timed search on a CUDA device's first use, cached on disk (never
+                         on a CPU).
 
 Every kernel takes float32, bf16 or fp16 embeddings (float64 under the interpreter), keeps its sums in float32
 (float64), and multiplies as MATMUL_PRECISION says (`register_tile`). `distlab.streamed.kernel_choice` chooses

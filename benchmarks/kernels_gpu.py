@@ -182,7 +182,7 @@ def methods(shape, device) -> dict:
 
     rank = f"one rank of P = {world}"
     in_memory = TritonTiles("bf16", w_in_memory=True)  # KERNELS "triton-mm"
-    torch_t = chunk_for(config(n, world), d, device, torch.float32)  # the default T for this device
+    torch_t = chunk_for(config(n, world), device, torch.float32)  # the default T for this device
     calls = {
         "InfoNCE kernels, gather, bf16": (rank, machinery("infonce", "gather", TritonTiles("bf16"))),
         "InfoNCE kernels, ring, bf16": (rank, machinery("infonce", "ring", TritonTiles("bf16"))),

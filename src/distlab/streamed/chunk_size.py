@@ -73,7 +73,7 @@ def torch_launches(cfg, t: int) -> int:
     return round(tiles_per_step(cfg, t) * LAUNCHES_PER_TILE[cfg.exchange])
 
 
-def chunk_for(cfg, d: int, device: torch.device, dtype: torch.dtype) -> int:
+def chunk_for(cfg, device: torch.device, dtype: torch.dtype) -> int:
     """T for this step: the default for the device (the config left STREAM_CHUNK_SIZE out)."""
     return default_chunk(cfg.local, cfg.n, budget_bytes(device), torch.finfo(dtype).bits // 8)
 
@@ -86,7 +86,7 @@ def warn_if_many_launches(cfg, t: int, device: torch.device, dtype: torch.dtype)
     launches = torch_launches(cfg, t)
     if launches > LAUNCH_LIMIT:
         _warned.add(key)
-        better = default_chunk(cfg.local, cfg.n, budget_bytes(device), torch.finfo(dtype).bits // 8)
+        better = chunk_for(cfg, device, dtype)
         warnings.warn(
             f"STREAM_CHUNK_SIZE T = {t} launches about {launches:,} kernels per step on this rank (N = {cfg.n}, "
             f"P = {cfg.world}): seconds of host time on a GPU. T = {better} launches about "

@@ -227,7 +227,7 @@ def step_tile_ops(cfg: StreamConfig, z_x: torch.Tensor, z_y: torch.Tensor) -> Ti
     """Who does this step's tile work (KERNELS, MATMUL_PRECISION) for embeddings like z_x, z_y, and its T:
     STREAM_CHUNK_SIZE, or the default for this device and shape (`chunk_size`)."""
     dtype = compute_dtype(z_x.dtype, z_y.dtype)
-    t = cfg.t or chunk_for(cfg, z_x.shape[1], z_x.device, dtype)
+    t = cfg.t or chunk_for(cfg, z_x.device, dtype)
     ops = tile_ops(cfg.kernels, cfg.precision, t, z_x.device, dtype, z_x.shape[1], cfg.w_budget)
     if ops.name == "torch":
         warn_if_many_launches(cfg, t, z_x.device, dtype)

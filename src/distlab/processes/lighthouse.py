@@ -49,8 +49,8 @@ def lighthouse(rt: Runtime, **options):
 def island_stores(rt: Runtime, islands: int, member: int, count: int) -> tuple[list, list[list[int]]]:
     """`count` TCPStores per island, served by its member 0 (rank island * P/islands): (the stores this rank
     serves, to keep alive while they are used; every island's `count` ports)."""
-    mine = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(count)]
-    mine = mine if member == 0 else []
+    serves = count if member == 0 else 0
+    mine = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(serves)]
     everyone = [None] * rt.world_size
     dist.all_gather_object(everyone, [store.port for store in mine])
     return mine, everyone[:: rt.world_size // islands]

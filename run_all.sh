@@ -87,7 +87,7 @@ done < lessons/order.txt
 python - "$summary" <<'PY'
 import sys
 from rich.table import Table
-from distlab.proof.console import console
+from distlab.processes.console import console
 table = Table(title="distlab: every lesson, every claim", title_justify="left")
 for col in ("lesson", "P", "claim", "result", "s"):
     table.add_column(col, justify="right" if col in ("P", "s") else "left", no_wrap=col != "claim")

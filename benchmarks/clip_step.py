@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.processes.cli import add_runtime_args
+from distlab.processes.console import print0
 from distlab.processes.flags import positive_int
 from distlab.processes.runtime import distributed, run_main
-from distlab.proof.console import print0
+from distlab.proof.cli import add_runtime_args
 from distlab.proof.models import TwoTower
 from distributed_clip import distributed_backward
 

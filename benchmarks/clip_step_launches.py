@@ -1,7 +1,7 @@
 """Launches and bytes per step of one rank's loss machinery, for the three paths (KERNELS "torch", "triton" and
 "triton-mm"),
 counted on the meta device: nothing is computed, so the count is the same on any device and a GPU-sized step
-counts on a laptop (`distlab.streamed.rank_work.count_rank`, `distlab.streamed.launch_count.LaunchCount`).
+counts on a laptop (`distlab.streamed.rank_work.count_rank`, `distlab.proof.launch_count.LaunchCount`).
 
 A launch is a torch op that starts a kernel, or a Triton launch; its bytes are the tensors it reads and writes,
 each once (a floor: a tiled product re-reads its operands from the cache). The torch tiles' launches grow with

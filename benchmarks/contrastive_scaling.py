@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distlab.contrastive.gather import gather_plain, gather_with_grad
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.pieces.chunks import chunks
-from distlab.processes.cli import add_runtime_args
+from distlab.processes.console import print0
 from distlab.processes.runtime import distributed, run_main
-from distlab.proof.console import print0
+from distlab.proof.cli import add_runtime_args
 from distlab.proof.models import TwoTower
 from distlab.streamed import loss_machinery
 from distributed_clip import distributed_train_step

@@ -85,10 +85,10 @@ XDIST=""; CORES=$(nproc --all); "$PY" -c "import xdist" 2>/dev/null && [ "$CORES
 # The torch.distributed names the project calls: any the installed torch lacks is listed (a torch older than the
 # pinned 2.13.0, as on an image that cannot reach PyPI). The gathers torch 2.11 names otherwise
 # (all_gather_single, reduce_scatter_single, the functional all_gather_single_autograd) go through
-# distlab.processes.compat, which takes whichever name the installed torch has; the list says so.
+# distlab.comm.compat, which takes whichever name the installed torch has; the list says so.
 API=$("$PY" "$REPO/benchmarks/gpu_check_env.py" api)
 [ -n "$API" ] && say "NOTE: this torch lacks what the project calls: $API"
-COMPAT=""; case "$API" in *distlab.processes.compat*) COMPAT=" (2.11's collective names, through distlab.processes.compat)" ;; esac
+COMPAT=""; case "$API" in *distlab.comm.compat*) COMPAT=" (2.11's collective names, through distlab.comm.compat)" ;; esac
 # The peers, as wheels carried in .whl/ (no network here): installed into a folder of their own, last on the path.
 SITE=/tmp/site; [ "$MODE" = cpu ] && SITE=$HELP/site
 PEERS="no .whl/ folder: the peers were not carried"

@@ -1,7 +1,7 @@
 """What benchmarks/gpu_check.sh asks the interpreter before it runs anything: `probe` (torch's version, its CUDA,
 whether a GPU is there, how many), `missing` (the packages the check needs that are not installed) and `api` (the
 torch.distributed names the project calls that the installed torch lacks; 2.11's names go through
-distlab.processes.compat). One line on stdout each; `probe` prints nothing when torch does not import.
+distlab.comm.compat). One line on stdout each; `probe` prints nothing when torch does not import.
 
     python benchmarks/gpu_check_env.py probe | missing | api
 """
@@ -42,10 +42,10 @@ def api() -> str:
     import torch.distributed._functional_collectives as funcol
 
     missing = [n for n in NAMES if not hasattr(dist, n)]
-    missing += [f"{n} (distlab.processes.compat: {old})" for n, old in RENAMED if not hasattr(dist, n)]
+    missing += [f"{n} (distlab.comm.compat: {old})" for n, old in RENAMED if not hasattr(dist, n)]
     if not hasattr(funcol, "all_gather_single_autograd"):
         missing.append(
-            "_functional_collectives.all_gather_single_autograd (distlab.processes.compat: all_gather_tensor_autograd)"
+            "_functional_collectives.all_gather_single_autograd (distlab.comm.compat: all_gather_tensor_autograd)"
         )
     for mod, attr in MODULES:
         try:

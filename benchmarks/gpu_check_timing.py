@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from distlab.contrastive.losses import clip_loss, local_clip_loss
 from distlab.pieces.chunks import chunks
 from distlab.processes.spawn import spawn
+from distlab.proof.launch_count import NO_KERNEL  # ops that launch no kernel: the launch count's own list
 from distlab.streamed import loss_machinery
-from distlab.streamed.launch_count import NO_KERNEL  # ops that launch no kernel: the launch count's own list
 from distlab.streamed.torch_tiles import streamed_lse, streamed_softmax_pair_product
 
 TAU = 0.07

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from distlab.processes.cli import add_runtime_args
+from distlab.processes.console import print0
 from distlab.processes.flags import positive_int
 from distlab.processes.runtime import distributed, run_main
-from distlab.proof.console import print0
+from distlab.proof.cli import add_runtime_args
 from distlab.streamed.step_guards import agree_gradients_finite, finite_flags
 from distributed_clip import ClipLoss, distributed_train_step
 

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.training import PipelineConfig
-from distlab.processes.cli import add_runtime_args
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.training import PipelineConfig
+from distlab.processes.console import print0
 from distlab.processes.flags import add_global_batch, positive_int
 from distlab.processes.runtime import distributed, run_main
-from distlab.proof.console import print0
+from distlab.proof.cli import add_runtime_args
 
 RESULTS = Path(__file__).parent / "results"
 MICROBATCHES = (1, 2, 4, 8, 16, 32)

@@ -15,10 +15,10 @@ p resumes the backward from it (`A_p.backward(dL/dA_p)`). That is the chain rule
 Every parameter lives on one rank, so each rank steps its own optimizer and no gradient is averaged.
 
 The mechanism is `model_parallel_step` below: the whole send/recv chain, in this file. The
-split is `distlab/pipeline/partition.py: stage_bounds`: the first (layers mod P) stages get one layer
+split is `distlab/model_split/partition.py: stage_bounds`: the first (layers mod P) stages get one layer
 more. (The tempting `per_rank = ceil(layers / P); start = rank * per_rank` leaves the trailing ranks
 empty: 6 layers on P = 4 ranks gives 2, 2, 2, 0.) The training loop is the track's one loop,
-`distlab/pipeline/training.py: train`.
+`distlab/model_split/training.py: train`.
 
 The proof. An unsplit deep copy of the model trains on the whole batch in one process; every rank
 compares its stage's gradients (after step 1) and parameters (after the last step) with the copy's,
@@ -35,13 +35,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.pipeline.partition import boundary_shapes, split_stages
-from distlab.pipeline.report import per_tensor
-from distlab.pipeline.training import PipelineConfig, check_config, problem, train, unsplit_reference
-from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.model_split.partition import boundary_shapes, split_stages
+from distlab.model_split.report import per_tensor
+from distlab.model_split.training import PipelineConfig, check_config, problem, train, unsplit_reference
+from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, positive_int
-from distlab.processes.runtime import Runtime, distributed, run_main
-from distlab.proof.console import print0
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.timeline import Timeline, busy_fractions, max_concurrency, render
 from distlab.proof.verdict import Verdict
 
@@ -123,7 +124,7 @@ def parse_args(argv: list[str] | None = None):
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), stages_fit_layers)
-    cfg = PipelineConfig.from_args(args, input_features=args.input_features)
+    cfg = PipelineConfig(**mlp_run(args), input_features=args.input_features)
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
         print0(

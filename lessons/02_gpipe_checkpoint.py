@@ -37,32 +37,32 @@ real math still running inside it. There the ranks overlap as GPipe says, and th
 of the step comes out near (P - 1)/(M + P - 1).
 
 The mechanism: the schedule is `gpipe` below (data: each rank's list of actions; the lesson checks
-it is the library's, `distlab/pipeline/schedules.py: gpipe`), executed by
-`distlab/pipeline/runner.py: PipelineStep` (its `_forward` scales the loss by n_i / N;
-`stage_forward` calls checkpoint_sequential); `distlab/pipeline/probe.py: StageProbe`
-measures the memory, `distlab/pipeline/simulator.py: simulate` draws the grid.
+it is the library's, `distlab/model_split/schedules.py: gpipe`), executed by
+`distlab/model_split/runner.py: PipelineStep` (its `_forward` scales the loss by n_i / N;
+`stage_forward` calls checkpoint_sequential); `distlab/model_split/probe.py: StageProbe`
+measures the memory, `distlab/model_split/simulator.py: simulate` draws the grid.
 """
 
 from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.pipeline import schedules
-from distlab.pipeline.partition import stage_bounds
-from distlab.pipeline.report import check_runs, gathered, show_timelines
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import Action, Schedule
-from distlab.pipeline.simulator import render, simulate
-from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
-from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.model_split import schedules
+from distlab.model_split.partition import stage_bounds
+from distlab.model_split.report import check_runs, gathered, show_timelines
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.schedules import Action, Schedule
+from distlab.model_split.simulator import render, simulate
+from distlab.model_split.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
+from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, nonnegative_int, positive_int
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
-from distlab.proof.console import print0
+from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.timeline import step_seconds
 from distlab.proof.verdict import Verdict
 
-# ---- the mechanism: GPipe's schedule, as data (the runner: distlab.pipeline) ---------------------
+# ---- the mechanism: GPipe's schedule, as data (the runner: distlab.model_split) ---------------------
 
 
 def gpipe(num_ranks: int, microbatches: int) -> Schedule:
@@ -173,7 +173,7 @@ def main() -> int:
     m, k = args.micro_batches, args.checkpoint_segments
     if k < 2:
         raise ValueError(f"--checkpoint-segments must be >= 2 (this lesson compares K with no checkpointing), got {k}")
-    cfg = PipelineConfig.from_args(args, schedule="gpipe", probe=True)
+    cfg = PipelineConfig(**mlp_run(args), schedule="gpipe", probe=True)
     with distributed(args.device) as rt:
         world, verdict = rt.world_size, Verdict(rt)
         print0(

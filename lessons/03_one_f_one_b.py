@@ -17,14 +17,14 @@ buys is the freedom to raise M (which does shrink it) without running out of mem
 shrinks the bubble itself.
 
 The mechanism is the loop `one_f_one_b` below: the whole schedule, as data. The lesson checks it is
-the library's (`distlab/pipeline/schedules.py: one_f_one_b`, a special case of the interleaved and
-zero-bubble schedules of lesson 05), and `distlab/pipeline/runner.py: PipelineStep` executes it.
+the library's (`distlab/model_split/schedules.py: one_f_one_b`, a special case of the interleaved and
+zero-bubble schedules of lesson 05), and `distlab/model_split/runner.py: PipelineStep` executes it.
 
 Deadlock. In the steady state rank r sends an activation forward while rank r+1 sends a gradient
 back. With blocking send/recv each waits in its send for the other's receive, forever (gloo's send
 waits for the receive even for one number). The runner posts matching sends and receives together in
 one `batch_isend_irecv`, at the tick of the schedule's own grid where the message travels
-(`distlab/pipeline/p2p.py: comm_plan`); the tests replay every rank's plan for P <= 6, M <= 13 and
+(`distlab/model_split/p2p.py: comm_plan`); the tests replay every rank's plan for P <= 6, M <= 13 and
 show that blocking transfers in 1F1B's order would deadlock.
 
 Measured. The timeline of 1F1B's last step is recorded on the real CPU (P ranks taking turns on
@@ -40,17 +40,17 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from distlab.pipeline import schedules
-from distlab.pipeline.report import check_runs, gathered, show_timelines
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import Action, Schedule, gpipe
-from distlab.pipeline.simulator import peak_in_flight, render, simulate
-from distlab.pipeline.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
-from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.model_split import schedules
+from distlab.model_split.report import check_runs, gathered, show_timelines
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.schedules import Action, Schedule, gpipe
+from distlab.model_split.simulator import peak_in_flight, render, simulate
+from distlab.model_split.training import PipelineConfig, microbatch_sizes, train, unsplit_reference
+from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, positive_int
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
-from distlab.proof.console import print0
+from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.verdict import Verdict
 
 # ---- the mechanism: the 1F1B schedule, as data ---------------------------------------------------
@@ -109,7 +109,7 @@ def memory_table(runs: dict[str, list], m: int) -> tuple[Table, dict]:
 def main() -> int:
     args = check_flags_against_world(parse_args(), stages_fit_layers)
     m = args.micro_batches
-    cfg = PipelineConfig.from_args(args, probe=True)
+    cfg = PipelineConfig(**mlp_run(args), probe=True)
     with distributed(args.device) as rt:
         world, verdict = rt.world_size, Verdict(rt)
         print0(

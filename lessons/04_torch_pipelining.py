@@ -11,8 +11,8 @@ and checks that PyTorch's gradients and parameters equal ours and the unsplit mo
 per-rank order of forwards and backwards it executes is the order our schedules prescribe.
 
 The mechanism: `pipeline_for_rank` below builds this rank's PipelineStage and schedule;
-`distlab/pipeline/torch_engine.py: TorchStep` makes the step calls above (and records what each stage
-executes), trained by the track's one loop, `distlab/pipeline/training.py: train`.
+`distlab/model_split/torch_engine.py: TorchStep` makes the step calls above (and records what each stage
+executes), trained by the track's one loop, `distlab/model_split/training.py: train`.
 
 Where PyTorch differs (torch 2.13):
 - Loss reduction. It runs backward on each micro-batch's loss as returned (a mean over that
@@ -33,16 +33,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distlab.pipeline.report import check_runs, gathered, orders_table
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import make_schedule
-from distlab.pipeline.torch_engine import TORCH_SCHEDULES, TorchStep
-from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.model_split.report import check_runs, gathered, orders_table
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.schedules import make_schedule
+from distlab.model_split.torch_engine import TORCH_SCHEDULES, TorchStep
+from distlab.model_split.training import PipelineConfig, train, unsplit_reference
+from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, positive_int
 from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.compare import all_ok, compare
-from distlab.proof.console import print0
 from distlab.proof.verdict import Verdict
 
 # ---- the mechanism: our split model, run by torch.distributed.pipelining -------------------------
@@ -118,7 +118,7 @@ def show_orders(theirs: dict, world: int, m: int, verdict: Verdict) -> None:
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), stages_fit_layers)
-    cfg = PipelineConfig.from_args(args, gather_spans=False)
+    cfg = PipelineConfig(**mlp_run(args), gather_spans=False)
     m = cfg.micro_batches
     with distributed(args.device) as rt:
         world, verdict = rt.world_size, Verdict(rt)

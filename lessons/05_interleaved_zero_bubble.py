@@ -41,12 +41,12 @@ each layer's F, I or W costs a fixed time in which the rank sleeps, the real mat
 it). There the step times follow the grids: ZB-H1 / 1F1B comes out near the ratio of their lengths.
 
 The mechanism: the schedules are data. ZB-H1 is written out below, `zb_h1` (the lesson checks it is
-the library's); all of them are in `distlab/pipeline/schedules.py` (`interleaved_1f1b`, `zero_bubble`,
+the library's); all of them are in `distlab/model_split/schedules.py` (`interleaved_1f1b`, `zero_bubble`,
 `zbv`: warm-up, one forward one backward, cool-down, with W held back);
-`distlab/pipeline/simulator.py: simulate` places them on a grid of ticks; `distlab/pipeline/runner.py:
+`distlab/model_split/simulator.py: simulate` places them on a grid of ticks; `distlab/model_split/runner.py:
 PipelineStep` executes them, one rank's several stages and their I/W split (`_backward`: the input's
 gradient with `torch.autograd.grad(out, x, g, retain_graph=True)`; `_weight`: the weights' later);
-`distlab/pipeline/p2p.py: comm_plan` batches the messages at the ticks the grid gives them.
+`distlab/model_split/p2p.py: comm_plan` batches the messages at the ticks the grid gives them.
 
 The proof. Every schedule, ours and torch.distributed.pipelining's of the same name, trains the same
 split model, and its gradients, parameters and losses are compared with the unsplit model trained
@@ -61,18 +61,18 @@ from collections import deque
 
 from rich.table import Table
 
-from distlab.pipeline.report import check_runs, gathered, orders_table, show_measured
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
-from distlab.pipeline.simulator import peak_in_flight, render, simulate
-from distlab.pipeline.torch_engine import TORCH_SCHEDULES, TorchStep, refusals
-from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.model_split.report import check_runs, gathered, orders_table, show_measured
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.schedules import SCHEDULES, Action, Schedule, make_schedule
+from distlab.model_split.simulator import peak_in_flight, render, simulate
+from distlab.model_split.torch_engine import TORCH_SCHEDULES, TorchStep, refusals
+from distlab.model_split.training import PipelineConfig, train, unsplit_reference
+from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, positive_int, require
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
+from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.compare import all_ok, compare
-from distlab.proof.console import print0
 from distlab.proof.timeline import step_seconds
 from distlab.proof.verdict import Verdict
 
@@ -281,7 +281,7 @@ def main() -> int:
         f"M={m} must divide N={args.global_batch} "
         "(--global-batch): PyTorch's schedules take equal micro-batches only (ours: lesson 02)",
     )
-    cfg = PipelineConfig.from_args(args, stages_per_rank=v)
+    cfg = PipelineConfig(**mlp_run(args), stages_per_rank=v)
     with distributed(args.device) as rt:
         world, verdict = rt.world_size, Verdict(rt)
         print0(

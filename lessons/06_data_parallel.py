@@ -1,5 +1,5 @@
 """Lesson 06: collectives and data parallelism, by hand, with buckets and overlap, and with DDP. The
-bridge from the pipelines (01-05), which split the model, to the contrastive lessons (10-16), which
+bridge from the pipelines (01-05), which split the model, to the contrastive lessons (21-27), which
 split the batch.
 
     torchrun --nproc-per-node 2 lessons/06_data_parallel.py     # any P that divides N (960: P = 1..4)
@@ -113,12 +113,13 @@ from distlab.data_split.data_parallel.report import (
     timing_table,
 )
 from distlab.data_split.data_parallel.training import train
-from distlab.processes.cli import add_mlp_args, lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import check_flags_against_world, positive_float, positive_int
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
+from distlab.proof.cli import add_mlp_args, lesson_parser
 from distlab.proof.compare import DTYPES, all_ok, compare, compare_whole, tolerances
-from distlab.proof.console import print0
 from distlab.proof.memory import MIB
 from distlab.proof.reference import one_process, sgd
 from distlab.proof.verdict import Verdict
@@ -245,7 +246,7 @@ class GradientBuckets:
         link=None,
         find_unused_parameters: bool = False,
     ):
-        self.model, self.rt, self.overlap, self.link = model, rt, overlap, link  # link: emulate.Link, or gloo
+        self.model, self.rt, self.overlap, self.link = model, rt, overlap, link  # link: emulate.EmulatedLink, or gloo
         self.find_unused = find_unused_parameters
         broadcast_parameters(model, rt)
         # Backward produces gradients from the last layer to the first; filling the buckets in that order (as
@@ -376,7 +377,40 @@ def show_overlap(rt: Runtime, cfg: DataParallelConfig, args, verdict: Verdict) -
     verdict.figure("step_seconds", {name: vars(t) for name, t in seconds.items()})
     verdict.figure("timeline", vars(line) | {"bucket_bytes": sizes})
     if args.emulate_ms:
-        verdict.figure("emulated", emulated_overlap(rt, cfg, args, GradientBuckets))
+        device, link = emulate.EmulatedDevice(args.emulate_ms), emulate.EmulatedLink(args.link_ms_per_mib)
+        buckets_on = lambda m, overlap: GradientBuckets(m, rt, cap, overlap, link)  # noqa: E731
+        verdict.figure("emulated", emulated_overlap(rt, cfg, device, link, args.repeats, buckets_on))
+        link.close()
+
+
+def show_ddp(rt: Runtime, cfg: DataParallelConfig, k: int, verdict: Verdict, ref_grads: dict) -> None:
+    print0("\n[bold]4. DDP: no_sync for gradient accumulation, find_unused_parameters[/]")
+    rows, calls = [], {}
+    for no_sync in (True, False):
+        grads, calls[no_sync] = ddp.accumulate(rt, cfg, k, no_sync)
+        name = "no_sync but the last" if no_sync else "every micro-batch synced"
+        rows.append((name, "one process", compare_whole(ref_grads, grads), True))
+    print0(gradient_table(rows, f"Gradient accumulation over {k} micro-batches per rank under DDP"))
+    print0(f"DDP all-reduce calls (comm hook): {calls[True]} with no_sync, {calls[False]} without")
+    verdict.check(
+        f"no_sync: gradients = one process's; all-reduce in 1 of {k} backwards",
+        all(r[2].ok for r in rows) and calls[True] * k == calls[False] and calls[True] > 0,
+    )
+    verdict.figure("allreduce_calls", {"no_sync": calls[True], "every": calls[False], "micro_batches": k})
+    unused = ddp.unused_outcome(rt, cfg)
+    header = ("find_unused_parameters", "step 1", "step 2", "step 3")
+    per_flag = [(str(flag), *cells) for flag, cells in unused.cells.items()]
+    print0(rows_table("A branch used in steps 1 and 3, not in step 2: gradients per step", header, per_flag))
+    print0(f"without the flag, step 3's forward raised: {unused.errors[False].split('. ')[0]}.", highlight=False)
+    print0(
+        f"with the flag DDP searches the graph for unused parameters after every forward; in step 1, which used them "
+        f"all, torch {'warned' if unused.warned else 'did not warn'} that the search found none: the flag's price",
+        highlight=False,
+    )
+    verdict.check(
+        "unused branch: un-averaged, then an error; with the flag exact",
+        unused.cells[False] == unused.expected_without and unused.cells[True] == ["= one process"] * 3,
+    )
 
 
 def show_global_loss(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict, ddp_mean_row: tuple) -> None:
@@ -418,17 +452,13 @@ def parse_args():
         help="micro-batches per rank in the no_sync part (at most C = N / P)",
     )
     emulate.add_args(parser, ms_per_layer=10.0)  # long enough that the real compute and all-reduces fit inside
-    parser.add_argument(
-        "--link-ms-per-mib",
-        type=positive_float,
-        default=40.0,
-        help="emulated device: ms the link takes per MiB of an all-reduce",
-    )
+    parser.add_argument("--link-ms-per-mib", type=positive_float, default=40.0, help="emulated: ms per MiB on the link")
     return parser.parse_args()
 
 
 def main() -> int:
-    args = check_flags_against_world(parse_args(), world_rules)
+    rules = lambda a, world: world_rules(a.global_batch, a.accumulation_steps, world)  # noqa: E731
+    args = check_flags_against_world(parse_args(), rules)
     cfg = DataParallelConfig(
         args.global_batch, args.layers, args.width, args.steps, args.lr, args.seed, DTYPES[args.dtype]
     )
@@ -441,7 +471,7 @@ def main() -> int:
         show_collectives(rt, args, verdict)
         ref_grads, ddp_mean_row = show_data_parallel(rt, cfg, args, verdict)
         show_overlap(rt, cfg, args, verdict)
-        ddp.show_ddp(rt, cfg, args.accumulation_steps, verdict, ref_grads)
+        show_ddp(rt, cfg, args.accumulation_steps, verdict, ref_grads)
         show_global_loss(rt, cfg, verdict, ddp_mean_row)
         return verdict.finish(args.json)
 

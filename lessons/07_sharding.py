@@ -66,7 +66,7 @@ from distlab.data_split.sharding.replicated import Replicated
 from distlab.data_split.sharding.report import agreement_table, bytes_table, holds_table, memory_table
 from distlab.data_split.sharding.shards import Sharded, no_gradient
 from distlab.data_split.sharding.training import run_strategy
-from distlab.processes.cli import add_optimizer_args, lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import (
     add_global_batch,
     check_flags_against_world,
@@ -74,13 +74,14 @@ from distlab.processes.flags import (
     divides_global_batch,
     positive_float,
 )
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
 from distlab.processes.scratch import scratch_dir
+from distlab.proof.cli import add_optimizer_args, lesson_parser
 from distlab.proof.compare import against, all_ok, compare
-from distlab.proof.console import print0, rows_table
+from distlab.proof.launch_count import LaunchCount
 from distlab.proof.models import Block, BlockOptions, token_batch
 from distlab.proof.verdict import Verdict
-from distlab.streamed.launch_count import LaunchCount
 
 # ---- the mechanism: ZeRO-1, -2 and -3 by hand ----------------------------------------------------
 # `Sharded` (distlab/data_split/sharding/shards.py) holds what all three share: rank 0's weights broadcast, the flat

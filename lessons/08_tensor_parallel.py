@@ -70,11 +70,12 @@ from distlab.layer_split.tensor_parallel.model import BlockConfig
 from distlab.layer_split.tensor_parallel.operator_checks import check_operator
 from distlab.layer_split.tensor_parallel.report import COLLECTIVE, bytes_table, equality_table, mark
 from distlab.layer_split.tensor_parallel.runs import activation_bytes_measured, reference, same_runs, split_run
-from distlab.processes.cli import add_optimizer_args, lesson_parser
+from distlab.processes.console import compact_table, print0
 from distlab.processes.flags import add_global_batch, check_flags_against_world, fraction, positive_int, require
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import add_optimizer_args, lesson_parser
 from distlab.proof.compare import against, all_ok, compare
-from distlab.proof.console import compact_table, print0
 from distlab.proof.sizes import Transformer
 from distlab.proof.verdict import Verdict
 

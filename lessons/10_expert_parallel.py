@@ -65,6 +65,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from distlab.comm import compat
+from distlab.comm.agree import rank_table
 from distlab.comm.collectives import all_to_all_bytes
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
@@ -80,9 +82,7 @@ from distlab.layer_split.expert_parallel.moe import (
     kept_choices,
     route,
 )
-from distlab.processes import compat
-from distlab.processes.agree import rank_table
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import (
     add_global_batch,
     check_flags_against_world,
@@ -92,9 +92,10 @@ from distlab.processes.flags import (
     positive_int,
     require,
 )
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import lesson_parser
 from distlab.proof.compare import compare_whole, grads_of
-from distlab.proof.console import print0, rows_table
 from distlab.proof.training import mean_over_ranks, reduce_gradients
 from distlab.proof.verdict import Verdict
 

@@ -50,18 +50,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab.comm.agree import rank_table
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
 from distlab.cost.hardware import DEVICES, LINKS
 from distlab.layer_split.context_parallel import ulysses, whole_sequence
 from distlab.layer_split.context_parallel.cost import Sizes
 from distlab.layer_split.context_parallel.split import shard, unshard
-from distlab.processes.agree import rank_table
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import check_flags_against_world, positive_int
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import lesson_parser
 from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table
-from distlab.proof.console import print0, rows_table
 from distlab.proof.verdict import Verdict
 
 PHASES = ("forward", "backward")  # the ledger's phase of a move, and of its gradient's move back

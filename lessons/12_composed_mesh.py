@@ -23,7 +23,8 @@ neighbours; `distlab.composed.config`), and `mesh[dim].get_group()` is the group
             positions: their gradients are partial sums, all-reduced over tp after the last backward (the
             table's "tp gradients all_reduce": 2 (tp-1)/tp x 4 vectors of d a block, 2 more for the final
             norm, x e; 2,048 bytes on the first of 2 x 2 x 2 x 1's stages: 1 x 8 x 32 x 8)
-    cp      lesson 09's ring over the cp group (`distlab.layer_split.context_parallel.ring`), the block's attention core
+    cp      lesson 09's ring over the cp group (`distlab.layer_split.context_parallel.ring_attention`), the block's
+            attention core
     dp x cp FSDP2 over the two flattened into one dimension of W = dp cp ranks: they hold the same weights
             and split the batch (dp by sequences, cp by positions), so their gradients are averaged together
 
@@ -66,17 +67,17 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+from distlab.comm.agree import rank_table
 from distlab.comm.ring import Ring
 from distlab.composed import checkpoint, cost
 from distlab.composed.config import LAYOUT, RunConfig, Shape, check_model, check_shape, describe, folded, small_shapes
 from distlab.composed.measure import StepMeasured, held, measuring
 from distlab.composed.model import LanguageModel, entropy_rate, keep_stage, loss_fn, token_batch
 from distlab.composed.trainee import MeshTrainee, flat_states
-from distlab.layer_split.context_parallel.ring import ring_core
+from distlab.layer_split.context_parallel.ring_attention import ring_core
 from distlab.layer_split.context_parallel.split import Layout, pieces_of
 from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan
-from distlab.processes.agree import rank_table
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import (
     add_global_batch,
     check_flags_against_world,
@@ -85,10 +86,11 @@ from distlab.processes.flags import (
     positive_int,
     require,
 )
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
 from distlab.processes.scratch import scratch_dir
+from distlab.proof.cli import lesson_parser
 from distlab.proof.compare import Comparison, all_ok, compare
-from distlab.proof.console import print0, rows_table
 from distlab.proof.reference import one_process
 from distlab.proof.sizes import Transformer
 from distlab.proof.training import Run, train

@@ -55,10 +55,11 @@ from distlab.cost.timing import Assumptions, StepTime, predict
 from distlab.cost.trial import Trial, timed
 from distlab.layer_split.tensor_parallel.cost import efficient_attention_extra, sdpa_math_path
 from distlab.plan.presets import MODELS, PUBLISHED
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import compact_table, print0, rows_table
 from distlab.processes.flags import add_global_batch, check_flags_against_world, positive_float, positive_int, require
-from distlab.processes.runtime import Runtime, distributed, run_main
-from distlab.proof.console import compact_table, print0, rows_table
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import lesson_parser
 from distlab.proof.models import BlockOptions
 from distlab.proof.sizes import Transformer
 from distlab.proof.verdict import Verdict

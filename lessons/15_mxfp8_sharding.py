@@ -36,11 +36,12 @@ import torch
 import torch.distributed as dist
 
 from distlab.comm.watch import CollectiveWatch
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import check_flags_against_world, positive_float, positive_int, require
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import lesson_parser
 from distlab.proof.compare import all_ok, compare, comparison_table
-from distlab.proof.console import print0, rows_table
 from distlab.proof.verdict import Verdict
 
 # torchao is imported where it is compared (parts 3 and 5): the mechanism needs only torch, and its import

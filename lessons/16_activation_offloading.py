@@ -41,11 +41,11 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint_sequential
 
 from distlab.data_split.sharding.accounting import mlp_activations
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import nonnegative_float, positive_int
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
-from distlab.proof.console import print0, rows_table
+from distlab.proof.cli import lesson_parser
 from distlab.proof.held import SavedActivations, storage_bytes
 from distlab.proof.memory import MIB
 from distlab.proof.models import layered_mlp, regression_batch
@@ -80,7 +80,7 @@ class Offloader:
     def _copy(self, t: torch.Tensor, label: str) -> torch.Tensor:
         """On the copy thread: t copied, the copy taking its bytes' time on the emulated link."""
         nbytes = t.numel() * t.element_size()
-        with self.copies.span(label), emulate.Device(self.link_ms_per_mib * nbytes / MIB).pad(1):
+        with self.copies.span(label), emulate.EmulatedDevice(self.link_ms_per_mib * nbytes / MIB).pad(1):
             return t.detach().clone()  # a new storage: the "other side" of the link
 
     def _resident(self, nbytes: int) -> None:
@@ -170,7 +170,7 @@ def step(args, how: str) -> dict:
     prefetch), "serialised" (no prefetch, every copy waited for), "save_on_cpu" (torch's) or "recompute"
     (checkpoint per layer). Returns its gradients, seconds, counts and spans."""
     model, x, y, widths = make_problem(args)
-    slowed = emulate.slow_layers(model, emulate.Device(args.emulate_ms))
+    slowed = emulate.slow_layers(model, emulate.EmulatedDevice(args.emulate_ms))
     compute, offloader = Timeline(0), None
     start = time.perf_counter()
     if how in ("offload", "serialised"):

@@ -48,7 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.comm.ledger import Ledger
-from distlab.processes.cli import add_optimizer_args, lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import (
     check_flags_against_world,
     divides_global_batch,
@@ -56,8 +56,9 @@ from distlab.processes.flags import (
     positive_int,
     require,
 )
-from distlab.processes.runtime import Runtime, distributed, run_main
-from distlab.proof.console import print0, rows_table
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import add_optimizer_args, lesson_parser
 from distlab.proof.models import layered_mlp, regression_batch
 from distlab.proof.verdict import Verdict
 

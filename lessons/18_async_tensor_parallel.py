@@ -67,12 +67,13 @@ from distlab.comm.p2p import Posted, post
 from distlab.comm.watch import CollectiveWatch
 from distlab.layer_split.tensor_parallel import operators
 from distlab.layer_split.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, reference_shards
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import compact_table, print0
 from distlab.processes.flags import check_flags_against_world, nonnegative_float, positive_int, require
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
+from distlab.proof.cli import lesson_parser
 from distlab.proof.compare import all_ok, compare
-from distlab.proof.console import compact_table, print0
 from distlab.proof.verdict import Verdict
 
 SEQ = 1  # the sequence dim of an activation (N, seq, d): the dim the blocks are cut along
@@ -94,7 +95,7 @@ class Clock:
     @contextmanager
     def compute(self, label: str, units: int = 1):
         start = time.perf_counter()
-        with emulate.Device(self.matmul_ms).pad(units):
+        with emulate.EmulatedDevice(self.matmul_ms).pad(units):
             yield
         self.spans.append(("M", label, start, time.perf_counter()))
 
@@ -102,7 +103,7 @@ class Clock:
     def blocking(self, label: str, messages: int):
         """A collective that holds the rank until its `messages` ring steps are done (plain TP)."""
         start = time.perf_counter()
-        with emulate.Device(self.link_ms).pad(messages):
+        with emulate.EmulatedDevice(self.link_ms).pad(messages):
             yield
         self.spans.append(("T", label, start, time.perf_counter()))
 

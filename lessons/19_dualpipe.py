@@ -37,10 +37,10 @@ every rank. In whole stages P + 1/2: ZB-V's P plus the half stage that overlappi
 PP + 1 for DualPipe, whose ranks hold two whole stages).
 
 The mechanism is `dualpipev` below: a pure function returning, per rank, its ticks, each a tuple of one
-action or a pair. `flatten` hands the runner (`distlab.pipeline.runner.PipelineStep`) the actions in order,
-a pair as its forward then its backward; the simulator (`distlab.pipeline.simulator`) draws its grid.
+action or a pair. `flatten` hands the runner (`distlab.model_split.runner.PipelineStep`) the actions in order,
+a pair as its forward then its backward; the simulator (`distlab.model_split.simulator`) draws its grid.
 
-DualPipe in both directions (`dualpipe`; the runner for two chains: `distlab.pipeline.two_chains`). Two
+DualPipe in both directions (`dualpipe`; the runner for two chains: `distlab.model_split.two_chains`). Two
 copies of the model, each cut in P whole chunks (1/P of the model). Chain 0 runs copy 0 with chunk k on rank
 k: its M/2 micro-batches enter at rank 0. Chain 1 runs copy 1 with chunk k on rank P - 1 - k: its M/2
 micro-batches enter at rank P - 1. So rank r holds chunk r of copy 0 and chunk P - 1 - r of copy 1, and its
@@ -85,24 +85,24 @@ from collections import deque
 
 import torch
 
-from distlab.pipeline.report import check_runs, gathered
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import Action, Schedule, make_schedule
-from distlab.pipeline.simulator import Timing, peak_in_flight, render, simulate
-from distlab.pipeline.torch_engine import TorchStep
-from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
-from distlab.pipeline.two_chains import (
+from distlab.model_split.report import check_runs, gathered
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.schedules import Action, Schedule, make_schedule
+from distlab.model_split.simulator import Timing, peak_in_flight, render, simulate
+from distlab.model_split.torch_engine import TorchStep
+from distlab.model_split.training import PipelineConfig, train, unsplit_reference
+from distlab.model_split.two_chains import (
     UNIT,
     TwoChainStep,
     simulate_units,
     two_chain_dependencies,
     unit_timing,
 )
-from distlab.processes.cli import add_mlp_args, lesson_parser, stages_fit_layers
+from distlab.processes.console import compact_table, print0
 from distlab.processes.flags import check_flags_against_world, positive_int, require
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
-from distlab.proof.console import compact_table, print0
+from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.timeline import step_seconds
 from distlab.proof.verdict import Verdict
 
@@ -415,7 +415,7 @@ def world_rules(args, world_size: int) -> None:
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), world_rules)
-    cfg = PipelineConfig.from_args(args)
+    cfg = PipelineConfig(**mlp_run(args))
     with distributed(args.device) as rt:
         verdict = Verdict(rt)
         print0(

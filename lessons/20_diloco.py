@@ -71,13 +71,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distlab.comm.collectives import ring_bytes
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import check_flags_against_world, positive_int, require
-from distlab.processes.lighthouse import TIMEOUT, island_stores, lighthouse, lighthouse_shows, manager
-from distlab.processes.lives import Lives
-from distlab.processes.runtime import Runtime, distributed, run_main
-from distlab.proof.console import print0, rows_table
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import lesson_parser
 from distlab.proof.verdict import Verdict
+from distlab.resilience.lighthouse import TIMEOUT, island_stores, lighthouse, lighthouse_shows, manager
+from distlab.resilience.lives import Lives
 
 ISLANDS = 2
 WIDTH, LAYERS, ROWS = 8, 4, 4  # d, the model's Linear layers, rows per rank per inner step

@@ -42,18 +42,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from distlab.comm import compat
 from distlab.contrastive import variants as library
 from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.report import method_table, work_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import Losses, Variant
-from distlab.processes import compat
-from distlab.processes.cli import add_contrastive_args, lesson_parser
+from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, divides_global_batch
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import add_contrastive_args, lesson_parser
 from distlab.proof.compare import DTYPES, all_ok, compare, compare_whole, comparison_table, tolerances
-from distlab.proof.console import print0
 from distlab.proof.models import TwoTower, paired_data
 from distlab.proof.verdict import Verdict
 

@@ -57,11 +57,12 @@ from distlab.contrastive.training import (
     train_single_process,
 )
 from distlab.contrastive.variants import LOCAL_PLAIN
-from distlab.processes.cli import add_contrastive_args, add_optimizer_args, lesson_parser
+from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, divides_global_batch, positive_int
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import add_contrastive_args, add_optimizer_args, lesson_parser
 from distlab.proof.compare import compare, compare_whole, comparison_table, tolerances
-from distlab.proof.console import print0
 from distlab.proof.models import TwoTower, paired_data
 from distlab.proof.verdict import Verdict
 

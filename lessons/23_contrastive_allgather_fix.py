@@ -48,17 +48,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab.comm import compat
 from distlab.contrastive.cost import collective_seconds, global_logits, local_logits, loss_cost
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.report import comm_table, cost_table, method_table
 from distlab.contrastive.step import first_step_gradients
 from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_LIBRARY, LOCAL_PLAIN, LOCAL_SUM, Variant, local_loss
-from distlab.processes import compat
-from distlab.processes.cli import add_contrastive_args, lesson_parser
+from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, divides_global_batch, positive_int
-from distlab.processes.runtime import Runtime, distributed, run_main
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import add_contrastive_args, lesson_parser
 from distlab.proof.compare import DTYPES, compare_whole, tolerances
-from distlab.proof.console import print0
 from distlab.proof.memory import MIB
 from distlab.proof.models import TwoTower, paired_data
 from distlab.proof.verdict import Verdict

@@ -59,11 +59,11 @@ from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_grad
 from distlab.data_split.data_parallel.ddp import counting
 from distlab.pieces.chunks import chunks
 from distlab.pieces.random_state import RandContext
-from distlab.processes.cli import add_contrastive_args, lesson_parser
+from distlab.processes.console import print0, progress
 from distlab.processes.flags import check_flags_against_world, divides_global_batch, fraction, positive_int
 from distlab.processes.runtime import distributed, rank0_alone, run_main
+from distlab.proof.cli import add_contrastive_args, lesson_parser
 from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table, grads_of, tolerances
-from distlab.proof.console import print0, progress
 from distlab.proof.memory import MIB
 from distlab.proof.models import TwoTower, paired_data
 from distlab.proof.verdict import Verdict

@@ -65,18 +65,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from distlab.comm import compat
 from distlab.contrastive.gather import all_gather_blocks
 from distlab.contrastive.reference import RankStreams, as_ranks, full_batch_gradients
 from distlab.contrastive.report import memory_account_table
 from distlab.pieces.chunks import chunks
 from distlab.pieces.online_softmax import online_fold
 from distlab.pieces.random_state import RandContext
-from distlab.processes import compat
-from distlab.processes.cli import add_contrastive_args, lesson_parser
+from distlab.processes.console import print0
 from distlab.processes.flags import fraction, p_divides_n, positive_float, positive_int, require
 from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import add_contrastive_args, lesson_parser
 from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table, grads_of, tolerances
-from distlab.proof.console import print0
 from distlab.proof.memory import PeakMemory
 from distlab.proof.models import TwoTower, paired_data
 from distlab.proof.verdict import Verdict

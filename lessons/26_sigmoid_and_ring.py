@@ -57,18 +57,18 @@ from distlab.comm.ledger import Ledger
 from distlab.comm.p2p import post
 from distlab.pieces.chunks import balanced_chunks
 from distlab.pieces.online_softmax import online_fold, rescale
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import print0
 from distlab.processes.flags import fraction, positive_int
 from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import lesson_parser
 from distlab.proof.compare import all_ok, compare, grads_of
-from distlab.proof.console import print0
 from distlab.proof.memory import PeakMemory
 from distlab.proof.models import TwoTower, paired_data
 from distlab.proof.verdict import Verdict
 from distlab.streamed import loss_machinery
 from distlab.streamed.config import EXCHANGES
 from distlab.streamed.exchange import expected_bytes, step_ledger
-from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
+from distlab.streamed.ring_passes import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits
 from distributed_clip import distributed_backward
 

@@ -82,13 +82,14 @@ temperatures agree to float32 rounding step by step (the test compares P = 1 and
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.contrastive.checkpointing import Checkpoints, add_resume_args, check_resume_args, parameters_sha256
+from distlab.contrastive.checkpointing import Checkpoints, parameters_sha256
 from distlab.contrastive.digits import (
     SIGLIP_INIT_LOGIT_BIAS,
     ZERO_SHOT_TEMPLATE,
@@ -100,19 +101,21 @@ from distlab.contrastive.digits_data import Digits
 from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.contrastive.optim import decay_groups, warmup_cosine
 from distlab.contrastive.reference import full_batch_gradients
-from distlab.processes.cli import lesson_parser
+from distlab.processes.console import print0, progress
 from distlab.processes.flags import (
     add_global_batch,
     check_flags_against_world,
     divides_global_batch,
     fraction,
+    launched_world_size,
     positive_float,
     positive_int,
+    writable_dir,
 )
 from distlab.processes.reproducible import exact_float32
 from distlab.processes.runtime import distributed, run_main
+from distlab.proof.cli import lesson_parser
 from distlab.proof.compare import all_ok, compare, grads_of, tolerances
-from distlab.proof.console import print0, progress
 from distlab.proof.verdict import Verdict
 from distlab.streamed.config import EXCHANGES
 from distributed_clip import distributed_backward
@@ -120,6 +123,49 @@ from distributed_clip import distributed_backward
 MIN_ACCURACY = 0.80  # chance is 1 in 10 digits; 8x chance is not luck
 AUTOCAST = ("auto", "bf16", "off")
 LOSSES = ("infonce", "sigmoid")
+
+
+RESUME_FLAGS = ("checkpoint_dir", "checkpoint_every", "crash_at_step", "crash_rank")
+
+
+def add_resume_args(parser: argparse.ArgumentParser, every: int = 10) -> argparse.ArgumentParser:
+    """Where to checkpoint and how often, and the fault that proves a crash loses nothing."""
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        type=writable_dir,
+        help="checkpoint here, and resume from the newest whole checkpoint found here",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=positive_int, default=every, metavar="STEPS", help="steps between checkpoints"
+    )
+    parser.add_argument(
+        "--crash-at-step",
+        type=positive_int,
+        metavar="STEP",
+        help="rank --crash-rank exits abruptly at this step, on torchrun's first attempt only",
+    )
+    parser.add_argument("--crash-rank", type=int, metavar="RANK", help="the rank that crashes; default the last")
+    return parser
+
+
+def check_resume_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One line naming the flag, before any process group exists (P is torchrun's WORLD_SIZE; outside
+    torchrun the rank is not checked, and `distributed()` says how to launch)."""
+    world = launched_world_size()
+    if args.crash_at_step is not None and args.checkpoint_dir is None:
+        parser.error("argument --crash-at-step: needs --checkpoint-dir (a crash with nothing to resume from)")
+    if args.crash_at_step is not None and args.crash_at_step > args.steps:
+        parser.error(f"argument --crash-at-step: must be at most --steps ({args.steps}), got {args.crash_at_step}")
+    if args.crash_rank is not None and world is not None and not 0 <= args.crash_rank < world:
+        parser.error(f"argument --crash-rank: must be a rank, 0 <= r < P = {world}, got {args.crash_rank}")
+
+
+def checkpoints_of(args: argparse.Namespace, rt) -> Checkpoints:
+    """The checkpoints the flags ask for; the other flags (but --json) define the run a checkpoint must belong
+    to: resuming with another --lr or --seed is refused, not silently mixed."""
+    run = {k: v for k, v in vars(args).items() if k not in RESUME_FLAGS + ("json",)}
+    return Checkpoints(rt, args.checkpoint_dir, args.checkpoint_every, run, args.crash_at_step, args.crash_rank)
 
 
 def parse_args():
@@ -224,7 +270,7 @@ def train(ddp, optimizer, scheduler, data: Digits, config: dict, args, bf16: boo
     curves = {"loss": [], "logit_scale": [], "lr": [], "eval_step": [], "accuracy": []}
     if model.logit_bias is not None:
         curves["logit_bias"] = []  # the sigmoid loss's beta
-    checkpoints = Checkpoints.from_args(args, data.rt)
+    checkpoints = checkpoints_of(args, data.rt)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "curves": curves}
     first = checkpoints.restore(state)  # and every rank's generators
     for step, (images, ids) in progress(

@@ -42,18 +42,18 @@ MODULES = {
     "distlab.spawn": "distlab.processes.spawn",
     "distlab.strict": "distlab.processes.strict",
     "distlab.reproducible": "distlab.processes.reproducible",
-    "distlab.compat": "distlab.processes.compat",
-    "distlab.agree": "distlab.processes.agree",
+    "distlab.compat": "distlab.comm.compat",
+    "distlab.agree": "distlab.comm.agree",
     "distlab.scratch": "distlab.processes.scratch",
     "distlab.committed": "distlab.processes.committed",
-    "distlab.cli": "distlab.processes.cli",
+    "distlab.cli": "distlab.proof.cli",
     # the proof machinery: what a check trains, its reference, its comparison, its measurements, its verdict
     "distlab.models": "distlab.proof.models",
     "distlab.training": "distlab.proof.training",
     "distlab.reference": "distlab.proof.reference",
     "distlab.compare": "distlab.proof.compare",
     "distlab.verdict": "distlab.proof.verdict",
-    "distlab.console": "distlab.proof.console",
+    "distlab.console": "distlab.processes.console",
     "distlab.held": "distlab.proof.held",
     "distlab.memory": "distlab.proof.memory",
     "distlab.timeline": "distlab.proof.timeline",
@@ -81,8 +81,26 @@ MODULES = {
     "distlab.streamed.tile_ops": "distlab.streamed.kernel_choice",
     "distlab.streamed.tile_size": "distlab.streamed.chunk_size",
     "distlab.streamed.kernels.tile": "distlab.streamed.kernels.register_tile",
-    "distlab.streamed.launches": "distlab.streamed.launch_count",
+    "distlab.streamed.launches": "distlab.proof.launch_count",
     "distlab.streamed.guards": "distlab.streamed.step_guards",
+    # issue 47. The ground floor one way, every import down: processes (the bottom), then pieces, comm, proof.
+    # What a rank prints (the error line runtime prints) below the proof; the lessons' parser, whose defaults are
+    # the proof's dtypes and widths, in the proof; the collectives' compatibility and agreeing in comm; the launch
+    # counter lesson 07 and the streamed step both use on the floor beneath them.
+    "distlab.proof.console": "distlab.processes.console",
+    "distlab.processes.cli": "distlab.proof.cli",
+    "distlab.processes.compat": "distlab.comm.compat",
+    "distlab.processes.agree": "distlab.comm.agree",  # agreeing is an all-gather of a table (on compat's)
+    "distlab.streamed.launch_count": "distlab.proof.launch_count",
+    # rooms beside their users: the islands' torchft and the lives lesson 20 kills, in the part it belongs to
+    # ("overlap and resilience", 18-20)
+    "distlab.processes.lighthouse": "distlab.resilience.lighthouse",
+    "distlab.processes.lives": "distlab.resilience.lives",
+    # the README's part words: lessons 01-05 are the model split
+    "distlab.pipeline": "distlab.model_split",
+    # one idea per name: `comm.ring` is the ring collectives; the others say what they run on it
+    "distlab.layer_split.context_parallel.ring": "distlab.layer_split.context_parallel.ring_attention",
+    "distlab.streamed.ring": "distlab.streamed.ring_passes",
 }
 
 # names split out of a module: (module, name) -> the module that owns the name now
@@ -112,7 +130,7 @@ _MOVED_OUT_OF_CLI = {
 }
 NAMES = {
     (module, name): owner
-    for module in ("distlab.cli", "distlab.processes.cli")
+    for module in ("distlab.cli", "distlab.processes.cli", "distlab.proof.cli")
     for name, owner in _MOVED_OUT_OF_CLI.items()
 }
 # what tells a peer's death from the model's error serves every run now, not the streamed step alone
@@ -122,6 +140,12 @@ NAMES.update(
     )
 )
 
+# who a process is (`Runtime`) apart from how its group is made, so strict device mode (which checks a Runtime's
+# device) and `distributed(strict=True)` (which turns it on) import one way (issue 47)
+NAMES.update(
+    {(module, "Runtime"): "distlab.processes.identity" for module in ("distlab.runtime", "distlab.processes.runtime")}
+)
+
 # the docstring of a room, written when its __init__.py is missing (the committed ones say more)
 ROOMS = {
     "distlab.processes": "The processes a run stands on: torchrun's environment, the process group, devices, flags.",
@@ -129,6 +153,7 @@ ROOMS = {
     "distlab.pieces": "A batch computed in pieces exactly as the whole: chunks, the online fold, replayed randomness.",
     "distlab.data_split": "The data split (lessons 06-07): data parallelism, and sharding what a step holds.",
     "distlab.layer_split": "The layer split (lessons 08-11): tensor, context and expert parallelism.",
+    "distlab.resilience": "Overlap and resilience (lessons 18-20): islands that lose a member and heal, with torchft.",
 }
 
 SKIP_DIRS = {".git", "runs", "__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".ruff_cache", "venv", ".venv"}

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import check_schedule, split_backward
-from distlab.pipeline.simulator import simulate
-from distlab.pipeline.training import train, unsplit_reference
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.schedules import check_schedule, split_backward
+from distlab.model_split.simulator import simulate
+from distlab.model_split.training import train, unsplit_reference
 from distlab.proof.compare import all_ok, compare
 
 ONE_AT_A_TIME = "(P-1)/P, lesson 01's: one micro-batch in the pipeline at a time"

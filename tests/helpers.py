@@ -194,8 +194,8 @@ def train_each(rt, cfgs, make_step=None):
     """One process group, several pipeline runs (spawning once per configuration costs more than
     the training): per config its `Run`, or the ValueError's message, as this rank saw it.
     `make_step(rt, cfg)` builds the step; by default our runner executing `cfg.schedule`."""
-    from distlab.pipeline.runner import PipelineStep
-    from distlab.pipeline.training import train
+    from distlab.model_split.runner import PipelineStep
+    from distlab.model_split.training import train
 
     out = []
     for cfg in cfgs:
@@ -208,7 +208,7 @@ def train_each(rt, cfgs, make_step=None):
 
 def torch_step(rt, cfg):
     """PyTorch's engine as a `make_step` for `train_each` (importable by the spawned ranks)."""
-    from distlab.pipeline.torch_engine import TorchStep
+    from distlab.model_split.torch_engine import TorchStep
 
     return TorchStep(rt, cfg)
 

@@ -1,7 +1,7 @@
 """What the schedule tests share (tests/test_schedules.py, tests/test_comm_plan.py): every schedule
 the library makes, for every (P, M, v) it allows, P <= 6, M <= 13."""
 
-from distlab.pipeline.schedules import SCHEDULES, make_schedule
+from distlab.model_split.schedules import SCHEDULES, make_schedule
 
 PS, MS = range(1, 7), range(1, 14)
 

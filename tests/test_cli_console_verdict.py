@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from distlab.processes.cli import add_mlp_args, lesson_parser
+from distlab.processes.console import CAPTURED_WIDTH, column_blocks
 from distlab.processes.flags import (
     check_flags_against_world,
     divides_global_batch,
@@ -19,7 +19,7 @@ from distlab.processes.flags import (
     share,
 )
 from distlab.processes.spawn import spawn
-from distlab.proof.console import CAPTURED_WIDTH, column_blocks
+from distlab.proof.cli import add_mlp_args, lesson_parser
 from distlab.proof.verdict import Verdict
 
 
@@ -90,7 +90,7 @@ def test_flags_are_checked_against_p_before_any_group(monkeypatch):
 
 
 def test_captured_output_gets_the_generous_width_whatever_force_color_says():
-    code = "from distlab.proof.console import console; print(console.width)"
+    code = "from distlab.processes.console import console; print(console.width)"
     env = {"FORCE_COLOR": "1", "PATH": "", "PYTHONPATH": ":".join(sys.path)}
     width = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
     assert int(width) == CAPTURED_WIDTH
@@ -122,7 +122,7 @@ def test_a_claim_failing_on_one_rank_fails_everywhere(tmp_path):
 def test_an_input_width_the_mlp_cannot_take_names_its_flag():
     import argparse
 
-    from distlab.processes.cli import check_mlp_input
+    from distlab.proof.cli import check_mlp_input
 
     with pytest.raises(ValueError, match=r"^--input-features: a batch of shape \(N, 5\) does not fit"):
         check_mlp_input(argparse.Namespace(input_features=5))

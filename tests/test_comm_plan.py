@@ -4,9 +4,9 @@ schedule it never deadlocks and matches every message; and the replay can fail (
 
 from schedule_helpers import ALL
 
-from distlab.pipeline.p2p import Transfer, comm_plan, produces
-from distlab.pipeline.schedules import gpipe, one_f_one_b
-from distlab.pipeline.simulator import simulate
+from distlab.model_split.p2p import Transfer, comm_plan, produces
+from distlab.model_split.schedules import gpipe, one_f_one_b
+from distlab.model_split.simulator import simulate
 
 
 def replay(plans: list[list[list[Transfer]]]) -> bool:

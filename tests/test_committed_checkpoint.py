@@ -127,10 +127,10 @@ def test_a_staged_folder_never_marked_is_refused_and_a_marked_one_passes(tmp_pat
 
 def test_the_runner_dresses_only_its_own_checks_as_a_bad_input_line():
     def run(body: str) -> subprocess.CompletedProcess:
-        code = f"from distlab.processes.runtime import run_main\nimport distlab.processes.cli\n{body}"
+        code = f"from distlab.processes.runtime import run_main\nimport distlab.proof.cli\n{body}"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
-    check = run("run_main(lambda: distlab.processes.cli.require(False, '--width', 'must be even'))")
+    check = run("run_main(lambda: distlab.proof.cli.require(False, '--width', 'must be even'))")
     assert check.returncode == 2 and check.stdout.strip() == "error: --width: must be even", check
     assert "Traceback" not in check.stderr
     underneath = run("import torch\nrun_main(lambda: torch.optim.SGD([], lr=0.1))")  # torch's own ValueError

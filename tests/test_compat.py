@@ -1,8 +1,8 @@
-"""distlab.processes.compat on a torch without 2.13's names: the gathers still gather, and their gradients still sum.
+"""distlab.comm.compat on a torch without 2.13's names: the gathers still gather, and their gradients still sum.
 
 torch 2.11 (the GPU image's) has `all_gather_into_tensor`, `reduce_scatter_tensor` and the functional
 `all_gather_tensor_autograd`, and none of `all_gather_single`, `reduce_scatter_single`,
-`all_gather_single(_autograd)`. Here the installed torch 2.13 is made to look like that to `distlab.processes.compat`
+`all_gather_single(_autograd)`. Here the installed torch 2.13 is made to look like that to `distlab.comm.compat`
 (the new names hidden from the modules it reads), and the library's three gathers run on P = 3 ranks.
 """
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from helpers import assert_gather_result, gather_forward_and_backward
 
-from distlab.processes import compat
+from distlab.comm import compat
 from distlab.processes.spawn import spawn
 
 NEW_NAMES = {"all_gather_single", "reduce_scatter_single", "all_gather_single_autograd"}

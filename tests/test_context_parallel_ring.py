@@ -1,7 +1,7 @@
-"""The library's ring attention (`distlab.layer_split.context_parallel.ring`, what lesson 12's transformer calls) is
-lesson 09's ring: bit for bit the same out, dq, dk, dv, on a batch of sequences (N, h, seq/P, d_h), for
-every split and causal or not; both equal scaled_dot_product_attention on the whole sequence; and as the
-core of `distlab.proof.models.Attention` it turns the block's attention into the ring's."""
+"""The library's ring attention (`distlab.layer_split.context_parallel.ring_attention`, what lesson 12's
+transformer calls) is lesson 09's ring: bit for bit the same out, dq, dk, dv, on a batch of sequences
+(N, h, seq/P, d_h), for every split and causal or not; both equal scaled_dot_product_attention on the whole
+sequence; and as the core of `distlab.proof.models.Attention` it turns the block's attention into the ring's."""
 
 from collections import Counter
 
@@ -12,7 +12,7 @@ from helpers import load_lesson
 
 from distlab.comm.ring import Ring
 from distlab.layer_split.context_parallel import split as layouts
-from distlab.layer_split.context_parallel.ring import RingAttention, ring_core
+from distlab.layer_split.context_parallel.ring_attention import RingAttention, ring_core
 from distlab.processes.spawn import spawn
 from distlab.proof.models import BlockOptions
 

@@ -30,9 +30,9 @@ from distlab.layer_split.context_parallel.split import Layout
 from distlab.layer_split.tensor_parallel import mesh2d, operators
 from distlab.layer_split.tensor_parallel.model import BlockConfig
 from distlab.layer_split.tensor_parallel.runs import activation_bytes_measured, split_run
-from distlab.pipeline import p2p
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.training import PipelineConfig
+from distlab.model_split import p2p
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.training import PipelineConfig
 from distlab.processes.spawn import spawn
 from distlab.proof.models import Block, BlockOptions, token_batch
 from distlab.proof.sizes import Transformer

@@ -157,7 +157,7 @@ def _devices(rt):
     from distlab.contrastive.losses import clip_loss
     from distlab.contrastive.step import contrastive_loss
     from distlab.contrastive.variants import LOCAL_SUM
-    from distlab.pipeline import p2p
+    from distlab.model_split import p2p
     from distlab.proof.models import TwoTower, paired_data
     from distlab.streamed.step import gather_pairs
 

@@ -5,7 +5,7 @@ import torch
 from helpers import equals_reference, load_lesson, per_config, train_each
 
 from distlab.data_split.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
-from distlab.pipeline.training import PipelineConfig, unsplit_reference
+from distlab.model_split.training import PipelineConfig, unsplit_reference
 from distlab.processes.spawn import spawn
 from distlab.proof import emulate
 from distlab.proof.reference import one_process, sgd
@@ -38,8 +38,8 @@ def _buckets_on_the_emulated_device(rt, overlap):
     """Lesson 06's buckets over the emulated link, with slow layers: the averaged gradients."""
     lesson = load_lesson("data_parallel")
     model, x, target = build(DP)
-    emulate.slow_layers(model, emulate.Device(0.2))
-    link = emulate.Link(ms_per_mib=1.0)
+    emulate.slow_layers(model, emulate.EmulatedDevice(0.2))
+    link = emulate.EmulatedLink(ms_per_mib=1.0)
     buckets = lesson.GradientBuckets(model, rt, 300, overlap=overlap, link=link)
     mean_loss(model(shard(x, rt)), shard(target, rt)).backward()
     buckets.wait()

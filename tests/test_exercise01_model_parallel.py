@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, OnRanks, Scaled, Zero
 
-from distlab.pipeline.partition import boundary_shapes, split_stages
-from distlab.pipeline.training import PipelineConfig, problem, train, unsplit_reference
+from distlab.model_split.partition import boundary_shapes, split_stages
+from distlab.model_split.training import PipelineConfig, problem, train, unsplit_reference
 from distlab.proof.compare import grads_of
 from distlab.proof.timeline import Timeline, max_concurrency
 

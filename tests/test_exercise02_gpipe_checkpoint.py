@@ -11,9 +11,9 @@ from exercise_kit import Exercise
 from exercise_schedules import ONE_AT_A_TIME, Rules, trains_exact
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.pipeline.schedules import Action, one_f_one_b
-from distlab.pipeline.simulator import simulate
-from distlab.pipeline.training import PipelineConfig
+from distlab.model_split.schedules import Action, one_f_one_b
+from distlab.model_split.simulator import simulate
+from distlab.model_split.training import PipelineConfig
 
 LESSON, NAME = "gpipe_checkpoint", "gpipe"
 P, M = 3, 4

@@ -12,9 +12,9 @@ from exercise_kit import Exercise
 from exercise_schedules import ONE_AT_A_TIME, Rules, trains_exact, why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.pipeline.schedules import Action, gpipe
-from distlab.pipeline.simulator import peak_in_flight, simulate
-from distlab.pipeline.training import PipelineConfig
+from distlab.model_split.schedules import Action, gpipe
+from distlab.model_split.simulator import peak_in_flight, simulate
+from distlab.model_split.training import PipelineConfig
 
 LESSON, NAME = "one_f_one_b", "one_f_one_b"
 P, BIG, FEW = 3, 4, 2  # trained at P = 3; at P = 4 with M = 2 < P - 1, judged as data
@@ -79,8 +79,8 @@ def _ranks(rt, one_f_one_b, claims) -> None:
             hints=(
                 "1F1B reorders the work but idles exactly as GPipe does: a larger bubble is a rank waiting "
                 "for a micro-batch it could have had",
-                "count the idle slots in the grid (distlab.pipeline.simulator.simulate): each rank should idle P - 1 "
-                "slots in all, at the start and at the end, none in the steady state",
+                "count the idle slots in the grid (distlab.model_split.simulator.simulate): each rank should idle "
+                "P - 1 slots in all, at the start and at the end, none in the steady state",
                 "warm up with min(P - r - 1, M) forwards, then F and I in turn, then the remaining I's",
             ),
         )

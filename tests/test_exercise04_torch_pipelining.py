@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled
 
-from distlab.pipeline.schedules import make_schedule
-from distlab.pipeline.torch_engine import TorchStep
-from distlab.pipeline.training import PipelineConfig, train, unsplit_reference
+from distlab.model_split.schedules import make_schedule
+from distlab.model_split.torch_engine import TorchStep
+from distlab.model_split.training import PipelineConfig, train, unsplit_reference
 
 LESSON, NAME = "torch_pipelining", "pipeline_for_rank"
 P, M = 3, 4

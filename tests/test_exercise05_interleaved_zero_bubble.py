@@ -12,9 +12,9 @@ from exercise_kit import Exercise
 from exercise_schedules import Rules, trains_exact
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.pipeline.schedules import Action, one_f_one_b
-from distlab.pipeline.simulator import simulate
-from distlab.pipeline.training import PipelineConfig
+from distlab.model_split.schedules import Action, one_f_one_b
+from distlab.model_split.simulator import simulate
+from distlab.model_split.training import PipelineConfig
 
 LESSON, NAME = "interleaved_zero_bubble", "zb_h1"
 P, M = 3, 4

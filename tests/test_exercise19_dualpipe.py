@@ -11,10 +11,10 @@ from exercise_schedules import Rules, trains_exact
 from exercise_signatures import Equals, Mistake, Zero
 from helpers import load_lesson
 
-from distlab.pipeline.schedules import zbv
-from distlab.pipeline.simulator import peak_in_flight, simulate
-from distlab.pipeline.torch_engine import TorchStep
-from distlab.pipeline.training import PipelineConfig
+from distlab.model_split.schedules import zbv
+from distlab.model_split.simulator import peak_in_flight, simulate
+from distlab.model_split.torch_engine import TorchStep
+from distlab.model_split.training import PipelineConfig
 
 LESSON, NAME = "dualpipe", "dualpipev"
 P, M = 2, 6

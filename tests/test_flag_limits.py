@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import LESSONS, parse_lesson_args
 
-from distlab.processes.cli import LIMITS
+from distlab.proof.cli import LIMITS
 
 LESSON_FILES = sorted(p.name for p in LESSONS.glob("[0-9][0-9]_*.py"))
 HUGE = {int: str(10**30), float: "1e300"}  # past any int64 and past any limit; both finite

@@ -4,7 +4,7 @@ the unsplit model, one rank computing at a time."""
 import pytest
 from helpers import assert_flag_refused, equals_reference, load_lesson, per_config, train_each
 
-from distlab.pipeline.training import PipelineConfig, unsplit_reference
+from distlab.model_split.training import PipelineConfig, unsplit_reference
 from distlab.processes.spawn import SpawnError, spawn
 from distlab.proof.timeline import max_concurrency
 

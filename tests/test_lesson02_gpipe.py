@@ -4,7 +4,7 @@ like the unsplit model on the whole batch; forgetting the micro-batch scale woul
 import pytest
 from helpers import assert_lesson_passes_at_80_columns, equals_reference, load_lesson, merged, per_config, train_each
 
-from distlab.pipeline.training import PipelineConfig, unsplit_reference
+from distlab.model_split.training import PipelineConfig, unsplit_reference
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare
 

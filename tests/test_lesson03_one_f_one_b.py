@@ -4,9 +4,9 @@ and holds at most min(M, P - r) micro-batches on rank r, measured while it runs.
 import pytest
 from helpers import assert_lesson_passes_at_80_columns, equals_reference, load_lesson, per_config, train_each
 
-from distlab.pipeline import schedules
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.training import PipelineConfig, microbatch_sizes, unsplit_reference
+from distlab.model_split import schedules
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.training import PipelineConfig, microbatch_sizes, unsplit_reference
 from distlab.processes.spawn import spawn
 
 CFG = PipelineConfig(

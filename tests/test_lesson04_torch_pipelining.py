@@ -5,8 +5,8 @@ says: equal micro-batches only, 1F1B refuses M < P, scale_grads divides by M."""
 import pytest
 from helpers import equals_reference, merged, per_config, torch_step, train_each
 
-from distlab.pipeline.schedules import make_schedule
-from distlab.pipeline.training import PipelineConfig, unsplit_reference
+from distlab.model_split.schedules import make_schedule
+from distlab.model_split.training import PipelineConfig, unsplit_reference
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare
 

@@ -15,10 +15,10 @@ from helpers import (
     train_each,
 )
 
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import make_schedule
-from distlab.pipeline.simulator import peak_in_flight
-from distlab.pipeline.training import PipelineConfig, unsplit_reference
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.schedules import make_schedule
+from distlab.model_split.simulator import peak_in_flight
+from distlab.model_split.training import PipelineConfig, unsplit_reference
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare
 

@@ -27,10 +27,10 @@ from helpers import (
     per_config,
 )
 
-from distlab.pipeline.schedules import check_schedule, zbv
-from distlab.pipeline.simulator import dependencies, peak_in_flight, simulate
-from distlab.pipeline.training import PipelineConfig, unsplit_reference
-from distlab.pipeline.two_chains import UNIT, chain_rank, simulate_units, two_chain_dependencies
+from distlab.model_split.schedules import check_schedule, zbv
+from distlab.model_split.simulator import dependencies, peak_in_flight, simulate
+from distlab.model_split.training import PipelineConfig, unsplit_reference
+from distlab.model_split.two_chains import UNIT, chain_rank, simulate_units, two_chain_dependencies
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare
 
@@ -182,7 +182,7 @@ CFG = PipelineConfig(
 
 def _dual_and_unsummed(rt):
     """Both on one process group: the runner, and its twin that skips the mirrors' sum."""
-    from distlab.pipeline.training import train
+    from distlab.model_split.training import train
 
     lesson = load_lesson("dualpipe")
     return [train(rt, CFG, lesson.dualpipe_step(rt, CFG, sum_mirrors=s)) for s in (True, False)]

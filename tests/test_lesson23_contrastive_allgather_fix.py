@@ -18,7 +18,7 @@ from distlab.contrastive.cost import global_logits, local_logits, loss_cost, rin
 from distlab.contrastive.reference import full_batch_gradients
 from distlab.contrastive.step import ddp_step, first_step_gradients, wrap_ddp
 from distlab.contrastive.variants import GLOBAL_SUM, LOCAL_SUM
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare
 from distlab.proof.models import TwoTower, paired_data

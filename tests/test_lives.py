@@ -1,5 +1,5 @@
-"""Child processes a lesson kills and restarts (distlab.processes.lives), and the Lighthouse's status page
-(distlab.processes.lighthouse): a child's value comes back, its traceback comes back, a child killed by SIGKILL
+"""Child processes a lesson kills and restarts (distlab.resilience.lives), and the Lighthouse's status page
+(distlab.resilience.lighthouse): a child's value comes back, its traceback comes back, a child killed by SIGKILL
 is named by its exit code, and leaving the block kills and reaps a child still running (its pid is gone), also
 when the parent is stopped by SIGTERM (as torchrun stops ranks); a parent SIGKILLed takes its children with it. The
 status page is read for what it shows, and a wait for what it never shows ends in one error that quotes it.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from distlab.processes.lighthouse import lighthouse, lighthouse_shows
-from distlab.processes.lives import Lives
 from distlab.processes.spawn import spawn
+from distlab.resilience.lighthouse import lighthouse, lighthouse_shows
+from distlab.resilience.lives import Lives
 
 
 def test_a_value_a_traceback_and_a_kill_come_back():
@@ -46,7 +46,7 @@ def test_leaving_the_block_kills_and_reaps_a_child_still_running():
 
 PARENT = """
 import os, sys, time
-from distlab.processes.lives import Lives
+from distlab.resilience.lives import Lives
 with Lives() as lives:  # the child says it runs (a file), then sleeps; the parent prints its pid and sleeps
     lives.start(exec, f"import pathlib, time; pathlib.Path({sys.argv[1]!r}).touch(); time.sleep(600)")
     while not os.path.exists(sys.argv[1]):

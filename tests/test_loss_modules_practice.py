@@ -102,7 +102,7 @@ def _assert_no_gradient_work(results: list[dict]) -> None:
 
 
 def test_under_no_grad_no_gradient_work_runs_alone():
-    from distlab.processes.runtime import Runtime
+    from distlab.processes.identity import Runtime
 
     rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
     _assert_no_gradient_work([_no_grad_against_grad(rt)])

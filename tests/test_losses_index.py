@@ -108,7 +108,7 @@ def test_every_loss_on_the_page_lives_where_the_page_says():
 @pytest.mark.parametrize(
     "slip",
     [
-        ("`distlab/streamed/ring.py` |", "`distlab/streamed/exchange.py` |"),  # a loss put in the wrong file
+        ("`distlab/streamed/ring_passes.py` |", "`distlab/streamed/exchange.py` |"),  # a loss put in the wrong file
         ("`distlab/contrastive/grad_cache.py`", "`distlab/contrastive/grad_cash.py`"),  # a file not there
         ("`sigmoid_gathered`", "`sigmoid_gathers`"),  # a name that is nowhere
     ],

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distlab.pipeline.partition import boundary_shapes, split_stages, stage_bounds
+from distlab.model_split.partition import boundary_shapes, split_stages, stage_bounds
 from distlab.proof.models import layered_mlp
 
 

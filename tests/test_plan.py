@@ -20,7 +20,7 @@ from distlab.plan import report
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.search import search
-from distlab.proof.console import console
+from distlab.processes.console import console
 
 ARGS = ["--model", "llama3-8b", "--gpus", "16", "--nodes", "2", "--global-batch", "64", "--seq-len", "4096"]
 BAND = (0.6, 1.3)  # predicted MFU / reported MFU, every published run: the band docs/planner.md states
@@ -192,7 +192,7 @@ def test_the_planner_takes_no_lesson_memory_limit():
     (`distlab.plan.flags.LIMITS`), not the lessons'."""
     from distlab.plan.cli import parse_args
     from distlab.plan.flags import LIMITS as PLAN_LIMITS
-    from distlab.processes.cli import LIMITS
+    from distlab.proof.cli import LIMITS
 
     flags = ["--layers", "12", "--dim", "768", "--heads", "12", "--ffn-width", "3072", "--vocab", "50304"]
     assert 50304 > LIMITS["--vocab"][0]  # a lesson would refuse it

@@ -27,7 +27,7 @@ from distlab.layer_split.tensor_parallel.model import BlockConfig
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.report import ITEMS
-from distlab.proof.console import console
+from distlab.processes.console import console
 from distlab.proof.held import SavedActivations
 from distlab.proof.models import Block, BlockOptions, token_batch
 from distlab.proof.sizes import Transformer

@@ -22,7 +22,7 @@ from distlab.cli import (
     lesson_parser,
     positive_int,
 )
-from distlab.runtime import distributed
+from distlab.runtime import Runtime, distributed
 from distlab.streamed.step import distributed_backward  # a package that did not move
 import distlab.verdict as verdict
 
@@ -32,13 +32,14 @@ def main():
         return distlab.console.print0, distlab.runtimes  # `runtimes` is no module of the map
 '''
 
-REWRITTEN = '''"""A lesson written before the rooms (distlab.processes.runtime, src/distlab/processes/cli.py)."""
+REWRITTEN = '''"""A lesson written before the rooms (distlab.processes.runtime, src/distlab/proof/cli.py)."""
 
-from distlab.processes import compat
+from distlab.comm import compat
 from distlab.proof import emulate
 from distlab.proof.compare import DTYPES
-from distlab.processes.cli import lesson_parser
+from distlab.proof.cli import lesson_parser
 from distlab.processes.flags import positive_int
+from distlab.processes.identity import Runtime
 from distlab.processes.runtime import distributed
 from distlab.streamed.step import distributed_backward  # a package that did not move
 import distlab.proof.verdict as verdict
@@ -46,7 +47,7 @@ import distlab.proof.verdict as verdict
 
 def main():
     with mock.patch("distlab.proof.memory.PeakMemory"):
-        return distlab.proof.console.print0, distlab.runtimes  # `runtimes` is no module of the map
+        return distlab.processes.console.print0, distlab.runtimes  # `runtimes` is no module of the map
 '''
 
 
@@ -104,11 +105,11 @@ def test_the_modules_move_and_every_reference_follows(tmp_path):
     assert (moved / "cost.py").read_text() == "from distlab.layer_split.tensor_parallel.model import Block\n"
     assert (moved / "__init__.py").read_text() == '"""Lesson 08."""\n'
     assert (distlab / "layer_split" / "__init__.py").read_text().startswith('"""The layer split')
-    assert (distlab / "processes" / "runtime.py").is_file() and (distlab / "processes" / "cli.py").is_file()
+    assert (distlab / "processes" / "runtime.py").is_file() and (distlab / "proof" / "cli.py").is_file()
     assert (distlab / "contrastive" / "measured_step.py").is_file()
     for room in ("processes", "proof", "contrastive"):  # a missing room's __init__.py is made, with a docstring
         assert (distlab / room / "__init__.py").read_text().startswith('"""')
-    assert (distlab / "proof" / "memory.py").read_text().endswith("from distlab.proof.console import print0\n")
+    assert (distlab / "proof" / "memory.py").read_text().endswith("from distlab.processes.console import print0\n")
     assert (tree / "lessons" / "01_fake.py").read_text() == REWRITTEN
     cell = json.loads((tree / "lessons" / "01_fake.ipynb").read_text())["cells"][0]
     assert cell["source"] == ["from distlab.processes import spawn\n", "spawn.spawn(f, 2)"]

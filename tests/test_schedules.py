@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 from schedule_helpers import ALL, MS, PS
 
-from distlab.pipeline.schedules import (
+from distlab.model_split.schedules import (
     SCHEDULES,
     Action,
     check_schedule,
@@ -22,8 +22,8 @@ from distlab.pipeline.schedules import (
     zbv,
     zero_bubble,
 )
-from distlab.pipeline.simulator import dependencies, durations, peak_in_flight, render, simulate
-from distlab.pipeline.training import PipelineConfig, check_config, microbatch_sizes
+from distlab.model_split.simulator import dependencies, durations, peak_in_flight, render, simulate
+from distlab.model_split.training import PipelineConfig, check_config, microbatch_sizes
 
 
 def test_every_dependency_holds_and_each_rank_runs_its_order_one_action_at_a_time():

@@ -1,7 +1,7 @@
 """The sigmoid loss's tile math and the ring passes, against plain autograd on the whole batch.
 
 One process, float64, 1e-10: the closed forms of dL/dS, dL/ds, dL/dbeta (distlab.streamed.sigmoid) and
-the two InfoNCE ring passes and the sigmoid ring (distlab.streamed.ring), first with P ranks as threads
+the two InfoNCE ring passes and the sigmoid ring (distlab.streamed.ring_passes), first with P ranks as threads
 in one process, then on real ranks (spawn, gloo, batch_isend_irecv). The bytes each rank sends equal
 expected_ring_bytes. The reference is autograd of L written out plainly, with s and beta as ordinary tensors.
 """
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from distlab.processes.spawn import spawn
-from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, run_in_threads, sigmoid_ring
+from distlab.streamed.ring_passes import P2PRing, expected_ring_bytes, infonce_ring, run_in_threads, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, sigmoid_gathered
 
 TOL = dict(rtol=1e-10, atol=1e-10)

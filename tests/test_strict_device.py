@@ -20,7 +20,8 @@ from helpers import strict_mode_off as _is_off
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distlab.processes.runtime import Runtime, distributed
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import distributed
 from distlab.processes.strict import HOST, STAND_IN, StrictDeviceError, is_host, strict_device
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -101,20 +101,20 @@ RIGHT = {
 
 def _pipeline(rt, step_of, **config):
     """Train a few steps of the pipeline track's loop with the step `step_of(rt, cfg)` builds."""
-    from distlab.pipeline.training import PipelineConfig, train
+    from distlab.model_split.training import PipelineConfig, train
 
     cfg = PipelineConfig(**{"widths": (6, 5, 5, 5, 4), "global_batch": 6, "steps": 2, "lr": 0.1, **config})
     train(rt, cfg, step_of(rt, cfg))
 
 
 def _ours(rt, cfg):
-    from distlab.pipeline.runner import PipelineStep
+    from distlab.model_split.runner import PipelineStep
 
     return PipelineStep(rt, cfg)
 
 
 def _theirs(rt, cfg):
-    from distlab.pipeline.torch_engine import TorchStep
+    from distlab.model_split.torch_engine import TorchStep
 
     return TorchStep(rt, cfg)
 

@@ -3,7 +3,7 @@ with `pytest --exercises -k 02`; add `--hint-level 1`, 2 or 3 for help).
 
 A schedule is, per rank r, the ordered list of actions that rank runs on its one stage (stage r):
 `Action("F", i, r)` the forward of micro-batch i, `Action("I", i, r)` its backward
-(distlab/pipeline/schedules.py). Write `gpipe(num_ranks, microbatches)`: the batch of N rows is cut into M
+(distlab/model_split/schedules.py). Write `gpipe(num_ranks, microbatches)`: the batch of N rows is cut into M
 micro-batches, and the pipeline must fill: stage p forwards micro-batch i while stage p + 1 forwards i - 1,
 so that of the (M + P - 1)(t_F + t_I) a step takes, each rank idles only
 
@@ -19,7 +19,7 @@ schedule's grid, and what each rank held while running.
 
 from __future__ import annotations
 
-from distlab.pipeline.schedules import Action, Schedule  # noqa: F401  (you will need them)
+from distlab.model_split.schedules import Action, Schedule  # noqa: F401  (you will need them)
 
 
 def gpipe(num_ranks: int, microbatches: int) -> Schedule:

@@ -20,7 +20,7 @@ running, and the bubble counted in your schedule's grid, for M = 5 and M = 2 on 
 
 from __future__ import annotations
 
-from distlab.pipeline.schedules import Action, Schedule  # noqa: F401  (you will need them)
+from distlab.model_split.schedules import Action, Schedule  # noqa: F401  (you will need them)
 
 
 def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:

@@ -16,7 +16,7 @@ loss L is the mean over all N rows, the gradient must come out as
 
 The judge trains your stages for 2 steps with both schedules (P = 3, M = 4) and compares their gradients and
 parameters with the unsplit model's, and the order of forwards and backwards PyTorch executes with our
-schedules' (distlab/pipeline/schedules.py).
+schedules' (distlab/model_split/schedules.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ counted in your schedule's grid, and what each rank held while running (P = 3, M
 
 from __future__ import annotations
 
-from distlab.pipeline.schedules import Action, Schedule  # noqa: F401  (you will need them)
+from distlab.model_split.schedules import Action, Schedule  # noqa: F401  (you will need them)
 
 
 def zb_h1(num_ranks: int, microbatches: int) -> Schedule:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch.distributed as dist  # noqa: F401  (you will need it)
 from torch import nn
 
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 
 
 def all_reduce_gradients(model: nn.Module, rt: Runtime) -> None:

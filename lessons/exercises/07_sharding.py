@@ -33,7 +33,7 @@ import torch  # noqa: F401  (you will need it)
 
 from distlab.data_split.sharding.problem import ShardingConfig
 from distlab.data_split.sharding.shards import Sharded
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 
 
 def zero1(model, rt: Runtime, cfg: ShardingConfig) -> Sharded:

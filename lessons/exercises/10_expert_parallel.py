@@ -26,7 +26,7 @@ What you are given: `layer.cfg` (a `MoEConfig`: `experts` E, `top_k` kappa, `cap
 for no capacity), `layer.router` (nn.Linear d -> E, no bias), `layer.experts` (an nn.ModuleDict: the key is
 an expert's global index as a string, "3", and the value its MLP; this rank's E / P experts), `layer.group`
 (the process group, None: the world). torch.distributed is initialised; `distlab.comm.differentiable` and
-`distlab.processes.compat` hold collectives you may use. Every rank holds the same number of tokens.
+`distlab.comm.compat` hold collectives you may use. Every rank holds the same number of tokens.
 
 The judge (P = 3, E = 6, kappa = 2, gamma = 1, drops happen) checks the block's output, L_aux, the experts'
 and the replicated weights' gradients against one process on the whole batch (float64, rtol 1e-10), and

@@ -22,8 +22,8 @@ Count, as integers: `sent` and `received` (bytes copied to the host and back), `
 activations resident on the device at once: a tensor is resident from its pack until its copy to the host is
 done, and from its fetch until its last unpack), `on_demand` (groups fetched only when backward asked), and
 keep `groups` (a dict from group to its handles, in pack order). `_copy(t, label)` may use
-`distlab.proof.emulate.Device(link_ms_per_mib * bytes / distlab.proof.memory.MIB).pad(1)` to make a copy take the link's
-time; `copies` is a `distlab.proof.timeline.Timeline(1)` for the copy thread's spans.
+`distlab.proof.emulate.EmulatedDevice(link_ms_per_mib * bytes / distlab.proof.memory.MIB).pad(1)` to make a
+copy take the link's time; `copies` is a `distlab.proof.timeline.Timeline(1)` for the copy thread's spans.
 
 The judge (one process, an MLP 16 -> 48 -> 48 -> 48 -> 8, N = 32, float64) checks the gradients against no
 offloading, bit for bit, the bytes each way against lesson 07's formula, and the peak against

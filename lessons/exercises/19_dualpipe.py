@@ -22,7 +22,7 @@ each rank holds (2P + 1), the pairs; and asks torch's ScheduleDualPipeV for its 
 
 from __future__ import annotations
 
-from distlab.pipeline.schedules import Action  # noqa: F401 -- what the units are made of
+from distlab.model_split.schedules import Action  # noqa: F401 -- what the units are made of
 
 
 def dualpipev(num_ranks: int, microbatches: int) -> list[list[tuple]]:

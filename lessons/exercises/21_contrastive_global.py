@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 
 
 def global_loss_times_p(

@@ -123,7 +123,7 @@ COLORS = {"F": "tab:blue", "I": "tab:purple", "I split": "tab:red", "W": "tab:gr
 
 
 def gantt(ax, timing, title: str = "", stretch: float = 1.0, labels: bool = True, path: bool = False) -> None:
-    """One row per rank, one box per action where `distlab.pipeline.simulator.simulate` placed it.
+    """One row per rank, one box per action where `distlab.model_split.simulator.simulate` placed it.
     Forward blue, unsplit backward purple, split backward (the input's gradient) red, weight
     gradient green; a rank's second stage paler. Boxes are labelled with their micro-batch (and,
     one stage per rank, the kind: F3), short enough not to overlap. `path`: a black line through

@@ -10,9 +10,12 @@
   and Ulysses (lessons 10, 11);
 - `ledger`: what a rank sent, counted in exact integers (`Ledger.sent`), by phase and kind;
 - `timing`: how long a collective takes, on the slowest rank;
+- `compat`: the collectives whose names changed between torch 2.11 and 2.13, in one place;
+- `agree`: agree across ranks, then raise: one exchanged table, every rank the same error, or none;
 - `watch`: torch's own collectives (DTensor's, FSDP2's, the pipeline schedules' sends), counted by the
   group they ran on into one ledger per group, priced as the ledger prices ours.
 
-Every parallelism package (pipeline, data_parallel, sharding, tensor_parallel, context_parallel,
-contrastive, streamed, expert_parallel) stands on these and never on a sibling.
+It stands on `distlab.processes` alone. Every parallelism package (model_split, data_parallel, sharding,
+tensor_parallel, context_parallel, expert_parallel, resilience, contrastive, streamed) stands on these and never
+on a sibling.
 """

@@ -38,8 +38,8 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from distlab.processes import compat
-from distlab.processes.runtime import Runtime
+from distlab.comm import compat
+from distlab.processes.identity import Runtime
 
 Tensor = torch.Tensor
 

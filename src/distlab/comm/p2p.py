@@ -21,7 +21,7 @@ from oneself (so a ring of one rank works unchanged) and is not counted. Every b
 rank is counted in `ledger` (`distlab.comm.ledger`) when one is given.
 
 `Posted` is the one waiter: real messages wait on torch's `Work`s; an in-process emulation
-(`distlab.streamed.ring.ListRing`) hands it a function that delivers the received tensors.
+(`distlab.streamed.ring_passes.ListRing`) hands it a function that delivers the received tensors.
 """
 
 from __future__ import annotations

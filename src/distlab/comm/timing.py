@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 
 
 def barrier(rt: Runtime) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from distlab.processes.agree import rank_table
-from distlab.processes.runtime import Runtime
+from distlab.comm.agree import rank_table
+from distlab.processes.identity import Runtime
 
 
 def local_block(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -36,7 +36,7 @@ def check_inputs(z_x: torch.Tensor, z_y: torch.Tensor, tau: float) -> None:
         dims = list(t.shape)[: slots - 1]
         row[i * slots : i * slots + 1 + len(dims)] = [t.dim(), *dims]
     row[-1] = float(tau)
-    table = rank_table(row, z_x.device)  # every rank judges the same table (distlab.processes.agree)
+    table = rank_table(row, z_x.device)  # every rank judges the same table (distlab.comm.agree)
 
     def shape(row: torch.Tensor, i: int) -> tuple[int, ...]:
         ndim = int(row[i * slots])

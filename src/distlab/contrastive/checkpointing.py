@@ -32,7 +32,6 @@ one GPU): a survivor may wait out the group's timeout, which is why torchrun's s
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
@@ -47,48 +46,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.processes.agree import per_rank, rank_table
-from distlab.processes.flags import launched_world_size, positive_int, writable_dir
-from distlab.processes.runtime import Runtime
-from distlab.proof.console import print0
+from distlab.comm.agree import per_rank, rank_table
+from distlab.processes.console import print0
+from distlab.processes.identity import Runtime
 
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 KEEP = 2  # complete checkpoints kept; older ones are removed once a newer is whole
 CRASH_EXIT_CODE = 17  # what the crashed rank exits with (torchrun reports it)
-FLAGS = ("checkpoint_dir", "checkpoint_every", "crash_at_step", "crash_rank")
-
-
-def add_resume_args(parser: argparse.ArgumentParser, every: int = 10) -> argparse.ArgumentParser:
-    parser.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        type=writable_dir,
-        help="checkpoint here, and resume from the newest whole checkpoint found here",
-    )
-    parser.add_argument(
-        "--checkpoint-every", type=positive_int, default=every, metavar="STEPS", help="steps between checkpoints"
-    )
-    parser.add_argument(
-        "--crash-at-step",
-        type=positive_int,
-        metavar="STEP",
-        help="rank --crash-rank exits abruptly at this step, on torchrun's first attempt only",
-    )
-    parser.add_argument("--crash-rank", type=int, metavar="RANK", help="the rank that crashes; default the last")
-    return parser
-
-
-def check_resume_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """One line naming the flag, before any process group exists (P is torchrun's WORLD_SIZE; outside
-    torchrun the rank is not checked, and `distributed()` says how to launch)."""
-    world = launched_world_size()
-    if args.crash_at_step is not None and args.checkpoint_dir is None:
-        parser.error("argument --crash-at-step: needs --checkpoint-dir (a crash with nothing to resume from)")
-    if args.crash_at_step is not None and args.crash_at_step > args.steps:
-        parser.error(f"argument --crash-at-step: must be at most --steps ({args.steps}), got {args.crash_at_step}")
-    if args.crash_rank is not None and world is not None and not 0 <= args.crash_rank < world:
-        parser.error(f"argument --crash-rank: must be a rank, 0 <= r < P = {world}, got {args.crash_rank}")
 
 
 def parameters_sha256(module: torch.nn.Module) -> str:
@@ -163,21 +128,21 @@ class Checkpoints:
     step (writes every `every` steps), `crash_if_asked` before every step. With no directory every
     call does nothing (and the run is the plain lesson)."""
 
-    def __init__(self, rt: Runtime, directory: str | None, every: int, run: dict) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        directory: str | None,
+        every: int,
+        run: dict,
+        crash_at: int | None = None,
+        crash_rank: int | None = None,
+    ) -> None:
+        """`run`: what the run is (a checkpoint of another run is refused, not silently mixed); `crash_at`: the
+        step before which rank `crash_rank` (default the last) dies, on torchrun's first attempt."""
         self.rt, self.every = rt, every
         self.directory = Path(directory) if directory is not None else None
         self.run = json.loads(json.dumps(run))  # as it reads back from the manifest
-        self.crash_at, self.crash_rank = None, rt.world_size - 1
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, rt: Runtime) -> Checkpoints:
-        """From `add_resume_args`' flags; the other flags (but --json) define the run a checkpoint
-        must belong to: resuming with another --lr or --seed is refused, not silently mixed."""
-        run = {k: v for k, v in vars(args).items() if k not in FLAGS + ("json",)}
-        checkpoints = cls(rt, args.checkpoint_dir, args.checkpoint_every, run)
-        checkpoints.crash_at = args.crash_at_step
-        checkpoints.crash_rank = args.crash_rank if args.crash_rank is not None else rt.world_size - 1
-        return checkpoints
+        self.crash_at, self.crash_rank = crash_at, rt.world_size - 1 if crash_rank is None else crash_rank
 
     def crash_if_asked(self, step: int) -> None:
         """Before step `step` (1-based): the chosen rank dies here on the first attempt."""

@@ -27,10 +27,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from distlab.comm import compat
 from distlab.comm.collectives import ring_fraction
 from distlab.contrastive.variants import Variant
-from distlab.processes import compat
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.memory import PeakMemory
 from distlab.proof.timeline import timed
 

@@ -17,7 +17,7 @@ all ranks, sum_s dL_s/dZ[rC : (r+1)C].
   `torch.distributed.nn.functional.all_gather` and its warning names the replacement,
   `torch.distributed._functional_collectives.all_gather_single`, whose op has a registered autograd
   formula (`all_gather_into_tensor_backward`, a reduce-scatter with sum): the one for real code. (torch
-  2.11 names it `all_gather_tensor_autograd`; `distlab.processes.compat` picks the name the installed torch has.)
+  2.11 names it `all_gather_tensor_autograd`; `distlab.comm.compat` picks the name the installed torch has.)
 
 On gloo (CPU) a reduce-scatter (`reduce_scatter_single`) runs as an all-reduce of a copy followed by taking this rank's
 chunk (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`), so on CPU the two backwards cost the
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.processes import compat
+from distlab.comm import compat
 
 
 def all_gather_blocks(tensor: torch.Tensor) -> torch.Tensor:

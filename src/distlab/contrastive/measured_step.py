@@ -18,7 +18,7 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from distlab.proof.console import progress
+from distlab.processes.console import progress
 from distlab.proof.memory import MIB, PeakMemory
 
 

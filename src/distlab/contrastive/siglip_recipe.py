@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab.comm import compat
 from distlab.comm.p2p import post
-from distlab.processes import compat
 
 
 def _exchange(sends: list[tuple[torch.Tensor, int]], srcs: list[int]) -> list[torch.Tensor]:

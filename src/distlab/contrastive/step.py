@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distlab.contrastive.batch import check_inputs, local_block
 from distlab.contrastive.variants import Losses, Variant
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.compare import grads_of
 from distlab.proof.models import TwoTower, paired_data
 

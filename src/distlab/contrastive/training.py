@@ -25,9 +25,9 @@ from distlab.contrastive.losses import clip_loss
 from distlab.contrastive.reference import LossFn
 from distlab.contrastive.step import ddp_step
 from distlab.contrastive.variants import Variant
-from distlab.processes.runtime import Runtime
+from distlab.processes.console import progress
+from distlab.processes.identity import Runtime
 from distlab.proof.compare import params_of
-from distlab.proof.console import progress
 
 OPTIMIZERS = ("sgd", "adam")
 FINAL_STEPS = 10  # a run's final loss is the mean of L over this many last steps

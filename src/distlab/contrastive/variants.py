@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from distlab.contrastive.gather import gather_library, gather_plain, gather_with_grad
 from distlab.contrastive.losses import clip_loss, local_clip_loss
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # this rank's C x d block -> the N x d concatenation
 Losses = tuple[torch.Tensor, torch.Tensor]  # (loss to back-propagate, L detached)

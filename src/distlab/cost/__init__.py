@@ -11,7 +11,7 @@ composed, never derived again (tests/test_cost_*.py hold the composition to the 
 | `flops`    | forward, backward, recomputation; the model's FLOPs | lesson 13 (torch's FlopCounterMode)         |
 | `memory`   | weights, gradients, optimizer states, activations | lesson 07 (ZeRO), 08 (TP/SP), 02-05 (in flight) |
 | `traffic`  | bytes per collective per mesh dimension           | 07 (dp), 08 (tp), 09 (cp), 10 (ep), 01-03 (pp) |
-| `schedule` | the pipeline's placement, in-flight counts, grid  | 02-05 (`distlab.pipeline.simulator`)          |
+| `schedule` | the pipeline's placement, in-flight counts, grid  | 02-05 (`distlab.model_split.simulator`)          |
 | `step`     | all of it for each pipeline position: `step_cost` | -                                             |
 | `hardware` | devices (datasheets) and links; a measured device | lesson 13 measures this machine               |
 | `timing`   | compute, memory, communication, overlap, bubble; step time, MFU | lesson 13 (time within a factor) |

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from distlab.comm import compat
 from distlab.comm.collectives import ring_bytes
 from distlab.comm.ring import Ring
 from distlab.comm.timing import time_call
 from distlab.cost.hardware import Link
-from distlab.processes import compat
-from distlab.processes.runtime import DEFAULT_TIMEOUT_S, Runtime
+from distlab.processes.identity import Runtime
+from distlab.processes.runtime import DEFAULT_TIMEOUT_S
 
 SMALL, LARGE = 16, 1 << 19  # float32 elements per rank in the two all-reduces a link is fitted to
 

@@ -112,7 +112,7 @@ def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stag
 
 def rank_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, pp_rank: int = 0) -> Flops:
     """A step on one rank of pipeline position `pp_rank`: M micro-batches through each stage it holds
-    (`distlab.pipeline.schedules.placement`: looped r, r + P, ..; the V-shaped schedules r and 2P - 1 - r)."""
+    (`distlab.model_split.schedules.placement`: looped r, r + P, ..; the V-shaped schedules r and 2P - 1 - r)."""
     total = Flops()
     for stage in stages(parallel, batch, pp_rank):
         total = total + stage_flops(model, batch, parallel, stage).times(batch.micro_batches)

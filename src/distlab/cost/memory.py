@@ -26,7 +26,7 @@ input is the previous block's output, counted there), by storage as `distlab.pro
 - the layered MLP: lesson 07's `accounting.mlp_activations` on a stage's widths (lessons 02-03: a stage
   saves its input and its tanh outputs; the last one the output and the target);
 
-times the micro-batches a rank holds at once, which the schedule decides (`distlab.pipeline.simulator.
+times the micro-batches a rank holds at once, which the schedule decides (`distlab.model_split.simulator.
 peak_in_flight`: GPipe M, 1F1B min(M, P - r), lessons 02-05). With recomputation a block keeps only its
 output, and one block at a time holds its whole activations again while its backward runs.
 

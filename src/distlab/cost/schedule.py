@@ -1,8 +1,8 @@
 """The pipeline schedule a configuration runs, read the ways the cost model needs it, each computed once.
 
-The schedule is data (`distlab.pipeline.schedules.make_schedule`, lessons 02-05): per rank, its actions in
+The schedule is data (`distlab.model_split.schedules.make_schedule`, lessons 02-05): per rank, its actions in
 order. From it: which stages a rank holds (`placement`), on which rank a stage lives (`rank_of`), how many
-micro-batches a rank holds activations for at once (`distlab.pipeline.simulator.peak_in_flight`), and the
+micro-batches a rank holds activations for at once (`distlab.model_split.simulator.peak_in_flight`), and the
 grid of ticks the schedule fills (`simulate`, a forward one tick, a backward two, three with recomputation),
 whose idle cells are the bubble. A planner asks the same few questions of thousands of configurations:
 they depend on (schedule, pp, M, v) alone, so each is answered once.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from functools import cache
 
 from distlab.cost.shapes import Batch, Parallel, schedule_of
-from distlab.pipeline.schedules import placement, rank_of
-from distlab.pipeline.simulator import peak_in_flight, simulate
+from distlab.model_split.schedules import placement, rank_of
+from distlab.model_split.simulator import peak_in_flight, simulate
 
 
 def _key(parallel: Parallel, batch: Batch) -> tuple[str, int, int, int]:

@@ -11,7 +11,7 @@ The models are the lessons' own, described by sizes alone (no tensor is built):
 
 The split is a `Parallel`: dp data-parallel ranks with a ZeRO stage (`distlab.data_split.sharding.accounting.STAGES`;
 FSDP2 is ZeRO-3, lesson 07), tp tensor-parallel ranks with or without sequence parallelism (lesson 08), pp
-pipeline ranks running a named schedule of `distlab.pipeline.schedules` with v stages per rank (lessons
+pipeline ranks running a named schedule of `distlab.model_split.schedules` with v stages per rank (lessons
 02-05), cp context-parallel ranks on a zig-zag ring (lesson 09), and activation recomputation per block.
 P = dp tp pp cp. With `cut_gathered`, sequence parallelism keeps the all-gathered inputs of q, k, v and fc1 as
 this rank's part and gathers them again in backward (Megatron-LM's choice, which lesson 08 names; the
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from functools import cache
 
 from distlab.cost.dims import ParallelDims
-from distlab.pipeline.partition import stage_bounds
-from distlab.pipeline.schedules import make_schedule
+from distlab.model_split.partition import stage_bounds
+from distlab.model_split.schedules import make_schedule
 from distlab.proof.sizes import Transformer, Weight
 
 ORDER = ("tp", "cp", "pp", "dp")  # mesh dimensions, innermost (fastest links) first, as Llama 3 orders them
@@ -113,7 +113,7 @@ class Parallel:
     sp: bool = False  # sequence parallelism beside tensor parallelism
     cut_gathered: bool = False  # sp as Megatron-LM: q, k, v's and fc1's gathered input kept cut, gathered again
     pp: int = 1
-    schedule: str = "1f1b"  # a name in distlab.pipeline.schedules.SCHEDULES
+    schedule: str = "1f1b"  # a name in distlab.model_split.schedules.SCHEDULES
     stages_per_rank: int = 1  # v
     cp: int = 1
     ep: int = 1  # expert-parallel ranks, taken from dp (`distlab.cost.dims`)
@@ -149,13 +149,13 @@ class Parallel:
 
 @cache
 def schedule_of(name: str, pp: int, micro_batches: int, stages_per_rank: int):
-    """`distlab.pipeline.schedules.make_schedule`, made once per (name, pp, M, v): a planner asks thousands
+    """`distlab.model_split.schedules.make_schedule`, made once per (name, pp, M, v): a planner asks thousands
     of configurations for the same few schedules. Callers read it, never change it."""
     return make_schedule(name, pp, micro_batches, stages_per_rank)
 
 
 def stage_layers(model: Transformer | Mlp, parallel: Parallel) -> list[range]:
-    """The layers of each of the pp v stages (`distlab.pipeline.partition.stage_bounds`: as even as can be,
+    """The layers of each of the pp v stages (`distlab.model_split.partition.stage_bounds`: as even as can be,
     the first stages one layer longer)."""
     return _bounds(model.layers, parallel.pp * parallel.stages_per_rank)
 

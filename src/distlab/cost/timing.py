@@ -20,7 +20,7 @@ sends are posted ahead (lesson 03) and the data-parallel reduction runs from hoo
 ZeRO-3's first gather. On gloo here nothing overlaps (`Assumptions(overlap=())`): lesson 13 runs its
 collectives between the computations.
 
-A pipeline step is the schedule's grid (`distlab.pipeline.simulator.simulate`, lessons 02-05) at one tick per
+A pipeline step is the schedule's grid (`distlab.model_split.simulator.simulate`, lessons 02-05) at one tick per
 stage forward of a micro-batch, a backward two ticks (three with recomputation); its idle cells are the
 bubble. The step: that grid's length x the slowest stage's tick, plus the exposed data-parallel reduction,
 plus the optimizer's memory traffic.

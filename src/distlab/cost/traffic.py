@@ -20,7 +20,7 @@ Each dimension's count is the formula its lesson proves against a ledger of real
 - ep (lesson 10, `distlab.layer_split.expert_parallel.cost.expected_bytes` on a balanced routing matrix): per
   mixture-of-experts layer and micro-batch, dispatch and combine forward and backward, (ep - 1) / ep of the
   rank's T top_k routed rows of d e each way; the routed experts' gradients reduce over dp / ep ranks;
-- pp (lessons 01-03, `distlab.pipeline.p2p.comm_plan`): every micro-batch's activation to the next stage and
+- pp (lessons 01-03, `distlab.model_split.p2p.comm_plan`): every micro-batch's activation to the next stage and
   its gradient back, one micro-batch's N / (dp M) x seq / cp x d e (a layered MLP's width at the cut),
   where the next stage lives on another rank (the turn of a V does not).
 """

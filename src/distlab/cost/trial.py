@@ -26,7 +26,7 @@ from distlab.data_split.sharding.replicated import Replicated
 from distlab.layer_split.tensor_parallel import operators
 from distlab.layer_split.tensor_parallel.blocks import ParallelBlock
 from distlab.layer_split.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.held import SavedActivations, model_states, storage_bytes
 from distlab.proof.models import Block, BlockOptions, token_batch
 from distlab.proof.training import Plain

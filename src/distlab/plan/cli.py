@@ -31,6 +31,7 @@ from distlab.plan import report
 from distlab.plan.flags import LIMITS
 from distlab.plan.presets import MODELS
 from distlab.plan.search import least_memory, price, search
+from distlab.processes.console import console
 from distlab.processes.flags import (
     FlagParser,
     add_global_batch,
@@ -41,7 +42,6 @@ from distlab.processes.flags import (
     share,
     writable_file,
 )
-from distlab.proof.console import console
 from distlab.proof.sizes import Transformer
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe

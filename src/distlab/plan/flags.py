@@ -1,4 +1,4 @@
-"""The planner's own limits. A planner builds no tensor, so the lessons' memory limits (`distlab.processes.cli`:
+"""The planner's own limits. A planner builds no tensor, so the lessons' memory limits (`distlab.proof.cli`:
 a width^2 float64 matrix is 2 GiB) do not apply here; each limit below is a typo guard, with its reason, far
 above every published run. The parser and every flag type (positive numbers, a share of a peak, a file or a
 PNG to write) are the ground floor's, `distlab.processes.flags`; the planner never imports the lessons' parser.

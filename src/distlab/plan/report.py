@@ -14,7 +14,7 @@ from distlab.data_split.sharding.accounting import layer_norm_stat_bytes
 from distlab.layer_split.tensor_parallel.cost import sdpa_math_path
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.plan.search import Candidate
-from distlab.proof.console import compact_table, console
+from distlab.processes.console import compact_table, console
 
 SCHEDULE_SHORT = {"1f1b": "1F1B", "interleaved-1f1b": "int", "gpipe": "GPipe", "zb-h1": "ZB", "interleaved-zb": "iZB"}
 ITEMS = (  # what a rank holds, item by item, as the other calculators break it down

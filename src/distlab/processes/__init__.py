@@ -1,19 +1,20 @@
-"""The processes a run stands on: torchrun's environment, the process group, devices, and the command line.
+"""The processes a run stands on: torchrun's environment, the process group, devices, flags, what a rank prints.
 
-- `runtime`: the process group from torchrun's env (`Runtime`: who am I), backend and device, timeouts, the
-  release of every DDP before the group; `spawn`: torchrun's job inside one process (tests, notebooks);
-  `nodes`: several torchrun agents (which ranks a node ran, a survivor's line said before the teardown);
+The bottom of the ground floor: it imports no other room of distlab (`distlab.pieces`, `distlab.comm` and
+`distlab.proof` stand on it).
+
+- `identity`: `Runtime`, who a process is (rank, world size, local rank) and where its tensors live;
+  `runtime`: the process group from torchrun's env, backend and device, timeouts, the release of every DDP
+  before the group; `spawn`: torchrun's job inside one process (tests, notebooks); `nodes`: several torchrun
+  agents (which ranks a node ran, a survivor's line said before the teardown);
 - `strict`: strict device mode (a collective on a tensor not on `rt.device` raises, on a CPU too);
-  `reproducible`: float32 that stays float32 on a GPU, deterministic runs; `compat`: the collectives whose
-  names changed between torch 2.11 and 2.13;
-- `agree`: agree across ranks, then raise: every rank the same error, or none;
+  `reproducible`: float32 that stays float32 on a GPU, deterministic runs;
 - `scratch`: a temporary directory a killed run does not leave behind; `committed`: a distributed checkpoint
   staged, then committed by a marker of sizes and SHA-256s written last, and checked against it before a load;
-- `lives`: child processes a lesson lets die (SIGKILL) and starts again, each reaped on every way out;
-  `lighthouse`: torchft's Lighthouse, stores and Managers on the loopback, and its status page read (lesson 20);
 - `flags`: argument types, the rules that need the world size (`require`, the one "P divides N"), `FlagParser`
-  with a program's own limits; `cli`: the lessons' parser and their limits, for lessons only.
+  with a program's own limits; `console`: output that reads the same in a terminal, a pipe and a notebook
+  (rank 0 prints; tables; the one-line error).
 
-What may not live here: anything that computes or judges a model's numbers (that is `distlab.proof`), and
-anything of one way of splitting. Nothing here imports a sibling package, and no library module imports `cli`.
+What may not live here: anything that computes or judges a model's numbers (that is `distlab.proof`), a
+collective (`distlab.comm`), and anything of one way of splitting or of one lesson.
 """

@@ -8,7 +8,7 @@ name the flag: `require(ok, "--flag", message)`, and the one "P divides N" rule,
 
 `FlagParser` is argparse that rank 0 alone prints, with one-line errors, and a table of the largest value each
 numeric flag may take (`limits`: flag -> (largest value, why)): each program states its own. The lessons'
-parser (`distlab.processes.cli`, for lessons only: the library never imports it) holds the limits a lesson's
+parser (`distlab.proof.cli`, for lessons only: the library never imports it) holds the limits a lesson's
 memory sets; the planner, which builds no tensor, holds its own.
 """
 

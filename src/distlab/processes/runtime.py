@@ -37,7 +37,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,28 +44,16 @@ import torch
 import torch.distributed as dist
 
 from distlab.processes import reproducible
+from distlab.processes.console import console, error_line
+from distlab.processes.identity import Runtime
 from distlab.processes.nodes import agent_stops_named, is_peer_failure, say_before_teardown
+from distlab.processes.strict import strict_device
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
 SOLO_TIMEOUT_S = float(os.environ.get("DISTLAB_SOLO_TIMEOUT_S", "900"))  # a phase rank 0 runs alone
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 ERROR_GRACE_S = 0.5  # how long the other ranks let rank 0 print a bad-input line first
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """Who this process is in the group, and where its tensors live."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: torch.device
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
 
 
 def visible_gpus() -> int:
@@ -176,8 +163,6 @@ def _process_group(
             stack.enter_context(agent_stops_named())  # several agents: a SIGTERM says why (`nodes`)
             rt = Runtime(rank, world_size, local_rank, backend, dev)
             if strict if strict is not None else os.environ.get("DISTLAB_STRICT_DEVICE") == "1":
-                from distlab.processes.strict import strict_device  # (strict imports this module)
-
                 rt = stack.enter_context(strict_device(rt))
             yield rt
     except Exception as err:
@@ -266,7 +251,6 @@ def run_main(main: Callable[[], int]) -> None:
     line and every rank exits 2, instead of P identical tracebacks. torchrun stops every rank once one has
     failed, so the others give rank 0 a moment to print its line before they exit. Any other error, a
     ValueError from inside torch included, is a run-time failure: its traceback, as Python shows it."""
-    from distlab.proof.console import console, error_line  # (console imports nothing from here)
 
     try:
         code = main()

@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_leaves, tree_map
 
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 
 HOST = torch.device("cpu")
 STAND_IN = torch.device("cpu", 0)  # rt.device in strict mode on CPU: the GPU's stand-in

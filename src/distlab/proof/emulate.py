@@ -16,7 +16,7 @@ That is the simulator's unit grid (t_F = t_I = t_W = 1) made real: with free mes
 step should approach the grid's length and its bubble. `pad` does it for a whole action (run the
 math, then sleep what is left of the action's time); `slow_layers` does it per layer with module
 hooks, for a plain backward whose gradients must arrive layer by layer (data parallelism);
-`Link` is the wire for the data-parallel buckets.
+`EmulatedLink` is the wire for the data-parallel buckets.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def add_args(parser, ms_per_layer: float):
 
 
 @dataclass(frozen=True)
-class Device:
+class EmulatedDevice:
     """The emulated device's cost model; `ms_per_layer` 0 means the real CPU (no padding)."""
 
     ms_per_layer: float = 0.0
@@ -72,7 +72,7 @@ def action_units(kind: str, split: bool, layers: int) -> int:
     return layers * (2 if kind == "I" and not split else 1)
 
 
-def slow_layers(model: nn.Sequential, device: Device) -> list:
+def slow_layers(model: nn.Sequential, device: EmulatedDevice) -> list:
     """Make each layer of `model` cost ms_per_layer in forward and twice that in backward (input
     and weight gradient), as sleeps inside autograd: the gradients of the last layer are ready
     first, then the next, as on a device. Returns the hook handles (`.remove()` them to undo)."""
@@ -87,7 +87,7 @@ def slow_layers(model: nn.Sequential, device: Device) -> list:
 
 
 class _Sent:
-    """What `Link.all_reduce` returns: a `dist.Work`-like handle (`wait()`, `get_future()`)."""
+    """What `EmulatedLink.all_reduce` returns: a `dist.Work`-like handle (`wait()`, `get_future()`)."""
 
     def __init__(self):
         self.future: torch.futures.Future = torch.futures.Future()
@@ -102,7 +102,7 @@ class _Sent:
         return self.future
 
 
-class Link:
+class EmulatedLink:
     """The emulated wire of one rank: one message at a time, in the order they were sent, each
     taking `ms_per_mib` per MiB (the real all-reduce runs inside that time, then the link sleeps
     the rest), on the link's own thread, so the rank's backward goes on meanwhile. Every rank sends
@@ -114,7 +114,7 @@ class Link:
 
     def all_reduce(self, tensor: torch.Tensor) -> _Sent:
         sent = _Sent()
-        cost = Device(self.ms_per_mib * tensor.numel() * tensor.element_size() / MIB)
+        cost = EmulatedDevice(self.ms_per_mib * tensor.numel() * tensor.element_size() / MIB)
 
         def send() -> None:
             try:

@@ -15,7 +15,7 @@ from torch import nn
 
 from distlab.proof.training import Plain, Run, train
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (x, target)
+InputTarget = tuple[torch.Tensor, torch.Tensor]  # (x, target)
 
 
 def sgd(lr: float) -> Callable[..., torch.optim.Optimizer]:
@@ -25,7 +25,7 @@ def sgd(lr: float) -> Callable[..., torch.optim.Optimizer]:
 
 def one_process(
     model: nn.Module,
-    batch: Callable[[int], Batch],
+    batch: Callable[[int], InputTarget],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     optimizer: Callable[..., torch.optim.Optimizer],
     steps: int,

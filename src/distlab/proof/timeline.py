@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from rich.text import Text
 
-from distlab.proof.console import console
+from distlab.processes.console import console
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.compare import grads_of, params_of
 
 Tensors = dict[str, torch.Tensor]

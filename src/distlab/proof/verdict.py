@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlab.processes.runtime import Runtime
-from distlab.proof.console import print0
+from distlab.processes.console import print0
+from distlab.processes.identity import Runtime
 
 
 @dataclass

@@ -10,7 +10,7 @@ the step
   `exit_hint`       every error of the step and the loss modules ends with how to exit cleanly
 how the ranks' embeddings meet
   `exchange`        the gather or the ring (EXCHANGE), and the bytes each rank sends
-  `ring`            the ring: C x d blocks pass rank to rank, the InfoNCE's and the sigmoid's passes
+  `ring_passes`     the ring: C x d blocks pass rank to rank, the InfoNCE's and the sigmoid's passes
 the losses' tile work
   `torch_tiles`     the InfoNCE's tiles in torch ops, S in memory: log-sum-exps by the online fold, G by tiles
   `own_block`       the torch tiles' phases 2 and 3 with a rank's own block of S made once for rows and columns
@@ -20,8 +20,8 @@ the losses' tile work
   `precision`       MATMUL_PRECISION, pinned around the tiles
   `chunk_size`      the default T (the stream chunk), and the warning when a T launches too many kernels
 counting the tile work
-  `rank_work`       one rank's tile work without the exchange, to count or time a large step on one device
-  `launch_count`    `LaunchCount`: the launches and bytes of a block of code (on the meta device too)
+  `rank_work`       one rank's tile work without the exchange, to count (`distlab.proof.launch_count`) or time
+                    a large step on one device
 the loss as a module
   `loss_modules`    `ClipLoss`, `SigLipLoss`: the step's exact global loss where a trainer plugs a loss
   `loss_guards`     a loss module's call, checked and agreed across ranks

@@ -5,7 +5,7 @@ logit scale s), and the optional STREAM_CHUNK_SIZE (T, the side of the torch til
 device and a memory budget, `chunk_size`); NORMALISERS, how phase 2 computes the log-normalisers a, b:
 "sharded" (default; each rank its own C rows and columns of S, then a tiny all-gather) or "replicated"
 (every rank all N^2 similarities, no exchange); EXCHANGE, how the ranks' embeddings meet: "gather"
-(default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring`);
+(default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring_passes`);
 KERNELS, who does the tile work: "auto" (default: the Triton kernels with W in memory, "triton-mm", on CUDA
 tensors at a tensor-core MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton" or "triton-mm"
 (`kernel_choice`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`);

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distlab.comm import compat
 from distlab.comm.ledger import Ledger
-from distlab.processes import compat
 from distlab.streamed.kernel_choice import as_tile_ops
 from distlab.streamed.precision import pinned
-from distlab.streamed.ring import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
+from distlab.streamed.ring_passes import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
 from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_gathered
 from distlab.streamed.wrappers import compute_dtype
 

@@ -2,7 +2,7 @@
 the same error on every rank before the features are exchanged.
 
 A loss module is called with features a forward already made, so there is one exchange of a few numbers
-per call (`distlab.processes.agree`), before the gather or the ring: each rank's problem (a tensor that is not
+per call (`distlab.comm.agree`), before the gather or the ring: each rank's problem (a tensor that is not
 C x d, a scale that is not one number, a `rank` or `world_size` that is not this rank's place in the
 group), its C and d, its features' dtypes, its scale s and bias beta, and the settings that decide
 which exchange runs (EXCHANGE, T). Every rank judges the same table, so either all of them go on to
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlab.processes.agree import message_length, per_rank, raise_together, rank_table
+from distlab.comm.agree import message_length, per_rank, raise_together, rank_table
 from distlab.streamed.config import EXCHANGES
 
 FIELDS = (

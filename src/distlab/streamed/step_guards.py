@@ -4,7 +4,7 @@ on every rank.
 A collective that only some ranks reach waits for the others until the process group's timeout. A
 forward can be such a collective: DDP's forward with grad broadcasts the module's buffers (BatchNorm's
 running statistics, open_clip's attention mask) and, once, rebuilds its buckets; FSDP2's all-gathers
-the parameters. So no rank leaves early (`distlab.processes.agree`: every rank judges one exchanged table):
+the parameters. So no rank leaves early (`distlab.comm.agree`: every rank judges one exchanged table):
 
 1. `ready_step`, before any rank's forward: the config, the wrapper, a trainable parameter,
    BatchNorm, checked locally; then one all-gather of a few numbers per rank (N, B, TAU or
@@ -34,8 +34,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from distlab.comm.agree import message_length, per_rank, raise_together, rank_table
 from distlab.pieces.split_inputs import samples_in
-from distlab.processes.agree import message_length, per_rank, raise_together, rank_table
 from distlab.streamed.config import EXCHANGES, KERNELS, MATMUL_PRECISIONS, NORMALISERS, StreamConfig, parse_config
 from distlab.streamed.kernel_choice import kernels_problem
 from distlab.streamed.wrappers import Wrapped, batchnorm_in_training, first_device, trainable, unwrap

@@ -12,7 +12,8 @@
 - `unused_branch`: a model with a branch that one step does not use. DDP waits for a gradient of
   every parameter before its last bucket is reduced; a parameter that got none leaves that bucket
   waiting. What torch 2.13 does then is run here, not assumed.
-- `show_ddp`, `show_unused`: lesson 06's tables and claim of what `unused_branch` does with and without the flag.
+- `unused_outcome`: what `unused_branch` does with and without the flag, each step judged against one process
+  (lesson 06 prints it and states the claim).
 - `global_loss_gradients`: DDP on a loss every rank computes over the all-gathered batch.
 """
 
@@ -38,12 +39,9 @@ from distlab.data_split.data_parallel.problem import (
     mean_loss,
     shard,
 )
-from distlab.data_split.data_parallel.report import gradient_table
-from distlab.processes.runtime import Runtime
-from distlab.proof.compare import all_ok, compare, compare_whole, grads_of
-from distlab.proof.console import print0, rows_table
+from distlab.processes.identity import Runtime
+from distlab.proof.compare import all_ok, compare, grads_of
 from distlab.proof.models import _init_linear_
-from distlab.proof.verdict import Verdict
 
 
 def wrap(model: nn.Module, rt: Runtime, find_unused_parameters: bool = False, bucket_mib: float = 25.0) -> DDP:
@@ -202,61 +200,30 @@ def global_loss_gradients(rt: Runtime, cfg: DataParallelConfig, times_p: bool) -
     return loss.item(), grads_of(model)
 
 
-def show_unused(rt: Runtime, cfg: DataParallelConfig, verdict: Verdict) -> None:
-    """Lesson 06's part 4b: `unused_branch` with and without the flag, against one process, as a table."""
+@dataclass(frozen=True)
+class UnusedOutcome:
+    """`unused_branch` with and without `find_unused_parameters`, each step against one process: per flag the
+    cells of a table row ("= one process", "ranks differ", "wrong", "RuntimeError") and the error that ended the
+    run; whether torch warned, with the flag, that its search found nothing to do; and the row a correct DDP gives
+    without the flag (step 2 un-averaged: its ranks differ, unless there is one rank)."""
+
+    cells: dict[bool, list[str]]
+    errors: dict[bool, str]
+    warned: bool
+    expected_without: list[str]
+
+
+def unused_outcome(rt: Runtime, cfg: DataParallelConfig) -> UnusedOutcome:
+    """Run `unused_branch` with and without the flag and judge every step against one process."""
     ref = branchy_reference(cfg)
-    outcome, warned = {}, False
+    cells, errors, warned = {}, {}, False
     for flag in (False, True):
         run = unused_branch(rt, cfg, flag)
-        cells = [
+        row = [
             "= one process" if all_ok(compare(r, g)) else ("ranks differ" if not a else "wrong")
             for r, g, a in zip(ref, run.grads, run.ranks_agree)
         ]
-        cells += ["RuntimeError"] * (len(USE_AUX) - len(cells))
-        outcome[flag] = (cells, run.error)
+        cells[flag], errors[flag] = row + ["RuntimeError"] * (len(USE_AUX) - len(row)), run.error
         warned = any(UNUSED_SEARCH_WARNING in line for line in run.warnings) if flag else warned
-    print0(
-        rows_table(
-            "A branch used in steps 1 and 3, not in step 2: gradients per step",
-            ("find_unused_parameters", "step 1", "step 2", "step 3"),
-            [(str(flag), *cells) for flag, (cells, _) in outcome.items()],
-        )
-    )
-    print0(f"without the flag, step 3's forward raised: {outcome[False][1].split('. ')[0]}.", highlight=False)
-    print0(
-        "with the flag DDP searches the graph for unused parameters after every forward; in step 1, which "
-        "used them all, torch " + ("warned" if warned else "did not warn") + " (on every rank; caught here "
-        "and said once) that the search found none and only costs time: the price of the flag on the "
-        "steps that do not need it",
-        highlight=False,
-    )
-    expect_step2 = "= one process" if rt.world_size == 1 else "ranks differ"
-    verdict.check(
-        "unused branch: un-averaged, then an error; with the flag exact",
-        outcome[False][0] == ["= one process", expect_step2, "RuntimeError"]
-        and outcome[True][0] == ["= one process"] * 3,
-    )
-
-
-def show_ddp(rt: Runtime, cfg: DataParallelConfig, k: int, verdict: Verdict, ref_grads: dict) -> None:
-    """Lesson 06's part 4: DDP's no_sync over k micro-batches against one process, then `show_unused`."""
-    print0("\n[bold]4. DDP: no_sync for gradient accumulation, find_unused_parameters[/]")
-    rows, calls = [], {}
-    for no_sync in (True, False):
-        grads, calls[no_sync] = accumulate(rt, cfg, k, no_sync)
-        rows.append(
-            (
-                "no_sync but the last" if no_sync else "every micro-batch synced",
-                "one process",
-                compare_whole(ref_grads, grads),
-                True,
-            )
-        )
-    print0(gradient_table(rows, f"Gradient accumulation over {k} micro-batches per rank under DDP"))
-    print0(f"DDP all-reduce calls (comm hook): {calls[True]} with no_sync, {calls[False]} without")
-    verdict.check(
-        f"no_sync: gradients = one process's; all-reduce in 1 of {k} backwards",
-        all(r[2].ok for r in rows) and calls[True] * k == calls[False] and calls[True] > 0,
-    )
-    verdict.figure("allreduce_calls", {"no_sync": calls[True], "every": calls[False], "micro_batches": k})
-    show_unused(rt, cfg, verdict)
+    expected = ["= one process", "= one process" if rt.world_size == 1 else "ranks differ", "RuntimeError"]
+    return UnusedOutcome(cells, errors, warned, expected)

@@ -29,7 +29,7 @@ from distlab.comm.collectives import (
 )
 from distlab.comm.ring import RING_RUNS, Ring
 from distlab.comm.timing import time_call
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.compare import tolerances
 
 MEASURED = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST)

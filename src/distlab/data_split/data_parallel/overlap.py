@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -23,10 +24,9 @@ from torch import nn
 from distlab.comm.timing import barrier, slowest_median
 from distlab.data_split.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
 from distlab.data_split.data_parallel.report import timeline_table, timing_table
-from distlab.processes.runtime import Runtime
+from distlab.processes.console import print0
+from distlab.processes.identity import Runtime
 from distlab.proof import emulate
-from distlab.proof.console import print0
-from distlab.proof.memory import MIB
 
 Strategy = Callable[[nn.Module], tuple[nn.Module, Callable[[], None]]]
 
@@ -37,7 +37,7 @@ def no_communication(model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
 
 
 @dataclass(frozen=True)
-class StepTime:
+class StepSeconds:
     step_s: float  # forward + backward + sync
     backward_s: float  # loss.backward() alone (with whatever the strategy's hooks do inside it)
 
@@ -64,7 +64,7 @@ def _one_step(rt: Runtime, module: nn.Module, sync: Callable[[], None], batch: t
 
 def time_strategies(
     rt: Runtime, cfg: DataParallelConfig, strategies: dict[str, Strategy], repeats: int
-) -> dict[str, StepTime]:
+) -> dict[str, StepSeconds]:
     """Median seconds of one step, and of its backward, per strategy (slowest rank)."""
     _, x, target = build(cfg)
     batch = (shard(x, rt), shard(target, rt))
@@ -77,11 +77,13 @@ def time_strategies(
             if repeat:
                 steps[name].append(step)
                 backwards[name].append(backward)
-    return {name: StepTime(slowest_median(rt, steps[name]), slowest_median(rt, backwards[name])) for name in strategies}
+    return {
+        name: StepSeconds(slowest_median(rt, steps[name]), slowest_median(rt, backwards[name])) for name in strategies
+    }
 
 
 @dataclass
-class Timeline:
+class BucketTimeline:
     backward_end_ms: float  # loss.backward() returned (it started at 0)
     launched_ms: list[float]  # per bucket: when its all-reduce was launched
     done_ms: list[float]  # per bucket: when its all-reduce completed
@@ -94,7 +96,7 @@ def backward_timeline(
     module: nn.Module,
     sync: Callable[[], None],
     events: dict[str, dict[int, float]],
-) -> Timeline:
+) -> BucketTimeline:
     """One step, timed. `events` is where the sync mechanism stamps time.perf_counter() per bucket:
     events["launched"][i], events["done"][i]. Times in ms from the start of backward."""
     _, x, target = build(cfg)
@@ -111,17 +113,32 @@ def backward_timeline(
     synced = time.perf_counter()
     ms = lambda t: (t - start) * 1e3  # noqa: E731
     order = sorted(events["launched"])
-    return Timeline(
+    return BucketTimeline(
         ms(end), [ms(events["launched"][i]) for i in order], [ms(events["done"][i]) for i in order], ms(synced)
     )
 
 
-def emulated_overlap(rt: Runtime, cfg: DataParallelConfig, args, buckets_class) -> dict:
-    """Lesson 06's buckets (`buckets_class(model, rt, bytes, overlap, link)`) on the emulated device:
+class Buckets(Protocol):
+    """What lesson 06's gradient buckets offer: `wait` (every gradient averaged), the buckets' parameters, and
+    the times each bucket's all-reduce was launched and done (`events["launched"][i]`, `events["done"][i]`)."""
+
+    buckets: list[list[nn.Parameter]]
+    events: dict[str, dict[int, float]]
+
+    def wait(self) -> None: ...
+
+
+def emulated_overlap(
+    rt: Runtime,
+    cfg: DataParallelConfig,
+    device: emulate.EmulatedDevice,
+    link: emulate.EmulatedLink,
+    repeats: int,
+    make_buckets: Callable[[nn.Module, bool], Buckets],
+) -> dict:
+    """Lesson 06's buckets (`make_buckets(model, overlap)`, all-reducing on `link`) on the emulated `device`:
     step times without communication, with the buckets after backward and from the hooks; one step's
     timeline; the hidden share of the communication, measured and predicted. Prints its tables."""
-    device, link = emulate.Device(args.emulate_ms), emulate.Link(args.link_ms_per_mib)
-    cap = args.bucket_mib * MIB
     # Four rows per rank: the same gradients' bytes (they depend on the layers, not the rows) at a
     # fraction of the real compute, which would otherwise still compete for the cores.
     cfg = dataclasses.replace(cfg, global_batch=4 * rt.world_size)
@@ -129,7 +146,7 @@ def emulated_overlap(rt: Runtime, cfg: DataParallelConfig, args, buckets_class) 
     def on_device(overlap: bool | None) -> Strategy:
         def make(model: nn.Module):
             emulate.slow_layers(model, device)
-            return model, (lambda: None) if overlap is None else buckets_class(model, rt, cap, overlap, link).wait
+            return model, (lambda: None) if overlap is None else make_buckets(model, overlap).wait
 
         return make
 
@@ -141,28 +158,27 @@ def emulated_overlap(rt: Runtime, cfg: DataParallelConfig, args, buckets_class) 
             "buckets, after backward": on_device(False),
             "buckets from hooks (overlap)": on_device(True),
         },
-        max(2, args.repeats // 3),
+        max(2, repeats // 3),
     )
     print0(
-        f"\n[bold]The same on the emulated device[/] ({args.emulate_ms:g} ms per layer-pass, "
-        f"{args.link_ms_per_mib:g} ms per MiB on the link, C = 4 rows per rank):"
+        f"\n[bold]The same on the emulated device[/] ({device.ms_per_layer:g} ms per layer-pass, "
+        f"{link.ms_per_mib:g} ms per MiB on the link, C = 4 rows per rank):"
     )
     print0(timing_table(times, baseline="compute only"))
     model = build(cfg)[0].to(rt.device)
     on_device(True)(model)
-    buckets = buckets_class(model, rt, cap, True, link)
+    buckets = make_buckets(model, True)
     for _ in range(2):  # the second step: the first pays for warming up
         line = backward_timeline(rt, cfg, model, buckets.wait, buckets.events)
     sizes = [sum(p.numel() * p.element_size() for p in b) for b in buckets.buckets]
     print0(timeline_table(line.launched_ms, line.done_ms, sizes, line.backward_end_ms))
-    link.close()
     comm = times["buckets, after backward"].step_s - times["compute only"].step_s
     hidden = (times["buckets, after backward"].step_s - times["buckets from hooks (overlap)"].step_s) / comm
     predicted = 1 - sizes[-1] / sum(sizes)
     print0(
         f"emulated device: the hooks hid {hidden:.0%} of the communication's {comm * 1e3:.0f} ms; "
         f"if the link keeps up with backward, 1 - last bucket's bytes / all bytes = {predicted:.0%} (where a "
-        f"bucket took longer than its {args.link_ms_per_mib:g} ms per MiB above, the real all-reduce overran it)"
+        f"bucket took longer than its {link.ms_per_mib:g} ms per MiB above, the real all-reduce overran it)"
     )
     return {
         "step_seconds": {name: vars(t) for name, t in times.items()},

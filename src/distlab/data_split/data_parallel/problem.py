@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.processes import compat
-from distlab.processes.flags import divides_global_batch, p_divides_n, require
-from distlab.processes.runtime import Runtime
+from distlab.comm import compat
+from distlab.processes.flags import p_divides_n, require
+from distlab.processes.identity import Runtime
 from distlab.proof.models import layered_mlp, mlp_widths, regression_batch
 
 
@@ -50,14 +50,14 @@ def check_config(rt: Runtime, cfg: DataParallelConfig) -> None:
     p_divides_n(cfg.global_batch, rt.world_size)  # unequal shares: the mean of the ranks' means is not N's
 
 
-def world_rules(args, world_size: int) -> None:
-    """Lesson 06's flag checks that need P, run before any output (`cli.check_flags_against_world`): P
+def world_rules(global_batch: int, accumulation_steps: int, world_size: int) -> None:
+    """Lesson 06's flag checks that need P, run before any output (`flags.check_flags_against_world`): P
     divides N, and the no_sync part cuts each rank's C rows into at most C micro-batches."""
-    divides_global_batch(args, world_size)
+    p_divides_n(global_batch, world_size)
     require(
-        args.accumulation_steps <= args.global_batch // world_size,
+        accumulation_steps <= global_batch // world_size,
         "--accumulation-steps",
-        f"at most C = N / P = {args.global_batch // world_size} micro-batches per rank",
+        f"at most C = N / P = {global_batch // world_size} micro-batches per rank",
     )
 
 

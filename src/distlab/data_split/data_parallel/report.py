@@ -11,8 +11,8 @@ from collections.abc import Mapping
 import torch
 from rich.table import Table
 
+from distlab.processes.console import compact_table
 from distlab.proof.compare import Comparison
-from distlab.proof.console import compact_table
 from distlab.proof.memory import MIB
 
 Grads = Mapping[str, torch.Tensor]
@@ -79,7 +79,7 @@ def gradient_table(rows: list[tuple[str, str, Comparison, bool]], title: str) ->
 
 
 def timing_table(times: dict, baseline: str) -> Table:
-    """Step and backward time per strategy (`overlap.StepTime`), and what the step took beyond
+    """Step and backward time per strategy (`overlap.StepSeconds`), and what the step took beyond
     `baseline`'s (the communication left exposed)."""
     table = compact_table(
         "One step: forward, backward, gradient sync (median, slowest rank)",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from distlab.data_split.data_parallel.problem import DataParallelConfig, build, mean_loss, shard
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.training import Plain, Run, mean_over_ranks
 from distlab.proof.training import train as train_loop
 

@@ -30,7 +30,7 @@ from distlab.data_split.sharding.fsdp import Fsdp2
 from distlab.data_split.sharding.problem import ShardingConfig, build_model
 from distlab.data_split.sharding.training import local_rows, steps_of
 from distlab.processes.committed import load_committed, save_committed
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.training import train
 
 

@@ -28,8 +28,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of
 from distlab.data_split.sharding.shards import broadcast_model
-from distlab.processes.runtime import Runtime
-from distlab.proof.console import print0, rows_table
+from distlab.processes.console import print0, rows_table
+from distlab.processes.identity import Runtime
 from distlab.proof.held import model_states
 from distlab.proof.verdict import Verdict
 

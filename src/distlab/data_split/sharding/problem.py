@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.data_split.sharding.mixed import MasterStepped
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.models import RealShapes, layered_mlp, regression_batch
 from distlab.proof.reference import one_process
 from distlab.proof.training import Run, train

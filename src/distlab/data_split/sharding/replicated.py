@@ -18,7 +18,7 @@ from distlab.data_split.sharding.flat import units_of
 from distlab.data_split.sharding.mixed import states_by_name, stepping_a_master
 from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of
 from distlab.data_split.sharding.shards import broadcast_model, no_gradient
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.held import model_states
 from distlab.proof.training import Plain, Tensors
 

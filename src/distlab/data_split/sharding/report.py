@@ -6,8 +6,8 @@ step, every AdamW state (m, v, the step count) and every step's loss, each part 
 
 from __future__ import annotations
 
+from distlab.processes.console import rows_table
 from distlab.proof.compare import Comparison, all_ok
-from distlab.proof.console import rows_table
 
 
 def kib(n: int) -> str:

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab.comm import compat
 from distlab.comm.ring import Ring
 from distlab.data_split.sharding.flat import units_of
 from distlab.data_split.sharding.mixed import stepping_a_master
 from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of
-from distlab.processes import compat
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.held import model_states
 
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from distlab.data_split.sharding.problem import ShardingConfig, build_model, global_batch, loss_fn, rows_of
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.held import storage_bytes
 from distlab.proof.memory import PeakMemory
 from distlab.proof.training import Run, mean_over_ranks, train

@@ -6,7 +6,7 @@ Ulysses' all-to-alls.
 - `attention`: attention one key/value tile at a time, forward (the online max/sum fold of
   `distlab.pieces.online_softmax`) and backward (probabilities recomputed from the saved log-sum-exp);
 - `cost`: the bytes each rank sends and the memory it holds, by formula;
-- `ring`: the ring loops as a library piece, for a model to call (`ring_core`, an attention core of
+- `ring_attention`: the ring loops as a library piece, for a model to call (`ring_core`, an attention core of
   `distlab.proof.models.Attention`), proven equal to the lesson's;
 - `ulysses`: lesson 11's rule (P divides h and seq) and its bytes beside ring attention's.
 

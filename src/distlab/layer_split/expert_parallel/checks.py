@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 
 ROW = 3  # values in a row
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from distlab.proof.console import rows_table
+from distlab.processes.console import rows_table
 
 BYTES_COLUMNS = ("counts", "dispatch", "combine", "combine bwd", "dispatch bwd")  # cost.expected_bytes' order
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.layer_split.expert_parallel.moe import MoEBlock, MoEConfig, Routing, capacity, kept_choices, route
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.compare import Comparison, compare_whole
 from distlab.proof.models import token_batch
 from distlab.proof.reference import one_process, sgd

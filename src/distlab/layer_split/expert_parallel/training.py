@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 from distlab.proof.training import mean_over_ranks
 
 DOMAIN_SHIFT = 2.0  # |mu_r| ~ this times sqrt(d): domains the router can tell apart

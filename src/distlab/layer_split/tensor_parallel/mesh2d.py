@@ -25,7 +25,7 @@ from distlab.layer_split.tensor_parallel.blocks import ParallelBlock
 from distlab.layer_split.tensor_parallel.cost import expected_traffic
 from distlab.layer_split.tensor_parallel.model import BlockConfig, build, dropout_masks
 from distlab.layer_split.tensor_parallel.operators import all_reduce, tensor_parallel
-from distlab.layer_split.tensor_parallel.runs import Batch, sgd_steps
+from distlab.layer_split.tensor_parallel.runs import LayerBatch, sgd_steps
 from distlab.proof.training import Run, reduce_gradients
 
 
@@ -57,7 +57,7 @@ def two_d_step(rt, cfg: BlockConfig, lr: float) -> tuple[Run, ParallelBlock, dic
         return t.chunk(dp, dim=0)[i_dp].contiguous().to(rt.device)
 
     masks = dropout_masks(cfg, 0)
-    batch = Batch(rows(x), rows(target), x.numel(), [tuple(map(rows, masks)) if masks else None])
+    batch = LayerBatch(rows(x), rows(target), x.numel(), [tuple(map(rows, masks)) if masks else None])
     dp_group = mesh.get_group("dp")
     params = list(model.parameters())  # summed down the column in one message: every gradient of the shard
     run = sgd_steps(

@@ -7,7 +7,7 @@ from fractions import Fraction
 from rich.table import Table
 
 from distlab.layer_split.tensor_parallel.runs import Outcome
-from distlab.proof.console import compact_table
+from distlab.processes.console import compact_table
 
 
 def mark(ok: bool) -> str:

@@ -22,7 +22,7 @@ from distlab.comm.ledger import Ledger
 from distlab.layer_split.tensor_parallel.blocks import ParallelAttention, ParallelBlock, ParallelMLP
 from distlab.layer_split.tensor_parallel.layers import LIBRARY_LAYERS, Layers, reference_shards
 from distlab.layer_split.tensor_parallel.model import BlockConfig, build, dropout_masks, regression_loss
-from distlab.layer_split.tensor_parallel.operators import Comm
+from distlab.layer_split.tensor_parallel.operators import Comm, sequence_parallel, tensor_parallel
 from distlab.layer_split.tensor_parallel.sequence import reduce_sequence_parallel_grads, seq_part
 from distlab.proof.compare import Comparison, against, all_ok
 from distlab.proof.held import SavedActivations
@@ -37,7 +37,7 @@ PARTS = {
 
 
 @dataclass(frozen=True)
-class Batch:
+class LayerBatch:
     """What a model sees: its x, its target, the element count of the WHOLE batch, and each step's
     masks (its part of them; None: no dropout)."""
 
@@ -51,7 +51,7 @@ class _Layer(Plain):
     """The trainee of a split or unsplit layer: its gradients, and the input's when it has one (what
     the layer before would get); each read tensor in our layout (`ours`: torch's DTensors, lesson 08)."""
 
-    def __init__(self, model: nn.Module, lr: float, sync: Callable[[], None] | None, batch: Batch, ours=None):
+    def __init__(self, model: nn.Module, lr: float, sync: Callable[[], None] | None, batch: LayerBatch, ours=None):
         # One tensor at a time (foreach=False), as SGD does on the CPU by default: on CUDA its default is the
         # foreach kernels, which take all the parameters of a device in one call, and torch's tensor
         # parallelism leaves some of them plain tensors (the LayerNorms without sequence parallelism) beside
@@ -69,7 +69,7 @@ class _Layer(Plain):
 
 def sgd_steps(
     model: nn.Module,
-    batch: Batch,
+    batch: LayerBatch,
     steps: int,
     lr: float,
     sync: Callable[[], None] | None = None,
@@ -111,10 +111,10 @@ def reference(cfg: BlockConfig, part: str, steps: int, lr: float) -> Run:
     block, x, target = build(cfg)
     masks = [dropout_masks(cfg, s) for s in range(steps)] if part == "block" else None
     x.requires_grad_()  # dL/dx is checked too: the gradient the layer before would receive
-    return sgd_steps(copy.deepcopy(PARTS[part][0](block)), Batch(x, target, x.numel(), masks), steps, lr)
+    return sgd_steps(copy.deepcopy(PARTS[part][0](block)), LayerBatch(x, target, x.numel(), masks), steps, lr)
 
 
-def rank_batch(cfg: BlockConfig, part: str, comm: Comm, steps: int, device: torch.device) -> Batch:
+def rank_batch(cfg: BlockConfig, part: str, comm: Comm, steps: int, device: torch.device) -> LayerBatch:
     """This rank's batch: everything under tensor parallelism, its sequence part under sequence parallelism."""
     _, x, target = build(cfg)
     masks = [dropout_masks(cfg, s) for s in range(steps)] if part == "block" else None
@@ -122,7 +122,7 @@ def rank_batch(cfg: BlockConfig, part: str, comm: Comm, steps: int, device: torc
     mine = (lambda t: seq_part(t, rank, p).to(device)) if comm.sequence_parallel else (lambda t: t.to(device))
     if masks is not None:
         masks = [None if m is None else tuple(mine(t) for t in m) for m in masks]
-    return Batch(mine(x).requires_grad_(), mine(target), x.numel(), masks)
+    return LayerBatch(mine(x).requires_grad_(), mine(target), x.numel(), masks)
 
 
 def split_module(cfg: BlockConfig, part: str, comm: Comm, device: torch.device, layers: Layers = LIBRARY_LAYERS):
@@ -181,8 +181,6 @@ def activation_bytes_measured(rt, cfg: BlockConfig, comm: Comm, layers: Layers =
 def block_costs(rt, cfg: BlockConfig) -> dict[str, tuple[float, int, bool]]:
     """For TP and TP + SP, one step of the block on this rank: (bytes sent, activation bytes kept,
     equal to the unsplit block) - what the notebook plots against P."""
-    from distlab.layer_split.tensor_parallel.operators import sequence_parallel, tensor_parallel
-
     out = {}
     for name, make in (("TP", tensor_parallel), ("TP + SP", sequence_parallel)):
         outcome = split_run(rt, cfg, "block", make(), 1, 0.5)

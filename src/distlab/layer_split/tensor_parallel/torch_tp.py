@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 from distlab.layer_split.tensor_parallel.model import build, regression_loss
 from distlab.layer_split.tensor_parallel.operators import sequence_parallel as sequence_parallel_ops
 from distlab.layer_split.tensor_parallel.operators import tensor_parallel as tensor_parallel_ops
-from distlab.layer_split.tensor_parallel.runs import Batch, rank_batch, sgd_steps
+from distlab.layer_split.tensor_parallel.runs import LayerBatch, rank_batch, sgd_steps
 from distlab.proof.training import Run
 
 
@@ -72,7 +72,7 @@ def local(tensor: torch.Tensor, placements) -> torch.Tensor:
     return tensor.redistribute(placements=placements).to_local().detach().clone()
 
 
-def comm_counts(model: nn.Module, batch: Batch) -> dict[str, dict[str, int]]:
+def comm_counts(model: nn.Module, batch: LayerBatch) -> dict[str, dict[str, int]]:
     """The collectives torch launches in one forward, its backward and an SGD step (gradients zeroed)."""
     counts = {}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, foreach=False)  # (see runs._Layer)

@@ -19,7 +19,7 @@ embeddings, the normalisers and G.
                          precision, a log1p accurate for the sigmoid (the torch tiles' S tile lives in memory:
                          `distlab.streamed.torch_tiles`).
   `launch`               launching them: block sizes, the columns split across programs, each launch reported
-                         to `distlab.streamed.launch_count` (on the meta device counted and not run).
+                         to `distlab.proof.launch_count` (on the meta device counted and not run).
   `tuning`               which blocks on which card: the winners measured per (card, d, path), committed as a
                          table, else a short timed search on a CUDA device's first use, cached on disk (never
                          on a CPU).

@@ -1,5 +1,5 @@
 """Launching the kernels: the precision code, block sizes, how the columns are split across programs, and the
-launch itself (counted by `distlab.streamed.launch_count`; on the meta device counted and not run).
+launch itself (counted by `distlab.proof.launch_count`; on the meta device counted and not run).
 
 Block sizes. `tl.dot` needs every side >= 16. bf16 (tensor cores), chosen by timing on an H100 (Triton 3.6;
 one rank of N = 65,536, P = 8, d = 1,024; benchmarks/results/gpu/2026-11-26-kernels-h100, `kernels_gpu.py
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from distlab.proof.launch_count import record_kernel
 from distlab.streamed.kernels.register_tile import BF16, BF16_WIDENED, F64, IEEE, TF32, Tiling
-from distlab.streamed.launch_count import record_kernel
 
 PRECISIONS = {"float32": IEEE, "tf32": TF32, "bf16": BF16}
 

@@ -33,10 +33,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from distlab.pipeline.partition import boundary_shapes, split_stages
-from distlab.pipeline.schedules import Action, looped, v_shape
-from distlab.pipeline.training import PipelineConfig, check_config, problem
-from distlab.processes.runtime import Runtime
+from distlab.model_split.partition import boundary_shapes, split_stages
+from distlab.model_split.schedules import Action, looped, v_shape
+from distlab.model_split.training import PipelineConfig, check_config, problem
+from distlab.processes.identity import Runtime
 from distlab.proof.timeline import Timeline
 
 TORCH_SCHEDULES = {  # our name -> torch's class

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.pipeline.partition import boundary_shapes, split_stages
-from distlab.pipeline.schedules import Action
-from distlab.pipeline.simulator import Timing, dependencies
-from distlab.pipeline.training import PipelineConfig, problem
+from distlab.model_split.partition import boundary_shapes, split_stages
+from distlab.model_split.schedules import Action
+from distlab.model_split.simulator import Timing, dependencies
+from distlab.model_split.training import PipelineConfig, problem
 from distlab.proof.timeline import Timeline
 
 Ticks = list[list[tuple[Action, ...]]]  # ticks[r] = rank r's units in order: one action, or a pair (F, B)

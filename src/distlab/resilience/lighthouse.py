@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch import nn
 
-from distlab.processes.runtime import Runtime
+from distlab.processes.identity import Runtime
 
 TIMEOUT = timedelta(seconds=30)  # torchft's timeouts: a collective, a quorum, a connection
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from distlab.comm.p2p import post
-from distlab.pipeline.schedules import Action, Schedule, num_stages, rank_of
-from distlab.pipeline.simulator import Timing, simulate
+from distlab.model_split.schedules import Action, Schedule, num_stages, rank_of
+from distlab.model_split.simulator import Timing, simulate
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from distlab.processes.flags import (
 )
 from distlab.processes.runtime import DEVICE_CHOICES
 from distlab.proof.compare import DTYPES
-from distlab.proof.models import MLP_IN
+from distlab.proof.models import MLP_IN, mlp_widths
 
 # The largest value each numeric flag may take, and why: beyond it a value overflows (a seed past what
 # every generator takes, with the offsets lessons add per rank and step) or cannot fit in a machine's memory
@@ -99,6 +99,20 @@ def add_mlp_args(
     add_optimizer_args(parser, steps, lr)
     parser.add_argument("--dtype", choices=DTYPES, default="float64", help="dtype of weights and data")
     return parser
+
+
+def mlp_run(args: argparse.Namespace) -> dict:
+    """The run `add_mlp_args`' flags describe (and `--micro-batches` where the lesson has it), as the plain
+    values a pipeline's config takes: `PipelineConfig(**mlp_run(args), ...)`. The namespace stays here."""
+    return {
+        "widths": mlp_widths(args.layers, args.width),
+        "global_batch": args.global_batch,
+        "steps": args.steps,
+        "lr": args.lr,
+        "micro_batches": getattr(args, "micro_batches", 1),
+        "seed": args.seed,
+        "dtype": DTYPES[args.dtype],
+    }
 
 
 def add_optimizer_args(

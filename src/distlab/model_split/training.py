@@ -24,11 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.pipeline.partition import Stage
-from distlab.pipeline.schedules import Action
-from distlab.processes.runtime import Runtime
-from distlab.proof.compare import DTYPES
-from distlab.proof.models import DEFAULT_WIDTHS, layered_mlp, mlp_widths, regression_batch
+from distlab.model_split.partition import Stage
+from distlab.model_split.schedules import Action
+from distlab.processes.identity import Runtime
+from distlab.proof.models import DEFAULT_WIDTHS, layered_mlp, regression_batch
 from distlab.proof.reference import one_process, sgd
 from distlab.proof.timeline import Span, Timeline
 from distlab.proof.training import Plain, Run
@@ -58,21 +57,6 @@ class PipelineConfig:
 
     def replace(self, **changes) -> PipelineConfig:
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_args(cls, args, **changes) -> PipelineConfig:
-        """The run a lesson's flags describe (`distlab.processes.cli.add_mlp_args`, and `--micro-batches` where
-        the lesson has it), with `changes` on top."""
-        return cls(
-            widths=mlp_widths(args.layers, args.width),
-            global_batch=args.global_batch,
-            steps=args.steps,
-            lr=args.lr,
-            micro_batches=getattr(args, "micro_batches", 1),
-            seed=args.seed,
-            dtype=DTYPES[args.dtype],
-            **changes,
-        )
 
 
 def microbatch_sizes(global_batch: int, micro_batches: int) -> list[int]:

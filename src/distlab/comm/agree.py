@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from distlab.processes import compat
+from distlab.comm import compat
 
 
 def rank_table(row: Sequence[float], device: torch.device, group=None) -> torch.Tensor:

@@ -30,8 +30,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from distlab.pipeline.schedules import Action, Schedule, check_schedule, num_stages, split_backward
-from distlab.proof.console import column_blocks
+from distlab.model_split.schedules import Action, Schedule, check_schedule, num_stages, split_backward
+from distlab.processes.console import column_blocks
 
 
 def dependencies(action: Action, stages: int) -> list[Action]:

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
-from distlab.pipeline.runner import PipelineStep
-from distlab.pipeline.schedules import Schedule
-from distlab.pipeline.training import PipelineRun, train
+from distlab.model_split.runner import PipelineStep
+from distlab.model_split.schedules import Schedule
+from distlab.model_split.training import PipelineRun, train
+from distlab.processes.console import print0
 from distlab.proof.compare import Comparison, compare, comparison_table, tolerances
-from distlab.proof.console import print0
 from distlab.proof.timeline import Span, busy_fractions, idle_fraction, max_concurrency
 from distlab.proof.timeline import render as render_spans
 from distlab.proof.training import Run

@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from distlab.pipeline import p2p
-from distlab.pipeline.partition import boundary_shapes, split_stages
-from distlab.pipeline.probe import StageProbe
-from distlab.pipeline.schedules import (
+from distlab.model_split import p2p
+from distlab.model_split.partition import boundary_shapes, split_stages
+from distlab.model_split.probe import StageProbe
+from distlab.model_split.schedules import (
     Action,
     Schedule,
     check_schedule,
@@ -56,9 +56,9 @@ from distlab.pipeline.schedules import (
     rank_of,
     split_backward,
 )
-from distlab.pipeline.training import PipelineConfig, check_config, microbatch_sizes, problem
-from distlab.processes.runtime import Runtime
-from distlab.proof.emulate import Device, action_units
+from distlab.model_split.training import PipelineConfig, check_config, microbatch_sizes, problem
+from distlab.processes.identity import Runtime
+from distlab.proof.emulate import EmulatedDevice, action_units
 from distlab.proof.timeline import Timeline
 
 
@@ -96,7 +96,7 @@ class PipelineStep:
         self.x = [part.clone() for part in torch.tensor_split(x, cfg.micro_batches)]
         self.target = [part.clone() for part in torch.tensor_split(target, cfg.micro_batches)]
         self.shapes = [by_size[n] for n in sizes]  # uneven micro-batches: shapes differ in rows
-        self.timeline, self.emulated = Timeline(rt.rank, rt.device), Device(cfg.emulate_ms)
+        self.timeline, self.emulated = Timeline(rt.rank, rt.device), EmulatedDevice(cfg.emulate_ms)
         self.probe = StageProbe([s.module for s in self.stages]) if cfg.probe else None
         self.peak = self.layer_forwards = 0
         # With NCCL, a batch_isend_irecv that is the group's first collective must involve every rank,

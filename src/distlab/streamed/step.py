@@ -50,7 +50,7 @@ What the step calls, one job each:
   `distlab.pieces` a micro-batch's rows cut from any input structure (`split_inputs`), its random state
                    replayed for the recompute (`random_state`)
 Beside the step, calling into it: `loss_modules` (the same loss as open_clip-style modules), `loss_machinery`
-below (the step without encoders, for benchmarks), `rank_work` and `launch_count` (one rank's work, counted).
+below (the step without encoders, for benchmarks), `rank_work` (one rank's tile work, counted by `launch_count`).
 """
 
 from __future__ import annotations

@@ -133,7 +133,11 @@ NAMES.update(
     dict.fromkeys(
         (
             (module, name)
-            for module in ("distlab.streamed.step_guards", "distlab.streamed.safeguards.step_call")
+            for module in (
+                "distlab.streamed.guards",
+                "distlab.streamed.step_guards",
+                "distlab.streamed.safeguards.step_call",
+            )
             for name in ("agree_gradients_finite", "finite_flags")
         ),
         "distlab.streamed.safeguards.finite",

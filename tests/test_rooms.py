@@ -166,6 +166,8 @@ def test_a_module_renamed_in_its_package_keeps_the_name_a_file_knew_it_by(tmp_pa
         "from distlab.streamed import config, guards, tiles as t\n"
         "from distlab.streamed.tiles import Pairing\n"
         'patch("distlab.streamed.guards.ready_step")  # src/distlab/streamed/guards.py\n'
+        "from distlab.streamed.step_guards import agree_gradients_finite, ready_step\n"
+        "from distlab.streamed.sigmoid import Logits, sigmoid_gathered\n"
     )
     assert rooms(tree).returncode == 0
     assert late.read_text() == (
@@ -173,5 +175,9 @@ def test_a_module_renamed_in_its_package_keeps_the_name_a_file_knew_it_by(tmp_pa
         "from distlab.streamed.safeguards import step_call as guards\n"
         "from distlab.streamed.torch_tiles import Pairing\n"
         'patch("distlab.streamed.safeguards.step_call.ready_step")  # src/distlab/streamed/safeguards/step_call.py\n'
+        "from distlab.streamed.safeguards.finite import agree_gradients_finite\n"  # a name split out of its module
+        "from distlab.streamed.safeguards.step_call import ready_step\n"
+        "from distlab.streamed.sigmoid import Logits\n"
+        "from distlab.streamed.exchange import sigmoid_gathered\n"
     )
     assert rooms(tree, "--check").returncode == 0  # a second run changes nothing

@@ -39,7 +39,7 @@ from distlab.processes.console import print0
 from distlab.processes.flags import positive_int
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof.cli import add_runtime_args
-from distlab.streamed.step_guards import agree_gradients_finite, finite_flags
+from distlab.streamed.safeguards.finite import agree_gradients_finite, finite_flags
 from distributed_clip import ClipLoss, distributed_train_step
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -44,7 +44,7 @@ SEP = r"(?:\s*,\s*(?:and\s+|or\s+)?|\s+and\s+|\s+or\s+|\s*[-\u2013]\s*|\s+to\s+)
 WORD_LIST = re.compile(rf"\b({WORDS})(\s+)(\d\d(?:{SEP}\d\d)*(?!\d)|[1-9]\d?(?:{SEP}[1-9]\d?)*(?!\d))")
 TEST_FILE = re.compile(r"\btest_(lesson|exercise)(\d\d)(?=_)")
 EXERCISE_K = re.compile(r"(--exercises\s+-k\s+)(\d\d)(?!\d)")  # `pytest --exercises -k 10`
-TABLE_ROW = re.compile(r"^\| (\d\d) \| [^|]*\(lessons/\d\d_\w+\.py\)")  # a lesson table's row: it links the lesson
+TABLE_ROW = re.compile(r"^\| (\d\d) \| [^|]*\((?:\.\./)?lessons/\d\d_\w+\.py\)")  # a lesson table's row (README, docs/)
 POSSESSIVE = re.compile(r"(?<![\w.\-])(\d\d)'s\b")
 
 

@@ -82,7 +82,7 @@ MODULES = {
     "distlab.streamed.tile_size": "distlab.streamed.chunk_size",
     "distlab.streamed.kernels.tile": "distlab.streamed.kernels.register_tile",
     "distlab.streamed.launches": "distlab.proof.launch_count",
-    "distlab.streamed.guards": "distlab.streamed.step_guards",
+    "distlab.streamed.guards": "distlab.streamed.safeguards.step_call",
     # issue 47. The ground floor one way, every import down: processes (the bottom), then pieces, comm, proof.
     # What a rank prints (the error line runtime prints) below the proof; the lessons' parser, whose defaults are
     # the proof's dtypes and widths, in the proof; the collectives' compatibility and agreeing in comm; the launch
@@ -101,6 +101,12 @@ MODULES = {
     # one idea per name: `comm.ring` is the ring collectives; the others say what they run on it
     "distlab.layer_split.context_parallel.ring": "distlab.layer_split.context_parallel.ring_attention",
     "distlab.streamed.ring": "distlab.streamed.ring_passes",
+    # the streamed step's guards behind one door (issue 47), each named for what it guards: the step's call agreed
+    # across ranks, a dead peer named, the exit hint on every error, a loss module's call agreed
+    "distlab.streamed.step_guards": "distlab.streamed.safeguards.step_call",
+    "distlab.streamed.peers": "distlab.streamed.safeguards.peers",
+    "distlab.streamed.exit_hint": "distlab.streamed.safeguards.exit_hint",
+    "distlab.streamed.loss_guards": "distlab.streamed.safeguards.loss_call",
 }
 
 # names split out of a module: (module, name) -> the module that owns the name now
@@ -145,6 +151,26 @@ NAMES.update(
 NAMES.update(
     {(module, "Runtime"): "distlab.processes.identity" for module in ("distlab.runtime", "distlab.processes.runtime")}
 )
+
+# the streamed guards' non-finite checks, split out of the step's call into their own module (issue 47)
+NAMES.update(
+    dict.fromkeys(
+        (
+            (module, name)
+            for module in (
+                "distlab.streamed.guards",
+                "distlab.streamed.step_guards",
+                "distlab.streamed.safeguards.step_call",
+            )
+            for name in ("agree_gradients_finite", "finite_flags")
+        ),
+        "distlab.streamed.safeguards.finite",
+    )
+)
+
+# the gathered sigmoid loss's shares beside the exchange that gathers them, so the sigmoid's tile math imports no
+# choice of tiles and the choice imports it (issue 47: the sigmoid <-> kernel_choice circle broken)
+NAMES[("distlab.streamed.sigmoid", "sigmoid_gathered")] = "distlab.streamed.exchange"
 
 # the docstring of a room, written when its __init__.py is missing (the committed ones say more)
 ROOMS = {

@@ -200,7 +200,7 @@ def test_the_library_never_imports_a_lesson_or_a_test():
         ("distlab.layer_split.tensor_parallel.cost", "def f():\n    import distlab.data_split.sharding.accounting\n"),
         ("distlab.contrastive.cost", "from ..model_split import p2p"),
         ("distlab.comm.ring", "from distlab.data_split.data_parallel.ring import Ring"),  # the ground floor, upwards
-        ("distlab.processes.runtime", "from distlab.streamed.peers import naming_dead_peers"),
+        ("distlab.processes.runtime", "from distlab.streamed.safeguards.peers import naming_dead_peers"),
         (
             "distlab.data_split.sharding.accounting",
             "from distlab.cost.memory import model_states",

@@ -26,7 +26,7 @@ from distlab.contrastive.losses import clip_loss, sigmoid_loss
 from distlab.contrastive.reference import as_ranks, full_batch_gradients
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare
-from distlab.streamed.exit_hint import HINT
+from distlab.streamed.safeguards.exit_hint import HINT
 from distributed_clip import ClipLoss, SigLipLoss
 
 N, T = 24, 5  # N divisible by P = 1 ... 4; tiles of at most 5 x 5, so several per rank

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distlab.streamed.loss_modules as loss_modules
 from distlab.processes.spawn import spawn
 from distlab.streamed.kernel_choice import TorchTiles
-from distlab.streamed.step_guards import agree_gradients_finite, finite_flags
+from distlab.streamed.safeguards.finite import agree_gradients_finite, finite_flags
 from distributed_clip import ClipLoss, SigLipLoss, distributed_backward
 
 C, D, T = 6, 8, 4

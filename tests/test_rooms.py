@@ -153,9 +153,9 @@ def test_the_real_tree_is_in_its_rooms():
 
 
 def test_a_module_renamed_in_its_package_keeps_the_name_a_file_knew_it_by(tmp_path):
-    """streamed's tile modules were renamed where they are (tiles -> torch_tiles, guards -> step_guards): a branch
-    written before gets the new paths, and a module it imported from the package keeps its old name as an alias,
-    so the code below the import still reads."""
+    """streamed's tile modules were renamed where they are (tiles -> torch_tiles), its guards moved behind one door
+    (guards -> step_guards -> safeguards.step_call): a branch written before gets the new paths, and a module it
+    imported from the package keeps its old name as an alias, so the code below the import still reads."""
     tree = tmp_path / "tree"
     streamed = tree / "src" / "distlab" / "streamed"
     streamed.mkdir(parents=True)
@@ -167,11 +167,18 @@ def test_a_module_renamed_in_its_package_keeps_the_name_a_file_knew_it_by(tmp_pa
         "from distlab.streamed import config, guards, tiles as t\n"
         "from distlab.streamed.tiles import Pairing\n"
         'patch("distlab.streamed.guards.ready_step")  # src/distlab/streamed/guards.py\n'
+        "from distlab.streamed.step_guards import agree_gradients_finite, ready_step\n"
+        "from distlab.streamed.sigmoid import Logits, sigmoid_gathered\n"
     )
     assert rooms(tree).returncode == 0
     assert late.read_text() == (
-        "from distlab.streamed import config, step_guards as guards, torch_tiles as t\n"
+        "from distlab.streamed import config, torch_tiles as t\n"
+        "from distlab.streamed.safeguards import step_call as guards\n"
         "from distlab.streamed.torch_tiles import Pairing\n"
-        'patch("distlab.streamed.step_guards.ready_step")  # src/distlab/streamed/step_guards.py\n'
+        'patch("distlab.streamed.safeguards.step_call.ready_step")  # src/distlab/streamed/safeguards/step_call.py\n'
+        "from distlab.streamed.safeguards.finite import agree_gradients_finite\n"  # a name split out of its module
+        "from distlab.streamed.safeguards.step_call import ready_step\n"
+        "from distlab.streamed.sigmoid import Logits\n"
+        "from distlab.streamed.exchange import sigmoid_gathered\n"
     )
     assert rooms(tree, "--check").returncode == 0  # a second run changes nothing

@@ -21,7 +21,7 @@ from streamed_helpers import Towers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.processes.spawn import free_port, spawn
-from distlab.streamed import peers
+from distlab.streamed.safeguards import peers
 from distributed_clip import distributed_backward
 
 GPU_BACKEND = "cpu:gloo,cuda:nccl"

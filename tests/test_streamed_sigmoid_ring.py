@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from distlab.processes.spawn import spawn
+from distlab.streamed.exchange import sigmoid_gathered
 from distlab.streamed.ring_passes import P2PRing, expected_ring_bytes, infonce_ring, run_in_threads, sigmoid_ring
-from distlab.streamed.sigmoid import Logits, sigmoid_gathered
+from distlab.streamed.sigmoid import Logits
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 

@@ -24,7 +24,7 @@ from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare, grads_of, params_of
 from distlab.proof.models import paired_data
 from distlab.streamed import loss_machinery
-from distlab.streamed.step import agree_gradients_finite
+from distlab.streamed.safeguards import agree_gradients_finite
 from distributed_clip import distributed_backward, distributed_train_step
 
 

@@ -29,7 +29,7 @@ from distlab.pieces.chunks import balanced_chunks
 from distlab.pieces.split_inputs import samples_in, split_inputs, take_rows
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok, compare
-from distlab.streamed.exit_hint import HINT
+from distlab.streamed.safeguards.exit_hint import HINT
 from distributed_clip import distributed_backward
 
 PAGE = ROOT / "docs" / "distributed_clip.md"

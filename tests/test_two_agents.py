@@ -3,12 +3,12 @@ rank per agent): the survivor's own line names what died, within the process gro
 
 torchrun's agent stops every rank of its node once one of them fails, and then gives up the run, whereupon the
 other node's agent stops its ranks too (SIGTERM), a second or two later; the workers' store is served by node 0's
-agent. So a rank of node 1 killed: node 0's rank survives with the store, and the streamed step's heartbeat names
-the dead rank and its node (`distlab.streamed.peers`) unless its agent's SIGTERM comes first, whose line then names
-node 1 (this node ran no other rank: `nodes.elsewhere`). A rank of node 0 killed: the store goes with node 0, and
-the survivor's line, printed before the teardown (`runtime.say_before_teardown`), names node 0. A lesson's own loop
-(DDP's all-reduce, no heartbeat; TWO_AGENTS_WORK=plain) names node 1 the same way. Before this, a survivor printed
-gloo's "Connection closed by peer" and nothing else (issue 37).
+agent. So a rank of node 1 killed: node 0's rank survives with the store, and the streamed step's heartbeat
+names the dead rank and its node (`distlab.streamed.safeguards.peers`) unless its agent's SIGTERM comes first,
+whose line then names node 1 (this node ran no other rank: `nodes.elsewhere`). A rank of node 0 killed: the
+store goes with node 0, and the survivor's line, printed before the teardown (`runtime.say_before_teardown`),
+names node 0. A lesson's own loop (DDP's all-reduce, no heartbeat; TWO_AGENTS_WORK=plain) names node 1 the same
+way. Before this, a survivor printed gloo's "Connection closed by peer" and nothing else (issue 37).
 """
 
 from __future__ import annotations

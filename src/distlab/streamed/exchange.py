@@ -2,7 +2,7 @@
 rank to rank), and what each rank sends.
 
 `EXCHANGE: "gather"` (the default) all-gathers z_x | z_y once; the InfoNCE loss then runs phases 2 and
-3 of `step` per micro-batch, the sigmoid loss `sigmoid.sigmoid_gathered` for the rank's C rows (its
+3 of `step` per micro-batch, the sigmoid loss `sigmoid_gathered` (here) for the rank's C rows (its
 rows and its columns: 4 C N d). `EXCHANGE: "ring"` never gathers: `ring.infonce_ring` (4 C N d) or
 `ring.sigmoid_ring` (3 C N d) give this rank's C rows' G_x, G_y and its shares of dL/ds and dL/dbeta.
 Either way the rank's shares of L are summed by one all-gather of P numbers (the same order on every
@@ -31,7 +31,7 @@ from distlab.comm.ledger import Ledger
 from distlab.streamed.kernel_choice import as_tile_ops
 from distlab.streamed.precision import pinned
 from distlab.streamed.ring_passes import P2PRing, expected_ring_bytes, infonce_ring, sigmoid_ring
-from distlab.streamed.sigmoid import Logits, RankGrads, sigmoid_gathered
+from distlab.streamed.sigmoid import Logits, RankGrads
 from distlab.streamed.wrappers import compute_dtype
 
 step_ledger = Ledger()  # what this rank sent in the current step (`step` clears it as a step begins)
@@ -76,6 +76,24 @@ def summed_over_ranks(part: torch.Tensor, group: Any = None) -> float:
     every = part.reshape(1).new_empty(dist.get_world_size(group))
     all_gather_counted(every, part.reshape(1), group, "loss")
     return every.sum().item()
+
+
+def sigmoid_gathered(
+    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, tiles, want_g_y: bool = True, want_grads=True
+):
+    """With the gathered N x d Z_x, Z_y: my rows against every column (loss, G_x, ds, db: 2 C N d),
+    and every row against my columns (G_y: 2 C N d more). `tiles`: a `kernel_choice` TileOps, or T (the torch
+    tiles of at most T x T). Without `want_grads` (a loss under torch.no_grad()): the loss and dL/dbeta's
+    sum alone, S once (2 C N d; the Triton kernel makes D Z_y beside it anyway), no G."""
+    n, s, tiles = len(z_x), logits.s, as_tile_ops(tiles)
+    rows = tiles.sigmoid_block(z_x[own], z_y, logits, (own.start, 0), n, want=(want_grads, False))
+    if not want_grads:
+        return RankGrads(rows.loss_sum / n, None, None, None, rows.d_sum)
+    g_s = (z_x[own] * rows.d_y).sum()
+    g_y = None
+    if want_g_y:
+        g_y = tiles.sigmoid_block(z_x, z_y[own], logits, (0, own.start), n, want=(False, True)).d_x * s
+    return RankGrads(rows.loss_sum / n, rows.d_y * s, g_y, g_s, rows.d_sum)
 
 
 def rank_shares(

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from distlab.streamed.precision import rounded
+from distlab.streamed.sigmoid import BlockGrads, sigmoid_block
 from distlab.streamed.torch_tiles import (
     Pairing,
     RowFold,
@@ -69,8 +70,6 @@ class TorchTiles:
         return streamed_softmax_pair_product(q * scale, k, p.lse_q, p.lse_k, p.diag_coef, p.offset, self.t)
 
     def sigmoid_block(self, x, y, logits, starts: tuple[int, int], n: int, want: tuple[bool, bool]):
-        from distlab.streamed.sigmoid import sigmoid_block  # sigmoid imports this module
-
         return sigmoid_block(x, y, logits, starts, n, self.t, want)
 
     def ring_fold(self, x, y_j, scale: float, rows_fold: RowFold, own: bool) -> list:
@@ -145,8 +144,6 @@ class TritonTiles:
     def sigmoid_block(self, x, y, logits, starts: tuple[int, int], n: int, want: tuple[bool, bool]):
         """Rows against columns: D y for the rows (want[0]) and D^T x for the columns (want[1]), each its own
         launch (the second recomputes S with the roles swapped; S^T's positives are S's)."""
-        from distlab.streamed.sigmoid import BlockGrads
-
         pair, shift, (x, y) = (logits.s, logits.beta), starts[0] - starts[1], self._operands(x, y)
         d_y = d_x = None
         if self.w_in_memory and all(want):  # one D for both products

@@ -27,7 +27,7 @@ usual: its gradient is DDP's mean over the ranks of its own, as it would be with
 It holds the towers' activations of all C pairs from forward to backward, as any loss module does
 (`distributed_backward` with B < C recomputes micro-batches instead). It is exact under autocast as the
 step is: the loss and G in float32 (float64 for float64 features), G handed back in each feature's dtype.
-What it cannot do exactly it refuses, the same error on every rank before any exchange (`loss_guards`),
+What it cannot do exactly it refuses, the same error on every rank before any exchange (`safeguards.loss_call`),
 and every error ends with the reminder to call `release_process_group()` before exiting. Features that
 are not finite give a loss and gradients that are not finite, as any loss would (a GradScaler skips the
 step). Without a process group and with world_size=1 it computes the loss of its own batch, with no
@@ -36,7 +36,7 @@ exchange.
 In a practitioner's loop. Under torch.no_grad() (a validation loop), or when no input requires grad, it
 computes the loss alone (`loss_alone`: the InfoNCE's phases 1-2 without phase 3, the gathered sigmoid loss
 with S made once), the same number. Every call's place is agreed across ranks before the exchange (which
-module, its call count, the grad mode: `loss_guards`), so a loss called on some ranks only ends on every rank
+module, its call count, the grad mode: `safeguards.loss_call`), so a loss called on some ranks only ends on every rank
 naming the calls instead of exchanging features of different batches or hanging. A second backward through one
 call is a clear RuntimeError: the first hands its gradients out and frees them.
 """
@@ -53,10 +53,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from distlab.streamed.config import REQUIRED, StreamConfig, parse_config
-from distlab.streamed.exchange import rank_shares
-from distlab.streamed.exit_hint import hinting_release
-from distlab.streamed.loss_guards import Call, agree, as_number, local_problem
-from distlab.streamed.sigmoid import Logits, sigmoid_gathered
+from distlab.streamed.exchange import rank_shares, sigmoid_gathered
+from distlab.streamed.safeguards import Call, agree, as_number, hinting_release, local_problem
+from distlab.streamed.sigmoid import Logits
 from distlab.streamed.step import (
     Embedded,
     LocalForward,
@@ -133,7 +132,7 @@ class StreamedContrastiveLoss(nn.Module):
         # "tf32" let KERNELS "auto" take the Triton kernels (README, "Tiles and kernels": error and time of each).
         self.settings["MATMUL_PRECISION"] = matmul_precision
         self.group, self.gradient_divide_factor = group, gradient_divide_factor
-        self.number, self.calls = 0, 0  # which module, its calls: agreed across ranks at every call (`loss_guards`)
+        self.number, self.calls = 0, 0  # which module, its calls: agreed across ranks at every call (`safeguards`)
         self.config(1, 1, 0)  # the settings, checked by the step's own config parsing: the same on every rank
 
     @classmethod

@@ -16,10 +16,11 @@ import torch
 from distlab.comm.p2p import Posted
 from distlab.proof.launch_count import LaunchCount
 from distlab.streamed.config import StreamConfig
+from distlab.streamed.exchange import sigmoid_gathered
 from distlab.streamed.kernel_choice import TileOps, tile_ops
 from distlab.streamed.precision import pinned
 from distlab.streamed.ring_passes import Endpoint, infonce_ring, sigmoid_ring
-from distlab.streamed.sigmoid import Logits, sigmoid_gathered
+from distlab.streamed.sigmoid import Logits
 from distlab.streamed.step import Embedded, Normalisers, own_normalisers, phase3_embedding_grads
 from distlab.streamed.wrappers import compute_dtype
 

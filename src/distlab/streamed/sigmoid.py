@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from distlab.pieces.chunks import chunks
-from distlab.streamed.kernel_choice import as_tile_ops
 from distlab.streamed.torch_tiles import diagonal_crossing
 
 
@@ -107,21 +106,3 @@ class RankGrads:
     g_y: torch.Tensor | None  # dL/dz_y for this rank's C columns (None: not wanted)
     g_s: torch.Tensor | None  # this rank's share of dL/ds (None: not wanted)
     g_b: torch.Tensor | None  # this rank's share of dL/dbeta (None: the loss has no bias)
-
-
-def sigmoid_gathered(
-    z_x: torch.Tensor, z_y: torch.Tensor, logits: Logits, own: slice, tiles, want_g_y: bool = True, want_grads=True
-):
-    """With the gathered N x d Z_x, Z_y: my rows against every column (loss, G_x, ds, db: 2 C N d),
-    and every row against my columns (G_y: 2 C N d more). `tiles`: a `kernel_choice` TileOps, or T (the torch
-    tiles of at most T x T). Without `want_grads` (a loss under torch.no_grad()): the loss and dL/dbeta's
-    sum alone, S once (2 C N d; the Triton kernel makes D Z_y beside it anyway), no G."""
-    n, s, tiles = len(z_x), logits.s, as_tile_ops(tiles)
-    rows = tiles.sigmoid_block(z_x[own], z_y, logits, (own.start, 0), n, want=(want_grads, False))
-    if not want_grads:
-        return RankGrads(rows.loss_sum / n, None, None, None, rows.d_sum)
-    g_s = (z_x[own] * rows.d_y).sum()
-    g_y = None
-    if want_g_y:
-        g_y = tiles.sigmoid_block(z_x, z_y[own], logits, (0, own.start), n, want=(False, True)).d_x * s
-    return RankGrads(rows.loss_sum / n, rows.d_y * s, g_y, g_s, rows.d_sum)

@@ -1,4 +1,4 @@
-"""The streamed step's guards: one call returns a step every rank agreed to run, or raises the same error
+"""The streamed step's call, guarded: one call returns a step every rank agreed to run, or raises the same error
 on every rank.
 
 A collective that only some ranks reach waits for the others until the process group's timeout. A
@@ -15,19 +15,19 @@ the parameters. So no rank leaves early (`distlab.comm.agree`: every rank judges
 2. `Ready.agreed_outputs`, phase 1's forward run inside the guard: the embedding widths and dtypes,
    the logit scale s (finite, positive, the same on every rank), and whether the forward raised or
    returned something outside the contract on some rank (that rank still joins the exchange).
-3. `agree_gradients_finite`, after the backward and before the optimizer: every rank's gradients checked
-   in one fused pass (`finite_flags`) and agreed, so a non-finite gradient never reaches the parameters.
 
-Every exchange runs over the wrapper's process group (a DDP subgroup: its ranks only). A ValueError
-for bad input; a RuntimeError when model(x, y) itself raised on some rank (on that rank chained to the
-original). A rank without a process group raises at once (there is no one to tell).
-Under FSDP2 a forward that raises on one rank can leave the others inside FSDP2's own all-gathers.
+(The values that come after, a non-finite loss or gradient, are `finite`'s.) Every exchange runs over the
+wrapper's process group (a DDP subgroup: its ranks only). A ValueError for bad input; a RuntimeError when
+model(x, y) itself raised on some rank (on that rank chained to the original). A rank without a process group
+raises at once (there is no one to tell). Under FSDP2 a forward that raises on one rank can leave the others
+inside FSDP2's own all-gathers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -38,6 +38,8 @@ from distlab.comm.agree import message_length, per_rank, raise_together, rank_ta
 from distlab.pieces.split_inputs import samples_in
 from distlab.streamed.config import EXCHANGES, KERNELS, MATMUL_PRECISIONS, NORMALISERS, StreamConfig, parse_config
 from distlab.streamed.kernel_choice import kernels_problem
+from distlab.streamed.safeguards.exit_hint import hinting_release
+from distlab.streamed.safeguards.peers import naming_dead_peers
 from distlab.streamed.wrappers import Wrapped, batchnorm_in_training, first_device, trainable, unwrap
 
 DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -79,6 +81,14 @@ class Ready:
             _agree_after_forward(self, None, str(err), None)
         _agree_after_forward(self, outputs[0], None, None)
         return outputs
+
+
+@contextmanager
+def guarded_step(model: Any) -> Iterator[None]:
+    """Around the whole step: a peer that dies in one of its exchanges (over the wrapper's group) is named on the
+    survivors, not echoed (`peers`), and every error ends with how to exit cleanly (`exit_hint`)."""
+    with hinting_release(), naming_dead_peers(exchange_group(model)):
+        yield
 
 
 def ready_step(model: Any, local_x: Any, local_y: Any, config: Mapping[str, Any]) -> Ready:
@@ -338,54 +348,3 @@ def _dtype_code(z: torch.Tensor) -> float:
 def _differ(values: list[float]) -> bool:
     """Two known values differ (NaN: a rank that did not know)."""
     return len({v for v in values if not math.isnan(v)}) > 1
-
-
-def agree_gradients_finite(model: torch.nn.Module) -> None:
-    """Every rank checks its own gradients (under FSDP2 its shards: one rank may hold the only NaN) and the
-    ranks agree, over the wrapper's group, before anyone steps: one FloatingPointError on every rank naming
-    the ranks and the parameters, or none. One small all-gather per step; one host sync for the check.
-
-    The check is one fused pass (`finite_flags`): GradScaler's own non-finite check,
-    `torch._amp_foreach_non_finite_check_and_unscale_` with an inverse scale of 1 (every value written back bit for
-    bit), reads each gradient once, tests each element with isfinite (no arithmetic: nothing overflows, so a finite
-    gradient is never taken for a non-finite one) and sets one flag per device and dtype; only a set flag sends the
-    check back to name the tensors. On a CPU it takes a tenth of the infinity norm `torch._foreach_norm(grads, inf)`
-    it replaced, which CPU builds do not vectorise (`benchmarks/loss_module_costs.py`)."""
-    group = exchange_group(model)
-    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
-    local = [g.to_local() if hasattr(g, "to_local") else g for _, g in named]  # a DTensor's own shard
-    bad = [name for (name, _), ok in zip(named, finite_flags(local)) if not ok]
-    problem = None
-    if bad:
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        problem = (
-            f"a non-finite gradient (the loss was finite: the backward overflowed or made a NaN) in "
-            f"{', '.join(bad[:3])}{more}: the optimizer did not step, parameters and optimizer state are as they were"
-        )
-    device = local[0].device if local else first_device(model, None)
-    raise_together(problem, device, FloatingPointError, group=group)
-
-
-def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor holds only finite values, exactly `[bool(torch.isfinite(g).all()) for g in grads]`.
-    One fused pass per (device, dtype) group (GradScaler's check with inverse scale 1, which writes each value
-    back unchanged), one host sync for all; a group whose flag is set is looked at tensor by tensor (the rare
-    path: only then is a boolean tensor made per gradient). An empty tensor is finite."""
-    groups: dict[tuple, list[int]] = {}
-    for i, g in enumerate(grads):
-        if g.numel():
-            groups.setdefault((g.device, g.dtype), []).append(i)
-    flags = [True] * len(grads)
-    if not groups:
-        return flags
-    found = []
-    for (device, _), at in groups.items():
-        found_inf, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_([grads[i] for i in at], found_inf, one)
-        found.append(found_inf)
-    any_bad = torch.cat([f.to(found[0].device) for f in found]).tolist()  # the one host sync
-    for at, bad in zip(groups.values(), any_bad):
-        if bad:
-            for i in at:
-                flags[i] = bool(torch.isfinite(grads[i]).all())
-    return flags

@@ -326,15 +326,10 @@ def library_sources() -> dict[str, tuple[str, bool]]:
     return {module_name(path): (path.read_text(), path.name == "__init__.py") for path in FLOORED}
 
 
-# TODO(issue 47 item 5, the `door` branch): the sigmoid's torch-tile block is one of kernel_choice's choices and the
-# sigmoid loss takes a choice; that branch breaks the circle, and this exception goes with it.
-KNOWN_CIRCLES = [["distlab.streamed.kernel_choice", "distlab.streamed.sigmoid"]]
-
-
 def test_no_import_circle():
     """No circle of any size, deferred imports included: every import points down."""
     found = circles(import_graph(library_sources()))
-    assert [circle for circle in found if circle not in KNOWN_CIRCLES] == [], found
+    assert found == [], found
 
 
 def test_the_circle_check_fails_on_a_planted_deferred_import():
@@ -360,9 +355,6 @@ DEFERRED = {
     "without it); a checkpoint folder's check needs torch.distributed, only when a lesson asks for one",
     ("distlab.streamed.kernel_choice", "distlab.streamed.kernels"): "Triton, only when KERNELS chooses a kernel "
     "(a CPU install has none to import)",
-    # TODO(issue 47 item 5, `door`): the two below are the circle above and an import the front door hoists
-    ("distlab.streamed.kernel_choice", "distlab.streamed.sigmoid"): "the known circle (issue 47 item 5)",
-    ("distlab.streamed.kernel_choice", "distlab.streamed.torch_tiles"): "beside the circle (issue 47 item 5)",
 }
 
 

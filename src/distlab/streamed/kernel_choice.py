@@ -38,6 +38,7 @@ from distlab.streamed.sigmoid import BlockGrads, sigmoid_block
 from distlab.streamed.torch_tiles import (
     Pairing,
     RowFold,
+    lse_and_nll,
     ring_fold_tiles,
     ring_product_tiles,
     streamed_lse,
@@ -123,7 +124,6 @@ class TritonTiles:
 
     def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         from distlab.streamed.kernels.lse import row_lse
-        from distlab.streamed.torch_tiles import lse_and_nll
 
         folded = row_lse(*self._operands(q, k), scale, offset, self.precision, blocks=self.blocks)
         return lse_and_nll(folded.m, folded.l, folded.diag)

@@ -83,6 +83,8 @@ MODULES = {
     "distlab.streamed.kernels.tile": "distlab.streamed.kernels.register_tile",
     "distlab.streamed.launches": "distlab.streamed.launch_count",
     "distlab.streamed.guards": "distlab.streamed.step_guards",
+    # the cost model's questions (a model by its sizes, the batch, the precision, the strategy): no shapes there
+    "distlab.cost.shapes": "distlab.cost.inputs",
 }
 
 # names split out of a module: (module, name) -> the module that owns the name now

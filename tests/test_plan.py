@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT
 
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
-from distlab.cost.shapes import Batch
+from distlab.cost.inputs import Batch
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions
 from distlab.plan import report

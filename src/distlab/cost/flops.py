@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from distlab.cost.inputs import Batch, Mlp, Parallel, stage_layers
 from distlab.cost.schedule import stages
-from distlab.cost.shapes import Batch, Mlp, Parallel, stage_layers
 from distlab.proof.sizes import Transformer
 
 LOOKUPS = ("embed.weight",)  # matrices a forward indexes, never multiplies

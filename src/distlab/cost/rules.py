@@ -1,12 +1,12 @@
 """The cost model's rules: a model, batch, split and precision that cannot run are refused in one line naming the
 field (`check`), the same wording wherever they are asked about (the planner's flags, lesson 13's splits), before
-any formula of `distlab.cost` is evaluated on them. The records themselves are `distlab.cost.shapes`."""
+any formula of `distlab.cost` is evaluated on them. The records themselves are `distlab.cost.inputs`."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, schedule_of
+from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, schedule_of
 from distlab.data_split.sharding.accounting import STAGES
 from distlab.proof.sizes import ATTENTION, Transformer
 

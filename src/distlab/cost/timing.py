@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 from distlab.cost.flops import attention_forward
 from distlab.cost.hardware import Cluster, Link
+from distlab.cost.inputs import PRECISIONS, stage_layers
 from distlab.cost.memory import stage_activations
 from distlab.cost.schedule import grid, stages
-from distlab.cost.shapes import ORDER, PRECISIONS, stage_layers
 from distlab.cost.step import StepCost
 from distlab.proof.sizes import Transformer
 
@@ -154,18 +154,6 @@ class StepTime:
         return self.compute + self.memory + sum(self.exposed.values())
 
 
-def spans(cost: StepCost) -> dict[str, int]:
-    """How many consecutive ranks each dimension's group spans, innermost first (tp, cp, pp, dp); ep, taken
-    from dp's innermost ranks, spans tp cp pp ep."""
-    sizes, stride, out = {"tp": cost.parallel.tp, "cp": cost.parallel.cp, "pp": cost.parallel.pp}, 1, {}
-    sizes["dp"] = cost.parallel.dp
-    for dim in ORDER:
-        stride *= sizes[dim]
-        out[dim] = stride
-    out["ep"] = out["pp"] * cost.parallel.ep
-    return out
-
-
 def collective_seconds(kind: str, nbytes: int, calls: int, group: int, link: Link, efficiency: float) -> float:
     """calls x ring steps x latency + bytes / usable bandwidth."""
     steps = RING_STEPS.get(kind, lambda p: 1)(group)
@@ -188,9 +176,9 @@ def comm_seconds(cost: StepCost, pp_rank: int, links: dict, efficiency: float) -
 
 def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumptions(), links=None) -> StepTime:
     """The step time of `cost` on `cluster` (module docstring). `links`: each dimension's link (default: NVLink
-    for a group that fits in a node, the network for one that does not)."""
+    for a group that fits in a node, the network for one that does not, by the one rank order `dims.LAYOUT`)."""
     p, precision, device = cost.parallel, PRECISIONS[cost.precision], cluster.device
-    links = links or {dim: cluster.link(span) for dim, span in spans(cost).items()}
+    links = links or {dim: cluster.link(span) for dim, span in p.dims.spans().items()}
     rate = device.peak[precision.rate]
     ticks_per_mb = 4 if p.recompute else 3
     worst = None

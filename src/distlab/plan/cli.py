@@ -24,8 +24,8 @@ import json
 
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
+from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Parallel
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.flags import LIMITS
@@ -227,7 +227,7 @@ def layout_of(args, model: Transformer) -> tuple[Batch, Parallel]:
         selective=args.recompute == "selective",
         grad_bytes=4 if args.grad_dtype == "float32" else 0,
     )
-    batch, parallel = Batch(args.global_batch, args.seq_len, rows // args.micro_batch), Parallel.on(dims, **strategy)
+    batch, parallel = Batch(args.global_batch, args.seq_len, rows // args.micro_batch), Parallel(dims, **strategy)
     try:
         check(model, batch, parallel, args.precision)  # every rule of the cost model, before any output
     except ValueError as err:

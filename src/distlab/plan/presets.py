@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlab.cost.shapes import Batch, Parallel
+from distlab.cost.dims import ParallelDims
+from distlab.cost.inputs import Batch, Parallel
 from distlab.proof.sizes import Transformer
 
 
@@ -78,9 +79,7 @@ class Published:
 # Llama 3 405B: DP is FSDP that does not reshard the weights after forward (it holds what ZeRO-2 holds);
 # sequence parallelism as Megatron-LM's; no activation recomputation at 8K tokens; an interleaved schedule
 # (paper, section 3.3.2) of unreported depth: the shallowest, v = 2, here.
-_LLAMA_SPLIT = dict(
-    zero="ZeRO-2", tp=8, sp=True, cut_gathered=True, pp=16, schedule="interleaved-1f1b", stages_per_rank=2
-)
+_LLAMA_SPLIT = dict(zero="ZeRO-2", sp=True, cut_gathered=True, schedule="interleaved-1f1b", stages_per_rank=2)
 _LLAMA_ASSUMED = "interleaved v = 2 (theirs: interleaved, depth unreported); micro-batches of 1 sequence"
 PUBLISHED = (
     Published(
@@ -88,7 +87,7 @@ PUBLISHED = (
         "llama3-405b",
         "h100",
         Batch(2048, 8192, 32),
-        Parallel(dp=64, **_LLAMA_SPLIT),
+        Parallel(ParallelDims(dp=64, tp=8, pp=16), **_LLAMA_SPLIT),
         0.43,
         LLAMA3,
         _LLAMA_ASSUMED + "; at M = 32 the cost model's activations in flight exceed the GPU (see the README)",
@@ -98,7 +97,7 @@ PUBLISHED = (
         "llama3-405b",
         "h100",
         Batch(2048, 8192, 16),
-        Parallel(dp=128, **_LLAMA_SPLIT),
+        Parallel(ParallelDims(dp=128, tp=8, pp=16), **_LLAMA_SPLIT),
         0.41,
         LLAMA3,
         _LLAMA_ASSUMED,
@@ -108,7 +107,7 @@ PUBLISHED = (
         "llama3-405b",
         "h100",
         Batch(128, 131072, 16),
-        Parallel(dp=8, cp=16, **_LLAMA_SPLIT),
+        Parallel(ParallelDims(dp=8, cp=16, tp=8, pp=16), **_LLAMA_SPLIT),
         0.38,
         LLAMA3,
         _LLAMA_ASSUMED + "; the k/v exchange priced as lesson 09's ring, hidden behind attention",
@@ -118,7 +117,7 @@ PUBLISHED = (
         "llama3-8b",
         "a100",
         Batch(64, 8192, 1),
-        Parallel(dp=64, zero="ZeRO-3"),
+        Parallel(ParallelDims(dp=64), zero="ZeRO-3"),
         0.582,
         TORCHTITAN,
         "FSDP2 = ZeRO-3, local batch 1; their selective op recomputation not modelled; MFU by their formula",
@@ -129,7 +128,7 @@ PUBLISHED = (
         "llama3-70b",
         "a100",
         Batch(64, 8192, 1),
-        Parallel(dp=64, zero="ZeRO-3", recompute=True),
+        Parallel(ParallelDims(dp=64), zero="ZeRO-3", recompute=True),
         0.517,
         TORCHTITAN,
         "FSDP2 = ZeRO-3, local batch 1, full recomputation; MFU by their formula",

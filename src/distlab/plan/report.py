@@ -7,7 +7,7 @@ from rich.table import Table
 
 from distlab.cost import memory
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, LINKS, TERA, Cluster, Device, cluster
-from distlab.cost.shapes import PRECISIONS, Parallel
+from distlab.cost.inputs import PRECISIONS, Parallel
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, needed_flops, predict
 from distlab.data_split.sharding.accounting import layer_norm_stat_bytes

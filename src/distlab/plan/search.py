@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from distlab.cost import memory
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, GIB, Cluster
+from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Parallel
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
 from distlab.proof.sizes import Transformer
@@ -120,8 +120,8 @@ def first_fitting(model, batch: Batch, split: tuple, precision: str, budget: int
     ep = expert_ranks(model, dp)
     for recompute in RECOMPUTE:
         for zero in STAGES if dp > 1 else ("DDP",):
-            parallel = Parallel(dp, zero, tp, pp=pp, schedule=schedule, stages_per_rank=v, cp=cp, ep=ep, **sp)
-            parallel = Parallel(**{**parallel.__dict__, **recompute})
+            dims = ParallelDims(dp, pp, tp, cp, ep)
+            parallel = Parallel(dims, zero, schedule=schedule, stages_per_rank=v, **sp, **recompute)
             try:
                 check(model, batch, parallel, precision)
             except ValueError:
@@ -151,7 +151,8 @@ def least_memory(model, global_batch: int, seq: int, gpus: int, cluster: Cluster
         batch = Batch(global_batch, seq, m)
         sp = dict(sp=True, cut_gathered=True) if tp > 1 else {}
         zero = "ZeRO-3" if dp > 1 else "DDP"
-        parallel = Parallel(dp, zero, tp, pp=pp, cp=cp, ep=expert_ranks(model, dp), recompute=True, **sp)
+        dims = ParallelDims(dp, pp, tp, cp, expert_ranks(model, dp))
+        parallel = Parallel(dims, zero, recompute=True, **sp)
         try:
             check(model, batch, parallel, precision)
         except ValueError:

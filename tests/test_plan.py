@@ -5,6 +5,7 @@ is refused in one line naming the flag (exit 2), at parse time; an input nothing
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -19,8 +20,9 @@ from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
-from distlab.plan.search import search
+from distlab.plan.search import Choices, search
 from distlab.proof.console import console
+from distlab.proof.sizes import Transformer
 
 ARGS = ["--model", "llama3-8b", "--gpus", "16", "--nodes", "2", "--global-batch", "64", "--seq-len", "4096"]
 BAND = (0.6, 1.3)  # predicted MFU / reported MFU, every published run: the band docs/planner.md states
@@ -101,6 +103,10 @@ def test_the_datasheet_table_names_every_source():
         ),
         (["--gpu", "a100", "--precision", "fp8"], "--precision: the A100 SXM 80GB has no fp8 rate"),
         (["--reserve-gib", "80"], "--reserve-gib: 80.0 GiB is all of the H100 SXM's memory"),
+        (["--layout", ""], "--layout: '' is not one of dp=, pp=, tp=, cp=, ep="),
+        (["--model", "gpt2-124m", "--layers", "12"], "--model: gpt2-124m is a preset, --layers a model of your own"),
+        (["--layout", "tp=8", "--zero", "3"], "--zero: ZeRO-3 shards over the dp ranks; --layout gives dp = 1"),
+        (["--stages-per-rank", "2"], "--stages-per-rank: 1F1B runs one stage per rank"),
     ],
 )
 def test_impossible_input_is_refused_naming_the_flag(argv, words):
@@ -124,6 +130,9 @@ def test_impossible_input_is_refused_naming_the_flag(argv, words):
         (["--seq-len", str(1 << 25)], "argument --seq-len: at most 16,777,216 (tokens per sequence"),
         (["--reserve-gib", "-1"], "argument --reserve-gib: expected a finite number >= 0"),
         (["--zero", "4"], "argument --zero: invalid choice"),
+        (["--reserve-gib", "1e300"], "argument --reserve-gib: at most 1,024 (GiB kept off the tensors"),
+        (["--inter-node-gbps", "0"], "argument --inter-node-gbps: expected a positive finite number"),
+        (["--sp", "maybe"], "argument --sp: invalid choice"),
     ],
 )
 def test_a_bad_value_is_refused_by_the_parser_in_one_line(argv, words, capsys):
@@ -199,3 +208,47 @@ def test_the_planner_takes_no_lesson_memory_limit():
     assert 50304 <= PLAN_LIMITS["--vocab"][0]  # the planner's typo guard takes it
     args = parse_args([*flags, "--gpu", "a100", "--gpus", "8", "--global-batch", "480", "--seq-len", "1024"])
     assert args.vocab == 50304 and args.global_batch == 480
+
+
+SMALL = Transformer(4, 512, 8, 2048, 32000, gated=True, bias=False, rms_norm=True)  # a quick search: 8 GPUs
+
+
+@functools.cache
+def small_search(choices: Choices | None = None) -> list:
+    return search(SMALL, Batch(16, 1024), 8, cluster("h100"), choices or Choices())
+
+
+@pytest.mark.parametrize(
+    "fixed, holds",
+    [
+        (dict(zero="ZeRO-3"), lambda c: c.parallel.zero == "ZeRO-3" and c.parallel.dp > 1),
+        (dict(zero="DDP"), lambda c: c.parallel.zero == "DDP"),
+        (dict(recompute="full"), lambda c: c.parallel.recompute),
+        (dict(recompute="selective"), lambda c: c.parallel.selective and not c.parallel.recompute),
+        (dict(micro_batch=2), lambda c: c.cost.batch.micro_batches * 2 * c.parallel.dp == 16),
+        (dict(schedule="zb-h1"), lambda c: c.parallel.pp == 1 or c.parallel.schedule == "zb-h1"),
+        (dict(schedule="interleaved-1f1b", stages_per_rank=2), lambda c: c.parallel.stages_per_rank == 2),
+        (dict(grad_bytes=4), lambda c: c.parallel.grad_bytes == 4),
+        (dict(sp=False), lambda c: not c.parallel.sp),
+    ],
+)
+def test_every_strategy_flag_narrows_the_search(fixed, holds):
+    """What the user fixes, the search keeps: every configuration found has it (none is silently dropped), and
+    the plain search finds some that do not (the flag changed the search)."""
+    narrowed = small_search(Choices(**fixed))
+    assert narrowed and all(holds(c) for c in narrowed), fixed
+    assert not all(holds(c) for c in small_search()), fixed
+
+
+def test_the_flags_reach_the_search_and_the_network_bandwidth_the_links(tmp_path):
+    """The command line's strategy flags arrive as the search's `Choices`; --inter-node-gbps sets the network
+    link; TFLOP/s a GPU is the model's FLOPs over time and GPUs, printed and in --json."""
+    path = tmp_path / "plan.json"
+    argv = [*ARGS, "--zero", "2", "--recompute", "full", "--top", "2", "--json", str(path)]
+    code, out = printed([*argv, "--inter-node-gbps", "200"])
+    rows = json.loads(path.read_text())
+    assert code == 0 and all("ZeRO-2" in r["layout"] and "recompute" in r["layout"] for r in rows)
+    assert "200G across nodes" in out and "TF/GPU" in out
+    for row in rows:
+        assert row["tflops_per_gpu"] == pytest.approx(row["mfu"] * DEVICES["h100"].peak["bf16"] / 1e12, rel=1e-9)
+    assert cluster("h100", 8, 200).inter.bandwidth == 25e9 and cluster("h100").inter.bandwidth == 50e9

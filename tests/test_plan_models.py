@@ -150,11 +150,11 @@ def test_selective_recomputation_keeps_less_and_computes_the_same_products():
     model, batch = Transformer(4, 64, 4, 256, 100), Batch(4, 32, 2)
     held = {
         name: step_cost(model, batch, Parallel(**kw), "bf16").ranks[0].memory["activations"]
-        for name, kw in (("none", {}), ("selective", dict(selective=True)), ("full", dict(recompute=True)))
+        for name, kw in (("none", {}), ("selective", dict(act_fn=True)), ("full", dict(recompute=True)))
     }
     assert held["full"] < held["selective"] < held["none"]
     assert held["none"] - held["selective"] == 2 * 4 * 32 * 256 * 4 // 2  # d_ff per token, 4 blocks, bf16
-    none, selective = (flops.rank_flops(model, batch, Parallel(selective=s)) for s in (False, True))
+    none, selective = (flops.rank_flops(model, batch, Parallel(act_fn=s)) for s in (False, True))
     assert none == selective
 
 

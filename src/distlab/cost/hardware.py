@@ -187,11 +187,15 @@ LINKS = {
 }
 
 
-def cluster(gpu: str, gpus_per_node: int = 8) -> Cluster:
-    """A cluster of the named GPU, 8 to a node."""
+def cluster(gpu: str, gpus_per_node: int = 8, inter_node_gbps: float | None = None) -> Cluster:
+    """A cluster of the named GPU, 8 to a node; `inter_node_gbps`: the network's Gb/s per GPU and direction
+    instead of the GPU's NIC (a cluster of 200 Gb/s NICs, or of several per GPU)."""
     if gpu not in DEVICES:
         raise ValueError(f"--gpu: {gpu!r} is not one of {', '.join(DEVICES)}")
-    return Cluster(DEVICES[gpu], gpus_per_node, *LINKS[gpu])
+    intra, inter = LINKS[gpu]
+    if inter_node_gbps is not None:
+        inter = Link(f"{inter_node_gbps:g}G", inter_node_gbps * 1e9 / 8, inter.latency, "--inter-node-gbps")
+    return Cluster(DEVICES[gpu], gpus_per_node, intra, inter)
 
 
 def measured_device(name: str, peak: dict[str, float], bandwidth: float, memory: int) -> Device:

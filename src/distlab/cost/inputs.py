@@ -113,7 +113,9 @@ class Parallel:
     schedule: str = "1f1b"  # a name in distlab.pipeline.schedules.SCHEDULES
     stages_per_rank: int = 1  # v
     recompute: bool = False  # torch.utils.checkpoint around every block
-    selective: bool = False  # recompute only the MLP's activation function (GELU, SwiGLU's product): see memory
+    selective: bool = False  # Megatron-LM's selective recomputation: attention's core (q k^T, softmax, dropout,
+    # omega v) rerun in backward from the q, k, v kept (Korthikanti et al., 2022)
+    act_fn: bool = False  # only the MLP's activation function (GELU, SwiGLU's product) rebuilt: see memory
     grad_bytes: int = 0  # bytes of a gradient element under mixed precision (0: the precision's e; Megatron: 4)
 
     dp = property(lambda self: self.dims.dp)
@@ -134,7 +136,8 @@ class Parallel:
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         parts += [f"pp{self.pp} {self.schedule}{v}" if self.pp > 1 else "", f"cp{self.cp}" if self.cp > 1 else ""]
         parts += [f"ep{self.ep}" if self.ep > 1 else ""]
-        parts += ["recompute" if self.recompute else "selective recompute" if self.selective else ""]
+        rebuilt = "recompute" if self.recompute else "selective recompute" if self.selective else ""
+        parts += [rebuilt or ("act-fn recompute" if self.act_fn else "")]
         return " ".join(p for p in parts if p) or "one rank"
 
 

@@ -144,6 +144,7 @@ def block_activations(
         whole = accounting.block_activations(rows, seq, model.dim, model.heads, e, stat_bytes)
         return Fraction(whole - 2 * e * tokens * model.dim)  # less the input and the target
     cfg = _block_config(model, rows, seq // cp, e)
+    math = math and not parallel.selective  # Megatron's selective: the softmax (and its dropout) rebuilt, not kept
     base = activation_bytes(cfg, tp, parallel.sp, math)
     if parallel.cut_gathered:  # Megatron-LM keeps the gathered inputs cut too
         base -= Fraction(e * activation_terms(cfg)[1] * (tp - 1), tp)
@@ -162,7 +163,7 @@ def block_activations(
         experts = (model.top_k + model.shared_experts) * per * model.expert_ffn
         inside += tokens * (experts - per * width + model.top_k * model.dim + model.experts)
         width = (model.top_k + model.shared_experts) * model.expert_ffn
-    if parallel.selective:  # the activation function's output is rebuilt in backward, not kept
+    if parallel.act_fn:  # the activation function's output is rebuilt in backward, not kept
         inside -= tokens * width
     # the norms' statistics, in the region: priced at stat_bytes, not e; RMSNorm keeps one per row, not two
     statistics = tokens * LN_STATISTICS // (2 if model.rms_norm else 1)

@@ -131,7 +131,7 @@ def attention_flops(cost: StepCost, pp_rank: int) -> int:
         return 0
     layers = sum(len(stage_layers(model, p)[s]) for s in stages(p, batch, pp_rank))
     rows = batch.global_batch // (p.dp * batch.micro_batches)
-    runs = 4 if p.recompute else 3
+    runs = 4 if p.recompute or p.selective else 3  # full, or Megatron's selective: attention's forward again
     return runs * batch.micro_batches * layers * attention_forward(model, rows, batch.seq, p.tp, p.cp)
 
 
@@ -148,6 +148,7 @@ class StepTime:
     mfu: float = 0.0
     hfu: float = 0.0
     mfu_sparse_peak: float = 0.0  # the mistake: the 2:4-sparse figure as the denominator
+    tflops: float = 0.0  # the model's FLOP/s a GPU, in 10^12 (MFU x the dense peak): what papers report
 
     @property
     def busy(self) -> float:
@@ -228,6 +229,7 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
         needed / (step * world * dense),
         done / (step * world * dense),
         needed / (step * world * sparse),
+        needed / (step * world) / 1e12,
     )
 
 
@@ -239,7 +241,7 @@ def needed_flops(cost: StepCost, assumptions: Assumptions) -> tuple[float, float
     if not isinstance(model, Transformer) or assumptions.attention_share == 1:
         return cost.model_flops, cost.hardware_flops
     forward = model.layers * attention_forward(model, batch.global_batch, batch.seq)  # the whole square, once
-    runs = 3 + (1 if cost.parallel.recompute else 0)  # forward, backward (twice), and the recomputed forward
+    runs = 3 + (1 if cost.parallel.recompute or cost.parallel.selective else 0)  # forward, backward, recomputed
     masked = 1 - assumptions.attention_share
     return cost.model_flops - masked * 3 * forward, cost.hardware_flops - masked * runs * forward
 

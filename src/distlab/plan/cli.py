@@ -11,8 +11,9 @@ given split costs.
 
 Without --layout it enumerates the configurations (distlab/plan/search.py), keeps those whose every rank
 fits the GPU's memory less the reserve by the cost model (distlab/cost), ranks them by predicted step time,
-and prints the fastest with their memory, step time and MFU. With --layout it prices that one layout with
-the strategy the flags give (--schedule, --micro-batch, --recompute, --zero, --grad-dtype, --precision),
+and prints the fastest with their memory, step time, MFU and TFLOP/s a GPU; a strategy flag given (--zero,
+--recompute, --micro-batch, --schedule, --stages-per-rank, --grad-dtype, --sp) narrows the search to it.
+With --layout it prices that one layout with the strategy the flags give (their defaults where not given),
 its memory item by item. Then the assumptions the prediction rests on, each with the flag that overrides
 it. A bad input is refused in one line naming its flag.
 """
@@ -30,13 +31,14 @@ from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.flags import LIMITS
 from distlab.plan.presets import MODELS
-from distlab.plan.search import least_memory, price, search
+from distlab.plan.search import RECOMPUTE, Choices, least_memory, price, search
 from distlab.processes.flags import (
     FlagParser,
     add_global_batch,
     nonnegative_float,
     nonnegative_int,
     png_file,
+    positive_float,
     positive_int,
     share,
     writable_file,
@@ -45,6 +47,7 @@ from distlab.proof.console import console
 from distlab.proof.sizes import Transformer
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
+DEFAULT_MODEL = "llama3-8b"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1"}
 OVERLAP = ("dp", "cp", "pp", "ep", "tp")
 
@@ -59,7 +62,7 @@ def parse_args(argv=None):
         formatter_class=argparse.HelpFormatter,
     )
     model = parser.add_argument_group("the model: a preset, or your own")
-    model.add_argument("--model", choices=MODELS, default="llama3-8b", help="a published model")
+    model.add_argument("--model", choices=MODELS, help=f"a published model (default {DEFAULT_MODEL})")
     for flag, what in (("--layers", "blocks"), ("--dim", "width d"), ("--heads", "heads h"), ("--ffn-width", "d_ff")):
         model.add_argument(flag, type=positive_int, help=f"a model of your own: {what} (with the other three)")
     model.add_argument("--vocab", type=positive_int, help="vocabulary (default: no embedding, no head)")
@@ -89,19 +92,23 @@ def parse_args(argv=None):
     run.add_argument(
         "--reserve-gib", type=nonnegative_float, default=DEFAULT_RESERVE_GIB, help="kept off the tensors (GiB)"
     )
-    split = parser.add_argument_group("one layout (--layout), priced whole")
+    run.add_argument(
+        "--inter-node-gbps", type=positive_float, help="network Gb/s per GPU and direction (default: the GPU's NIC)"
+    )
+    split = parser.add_argument_group("the strategy: one layout (--layout) priced whole, or the search narrowed")
     split.add_argument("--layout", help="dp=..,tp=..,pp=..,cp=..,ep=.. (a missing one is 1)")
-    split.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule")
-    split.add_argument("--stages-per-rank", type=positive_int, help="v, for interleaved (default 2)")
-    split.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch, b")
+    split.add_argument("--schedule", choices=SCHEDULES, help="the pipeline's schedule (--layout: default 1f1b)")
+    split.add_argument("--stages-per-rank", type=positive_int, help="v, for interleaved (--layout: default 2)")
+    split.add_argument("--micro-batch", type=positive_int, help="sequences per micro-batch, b (--layout: default 1)")
     split.add_argument(
         "--recompute",
-        choices=("none", "selective", "full"),
-        default="none",
-        help="selective: the MLP's activation function rebuilt in backward; full: every block",
+        choices=RECOMPUTE,
+        help="selective: Megatron-LM's (attention's core rerun); act-fn: the MLP's activation function rebuilt; "
+        "full: every block (--layout: default none)",
     )
     split.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage 0 (DDP) to 3 (default 1 with dp > 1)")
-    split.add_argument("--grad-dtype", choices=("bf16", "float32"), default="bf16", help="gradients' dtype")
+    split.add_argument("--grad-dtype", choices=("bf16", "float32"), help="gradients' dtype (--layout: default bf16)")
+    split.add_argument("--sp", choices=("on", "off"), default="on", help="sequence parallelism beside tp")
     time = parser.add_argument_group("the time model's assumptions")
     defaults = Assumptions()
     for flag, value, what in (
@@ -130,7 +137,10 @@ def model_of(args) -> tuple[str, Transformer]:
         named = next((f"--{name.replace('_', '-')}" for name in extra if getattr(args, name)), None)
         if named:
             raise ValueError(f"{named}: belongs to a model of your own (--layers, --dim, --heads, --ffn-width)")
-        return args.model, MODELS[args.model]
+        return args.model or DEFAULT_MODEL, MODELS[args.model or DEFAULT_MODEL]
+    if args.model:
+        given = next(flag for flag, value in own.items() if value)
+        raise ValueError(f"--model: {args.model} is a preset, {given} a model of your own: give one, not both")
     missing = [flag for flag, value in own.items() if not value]
     if missing:
         raise ValueError(f"{missing[0]}: a model of your own needs --layers, --dim, --heads and --ffn-width")
@@ -201,33 +211,51 @@ def assumptions_of(args) -> Assumptions:
     )
 
 
-def layout_of(args, model: Transformer) -> tuple[Batch, Parallel]:
-    """--layout and the strategy flags as the cost model's batch and split (one line naming a bad flag)."""
+def choices_of(args) -> Choices:
+    """The strategy flags the user gave, as the search's `Choices` (None where the search chooses)."""
+    schedule = SCHEDULES[args.schedule] if args.schedule else None
+    v = args.stages_per_rank
+    if v is not None and v > 1 and args.schedule in ("1f1b", None):
+        raise ValueError("--stages-per-rank: 1F1B runs one stage per rank; --schedule interleaved takes v > 1")
+    if v == 1 and args.schedule == "interleaved":
+        raise ValueError("--stages-per-rank: interleaving runs v > 1 stages per rank; --schedule 1f1b takes v = 1")
+    if v is not None and v > 1 and args.schedule == "zero-bubble":
+        schedule = "interleaved-zb"
+    return Choices(
+        precision=args.precision,
+        zero=None if args.zero is None else "DDP" if args.zero == 0 else f"ZeRO-{args.zero}",
+        recompute=args.recompute,
+        micro_batch=args.micro_batch,
+        schedule=schedule,
+        stages_per_rank=v,
+        grad_bytes={"float32": 4, "bf16": 2, None: 0}[args.grad_dtype],
+        sp=args.sp == "on",
+    )
+
+
+def layout_of(args, model: Transformer, choices: Choices) -> tuple[Batch, Parallel]:
+    """--layout and the strategy flags as the cost model's batch and split (one line naming a bad flag); a flag
+    not given takes its default: 1F1B, one sequence a micro-batch, no recomputation, ZeRO-1 with dp > 1."""
     dims = ParallelDims.parse_layout(args.layout)
     if dims.size != args.gpus:
         raise ValueError(f"--layout: dp x pp x tp x cp = {dims.size} ranks, but --gpus {args.gpus}")
-    rows = args.global_batch // dims.dp
-    if args.global_batch % dims.dp or rows % args.micro_batch:
-        b, n = args.micro_batch, args.global_batch
-        raise ValueError(f"--micro-batch: N = {n} does not cut into dp = {dims.dp} x micro-batches of {b}")
-    schedule = SCHEDULES[args.schedule]
-    v = args.stages_per_rank or (2 if args.schedule == "interleaved" else 1)
-    if v > 1 and args.schedule == "1f1b":
-        raise ValueError("--stages-per-rank: 1F1B runs one stage per rank; --schedule interleaved takes v > 1")
-    if v > 1 and args.schedule == "zero-bubble":
-        schedule = "interleaved-zb"
-    zero = args.zero if args.zero is not None else (1 if dims.dp > 1 else 0)
+    b, rows = choices.micro_batch or 1, args.global_batch // dims.dp
+    if args.global_batch % dims.dp or rows % b:
+        raise ValueError(
+            f"--micro-batch: N = {args.global_batch} does not cut into dp = {dims.dp} x micro-batches of {b}"
+        )
+    if choices.zero not in (None, "DDP") and dims.dp == 1:
+        raise ValueError(f"--zero: {choices.zero} shards over the dp ranks; --layout gives dp = 1, none to shard over")
+    schedule = choices.schedule or "1f1b"
+    v = choices.stages_per_rank or (2 if schedule.startswith("interleaved") else 1)
     strategy = dict(
-        zero="DDP" if zero == 0 else f"ZeRO-{zero}",
-        sp=dims.tp > 1,
-        cut_gathered=dims.tp > 1,
+        zero=choices.zero or ("ZeRO-1" if dims.dp > 1 else "DDP"),
         schedule=schedule,
         stages_per_rank=v,
-        recompute=args.recompute == "full",
-        selective=args.recompute == "selective",
-        grad_bytes=4 if args.grad_dtype == "float32" else 0,
+        **choices.strategy(dims.tp),
+        **RECOMPUTE[choices.recompute or "none"],
     )
-    batch, parallel = Batch(args.global_batch, args.seq_len, rows // args.micro_batch), Parallel(dims, **strategy)
+    batch, parallel = Batch(args.global_batch, args.seq_len, rows // b), Parallel(dims, **strategy)
     try:
         check(model, batch, parallel, args.precision)  # every rule of the cost model, before any output
     except ValueError as err:
@@ -248,20 +276,20 @@ def main(argv=None) -> int:
             console.print("  " + line, highlight=False)
         return 0
     name, model = model_of(args)
-    where = cluster(args.gpu, check_cluster(args))
+    where = cluster(args.gpu, check_cluster(args), args.inter_node_gbps)
     if args.precision not in where.device.peak:
         raise ValueError(f"--precision: the {where.device.name} has no {args.precision} rate (--devices)")
-    reserve = int(args.reserve_gib * GIB)
-    if reserve >= where.device.memory:
+    if args.reserve_gib * GIB >= where.device.memory:  # compared before int(): 1e300 GiB is no integer of bytes
         raise ValueError(f"--reserve-gib: {args.reserve_gib} GiB is all of the {where.device.name}'s memory")
-    layout = layout_of(args, model) if args.layout else None  # refused before anything is printed
+    reserve, choices = int(args.reserve_gib * GIB), choices_of(args)
+    layout = layout_of(args, model, choices) if args.layout is not None else None  # refused before any output
     console.print(report.header(name, model, args, where), highlight=False)
     if layout:
         return _one_layout(args, model, layout, where, reserve, assumptions)
-    budget = where.device.memory - reserve
-    found = search(model, Batch(args.global_batch, args.seq_len), args.gpus, where, args.precision, assumptions, budget)
+    budget, batch = where.device.memory - reserve, Batch(args.global_batch, args.seq_len)
+    found = search(model, batch, args.gpus, where, choices, assumptions, budget)
     if not found:
-        least = least_memory(model, args.global_batch, args.seq_len, args.gpus, where, args.precision)
+        least = least_memory(model, batch, args.gpus, where, choices)
         console.print(report.nothing_fits(least, reserve, where.device), highlight=False)
         return 1
     console.print(report.plan_table(found, args.top, budget))

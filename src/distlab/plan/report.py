@@ -76,6 +76,7 @@ def candidate_json(candidate: Candidate, reserve: int, device: Device) -> dict:
         "micro_batches": candidate.cost.batch.micro_batches,
         "step_s": candidate.time.step,
         "mfu": candidate.time.mfu,
+        "tflops_per_gpu": candidate.time.tflops,
         "hfu": candidate.time.hfu,
         "bubble": candidate.time.bubble,
         "memory_gib": total / GIB,
@@ -90,7 +91,8 @@ def layout_line(candidate: Candidate, result: dict) -> str:
     """One layout's time and utilisation, one line."""
     return (
         f"{candidate.parallel.label()}, M = {candidate.cost.batch.micro_batches} micro-batches: "
-        f"{result['step_s']:.3g} s a step, MFU {result['mfu']:.1%}, HFU {result['hfu']:.1%}, "
+        f"{result['step_s']:.3g} s a step, MFU {result['mfu']:.1%} ({result['tflops_per_gpu']:.0f} TFLOP/s a GPU), "
+        f"HFU {result['hfu']:.1%}, "
         f"bubble {result['bubble']:.0%}"
     )
 
@@ -145,10 +147,11 @@ def plan_table(found: list[Candidate], top: int, budget: int) -> Table:
     """The `top` fastest configurations that fit `budget` bytes (the device's memory less the reserve)."""
     out = compact_table(
         f"The {min(top, len(found))} fastest of {len(found)} configurations that fit {budget / GIB:.1f} GiB",
-        ("#", "dp", "tp", "pp", "cp", "ep", "ZeRO", "sched", "M", "rec", "GiB", "s", "MFU", "bubble"),
-        caption="tp: with sequence parallelism (Megatron-LM's); ZeRO: the dp ranks' stage; sched: 1F1B, or int "
-        "v2 (interleaved, 2 stages per rank); M: micro-batches per dp rank; rec: recomputation (sel: selective); "
-        "GiB: the most any rank holds, the reserve apart; s: predicted step time; bubble: the schedule's idle share",
+        ("#", "dp", "tp", "pp", "cp", "ep", "ZeRO", "sched", "M", "rec", "GiB", "s", "MFU", "TF/GPU", "bubble"),
+        caption="tp: with sequence parallelism (Megatron-LM's) unless --sp off; ZeRO: the dp ranks' stage; sched: "
+        "1F1B, or int v2 (interleaved, 2 stages per rank); M: micro-batches per dp rank; rec: recomputation (sel: "
+        "Megatron's selective, act: the MLP's activation function); GiB: the most any rank holds, the reserve "
+        "apart; s: predicted step time; TF/GPU: the model's TFLOP/s a GPU; bubble: the schedule's idle share",
     )
     for k, c in enumerate(found[:top], 1):
         p = c.parallel
@@ -162,10 +165,11 @@ def plan_table(found: list[Candidate], top: int, budget: int) -> Table:
             _zero(p),
             _schedule(p),
             str(c.cost.batch.micro_batches),
-            "yes" if p.recompute else "sel" if p.selective else "no",
+            "yes" if p.recompute else "sel" if p.selective else "act" if p.act_fn else "no",
             f"{c.memory / GIB:.1f}",
             f"{c.time.step:.3g}",
             f"{c.time.mfu:.0%}",
+            f"{c.time.tflops:.0f}",
             f"{c.time.bubble:.0%}",
         )
     return out

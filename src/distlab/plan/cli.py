@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.rules import check
+from distlab.cost.stacks import DEFAULT_STACK, STACKS
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.flags import LIMITS
@@ -109,18 +111,18 @@ def parse_args(argv=None):
     split.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage 0 (DDP) to 3 (default 1 with dp > 1)")
     split.add_argument("--grad-dtype", choices=("bf16", "float32"), help="gradients' dtype (--layout: default bf16)")
     split.add_argument("--sp", choices=("on", "off"), default="on", help="sequence parallelism beside tp")
-    time = parser.add_argument_group("the time model's assumptions")
-    defaults = Assumptions()
-    for flag, value, what in (
-        ("--matmul-efficiency", defaults.matmul_efficiency, "share of the dense peak a large product reaches"),
-        ("--attention-efficiency", defaults.attention_efficiency, "share of the dense peak attention reaches"),
-        ("--attention-share", defaults.attention_share, "share of seq^2 products computed (causal: about half)"),
-        ("--link-efficiency", defaults.link_efficiency, "share of a link's bandwidth reached"),
-    ):
-        time.add_argument(flag, type=share, default=value, help=f"{what} (0 < x <= 1)")
+    time = parser.add_argument_group("the time model's assumptions (default: the --stack's profile)")
     time.add_argument(
-        "--overlap", default=",".join(defaults.overlap), help=f"dimensions hidden behind compute: {OVERLAP}"
+        "--stack", choices=STACKS, default=DEFAULT_STACK, help="the software the run uses: its efficiency profile"
     )
+    for flag, what in (
+        ("--matmul-efficiency", "share of the dense peak a large product reaches"),
+        ("--attention-efficiency", "share of the dense peak attention reaches"),
+        ("--attention-share", "share of seq^2 products computed (causal: about half)"),
+        ("--link-efficiency", "share of a link's bandwidth reached"),
+    ):
+        time.add_argument(flag, type=share, help=f"{what} (0 < x <= 1)")
+    time.add_argument("--overlap", help=f"dimensions hidden behind compute: {OVERLAP}")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=10, help="configurations shown")
     out.add_argument("--plot", metavar="PATH", type=png_file, help="also draw MFU against memory into this PNG")
@@ -197,18 +199,24 @@ def check_cluster(args) -> int:
     return per_node
 
 
+def overrides_of(args) -> dict:
+    """The time model's assumptions the flags give, over the stack's profile (only those given)."""
+    given = {
+        name: getattr(args, name)
+        for name in ("matmul_efficiency", "link_efficiency", "attention_efficiency", "attention_share")
+        if getattr(args, name) is not None
+    }
+    if args.overlap is not None:
+        overlap = tuple(d.strip() for d in args.overlap.split(",") if d.strip())
+        bad = [d for d in overlap if d not in OVERLAP]
+        if bad:
+            raise ValueError(f"--overlap: {bad[0]!r} is not one of {', '.join(OVERLAP)}")
+        given["overlap"] = overlap
+    return given
+
+
 def assumptions_of(args) -> Assumptions:
-    overlap = tuple(d.strip() for d in args.overlap.split(",") if d.strip())
-    bad = [d for d in overlap if d not in OVERLAP]
-    if bad:
-        raise ValueError(f"--overlap: {bad[0]!r} is not one of {', '.join(OVERLAP)}")
-    return Assumptions(
-        matmul_efficiency=args.matmul_efficiency,
-        link_efficiency=args.link_efficiency,
-        overlap=overlap,
-        attention_efficiency=args.attention_efficiency,
-        attention_share=args.attention_share,
-    )
+    return replace(STACKS[args.stack].assumptions, **overrides_of(args))
 
 
 def choices_of(args) -> Choices:
@@ -269,11 +277,13 @@ def main(argv=None) -> int:
     if args.devices:
         console.print(report.devices_table())
         return 0
-    if args.published:
-        rows = report.published_rows(assumptions)
+    if args.published:  # each run priced with its own stack's profile, and any assumption a flag gives
+        rows = report.published_rows(overrides_of(args))
         console.print(report.published_table(rows))
-        for line in [f"{r['name']}: {r['split']}; {r['assumed']}" for r in rows] + assumptions.lines():
+        for line in [f"{r['name']}: {r['split']}; {r['assumed']}" for r in rows]:
             console.print("  " + line, highlight=False)
+        for stack in STACKS.values():
+            console.print(f"  {stack.name}: {stack.software}", highlight=False)
         return 0
     name, model = model_of(args)
     where = cluster(args.gpu, check_cluster(args), args.inter_node_gbps)
@@ -284,6 +294,9 @@ def main(argv=None) -> int:
     reserve, choices = int(args.reserve_gib * GIB), choices_of(args)
     layout = layout_of(args, model, choices) if args.layout is not None else None  # refused before any output
     console.print(report.header(name, model, args, where), highlight=False)
+    outside = STACKS[args.stack].outside(args.gpu, model.parameters)
+    if outside:  # the fitted figures are a guess here: said before the plan, in one line
+        console.print(f"warning: outside the fitted regime: {outside}; the time is less certain", highlight=False)
     if layout:
         return _one_layout(args, model, layout, where, reserve, assumptions)
     budget, batch = where.device.memory - reserve, Batch(args.global_batch, args.seq_len)

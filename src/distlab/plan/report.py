@@ -3,11 +3,14 @@ datasheet figures with their sources, and a picture (MFU against memory per GPU)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rich.table import Table
 
 from distlab.cost import memory
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, LINKS, TERA, Cluster, Device, cluster
 from distlab.cost.inputs import PRECISIONS, Parallel
+from distlab.cost.stacks import STACKS
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, needed_flops, predict
 from distlab.data_split.sharding.accounting import layer_norm_stat_bytes
@@ -198,26 +201,42 @@ def devices_table() -> Table:
     return out
 
 
-def published_rows(assumptions: Assumptions) -> list[dict]:
-    """Each published run's predicted memory and MFU beside what it reported."""
+def _measures(run, cost, time, assumptions: Assumptions) -> tuple[str, str, float]:
+    """(predicted, published, predicted / published throughput) in the report's own measure: MFU, seconds a
+    step, or hardware TFLOP/s a GPU as Megatron-LM counts them (recomputation and the whole square in)."""
+    if run.reported_step_s:
+        return f"{time.step:.1f} s", f"{run.reported_step_s:.1f} s", run.reported_step_s / time.step
+    if run.reported_tflops:
+        tflops = cost.hardware_flops / (time.step * cost.parallel.world) / 1e12
+        return f"{tflops:.0f} TF", f"{run.reported_tflops:.0f} TF", tflops / run.reported_tflops
+    needed, _ = needed_flops(cost, assumptions)
+    mfu = time.mfu * (cost.model_flops / needed if run.full_square else 1)  # the report's numerator
+    return f"{mfu:.0%}", f"{run.reported_mfu:.0%}", mfu / run.reported_mfu
+
+
+def published_rows(overrides: dict | None = None) -> list[dict]:
+    """Each published run's predicted memory and throughput beside what it reported, priced with its stack's
+    profile (`distlab.cost.stacks`; `overrides`: assumptions replaced for every run, the flags' or a test's)."""
     rows = []
     for run in PUBLISHED:
-        where = cluster(run.gpu)
+        where = cluster(run.gpu, 8, run.inter_node_gbps)
+        assumptions = replace(STACKS[run.stack].assumptions, **(overrides or {}))
         cost = step_cost(MODELS[run.model], run.batch, run.parallel, "bf16", "cuda")
         time = predict(cost, where, assumptions)
-        needed, _ = needed_flops(cost, assumptions)
-        mfu = time.mfu * (cost.model_flops / needed if run.full_square else 1)  # the report's numerator
+        predicted, reported, ratio = _measures(run, cost, time, assumptions)
         rows.append(
             {
                 "name": run.name,
                 "split": run.parallel.label(),
+                "stack": run.stack,
+                "fitted": run.fitted,
                 "memory_gib": cost.peak_held / GIB,
                 "device_gib": where.device.memory / GIB,
                 "fits": cost.peak_held <= where.device.memory,
                 "headroom_gib": (where.device.memory - cost.peak_held) / GIB - DEFAULT_RESERVE_GIB,
-                "predicted_mfu": mfu,
-                "reported_mfu": run.reported_mfu,
-                "ratio": mfu / run.reported_mfu,
+                "predicted": predicted,
+                "reported": reported,
+                "ratio": ratio,
                 "source": run.source,
                 "assumed": run.assumed,
             }
@@ -227,22 +246,24 @@ def published_rows(assumptions: Assumptions) -> list[dict]:
 
 def published_table(rows: list[dict]) -> Table:
     out = compact_table(
-        "Published runs: predicted memory must fit where they ran; MFU predicted beside MFU reported",
-        ("run", "GiB", "of", "fits", "left", "MFU", "reported", "ratio"),
-        caption="GiB: the most any rank holds, predicted; of: the GPU's; left: what remains after the default "
-        f"reserve of {DEFAULT_RESERVE_GIB} GiB; ratio: predicted / reported MFU, each counted as the report counts "
-        "it (causal attention at its half, or torchtitan's whole square). Sources: "
-        + "; ".join(sorted({r["source"] for r in rows})),
+        "Published runs: predicted memory must fit where they ran; throughput predicted beside reported",
+        ("run", "set", "GiB", "of", "fits", "left", "predicted", "reported", "ratio"),
+        caption="set: fit (its stack's profile was fitted on it) or held out; GiB: the most any rank holds, "
+        "predicted; of: the GPU's; left: what remains after the default "
+        f"reserve of {DEFAULT_RESERVE_GIB} GiB; predicted, reported: in the report's own measure (MFU, counted as "
+        "it counts it; seconds a step; TF: hardware TFLOP/s a GPU, Megatron-LM's count); ratio: predicted / "
+        "reported throughput. Sources: " + "; ".join(sorted({r["source"] for r in rows})),
     )
     for r in rows:
         out.add_row(
             r["name"],
+            "fit" if r["fitted"] else "held out",
             f"{r['memory_gib']:.1f}",
             f"{r['device_gib']:.0f}",
             "yes" if r["fits"] else "NO",
             f"{r['headroom_gib']:.1f}",
-            f"{r['predicted_mfu']:.0%}",
-            f"{r['reported_mfu']:.0%}",
+            r["predicted"],
+            r["reported"],
             f"{r['ratio']:.2f}",
         )
     return out

@@ -248,3 +248,19 @@ def test_zero1_holds_what_megatron_s_distributed_optimizer_holds_item_by_item(gr
     assert held["master copy"] == 4 * psi // d and held["moments"] == 8 * psi // d
     states = held["weights"] + held["gradients"] + held["master copy"] + held["moments"]
     assert states == fixed * psi + sharded * psi // d  # the table's row; AdamW's step counts are beside it
+
+
+def test_the_step_is_its_items_each_printed():
+    """Where the time goes: matrix products, attention, elementwise and norms, each dimension's exposed
+    communication, the bubble and the optimizer step add up to the predicted step, and --layout prints them."""
+    model, batch = MODELS["llama3-8b"], Batch(16, 4096, 4)
+    cost = step_cost(model, batch, Parallel(ParallelDims(dp=4, pp=2, tp=2), "ZeRO-1", sp=True), "bf16", "cuda")
+    time = predict(cost, cluster("h100"))
+    assert sum(time.items.values()) == pytest.approx(time.step, rel=1e-12)
+    expected = ["matrix products", "attention", "elementwise and norms", "tp exposed", "dp exposed", "pp exposed"]
+    assert set(expected + ["pipeline bubble", "optimizer step"]) <= set(time.items)
+    assert all(seconds > 0 for seconds in time.items.values())
+    argv = ["--gpus", "16", "--nodes", "2", "--global-batch", "16", "--seq-len", "4096", "--layout", "dp=4,pp=2,tp=2"]
+    with console.capture() as captured:
+        main(argv)
+    assert all(item in captured.get() for item in expected) and "Where the step goes" in captured.get()

@@ -15,6 +15,7 @@ composed, never derived again (tests/test_cost_*.py hold the composition to the 
 | `step`     | all of it for each pipeline position: `step_cost` | -                                             |
 | `hardware` | devices (datasheets) and links; a measured device | lesson 13 measures this machine               |
 | `timing`   | compute, memory, communication, overlap, bubble; step time, MFU | lesson 13 (time within a factor) |
+| `stacks`   | efficiency profiles of software stacks, fitted on published runs | the published runs (planner) |
 | `trial`    | the measured side: a split built, run, counted and timed on this rank | lesson 13 (what it compares) |
 
 This package stands on every parallelism's package (the top floor, tests/test_layering.py, beside `plan` and

@@ -20,10 +20,13 @@ sends are posted ahead (lesson 03) and the data-parallel reduction runs from hoo
 ZeRO-3's first gather. On gloo here nothing overlaps (`Assumptions(overlap=())`): lesson 13 runs its
 collectives between the computations.
 
-A pipeline step is the schedule's grid (`distlab.pipeline.simulator.simulate`, lessons 02-05) at one tick per
-stage forward of a micro-batch, a backward two ticks (three with recomputation); its idle cells are the
-bubble. The step: that grid's length x the slowest stage's tick, plus the exposed data-parallel reduction,
-plus the optimizer's memory traffic.
+The pipeline's sends hide behind compute but for each message's latency, which the stage waiting on it pays
+(exposed: the rank's sends x the link's latency). A pipeline step is the schedule's grid
+(`distlab.pipeline.simulator.simulate`, lessons 02-05) at one tick per stage forward of a micro-batch, a
+backward two ticks (three with recomputation); its idle cells are the bubble. The step: that grid's length x
+the slowest stage's tick, plus the exposed data-parallel reduction and pipeline latency, plus the optimizer's
+memory traffic. `StepTime.items` is that sum item by item (matrix products, attention, elementwise and norms,
+each dimension's exposed communication, the pipeline bubble, the optimizer step), as the planner prints it.
 
 MFU = the model's FLOPs (forward + backward, no recomputation, causal attention's masked half not counted:
 `needed_flops`) / (step time x P x dense peak of the precision the step computes in; bf16's for fp8). Two
@@ -149,6 +152,7 @@ class StepTime:
     hfu: float = 0.0
     mfu_sparse_peak: float = 0.0  # the mistake: the 2:4-sparse figure as the denominator
     tflops: float = 0.0  # the model's FLOP/s a GPU, in 10^12 (MFU x the dense peak): what papers report
+    items: dict[str, float] = field(default_factory=dict)  # the step, item by item (`predict`)
 
     @property
     def busy(self) -> float:
@@ -201,12 +205,15 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
             exposed["cp"] = max(0.0, comm["cp"] - attention_s)
         if "ep" in comm and "ep" in assumptions.overlap:  # DualPipe-style: hidden behind the other micro-batch's
             exposed["ep"] = max(0.0, comm["ep"] - compute / 2)  # compute, at most half of it
-        ticks = m * p.stages_per_rank * ticks_per_mb  # the rank's own: every stage it holds, every micro-batch
-        per_tick = (compute + memory + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)) / ticks
+        own = m * p.stages_per_rank * ticks_per_mb  # the rank's own ticks: every stage it holds, micro-batch
+        per_tick = (compute + memory + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)) / own
         if worst is None or per_tick > worst[0]:
-            worst = (per_tick, compute, memory, comm, exposed, rank)
-    per_tick, compute, memory, comm, exposed, rank = worst
+            worst = (per_tick, compute, memory, comm, exposed, rank, attention_s, own)
+    per_tick, compute, memory, comm, exposed, rank, attention_s, own = worst
     ticks, bubble = grid(p, cost.batch)
+    if "pp" in comm and "pp" in assumptions.overlap:  # the bytes hide behind compute, not each message's latency:
+        sends = sum(n for (dim, _), n in rank.traffic.calls.items() if dim == "pp")  # a stage waits for it
+        exposed["pp"] = sends * links["pp"].latency
     states = sum(v for k, v in rank.memory.items() if k not in ("activations", "buffers"))
     optimizer = 2 * states / device.bandwidth
     if "dp" in comm and "dp" in assumptions.overlap:  # hidden behind backward, but the last unit's share
@@ -215,6 +222,14 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
         )
         exposed["dp"] = max(comm["dp"] / units, comm["dp"] - compute * 2 / 3)
     step = ticks * per_tick + exposed.get("dp", 0.0) + exposed.get("pp", 0.0) + optimizer
+    items = {  # where the slowest position's step goes; they add up to `step`
+        "matrix products": compute - attention_s,
+        "attention": attention_s,
+        "elementwise and norms": memory,
+        **{f"{dim} exposed": exposed[dim] for dim in ("tp", "cp", "ep", "dp", "pp") if exposed.get(dim)},
+        "pipeline bubble": per_tick * (ticks - own),
+        "optimizer step": optimizer,
+    }
     world = p.world
     dense = device.peak[precision.mfu_peak]
     sparse = device.sparse.get(precision.mfu_peak, dense)
@@ -230,6 +245,7 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
         done / (step * world * dense),
         needed / (step * world * sparse),
         needed / (step * world) / 1e12,
+        items,
     )
 
 

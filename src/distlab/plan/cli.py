@@ -321,6 +321,7 @@ def _one_layout(args, model, layout: tuple[Batch, Parallel], where, reserve: int
     result = report.candidate_json(priced, reserve, where.device)
     console.print(report.layout_line(priced, result), highlight=False)
     console.print(report.layout_table(priced, result, where.device))
+    console.print(report.time_table(priced))
     report.print_assumptions(assumptions, where, reserve)
     if args.plot:
         report.plot([priced], args.plot, f"{parallel.label()} on {args.gpus} x {where.device.name}")

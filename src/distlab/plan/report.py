@@ -87,6 +87,7 @@ def candidate_json(candidate: Candidate, reserve: int, device: Device) -> dict:
         "device_gib": device.memory / GIB,
         "fits": total <= device.memory,
         "exposed_s": dict(candidate.time.exposed),
+        "time_s": dict(candidate.time.items),
     }
 
 
@@ -111,6 +112,15 @@ def layout_table(candidate: Candidate, result: dict, device: Device) -> Table:
     for item, value in result["memory"].items():
         out.add_row(item, f"{value:.2f}")
     out.add_row("total", f"{result['memory_gib']:.2f}")
+    return out
+
+
+def time_table(candidate: Candidate) -> Table:
+    """Where one layout's step goes, item by item, on its slowest pipeline position (they add up to the step)."""
+    step = candidate.time.step
+    out = compact_table("Where the step goes", ("item", "s", "share"), caption=f"{step:.3g} s a step in all")
+    for item, seconds in candidate.time.items.items():
+        out.add_row(item, f"{seconds:.3g}", f"{seconds / step:.0%}")
     return out
 
 

@@ -41,9 +41,9 @@ class Stack:
         if gpu not in self.gpus:
             return f"the {self.name} profile was fitted on {', '.join(self.gpus)} runs, not {gpu}"
         if not low <= parameters <= high:
+            sizes = f"{low / 1e9:,.0f}" + (f"-{high / 1e9:,.0f}" if high > low else "")
             return (
-                f"the {self.name} profile was fitted on models of {low / 1e9:,.0f}-{high / 1e9:,.0f} B parameters, "
-                f"not {parameters / 1e9:,.1f} B"
+                f"the {self.name} profile was fitted on models of {sizes} B parameters, not {parameters / 1e9:,.3g} B"
             )
         return None
 

@@ -70,10 +70,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from distlab.comm.agree import rank_table
 from distlab.comm.ring import Ring
 from distlab.composed import checkpoint, cost
-from distlab.composed.config import LAYOUT, RunConfig, Shape, check_model, check_shape, describe, folded, small_shapes
+from distlab.composed.config import RunConfig, check_model, check_shape, describe, folded, small_shapes
 from distlab.composed.measure import StepMeasured, held, measuring
 from distlab.composed.model import LanguageModel, entropy_rate, keep_stage, loss_fn, token_batch
 from distlab.composed.trainee import MeshTrainee, flat_states
+from distlab.cost.dims import LAYOUT, ParallelDims
 from distlab.layer_split.context_parallel.ring_attention import ring_core
 from distlab.layer_split.context_parallel.split import Layout, pieces_of
 from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan
@@ -106,13 +107,13 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 SCRATCH = "distlab12-"  # the prefix of the lesson's own checkpoint directory (the system's temporary one)
 
 
-def make_mesh(rt: Runtime, shape: Shape) -> tuple[DeviceMesh, DeviceMesh]:
+def make_mesh(rt: Runtime, shape: ParallelDims) -> tuple[DeviceMesh, DeviceMesh]:
     """The 4-D mesh (pp, dp, cp, tp outermost first) and its dp x cp ranks flattened into one dimension."""
     mesh = init_device_mesh(rt.device.type, tuple(getattr(shape, d) for d in LAYOUT), mesh_dim_names=LAYOUT)
     return mesh, mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2 shards over both: they hold the same weights
 
 
-def positions(cfg: RunConfig, shape: Shape, at: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def positions(cfg: RunConfig, shape: ParallelDims, at: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the positions of this rank's tokens: its cp rank's zig-zag pieces; the part of them its tp rank's
     embedding output holds under sequence parallelism)."""
     mine = torch.cat([torch.arange(r.start, r.stop) for r in pieces_of(at["cp"], shape.cp, cfg.seq, "zigzag")])
@@ -126,7 +127,7 @@ EDGES = {  # the embedding, the final norm and the head under tensor + sequence 
 }
 
 
-def parallelize(model: LanguageModel, cfg: RunConfig, shape: Shape, mesh: DeviceMesh, shards: DeviceMesh):
+def parallelize(model: LanguageModel, cfg: RunConfig, shape: ParallelDims, mesh: DeviceMesh, shards: DeviceMesh):
     """The composition, one dimension at a time, on this rank's copy of the whole model."""
     at = {d: mesh.get_local_rank(d) for d in LAYOUT}
     keep_stage(model, at["pp"], shape.pp)  # pp: this rank's blocks (and the embedding, or the norm and head)
@@ -151,7 +152,7 @@ class MeshStep:
     over the pp group; `step(k)` runs step k's micro-batches (a `training.Step`: this rank's loss, None off
     the last stage)."""
 
-    def __init__(self, rt: Runtime, cfg: RunConfig, shape: Shape, build=parallelize):
+    def __init__(self, rt: Runtime, cfg: RunConfig, shape: ParallelDims, build=parallelize):
         self.cfg, self.shape, self.device = cfg, shape, rt.device
         self.mesh, self.shards = make_mesh(rt, shape)
         self.at = {d: self.mesh.get_local_rank(d) for d in LAYOUT}
@@ -187,7 +188,7 @@ class MeshStep:
         return (every / self.shape.shards).tolist()
 
 
-def train_shape(rt: Runtime, cfg: RunConfig, shape: Shape, save_to: str | None = None, build=parallelize):
+def train_shape(rt: Runtime, cfg: RunConfig, shape: ParallelDims, save_to: str | None = None, build=parallelize):
     """cfg.steps AdamW steps at `shape` composed by `build` (the exercise's judge passes the learner's), step 2
     measured; with `save_to`, a checkpoint before the last step."""
     mesh_step, measured = MeshStep(rt, cfg, shape, build), {}
@@ -214,7 +215,7 @@ class ShapeRun:
     """One shape's training: the step object, the loop's record (global losses), step 2 measured, and the
     model states this rank held after the last step."""
 
-    shape: Shape
+    shape: ParallelDims
     mesh_step: MeshStep
     run: Run
     measured: StepMeasured
@@ -260,7 +261,7 @@ GROUPS = ("tp", "cp", "dp", "pp", "dp_cp")
 SENDING = ("tp", "cp", "pp", "dp_cp")  # (the dp group itself carries nothing: FSDP2 runs on dp x cp)
 
 
-def show_training(rt: Runtime, cfg: RunConfig, shapes: list[Shape], ref: Run, verdict: Verdict, path: str):
+def show_training(rt: Runtime, cfg: RunConfig, shapes: list[ParallelDims], ref: Run, verdict: Verdict, path: str):
     print0(f"\n[bold]1. {cfg.steps} AdamW steps at each shape of P = {rt.world_size}, against one process[/]")
     runs, rows = {}, []
     for shape in shapes:
@@ -308,7 +309,7 @@ def place_of(mesh_step: MeshStep) -> cost.Place:
     return cost.Place(mesh_step.at["pp"], mesh_step.shards.get_local_rank())
 
 
-def show_memory(rt: Runtime, cfg: RunConfig, runs: dict[Shape, ShapeRun], verdict: Verdict) -> None:
+def show_memory(rt: Runtime, cfg: RunConfig, runs: dict[ParallelDims, ShapeRun], verdict: Verdict) -> None:
     print0("\n[bold]4. Per rank and step: model states, activations, bytes sent; measured = formula[/]")
     rows, figures = [], {}
     for shape, one in runs.items():
@@ -334,7 +335,7 @@ def show_memory(rt: Runtime, cfg: RunConfig, runs: dict[Shape, ShapeRun], verdic
     verdict.figure("per_rank", figures)
 
 
-def show_resume(rt: Runtime, cfg: RunConfig, one: ShapeRun, other: Shape, path: str, ref: Run, verdict: Verdict):
+def show_resume(rt: Runtime, cfg: RunConfig, one: ShapeRun, other: ParallelDims, path: str, ref: Run, verdict: Verdict):
     shapes = [one.shape] + ([other] if other != one.shape else [])
     print0(
         f"\n[bold]5. A checkpoint saved at {one.shape} after step {cfg.steps - 1} (torch.distributed.checkpoint), "
@@ -359,7 +360,7 @@ def show_resume(rt: Runtime, cfg: RunConfig, one: ShapeRun, other: Shape, path: 
     print0(rows_table("After the last step", ("resumed at", "parameters, AdamW states", "="), rows))
 
 
-def resumed(rt: Runtime, cfg: RunConfig, shape: Shape, path: str) -> Run:
+def resumed(rt: Runtime, cfg: RunConfig, shape: ParallelDims, path: str) -> Run:
     """A fresh model and optimizer at `shape`, loaded from the checkpoint, trained for the last step."""
     again = MeshStep(rt, cfg, shape)
     checkpoint.load(path, again.trainee.model, again.trainee.optimizer)
@@ -410,15 +411,15 @@ def run_config(args) -> RunConfig:
     return RunConfig(model, args.seq_len, args.global_batch, args.micro_batches, args.steps, args.lr, args.seed)
 
 
-def shapes_of(args, world_size: int) -> tuple[list[Shape], Shape]:
+def shapes_of(args, world_size: int) -> tuple[list[ParallelDims], ParallelDims]:
     """(the flags' shape first, then the --shapes ones; the shape the checkpoint resumes at)."""
-    shape = Shape(args.dp, args.pp, args.tp, args.cp)
+    shape = ParallelDims(args.dp, args.pp, args.tp, args.cp)
     if args.shapes is None:
         more = [s for s in small_shapes(world_size) if s != shape]
     else:
-        more = [Shape.parse(text.strip()) for text in args.shapes.split(",") if text.strip()]
+        more = [ParallelDims.parse(text.strip()) for text in args.shapes.split(",") if text.strip()]
     if args.resume_shape is not None:
-        return [shape, *more], Shape.parse(args.resume_shape, "--resume-shape")
+        return [shape, *more], ParallelDims.parse(args.resume_shape, "--resume-shape")
     return [shape, *more], folded(shape)
 
 

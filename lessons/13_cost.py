@@ -49,7 +49,7 @@ from distlab.comm.timing import time_call
 from distlab.cost import calibrate, memory, traffic
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
-from distlab.cost.shapes import Batch, Parallel
+from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
 from distlab.cost.trial import Trial, timed
@@ -80,10 +80,10 @@ def configurations(p: int) -> dict[str, Parallel]:
     """The four splits, each a shape of the run (the one type lesson 12 and the planner use) and a strategy."""
     data, tensor = ParallelDims(dp=p), ParallelDims(tp=p)
     return {
-        "DDP": Parallel.on(data),
-        "DDP + recompute": Parallel.on(data, recompute=True),
-        "TP": Parallel.on(tensor),
-        "TP + SP": Parallel.on(tensor, sp=True),
+        "DDP": Parallel(data),
+        "DDP + recompute": Parallel(data, recompute=True),
+        "TP": Parallel(tensor),
+        "TP + SP": Parallel(tensor, sp=True),
     }
 
 

@@ -107,6 +107,8 @@ MODULES = {
     "distlab.streamed.peers": "distlab.streamed.safeguards.peers",
     "distlab.streamed.exit_hint": "distlab.streamed.safeguards.exit_hint",
     "distlab.streamed.loss_guards": "distlab.streamed.safeguards.loss_call",
+    # the cost model's questions (a model by its sizes, the batch, the precision, the strategy): no shapes there
+    "distlab.cost.shapes": "distlab.cost.inputs",
 }
 
 # names split out of a module: (module, name) -> the module that owns the name now

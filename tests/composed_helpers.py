@@ -7,14 +7,15 @@ from __future__ import annotations
 from helpers import load_lesson
 
 from distlab.composed import cost
-from distlab.composed.config import RunConfig, Shape
+from distlab.composed.config import RunConfig
+from distlab.cost.dims import ParallelDims
 from distlab.proof.compare import all_ok
 
 LESSON = "12_composed_mesh"
 CFG = RunConfig()  # the lesson's defaults: V = 32, d = 32, h = 4, d_ff = 64, L = 4, seq = 16, N = 8, M = 2
 
 
-def shapes_against_one_process(rt, shapes: list[Shape], cfg: RunConfig) -> list[dict]:
+def shapes_against_one_process(rt, shapes: list[ParallelDims], cfg: RunConfig) -> list[dict]:
     """Each shape trained on this rank's part of the mesh, against one process: what the test asserts."""
     lesson = load_lesson(LESSON)
     ref = lesson.reference(cfg)
@@ -36,7 +37,7 @@ def shapes_against_one_process(rt, shapes: list[Shape], cfg: RunConfig) -> list[
     return out
 
 
-def assert_every_shape_equals_one_process(per_rank: list[list[dict]], shapes: list[Shape], cfg: RunConfig):
+def assert_every_shape_equals_one_process(per_rank: list[list[dict]], shapes: list[ParallelDims], cfg: RunConfig):
     whole = set(load_lesson(LESSON).LanguageModel(cfg).state_dict())
     for i, shape in enumerate(shapes):
         ranks = [results[i] for results in per_rank]

@@ -20,7 +20,8 @@ from helpers import load_lesson
 
 from distlab.comm.ledger import Ledger
 from distlab.cost import memory, traffic
-from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel
+from distlab.cost.dims import ParallelDims
+from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel
 from distlab.data_split.data_parallel.measure import measure_collectives
 from distlab.data_split.sharding import holds
 from distlab.data_split.sharding.problem import ShardingConfig, build_model, global_batch, rows_of
@@ -109,14 +110,18 @@ def test_lesson06_ring_all_reduce_sends_what_a_one_layer_ddp_step_does(measured)
     row = ranks[0]["06 all_reduce"]
     assert row.name == "all_reduce" and row.counted_bytes == row.formula_bytes
     elements = row.full_bytes // 8  # a one-unit model of as many parameters (a Linear of elements - 1 inputs)
-    sent = traffic.per_rank(Mlp((elements - 1, 1)), Batch(p), Parallel(dp=p), "float64")
+    sent = traffic.per_rank(Mlp((elements - 1, 1)), Batch(p), Parallel(ParallelDims(dp=p)), "float64")
     assert sent.sent["dp", "all_reduce"] == row.counted_bytes
 
 
 @pytest.mark.parametrize("stage", ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"])
 def test_lesson07_every_item_held_and_byte_sent_equal_the_cost_model(measured, stage):
     p, ranks = measured
-    model, batch, parallel = Mlp(SHARDING.widths), Batch(SHARDING.global_batch), Parallel(dp=p, zero=stage)
+    model, batch, parallel = (
+        Mlp(SHARDING.widths),
+        Batch(SHARDING.global_batch),
+        Parallel(ParallelDims(dp=p), zero=stage),
+    )
     states = memory.model_states(memory.rank_units(model, parallel, 0, batch), stage, p, PRECISIONS["float64"])
     sent = traffic.per_rank(model, batch, parallel, "float64").total
     for held, counted in (rank[("07", stage)] for rank in ranks):
@@ -127,7 +132,7 @@ def test_lesson08_block_bytes_calls_and_activations_equal_the_cost_model(measure
     p, ranks = measured
     model = BLOCK.model
     for name, sp in (("TP", False), ("TP + SP", True)):
-        parallel = Parallel(tp=p, sp=sp)
+        parallel = Parallel(ParallelDims(tp=p), sp=sp)
         predicted = traffic.per_rank(model, Batch(BLOCK.batch, BLOCK.seq), parallel, "float64")
         kept = memory.block_activations(model, Batch(BLOCK.batch, BLOCK.seq), parallel, 8, 8)
         for sent_by, calls, saved in (rank[("08", name)] for rank in ranks):
@@ -141,7 +146,9 @@ def test_lesson08_two_d_step_sends_what_the_cost_model_says(measured):
     if p != 4:
         pytest.skip("the 2 x 2 mesh needs P = 4")
     dp, tp = mesh2d.mesh_shape(p)
-    predicted = traffic.per_rank(BLOCK.model, Batch(BLOCK.batch, BLOCK.seq), Parallel(dp, tp=tp), "float64")
+    predicted = traffic.per_rank(
+        BLOCK.model, Batch(BLOCK.batch, BLOCK.seq), Parallel(ParallelDims(dp, tp=tp)), "float64"
+    )
     for rank in ranks:
         counted = rank["08 2-D"]
         assert _phases_summed({k: v for k, v in counted.items() if k[0] != "data parallel"}) == _by_dimension(
@@ -153,7 +160,9 @@ def test_lesson08_two_d_step_sends_what_the_cost_model_says(measured):
 def test_lesson09_ring_bytes_equal_the_cost_model(measured):
     p, ranks = measured
     model = Transformer(1, RING.heads * RING.head_dim, RING.heads, 1)
-    forward = traffic.per_rank(model, Batch(1, RING.seq_len), Parallel(cp=p), "float64").sent["cp", "ring"]
+    forward = traffic.per_rank(model, Batch(1, RING.seq_len), Parallel(ParallelDims(cp=p)), "float64").sent[
+        "cp", "ring"
+    ]
     for sent in (rank["09"] for rank in ranks):
         assert sum(sent) == forward  # one attention's forward and backward ring, one sequence
 
@@ -163,7 +172,7 @@ def test_pipeline_in_flight_saved_bytes_and_sends_equal_the_cost_model(measured,
     p, ranks = measured
     widths = PipelineConfig().widths
     model, batch = Mlp(widths), Batch(PIPE["global_batch"], 1, PIPE["micro_batches"])
-    parallel = Parallel(pp=p, schedule=schedule)
+    parallel = Parallel(ParallelDims(pp=p), schedule=schedule)
     for r, got in enumerate(ranks):
         got = got["pipeline", schedule]
         assert got["peak_in_flight"] == memory.in_flight(parallel, batch, r)

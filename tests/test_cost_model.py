@@ -14,8 +14,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.cost import flops, memory
+from distlab.cost.dims import ParallelDims
+from distlab.cost.inputs import Batch, Mlp, Parallel
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Mlp, Parallel
 from distlab.cost.step import step_cost
 from distlab.data_split.sharding import accounting
 from distlab.plan.presets import MODELS
@@ -94,10 +95,10 @@ def test_llama_parameters_equal_the_published_counts(name, count):
 
 
 SPLITS = [
-    Parallel(dp=2, tp=2),
-    Parallel(tp=4, sp=True, cp=2),
-    Parallel(pp=2, dp=2, zero="ZeRO-3"),
-    Parallel(pp=2, schedule="interleaved-1f1b", stages_per_rank=2, tp=2, cut_gathered=True, sp=True),
+    Parallel(ParallelDims(dp=2, tp=2)),
+    Parallel(ParallelDims(tp=4, cp=2), sp=True),
+    Parallel(ParallelDims(pp=2, dp=2), zero="ZeRO-3"),
+    Parallel(ParallelDims(pp=2, tp=2), schedule="interleaved-1f1b", stages_per_rank=2, cut_gathered=True, sp=True),
 ]
 
 
@@ -113,33 +114,42 @@ def test_every_split_computes_the_models_flops(parallel):
 
 def test_mixed_precision_states_are_lesson_07s_and_the_zero_papers():
     """DDP: lesson 07's mixed step (2 + 2 + 4 + 8 bytes a parameter); ZeRO-1, -2, -3 with dp dividing every
-    unit: the ZeRO paper's 2 + 2 + 12/dp, 2 + 14/dp, 16/dp bytes a parameter, besides 4-byte step counts, and
-    for ZeRO-1 the shard of the gradient lesson 07's reduce-scatter leaves beside the whole one (2/dp)."""
+    unit: ZeRO-2's and -3's the ZeRO paper's 2 + 14/dp, 16/dp bytes a parameter, besides 4-byte step counts;
+    ZeRO-1 Megatron-LM's distributed optimizer's 4 + 16/dp (bf16 gradients, a float32 main-gradient shard)."""
     model, dp = Transformer(2, 64, 4, 256), 4
-    units = memory.rank_units(model, Parallel(dp=dp), 0, Batch(8))
+    units = memory.rank_units(model, Parallel(ParallelDims(dp=dp)), 0, Batch(8))
     psi, tensors = model.parameters, len(model.block_weights()) * model.layers
     ddp = memory.model_states(units, "DDP", dp, memory.PRECISIONS["bf16"])
     assert ddp == accounting.expected_states_mixed(psi, tensors)
-    for zero, per_parameter in (("ZeRO-1", 4 + 14 / dp), ("ZeRO-2", 2 + 14 / dp), ("ZeRO-3", 16 / dp)):
+    for zero, per_parameter in (("ZeRO-1", 4 + 16 / dp), ("ZeRO-2", 2 + 14 / dp), ("ZeRO-3", 16 / dp)):
         held = memory.model_states(units, zero, dp, memory.PRECISIONS["bf16"])
         assert sum(held.values()) - held["step counts"] == per_parameter * psi
 
 
 BAD = [
-    (dict(parallel=Parallel(tp=3)), "tp: tp = 3 does not divide heads = 8"),
-    (dict(parallel=Parallel(cp=3)), "cp: the zig-zag ring cuts seq = 32 into 2 cp = 6 pieces"),
-    (dict(parallel=Parallel(dp=2, ep=2)), "ep: expert parallelism needs a mixture-of-experts model"),
+    (dict(parallel=Parallel(ParallelDims(tp=3))), "tp: tp = 3 does not divide heads = 8"),
+    (dict(parallel=Parallel(ParallelDims(cp=3))), "cp: the zig-zag ring cuts seq = 32 into 2 cp = 6 pieces"),
+    (dict(parallel=Parallel(ParallelDims(dp=2, ep=2))), "ep: expert parallelism needs a mixture-of-experts model"),
     (dict(parallel=Parallel(zero="ZeRO-4")), "zero: 'ZeRO-4' is not one of DDP, ZeRO-1, ZeRO-2, ZeRO-3"),
-    (dict(parallel=Parallel(pp=9)), "pp: pp x v = 9 stages, but only 8 layers"),
-    (dict(parallel=Parallel(dp=3)), "dp: N = 8 sequences do not split over dp = 3"),
-    (dict(batch=Batch(8, 32, 3), parallel=Parallel(dp=2)), "micro_batches: N / dp = 4 sequences per data-parallel"),
-    (dict(parallel=Parallel(tp=2, sp=True), batch=Batch(8, 33)), "tp: sequence parallelism cuts seq / cp = 33"),
-    (dict(parallel=Parallel(pp=2, schedule="nope")), "schedule: unknown schedule 'nope'"),
-    (dict(parallel=Parallel(cut_gathered=True, tp=2)), "cut_gathered: only sequence parallelism"),
+    (dict(parallel=Parallel(ParallelDims(pp=9))), "pp: pp x v = 9 stages, but only 8 layers"),
+    (dict(parallel=Parallel(ParallelDims(dp=3))), "dp: N = 8 sequences do not split over dp = 3"),
+    (
+        dict(batch=Batch(8, 32, 3), parallel=Parallel(ParallelDims(dp=2))),
+        "micro_batches: N / dp = 4 sequences per data-parallel",
+    ),
+    (
+        dict(parallel=Parallel(ParallelDims(tp=2), sp=True), batch=Batch(8, 33)),
+        "tp: sequence parallelism cuts seq / cp = 33",
+    ),
+    (dict(parallel=Parallel(ParallelDims(pp=2), schedule="nope")), "schedule: unknown schedule 'nope'"),
+    (dict(parallel=Parallel(ParallelDims(tp=2), cut_gathered=True)), "cut_gathered: only sequence parallelism"),
     (dict(precision="fp4"), "precision: 'fp4' is not one of float64, float32, bf16, fp8"),
     (dict(model=Transformer(8, 64, 6, 256)), "heads: h = 6 does not divide d = 64"),
-    (dict(model=Transformer(8, 64, 8, 256, attention="written"), parallel=Parallel(tp=2)), "attention: written"),
-    (dict(model=Mlp((16, 8)), parallel=Parallel(tp=2)), "tp: the layered MLP has no heads"),
+    (
+        dict(model=Transformer(8, 64, 8, 256, attention="written"), parallel=Parallel(ParallelDims(tp=2))),
+        "attention: written",
+    ),
+    (dict(model=Mlp((16, 8)), parallel=Parallel(ParallelDims(tp=2))), "tp: the layered MLP has no heads"),
     (dict(batch=Batch(8, 0)), "seq: must be a positive integer, got 0"),
 ]
 
@@ -153,5 +163,5 @@ def test_impossible_inputs_are_refused_in_one_line(bad, message):
 
 
 def test_a_good_configuration_passes_the_check():
-    check(Transformer(8, 64, 8, 256), Batch(8, 32, 2), Parallel(dp=2, tp=2, sp=True, pp=2, cp=2), "bf16")
+    check(Transformer(8, 64, 8, 256), Batch(8, 32, 2), Parallel(ParallelDims(dp=2, tp=2, pp=2, cp=2), sp=True), "bf16")
     assert torch.bfloat16 in memory.DTYPE_OF.values()

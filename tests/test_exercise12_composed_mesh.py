@@ -19,16 +19,17 @@ from exercise_signatures import Mistake, Zero
 from helpers import load_lesson
 
 from distlab.composed import cost
-from distlab.composed.config import MODEL, RunConfig, Shape
+from distlab.composed.config import MODEL, RunConfig
+from distlab.cost.dims import ParallelDims
 from distlab.proof.models import attention
 
 LESSON, NAME = "12_composed_mesh", "parallelize"
-P, SHAPES = 4, (Shape(dp=1, pp=1, tp=2, cp=2), Shape(dp=2, pp=2, tp=1, cp=1))
+P, SHAPES = 4, (ParallelDims(dp=1, pp=1, tp=2, cp=2), ParallelDims(dp=2, pp=2, tp=1, cp=1))
 CFG = RunConfig(replace(MODEL, layers=2), steps=2)
 DIMS = {"tp": "tp", "cp": "cp", "dp_cp": "dp x cp"}  # the group's label -> how the claims name it
 
 
-def _name(shape: Shape) -> str:
+def _name(shape: ParallelDims) -> str:
     return f"{shape.dp} x {shape.pp} x {shape.tp} x {shape.cp}"
 
 
@@ -41,7 +42,7 @@ def _ranks(rt, parallelize, claims) -> None:
             return
 
 
-def _shape(rt, lesson, ref, shape: Shape, parallelize, claims) -> None:
+def _shape(rt, lesson, ref, shape: ParallelDims, parallelize, claims) -> None:
     one, at = lesson.train_shape(rt, CFG, shape, build=parallelize), _name(shape)
     losses = torch.tensor(one.run.losses, dtype=torch.float64)
     claims.close(

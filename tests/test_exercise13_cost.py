@@ -14,7 +14,7 @@ from exercise_kit import Exercise, solution
 from exercise_signatures import Equals, Mistake
 
 from distlab.cost import memory, traffic
-from distlab.cost.shapes import PRECISIONS, Batch
+from distlab.cost.inputs import PRECISIONS, Batch
 from distlab.cost.step import step_cost
 from distlab.cost.trial import Trial
 from distlab.proof.sizes import Transformer

@@ -208,7 +208,7 @@ def test_the_library_never_imports_a_lesson_or_a_test():
         ("distlab.proof.models", "import distlab.plan"),
         (
             "distlab.layer_split.tensor_parallel.cost",
-            "from distlab.composed.config import Shape",
+            "from distlab.composed.config import RunConfig",
         ),  # the top floor, from a sibling
     ],
 )

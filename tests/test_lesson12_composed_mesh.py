@@ -15,7 +15,8 @@ from dataclasses import replace
 from composed_helpers import CFG, LESSON, assert_every_shape_equals_one_process, shapes_against_one_process
 from helpers import load_lesson, torchrun, value_error
 
-from distlab.composed.config import Shape, small_shapes
+from distlab.composed.config import small_shapes
+from distlab.cost.dims import ParallelDims
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok
 
@@ -30,7 +31,7 @@ def _a_wrong_model(rt) -> list[dict]:
     """A wrong answer the checks must reject: the mesh trains at a learning rate one part in 1e6 off."""
     lesson = load_lesson(LESSON)
     ref = lesson.reference(CFG)
-    one = lesson.train_shape(rt, replace(CFG, lr=CFG.lr * (1 + 1e-6)), Shape(dp=2))
+    one = lesson.train_shape(rt, replace(CFG, lr=CFG.lr * (1 + 1e-6)), ParallelDims(dp=2))
     return [{k: all_ok(v) for k, v in lesson.against(ref, one.run).items()}]
 
 

@@ -13,7 +13,8 @@ import pytest
 from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 
 from distlab.cost import memory, traffic
-from distlab.cost.shapes import Batch, Parallel
+from distlab.cost.dims import ParallelDims
+from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.trial import Trial
 from distlab.processes.spawn import spawn
 from distlab.proof.sizes import Transformer
@@ -41,7 +42,7 @@ def _sequence_parallel_bytes(rt):
     """A sequence-parallel step of the lesson's Trial (`distlab.cost.trial`): the bytes it sent per collective."""
     lesson = load_lesson("13_cost")
     args = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)
-    trial = Trial(rt, args, Parallel(tp=rt.world_size, sp=True), lesson.OPTIONS)
+    trial = Trial(rt, args, Parallel(ParallelDims(tp=rt.world_size), sp=True), lesson.OPTIONS)
     return dict(trial.measured(0.0).sent)
 
 
@@ -50,7 +51,10 @@ def test_the_bytes_check_can_fail():
     got = spawn(_sequence_parallel_bytes, 2)[0]
     model, batch = Transformer(2, 96, 12, 384), Batch(12, 48)
     predicted = {
-        sp: {k: n for (_, k), n in traffic.per_rank(model, batch, Parallel(tp=2, sp=sp), "float32").sent.items()}
+        sp: {
+            k: n
+            for (_, k), n in traffic.per_rank(model, batch, Parallel(ParallelDims(tp=2), sp=sp), "float32").sent.items()
+        }
         for sp in (True, False)
     }
     assert got == predicted[True] and got != predicted[False]
@@ -105,7 +109,7 @@ def test_the_time_factor_ranks_only_beyond_it_and_the_roof_needs_a_reason():
 def test_the_lessons_arithmetic_knows_the_math_path():
     """On CUDA in float64 attention keeps its softmax: the lesson's count by hand and distlab.cost's agree."""
     lesson = load_lesson("13_cost")
-    model, batch, parallel = Transformer(2, 96, 12, 384), Batch(12, 48), Parallel(tp=2, sp=True)
+    model, batch, parallel = Transformer(2, 96, 12, 384), Batch(12, 48), Parallel(ParallelDims(tp=2), sp=True)
     for math in (False, True):
         kept = memory.stage_activations(model, batch, parallel, 0, memory.PRECISIONS["float64"], 8, math)
         assert lesson.rank_bytes(model, batch, parallel, 8, math)["activations"] == kept
@@ -123,7 +127,9 @@ def test_cuda_float32_attention_keeps_a_padded_log_sum_exp():
     model, batch = Transformer(4, 96, 12, 384), Batch(12, 48)
     assert efficient_attention_extra(12, 12, 48) == 9232 and efficient_attention_extra(12, 12, 64) == 16
     assert lesson.cuda_attention_extra("cuda", model, batch, Parallel()) == 4 * 9232
-    assert lesson.cuda_attention_extra("cuda", model, batch, Parallel(tp=2, sp=True)) == 4 * (4 * 12 * 6 * 16 + 16)
+    assert lesson.cuda_attention_extra("cuda", model, batch, Parallel(ParallelDims(tp=2), sp=True)) == 4 * (
+        4 * 12 * 6 * 16 + 16
+    )
     assert lesson.cuda_attention_extra("cuda", model, batch, Parallel(recompute=True)) == 0
     assert lesson.cuda_attention_extra("cpu", model, batch, Parallel()) == 0
     unpadded = 4 * (4 * 12 * 12 * 0 + 16)  # the twin without the padding

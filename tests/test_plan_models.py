@@ -2,8 +2,10 @@
 GPT-2 against torch's own modules (tied embeddings), DeepSeek-V3 against its published 671 B and 37 B, a
 mixture of experts against the count written out; expert parallelism's all-to-all against lesson 10's rows
 that leave a rank; float32 gradients at 18 bytes a parameter; attention with unequal q k and v widths (MLA)
-against torch's FLOP counter; the time model's tile and wave quantisation and causal half; and the
-activations of torch's math attention path (the softmax kept) against what autograd saves on this CPU."""
+against torch's FLOP counter; the time model's tile and wave quantisation and causal half; the
+activations of torch's math attention path (the softmax kept) against what autograd saves on this CPU; one
+rank order (lesson 12's mesh groups decide the planner's links); ZeRO-1 against Megatron-LM's distributed
+optimizer's bytes per parameter, item by item."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import lesson_path
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -19,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from distlab.cost import flops, memory, traffic
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import GIB, cluster
-from distlab.cost.shapes import PRECISIONS, Batch, Parallel
+from distlab.cost.inputs import PRECISIONS, Batch, Parallel
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, gemm_efficiency, predict
 from distlab.layer_split.tensor_parallel.cost import activation_bytes
@@ -111,12 +114,15 @@ def test_expert_parallelism_sends_the_rows_that_leave_a_rank():
     (ep - 1) / ep of them to other ranks, forward and back, and their gradients in backward: 4 ways."""
     model, batch = moe(), Batch(16, 32, 2)
     for ep in (2, 4):
-        parallel = Parallel(dp=4, zero="ZeRO-1", ep=ep)
+        parallel = Parallel(ParallelDims(dp=4, ep=ep), zero="ZeRO-1")
         sent = traffic.per_rank(model, batch, parallel, "bf16").sent["ep", "all_to_all"]
         tokens = 16 // (4 * 2) * 32
         per_phase = tokens * model.top_k * (ep - 1) // ep * model.dim * 2
         assert sent == 4 * per_phase * 2 * 3  # four phases, two micro-batches, three MoE layers
-    assert traffic.per_rank(model, batch, Parallel(dp=4, zero="ZeRO-1"), "bf16").sent["ep", "all_to_all"] == 0
+    assert (
+        traffic.per_rank(model, batch, Parallel(ParallelDims(dp=4), zero="ZeRO-1"), "bf16").sent["ep", "all_to_all"]
+        == 0
+    )
 
 
 def test_experts_are_held_by_their_ep_rank_and_sharded_over_the_rest():
@@ -124,31 +130,31 @@ def test_experts_are_held_by_their_ep_rank_and_sharded_over_the_rest():
     routed = [w.numel for unit in model.units() for w in unit if w.experts]
     dense = model.parameters - sum(routed)
     for ep in (1, 2, 4):
-        held = memory.per_rank(model, batch, Parallel(dp=4, zero="DDP", ep=ep), "float32")["weights"]
+        held = memory.per_rank(model, batch, Parallel(ParallelDims(dp=4, ep=ep), zero="DDP"), "float32")["weights"]
         assert held == 4 * (dense + sum(routed) // ep)
-        zero1 = memory.per_rank(model, batch, Parallel(dp=4, zero="ZeRO-1", ep=ep), "float32")["moments"]
+        zero1 = memory.per_rank(model, batch, Parallel(ParallelDims(dp=4, ep=ep), zero="ZeRO-1"), "float32")["moments"]
         assert zero1 == 2 * 4 * (dense // 4 + sum(routed) // ep // (4 // ep))  # dp ranks; dp / ep for experts
 
 
 def test_float32_gradients_hold_18_bytes_a_parameter_under_ddp():
     model = Transformer(2, 64, 4, 256)
     for grad_bytes, per in ((0, 16), (4, 18)):
-        held = memory.per_rank(model, Batch(4, 8), Parallel(dp=2, grad_bytes=grad_bytes), "bf16")
+        held = memory.per_rank(model, Batch(4, 8), Parallel(ParallelDims(dp=2), grad_bytes=grad_bytes), "bf16")
         states = sum(v for k, v in held.items() if k not in ("activations", "buffers", "step counts"))
         assert states == per * model.parameters
-    bf16 = traffic.per_rank(model, Batch(4, 8), Parallel(dp=2), "bf16").total
-    assert traffic.per_rank(model, Batch(4, 8), Parallel(dp=2, grad_bytes=4), "bf16").total == 2 * bf16
+    bf16 = traffic.per_rank(model, Batch(4, 8), Parallel(ParallelDims(dp=2)), "bf16").total
+    assert traffic.per_rank(model, Batch(4, 8), Parallel(ParallelDims(dp=2), grad_bytes=4), "bf16").total == 2 * bf16
 
 
 def test_selective_recomputation_keeps_less_and_computes_the_same_products():
     model, batch = Transformer(4, 64, 4, 256, 100), Batch(4, 32, 2)
     held = {
         name: step_cost(model, batch, Parallel(**kw), "bf16").ranks[0].memory["activations"]
-        for name, kw in (("none", {}), ("selective", dict(selective=True)), ("full", dict(recompute=True)))
+        for name, kw in (("none", {}), ("selective", dict(act_fn=True)), ("full", dict(recompute=True)))
     }
     assert held["full"] < held["selective"] < held["none"]
     assert held["none"] - held["selective"] == 2 * 4 * 32 * 256 * 4 // 2  # d_ff per token, 4 blocks, bf16
-    none, selective = (flops.rank_flops(model, batch, Parallel(selective=s)) for s in (False, True))
+    none, selective = (flops.rank_flops(model, batch, Parallel(act_fn=s)) for s in (False, True))
     assert none == selective
 
 
@@ -173,7 +179,7 @@ def test_the_time_model_knows_the_shape():
 
 
 def test_causal_attention_costs_half_its_square():
-    model, batch, parallel = MODELS["llama3-8b"], Batch(8, 131072, 8), Parallel(dp=1, tp=8, sp=True)
+    model, batch, parallel = MODELS["llama3-8b"], Batch(8, 131072, 8), Parallel(ParallelDims(dp=1, tp=8), sp=True)
     cost = step_cost(model, batch, parallel, "bf16", "cuda")
     half, whole = (predict(cost, cluster("h100"), Assumptions(attention_share=s)) for s in (0.5, 1.0))
     attention = 3 * model.layers * flops.attention_forward(model, 8, 131072, 8) / (989.4e12 * 0.5)
@@ -201,12 +207,60 @@ def test_the_math_path_keeps_the_softmax_as_the_formula_says():
 
 def test_one_shape_type_for_lessons_and_planner():
     dims = ParallelDims.parse_layout("dp=64,tp=8,pp=16")
-    assert Parallel.on(dims, zero="ZeRO-1").dims == dims and dims.size == 8192 and str(dims) == "64x16x8x1"
-    from distlab.composed.config import Shape
-
-    assert Shape is ParallelDims and Shape.parse("2x2x2x1") == ParallelDims(2, 2, 2, 1)
+    assert Parallel(dims, zero="ZeRO-1").dims == dims and dims.size == 8192 and str(dims) == "64x16x8x1"
+    assert ParallelDims.parse("2x2x2x1") == ParallelDims(2, 2, 2, 1)
     assert dims.members(0, "tp") == ",".join(map(str, range(8)))
     with pytest.raises(ValueError, match="ep: expert parallelism takes its ranks from dp"):
         ParallelDims(dp=6, ep=4)
     assert PRECISIONS["fp8"].rate == "fp8" and PRECISIONS["fp8"].mfu_peak == "bf16"
     assert GIB == 2**30
+
+
+def test_one_rank_order_puts_the_same_groups_inside_a_node_for_the_planner_and_lesson_12():
+    """dp 2, pp 2, tp 4 on 8-GPU nodes: lesson 12's mesh (built in `LAYOUT`) groups ranks 0 and 4 for dp, 0 and 8
+    for pp; the planner prices dp's collectives on NVLink and pp's sends on the network, as those groups sit."""
+    source = lesson_path("composed_mesh").read_text()  # the lesson builds its mesh in the one order (not loaded:
+    assert "from distlab.cost.dims import LAYOUT" in source and "mesh_dim_names=LAYOUT" in source  # 10+ s of imports)
+    shape, where = ParallelDims(dp=2, pp=2, tp=4), cluster("h100", 8)
+    for dim in ("dp", "pp", "tp"):
+        for rank in range(shape.size):
+            nodes = {int(r) // where.gpus_per_node for r in shape.members(rank, dim).split(",")}
+            assert (where.link(shape.spans()[dim]) is where.intra) == (len(nodes) == 1), (dim, rank)
+    assert shape.members(0, "dp") == "0,4" and shape.members(0, "pp") == "0,8"
+    model, batch = MODELS["llama3-8b"], Batch(8, 1024, 4)
+    cost = step_cost(model, batch, Parallel(shape, "ZeRO-1", sp=True), "bf16", "cuda")
+    links = {dim: cluster("h100", 8).link(span) for dim, span in shape.spans().items()}
+    assert links["dp"].name.startswith("NVLink") and links["pp"].name == "400G" and links["tp"].name.startswith("NV")
+    inside, across = predict(cost, where).comm, predict(cost, where, links=links | {"dp": where.inter}).comm
+    assert inside["dp"] < across["dp"] and inside["pp"] == across["pp"]  # dp's bytes ride NVLink, as the mesh puts them
+
+
+@pytest.mark.parametrize("grad_bytes, fixed, sharded", [(4, 6, 12), (2, 4, 16)])
+def test_zero1_holds_what_megatron_s_distributed_optimizer_holds_item_by_item(grad_bytes, fixed, sharded):
+    """Megatron-LM's docs ("Distributed Optimizer"): bytes per parameter 6 + 12/d with bf16 weights and float32
+    gradients (2 weights, 4 gradients; 4 master and 8 moments over d), 4 + 16/d with bf16 gradients (their float32
+    main gradients a shard beside the buffer). GPT-3 175B on d = 8: every unit divides by 8, so no padding."""
+    model, d = MODELS["gpt3-175b"], 8
+    psi = model.parameters
+    held = memory.per_rank(model, Batch(8, 16), Parallel(ParallelDims(dp=d), "ZeRO-1", grad_bytes=grad_bytes), "bf16")
+    main_gradients = 0 if grad_bytes == 4 else 4 * psi // d
+    assert held["weights"] == 2 * psi and held["gradients"] == grad_bytes * psi + main_gradients
+    assert held["master copy"] == 4 * psi // d and held["moments"] == 8 * psi // d
+    states = held["weights"] + held["gradients"] + held["master copy"] + held["moments"]
+    assert states == fixed * psi + sharded * psi // d  # the table's row; AdamW's step counts are beside it
+
+
+def test_the_step_is_its_items_each_printed():
+    """Where the time goes: matrix products, attention, elementwise and norms, each dimension's exposed
+    communication, the bubble and the optimizer step add up to the predicted step, and --layout prints them."""
+    model, batch = MODELS["llama3-8b"], Batch(16, 4096, 4)
+    cost = step_cost(model, batch, Parallel(ParallelDims(dp=4, pp=2, tp=2), "ZeRO-1", sp=True), "bf16", "cuda")
+    time = predict(cost, cluster("h100"))
+    assert sum(time.items.values()) == pytest.approx(time.step, rel=1e-12)
+    expected = ["matrix products", "attention", "elementwise and norms", "tp exposed", "dp exposed", "pp exposed"]
+    assert set(expected + ["pipeline bubble", "optimizer step"]) <= set(time.items)
+    assert all(seconds > 0 for seconds in time.items.values())
+    argv = ["--gpus", "16", "--nodes", "2", "--global-batch", "16", "--seq-len", "4096", "--layout", "dp=4,pp=2,tp=2"]
+    with console.capture() as captured:
+        main(argv)
+    assert all(item in captured.get() for item in expected) and "Where the step goes" in captured.get()

@@ -19,7 +19,7 @@ from distlab.composed.cost import stage_units
 from distlab.composed.model import LanguageModel, keep_stage
 from distlab.cost import rules
 from distlab.cost.dims import ParallelDims
-from distlab.cost.shapes import Batch, Parallel
+from distlab.cost.inputs import Batch, Parallel
 from distlab.layer_split.tensor_parallel.model import BlockConfig, build
 from distlab.plan.search import layouts
 from distlab.proof.sizes import Transformer, Weight
@@ -103,7 +103,7 @@ def test_lesson12_the_cost_model_and_the_planner_refuse_a_shape_for_one_reason()
     for degrees in product((1, 2, 3, 4), repeat=4):
         dims = ParallelDims(*degrees)
         why = _refusal(dims.check, cfg.model, cfg.batch, cfg.seq, cfg.micro_batches)
-        priced = _refusal(rules.check, cfg.model, batch, Parallel.on(dims, sp=dims.tp > 1), "float64")
+        priced = _refusal(rules.check, cfg.model, batch, Parallel(dims, sp=dims.tp > 1), "float64")
         flagged = _refusal(check_shape, cfg, dims, dims.size)
         if dims.size not in searched:
             searched[dims.size] = set(layouts(cfg.model, Batch(cfg.batch, cfg.seq), dims.size, 8))

@@ -40,8 +40,9 @@ from torch.distributed.tensor.parallel import (  # noqa: F401  (some of these ar
 )
 
 from distlab.comm.ring import Ring  # noqa: F401
-from distlab.composed.config import LAYOUT, RunConfig, Shape  # noqa: F401
+from distlab.composed.config import RunConfig
 from distlab.composed.model import LanguageModel, keep_stage  # noqa: F401
+from distlab.cost.dims import LAYOUT, ParallelDims  # noqa: F401
 from distlab.layer_split.context_parallel.ring_attention import ring_core  # noqa: F401
 from distlab.layer_split.context_parallel.split import Layout, pieces_of  # noqa: F401
 from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan  # noqa: F401
@@ -49,7 +50,7 @@ from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan  # n
 # ---- given: the lesson's own, as it is there ---------------------------------------------------
 
 
-def positions(cfg: RunConfig, shape: Shape, at: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def positions(cfg: RunConfig, shape: ParallelDims, at: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the positions of this rank's tokens: its cp rank's zig-zag pieces; the part of them its tp rank's
     embedding output holds under sequence parallelism)."""
     mine = torch.cat([torch.arange(r.start, r.stop) for r in pieces_of(at["cp"], shape.cp, cfg.seq, "zigzag")])
@@ -65,6 +66,6 @@ EDGES = {  # the embedding, the final norm and the head under tensor + sequence 
 # ---- yours --------------------------------------------------------------------------------------
 
 
-def parallelize(model: LanguageModel, cfg: RunConfig, shape: Shape, mesh: DeviceMesh, shards: DeviceMesh):
+def parallelize(model: LanguageModel, cfg: RunConfig, shape: ParallelDims, mesh: DeviceMesh, shards: DeviceMesh):
     """The composition, one dimension at a time, on this rank's copy of the whole model."""
     raise NotImplementedError("not written yet: parallelize(model, cfg, shape, mesh, shards)")

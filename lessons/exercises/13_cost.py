@@ -25,7 +25,7 @@ and compares your numbers with what the ranks held and sent, and with `distlab.c
 
 from __future__ import annotations
 
-from distlab.cost.shapes import Batch, Parallel
+from distlab.cost.inputs import Batch, Parallel
 from distlab.proof.sizes import Transformer
 
 

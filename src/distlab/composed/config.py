@@ -21,27 +21,24 @@ from dataclasses import dataclass
 
 import torch
 
-from distlab.cost.dims import DIMS, LAYOUT, ParallelDims  # noqa: F401 (DIMS, LAYOUT: lesson 12's names)
+from distlab.cost.dims import ParallelDims
 from distlab.proof.sizes import Transformer
 
-# One type for a run's shape, shared with lesson 13, the cost model and the planner (torchtitan's ParallelDims)
-Shape = ParallelDims
 
-
-def small_shapes(world_size: int) -> list[Shape]:
+def small_shapes(world_size: int) -> list[ParallelDims]:
     """Every shape of P = world_size whose degrees are 1 or 2 (P = 2: each dimension alone; 4: in pairs)."""
-    options = [Shape(*(2 if (i >> j) & 1 else 1 for j in range(4))) for i in range(16)]
+    options = [ParallelDims(*(2 if (i >> j) & 1 else 1 for j in range(4))) for i in range(16)]
     return [s for s in options if s.size == world_size]
 
 
-def folded(shape: Shape) -> Shape:
+def folded(shape: ParallelDims) -> ParallelDims:
     """Another shape of the same P: the pipeline's degree folded into dp (2 x 2 x 2 x 1 -> 4 x 1 x 2 x 1), else
     tp's, else cp's; a pure dp shape becomes a pipeline."""
     dp, pp, tp, cp = shape.dp, shape.pp, shape.tp, shape.cp
     for degree, rest in ((pp, (1, tp, cp)), (tp, (pp, 1, cp)), (cp, (pp, tp, 1))):
         if degree > 1:
-            return Shape(dp * degree, *rest)
-    return Shape(1, dp, tp, cp)
+            return ParallelDims(dp * degree, *rest)
+    return ParallelDims(1, dp, tp, cp)
 
 
 # The lesson's model: V = 32 tokens, d = 32, h = 4, d_ff = 64, L = 4 blocks, k without its bias (`model.py`)
@@ -64,7 +61,7 @@ class RunConfig:
     dtype: torch.dtype = torch.float64
 
 
-def check_shape(cfg: RunConfig, shape: Shape, world_size: int, flag: str | None = None) -> None:
+def check_shape(cfg: RunConfig, shape: ParallelDims, world_size: int, flag: str | None = None) -> None:
     """Every rule of the module docstring, in order; the first one broken raises one ValueError naming its
     flag, the same on every rank, before any process group exists. A shape given by the four flags names
     the degree's own (--pp: ...); one from a list names the list's flag and the shape (--shapes: 2x2x2x1: ...)."""

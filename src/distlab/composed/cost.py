@@ -55,7 +55,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from distlab.comm.collectives import ring_fraction
-from distlab.composed.config import RunConfig, Shape
+from distlab.composed.config import RunConfig
+from distlab.cost.dims import ParallelDims
 from distlab.data_split.sharding.fsdp import fsdp_states
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.tensor_parallel.cost import activation_bytes, expected_traffic
@@ -72,7 +73,7 @@ class Place:
     shard: int
 
 
-def stage_units(cfg: RunConfig, shape: Shape, stage: int) -> list[list[tuple[int, int]]]:
+def stage_units(cfg: RunConfig, shape: ParallelDims, stage: int) -> list[list[tuple[int, int]]]:
     """FSDP2's units on a stage, each the (rows, cols) of this tp rank's piece of every parameter: its blocks,
     then the rest (the root's own: the embedding on the first stage, the final norm and the head on the last).
     The parameters and how tensor parallelism cuts each are the size record's (`Transformer.block_weights`)."""
@@ -88,7 +89,7 @@ def _block(cfg: RunConfig, n: int, s: int) -> BlockConfig:
     return BlockConfig(cfg.model.one_block(), n, s, dropout=0.0, dtype=cfg.dtype)
 
 
-def expected_sent(cfg: RunConfig, shape: Shape, place: Place) -> dict[tuple[str, str, str], Fraction]:
+def expected_sent(cfg: RunConfig, shape: ParallelDims, place: Place) -> dict[tuple[str, str, str], Fraction]:
     """Bytes this rank sends in one step, by (dimension, phase, collective); zero entries left out."""
     e, m, first, last = cfg.dtype.itemsize, cfg.micro_batches, place.stage == 0, place.stage == shape.pp - 1
     n, s, per, tp = cfg.batch // (shape.dp * m), cfg.seq // shape.cp, cfg.model.layers // shape.pp, shape.tp
@@ -118,19 +119,19 @@ def expected_sent(cfg: RunConfig, shape: Shape, place: Place) -> dict[tuple[str,
     return {key: Fraction(v) for key, v in out.items() if v}
 
 
-def expected_states(cfg: RunConfig, shape: Shape, place: Place) -> dict[str, int]:
+def expected_states(cfg: RunConfig, shape: ParallelDims, place: Place) -> dict[str, int]:
     """Bytes of each model-state item on this rank after a step: lesson 07's FSDP2 (`fsdp_states`) over the
     W = dp cp ranks, on this tp rank's pieces of the stage's parameters."""
     params = [piece for unit in stage_units(cfg, shape, place.stage) for piece in unit]
     return fsdp_states(params, shape.shards, place.shard, cfg.dtype.itemsize)
 
 
-def in_flight(cfg: RunConfig, shape: Shape, stage: int) -> int:
+def in_flight(cfg: RunConfig, shape: ParallelDims, stage: int) -> int:
     """Micro-batches whose activations stage `stage` holds at once under 1F1B: min(M, pp - p)."""
     return min(cfg.micro_batches, shape.pp - stage)
 
 
-def expected_activations(cfg: RunConfig, shape: Shape, stage: int) -> tuple[int, int]:
+def expected_activations(cfg: RunConfig, shape: ParallelDims, stage: int) -> tuple[int, int]:
     """(bytes one micro-batch saves on this stage, the peak over the step), by the module docstring: a block's
     is lesson 08's sequence-parallel count (`activation_bytes`) on n sequences of s positions."""
     e, tp, d = cfg.dtype.itemsize, shape.tp, cfg.model.dim

@@ -6,7 +6,7 @@ composed, never derived again (tests/test_cost_*.py hold the composition to the 
 | module     | what                                              | proved by                                     |
 |------------|---------------------------------------------------|-----------------------------------------------|
 | `dims`     | a run's shape (dp, pp, tp, cp, ep): checked, laid out, its sub-meshes named | lesson 12's mesh |
-| `shapes`   | a model by its sizes, the batch, the precision, the split (plain records) | -   |
+| `inputs`   | what it is asked: a model by its sizes, the batch, the precision, the strategy | -      |
 | `rules`    | what cannot run refused in one line naming the field (`check`) | -   |
 | `flops`    | forward, backward, recomputation; the model's FLOPs | lesson 13 (torch's FlopCounterMode)         |
 | `memory`   | weights, gradients, optimizer states, activations | lesson 07 (ZeRO), 08 (TP/SP), 02-05 (in flight) |
@@ -15,6 +15,7 @@ composed, never derived again (tests/test_cost_*.py hold the composition to the 
 | `step`     | all of it for each pipeline position: `step_cost` | -                                             |
 | `hardware` | devices (datasheets) and links; a measured device | lesson 13 measures this machine               |
 | `timing`   | compute, memory, communication, overlap, bubble; step time, MFU | lesson 13 (time within a factor) |
+| `stacks`   | efficiency profiles of software stacks, fitted on published runs | the published runs (planner) |
 | `trial`    | the measured side: a split built, run, counted and timed on this rank | lesson 13 (what it compares) |
 
 This package stands on every parallelism's package (the top floor, tests/test_layering.py, beside `plan` and

@@ -1,13 +1,15 @@
 """One shape of a parallel run: how many ranks each dimension has, (dp, pp, tp, cp, ep), checked once, with
 the names of its sub-meshes (torchtitan's `ParallelDims`). Lesson 12 builds its device mesh from it, lesson 13
-and the cost model price it (`distlab.cost.shapes.Parallel` holds one beside the strategy: ZeRO stage,
+and the cost model price it (`distlab.cost.inputs.Parallel` holds one beside the strategy: ZeRO stage,
 schedule, recomputation), the planner parses `--layout dp=64,tp=8,pp=16` into it.
 
 P = dp pp tp cp ranks. Expert parallelism adds no ranks: its ep ranks are taken from data parallelism (ep
 divides dp, as torchtitan and DeepSeek-V3 lay it out), so an expert's weights live on dp / ep ranks of each
 dp group, every other dense weight on all dp. The mesh lays the dimensions out outermost first (`LAYOUT`):
 pipeline stages outermost, tensor parallelism innermost, so that the ranks of a tp group are neighbours (on a
-GPU node: one NVLink island) and the pp group, which sends least, spans the farthest ranks. Rank r sits at
+GPU node: one NVLink island) and the pp group, which sends least, spans the farthest ranks. It is the one rank
+order of the repository: lesson 12 builds its mesh in it, and the cost model picks each collective's link by
+the ranks its group spans in it (`spans`: NVLink when they fit in a node). Rank r sits at
 
     r = ((i_pp dp + i_dp) cp + i_cp) tp + i_tp,
 
@@ -37,7 +39,8 @@ from dataclasses import dataclass, fields
 from distlab.proof.sizes import Transformer
 
 DIMS = ("dp", "pp", "tp", "cp")  # how a shape is written: dp x pp x tp x cp
-LAYOUT = ("pp", "dp", "cp", "tp")  # the mesh's dimensions, outermost first
+LAYOUT = ("pp", "dp", "cp", "tp")  # the mesh's dimensions, outermost first: the one rank order (lesson 12's mesh,
+# the cost model's links, the planner's), torchtitan's and Megatron-LM's default (tp-cp-ep-dp-pp, innermost first)
 SUBMESHES = (*LAYOUT, "dp_cp")
 
 
@@ -164,6 +167,17 @@ class ParallelDims:
             return cls(**degrees)
         except ValueError as err:
             raise ValueError(f"{flag}: {err}") from None
+
+    def spans(self) -> dict[str, int]:
+        """How many consecutive ranks each dimension's group reaches across (`LAYOUT`): tp's tp, cp's tp cp,
+        dp's tp cp dp, pp's all P; ep, the innermost ep of dp's ranks, tp cp ep. A group fits in a node of g
+        ranks when its span is at most g (the members of rank 0's group are ranks below its span)."""
+        out, stride = {}, 1
+        for dim in reversed(LAYOUT):
+            stride *= getattr(self, dim)
+            out[dim] = stride
+        out["ep"] = out["cp"] * self.ep
+        return out
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Rank r's place on the mesh, by dimension name (the formula of the module docstring)."""

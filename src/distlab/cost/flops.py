@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from distlab.cost.inputs import Batch, Mlp, Parallel, stage_layers
 from distlab.cost.schedule import stages
-from distlab.cost.shapes import Batch, Mlp, Parallel, stage_layers
 from distlab.proof.sizes import Transformer
 
 LOOKUPS = ("embed.weight",)  # matrices a forward indexes, never multiplies
@@ -107,7 +107,9 @@ def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stag
         rerun += block - last_product(model, rows, batch.seq, tp, cp, model.is_moe(layer))
     if model.vocab and stage == parallel.pp * parallel.stages_per_rank - 1:
         forward += products_forward([model.head_matrix()], rows * (batch.seq // cp), tp)  # tied or not
-    return Flops(forward, 2 * forward, rerun if parallel.recompute else 0)
+    if parallel.selective:  # Megatron's selective: attention's core alone rerun, every block
+        rerun = len(layers) * attention_forward(model, rows, batch.seq, tp, cp)
+    return Flops(forward, 2 * forward, rerun if parallel.recompute or parallel.selective else 0)
 
 
 def rank_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, pp_rank: int = 0) -> Flops:

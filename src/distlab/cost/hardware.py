@@ -8,7 +8,7 @@ ring step. A `Cluster` is nodes of `gpus_per_node` devices, NVLink (or xGMI) ins
 between nodes (one NIC per GPU, as DGX and HGX systems are built).
 
 The table below is copied from the vendors' datasheets, named with their addresses as text (nothing is
-downloaded). Precision names follow `distlab.cost.shapes.PRECISIONS`: "float32" is the plain FP32 rate
+downloaded). Precision names follow `distlab.cost.inputs.PRECISIONS`: "float32" is the plain FP32 rate
 (PyTorch does not use TF32 for float32 matmuls unless asked), "bf16" the BF16 tensor rate that mixed
 precision trains at. A device's `memory` is what the driver reports it has (`nvidia-smi`'s total: an H100
 80GB shows 81,559 MiB = 79.65 GiB, not 80), counted in GiB (2^30 bytes); of it, the planner keeps a reserve
@@ -65,8 +65,14 @@ def _tera(**figures: float) -> dict[str, float]:
     return {name: value * TERA for name, value in figures.items()}
 
 
-H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet (SXM5): https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
-H200_SHEET = "NVIDIA H200 Tensor Core GPU datasheet (SXM): https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446"
+H100_SHEET = (
+    "NVIDIA H100 Tensor Core GPU datasheet (SXM5): "
+    "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+)
+H200_SHEET = (
+    "NVIDIA H200 Tensor Core GPU datasheet (SXM): "
+    "https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446"
+)
 A100_SHEET = (
     "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): https://www.nvidia.com/content/dam/en-zz/Solutions/"
     "Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
@@ -181,11 +187,15 @@ LINKS = {
 }
 
 
-def cluster(gpu: str, gpus_per_node: int = 8) -> Cluster:
-    """A cluster of the named GPU, 8 to a node."""
+def cluster(gpu: str, gpus_per_node: int = 8, inter_node_gbps: float | None = None) -> Cluster:
+    """A cluster of the named GPU, 8 to a node; `inter_node_gbps`: the network's Gb/s per GPU and direction
+    instead of the GPU's NIC (a cluster of 200 Gb/s NICs, or of several per GPU)."""
     if gpu not in DEVICES:
         raise ValueError(f"--gpu: {gpu!r} is not one of {', '.join(DEVICES)}")
-    return Cluster(DEVICES[gpu], gpus_per_node, *LINKS[gpu])
+    intra, inter = LINKS[gpu]
+    if inter_node_gbps is not None:
+        inter = Link(f"{inter_node_gbps:g}G", inter_node_gbps * 1e9 / 8, inter.latency, "--inter-node-gbps")
+    return Cluster(DEVICES[gpu], gpus_per_node, intra, inter)
 
 
 def measured_device(name: str, peak: dict[str, float], bandwidth: float, memory: int) -> Device:

@@ -7,10 +7,14 @@ dp). In one precision (float64, float32) the items are lesson 07's table as it i
 the same items at two sizes: bf16 weights and gradients (the table at e = 2), a float32 master copy (the
 ZeRO-1/2 shard copy at 4 bytes; a whole one under DDP, `accounting.expected_states_mixed`; ZeRO-3 keeps a float32 shard
 beside its bf16 one) and float32 moments (the table at 4): 2 + 2 + 4 + 8 = 16 bytes per parameter in DDP, and
-ZeRO-1, -2, -3 the ZeRO paper's 2 + 2 + 12 / dp, 2 + 14 / dp, 16 / dp (ZeRO-1 plus the 2 / dp of the gradient
-shard its reduce-scatter leaves beside the whole gradient, as lesson 07 measures). Lesson 07's stages by hand
-also keep their bf16 shard as a tensor of its own, 2 / dp more for ZeRO-1 and -2 (`accounting.held` with
-e_m = 4 prices that); an implementation that steps a slice of the whole bf16 weights, as priced here, does not.
+ZeRO-2 and -3 the ZeRO paper's 2 + 14 / dp and 16 / dp. ZeRO-1 is priced as Megatron-LM's distributed
+optimizer (docs: "Distributed Optimizer", its table of bytes per parameter), the ZeRO-1 that large runs use:
+the reduce-scatter lands in place in the one contiguous gradient buffer (no shard beside it, unlike lesson 07's
+by hand), and AdamW steps float32 main gradients: with float32 gradients (`grad_bytes` 4) that is the buffer
+itself, 2 + 4 + 12 / dp = Megatron's 6 + 12/d; with bf16 gradients a float32 shard of its own, 2 + 2 + 16 / dp
+= Megatron's 4 + 16/d. Lesson 07's stages by hand also keep their bf16 shard as a tensor of its own, 2 / dp
+more for ZeRO-1 and -2 (`accounting.held` with e_m = 4 prices that); an implementation that steps a slice of
+the whole bf16 weights, as priced here, does not.
 
 Activations per block and micro-batch, what the forward leaves alive for backward plus its output (the
 input is the previous block's output, counted there), by storage as `distlab.proof.held` counts:
@@ -42,8 +46,8 @@ from functools import cache
 
 import torch
 
+from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, Precision, ceil_div, stage_layers
 from distlab.cost.schedule import in_flight, stages
-from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, Precision, ceil_div, stage_layers
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.tensor_parallel.cost import activation_bytes, activation_terms, sdpa_math_path
@@ -104,9 +108,14 @@ def model_states(
         return out | ({"gradients": 4 * at2.psi} if grad_bytes == 4 else {})
     low, high = accounting.held(zero, sizes(units, dp, 2)), accounting.held(zero, sizes(units, dp, 4))
     master = high.get("shard copy", 4 * sizes(units, dp, 4).shard)  # ZeRO-3: a float32 shard beside the bf16
+    gradients = (high if grad_bytes == 4 else low)["gradients"]
+    if zero == "ZeRO-1":  # Megatron-LM's distributed optimizer (docstring): the whole gradient buffer, reduce-
+        # scattered in place; AdamW steps float32 main gradients, a shard of their own beside a bf16 buffer
+        psi = sizes(units, dp, 1)
+        gradients = 4 * psi.psi if grad_bytes == 4 else 2 * psi.psi + 4 * psi.shard
     return {
         "weights": low["weights"],
-        "gradients": (high if grad_bytes == 4 else low)["gradients"],
+        "gradients": gradients,
         "master copy": master,
         "moments": high["moments"],
         "step counts": low["step counts"],
@@ -135,6 +144,7 @@ def block_activations(
         whole = accounting.block_activations(rows, seq, model.dim, model.heads, e, stat_bytes)
         return Fraction(whole - 2 * e * tokens * model.dim)  # less the input and the target
     cfg = _block_config(model, rows, seq // cp, e)
+    math = math and not parallel.selective  # Megatron's selective: the softmax (and its dropout) rebuilt, not kept
     base = activation_bytes(cfg, tp, parallel.sp, math)
     if parallel.cut_gathered:  # Megatron-LM keeps the gathered inputs cut too
         base -= Fraction(e * activation_terms(cfg)[1] * (tp - 1), tp)
@@ -153,7 +163,7 @@ def block_activations(
         experts = (model.top_k + model.shared_experts) * per * model.expert_ffn
         inside += tokens * (experts - per * width + model.top_k * model.dim + model.experts)
         width = (model.top_k + model.shared_experts) * model.expert_ffn
-    if parallel.selective:  # the activation function's output is rebuilt in backward, not kept
+    if parallel.act_fn:  # the activation function's output is rebuilt in backward, not kept
         inside -= tokens * width
     # the norms' statistics, in the region: priced at stat_bytes, not e; RMSNorm keeps one per row, not two
     statistics = tokens * LN_STATISTICS // (2 if model.rms_norm else 1)

@@ -1,12 +1,12 @@
 """The cost model's rules: a model, batch, split and precision that cannot run are refused in one line naming the
 field (`check`), the same wording wherever they are asked about (the planner's flags, lesson 13's splits), before
-any formula of `distlab.cost` is evaluated on them. The records themselves are `distlab.cost.shapes`."""
+any formula of `distlab.cost` is evaluated on them. The records themselves are `distlab.cost.inputs`."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, schedule_of
+from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, schedule_of
 from distlab.data_split.sharding.accounting import STAGES
 from distlab.proof.sizes import ATTENTION, Transformer
 
@@ -31,8 +31,8 @@ def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision:
         _refuse("precision", f"{precision!r} is not one of {', '.join(PRECISIONS)}")
     if parallel.zero not in STAGES:
         _refuse("zero", f"{parallel.zero!r} is not one of {', '.join(STAGES)} (FSDP2 is ZeRO-3)")
-    if parallel.recompute and parallel.selective:
-        _refuse("recompute", "full or selective recomputation, not both")
+    if parallel.recompute + parallel.selective + parallel.act_fn > 1:
+        _refuse("recompute", "one of full, selective (Megatron's) or act-fn recomputation, not two")
     if parallel.grad_bytes not in (0, 2, 4):
         _refuse("grad_bytes", f"gradients are bf16 (2) or float32 (4) bytes, got {parallel.grad_bytes}")
     if isinstance(model, Mlp):

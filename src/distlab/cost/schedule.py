@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from distlab.cost.shapes import Batch, Parallel, schedule_of
+from distlab.cost.inputs import Batch, Parallel, schedule_of
 from distlab.model_split.schedules import placement, rank_of
 from distlab.model_split.simulator import peak_in_flight, simulate
 

@@ -4,7 +4,7 @@ position (every data-, tensor- and context-parallel rank of a position does the 
 bytes: ZeRO's shards are padded to equal size, tensor parallelism cuts heads and d_ff evenly, the zig-zag
 ring gives every rank equal work).
 
-    cost = step_cost(Transformer(4, 64, 4, 256), Batch(16, 32), Parallel(dp=2, tp=2), "float32")
+    cost = step_cost(Transformer(4, 64, 4, 256), Batch(16, 32), Parallel(ParallelDims(dp=2, tp=2)), "float32")
     cost.ranks[0].memory["weights"], cost.ranks[0].traffic.sent["tp", "all_reduce"], cost.model_flops
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.cost import flops, memory, traffic
+from distlab.cost.inputs import Batch, Mlp, Parallel
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Mlp, Parallel
 from distlab.proof.sizes import Transformer
 
 

@@ -20,10 +20,13 @@ sends are posted ahead (lesson 03) and the data-parallel reduction runs from hoo
 ZeRO-3's first gather. On gloo here nothing overlaps (`Assumptions(overlap=())`): lesson 13 runs its
 collectives between the computations.
 
-A pipeline step is the schedule's grid (`distlab.model_split.simulator.simulate`, lessons 02-05) at one tick per
-stage forward of a micro-batch, a backward two ticks (three with recomputation); its idle cells are the
-bubble. The step: that grid's length x the slowest stage's tick, plus the exposed data-parallel reduction,
-plus the optimizer's memory traffic.
+The pipeline's sends hide behind compute but for each message's latency, which the stage waiting on it pays
+(exposed: the rank's sends x the link's latency). A pipeline step is the schedule's grid
+(`distlab.model_split.simulator.simulate`, lessons 02-05) at one tick per stage forward of a micro-batch, a
+backward two ticks (three with recomputation); its idle cells are the bubble. The step: that grid's length x
+the slowest stage's tick, plus the exposed data-parallel reduction and pipeline latency, plus the optimizer's
+memory traffic. `StepTime.items` is that sum item by item (matrix products, attention, elementwise and norms,
+each dimension's exposed communication, the pipeline bubble, the optimizer step), as the planner prints it.
 
 MFU = the model's FLOPs (forward + backward, no recomputation, causal attention's masked half not counted:
 `needed_flops`) / (step time x P x dense peak of the precision the step computes in; bf16's for fp8). Two
@@ -39,9 +42,9 @@ from dataclasses import dataclass, field
 
 from distlab.cost.flops import attention_forward
 from distlab.cost.hardware import Cluster, Link
+from distlab.cost.inputs import PRECISIONS, stage_layers
 from distlab.cost.memory import stage_activations
 from distlab.cost.schedule import grid, stages
-from distlab.cost.shapes import ORDER, PRECISIONS, stage_layers
 from distlab.cost.step import StepCost
 from distlab.proof.sizes import Transformer
 
@@ -131,7 +134,7 @@ def attention_flops(cost: StepCost, pp_rank: int) -> int:
         return 0
     layers = sum(len(stage_layers(model, p)[s]) for s in stages(p, batch, pp_rank))
     rows = batch.global_batch // (p.dp * batch.micro_batches)
-    runs = 4 if p.recompute else 3
+    runs = 4 if p.recompute or p.selective else 3  # full, or Megatron's selective: attention's forward again
     return runs * batch.micro_batches * layers * attention_forward(model, rows, batch.seq, p.tp, p.cp)
 
 
@@ -148,22 +151,12 @@ class StepTime:
     mfu: float = 0.0
     hfu: float = 0.0
     mfu_sparse_peak: float = 0.0  # the mistake: the 2:4-sparse figure as the denominator
+    tflops: float = 0.0  # the model's FLOP/s a GPU, in 10^12 (MFU x the dense peak): what papers report
+    items: dict[str, float] = field(default_factory=dict)  # the step, item by item (`predict`)
 
     @property
     def busy(self) -> float:
         return self.compute + self.memory + sum(self.exposed.values())
-
-
-def spans(cost: StepCost) -> dict[str, int]:
-    """How many consecutive ranks each dimension's group spans, innermost first (tp, cp, pp, dp); ep, taken
-    from dp's innermost ranks, spans tp cp pp ep."""
-    sizes, stride, out = {"tp": cost.parallel.tp, "cp": cost.parallel.cp, "pp": cost.parallel.pp}, 1, {}
-    sizes["dp"] = cost.parallel.dp
-    for dim in ORDER:
-        stride *= sizes[dim]
-        out[dim] = stride
-    out["ep"] = out["pp"] * cost.parallel.ep
-    return out
 
 
 def collective_seconds(kind: str, nbytes: int, calls: int, group: int, link: Link, efficiency: float) -> float:
@@ -188,9 +181,9 @@ def comm_seconds(cost: StepCost, pp_rank: int, links: dict, efficiency: float) -
 
 def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumptions(), links=None) -> StepTime:
     """The step time of `cost` on `cluster` (module docstring). `links`: each dimension's link (default: NVLink
-    for a group that fits in a node, the network for one that does not)."""
+    for a group that fits in a node, the network for one that does not, by the one rank order `dims.LAYOUT`)."""
     p, precision, device = cost.parallel, PRECISIONS[cost.precision], cluster.device
-    links = links or {dim: cluster.link(span) for dim, span in spans(cost).items()}
+    links = links or {dim: cluster.link(span) for dim, span in p.dims.spans().items()}
     rate = device.peak[precision.rate]
     ticks_per_mb = 4 if p.recompute else 3
     worst = None
@@ -212,12 +205,15 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
             exposed["cp"] = max(0.0, comm["cp"] - attention_s)
         if "ep" in comm and "ep" in assumptions.overlap:  # DualPipe-style: hidden behind the other micro-batch's
             exposed["ep"] = max(0.0, comm["ep"] - compute / 2)  # compute, at most half of it
-        ticks = m * p.stages_per_rank * ticks_per_mb  # the rank's own: every stage it holds, every micro-batch
-        per_tick = (compute + memory + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)) / ticks
+        own = m * p.stages_per_rank * ticks_per_mb  # the rank's own ticks: every stage it holds, micro-batch
+        per_tick = (compute + memory + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)) / own
         if worst is None or per_tick > worst[0]:
-            worst = (per_tick, compute, memory, comm, exposed, rank)
-    per_tick, compute, memory, comm, exposed, rank = worst
+            worst = (per_tick, compute, memory, comm, exposed, rank, attention_s, own)
+    per_tick, compute, memory, comm, exposed, rank, attention_s, own = worst
     ticks, bubble = grid(p, cost.batch)
+    if "pp" in comm and "pp" in assumptions.overlap:  # the bytes hide behind compute, not each message's latency:
+        sends = sum(n for (dim, _), n in rank.traffic.calls.items() if dim == "pp")  # a stage waits for it
+        exposed["pp"] = sends * links["pp"].latency
     states = sum(v for k, v in rank.memory.items() if k not in ("activations", "buffers"))
     optimizer = 2 * states / device.bandwidth
     if "dp" in comm and "dp" in assumptions.overlap:  # hidden behind backward, but the last unit's share
@@ -226,6 +222,14 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
         )
         exposed["dp"] = max(comm["dp"] / units, comm["dp"] - compute * 2 / 3)
     step = ticks * per_tick + exposed.get("dp", 0.0) + exposed.get("pp", 0.0) + optimizer
+    items = {  # where the slowest position's step goes; they add up to `step`
+        "matrix products": compute - attention_s,
+        "attention": attention_s,
+        "elementwise and norms": memory,
+        **{f"{dim} exposed": exposed[dim] for dim in ("tp", "cp", "ep", "dp", "pp") if exposed.get(dim)},
+        "pipeline bubble": per_tick * (ticks - own),
+        "optimizer step": optimizer,
+    }
     world = p.world
     dense = device.peak[precision.mfu_peak]
     sparse = device.sparse.get(precision.mfu_peak, dense)
@@ -240,6 +244,8 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
         needed / (step * world * dense),
         done / (step * world * dense),
         needed / (step * world * sparse),
+        needed / (step * world) / 1e12,
+        items,
     )
 
 
@@ -251,7 +257,7 @@ def needed_flops(cost: StepCost, assumptions: Assumptions) -> tuple[float, float
     if not isinstance(model, Transformer) or assumptions.attention_share == 1:
         return cost.model_flops, cost.hardware_flops
     forward = model.layers * attention_forward(model, batch.global_batch, batch.seq)  # the whole square, once
-    runs = 3 + (1 if cost.parallel.recompute else 0)  # forward, backward (twice), and the recomputed forward
+    runs = 3 + (1 if cost.parallel.recompute or cost.parallel.selective else 0)  # forward, backward, recomputed
     masked = 1 - assumptions.attention_share
     return cost.model_flops - masked * 3 * forward, cost.hardware_flops - masked * runs * forward
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from distlab.comm.collectives import ring_fraction
+from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, ceil_div, stage_layers
 from distlab.cost.memory import DTYPE_OF, rank_units, sizes
 from distlab.cost.schedule import owner, stages
-from distlab.cost.shapes import PRECISIONS, Batch, Mlp, Parallel, ceil_div, stage_layers
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.expert_parallel.cost import expected_bytes

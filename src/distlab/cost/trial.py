@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from distlab.comm.ledger import Ledger
 from distlab.comm.timing import barrier, slowest_median
 from distlab.cost import calibrate
-from distlab.cost.shapes import Parallel
+from distlab.cost.inputs import Parallel
 from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of, rows_of
 from distlab.data_split.sharding.replicated import Replicated
 from distlab.layer_split.tensor_parallel import operators

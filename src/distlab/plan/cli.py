@@ -11,8 +11,9 @@ given split costs.
 
 Without --layout it enumerates the configurations (distlab/plan/search.py), keeps those whose every rank
 fits the GPU's memory less the reserve by the cost model (distlab/cost), ranks them by predicted step time,
-and prints the fastest with their memory, step time and MFU. With --layout it prices that one layout with
-the strategy the flags give (--schedule, --micro-batch, --recompute, --zero, --grad-dtype, --precision),
+and prints the fastest with their memory, step time, MFU and TFLOP/s a GPU; a strategy flag given (--zero,
+--recompute, --micro-batch, --schedule, --stages-per-rank, --grad-dtype, --sp) narrows the search to it.
+With --layout it prices that one layout with the strategy the flags give (their defaults where not given),
 its memory item by item. Then the assumptions the prediction rests on, each with the flag that overrides
 it. A bad input is refused in one line naming its flag.
 """
@@ -21,16 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
+from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.rules import check
-from distlab.cost.shapes import Batch, Parallel
+from distlab.cost.stacks import DEFAULT_STACK, STACKS
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
 from distlab.plan.flags import LIMITS
 from distlab.plan.presets import MODELS
-from distlab.plan.search import least_memory, price, search
+from distlab.plan.search import RECOMPUTE, Choices, least_memory, price, search
 from distlab.processes.console import console
 from distlab.processes.flags import (
     FlagParser,
@@ -38,6 +41,7 @@ from distlab.processes.flags import (
     nonnegative_float,
     nonnegative_int,
     png_file,
+    positive_float,
     positive_int,
     share,
     writable_file,
@@ -45,6 +49,7 @@ from distlab.processes.flags import (
 from distlab.proof.sizes import Transformer
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
+DEFAULT_MODEL = "llama3-8b"
 SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1"}
 OVERLAP = ("dp", "cp", "pp", "ep", "tp")
 
@@ -59,7 +64,7 @@ def parse_args(argv=None):
         formatter_class=argparse.HelpFormatter,
     )
     model = parser.add_argument_group("the model: a preset, or your own")
-    model.add_argument("--model", choices=MODELS, default="llama3-8b", help="a published model")
+    model.add_argument("--model", choices=MODELS, help=f"a published model (default {DEFAULT_MODEL})")
     for flag, what in (("--layers", "blocks"), ("--dim", "width d"), ("--heads", "heads h"), ("--ffn-width", "d_ff")):
         model.add_argument(flag, type=positive_int, help=f"a model of your own: {what} (with the other three)")
     model.add_argument("--vocab", type=positive_int, help="vocabulary (default: no embedding, no head)")
@@ -89,31 +94,35 @@ def parse_args(argv=None):
     run.add_argument(
         "--reserve-gib", type=nonnegative_float, default=DEFAULT_RESERVE_GIB, help="kept off the tensors (GiB)"
     )
-    split = parser.add_argument_group("one layout (--layout), priced whole")
+    run.add_argument(
+        "--inter-node-gbps", type=positive_float, help="network Gb/s per GPU and direction (default: the GPU's NIC)"
+    )
+    split = parser.add_argument_group("the strategy: one layout (--layout) priced whole, or the search narrowed")
     split.add_argument("--layout", help="dp=..,tp=..,pp=..,cp=..,ep=.. (a missing one is 1)")
-    split.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="the pipeline's schedule")
-    split.add_argument("--stages-per-rank", type=positive_int, help="v, for interleaved (default 2)")
-    split.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch, b")
+    split.add_argument("--schedule", choices=SCHEDULES, help="the pipeline's schedule (--layout: default 1f1b)")
+    split.add_argument("--stages-per-rank", type=positive_int, help="v, for interleaved (--layout: default 2)")
+    split.add_argument("--micro-batch", type=positive_int, help="sequences per micro-batch, b (--layout: default 1)")
     split.add_argument(
         "--recompute",
-        choices=("none", "selective", "full"),
-        default="none",
-        help="selective: the MLP's activation function rebuilt in backward; full: every block",
+        choices=RECOMPUTE,
+        help="selective: Megatron-LM's (attention's core rerun); act-fn: the MLP's activation function rebuilt; "
+        "full: every block (--layout: default none)",
     )
     split.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage 0 (DDP) to 3 (default 1 with dp > 1)")
-    split.add_argument("--grad-dtype", choices=("bf16", "float32"), default="bf16", help="gradients' dtype")
-    time = parser.add_argument_group("the time model's assumptions")
-    defaults = Assumptions()
-    for flag, value, what in (
-        ("--matmul-efficiency", defaults.matmul_efficiency, "share of the dense peak a large product reaches"),
-        ("--attention-efficiency", defaults.attention_efficiency, "share of the dense peak attention reaches"),
-        ("--attention-share", defaults.attention_share, "share of seq^2 products computed (causal: about half)"),
-        ("--link-efficiency", defaults.link_efficiency, "share of a link's bandwidth reached"),
-    ):
-        time.add_argument(flag, type=share, default=value, help=f"{what} (0 < x <= 1)")
+    split.add_argument("--grad-dtype", choices=("bf16", "float32"), help="gradients' dtype (--layout: default bf16)")
+    split.add_argument("--sp", choices=("on", "off"), default="on", help="sequence parallelism beside tp")
+    time = parser.add_argument_group("the time model's assumptions (default: the --stack's profile)")
     time.add_argument(
-        "--overlap", default=",".join(defaults.overlap), help=f"dimensions hidden behind compute: {OVERLAP}"
+        "--stack", choices=STACKS, default=DEFAULT_STACK, help="the software the run uses: its efficiency profile"
     )
+    for flag, what in (
+        ("--matmul-efficiency", "share of the dense peak a large product reaches"),
+        ("--attention-efficiency", "share of the dense peak attention reaches"),
+        ("--attention-share", "share of seq^2 products computed (causal: about half)"),
+        ("--link-efficiency", "share of a link's bandwidth reached"),
+    ):
+        time.add_argument(flag, type=share, help=f"{what} (0 < x <= 1)")
+    time.add_argument("--overlap", help=f"dimensions hidden behind compute: {OVERLAP}")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=positive_int, default=10, help="configurations shown")
     out.add_argument("--plot", metavar="PATH", type=png_file, help="also draw MFU against memory into this PNG")
@@ -130,7 +139,10 @@ def model_of(args) -> tuple[str, Transformer]:
         named = next((f"--{name.replace('_', '-')}" for name in extra if getattr(args, name)), None)
         if named:
             raise ValueError(f"{named}: belongs to a model of your own (--layers, --dim, --heads, --ffn-width)")
-        return args.model, MODELS[args.model]
+        return args.model or DEFAULT_MODEL, MODELS[args.model or DEFAULT_MODEL]
+    if args.model:
+        given = next(flag for flag, value in own.items() if value)
+        raise ValueError(f"--model: {args.model} is a preset, {given} a model of your own: give one, not both")
     missing = [flag for flag, value in own.items() if not value]
     if missing:
         raise ValueError(f"{missing[0]}: a model of your own needs --layers, --dim, --heads and --ffn-width")
@@ -187,47 +199,71 @@ def check_cluster(args) -> int:
     return per_node
 
 
+def overrides_of(args) -> dict:
+    """The time model's assumptions the flags give, over the stack's profile (only those given)."""
+    given = {
+        name: getattr(args, name)
+        for name in ("matmul_efficiency", "link_efficiency", "attention_efficiency", "attention_share")
+        if getattr(args, name) is not None
+    }
+    if args.overlap is not None:
+        overlap = tuple(d.strip() for d in args.overlap.split(",") if d.strip())
+        bad = [d for d in overlap if d not in OVERLAP]
+        if bad:
+            raise ValueError(f"--overlap: {bad[0]!r} is not one of {', '.join(OVERLAP)}")
+        given["overlap"] = overlap
+    return given
+
+
 def assumptions_of(args) -> Assumptions:
-    overlap = tuple(d.strip() for d in args.overlap.split(",") if d.strip())
-    bad = [d for d in overlap if d not in OVERLAP]
-    if bad:
-        raise ValueError(f"--overlap: {bad[0]!r} is not one of {', '.join(OVERLAP)}")
-    return Assumptions(
-        matmul_efficiency=args.matmul_efficiency,
-        link_efficiency=args.link_efficiency,
-        overlap=overlap,
-        attention_efficiency=args.attention_efficiency,
-        attention_share=args.attention_share,
+    return replace(STACKS[args.stack].assumptions, **overrides_of(args))
+
+
+def choices_of(args) -> Choices:
+    """The strategy flags the user gave, as the search's `Choices` (None where the search chooses)."""
+    schedule = SCHEDULES[args.schedule] if args.schedule else None
+    v = args.stages_per_rank
+    if v is not None and v > 1 and args.schedule in ("1f1b", None):
+        raise ValueError("--stages-per-rank: 1F1B runs one stage per rank; --schedule interleaved takes v > 1")
+    if v == 1 and args.schedule == "interleaved":
+        raise ValueError("--stages-per-rank: interleaving runs v > 1 stages per rank; --schedule 1f1b takes v = 1")
+    if v is not None and v > 1 and args.schedule == "zero-bubble":
+        schedule = "interleaved-zb"
+    return Choices(
+        precision=args.precision,
+        zero=None if args.zero is None else "DDP" if args.zero == 0 else f"ZeRO-{args.zero}",
+        recompute=args.recompute,
+        micro_batch=args.micro_batch,
+        schedule=schedule,
+        stages_per_rank=v,
+        grad_bytes={"float32": 4, "bf16": 2, None: 0}[args.grad_dtype],
+        sp=args.sp == "on",
     )
 
 
-def layout_of(args, model: Transformer) -> tuple[Batch, Parallel]:
-    """--layout and the strategy flags as the cost model's batch and split (one line naming a bad flag)."""
+def layout_of(args, model: Transformer, choices: Choices) -> tuple[Batch, Parallel]:
+    """--layout and the strategy flags as the cost model's batch and split (one line naming a bad flag); a flag
+    not given takes its default: 1F1B, one sequence a micro-batch, no recomputation, ZeRO-1 with dp > 1."""
     dims = ParallelDims.parse_layout(args.layout)
     if dims.size != args.gpus:
         raise ValueError(f"--layout: dp x pp x tp x cp = {dims.size} ranks, but --gpus {args.gpus}")
-    rows = args.global_batch // dims.dp
-    if args.global_batch % dims.dp or rows % args.micro_batch:
-        b, n = args.micro_batch, args.global_batch
-        raise ValueError(f"--micro-batch: N = {n} does not cut into dp = {dims.dp} x micro-batches of {b}")
-    schedule = SCHEDULES[args.schedule]
-    v = args.stages_per_rank or (2 if args.schedule == "interleaved" else 1)
-    if v > 1 and args.schedule == "1f1b":
-        raise ValueError("--stages-per-rank: 1F1B runs one stage per rank; --schedule interleaved takes v > 1")
-    if v > 1 and args.schedule == "zero-bubble":
-        schedule = "interleaved-zb"
-    zero = args.zero if args.zero is not None else (1 if dims.dp > 1 else 0)
+    b, rows = choices.micro_batch or 1, args.global_batch // dims.dp
+    if args.global_batch % dims.dp or rows % b:
+        raise ValueError(
+            f"--micro-batch: N = {args.global_batch} does not cut into dp = {dims.dp} x micro-batches of {b}"
+        )
+    if choices.zero not in (None, "DDP") and dims.dp == 1:
+        raise ValueError(f"--zero: {choices.zero} shards over the dp ranks; --layout gives dp = 1, none to shard over")
+    schedule = choices.schedule or "1f1b"
+    v = choices.stages_per_rank or (2 if schedule.startswith("interleaved") else 1)
     strategy = dict(
-        zero="DDP" if zero == 0 else f"ZeRO-{zero}",
-        sp=dims.tp > 1,
-        cut_gathered=dims.tp > 1,
+        zero=choices.zero or ("ZeRO-1" if dims.dp > 1 else "DDP"),
         schedule=schedule,
         stages_per_rank=v,
-        recompute=args.recompute == "full",
-        selective=args.recompute == "selective",
-        grad_bytes=4 if args.grad_dtype == "float32" else 0,
+        **choices.strategy(dims.tp),
+        **RECOMPUTE[choices.recompute or "none"],
     )
-    batch, parallel = Batch(args.global_batch, args.seq_len, rows // args.micro_batch), Parallel.on(dims, **strategy)
+    batch, parallel = Batch(args.global_batch, args.seq_len, rows // b), Parallel(dims, **strategy)
     try:
         check(model, batch, parallel, args.precision)  # every rule of the cost model, before any output
     except ValueError as err:
@@ -241,27 +277,32 @@ def main(argv=None) -> int:
     if args.devices:
         console.print(report.devices_table())
         return 0
-    if args.published:
-        rows = report.published_rows(assumptions)
+    if args.published:  # each run priced with its own stack's profile, and any assumption a flag gives
+        rows = report.published_rows(overrides_of(args))
         console.print(report.published_table(rows))
-        for line in [f"{r['name']}: {r['split']}; {r['assumed']}" for r in rows] + assumptions.lines():
+        for line in [f"{r['name']}: {r['split']}; {r['assumed']}" for r in rows]:
             console.print("  " + line, highlight=False)
+        for stack in STACKS.values():
+            console.print(f"  {stack.name}: {stack.software}", highlight=False)
         return 0
     name, model = model_of(args)
-    where = cluster(args.gpu, check_cluster(args))
+    where = cluster(args.gpu, check_cluster(args), args.inter_node_gbps)
     if args.precision not in where.device.peak:
         raise ValueError(f"--precision: the {where.device.name} has no {args.precision} rate (--devices)")
-    reserve = int(args.reserve_gib * GIB)
-    if reserve >= where.device.memory:
+    if args.reserve_gib * GIB >= where.device.memory:  # compared before int(): 1e300 GiB is no integer of bytes
         raise ValueError(f"--reserve-gib: {args.reserve_gib} GiB is all of the {where.device.name}'s memory")
-    layout = layout_of(args, model) if args.layout else None  # refused before anything is printed
+    reserve, choices = int(args.reserve_gib * GIB), choices_of(args)
+    layout = layout_of(args, model, choices) if args.layout is not None else None  # refused before any output
     console.print(report.header(name, model, args, where), highlight=False)
+    outside = STACKS[args.stack].outside(args.gpu, model.parameters)
+    if outside:  # the fitted figures are a guess here: said before the plan, in one line
+        console.print(f"warning: outside the fitted regime: {outside}; the time is less certain", highlight=False)
     if layout:
         return _one_layout(args, model, layout, where, reserve, assumptions)
-    budget = where.device.memory - reserve
-    found = search(model, Batch(args.global_batch, args.seq_len), args.gpus, where, args.precision, assumptions, budget)
+    budget, batch = where.device.memory - reserve, Batch(args.global_batch, args.seq_len)
+    found = search(model, batch, args.gpus, where, choices, assumptions, budget)
     if not found:
-        least = least_memory(model, args.global_batch, args.seq_len, args.gpus, where, args.precision)
+        least = least_memory(model, batch, args.gpus, where, choices)
         console.print(report.nothing_fits(least, reserve, where.device), highlight=False)
         return 1
     console.print(report.plan_table(found, args.top, budget))
@@ -280,6 +321,7 @@ def _one_layout(args, model, layout: tuple[Batch, Parallel], where, reserve: int
     result = report.candidate_json(priced, reserve, where.device)
     console.print(report.layout_line(priced, result), highlight=False)
     console.print(report.layout_table(priced, result, where.device))
+    console.print(report.time_table(priced))
     report.print_assumptions(assumptions, where, reserve)
     if args.plot:
         report.plot([priced], args.plot, f"{parallel.label()} on {args.gpus} x {where.device.name}")

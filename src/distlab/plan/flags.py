@@ -33,4 +33,6 @@ LIMITS: dict[str, tuple[int, str]] = {
     "--micro-batch": (1 << 16, "sequences per micro-batch"),
     "--stages-per-rank": (64, "pipeline stages per rank, v"),
     "--top": (10_000, "configurations shown"),
+    "--reserve-gib": (1024, "GiB kept off the tensors; no GPU holds a TiB"),
+    "--inter-node-gbps": (100_000, "Gb/s a GPU sends across nodes; today's NICs carry 400-800"),
 }

@@ -3,11 +3,14 @@ datasheet figures with their sources, and a picture (MFU against memory per GPU)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rich.table import Table
 
 from distlab.cost import memory
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, LINKS, TERA, Cluster, Device, cluster
-from distlab.cost.shapes import PRECISIONS, Parallel
+from distlab.cost.inputs import PRECISIONS, Parallel
+from distlab.cost.stacks import STACKS
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, needed_flops, predict
 from distlab.data_split.sharding.accounting import layer_norm_stat_bytes
@@ -76,6 +79,7 @@ def candidate_json(candidate: Candidate, reserve: int, device: Device) -> dict:
         "micro_batches": candidate.cost.batch.micro_batches,
         "step_s": candidate.time.step,
         "mfu": candidate.time.mfu,
+        "tflops_per_gpu": candidate.time.tflops,
         "hfu": candidate.time.hfu,
         "bubble": candidate.time.bubble,
         "memory_gib": total / GIB,
@@ -83,6 +87,7 @@ def candidate_json(candidate: Candidate, reserve: int, device: Device) -> dict:
         "device_gib": device.memory / GIB,
         "fits": total <= device.memory,
         "exposed_s": dict(candidate.time.exposed),
+        "time_s": dict(candidate.time.items),
     }
 
 
@@ -90,7 +95,8 @@ def layout_line(candidate: Candidate, result: dict) -> str:
     """One layout's time and utilisation, one line."""
     return (
         f"{candidate.parallel.label()}, M = {candidate.cost.batch.micro_batches} micro-batches: "
-        f"{result['step_s']:.3g} s a step, MFU {result['mfu']:.1%}, HFU {result['hfu']:.1%}, "
+        f"{result['step_s']:.3g} s a step, MFU {result['mfu']:.1%} ({result['tflops_per_gpu']:.0f} TFLOP/s a GPU), "
+        f"HFU {result['hfu']:.1%}, "
         f"bubble {result['bubble']:.0%}"
     )
 
@@ -106,6 +112,15 @@ def layout_table(candidate: Candidate, result: dict, device: Device) -> Table:
     for item, value in result["memory"].items():
         out.add_row(item, f"{value:.2f}")
     out.add_row("total", f"{result['memory_gib']:.2f}")
+    return out
+
+
+def time_table(candidate: Candidate) -> Table:
+    """Where one layout's step goes, item by item, on its slowest pipeline position (they add up to the step)."""
+    step = candidate.time.step
+    out = compact_table("Where the step goes", ("item", "s", "share"), caption=f"{step:.3g} s a step in all")
+    for item, seconds in candidate.time.items.items():
+        out.add_row(item, f"{seconds:.3g}", f"{seconds / step:.0%}")
     return out
 
 
@@ -145,10 +160,11 @@ def plan_table(found: list[Candidate], top: int, budget: int) -> Table:
     """The `top` fastest configurations that fit `budget` bytes (the device's memory less the reserve)."""
     out = compact_table(
         f"The {min(top, len(found))} fastest of {len(found)} configurations that fit {budget / GIB:.1f} GiB",
-        ("#", "dp", "tp", "pp", "cp", "ep", "ZeRO", "sched", "M", "rec", "GiB", "s", "MFU", "bubble"),
-        caption="tp: with sequence parallelism (Megatron-LM's); ZeRO: the dp ranks' stage; sched: 1F1B, or int "
-        "v2 (interleaved, 2 stages per rank); M: micro-batches per dp rank; rec: recomputation (sel: selective); "
-        "GiB: the most any rank holds, the reserve apart; s: predicted step time; bubble: the schedule's idle share",
+        ("#", "dp", "tp", "pp", "cp", "ep", "ZeRO", "sched", "M", "rec", "GiB", "s", "MFU", "TF/GPU", "bubble"),
+        caption="tp: with sequence parallelism (Megatron-LM's) unless --sp off; ZeRO: the dp ranks' stage; sched: "
+        "1F1B, or int v2 (interleaved, 2 stages per rank); M: micro-batches per dp rank; rec: recomputation (sel: "
+        "Megatron's selective, act: the MLP's activation function); GiB: the most any rank holds, the reserve "
+        "apart; s: predicted step time; TF/GPU: the model's TFLOP/s a GPU; bubble: the schedule's idle share",
     )
     for k, c in enumerate(found[:top], 1):
         p = c.parallel
@@ -162,10 +178,11 @@ def plan_table(found: list[Candidate], top: int, budget: int) -> Table:
             _zero(p),
             _schedule(p),
             str(c.cost.batch.micro_batches),
-            "yes" if p.recompute else "sel" if p.selective else "no",
+            "yes" if p.recompute else "sel" if p.selective else "act" if p.act_fn else "no",
             f"{c.memory / GIB:.1f}",
             f"{c.time.step:.3g}",
             f"{c.time.mfu:.0%}",
+            f"{c.time.tflops:.0f}",
             f"{c.time.bubble:.0%}",
         )
     return out
@@ -194,26 +211,42 @@ def devices_table() -> Table:
     return out
 
 
-def published_rows(assumptions: Assumptions) -> list[dict]:
-    """Each published run's predicted memory and MFU beside what it reported."""
+def _measures(run, cost, time, assumptions: Assumptions) -> tuple[str, str, float]:
+    """(predicted, published, predicted / published throughput) in the report's own measure: MFU, seconds a
+    step, or hardware TFLOP/s a GPU as Megatron-LM counts them (recomputation and the whole square in)."""
+    if run.reported_step_s:
+        return f"{time.step:.1f} s", f"{run.reported_step_s:.1f} s", run.reported_step_s / time.step
+    if run.reported_tflops:
+        tflops = cost.hardware_flops / (time.step * cost.parallel.world) / 1e12
+        return f"{tflops:.0f} TF", f"{run.reported_tflops:.0f} TF", tflops / run.reported_tflops
+    needed, _ = needed_flops(cost, assumptions)
+    mfu = time.mfu * (cost.model_flops / needed if run.full_square else 1)  # the report's numerator
+    return f"{mfu:.0%}", f"{run.reported_mfu:.0%}", mfu / run.reported_mfu
+
+
+def published_rows(overrides: dict | None = None) -> list[dict]:
+    """Each published run's predicted memory and throughput beside what it reported, priced with its stack's
+    profile (`distlab.cost.stacks`; `overrides`: assumptions replaced for every run, the flags' or a test's)."""
     rows = []
     for run in PUBLISHED:
-        where = cluster(run.gpu)
+        where = cluster(run.gpu, 8, run.inter_node_gbps)
+        assumptions = replace(STACKS[run.stack].assumptions, **(overrides or {}))
         cost = step_cost(MODELS[run.model], run.batch, run.parallel, "bf16", "cuda")
         time = predict(cost, where, assumptions)
-        needed, _ = needed_flops(cost, assumptions)
-        mfu = time.mfu * (cost.model_flops / needed if run.full_square else 1)  # the report's numerator
+        predicted, reported, ratio = _measures(run, cost, time, assumptions)
         rows.append(
             {
                 "name": run.name,
                 "split": run.parallel.label(),
+                "stack": run.stack,
+                "fitted": run.fitted,
                 "memory_gib": cost.peak_held / GIB,
                 "device_gib": where.device.memory / GIB,
                 "fits": cost.peak_held <= where.device.memory,
                 "headroom_gib": (where.device.memory - cost.peak_held) / GIB - DEFAULT_RESERVE_GIB,
-                "predicted_mfu": mfu,
-                "reported_mfu": run.reported_mfu,
-                "ratio": mfu / run.reported_mfu,
+                "predicted": predicted,
+                "reported": reported,
+                "ratio": ratio,
                 "source": run.source,
                 "assumed": run.assumed,
             }
@@ -223,22 +256,24 @@ def published_rows(assumptions: Assumptions) -> list[dict]:
 
 def published_table(rows: list[dict]) -> Table:
     out = compact_table(
-        "Published runs: predicted memory must fit where they ran; MFU predicted beside MFU reported",
-        ("run", "GiB", "of", "fits", "left", "MFU", "reported", "ratio"),
-        caption="GiB: the most any rank holds, predicted; of: the GPU's; left: what remains after the default "
-        f"reserve of {DEFAULT_RESERVE_GIB} GiB; ratio: predicted / reported MFU, each counted as the report counts "
-        "it (causal attention at its half, or torchtitan's whole square). Sources: "
-        + "; ".join(sorted({r["source"] for r in rows})),
+        "Published runs: predicted memory must fit where they ran; throughput predicted beside reported",
+        ("run", "set", "GiB", "of", "fits", "left", "predicted", "reported", "ratio"),
+        caption="set: fit (its stack's profile was fitted on it) or held out; GiB: the most any rank holds, "
+        "predicted; of: the GPU's; left: what remains after the default "
+        f"reserve of {DEFAULT_RESERVE_GIB} GiB; predicted, reported: in the report's own measure (MFU, counted as "
+        "it counts it; seconds a step; TF: hardware TFLOP/s a GPU, Megatron-LM's count); ratio: predicted / "
+        "reported throughput. Sources: " + "; ".join(sorted({r["source"] for r in rows})),
     )
     for r in rows:
         out.add_row(
             r["name"],
+            "fit" if r["fitted"] else "held out",
             f"{r['memory_gib']:.1f}",
             f"{r['device_gib']:.0f}",
             "yes" if r["fits"] else "NO",
             f"{r['headroom_gib']:.1f}",
-            f"{r['predicted_mfu']:.0%}",
-            f"{r['reported_mfu']:.0%}",
+            r["predicted"],
+            r["reported"],
             f"{r['ratio']:.2f}",
         )
     return out

@@ -16,9 +16,9 @@ pipeline ranks running a named schedule of `distlab.model_split.schedules` with 
 P = dp tp pp cp. With `cut_gathered`, sequence parallelism keeps the all-gathered inputs of q, k, v and fc1 as
 this rank's part and gathers them again in backward (Megatron-LM's choice, which lesson 08 names; the
 lesson's own keeps them whole). Expert parallelism (lesson 10) takes its ep ranks from dp: the routed experts
-live E / ep to a rank and their states shard over dp / ep ranks. A split's degrees are one
-`distlab.cost.dims.ParallelDims` (`Parallel.dims`), the type lesson 12's mesh and the planner's `--layout` use;
-`Parallel.on(dims, **strategy)` makes a split of a shape.
+live E / ep to a rank and their states shard over dp / ep ranks. A split holds its degrees as one
+`distlab.cost.dims.ParallelDims` (`Parallel.dims`), the type lesson 12's mesh and the planner's `--layout` use:
+`Parallel(dims, **strategy)`.
 
 What no lesson measures of the planner's models (the activations of multi-head latent attention and of
 a mixture of experts) is the planner's estimate, said so where it is priced (`distlab.cost.memory`).
@@ -34,8 +34,6 @@ from distlab.cost.dims import ParallelDims
 from distlab.model_split.partition import stage_bounds
 from distlab.model_split.schedules import make_schedule
 from distlab.proof.sizes import Transformer, Weight
-
-ORDER = ("tp", "cp", "pp", "dp")  # mesh dimensions, innermost (fastest links) first, as Llama 3 orders them
 
 
 @dataclass(frozen=True)
@@ -105,35 +103,30 @@ PRECISIONS = {
 
 @dataclass(frozen=True)
 class Parallel:
-    """How a step is split: P = dp tp pp cp ranks (see the module docstring)."""
+    """How a step is split: a shape (`dims`, P = dp pp tp cp ranks) and the strategy run on it (see the module
+    docstring). The degrees are the shape's, read through it (`parallel.tp` is `parallel.dims.tp`)."""
 
-    dp: int = 1
+    dims: ParallelDims = ParallelDims()
     zero: str = "DDP"  # one of distlab.data_split.sharding.accounting.STAGES; FSDP2 is ZeRO-3
-    tp: int = 1
     sp: bool = False  # sequence parallelism beside tensor parallelism
     cut_gathered: bool = False  # sp as Megatron-LM: q, k, v's and fc1's gathered input kept cut, gathered again
-    pp: int = 1
     schedule: str = "1f1b"  # a name in distlab.model_split.schedules.SCHEDULES
     stages_per_rank: int = 1  # v
-    cp: int = 1
-    ep: int = 1  # expert-parallel ranks, taken from dp (`distlab.cost.dims`)
     recompute: bool = False  # torch.utils.checkpoint around every block
-    selective: bool = False  # recompute only the MLP's activation function (GELU, SwiGLU's product): see memory
+    selective: bool = False  # Megatron-LM's selective recomputation: attention's core (q k^T, softmax, dropout,
+    # omega v) rerun in backward from the q, k, v kept (Korthikanti et al., 2022)
+    act_fn: bool = False  # only the MLP's activation function (GELU, SwiGLU's product) rebuilt: see memory
     grad_bytes: int = 0  # bytes of a gradient element under mixed precision (0: the precision's e; Megatron: 4)
+
+    dp = property(lambda self: self.dims.dp)
+    pp = property(lambda self: self.dims.pp)
+    tp = property(lambda self: self.dims.tp)
+    cp = property(lambda self: self.dims.cp)
+    ep = property(lambda self: self.dims.ep)  # expert-parallel ranks, taken from dp (`distlab.cost.dims`)
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def dims(self) -> ParallelDims:
-        """The run's shape, the one type lesson 12, lesson 13 and the planner share."""
-        return ParallelDims(self.dp, self.pp, self.tp, self.cp, self.ep)
-
-    @classmethod
-    def on(cls, dims: ParallelDims, **strategy) -> Parallel:
-        """A split of shape `dims` with the strategy `strategy` (zero, sp, schedule, recompute, ...)."""
-        return cls(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, **strategy)
+        return self.dims.size
 
     def label(self) -> str:
         """A short name: dp4 ZeRO-1 tp2+sp pp2 (1f1b, M) cp2, the sizes that are not 1."""
@@ -143,7 +136,8 @@ class Parallel:
         v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         parts += [f"pp{self.pp} {self.schedule}{v}" if self.pp > 1 else "", f"cp{self.cp}" if self.cp > 1 else ""]
         parts += [f"ep{self.ep}" if self.ep > 1 else ""]
-        parts += ["recompute" if self.recompute else "selective recompute" if self.selective else ""]
+        rebuilt = "recompute" if self.recompute else "selective recompute" if self.selective else ""
+        parts += [rebuilt or ("act-fn recompute" if self.act_fn else "")]
         return " ".join(p for p in parts if p) or "one rank"
 
 

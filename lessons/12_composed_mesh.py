@@ -71,10 +71,10 @@ from distlab.comm.agree import rank_table
 from distlab.comm.ring import Ring
 from distlab.composed import checkpoint, cost
 from distlab.composed.config import RunConfig, check_model, check_shape, describe, folded, small_shapes
+from distlab.composed.dims import LAYOUT, ParallelDims
 from distlab.composed.measure import StepMeasured, held, measuring
 from distlab.composed.model import LanguageModel, entropy_rate, keep_stage, loss_fn, token_batch
 from distlab.composed.trainee import MeshTrainee, flat_states
-from distlab.cost.dims import LAYOUT, ParallelDims
 from distlab.layer_split.context_parallel.ring_attention import ring_core
 from distlab.layer_split.context_parallel.split import Layout, pieces_of
 from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from distlab.comm.timing import time_call
+from distlab.composed.dims import ParallelDims
 from distlab.cost import calibrate, memory, traffic
-from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.step import StepCost, step_cost

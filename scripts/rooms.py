@@ -109,6 +109,8 @@ MODULES = {
     "distlab.streamed.loss_guards": "distlab.streamed.safeguards.loss_call",
     # the cost model's questions (a model by its sizes, the batch, the precision, the strategy): no shapes there
     "distlab.cost.shapes": "distlab.cost.inputs",
+    # a run's shape and its mesh are lesson 12's (the composed mesh); the cost model (13) and the planner price it
+    "distlab.cost.dims": "distlab.composed.dims",
 }
 
 # names split out of a module: (module, name) -> the module that owns the name now

@@ -8,7 +8,7 @@ from helpers import load_lesson
 
 from distlab.composed import cost
 from distlab.composed.config import RunConfig
-from distlab.cost.dims import ParallelDims
+from distlab.composed.dims import ParallelDims
 from distlab.proof.compare import all_ok
 
 LESSON = "12_composed_mesh"

@@ -19,8 +19,8 @@ import torch
 from helpers import load_lesson
 
 from distlab.comm.ledger import Ledger
+from distlab.composed.dims import ParallelDims
 from distlab.cost import memory, traffic
-from distlab.cost.dims import ParallelDims
 from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel
 from distlab.data_split.data_parallel.measure import measure_collectives
 from distlab.data_split.sharding import holds

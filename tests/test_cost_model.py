@@ -13,8 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+from distlab.composed.dims import ParallelDims
 from distlab.cost import flops, memory
-from distlab.cost.dims import ParallelDims
 from distlab.cost.inputs import Batch, Mlp, Parallel
 from distlab.cost.rules import check
 from distlab.cost.step import step_cost

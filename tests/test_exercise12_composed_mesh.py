@@ -20,7 +20,7 @@ from helpers import load_lesson
 
 from distlab.composed import cost
 from distlab.composed.config import MODEL, RunConfig
-from distlab.cost.dims import ParallelDims
+from distlab.composed.dims import ParallelDims
 from distlab.proof.models import attention
 
 LESSON, NAME = "12_composed_mesh", "parallelize"

@@ -241,7 +241,7 @@ def test_the_top_floor_may_import_every_floor():
     source += "from distlab.layer_split.tensor_parallel.cost import activation_bytes\n"
     assert not floor_breaks(source + "from distlab.cost.flops import forward\n", "distlab.plan.search")
     assert not floor_breaks(source, "distlab.cost.memory")
-    assert not floor_breaks(source + "from distlab.cost.dims import ParallelDims\n", "distlab.composed.cost")
+    assert not floor_breaks(source + "from distlab.composed.dims import ParallelDims\n", "distlab.composed.cost")
     assert floor_breaks(source, "distlab.layer_split.context_parallel.cost")  # the same imports from a sibling break
 
 

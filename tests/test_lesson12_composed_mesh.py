@@ -16,7 +16,7 @@ from composed_helpers import CFG, LESSON, assert_every_shape_equals_one_process,
 from helpers import load_lesson, torchrun, value_error
 
 from distlab.composed.config import small_shapes
-from distlab.cost.dims import ParallelDims
+from distlab.composed.dims import ParallelDims
 from distlab.processes.spawn import spawn
 from distlab.proof.compare import all_ok
 

@@ -12,8 +12,8 @@ from argparse import Namespace
 import pytest
 from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
 
+from distlab.composed.dims import ParallelDims
 from distlab.cost import memory, traffic
-from distlab.cost.dims import ParallelDims
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.trial import Trial
 from distlab.processes.spawn import spawn

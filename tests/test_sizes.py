@@ -16,9 +16,9 @@ import torch
 
 from distlab.composed.config import RunConfig, check_shape
 from distlab.composed.cost import stage_units
+from distlab.composed.dims import ParallelDims
 from distlab.composed.model import LanguageModel, keep_stage
 from distlab.cost import rules
-from distlab.cost.dims import ParallelDims
 from distlab.cost.inputs import Batch, Parallel
 from distlab.layer_split.tensor_parallel.model import BlockConfig, build
 from distlab.plan.search import layouts

@@ -41,8 +41,8 @@ from torch.distributed.tensor.parallel import (  # noqa: F401  (some of these ar
 
 from distlab.comm.ring import Ring  # noqa: F401
 from distlab.composed.config import RunConfig
+from distlab.composed.dims import LAYOUT, ParallelDims  # noqa: F401
 from distlab.composed.model import LanguageModel, keep_stage  # noqa: F401
-from distlab.cost.dims import LAYOUT, ParallelDims  # noqa: F401
 from distlab.layer_split.context_parallel.ring_attention import ring_core  # noqa: F401
 from distlab.layer_split.context_parallel.split import Layout, pieces_of  # noqa: F401
 from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan  # noqa: F401

@@ -2,7 +2,7 @@
 must keep, checked before any process group exists.
 
 A shape is four degrees, written as the flags are, dp x pp x tp x cp; their product is P. It is the one
-type of a run's shape, `distlab.cost.dims.ParallelDims` (lesson 13, the cost model and the planner price
+type of a run's shape, `distlab.composed.dims.ParallelDims` (lesson 13, the cost model and the planner price
 the same object): its layout on the mesh (`LAYOUT`, torchtitan's: pipeline outermost, tensor parallelism
 innermost), each rank's coordinates and each sub-mesh's members are written there once.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distlab.cost.dims import ParallelDims
+from distlab.composed.dims import ParallelDims
 from distlab.proof.sizes import Transformer
 
 

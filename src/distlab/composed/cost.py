@@ -56,7 +56,7 @@ from fractions import Fraction
 
 from distlab.comm.collectives import ring_fraction
 from distlab.composed.config import RunConfig
-from distlab.cost.dims import ParallelDims
+from distlab.composed.dims import ParallelDims
 from distlab.data_split.sharding.fsdp import fsdp_states
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.tensor_parallel.cost import activation_bytes, expected_traffic

@@ -17,7 +17,7 @@ P = dp tp pp cp. With `cut_gathered`, sequence parallelism keeps the all-gathere
 this rank's part and gathers them again in backward (Megatron-LM's choice, which lesson 08 names; the
 lesson's own keeps them whole). Expert parallelism (lesson 10) takes its ep ranks from dp: the routed experts
 live E / ep to a rank and their states shard over dp / ep ranks. A split holds its degrees as one
-`distlab.cost.dims.ParallelDims` (`Parallel.dims`), the type lesson 12's mesh and the planner's `--layout` use:
+`distlab.composed.dims.ParallelDims` (`Parallel.dims`), the type lesson 12's mesh and the planner's `--layout` use:
 `Parallel(dims, **strategy)`.
 
 What no lesson measures of the planner's models (the activations of multi-head latent attention and of
@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from distlab.cost.dims import ParallelDims
+from distlab.composed.dims import ParallelDims
 from distlab.model_split.partition import stage_bounds
 from distlab.model_split.schedules import make_schedule
 from distlab.proof.sizes import Transformer, Weight
@@ -122,7 +122,7 @@ class Parallel:
     pp = property(lambda self: self.dims.pp)
     tp = property(lambda self: self.dims.tp)
     cp = property(lambda self: self.dims.cp)
-    ep = property(lambda self: self.dims.ep)  # expert-parallel ranks, taken from dp (`distlab.cost.dims`)
+    ep = property(lambda self: self.dims.ep)  # expert-parallel ranks, taken from dp (`distlab.composed.dims`)
 
     @property
     def world(self) -> int:

@@ -24,7 +24,7 @@ import argparse
 import json
 from dataclasses import replace
 
-from distlab.cost.dims import ParallelDims
+from distlab.composed.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.rules import check

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distlab.composed.dims import ParallelDims
 from distlab.cost import memory
-from distlab.cost.dims import ParallelDims
 from distlab.cost.hardware import DEFAULT_RESERVE_GIB, GIB, Cluster
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.rules import check

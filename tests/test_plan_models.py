@@ -219,10 +219,9 @@ def test_one_shape_type_for_lessons_and_planner():
 def test_one_rank_order_puts_the_same_groups_inside_a_node_for_the_planner_and_lesson_12():
     """dp 2, pp 2, tp 4 on 8-GPU nodes: lesson 12's mesh (built in `LAYOUT`) groups ranks 0 and 4 for dp, 0 and 8
     for pp; the planner prices dp's collectives on NVLink and pp's sends on the network, as those groups sit."""
-    source = lesson_path("composed_mesh").read_text()  # the lesson builds its mesh in the one order (not loaded:
-    assert (
-        "from distlab.composed.dims import LAYOUT" in source and "mesh_dim_names=LAYOUT" in source
-    )  # 10+ s of imports)
+    # the lesson builds its mesh in the one order (its source read, not loaded: 10+ s of imports)
+    source = lesson_path("composed_mesh").read_text()
+    assert "from distlab.composed.dims import LAYOUT" in source and "mesh_dim_names=LAYOUT" in source
     shape, where = ParallelDims(dp=2, pp=2, tp=4), cluster("h100", 8)
     for dim in ("dp", "pp", "tp"):
         for rank in range(shape.size):

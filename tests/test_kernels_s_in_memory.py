@@ -8,8 +8,9 @@ through a block of rows; the columns' partials of the chunks merged), and with t
 of P ranks of C = 5 pairs (N = P C, no side a multiple of a tile; the InfoNCE at P = 1, 3, 8 in float64 and 2
 in float32, the sigmoid at P = 3) simulated in one process, visit by visit as `ring.infonce_ring` and
 `ring.sigmoid_ring` walk them: the gradients equal plain autograd and the torch tiles; where the budget holds
-pass 1's S, pass 2 takes it back (half the GEMMs of S) with the same numbers to the bit. Float64 to 1e-10, float32 to 1e-5; bf16 W (written into S's own bytes) within plain autograd under
-autocast. A positive read one column off is caught.
+pass 1's S, pass 2 takes it back (half the GEMMs of S) with the same numbers to the bit. Float64 to 1e-10,
+float32 to 1e-5; bf16 W (written into S's own bytes) within plain autograd under autocast. A positive read one
+column off is caught.
 """
 
 from functools import reduce
@@ -58,13 +59,13 @@ def sigmoid_truth(z_x, z_y, s, beta):
 @pytest.mark.parametrize("dtype, blocks", CASES, ids=["f64-small-blocks", "f32-small-blocks", "f64-default"])
 def test_the_fold_of_s_in_memory_is_the_logsumexp(dtype, blocks):
     q, k = embeddings(dtype)
-    folded = s_in_memory.row_lse(q, k, SCALE, OFFSET, "float32", columns=True, blocks=blocks)
+    folded = s_in_memory.row_lse(q, k, SCALE, OFFSET, "float32", True, s_in_memory.Chunking(blocks))
     lse, nll = lse_and_nll(folded.m, folded.l, folded.diag)
     s = SCALE * q.double() @ k.double().T
     assert relative(lse, s.logsumexp(1)) <= TOL[dtype]
     assert relative(nll, s.logsumexp(1) - s[torch.arange(ROWS), torch.arange(ROWS) + OFFSET]) <= TOL[dtype]
     assert relative(folded.col_m + folded.col_l.log(), s.logsumexp(0)) <= TOL[dtype]
-    wrong = s_in_memory.row_lse(q, k, SCALE, OFFSET + 1, "float32", blocks=blocks)  # the positive one column off
+    wrong = s_in_memory.row_lse(q, k, SCALE, OFFSET + 1, "float32", False, s_in_memory.Chunking(blocks))  # one off
     assert relative(lse_and_nll(wrong.m, wrong.l, wrong.diag)[1], nll) > 1e-2
 
 

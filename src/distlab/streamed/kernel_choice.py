@@ -143,9 +143,11 @@ class TritonTiles:
         """The rows' (and with `columns` the columns') fold: S in registers (`lse.row_lse`), or with
         s_in_memory made by cuBLAS and folded by one pass (`s_in_memory.row_lse`, `kept` its store)."""
         if self.s_in_memory:
+            from distlab.streamed.kernels.s_in_memory import Chunking
             from distlab.streamed.kernels.s_in_memory import row_lse as row_lse_s
 
-            return row_lse_s(q, k, scale, offset, self.precision, columns, self.blocks, self.w_budget, kept)
+            chunking = Chunking(self.blocks, self.w_budget, kept)
+            return row_lse_s(q, k, scale, offset, self.precision, columns, chunking)
         from distlab.streamed.kernels.lse import row_lse
 
         return row_lse(q, k, scale, offset, self.precision, columns=columns, blocks=self.blocks)

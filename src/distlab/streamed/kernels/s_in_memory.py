@@ -43,6 +43,7 @@ writes 2 (bf16) or 4, and the products read W again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import triton
@@ -174,6 +175,15 @@ def fold_chunk(s: torch.Tensor, scale: float, offset: int | None, code: int, col
     return launch_fold(chunk, Operand(s, n_k, 0), (0, scale, offset), (code, columns, blocks, True), nbytes(s))
 
 
+class Chunking(NamedTuple):
+    """How a fold walks S: the blocks of its pass (None: `pass_blocks`), the bytes of S alive at once (None:
+    `chunk_budget`), and the store that keeps a visit's S for the products (None: none kept)."""
+
+    blocks: Blocks | None = None
+    budget: int | None = None
+    kept: Kept | None = None
+
+
 def row_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -181,13 +191,12 @@ def row_lse(
     offset: int | None,
     precision: str,
     columns: bool = False,
-    blocks: Blocks | None = None,
-    budget: int | None = None,
-    kept: Kept | None = None,
+    chunking: Chunking | None = None,
 ) -> Folded:
     """`lse.row_lse` with S in memory: the fold of every row of S = s q k^T (row i's positive at column
-    i + offset, None: none), chunk by chunk of at most `budget` bytes; a whole visit in one chunk is offered to
-    `kept` for the products to take back."""
+    i + offset, None: none), chunk by chunk of at most the budget's bytes; a whole visit in one chunk is
+    offered to the store of kept S."""
+    blocks, budget, kept = chunking or Chunking()
     code = precision_code(precision, q.dtype, interpreted(lse_kernel))
     (q, k), blocks = operands(q, k, code), blocks or pass_blocks(code, interpreted(lse_kernel))
     itemsize, budget = torch.finfo(accumulator(code)).bits // 8, budget or chunk_budget(q.device)

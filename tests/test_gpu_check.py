@@ -81,7 +81,8 @@ def test_the_next_run_holds_no_python_and_runs_what_exists():
 def test_the_next_runs_dry_run_passes(tmp_path):
     """benchmarks/gpu_next.py --cpu-dry-run (the script's step 1; the whole script's dry run also trains the tiny
     ViT stand-in and runs lessons 05 and 13 on the CPU, a few minutes): every row exact, timed and searched once,
-    under the interpreter; the tile cache stays where the script points it, on a CPU nowhere."""
+    under the interpreter, S in memory among them, each path's row with its modelled floor; the tile cache stays
+    where the script points it, on a CPU nowhere."""
     import os
 
     env = os.environ | {"TRITON_INTERPRET": "1", "DISTLAB_KERNEL_CACHE": str(tmp_path / "cache" / "tiles.json")}
@@ -97,5 +98,8 @@ def test_the_next_runs_dry_run_passes(tmp_path):
     report = json.loads((tmp_path / "gpu_next.json").read_text())
     assert report["exact"] and all(row["ok"] for row in report["exact"]) and not report["skipped"]
     assert {"InfoNCE ring, defaults", "P = 1 InfoNCE ring", "visit fold 128x128x64"} <= set(report["timing"])
+    s_rows = {"InfoNCE ring, S in memory", "sigmoid ring, S in memory", "P = 1 InfoNCE ring, S in memory"}
+    assert s_rows <= set(report["timing"]) and all(report["timing"][name]["floor"] > 0 for name in s_rows)
+    assert {row["kernels"] for row in report["exact"]} >= {"triton", "triton-mm", "triton-s"}
     assert {row["kind"] for row in report["search"]} == {"fold", "ring-fold", "infonce-mm", "sigmoid-mm"}
     assert not (tmp_path / "cache").exists()

@@ -19,7 +19,7 @@ import kernel_helpers  # noqa: F401 - sets TRITON_INTERPRET=1 before the kernels
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import SMALL_BLOCKS, relative
+from kernel_helpers import CASES, IDS, SMALL_BLOCKS, relative
 
 from distlab.contrastive.losses import clip_loss
 from distlab.pieces.online_softmax import merge
@@ -31,7 +31,6 @@ from distlab.streamed.torch_tiles import Pairing, RowFold, lse_and_nll
 
 ROWS, COLS, D, OFFSET, SCALE = 21, 45, 19, 7, 3.0
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-CASES = [(torch.float64, SMALL_BLOCKS), (torch.float32, SMALL_BLOCKS), (torch.float64, None)]  # None: defaults
 
 
 def embeddings(dtype, n_q=ROWS, n_k=COLS, seed=0):
@@ -56,7 +55,7 @@ def sigmoid_truth(z_x, z_y, s, beta):
     return loss.item(), zx.grad, zy.grad, bias.grad.item()
 
 
-@pytest.mark.parametrize("dtype, blocks", CASES, ids=["f64-small-blocks", "f32-small-blocks", "f64-default"])
+@pytest.mark.parametrize("dtype, blocks", CASES, ids=IDS)
 def test_the_fold_of_s_in_memory_is_the_logsumexp(dtype, blocks):
     q, k = embeddings(dtype)
     folded = s_in_memory.row_lse(q, k, SCALE, OFFSET, "float32", True, s_in_memory.Chunking(blocks))
@@ -69,7 +68,7 @@ def test_the_fold_of_s_in_memory_is_the_logsumexp(dtype, blocks):
     assert relative(lse_and_nll(wrong.m, wrong.l, wrong.diag)[1], nll) > 1e-2
 
 
-@pytest.mark.parametrize("dtype, blocks", CASES, ids=["f64-small-blocks", "f32-small-blocks", "f64-default"])
+@pytest.mark.parametrize("dtype, blocks", CASES, ids=IDS)
 def test_w_over_s_gives_both_gradients_of_both_losses(dtype, blocks):
     """One W written over each chunk of S feeds both products: the InfoNCE's G_x, G_y and the sigmoid's dL/dZ_x,
     dL/dZ_y, loss and dL/dbeta (s = 10, beta = -10), all of the whole batch."""

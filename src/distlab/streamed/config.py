@@ -49,7 +49,7 @@ class StreamConfig:
     rank: int  # this rank's place in that group
     group: Any = field(default=None, compare=False)  # that process group (None: the world)
     exchange: str = "gather"  # "gather" or "ring"
-    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton", "triton-mm", "triton-s" (`kernel_choice`)
+    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton", "triton-mm", "triton-s"
     precision: str = "float32"  # MATMUL_PRECISION: "float32", "tf32" or "bf16" (`precision`)
     w_mib: int | None = None  # W_MEMORY_MIB: "triton-mm"'s budget for W (None: the default, `kernels.coefficients`)
 

@@ -61,7 +61,7 @@ def counted_gemm_flops(kernels: str, loss: str, exchange: str, w_mib: int | None
 @pytest.mark.parametrize("loss", ["infonce", "sigmoid"])
 @pytest.mark.parametrize("exchange", ["ring", "gather"])
 def test_the_models_cublas_work_is_what_the_step_multiplies(loss, exchange):
-    x_flops = 2 * (N // P) * N * D  # one X = C N d multiply-adds
+    x_flops = 2 * (N // P) * N * D  # C N d multiply-adds
     for kernels, w_mib in (("triton-s", None), ("triton-s", 0), ("triton-mm", None), ("triton", None)):
         budget = 1 if w_mib == 0 else 512 * 2**20
         shape = path_model.Shape(loss, exchange, N, P, D, w_itemsize=4, budget=budget)

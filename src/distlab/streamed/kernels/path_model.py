@@ -7,11 +7,11 @@
     "triton-s"   S in memory: every S made by cuBLAS into memory, then a memory-bound pass (`s_in_memory`): the
                  fold reads S, the coefficients read S and write W over it, then cuBLAS multiplies W
 
-One rank's work at a shape, in two units: X = C N d multiply-adds (one C x N block of S, or one product with it)
-and E = C N elements of S. The torch tiles' counts (`ring`, `step`): the InfoNCE ring 4 X (fold, then S again
-for two products), gathered 6 X (two row folds, two products each making S; the torch tiles save the own
-block's X / P, `own_block`, the kernels do not), the sigmoid ring 3 X, gathered 4 X.
-The fused kernels make S once more for every second product (5 X, 4 X). What a path moves through memory per
+One rank's work at a shape, counted in C N d multiply-adds (one C x N pass of S, or one product with it) and in
+bytes per element of S (C N elements a rank). The torch tiles' counts (`ring`, `step`): the InfoNCE ring 4 C N d
+(fold, then S again for two products), gathered 6 C N d (two row folds, two products each making S; the torch
+tiles save the own block's C^2 d, `own_block`, the kernels do not), the sigmoid ring 3 C N d, gathered 4 C N d.
+The fused kernels make S once more for every second product (5 C N d, 4 C N d). What a path moves through memory per
 element of S: W in memory writes W (2 bytes in bf16, 4 in float32) from its GEMM's epilogue; S in memory writes
 S in float32 (4), reads it in the fold (4), and for a product writes S, reads it and writes W (4 + 4 + 2) where
 the ring did not keep pass 1's S (`s_in_memory.Kept`: the visits the budget holds).
@@ -19,7 +19,9 @@ the ring did not keep pass 1's S (`s_in_memory.Kept`: the visits the budget hold
 The floor: the work at each engine's rate, one after the other (no overlap between a GEMM and a pass: they are
 separate launches on one stream):
 
-    floor = 2 X_gemm / gemm + 2 X_triton / triton_gemm + sum_kind 2 X_kind / fused_kind + bytes / bandwidth
+    floor = 2 C N d (n_gemm / gemm + n_triton / triton_gemm + sum_kind n_kind / fused_kind) + C N b / bandwidth
+
+with n_... the C N d multiply-adds each engine does and b the bytes per element of S.
 
 The rates are measured on a card (`RATES`: the H200 of 2026-11-28; the GPU scripts measure their own card's and
 pass them in: benchmarks/gpu_next.py), never assumed: a card with none has no modelled floor. The floor is a
@@ -50,11 +52,11 @@ class Rates:
 
 
 # Rates measured on one H200 at bf16, one rank of N = 65,536, P = 8, d = 1,024
-# (benchmarks/results/gpu/2026-11-28-decide-h200; X = C N d = 5.5e11 multiply-adds), each the fastest seen, so
-# that no row on record lies below its floor: cuBLAS 6 X in 0.0128 s (516 TFLOP/s); the coefficient GEMM
+# (benchmarks/results/gpu/2026-11-28-decide-h200; C N d = 5.5e11 multiply-adds), each the fastest seen, so
+# that no row on record lies below its floor: cuBLAS 6 C N d in 0.0128 s (516 TFLOP/s); the coefficient GEMM
 # 462-502 TFLOP/s (w_rows 2,048-8,192); the ring's fold, a visit in 0.0010 s (138); the rows' fold 310, what the
 # gathered triton-mm step (0.0162 s) leaves after its products at the two GEMM rates and W's bytes; the fused
-# InfoNCE products 170 (the fused gather, 0.0332 s, less its folds), the fused sigmoid's 101 (its ring, 4 X in
+# InfoNCE products 170 (the fused gather, 0.0332 s, less its folds), the fused sigmoid's 101 (its ring, 4 C N d in
 # 0.0437 s). Bandwidth was not measured there: the datasheet's 4.8 TB/s stands in until gpu_next.py's copy row
 # measures it (a floor too low, never too high).
 RATES = {
@@ -84,18 +86,18 @@ class Shape:
 
 @dataclass(frozen=True)
 class Work:
-    """Multiply-adds by engine (in units of X = C N d; the fused kernels' by kind) and bytes through memory (in
-    units of E = C N elements)."""
+    """Multiply-adds by engine (in units of C N d; the fused kernels' by kind) and bytes through memory (per
+    element of S)."""
 
     gemm: float = 0.0
     triton_gemm: float = 0.0
-    fused: tuple = ()  # (kind, X) pairs
+    fused: tuple = ()  # (kind, C N d multiply-adds) pairs
     bytes_per_element: float = 0.0
 
 
 def products_of(shape: Shape) -> tuple[float, float, float]:
-    """(F, A, H) per rank, in blocks of C x N: folds, products that each make their own S, and visits whose one
-    S feeds two products."""
+    """(folds, lone products, shared visits) per rank, each over a C x N of S: folds, products that each make
+    their own S, and visits whose one S feeds two products."""
     if shape.loss == "sigmoid":  # one S per visit for both products (ring); rows', then columns' (gathered)
         return (0, 0, 1) if shape.exchange == "ring" else (0, 2, 0)
     if shape.exchange == "gather":  # each product its own S (the own block's shared S is the torch tiles' only)
@@ -111,12 +113,12 @@ def kept_share(shape: Shape) -> float:
 
 
 def work(path: str, shape: Shape) -> Work:
-    """The work of one rank's tile work on `path` at `shape`: F folds, A products that each make their own S,
-    H visits whose one S feeds two products (`products_of`), in X and E (the module docstring)."""
+    """The work of one rank's tile work on `path` at `shape`, from its folds, its lone products (each making its
+    own S) and its shared visits (one S for two products; `products_of`), in the module docstring's units."""
     folds, alone, shared = products_of(shape)
     w, fold_kind = shape.w_itemsize, "ring-fold" if shape.exchange == "ring" else "fold"
     product_kind = "sigmoid" if shape.loss == "sigmoid" else "infonce"
-    if path == "triton":  # a fold X; a product 2 X (S, then W k); a shared visit 4 X (S made for each product)
+    if path == "triton":  # a fold 1; a lone product 2 (S, then W k); a shared visit 4 (S made for each product)
         return Work(fused=((fold_kind, folds), (product_kind, 2 * alone + 4 * shared)))
     if path == "triton-mm":  # S and W by the Triton GEMM (W written), each product by cuBLAS
         bytes_w = w * (alone + shared)
@@ -133,12 +135,12 @@ def work(path: str, shape: Shape) -> Work:
 
 def floor(path: str, shape: Shape, rates: Rates) -> float:
     """Seconds below which `path` cannot do one rank's tile work at `shape` with these rates."""
-    x = 2.0 * (shape.n // shape.world) * shape.n * shape.d  # FLOPs of one X
-    e = (shape.n // shape.world) * shape.n
+    elements = (shape.n // shape.world) * shape.n  # C N: one rank's elements of S
+    flops = 2.0 * elements * shape.d  # of C N d multiply-adds
     done = work(path, shape)
     fused = sum(count / rates.fused[kind] for kind, count in done.fused if count)
-    compute = x * (done.gemm / rates.gemm + done.triton_gemm / rates.triton_gemm + fused)
-    return compute + e * done.bytes_per_element / rates.bandwidth
+    compute = flops * (done.gemm / rates.gemm + done.triton_gemm / rates.triton_gemm + fused)
+    return compute + elements * done.bytes_per_element / rates.bandwidth
 
 
 def floors(shape: Shape, rates: Rates) -> dict[str, float]:

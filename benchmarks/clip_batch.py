@@ -24,6 +24,12 @@ leave no room for the step's own buffers and a second model's states).
    them extrapolated to the device's memory (minus a reserve), rounded down to a multiple of 256, then run to
    confirm (halved until it runs). 2. At N_max both step times side by side, after a warm-up step. 3. At 4 N_max
    and 16 N_max the recipe is tried once (out of memory expected) and distlab's step timed, with its peak.
+4. The ring at fixed N, P = 1, 2, 4, 8 simulated on this one card (`ring_sweep`): rank 0's share of the InfoNCE
+   ring's loss machinery (`rank_work.one_rank`: its C x d blocks, its P visits, the exchange left out) at
+   N = 16 N_max and d = 512 (ViT-B-32's embedding width), its peak memory counted (`PeakMemory`, and on CUDA the
+   allocator's peak) plus the blocks in flight that the ring would receive (features and accumulator, C d each,
+   by formula: the one-process walk hands its own blocks back). What scales with C falls as 1/P; one chunk of S
+   or W (W_MEMORY_MIB, 64 MiB here, so the C-sized terms show) does not.
 Writes OUT/clip_batch.json and OUT/clip_batch.md (the card named in both).
 """
 
@@ -42,9 +48,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlab.processes.runtime import distributed, run_main
+from distlab.proof.memory import PeakMemory
+from distlab.streamed.config import parse_config
+from distlab.streamed.kernel_choice import tile_ops
+from distlab.streamed.rank_work import one_rank
 from distributed_clip import distributed_train_step
 
 IMAGE, CONTEXT, VOCAB = 224, 77, 49408  # open_clip's ViT-B-32 inputs
+EMBED, SWEEP_MIB = 512, 64  # ViT-B-32's embedding width; the sweep's W_MEMORY_MIB (its chunk, small beside C d)
 
 
 class TinyClip(nn.Module):
@@ -177,6 +188,42 @@ def batches(bench: Bench, n_max: int, micro: int | None) -> list[dict]:
     return rows
 
 
+def ring_sweep(device: torch.device, n: int, d: int, worlds=(1, 2, 4, 8)) -> list[dict]:
+    """Rank 0's share of the InfoNCE ring at fixed N for each P (the module docstring's step 4): its peak memory
+    counted, the allocator's on CUDA, and the blocks in flight by formula; KERNELS "auto" at bf16."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    z_x, z_y = (F.normalize(torch.randn(n, d, generator=gen), dim=1).to(device, dtype) for _ in range(2))
+    rows = []
+    for world in worlds:
+        keys = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": n // world, "EXCHANGE": "ring"}
+        cfg = parse_config(keys | {"MATMUL_PRECISION": "bf16", "W_MEMORY_MIB": SWEEP_MIB}, world, 0)
+        ops = tile_ops(cfg.kernels, cfg.precision, 1024, device, dtype, d, cfg.w_budget)
+        with PeakMemory(device) as peak:
+            one_rank(cfg, z_x, z_y, "infonce", ops)
+        c = n // world
+        in_flight = c * d * (z_x.element_size() + 4)  # a visiting block and the accumulator of G_y (float32)
+        rows.append({"world": world, "c": c, "kernels": ops.name, "peak_bytes": peak.peak_bytes + in_flight})
+        rows[-1] |= {"allocator_peak_bytes": peak.allocator_peak_bytes, "in_flight_bytes": in_flight}
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def sweep_markdown(rows: list[dict], n: int, d: int) -> list[str]:
+    """The sweep's table: memory per rank at each P, and P times it against P = 1's (1.00: exactly 1/P)."""
+    lines = ["", f"## The ring at fixed N = {n}, d = {d}: memory per rank against P (one card, rank 0's share)", ""]
+    lines += [f"W_MEMORY_MIB = {SWEEP_MIB}; peak = counted tensor storage + the blocks in flight (formula)", ""]
+    lines += ["| P | C | KERNELS | peak MiB per rank | P x peak / peak at P = 1 | allocator peak MiB |"]
+    lines += ["|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        allocator = f"{r['allocator_peak_bytes'] / 2**20:.1f}" if r["allocator_peak_bytes"] is not None else ""
+        scaled = r["world"] * r["peak_bytes"] / rows[0]["peak_bytes"]
+        lines.append(
+            f"| {r['world']} | {r['c']} | {r['kernels']} | {r['peak_bytes'] / 2**20:.1f} | {scaled:.2f} | {allocator} |"
+        )
+    return lines
+
+
 def markdown(report: dict, args) -> str:
     """The table: seconds a step, pairs a second, peak memory, and the ratio to the recipe at N_max."""
     first, rows = report["first"], report["rows"]
@@ -187,7 +234,7 @@ def markdown(report: dict, args) -> str:
         f"first losses (N = 256, same weights) {first[Bench.RECIPE]:.4f} (recipe) and {first[Bench.DISTLAB]:.4f} "
         f"(distlab); memory {f'capped at {args.memory_gib} GiB' if args.memory_gib else 'the whole card'}",
         "",
-        "| N | method | seconds a step | pairs / s | peak GiB | x recipe at N_max |",
+        "| N | method | seconds a step | pairs / s | peak GiB | time per pair x recipe's at N_max |",
         "|---:|---|---:|---:|---:|---:|",
     ]
     ref = next((r for r in rows if r["factor"] == 1 and r["method"] == Bench.RECIPE), {})
@@ -195,11 +242,14 @@ def markdown(report: dict, args) -> str:
         if r["oom"]:
             lines.append(f"| {r['n']} | {r['method']} | out of memory | | | |")
             continue
-        ratio = f"{r['seconds'] / ref['seconds']:.2f}" if ref.get("seconds") and r["factor"] == 1 else ""
+        per_pair = (r["seconds"] / r["n"]) / (ref["seconds"] / ref["n"]) if ref.get("seconds") else None
+        ratio = f"{per_pair:.2f}" if per_pair is not None else ""
         peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else ""
         lines.append(
             f"| {r['n']} | {r['method']} | {r['seconds']:.3f} | {r['n'] / r['seconds']:.0f} | {peak} | {ratio} |"
         )
+    if report.get("sweep"):
+        lines += sweep_markdown(report["sweep"], report["sweep_n"], report["sweep_d"])
     return "\n".join(lines) + "\n"
 
 
@@ -226,6 +276,8 @@ def main() -> int:
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         report = {"card": card, "model": bench.name, "n_max": n_max, "micro": args.micro_batch, "first": first}
         report["rows"] = batches(bench, n_max, args.micro_batch)
+        report["sweep_n"], report["sweep_d"] = (64, 16) if args.cpu_dry_run else (16 * n_max, EMBED)
+        report["sweep"] = ring_sweep(device, report["sweep_n"], report["sweep_d"])
         if rt.rank == 0:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "clip_batch.json").write_text(json.dumps(report, indent=1))

@@ -4,6 +4,7 @@
 # autograd, lesson 25 at P = 8; (c) every lesson at P = 1 with --device cuda (every one expected to pass),
 # (d) time and memory of the streamed loss machinery against ClipLoss's C x N logits, (e) the peers
 # (benchmarks/peers_gpu.py: open_clip, memeff, siglip-kernel at P = 1) and the kernels' benchmark
+# (lessons 19 and 20 need an even P: step (c) runs them at P = 2 on the CPU, `gpu_check_env.py lesson`)
 # (benchmarks/kernels_gpu.py, when the checkout has it).
 #
 #   bash benchmarks/gpu_check.sh --steps acde --budget 270      # on a lent GPU: one call of under 6 min
@@ -146,20 +147,20 @@ JOBS=3; [ "$CORES" -ge 12 ] && JOBS=6
 [ "$MODE" = cpu ] && export DISTLAB_STRICT_DEVICE=1
 run_lesson() {  # lesson file -> one line: name rc seconds verdict
   local f=$1 name; name=$(basename "$f" .py); local s=$SECONDS
-  local shape=(); [[ $name == *_composed_mesh ]] && shape=(--dp 1 --pp 1 --tp 1 --cp 1)  # its default needs 8 ranks
-  # lesson 05's emulated device sleeps --emulate-ms per layer-pass for the layers a rank holds: at P = 1 all 16,
-  # 58 s of sleeps at the default 10 ms (it ran out of a 48 s slot on an H200); 2.5 ms is P = 4's tick
-  [[ $name == *_interleaved_zero_bubble ]] && shape=(--emulate-ms 2.5)
-  timeout -k 10 "$C_CAP" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 "$f" --device "$DEV" \
+  # P = 1 on $DEV, except where gpu_check_env.py's LESSON_RUNS says otherwise (a shape for P = 1, lesson 05's
+  # shorter emulated tick, and the two lessons that need an even P: P = 2 on the CPU, one GPU holding one rank)
+  local lp ldev lflags; read -r lp ldev lflags <<< "$("$PY" "$REPO/benchmarks/gpu_check_env.py" lesson "$f" "$DEV")"
+  local shape=(); read -r -a shape <<< "$lflags"
+  timeout -k 10 "$C_CAP" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$lp" "$f" --device "$ldev" \
     "${shape[@]}" --json "$HELP/lessons/$name.json" > "$HELP/lessons/$name.log" 2>&1
   local rc=$?
   local verdict; verdict=$(grep -E "PASS: every claim|FAIL: [0-9]+ of|^error:|Error:" "$HELP/lessons/$name.log" | tail -1 | cut -c1-150)
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - s))" "$verdict"
 }
-export -f run_lesson; export HELP DEV PY C_CAP
+export -f run_lesson; export HELP DEV PY C_CAP REPO
 LESSON_FILES=$(ls lessons/[0-9][0-9]_*.py)
-[ "$MODE" = cpu ] && LESSON_FILES="lessons/02_gpipe_checkpoint.py lessons/03_one_f_one_b.py
- lessons/23_contrastive_allgather_fix.py lessons/25_streamed_five_phase.py"
+[ "$MODE" = cpu ] && LESSON_FILES="lessons/02_gpipe_checkpoint.py lessons/03_one_f_one_b.py lessons/14_fp8_linear.py
+ lessons/19_dualpipe.py lessons/23_contrastive_allgather_fix.py lessons/25_streamed_five_phase.py"
 [[ $STEPS == *c* ]] || LESSON_FILES=""
 say "(c) lessons at P = 1 with --device $DEV, $JOBS at a time, at most $C_CAP s each"
 start=$SECONDS
@@ -241,7 +242,7 @@ status() { [[ $STEPS == *$1* ]] || { echo skipped; return; }; [ "$2" = 0 ] && ec
   echo "| (a) step at P = 1 on $DEV = plain autograd (float64, float32, bf16; InfoNCE/sigmoid, gather/ring, recompute with dropout, strict mode) | $(status a $RC_A) | $T_A |"
   echo "| (b) multi-rank tests on CPU/gloo | $(status b "$RC_B"): $(grep -E '[0-9]+ (passed|failed)' "$OUTDIR/pytest_cpu.log" 2>/dev/null | tail -1) | $T_B |"
   echo "| (b2) the step at P = 2, 4, 8 on CPU/gloo = plain autograd; lesson 25 at P = 8 | $(status b "$RC_B2"): $(grep -c PASS "$HELP/ranks.log" 2>/dev/null) PASS, $(grep -c FAIL "$HELP/ranks.log" 2>/dev/null) FAIL; lesson 25: $(grep -E 'PASS: every|FAIL: [0-9]' "$HELP/lesson14_p8.log" 2>/dev/null | tail -1) | $T_B |"
-  echo "| (c) lessons at P = 1, --device $DEV (every one expected to pass${DRY_STRICT}) | $(awk -F'\t' '$2==0' "$HELP/lessons.tsv" | wc -l) of $(wc -l < "$HELP/lessons.tsv") exit 0$(awk -F'\t' '$2!=0 {printf "; FAIL %s", $1}' "$HELP/lessons.tsv") | $T_C |"
+  echo "| (c) lessons at P = 1, --device $DEV (every one expected to pass; 19, 20 at P = 2 on the CPU${DRY_STRICT}) | $(awk -F'\t' '$2==0' "$HELP/lessons.tsv" | wc -l) of $(wc -l < "$HELP/lessons.tsv") exit 0$(awk -F'\t' '$2!=0 {printf "; FAIL %s", $1}' "$HELP/lessons.tsv") | $T_C |"
   echo "| (d) timing | $(status d $RC_D) | $T_D |"
   echo "| (e) peers ($PEERS)${KERNELS_BENCH:+ and $KERNELS_BENCH} | $(status e $RC_E) | $T_E |"
   echo "| total | | $((SECONDS - T0)) |"

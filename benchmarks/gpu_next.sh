@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The next GPU run, in one call (issue 35, second pass): run it first whenever a device is lent.
-#   1. benchmarks/gpu_next.py: the new kernel paths exact on the card, then timed against the H200 record's rows
-#      and this card's baselines (ring fold tiles, the in-place column product, rows of W, the sigmoid epilogue,
-#      P = 1 ring against the cuBLAS floors), and the tile search once per kind and d, printed as rows to commit;
-#   2. benchmarks/clip_batch.py --n-max 3840: open_clip's ViT-B-32 at its largest batch, then 4x and 16x it;
+# The next GPU run, in one call (issues 35 and 45): run it first whenever a device is lent.
+#   1. benchmarks/gpu_next.py: the kernel paths exact on the card (S in memory, KERNELS "triton-s", among them),
+#      then timed against the H200 record's rows and this card's baselines (ring fold tiles, the in-place column
+#      product, rows of W, the sigmoid epilogue, P = 1 ring against the cuBLAS floors, group S: S in memory), each
+#      path's row beside its modelled floor (`kernels.path_model`), and the tile search once per kind and d,
+#      printed as rows to commit (WINNERS; the S rows feed `tuning.S_IN_MEMORY_MEASURED`);
+#   2. benchmarks/clip_batch.py --n-max 3840: open_clip's ViT-B-32 at its largest batch, then 4x and 16x it, time
+#      per pair against the recipe's and peak memory; then the ring at fixed N for P = 1, 2, 4, 8 on the card;
 #   3. lessons 05 and 13 at P = 1 on the device (05 with --emulate-ms 2.5: at P = 1 its emulated device sleeps
 #      for all 16 layers a pass, 4x what run_all's P = 4 sleeps: 3 passes x 8 micro-batches x 16 layers x
 #      10 ms x 3 steps x 5 schedules = 58 s of sleeps at the default 10 ms;

@@ -28,9 +28,10 @@ from triton.runtime import driver
 
 from distlab.streamed.kernels.coefficients import coefficient_kernel, default_gemm_blocks
 from distlab.streamed.kernels.launch import Blocks, default_blocks, tiling
-from distlab.streamed.kernels.lse import COLUMNS, ROWS, fold_blocks, lse_kernel
+from distlab.streamed.kernels.lse import COLUMNS, FROM_MEMORY, ROWS, fold_blocks, lse_kernel
 from distlab.streamed.kernels.product import INFONCE, SIGMOID, product_kernel
 from distlab.streamed.kernels.register_tile import BF16, IEEE, TF32, Operand
+from distlab.streamed.kernels.s_in_memory import in_place_kernel, pass_blocks
 
 
 class Hopper(CudaDriver):
@@ -72,8 +73,14 @@ def compile_one(kernel, role: int, code: int, blocks: Blocks, dtype: torch.dtype
     q, k = (torch.empty(rows, 1024, dtype=dtype, device=meta) for rows in (8192, 65536))
     v = torch.empty(8192, device=meta)
     operands = (Operand(q, 8192, 1024), Operand(k, 65536, 1024))
-    if kernel is lse_kernel:
+    s = torch.empty(8192, 8192, device=meta)  # one ring visit's float32 S (KERNELS "triton-s")
+    if kernel is lse_kernel and role >= FROM_MEMORY:  # the fold reading S: q's pointer is S, k names its columns
+        args = (Operand(s, 8192, 8192), Operand(s, 8192, 0), (v,) * 5, (0, 8192, 1.0, 0))
+    elif kernel is lse_kernel:
         args = (*operands, (v,) * 5, (1024, 8192, 1.0, 0))
+    elif kernel is in_place_kernel:  # W over S: bf16 into S's own bytes (row stride 2 n_k), else S's elements
+        w = s.view(torch.bfloat16) if code == BF16 else s
+        args = (Operand(s, 8192, 8192), Operand(w, 8192, w.shape[1]), (v, v), (v,) * 3, (1.0, 0, 0.0, 1.0))
     elif kernel is coefficient_kernel:  # W for 2,048 rows of q (one chunk), in bf16 or float32
         w = torch.empty(2048, 65536, dtype=torch.bfloat16 if code == BF16 else torch.float32, device=meta)
         args = (*operands, (w, v, v), (v,) * 3, (1024, 1.0, 0, 0.0, 1.0))
@@ -98,6 +105,9 @@ def main() -> int:
             ("sigmoid product", product_kernel, SIGMOID),
             ("InfoNCE coefficients (mm)", coefficient_kernel, INFONCE),
             ("sigmoid coefficients (mm)", coefficient_kernel, SIGMOID),
+            ("row + column fold of S (s)", lse_kernel, COLUMNS + FROM_MEMORY),
+            ("InfoNCE W over S (s)", in_place_kernel, INFONCE),
+            ("sigmoid W over S (s)", in_place_kernel, SIGMOID),
         )
     ]
     failed = 0
@@ -106,6 +116,8 @@ def main() -> int:
         blocks = default_blocks(code, False, sigmoid=kernel is product_kernel and role == SIGMOID)
         if kernel is lse_kernel:
             blocks = fold_blocks(code, False, role == COLUMNS)
+        if kernel is in_place_kernel or kernel is lse_kernel and role >= FROM_MEMORY:
+            blocks = pass_blocks(code, False)
         if kernel is coefficient_kernel:
             blocks = default_gemm_blocks(code, False, role)
         try:

@@ -4,8 +4,9 @@ bf16 matmul floor, at one rank's shape of a large step. Made to run once, in und
     python benchmarks/kernels_gpu.py OUT_DIR                         # one CUDA device (H100 / H200)
     TRITON_INTERPRET=1 python benchmarks/kernels_gpu.py OUT_DIR --cpu-dry-run   # the same code, tiny, on a CPU
 
-(a) exact: at P = 1, N = 512, d = 128 (N = 64, d = 32 in the dry run), KERNELS "triton" (S and W in registers)
-    and "triton-mm" (W in memory, multiplied by cuBLAS: `kernels.coefficients`) against the torch tiles
+(a) exact: at P = 1, N = 512, d = 128 (N = 64, d = 32 in the dry run), KERNELS "triton" (S and W in registers),
+    "triton-mm" (W in memory, multiplied by cuBLAS: `kernels.coefficients`) and "triton-s" (S by cuBLAS, one
+    memory-bound pass: `kernels.s_in_memory`) against the torch tiles
     and plain autograd on the whole batch in float64 (`clip_loss`, `sigmoid_loss`), for {InfoNCE, sigmoid} x
     {gather, ring}: float32 embeddings at MATMUL_PRECISION "float32" to 1e-5 (relative, G_x and G_y); bf16
     embeddings at "bf16" within 1.25x of what plain autograd under bf16 autocast achieves against the same
@@ -89,6 +90,8 @@ GRID = {
     ],
 }
 
+KERNEL_PATHS = ("triton", "triton-mm", "triton-s")  # fused, W in memory, S in memory (`kernels.path_model`)
+
 
 def config(n, world, exchange="gather", kernels="triton", precision="bf16"):
     keys = {"GLOBAL_BATCH_SIZE": n, "MICRO_BATCH_SIZE": n // world, "TAU": TAU, "EXCHANGE": exchange}
@@ -122,7 +125,7 @@ def check_exact(shape, device) -> list[dict]:
         z_x, z_y = embeddings(n, d, device, dtype)
         for loss in ("infonce", "sigmoid"):
             true_x, true_y = truth(z_x, z_y, loss)
-            for exchange, kernels in ((e, k) for e in ("gather", "ring") for k in ("triton", "triton-mm")):
+            for exchange, kernels in ((e, k) for e in ("gather", "ring") for k in KERNEL_PATHS):
                 cfg = config(n, 1, exchange, kernels, precision)
                 got = one_rank(cfg, z_x, z_y, loss, tile_ops(kernels, precision, 64, device, torch.float32))
                 tiles = one_rank(cfg, z_x, z_y, loss, TorchTiles(64, precision))

@@ -27,6 +27,10 @@ from distlab.streamed.kernels.launch import Blocks  # noqa: E402
 # Every block edge crossed: for the fused kernels three column ranges merged, for the coefficient kernel
 # (KERNELS "triton-mm") W made 5 rows at a time (chunks that cut through a block of rows).
 SMALL_BLOCKS = Blocks(16, 16, 16, 1, 1, splits=3, w_rows=5)
+# (dtype, blocks) of the one-kernel tests: every edge crossed in both dtypes, and the default blocks (None: one
+# range under the interpreter) in float64, whose tolerance is the stricter (float32 there added nothing more).
+CASES = [(torch.float64, SMALL_BLOCKS), (torch.float32, SMALL_BLOCKS), (torch.float64, None)]
+IDS = ["f64-small-blocks", "f32-small-blocks", "f64-default"]
 
 
 def relative(got: torch.Tensor, truth: torch.Tensor) -> float:

@@ -1,17 +1,18 @@
 """The Triton kernels, one at a time, under Triton's CPU interpreter, against plain autograd on the whole S.
 
 q of 21 rows against k of 45, d = 19 (no side a multiple of a block, d not a power of two), with 16 x 16 x 16
-blocks and three column ranges (every edge crossed, the ranges' partials merged) and with the default blocks:
-phase 2's row fold (and its column partials), phase 3's product sum_j (R + Q - 2 delta)_ij k_j, the sigmoid's
-D k and sums. Float64 to 1e-10 (relative), float32 to 1e-5; bf16 (MATMUL_PRECISION) against plain autograd
-under bf16 autocast. A positive read from the wrong column is caught (the check can fail).
+blocks and three column ranges (every edge crossed, the ranges' partials merged), and in float64 with the default
+blocks (`kernel_helpers.CASES`): phase 2's row fold (and its column partials), phase 3's product
+sum_j (R + Q - 2 delta)_ij k_j, the sigmoid's D k and sums. Float64 to 1e-10 (relative), float32 to 1e-5; bf16
+(MATMUL_PRECISION) against plain autograd under bf16 autocast. A positive read from the wrong column is caught
+(the check can fail).
 """
 
 import kernel_helpers  # noqa: F401 - sets TRITON_INTERPRET=1 before the kernels are imported
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import SMALL_BLOCKS, relative
+from kernel_helpers import CASES, IDS, relative
 
 from distlab.contrastive.losses import clip_loss
 from distlab.streamed.kernels import coefficients, product
@@ -20,7 +21,7 @@ from distlab.streamed.torch_tiles import Pairing, lse_and_nll
 
 ROWS, COLS, D, OFFSET, SCALE = 21, 45, 19, 7, 3.0
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-BLOCKS = [SMALL_BLOCKS, None]  # None: the default blocks (one range under the interpreter)
+
 PATHS = [product, coefficients]  # W in registers (KERNELS "triton"), W in memory ("triton-mm")
 
 
@@ -30,8 +31,7 @@ def embeddings(dtype, n_q=ROWS, n_k=COLS, seed=0):
     return q.to(dtype), k.to(dtype)
 
 
-@pytest.mark.parametrize("blocks", BLOCKS, ids=["small-blocks", "default"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype, blocks", CASES, ids=IDS)
 def test_row_fold_equals_logsumexp(dtype, blocks):
     q, k = embeddings(dtype)
     folded = row_lse(q, k, SCALE, OFFSET, "float32", columns=True, blocks=blocks)
@@ -52,8 +52,7 @@ def infonce_truth(z_x, z_y, scale):
     return z_x.grad, z_y.grad
 
 
-@pytest.mark.parametrize("blocks", BLOCKS, ids=["small-blocks", "default"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype, blocks", CASES, ids=IDS)
 @pytest.mark.parametrize("path", PATHS, ids=["fused", "mm"])
 def test_pair_product_is_the_infonce_gradient(path, dtype, blocks):
     """G_x = s/(2N) sum_j (R + Q - 2 delta)_ij z_j^y for rows OFFSET.. of Z_x, and G_y by the swapped roles."""
@@ -74,8 +73,7 @@ def test_pair_product_is_the_infonce_gradient(path, dtype, blocks):
     assert relative(off, truth_x[own]) > 1e-2  # the positives' coefficients on the wrong columns
 
 
-@pytest.mark.parametrize("blocks", BLOCKS, ids=["small-blocks", "default"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype, blocks", CASES, ids=IDS)
 @pytest.mark.parametrize("path", PATHS, ids=["fused", "mm"])
 def test_sigmoid_rows_are_the_sigmoid_gradient(path, dtype, blocks):
     """D z_y s = dL/dZ_x for rows OFFSET.. (their positives at columns OFFSET..), the loss and dL/dbeta,
@@ -97,8 +95,7 @@ def test_sigmoid_rows_are_the_sigmoid_gradient(path, dtype, blocks):
         assert abs(d_sum.item() - d_rows.item()) <= TOL[dtype] * abs(d_rows.item())
 
 
-@pytest.mark.parametrize("blocks", BLOCKS, ids=["small-blocks", "default"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype, blocks", CASES, ids=IDS)
 def test_one_w_for_both_products_is_both_gradients(dtype, blocks):
     """W in memory, both products from one W (the rings' visits): the rows' and the columns' gradients of the
     whole batch, InfoNCE (G_x, G_y) and sigmoid (dL/dZ_x, dL/dZ_y, the loss, dL/dbeta), W made 5 rows at a time."""

@@ -7,10 +7,11 @@ device and a memory budget, `chunk_size`); NORMALISERS, how phase 2 computes the
 (every rank all N^2 similarities, no exchange); EXCHANGE, how the ranks' embeddings meet: "gather"
 (default; every rank holds N x 2d) or "ring" (C x d blocks pass rank to rank, `distlab.streamed.ring_passes`);
 KERNELS, who does the tile work: "auto" (default: the Triton kernels with W in memory, "triton-mm", on CUDA
-tensors at a tensor-core MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton" or "triton-mm"
-(`kernel_choice`); MATMUL_PRECISION, how the tiles multiply: "float32" (default), "tf32" or "bf16" (`precision`);
-W_MEMORY_MIB, for "triton-mm" the most MiB of the coefficient tile W alive at once (left out: 512 on a GPU,
-4,096 rows of bf16 W at N = 65,536; `kernels.coefficients`).
+tensors at a tensor-core MATMUL_PRECISION, the torch tiles elsewhere), "torch", "triton", "triton-mm" or
+"triton-s" (S in memory: cuBLAS S, one Triton pass; `kernel_choice`); MATMUL_PRECISION, how the tiles
+multiply: "float32" (default), "tf32" or "bf16" (`precision`); W_MEMORY_MIB, for "triton-mm" the most MiB of the
+coefficient tile W alive at once, for "triton-s" of S (left out: 512 on a GPU, 4,096 rows of bf16 W at
+N = 65,536; `kernels.coefficients`).
 A misspelt key is reported with the closest known name rather than silently ignored. `parse_config` is pure:
 given the same dict it raises the same ValueError on every rank.
 """
@@ -28,7 +29,7 @@ from distlab.pieces.chunks import balanced_chunks
 
 REQUIRED = ("GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE")
 OPTIONAL = ("STREAM_CHUNK_SIZE", "TAU", "NORMALISERS", "EXCHANGE", "KERNELS", "MATMUL_PRECISION", "W_MEMORY_MIB")
-KERNELS = ("auto", "torch", "triton", "triton-mm")  # `kernel_choice`
+KERNELS = ("auto", "torch", "triton", "triton-mm", "triton-s")  # `kernel_choice`
 MATMUL_PRECISIONS = ("float32", "tf32", "bf16")  # `precision`
 NORMALISERS = ("sharded", "replicated")
 EXCHANGES = ("gather", "ring")
@@ -48,7 +49,7 @@ class StreamConfig:
     rank: int  # this rank's place in that group
     group: Any = field(default=None, compare=False)  # that process group (None: the world)
     exchange: str = "gather"  # "gather" or "ring"
-    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton" or "triton-mm" (`kernel_choice`)
+    kernels: str = "auto"  # who does the tile work: "auto", "torch", "triton", "triton-mm", "triton-s"
     precision: str = "float32"  # MATMUL_PRECISION: "float32", "tf32" or "bf16" (`precision`)
     w_mib: int | None = None  # W_MEMORY_MIB: "triton-mm"'s budget for W (None: the default, `kernels.coefficients`)
 

@@ -14,6 +14,11 @@ step's matmul precision (MATMUL_PRECISION, `precision`).
               tensors under Triton's interpreter (TRITON_INTERPRET=1 set before the kernels are first imported)
     "triton-mm"  the same, except phase 3's products (and the sigmoid's): W made by a Triton GEMM's epilogue
               in chunks of rows in memory, then multiplied by torch's matmul (`kernels.coefficients`)
+    "triton-s"  S in memory: every block of S made by one cuBLAS GEMM in chunks of rows (the W_MEMORY_MIB rule),
+              then one memory-bound Triton pass that folds it into the row and column statistics or turns it
+              into W in place, then torch's matmul for the products; the InfoNCE ring keeps pass 1's S for
+              pass 2 where the budget holds it (`kernels.s_in_memory`). "auto" takes it only where a GPU run
+              measured it faster (`kernels.tuning.S_IN_MEMORY_MEASURED`, empty until then)
 
 `TorchTiles` and `TritonTiles` answer the same questions, so phases 2 and 3, the ring's passes and the sigmoid
 loss are written once: `row_lse` (a row log-sum-exp and its nll), `both_lse` (every row's and every
@@ -28,7 +33,7 @@ in memory ("triton-mm") both products read the same W, as the torch tiles do: 4 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,22 +92,34 @@ class TritonTiles:
     precision: str = "float32"
     blocks: Any = None  # a `kernels.launch.Blocks`, or None: measured on CUDA (`kernels.tuning`), else the defaults
     w_in_memory: bool = False  # KERNELS "triton-mm": the products by `kernels.coefficients`
-    w_budget: int | None = None  # "triton-mm": bytes of W alive at once (W_MEMORY_MIB); None: the module's default
+    w_budget: int | None = None  # "triton-mm", "triton-s": bytes of W (of S) alive at once (W_MEMORY_MIB)
+    s_in_memory: bool = False  # KERNELS "triton-s": S by cuBLAS in chunks, then one Triton pass (`kernels.s_in_memory`)
+    kept: Any = field(default=None, compare=False, repr=False)  # "triton-s": the ring's S kept from pass 1 to pass 2
+
+    def __post_init__(self):
+        if self.s_in_memory and self.kept is None:
+            from distlab.streamed.kernels.s_in_memory import Kept
+
+            object.__setattr__(self, "kept", Kept(self.w_budget))  # one store per step's ops (frozen otherwise)
 
     @property
     def name(self) -> str:
-        return "triton-mm" if self.w_in_memory else "triton"
+        return "triton-s" if self.s_in_memory else "triton-mm" if self.w_in_memory else "triton"
 
-    def _mm(self, q, k, job):
-        """KERNELS "triton-mm": `coefficients.run` for a Job, W in chunks of this step's budget:
-        (rows' product, columns' product or None, loss row sums, D row sums)."""
+    def _mm(self, q, k, job, kept=None):
+        """KERNELS "triton-mm" (or "triton-s": S in memory, `kept` its store): `coefficients.run` for a Job, W in
+        chunks of this step's budget: (rows' product, columns' product or None, loss row sums, D row sums)."""
+        if self.s_in_memory:
+            from distlab.streamed.kernels.s_in_memory import run as run_s
+
+            return run_s(q, k, job._replace(w_bytes=self.w_budget), self.precision, self.blocks, kept)
         from distlab.streamed.kernels.coefficients import run
 
         return run(q, k, job._replace(w_bytes=self.w_budget), self.precision, self.blocks)
 
     def _sigmoid_rows(self, q, k, pair, n: int, shift: int):
         """(D k, the loss's sum, D's sum) for q's rows against k, W in registers or in memory."""
-        if self.w_in_memory:
+        if self.w_in_memory or self.s_in_memory:
             from distlab.streamed.kernels.coefficients import sigmoid_job
 
             g, _, loss, d_sum = self._mm(q, k, sigmoid_job(q, pair, n, shift, False))
@@ -122,10 +139,22 @@ class TritonTiles:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         return tuple(t if t.dtype == torch.float64 else t.to(dtype) for t in tensors)
 
-    def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fold(self, q, k, scale: float, offset: int | None, columns: bool, kept=None):
+        """The rows' (and with `columns` the columns') fold: S in registers (`lse.row_lse`), or with
+        s_in_memory made by cuBLAS and folded by one pass (`s_in_memory.row_lse`, `kept` its store)."""
+        if self.s_in_memory:
+            from distlab.streamed.kernels.s_in_memory import Chunking
+            from distlab.streamed.kernels.s_in_memory import row_lse as row_lse_s
+
+            chunking = Chunking(self.blocks, self.w_budget, kept)
+            return row_lse_s(q, k, scale, offset, self.precision, columns, chunking)
         from distlab.streamed.kernels.lse import row_lse
 
-        folded = row_lse(*self._operands(q, k), scale, offset, self.precision, blocks=self.blocks)
+        return row_lse(q, k, scale, offset, self.precision, columns=columns, blocks=self.blocks)
+
+    def row_lse(self, q, k, scale: float, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+        folded = self._fold(*self._operands(q, k), scale, offset, False)
         return lse_and_nll(folded.m, folded.l, folded.diag)
 
     def both_lse(self, z_x, z_y, scale: float) -> tuple[torch.Tensor, ...]:
@@ -133,7 +162,7 @@ class TritonTiles:
 
     def pair_product(self, q, k, scale: float, pairing: Pairing) -> torch.Tensor:
         q, k = self._operands(q, k)
-        if self.w_in_memory:
+        if self.w_in_memory or self.s_in_memory:
             from distlab.streamed.kernels.coefficients import infonce_job
 
             return self._mm(q, k, infonce_job(scale, pairing, 1.0, False))[0]
@@ -146,7 +175,7 @@ class TritonTiles:
         launch (the second recomputes S with the roles swapped; S^T's positives are S's)."""
         pair, shift, (x, y) = (logits.s, logits.beta), starts[0] - starts[1], self._operands(x, y)
         d_y = d_x = None
-        if self.w_in_memory and all(want):  # one D for both products
+        if (self.w_in_memory or self.s_in_memory) and all(want):  # one D for both products
             from distlab.streamed.kernels.coefficients import sigmoid_job
 
             d_y, d_x, loss, d_sum = self._mm(x, y, sigmoid_job(x, pair, n, shift, True))
@@ -159,10 +188,11 @@ class TritonTiles:
         return BlockGrads(loss, d_y, d_x, d_sum)
 
     def ring_fold(self, x, y_j, scale: float, rows_fold: RowFold, own: bool) -> list:
-        from distlab.streamed.kernels.lse import merge, row_lse
+        from distlab.streamed.kernels.lse import merge
 
+        kept = self._visit(x, y_j, start=own)
         x, y_j = self._operands(x, y_j)
-        folded = row_lse(x, y_j, scale, 0 if own else None, self.precision, columns=True, blocks=self.blocks)
+        folded = self._fold(x, y_j, scale, 0 if own else None, True, kept)
         rows_fold.m, rows_fold.l = merge(torch.stack((rows_fold.m, folded.m)), torch.stack((rows_fold.l, folded.l)))
         if own:
             rows_fold.diag_rows, rows_fold.diag_cols = folded.diag, folded.diag
@@ -170,17 +200,29 @@ class TritonTiles:
 
     def ring_products(self, x, y_j, scale: float, pairing: Pairing, into_rows: torch.Tensor) -> torch.Tensor:
         p = pairing
-        if self.w_in_memory:  # one W for both products
+        if self.w_in_memory or self.s_in_memory:  # one W for both products
             from distlab.streamed.kernels.coefficients import infonce_job
 
-            rows, cols = self._mm(*self._operands(x, y_j), infonce_job(scale, p, 1.0, True))[:2]
+            kept = self._visit(x, y_j, start=False)
+            rows, cols = self._mm(*self._operands(x, y_j), infonce_job(scale, p, 1.0, True), kept)[:2]
             into_rows += rows
             return cols
         into_rows += self.pair_product(x, y_j, scale, p)
         return self.pair_product(y_j, x, scale, Pairing(p.lse_k, p.lse_q, p.diag_coef, p.offset))
 
+    def _visit(self, x, y_j, start: bool):
+        """ "triton-s": the store of S kept between the ring's passes, told which visit comes (x against as many
+        columns as y_j; `start`: pass 1's first visit, which drops what an earlier step kept); else None."""
+        if self.kept is None:
+            return None
+        if start:
+            self.kept.start()
+        self.kept.key = self.kept.mark(x, len(y_j))
+        return self.kept
+
 
 TileOps = TorchTiles | TritonTiles
+TRITON_PATHS = ("triton", "triton-mm", "triton-s")  # the KERNELS values that run Triton kernels
 
 
 def as_tile_ops(tiles: TorchTiles | TritonTiles | int) -> TorchTiles | TritonTiles:
@@ -202,7 +244,7 @@ def triton_ready() -> str | None:
 
 def kernels_problem(kernels: str, device: torch.device) -> str | None:
     """Why KERNELS cannot run on `device` (None: it can), in words naming the key."""
-    if kernels not in ("triton", "triton-mm"):
+    if kernels not in TRITON_PATHS:
         return None
     if importlib.util.find_spec("triton") is None:
         return f"config['KERNELS'] = {kernels!r}, but triton is not installed (pip install -r requirements.txt)"
@@ -226,7 +268,7 @@ def tile_ops(
     "auto" takes `auto_choice`'s answer."""
     if (problem := kernels_problem(kernels, device)) is not None:
         raise ValueError(problem)
-    if kernels in ("triton", "triton-mm") and device.type == "cuda" and dtype == torch.float64:
+    if kernels in TRITON_PATHS and device.type == "cuda" and dtype == torch.float64:
         raise ValueError(
             f"config['KERNELS'] = {kernels!r} with float64 embeddings on CUDA: Triton's tl.dot has no float64 on "
             "GPUs; use KERNELS 'auto' or 'torch' (float64 runs on the torch tiles)"
@@ -235,7 +277,8 @@ def tile_ops(
         kernels = auto_choice(device, d, dtype, precision)[0]
     if kernels == "torch":
         return TorchTiles(t, precision)
-    return TritonTiles(precision, w_in_memory=kernels == "triton-mm", w_budget=w_budget)
+    in_memory = dict(w_in_memory=kernels == "triton-mm", s_in_memory=kernels == "triton-s")
+    return TritonTiles(precision, w_budget=w_budget, **in_memory)
 
 
 def auto_choice(device: torch.device, d: int | None, dtype: torch.dtype, precision: str) -> tuple[str, str]:

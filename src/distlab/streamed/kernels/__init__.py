@@ -14,12 +14,17 @@ embeddings, the normalisers and G.
   `product.sigmoid_rows` the sigmoid loss: D k, and the sums of softplus(-eps S) and of D.
   `coefficients`         the same two products with W in memory (KERNELS "triton-mm"): a Triton GEMM whose
                          epilogue makes W, in chunks of rows, then torch's matmul W k (cuBLAS on GPUs).
+  `s_in_memory`          S in memory (KERNELS "triton-s"): each chunk of S by one cuBLAS GEMM, then one
+                         memory-bound Triton pass that folds it (`lse`'s kernel reading S) or writes W over it
+                         in place, then the cuBLAS products; the ring's S kept from pass 1 for pass 2.
 
   `register_tile`        what every kernel shares: the S tile made in registers, the dot at the step's
                          precision, a log1p accurate for the sigmoid (the torch tiles' S tile lives in memory:
                          `distlab.streamed.torch_tiles`).
   `launch`               launching them: block sizes, the columns split across programs, each launch reported
                          to `distlab.proof.launch_count` (on the meta device counted and not run).
+  `path_model`           a bytes-and-FLOPs model of the three paths (fused, W in memory, S in memory): each
+                         one's floor at a shape from a card's measured rates.
   `tuning`               which blocks on which card: the winners measured per (card, d, path), committed as a
                          table, else a short timed search on a CUDA device's first use, cached on disk (never
                          on a CPU).

@@ -9,6 +9,8 @@ nll_i = (m_i - S_ii) + log l_i is exactly log l_i when the positive is the row's
 With ROLE = COLUMNS the tile is also folded down its columns (max, then the sum of exp under it): one (m, l)
 per (row block, column), which the ring's pass 1 merges into the visiting block's column normalisers, so one
 S tile serves both folds. Each column range writes its own (m, l) partial; `row_lse` merges them in order.
+With ROLE + FROM_MEMORY the same program reads its S tiles from a chunk of S that cuBLAS made (`s_in_memory`,
+KERNELS "triton-s"): the fold is then a memory-bound pass, 4 bytes of S read per element and no dot.
 
 Cost per launch, q of n_q rows, k of n_k, width d: n_q n_k d multiply-adds, one exp per element of S (two
 with COLUMNS); it reads q once per column block and k once per row block (from L2 when they fit) and writes
@@ -38,6 +40,21 @@ from distlab.streamed.kernels.launch import (
 from distlab.streamed.kernels.register_tile import BF16, Operand, Tiling, s_tile
 
 ROWS, COLUMNS = 0, 1  # ROLE: the rows' fold only, or the columns' too
+FROM_MEMORY = 2  # added to ROLE: the S tiles read from a chunk of S in memory (`s_in_memory`), not made here
+
+
+@triton.jit
+def lse_tile(q: Operand, k: Operand, rows, cols, d, scale, T: Tiling):
+    """The S tile a fold program walks: made in registers from q and k (`s_tile`), or with ROLE >= FROM_MEMORY
+    read from a chunk of raw dot products q k^T in memory (q's pointer then holds that chunk, q.rows x k.rows
+    with row stride q.stride; k names only its columns) and scaled here, as `s_tile` scales its sums."""
+    if T.ROLE >= 2:
+        ok = (rows[:, None] < q.rows) & (cols[None, :] < k.rows)
+        raw = tl.load(q.ptr + rows[:, None].to(tl.int64) * q.stride + cols[None, :], mask=ok, other=0.0)
+        s = raw * scale
+    else:
+        s = s_tile(q, k, rows, cols, d, scale, T)
+    return s
 
 
 @triton.jit
@@ -56,14 +73,14 @@ def lse_kernel(q: Operand, k: Operand, out, walk, T: Tiling):
     for c0 in range(start, end, T.BLOCK_N):
         cols = c0 + tl.arange(0, T.BLOCK_N)
         col_ok = cols < end
-        s = tl.where(col_ok[None, :], s_tile(q, k, rows, cols, d, scale, T), float("-inf"))
+        s = tl.where(col_ok[None, :], lse_tile(q, k, rows, cols, d, scale, T), float("-inf"))
         hit = (cols[None, :] == rows[:, None] + offset) & col_ok[None, :]
         found = tl.sum(hit.to(tl.int32), 1) > 0
         tl.store(diag_at + rows, tl.sum(tl.where(hit, s, 0.0), 1), mask=found & row_ok)
         new_max = tl.maximum(run_max, tl.max(s, 1))
         run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(s - new_max[:, None]), 1)
         run_max = new_max
-        if T.ROLE == 1:  # the same tile folded down its columns, over this block's valid rows
+        if T.ROLE % 2 == 1:  # the same tile folded down its columns, over this block's valid rows
             s_col = tl.where(row_ok[:, None], s, float("-inf"))
             col_max = tl.max(s_col, 0)
             safe = tl.where(col_ok, col_max, 0.0)  # a column past the end is all -inf: keep exp() finite
@@ -122,16 +139,26 @@ def row_lse(
         default = fold_blocks(code, interpreted(lse_kernel), columns)
         again = lambda b: row_lse(q, k, scale, offset, precision, columns, b)  # noqa: E731 - one candidate's run
         blocks = tuning.choose("ring-fold" if columns else "fold", q, precision, default, again).blocks
-    per_split, splits = column_split(n_q, len(k), blocks, q.device)
+    operands = Operand(q, n_q, q.stride(0)), Operand(k, len(k), k.stride(0))
+    return launch_fold(*operands, (d, scale, offset), (code, columns, blocks, False), nbytes(q, k))
+
+
+def launch_fold(q: Operand, k: Operand, walk: tuple, how: tuple, moved: int) -> Folded:
+    """One launch of `lse_kernel` over q's rows against k's and the merge of its column ranges; walk = (d, s,
+    offset of the positives or None), how = (precision code, column statistics too, blocks, from memory). From
+    memory (`s_in_memory`): q's pointer is a chunk of raw dot products q k^T, k names only its columns."""
+    (d, scale, offset), (code, columns, blocks, from_memory) = walk, how
+    memory = FROM_MEMORY if from_memory else 0
+    n_q, n_k, device = q.rows, k.rows, q.ptr.device
+    per_split, splits = column_split(n_q, n_k, blocks, device)
     row_blocks = triton.cdiv(n_q, blocks.m)
-    kw = dict(dtype=accumulator(code), device=q.device)
+    kw = dict(dtype=accumulator(code), device=device)
     m, l = torch.empty(2, splits, n_q, **kw)  # noqa: E741
     diag = torch.empty(n_q, **kw)
-    col_m, col_l = torch.empty(2, row_blocks if columns else 1, len(k) if columns else 1, **kw)
-    walk = (d, per_split, float(scale), len(k) if offset is None else offset)  # no positive: no column reaches it
-    args = (Operand(q, n_q, q.stride(0)), Operand(k, len(k), k.stride(0)), (m, l, diag, col_m, col_l), walk)
-    args += (tiling(blocks, code, COLUMNS if columns else ROWS),)
-    launch(lse_kernel, (row_blocks, splits), args, blocks, nbytes(q, k, m, l, diag, col_m, col_l))
+    col_m, col_l = torch.empty(2, row_blocks if columns else 1, n_k if columns else 1, **kw)
+    walk = (d, per_split, float(scale), n_k if offset is None else offset)  # no positive: no column reaches it
+    args = (q, k, (m, l, diag, col_m, col_l), walk, tiling(blocks, code, (COLUMNS if columns else ROWS) + memory))
+    launch(lse_kernel, (row_blocks, splits), args, blocks, moved + nbytes(m, l, diag, col_m, col_l))
     folded = Folded(*merge(m, l), diag)
     if columns:
         folded.col_m, folded.col_l = merge(col_m, col_l)

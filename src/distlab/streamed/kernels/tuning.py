@@ -80,6 +80,11 @@ WINNERS: dict[tuple[str, str], dict[int, Blocks]] = {
 # every d timed (ring_parts/: 128 to 1,024, both losses, both exchanges, and at tf32).
 PATHS: dict[str, dict[int, str]] = {H200: {1024: "triton-mm", 512: "triton-mm", 256: "triton-mm", 128: "triton-mm"}}
 UNMEASURED_PATH = "triton-mm"  # a card or d not on record: the H200's winner at every d it timed
+# S in memory (KERNELS "triton-s") against W in memory, timed in one run on one card: card -> d -> rows of
+# (loss, exchange, seconds with S in memory, seconds with W in memory), one rank of N = 65,536, P = 8 at bf16.
+# Empty until a GPU run times it (benchmarks/gpu_next.py's group S): "auto" takes "triton-s" on a card only at
+# a d whose every row on record is faster with S in memory (`s_in_memory_measured`), never by the model alone.
+S_IN_MEMORY_MEASURED: dict[str, dict[int, list[tuple[str, str, float, float]]]] = {}
 
 
 @dataclass(frozen=True)
@@ -202,17 +207,54 @@ def choose(kind: str, q: torch.Tensor, precision: str, default: Blocks, run: Cal
 
 def auto_kernels(device: torch.device, d: int | None, dtype: torch.dtype, precision: str) -> tuple[str, str]:
     """What KERNELS "auto" takes, and why in a sentence: the torch tiles off CUDA, for float64 and at IEEE
-    float32; on CUDA at tf32 / bf16 the winner on record for this card and d, else "triton-mm"."""
+    float32; on CUDA at tf32 / bf16 the winner on record for this card and d (`measured_path`: "triton-s" only
+    where S_IN_MEMORY_MEASURED says it was faster), else "triton-mm"; the sentence ends with the three paths'
+    modelled floors (`path_model`), so the log says what the model expected beside what was measured."""
     if device.type != "cuda":
         return "torch", f"{device.type} tensors: the torch tiles (the kernels need CUDA)"
     if dtype == torch.float64 or precision == "float32":
         what = "float64 embeddings" if dtype == torch.float64 else "MATMUL_PRECISION 'float32'"
         return "torch", f"{what}: the torch tiles on cuBLAS (faster than the kernels' FMA products on record)"
     name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "no CUDA device here"
+    path, why = measured_path(name, d)
+    return path, f"{why}; {modelled(name, d or 1024, precision)}"
+
+
+def measured_path(name: str, d: int | None) -> tuple[str, str]:
+    """The path the GPU records say is fastest on card `name` at the d on record nearest d: "triton-s" where
+    `s_in_memory_measured` says so, else the PATHS table's winner, else UNMEASURED_PATH; and why."""
+    faster, evidence = s_in_memory_measured(name, d or 1024)
+    if faster:
+        return "triton-s", f"{name}: S in memory measured faster than W in memory ({evidence})"
     measured = nearest(PATHS.get(name, {}), d or 1024)
     if measured is not None:
-        return measured, f"{name}'s measured winner at d nearest {d} (benchmarks/results/gpu/)"
+        return measured, f"{name}'s measured winner at d nearest {d} (benchmarks/results/gpu/); {evidence}"
     return UNMEASURED_PATH, f"{name} not on record: {UNMEASURED_PATH!r}, the H200's winner at every d from 128 to 1,024"
+
+
+def s_in_memory_measured(name: str, d: int) -> tuple[bool, str]:
+    """Whether S_IN_MEMORY_MEASURED's rows for this card at the d on record nearest d are all faster with S in
+    memory than with W in memory, and the evidence in words (no rows: not faster, "S in memory not yet timed")."""
+    rows = nearest(S_IN_MEMORY_MEASURED.get(name, {}), d)
+    if not rows:
+        return False, f"S in memory not yet timed on {name}"
+    said = ", ".join(
+        f"{loss} {exchange} {s_time:.4f} s against {w_time:.4f} s" for loss, exchange, s_time, w_time in rows
+    )
+    return all(s_time < w_time for _, _, s_time, w_time in rows), said
+
+
+def modelled(name: str, d: int, precision: str) -> str:
+    """The model's floors of the three paths for one rank of the InfoNCE ring at N = 65,536, P = 8, d, in words
+    (`path_model`; a card without measured rates has none)."""
+    from distlab.streamed.kernels import path_model
+
+    rates = path_model.rates_for(name)
+    if rates is None or precision != "bf16":
+        return f"no modelled floor ({name} at {precision}: no rates on record)"
+    shape = path_model.Shape("infonce", "ring", 65536, 8, d)
+    floors = ", ".join(f"{path} {seconds:.4f} s" for path, seconds in path_model.floors(shape, rates).items())
+    return f"modelled floors, InfoNCE ring at N = 65,536, P = 8: {floors} ({rates.source})"
 
 
 _SAID: set[str] = set()

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from distlab.streamed.chunk_size import CPU_BUDGET
 from distlab.streamed.kernels.coefficients import W_BUDGET, Job, chunk_rows, mm_into
 from distlab.streamed.kernels.launch import (
     Blocks,
@@ -162,8 +163,6 @@ class Kept:
 
 def chunk_budget(device: torch.device) -> int:
     """The default bytes of S alive at once on `device` (the budget `coefficients.chunk_rows` takes)."""
-    from distlab.streamed.chunk_size import CPU_BUDGET
-
     return CPU_BUDGET if device.type == "cpu" else S_BUDGET
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from distlab.streamed.kernels import path_model
 from distlab.streamed.kernels.launch import Blocks
 
 ENV = "DISTLAB_KERNEL_CACHE"
@@ -247,8 +248,6 @@ def s_in_memory_measured(name: str, d: int) -> tuple[bool, str]:
 def modelled(name: str, d: int, precision: str) -> str:
     """The model's floors of the three paths for one rank of the InfoNCE ring at N = 65,536, P = 8, d, in words
     (`path_model`; a card without measured rates has none)."""
-    from distlab.streamed.kernels import path_model
-
     rates = path_model.rates_for(name)
     if rates is None or precision != "bf16":
         return f"no modelled floor ({name} at {precision}: no rates on record)"

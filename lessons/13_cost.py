@@ -36,7 +36,7 @@ MFU (part 5) = the model's FLOPs (forward + backward, no recomputation) / (step 
 the dtype the step computes in). Counting recomputation gives HFU, the hardware's utilisation; dividing by
 a datasheet's headline figure, the 2:4-sparse rate, halves MFU (NVIDIA/Megatron-LM#1565); dividing by
 another dtype's peak gives another number again (pytorch/torchtitan#668 divided bf16 steps by TF32's).
-`python -m distlab.plan` (README) ranks the splits of a real model on real GPUs with the same model.
+`python -m distlab.plan` (docs/planner.md) ranks the splits of a real model on real GPUs with the same model.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ NO_OVERLAP = Assumptions(
     matmul_efficiency=1.0, link_efficiency=1.0, overlap=(), attention_share=1.0
 )  # measured; gloo blocks
 # The time prediction's stated factor: measured / predicted (roofline + ops) within [1 / TIME_FACTOR, TIME_FACTOR].
-# On the shared 2-core CPU the lesson has measured 3.0-4.6 (README: P ranks and other jobs share the cores);
+# On the shared 2-core CPU the lesson has measured 3.0-4.6 (docs/running.md: P ranks and other jobs share the cores);
 # a prediction outside it is a broken model, not a busy machine.
 TIME_FACTOR = 8.0
 ROOF_COPY_BYTES = 128 << 20  # the bandwidth roof's copy: 256 MiB moved, beyond the caches (an H100's L2 is 50 MiB)

@@ -1,6 +1,6 @@
 """Strict device mode: a collective on a tensor that is not on the runtime's device raises.
 
-The rule (the README's "Two commands"): every collective runs on the rank's device, `rt.device`. On
+The rule (docs/running.md, "The two commands"): every collective runs on the rank's device, `rt.device`. On
 GPUs a tensor left on the CPU breaks it (an nccl group refuses it; `cpu:gloo,cuda:nccl` quietly sends
 it through gloo, and a gather that mixes the two devices fails), yet a CPU-only suite cannot see it:
 there `rt.device` *is* the CPU.

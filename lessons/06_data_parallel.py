@@ -118,7 +118,7 @@ from distlab.processes.flags import check_flags_against_world, positive_float, p
 from distlab.processes.identity import Runtime
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
-from distlab.proof.cli import add_mlp_args, lesson_parser
+from distlab.proof.cli import add_emulate_args, add_mlp_args, lesson_parser
 from distlab.proof.compare import DTYPES, all_ok, compare, compare_whole, tolerances
 from distlab.proof.memory import MIB
 from distlab.proof.reference import one_process, sgd
@@ -451,7 +451,7 @@ def parse_args():
         default=3,
         help="micro-batches per rank in the no_sync part (at most C = N / P)",
     )
-    emulate.add_args(parser, ms_per_layer=10.0)  # long enough that the real compute and all-reduces fit inside
+    add_emulate_args(parser, ms_per_layer=10.0)  # long enough that the real compute and all-reduces fit inside
     parser.add_argument("--link-ms-per-mib", type=positive_float, default=40.0, help="emulated: ms per MiB on the link")
     return parser.parse_args()
 

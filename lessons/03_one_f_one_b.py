@@ -49,8 +49,7 @@ from distlab.model_split.training import PipelineConfig, microbatch_sizes, train
 from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, positive_int
 from distlab.processes.runtime import distributed, run_main
-from distlab.proof import emulate
-from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
+from distlab.proof.cli import add_emulate_args, add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.verdict import Verdict
 
 # ---- the mechanism: the 1F1B schedule, as data ---------------------------------------------------
@@ -76,7 +75,7 @@ def one_f_one_b(num_ranks: int, microbatches: int) -> Schedule:
 def parse_args(argv: list[str] | None = None):
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=128, global_batch=256, steps=3)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M, from 1 to N")
-    emulate.add_args(parser, ms_per_layer=4.0)
+    add_emulate_args(parser, ms_per_layer=4.0)
     return parser.parse_args(argv)
 
 

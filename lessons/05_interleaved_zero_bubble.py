@@ -70,8 +70,7 @@ from distlab.model_split.training import PipelineConfig, train, unsplit_referenc
 from distlab.processes.console import print0
 from distlab.processes.flags import check_flags_against_world, positive_int, require
 from distlab.processes.runtime import distributed, run_main
-from distlab.proof import emulate
-from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
+from distlab.proof.cli import add_emulate_args, add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.compare import all_ok, compare
 from distlab.proof.timeline import step_seconds
 from distlab.proof.verdict import Verdict
@@ -268,7 +267,7 @@ def parse_args(argv: list[str] | None = None):
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=32, global_batch=64, steps=3)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M; must divide N (PyTorch's runs)")
     parser.add_argument("--stages-per-rank", type=positive_int, default=2, help="v of interleaved 1F1B (>= 2)")
-    emulate.add_args(parser, ms_per_layer=10.0)  # half-size stages: their messages would weigh more at 4 ms
+    add_emulate_args(parser, ms_per_layer=10.0)  # half-size stages: their messages would weigh more at 4 ms
     return parser.parse_args(argv)
 
 

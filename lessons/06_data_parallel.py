@@ -118,7 +118,7 @@ from distlab.processes.flags import check_flags_against_world, positive_float, p
 from distlab.processes.identity import Runtime
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
-from distlab.proof.cli import add_mlp_args, lesson_parser
+from distlab.proof.cli import add_emulate_args, add_mlp_args, lesson_parser
 from distlab.proof.compare import DTYPES, all_ok, compare, compare_whole, tolerances
 from distlab.proof.memory import MIB
 from distlab.proof.reference import one_process, sgd
@@ -404,7 +404,8 @@ def show_ddp(rt: Runtime, cfg: DataParallelConfig, k: int, verdict: Verdict, ref
     print0(f"without the flag, step 3's forward raised: {unused.errors[False].split('. ')[0]}.", highlight=False)
     print0(
         f"with the flag DDP searches the graph for unused parameters after every forward; in step 1, which used them "
-        f"all, torch {'warned' if unused.warned else 'did not warn'} that the search found none: the flag's price",
+        f"all, torch {'warned' if unused.warned else 'did not warn'} (on every rank; caught here and said once) that "
+        "the search found none and only costs time: the flag's price on the steps that do not need it",
         highlight=False,
     )
     verdict.check(
@@ -451,14 +452,13 @@ def parse_args():
         default=3,
         help="micro-batches per rank in the no_sync part (at most C = N / P)",
     )
-    emulate.add_args(parser, ms_per_layer=10.0)  # long enough that the real compute and all-reduces fit inside
+    add_emulate_args(parser, ms_per_layer=10.0)  # long enough that the real compute and all-reduces fit inside
     parser.add_argument("--link-ms-per-mib", type=positive_float, default=40.0, help="emulated: ms per MiB on the link")
     return parser.parse_args()
 
 
 def main() -> int:
-    rules = lambda a, world: world_rules(a.global_batch, a.accumulation_steps, world)  # noqa: E731
-    args = check_flags_against_world(parse_args(), rules)
+    args = check_flags_against_world(parse_args(), lambda a, p: world_rules(a.global_batch, a.accumulation_steps, p))
     cfg = DataParallelConfig(
         args.global_batch, args.layers, args.width, args.steps, args.lr, args.seed, DTYPES[args.dtype]
     )

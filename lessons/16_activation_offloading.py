@@ -45,7 +45,7 @@ from distlab.processes.console import print0, rows_table
 from distlab.processes.flags import nonnegative_float, positive_int
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
-from distlab.proof.cli import lesson_parser
+from distlab.proof.cli import add_emulate_args, lesson_parser
 from distlab.proof.held import SavedActivations, storage_bytes
 from distlab.proof.memory import MIB
 from distlab.proof.models import layered_mlp, regression_batch
@@ -293,7 +293,7 @@ def parse_args():
     parser.add_argument("--width", type=positive_int, default=256, help="hidden width of the MLP")
     parser.add_argument("--layers", type=positive_int, default=6, help="hidden layers of the MLP")
     parser.add_argument("--global-batch", type=positive_int, default=512, help="rows, N")
-    emulate.add_args(parser, ms_per_layer=20.0)
+    add_emulate_args(parser, ms_per_layer=20.0)
     parser.add_argument(
         "--link-ms-per-mib", type=nonnegative_float, default=10.0, help="emulated link: ms per MiB copied"
     )

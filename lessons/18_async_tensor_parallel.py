@@ -72,7 +72,7 @@ from distlab.processes.flags import check_flags_against_world, nonnegative_float
 from distlab.processes.identity import Runtime
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof import emulate
-from distlab.proof.cli import lesson_parser
+from distlab.proof.cli import add_emulate_args, lesson_parser
 from distlab.proof.compare import all_ok, compare
 from distlab.proof.verdict import Verdict
 
@@ -407,7 +407,7 @@ def parse_args():
     parser.add_argument("--seq-len", type=positive_int, default=12, help="tokens per sequence, seq (P must divide it)")
     parser.add_argument("--dim", type=positive_int, default=24, help="model width d")
     parser.add_argument("--ffn-width", type=positive_int, default=48, help="MLP hidden width d_ff (P must divide it)")
-    emulate.add_args(parser, ms_per_layer=20.0)
+    add_emulate_args(parser, ms_per_layer=20.0)
     parser.add_argument(
         "--link-ms", type=nonnegative_float, default=20.0, help="emulated device: ms per block's message"
     )

@@ -101,8 +101,7 @@ from distlab.model_split.two_chains import (
 from distlab.processes.console import compact_table, print0
 from distlab.processes.flags import check_flags_against_world, positive_int, require
 from distlab.processes.runtime import distributed, run_main
-from distlab.proof import emulate
-from distlab.proof.cli import add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
+from distlab.proof.cli import add_emulate_args, add_mlp_args, lesson_parser, mlp_run, stages_fit_layers
 from distlab.proof.timeline import step_seconds
 from distlab.proof.verdict import Verdict
 
@@ -401,7 +400,7 @@ def both_directions(rt, cfg: PipelineConfig, verdict: Verdict) -> dict:
 def parse_args():
     parser = add_mlp_args(lesson_parser(__doc__), layers=16, width=16, global_batch=32, steps=2)
     parser.add_argument("--micro-batches", type=positive_int, default=8, help="M; at least 2P, and dividing N")
-    emulate.add_args(parser, ms_per_layer=10.0)
+    add_emulate_args(parser, ms_per_layer=10.0)
     return parser.parse_args()
 
 

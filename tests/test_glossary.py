@@ -85,8 +85,8 @@ def test_every_module_is_named_in_the_layout():
     "where",
     [
         "distlab.processes.runtime.Runtime",  # it lives in identity now
-        "distlab.proof.console",  # moved to processes
-        "distlab.pipeline",  # renamed model_split
+        "distlab.proof.consoles",  # no such module
+        "distlab.model_split.runner.NoSuchName",
         "distlab.proof.memory.NOT_A_NAME",
     ],
 )

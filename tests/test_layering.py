@@ -21,61 +21,35 @@ Each rule is checked on the source (every import statement, also inside function
 each check is shown to fail on a planted import. No import circle of any size exists anywhere in the library,
 deferred imports included (an import inside a function that closes a circle is still the circle: the streamed
 step's launch warning once closed one of nine modules that way), and no import inside a function exists to
-dodge one: each deferred import of a distlab module is listed in `DEFERRED` with the heavy dependency it
-postpones.
+dodge one (tests/test_import_rules.py: each deferred import of a distlab module listed with the heavy
+dependency it postpones; the lessons' imports down the arc; no argparse namespace in the library).
 """
 
 import ast
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-SRC = ROOT / "src"
-DISTLAB = SRC / "distlab"
-GROUND_PACKAGES = ("processes", "pieces", "comm", "proof")  # the ground floor's rooms, bottom first
-PARTS = ("data_split", "layer_split")  # a part of the arc: a folder of its sibling packages, and nothing else
-SIBLINGS = (  # one package per way of splitting training, or per step: each imports the ground floor only
-    "model_split",
-    "data_split.data_parallel",
-    "data_split.sharding",
-    "layer_split.tensor_parallel",
-    "layer_split.context_parallel",
-    "layer_split.expert_parallel",
-    "resilience",
-    "contrastive",
-    "streamed",
+from layering_helpers import (
+    DISTLAB,
+    FLOORED,
+    GROUND_PACKAGES,
+    LIBRARY,
+    PARTS,
+    ROOMS,
+    SIBLINGS,
+    TOP_PACKAGES,
+    circles,
+    import_graph,
+    imported_modules,
+    imports,
+    library_sources,
+    module_name,
+    room_of,
 )
-TOP_PACKAGES = ("cost", "plan", "composed")  # the top floor: they read every sibling's formulas
-ROOMS = GROUND_PACKAGES + SIBLINGS + TOP_PACKAGES
+
 PACKAGES = sorted(p.name for p in DISTLAB.iterdir() if (p / "__init__.py").is_file())
 LESSONS_PARSER = "distlab.proof.cli"  # the lessons' command line: lessons, tests and benchmarks only
-LIBRARY = sorted(SRC.rglob("*.py"))  # distlab, and distributed_clip.py: the public path to the streamed step
-FLOORED = sorted(DISTLAB.rglob("*.py"))
 OUTSIDE = ("lessons", "tests", "helpers", "nbhelpers", "exercise_kit")  # what the library never imports
-
-
-def module_name(path: Path) -> str:
-    """distlab/streamed/ring_passes.py -> distlab.streamed.ring_passes; a package's __init__.py is the package."""
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports(source: str, module: str, is_package: bool = False) -> list[str]:
-    """Every module `source` (the text of module `module`) imports, as absolute dotted names; for
-    `from pkg import name` both pkg and pkg.name (name may be a submodule)."""
-    package = module if is_package else module.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the package, one level up per extra dot
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            found += [base] + [f"{base}.{alias.name}" for alias in node.names]
-    return found
 
 
 def floor_breaks(source: str, module: str, is_package: bool = False) -> list[str]:
@@ -99,13 +73,6 @@ def ground_upwards(own: str | None, target: str | None) -> bool:
         and target in GROUND_PACKAGES
         and GROUND_PACKAGES.index(target) > GROUND_PACKAGES.index(own)
     )
-
-
-def room_of(name: str) -> str | None:
-    """The room a dotted name lies in: distlab.layer_split.tensor_parallel.cost -> layer_split.tensor_parallel,
-    distlab.proof.compare -> proof; None outside distlab or for distlab itself (or a part's own folder)."""
-    inside = name.split(".")[1:] if name.split(".")[0] == "distlab" else []
-    return next((".".join(inside[:k]) for k in (2, 1) if ".".join(inside[:k]) in ROOMS), None)
 
 
 def outside_imports(source: str, module: str) -> list[str]:
@@ -266,66 +233,6 @@ def test_the_one_way_check_fails_on_a_planted_import(planted):
     assert not outside_imports("from distlab.processes.console import print0", "distlab.proof.compare")
 
 
-def imported_modules(source: str, module: str, known: set[str], is_package: bool = False) -> set[str]:
-    """The modules of `known` that `module` imports: `from pkg import sub` is the submodule sub (not pkg, whose
-    __init__ Python runs for every import below it anyway), `from pkg.mod import name` is pkg.mod."""
-    names = [name for name in imports(source, module, is_package) if name in known and name != module]
-    return {name for name in names if not any(other.startswith(name + ".") for other in names)}
-
-
-def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
-    """module -> the modules it imports, from {module: (its source, whether it is a package's __init__)}."""
-    known = set(sources)
-    return {module: imported_modules(text, module, known, package) for module, (text, package) in sources.items()}
-
-
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every import circle: the strongly connected components of more than one module (Tarjan's algorithm,
-    iterative), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            module, targets = work[-1]
-            target = next(targets, None)
-            if target is not None:
-                if target not in index:
-                    index[target] = low[target] = len(index)
-                    stack.append(target)
-                    on_stack.add(target)
-                    work.append((target, iter(sorted(graph[target]))))
-                elif target in on_stack:
-                    low[module] = min(low[module], index[target])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[module])
-            if low[module] == index[module]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == module:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
-
-
-def library_sources() -> dict[str, tuple[str, bool]]:
-    return {module_name(path): (path.read_text(), path.name == "__init__.py") for path in FLOORED}
-
-
 def test_no_import_circle():
     """No circle of any size, deferred imports included: every import points down."""
     found = circles(import_graph(library_sources()))
@@ -348,65 +255,6 @@ def test_the_circle_check_fails_on_a_planted_deferred_import():
     assert ["distlab.processes.runtime", "distlab.processes.strict"] in circles(import_graph(sources))
 
 
-# Every import of a distlab module inside a function, by (importing module, imported module or package): the
-# heavy dependency it postpones. Anything else belongs at the top of its module, where a circle would show.
-DEFERRED = {
-    ("distlab.processes.flags", "distlab.processes.committed"): "flags imports no torch (a parser answers --help "
-    "without it); a checkpoint folder's check needs torch.distributed, only when a lesson asks for one",
-    ("distlab.streamed.kernel_choice", "distlab.streamed.kernels"): "Triton, only when KERNELS chooses a kernel "
-    "(a CPU install has none to import)",
-}
-
-
-def deferred_imports(source: str, module: str, is_package: bool = False) -> list[tuple[str, str]]:
-    """(module, the distlab module it imports) for every import statement inside a function of `source`."""
-    found = []
-    for function in ast.walk(ast.parse(source)):
-        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = ast.Module(body=function.body, type_ignores=[])
-            found += [
-                (module, name) for name in imports(ast.unparse(body), module, is_package) if name.startswith("distlab")
-            ]
-    return found
-
-
-def undeclared_deferred(source: str, module: str, is_package: bool = False) -> list[str]:
-    """The deferred imports of `module` that DEFERRED gives no reason for."""
-    return sorted(
-        {
-            f"{module} imports {name} inside a function"
-            for module, name in deferred_imports(source, module, is_package)
-            if not any(module == m and (name == t or name.startswith(t + ".")) for m, t in DEFERRED)
-        }
-    )
-
-
-def test_no_import_inside_a_function_dodges_a_circle():
-    offenders = [
-        b
-        for path in FLOORED
-        for b in undeclared_deferred(path.read_text(), module_name(path), path.name == "__init__.py")
-    ]
-    assert not offenders, offenders
-    seen = {key for path in FLOORED for key in deferred_imports(path.read_text(), module_name(path))}
-    stale = [key for key in DEFERRED if not any(m == key[0] and t.startswith(key[1]) for m, t in seen)]
-    assert not stale, f"DEFERRED lists deferred imports that no longer exist: {stale}"
-
-
-@pytest.mark.parametrize(
-    "module,planted",
-    [
-        ("distlab.processes.runtime", "def f(rt):\n    from distlab.processes.strict import strict_device\n"),
-        ("distlab.streamed.kernel_choice", "class A:\n    def f(self):\n        import distlab.streamed.step\n"),
-        ("distlab.processes.flags", "async def f():\n    from distlab.processes import runtime\n"),
-    ],
-)
-def test_the_deferred_check_fails_on_a_planted_import(module, planted):
-    assert undeclared_deferred(planted, module)
-    assert not undeclared_deferred("from distlab.processes.strict import strict_device\n", module)
-    assert not undeclared_deferred("def f():\n    import torch\n", module)
-
-
 def test_circles_are_found_and_a_package_import_is_its_submodule():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
     assert sorted(circles(graph)) == [["a", "b", "c"], ["d", "e"]]
@@ -414,131 +262,3 @@ def test_circles_are_found_and_a_package_import_is_its_submodule():
     source = "from distlab.streamed import step\nfrom distlab.streamed.config import parse_config\n"
     found = imported_modules(source, "distlab.streamed.ring_passes", known)
     assert found == {"distlab.streamed.step", "distlab.streamed.config"}
-
-
-# The README's parts in the order of the arc: their lessons and the rooms that hold their mechanisms. A lesson
-# imports the ground floor, its own part's rooms and the rooms of the parts before it (what it builds on: 16 is
-# 07's activations offloaded, 18 extends 08's layers, 19 05's runner, 24 06's DDP), never a later part's.
-ARC = (
-    ("model split", range(1, 6), ("model_split",)),
-    ("data split", range(6, 8), ("data_split.data_parallel", "data_split.sharding")),
-    (
-        "layer split",
-        range(8, 12),
-        ("layer_split.tensor_parallel", "layer_split.context_parallel", "layer_split.expert_parallel"),
-    ),
-    ("composed", range(12, 13), ("composed",)),
-    ("cost", range(13, 14), ("cost", "plan")),
-    ("fewer bytes", range(14, 18), ()),  # their mechanisms are written out in the lessons
-    ("overlap and resilience", range(18, 21), ("resilience",)),
-    ("contrastive", range(21, 28), ("contrastive", "streamed")),  # `distributed_clip`: the streamed step's path
-)
-# a lesson's import of a later part, with its reason
-FORWARD = {
-    (11, "cost"): "the crossover priced on the datasheets' GPUs and links (`cost.hardware`, the one table of them)",
-}
-
-
-def lesson_breaks(source: str, number: int) -> list[str]:
-    """The imports of lesson `number` from a room of a later part of the arc (FORWARD's excepted)."""
-    part = next(k for k, (_, lessons, _) in enumerate(ARC) if number in lessons)
-    allowed = set(GROUND_PACKAGES).union(*(rooms for _, _, rooms in ARC[: part + 1]))
-    breaks = []
-    for name in imports(source, f"lessons.{number:02d}"):
-        room = "streamed" if name.split(".")[0] == "distributed_clip" else room_of(name)
-        if room is not None and room not in allowed and (number, room) not in FORWARD:
-            breaks.append(f"lesson {number:02d} imports {name}")
-    return sorted(set(breaks))
-
-
-def test_the_arc_names_every_lesson_and_every_room():
-    numbers = sorted(int(path.name[:2]) for path in (ROOT / "lessons").glob("[0-9][0-9]_*.py"))
-    assert numbers == [n for _, lessons, _ in ARC for n in lessons]
-    assert sorted(room for _, _, rooms in ARC for room in rooms) == sorted(SIBLINGS + TOP_PACKAGES)
-
-
-def test_each_lesson_imports_its_own_part_and_the_floors_below():
-    paths = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py")) + sorted((ROOT / "lessons" / "exercises").glob("*.py"))
-    breaks = [
-        b for path in paths if path.name[:2].isdigit() for b in lesson_breaks(path.read_text(), int(path.name[:2]))
-    ]
-    assert not breaks, breaks
-
-
-@pytest.mark.parametrize(
-    "number,planted",
-    [
-        (9, "def show_fold():\n    from distlab.streamed import torch_tiles\n"),  # as it was
-        (6, "from distlab.cost.hardware import DEVICES"),
-        (20, "import distributed_clip"),
-        (3, "from distlab.data_split.data_parallel import ddp"),
-    ],
-)
-def test_the_lesson_check_fails_on_a_planted_import(number, planted):
-    assert lesson_breaks(planted, number)
-    assert not lesson_breaks("from distlab.proof.verdict import Verdict\nfrom distlab.comm.ring import Ring\n", number)
-    assert not lesson_breaks("from distlab.model_split.runner import PipelineStep\n", number)  # the first part
-
-
-# The modules that hold a command line: the library's flag types and rules, the lessons' parser, the planner's.
-PARSERS = ("distlab.processes.flags", "distlab.proof.cli", "distlab.plan.cli", "distlab.plan.flags")
-# TODO(issue 47, the `planner` branch owns cost/ and plan/): these take the planner's or lesson 13's namespace
-NAMESPACE_TAKERS = {"distlab.cost.trial.build", "distlab.cost.trial.Trial.__init__", "distlab.plan.report.header"}
-
-
-def namespace_crossings(source: str, module: str) -> list[str]:
-    """Where an argparse namespace enters `module`: an `argparse` import, or a parameter annotated `Namespace`
-    or named `args` / `namespace` whose attributes the function reads (`args.steps`: a namespace, not a tuple)."""
-    if module in PARSERS:
-        return []
-    found = []
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(alias.name == "argparse" for alias in node.names):
-            found.append(f"{module} imports argparse")
-        elif isinstance(node, ast.ImportFrom) and node.module == "argparse":
-            found.append(f"{module} imports from argparse")
-    for owner, function in functions(tree, module):
-        arguments = function.args.posonlyargs + function.args.args + function.args.kwonlyargs
-        read = {
-            n.value.id for n in ast.walk(function) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-        }
-        for argument in arguments:
-            annotated = argument.annotation is not None and "Namespace" in ast.unparse(argument.annotation)
-            if (annotated or (argument.arg in ("args", "namespace") and argument.arg in read)) and (
-                f"{owner}.{function.name}" not in NAMESPACE_TAKERS
-            ):
-                found.append(f"{owner}.{function.name} takes a namespace ({argument.arg})")
-    return sorted(set(found))
-
-
-def functions(tree: ast.AST, owner: str):
-    """(dotted owner, function) for every function, methods and nested ones included."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield owner, node
-            yield from functions(node, f"{owner}.{node.name}")
-        elif isinstance(node, ast.ClassDef):
-            yield from functions(node, f"{owner}.{node.name}")
-
-
-def test_no_argparse_namespace_crosses_into_the_library():
-    """The lessons hold their flags: what the library needs from them it takes as plain typed values."""
-    crossings = [c for path in LIBRARY for c in namespace_crossings(path.read_text(), module_name(path))]
-    assert not crossings, crossings
-
-
-@pytest.mark.parametrize(
-    "planted",
-    [
-        "import argparse\n",
-        "from argparse import Namespace\n",
-        "def emulated_overlap(rt, cfg, args, buckets_class):\n    return args.emulate_ms\n",  # as it was
-        "def check(args: 'argparse.Namespace') -> None:\n    pass\n",
-        "class Checkpoints:\n    @classmethod\n    def from_args(cls, args, rt):\n        return cls(args.steps)\n",
-    ],
-)
-def test_the_namespace_check_fails_on_a_planted_one(planted):
-    assert namespace_crossings(planted, "distlab.data_split.data_parallel.overlap")
-    assert not namespace_crossings(planted, "distlab.proof.cli")
-    assert not namespace_crossings("def dispatch(func, types, args=(), kwargs=None):\n    return func(*args)\n", "m")

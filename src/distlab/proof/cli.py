@@ -15,6 +15,7 @@ import argparse
 from distlab.processes.flags import (
     FlagParser,
     add_global_batch,
+    nonnegative_float,
     nonnegative_int,
     positive_float,
     positive_int,
@@ -113,6 +114,18 @@ def mlp_run(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "dtype": DTYPES[args.dtype],
     }
+
+
+def add_emulate_args(parser: argparse.ArgumentParser, ms_per_layer: float) -> argparse.ArgumentParser:
+    """`--emulate-ms`: the emulated device's cost of one layer-pass (`distlab.proof.emulate`; 0: only the real
+    CPU run)."""
+    parser.add_argument(
+        "--emulate-ms",
+        type=nonnegative_float,
+        default=ms_per_layer,
+        help="emulated device: ms of wall time per layer per pass, slept, not computed (0: skip the emulated run)",
+    )
+    return parser
 
 
 def add_optimizer_args(

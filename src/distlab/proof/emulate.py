@@ -32,19 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab.processes.flags import nonnegative_float
 from distlab.proof.memory import MIB
-
-
-def add_args(parser, ms_per_layer: float):
-    """`--emulate-ms`: the emulated device's cost of one layer-pass (0: only the real CPU run)."""
-    parser.add_argument(
-        "--emulate-ms",
-        type=nonnegative_float,
-        default=ms_per_layer,
-        help="emulated device: ms of wall time per layer per pass, slept, not computed (0: skip the emulated run)",
-    )
-    return parser
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.processes import reproducible
-from distlab.processes.nodes import agent_stops_named, is_peer_failure, say_before_teardown
+from distlab.processes.nodes import agent_stops_named, enrol, is_peer_failure, leaving, say_before_teardown
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
 SOLO_TIMEOUT_S = float(os.environ.get("DISTLAB_SOLO_TIMEOUT_S", "900"))  # a phase rank 0 runs alone
@@ -172,6 +172,7 @@ def _process_group(
         device_id=dev if dev.type == "cuda" else None,
     )
     try:
+        enrol(rank)  # host and pid, for a survivor's line naming the rank that died (`nodes`)
         with ExitStack() as stack:
             stack.enter_context(agent_stops_named())  # several agents: a SIGTERM says why (`nodes`)
             rt = Runtime(rank, world_size, local_rank, backend, dev)
@@ -182,7 +183,9 @@ def _process_group(
             yield rt
     except Exception as err:
         if world_size > 1 and is_peer_failure(err):
-            say_before_teardown(rank, err)  # before a teardown torchrun's agent may cut short (`nodes`)
+            say_before_teardown(rank, err, world_size)  # before a teardown torchrun's agent may cut short (`nodes`)
+        elif world_size > 1:
+            leaving(rank)  # its own traceback says why; a survivor is to name only the ranks that died unannounced
         raise
     finally:
         release_process_group()

@@ -184,7 +184,6 @@ def say_before_teardown(rank: int, err: BaseException, world_size: int | None = 
         words = f"[rank {rank}] {type(err).__name__}: {err}"
     else:
         words = dead_named(rank, world_size, err)
-        leaving(rank)
     if nodes() > 1 and "node " not in words:  # (the streamed step's verdict names the node already)
         words += f" ({node_stopped()})"
     print(words, file=sys.stderr, flush=True)

@@ -182,10 +182,10 @@ def _process_group(
                 rt = stack.enter_context(strict_device(rt))
             yield rt
     except Exception as err:
+        if world_size > 1:
+            leaving(rank)  # first: a survivor is to name only the ranks that died unannounced (`nodes`)
         if world_size > 1 and is_peer_failure(err):
             say_before_teardown(rank, err, world_size)  # before a teardown torchrun's agent may cut short (`nodes`)
-        elif world_size > 1:
-            leaving(rank)  # its own traceback says why; a survivor is to name only the ranks that died unannounced
         raise
     finally:
         release_process_group()

@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -83,40 +84,48 @@ def _shards(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.distcp"))
 
 
-def test_a_whole_save_loads_bit_for_bit_and_leaves_no_staging(tmp_path):
-    spawn(_save_two, P, str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v2"]  # no .partial, no .old left
-    assert len(_shards(tmp_path / "v2")) == P and (tmp_path / "v2" / MARKER).is_file()
-    for out in spawn(_load, P, str(tmp_path / "v2"), True):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """One folder holding the two whole saves v1 and v2 (one spawn for every test that reads them)."""
+    root = tmp_path_factory.mktemp("saves")
+    spawn(_save_two, P, str(root))
+    return root
+
+
+def test_a_whole_save_loads_bit_for_bit_and_leaves_no_staging(saved):
+    assert sorted(p.name for p in saved.iterdir()) == ["v1", "v2"]  # no .partial, no .lock, no .old left
+    assert len(_shards(saved / "v2")) == P and (saved / "v2" / MARKER).is_file()
+    for out in spawn(_load, P, str(saved / "v2"), True):
         assert torch.equal(out["shard"], _weights(2)[2 * out["rank"] : 2 * out["rank"] + 2])
 
 
-def _damaged(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+@pytest.fixture(scope="module")
+def damaged(saved, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """Three damaged copies of save 2, and the file each error must name."""
-    spawn(_save_two, P, str(tmp_path))
+    tmp_path = tmp_path_factory.mktemp("damaged")
     cases = {}
     torn = tmp_path / "torn"
-    shutil.copytree(tmp_path / "v2", torn)
-    for shard in _shards(tmp_path / "v1")[1:]:  # three of four shards from the other save
+    shutil.copytree(saved / "v2", torn)
+    for shard in _shards(saved / "v1")[1:]:  # three of four shards from the other save
         shutil.copy(shard, torn / shard.name)
     cases["torn"] = (torn, _shards(torn)[1].name)
     flipped = tmp_path / "flipped"
-    shutil.copytree(tmp_path / "v2", flipped)
+    shutil.copytree(saved / "v2", flipped)
     shard = _shards(flipped)[2]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit
     shard.write_bytes(bytes(data))
     cases["flipped"] = (flipped, shard.name)
     truncated = tmp_path / "truncated"
-    shutil.copytree(tmp_path / "v2", truncated)
+    shutil.copytree(saved / "v2", truncated)
     shard = _shards(truncated)[0]
     shard.write_bytes(shard.read_bytes()[:-7])
     cases["truncated"] = (truncated, shard.name)
     return cases
 
 
-def test_torn_flipped_and_truncated_folders_are_refused_on_every_rank_naming_the_file(tmp_path):
-    for case, (folder, name) in _damaged(tmp_path).items():
+def test_torn_flipped_and_truncated_folders_are_refused_on_every_rank_naming_the_file(damaged):
+    for case, (folder, name) in damaged.items():
         errors = [out.get("error") for out in spawn(_load, P, str(folder), True)]
         assert len(set(errors)) == 1 and errors[0] is not None, (case, errors)
         assert name in errors[0] and "\n" not in errors[0], (case, errors[0])
@@ -126,8 +135,8 @@ def test_torn_flipped_and_truncated_folders_are_refused_on_every_rank_naming_the
             assert "another save's" in errors[0] and "truncated" not in errors[0], errors[0]
 
 
-def test_teeth_plain_dcp_load_takes_the_torn_folder_and_mixes_two_saves(tmp_path):
-    folder, _ = _damaged(tmp_path)["torn"]
+def test_teeth_plain_dcp_load_takes_the_torn_folder_and_mixes_two_saves(damaged):
+    folder, _ = damaged["torn"]
     versions = set()
     for out in spawn(_load, P, str(folder), False):
         assert "error" not in out  # loaded without a word

@@ -292,14 +292,18 @@ def parse_args():
     parser.add_argument("--rows", type=positive_int, default=64, help="rows of X (a multiple of --block)")
     parser.add_argument("--width", type=positive_int, default=128, help="input width (a multiple of --block)")
     parser.add_argument("--out-width", type=positive_int, default=64, help="output width (a multiple of --block)")
-    parser.add_argument("--block", type=positive_int, default=32, help="MX block size (32 in the MX spec)")
+    parser.add_argument("--block", type=positive_int, default=TORCHAO_BLOCK, help="MX block size (32 in the MX spec)")
     parser.add_argument("--outlier", type=positive_float, default=1e4, help="how much larger the outliers are")
     return parser.parse_args()
 
 
 def world_rules(args, world: int) -> None:
+    """Each width a whole number of blocks; the error names the flag the user changed (--block, unless it is
+    at its default) and the other one with its value."""
     for flag in ("--width", "--rows", "--out-width"):
-        check_block(getattr(args, flag[2:].replace("-", "_")), args.block, flag)
+        width = getattr(args, flag[2:].replace("-", "_"))
+        at_fault = "--block" if args.block != TORCHAO_BLOCK else flag
+        require(width % args.block == 0, at_fault, f"a block of {args.block} must divide {flag} = {width}")
 
 
 def main() -> int:

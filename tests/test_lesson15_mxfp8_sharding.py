@@ -152,7 +152,10 @@ def _check(rt, width):
 
 def test_a_block_that_does_not_divide_the_width_is_one_line_on_every_rank(lesson):
     message = assert_same_error_on_every_rank(_check, 2, 100, match="--width")
-    assert "a block of 32 must divide the width 100" in message and "\n" not in message
+    assert message == "--width: a block of 32 must divide --width = 100", message
+    with pytest.raises(ValueError) as typed:  # the flag the user changed is the one at fault
+        load_lesson("mxfp8_sharding").world_rules(Namespace(width=128, rows=64, out_width=64, block=7), 2)
+    assert str(typed.value) == "--block: a block of 7 must divide --width = 128", typed.value
 
 
 def test_the_lesson_passes():

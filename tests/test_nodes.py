@@ -13,6 +13,7 @@ from distlab.processes import nodes
 
 def _torchrun(monkeypatch, rank: int, group: int, local: int, per: int, n_nodes: int) -> None:
     env = dict(RANK=rank, GROUP_RANK=group, LOCAL_RANK=local, LOCAL_WORLD_SIZE=per, GROUP_WORLD_SIZE=n_nodes)
+    env["TORCHELASTIC_RUN_ID"] = "test"
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
 
@@ -51,7 +52,10 @@ def test_under_several_agents_the_agent_s_sigterm_is_an_error_that_says_why(monk
             nodes.stopped_by_agent(signal.SIGTERM, None)  # no process group here: nothing to ask the store
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     _torchrun(monkeypatch, rank=0, group=0, local=0, per=1, n_nodes=1)
-    with nodes.agent_stops_named():  # one agent: torchrun's own report names the rank; SIGTERM left alone
+    with nodes.agent_stops_named():  # one agent: a line naming the dead ranks, then SIGTERM's own stop
+        assert signal.getsignal(signal.SIGTERM) is nodes.named_then_stopped
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    with nodes.agent_stops_named():  # outside torchrun: SIGTERM left alone
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 

@@ -15,13 +15,25 @@ it can (`node_stopped`), and under several agents turns the agent's SIGTERM into
 (`stopped_by_agent`): node 0 when the store has gone with it, the other node when this node ran no other rank.
 Which ranks a node ran: `node_ranks`, from torchrun's layout (the same --nproc-per-node on every node, ranks
 numbered node by node; this rank's own RANK must fit it, or the ranks are not named).
+
+Which rank died. The backend's words name none ("Connection closed by peer [127.0.0.1]:41858"). So every rank of
+a group enrols its host and pid in the group's store when `distributed()` makes the group (`enrol`), and a survivor
+that catches a peer's failure reads them back and looks at the processes on its own host (`stopped_ranks`): a pid
+that no longer exists, or exists as a zombie (dead, not yet reaped by torchrun's agent, which polls every 0.1 s),
+is a rank that died. It is read at once, in the survivor's `except`: the dead rank's process is gone by then (its
+sockets closed when it died, which is what the survivor's collective saw), and the agent stops the survivors only
+after it has seen that exit. Ranks on other hosts cannot be looked at from here and are not named; the streamed step
+names them by heartbeat (`distlab.streamed.safeguards.peers`). With the store gone too (rank 0 held it, outside torchrun) the
+line names the store's holder (`store_holder`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -36,6 +48,7 @@ BACKEND_WORDS = (  # in the backend's error when a peer vanished or stopped answ
     "NCCL",
     "ProcessGroupGloo",
 )
+PIDS = "distlab.nodes/pid"  # the store's keys PIDS/<rank>: '<host> <pid>' of every rank, from `enrol`
 _said: set[int] = set()  # ranks of this process that said their line already
 
 
@@ -88,14 +101,90 @@ def store_holder() -> str:
     return "rank 0, which held the store, stopped answering"
 
 
-def say_before_teardown(rank: int, err: BaseException) -> None:
+def enrol(rank: int) -> None:
+    """Put this rank's host and pid in the default group's store, for a survivor's `stopped_ranks`."""
+    dist.distributed_c10d._get_default_store().set(f"{PIDS}/{rank}", f"{socket.gethostname()} {os.getpid()}")
+
+
+def _process_stopped(pid: int) -> bool:
+    """Whether process `pid` of this host has died: gone, or a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # the state, after '(command)'
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc (not Linux): ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def stopped_ranks(world_size: int, settle_s: float = 1.0) -> list[int] | None:
+    """The ranks of the default group whose process on this host has died (`enrol`), but for those that left
+    knowingly (`leaving`: a survivor that said its line); None when the store does not answer (its holder is gone)
+    or no rank enrolled. A process killed closes its sockets before the kernel marks it dead, so a survivor that
+    saw its collective fail may look a moment too soon: it looks again for up to `settle_s`."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"{PIDS}/{r}" for r in range(world_size)]
+        if not store.check(keys):
+            return None
+        enrolled = [store.get(key).decode().split() for key in keys]
+        left = {r for r in range(world_size) if store.check([f"{PIDS}/left/{r}"])}
+    except Exception:  # noqa: BLE001 - whatever the client raises, the store is not there
+        return None
+    here = socket.gethostname()
+    deadline = time.monotonic() + settle_s
+    while True:
+        dead = [
+            r for r, (host, pid) in enumerate(enrolled) if host == here and r not in left and _process_stopped(int(pid))
+        ]
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.02)
+
+
+def leaving(rank: int) -> None:
+    """Mark this rank as leaving knowingly (it raised: a peer's failure, or its own error, which its traceback
+    shows): no survivor is to name it among the ranks that died unannounced (killed, crashed, `os._exit`)."""
+    try:
+        dist.distributed_c10d._get_default_store().set(f"{PIDS}/left/{rank}", "1")
+    except Exception:  # noqa: BLE001 - the store is gone: nobody is left to name it
+        pass
+
+
+def _who(dead: list[int]) -> str:
+    return f"rank {dead[0]}" if len(dead) == 1 else f"ranks {', '.join(map(str, dead))}"
+
+
+def dead_named(rank: int, world_size: int, err: BaseException) -> str:
+    """A survivor's line about a peer's death: the ranks whose process died, or the store's holder when the store
+    went with it, then the backend's own first line."""
+    backend = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
+    dead = stopped_ranks(world_size)
+    if dead is None:
+        return f"[rank {rank}] a peer died and the process group's store is gone: {store_holder()} ({backend})"
+    if not dead:
+        return f"[rank {rank}] a peer failed, and no rank's process on this host has stopped ({backend})"
+    return f"[rank {rank}] {_who(dead)} died{nodes_of(dead)}: stopped while this rank waited for it ({backend})"
+
+
+def say_before_teardown(rank: int, err: BaseException, world_size: int | None = None) -> None:
     """This rank's one line about a peer's death, on stderr now, before a teardown its agent may cut short. The
-    backend's own words name no rank; under several agents, when the store is gone too, node 0 is named."""
+    backend's own words name no rank: the line names the ranks whose process died (`dead_named`), unless `err`
+    already does (the streamed step's verdict); under several agents, when the store is gone too, node 0."""
     if rank in _said:
         return
     _said.add(rank)
-    words = f"[rank {rank}] {type(err).__name__}: {err}"
-    if nodes() > 1 and "node " not in str(err):  # (the streamed step's verdict names the node already)
+    if " died" in str(err) or world_size is None:
+        words = f"[rank {rank}] {type(err).__name__}: {err}"
+    else:
+        words = dead_named(rank, world_size, err)
+    if nodes() > 1 and "node " not in words:  # (the streamed step's verdict names the node already)
         words += f" ({node_stopped()})"
     print(words, file=sys.stderr, flush=True)
 
@@ -151,14 +240,37 @@ def stopped_by_agent(signum: int, frame) -> None:
     )
 
 
+def named_then_stopped(signum: int, frame) -> None:
+    """The SIGTERM handler under one agent: torchrun stops the survivors once it sees a rank exit, often before
+    their own collective has failed (they were computing, or their peer was not the dead one). Say the line naming
+    the ranks whose process died, if this rank has not said one, then stop as SIGTERM stops (no unwinding, the
+    exit code torchrun expects)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank not in _said and dist.is_initialized():
+        dead = stopped_ranks(dist.get_world_size(), settle_s=0)
+        if dead:
+            _said.add(rank)
+            print(
+                f"[rank {rank}] {_who(dead)} died{nodes_of(dead)}: torchrun's agent stopped this rank (SIGTERM)",
+                file=sys.stderr,
+                flush=True,
+            )
+        leaving(rank)  # the other survivors, stopped at the same moment, must not name this one
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 @contextmanager
 def agent_stops_named() -> Iterator[None]:
-    """Under several torchrun agents, in the main thread: the agent's SIGTERM raised as `StoppedByAgent` (unless
-    the program handles SIGTERM itself)."""
-    if nodes() <= 1 or not _in_main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    """Under torchrun, in the main thread, unless the program handles SIGTERM itself: the agent's SIGTERM raised
+    as `StoppedByAgent` under several agents; under one, a line naming the dead ranks before the rank stops."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not _in_main_thread():
         yield
         return
-    before = signal.signal(signal.SIGTERM, stopped_by_agent)
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, stopped_by_agent if nodes() > 1 else named_then_stopped)
     try:
         yield
     finally:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from distlab.processes import reproducible
 from distlab.processes.console import console, error_line
 from distlab.processes.identity import Runtime
-from distlab.processes.nodes import agent_stops_named, is_peer_failure, say_before_teardown
+from distlab.processes.nodes import agent_stops_named, enrol, is_peer_failure, leaving, say_before_teardown
 from distlab.processes.strict import strict_device
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DISTLAB_TIMEOUT_S", "120"))
@@ -159,6 +159,7 @@ def _process_group(
         device_id=dev if dev.type == "cuda" else None,
     )
     try:
+        enrol(rank)  # host and pid, for a survivor's line naming the rank that died (`nodes`)
         with ExitStack() as stack:
             stack.enter_context(agent_stops_named())  # several agents: a SIGTERM says why (`nodes`)
             rt = Runtime(rank, world_size, local_rank, backend, dev)
@@ -166,8 +167,10 @@ def _process_group(
                 rt = stack.enter_context(strict_device(rt))
             yield rt
     except Exception as err:
+        if world_size > 1:
+            leaving(rank)  # first: a survivor is to name only the ranks that died unannounced (`nodes`)
         if world_size > 1 and is_peer_failure(err):
-            say_before_teardown(rank, err)  # before a teardown torchrun's agent may cut short (`nodes`)
+            say_before_teardown(rank, err, world_size)  # before a teardown torchrun's agent may cut short (`nodes`)
         raise
     finally:
         release_process_group()

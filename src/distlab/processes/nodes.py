@@ -22,9 +22,9 @@ that catches a peer's failure reads them back and looks at the processes on its 
 that no longer exists, or exists as a zombie (dead, not yet reaped by torchrun's agent, which polls every 0.1 s),
 is a rank that died. It is read at once, in the survivor's `except`: the dead rank's process is gone by then (its
 sockets closed when it died, which is what the survivor's collective saw), and the agent stops the survivors only
-after it has seen that exit. Ranks on other hosts cannot be looked at from here and are not named; the streamed step
-names them by heartbeat (`distlab.streamed.safeguards.peers`). With the store gone too (rank 0 held it, outside torchrun) the
-line names the store's holder (`store_holder`).
+after it has seen that exit. Ranks on other hosts cannot be looked at from here and are not named; the streamed
+step names them by heartbeat (`distlab.streamed.safeguards.peers`). With the store gone too (rank 0 held it,
+outside torchrun) the line names the store's holder (`store_holder`).
 """
 
 from __future__ import annotations

@@ -17,13 +17,14 @@ e5m2). Dynamic scaling (here, and the only kind torchao 0.18 implements) takes a
 cast; delayed scaling (Transformer Engine's older recipe) takes it from a history of earlier steps, saving a
 pass over the tensor at the risk of saturating when the values grow.
 
-The error of one matmul is bounded before it runs. Casting with unit roundoff u_A and underflow lambda_A
-(half the format's subnormal spacing, divided by rho_A) gives |A_q/rho_A - A| <= u_A |A| + lambda_A
-elementwise; the product of two such operands is off by at most (u_A + u_B + u_A u_B) |A||B| (the issue's
-(2u + u^2) |X||W|^T when u_A = u_B) plus the underflow terms; float32 accumulation of n exact FP8 products
-and the two unscaling multiplications add theta_(n+2) |A_q/rho_A||B_q/rho_B|, with Higham's
-theta_m = m u_32 / (1 - m u_32), u_32 = 2^-24. The lesson prints the measured error as a fraction of that
-bound. A training run has no such bound: its trajectory is measured against float32 and shown as measured.
+The error of one matmul is bounded before it runs. Casting with unit roundoff u_A and underflow lambda_A (half the
+format's subnormal spacing, divided by rho_A) gives |A_q/rho_A - A| <= u_A |A| + lambda_A elementwise; the product
+of two such operands is off by at most ((1 + u_A)(1 + u_B) - 1) |A||B| = (u_A + u_B + u_A u_B) |A||B| (two
+relative errors multiplied; with one format, (2u + u^2) |X||W|^T: Higham, Accuracy and Stability of Numerical
+Algorithms, 2nd ed., ch. 3) plus the underflow terms; float32 accumulation of n exact FP8 products and the two
+unscaling multiplications add theta_(n+2) |A_q/rho_A||B_q/rho_B|, with Higham's theta_m = m u_32 / (1 - m u_32),
+u_32 = 2^-24. The lesson prints the measured error as a fraction of that bound. A training run has no such bound:
+its trajectory is measured against float32 and shown as measured.
 
 The library practitioners use is torchao (`convert_to_float8_training`); the by-hand layer equals its
 Float8Linear bit for bit: forward, input gradient and weight gradient, and every step of a short training.

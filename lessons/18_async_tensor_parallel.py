@@ -406,7 +406,12 @@ def parse_args():
     parser.add_argument("--seq-len", type=positive_int, default=12, help="tokens per sequence, seq (P must divide it)")
     parser.add_argument("--dim", type=positive_int, default=24, help="model width d")
     parser.add_argument("--ffn-width", type=positive_int, default=48, help="MLP hidden width d_ff (P must divide it)")
-    emulate.add_args(parser, ms_per_layer=20.0)
+    parser.add_argument(
+        "--emulate-ms",
+        type=nonnegative_float,
+        default=20.0,
+        help="emulated device: ms of one partial matmul (a block of rows), slept (0: skip the emulated run)",
+    )
     parser.add_argument(
         "--link-ms", type=nonnegative_float, default=20.0, help="emulated device: ms per block's message"
     )

@@ -234,7 +234,7 @@ def show_outliers(args, verdict: Verdict) -> dict:
         "larger the share above. A block's scale is shared by 32 values only.",
         highlight=False,
     )
-    table["outlier channels, 1000 times"] = flushed
+    verdict.figure("outlier_channels_1000", flushed)
     return table
 
 

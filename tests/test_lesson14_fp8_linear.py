@@ -1,11 +1,11 @@
 """Lesson 14: the by-hand FP8 linear layer (amax, scale, saturated cast, _scaled_mm; e4m3 forward, e5m2 output
-gradient) equals torchao's Float8Linear bit for bit (Y, dX, dW, and a short training's every loss); each
-matmul's error, tensorwise and rowwise, lies inside the bound stated before it runs, on well-scaled inputs and
-on inputs with outliers and underflow; each check fails on a wrong answer (the output gradient cast to e4m3,
-the scale not inverted, a bound that assumes two more mantissa bits); the layer equals torchao's for a bf16 model
-too (Y in bf16); the rowwise matmuls with power-of-two scales and dY in e4m3 equal torchao's ROWWISE recipe bit for
-bit for a bf16 model, and within a few thousandths of the largest entry for a float32 one; the cost model's break-even size is
-where the FP8 step costs what the bf16 one does; a format torch or its CPU kernel lacks is one line."""
+gradient) equals torchao's Float8Linear bit for bit (Y, dX, dW, and a short training's every loss); each matmul's
+error, tensorwise and rowwise, lies inside the bound stated before it runs, on well-scaled inputs and on inputs
+with outliers and underflow; each check fails on a wrong answer (the output gradient cast to e4m3, the scale not
+inverted, a bound that assumes two more mantissa bits); the layer equals torchao's for a bf16 model too (Y in
+bf16); the rowwise matmuls with power-of-two scales and dY in e4m3 equal torchao's ROWWISE recipe bit for bit for
+a bf16 model, and within a few thousandths of the largest entry for a float32 one; the cost model's break-even
+size is where the FP8 step costs what the bf16 one does; a format torch or its CPU kernel lacks is one line."""
 
 import argparse
 import copy

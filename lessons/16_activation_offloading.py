@@ -27,8 +27,10 @@ gradients equal those without offloading bit for bit; only time and the device p
     runs and the one being prefetched (H_0 = e N (w_0 + w_1), H_k = e N w_{k+1}, the loss's H = 2 e N w_out);
     without prefetch max_k H_k, at the price of waiting for every fetch; without offloading all of them.
 
-Recomputation (lesson 02's checkpointing) also cuts the peak, by computing the forward again instead of moving
-it: the table puts the two side by side in time and peak on the same emulated device.
+Recomputation (lesson 02's checkpointing) also cuts what stays on the device, by computing the forward again
+instead of moving it: in two segments, the first keeps only its input (per layer it would cut nothing: what a
+Linear + tanh layer saves are the checkpoints themselves). The table puts the two side by side in time and
+activation bytes on the same emulated device.
 """
 
 import time
@@ -168,7 +170,7 @@ def make_problem(args):
 def step(args, how: str) -> dict:
     """One forward and backward of a fresh model on the emulated device: `how` is "plain", "offload" (with
     prefetch), "serialised" (no prefetch, every copy waited for), "save_on_cpu" (torch's) or "recompute"
-    (checkpoint per layer). Returns its gradients, seconds, counts and spans."""
+    (`forward_recomputing`: two checkpointed segments). Returns its gradients, seconds, counts and spans."""
     model, x, y, widths = make_problem(args)
     slowed = emulate.slow_layers(model, emulate.EmulatedDevice(args.emulate_ms))
     compute, offloader = Timeline(0), None
@@ -270,8 +272,8 @@ def show_bytes(args, runs: dict, verdict: Verdict) -> None:
 def show_time(args, runs: dict, verdict: Verdict) -> None:
     print0(f"\n[bold]3. On the emulated device ({args.emulate_ms} ms a layer-pass, {args.link_ms_per_mib} ms/MiB)[/]")
     for how in ("serialised", "offload"):
-        print0(f"{how}: row 0 the step (F, I: forward, backward), row 1 the copies (H out, D back)")
-        print0(render(runs[how]["spans"], 2, width=60))
+        print0(f"{how}: the step (F, I: forward, backward) and the copy thread (H out, D back)")
+        print0(render(runs[how]["spans"], 2, width=60, labels=["step", "copies"]))
     rows = []
     for how in ("plain", "serialised", "offload", "recompute"):
         rows.append((how, f"{runs[how]['seconds'] * 1e3:.0f}", f"{runs[how]['held']:,}"))

@@ -17,9 +17,10 @@ orthonormal columns (ell the rank of the approximation, ell << n, m; `--approx-r
 
 One step of the power iteration per training step: V is kept from the last step (warm start) and
 re-orthonormalised, so over steps it tracks Mbar's top-ell right singular vectors at the price of one matmul
-pair. Bytes: (n + m) ell elements instead of n m. A matrix for which that saves too little (torch's
-`min_compression_rate`: compress when (n + m) ell x rate < n m) and every one-dimensional tensor (biases) is
-all-reduced whole, and the error feedback covers them too: Delta_r <- M_r - mean, zero in sum over the ranks.
+pair. Bytes: (n + m) ell elements instead of n m. Every gradient is viewed as an n x m matrix, a vector of n
+(a bias) as n x 1 at ell = 1; one for which that saves too little (torch's `min_compression_rate`: compress when
+(n + m) ell x rate < n m; a bias never at rate >= 1, always at rate < n / (n + 1)) is all-reduced whole, and
+the error feedback covers it too: Delta_r <- M_r - mean, zero in sum over the ranks.
 
 Every step is linear in the sum over ranks except the orthonormalisation, which acts on the summed U: so the
 result depends on the ranks' gradients only through their mean, and equals one process running the same
@@ -30,14 +31,22 @@ all-reduces plainly for the first START_ITER steps (torch refuses fewer than 2 w
 The hook below (`powersgd_hook`) runs under torch's DDP (`register_comm_hook`): DDP hands it one bucket of
 gradients at a time, the flat buffer and views of each parameter's gradient in it, and takes back the
 buffer it should write into the parameters' .grad. Its twin is torch's
-`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`: at ell <= 2 torch orthonormalises by the same
-Gram-Schmidt and the two agree bit for bit; at ell > 2 it calls Householder QR (LAPACK) and they agree to
-rounding (1e-12 in float64). What compression costs is measured, not bounded: the loss after a few steps
+`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`, with its options by its names (`Options`: error
+feedback, warm start, the start iteration, the orthogonalisation epsilon), and the two agree bit for bit at
+every ell. Like torch, the hook orthonormalises by Gram-Schmidt at ell <= 2 and by Householder QR (LAPACK)
+above: Gram-Schmidt is not stable. When ell exceeds the rank of M V (a batch of fewer rows than ell, a
+matrix whose gradient has lower rank), its trailing columns are rounding noise, no longer orthogonal to the
+others, and U U^T Mbar is not Mbar's projection: Gram-Schmidt at ell = 8 on 4 rows is 3e-4 from QR after 8
+steps. Both hooks share that weakness at ell <= 2: a matrix whose M is zero gives 0/0, NaN in its gradient
+and, through the next steps, in every parameter (torch's `except ZeroDivisionError` never fires: a tensor
+divided by zero is NaN, not an error); torch's cure is orthogonalization_epsilon (1e-8: a zero column stays
+zero), QR gives a zero gradient. What compression costs is measured, not bounded: the loss after a few steps
 at ell = 1, 2, 4 beside uncompressed DDP.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations, as types, at registration.
 import copy
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -69,35 +78,57 @@ RANKS_SHOWN = (1, 2, 4)  # the loss table's ell, with --approx-rank added
 # ---- the mechanism: the low-rank all-reduce as a DDP communication hook -----------------------------------
 
 
-def orthonormalise(columns: torch.Tensor) -> None:
-    """Gram-Schmidt in place on an n x ell matrix: column i divided by its norm, then its component removed
-    from every later column j: a_j <- a_j - (a_i . a_j) a_i. Afterwards columns^T columns = I (to rounding).
-    (torch's hook removes it from all later columns in one vectorised sum: the same numbers at ell <= 2.)"""
+@dataclass
+class Options:
+    """torch's PowerSGDState options, by its names and with its defaults but the start (2, torch's least)."""
+
+    start_powerSGD_iter: int = START_ITER  # plain all-reduces before it
+    use_error_feedback: bool = True  # Delta_r kept and added back
+    warm_start: bool = True  # V kept from the last step; else drawn afresh every step
+    orthogonalization_epsilon: float = 0.0  # Gram-Schmidt divides by norm + epsilon
+
+
+def orthonormalise(columns: torch.Tensor, epsilon: float = 0.0) -> None:
+    """In place on an n x ell matrix, as torch's hook does. ell <= 2: Gram-Schmidt, column i divided by its
+    norm (+ epsilon), then its component removed from every later column j: a_j <- a_j - (a_i . a_j) a_i.
+    ell > 2: Householder QR's Q, orthonormal even when the columns are nearly dependent (the docstring).
+    (torch's Gram-Schmidt removes column i from all later ones in one vectorised sum: the same numbers.)"""
     ell = columns.shape[1]
+    if ell > 2:
+        columns.copy_(torch.linalg.qr(columns).Q)
+        return
     for i in range(ell):
         col = columns[:, i]
-        col /= torch.norm(col)
+        col /= torch.norm(col) + epsilon
         for j in range(i + 1, ell):
             later = columns[:, j]
             later -= torch.sum(col * later) * col
 
 
 def compressed_rank(shape: torch.Size, ell: int, min_compression_rate: float) -> int:
-    """The rank a gradient of this shape is sent at: 0 when it goes whole (a vector, or (n + m) ell x rate not
-    below n m), else min(n, m, ell)."""
-    if len(shape) < 2:
-        return 0
+    """The rank a gradient of this shape is sent at, viewed as n x m (a vector as n x 1): 0 when it goes whole
+    ((n + m) ell x rate not below n m), else min(n, m, ell)."""
     n, m = shape[0], shape[1:].numel()
     ell = min(n, m, ell)
     return ell if (n + m) * ell * min_compression_rate < n * m else 0
+
+
+def by_shape(shapes: list) -> list[int]:
+    """The order torch's hook takes the compressed matrices in (and so lays out U, V and draws the first V's):
+    grouped by shape, the groups in order of first appearance, each group in bucket order."""
+    first: dict = {}
+    for i, shape in enumerate(shapes):
+        first.setdefault(tuple(shape), i)
+    return sorted(range(len(shapes)), key=lambda i: first[tuple(shapes[i])])
 
 
 class LowRankState:
     """What the hook keeps between steps, per bucket: the error Delta_r, the warm-started V's (one flat buffer),
     the step count; and the bytes it handed to each all-reduce (`ledger`, phases "plain", "whole", "U", "V")."""
 
-    def __init__(self, ell: int, min_compression_rate: float = 2.0, seed: int = 0, group=None):
+    def __init__(self, ell: int, min_compression_rate: float = 2.0, seed: int = 0, group=None, options=None):
         self.ell, self.min_compression_rate, self.group = ell, min_compression_rate, group
+        self.options = options or Options()
         self.rng = np.random.RandomState(seed)  # draws one seed per bucket for its first V (as torch's state does)
         self.step, self.errors, self.vs = 0, {}, {}
         self.ledger = Ledger()
@@ -134,48 +165,52 @@ def done(flat: torch.Tensor) -> torch.futures.Future:
 def powersgd_hook(state: LowRankState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's all-reduce of one bucket replaced by PowerSGD's: the buffer ends holding, in each matrix's place,
     U V^T (compressed) or the mean (sent whole). Every rank ends with the same buffer."""
-    flat, world = bucket.buffer(), dist.get_world_size(state.group)
-    if state.step < START_ITER:  # the plain mean, (1/P) sum_p G_p
+    flat, world, opts = bucket.buffer(), dist.get_world_size(state.group), state.options
+    if state.step < opts.start_powerSGD_iter:  # the plain mean, (1/P) sum_p G_p
         flat.div_(world)
         state.all_reduce(flat, "plain")
         state.bucket_done(bucket)
         return done(flat)
     index = bucket.index()
-    flat.add_(state.errors.setdefault(index, torch.zeros_like(flat)))  # M_r = G_r + Delta_r, the whole bucket
+    if opts.use_error_feedback:
+        flat.add_(state.errors.setdefault(index, torch.zeros_like(flat)))  # M_r = G_r + Delta_r, the whole bucket
     before = flat.clone()
     grads = bucket.gradients()  # views into `flat`: writing them writes the buffer DDP returns
     rhos = [compressed_rank(g.shape, state.ell, state.min_compression_rate) for g in grads]
     whole = [g for g, ell in zip(grads, rhos) if ell == 0]
     mats = [g.view(g.shape[0], -1) for g, ell in zip(grads, rhos) if ell > 0]
     rhos = [ell for ell in rhos if ell > 0]
+    order = by_shape([m.shape for m in mats])
+    mats, rhos = [mats[i] for i in order], [rhos[i] for i in order]
     # the tensors sent whole: one all-reduce of their concatenation, then the mean back in place
     packed = torch.cat([g.view(-1) for g in whole]) if whole else flat.new_empty(0)
     state.all_reduce(packed, "whole")
     packed.div_(world)
     for g, mean in zip(whole, packed.split([g.numel() for g in whole])):
         g.copy_(mean.view_as(g))
-    if index not in state.vs:  # the first compressed step: V drawn from N(0, 1), seeded alike on every rank
+    if index not in state.vs or not opts.warm_start:  # V drawn from N(0, 1), seeded alike on every rank
         state.vs[index] = flat.new_empty(sum(m.shape[1] * ell for m, ell in zip(mats, rhos)))
         gen = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
         for v in views(state.vs[index], [(m.shape[1], ell) for m, ell in zip(mats, rhos)]):
             v.copy_(torch.randn(*v.shape, generator=gen, dtype=v.dtype))
     vs = views(state.vs[index], [(m.shape[1], ell) for m, ell in zip(mats, rhos)])
     for v in vs:
-        orthonormalise(v)  # warm start: last step's V, re-orthonormalised
+        orthonormalise(v, opts.orthogonalization_epsilon)  # warm start: last step's V, re-orthonormalised
     u_flat = flat.new_empty(sum(m.shape[0] * ell for m, ell in zip(mats, rhos)))
     us = views(u_flat, [(m.shape[0], ell) for m, ell in zip(mats, rhos)])
     for m, v, u in zip(mats, vs, us):
         product(m, v, out=u)  # 1. U_r = M_r V
     state.all_reduce(u_flat, "U")  # sum_r M_r V: no 1/P, the orthonormalisation forgets the scale
     for u in us:
-        orthonormalise(u)  # 2.
+        orthonormalise(u, opts.orthogonalization_epsilon)  # 2.
     for m, u, v in zip(mats, us, vs):
         product(m.t(), u, out=v)  # 3. V_r = M_r^T U
     state.all_reduce(state.vs[index], "V")
     state.vs[index].div_(world)  # V = Mbar^T U, kept for the next step
     for m, u, v in zip(mats, us, vs):
         product(u, v.t(), out=m)  # 4. U V^T, written into the bucket
-    state.errors[index] = before - flat  # 5. Delta_r = M_r - what every rank now uses
+    if opts.use_error_feedback:
+        state.errors[index] = before - flat  # 5. Delta_r = M_r - what every rank now uses
     state.bucket_done(bucket)
     return done(flat)
 
@@ -207,7 +242,10 @@ def one_process(model: nn.Module, batch, args, world: int, ell: int | None) -> l
 
 
 def gram_schmidt(a: torch.Tensor) -> None:
-    """The reference's Gram-Schmidt (the arithmetic of `orthonormalise`, on a plain matrix)."""
+    """The reference's orthonormalisation (the arithmetic of `orthonormalise`, on a plain matrix)."""
+    if a.shape[1] > 2:
+        a.copy_(torch.linalg.qr(a).Q)
+        return
     for i in range(a.shape[1]):
         a[:, i] /= a[:, i].norm()
         for j in range(i + 1, a.shape[1]):
@@ -217,8 +255,9 @@ def gram_schmidt(a: torch.Tensor) -> None:
 def reference_step(local, errors, vs: dict, rng, ell: int, rate: float) -> list[torch.Tensor]:
     """One compressed step, parameter by parameter; `errors[r][k]` and `vs[k]` carried between steps."""
     world, count = len(local), len(local[0])
-    ms = [[local[r][k] + errors[r][k] for k in range(count)] for r in range(world)]
-    order = [k for k in reversed(range(count)) if compressed_rank(ms[0][k].shape, ell, rate)]
+    ms = [[(local[r][k] + errors[r][k]).view(local[r][k].shape[0], -1) for k in range(count)] for r in range(world)]
+    order = [k for k in reversed(range(count)) if compressed_rank(local[0][k].shape, ell, rate)]
+    order = [order[i] for i in by_shape([ms[0][k].shape for k in order])]
     if not vs:
         gen = torch.Generator().manual_seed(int(rng.randint(1_000_000_000)))
         for k in order:
@@ -234,9 +273,10 @@ def reference_step(local, errors, vs: dict, rng, ell: int, rate: float) -> list[
         gram_schmidt(u)
         vs[k] = sum(product(ms[r][k].t(), u) for r in range(world)) / world
         grads.append(product(u, vs[k].t()))
+    grads = [g.view_as(t) for g, t in zip(grads, local[0])]
     for r in range(world):
         for k in range(count):
-            errors[r][k] = ms[r][k] - grads[k]
+            errors[r][k] = ms[r][k].view_as(grads[k]) - grads[k]
     return grads
 
 
@@ -250,19 +290,20 @@ def make_problem(args):
     return model, batch
 
 
-def train_ddp(rt: Runtime, args, hook, ell: int) -> tuple[list[torch.Tensor], list[float], Ledger]:
+def train_ddp(rt: Runtime, args, hook, ell: int, options=None) -> tuple[list[torch.Tensor], list[float], Ledger]:
     """--steps SGD steps under torch's DDP with `hook`: "none" (DDP's all-reduce), "torch" (torch's
-    powerSGD_hook) or a hook of ours (`powersgd_hook`) on a LowRankState: the parameters, the loss on the
-    whole batch after each step, and our state's ledger."""
+    powerSGD_hook) or a hook of ours (`powersgd_hook`) on a LowRankState, either with `options` (an Options):
+    the parameters, the loss on the whole batch after each step, and our state's ledger."""
+    options = options or Options()
     model, batch = make_problem(args)
     whole = copy.deepcopy(model)
     x, y = (t.chunk(rt.world_size)[rt.rank] for t in batch)
-    ddp, state = DDP(model), LowRankState(ell, args.min_compression_rate, args.seed)
+    ddp, state = DDP(model), LowRankState(ell, args.min_compression_rate, args.seed, options=options)
     if callable(hook):
         ddp.register_comm_hook(state, hook)
     elif hook == "torch":
         torch_state = torch_powersgd.PowerSGDState(
-            None, ell, START_ITER, args.min_compression_rate, random_seed=args.seed
+            None, ell, min_compression_rate=args.min_compression_rate, random_seed=args.seed, **vars(options)
         )
         ddp.register_comm_hook(torch_state, torch_powersgd.powerSGD_hook)
     optimizer, losses = torch.optim.SGD(ddp.parameters(), lr=args.lr), []
@@ -293,11 +334,8 @@ def show_equality(rt: Runtime, args, verdict: Verdict) -> dict:
         theirs, _, _ = train_ddp(rt, args, "torch", ell)
         alone = one_process(model, batch, args, rt.world_size, ell)
         to_torch, to_alone, to_plain = max_diff(mine, theirs), max_diff(mine, alone), max_diff(mine, plain)
-        bitwise_torch = ell <= 2  # torch's Gram-Schmidt; Householder QR above
-        how = "bit for bit" if bitwise_torch else "to 1e-12 (torch: QR)"
-        verdict.check(
-            f"ell = {ell}: by hand = torch's hook, {how}", to_torch == 0 if bitwise_torch else to_torch < 1e-12
-        )
+        how = "Gram-Schmidt" if ell <= 2 else "Householder QR"
+        verdict.check(f"ell = {ell}: by hand = torch's hook, bit for bit ({how})", to_torch == 0)
         bitwise_alone = rt.world_size <= 2  # a sum of two is the same in either order
         how = "bit for bit" if bitwise_alone else "to 1e-12"
         verdict.check(

@@ -407,7 +407,7 @@ def parse_args():
     parser.add_argument("--seq-len", type=positive_int, default=12, help="tokens per sequence, seq (P must divide it)")
     parser.add_argument("--dim", type=positive_int, default=24, help="model width d")
     parser.add_argument("--ffn-width", type=positive_int, default=48, help="MLP hidden width d_ff (P must divide it)")
-    add_emulate_args(parser, ms_per_layer=20.0)
+    add_emulate_args(parser, ms_per_layer=20.0, unit="ms of one partial matmul (a block of rows)")
     parser.add_argument(
         "--link-ms", type=nonnegative_float, default=20.0, help="emulated device: ms per block's message"
     )

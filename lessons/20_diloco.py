@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 lessons/20_diloco.py     # 2 islands of P/2 ranks (P = 2, 4)
 
 Islands. The P ranks form 2 islands of P/2 ranks. Inside an island the link is fast: the island runs
-plain data parallelism (torch's DDP on the island's own group), one inner step per batch. Between islands
-the link is slow: the islands talk once every H inner steps (one "round"), and only then.
+plain data parallelism (torch's DDP on the island's own group), one inner step per batch, by plain SGD (the
+paper's inner optimizer is AdamW; SGD keeps each step one rounding to check, and nothing below depends on
+which). Between islands the link is slow: they talk once every H inner steps (one "round"), and only then.
 
 The outer step (DiLoCo, Douillard et al. 2023). Every island starts a round from the same global
 weights theta. After H inner steps island i holds theta_i. Its pseudogradient is
@@ -18,10 +19,9 @@ eta = 1 and mu = 0 this is the average of the islands' weights; eta = 0.7, mu = 
 sign slip (delta = theta_i - theta) walks the weights away from where the islands went: torchft shipped
 one for months (its PR #233); the one-process reference below catches it on the first outer step.
 
-Streaming fragments (Streaming DiLoCo, 2025). Cut the model into F fragments of consecutive layers and
-synchronise one fragment every H/F steps, in turn: the same bytes per H steps, but in F smaller pieces,
-so the slow link is busy all the time instead of in bursts. `--fragments F` does it here (F must divide
-the model's layers and H).
+Streaming fragments (Streaming DiLoCo, 2025). Cut the model into F fragments of consecutive layers and synchronise one
+fragment every H/F steps, in turn: the same bytes per H steps, but in F smaller pieces, so the slow link is busy all
+the time instead of in bursts. `--fragments F` does it here (F must divide the model's layers and H).
 
 Bytes. DDP across all P ranks all-reduces the S gradient bytes at every step: 2 (P-1)/P S per rank, H
 times per round. DiLoCo all-reduces the S pseudogradient bytes once per round between 2 islands:
@@ -31,27 +31,27 @@ torchft. The same algorithm as a library: a `Manager` per island (its replica gr
 `LighthouseServer` for a quorum of live islands before every outer step, all-reduces over a process group
 it rebuilds for each quorum, and heals a newcomer by sending it a live island's state; `DiLoCo` hooks
 the inner optimizer and runs the rounds. The Lighthouse runs inside this lesson on a free loopback port
-and is shut down on every way out. With `init_sync=False` torchft equals the hand-written islands and a
-one-process simulation of them bit for bit. With its default (`init_sync=True`) the first quorum, which
+and is shut down on every way out (`--torchft-logs` prints torchft's own log lines: every quorum, every
+commit). With `init_sync=False` torchft equals the hand-written islands and a one-process simulation of them
+bit for bit. With its default (`init_sync=True`) the first quorum, which
 DiLoCo asks for only after the first H inner steps, "heals" the islands at step 0 as if nothing had run:
 rank m of one island receives island (m mod 2)'s state, so at P = 2 island 1's first H steps are thrown
 away and island 0's are counted twice (at P = 4 the two ranks of one island even heal from different
-islands and drift apart); the simulation reproduces the first round bit for bit. Checked on torch 2.13
-CPU with torchft 0.2.0.
+islands and drift apart); the simulation reproduces the first round bit for bit (torch 2.13, torchft 0.2.0).
 
-A lost island (as torchft 0.2.0's source does it). Here each island member is a process of its own (torchrun
-stops every rank when one dies); island 1's are SIGKILLed mid-window, before sync LOST = 1 (syncs count from
-0). The Lighthouse waits while island 1 still heartbeats (a quorum needs over half the islands heartbeating),
-calls it dead after HEARTBEAT_MS and gives island 0 a quorum of one. Island 0's Manager all-reduces over it,
-divides by num_participants = 1 and commits (min_replica_size = 1): delta = delta_0, island 1's half round
-is lost. (With min_replica_size = 2 should_commit says no: DiLoCo puts theta back, the step does not advance,
-the window is redone.) Island 1 restarts: a new process, the same replica id, step 0. It trains a window and
-asks for a quorum, which the Lighthouse holds until island 0 asks (at sync BACK = 2). Being behind, it heals
-first: it receives island 0's state of that moment (its weights after this window, DiLoCo's saved theta, the
-outer momentum, the step), so its pseudogradient is island 0's and (delta_0 + delta_0) / 2 = delta_0 exactly;
-from the next sync on both count. The rows follow torchft's step, so the healed island goes on at the
-survivors' rows. The reference leaves island 1 out of syncs LOST .. BACK-1 and copies island 0 into it at
-BACK; torchft equals it bit for bit.
+A lost island (as torchft 0.2.0's source does it). Here each island member is a process of its own (torchrun stops
+every rank when one dies); island 1's are SIGKILLed mid-window, before sync LOST = 1 (syncs count from 0). The
+Lighthouse waits while island 1 still heartbeats (torchft's split-brain rule: more than half of the islands
+heartbeating must have asked; 1 of 2 is not), calls it dead after HEARTBEAT_MS (now 1 of 1 has asked) and gives
+island 0 a quorum of one. Island 0's Manager all-reduces over it, divides by num_participants = 1 and commits
+(min_replica_size = 1): delta = delta_0, island 1's half round is lost. (With min_replica_size = 2 should_commit
+says no: DiLoCo puts theta back, the step does not advance, the window is redone.) Island 1 restarts: a new
+process, the same replica id, step 0. It trains a window and asks for a quorum, which the Lighthouse holds until
+island 0 asks (at sync BACK = 2). Being behind, it heals first: it receives island 0's state of that moment (its
+weights after this window, DiLoCo's saved theta, the outer momentum, the step), so its pseudogradient is island
+0's and (delta_0 + delta_0) / 2 = delta_0 exactly; from the next sync on both count. The rows follow torchft's
+step, so the healed island goes on at the survivors' rows. The reference leaves island 1 out of syncs LOST ..
+BACK-1 and copies island 0 into it at BACK; torchft equals it bit for bit.
 
 The reference: one process, the two islands as two plain models, each island's ranks as separate
 backward passes on their rows, averaged; torch.optim.SGD as the outer optimizer. No collectives.
@@ -77,7 +77,7 @@ from distlab.processes.identity import Runtime
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof.cli import lesson_parser
 from distlab.proof.verdict import Verdict
-from distlab.resilience.lighthouse import TIMEOUT, island_stores, lighthouse, lighthouse_shows, manager
+from distlab.resilience.lighthouse import TIMEOUT, island_stores, lighthouse, lighthouse_shows, manager, torchft_logs
 from distlab.resilience.lives import Lives
 
 ISLANDS = 2
@@ -377,6 +377,7 @@ def parse_args():
     parser.add_argument(
         "--fragments", type=positive_int, default=1, help="F: streaming fragments (divides the layers and H)"
     )
+    parser.add_argument("--torchft-logs", action="store_true", help="show torchft's own log lines (every quorum)")
     return parser.parse_args()
 
 
@@ -454,6 +455,7 @@ def show_loss_against_h(rt: Runtime, args, verdict: Verdict) -> None:
 
 def main() -> int:
     args = check_flags_against_world(parse_args(), world_rules)
+    torchft_logs(args.torchft_logs)  # before torchft is first imported
     with distributed(args.device) as rt:  # the tensors stay on the CPU: gloo serves them on any backend
         verdict = Verdict(rt)
         world_rules(args, rt.world_size)

@@ -1,9 +1,11 @@
 """Lesson 14: the by-hand FP8 linear layer (amax, scale, saturated cast, _scaled_mm; e4m3 forward, e5m2 output
-gradient) equals torchao's Float8Linear bit for bit (Y, dX, dW, and a short training's every loss); each
-matmul's error, tensorwise and rowwise, lies inside the bound stated before it runs, on well-scaled inputs and
-on inputs with outliers and underflow; each check fails on a wrong answer (the output gradient cast to e4m3,
-the scale not inverted, a bound that assumes two more mantissa bits); the cost model's break-even size is
-where the FP8 step costs what the bf16 one does; a format torch or its CPU kernel lacks is one line."""
+gradient) equals torchao's Float8Linear bit for bit (Y, dX, dW, and a short training's every loss); each matmul's
+error, tensorwise and rowwise, lies inside the bound stated before it runs, on well-scaled inputs and on inputs
+with outliers and underflow; each check fails on a wrong answer (the output gradient cast to e4m3, the scale not
+inverted, a bound that assumes two more mantissa bits); the layer equals torchao's for a bf16 model too (Y in
+bf16); the rowwise matmuls with power-of-two scales and dY in e4m3 equal torchao's ROWWISE recipe bit for bit for
+a bf16 model, and within a few thousandths of the largest entry for a float32 one; the cost model's break-even
+size is where the FP8 step costs what the bf16 one does; a format torch or its CPU kernel lacks is one line."""
 
 import argparse
 import copy
@@ -11,6 +13,8 @@ import copy
 import pytest
 import torch
 from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, load_lesson
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from torchao.float8.config import Float8LinearRecipeName
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -50,6 +54,43 @@ def _both(lesson, fwd, grad, seed=0, outliers=False):
 def test_by_hand_equals_torchao_bit_for_bit(lesson, formats, outliers):
     ours, theirs = _both(lesson, *formats, outliers=outliers)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_by_hand_equals_torchao_in_the_models_dtype(lesson, dtype):
+    """A bf16 model: torchao computes Y in float32 and returns it in bf16; so does the by-hand layer."""
+    x, weight, dy = (t.to(dtype) for t in _inputs(4))
+    plain = torch.nn.Linear(x.shape[1], weight.shape[0], bias=False, dtype=dtype)
+    plain.weight.data.copy_(weight)
+    ours, theirs = _run(lesson.to_fp8(plain, E4M3, E5M2), x, dy), _run(lesson.torchao_twin(plain, E4M3, E5M2), x, dy)
+    assert all(a.dtype == b.dtype == dtype and torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def _rowwise_recipe(lesson, x, weight, dy, power_of_two=True):
+    """torchao's ROWWISE recipe, and the lesson's rowwise matmuls with dY in e4m3 and (by default) power-of-two
+    scales."""
+    config = Float8LinearConfig.from_recipe_name(Float8LinearRecipeName.ROWWISE)
+    plain = torch.nn.Linear(x.shape[1], weight.shape[0], bias=False, dtype=x.dtype)
+    plain.weight.data.copy_(weight)
+    theirs = _run(convert_to_float8_training(plain, config=config), x, dy)
+    mm = [(x, weight.t(), True), (dy, weight, False), (dy.t(), x, False)]  # fast accumulation for Y, as torchao
+    ours = [lesson.fp8_matmul(a.float(), b.float(), E4M3, E4M3, True, f, power_of_two).to(x.dtype) for a, b, f in mm]
+    return ours, theirs
+
+
+def test_rowwise_equals_torchaos_rowwise_recipe_for_a_bf16_model(lesson):
+    data = [t.to(torch.bfloat16) for t in _inputs(5, rows=32, width=64, out=48)]
+    ours, theirs = _rowwise_recipe(lesson, *data)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    ours, theirs = _rowwise_recipe(lesson, *data, power_of_two=False)  # float32 scales: not the recipe
+    assert not any(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_rowwise_against_torchaos_rowwise_recipe_for_a_float32_model(lesson):
+    """The difference the lesson states: not bit for bit, a few thousandths of the largest entry."""
+    ours, theirs = _rowwise_recipe(lesson, *_inputs(5, rows=32, width=64, out=48))
+    gaps = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs)]
+    assert 0 < max(gaps) <= 5e-3, gaps
 
 
 def test_the_check_fails_with_the_gradient_in_the_forward_format(lesson):

@@ -1,8 +1,10 @@
-"""Lesson 15: MX by hand (blocks of 32 along the inner dimension, an e8m0 power-of-two scale each, RCEIL) equals
-torchao's own cast and its MXFP8Linear with emulated kernels bit for bit (Y, dX, dW), and a FLOOR-rounded scale
-does not; the FP8 all-gather with the amax agreed first equals one process casting the whole weight bit for bit
-at P = 1-4 and sends (P-1)(Psi_P + 4) bytes per rank, counted by CollectiveWatch, while casting with each
-shard's own amax does not; a block that does not divide the width is one line naming the flag on every rank."""
+"""Lesson 15: MX by hand (blocks of 32 along the inner dimension, an e8m0 power-of-two scale each, by RCEIL or FLOOR)
+equals torchao's own cast under either rule, at float32 and bf16, with a NaN block (the byte 255), an inf, a zero
+block, a subnormal and amax 500 (RCEIL 2^1, FLOOR 2^0), and its MXFP8Linear with emulated kernels bit for bit (Y,
+dX, dW, in the model's dtype) under either rule at float32 and bf16; RCEIL's check rejects a FLOOR scale; the FP8
+all-gather with the amax agreed first equals one process casting the whole weight bit for bit at P = 1-4 and sends
+(P-1)(Psi_P + 4) bytes per rank, counted by CollectiveWatch, while casting with each shard's own amax does not; a
+block that does not divide the width is one line naming the flag on every rank."""
 
 import logging
 import math
@@ -47,7 +49,7 @@ def test_mx_cast_equals_torchaos_rceil_cast(lesson, seed):
     assert torch.equal(ours_e.flatten(), theirs_e.view(torch.uint8).flatten())
 
 
-def _floor_cast(t, block):
+def _floor_cast(t, block, rule=None):
     """The wrong scale: OCP's FLOOR rule, 2^(floor(log2 amax) - 8), which may saturate the block's largest."""
     blocks = t.float().reshape(*t.shape[:-1], t.shape[-1] // block, block)
     x = torch.floor(torch.log2(blocks.abs().amax(-1, keepdim=True))) - 8
@@ -91,6 +93,37 @@ def test_mx_linear_equals_torchaos_mxfp8_linear_bit_for_bit(lesson):
 def test_the_layer_check_fails_with_the_floor_rule(lesson):
     theirs, ours = _mx_layer_pair(lesson, _floor_cast)
     assert not any(torch.equal(a, b) for a, b in zip(theirs, ours))
+
+
+def _special(dtype):
+    """Blocks of 32 holding a NaN, an inf, only zeros, amax 500 exactly, a float32 subnormal; 6 x 64."""
+    t = _data(2, rows=6, width=64, outliers=False) * torch.logspace(-30, 20, 6)[:, None]
+    t[0, 3], t[1, 40], t[2, :32], t[4, 5] = torch.nan, torch.inf, 0.0, 1e-42
+    t[3, :32] = torch.linspace(-500.0, 500.0, 32)
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+def test_mx_cast_equals_torchao_under_either_rule_on_special_blocks(lesson, rule, dtype):
+    t = _special(dtype)
+    mode = ScaleCalculationMode.FLOOR if rule == "floor" else ScaleCalculationMode.RCEIL
+    theirs_e, theirs_q = to_mx(t, E4M3, 32, mode)
+    q, e = lesson.mx_cast(t, 32, rule)
+    assert torch.equal(q.view(torch.uint8), theirs_q.view(torch.uint8))
+    assert torch.equal(e.flatten(), theirs_e.view(torch.uint8).flatten())
+    assert e[0, 0, 0] == 255 and lesson.mx_dequantize(q, e, 32)[0, :32].isnan().all()  # a NaN block is all NaN
+    assert e[3, 0, 0] == {"rceil": 128, "floor": 127}[rule]  # amax 500: 2^1 against 2^0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+def test_mx_linear_equals_torchao_in_the_models_dtype(lesson, rule, dtype):
+    gen = torch.Generator().manual_seed(7)
+    x, weight, dy = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((32, 64), (32, 64), (32, 32)))
+    runs = lesson.mx_linear_runs(x, weight, dy, rule)
+    for name, theirs in runs["torchao"].items():
+        assert theirs.dtype == dtype and torch.equal(runs["by hand"][name], theirs), name
 
 
 def _whole_cast(flat):

@@ -8,7 +8,8 @@ one-island loop written here, a mean over the configured 2 islands rejected) and
 is the survivor's alone too; under torchrun island 1's processes are SIGKILLed, the survivors' torchft run and the
 restarted island equal that reference bit for bit (the lesson's claims); bad input (H < 1, a fragment count that
 does not divide the layers or H, an odd P) is one line naming the flag; after the run no rank, no island process
-and no Lighthouse is left (checked by process id and by the port)."""
+and no Lighthouse is left (checked by process id and by the port); torchft's own log lines stay out of the output
+unless --torchft-logs asks for them."""
 
 import argparse
 import copy
@@ -129,6 +130,8 @@ def test_lesson_at_p2_holds_and_leaves_nothing_running(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "PASS: every claim holds" in run.stdout, run.stdout
     assert max(len(line) for line in run.stdout.splitlines()) <= 80, run.stdout
+    for torchft_line in ("[torchft::", "Unable to reset NCCL", "GET /checkpoint", "buffer is not writable"):
+        assert torchft_line not in run.stdout + run.stderr  # quiet by default: --torchft-logs shows them
     record = json.loads(out.read_text())
     names = [c["name"] for c in record["checks"] if c["ok"]]
     assert any("torchft (init_sync=False)" in n for n in names) and any("counted twice" in n for n in names)

@@ -116,14 +116,16 @@ def mlp_run(args: argparse.Namespace) -> dict:
     }
 
 
-def add_emulate_args(parser: argparse.ArgumentParser, ms_per_layer: float) -> argparse.ArgumentParser:
-    """`--emulate-ms`: the emulated device's cost of one layer-pass (`distlab.proof.emulate`; 0: only the real
-    CPU run)."""
+def add_emulate_args(
+    parser: argparse.ArgumentParser, ms_per_layer: float, unit: str = "ms of wall time per layer per pass"
+) -> argparse.ArgumentParser:
+    """`--emulate-ms`: the emulated device's cost of one unit of work, a layer-pass unless the lesson names
+    another (`distlab.proof.emulate`; 0: only the real CPU run)."""
     parser.add_argument(
         "--emulate-ms",
         type=nonnegative_float,
         default=ms_per_layer,
-        help="emulated device: ms of wall time per layer per pass, slept, not computed (0: skip the emulated run)",
+        help=f"emulated device: {unit}, slept, not computed (0: skip the emulated run)",
     )
     return parser
 

@@ -100,11 +100,14 @@ def idle_fraction(spans: list[Span], world_size: int) -> float:
     return 1 - sum(busy_fractions(spans, world_size)) / world_size
 
 
-def render(spans: list[Span], world_size: int, width: int | None = None) -> Text:
+def render(spans: list[Span], world_size: int, width: int | None = None, labels: list[str] | None = None) -> Text:
     """A text Gantt chart: one row per rank, one column per time bucket, the span's kind where the
     rank is busy ('F' forward, 'I' backward, 'W' weight gradient) and '.' where it idles. `width`
-    buckets; by default as many as fit the output beside the rank labels (at most 100)."""
-    width = width or max(20, min(100, console.width - len(f"rank {world_size - 1} ")))
+    buckets; by default as many as fit the output beside the row labels (at most 100). `labels` names the
+    rows where they are not ranks (a step and its copy thread); by default "rank r"."""
+    labels = labels or [f"rank {rank}" for rank in range(world_size)]
+    pad = max(len(label) for label in labels) + 1
+    width = width or max(20, min(100, console.width - pad))
     t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
     scale = width / max(t1 - t0, 1e-12)
     rows = [["."] * width for _ in range(world_size)]
@@ -115,12 +118,12 @@ def render(spans: list[Span], world_size: int, width: int | None = None) -> Text
             rows[s.rank][i] = s.label[0]
     text = Text()
     colors = {"F": "cyan", "I": "magenta", "W": "green"}
-    for rank, row in enumerate(rows):
-        text.append(f"rank {rank} ".rjust(len(f"rank {world_size - 1} ")))
+    for label, row in zip(labels, rows):
+        text.append(f"{label} ".rjust(pad))
         for ch in row:
             text.append(ch, style=colors.get(ch, "dim"))
         text.append("\n")
-    text.append(" " * len(f"rank {world_size - 1} ") + f"{t1 - t0:.4f} s from left to right")
+    text.append(" " * pad + f"{t1 - t0:.4f} s from left to right")
     return text
 
 

@@ -8,15 +8,19 @@ way a lesson needs them: the Lighthouse on rank 0 at 127.0.0.1 on a free port, s
 the stores on each island's member 0; the Managers with a short timeout. `lighthouse_shows` reads the
 Lighthouse's own status page (its dashboard, GET /status: the previous quorum, the next quorum's state, the
 islands heartbeating), which is how a lesson waits for a state of the quorum instead of sleeping.
+`torchft_logs` turns torchft's own log lines (every quorum, every commit, at INFO) on or off.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import urllib.request
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler
 
 import torch.distributed as dist
 from torch import nn
@@ -24,6 +28,30 @@ from torch import nn
 from distlab.processes.identity import Runtime
 
 TIMEOUT = timedelta(seconds=30)  # torchft's timeouts: a collective, a quorum, a connection
+
+
+def torchft_logs(show: bool) -> None:
+    """torchft's log lines shown or not. Its Rust side (Lighthouse, Manager servers) reads RUST_LOG once, when
+    torchft is first imported: so this runs before that, and processes started later inherit it. `manager`
+    gives torchft's Python side the same level."""
+    os.environ["RUST_LOG"] = "info" if show else "error"
+
+
+class _QuietRequests(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # torchft's checkpoint server prints every GET of a heal otherwise
+        pass
+
+
+def _python_side_as_rust_log() -> None:
+    """torchft's Python loggers, its checkpoint server's request lines and torch's warning on the bytes a heal
+    receives (a read-only buffer) quiet when RUST_LOG says error."""
+    if os.environ.get("RUST_LOG") != "error":
+        return
+    from torchft.checkpointing import http_transport
+
+    logging.getLogger("torchft").setLevel(logging.ERROR)
+    http_transport.BaseHTTPRequestHandler = _QuietRequests  # the class its server's handler derives from
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 @contextmanager
@@ -62,6 +90,7 @@ def manager(model: nn.Module, replica: str, member: int, members: int, at: tuple
     Manager takes them. Synchronous quorum: DiLoCo needs the quorum before its pseudogradients."""
     from torchft import Manager, ProcessGroupGloo
 
+    _python_side_as_rust_log()
     return Manager(
         pg=ProcessGroupGloo(timeout=TIMEOUT),
         load_state_dict=model.load_state_dict,

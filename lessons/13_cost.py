@@ -52,7 +52,7 @@ from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
-from distlab.cost.trial import Trial, timed
+from distlab.cost.trial import Stack, Trial, timed
 from distlab.layer_split.tensor_parallel.cost import efficient_attention_extra, sdpa_math_path
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.processes.console import compact_table, print0, rows_table
@@ -202,7 +202,9 @@ def cuda_attention_extra(device_type: str, model: Transformer, batch: Batch, par
 
 def show_configurations(rt: Runtime, args, machine: Machine, verdict: Verdict) -> dict:
     print0(f"\n[bold]2-3. Four configurations of {args.layers} blocks on P = {rt.world_size}: predicted, measured[/]")
-    trials = {name: Trial(rt, args, parallel, OPTIONS) for name, parallel in configurations(rt.world_size).items()}
+    sizes = Transformer(args.layers, args.dim, args.heads, args.ffn_width)
+    stack = Stack(sizes, Batch(args.global_batch, args.seq_len), args.lr, args.seed)
+    trials = {name: Trial(rt, stack, parallel, OPTIONS) for name, parallel in configurations(rt.world_size).items()}
     runs = {}
     seconds = timed(rt, trials, args.repeats)
     for name, parallel in configurations(rt.world_size).items():

@@ -7,7 +7,6 @@ Each rank runs every configuration once with `distlab.cost.trial.Trial` (what it
 keeps, what its collectives send per step) and calls the answer. The claims: weights, gradients, AdamW's
 moments, activations and bytes sent each equal the measurement and the cost model, exactly."""
 
-from argparse import Namespace
 from pathlib import Path
 
 from exercise_kit import Exercise, solution
@@ -16,12 +15,12 @@ from exercise_signatures import Equals, Mistake
 from distlab.cost import memory, traffic
 from distlab.cost.inputs import PRECISIONS, Batch
 from distlab.cost.step import step_cost
-from distlab.cost.trial import Trial
+from distlab.cost.trial import Stack, Trial
 from distlab.proof.sizes import Transformer
 
 LESSON, NAME, P, ALSO = "13_cost", "rank_bytes", 2, 3
-ARGS = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)
-MODEL, BATCH, E = Transformer(ARGS.layers, ARGS.dim, ARGS.heads, ARGS.ffn_width), Batch(12, 48), 4
+MODEL, BATCH, E = Transformer(2, 96, 12, 384), Batch(12, 48), 4
+STACK = Stack(MODEL, BATCH, lr=1e-3, seed=0)
 ITEMS = ("weights", "gradients", "moments", "activations", "sent")
 ONE_PASS = "the all-reduce priced as one pass of the ring, (P-1)/P of the gradient"
 NAIVE = "the all-reduce priced as P - 1 whole gradients, (P-1) Psi e"
@@ -35,7 +34,7 @@ def measured(rt, name: str, parallel) -> dict[str, int]:
     """What the lesson's own run of `parallel` held and sent on this rank."""
     key = (name, rt.world_size)
     if key not in _MEASURED:
-        got = Trial(rt, ARGS, parallel, solution(LESSON, "OPTIONS").load()).measured(0.0)
+        got = Trial(rt, STACK, parallel, solution(LESSON, "OPTIONS").load()).measured(0.0)
         _MEASURED[key] = {k: got.held[k] for k in ITEMS[:3]} | {
             "activations": got.activations,
             "sent": sum(got.sent.values()),

@@ -15,7 +15,7 @@ from helpers import assert_flag_refused, assert_lesson_passes_at_80_columns, loa
 from distlab.composed.dims import ParallelDims
 from distlab.cost import memory, traffic
 from distlab.cost.inputs import Batch, Parallel
-from distlab.cost.trial import Trial
+from distlab.cost.trial import Stack, Trial
 from distlab.processes.spawn import spawn
 from distlab.proof.sizes import Transformer
 
@@ -41,8 +41,8 @@ def test_the_lesson_passes_at_80_columns_and_records_its_figures(tmp_path):
 def _sequence_parallel_bytes(rt):
     """A sequence-parallel step of the lesson's Trial (`distlab.cost.trial`): the bytes it sent per collective."""
     lesson = load_lesson("13_cost")
-    args = Namespace(layers=2, dim=96, heads=12, ffn_width=384, seq_len=48, global_batch=12, lr=1e-3, seed=0)
-    trial = Trial(rt, args, Parallel(ParallelDims(tp=rt.world_size), sp=True), lesson.OPTIONS)
+    stack = Stack(Transformer(2, 96, 12, 384), Batch(12, 48), lr=1e-3, seed=0)
+    trial = Trial(rt, stack, Parallel(ParallelDims(tp=rt.world_size), sp=True), lesson.OPTIONS)
     return dict(trial.measured(0.0).sent)
 
 

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from distlab.comm.ledger import Ledger
 from distlab.comm.timing import barrier, slowest_median
 from distlab.cost import calibrate
-from distlab.cost.inputs import Parallel
+from distlab.cost.inputs import Batch, Parallel
 from distlab.data_split.sharding.problem import ShardingConfig, optimizer_of, rows_of
 from distlab.data_split.sharding.replicated import Replicated
 from distlab.layer_split.tensor_parallel import operators
@@ -29,6 +29,7 @@ from distlab.layer_split.tensor_parallel.sequence import reduce_sequence_paralle
 from distlab.processes.identity import Runtime
 from distlab.proof.held import SavedActivations, model_states, storage_bytes
 from distlab.proof.models import Block, BlockOptions, token_batch
+from distlab.proof.sizes import Transformer
 from distlab.proof.training import Plain
 
 
@@ -42,17 +43,26 @@ class Measured:
     ops: int  # aten ops one step dispatches
 
 
-def build(rt: Runtime, args, parallel: Parallel, options: BlockOptions):
+@dataclass(frozen=True)
+class Stack:
+    """What a trial trains: `model.layers` blocks of its sizes (no embedding), on `batch`'s N x seq rows, with
+    AdamW at rate `lr`; block i seeded `seed + i`, the data `seed + 100`."""
+
+    model: Transformer
+    batch: Batch
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def build(rt: Runtime, stack: Stack, parallel: Parallel, options: BlockOptions):
     """The stack on this rank (whole blocks, or their tensor-parallel parts), its trainee, its data, and
     the ledger its collectives count their bytes in."""
+    m, batch, seed = stack.model, stack.batch, stack.seed
     blocks = [
-        Block(args.dim, args.heads, args.ffn_width, options, seed=args.seed + i, dtype=torch.float32).to(rt.device)
-        for i in range(args.layers)
+        Block(m.dim, m.heads, m.ffn, options, seed=seed + i, dtype=torch.float32).to(rt.device) for i in range(m.layers)
     ]
-    x, target = (
-        t.to(rt.device) for t in token_batch(args.global_batch, args.seq_len, args.dim, args.seed + 100, torch.float32)
-    )
-    optimizer = ShardingConfig(lr=args.lr)  # AdamW, weight decay 0.1
+    x, target = (t.to(rt.device) for t in token_batch(batch.global_batch, batch.seq, m.dim, seed + 100, torch.float32))
+    optimizer = ShardingConfig(lr=stack.lr)  # AdamW, weight decay 0.1
     if parallel.tp == 1:  # data parallel: C = N / P rows, one ring all-reduce per block (lesson 07's DDP)
         model = nn.Sequential(*blocks)
         trainee = Replicated(model, rt, optimizer)
@@ -77,9 +87,9 @@ class Trial:
     """One configuration on this rank, built and run: one step under the FLOP counter (attention on its
     math backend, so that the counter sees its products), one with its ops counted; then timed steps."""
 
-    def __init__(self, rt: Runtime, args, parallel: Parallel, options: BlockOptions):
+    def __init__(self, rt: Runtime, stack: Stack, parallel: Parallel, options: BlockOptions):
         self.parallel, self.steps = parallel, 0
-        self.model, self.trainee, self.x, self.target, self.ledger = build(rt, args, parallel, options)
+        self.model, self.trainee, self.x, self.target, self.ledger = build(rt, stack, parallel, options)
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
             self.step()
         with calibrate.CountOps() as count:

@@ -293,7 +293,9 @@ def main(argv=None) -> int:
         raise ValueError(f"--reserve-gib: {args.reserve_gib} GiB is all of the {where.device.name}'s memory")
     reserve, choices = int(args.reserve_gib * GIB), choices_of(args)
     layout = layout_of(args, model, choices) if args.layout is not None else None  # refused before any output
-    console.print(report.header(name, model, args, where), highlight=False)
+    console.print(
+        report.header(name, model, args.global_batch * args.seq_len, args.gpus, where, args.precision), highlight=False
+    )
     outside = STACKS[args.stack].outside(args.gpu, model.parameters)
     if outside:  # the fitted figures are a guess here: said before the plan, in one line
         console.print(f"warning: outside the fitted regime: {outside}; the time is less certain", highlight=False)

@@ -36,13 +36,13 @@ def _count(n: float) -> str:
     return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.0f} M"
 
 
-def header(name: str, model, args, where: Cluster) -> str:
+def header(name: str, model, tokens: int, gpus: int, where: Cluster, precision: str) -> str:
     """What is planned: the model, its parameters (active ones for a mixture), the tokens and the cluster."""
     active = f" ({_count(model.active_parameters)} active)" if getattr(model, "experts", 0) else ""
-    tokens = args.global_batch * args.seq_len
+    nodes = gpus // where.gpus_per_node  # the cluster's nodes are full (`cli.check_cluster`)
     return (
-        f"{name}: {_count(model.parameters)} parameters{active}; {tokens:,} tokens per step on {args.gpus} x "
-        f"{where.device.name} ({args.nodes} node{'s' * (args.nodes > 1)}), {args.precision}"
+        f"{name}: {_count(model.parameters)} parameters{active}; {tokens:,} tokens per step on {gpus} x "
+        f"{where.device.name} ({nodes} node{'s' * (nodes > 1)}), {precision}"
     )
 
 

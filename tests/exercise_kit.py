@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
+import functools
 import importlib.util
+import inspect
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,10 +45,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from exercise_claims import Claims, Hints
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
-from exercise_watch import unknown_ops
+from exercise_watch import Ran, ran_text, unknown_ops
 from helpers import lesson_path
+from torch.utils._python_dispatch import _disable_current_modes
 
 from distlab.processes.spawn import SpawnError, spawn
 
@@ -125,26 +131,73 @@ class Verdict:
     raised: str | None = None  # the answer raised (or hung): what, on which rank, and where in its file
 
 
-def _raised(err: Exception, answer: Answer) -> str:
+TRANSPORT = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out|timed out|timeout")
+
+
+def _ran_by_rank(logs: str | None, k: int, world: int) -> str:
+    """What each rank's answer ran before the failure (the `Ran` logs of answer k), one clause per rank."""
+    if logs is None:
+        return ""
+    each = []
+    for r in range(world):
+        path = Path(logs) / f"{k}-{r}"
+        calls = path.read_text().splitlines() if path.exists() else []
+        each.append(f"rank {r}: {ran_text(calls)}")
+    return "\n  what each rank's answer ran: " + "; ".join(each)
+
+
+def _raised(err: Exception, answer: Answer, ran: str = "") -> str:
     """One rank's failure in a few lines: the error's last line, on which rank, and the answer's own line
-    that raised it (the deepest frame in the answer's file), never the judge's traceback."""
+    that raised it (the deepest frame in the answer's file), never the judge's traceback. A transport error
+    (a peer's connection closed, a collective timed out) is not that rank's fault: it says the ranks stopped
+    running the same collectives, and `ran` (what each rank's answer ran) shows where they parted."""
     if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
-        return f"your answer did not finish: {err} (a collective some rank never joined?)"
+        return f"your answer did not finish: {err} (a collective some rank never joined?){ran}"
     lines = [line for line in err.child_traceback.splitlines() if line.strip()]
     last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', err.child_traceback)
     mine = [f for f in frames if Path(f[0]) == answer.path]
     where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
-    return f"your answer raised on rank {err.rank}: {last}{where}"
+    if TRANSPORT.search(last):
+        return (
+            f"the ranks stopped running the same collectives: rank {err.rank} was left in one whose peers had "
+            f"gone ({last[:120]}){where}{ran}"
+        )
+    return f"your answer raised on rank {err.rank}: {last}{where}{ran}"
 
 
-def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple) -> list[dict]:
-    """One rank: each answer in turn, loaded, run through the check's body; what it recorded, or that it is blank."""
+def _agreed(ok: bool) -> bool:
+    """Whether a claim held on every rank: one all-reduce of the flag, hidden from the answer's watches."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)])
+    with _disable_current_modes():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _recorded(fn: Callable[..., Any], ran: Ran) -> Callable[..., Any]:
+    """`fn` with every collective it runs recorded in `ran` (a class, an autograd Function, is passed as it is)."""
+    if not inspect.isfunction(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def recorded(*args, **kwargs):
+        with ran:
+            return fn(*args, **kwargs)
+
+    return recorded
+
+
+def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple, logs: str | None = None) -> list[dict]:
+    """One rank: each answer in turn, loaded, run through the check's body; what it recorded and which
+    collectives the answer ran (also logged under `logs`, for a run that never returns), or that it is blank."""
     reports = []
-    for answer in answers:
-        claims, before = Claims(), len(unknown_ops())
+    for k, answer in enumerate(answers):
+        claims, before = Claims(agree=_agreed), len(unknown_ops())
+        ran = Ran(str(Path(logs) / f"{k}-{rt.rank}") if logs else None)
         try:
-            body(rt, answer.load(), claims, *args)
+            body(rt, _recorded(answer.load(), ran), claims, *args)
         except NotImplementedError as err:
             reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
             continue
@@ -161,7 +214,7 @@ def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple) -> 
                 ),
             )
             claims.seen.insert(0, claims.seen.pop())
-        reports.append({"seen": claims.seen})
+        reports.append({"seen": claims.seen, "ran": ran.calls})
     return reports
 
 
@@ -196,13 +249,15 @@ class Exercise:
             pending = [a for a in dict.fromkeys(answers) if a not in verdicts]
             if not pending:
                 break
-            try:
-                reports = spawn(_rank, world, self.body, pending, self.args, timeout_s=60, limit_s=240)
-            except (SpawnError, TimeoutError) as err:
-                if len(pending) != 1:  # the authors' wrong answers, judged together: a crash there is a bug
-                    raise
-                verdicts[pending[0]] = Verdict(pending[0], None, None, None, world, _raised(err, pending[0]))
-                continue
+            with tempfile.TemporaryDirectory(prefix="distlab-ran-") as logs:
+                try:
+                    reports = spawn(_rank, world, self.body, pending, self.args, logs, timeout_s=60, limit_s=240)
+                except (SpawnError, TimeoutError) as err:
+                    if len(pending) != 1:  # the authors' wrong answers, judged together: a crash there is a bug
+                        raise
+                    raised = _raised(err, pending[0], _ran_by_rank(logs, 0, world))
+                    verdicts[pending[0]] = Verdict(pending[0], None, None, None, world, raised)
+                    continue
             quantities = {"P": world, **(self.quantities(world) if self.quantities else {})}
             for k, answer in enumerate(pending):
                 mine = [rank[k] for rank in reports]
@@ -211,7 +266,9 @@ class Exercise:
                     verdicts[answer] = Verdict(answer, blank, None, None, world)
                     continue
                 findings = Findings([r["seen"] for r in mine])
-                diagnosis = diagnose(findings, self.mistakes, world, quantities)
+                diagnosis = diagnose(findings, self.mistakes, world, quantities, self.numbers)
+                if diagnosis is not None:
+                    diagnosis = dataclasses.replace(diagnosis, ran=tuple(ran_text(r["ran"]) for r in mine))
                 if diagnosis is not None or world == worlds[-1]:
                     verdicts[answer] = Verdict(answer, None, findings, diagnosis, world)
         return [verdicts[a] for a in answers]

@@ -21,8 +21,8 @@ signature; and the exercise's own hints by level. `Exercise.tests` turns that in
 - `test_the_judge_accepts_another_way[<answer>]` (`Exercise.accepts_test`): a right answer written another
   way than the lesson's (a functional collective, a library gather the lesson names) passes every claim.
 
-The blank and every wrong answer run in one spawn (each rank judges them in turn), so an exercise's tests
-cost two spawns, not one per answer.
+The blank, the lesson's own answer and every wrong answer run in one spawn per world size (each rank judges
+them in turn), so an exercise's tests cost one spawn per world size, not one per answer.
 """
 
 from __future__ import annotations
@@ -306,9 +306,11 @@ class Exercise:
 
         @pytest.mark.exercise
         def test_exercise(source: str, hint_level: int, request) -> None:
-            answer = self.judged() if source == "solution" else exercise(self.lesson, self.name)
             start = time.monotonic()
-            (verdict,) = self.judge([answer])
+            if source == "solution":  # judged in the spawn of the wrong answers: no spawn of its own
+                verdict = self.group(here)[self.judged()]
+            else:
+                (verdict,) = self.judge([exercise(self.lesson, self.name)])
             seconds = time.monotonic() - start
             took = f"checked on {' and '.join(map(str, (self.world, *self.also_at)))} rank(s) in {seconds:.1f} s"
             text = self.message(verdict, hint_level)
@@ -362,25 +364,26 @@ class Exercise:
 
         return test_the_judge_accepts_another_way
 
-    def planted(self) -> Answer:
-        """This exercise's slip of the audit (tests/exercise_slips.py), planted in the judged solution."""
-        from exercise_slips import SLIPS, Planted
+    def planted(self, second: bool = False) -> Answer:
+        """This exercise's slip of the audit (tests/exercise_slips.py: `SLIPS`, or with `second` the second
+        audit's `NEW_SLIPS`), planted in the judged solution."""
+        from exercise_slips import NEW_SLIPS, SLIPS, Planted
 
-        slip, judged = SLIPS[self.name], self.judged()
+        slip, judged = (NEW_SLIPS if second else SLIPS)[self.name], self.judged()
         return Planted(judged.path, judged.name, slip.old, slip.new, slip.what, slip.within)
 
-    def audit_test(self, here: Path) -> Callable:
+    def audit_test(self, here: Path, second: bool = False) -> Callable:
         """The audit (lessons/exercises/README.md): the slip planted in the solution must fail a claim (or
         raise: a verdict naming its line); with the slip's `names` given, the first hint (level 1) must name
-        it, by those words."""
-        from exercise_slips import SLIPS
+        it, by those words. `second`: the second audit's slip, judged in the same spawn as the first."""
+        from exercise_slips import NEW_SLIPS, SLIPS
 
-        slip = SLIPS[self.name]
-        _WRONG.setdefault((self.lesson, here), set()).add(self.planted())
+        slip = (NEW_SLIPS if second else SLIPS)[self.name]
+        _WRONG.setdefault((self.lesson, here), set()).add(self.planted(second))
 
         @pytest.mark.xfail(bool(slip.missed), reason=slip.missed, strict=True)
         def test_the_judge_rejects_a_planted_slip() -> None:
-            verdict = self.group(here)[self.planted()]
+            verdict = self.group(here)[self.planted(second)]
             text = self.message(verdict, 1)
             assert text is not None, f"the planted slip passed every claim: {slip.what}"
             if slip.names:
@@ -389,12 +392,14 @@ class Exercise:
         return test_the_judge_rejects_a_planted_slip
 
     def group(self, here: Path) -> dict[Answer, Verdict]:
-        """The blank and every wrong answer in `here`, judged once in one spawn (cached per module)."""
+        """The blank, the lesson's own answer and every wrong answer in `here`, judged once in one spawn per
+        world size (cached per module)."""
         key = (self.lesson, here)
         if key not in _GROUPS:
             blank = exercise(self.lesson, self.name)
             # a written exercise is the learner's to judge with --exercises, never in the wrong answers' spawn
-            answers = [blank] * blank.is_blank() + sorted(_WRONG[key], key=lambda a: (a.path.name, a.name))
+            wrong = sorted(_WRONG[key], key=lambda a: (a.path.name, a.name, getattr(a, "old", "")))
+            answers = [blank] * blank.is_blank() + [self.judged()] + wrong
             try:
                 verdicts = self.judge(answers)
             except (SpawnError, TimeoutError):  # the audit's slip may raise (the authors' answers never do):

@@ -280,7 +280,7 @@ def diagnose(
     structural = [c for c in failed if numbers is not None and not re.search(numbers, c)]
     failing = findings.failing(failed[0])
     facts = describe(failing, world, quantities, read=not structural)
-    for claim in structural:
+    for claim in [c for c in structural if c != failed[0]][:2]:  # what the answer did, in the claims' words
         if claim != failed[0]:
             where = findings.failing(claim)
             ranks = ", ".join(map(str, where))
@@ -301,6 +301,8 @@ def describe(failing: dict[int, Seen], world: int, quantities: dict | None = Non
             facts.append(f"measured on {'every failing rank' if len(seen) > 1 else 'it'}: {show(seen[0].got)}")
         else:
             facts.append("measured: " + "; ".join(f"rank {r}: {show(s.got)}" for r, s in failing.items()))
+    elif seen[0].got is None and not seen[0].error:  # a yes-or-no claim: its words are on the claim's line
+        pass
     elif ratios == {None}:
         facts.append("no single factor relates it to the reference")
     elif len(ratios) == 1 and None not in ratios:

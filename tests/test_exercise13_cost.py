@@ -231,6 +231,7 @@ EXERCISE = Exercise(
         "plus 2 (tp-1)/tp 6 d e with sp",
     ),
     also_at=(ALSO,),
+    numbers=" = ",  # every claim here is a number of bytes: no structure to contradict a ratio's reading
 )
 WRONG = {
     "an all-reduce priced as one pass": "ring_priced_as_one_pass",
@@ -245,3 +246,4 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 )
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))
+test_the_judge_rejects_a_second_slip = EXERCISE.audit_test(Path(__file__), second=True)

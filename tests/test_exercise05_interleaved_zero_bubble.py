@@ -4,9 +4,9 @@ lesson's claims are checked: every rank's order is a valid schedule with every b
 W; the gradients and parameters equal the unsplit model's on the whole batch (float64, rtol 1e-10); the
 bubble counted in the schedule's grid is (P-1)/(3M+P-1); and rank r holds min(M, P) micro-batches,
 measured while running (M = 4 > P). The lists at two more M are judged as data, without a run: M = 5 (not a
-multiple of P) and M = 2 (fewer micro-batches than ranks, where the bubble formula no longer holds and the
-cap min(M, P) bites): each is a schedule, and rank r's order holds min(M, P) micro-batches, the bubble
-(P-1)/(3M+P-1) at M = 5."""
+multiple of P) and M = 1 (fewer micro-batches than rank 0's P - r - 1 warm-up forwards, where the warm-up's cap at M
+bites and the bubble formula no longer holds): each is a schedule, rank r's order holds min(M, P) micro-batches, and
+the bubble is (P-1)/(3M+P-1) at M = 5."""
 
 from collections import deque
 from pathlib import Path
@@ -20,7 +20,7 @@ from distlab.pipeline.simulator import peak_in_flight, simulate
 from distlab.pipeline.training import PipelineConfig
 
 LESSON, NAME = "interleaved_zero_bubble", "zb_h1"
-P, M, OTHER_M = 3, 4, (5, 2)
+P, M, OTHER_M = 3, 4, (5, 1)
 CFG = PipelineConfig(
     widths=(4, *[6] * 5, 3), global_batch=8, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False
 )
@@ -214,7 +214,7 @@ def one_w_too_many_held(num_ranks: int, microbatches: int):
 
 
 # World sizes: P = 3 only: rank r holds r W's, so ranks 0, 1, 2 already show none, one and two held back (M = 4 > P);
-# M = 5 and M = 2 as data (a cap at M and a remainder show only there).
+# M = 5 and M = 1 as data (a remainder, and the warm-up's cap at M, which bites only where M < P - 1).
 EXERCISE = Exercise(
     LESSON,
     NAME,

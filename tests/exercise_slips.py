@@ -138,7 +138,7 @@ SLIPS = {
         "the activations of the whole global batch on every rank, as if data parallelism did not split it",
         "rows = batch.global_batch // parallel.dp",
         "rows = batch.global_batch",
-        names=r"got / reference = P = ",
+        names=r"one reading, not a diagnosis: P = ",
     ),
     "fp8_matmul": Slip(
         "the product returned in bfloat16 (the inputs are 8-bit, so the output needs little precision)",

@@ -1,8 +1,9 @@
 """The exercises' judge itself, without processes: what `Claims` measures, that each signature recognises
 its trace and rejects a look-alike, that a failure no catalogued mistake explains is reported as what the
-judge saw (never a guess), that hints come level by level, that `Watch` counts what is alive and prices
-collectives by the ring formulas (an all-to-all by the rows that leave the rank), and that
-`pytest --exercises -k NN` collects exercise NN's file alone."""
+judge saw (a ratio read only as one possibility, where no structural claim contradicts it), that claims agree
+across ranks, that a peer's transport error is never blamed on the rank that saw it, that hints come level by
+level, that `Watch` counts what is alive and prices collectives by the ring formulas (an all-to-all by the rows
+that leave the rank), and that `pytest --exercises -k NN` collects exercise NN's file alone."""
 
 import subprocess
 import sys

@@ -3,7 +3,7 @@ caught or not, whether the first hint (level 1) names the slip by its `names` wo
 
     PYTHONPATH=src python scripts/audit_slips.py            # every exercise (one spawn or two each)
     PYTHONPATH=src python scripts/audit_slips.py 03 20      # some
-    PYTHONPATH=src python scripts/audit_slips.py --second   # the second audit's slips (NEW_SLIPS)
+    PYTHONPATH=src python scripts/audit_slips.py --second   # the second audit's slips (tests/exercise_new_slips.py)
 
 The same slips are asserted by each exercise's `test_the_judge_rejects_a_planted_slip`; this prints what a learner
 would read, for the table in lessons/exercises/README.md."""
@@ -28,7 +28,8 @@ def _exercise(path: Path):
 
 
 def main(numbers: list[str]) -> None:
-    from exercise_slips import NEW_SLIPS, SLIPS
+    from exercise_new_slips import NEW_SLIPS
+    from exercise_slips import SLIPS
 
     second = "--second" in numbers
     numbers = [n for n in numbers if n != "--second"]

@@ -30,9 +30,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import functools
 import importlib.util
-import inspect
 import os
 import re
 import sys
@@ -45,19 +43,17 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from exercise_claims import Claims, Hints
+from exercise_claims import Hints
+from exercise_ranks import _raised, _ran_by_rank, _rank
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
-from exercise_watch import Ran, ran_text, unknown_ops
+from exercise_watch import ran_text
 from helpers import lesson_path
-from torch.utils._python_dispatch import _disable_current_modes
 
 from distlab.processes.spawn import SpawnError, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS, EXERCISES = ROOT / "lessons", ROOT / "lessons" / "exercises"
 DEFAULT_HINT_LEVEL = 1  # the idea, named; 0 for no help at all
-UNKNOWN_CLAIM = "every collective the answer runs is one the judge can price"
 
 
 def hint_level_default() -> int:
@@ -129,93 +125,6 @@ class Verdict:
     diagnosis: Diagnosis | None
     world: int = 0
     raised: str | None = None  # the answer raised (or hung): what, on which rank, and where in its file
-
-
-TRANSPORT = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out|timed out|timeout")
-
-
-def _ran_by_rank(logs: str | None, k: int, world: int) -> str:
-    """What each rank's answer ran before the failure (the `Ran` logs of answer k), one clause per rank."""
-    if logs is None:
-        return ""
-    each = []
-    for r in range(world):
-        path = Path(logs) / f"{k}-{r}"
-        calls = path.read_text().splitlines() if path.exists() else []
-        each.append(f"rank {r}: {ran_text(calls)}")
-    return "\n  what each rank's answer ran: " + "; ".join(each)
-
-
-def _raised(err: Exception, answer: Answer, ran: str = "") -> str:
-    """One rank's failure in a few lines: the error's last line, on which rank, and the answer's own line
-    that raised it (the deepest frame in the answer's file), never the judge's traceback. A transport error
-    (a peer's connection closed, a collective timed out) is not that rank's fault: it says the ranks stopped
-    running the same collectives, and `ran` (what each rank's answer ran) shows where they parted."""
-    if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
-        return f"your answer did not finish: {err} (a collective some rank never joined?){ran}"
-    lines = [line for line in err.child_traceback.splitlines() if line.strip()]
-    last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', err.child_traceback)
-    mine = [f for f in frames if Path(f[0]) == answer.path]
-    where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
-    if TRANSPORT.search(last):
-        return (
-            f"the ranks stopped running the same collectives: rank {err.rank} was left in one whose peers had "
-            f"gone ({last[:120]}){where}{ran}"
-        )
-    return f"your answer raised on rank {err.rank}: {last}{where}{ran}"
-
-
-def _agreed(ok: bool) -> bool:
-    """Whether a claim held on every rank: one all-reduce of the flag, hidden from the answer's watches."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([int(ok)])
-    with _disable_current_modes():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _recorded(fn: Callable[..., Any], ran: Ran) -> Callable[..., Any]:
-    """`fn` with every collective it runs recorded in `ran` (a class, an autograd Function, is passed as it is)."""
-    if not inspect.isfunction(fn):
-        return fn
-
-    @functools.wraps(fn)
-    def recorded(*args, **kwargs):
-        with ran:
-            return fn(*args, **kwargs)
-
-    return recorded
-
-
-def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple, logs: str | None = None) -> list[dict]:
-    """One rank: each answer in turn, loaded, run through the check's body; what it recorded and which
-    collectives the answer ran (also logged under `logs`, for a run that never returns), or that it is blank."""
-    reports = []
-    for k, answer in enumerate(answers):
-        claims, before = Claims(agree=_agreed), len(unknown_ops())
-        ran = Ran(str(Path(logs) / f"{k}-{rt.rank}") if logs else None)
-        try:
-            body(rt, _recorded(answer.load(), ran), claims, *args)
-        except NotImplementedError as err:
-            reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
-            continue
-        unknown = sorted(set(unknown_ops(before)))
-        if unknown:  # first: what the judge could not price makes every byte claim after it unsure
-            claims.holds(
-                UNKNOWN_CLAIM,
-                False,
-                what="collectives",
-                note=f"the judge cannot price {', '.join(unknown)}",
-                hints=(
-                    "the judge prices torch.distributed's collectives and the functional ones; this op is neither",
-                    "write the exchange with dist.all_reduce, all_gather, reduce_scatter, all_to_all, send/recv",
-                ),
-            )
-            claims.seen.insert(0, claims.seen.pop())
-        reports.append({"seen": claims.seen, "ran": ran.calls})
-    return reports
 
 
 @dataclass(frozen=True)
@@ -365,9 +274,10 @@ class Exercise:
         return test_the_judge_accepts_another_way
 
     def planted(self, second: bool = False) -> Answer:
-        """This exercise's slip of the audit (tests/exercise_slips.py: `SLIPS`, or with `second` the second
-        audit's `NEW_SLIPS`), planted in the judged solution."""
-        from exercise_slips import NEW_SLIPS, SLIPS, Planted
+        """This exercise's slip of the audit (tests/exercise_slips.py's `SLIPS`, or with `second` the second
+        audit's, tests/exercise_new_slips.py), planted in the judged solution."""
+        from exercise_new_slips import NEW_SLIPS
+        from exercise_slips import SLIPS, Planted
 
         slip, judged = (NEW_SLIPS if second else SLIPS)[self.name], self.judged()
         return Planted(judged.path, judged.name, slip.old, slip.new, slip.what, slip.within)
@@ -376,7 +286,8 @@ class Exercise:
         """The audit (lessons/exercises/README.md): the slip planted in the solution must fail a claim (or
         raise: a verdict naming its line); with the slip's `names` given, the first hint (level 1) must name
         it, by those words. `second`: the second audit's slip, judged in the same spawn as the first."""
-        from exercise_slips import NEW_SLIPS, SLIPS
+        from exercise_new_slips import NEW_SLIPS
+        from exercise_slips import SLIPS
 
         slip = (NEW_SLIPS if second else SLIPS)[self.name]
         _WRONG.setdefault((self.lesson, here), set()).add(self.planted(second))

@@ -221,7 +221,8 @@ def test_more_help_is_offered_only_where_more_exists_and_never_after_no_mistake(
 
 
 def test_an_answer_that_raises_is_a_verdict_naming_its_own_line_not_a_traceback():
-    from exercise_kit import Answer, _raised
+    from exercise_kit import Answer
+    from exercise_ranks import _raised
 
     from distlab.processes.spawn import SpawnError
 

@@ -184,7 +184,8 @@ def test_an_unknown_op_is_listed_and_priced_at_nothing_never_a_crash():
 
 def test_the_judge_fails_a_claim_naming_an_unknown_op():
     """`exercise_kit._rank` puts a failed claim first that names what the judge could not price."""
-    from exercise_kit import UNKNOWN_CLAIM, Answer, _rank
+    from exercise_kit import Answer
+    from exercise_ranks import UNKNOWN_CLAIM, _rank
     from exercise_signatures import Findings, diagnose
 
     def body(rt, fn, claims):

@@ -48,7 +48,7 @@ NEW_SLIPS = {
         "each rank steps its shard of its own gradient: the reduce-scatter left out",
         "shard.grad = z.ring.reduce_scatter(unit.flatten(grads)) / rt.world_size",
         "shard.grad = unit.my_shard(unit.flatten(grads))",
-        names=r"bytes sent per step .* failed too.*what the answer ran: every rank: broadcast",
+        names=r"'bytes sent per step = 2 \(P-1\) e Psi_P' failed too[^\n]*: 352, not 704(.|\n)*ran: every rank: broadc",
     ),
     "Copy": Slip(
         "f's backward all-reduces a copy and returns the gradient it was given",

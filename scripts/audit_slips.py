@@ -3,6 +3,7 @@ caught or not, whether the first hint (level 1) names the slip by its `names` wo
 
     PYTHONPATH=src python scripts/audit_slips.py            # every exercise (one spawn or two each)
     PYTHONPATH=src python scripts/audit_slips.py 03 20      # some
+    PYTHONPATH=src python scripts/audit_slips.py --second   # the second audit's slips (tests/exercise_new_slips.py)
 
 The same slips are asserted by each exercise's `test_the_judge_rejects_a_planted_slip`; this prints what a learner
 would read, for the table in lessons/exercises/README.md."""
@@ -27,15 +28,19 @@ def _exercise(path: Path):
 
 
 def main(numbers: list[str]) -> None:
+    from exercise_new_slips import NEW_SLIPS
     from exercise_slips import SLIPS
+
+    second = "--second" in numbers
+    numbers = [n for n in numbers if n != "--second"]
 
     for path in sorted((ROOT / "tests").glob("test_exercise[0-9][0-9]_*.py")):
         number = path.stem[len("test_exercise") :][:2]
         if numbers and number not in numbers:
             continue
         exercise = _exercise(path)
-        slip = SLIPS[exercise.name]
-        (verdict,) = exercise.judge([exercise.planted()])
+        slip = (NEW_SLIPS if second else SLIPS)[exercise.name]
+        (verdict,) = exercise.judge([exercise.planted(second)])
         text = exercise.message(verdict, 1)
         caught = text is not None
         named = caught and bool(slip.names) and re.search(slip.names, text) is not None

@@ -21,6 +21,7 @@ relative: max |got - want| / max |want|), and the traces a mistake leaves behind
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,9 +126,17 @@ def _common_ratio(got: dict, want: dict, tol: float) -> float | None:
 
 @dataclass
 class Claims:
-    """The claims one rank checks, in order, each kept as a `Seen`. Every method returns whether it held."""
+    """The claims one rank checks, in order, each kept as a `Seen`. Every method returns whether it held on
+    every rank, when `agree` is given (`exercise_kit` passes an all-reduce of the flag): a body that stops
+    at its first failed claim then stops on every rank at once, so a slip that leaves one rank right and
+    the others wrong is a verdict naming those ranks, never a rank left alone in the next collective. Each
+    `Seen` keeps this rank's own outcome."""
 
     seen: list[Seen] = field(default_factory=list)
+    agree: Callable[[bool], bool] | None = None
+
+    def _agreed(self, ok: bool) -> bool:
+        return self.agree(ok) if self.agree is not None else ok
 
     def close(self, claim: str, got, want, *, what: str, tol: float = 1e-10, **extra) -> bool:
         """got and want are tensors; `alternatives` (name -> tensor) and `regions` (name -> bool mask)
@@ -137,7 +146,7 @@ class Claims:
         ok = facts["error"] < tol
         seen = Seen(claim, ok, what, offered=tuple(alternatives), regions=tuple(regions), **facts, **extra)
         self.seen.append(seen)
-        return ok
+        return self._agreed(ok)
 
     def tensors(self, claim: str, got: dict, want: dict, *, what: str, tol: float = 1e-10, **extra) -> bool:
         """Many named tensors (a model's gradients): `worst` names the one that missed most; `ratio` is the
@@ -167,7 +176,7 @@ class Claims:
                 **extra,
             )
         )
-        return not missed
+        return self._agreed(not missed)
 
     def equal(self, claim: str, got, want, *, what: str, ok: bool | None = None, **extra) -> bool:
         """Numbers, or anything ==: the claim holds when got == want (or `ok` says so, for a bound);
@@ -180,12 +189,12 @@ class Claims:
         matches = tuple(name for name, value in alternatives.items() if _same(value, got))
         zero = number and got == 0 and want != 0
         self.seen.append(Seen(claim, held, what, error, got, want, ratio, zero, matches, tuple(alternatives), **extra))
-        return held
+        return self._agreed(held)
 
     def holds(self, claim: str, ok: bool, *, what: str, note: str = "", hints: Hints = ()) -> bool:
         """A claim that is a yes or no (a schedule is valid), with the check's own words when it is not."""
         self.seen.append(Seen(claim, bool(ok), what, note=note, hints=hints))
-        return bool(ok)
+        return self._agreed(bool(ok))
 
 
 def _same(a, b) -> bool:

@@ -21,18 +21,20 @@ signature; and the exercise's own hints by level. `Exercise.tests` turns that in
 - `test_the_judge_accepts_another_way[<answer>]` (`Exercise.accepts_test`): a right answer written another
   way than the lesson's (a functional collective, a library gather the lesson names) passes every claim.
 
-The blank and every wrong answer run in one spawn (each rank judges them in turn), so an exercise's tests
-cost two spawns, not one per answer.
+The blank, the lesson's own answer and every wrong answer run in one spawn per world size (each rank judges
+them in turn), so an exercise's tests cost one spawn per world size, not one per answer.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,9 +43,10 @@ from typing import Any
 
 import pytest
 import torch
-from exercise_claims import Claims, Hints
+from exercise_claims import Hints
+from exercise_ranks import _raised, _ran_by_rank, _rank
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
-from exercise_watch import unknown_ops
+from exercise_watch import ran_text
 from helpers import lesson_path
 
 from distlab.processes.spawn import SpawnError, spawn
@@ -51,7 +54,6 @@ from distlab.processes.spawn import SpawnError, spawn
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS, EXERCISES = ROOT / "lessons", ROOT / "lessons" / "exercises"
 DEFAULT_HINT_LEVEL = 1  # the idea, named; 0 for no help at all
-UNKNOWN_CLAIM = "every collective the answer runs is one the judge can price"
 
 
 def hint_level_default() -> int:
@@ -125,46 +127,6 @@ class Verdict:
     raised: str | None = None  # the answer raised (or hung): what, on which rank, and where in its file
 
 
-def _raised(err: Exception, answer: Answer) -> str:
-    """One rank's failure in a few lines: the error's last line, on which rank, and the answer's own line
-    that raised it (the deepest frame in the answer's file), never the judge's traceback."""
-    if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
-        return f"your answer did not finish: {err} (a collective some rank never joined?)"
-    lines = [line for line in err.child_traceback.splitlines() if line.strip()]
-    last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', err.child_traceback)
-    mine = [f for f in frames if Path(f[0]) == answer.path]
-    where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
-    return f"your answer raised on rank {err.rank}: {last}{where}"
-
-
-def _rank(rt, body: Callable[..., None], answers: list[Answer], args: tuple) -> list[dict]:
-    """One rank: each answer in turn, loaded, run through the check's body; what it recorded, or that it is blank."""
-    reports = []
-    for answer in answers:
-        claims, before = Claims(), len(unknown_ops())
-        try:
-            body(rt, answer.load(), claims, *args)
-        except NotImplementedError as err:
-            reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
-            continue
-        unknown = sorted(set(unknown_ops(before)))
-        if unknown:  # first: what the judge could not price makes every byte claim after it unsure
-            claims.holds(
-                UNKNOWN_CLAIM,
-                False,
-                what="collectives",
-                note=f"the judge cannot price {', '.join(unknown)}",
-                hints=(
-                    "the judge prices torch.distributed's collectives and the functional ones; this op is neither",
-                    "write the exchange with dist.all_reduce, all_gather, reduce_scatter, all_to_all, send/recv",
-                ),
-            )
-            claims.seen.insert(0, claims.seen.pop())
-        reports.append({"seen": claims.seen})
-    return reports
-
-
 @dataclass(frozen=True)
 class Exercise:
     """An exercise's judge: `body(rt, fn, claims, *args)` on `world` ranks, then on each of `also_at`
@@ -196,13 +158,15 @@ class Exercise:
             pending = [a for a in dict.fromkeys(answers) if a not in verdicts]
             if not pending:
                 break
-            try:
-                reports = spawn(_rank, world, self.body, pending, self.args, timeout_s=60, limit_s=240)
-            except (SpawnError, TimeoutError) as err:
-                if len(pending) != 1:  # the authors' wrong answers, judged together: a crash there is a bug
-                    raise
-                verdicts[pending[0]] = Verdict(pending[0], None, None, None, world, _raised(err, pending[0]))
-                continue
+            with tempfile.TemporaryDirectory(prefix="distlab-ran-") as logs:
+                try:
+                    reports = spawn(_rank, world, self.body, pending, self.args, logs, timeout_s=60, limit_s=240)
+                except (SpawnError, TimeoutError) as err:
+                    if len(pending) != 1:  # the authors' wrong answers, judged together: a crash there is a bug
+                        raise
+                    raised = _raised(err, pending[0], _ran_by_rank(logs, 0, world))
+                    verdicts[pending[0]] = Verdict(pending[0], None, None, None, world, raised)
+                    continue
             quantities = {"P": world, **(self.quantities(world) if self.quantities else {})}
             for k, answer in enumerate(pending):
                 mine = [rank[k] for rank in reports]
@@ -211,7 +175,9 @@ class Exercise:
                     verdicts[answer] = Verdict(answer, blank, None, None, world)
                     continue
                 findings = Findings([r["seen"] for r in mine])
-                diagnosis = diagnose(findings, self.mistakes, world, quantities)
+                diagnosis = diagnose(findings, self.mistakes, world, quantities, self.numbers)
+                if diagnosis is not None:
+                    diagnosis = dataclasses.replace(diagnosis, ran=tuple(ran_text(r["ran"]) for r in mine))
                 if diagnosis is not None or world == worlds[-1]:
                     verdicts[answer] = Verdict(answer, None, findings, diagnosis, world)
         return [verdicts[a] for a in answers]
@@ -249,9 +215,11 @@ class Exercise:
 
         @pytest.mark.exercise
         def test_exercise(source: str, hint_level: int, request) -> None:
-            answer = self.judged() if source == "solution" else exercise(self.lesson, self.name)
             start = time.monotonic()
-            (verdict,) = self.judge([answer])
+            if source == "solution":  # judged in the spawn of the wrong answers: no spawn of its own
+                verdict = self.group(here)[self.judged()]
+            else:
+                (verdict,) = self.judge([exercise(self.lesson, self.name)])
             seconds = time.monotonic() - start
             took = f"checked on {' and '.join(map(str, (self.world, *self.also_at)))} rank(s) in {seconds:.1f} s"
             text = self.message(verdict, hint_level)
@@ -305,25 +273,28 @@ class Exercise:
 
         return test_the_judge_accepts_another_way
 
-    def planted(self) -> Answer:
-        """This exercise's slip of the audit (tests/exercise_slips.py), planted in the judged solution."""
+    def planted(self, second: bool = False) -> Answer:
+        """This exercise's slip of the audit (tests/exercise_slips.py's `SLIPS`, or with `second` the second
+        audit's, tests/exercise_new_slips.py), planted in the judged solution."""
+        from exercise_new_slips import NEW_SLIPS
         from exercise_slips import SLIPS, Planted
 
-        slip, judged = SLIPS[self.name], self.judged()
+        slip, judged = (NEW_SLIPS if second else SLIPS)[self.name], self.judged()
         return Planted(judged.path, judged.name, slip.old, slip.new, slip.what, slip.within)
 
-    def audit_test(self, here: Path) -> Callable:
+    def audit_test(self, here: Path, second: bool = False) -> Callable:
         """The audit (lessons/exercises/README.md): the slip planted in the solution must fail a claim (or
         raise: a verdict naming its line); with the slip's `names` given, the first hint (level 1) must name
-        it, by those words."""
+        it, by those words. `second`: the second audit's slip, judged in the same spawn as the first."""
+        from exercise_new_slips import NEW_SLIPS
         from exercise_slips import SLIPS
 
-        slip = SLIPS[self.name]
-        _WRONG.setdefault((self.lesson, here), set()).add(self.planted())
+        slip = (NEW_SLIPS if second else SLIPS)[self.name]
+        _WRONG.setdefault((self.lesson, here), set()).add(self.planted(second))
 
         @pytest.mark.xfail(bool(slip.missed), reason=slip.missed, strict=True)
         def test_the_judge_rejects_a_planted_slip() -> None:
-            verdict = self.group(here)[self.planted()]
+            verdict = self.group(here)[self.planted(second)]
             text = self.message(verdict, 1)
             assert text is not None, f"the planted slip passed every claim: {slip.what}"
             if slip.names:
@@ -332,12 +303,14 @@ class Exercise:
         return test_the_judge_rejects_a_planted_slip
 
     def group(self, here: Path) -> dict[Answer, Verdict]:
-        """The blank and every wrong answer in `here`, judged once in one spawn (cached per module)."""
+        """The blank, the lesson's own answer and every wrong answer in `here`, judged once in one spawn per
+        world size (cached per module)."""
         key = (self.lesson, here)
         if key not in _GROUPS:
             blank = exercise(self.lesson, self.name)
             # a written exercise is the learner's to judge with --exercises, never in the wrong answers' spawn
-            answers = [blank] * blank.is_blank() + sorted(_WRONG[key], key=lambda a: (a.path.name, a.name))
+            wrong = sorted(_WRONG[key], key=lambda a: (a.path.name, a.name, getattr(a, "old", "")))
+            answers = [blank] * blank.is_blank() + [self.judged()] + wrong
             try:
                 verdicts = self.judge(answers)
             except (SpawnError, TimeoutError):  # the audit's slip may raise (the authors' answers never do):

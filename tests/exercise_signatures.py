@@ -6,7 +6,9 @@ the signatures that recognise it (`Scaled`, `Proportional`, `Equals`, `Zero`, `C
 `Tensors`, `Says`: the vocabulary every exercise shares), the claims it leaves standing (`holds`) and the
 others it breaks too (`fails`), and three hints: level 1 names the idea, level 2 the step, level 3 nearly
 the line. `diagnose` finds the first catalogued mistake whose signatures all match; when none does it says
-what it saw (which claim, which ranks, which tensors, by how much, the ratio it measured), never a guess.
+what it saw (which claim, which ranks, which tensors, by how much, the ratio it measured, what every
+failed structural claim says the answer did) and offers a ratio's reading in the exercise's quantities
+only as one possibility, and only where no structural claim contradicts a mere factor.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class Diagnosis:
     also: tuple[str, ...]
     world: int
     quantities: dict = field(default_factory=dict)
+    ran: tuple[str, ...] = ()  # what each rank's answer ran (`exercise_watch.ran_text`), rank by rank
 
     def message(self, level: int, fallback: Hints = ()) -> str:
         """What a learner reads at hint level `level`: the claim and by how much; from level 1 what the judge
@@ -186,6 +189,8 @@ class Diagnosis:
         hints = self.mistake.hints if self.mistake else first.hints + fallback[len(first.hints) :]
         if level >= 1:
             lines.append(f"  the judge saw: {'; '.join(self.observations)}")
+            if any(r != "no collective" for r in self.ran):
+                lines.append(f"  what the answer ran: {ran_by_rank(self.ran)}")
             if self.mistake is None and first.hints:
                 lines.append("  not one of the catalogued mistakes; the claim's own hints say where to look")
             elif self.mistake is None and hints:
@@ -244,10 +249,26 @@ def recognise(findings: Findings, mistake: Mistake, world: int) -> Diagnosis | N
     return None
 
 
-def diagnose(findings: Findings, mistakes: tuple[Mistake, ...], world: int, quantities: dict | None = None):
+def ran_by_rank(ran: tuple[str, ...]) -> str:
+    """What each rank's answer ran, "every rank: ..." when they ran the same."""
+    if len(set(ran)) == 1:
+        return f"{'every rank' if len(ran) > 1 else 'rank 0'}: {ran[0]}"
+    return "; ".join(f"rank {r}: {text}" for r, text in enumerate(ran))
+
+
+def diagnose(
+    findings: Findings,
+    mistakes: tuple[Mistake, ...],
+    world: int,
+    quantities: dict | None = None,
+    numbers: str | None = None,
+):
     """The first catalogued mistake the findings show, else the first failed claim with what the judge
-    saw there (a ratio named in `quantities`, the exercise's P, M, C, N, ..., when it is one of theirs);
-    None when every claim held."""
+    saw there, and what every failed structural claim (a claim not matching `numbers`: bytes, collectives,
+    rows run, a schedule's shape) says the answer did. A measured ratio is read in `quantities` (the
+    exercise's P, M, C, N, ...) only when the structure agrees with a mere factor (no structural claim
+    failed, every failing rank the same ratio), and then as one reading, never as the diagnosis. None when
+    every claim held."""
     failed = findings.failed()
     if not failed:
         return None
@@ -256,14 +277,21 @@ def diagnose(findings: Findings, mistakes: tuple[Mistake, ...], world: int, quan
         diagnosis = recognise(findings, mistake, world)
         if diagnosis is not None:
             return diagnosis
+    structural = [c for c in failed if numbers is not None and not re.search(numbers, c)]
     failing = findings.failing(failed[0])
-    facts = tuple(describe(failing, world, quantities))
-    return Diagnosis(failed[0], failing, None, facts, tuple(failed[1:]), world, quantities)
+    facts = describe(failing, world, quantities, read=not structural)
+    for claim in [c for c in structural if c != failed[0]][:2]:  # what the answer did, in the claims' words
+        if claim != failed[0]:
+            where = findings.failing(claim)
+            ranks = ", ".join(map(str, where))
+            facts.append(f"'{claim}' failed too, on rank(s) {ranks}: {where[min(where)].amount()}")
+    return Diagnosis(failed[0], failing, None, tuple(facts), tuple(failed[1:]), world, quantities)
 
 
-def describe(failing: dict[int, Seen], world: int, quantities: dict | None = None) -> list[str]:
-    """What the judge saw on a failed claim, fact by fact, with no guess at the cause beyond what a ratio
-    in the exercise's own quantities reads as."""
+def describe(failing: dict[int, Seen], world: int, quantities: dict | None = None, read: bool = True) -> list[str]:
+    """What the judge saw on a failed claim, fact by fact. A ratio shared by every failing rank is given
+    as a number; with `read` (the answer's structure agrees with a mere factor) it is also read in the
+    exercise's own quantities, as one possibility ("one reading: ..."), never as the cause."""
     seen = list(failing.values())
     held = sorted(set(range(world)) - set(failing))
     facts = [f"ranks that held: {', '.join(map(str, held))}" if held else "it fails on every rank"]
@@ -273,15 +301,20 @@ def describe(failing: dict[int, Seen], world: int, quantities: dict | None = Non
             facts.append(f"measured on {'every failing rank' if len(seen) > 1 else 'it'}: {show(seen[0].got)}")
         else:
             facts.append("measured: " + "; ".join(f"rank {r}: {show(s.got)}" for r, s in failing.items()))
+    elif seen[0].got is None and not seen[0].error:  # a yes-or-no claim: its words are on the claim's line
+        pass
     elif ratios == {None}:
         facts.append("no single factor relates it to the reference")
+    elif len(ratios) == 1 and None not in ratios:
+        k = seen[0].ratio
+        facts.append(f"got / reference = {k:.6g} on {'every failing rank' if len(seen) > 1 else 'it'}")
+        # read only where every rank missed alike: a factor some ranks escaped is no mere factor
+        read = read and not held
+        reading = name_ratio(k, quantities or {"P": world}, rings="byte" in seen[0].what) if read else None
+        if reading:
+            facts.append(f"one reading, not a diagnosis: {reading}")
     else:
-        named = {r: name_ratio(s.ratio, quantities or {"P": world}) for r, s in failing.items()}
-        if len(ratios) == 1 and None not in ratios and named[min(named)]:
-            facts.append(f"got / reference = {named[min(named)]} on {'every failing rank' if len(seen) > 1 else 'it'}")
-        else:
-            each = ", ".join(f"rank {r}: {named[r] or _ratio(s)}" for r, s in failing.items())
-            facts.append(f"got / reference: {each}")
+        facts.append(f"got / reference: {', '.join(f'rank {r}: {_ratio(s)}' for r, s in failing.items())}")
     if any(s.zero for s in seen):
         facts.append(f"zero on rank(s) {', '.join(str(r) for r, s in failing.items() if s.zero)}")
     for s in seen[:1]:
@@ -316,9 +349,10 @@ _READINGS = {  # an expression in one quantity q, and what a factor equal to it 
 }
 
 
-def _candidates(quantities: dict) -> list[tuple[str, float, str]]:
+def _candidates(quantities: dict, rings: bool = True) -> list[tuple[str, float, str]]:
     """(expression, value, reading) for every quantity (those equal to 1 or 2 read nothing), the products
-    and quotients of two of them, and the constants 2 and 1/2."""
+    and quotients of two of them, and the constants 2 and 1/2; a ring's readings (q/2, 2/q) only where
+    `rings` (a claim about bytes sent)."""
     out = []
     usable = {q: float(v) for q, v in quantities.items() if isinstance(v, (int, float)) and v not in (0, 1)}
     for q, v in usable.items():
@@ -333,6 +367,8 @@ def _candidates(quantities: dict) -> list[tuple[str, float, str]]:
             "2/q": 2 / v,
         }
         for form, value in forms.items():
+            if not rings and form in ("q/2", "2/q"):
+                continue
             text = form.replace("q", q) if len(q) == 1 else form.replace("q", f"({q})")
             out.append((text, value, _READINGS[form].format(q=q)))
     names = list(usable)
@@ -346,13 +382,14 @@ def _candidates(quantities: dict) -> list[tuple[str, float, str]]:
     return out
 
 
-def name_ratio(k: float | None, quantities: dict) -> str | None:
+def name_ratio(k: float | None, quantities: dict, rings: bool = True) -> str | None:
     """ "1/P^2 = 0.111111: divided by P twice ..." when k is one of the quantities' simple expressions (the
     first that fits, the others equal to it named too, and the first of them that reads otherwise read too:
     C/(C-1) = C/P at C = 4, P = 3 is one part too many or a C where P belongs), else None."""
     if k is None:
         return None
-    fits = [(text, reading) for text, value, reading in _candidates(quantities) if math.isclose(k, value, rel_tol=1e-6)]
+    candidates = _candidates(quantities, rings)
+    fits = [(text, reading) for text, value, reading in candidates if math.isclose(k, value, rel_tol=1e-6)]
     if not fits:
         return None
     text, reading = fits[0]

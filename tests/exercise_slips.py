@@ -28,6 +28,7 @@ class Slip:
     names: str = ""  # a regex the level-1 message must match: the first hint names the slip
     within: str = ""  # the lesson's function or class holding `old`, when not the judged one
     missed: str = ""  # why the judge cannot catch it yet: its audit test is then an expected (strict) failure
+    unnamed: str = ""  # caught, but the first hint does not name it: what it says instead (the README's table)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ SLIPS = {
         "the activations of the whole global batch on every rank, as if data parallelism did not split it",
         "rows = batch.global_batch // parallel.dp",
         "rows = batch.global_batch",
-        names=r"got / reference = P = ",
+        names=r"one reading, not a diagnosis: P = ",
     ),
     "fp8_matmul": Slip(
         "the product returned in bfloat16 (the inputs are 8-bit, so the output needs little precision)",

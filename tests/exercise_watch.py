@@ -191,6 +191,62 @@ class Watch(TorchDispatchMode):
         return float(total)
 
 
+# c10d ops that name one rank: (the word before it, the argument holding its rank within the group)
+ROOTED = {
+    "reduce_": ("to", 3),
+    "gather_": ("to", 3),
+    "send": ("to", 2),
+    "broadcast_": ("from", 2),
+    "scatter_": ("from", 3),
+    "recv_": ("from", 2),
+}
+
+
+class Ran(TorchDispatchMode):
+    """What an answer ran on this rank, in order: each collective as one phrase, "reduce to rank 0 on ranks
+    0-2", "send to rank 1 on ranks 0-1" (global ranks: to whom, on which group), so a verdict can say what the
+    answer did and not only what its numbers missed. Only collectives are looked at; every other op passes
+    straight through. With `log`, each phrase is also appended to that file as the call starts, so a rank
+    that never returns (its peers gone, a collective no one joined) leaves its record behind."""
+
+    def __init__(self, log: str | None = None) -> None:
+        super().__init__()
+        self.log = log
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace in COLLECTIVE_NAMESPACES and name not in NOT_COLLECTIVES:
+            self.calls.append(phrase(func.namespace, name, args))
+            if self.log:
+                with open(self.log, "a") as f:
+                    f.write(self.calls[-1] + "\n")
+        return func(*args, **(kwargs or {}))
+
+
+def phrase(namespace: str, op: str, args: tuple) -> str:
+    """One collective in words: its kind, its root or peer and its group, in global ranks."""
+    table = C10D if namespace == "c10d" else FUNCTIONAL
+    kind = table.get(op, (f"{namespace}.{op}",))[0]
+    group = _group_of(namespace, args)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    words = [kind]
+    if namespace == "c10d" and op in ROOTED:
+        word, at = ROOTED[op]
+        words.append(f"{word} rank {ranks[args[at]] if 0 <= args[at] < len(ranks) else args[at]}")
+    span = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
+    return " ".join(words) + f" on ranks {span}"
+
+
+def ran_text(calls: list[str], most: int = 5) -> str:
+    """A rank's collectives, each phrase once with its count, in the order first run: "reduce to rank 0 on
+    ranks 0-2 x7"; "nothing" when it ran none."""
+    counts = Counter(calls)
+    parts = [f"{c} x{n}" if n > 1 else c for c, n in counts.items()]
+    more = f", and {len(parts) - most} more kinds" if len(parts) > most else ""
+    return ", ".join(parts[:most]) + more if parts else "no collective"
+
+
 def unknown_ops(since: int = 0) -> list[str]:
     """Every collective op this process saw that `Watch` cannot price, after the first `since`."""
     return _UNKNOWN[since:]

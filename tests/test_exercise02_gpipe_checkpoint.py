@@ -178,3 +178,4 @@ test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
 )
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))
+test_the_judge_rejects_a_second_slip = EXERCISE.audit_test(Path(__file__), second=True)

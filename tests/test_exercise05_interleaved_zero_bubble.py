@@ -3,21 +3,24 @@ executed by the pipeline runner (I and W split: the input's gradient first, the 
 lesson's claims are checked: every rank's order is a valid schedule with every backward split into I and
 W; the gradients and parameters equal the unsplit model's on the whole batch (float64, rtol 1e-10); the
 bubble counted in the schedule's grid is (P-1)/(3M+P-1); and rank r holds min(M, P) micro-batches,
-measured while running (M = 4 > P)."""
+measured while running (M = 4 > P). The lists at two more M are judged as data, without a run: M = 5 (not a
+multiple of P) and M = 1 (fewer micro-batches than rank 0's P - r - 1 warm-up forwards, where the warm-up's cap at M
+bites and the bubble formula no longer holds): each is a schedule, rank r's order holds min(M, P) micro-batches, and
+the bubble is (P-1)/(3M+P-1) at M = 5."""
 
 from collections import deque
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import Rules, trains_exact
+from exercise_schedules import Rules, trains_exact, why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
 from distlab.model_split.schedules import Action, one_f_one_b
-from distlab.model_split.simulator import simulate
+from distlab.model_split.simulator import peak_in_flight, simulate
 from distlab.model_split.training import PipelineConfig
 
 LESSON, NAME = "interleaved_zero_bubble", "zb_h1"
-P, M = 3, 4
+P, M, OTHER_M = 3, 4, (5, 1)
 CFG = PipelineConfig(
     widths=(4, *[6] * 5, 3), global_batch=8, micro_batches=M, steps=2, lr=0.2, seed=3, gather_spans=False
 )
@@ -30,6 +33,37 @@ RULES = Rules(
     "rank r's list holds Action(kind, i, r) for every micro-batch i: W_i after I_i after F_i",
     split=True,
 )
+
+
+def _held(m: int, r: int) -> dict[str, int]:
+    """What each catalogued misreading holds on rank r at M = m."""
+    return {
+        NONE_HELD: min(m, P - r),
+        ALL_HELD: m,
+        WRONG_RANKS: min(m, 2 * P - 1 - 2 * r),
+        ONE_FEWER: min(m, P - (r > 0)),
+    }
+
+
+def _as_data(rt, zb_h1, claims, m: int) -> None:
+    """The lists at another M, judged as data: a schedule, what rank r holds (counted in its order), the bubble."""
+    schedule = zb_h1(P, m)
+    why = why_invalid(schedule, P, m, split=True)
+    claim = f"M={m}: every rank's order is a schedule ({RULES.words}, no deadlock)"
+    if not claims.holds(claim, not why, what="the schedule", note=why, hints=(RULES.how,)):
+        return
+    claims.equal(
+        f"M={m}: rank r holds min(M, P) micro-batches (counted in its order)",
+        peak_in_flight(schedule)[rt.rank],
+        min(m, P),
+        what="micro-batches held at once",
+        alternatives=_held(m, rt.rank),
+        hints=("the W's held back are capped by the micro-batches there are: min(M, r)",),
+    )
+    if m >= P:  # below P the grid has idle ticks no W can fill
+        bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (3 * m + P - 1)
+        ok = abs(bubble - formula) < 1e-12
+        claims.equal(f"M={m}: the bubble is (P-1)/(3M+P-1)", bubble, formula, ok=ok, what="the bubble")
 
 
 def _ranks(rt, zb_h1, claims) -> None:
@@ -51,13 +85,10 @@ def _ranks(rt, zb_h1, claims) -> None:
         run.peak_in_flight,
         min(M, P),
         what="micro-batches held at once",
-        alternatives={
-            NONE_HELD: min(M, P - rt.rank),
-            ALL_HELD: M,
-            WRONG_RANKS: min(M, 2 * P - 1 - 2 * rt.rank),
-            ONE_FEWER: min(M, P - (rt.rank > 0)),
-        },
+        alternatives=_held(M, rt.rank),
     )
+    for m in OTHER_M:
+        _as_data(rt, zb_h1, claims, m)
 
 
 MISTAKES = (
@@ -182,7 +213,8 @@ def one_w_too_many_held(num_ranks: int, microbatches: int):
     return _held_back(num_ranks, microbatches, lambda r: r + 1)
 
 
-# World sizes: P = 3 only: rank r holds r W's, so ranks 0, 1, 2 already show none, one and two held back (M = 4 > P).
+# World sizes: P = 3 only: rank r holds r W's, so ranks 0, 1, 2 already show none, one and two held back (M = 4 > P);
+# M = 5 and M = 1 as data (a remainder, and the warm-up's cap at M, which bites only where M < P - 1).
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -214,3 +246,4 @@ test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
 )
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))
+test_the_judge_rejects_a_second_slip = EXERCISE.audit_test(Path(__file__), second=True)

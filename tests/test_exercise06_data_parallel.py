@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from exercise_kit import Exercise
-from exercise_signatures import Equals, Mistake, Scaled, Tensors
+from exercise_signatures import Equals, Mistake, Scaled, Tensors, all_but
 from exercise_watch import Watch
 
 from distlab.proof.compare import grads_of
@@ -116,6 +116,16 @@ MISTAKES = (
         ),
     ),
     Mistake(
+        "a reduce to one rank, not an all-reduce",
+        "gradients equal",
+        (all_but(0),),
+        (
+            "only rank 0 ends with the mean: the other replicas step with something else and drift apart",
+            "dist.reduce leaves the sum on its destination only; every replica needs it to take the same step",
+            "dist.all_reduce(param.grad) on every rank (not dist.reduce), then divide by P",
+        ),
+    ),
+    Mistake(
         "a broadcast, not a reduction",
         "gradients equal",
         (Equals(FIRST),),
@@ -153,6 +163,13 @@ def broadcast_from_zero(model, rt) -> None:
     """Every replica made equal to rank 0's: the same gradients everywhere, of rank 0's rows only."""
     for param in _trained(model):
         dist.broadcast(param.grad, src=0)
+
+
+def reduce_to_zero(model, rt) -> None:
+    """The sum sent to rank 0 alone: rank 0 right, the others left with partial sums (the ranks disagree)."""
+    for param in _trained(model):
+        dist.reduce(param.grad, dst=0)
+        param.grad /= rt.world_size
 
 
 def gathered_mean(model, rt) -> None:
@@ -196,6 +213,7 @@ WRONG = {
     "the sum over ranks, not the mean": "sum_without_mean",
     "the all-reduce ran on a copy": "reduced_copy",
     "a broadcast, not a reduction": "broadcast_from_zero",
+    "a reduce to one rank, not an all-reduce": "reduce_to_zero",
     "the root module's own parameter left out": "children_only",
 }
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
@@ -205,3 +223,4 @@ test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {
 test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["with_a_barrier", "functional_all_reduce"])
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))
+test_the_judge_rejects_a_second_slip = EXERCISE.audit_test(Path(__file__), second=True)

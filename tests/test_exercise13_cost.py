@@ -1,7 +1,7 @@
 """Exercise 13: one rank's bytes held and sent by hand, judged on 2 ranks and then on 3 (where (P - 1) and
 2 (P - 1)/P part: a naive all-reduce's price equals the ring's at P = 2 only) against what the lesson's own runs
-hold and send there (DDP, DDP recomputing every block, TP, TP + SP, float32, a 2-block stack), and against
-`distlab.cost`'s prediction.
+hold and send there (DDP, DDP recomputing every block, TP, TP + SP, float32, a 2-block stack; and DDP at a width
+d = 100 whose block P = 3 does not divide, where the ring's padding shows), and against `distlab.cost`'s prediction.
 
 Each rank runs every configuration once with `distlab.cost.trial.Trial` (what it holds by storage, what its forward
 keeps, what its collectives send per step) and calls the answer. The claims: weights, gradients, AdamW's
@@ -21,20 +21,25 @@ from distlab.proof.sizes import Transformer
 LESSON, NAME, P, ALSO = "13_cost", "rank_bytes", 2, 3
 MODEL, BATCH, E = Transformer(2, 96, 12, 384), Batch(12, 48), 4
 STACK = Stack(MODEL, BATCH, lr=1e-3, seed=0)
+# and a width P = 3 does not divide into a block's parameters (Psi_b = 118,084 at d = 100; 111,840 at d = 96 divides
+# by 2, 3 and 6): there the ring's padding to P equal chunks shows, so data parallelism alone is judged at it too
+PADDED = Transformer(2, 100, 4, 384)
+WIDE = Stack(PADDED, BATCH, lr=1e-3, seed=0)
 ITEMS = ("weights", "gradients", "moments", "activations", "sent")
 ONE_PASS = "the all-reduce priced as one pass of the ring, (P-1)/P of the gradient"
 NAIVE = "the all-reduce priced as P - 1 whole gradients, (P-1) Psi e"
 ONE_MOMENT = "one moment, e Psi"
 ALL_CUT = "every activation cut by tp, the gathered inputs too"
 NO_VECTORS = "no all-reduce of the LayerNorms' and row biases' gradients"
+UNPADDED = "the ring's chunks taken as Psi_b / P exactly, the padding to P equal chunks left out"
 _MEASURED: dict = {}  # per process: each configuration is run once, whatever answer is judged
 
 
-def measured(rt, name: str, parallel) -> dict[str, int]:
-    """What the lesson's own run of `parallel` held and sent on this rank."""
+def measured(rt, name: str, parallel, stack: Stack = STACK) -> dict[str, int]:
+    """What the lesson's own run of `parallel` (on `stack`'s sizes) held and sent on this rank."""
     key = (name, rt.world_size)
     if key not in _MEASURED:
-        got = Trial(rt, STACK, parallel, solution(LESSON, "OPTIONS").load()).measured(0.0)
+        got = Trial(rt, stack, parallel, solution(LESSON, "OPTIONS").load()).measured(0.0)
         _MEASURED[key] = {k: got.held[k] for k in ITEMS[:3]} | {
             "activations": got.activations,
             "sent": sum(got.sent.values()),
@@ -42,34 +47,40 @@ def measured(rt, name: str, parallel) -> dict[str, int]:
     return _MEASURED[key]
 
 
-def predicted(parallel) -> dict[str, int]:
+def predicted(model, parallel) -> dict[str, int]:
     """distlab.cost's numbers for the same configuration."""
-    rank = step_cost(MODEL, BATCH, parallel, "float32").ranks[0]
-    kept = memory.stage_activations(MODEL, BATCH, parallel, 0, PRECISIONS["float32"], E)
+    rank = step_cost(model, BATCH, parallel, "float32").ranks[0]
+    kept = memory.stage_activations(model, BATCH, parallel, 0, PRECISIONS["float32"], E)
     return {k: rank.memory[k] for k in ITEMS[:3]} | {"activations": kept, "sent": rank.traffic.total}
 
 
-def wrong_values(parallel, right: dict[str, int]) -> dict[str, dict[str, int]]:
+def wrong_values(model, parallel, right: dict[str, int]) -> dict[str, dict[str, int]]:
     """What each catalogued misreading computes, from the right numbers (never from the answer)."""
-    tp, tokens, d = parallel.tp, BATCH.tokens, MODEL.dim
+    tp, tokens, d = parallel.tp, BATCH.tokens, model.dim
     out = {"moments": {ONE_MOMENT: right["moments"] // 2}}
     if tp == 1:
-        f, p = MODEL.ffn, parallel.world
+        f, p = model.ffn, parallel.world
         psi_b = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 4 * d  # one block's parameters
-        out["sent"] = {ONE_PASS: right["sent"] // 2, NAIVE: MODEL.layers * (p - 1) * psi_b * E}
+        out["sent"] = {
+            ONE_PASS: right["sent"] // 2,
+            NAIVE: model.layers * (p - 1) * psi_b * E,
+            UNPADDED: model.layers * 2 * (p - 1) * psi_b * E // p,
+        }
     if parallel.sp:
-        gathered = 2 * tokens * d * E * MODEL.layers
+        gathered = 2 * tokens * d * E * model.layers
         out["activations"] = {ALL_CUT: right["activations"] - gathered + gathered // tp}
-        vectors = traffic.per_rank(MODEL, BATCH, parallel, "float32").sent["tp", "all_reduce"]
+        vectors = traffic.per_rank(model, BATCH, parallel, "float32").sent["tp", "all_reduce"]
         out["sent"] = {NO_VECTORS: right["sent"] - vectors}
     return out
 
 
 def _ranks(rt, rank_bytes, claims) -> None:
     p = rt.world_size
-    for name, parallel in solution(LESSON, "configurations").load()(p).items():
-        got, right = rank_bytes(MODEL, BATCH, parallel, E), predicted(parallel)
-        wrong, here = wrong_values(parallel, right), measured(rt, name, parallel)
+    splits = [(name, parallel, MODEL, STACK) for name, parallel in solution(LESSON, "configurations").load()(p).items()]
+    splits.append(("DDP at d = 100", splits[0][1], PADDED, WIDE))
+    for name, parallel, model, stack in splits:
+        got, right = rank_bytes(model, BATCH, parallel, E), predicted(model, parallel)
+        wrong, here = wrong_values(model, parallel, right), measured(rt, name, parallel, stack)
         for item in ITEMS:
             value, alternatives = (got or {}).get(item), wrong.get(item, {})
             claims.equal(
@@ -107,6 +118,18 @@ MISTAKES = (
             "sent = layers x 2 (P-1) ceil(Psi_b / P) e",
         ),
         holds=("DDP: weights",),
+    ),
+    Mistake(
+        "the padding to P equal chunks left out",
+        "^DDP at d = 100: sent",
+        (Equals(UNPADDED),),
+        (
+            "a ring cuts a tensor into P equal chunks; what if P does not divide its length?",
+            "each block's flat gradient is padded to P ceil(Psi_b / P) elements, and every chunk travels whole: "
+            "at d = 100 Psi_b = 118,084 is not a multiple of 3",
+            "sent = layers x 2 (P-1) ceil(Psi_b / P) e, with ceil: -(-Psi_b // P)",
+        ),
+        holds=(r"^DDP: sent",),
     ),
     Mistake(
         "one moment, not two",
@@ -164,6 +187,12 @@ def _naive(out, model, batch, parallel, e):
     return out | ({"sent": model.layers * (p - 1) * psi_b * e} if parallel.tp == 1 else {})
 
 
+def _unpadded(out, model, batch, parallel, e):
+    d, f, p = model.dim, model.ffn, parallel.world
+    psi_b = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 4 * d
+    return out | ({"sent": model.layers * 2 * (p - 1) * psi_b * e // p} if parallel.tp == 1 else {})
+
+
 def _one_moment(out, model, batch, parallel, e):
     return out | {"moments": out["moments"] // 2}
 
@@ -180,12 +209,13 @@ def _no_vectors(out, model, batch, parallel, e):
 
 ring_priced_as_one_pass = _with(_one_pass)
 naive_all_reduce = _with(_naive)
+unpadded = _with(_unpadded)
 one_moment = _with(_one_moment)
 gathered_cut_too = _with(_all_cut)
 no_layernorm_reduction = _with(_no_vectors)
 
 # World sizes: P = 2 and P = 3 (also_at): a naive all-reduce's (P - 1) Psi equals the ring's 2 (P-1)/P Psi at P = 2
-# only.
+# only; at P = 3 the width d = 100 leaves a remainder the ring pads.
 EXERCISE = Exercise(
     LESSON,
     NAME,
@@ -200,10 +230,12 @@ EXERCISE = Exercise(
         "plus 2 (tp-1)/tp 6 d e with sp",
     ),
     also_at=(ALSO,),
+    numbers=" = ",  # every claim here is a number of bytes: no structure to contradict a ratio's reading
 )
 WRONG = {
     "an all-reduce priced as one pass": "ring_priced_as_one_pass",
     "an all-reduce priced as P - 1 whole gradients": "naive_all_reduce",
+    "the padding to P equal chunks left out": "unpadded",
     "one moment, not two": "one_moment",
     "the gathered inputs cut too": "gathered_cut_too",
     "the LayerNorms' gradients never reduced": "no_layernorm_reduction",
@@ -213,3 +245,4 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 )
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))
+test_the_judge_rejects_a_second_slip = EXERCISE.audit_test(Path(__file__), second=True)

@@ -212,3 +212,4 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"whole_logits": "never N x N"})
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))
+test_the_judge_rejects_a_second_slip = EXERCISE.audit_test(Path(__file__), second=True)

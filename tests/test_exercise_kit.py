@@ -1,8 +1,9 @@
 """The exercises' judge itself, without processes: what `Claims` measures, that each signature recognises
 its trace and rejects a look-alike, that a failure no catalogued mistake explains is reported as what the
-judge saw (never a guess), that hints come level by level, that `Watch` counts what is alive and prices
-collectives by the ring formulas (an all-to-all by the rows that leave the rank), and that
-`pytest --exercises -k NN` collects exercise NN's file alone."""
+judge saw (a ratio read only as one possibility, where no structural claim contradicts it), that claims agree
+across ranks, that a peer's transport error is never blamed on the rank that saw it, that hints come level by
+level, that `Watch` counts what is alive and prices collectives by the ring formulas (an all-to-all by the rows
+that leave the rank), and that `pytest --exercises -k NN` collects exercise NN's file alone."""
 
 import subprocess
 import sys
@@ -176,7 +177,30 @@ def test_a_ratio_is_named_in_the_exercises_quantities():
     assert "one part counted" in both and "a factor C where P belongs" in both, both
     assert name_ratio(0.2718, {"P": 3, "M": 4}) is None and name_ratio(None, {"P": 3}) is None
     text = _diagnosed(_findings([WANT / 9, WANT / 9, WANT / 9]), Scaled("P", lambda p: p)).message(1)
-    assert "got / reference = 1/P^2 = 0.111111: divided by P twice" in text, text
+    assert "one reading, not a diagnosis: 1/P^2 = 0.111111: divided by P twice" in text, text
+    assert "P/2" not in name_ratio(1.5, {"P": 3}, rings=False)  # a ring's reading only for a claim about bytes
+
+
+def test_a_ratio_is_read_only_where_the_structure_agrees_with_a_mere_factor():
+    """A factor is one possibility, offered only when every rank missed alike and no structural claim failed:
+    an answer that ran the wrong exchange is described by what it ran, not by a reading of its numbers."""
+
+    def ranks(bytes_ok: bool, gots: list) -> Findings:
+        by_rank = []
+        for got in gots:
+            claims = Claims()
+            claims.close("the output equals one process's", got, WANT, what="t")
+            claims.equal("bytes sent = the formula", 8 if bytes_ok else 16, 8, what="bytes")
+            by_rank.append(claims.seen)
+        return Findings(by_rank)
+
+    read = diagnose(ranks(True, [3 * WANT] * 3), (), 3, numbers="equals").observations
+    assert any(f.startswith("one reading, not a diagnosis: P = 3") for f in read), read
+    unread = diagnose(ranks(False, [3 * WANT] * 3), (), 3, numbers="equals").observations
+    assert not any("reading" in f for f in unread), unread
+    assert any("'bytes sent = the formula' failed too" in f and "16, not 8" in f for f in unread), unread
+    some = diagnose(ranks(True, [WANT, 3 * WANT, 3 * WANT]), (), 3, numbers="equals").observations
+    assert not any("reading" in f for f in some) and "ranks that held: 0" in some, some
 
 
 def test_more_help_is_offered_only_where_more_exists_and_never_after_no_mistake():
@@ -197,7 +221,8 @@ def test_more_help_is_offered_only_where_more_exists_and_never_after_no_mistake(
 
 
 def test_an_answer_that_raises_is_a_verdict_naming_its_own_line_not_a_traceback():
-    from exercise_kit import Answer, _raised
+    from exercise_kit import Answer
+    from exercise_ranks import _raised
 
     from distlab.processes.spawn import SpawnError
 
@@ -213,6 +238,20 @@ def test_an_answer_that_raises_is_a_verdict_naming_its_own_line_not_a_traceback(
     assert text.startswith("your answer raised on rank 2: TypeError: all_reduce(): argument"), text
     assert "06_data_parallel.py:41 in all_reduce_gradients: dist.all_reduce(grads)" in text, text
     assert "did not finish" in _raised(TimeoutError("ranks [1] did not finish within 240 s"), answer)
+    peer = child.replace(
+        "TypeError: all_reduce(): argument 'tensor' must be Tensor, not list",
+        "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:9089",
+    )
+    text = _raised(SpawnError(0, peer), answer, "\n  what each rank's answer ran: rank 0: reduce; rank 1: nothing")
+    assert text.startswith("the ranks stopped running the same collectives: rank 0 was left"), text
+    assert "raised on rank 0" not in text and "rank 1: nothing" in text, text
+
+
+def test_claims_agree_across_ranks_so_a_body_stops_on_every_rank_at_once():
+    """With `agree`, a claim that failed on one rank returns False on all: each Seen keeps its own outcome."""
+    claims = Claims(agree=lambda ok: False)  # another rank failed
+    assert claims.equal("c", 1, 1, what="n") is False and claims.seen[0].ok
+    assert Claims().equal("c", 1, 1, what="n") is True
 
 
 def test_a_planted_slip_changes_one_text_of_the_lesson_and_nothing_else():

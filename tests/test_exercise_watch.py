@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.distributed.nn.functional as dist_nn
-from exercise_watch import PRICES, Call, Watch, unknown_ops
+from exercise_watch import PRICES, Call, Ran, Watch, ran_text, unknown_ops
 
 from distlab.processes.spawn import spawn
 
@@ -131,9 +131,9 @@ def _rank(rt) -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])][rt.rank // 2]
     seen = {}
     for name, run in _cases(rt.rank, pairs).items():
-        with Watch() as watch:
+        with Watch() as watch, Ran() as ran:  # the same calls, priced and put in words
             run()
-        seen[name] = ([c.kind for c in watch.collectives], watch.sent(P), watch.unknown)
+        seen[name] = ([c.kind for c in watch.collectives], watch.sent(P), watch.unknown, ran.calls)
         dist.barrier()
     return seen
 
@@ -146,7 +146,7 @@ def every_rank() -> list[dict]:
 @pytest.mark.parametrize("name", list(_expected(0)))
 def test_watch_records_and_prices(name, every_rank):
     for rank, seen in enumerate(every_rank):
-        kinds, sent, unknown = seen[name]
+        kinds, sent, unknown, _ = seen[name]
         want_kinds, want_sent = _expected(rank)[name]
         assert unknown == [], f"rank {rank}: {name}: the watch could not price {unknown}"
         assert kinds == want_kinds, f"rank {rank}: {name}: recorded {kinds}, want {want_kinds}"
@@ -154,8 +154,23 @@ def test_watch_records_and_prices(name, every_rank):
 
 
 def test_every_kind_the_judge_prices_is_run(every_rank):
-    kinds = {kind for seen in every_rank for kinds, _, _ in seen.values() for kind in kinds}
+    kinds = {kind for seen in every_rank for kinds, *_ in seen.values() for kind in kinds}
     assert kinds == set(PRICES), f"run {sorted(kinds)}, priced {sorted(PRICES)}"
+
+
+def test_what_an_answer_ran_is_said_with_its_root_peer_and_group(every_rank):
+    """`Ran` words each call in global ranks: to or from whom, on which group (the judge's "what the answer ran")."""
+    for rank, seen in enumerate(every_rank):
+        pair = "0-1" if rank < 2 else "2-3"
+        assert seen["reduce"][3] == ["reduce to rank 0 on ranks 0-3"], seen["reduce"][3]
+        assert seen["scatter"][3] == ["scatter from rank 0 on ranks 0-3"], seen["scatter"][3]
+        assert seen["all_reduce on a sub-group"][3] == [f"all_reduce on ranks {pair}"]
+        sent, got = f"send to rank {(rank + 1) % P} on ranks 0-3", f"recv from rank {(rank - 1) % P} on ranks 0-3"
+        assert sorted(seen["send and recv"][3]) == sorted([sent, got]), seen["send and recv"][3]
+    assert ran_text(["reduce to rank 0 on ranks 0-3"] * 4 + ["barrier on ranks 0-3"]) == (
+        "reduce to rank 0 on ranks 0-3 x4, barrier on ranks 0-3"
+    )
+    assert ran_text([]) == "no collective"
 
 
 def test_an_unknown_op_is_listed_and_priced_at_nothing_never_a_crash():
@@ -169,7 +184,8 @@ def test_an_unknown_op_is_listed_and_priced_at_nothing_never_a_crash():
 
 def test_the_judge_fails_a_claim_naming_an_unknown_op():
     """`exercise_kit._rank` puts a failed claim first that names what the judge could not price."""
-    from exercise_kit import UNKNOWN_CLAIM, Answer, _rank
+    from exercise_kit import Answer
+    from exercise_ranks import UNKNOWN_CLAIM, _rank
     from exercise_signatures import Findings, diagnose
 
     def body(rt, fn, claims):

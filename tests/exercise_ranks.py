@@ -1,0 +1,113 @@
+"""What each rank runs when the exercises' judge judges answers (`exercise_kit`): the answers one after another
+through the exercise's body, every claim agreed across ranks before the body goes on (so a slip that leaves some
+ranks right stops every rank at once, a verdict naming them, never one rank left waiting in a collective), every
+collective an answer runs recorded in words (`exercise_watch.Ran`: what each rank sent, to whom, on which group),
+and a failed run told in a few lines: the answer's own line that raised, or, for a transport error (a peer's
+connection closed, a collective timed out), that the ranks stopped running the same collectives and what each
+rank's answer ran until then, never the fault of the rank that happened to see it."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from exercise_claims import Claims
+from exercise_watch import Ran, ran_text, unknown_ops
+from torch.utils._python_dispatch import _disable_current_modes
+
+from distlab.processes.spawn import SpawnError
+
+UNKNOWN_CLAIM = "every collective the answer runs is one the judge can price"
+
+
+TRANSPORT = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out|timed out|timeout")
+
+
+def _ran_by_rank(logs: str | None, k: int, world: int) -> str:
+    """What each rank's answer ran before the failure (the `Ran` logs of answer k), one clause per rank."""
+    if logs is None:
+        return ""
+    each = []
+    for r in range(world):
+        path = Path(logs) / f"{k}-{r}"
+        calls = path.read_text().splitlines() if path.exists() else []
+        each.append(f"rank {r}: {ran_text(calls)}")
+    return "\n  what each rank's answer ran: " + "; ".join(each)
+
+
+def _raised(err: Exception, answer, ran: str = "") -> str:
+    """One rank's failure in a few lines: the error's last line, on which rank, and the answer's own line
+    that raised it (the deepest frame in the answer's file), never the judge's traceback. A transport error
+    (a peer's connection closed, a collective timed out) is not that rank's fault: it says the ranks stopped
+    running the same collectives, and `ran` (what each rank's answer ran) shows where they parted."""
+    if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
+        return f"your answer did not finish: {err} (a collective some rank never joined?){ran}"
+    lines = [line for line in err.child_traceback.splitlines() if line.strip()]
+    last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', err.child_traceback)
+    mine = [f for f in frames if Path(f[0]) == answer.path]
+    where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
+    if TRANSPORT.search(last):
+        return (
+            f"the ranks stopped running the same collectives: rank {err.rank} was left in one whose peers had "
+            f"gone ({last[:120]}){where}{ran}"
+        )
+    return f"your answer raised on rank {err.rank}: {last}{where}{ran}"
+
+
+def _agreed(ok: bool) -> bool:
+    """Whether a claim held on every rank: one all-reduce of the flag, hidden from the answer's watches."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)])
+    with _disable_current_modes():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _recorded(fn: Callable[..., Any], ran: Ran) -> Callable[..., Any]:
+    """`fn` with every collective it runs recorded in `ran` (a class, an autograd Function, is passed as it is)."""
+    if not inspect.isfunction(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def recorded(*args, **kwargs):
+        with ran:
+            return fn(*args, **kwargs)
+
+    return recorded
+
+
+def _rank(rt, body: Callable[..., None], answers: list, args: tuple, logs: str | None = None) -> list[dict]:
+    """One rank: each answer in turn, loaded, run through the check's body; what it recorded and which
+    collectives the answer ran (also logged under `logs`, for a run that never returns), or that it is blank."""
+    reports = []
+    for k, answer in enumerate(answers):
+        claims, before = Claims(agree=_agreed), len(unknown_ops())
+        ran = Ran(str(Path(logs) / f"{k}-{rt.rank}") if logs else None)
+        try:
+            body(rt, _recorded(answer.load(), ran), claims, *args)
+        except NotImplementedError as err:
+            reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
+            continue
+        unknown = sorted(set(unknown_ops(before)))
+        if unknown:  # first: what the judge could not price makes every byte claim after it unsure
+            claims.holds(
+                UNKNOWN_CLAIM,
+                False,
+                what="collectives",
+                note=f"the judge cannot price {', '.join(unknown)}",
+                hints=(
+                    "the judge prices torch.distributed's collectives and the functional ones; this op is neither",
+                    "write the exchange with dist.all_reduce, all_gather, reduce_scatter, all_to_all, send/recv",
+                ),
+            )
+            claims.seen.insert(0, claims.seen.pop())
+        reports.append({"seen": claims.seen, "ran": ran.calls})
+    return reports

@@ -53,7 +53,6 @@ import torch.nn.functional as F
 from distlab.comm.agree import rank_table
 from distlab.comm.differentiable import all_to_all
 from distlab.comm.ledger import Ledger
-from distlab.cost.hardware import DEVICES, LINKS
 from distlab.layer_split.context_parallel import ulysses, whole_sequence
 from distlab.layer_split.context_parallel.cost import Sizes
 from distlab.layer_split.context_parallel.split import shard, unshard
@@ -63,6 +62,7 @@ from distlab.processes.identity import Runtime
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof.cli import lesson_parser
 from distlab.proof.compare import DTYPES, all_ok, compare, comparison_table
+from distlab.proof.hardware import DEVICES, LINKS
 from distlab.proof.verdict import Verdict
 
 PHASES = ("forward", "backward")  # the ledger's phase of a move, and of its gradient's move back

@@ -48,7 +48,6 @@ import torch
 from distlab.comm.timing import time_call
 from distlab.composed.dims import ParallelDims
 from distlab.cost import calibrate, memory, traffic
-from distlab.cost.hardware import DEVICES, Cluster, Device, cluster
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
@@ -60,6 +59,7 @@ from distlab.processes.flags import add_global_batch, check_flags_against_world,
 from distlab.processes.identity import Runtime
 from distlab.processes.runtime import distributed, run_main
 from distlab.proof.cli import lesson_parser
+from distlab.proof.hardware import DEVICES, Cluster, Device, cluster
 from distlab.proof.models import BlockOptions
 from distlab.proof.sizes import Transformer
 from distlab.proof.verdict import Verdict

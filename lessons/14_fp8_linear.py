@@ -48,12 +48,12 @@ for _noisy in ("torchao", "torch.utils._pytree"):  # torchao's import warns of C
 
 from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # noqa: E402
 
-from distlab.cost.hardware import DEVICES  # noqa: E402
 from distlab.processes.console import print0, rows_table  # noqa: E402
 from distlab.processes.flags import positive_float, positive_int  # noqa: E402
 from distlab.processes.runtime import distributed, run_main  # noqa: E402
 from distlab.proof.cli import lesson_parser  # noqa: E402
 from distlab.proof.compare import all_ok, compare, comparison_table  # noqa: E402
+from distlab.proof.hardware import DEVICES  # noqa: E402
 from distlab.proof.verdict import Verdict  # noqa: E402
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # the two torch's CPU _scaled_mm takes

@@ -111,6 +111,9 @@ MODULES = {
     "distlab.cost.shapes": "distlab.cost.inputs",
     # a run's shape and its mesh are lesson 12's (the composed mesh); the cost model (13) and the planner price it
     "distlab.cost.dims": "distlab.composed.dims",
+    # the datasheets' GPUs and links, beside the emulated device and link: lesson 11 prices its crossover on them
+    # before the cost model (13) and the planner price whole steps
+    "distlab.cost.hardware": "distlab.proof.hardware",
 }
 
 # names split out of a module: (module, name) -> the module that owns the name now

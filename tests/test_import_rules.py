@@ -95,9 +95,7 @@ ARC = (
     ("contrastive", range(21, 28), ("contrastive", "streamed")),  # `distributed_clip`: the streamed step's path
 )
 # a lesson's import of a later part, with its reason
-FORWARD = {
-    (11, "cost"): "the crossover priced on the datasheets' GPUs and links (`cost.hardware`, the one table of them)",
-}
+FORWARD: dict[tuple[int, str], str] = {}  # none: the datasheets lesson 11 prices on are on the ground floor
 
 
 def lesson_breaks(source: str, number: int) -> list[str]:
@@ -130,7 +128,7 @@ def test_each_lesson_imports_its_own_part_and_the_floors_below():
     "number,planted",
     [
         (9, "def show_fold():\n    from distlab.streamed import torch_tiles\n"),  # as it was
-        (6, "from distlab.cost.hardware import DEVICES"),
+        (6, "from distlab.cost.timing import predict"),
         (20, "import distributed_clip"),
         (3, "from distlab.data_split.data_parallel import ddp"),
     ],

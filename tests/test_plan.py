@@ -13,7 +13,6 @@ import sys
 import pytest
 from helpers import ROOT
 
-from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.cost.inputs import Batch
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, predict
@@ -22,6 +21,7 @@ from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.search import Choices, search
 from distlab.processes.console import console
+from distlab.proof.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.proof.sizes import Transformer
 
 ARGS = ["--model", "llama3-8b", "--gpus", "16", "--nodes", "2", "--global-batch", "64", "--seq-len", "4096"]

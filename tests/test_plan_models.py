@@ -21,7 +21,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.composed.dims import ParallelDims
 from distlab.cost import flops, memory, traffic
-from distlab.cost.hardware import GIB, cluster
 from distlab.cost.inputs import PRECISIONS, Batch, Parallel
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, gemm_efficiency, predict
@@ -31,6 +30,7 @@ from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.report import ITEMS
 from distlab.processes.console import console
+from distlab.proof.hardware import GIB, cluster
 from distlab.proof.held import SavedActivations
 from distlab.proof.models import Block, BlockOptions, token_batch
 from distlab.proof.sizes import Transformer

@@ -13,7 +13,6 @@ composed, never derived again (tests/test_cost_*.py hold the composition to the 
 | `traffic`  | bytes per collective per mesh dimension           | 07 (dp), 08 (tp), 09 (cp), 10 (ep), 01-03 (pp) |
 | `schedule` | the pipeline's placement, in-flight counts, grid  | 02-05 (`distlab.model_split.simulator`)          |
 | `step`     | all of it for each pipeline position: `step_cost` | -                                             |
-| `hardware` | devices (datasheets) and links; a measured device | lesson 13 measures this machine               |
 | `timing`   | compute, memory, communication, overlap, bubble; step time, MFU | lesson 13 (time within a factor) |
 | `stacks`   | efficiency profiles of software stacks, fitted on published runs | the published runs (planner) |
 | `trial`    | the measured side: a split built, run, counted and timed on this rank | lesson 13 (what it compares) |

@@ -31,9 +31,9 @@ from distlab.comm import compat
 from distlab.comm.collectives import ring_bytes
 from distlab.comm.ring import Ring
 from distlab.comm.timing import time_call
-from distlab.cost.hardware import Link
 from distlab.processes.identity import Runtime
 from distlab.processes.runtime import DEFAULT_TIMEOUT_S
+from distlab.proof.hardware import Link
 
 SMALL, LARGE = 16, 1 << 19  # float32 elements per rank in the two all-reduces a link is fitted to
 

@@ -32,7 +32,7 @@ class Stack:
     name: str
     software: str
     assumptions: Assumptions
-    gpus: tuple[str, ...]  # the GPU types of its fitted runs (keys of distlab.cost.hardware.DEVICES)
+    gpus: tuple[str, ...]  # the GPU types of its fitted runs (keys of distlab.proof.hardware.DEVICES)
     parameters: tuple[float, float]  # the model sizes of its fitted runs, fewest to most parameters
 
     def outside(self, gpu: str, parameters: int) -> str | None:

@@ -41,11 +41,11 @@ import math
 from dataclasses import dataclass, field
 
 from distlab.cost.flops import attention_forward
-from distlab.cost.hardware import Cluster, Link
 from distlab.cost.inputs import PRECISIONS, stage_layers
 from distlab.cost.memory import stage_activations
 from distlab.cost.schedule import grid, stages
 from distlab.cost.step import StepCost
+from distlab.proof.hardware import Cluster, Link
 from distlab.proof.sizes import Transformer
 
 RING_STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1}

@@ -25,7 +25,6 @@ import json
 from dataclasses import replace
 
 from distlab.composed.dims import ParallelDims
-from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.rules import check
 from distlab.cost.stacks import DEFAULT_STACK, STACKS
@@ -46,6 +45,7 @@ from distlab.processes.flags import (
     share,
     writable_file,
 )
+from distlab.proof.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, cluster
 from distlab.proof.sizes import Transformer
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe

@@ -82,7 +82,7 @@ class Published:
 
     name: str
     model: str  # a key of MODELS
-    gpu: str  # a key of distlab.cost.hardware.DEVICES
+    gpu: str  # a key of distlab.proof.hardware.DEVICES
     batch: Batch
     parallel: Parallel
     reported_mfu: float

@@ -8,7 +8,6 @@ from dataclasses import replace
 from rich.table import Table
 
 from distlab.cost import memory
-from distlab.cost.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, LINKS, TERA, Cluster, Device, cluster
 from distlab.cost.inputs import PRECISIONS, Parallel
 from distlab.cost.stacks import STACKS
 from distlab.cost.step import step_cost
@@ -18,6 +17,7 @@ from distlab.layer_split.tensor_parallel.cost import sdpa_math_path
 from distlab.plan.presets import MODELS, PUBLISHED
 from distlab.plan.search import Candidate
 from distlab.processes.console import compact_table, console
+from distlab.proof.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, LINKS, TERA, Cluster, Device, cluster
 
 SCHEDULE_SHORT = {"1f1b": "1F1B", "interleaved-1f1b": "int", "gpipe": "GPipe", "zb-h1": "ZB", "interleaved-zb": "iZB"}
 ITEMS = (  # what a rank holds, item by item, as the other calculators break it down

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 from distlab.composed.dims import ParallelDims
 from distlab.cost import memory
-from distlab.cost.hardware import DEFAULT_RESERVE_GIB, GIB, Cluster
 from distlab.cost.inputs import Batch, Parallel
 from distlab.cost.rules import check
 from distlab.cost.step import StepCost, step_cost
 from distlab.cost.timing import Assumptions, StepTime, predict
+from distlab.proof.hardware import DEFAULT_RESERVE_GIB, GIB, Cluster
 from distlab.proof.sizes import Transformer
 
 MICRO_BATCH_ROWS = (1, 2, 4, 8, 16)

@@ -15,8 +15,9 @@ them imports it.
   imports it;
 - measurement: `held` (what a step holds, counted by storage: the one rule), `memory` (`PeakMemory`, a
   block's peak tensor bytes on any device), `timeline` (who computes when), `emulate` (a device that costs a
-  fixed wall time without a core), `launch_count` (`LaunchCount`: the kernel launches and bytes of a block of
-  code, torch ops and Triton kernels alike, on the meta device too).
+  fixed wall time without a core), `hardware` (the datasheets' devices and links with their sources, what
+  lesson 11's crossover and the cost model price on), `launch_count` (`LaunchCount`: the kernel launches and
+  bytes of a block of code, torch ops and Triton kernels alike, on the meta device too).
 
 What may not live here: a way of splitting training (each is its own package) or a cost formula of one (its
 package states it; `distlab.cost` reads them all). Nothing here imports a sibling package.

@@ -159,8 +159,10 @@ def leaving(rank: int) -> None:
         pass
 
 
-def _who(dead: list[int]) -> str:
-    return f"rank {dead[0]}" if len(dead) == 1 else f"ranks {', '.join(map(str, dead))}"
+def _died(rank: int, dead: list[int], why: str) -> str:
+    """The survivor's line naming the ranks whose process died (and their nodes), and why this rank stopped."""
+    who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {', '.join(map(str, dead))}"
+    return f"[rank {rank}] {who} died{nodes_of(dead)}: {why}"
 
 
 def dead_named(rank: int, world_size: int, err: BaseException) -> str:
@@ -172,7 +174,7 @@ def dead_named(rank: int, world_size: int, err: BaseException) -> str:
         return f"[rank {rank}] a peer died and the process group's store is gone: {store_holder()} ({backend})"
     if not dead:
         return f"[rank {rank}] a peer failed, and no rank's process on this host has stopped ({backend})"
-    return f"[rank {rank}] {_who(dead)} died{nodes_of(dead)}: stopped while this rank waited for it ({backend})"
+    return _died(rank, dead, f"stopped while this rank waited for it ({backend})")
 
 
 def say_before_teardown(rank: int, err: BaseException, world_size: int | None = None) -> None:
@@ -252,11 +254,7 @@ def named_then_stopped(signum: int, frame) -> None:
         dead = stopped_ranks(dist.get_world_size(), settle_s=0)
         if dead:
             _said.add(rank)
-            print(
-                f"[rank {rank}] {_who(dead)} died{nodes_of(dead)}: torchrun's agent stopped this rank (SIGTERM)",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(_died(rank, dead, "torchrun's agent stopped this rank (SIGTERM)"), file=sys.stderr, flush=True)
         leaving(rank)  # the other survivors, stopped at the same moment, must not name this one
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)

@@ -11,8 +11,10 @@ loss's input and target; lesson 07 counts them, e N (w_0 + sum of the hidden wid
 returns anything (here a handle), and hands that back to `unpack` when backward needs the tensor:
 
     pack(t):   a parameter stays (it is on the device anyway); else copy t to the host pool on the copy
-               thread and return a handle; the device copy is freed once the copy is done. A storage saved
-               twice (a tanh's output is the next Linear's input) is copied once.
+               thread and return a handle. A storage saved twice (a tanh's output is the next Linear's
+               input) is copied once. Forward keeps at most two groups on the device: before group k's
+               first tensor, group k-2's copies are waited for and their device copies freed (on a GPU, an
+               event wait on the copy stream), so the bound holds however slow the link is.
     unpack(h): the first time backward touches layer k's group, fetch it (or wait for its prefetch) and
                start fetching group k-1 on the copy thread: it travels while layer k computes.
 
@@ -75,6 +77,7 @@ class Offloader:
         self.group, self.groups, self.touched = 0, {}, set()  # group -> its handles, in pack order
         self.alive: dict[tuple, int] = {}  # (address, offset, shape, stride) of a live saved tensor -> its handle
         self.host: dict[int, Future] = {}  # handle -> the host copy (a future while it travels)
+        self.landing: list[tuple[int, int, int]] = []  # (group, handle, bytes): device copies not yet freed
         self.device: dict[int, Future] = {}  # handle -> the device copy fetched back
         self.users: dict[int, int] = {}  # handle -> unpacks still to come (a tensor saved twice: two)
         self.sent = self.received = self.device_bytes = self.peak = self.on_demand = 0
@@ -89,10 +92,20 @@ class Offloader:
         self.device_bytes += nbytes
         self.peak = max(self.peak, self.device_bytes)
 
+    def _land(self, before: float) -> None:
+        """Wait for the copies to the host of every group before `before`; free their device copies."""
+        landed = [(handle, nbytes) for group, handle, nbytes in self.landing if group < before]
+        for handle, nbytes in landed:
+            self.host[handle].result()
+            self._resident(-nbytes)
+        self.landing = [row for row in self.landing if row[0] >= before]
+
     def pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         if storage.data_ptr() in self.skip:
             return t  # a parameter: on the device anyway, never moved
+        if self.group not in self.groups:  # forward enters a new group: at most two stay on the device
+            self._land(before=self.group - 1)
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
         if key in self.alive:  # saved before and still alive (a tanh output the next Linear saves): one copy
             handle = self.alive[key]
@@ -108,9 +121,9 @@ class Offloader:
         self.sent += nbytes
         self._resident(nbytes)
         self.host[handle] = self.copier.submit(self._copy, t, "H to host")  # t lives until the copy is done
-        self.host[handle].add_done_callback(lambda _: self._resident(-nbytes))  # then the device copy is freed
+        self.landing.append((self.group, handle, nbytes))
         if not self.prefetch:
-            self.host[handle].result()  # serialised: forward waits for every copy
+            self._land(before=self.group + 1)  # serialised: forward waits for every copy
         return handle
 
     def _fetch(self, group: int) -> None:
@@ -150,8 +163,7 @@ class Offloader:
 
     def drain(self) -> None:
         """Wait for every copy to the host: the end of forward on the device's copy stream."""
-        for future in self.host.values():
-            future.result()
+        self._land(before=float("inf"))
 
     def close(self) -> None:
         self.copier.shutdown(wait=True)

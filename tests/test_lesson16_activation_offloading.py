@@ -6,6 +6,7 @@ fetched on demand with prefetch; the checks fail on a pool keyed by addresses (a
 backward another tensor), on a pool that copies a tensor saved twice twice, and on one that never frees."""
 
 import argparse
+import weakref
 
 import pytest
 import torch
@@ -93,17 +94,46 @@ def _with(monkeypatch, wrap, args, how="offload"):
     return lesson.step(args, how)
 
 
+class _CachingAllocator:
+    """Addresses as a caching allocator (CUDA's) hands them out: a storage that dies returns its address to a
+    free list of its size, and the next new storage of that size gets it back. Installed as the storages'
+    `data_ptr`, so the lesson's pool sees reused addresses every time, not only when the host's allocator
+    happens to reuse one."""
+
+    def __init__(self):
+        self.real = torch.UntypedStorage.data_ptr
+        self.address: dict[int, int] = {}  # real address of a live storage -> the address it is shown
+        self.free: dict[int, list[int]] = {}  # nbytes -> addresses given back, the newest last
+        self.next, self.reused = 1 << 40, 0
+
+    def address_of(self, storage) -> int:
+        real = self.real(storage)
+        if real not in self.address:
+            nbytes = storage.nbytes()
+            if self.free.get(nbytes):
+                self.address[real], self.reused = self.free[nbytes].pop(), self.reused + 1
+            else:
+                self.address[real], self.next = self.next, self.next + nbytes
+            weakref.finalize(storage, self._give_back, real, nbytes)
+        return self.address[real]
+
+    def _give_back(self, real: int, nbytes: int) -> None:
+        self.free.setdefault(nbytes, []).append(self.address.pop(real))
+
+
 def test_the_gradient_check_fails_on_a_pool_keyed_by_addresses(monkeypatch):
-    """A pool that dedups by address and never forgets one hands backward a dead tensor's values once the
-    allocator reuses its address (torchtitan PR 2581's silent corruption): the gradients differ. Whether an
-    address comes back in a given step is the allocator's choice, so a few sizes are tried; one suffices."""
-    lesson = load_lesson("activation_offloading")
-    for width in (256, 192, 320, 128, 384):
-        args = _args(width=width, layers=4, global_batch=256)
-        wrong = _with(monkeypatch, _keyed_by_address, args, "serialised")
-        if not _same(wrong, lesson.step(args, "plain")):
-            return
-    pytest.fail("no size gave a reused address: the wrong pool was never caught")
+    """Under an allocator that reuses a dead tensor's address (as CUDA's caching allocator does, every step),
+    the lesson's pool, which forgets an address when its storage dies, stays exact; a pool that never forgets
+    hands backward a dead tensor's values (torchtitan PR 2581's silent corruption): the gradients differ."""
+    lesson, args = load_lesson("activation_offloading"), _args(layers=4)
+    plain = lesson.step(args, "plain")
+    allocator, own = _CachingAllocator(), lesson.Offloader
+    monkeypatch.setattr(torch.UntypedStorage, "data_ptr", lambda storage: allocator.address_of(storage))
+    for how in ("offload", "serialised"):
+        assert _same(lesson.step(args, how), plain)
+        assert not _same(_with(monkeypatch, _keyed_by_address, args, how), plain)
+        monkeypatch.setattr(lesson, "Offloader", own)
+    assert allocator.reused > 0  # the right pool was exact with addresses coming back, not without them
 
 
 def test_the_byte_check_fails_on_a_pool_that_copies_twice(monkeypatch):

@@ -19,8 +19,9 @@ was prefetched) and, with `prefetch`, start fetching the group packed before it.
 storage's address alone: a freed storage's address is reused by the next tensor.
 
 Count, as integers: `sent` and `received` (bytes copied to the host and back), `peak` (the most bytes of saved
-activations resident on the device at once: a tensor is resident from its pack until its copy to the host is
-done, and from its fetch until its last unpack), `on_demand` (groups fetched only when backward asked), and
+activations resident on the device at once: a tensor is resident from its pack until forward packs the first
+tensor of the group two after its own (wait there for its copy to the host: at most two groups stay on the
+device), and from its fetch until its last unpack), `on_demand` (groups fetched only when backward asked), and
 keep `groups` (a dict from group to its handles, in pack order). `_copy(t, label)` may use
 `distlab.proof.emulate.EmulatedDevice(link_ms_per_mib * bytes / distlab.proof.memory.MIB).pad(1)` to make a
 copy take the link's time; `copies` is a `distlab.proof.timeline.Timeline(1)` for the copy thread's spans.

@@ -1,7 +1,8 @@
 """Child processes a lesson kills and restarts (distlab.resilience.lives), and the Lighthouse's status page
 (distlab.resilience.lighthouse): a child's value comes back, its traceback comes back, a child killed by SIGKILL
 is named by its exit code, and leaving the block kills and reaps a child still running (its pid is gone), also
-when the parent is stopped by SIGTERM (as torchrun stops ranks); a parent SIGKILLed takes its children with it. The
+when the parent is stopped by SIGTERM (as torchrun stops ranks), whose handler from before the block then runs;
+a parent SIGKILLed takes its children with it. The
 status page is read for what it shows, and a wait for what it never shows ends in one error that quotes it.
 The Lighthouse a block started is shut down when the block raises (its port closed). The children's targets
 are standard-library functions, so a child imports nothing of the tests."""
@@ -18,7 +19,7 @@ import pytest
 
 from distlab.processes.spawn import spawn
 from distlab.resilience.lighthouse import lighthouse, lighthouse_shows
-from distlab.resilience.lives import Lives
+from distlab.resilience.lives import Lives, StoppedBySignal
 
 
 def test_a_value_a_traceback_and_a_kill_come_back():
@@ -46,7 +47,7 @@ def test_leaving_the_block_kills_and_reaps_a_child_still_running():
 
 PARENT = """
 import os, sys, time
-from distlab.resilience.lives import Lives
+from distlab.resilience.lives import Lives, StoppedBySignal
 with Lives() as lives:  # the child says it runs (a file), then sleeps; the parent prints its pid and sleeps
     lives.start(exec, f"import pathlib, time; pathlib.Path({sys.argv[1]!r}).touch(); time.sleep(600)")
     while not os.path.exists(sys.argv[1]):
@@ -76,6 +77,21 @@ def test_a_child_does_not_outlive_its_parent(stop, tmp_path):
     while running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(child)
+
+
+def test_a_sigterm_goes_on_to_the_handler_the_block_found_once_its_children_are_reaped():
+    """Under torchrun that handler says the survivor's line naming the dead rank (`distlab.processes.nodes`); here
+    it records whether the block's child was still running when it was called."""
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append((signum, running(lives.pids[0]))))
+    try:
+        with pytest.raises(StoppedBySignal), Lives() as lives:
+            lives.start(time.sleep, 600)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # the signal's handler raises in here
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [(signal.SIGTERM, False)]  # called once, the child killed and reaped before
 
 
 def test_the_lighthouse_status_page_is_read_and_a_wait_that_never_ends_says_what_it_saw():

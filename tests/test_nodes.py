@@ -68,3 +68,14 @@ def test_the_other_node_is_named_only_when_the_dead_peer_can_have_run_nowhere_el
     assert nodes.elsewhere(0) is None
     _torchrun(monkeypatch, rank=0, group=0, local=0, per=1, n_nodes=3)
     assert nodes.elsewhere(0) is None
+
+
+def test_a_dead_rank_s_line_says_what_it_hosted_while_it_hosted_it():
+    """Lesson 20's rank 0 hosts torchft's Lighthouse while the Lighthouse block runs: a survivor's line naming it
+    says so then, and only then."""
+    why = "torchrun's agent stopped this rank (SIGTERM)"
+    with nodes.hosting(0, "torchft's Lighthouse"):
+        assert nodes._died(1, [0], why) == f"[rank 1] rank 0 died, the host of torchft's Lighthouse: {why}"
+        assert nodes._died(1, [0, 2], why).startswith("[rank 1] ranks 0, 2 died, rank 0 the host of torchft's Li")
+        assert nodes._died(1, [2], why) == f"[rank 1] rank 2 died: {why}"
+    assert nodes._died(1, [0], why) == f"[rank 1] rank 0 died: {why}"

@@ -50,6 +50,7 @@ BACKEND_WORDS = (  # in the backend's error when a peer vanished or stopped answ
 )
 PIDS = "distlab.nodes/pid"  # the store's keys PIDS/<rank>: '<host> <pid>' of every rank, from `enrol`
 _said: set[int] = set()  # ranks of this process that said their line already
+_hosts: dict[int, str] = {}  # what a rank serves the others while `hosting` says so (rank 0: torchft's Lighthouse)
 
 
 def is_peer_failure(err: BaseException) -> bool:
@@ -159,10 +160,24 @@ def leaving(rank: int) -> None:
         pass
 
 
+@contextmanager
+def hosting(rank: int, what: str) -> Iterator[None]:
+    """While the block runs, rank `rank` serves `what` to the others (lesson 20: rank 0 hosts torchft's
+    Lighthouse, which decides every quorum): a survivor's line naming it among the dead says what went with it."""
+    _hosts[rank] = what
+    try:
+        yield
+    finally:
+        _hosts.pop(rank, None)
+
+
 def _died(rank: int, dead: list[int], why: str) -> str:
-    """The survivor's line naming the ranks whose process died (and their nodes), and why this rank stopped."""
+    """The survivor's line naming the ranks whose process died (and their nodes, and what they hosted), and why
+    this rank stopped."""
     who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {', '.join(map(str, dead))}"
-    return f"[rank {rank}] {who} died{nodes_of(dead)}: {why}"
+    hosted = [(r, _hosts[r]) for r in dead if r in _hosts]
+    host = "".join(f", {'the' if len(dead) == 1 else f'rank {r} the'} host of {what}" for r, what in hosted)
+    return f"[rank {rank}] {who} died{host}{nodes_of(dead)}: {why}"
 
 
 def dead_named(rank: int, world_size: int, err: BaseException) -> str:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.processes.identity import Runtime
+from distlab.processes.nodes import hosting
 
 TIMEOUT = timedelta(seconds=30)  # torchft's timeouts: a collective, a quorum, a connection
 
@@ -57,7 +58,10 @@ def _python_side_as_rust_log() -> None:
 @contextmanager
 def lighthouse(rt: Runtime, **options):
     """A Lighthouse on rank 0 (127.0.0.1, a free port, `options` as LighthouseServer takes them); yields its
-    address on every rank. Shut down on every way out, once every rank has left the block."""
+    address on every rank. Shut down on every way out: once every rank has left the block, or at once when the
+    block raises (a rank that failed, or whose peer died, waits for nobody: a barrier with a dead rank would only
+    fail, and its error hide the one that ended the block). While the block runs, a survivor's line naming
+    rank 0 among the dead says it was the Lighthouse's host (`nodes.hosting`): every quorum went with it."""
     os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at INFO otherwise
     from torchft.coordination import LighthouseServer
 
@@ -65,13 +69,12 @@ def lighthouse(rt: Runtime, **options):
     address = [server.address() if server else None]
     dist.broadcast_object_list(address, src=0)
     try:
-        yield address[0]
+        with hosting(0, "torchft's Lighthouse"):
+            yield address[0]
+        dist.barrier()  # every rank's Managers are gone before the Lighthouse goes
     finally:
-        try:
-            dist.barrier()  # every rank's Managers are gone before the Lighthouse goes
-        finally:
-            if server is not None:
-                server.shutdown()
+        if server is not None:
+            server.shutdown()
 
 
 def island_stores(rt: Runtime, islands: int, member: int, count: int) -> tuple[list, list[list[int]]]:

@@ -7,8 +7,10 @@ method: no thread or lock of the parent, such as gloo's or a Rust runtime's, is 
 sends back one value, or its traceback, through a pipe. A child may die without a word (SIGKILL): `Life.wait`
 returns its exit code (-9 for SIGKILL). On leaving the `with Lives()` block, whatever raised (SIGTERM, which
 torchrun sends every rank when one fails, included), every child still running is killed and every child is
-joined (reaped), so none outlives the block; and should the parent itself be SIGKILLed, the kernel kills its
-children too (Linux's parent-death signal). `pids` lists every child ever started, for a check that none is left.
+joined (reaped), so none outlives the block; then a SIGTERM goes on to the handler the block found (under
+torchrun, `distlab.processes.nodes`': the survivor's line naming the dead rank, then the stop SIGTERM makes), or,
+with none, leaves as SystemExit(143). Should the parent itself be SIGKILLed, the kernel kills its children too
+(Linux's parent-death signal). `pids` lists every child ever started, for a check that none is left.
 """
 
 from __future__ import annotations
@@ -34,8 +36,16 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
+class StoppedBySignal(SystemExit):
+    """SIGTERM, raised where the parent was (`signum` kept), to unwind to the block's exit."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
 def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds the stack: the block's exit kills and reaps the children
+    raise StoppedBySignal(signum)  # unwinds the stack: the block's exit kills and reaps the children
 
 
 def _run(target: Callable[..., Any], args: tuple, conn, parent: int) -> None:
@@ -106,7 +116,7 @@ class Lives:
         self.previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if self.main else None
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, err, tb) -> None:
         for life in self.lives:
             if life.process.is_alive():
                 life.process.kill()
@@ -114,3 +124,5 @@ class Lives:
             life.conn.close()
         if self.main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None else self.previous)
+            if isinstance(err, StoppedBySignal) and callable(self.previous):
+                self.previous(err.signum, None)  # the children reaped, the SIGTERM goes where it went before

@@ -66,8 +66,9 @@ way (10.0, 10.6, 7.0 s in float32 against 10.7, 9.9, 6.8 s in bf16, interleaved 
 A crash that loses nothing. `--checkpoint-dir DIR` writes everything the run is every
 `--checkpoint-every` steps (model and learned scale, AdamW's moments, the schedule, the curves, every
 rank's random generators; the data order is a function of seed and step) and resumes from the newest
-whole checkpoint it finds; `--crash-at-step 95` kills rank `--crash-rank` (default the last) at step
-95 on torchrun's first attempt. Under `torchrun --max-restarts 1` the run is restarted, resumes and ends
+whole checkpoint it finds (a save while another run's save writes the directory is refused in one line
+naming that writer); `--crash-at-step 95` kills rank `--crash-rank` (default the last) at step 95 on
+torchrun's first attempt. Under `torchrun --max-restarts 1` the run is restarted, resumes and ends
 bit-identical to an uninterrupted one: compare the `parameters sha256` lines (src/distlab/contrastive/checkpointing.py).
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 lessons/27_train_clip.py \

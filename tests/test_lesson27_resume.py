@@ -5,9 +5,11 @@ restarts both; they resume from the checkpoint written after step 10 and finish.
 SHA-256 equals an uninterrupted run's: every bit of the model, optimizer, scheduler, data order and
 random state came back. And the pieces: a checkpoint a dying rank left half-written (no manifest, or
 a file that no longer hashes to what the manifest says) is never loaded; a checkpoint of another run
-is refused; the flags are refused in one line naming the flag.
+is refused; a second writer of one directory is refused in one line naming it and the first writer; the flags
+are refused in one line naming the flag.
 """
 
+import os
 import re
 
 import pytest
@@ -165,6 +167,36 @@ def _restore_as_another_run(rt, directory: str):
 def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     with pytest.raises(SpawnError, match="--checkpoint-dir: .* belongs to another run"):
         spawn(_restore_as_another_run, 2, str(tmp_path))
+
+
+def test_a_second_writer_is_refused_naming_the_directory_and_the_first(tmp_path):
+    """Two claims on one directory, in this process (a one-rank group): a run's save while another writer holds
+    the directory (`committed.claim`, as a second run's rank 0 would find it) is one line naming the directory and
+    that writer, and writes nothing; once the first writer is gone, the same save goes through and leaves no lock
+    (so the refusal is the claim's, not the save's)."""
+    from distlab.processes.committed import claim, lock_of, release
+    from distlab.processes.identity import Runtime
+
+    assert not torch.distributed.is_initialized()
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        rt = Runtime(rank=0, world_size=1, local_rank=0, backend="gloo", device=torch.device("cpu"))
+        # No optimizer in the state: its first construction imports torch._dynamo, seconds.
+        directory, state = tmp_path / "ckpt", {"model": torch.nn.Linear(3, 2), "log": {"loss": [1.0]}}
+        first = claim(directory)  # the other writer
+        holder = lock_of(directory).read_text()
+        with pytest.raises(ValueError) as refused:
+            Checkpoints(rt, str(directory), 1, {"lr": 0.1}).save(1, state)
+        release(directory, first)
+        line = str(refused.value)
+        assert "\n" not in line and line.startswith(f"--checkpoint-dir: checkpoint {directory}: another save"), line
+        assert holder in line and holder.startswith(f"pid {os.getpid()} on host "), (holder, line)
+        assert not directory.exists() or not any(directory.iterdir())  # nothing written
+        Checkpoints(rt, str(directory), 1, {"lr": 0.1}).save(1, state)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the lock given up
+        assert [p.name for p in directory.iterdir()] == ["step-000001"]
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_bad_resume_flags_are_one_line_naming_the_flag(monkeypatch):

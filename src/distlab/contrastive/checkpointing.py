@@ -17,7 +17,14 @@ directory to `step-000012` (rename is atomic on POSIX). Reading: the newest `ste
 manifest exists and whose files hash to what it says; a `.partial` or a torn file is skipped, and
 named with the reason. Every rank must find the same newest step (one all-gather): ranks that see
 different ones (a node-local directory on a multi-node run) are refused, every rank naming them, rather
-than each resuming a different state. `torch.load(weights_only=True)` reads the files: a checkpoint
+than each resuming a different state.
+
+One writer. Two runs saving into one directory would write into the same `step-000012.partial/`, each
+removing the other's files. So rank 0 claims the directory before a save writes anything
+(`distlab.processes.committed.claim`: an exclusive flock on `<directory>.lock`, naming its holder, which the
+kernel drops when the holder dies) and gives it up after the rename; a second run's save finds it held and
+every one of its ranks raises one line naming the directory and the other writer, while the first run's save
+goes on whole. `torch.load(weights_only=True)` reads the files: a checkpoint
 directory is data, and unpickling arbitrary objects from it could run code.
 
 The fault. `--crash-at-step STEP` makes rank `--crash-rank` (default the last) leave through
@@ -47,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.comm.agree import per_rank, rank_table
+from distlab.processes.committed import claim, release, same_verdict
 from distlab.processes.console import print0
 from distlab.processes.identity import Runtime
 
@@ -160,8 +168,24 @@ class Checkpoints:
             self.save(step, objects)
 
     def save(self, step: int, objects: dict[str, Any]) -> Path:
-        """Write, barrier, manifest, rename. Every rank calls it (the barrier is a collective); the
-        other ranks return while rank 0 may still be renaming (they see it after their next collective)."""
+        """Claim the directory, write, barrier, manifest, rename, release. Every rank calls it (the verdict on
+        the claim and the barrier are collectives); the other ranks return while rank 0 may still be renaming
+        (they see it after their next collective). Another writer holding the directory: every rank raises the
+        same one-line ValueError naming it, before anything is written."""
+        lock, line = None, None
+        if self.rt.is_first:
+            try:
+                lock = claim(self.directory)
+            except ValueError as err:
+                line = f"--checkpoint-dir: {err}"
+        try:
+            same_verdict(line)
+            return self._write(step, objects)
+        finally:
+            if lock is not None:
+                release(self.directory, lock)
+
+    def _write(self, step: int, objects: dict[str, Any]) -> Path:
         partial = self.directory / f"step-{step:06d}{PARTIAL}"
         partial.mkdir(parents=True, exist_ok=True)
         if self.rt.is_first:

@@ -258,7 +258,7 @@ def _coordinator(group) -> bool:
     return dist.get_rank(group) == 0
 
 
-def _same_verdict(line: str | None, group) -> None:
+def same_verdict(line: str | None, group=None) -> None:
     """The coordinator's line (or None) on every rank of `group`, raised there as one ValueError."""
     verdict = [line]
     dist.broadcast_object_list(verdict, group=group, group_src=0)
@@ -285,7 +285,7 @@ def save_committed(folder: str | Path, write: Callable[[str], None], group=None)
             line = str(err)
         if line is not None and lock is not None:
             release(folder, lock)
-    _same_verdict(line, group)  # every rank: the folder is ours and the staging folder exists, empty
+    same_verdict(line, group)  # every rank: the folder is ours and the staging folder exists, empty
     try:
         try:
             write(str(staging))
@@ -316,11 +316,11 @@ def save_committed(folder: str | Path, write: Callable[[str], None], group=None)
     finally:
         if lock is not None:
             release(folder, lock)
-    _same_verdict(line, group)  # nobody reads the folder before it is committed
+    same_verdict(line, group)  # nobody reads the folder before it is committed
 
 
 def load_committed(folder: str | Path, read: Callable[[str], None], group=None) -> None:
     """Every rank of `group` calls it: the coordinator checks `folder` against its marker, every rank raises
     the same one-line ValueError naming the file if the check fails, else `read(folder)` (e.g. `dcp.load`)."""
-    _same_verdict(problem_of(Path(folder)) if _coordinator(group) else None, group)
+    same_verdict(problem_of(Path(folder)) if _coordinator(group) else None, group)
     read(str(folder))

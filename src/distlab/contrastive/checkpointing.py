@@ -17,15 +17,15 @@ directory to `step-000012` (rename is atomic on POSIX). Reading: the newest `ste
 manifest exists and whose files hash to what it says; a `.partial` or a torn file is skipped, and
 named with the reason. Every rank must find the same newest step (one all-gather): ranks that see
 different ones (a node-local directory on a multi-node run) are refused, every rank naming them, rather
-than each resuming a different state.
+than each resuming a different state. `torch.load(weights_only=True)` reads the files: a checkpoint
+directory is data, and unpickling arbitrary objects from it could run code.
 
 One writer. Two runs saving into one directory would write into the same `step-000012.partial/`, each
 removing the other's files. So rank 0 claims the directory before a save writes anything
 (`distlab.processes.committed.claim`: an exclusive flock on `<directory>.lock`, naming its holder, which the
 kernel drops when the holder dies) and gives it up after the rename; a second run's save finds it held and
 every one of its ranks raises one line naming the directory and the other writer, while the first run's save
-goes on whole. `torch.load(weights_only=True)` reads the files: a checkpoint
-directory is data, and unpickling arbitrary objects from it could run code.
+goes on whole.
 
 The fault. `--crash-at-step STEP` makes rank `--crash-rank` (default the last) leave through
 `os._exit` at the start of step STEP, on torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT =

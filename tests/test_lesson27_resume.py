@@ -17,7 +17,7 @@ import torch
 from helpers import assert_flag_refused, torchrun
 
 from distlab.contrastive.checkpointing import Checkpoints
-from distlab.processes.spawn import SpawnError, spawn
+from distlab.processes.spawn import spawn
 
 LESSON = "train_clip"
 # 20 steps of N = 64 clear the lesson's 80% accuracy claim (about 90%); checkpoints after steps 5, 10, ...
@@ -77,37 +77,42 @@ def _train_step(state: dict) -> None:
     state["log"]["loss"].append(loss.item())
 
 
-def _tear(folder, how: str) -> None:
-    if how == "no manifest":  # a rank died before rank 0 wrote it
-        (folder / "manifest.json").unlink()
-    else:  # a file changed after its hash was taken
-        data = bytearray((folder / "state.pt").read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        (folder / "state.pt").write_bytes(bytes(data))
+def _lose_the_manifest(folder) -> None:
+    (folder / "manifest.json").unlink()
 
 
-def _save_tear_restore(rt, directory: str, how: str):
-    """Save after steps 1 and 2, tear step 2 and leave a .partial of step 3 behind; restore into a
-    fresh state: it must be step 1's, bit for bit, each rank's generator included. (The state is the
-    same on every rank, as under DDP; the generators are not.)"""
+def _flip_a_bit(folder) -> None:
+    data = bytearray((folder / "state.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / "state.pt").write_bytes(bytes(data))
+
+
+def _save_tear_restore(rt, directory: str):
+    """Save after steps 1, 2 and 3; step 2 loses its manifest (a rank died before rank 0 wrote it), a bit of
+    step 3's state flips (a file changed after its hash was taken) and a .partial of step 4 is left behind;
+    restore into a fresh state: it must be step 1's, bit for bit, each rank's generator included. (The state is
+    the same on every rank, as under DDP; the generators are not.) Then the same directory restored as another
+    run: refused (its error, or "no error")."""
     run = {"lr": 0.1}
     checkpoints, state = Checkpoints(rt, directory, 1, run), _run_state(0)
     _train_step(state)
     torch.rand(rt.rank + 1)  # each rank's generator elsewhere
     checkpoints.after_step(1, state)
     saved = ({k: v.clone() for k, v in state["model"].state_dict().items()}, torch.rand(3), list(state["log"]["loss"]))
-    _train_step(state)
-    checkpoints.after_step(2, state)
-    torch.distributed.barrier()
+    for step, tear in ((2, _lose_the_manifest), (3, _flip_a_bit)):  # (a torn step 2 is not kept over step 1)
+        _train_step(state)
+        checkpoints.after_step(step, state)
+        torch.distributed.barrier()  # rank 0 has renamed it by now
+        if rt.is_first:
+            tear(checkpoints.directory / f"step-{step:06d}")
     if rt.is_first:
-        _tear(checkpoints.directory / "step-000002", how)
-        (checkpoints.directory / "step-000003.partial").mkdir()
-        torch.save({"step": 3}, checkpoints.directory / "step-000003.partial" / "state.pt")
+        (checkpoints.directory / "step-000004.partial").mkdir()
+        torch.save({"step": 4}, checkpoints.directory / "step-000004.partial" / "state.pt")
     torch.distributed.barrier()
     fresh = _run_state(100)
     step = Checkpoints(rt, directory, 1, run).restore(fresh)
     params, next_draw, log = saved
-    return (
+    result = (
         step,
         all(torch.equal(params[k], v) for k, v in fresh["model"].state_dict().items()),
         torch.equal(torch.rand(3), next_draw),
@@ -116,16 +121,22 @@ def _save_tear_restore(rt, directory: str, how: str):
         len(fresh["optimizer"].state),
         [(folder.name, why) for folder, why in Checkpoints(rt, directory, 1, run).skipped()],
     )
+    try:
+        Checkpoints(rt, directory, 1, {"lr": 0.2}).restore(_run_state(0))
+    except ValueError as err:
+        return result, str(err)
+    return result, "no error"
 
 
-@pytest.mark.parametrize("how", ["no manifest", "torn file"])
-def test_a_half_written_checkpoint_is_never_loaded(tmp_path, how):
-    why = "manifest.json is missing" if how == "no manifest" else "state.pt no longer hashes to the manifest's"
-    for rank_result in spawn(_save_tear_restore, 2, str(tmp_path), how):
+def test_half_written_checkpoints_are_never_loaded_and_another_run_s_is_refused(tmp_path):
+    for rank_result, another_run in spawn(_save_tear_restore, 2, str(tmp_path)):
         assert rank_result[:6] == (1, True, True, True, 1, 2)
         skipped = rank_result[6]  # each named with its reason (rank 0 prints these before it resumes)
-        assert [name for name, _ in skipped] == ["step-000002", "step-000003.partial"], skipped
-        assert skipped[0][1].startswith(why) and "half-way" in skipped[1][1], skipped
+        assert [name for name, _ in skipped] == ["step-000002", "step-000003", "step-000004.partial"], skipped
+        assert skipped[0][1].startswith("manifest.json is missing"), skipped
+        assert skipped[1][1].startswith("state.pt no longer hashes to the manifest's"), skipped
+        assert "half-way" in skipped[2][1], skipped
+        assert re.match(r"--checkpoint-dir: .* belongs to another run", another_run), another_run
 
 
 def _restore_from_different_directories(rt, shared: str, local: str):
@@ -155,18 +166,6 @@ def test_the_checkpoint_barrier_counts_every_rank_on_the_host():
     """The barrier is a sum read on the host (an int), which under nccl is what makes the host wait for it
     (the call alone only queues the all-reduce); here, on gloo, that every rank is counted."""
     assert spawn(_barrier_count, 3) == [3, 3, 3]
-
-
-def _restore_as_another_run(rt, directory: str):
-    state = _run_state(0)
-    Checkpoints(rt, directory, 1, {"lr": 0.1}).save(1, state)
-    torch.distributed.barrier()  # rank 0 has renamed it by now
-    Checkpoints(rt, directory, 1, {"lr": 0.2}).restore(_run_state(0))
-
-
-def test_a_checkpoint_of_another_run_is_refused(tmp_path):
-    with pytest.raises(SpawnError, match="--checkpoint-dir: .* belongs to another run"):
-        spawn(_restore_as_another_run, 2, str(tmp_path))
 
 
 def test_a_second_writer_is_refused_naming_the_directory_and_the_first(tmp_path):

@@ -140,32 +140,28 @@ def test_half_written_checkpoints_are_never_loaded_and_another_run_s_is_refused(
 
 
 def _restore_from_different_directories(rt, shared: str, local: str):
+    """(the restore's error, or "no error"; the checkpoint barrier's count of the ranks)."""
+    from distlab.contrastive.checkpointing import _barrier
+
     Checkpoints(rt, shared, 1, {"lr": 0.1}).save(1, _run_state(0))
     torch.distributed.barrier()  # rank 0 has renamed it by now
-    directory = shared if rt.rank == 0 else local  # rank 1 reads a node-local directory that has none
+    directory = shared if rt.rank == 0 else local  # ranks 1 and 2 read a node-local directory that has none
     try:
         Checkpoints(rt, directory, 1, {"lr": 0.1}).restore(_run_state(0))
     except ValueError as err:
-        return str(err)
-    return "no error"
+        return str(err), _barrier(rt)
+    return "no error", _barrier(rt)
 
 
-def test_ranks_that_see_different_newest_checkpoints_are_refused_naming_them(tmp_path):
-    results = spawn(_restore_from_different_directories, 2, str(tmp_path / "shared"), str(tmp_path / "local"))
-    assert results[0] == results[1] != "no error", results
-    assert "rank 0: step 1, rank 1: none" in results[0] and "same directory" in results[0], results[0]
-
-
-def _barrier_count(rt):
-    from distlab.contrastive.checkpointing import _barrier
-
-    return _barrier(rt)
-
-
-def test_the_checkpoint_barrier_counts_every_rank_on_the_host():
-    """The barrier is a sum read on the host (an int), which under nccl is what makes the host wait for it
-    (the call alone only queues the all-reduce); here, on gloo, that every rank is counted."""
-    assert spawn(_barrier_count, 3) == [3, 3, 3]
+def test_ranks_that_see_different_newest_checkpoints_are_refused_naming_them_and_the_barrier_counts_them(tmp_path):
+    """The refusal names every rank's newest step. The barrier is a sum read on the host (an int), which under
+    nccl is what makes the host wait for it (the call alone only queues the all-reduce); here, on gloo, that
+    every rank is counted."""
+    results = spawn(_restore_from_different_directories, 3, str(tmp_path / "shared"), str(tmp_path / "local"))
+    errors, counts = zip(*results)
+    assert len(set(errors)) == 1 and errors[0] != "no error", errors
+    assert "rank 0: step 1, rank 1: none, rank 2: none" in errors[0] and "same directory" in errors[0], errors[0]
+    assert counts == (3, 3, 3), counts
 
 
 def test_a_second_writer_is_refused_naming_the_directory_and_the_first(tmp_path):

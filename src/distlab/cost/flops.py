@@ -35,6 +35,7 @@ from distlab.cost.schedule import stages
 from distlab.proof.sizes import Transformer
 
 LOOKUPS = ("embed.weight",)  # matrices a forward indexes, never multiplies
+UP_PROJECTIONS = ("attn.q.weight", "attn.kv_up.weight")  # MLA's q and k, v from their latents
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,13 @@ def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stag
         forward += products_forward([model.head_matrix()], rows * (batch.seq // cp), tp)  # tied or not
     if parallel.selective:  # Megatron's selective: attention's core alone rerun, every block
         rerun = len(layers) * attention_forward(model, rows, batch.seq, tp, cp)
-    return Flops(forward, 2 * forward, rerun if parallel.recompute or parallel.selective else 0)
+    rerun = rerun if parallel.recompute or parallel.selective else 0
+    if (
+        "recompute-norm-up" in parallel.measures and model.mla and not parallel.recompute
+    ):  # DeepSeek-V3: MLA's up-projections
+        up = [w for w in model.block_weights() if w.name in UP_PROJECTIONS]  # rerun in backward (the norms: no
+        rerun += len(layers) * products_forward(up, rows * (batch.seq // cp), tp)  # product, not counted)
+    return Flops(forward, 2 * forward, rerun)
 
 
 def rank_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, pp_rank: int = 0) -> Flops:

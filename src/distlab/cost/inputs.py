@@ -117,6 +117,7 @@ class Parallel:
     # omega v) rerun in backward from the q, k, v kept (Korthikanti et al., 2022)
     act_fn: bool = False  # only the MLP's activation function (GELU, SwiGLU's product) rebuilt: see memory
     grad_bytes: int = 0  # bytes of a gradient element under mixed precision (0: the precision's e; Megatron: 4)
+    measures: tuple[str, ...] = ()  # names of MEASURES taken (DeepSeek-V3's memory measures; `distlab.cost.memory`)
 
     dp = property(lambda self: self.dims.dp)
     pp = property(lambda self: self.dims.pp)
@@ -138,7 +139,19 @@ class Parallel:
         parts += [f"ep{self.ep}" if self.ep > 1 else ""]
         rebuilt = "recompute" if self.recompute else "selective recompute" if self.selective else ""
         parts += [rebuilt or ("act-fn recompute" if self.act_fn else "")]
+        parts += [f"+{m}" for m in self.measures]
         return " ".join(p for p in parts if p) or "one rank"
+
+
+# DeepSeek-V3's memory measures (technical report, https://arxiv.org/abs/2412.19437, sections 3.2.3 and 3.3.3), each
+# a choice of its own; their formulas are `distlab.cost.memory.measure_savings` and `distlab.cost.memory.model_states`
+MEASURES = {
+    "recompute-norm-up": "every RMSNorm's output and MLA's up-projections (q, k, v) rebuilt in backward, not kept",
+    "fp8-activations": "Linear inputs kept in FP8 (E5M6 after attention), the MoE SwiGLU's inputs in FP8, its output "
+    "rebuilt",
+    "bf16-moments": "AdamW's two moments in bf16, not float32",
+}
+DEEPSEEK_V3_MEASURES = tuple(MEASURES)  # all three, as DeepSeek-V3 trained (its master weights and gradients float32)
 
 
 @cache

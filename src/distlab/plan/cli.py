@@ -12,10 +12,10 @@ given split costs.
 Without --layout it enumerates the configurations (distlab/plan/search.py), keeps those whose every rank
 fits the GPU's memory less the reserve by the cost model (distlab/cost), ranks them by predicted step time,
 and prints the fastest with their memory, step time, MFU and TFLOP/s a GPU; a strategy flag given (--zero,
---recompute, --micro-batch, --schedule, --stages-per-rank, --grad-dtype, --sp) narrows the search to it.
-With --layout it prices that one layout with the strategy the flags give (their defaults where not given),
-its memory item by item. Then the assumptions the prediction rests on, each with the flag that overrides
-it. A bad input is refused in one line naming its flag.
+--recompute, --micro-batch, --schedule, --stages-per-rank, --grad-dtype, --sp, --measures) narrows the search
+to it. With --layout it prices that one layout with the strategy the flags give (their defaults where not
+given), its memory item by item. Then the assumptions the prediction rests on, each with the flag that
+overrides it. A bad input is refused in one line naming its flag.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import json
 from dataclasses import replace
 
 from distlab.composed.dims import ParallelDims
-from distlab.cost.inputs import Batch, Parallel
+from distlab.cost.inputs import DEEPSEEK_V3_MEASURES, MEASURES, Batch, Parallel
 from distlab.cost.rules import check
 from distlab.cost.stacks import DEFAULT_STACK, STACKS
 from distlab.cost.timing import Assumptions
@@ -111,6 +111,10 @@ def parse_args(argv=None):
     split.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage 0 (DDP) to 3 (default 1 with dp > 1)")
     split.add_argument("--grad-dtype", choices=("bf16", "float32"), help="gradients' dtype (--layout: default bf16)")
     split.add_argument("--sp", choices=("on", "off"), default="on", help="sequence parallelism beside tp")
+    split.add_argument(
+        "--measures",
+        help=f"DeepSeek-V3's memory measures, comma-separated: {', '.join(MEASURES)}; or deepseek-v3 for all three",
+    )
     time = parser.add_argument_group("the time model's assumptions (default: the --stack's profile)")
     time.add_argument(
         "--stack", choices=STACKS, default=DEFAULT_STACK, help="the software the run uses: its efficiency profile"
@@ -230,6 +234,7 @@ def choices_of(args) -> Choices:
     if v is not None and v > 1 and args.schedule == "zero-bubble":
         schedule = "interleaved-zb"
     return Choices(
+        measures=measures_of(args.measures),
         precision=args.precision,
         zero=None if args.zero is None else "DDP" if args.zero == 0 else f"ZeRO-{args.zero}",
         recompute=args.recompute,
@@ -239,6 +244,19 @@ def choices_of(args) -> Choices:
         grad_bytes={"float32": 4, "bf16": 2, None: 0}[args.grad_dtype],
         sp=args.sp == "on",
     )
+
+
+def measures_of(text: str | None) -> tuple[str, ...]:
+    """--measures as names of `MEASURES` ("deepseek-v3": all three), or the one-line refusal."""
+    if text is None:
+        return ()
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if names == ["deepseek-v3"]:
+        return DEEPSEEK_V3_MEASURES
+    bad = next((m for m in names if m not in MEASURES), None) if names else text
+    if bad is not None:
+        raise ValueError(f"--measures: {bad!r} is not one of {', '.join(MEASURES)} (or deepseek-v3 for all)")
+    return tuple(dict.fromkeys(names))
 
 
 def layout_of(args, model: Transformer, choices: Choices) -> tuple[Batch, Parallel]:

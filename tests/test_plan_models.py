@@ -16,18 +16,19 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import lesson_path
+from helpers import lesson_path, load_lesson
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.composed.dims import ParallelDims
-from distlab.cost import flops, memory, traffic
+from distlab.cost import flops, memory, schedule, traffic
 from distlab.cost.inputs import DEEPSEEK_V3_MEASURES, PRECISIONS, Batch, Parallel
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, gemm_efficiency, predict
 from distlab.layer_split.tensor_parallel.cost import activation_bytes
 from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.model_split.simulator import peak_in_flight, simulate
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.report import ITEMS
@@ -292,8 +293,9 @@ def test_deepseek_v3_s_published_layout_fits_the_h800_with_its_memory_measures()
     def held(*measures: str, rank: int = 0) -> dict[str, int]:
         return memory.per_rank(model, batch, replace(parallel, measures=measures), "fp8", rank, "cuda")
 
-    def fullest(*measures: str) -> int:
-        return step_cost(model, batch, replace(parallel, measures=measures), "fp8", "cuda").peak_held + reserve
+    def fullest(*measures: str, schedule: str = "zb-h1") -> int:
+        priced = replace(parallel, measures=measures, schedule=schedule, stages_per_rank=1 + (schedule == "dualpipe"))
+        return step_cost(model, batch, priced, "fp8", "cuda").peak_held + reserve
 
     none = held()
     norm_up = e * T * (2 * d + model.q_rank + model.kv_rank + h * (2 * model.qk_dim + model.head_dim))
@@ -312,3 +314,45 @@ def test_deepseek_v3_s_published_layout_fits_the_h800_with_its_memory_measures()
     before, after = fullest(), fullest(*DEEPSEEK_V3_MEASURES)
     assert before > where.device.memory >= after  # 120.2 GiB, then 52.0, the reserve in: the H800 holds 79.65
     assert fullest("recompute-norm-up") < before and fullest("fp8-activations") < before
+    # on its own schedule, DualPipe (two copies of the parameters, P + 1 chunks in flight): 70.8 GiB
+    assert fullest(schedule="dualpipe") > where.device.memory >= fullest(*DEEPSEEK_V3_MEASURES, schedule="dualpipe")
+
+
+def test_dualpipe_and_dualpipev_are_priced_as_lesson_19_s_grids():
+    """Lesson 19's grids, simulated from its orders (an independent count: the planner prices closed forms):
+    the planner's bubble and in-flight micro-batches equal the grids' on every rank, for DualPipeV (a V of 2P
+    half stages) and DualPipe (two copies of P whole chunks). DualPipe holds chunk r and chunk P - 1 - r of a P-way
+    cut on rank r (the embedding and the head on ranks 0 and P - 1), twice DualPipeV's parameters over the ranks,
+    and runs each micro-batch through one of the two: every rank's FLOPs add up to the model's, not twice."""
+    lesson = load_lesson("dualpipe")
+    model = Transformer(16, 32, 4, 64, 96)
+    orders = {"dualpipev": lesson.dualpipev, "dualpipe": lesson.dualpipe}
+    for pp, m in ((4, 8), (8, 16)):
+        batch = Batch(m, 16, m)
+        grids = {
+            "dualpipev": simulate(lesson.flatten(lesson.dualpipev(pp, m))),
+            "dualpipe": lesson.dualpipe_timing(pp, m),
+        }
+        for name, timing in grids.items():
+            parallel = Parallel(ParallelDims(pp=pp), schedule=name, stages_per_rank=2)
+            assert schedule.grid(parallel, batch)[1] == pytest.approx(timing.bubble_fraction(), rel=1e-12)
+            held = peak_in_flight(lesson.flatten(orders[name](pp, m)))
+            assert [schedule.in_flight(parallel, batch, r) for r in range(pp)] == held
+            cost = step_cost(model, batch, parallel, "float32")
+            assert sum(r.flops.model for r in cost.ranks) == cost.model_flops  # every micro-batch through once
+    batch, chunks = Batch(8, 16, 8), [model.units()[1 + 4 * k : 5 + 4 * k] for k in range(4)]  # a 4-way cut
+    weights = {
+        name: [
+            memory.per_rank(model, batch, Parallel(ParallelDims(pp=4), schedule=name, stages_per_rank=2), "float32", r)[
+                "weights"
+            ]
+            for r in range(4)
+        ]
+        for name in orders
+    }
+    ends = sum(w.numel for w in (model.embedding(), *model.head_weights()))
+    for r in range(4):
+        blocks = sum(w.numel for chunk in (chunks[r], chunks[3 - r]) for unit in chunk for w in unit)
+        assert weights["dualpipe"][r] == 4 * (blocks + (ends if r in (0, 3) else 0))
+    assert sum(weights["dualpipev"]) == 4 * model.parameters  # one copy over the ranks; DualPipe two
+    assert sum(weights["dualpipe"]) == 2 * sum(weights["dualpipev"])

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from distlab.cost.inputs import Batch, Mlp, Parallel, stage_layers
-from distlab.cost.schedule import stages
+from distlab.cost.inputs import Batch, Mlp, Parallel, lasts, stage_layers
+from distlab.cost.schedule import passes, stages
 from distlab.proof.sizes import Transformer
 
 LOOKUPS = ("embed.weight",)  # matrices a forward indexes, never multiplies
@@ -106,7 +106,7 @@ def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stag
         block = block_forward(model, rows, batch.seq, tp, cp, model.is_moe(layer))
         forward += block
         rerun += block - last_product(model, rows, batch.seq, tp, cp, model.is_moe(layer))
-    if model.vocab and stage == parallel.pp * parallel.stages_per_rank - 1:
+    if model.vocab and stage in lasts(parallel):
         forward += products_forward([model.head_matrix()], rows * (batch.seq // cp), tp)  # tied or not
     if parallel.selective:  # Megatron's selective: attention's core alone rerun, every block
         rerun = len(layers) * attention_forward(model, rows, batch.seq, tp, cp)
@@ -123,8 +123,8 @@ def rank_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, pp_ra
     """A step on one rank of pipeline position `pp_rank`: M micro-batches through each stage it holds
     (`distlab.model_split.schedules.placement`: looped r, r + P, ..; the V-shaped schedules r and 2P - 1 - r)."""
     total = Flops()
-    for stage in stages(parallel, batch, pp_rank):
-        total = total + stage_flops(model, batch, parallel, stage).times(batch.micro_batches)
+    for stage in stages(parallel, batch, pp_rank):  # M micro-batches each (DualPipe: M / 2, `passes`)
+        total = total + stage_flops(model, batch, parallel, stage).times(passes(parallel, batch))
     return total
 
 

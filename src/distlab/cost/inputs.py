@@ -163,8 +163,22 @@ def schedule_of(name: str, pp: int, micro_batches: int, stages_per_rank: int):
 
 def stage_layers(model: Transformer | Mlp, parallel: Parallel) -> list[range]:
     """The layers of each of the pp v stages (`distlab.model_split.partition.stage_bounds`: as even as can be,
-    the first stages one layer longer)."""
+    the first stages one layer longer). DualPipe's 2P stages are two copies of a P-way cut: stage k and stage
+    P + k are chunk k of copy 0 and of copy 1 (`distlab.cost.schedule`)."""
+    if parallel.schedule == "dualpipe":
+        return _bounds(model.layers, parallel.pp) * 2
     return _bounds(model.layers, parallel.pp * parallel.stages_per_rank)
+
+
+def firsts(parallel: Parallel) -> tuple[int, ...]:
+    """The stages that begin a copy of the model (the embedding's): 0, and P under DualPipe (copy 1's chunk 0)."""
+    return (0, parallel.pp) if parallel.schedule == "dualpipe" else (0,)
+
+
+def lasts(parallel: Parallel) -> tuple[int, ...]:
+    """The stages that end a copy of the model (the head's): the last, and P - 1 under DualPipe (copy 0's)."""
+    last = parallel.pp * parallel.stages_per_rank - 1
+    return (parallel.pp - 1, last) if parallel.schedule == "dualpipe" else (last,)
 
 
 @cache

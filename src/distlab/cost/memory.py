@@ -46,7 +46,7 @@ from functools import cache
 
 import torch
 
-from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, Precision, ceil_div, stage_layers
+from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, Precision, ceil_div, firsts, lasts, stage_layers
 from distlab.cost.schedule import in_flight, stages
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
@@ -77,11 +77,11 @@ def rank_units(
     that is not the first holds a copy of the embedding (Megatron-LM's: its gradient all-reduced with it)."""
     units, held = unit_sizes(model, parallel.tp, parallel.ep if experts else 0), stages(parallel, batch, pp_rank)
     bounds, offset = stage_layers(model, parallel), 1 if getattr(model, "vocab", 0) else 0
-    last = parallel.pp * parallel.stages_per_rank - 1
+    first, last = any(s in held for s in firsts(parallel)), any(s in held for s in lasts(parallel))
     mine = [i + offset for s in held for i in bounds[s]]
     if offset:
-        tied_copy = model.tied and last in held and 0 not in held
-        mine = ([0] if 0 in held or tied_copy else []) + mine + ([len(units) - 1] if last in held else [])
+        tied_copy = model.tied and last and not first
+        mine = ([0] if first or tied_copy else []) + mine + ([len(units) - 1] if last else [])
     return [units[i] for i in mine if units[i][1]]
 
 
@@ -237,7 +237,7 @@ def stage_activations(
 ):
     """Bytes one micro-batch leaves on pipeline stage `stage` for its backward (and its output)."""
     rows, e = batch.global_batch // (parallel.dp * batch.micro_batches), precision.e
-    layers, last = stage_layers(model, parallel)[stage], stage == parallel.pp * parallel.stages_per_rank - 1
+    layers, last = stage_layers(model, parallel)[stage], stage in lasts(parallel)
     if isinstance(model, Mlp):
         widths = model.widths[layers.start : layers.stop + 1]
         return accounting.mlp_activations(rows, widths, e) - (0 if last else e * rows * widths[-1])
@@ -249,7 +249,7 @@ def stage_activations(
             block_activations(model, Batch(rows, batch.seq), parallel, e, stat_bytes, math, model.is_moe(i))
             for i in layers
         )
-    if model.vocab and stage == 0:
+    if model.vocab and stage in firsts(parallel):
         kept += e * tokens * model.dim  # the embedding's output, the first block's input
     return int(kept) if kept == int(kept) else kept  # whole bytes wherever tp cuts the terms evenly
 
@@ -288,7 +288,7 @@ def buffers(model, batch: Batch, parallel: Parallel, precision: Precision, pp_ra
     if parallel.cp > 1:
         heads = (model.kv_heads or model.heads) // parallel.tp
         out += rows * RingSizes(heads, batch.seq, model.head_dim, parallel.cp, e).memory_bound()[1]
-    if model.vocab and parallel.pp * parallel.stages_per_rank - 1 in stages(parallel, batch, pp_rank):
+    if model.vocab and any(s in lasts(parallel) for s in stages(parallel, batch, pp_rank)):
         out += rows * (batch.seq // parallel.cp) * (model.vocab // parallel.tp) * (e + 4)  # logits, log-softmax
     if parallel.ep > 1:  # one MoE layer's all-to-all: the routed copies sent, and as many received
         out += 2 * rows * (batch.seq // parallel.cp) * model.top_k * model.dim * e

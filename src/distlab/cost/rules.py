@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from distlab.cost.inputs import MEASURES, PRECISIONS, Batch, Mlp, Parallel, schedule_of
+from distlab.cost.schedule import CLOSED_FORMS, check_closed_form
 from distlab.data_split.sharding.accounting import STAGES
 from distlab.proof.sizes import ATTENTION, Transformer
 
@@ -53,7 +54,10 @@ def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision:
         model, batch.global_batch, batch.seq, batch.micro_batches, parallel.sp, parallel.stages_per_rank
     )
     try:
-        schedule_of(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
+        if parallel.schedule in CLOSED_FORMS:
+            check_closed_form(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
+        else:
+            schedule_of(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
     except ValueError as err:
         _refuse("schedule", str(err))
 

@@ -50,7 +50,14 @@ from distlab.proof.sizes import Transformer
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
 DEFAULT_MODEL = "llama3-8b"
-SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1"}
+SCHEDULES = {
+    "1f1b": "1f1b",
+    "interleaved": "interleaved-1f1b",
+    "zero-bubble": "zb-h1",
+    "dualpipev": "dualpipev",
+    "dualpipe": "dualpipe",
+}
+V_SHAPED = ("dualpipev", "dualpipe")  # two stages a rank, a V (distlab.cost.schedule's closed forms)
 OVERLAP = ("dp", "cp", "pp", "ep", "tp")
 
 
@@ -99,7 +106,11 @@ def parse_args(argv=None):
     )
     split = parser.add_argument_group("the strategy: one layout (--layout) priced whole, or the search narrowed")
     split.add_argument("--layout", help="dp=..,tp=..,pp=..,cp=..,ep=.. (a missing one is 1)")
-    split.add_argument("--schedule", choices=SCHEDULES, help="the pipeline's schedule (--layout: default 1f1b)")
+    split.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="the pipeline's schedule (--layout: default 1f1b); dualpipe holds two copies of the parameters",
+    )
     split.add_argument("--stages-per-rank", type=positive_int, help="v, for interleaved (--layout: default 2)")
     split.add_argument("--micro-batch", type=positive_int, help="sequences per micro-batch, b (--layout: default 1)")
     split.add_argument(
@@ -233,6 +244,8 @@ def choices_of(args) -> Choices:
         raise ValueError("--stages-per-rank: interleaving runs v > 1 stages per rank; --schedule 1f1b takes v = 1")
     if v is not None and v > 1 and args.schedule == "zero-bubble":
         schedule = "interleaved-zb"
+    if v is not None and v != 2 and args.schedule in V_SHAPED:
+        raise ValueError(f"--stages-per-rank: {args.schedule} runs two stages per rank (a V), v = 2")
     return Choices(
         measures=measures_of(args.measures),
         precision=args.precision,
@@ -273,7 +286,7 @@ def layout_of(args, model: Transformer, choices: Choices) -> tuple[Batch, Parall
     if choices.zero not in (None, "DDP") and dims.dp == 1:
         raise ValueError(f"--zero: {choices.zero} shards over the dp ranks; --layout gives dp = 1, none to shard over")
     schedule = choices.schedule or "1f1b"
-    v = choices.stages_per_rank or (2 if schedule.startswith("interleaved") else 1)
+    v = choices.stages_per_rank or (2 if schedule.startswith("interleaved") or schedule in V_SHAPED else 1)
     strategy = dict(
         zero=choices.zero or ("ZeRO-1" if dims.dp > 1 else "DDP"),
         schedule=schedule,

@@ -53,6 +53,7 @@ RECOMPUTE = {
     "full": dict(recompute=True),
 }
 DEPTHS = {"1f1b": (1,), "zb-h1": (1,), "interleaved-1f1b": (2, 4), "interleaved-zb": (2, 4)}  # v tried
+DEPTHS |= {"dualpipev": (2,), "dualpipe": (2,)}  # a V: two stages a rank (distlab.cost.schedule)
 SEARCHED = ("none", "act-fn", "full")  # Megatron's selective saves nothing beside a fused attention kernel
 MAX_EP = 64
 

@@ -5,7 +5,8 @@ given split costs.
     python -m distlab.plan --layers 12 --dim 768 --heads 12 --ffn-width 3072 --vocab 50304 --tied-embeddings \\
         --seq-len 1024 --global-batch 480 --gpu a100-40gb --gpus 8 --layout dp=8
     python -m distlab.plan --model deepseek-v3 --gpu h800 --gpus 2048 --nodes 256 --global-batch 15360 \\
-        --seq-len 4096 --layout dp=128,pp=16,ep=64 --schedule zero-bubble --precision fp8
+        --seq-len 4096 --layout dp=128,pp=16,ep=64 --schedule dualpipe --precision fp8 --grad-dtype float32 \\
+        --measures deepseek-v3
     python -m distlab.plan --published        # the published runs beside their predictions
     python -m distlab.plan --devices          # the datasheet figures and their sources
 

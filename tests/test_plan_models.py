@@ -10,22 +10,25 @@ optimizer's bytes per parameter, item by item."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import lesson_path
+from helpers import lesson_path, load_lesson
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.composed.dims import ParallelDims
-from distlab.cost import flops, memory, traffic
-from distlab.cost.inputs import PRECISIONS, Batch, Parallel
+from distlab.cost import flops, memory, schedule, traffic
+from distlab.cost.inputs import DEEPSEEK_V3_MEASURES, PRECISIONS, Batch, Parallel
 from distlab.cost.step import step_cost
 from distlab.cost.timing import Assumptions, gemm_efficiency, predict
 from distlab.layer_split.tensor_parallel.cost import activation_bytes
 from distlab.layer_split.tensor_parallel.model import BlockConfig
+from distlab.model_split.simulator import peak_in_flight, simulate
 from distlab.plan.cli import main
 from distlab.plan.presets import MODELS
 from distlab.plan.report import ITEMS
@@ -265,3 +268,91 @@ def test_the_step_is_its_items_each_printed():
     with console.capture() as captured:
         main(argv)
     assert all(item in captured.get() for item in expected) and "Where the step goes" in captured.get()
+
+
+def _deepseek(measures=(), schedule="zb-h1") -> tuple[Transformer, Batch, Parallel]:
+    """DeepSeek-V3 as its technical report lays it out (https://arxiv.org/abs/2412.19437, section 3.1-3.3): 2,048
+    H800, 16-way pipeline, 64-way expert parallelism inside 128-way ZeRO-1 data parallelism, 15,360 sequences of
+    4,096 tokens (one a micro-batch here: M = 120), float32 master weights and gradients."""
+    dims = ParallelDims(dp=128, pp=16, ep=64)
+    parallel = Parallel(dims, "ZeRO-1", schedule=schedule, grad_bytes=4, measures=measures)
+    return MODELS["deepseek-v3"], Batch(15360, 4096, 120), parallel
+
+
+def test_deepseek_v3_s_published_layout_fits_the_h800_with_its_memory_measures():
+    """Without the report's memory measures its published layout does not fit the 80 GB H800 by the cost model;
+    with them (`distlab.cost.inputs.MEASURES`: sections 3.2.3 and 3.3.3) every rank fits, the 4 GiB reserve in.
+    Each measure's saving on rank 0 (the embedding and blocks 0-3: three dense, one a mixture of experts; ZB-H1
+    keeps P = 16 micro-batches there, lesson 05) computed here from the model's sizes: bf16 at e = 2 bytes,
+    FP8 at 1 + 4/128 (a float32 scale per 1 x 128 tile), E5M6 at 12/8 + 4/128, one micro-batch T = 4,096 tokens."""
+    model, batch, parallel = _deepseek()
+    where, reserve = cluster("h800"), 4 * GIB
+    d, h, T, e, in_flight = model.dim, model.heads, 4096, 2, 16
+    fp8, e5m6 = Fraction(33, 32), Fraction(49, 32)
+
+    def held(*measures: str, rank: int = 0) -> dict[str, int]:
+        return memory.per_rank(model, batch, replace(parallel, measures=measures), "fp8", rank, "cuda")
+
+    def fullest(*measures: str, schedule: str = "zb-h1") -> int:
+        priced = replace(parallel, measures=measures, schedule=schedule, stages_per_rank=1 + (schedule == "dualpipe"))
+        return step_cost(model, batch, priced, "fp8", "cuda").peak_held + reserve
+
+    none = held()
+    norm_up = e * T * (2 * d + model.q_rank + model.kv_rank + h * (2 * model.qk_dim + model.head_dim))
+    assert none["activations"] - held("recompute-norm-up")["activations"] == in_flight * 4 * norm_up
+    linear_in = (e - fp8) * T * (2 * d + model.q_rank + model.kv_rank) + (e - e5m6) * T * h * model.head_dim
+    dense = linear_in + (e - fp8) * T * model.ffn  # fc2's input in FP8
+    routed = (e - fp8) * T * model.top_k * d  # the experts' dispatched inputs in FP8
+    swiglu = T * (model.top_k + model.shared_experts) * model.expert_ffn * (2 * (e - fp8) + e)  # 2 in FP8, 1 rebuilt
+    assert none["activations"] - held("fp8-activations")["activations"] == in_flight * (
+        3 * dense + linear_in + routed + swiglu
+    )
+    units = [model.units()[i] for i in range(5)]  # the embedding, blocks 0-3
+    stepped = sum(-(-sum(w.on_rank(1) for w in u if not w.experts) // 128) for u in units)
+    stepped += sum(-(-sum(w.on_rank(1, 64) for w in u if w.experts) // 2) for u in units)  # experts: dp / ep = 2
+    assert none["moments"] - held("bf16-moments")["moments"] == 2 * 2 * stepped  # two moments, 4 -> 2 bytes
+    before, after = fullest(), fullest(*DEEPSEEK_V3_MEASURES)
+    assert before > where.device.memory >= after  # 120.2 GiB, then 52.0, the reserve in: the H800 holds 79.65
+    assert fullest("recompute-norm-up") < before and fullest("fp8-activations") < before
+    # on its own schedule, DualPipe (two copies of the parameters, P + 1 chunks in flight): 70.8 GiB
+    assert fullest(schedule="dualpipe") > where.device.memory >= fullest(*DEEPSEEK_V3_MEASURES, schedule="dualpipe")
+
+
+def test_dualpipe_and_dualpipev_are_priced_as_lesson_19_s_grids():
+    """Lesson 19's grids, simulated from its orders (an independent count: the planner prices closed forms):
+    the planner's bubble and in-flight micro-batches equal the grids' on every rank, for DualPipeV (a V of 2P
+    half stages) and DualPipe (two copies of P whole chunks). DualPipe holds chunk r and chunk P - 1 - r of a P-way
+    cut on rank r (the embedding and the head on ranks 0 and P - 1), twice DualPipeV's parameters over the ranks,
+    and runs each micro-batch through one of the two: every rank's FLOPs add up to the model's, not twice."""
+    lesson = load_lesson("dualpipe")
+    model = Transformer(16, 32, 4, 64, 96)
+    orders = {"dualpipev": lesson.dualpipev, "dualpipe": lesson.dualpipe}
+    for pp, m in ((4, 8), (8, 16)):
+        batch = Batch(m, 16, m)
+        grids = {
+            "dualpipev": simulate(lesson.flatten(lesson.dualpipev(pp, m))),
+            "dualpipe": lesson.dualpipe_timing(pp, m),
+        }
+        for name, timing in grids.items():
+            parallel = Parallel(ParallelDims(pp=pp), schedule=name, stages_per_rank=2)
+            assert schedule.grid(parallel, batch)[1] == pytest.approx(timing.bubble_fraction(), rel=1e-12)
+            held = peak_in_flight(lesson.flatten(orders[name](pp, m)))
+            assert [schedule.in_flight(parallel, batch, r) for r in range(pp)] == held
+            cost = step_cost(model, batch, parallel, "float32")
+            assert sum(r.flops.model for r in cost.ranks) == cost.model_flops  # every micro-batch through once
+    batch, chunks = Batch(8, 16, 8), [model.units()[1 + 4 * k : 5 + 4 * k] for k in range(4)]  # a 4-way cut
+    weights = {
+        name: [
+            memory.per_rank(model, batch, Parallel(ParallelDims(pp=4), schedule=name, stages_per_rank=2), "float32", r)[
+                "weights"
+            ]
+            for r in range(4)
+        ]
+        for name in orders
+    }
+    ends = sum(w.numel for w in (model.embedding(), *model.head_weights()))
+    for r in range(4):
+        blocks = sum(w.numel for chunk in (chunks[r], chunks[3 - r]) for unit in chunk for w in unit)
+        assert weights["dualpipe"][r] == 4 * (blocks + (ends if r in (0, 3) else 0))
+    assert sum(weights["dualpipev"]) == 4 * model.parameters  # one copy over the ranks; DualPipe two
+    assert sum(weights["dualpipe"]) == 2 * sum(weights["dualpipev"])

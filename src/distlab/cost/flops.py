@@ -30,11 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from distlab.cost.inputs import Batch, Mlp, Parallel, stage_layers
-from distlab.cost.schedule import stages
+from distlab.cost.inputs import Batch, Mlp, Parallel, lasts, stage_layers
+from distlab.cost.schedule import passes, stages
 from distlab.proof.sizes import Transformer
 
 LOOKUPS = ("embed.weight",)  # matrices a forward indexes, never multiplies
+UP_PROJECTIONS = ("attn.q.weight", "attn.kv_up.weight")  # MLA's q and k, v from their latents
 
 
 @dataclass(frozen=True)
@@ -105,19 +106,25 @@ def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stag
         block = block_forward(model, rows, batch.seq, tp, cp, model.is_moe(layer))
         forward += block
         rerun += block - last_product(model, rows, batch.seq, tp, cp, model.is_moe(layer))
-    if model.vocab and stage == parallel.pp * parallel.stages_per_rank - 1:
+    if model.vocab and stage in lasts(parallel):
         forward += products_forward([model.head_matrix()], rows * (batch.seq // cp), tp)  # tied or not
     if parallel.selective:  # Megatron's selective: attention's core alone rerun, every block
         rerun = len(layers) * attention_forward(model, rows, batch.seq, tp, cp)
-    return Flops(forward, 2 * forward, rerun if parallel.recompute or parallel.selective else 0)
+    rerun = rerun if parallel.recompute or parallel.selective else 0
+    if (
+        "recompute-norm-up" in parallel.measures and model.mla and not parallel.recompute
+    ):  # DeepSeek-V3: MLA's up-projections
+        up = [w for w in model.block_weights() if w.name in UP_PROJECTIONS]  # rerun in backward (the norms: no
+        rerun += len(layers) * products_forward(up, rows * (batch.seq // cp), tp)  # product, not counted)
+    return Flops(forward, 2 * forward, rerun)
 
 
 def rank_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, pp_rank: int = 0) -> Flops:
     """A step on one rank of pipeline position `pp_rank`: M micro-batches through each stage it holds
     (`distlab.model_split.schedules.placement`: looped r, r + P, ..; the V-shaped schedules r and 2P - 1 - r)."""
     total = Flops()
-    for stage in stages(parallel, batch, pp_rank):
-        total = total + stage_flops(model, batch, parallel, stage).times(batch.micro_batches)
+    for stage in stages(parallel, batch, pp_rank):  # M micro-batches each (DualPipe: M / 2, `passes`)
+        total = total + stage_flops(model, batch, parallel, stage).times(passes(parallel, batch))
     return total
 
 

@@ -117,6 +117,7 @@ class Parallel:
     # omega v) rerun in backward from the q, k, v kept (Korthikanti et al., 2022)
     act_fn: bool = False  # only the MLP's activation function (GELU, SwiGLU's product) rebuilt: see memory
     grad_bytes: int = 0  # bytes of a gradient element under mixed precision (0: the precision's e; Megatron: 4)
+    measures: tuple[str, ...] = ()  # names of MEASURES taken (DeepSeek-V3's memory measures; `distlab.cost.memory`)
 
     dp = property(lambda self: self.dims.dp)
     pp = property(lambda self: self.dims.pp)
@@ -138,7 +139,19 @@ class Parallel:
         parts += [f"ep{self.ep}" if self.ep > 1 else ""]
         rebuilt = "recompute" if self.recompute else "selective recompute" if self.selective else ""
         parts += [rebuilt or ("act-fn recompute" if self.act_fn else "")]
+        parts += [f"+{m}" for m in self.measures]
         return " ".join(p for p in parts if p) or "one rank"
+
+
+# DeepSeek-V3's memory measures (technical report, https://arxiv.org/abs/2412.19437, sections 3.2.3 and 3.3.3), each
+# a choice of its own; their formulas are `distlab.cost.memory.measure_savings` and `distlab.cost.memory.model_states`
+MEASURES = {
+    "recompute-norm-up": "every RMSNorm's output and MLA's up-projections (q, k, v) rebuilt in backward, not kept",
+    "fp8-activations": "Linear inputs kept in FP8 (E5M6 after attention), the MoE SwiGLU's inputs in FP8, its output "
+    "rebuilt",
+    "bf16-moments": "AdamW's two moments in bf16, not float32",
+}
+DEEPSEEK_V3_MEASURES = tuple(MEASURES)  # all three, as DeepSeek-V3 trained (its master weights and gradients float32)
 
 
 @cache
@@ -150,8 +163,22 @@ def schedule_of(name: str, pp: int, micro_batches: int, stages_per_rank: int):
 
 def stage_layers(model: Transformer | Mlp, parallel: Parallel) -> list[range]:
     """The layers of each of the pp v stages (`distlab.model_split.partition.stage_bounds`: as even as can be,
-    the first stages one layer longer)."""
+    the first stages one layer longer). DualPipe's 2P stages are two copies of a P-way cut: stage k and stage
+    P + k are chunk k of copy 0 and of copy 1 (`distlab.cost.schedule`)."""
+    if parallel.schedule == "dualpipe":
+        return _bounds(model.layers, parallel.pp) * 2
     return _bounds(model.layers, parallel.pp * parallel.stages_per_rank)
+
+
+def firsts(parallel: Parallel) -> tuple[int, ...]:
+    """The stages that begin a copy of the model (the embedding's): 0, and P under DualPipe (copy 1's chunk 0)."""
+    return (0, parallel.pp) if parallel.schedule == "dualpipe" else (0,)
+
+
+def lasts(parallel: Parallel) -> tuple[int, ...]:
+    """The stages that end a copy of the model (the head's): the last, and P - 1 under DualPipe (copy 0's)."""
+    last = parallel.pp * parallel.stages_per_rank - 1
+    return (parallel.pp - 1, last) if parallel.schedule == "dualpipe" else (last,)
 
 
 @cache

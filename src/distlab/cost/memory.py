@@ -46,7 +46,7 @@ from functools import cache
 
 import torch
 
-from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, Precision, ceil_div, stage_layers
+from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, Precision, ceil_div, firsts, lasts, stage_layers
 from distlab.cost.schedule import in_flight, stages
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
@@ -77,11 +77,11 @@ def rank_units(
     that is not the first holds a copy of the embedding (Megatron-LM's: its gradient all-reduced with it)."""
     units, held = unit_sizes(model, parallel.tp, parallel.ep if experts else 0), stages(parallel, batch, pp_rank)
     bounds, offset = stage_layers(model, parallel), 1 if getattr(model, "vocab", 0) else 0
-    last = parallel.pp * parallel.stages_per_rank - 1
+    first, last = any(s in held for s in firsts(parallel)), any(s in held for s in lasts(parallel))
     mine = [i + offset for s in held for i in bounds[s]]
     if offset:
-        tied_copy = model.tied and last in held and 0 not in held
-        mine = ([0] if 0 in held or tied_copy else []) + mine + ([len(units) - 1] if last in held else [])
+        tied_copy = model.tied and last and not first
+        mine = ([0] if first or tied_copy else []) + mine + ([len(units) - 1] if last else [])
     return [units[i] for i in mine if units[i][1]]
 
 
@@ -93,13 +93,22 @@ def sizes(units: list[tuple[int, int]], dp: int, e: int) -> accounting.Sizes:
 
 
 def model_states(
-    units: list[tuple[int, int]], zero: str, dp: int, precision: Precision, grad_bytes: int = 0
+    units: list[tuple[int, int]], zero: str, dp: int, precision: Precision, grad_bytes: int = 0, bf16_moments=False
 ) -> dict[str, int]:
     """Bytes of each model-state item this rank holds after a step (lesson 07's items, see the docstring);
     `grad_bytes` 4: float32 gradients under mixed precision (Megatron-LM's and DeepSpeed's default), the
-    gradient items of lesson 07's table at 4 bytes: 18 bytes a parameter under DDP, not 16."""
+    gradient items of lesson 07's table at 4 bytes: 18 bytes a parameter under DDP, not 16. `bf16_moments`
+    (DeepSeek-V3's report, section 3.3.3, "Low-Precision Optimizer States"): AdamW's two moments of every
+    element this rank steps at 2 bytes each, not 4: 2 x 2 x (Psi, or its shard) bytes, half the float32 ones."""
     if not units:
         return {}
+    out = _model_states(units, zero, dp, precision, grad_bytes)
+    if bf16_moments and precision.mixed:
+        out["moments"] //= 2  # 2 x 4 bytes an element stepped -> 2 x 2
+    return out
+
+
+def _model_states(units: list[tuple[int, int]], zero: str, dp: int, precision: Precision, grad_bytes: int):
     if not precision.mixed:
         return accounting.held(zero, sizes(units, dp, precision.e))
     if zero == "DDP":
@@ -168,7 +177,59 @@ def block_activations(
     # the norms' statistics, in the region: priced at stat_bytes, not e; RMSNorm keeps one per row, not two
     statistics = tokens * LN_STATISTICS // (2 if model.rms_norm else 1)
     region = (stat_bytes - e) * statistics - (e * tokens * LN_STATISTICS // 2 if model.rms_norm else 0)
-    return base + Fraction(e * inside, tp) + Fraction(region, tp if parallel.sp else 1)
+    saved = sum(measure_savings(model, tokens, parallel, e, moe).values())
+    return base + Fraction(e * inside, tp) + Fraction(region, tp if parallel.sp else 1) - saved
+
+
+FP8_BYTES = Fraction(1) + Fraction(4, 128)  # an FP8 element and its share of a float32 scale per 1 x 128 tile
+E5M6_BYTES = Fraction(12, 8) + Fraction(4, 128)  # DeepSeek-V3's 12-bit format for the input of attention's out
+
+
+def measure_savings(model: Transformer, tokens: int, parallel: Parallel, e: int, moe: bool) -> dict[str, Fraction]:
+    """Bytes one block's kept activations shrink by, on one rank, under each of DeepSeek-V3's activation
+    measures `parallel.measures` takes (`distlab.cost.inputs.MEASURES`; its technical report,
+    https://arxiv.org/abs/2412.19437), on T = `tokens` tokens, from the terms `block_activations` keeps
+    (elements per token; / tp: what tensor parallelism cuts; g: the gathered inputs, whole on every rank, or
+    cut by tp when `cut_gathered`):
+
+    recompute-norm-up (section 3.2.3, "Recomputation of RMSNorm and MLA Up-Projection"): every RMSNorm's output
+      and MLA's up-projections are rebuilt in backward from what stays kept (the residual stream, the latents),
+      so their outputs are not kept:  e T (2d at g  +  (q_rank + kv_rank + h (2 d_qk + d_h)) / tp)
+      (LN_1's and LN_2's outputs; the latent norms' outputs; q, k of h d_qk, v of h d_h); without MLA, the
+      norms' outputs alone.
+    fp8-activations (section 3.3.3, "Low-Precision Storage"): the input a Linear keeps for its weight's
+      gradient is cached in FP8 (f = 1 + 4/128 bytes: an element and its share of one float32 scale per
+      1 x 128 tile), the input of attention's out-projection in E5M6 (f' = 12/8 + 4/128), the SwiGLU's
+      inputs in a mixture of experts in FP8 with its output rebuilt in backward:
+          (e - f) T (2d at g  +  (q_rank + kv_rank) / tp)    the norms' outputs, unless rebuilt above
+        + (e - f') T h d_h / tp                              attention's output
+        + (e - f) T top_k d / tp                            the routed copies of the experts' input
+        + T (k + s) ((e - f) a + e) d_e / tp                the experts' activation inputs (a = 2 gated, 1)
+                                                            in FP8, their output not kept (unless act-fn already)
+        + (e - f) T d_ff / tp                                a dense MLP's fc2 input, unless act-fn rebuilt it
+    (bf16-moments, the third, shrinks the optimizer's states: `model_states`.)"""
+    tp, out = parallel.tp, {}
+    g = Fraction(1, tp) if parallel.cut_gathered else Fraction(1)
+    latents = model.q_rank + model.kv_rank if model.mla else 0
+    rebuilt = "recompute-norm-up" in parallel.measures
+    if rebuilt:
+        up = model.heads * (2 * model.qk_dim + model.head_dim) if model.mla else 0
+        out["recompute-norm-up"] = e * tokens * (2 * model.dim * g + Fraction(latents + up, tp))
+    if "fp8-activations" in parallel.measures:
+        less = e - FP8_BYTES
+        saved = 0 if rebuilt else less * tokens * (2 * model.dim * g + Fraction(latents, tp))
+        saved += (e - E5M6_BYTES) * tokens * Fraction(model.heads * model.head_dim, tp)
+        if moe:
+            a = 2 if model.gated else 1
+            experts = model.top_k + model.shared_experts
+            product = 0 if parallel.act_fn else e
+            saved += Fraction(
+                tokens * (less * model.top_k * model.dim + experts * (less * a + product) * model.expert_ffn), tp
+            )
+        elif not parallel.act_fn:
+            saved += less * tokens * Fraction(model.ffn, tp)
+        out["fp8-activations"] = Fraction(saved)
+    return out
 
 
 def stage_activations(
@@ -176,7 +237,7 @@ def stage_activations(
 ):
     """Bytes one micro-batch leaves on pipeline stage `stage` for its backward (and its output)."""
     rows, e = batch.global_batch // (parallel.dp * batch.micro_batches), precision.e
-    layers, last = stage_layers(model, parallel)[stage], stage == parallel.pp * parallel.stages_per_rank - 1
+    layers, last = stage_layers(model, parallel)[stage], stage in lasts(parallel)
     if isinstance(model, Mlp):
         widths = model.widths[layers.start : layers.stop + 1]
         return accounting.mlp_activations(rows, widths, e) - (0 if last else e * rows * widths[-1])
@@ -188,7 +249,7 @@ def stage_activations(
             block_activations(model, Batch(rows, batch.seq), parallel, e, stat_bytes, math, model.is_moe(i))
             for i in layers
         )
-    if model.vocab and stage == 0:
+    if model.vocab and stage in firsts(parallel):
         kept += e * tokens * model.dim  # the embedding's output, the first block's input
     return int(kept) if kept == int(kept) else kept  # whole bytes wherever tp cuts the terms evenly
 
@@ -227,7 +288,7 @@ def buffers(model, batch: Batch, parallel: Parallel, precision: Precision, pp_ra
     if parallel.cp > 1:
         heads = (model.kv_heads or model.heads) // parallel.tp
         out += rows * RingSizes(heads, batch.seq, model.head_dim, parallel.cp, e).memory_bound()[1]
-    if model.vocab and parallel.pp * parallel.stages_per_rank - 1 in stages(parallel, batch, pp_rank):
+    if model.vocab and any(s in lasts(parallel) for s in stages(parallel, batch, pp_rank)):
         out += rows * (batch.seq // parallel.cp) * (model.vocab // parallel.tp) * (e + 4)  # logits, log-softmax
     if parallel.ep > 1:  # one MoE layer's all-to-all: the routed copies sent, and as many received
         out += 2 * rows * (batch.seq // parallel.cp) * model.top_k * model.dim * e
@@ -236,11 +297,11 @@ def buffers(model, batch: Batch, parallel: Parallel, precision: Precision, pp_ra
 
 def states(model, batch: Batch, parallel: Parallel, precision: Precision, pp_rank: int) -> dict[str, int]:
     """The model states: the dense weights' ZeRO-sharded over dp, the routed experts' over dp / ep."""
-    dense = model_states(
-        rank_units(model, parallel, pp_rank, batch), parallel.zero, parallel.dp, precision, parallel.grad_bytes
-    )
+    low = "bf16-moments" in parallel.measures
+    mine = rank_units(model, parallel, pp_rank, batch)
+    dense = model_states(mine, parallel.zero, parallel.dp, precision, parallel.grad_bytes, low)
     routed = rank_units(model, parallel, pp_rank, batch, experts=True) if getattr(model, "experts", 0) else []
-    experts = model_states(routed, parallel.zero, parallel.dp // parallel.ep, precision, parallel.grad_bytes)
+    experts = model_states(routed, parallel.zero, parallel.dp // parallel.ep, precision, parallel.grad_bytes, low)
     return {k: dense.get(k, 0) + experts.get(k, 0) for k in dict.fromkeys([*dense, *experts])}
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, schedule_of
+from distlab.cost.inputs import MEASURES, PRECISIONS, Batch, Mlp, Parallel, schedule_of
+from distlab.cost.schedule import CLOSED_FORMS, check_closed_form
 from distlab.data_split.sharding.accounting import STAGES
 from distlab.proof.sizes import ATTENTION, Transformer
 
@@ -33,6 +34,9 @@ def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision:
         _refuse("zero", f"{parallel.zero!r} is not one of {', '.join(STAGES)} (FSDP2 is ZeRO-3)")
     if parallel.recompute + parallel.selective + parallel.act_fn > 1:
         _refuse("recompute", "one of full, selective (Megatron's) or act-fn recomputation, not two")
+    unknown = [m for m in parallel.measures if m not in MEASURES]
+    if unknown:
+        _refuse("measures", f"{unknown[0]!r} is not one of {', '.join(MEASURES)}")
     if parallel.grad_bytes not in (0, 2, 4):
         _refuse("grad_bytes", f"gradients are bf16 (2) or float32 (4) bytes, got {parallel.grad_bytes}")
     if isinstance(model, Mlp):
@@ -50,7 +54,10 @@ def check(model: Transformer | Mlp, batch: Batch, parallel: Parallel, precision:
         model, batch.global_batch, batch.seq, batch.micro_batches, parallel.sp, parallel.stages_per_rank
     )
     try:
-        schedule_of(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
+        if parallel.schedule in CLOSED_FORMS:
+            check_closed_form(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
+        else:
+            schedule_of(parallel.schedule, parallel.pp, batch.micro_batches, parallel.stages_per_rank)
     except ValueError as err:
         _refuse("schedule", str(err))
 

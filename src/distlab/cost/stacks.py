@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from distlab.cost.timing import Assumptions
 
+SIZE_ROUNDING = 0.01  # a published size is rounded to its leading digits: 405 B for 405.9 B
 MEGATRON_DEEPSPEED_EFFICIENCY = 0.519  # fitted: MT-NLG 530B, 2,240 A100, 60.1 s a step (module docstring)
 
 
@@ -33,14 +34,16 @@ class Stack:
     software: str
     assumptions: Assumptions
     gpus: tuple[str, ...]  # the GPU types of its fitted runs (keys of distlab.proof.hardware.DEVICES)
-    parameters: tuple[float, float]  # the model sizes of its fitted runs, fewest to most parameters
+    parameters: tuple[float, float]  # the model sizes of its fitted runs, fewest to most, as their papers round
 
     def outside(self, gpu: str, parameters: int) -> str | None:
-        """Why a plan for `gpu` and a model of `parameters` lies outside the fitted regime; None if inside."""
+        """Why a plan for `gpu` and a model of `parameters` lies outside the fitted regime; None if inside. The
+        sizes are the papers' rounded ones (405 B, 530 B): a model within `SIZE_ROUNDING` of them is inside (Llama
+        3 405B counts 405.9 B)."""
         low, high = self.parameters
         if gpu not in self.gpus:
             return f"the {self.name} profile was fitted on {', '.join(self.gpus)} runs, not {gpu}"
-        if not low <= parameters <= high:
+        if not low * (1 - SIZE_ROUNDING) <= parameters <= high * (1 + SIZE_ROUNDING):
             sizes = f"{low / 1e9:,.0f}" + (f"-{high / 1e9:,.0f}" if high > low else "")
             return (
                 f"the {self.name} profile was fitted on models of {sizes} B parameters, not {parameters / 1e9:,.3g} B"

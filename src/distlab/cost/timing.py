@@ -41,9 +41,9 @@ import math
 from dataclasses import dataclass, field
 
 from distlab.cost.flops import attention_forward
-from distlab.cost.inputs import PRECISIONS, stage_layers
+from distlab.cost.inputs import PRECISIONS, lasts, stage_layers
 from distlab.cost.memory import stage_activations
-from distlab.cost.schedule import grid, stages
+from distlab.cost.schedule import grid, passes, stages
 from distlab.cost.step import StepCost
 from distlab.proof.hardware import Cluster, Link
 from distlab.proof.sizes import Transformer
@@ -110,7 +110,7 @@ def products_seconds(cost: StepCost, pp_rank: int, rate: float, sms: int, assump
     useful = weighted = 0.0
     layers = [i for s in stages(p, batch, pp_rank) for i in stage_layers(model, p)[s]]
     weights = [w for i in layers for w in model.layer_weights(i)]
-    if model.vocab and p.pp * p.stages_per_rank - 1 in stages(p, batch, pp_rank):
+    if model.vocab and any(s in lasts(p) for s in stages(p, batch, pp_rank)):
         weights.append(model.head_matrix())
     for w in weights:
         if w.cols == 1 or w.name == "embed.weight":
@@ -135,7 +135,7 @@ def attention_flops(cost: StepCost, pp_rank: int) -> int:
     layers = sum(len(stage_layers(model, p)[s]) for s in stages(p, batch, pp_rank))
     rows = batch.global_batch // (p.dp * batch.micro_batches)
     runs = 4 if p.recompute or p.selective else 3  # full, or Megatron's selective: attention's forward again
-    return runs * batch.micro_batches * layers * attention_forward(model, rows, batch.seq, p.tp, p.cp)
+    return runs * passes(p, batch) * layers * attention_forward(model, rows, batch.seq, p.tp, p.cp)
 
 
 @dataclass
@@ -188,7 +188,7 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
     ticks_per_mb = 4 if p.recompute else 3
     worst = None
     for rank in cost.ranks:
-        m = cost.batch.micro_batches
+        m = passes(p, cost.batch)  # micro-batches through each stage the rank holds
         acts = sum(
             stage_activations(cost.model, cost.batch, p, s, precision, precision.e)
             for s in stages(p, cost.batch, rank.pp_rank)
@@ -205,7 +205,8 @@ def predict(cost: StepCost, cluster: Cluster, assumptions: Assumptions = Assumpt
             exposed["cp"] = max(0.0, comm["cp"] - attention_s)
         if "ep" in comm and "ep" in assumptions.overlap:  # DualPipe-style: hidden behind the other micro-batch's
             exposed["ep"] = max(0.0, comm["ep"] - compute / 2)  # compute, at most half of it
-        own = m * p.stages_per_rank * ticks_per_mb  # the rank's own ticks: every stage it holds, micro-batch
+        own = cost.batch.micro_batches * p.stages_per_rank * ticks_per_mb  # the rank's own ticks: every stage it
+        # holds, every micro-batch (DualPipe: M / 2 through each of its two whole chunks, as many ticks as the V's)
         per_tick = (compute + memory + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)) / own
         if worst is None or per_tick > worst[0]:
             worst = (per_tick, compute, memory, comm, exposed, rank, attention_s, own)

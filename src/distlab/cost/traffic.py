@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from distlab.comm.collectives import ring_fraction
-from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, ceil_div, stage_layers
+from distlab.cost.inputs import PRECISIONS, Batch, Mlp, Parallel, ceil_div, firsts, stage_layers
 from distlab.cost.memory import DTYPE_OF, rank_units, sizes
-from distlab.cost.schedule import owner, stages
+from distlab.cost.schedule import owner, passes, stages
 from distlab.data_split.sharding import accounting
 from distlab.layer_split.context_parallel.cost import Sizes as RingSizes
 from distlab.layer_split.expert_parallel.cost import expected_bytes
@@ -83,7 +83,7 @@ def data_parallel(
         return
     e = PRECISIONS[precision].e
     s = sizes(units, dp, e)
-    holds_first = 0 in stages(parallel, batch, pp_rank)
+    holds_first = any(s in firsts(parallel) for s in stages(parallel, batch, pp_rank))
     needs_no_weights = isinstance(model, Mlp) or bool(getattr(model, "vocab", 0))  # data in; an embedding
     first = ceil_div(units[0][0], dp) if holds_first and needs_no_weights and not experts else 0
     one_pass = accounting.expected_bytes("ZeRO-1", s) // 2  # one reduce-scatter (or all-gather) of every unit
@@ -110,8 +110,8 @@ def expert_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel
     tokens = _micro_rows(batch, parallel) * (batch.seq // parallel.cp)
     kept = torch.full((parallel.ep, model.experts), tokens * model.top_k, dtype=torch.int64)  # E x the real count
     phases = {k: v for k, v in expected_bytes(kept, 0, model.dim * e).items() if k != "counts"}
-    forwards = batch.micro_batches * layers * (2 if parallel.recompute else 1)
-    backwards = batch.micro_batches * layers
+    forwards = passes(parallel, batch) * layers * (2 if parallel.recompute else 1)
+    backwards = passes(parallel, batch) * layers
     for phase, nbytes in phases.items():
         runs = backwards if "backward" in phase else forwards
         traffic.add(("ep", "all_to_all"), runs * nbytes // model.experts, runs)
@@ -121,7 +121,8 @@ def tensor_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel
     """Lesson 08's bytes for `blocks` blocks, M micro-batches (recomputation: the forward's again)."""
     rows, seq = _micro_rows(batch, parallel), batch.seq // parallel.cp
     cfg = BlockConfig(model.one_block(), rows, seq, dropout=0.0, dtype=DTYPE_OF[e])
-    runs = {"forward": batch.micro_batches * (2 if parallel.recompute else 1), "backward": batch.micro_batches}
+    m = passes(parallel, batch)
+    runs = {"forward": m * (2 if parallel.recompute else 1), "backward": m}
     for (phase, kind), nbytes in expected_traffic(cfg, "block", parallel.tp, parallel.sp).items():
         if phase in runs:  # attention's and the MLP's, every block, every micro-batch
             traffic.add(("tp", kind), runs[phase] * blocks * nbytes, runs[phase] * blocks * 2)
@@ -129,17 +130,17 @@ def tensor_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel
             traffic.add(("tp", kind), blocks * nbytes, 1)
     if parallel.cut_gathered:  # Megatron-LM's: the inputs of q, k, v and fc1 gathered again in backward
         again = 2 * ring_fraction("all_gather", parallel.tp) * rows * seq * model.dim * e
-        traffic.add(("tp", "all_gather"), batch.micro_batches * blocks * again, 2 * batch.micro_batches * blocks)
+        traffic.add(("tp", "all_gather"), m * blocks * again, 2 * m * blocks)
     if model.vocab:  # the planner's estimate: the embedding's and the head's all-reduce of T d
         est = expected_traffic(cfg, "mlp", parallel.tp, False)[("forward", "all_reduce")]
-        traffic.add(("tp", "all_reduce"), 2 * batch.micro_batches * est, 2 * batch.micro_batches)
+        traffic.add(("tp", "all_reduce"), 2 * m * est, 2 * m)
 
 
 def context_parallel(traffic: Traffic, model: Transformer, batch: Batch, parallel: Parallel, e: int, blocks: int):
     """Lesson 09's ring bytes per attention, for every sequence, block and micro-batch."""
     heads = (model.kv_heads or model.heads) // parallel.tp
     forward, backward = RingSizes(heads, batch.seq, model.head_dim, parallel.cp, e).expected_bytes()
-    rows, m, cp = _micro_rows(batch, parallel), batch.micro_batches, parallel.cp
+    rows, m, cp = _micro_rows(batch, parallel), passes(parallel, batch), parallel.cp
     forwards, backwards = m * blocks * (2 if parallel.recompute else 1), m * blocks
     messages = forwards * 2 * (cp - 1) + backwards * (4 * cp - 2)  # one k/v (or dk/dv) block each
     traffic.add(("cp", "ring"), rows * (forwards * forward + backwards * backward), messages)
@@ -154,13 +155,18 @@ def boundary_bytes(model, batch: Batch, parallel: Parallel, e: int, stage: int) 
 
 
 def pipeline(traffic: Traffic, model, batch: Batch, parallel: Parallel, e: int, pp_rank: int) -> None:
-    """Activations forward and gradients back across the cuts that leave this rank (lessons 01-03)."""
-    where, last, m = owner(parallel, batch), parallel.pp * parallel.stages_per_rank - 1, batch.micro_batches
+    """Activations forward and gradients back across the cuts that leave this rank (lessons 01-03). DualPipe's
+    copies end at stage P - 1 and begin at stage P (no message between them), and each rank sends its mirror its
+    two chunks' gradients once a step, which the mirror adds to its own (lesson 19's sum of the copies)."""
+    where, last, m = owner(parallel, batch), parallel.pp * parallel.stages_per_rank - 1, passes(parallel, batch)
     for stage in stages(parallel, batch, pp_rank):
         if stage < last and where[stage + 1] != pp_rank:
             traffic.add(("pp", "send"), m * boundary_bytes(model, batch, parallel, e, stage), m)
         if stage > 0 and where[stage - 1] != pp_rank:
             traffic.add(("pp", "send"), m * boundary_bytes(model, batch, parallel, e, stage - 1), m)
+    if parallel.schedule == "dualpipe":
+        units = rank_units(model, parallel, pp_rank, batch) + rank_units(model, parallel, pp_rank, batch, True)
+        traffic.add(("pp", "send"), (parallel.grad_bytes or e) * sum(n for n, _ in units), 1)
 
 
 def per_rank(model, batch: Batch, parallel: Parallel, precision: str, pp_rank: int = 0) -> Traffic:

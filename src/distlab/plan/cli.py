@@ -5,17 +5,18 @@ given split costs.
     python -m distlab.plan --layers 12 --dim 768 --heads 12 --ffn-width 3072 --vocab 50304 --tied-embeddings \\
         --seq-len 1024 --global-batch 480 --gpu a100-40gb --gpus 8 --layout dp=8
     python -m distlab.plan --model deepseek-v3 --gpu h800 --gpus 2048 --nodes 256 --global-batch 15360 \\
-        --seq-len 4096 --layout dp=128,pp=16,ep=64 --schedule zero-bubble --precision fp8
+        --seq-len 4096 --layout dp=128,pp=16,ep=64 --schedule dualpipe --precision fp8 --grad-dtype float32 \\
+        --measures deepseek-v3
     python -m distlab.plan --published        # the published runs beside their predictions
     python -m distlab.plan --devices          # the datasheet figures and their sources
 
 Without --layout it enumerates the configurations (distlab/plan/search.py), keeps those whose every rank
 fits the GPU's memory less the reserve by the cost model (distlab/cost), ranks them by predicted step time,
 and prints the fastest with their memory, step time, MFU and TFLOP/s a GPU; a strategy flag given (--zero,
---recompute, --micro-batch, --schedule, --stages-per-rank, --grad-dtype, --sp) narrows the search to it.
-With --layout it prices that one layout with the strategy the flags give (their defaults where not given),
-its memory item by item. Then the assumptions the prediction rests on, each with the flag that overrides
-it. A bad input is refused in one line naming its flag.
+--recompute, --micro-batch, --schedule, --stages-per-rank, --grad-dtype, --sp, --measures) narrows the search
+to it. With --layout it prices that one layout with the strategy the flags give (their defaults where not
+given), its memory item by item. Then the assumptions the prediction rests on, each with the flag that
+overrides it. A bad input is refused in one line naming its flag.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 from dataclasses import replace
 
 from distlab.composed.dims import ParallelDims
-from distlab.cost.inputs import Batch, Parallel
+from distlab.cost.inputs import DEEPSEEK_V3_MEASURES, MEASURES, Batch, Parallel
 from distlab.cost.rules import check
 from distlab.cost.stacks import DEFAULT_STACK, STACKS
 from distlab.cost.timing import Assumptions
@@ -50,7 +51,14 @@ from distlab.proof.sizes import Transformer
 
 MAX_PER_NODE = 8  # the HGX and DGX systems these datasheets describe
 DEFAULT_MODEL = "llama3-8b"
-SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1"}
+SCHEDULES = {
+    "1f1b": "1f1b",
+    "interleaved": "interleaved-1f1b",
+    "zero-bubble": "zb-h1",
+    "dualpipev": "dualpipev",
+    "dualpipe": "dualpipe",
+}
+V_SHAPED = ("dualpipev", "dualpipe")  # two stages a rank, a V (distlab.cost.schedule's closed forms)
 OVERLAP = ("dp", "cp", "pp", "ep", "tp")
 
 
@@ -99,7 +107,11 @@ def parse_args(argv=None):
     )
     split = parser.add_argument_group("the strategy: one layout (--layout) priced whole, or the search narrowed")
     split.add_argument("--layout", help="dp=..,tp=..,pp=..,cp=..,ep=.. (a missing one is 1)")
-    split.add_argument("--schedule", choices=SCHEDULES, help="the pipeline's schedule (--layout: default 1f1b)")
+    split.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="the pipeline's schedule (--layout: default 1f1b); dualpipe holds two copies of the parameters",
+    )
     split.add_argument("--stages-per-rank", type=positive_int, help="v, for interleaved (--layout: default 2)")
     split.add_argument("--micro-batch", type=positive_int, help="sequences per micro-batch, b (--layout: default 1)")
     split.add_argument(
@@ -111,6 +123,10 @@ def parse_args(argv=None):
     split.add_argument("--zero", type=int, choices=range(4), help="ZeRO stage 0 (DDP) to 3 (default 1 with dp > 1)")
     split.add_argument("--grad-dtype", choices=("bf16", "float32"), help="gradients' dtype (--layout: default bf16)")
     split.add_argument("--sp", choices=("on", "off"), default="on", help="sequence parallelism beside tp")
+    split.add_argument(
+        "--measures",
+        help=f"DeepSeek-V3's memory measures, comma-separated: {', '.join(MEASURES)}; or deepseek-v3 for all three",
+    )
     time = parser.add_argument_group("the time model's assumptions (default: the --stack's profile)")
     time.add_argument(
         "--stack", choices=STACKS, default=DEFAULT_STACK, help="the software the run uses: its efficiency profile"
@@ -229,7 +245,10 @@ def choices_of(args) -> Choices:
         raise ValueError("--stages-per-rank: interleaving runs v > 1 stages per rank; --schedule 1f1b takes v = 1")
     if v is not None and v > 1 and args.schedule == "zero-bubble":
         schedule = "interleaved-zb"
+    if v is not None and v != 2 and args.schedule in V_SHAPED:
+        raise ValueError(f"--stages-per-rank: {args.schedule} runs two stages per rank (a V), v = 2")
     return Choices(
+        measures=measures_of(args.measures),
         precision=args.precision,
         zero=None if args.zero is None else "DDP" if args.zero == 0 else f"ZeRO-{args.zero}",
         recompute=args.recompute,
@@ -239,6 +258,19 @@ def choices_of(args) -> Choices:
         grad_bytes={"float32": 4, "bf16": 2, None: 0}[args.grad_dtype],
         sp=args.sp == "on",
     )
+
+
+def measures_of(text: str | None) -> tuple[str, ...]:
+    """--measures as names of `MEASURES` ("deepseek-v3": all three), or the one-line refusal."""
+    if text is None:
+        return ()
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if names == ["deepseek-v3"]:
+        return DEEPSEEK_V3_MEASURES
+    bad = next((m for m in names if m not in MEASURES), None) if names else text
+    if bad is not None:
+        raise ValueError(f"--measures: {bad!r} is not one of {', '.join(MEASURES)} (or deepseek-v3 for all)")
+    return tuple(dict.fromkeys(names))
 
 
 def layout_of(args, model: Transformer, choices: Choices) -> tuple[Batch, Parallel]:
@@ -255,7 +287,7 @@ def layout_of(args, model: Transformer, choices: Choices) -> tuple[Batch, Parall
     if choices.zero not in (None, "DDP") and dims.dp == 1:
         raise ValueError(f"--zero: {choices.zero} shards over the dp ranks; --layout gives dp = 1, none to shard over")
     schedule = choices.schedule or "1f1b"
-    v = choices.stages_per_rank or (2 if schedule.startswith("interleaved") else 1)
+    v = choices.stages_per_rank or (2 if schedule.startswith("interleaved") or schedule in V_SHAPED else 1)
     strategy = dict(
         zero=choices.zero or ("ZeRO-1" if dims.dp > 1 else "DDP"),
         schedule=schedule,

@@ -17,7 +17,7 @@ cp rank's positions, cp cuts seq into 2 cp pieces, dp divides N, pp stages of a 
     recomputation: the first that fits is the cheapest.
 
 A strategy the user fixes (`Choices`: the planner's --zero, --recompute, --micro-batch, --schedule,
---stages-per-rank, --grad-dtype, --sp) narrows the search to it: only that ZeRO stage (and so only dp > 1
+--stages-per-rank, --grad-dtype, --sp, --measures) narrows the search to it: only that ZeRO stage (and so only dp > 1
 for ZeRO-1..3), that recomputation, that many sequences a micro-batch, that schedule; never silently dropped.
 
 A configuration fits when every rank's predicted bytes (`distlab.cost.step`: model states, activations at
@@ -53,6 +53,7 @@ RECOMPUTE = {
     "full": dict(recompute=True),
 }
 DEPTHS = {"1f1b": (1,), "zb-h1": (1,), "interleaved-1f1b": (2, 4), "interleaved-zb": (2, 4)}  # v tried
+DEPTHS |= {"dualpipev": (2,), "dualpipe": (2,)}  # a V: two stages a rank (distlab.cost.schedule)
 SEARCHED = ("none", "act-fn", "full")  # Megatron's selective saves nothing beside a fused attention kernel
 MAX_EP = 64
 
@@ -69,11 +70,12 @@ class Choices:
     stages_per_rank: int | None = None  # v
     grad_bytes: int = 0  # 4: float32 gradients
     sp: bool = True  # sequence parallelism beside tp (Megatron-LM's, the gathered inputs kept cut)
+    measures: tuple[str, ...] = ()  # DeepSeek-V3's memory measures taken (`distlab.cost.inputs.MEASURES`)
 
     def strategy(self, tp: int) -> dict:
         """The Parallel fields every configuration of this search shares."""
         sp = dict(sp=True, cut_gathered=True) if tp > 1 and self.sp else {}
-        return dict(grad_bytes=self.grad_bytes, **sp)
+        return dict(grad_bytes=self.grad_bytes, measures=self.measures, **sp)
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,46 @@ class Ran(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class Messages(TorchDispatchMode):
+    """What this rank's point-to-point messages carried, in order: ("send", peer, tensor) and ("recv", peer,
+    tensor), a copy of each tensor, peers in global ranks. A check compares them with the reference's tensors at
+    the same cut, so a wrong number is placed: the message where it first went wrong, and whether this rank
+    changed what it received before passing it on. A receive's buffer fills only once its work is waited on,
+    outside the dispatcher: it is copied at the next op the rank runs (before that op, which may change it in
+    place) or when the mode exits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[tuple[str, int, torch.Tensor]] = []
+        self._arriving: list[tuple[int, torch.Tensor]] = []
+
+    def _arrived(self) -> None:
+        arriving, self._arriving = self._arriving, []  # emptied first: the copies below pass through this mode
+        self.messages += [("recv", peer, t.detach().clone()) for peer, t in arriving]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._arrived()
+        name = func.__name__.split(".")[0]
+        if func.namespace == "c10d" and name in ("send", "recv_"):
+            group = _group_of("c10d", args)
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            tensors = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+            if name == "send":
+                self.messages += [("send", ranks[args[2]], t.detach().clone()) for t in tensors]
+            else:
+                self._arriving += [(ranks[args[2]], t) for t in tensors]
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc):
+        self._arrived()
+        return super().__exit__(*exc)
+
+    def of(self, kind: str, peer: int) -> list[torch.Tensor]:
+        """The tensors of `kind` ("send", "recv") exchanged with global rank `peer`, in order."""
+        self._arrived()
+        return [t for k, q, t in self.messages if k == kind and q == peer]
+
+
 def phrase(namespace: str, op: str, args: tuple) -> str:
     """One collective in words: its kind, its root or peer and its group, in global ranks."""
     table = C10D if namespace == "c10d" else FUNCTIONAL

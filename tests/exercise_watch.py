@@ -112,11 +112,15 @@ class Call(NamedTuple):
 
 
 class Watch(TorchDispatchMode):
-    """with Watch(kind) as w: ...;  w.shapes, w.peak[kind], w.calls(), w.sent(P), w.unknown"""
+    """with Watch(kind, keep) as w: ...;  w.shapes, w.peak[kind], w.kept, w.calls(), w.sent(P), w.unknown"""
 
-    def __init__(self, kind: Callable[[tuple], str | None] = lambda shape: None) -> None:
+    def __init__(
+        self, kind: Callable[[tuple], str | None] = lambda shape: None, keep: Callable[[tuple], bool] | None = None
+    ) -> None:
         super().__init__()
         self.kind = kind
+        self.keep = keep  # shapes whose values a check reads afterwards (which logits the answer computed)
+        self.kept: list[torch.Tensor] = []  # a copy of every new tensor of those shapes, in order
         self.shapes: set[tuple] = set()
         self.live: Counter = Counter()
         self.peak: Counter = Counter()
@@ -134,6 +138,8 @@ class Watch(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
                 self._track(t)
+                if self.keep is not None and t.is_floating_point() and self.keep(tuple(t.shape)):
+                    self.kept.append(t.detach().clone())
         return out
 
     def _track(self, t: torch.Tensor) -> None:

@@ -51,10 +51,13 @@ def logits_blocks(kept: list, z_x, full_y) -> str:
     forms = {"s z_x Z_y[j]^T + beta": (S, BETA), "s z_x Z_y[j]^T - beta": (S, -BETA)}
     forms |= {"s z_x Z_y[j]^T, no beta": (S, 0.0), "z_x Z_y[j]^T / s + beta": (1 / S, BETA)}
     seen = {j: [] for j in range(P)}
+    candidates = [
+        (j, w, k * (z_x @ full_y[j * C : (j + 1) * C].T) + b) for j in range(P) for w, (k, b) in forms.items()
+    ]
     for t in kept:
-        for j in range(P):
-            product = z_x @ full_y[j * C : (j + 1) * C].T
-            seen[j] += [w for w, (k, b) in forms.items() if torch.allclose(t, k * product + b, rtol=1e-9, atol=1e-12)]
+        seen_here = [(j, w) for j, w, want in candidates if torch.allclose(t, want, rtol=1e-9, atol=1e-12)]
+        for j, w in seen_here:
+            seen[j].append(w)
     right = [j for j in range(P) if "s z_x Z_y[j]^T + beta" in seen[j]]
     if len(right) == P:
         return f"blocks {', '.join(map(str, range(P)))}: s z_x Z_y[j]^T + beta"

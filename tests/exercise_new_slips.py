@@ -12,7 +12,7 @@ NEW_SLIPS = {
         "the received gradient divided by the micro-batch's rows again before backward (a mean taken twice)",
         "a_out.backward(grad_out)",
         "a_out.backward(grad_out / len(x))",
-        unnamed="ranks 0 and 1 off by 1/64 and 1/8, no reading; the exercise's first hint",
+        names=r"its gradients are 0\.125 x the backward of what it received: it changed the received gradient",
     ),
     "gpipe": Slip(
         "the micro-batches numbered from 1 to M, not from 0",
@@ -138,14 +138,14 @@ NEW_SLIPS = {
         "the second direction's logits against the text tower again: z_y Z_y^T, not z_y Z_x^T",
         "logits_y = s * local_z_y @ all_z_x.T",
         "logits_y = s * local_z_y @ all_z_y.T",
-        unnamed="the loss off by about 1/2 on every rank, equal to none of the catalogued variants",
+        names=r"s z_x Z_y\^T and s z_y Z_y\^T, not s z_x Z_y\^T and s z_y Z_x\^T",
     ),
     "gather_all_reduce": Slip(
         "the backward returns rows r .. r + C - 1 of the sum, not rC .. rC + C - 1",
         "return summed[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c]",
         "return summed[ctx.rank : ctx.rank + ctx.c]",
         within="AllGatherSumBackward",
-        unnamed="rank 0 right (rC = r there), the others equal to no variant; the first hint",
+        names=r"failed too, on rank\(s\) 1, 2: rows 1\.\.4 of the sum, not rows 4\.\.7",
     ),
     "grad_cache_step": Slip(
         "the cached gradient cut into B pieces (chunk), not pieces of B rows (split)",
@@ -163,12 +163,12 @@ NEW_SLIPS = {
         "the bias beta left out of the logits inside the sigmoid",
         "(s * x @ block.T + beta)",
         "(s * x @ block.T)",
-        unnamed="G_x and G_y equal to no variant; the ring's hint",
+        names=r"block 0: s z_x Z_y\[j\]\^T, no beta",
     ),
     "clip_step": Slip(
         "each gradient's values clipped (clip_grad_value_), not the global norm",
         "torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",
         "torch.nn.utils.clip_grad_value_([p for p in ddp.parameters() if p.requires_grad], clip_norm)",
-        unnamed="every tower's update wrong, the logit scale's right; the exercise's first hint",
+        names=r"the whole batch's gradient, each value clamped to \+-the bound, not",
     ),
 }

@@ -266,9 +266,9 @@ def diagnose(
     """The first catalogued mistake the findings show, else the first failed claim with what the judge
     saw there, and what every failed structural claim (a claim not matching `numbers`: bytes, collectives,
     rows run, a schedule's shape) says the answer did. A measured ratio is read in `quantities` (the
-    exercise's P, M, C, N, ...) only when the structure agrees with a mere factor (no structural claim
-    failed, every failing rank the same ratio), and then as one reading, never as the diagnosis. None when
-    every claim held."""
+    exercise's P, M, C, N, ...) only when the structure agrees with a mere factor (every structural claim held
+    or missed by that very factor, every failing rank the same ratio), and then as one reading, never as the
+    diagnosis. None when every claim held."""
     failed = findings.failed()
     if not failed:
         return None
@@ -279,13 +279,24 @@ def diagnose(
             return diagnosis
     structural = [c for c in failed if numbers is not None and not re.search(numbers, c)]
     failing = findings.failing(failed[0])
-    facts = describe(failing, world, quantities, read=not structural)
+    # a structural claim that missed by the very factor of the first claim (a message scaled like the gradient
+    # it carries) agrees with a mere factor; any other failed structural claim contradicts one
+    ks = [s.ratio for s in failing.values()]
+    contradict = [c for c in structural if not _same_factor(ks, findings.failing(c).values())]
+    facts = describe(failing, world, quantities, read=not contradict)
     for claim in [c for c in structural if c != failed[0]][:2]:  # what the answer did, in the claims' words
         if claim != failed[0]:
             where = findings.failing(claim)
             ranks = ", ".join(map(str, where))
             facts.append(f"'{claim}' failed too, on rank(s) {ranks}: {where[min(where)].amount()}")
     return Diagnosis(failed[0], failing, None, tuple(facts), tuple(failed[1:]), world, quantities)
+
+
+def _same_factor(ks: list, seen) -> bool:
+    """Every ratio in `ks` (the first claim's, rank by rank) and every Seen in `seen` is one and the same factor."""
+    if not ks or None in ks:
+        return False
+    return all(r is not None and math.isclose(r, ks[0], rel_tol=1e-6) for r in ks + [s.ratio for s in seen])
 
 
 def describe(failing: dict[int, Seen], world: int, quantities: dict | None = None, read: bool = True) -> list[str]:

@@ -112,11 +112,15 @@ class Call(NamedTuple):
 
 
 class Watch(TorchDispatchMode):
-    """with Watch(kind) as w: ...;  w.shapes, w.peak[kind], w.calls(), w.sent(P), w.unknown"""
+    """with Watch(kind, keep) as w: ...;  w.shapes, w.peak[kind], w.kept, w.calls(), w.sent(P), w.unknown"""
 
-    def __init__(self, kind: Callable[[tuple], str | None] = lambda shape: None) -> None:
+    def __init__(
+        self, kind: Callable[[tuple], str | None] = lambda shape: None, keep: Callable[[tuple], bool] | None = None
+    ) -> None:
         super().__init__()
         self.kind = kind
+        self.keep = keep  # shapes whose values a check reads afterwards (which logits the answer computed)
+        self.kept: list[torch.Tensor] = []  # a copy of every new tensor of those shapes, in order
         self.shapes: set[tuple] = set()
         self.live: Counter = Counter()
         self.peak: Counter = Counter()
@@ -134,6 +138,8 @@ class Watch(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
                 self._track(t)
+                if self.keep is not None and t.is_floating_point() and self.keep(tuple(t.shape)):
+                    self.kept.append(t.detach().clone())
         return out
 
     def _track(self, t: torch.Tensor) -> None:
@@ -222,6 +228,46 @@ class Ran(TorchDispatchMode):
                 with open(self.log, "a") as f:
                     f.write(self.calls[-1] + "\n")
         return func(*args, **(kwargs or {}))
+
+
+class Messages(TorchDispatchMode):
+    """What this rank's point-to-point messages carried, in order: ("send", peer, tensor) and ("recv", peer,
+    tensor), a copy of each tensor, peers in global ranks. A check compares them with the reference's tensors at
+    the same cut, so a wrong number is placed: the message where it first went wrong, and whether this rank
+    changed what it received before passing it on. A receive's buffer fills only once its work is waited on,
+    outside the dispatcher: it is copied at the next op the rank runs (before that op, which may change it in
+    place) or when the mode exits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[tuple[str, int, torch.Tensor]] = []
+        self._arriving: list[tuple[int, torch.Tensor]] = []
+
+    def _arrived(self) -> None:
+        arriving, self._arriving = self._arriving, []  # emptied first: the copies below pass through this mode
+        self.messages += [("recv", peer, t.detach().clone()) for peer, t in arriving]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._arrived()
+        name = func.__name__.split(".")[0]
+        if func.namespace == "c10d" and name in ("send", "recv_"):
+            group = _group_of("c10d", args)
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            tensors = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+            if name == "send":
+                self.messages += [("send", ranks[args[2]], t.detach().clone()) for t in tensors]
+            else:
+                self._arriving += [(ranks[args[2]], t) for t in tensors]
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc):
+        self._arrived()
+        return super().__exit__(*exc)
+
+    def of(self, kind: str, peer: int) -> list[torch.Tensor]:
+        """The tensors of `kind` ("send", "recv") exchanged with global rank `peer`, in order."""
+        self._arrived()
+        return [t for k, q, t in self.messages if k == kind and q == peer]
 
 
 def phrase(namespace: str, op: str, args: tuple) -> str:

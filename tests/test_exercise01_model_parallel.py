@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, OnRanks, Scaled, Zero
+from exercise_watch import Messages
 
 from distlab.model_split.partition import boundary_shapes, split_stages
 from distlab.model_split.training import PipelineConfig, problem, train, unsplit_reference
@@ -35,11 +36,13 @@ class _Step:
         every = split_stages(model, rt.world_size)
         self.shapes = boundary_shapes(every, tuple(self.x.shape), CFG.dtype)
         self.stages, self.timeline, self.fn = [every[rt.rank]], Timeline(rt.rank), fn
+        self.sent = Messages()  # the first step's messages, for the claims on what each rank sent and received
 
     def __call__(self, step: int) -> float | None:
-        return self.fn(
-            self.stages[0].module, self.x, self.target, self.shapes, lambda kind: self.timeline.span(kind, step)
-        )
+        with self.sent if step == 0 else nullcontext():
+            return self.fn(
+                self.stages[0].module, self.x, self.target, self.shapes, lambda kind: self.timeline.span(kind, step)
+            )
 
     def measurements(self) -> dict:
         return {}
@@ -55,8 +58,68 @@ def _own_sum(rank: int) -> dict:
     return grads_of(stages[rank].module)
 
 
+def _cuts() -> tuple[list, list]:
+    """The unsplit model's A_p and dL/dA_p at every cut (one process, the first step's weights): what rank p
+    sends forward to p + 1 and what rank p + 1 sends back."""
+    model, x, target = problem(CFG)
+    outputs, a = [], x
+    for stage in split_stages(model, P):
+        a = stage.module(a)
+        a.retain_grad()
+        outputs.append(a)
+    F.mse_loss(a, target).backward()
+    return [o.detach() for o in outputs], [o.grad for o in outputs]
+
+
+def _factor(got: torch.Tensor, want: torch.Tensor) -> str:
+    """ "0.125 x " when got is one multiple of want, else "" (the words of a note)."""
+    if got is None or got.shape != want.shape:
+        return ""
+    k = (got * want).sum().item() / max((want * want).sum().item(), 1e-300)
+    return f"{k:.6g} x " if k and torch.allclose(got, k * want, rtol=1e-9, atol=1e-300) else ""
+
+
+def _messages(rt, step: _Step, run, claims) -> None:
+    """What each rank sent, and what it did with what it received, in the first step: the claims that place a
+    wrong number at the message or the rank where it first went wrong. Every rank makes every claim (a claim is
+    agreed across ranks): one with no such message (the last rank sends nothing on) holds there."""
+    p, last = rt.rank, rt.world_size - 1
+    outputs, grads = _cuts()
+    first = {(kind, q): (step.sent.of(kind, q) or [None])[0] for kind in ("send", "recv") for q in (p - 1, p + 1)}
+    what = {"what": "the first step's messages", "tol": 1e-10}
+    claim = "rank p sends its stage's output A_p to rank p + 1"
+    if p < last:
+        claims.close(claim, first["send", p + 1], outputs[p], **what)
+    else:
+        claims.holds(claim, True, what=what["what"])
+    claim, got = "rank p sends dL/dA_{p-1}, the .grad of what it received, back to rank p - 1", first["send", p - 1]
+    if p > 0:
+        note = f"{_factor(got, grads[p - 1])}the unsplit model's dL/dA_(p-1)" if _factor(got, grads[p - 1]) else ""
+        claims.close(claim, got, grads[p - 1], note=note, **what)
+    else:
+        claims.holds(claim, True, what=what["what"])
+    claim = "rank p back-propagates the dL/dA_p it received from rank p + 1, unchanged"
+    arrived, before = first["recv", p + 1], first["recv", p - 1] if p > 0 else step.x
+    if p == last or arrived is None or before is None:  # no gradient to receive, or no message: other claims say
+        claims.holds(claim, True, what=what["what"])
+        return
+    model, _, _ = problem(CFG)  # its backward from what it received, redone in one process
+    stage = split_stages(model, P)[p].module
+    stage(before).backward(arrived)
+    want = grads_of(stage)
+    factors = {_factor(run.first_grads[n], want[n]) for n in want if n in run.first_grads}
+    scaled = factors.pop() if len(factors) == 1 else ""
+    note = (
+        f"its gradients are {scaled}the backward of what it received: it changed the received gradient first"
+        if scaled
+        else "its gradients are not the backward of what it received"
+    )
+    claims.tensors(claim, run.first_grads, want, what="dL/dtheta_p from the received dL/dA_p", note=note)
+
+
 def _ranks(rt, model_parallel_step, claims) -> None:
-    run, ref = train(rt, CFG, _Step(rt, model_parallel_step)), unsplit_reference(CFG)
+    step = _Step(rt, model_parallel_step)
+    run, ref = train(rt, CFG, step), unsplit_reference(CFG)
     claims.tensors(
         "every stage's gradients after step 1 equal the unsplit model's",
         run.first_grads,
@@ -85,6 +148,7 @@ def _ranks(rt, model_parallel_step, claims) -> None:
         what="ranks computing at once",
         hints=("time only the compute: a span opened before recv returns counts the wait as work",),
     )
+    _messages(rt, step, run, claims)
 
 
 MISTAKES = (

@@ -48,11 +48,32 @@ def _alternatives(z_x, z_y, rows: slice) -> dict[str, float]:
     }
 
 
+LOGITS = ("z_x Z_y^T", "z_y Z_x^T")  # the two directions' products; the others pair a tower with itself
+
+
+def products(kept: list, z_x, z_y, full_x, full_y) -> str:
+    """Which of the products a local loss may form the answer computed, at which scale: each C x N (or N x C,
+    transposed) tensor it made, read as k a B^T for a in {z_x, z_y}, B in {Z_x, Z_y}, k in {s, 1/s, 2 s, s/2}
+    ("s z_x Z_y^T"), the unscaled products of the right pairs left out (the step before the scale). Each name
+    once, sorted, joined by "and"; "none of them" when it formed none."""
+    pairs = {"z_x Z_y^T": z_x @ full_y.T, "z_y Z_x^T": z_y @ full_x.T, "z_x Z_x^T": z_x @ full_x.T}
+    pairs["z_y Z_y^T"] = z_y @ full_y.T
+    scales = {"s": S, "1/s": 1 / S, "2 s": 2 * S, "s/2": S / 2, "": 1.0}
+    found = set()
+    for t in kept:
+        t = t.T if t.shape != (len(z_x), len(full_x)) else t
+        for pair, product in pairs.items():
+            for word, k in scales.items():
+                if t.shape == product.shape and torch.allclose(t, k * product, rtol=1e-9, atol=1e-12):
+                    found.add(f"{word} {pair}".strip())
+    return " and ".join(sorted(found - set(LOGITS))) or "none of them"
+
+
 def _ranks(rt, local_clip_loss, claims) -> None:
     e = Embeddings.of(rt.rank, P, C, D, 3)
     full_x, full_y, rows, z_x, z_y = e.full_x, e.full_y, e.rows, e.z_x, e.z_y
     all_x, all_y = gather_plain(z_x), gather_plain(z_y)
-    with Watch() as watch:
+    with Watch(keep=lambda shape: shape in ((C, N), (N, C))) as watch:
         loss = local_clip_loss(z_x, z_y, all_x, all_y, S, rt.rank * C)
     ref_x, ref_y = e.whole()
     ref = _rows_loss(ref_x, ref_y, rows)
@@ -78,6 +99,13 @@ def _ranks(rt, local_clip_loss, claims) -> None:
     ref.backward()
     for name, got, want in (("z_x", z_x.grad, ref_x.grad[rows]), ("z_y", z_y.grad, ref_y.grad[rows])):
         claims.close(f"the plain gather's gradient at {name} is dL_r/d{name} alone", got, want, what=f"dL/d{name}")
+    claims.equal(
+        "the logits are s z_x Z_y^T and s z_y Z_x^T: this rank's rows of S and of S^T",
+        products(watch.kept, z_x.detach(), z_y.detach(), full_x, full_y),
+        f"s {LOGITS[0]} and s {LOGITS[1]}",
+        what="the C x N products the answer computed",
+        hints=("row i of S pairs image i with every text; row i of S^T pairs text i with every image",),
+    )
     wide = spanning(watch.shapes, N, {N})
     claims.equal(
         "the logits are C x N, never N x N",

@@ -38,9 +38,8 @@ def _ranks(rt, gather, claims, seed: int) -> None:
         local_clip_loss(z_x, z_y, all_x, all_y, 1 / TAU, rt.rank * C).backward()
     ref_x, ref_y = e.whole()
     clip_loss(ref_x, ref_y, 1 / TAU).backward()
-    for name, got, ref, alternatives in zip(
-        ("z_x", "z_y"), (z_x.grad, z_y.grad), (ref_x, ref_y), _misreadings(e, rows)
-    ):
+    misreadings, terms = _misreadings(e, rows)
+    for name, got, ref, alternatives in zip(("z_x", "z_y"), (z_x.grad, z_y.grad), (ref_x, ref_y), misreadings):
         claims.close(
             f"the gradient at {name} equals P x the full batch's",
             got,
@@ -48,6 +47,15 @@ def _ranks(rt, gather, claims, seed: int) -> None:
             what=f"dL/d{name}",
             alternatives=alternatives,
         )
+    local, summed = terms[0]  # what the backward returned at z_x: the gradient less its local use
+    returned = rows_of(z_x.grad - local if z_x.grad is not None else None, summed, C)
+    claims.equal(
+        "the backward returns rows rC .. rC + C - 1 of the sum over ranks",
+        returned,
+        f"rows {rt.rank * C}..{rt.rank * C + C - 1} of the sum",
+        what="what the backward returned at z_x",
+        hints=("rank r's rows of the N x d sum start at r C, not at r: remember r and C in forward",),
+    )
     bound = 2 * (P - 1) / P * N_D_BYTES + 2 * 2 * (P - 1) / P * N_D_BYTES  # two gathers, two all-reduces
     claims.equal(
         "bytes sent <= two all-gathers and two all-reduces of N x d",
@@ -60,10 +68,11 @@ def _ranks(rt, gather, claims, seed: int) -> None:
     )
 
 
-def _misreadings(e: Embeddings, rows: slice) -> list[dict]:
+def _misreadings(e: Embeddings, rows: slice) -> tuple[list[dict], list[tuple]]:
     """In one process: every rank's loss L_s reads its own rows as local leaves A and everyone's as the
     gathered leaves B, so A.grad[rows r] = dL_r/dz_r through its local use, B.grad[rows r] = sum_s dL_s/dZ
-    there. The exact gradient is their sum; each misreading keeps another part of the B term."""
+    there. The exact gradient is their sum; each misreading keeps another part of the B term. Also each
+    tensor's (local term at this rank's rows, the whole N x d sum B.grad): what the backward should return."""
     (a_x, a_y), (b_x, b_y) = e.whole(), e.whole()
     for s in range(P):
         mine = slice(s * C, (s + 1) * C)
@@ -83,7 +92,21 @@ def _misreadings(e: Embeddings, rows: slice) -> list[dict]:
             OWN_ROWS: a.grad[rows] + reduced,
         }
         for own, a, b, reduced in ((own_x, a_x, b_x, at_own[0]), (own_y, a_y, b_y, at_own[1]))
-    ]
+    ], [(a_x.grad[rows], b_x.grad), (a_y.grad[rows], b_y.grad)]
+
+
+def rows_of(returned, summed, c: int) -> str:
+    """Which C consecutive rows of the N x d sum `returned` is, and by what factor: "rows 1..4 of the sum",
+    "rows 4..7 of the sum x 0.333333", or "no C consecutive rows of the sum" (a sum of other rows, zeros)."""
+    if returned is None or returned.shape != summed[:c].shape:
+        return "no C consecutive rows of the sum"
+    for k in range(len(summed) - c + 1):
+        window = summed[k : k + c]
+        f = (returned * window).sum().item() / max((window * window).sum().item(), 1e-300)
+        if f and torch.allclose(returned, f * window, rtol=1e-9, atol=1e-12):
+            scaled = "" if abs(f - 1) < 1e-9 else f" x {f:.6g}"
+            return f"rows {k}..{k + c - 1} of the sum{scaled}"
+    return "no C consecutive rows of the sum"
 
 
 MISTAKES = (

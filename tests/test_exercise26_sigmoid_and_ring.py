@@ -44,10 +44,36 @@ def _misreadings(e: Embeddings, rank: int) -> tuple[dict, dict]:
     )
 
 
+def logits_blocks(kept: list, z_x, full_y) -> str:
+    """What the C x C tensors the answer formed say of its logits, block by block: "blocks 0, 1, 2: s z_x
+    Z_y[j]^T + beta" when each block j's s x Y_j^T + beta was formed, else, for each block where it was not,
+    the nearest form that was (the scale s or 1/s, the bias + beta, - beta or none), or "not formed"."""
+    forms = {"s z_x Z_y[j]^T + beta": (S, BETA), "s z_x Z_y[j]^T - beta": (S, -BETA)}
+    forms |= {"s z_x Z_y[j]^T, no beta": (S, 0.0), "z_x Z_y[j]^T / s + beta": (1 / S, BETA)}
+    seen = {j: [] for j in range(P)}
+    candidates = [
+        (j, w, k * (z_x @ full_y[j * C : (j + 1) * C].T) + b) for j in range(P) for w, (k, b) in forms.items()
+    ]
+    for t in kept:
+        seen_here = [(j, w) for j, w, want in candidates if torch.allclose(t, want, rtol=1e-9, atol=1e-12)]
+        for j, w in seen_here:
+            seen[j].append(w)
+    right = [j for j in range(P) if "s z_x Z_y[j]^T + beta" in seen[j]]
+    if len(right) == P:
+        return f"blocks {', '.join(map(str, range(P)))}: s z_x Z_y[j]^T + beta"
+    # a form with no bias is the step before the bias: the right block's, or the only one where nothing else was
+    wrong = [
+        f"block {j}: {next((w for w in seen[j] if 'no beta' not in w), None) or (seen[j] or ['not formed'])[0]}"
+        for j in range(P)
+        if j not in right
+    ]
+    return "; ".join(wrong)
+
+
 def _ranks(rt, ring, claims, seed: int) -> None:
     e = Embeddings.of(rt.rank, P, C, D, seed)
     rows = e.rows
-    with Watch() as watch:
+    with Watch(keep=lambda shape: shape == (C, C)) as watch:
         g_x, g_y, reported = ring(rt, e.z_x.detach().clone(), e.z_y.detach().clone(), S, BETA)
     ref_x, ref_y = e.whole()
     sigmoid_loss(ref_x, ref_y, S, BETA).backward()  # plain autograd on the whole batch
@@ -63,6 +89,14 @@ def _ranks(rt, ring, claims, seed: int) -> None:
         what="bytes the judge saw sent",
         note=f"you reported {reported}",
         hints=("P - 1 text blocks move, and P accumulators; count every tensor you hand to a send",),
+    )
+    formed = logits_blocks(watch.kept, e.z_x.detach(), e.full_y)
+    claims.equal(
+        "the logits of every block j are s z_x Z_y[j]^T + beta",
+        formed,
+        f"blocks {', '.join(map(str, range(P)))}: s z_x Z_y[j]^T + beta",
+        what="the C x C logits the answer formed",
+        hints=("each step's logits pair my rows with the text block it holds: s x Y_j^T + beta",),
     )
     claims.equal(
         "no rank holds N x d",

@@ -27,15 +27,19 @@ CLAMP_FIRST = "the reference's step with the clamp run before the optimizer's st
 TOWERS_ONLY = "the reference's step with the norm clipped over the towers alone, the logit scale left out"
 
 
-def _reference_step(ref, images, ids, clamp_first: bool = False, towers_only: bool = False):
+def _reference_step(ref, images, ids, clamp_first: bool = False, towers_only: bool = False, seen=None):
     """One step of the whole batch in one process, plain autograd: clip, SGD, then the clamp (or one of
     two misreadings: the clamp first; the logit scale left out of the clipped norm); returns the loss."""
     optimizer = torch.optim.SGD(ref.parameters(), lr=LR)  # plain SGD keeps no state: a fresh one is the same
     optimizer.zero_grad()
     loss = clip_loss(*ref(images, ids))  # z_x, z_y, s: the whole batch
     loss.backward()
+    if seen is not None:  # the whole batch's gradient, before the clipping
+        seen["whole"] = _grads(ref)
     clipped = [p for n, p in ref.named_parameters() if not (towers_only and n == "logit_scale")]
     torch.nn.utils.clip_grad_norm_(clipped, CLIP_NORM)
+    if seen is not None:
+        seen["clipped"] = _grads(ref)
     if clamp_first:
         ref.clamp_logit_scale_()
     optimizer.step()
@@ -53,13 +57,17 @@ def _ranks(rt, clip_step, claims) -> None:
         model.logit_scale.fill_(math.log(100.0) + 0.05)  # s just above the bound: the clamp has work to do
     ref, ddp, rows = copy.deepcopy(model), DDP(model), slice(rt.rank * C, (rt.rank + 1) * C)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    stepped = []  # the gradient each optimizer step used, recorded as the step starts
+    names = {p: n for n, p in model.named_parameters()}
+    optimizer.register_step_pre_hook(lambda opt, *_: stepped.append({names[p]: p.grad.clone() for p in names}))
     for step in (1, 2):
         mine, theirs = _values(model), _values(ref)
         loss = clip_step(ddp, optimizer, images[rows], ids[rows], CONFIG, CLIP_NORM)
         misread, towers = copy.deepcopy(ref), copy.deepcopy(ref)
         _reference_step(misread, images, ids, clamp_first=True)
         _reference_step(towers, images, ids, towers_only=True)
-        ref_loss = _reference_step(ref, images, ids)
+        grads = {}
+        ref_loss = _reference_step(ref, images, ids, seen=grads)
         claims.equal(
             f"step {step}: the loss is the whole batch's",
             float(loss),
@@ -77,6 +85,52 @@ def _ranks(rt, clip_step, claims) -> None:
                 TOWERS_ONLY: {n: p - theirs[n] for n, p in _values(towers).items()},
             },
         )
+        claims.equal(
+            f"step {step}: the optimizer steps with the whole batch's gradient, its global norm clipped",
+            stepped_with(stepped[-1] if len(stepped) == step else None, grads["whole"], grads["clipped"]),
+            "the whole batch's gradient, clipped to the norm bound",
+            what="what the optimizer's step used",
+            hints=("look at .grad when optimizer.step() starts: clip the global norm, after the backward",),
+        )
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def stepped_with(used: dict | None, whole: dict, clipped: dict) -> str:
+    """What the gradient an optimizer step used is, in words, told from the whole batch's gradient G and G
+    clipped: "the whole batch's gradient, clipped to the norm bound" (right), "... not clipped", "... each
+    value clamped to +-the bound", "... each tensor's norm clipped on its own", "k x the whole batch's
+    gradient" (clipped to another bound), or its global norm against the bound's."""
+    if used is None:
+        return "no optimizer step, or more than one, in the call"
+
+    def same(a: dict) -> bool:
+        return set(a) == set(used) and all(torch.allclose(used[n], a[n], rtol=1e-9, atol=1e-14) for n in a)
+
+    def norm(g: dict) -> float:
+        return math.sqrt(sum((t * t).sum().item() for t in g.values()))
+
+    def each_norm(n: str) -> torch.Tensor:
+        return whole[n] * min(1.0, CLIP_NORM / (whole[n].norm().item() + 1e-6))  # clip_grad_norm_'s own eps
+
+    readings = {
+        "the whole batch's gradient, clipped to the norm bound": clipped,
+        "the whole batch's gradient, not clipped": whole,
+        "the whole batch's gradient, each value clamped to +-the bound": {
+            n: g.clamp(-CLIP_NORM, CLIP_NORM) for n, g in whole.items()
+        },
+        "the whole batch's gradient, each tensor's norm clipped on its own": {n: each_norm(n) for n in whole},
+    }
+    for words, value in readings.items():
+        if same(value):
+            return words
+    if set(used) == set(whole):
+        k = sum((used[n] * whole[n]).sum().item() for n in whole) / norm(whole) ** 2
+        if all(torch.allclose(used[n], k * whole[n], rtol=1e-9, atol=1e-14) for n in whole):
+            return f"{k:.6g} x the whole batch's gradient (global norm {norm(used):.6g}; the bound is {CLIP_NORM:g})"
+    return f"a gradient of global norm {norm(used):.6g}, no multiple of the whole batch's (the bound is {CLIP_NORM:g})"
 
 
 def _values(model) -> dict:

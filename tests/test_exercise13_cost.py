@@ -2,11 +2,14 @@
 2 (P - 1)/P part: a naive all-reduce's price equals the ring's at P = 2 only) against what the lesson's own runs
 hold and send there (DDP, DDP recomputing every block, TP, TP + SP, float32, a 2-block stack; and DDP at a width
 d = 100 whose block P = 3 does not divide, where the ring's padding shows), and against `distlab.cost`'s prediction.
+A number that misses is explained in named pieces where one fits exactly (`explain`: which tensors' bytes, the
+ring's padding, one pass, left out, counted twice, cut by tp where whole): what the answer counted, not a ratio.
 
 Each rank runs every configuration once with `distlab.cost.trial.Trial` (what it holds by storage, what its forward
 keeps, what its collectives send per step) and calls the answer. The claims: weights, gradients, AdamW's
 moments, activations and bytes sent each equal the measurement and the cost model, exactly."""
 
+from fractions import Fraction
 from pathlib import Path
 
 from exercise_kit import Exercise, solution
@@ -74,6 +77,85 @@ def wrong_values(model, parallel, right: dict[str, int]) -> dict[str, dict[str, 
     return out
 
 
+# ---- a byte difference explained: which tensors' bytes, and how they were counted --------------------------
+
+_GROUPS = {  # named groups of a block's tensors, each held whole or cut by tp as `Transformer.block_weights` says
+    "the whole biases, attn.out.bias and mlp.fc2.bias": ("attn.out.bias", "mlp.fc2.bias"),
+    "every bias": (
+        "ln1.bias",
+        "attn.q.bias",
+        "attn.k.bias",
+        "attn.v.bias",
+        "attn.out.bias",
+        "ln2.bias",
+        "mlp.fc1.bias",
+        "mlp.fc2.bias",
+    ),
+    "the LayerNorms' weights and biases": ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"),
+    "the attention's tensors": ("attn.q", "attn.k", "attn.v", "attn.out"),
+    "the MLP's tensors": ("mlp.fc1", "mlp.fc2"),
+}
+
+
+def parts(model, batch, parallel, e: int, item: str) -> dict[str, tuple[Fraction, bool | None]]:
+    """The named pieces `item`'s right number is made of, on one rank: name -> (bytes, whether tp cuts it, or
+    None where cutting it means nothing), from the model's sizes alone (never from the answer)."""
+    tp, layers = parallel.tp, model.layers
+    if item in ("weights", "gradients", "moments"):
+        copies = 2 if item == "moments" else 1
+        weights = model.block_weights()
+        held = {w.name: (Fraction(w.on_rank(tp) * layers * e * copies), w.split != "whole") for w in weights}
+        total = sum(v for v, _ in held.values())
+        out = {"one of AdamW's two moments (m or v)": (total / 2, None)} if item == "moments" else {}
+        for name, members in _GROUPS.items():  # the groups first: a group's reading before a lone tensor's
+            chosen = [n for n in held if any(n == m or n.startswith(m + ".") for m in members)]
+            cuts = {held[n][1] for n in chosen}
+            out[name] = (sum(held[n][0] for n in chosen), cuts.pop() if len(cuts) == 1 else None)
+        out["one of the blocks (the layers counted one off)"] = (total / layers, None)
+        return out | {f"every block's {name}": value for name, value in held.items()}
+    tokens, d, f = batch.global_batch // parallel.dp * batch.seq, model.dim, model.ffn
+    if item == "activations":
+        each = Fraction(tokens * layers * e)  # bytes of one element a token, over every block
+        return {
+            "the region between the parallel layers (2 d + 4 a token)": ((2 * d + 4) * each, parallel.sp),
+            "the gathered inputs of q, k, v and fc1 (2 d a token)": (2 * d * each, False),
+            "the inside of attention and the MLP (4 d + 2 d_ff a token)": ((4 * d + 2 * f) * each, True),
+            "each block's output (d a token)": (d * each, None),
+        }
+    if tp == 1:
+        psi_b = sum(w.numel for w in model.block_weights())
+        exact = Fraction(layers * 2 * (parallel.world - 1) * psi_b * e, parallel.world)
+        right = layers * 2 * (parallel.world - 1) * -(-psi_b // parallel.world) * e
+        return {
+            "the ring's padding of each block's gradient to P equal chunks": (right - exact, None),
+            "one pass of the ring (a reduce-scatter or an all-gather)": (Fraction(right, 2), None),
+            "one block's all-reduce": (Fraction(right, layers), None),
+        }
+    passes = Fraction(layers * 4 * (tp - 1) * tokens * d * e, tp)
+    out = {"the forward's all-reduces (f-bar, g)": (passes, None), "the backward's all-reduces": (passes, None)}
+    if parallel.sp:
+        out["the LayerNorms' and row biases' all-reduce"] = (Fraction(2 * (tp - 1) * 6 * d * layers * e, tp), None)
+    return out
+
+
+def explain(got, want: int, pieces: dict[str, tuple[Fraction, bool | None]], tp: int) -> str:
+    """What a byte difference got - want is, exactly, in named pieces: a piece left out or counted twice, cut by
+    tp where it is whole, counted whole where tp cuts it (within a byte: an answer may floor a fraction)."""
+    if not isinstance(got, int) or got == want:
+        return ""
+    diff, found = got - want, []
+    for name, (size, cut) in pieces.items():
+        ways = {"left out": -size, "counted twice": size}
+        if tp > 1 and cut is False:
+            ways["cut by tp, though whole on every rank"] = size / tp - size
+        if tp > 1 and cut:
+            ways[f"counted whole, though tp = {tp} cuts it"] = size * (tp - 1)
+            ways["cut by tp twice"] = size / tp - size
+        found += [f"{name} {way}" for way, value in ways.items() if size and abs(value - diff) < 1]
+    said = "; or ".join(found[:3])
+    return f"{diff:+} bytes: exactly {said}" if found else f"off by {diff:+} bytes, no one named piece"
+
+
 def _ranks(rt, rank_bytes, claims) -> None:
     p = rt.world_size
     splits = [(name, parallel, MODEL, STACK) for name, parallel in solution(LESSON, "configurations").load()(p).items()]
@@ -83,15 +165,22 @@ def _ranks(rt, rank_bytes, claims) -> None:
         wrong, here = wrong_values(model, parallel, right), measured(rt, name, parallel, stack)
         for item in ITEMS:
             value, alternatives = (got or {}).get(item), wrong.get(item, {})
+            note = explain(value, right[item], parts(model, BATCH, parallel, E, item), parallel.tp)
             claims.equal(
                 f"{name}: {item} = measured on {p} ranks",
                 value,
                 here[item],
                 what=f"{item}, bytes",
                 alternatives=alternatives,
+                note=note if here[item] == right[item] else "",
             )
             claims.equal(
-                f"{name}: {item} = distlab.cost's", value, right[item], what=f"{item}, bytes", alternatives=alternatives
+                f"{name}: {item} = distlab.cost's",
+                value,
+                right[item],
+                what=f"{item}, bytes",
+                alternatives=alternatives,
+                note=note,
             )
 
 

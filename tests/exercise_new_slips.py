@@ -18,13 +18,13 @@ NEW_SLIPS = {
         "the micro-batches numbered from 1 to M, not from 0",
         '[Action(kind, i, r) for kind in "FI" for i in range(microbatches)]',
         '[Action(kind, i, r) for kind in "FI" for i in range(1, microbatches + 1)]',
-        unnamed="the validator's 'once for each of the 5 micro-batches' and the claim's hint, not the numbering",
+        names=r"every rank runs micro-batches 1, 2, 3, 4, not 0\.\.3",
     ),
     "one_f_one_b": Slip(
         "the steady state runs the newest micro-batch's backward, not the oldest's",
         'order += [Action("F", warmup + k, r), Action("I", k, r)]',
         'order += [Action("F", warmup + k, r), Action("I", warmup + k, r)]',
-        unnamed="'2I1 appears twice' and the warm-up cap's hint: another mistake",
+        names=r"rank 2's action 2 \(from 0\) is 2I1 [^\n]*; the lesson's order runs 2I0 [^\n]*micro-batches 0, 1",
     ),
     "pipeline_for_rank": Slip(
         "the schedule's name ignored: ScheduleGPipe for both",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from distlab.model_split.runner import PipelineStep
-from distlab.model_split.schedules import check_schedule, split_backward
+from distlab.model_split.schedules import Action, check_schedule, split_backward
 from distlab.model_split.simulator import simulate
 from distlab.model_split.training import train, unsplit_reference
 from distlab.proof.compare import all_ok, compare
@@ -39,6 +39,69 @@ def why_invalid(schedule, world: int, microbatches: int, split: bool = False, st
     return ""
 
 
+def departure(schedule, reference, microbatches: int) -> str:
+    """Where a rank's list first leaves the lesson's order (`reference`, the library's own schedule), "" when
+    none does: a micro-batch numbering off ("every rank runs micro-batches 1..4, not 0..3"), else the rank,
+    the action's place and what it ran there against what the lesson runs, with the micro-batches that rank
+    holds at that moment (forwarded, not yet backward): which action, which micro-batch, on which rank. A
+    description of what the answer did, never a claim: another valid order is no mistake."""
+    lists = isinstance(schedule, (list, tuple)) and all(isinstance(actions, (list, tuple)) for actions in schedule)
+    if not lists or not all(isinstance(a, Action) for actions in schedule for a in actions):
+        return ""
+    runs = [sorted({a.microbatch for a in actions}) for actions in schedule]
+    if any(run != list(range(microbatches)) for run in runs):
+        off = [r for r, run in enumerate(runs) if run != list(range(microbatches))]
+        who = (
+            "every rank runs"
+            if len(off) == len(runs) and len({tuple(runs[r]) for r in off}) == 1
+            else f"rank {off[0]} runs"
+        )
+        return f"{who} micro-batches {_listed(runs[off[0]])}, not 0..{microbatches - 1}"
+    departed = []
+    for rank, (actions, lesson) in enumerate(zip(schedule, reference)):
+        k = next((k for k, (a, b) in enumerate(zip(actions, lesson)) if a != b), None)
+        if k is None and len(actions) != len(lesson):
+            k = min(len(actions), len(lesson))
+        if k is not None:
+            departed.append((rank, k))
+    if not departed:
+        return ""
+    rank, k = departed[0]
+    actions, lesson = schedule[rank], reference[rank]
+    held = [
+        i
+        for i in range(microbatches)
+        if Action("F", i, rank) in actions[:k] and Action("I", i, rank) not in actions[:k]
+    ]
+    got = _said(actions[k]) if k < len(actions) else "nothing (the list ends)"
+    want = _said(lesson[k]) if k < len(lesson) else "nothing (its list ends)"
+    before = (
+        f", which it ran already at action {actions.index(actions[k])}"
+        if k < len(actions) and actions[k] in actions[:k]
+        else ""
+    )
+    rest = [str(r) for r, _ in departed[1:]]
+    others = (
+        f"; rank{'s' if len(rest) > 1 else ''} {', '.join(rest)} depart{'' if len(rest) > 1 else 's'} too"
+        if rest
+        else ""
+    )
+    return (
+        f"rank {rank}'s action {k} (from 0) is {got}{before}; the lesson's order runs {want} there, "
+        f"rank {rank} holding micro-batches {_listed(held)}{others}"
+    )
+
+
+def _listed(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers)) or "none"
+
+
+def _said(action) -> str:
+    """'2I1 (stage 2's backward of micro-batch 1)'."""
+    kind = {"F": "forward", "I": "backward", "W": "weight gradient"}.get(action.kind, action.kind)
+    return f"{action.label} (stage {action.stage}'s {kind} of micro-batch {action.microbatch})"
+
+
 @dataclass(frozen=True)
 class Rules:
     """What makes a learner's lists a schedule here: the claim's words ("F and I once per micro-batch"), its
@@ -50,13 +113,17 @@ class Rules:
     stages_of: Callable[[int], set[int]] | None = None
 
 
-def trains_exact(rt, claims, schedule, cfg, rules: Rules, prefix: str = "", hints: tuple = ()):
+def trains_exact(rt, claims, schedule, cfg, rules: Rules, prefix: str = "", hints: tuple = (), reference=None):
     """The check the schedule exercises share: the learner's lists are a schedule (`why_invalid`, its words
     the note), and then, run by the pipeline runner, the gradients and parameters equal the unsplit model's on
     the whole batch (float64). `rules` says what the schedule claim asks for (`Rules`); `prefix`
-    tells apart the claims of several M judged in one body ("M=5: "); `hints` the exactness claim's. The run,
-    or None when the lists are no schedule (training them would hang)."""
+    tells apart the claims of several M judged in one body ("M=5: "); `hints` the exactness claim's;
+    `reference` the lesson's own order, where the lists first leave it added to the validator's words
+    (`departure`). The run, or None when the lists are no schedule (training them would hang)."""
     why = why_invalid(schedule, rt.world_size, cfg.micro_batches, split=rules.split, stages_of=rules.stages_of)
+    if why and reference is not None:
+        where = departure(schedule, reference, cfg.micro_batches)
+        why = f"{why}; {where}" if where else why
     if not claims.holds(
         f"{prefix}every rank's order is a schedule ({rules.words}, no deadlock)",
         not why,

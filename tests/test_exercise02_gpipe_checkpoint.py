@@ -8,10 +8,10 @@ bytes is a claim about the runner, whatever the schedule: tests/test_lesson02_gp
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import ONE_AT_A_TIME, Rules, trains_exact
+from exercise_schedules import ONE_AT_A_TIME, Rules, departure, trains_exact
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.model_split.schedules import Action, one_f_one_b
+from distlab.model_split.schedules import Action, gpipe, one_f_one_b
 from distlab.model_split.simulator import simulate
 from distlab.model_split.training import PipelineConfig
 
@@ -26,11 +26,12 @@ RULES = Rules(
 )
 
 
-def _ranks(rt, gpipe, claims) -> None:
-    schedule = gpipe(P, M)
-    run = trains_exact(rt, claims, schedule, CFG, RULES)
+def _ranks(rt, gpipe_of, claims) -> None:
+    schedule = gpipe_of(P, M)
+    run = trains_exact(rt, claims, schedule, CFG, RULES, reference=gpipe(P, M))
     if run is None:
         return
+    where = departure(schedule, gpipe(P, M), M)  # a valid order that is not GPipe's: where it leaves it
     claims.equal(
         "the bubble counted in the grid is (P-1)/(M+P-1)",
         simulate(schedule).bubble_fraction(),
@@ -38,6 +39,7 @@ def _ranks(rt, gpipe, claims) -> None:
         ok=abs(simulate(schedule).bubble_fraction() - (P - 1) / (M + P - 1)) < 1e-12,
         what="the bubble",
         alternatives={ONE_AT_A_TIME: (P - 1) / P},
+        note=where,
     )
     claims.equal(
         "every rank holds all M micro-batches at once",
@@ -45,6 +47,7 @@ def _ranks(rt, gpipe, claims) -> None:
         M,
         what="micro-batches held at once",
         alternatives={ONE_F_ONE_B: min(M, P - rt.rank), "1, one micro-batch at a time": 1},
+        note=where,
     )
 
 

@@ -9,10 +9,10 @@ held count and the bubble by the simulator, no processes): a warm-up left uncapp
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import ONE_AT_A_TIME, Rules, trains_exact, why_invalid
+from exercise_schedules import ONE_AT_A_TIME, Rules, departure, trains_exact, why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.model_split.schedules import Action, gpipe
+from distlab.model_split.schedules import Action, gpipe, one_f_one_b
 from distlab.model_split.simulator import peak_in_flight, simulate
 from distlab.model_split.training import PipelineConfig
 
@@ -25,16 +25,17 @@ RULES = Rules(
 )
 
 
-def _as_data(one_f_one_b, claims) -> None:
+def _as_data(one_f_one_b_of, claims) -> None:
     """At P = 4 with M = 2 < P - 1, the schedule as data (the simulator's grid, no processes): the warm-up's cap
     min(P - r - 1, M) bites there, where at P = 3 every M >= P - 1 leaves it a no-op."""
-    schedule = one_f_one_b(BIG, FEW)
+    schedule, lesson = one_f_one_b_of(BIG, FEW), one_f_one_b(BIG, FEW)
     why = why_invalid(schedule, BIG, FEW)
+    where = departure(schedule, lesson, FEW)  # where the lists leave the lesson's order, said beside the claims
     if not claims.holds(
         f"P={BIG}, M={FEW}: every rank's order is a schedule (fewer micro-batches than stages ahead)",
         not why,
         what="the schedule",
-        note=why,
+        note=f"{why}; {where}" if why and where else why,
         hints=(
             "with fewer micro-batches than stages ahead of it, a rank cannot warm up with P - r - 1 forwards",
             "the warm-up is min(P - r - 1, M): at P = 4, M = 2, rank 0 runs both forwards, then both backwards",
@@ -49,16 +50,18 @@ def _as_data(one_f_one_b, claims) -> None:
         ok=all(h <= min(FEW, BIG - r) for r, h in enumerate(held))
         and abs(bubble - (BIG - 1) / (FEW + BIG - 1)) < 1e-12,
         what="(held per rank, bubble)",
+        note=where,
     )
 
 
-def _ranks(rt, one_f_one_b, claims) -> None:
-    _as_data(one_f_one_b, claims)
+def _ranks(rt, one_f_one_b_of, claims) -> None:
+    _as_data(one_f_one_b_of, claims)
     for m in (5, 2):  # M > P: warm-up, alternation, drain; M < P: no steady state on the first ranks
-        schedule, cfg = one_f_one_b(P, m), CFG.replace(micro_batches=m)
-        run = trains_exact(rt, claims, schedule, cfg, RULES, prefix=f"M={m}: ")
+        schedule, cfg, lesson = one_f_one_b_of(P, m), CFG.replace(micro_batches=m), one_f_one_b(P, m)
+        run = trains_exact(rt, claims, schedule, cfg, RULES, prefix=f"M={m}: ", reference=lesson)
         if run is None:
             return
+        where = departure(schedule, lesson, m)
         held, most = run.peak_in_flight, min(m, P - rt.rank)
         claims.equal(
             f"M={m}: rank r holds at most min(M, P - r) micro-batches",
@@ -67,6 +70,7 @@ def _ranks(rt, one_f_one_b, claims) -> None:
             ok=held <= most,
             what="micro-batches held at once",
             alternatives={GPIPE: m, ONE_MORE: min(m, P - rt.rank + 1)},
+            note=where,
         )
         bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (m + P - 1)
         claims.equal(
@@ -76,6 +80,7 @@ def _ranks(rt, one_f_one_b, claims) -> None:
             ok=abs(bubble - formula) < 1e-12,
             what="the bubble",
             alternatives={ONE_AT_A_TIME: (P - 1) / P},
+            note=where,
             hints=(
                 "1F1B reorders the work but idles exactly as GPipe does: a larger bubble is a rank waiting "
                 "for a micro-batch it could have had",

@@ -138,9 +138,33 @@ def parts(model, batch, parallel, e: int, item: str) -> dict[str, tuple[Fraction
     return out
 
 
-def explain(got, want: int, pieces: dict[str, tuple[Fraction, bool | None]], tp: int) -> str:
+def in_widths(diff: int, model, e: int, tp: int) -> str:
+    """A difference read as a d + b d_ff elements in each block (on this rank, or a tp-th of it) with small
+    integers a, b, the simplest first: a tensor sized with the wrong width (d where d_ff belongs), "" when none
+    fits."""
+    d, f = model.dim, model.ffn
+    shares = ((1, ""), (tp, " / tp")) if tp > 1 else ((1, ""),)
+    fits = [
+        (abs(a) + abs(b), a, b, where)
+        for share, where in shares
+        for a in range(-4, 5)
+        for b in range(-4, 5)
+        if (a or b) and a * d + b * f == Fraction(diff * share, model.layers * e)
+    ]
+    if not fits:
+        return ""
+    _, a, b, where = min(fits)
+    terms = " ".join(
+        f"{'+' if k > 0 else '-'} {f'{abs(k)} ' if abs(k) > 1 else ''}{n}" for k, n in ((a, "d"), (b, "d_ff")) if k
+    )
+    terms = terms.removeprefix("+ ").replace("- ", "-", 1) if terms.startswith("- ") else terms.removeprefix("+ ")
+    return f"{terms}{where} elements in each block: a tensor sized with the wrong width?"
+
+
+def explain(got, want: int, pieces: dict[str, tuple[Fraction, bool | None]], tp: int, model=None, e: int = 4) -> str:
     """What a byte difference got - want is, exactly, in named pieces: a piece left out or counted twice, cut by
-    tp where it is whole, counted whole where tp cuts it (within a byte: an answer may floor a fraction)."""
+    tp where it is whole, counted whole where tp cuts it (within a byte: an answer may floor a fraction); else
+    in the block's widths (`in_widths`)."""
     if not isinstance(got, int) or got == want:
         return ""
     diff, found = got - want, []
@@ -153,7 +177,10 @@ def explain(got, want: int, pieces: dict[str, tuple[Fraction, bool | None]], tp:
             ways["cut by tp twice"] = size / tp - size
         found += [f"{name} {way}" for way, value in ways.items() if size and abs(value - diff) < 1]
     said = "; or ".join(found[:3])
-    return f"{diff:+} bytes: exactly {said}" if found else f"off by {diff:+} bytes, no one named piece"
+    if found:
+        return f"{diff:+} bytes: exactly {said}"
+    widths = in_widths(diff, model, e, tp) if model is not None else ""
+    return f"off by {diff:+} bytes = {widths}" if widths else f"off by {diff:+} bytes, no one named piece"
 
 
 def _ranks(rt, rank_bytes, claims) -> None:
@@ -165,7 +192,7 @@ def _ranks(rt, rank_bytes, claims) -> None:
         wrong, here = wrong_values(model, parallel, right), measured(rt, name, parallel, stack)
         for item in ITEMS:
             value, alternatives = (got or {}).get(item), wrong.get(item, {})
-            note = explain(value, right[item], parts(model, BATCH, parallel, E, item), parallel.tp)
+            note = explain(value, right[item], parts(model, BATCH, parallel, E, item), parallel.tp, model, E)
             claims.equal(
                 f"{name}: {item} = measured on {p} ranks",
                 value,

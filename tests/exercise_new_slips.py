@@ -84,7 +84,7 @@ NEW_SLIPS = {
         "every bias cut by tp, out's and fc2's too (they stay whole on every rank)",
         "psi = (attention - d) // tp + d + (mlp - d) // tp + d + norms",
         "psi = attention // tp + mlp // tp + norms",
-        unnamed="weights off by 0.998292 under TP, no reading; the exercise's first hint",
+        names=r"-768 bytes: exactly the whole biases, attn\.out\.bias and mlp\.fc2\.bias cut by tp",
     ),
     "fp8_matmul": Slip(
         "b's transpose made contiguous (row-major) where _scaled_mm wants it column-major",

@@ -79,6 +79,7 @@ def wrong_values(model, parallel, right: dict[str, int]) -> dict[str, dict[str, 
 
 # ---- a byte difference explained: which tensors' bytes, and how they were counted --------------------------
 
+SINGLE = "every block's "  # how a lone tensor of the block is named among the pieces
 _GROUPS = {  # named groups of a block's tensors, each held whole or cut by tp as `Transformer.block_weights` says
     "the whole biases, attn.out.bias and mlp.fc2.bias": ("attn.out.bias", "mlp.fc2.bias"),
     "every bias": (
@@ -111,8 +112,11 @@ def parts(model, batch, parallel, e: int, item: str) -> dict[str, tuple[Fraction
             chosen = [n for n in held if any(n == m or n.startswith(m + ".") for m in members)]
             cuts = {held[n][1] for n in chosen}
             out[name] = (sum(held[n][0] for n in chosen), cuts.pop() if len(cuts) == 1 else None)
+        if tp > 1:  # by how tensor parallelism holds them: what a share taken for the whole, or the reverse, misses
+            out["every tensor tp cuts"] = (sum(v for v, cut in held.values() if cut), True)
+            out["every tensor held whole on every rank"] = (sum(v for v, cut in held.values() if not cut), False)
         out["one of the blocks (the layers counted one off)"] = (total / layers, None)
-        return out | {f"every block's {name}": value for name, value in held.items()}
+        return out | {f"{SINGLE}{name}": value for name, value in held.items()}
     tokens, d, f = batch.global_batch // parallel.dp * batch.seq, model.dim, model.ffn
     if item == "activations":
         each = Fraction(tokens * layers * e)  # bytes of one element a token, over every block
@@ -164,10 +168,11 @@ def in_widths(diff: int, model, e: int, tp: int) -> str:
 def explain(got, want: int, pieces: dict[str, tuple[Fraction, bool | None]], tp: int, model=None, e: int = 4) -> str:
     """What a byte difference got - want is, exactly, in named pieces: a piece left out or counted twice, cut by
     tp where it is whole, counted whole where tp cuts it (within a byte: an answer may floor a fraction); else
-    in the block's widths (`in_widths`)."""
+    in the block's widths (`in_widths`). Single tensors that fit alike (bytes cannot tell the block's
+    d-element vectors apart) are named together, every one of them, as one reading."""
     if not isinstance(got, int) or got == want:
         return ""
-    diff, found = got - want, []
+    diff, found, alike = got - want, [], {}
     for name, (size, cut) in pieces.items():
         ways = {"left out": -size, "counted twice": size}
         if tp > 1 and cut is False:
@@ -175,7 +180,15 @@ def explain(got, want: int, pieces: dict[str, tuple[Fraction, bool | None]], tp:
         if tp > 1 and cut:
             ways[f"counted whole, though tp = {tp} cuts it"] = size * (tp - 1)
             ways["cut by tp twice"] = size / tp - size
-        found += [f"{name} {way}" for way, value in ways.items() if size and abs(value - diff) < 1]
+        fits = [way for way, value in ways.items() if size and abs(value - diff) < 1]
+        if name.startswith(SINGLE):
+            for way in fits:
+                alike.setdefault(way, []).append(name.removeprefix(SINGLE))
+        else:
+            found += [f"{name} {way}" for way in fits]
+    for way, names in alike.items():
+        one = f"one of every block's {', '.join(names)}" if len(names) > 1 else f"every block's {names[0]}"
+        found.append(f"{one} {way}")
     said = "; or ".join(found[:3])
     if found:
         return f"{diff:+} bytes: exactly {said}"

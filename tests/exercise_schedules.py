@@ -113,13 +113,13 @@ class Rules:
     stages_of: Callable[[int], set[int]] | None = None
 
 
-def trains_exact(rt, claims, schedule, cfg, rules: Rules, prefix: str = "", hints: tuple = (), reference=None):
+def trains_exact(rt, claims, schedule, cfg, rules: Rules, prefix: str = "", reference=None):
     """The check the schedule exercises share: the learner's lists are a schedule (`why_invalid`, its words
     the note), and then, run by the pipeline runner, the gradients and parameters equal the unsplit model's on
-    the whole batch (float64). `rules` says what the schedule claim asks for (`Rules`); `prefix`
-    tells apart the claims of several M judged in one body ("M=5: "); `hints` the exactness claim's;
-    `reference` the lesson's own order, where the lists first leave it added to the validator's words
-    (`departure`). The run, or None when the lists are no schedule (training them would hang)."""
+    the whole batch (float64). `rules` says what the schedule claim asks for (`Rules`); `prefix` tells apart
+    the claims of several M judged in one body ("M=5: "); `reference` the lesson's own order, where the lists
+    first leave it added to the validator's words (`departure`). The run, or None when the lists are no
+    schedule (training them would hang)."""
     why = why_invalid(schedule, rt.world_size, cfg.micro_batches, split=rules.split, stages_of=rules.stages_of)
     if why and reference is not None:
         where = departure(schedule, reference, cfg.micro_batches)
@@ -140,6 +140,6 @@ def trains_exact(rt, claims, schedule, cfg, rules: Rules, prefix: str = "", hint
         f"{prefix}the gradients and parameters equal the unsplit model's",
         exact,
         what="theta_p",
-        hints=hints or ("a valid order trains the same model: a micro-batch run twice or skipped changes theta",),
+        hints=("a valid order trains the same model: a micro-batch run twice or skipped changes theta",),
     )
     return run

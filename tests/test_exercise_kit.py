@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from exercise_claims import Claims
+from exercise_ratios import name_ratio
 from exercise_signatures import (
     Confined,
     Equals,
@@ -24,7 +25,6 @@ from exercise_signatures import (
     Zero,
     all_but,
     diagnose,
-    name_ratio,
 )
 from exercise_watch import Watch, _part_sent, spanning
 

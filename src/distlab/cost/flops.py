@@ -111,11 +111,10 @@ def stage_flops(model: Transformer | Mlp, batch: Batch, parallel: Parallel, stag
     if parallel.selective:  # Megatron's selective: attention's core alone rerun, every block
         rerun = len(layers) * attention_forward(model, rows, batch.seq, tp, cp)
     rerun = rerun if parallel.recompute or parallel.selective else 0
-    if (
-        "recompute-norm-up" in parallel.measures and model.mla and not parallel.recompute
-    ):  # DeepSeek-V3: MLA's up-projections
-        up = [w for w in model.block_weights() if w.name in UP_PROJECTIONS]  # rerun in backward (the norms: no
-        rerun += len(layers) * products_forward(up, rows * (batch.seq // cp), tp)  # product, not counted)
+    if "recompute-norm-up" in parallel.measures and model.mla and not parallel.recompute:
+        # DeepSeek-V3 reruns MLA's up-projections in backward (its RMSNorms too, but a norm is no product)
+        up = [w for w in model.block_weights() if w.name in UP_PROJECTIONS]
+        rerun += len(layers) * products_forward(up, rows * (batch.seq // cp), tp)
     return Flops(forward, 2 * forward, rerun)
 
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 from distlab.composed.dims import ParallelDims
 from distlab.cost.inputs import DEEPSEEK_V3_MEASURES, MEASURES, Batch, Parallel
 from distlab.cost.rules import check
+from distlab.cost.schedule import CLOSED_FORMS  # two stages a rank, a V
 from distlab.cost.stacks import DEFAULT_STACK, STACKS
 from distlab.cost.timing import Assumptions
 from distlab.plan import report
@@ -58,7 +59,6 @@ SCHEDULES = {
     "dualpipev": "dualpipev",
     "dualpipe": "dualpipe",
 }
-V_SHAPED = ("dualpipev", "dualpipe")  # two stages a rank, a V (distlab.cost.schedule's closed forms)
 OVERLAP = ("dp", "cp", "pp", "ep", "tp")
 
 
@@ -245,7 +245,7 @@ def choices_of(args) -> Choices:
         raise ValueError("--stages-per-rank: interleaving runs v > 1 stages per rank; --schedule 1f1b takes v = 1")
     if v is not None and v > 1 and args.schedule == "zero-bubble":
         schedule = "interleaved-zb"
-    if v is not None and v != 2 and args.schedule in V_SHAPED:
+    if v is not None and v != 2 and schedule in CLOSED_FORMS:
         raise ValueError(f"--stages-per-rank: {args.schedule} runs two stages per rank (a V), v = 2")
     return Choices(
         measures=measures_of(args.measures),
@@ -287,7 +287,7 @@ def layout_of(args, model: Transformer, choices: Choices) -> tuple[Batch, Parall
     if choices.zero not in (None, "DDP") and dims.dp == 1:
         raise ValueError(f"--zero: {choices.zero} shards over the dp ranks; --layout gives dp = 1, none to shard over")
     schedule = choices.schedule or "1f1b"
-    v = choices.stages_per_rank or (2 if schedule.startswith("interleaved") or schedule in V_SHAPED else 1)
+    v = choices.stages_per_rank or (2 if schedule.startswith("interleaved") or schedule in CLOSED_FORMS else 1)
     strategy = dict(
         zero=choices.zero or ("ZeRO-1" if dims.dp > 1 else "DDP"),
         schedule=schedule,

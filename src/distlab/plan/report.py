@@ -19,8 +19,15 @@ from distlab.plan.search import Candidate
 from distlab.processes.console import compact_table, console
 from distlab.proof.hardware import DEFAULT_RESERVE_GIB, DEVICES, GIB, LINKS, TERA, Cluster, Device, cluster
 
-SCHEDULE_SHORT = {"1f1b": "1F1B", "interleaved-1f1b": "int", "gpipe": "GPipe", "zb-h1": "ZB", "interleaved-zb": "iZB"}
-SCHEDULE_SHORT |= {"dualpipev": "DPV", "dualpipe": "DP"}
+SCHEDULE_SHORT = {
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "int",
+    "gpipe": "GPipe",
+    "zb-h1": "ZB",
+    "interleaved-zb": "iZB",
+    "dualpipev": "DPV",
+    "dualpipe": "DP",
+}
 ITEMS = (  # what a rank holds, item by item, as the other calculators break it down
     "weights",
     "gradients",

@@ -4,6 +4,7 @@ caught or not, whether the first hint (level 1) names the slip by its `names` wo
     PYTHONPATH=src python scripts/audit_slips.py            # every exercise (one spawn or two each)
     PYTHONPATH=src python scripts/audit_slips.py 03 20      # some
     PYTHONPATH=src python scripts/audit_slips.py --second   # the second audit's slips (tests/exercise_new_slips.py)
+    PYTHONPATH=src python scripts/audit_slips.py --third 01 # the third audit's (tests/exercise_third_slips.py)
 
 The same slips are asserted by each exercise's `test_the_judge_rejects_a_planted_slip`; this prints what a learner
 would read, for the table in lessons/exercises/README.md."""
@@ -29,18 +30,23 @@ def _exercise(path: Path):
 
 def main(numbers: list[str]) -> None:
     from exercise_new_slips import NEW_SLIPS
-    from exercise_slips import SLIPS
+    from exercise_slips import SLIPS, Planted
+    from exercise_third_slips import THIRD_SLIPS
 
-    second = "--second" in numbers
-    numbers = [n for n in numbers if n != "--second"]
+    second, third = "--second" in numbers, "--third" in numbers
+    numbers = [n for n in numbers if n not in ("--second", "--third")]
+    slips = THIRD_SLIPS if third else NEW_SLIPS if second else SLIPS
 
     for path in sorted((ROOT / "tests").glob("test_exercise[0-9][0-9]_*.py")):
         number = path.stem[len("test_exercise") :][:2]
         if numbers and number not in numbers:
             continue
         exercise = _exercise(path)
-        slip = (NEW_SLIPS if second else SLIPS)[exercise.name]
-        (verdict,) = exercise.judge([exercise.planted(second)])
+        if exercise.name not in slips:  # the third audit covers some exercises only
+            continue
+        slip, judged = slips[exercise.name], exercise.judged()
+        planted = Planted(judged.path, judged.name, slip.old, slip.new, slip.what, slip.within)  # as planted() does
+        (verdict,) = exercise.judge([planted])
         text = exercise.message(verdict, 1)
         caught = text is not None
         named = caught and bool(slip.names) and re.search(slip.names, text) is not None

@@ -1,0 +1,105 @@
+"""The third audit's slips: one more plausible mistake for 16 exercises (01-04, 06, 07, 10, 11, 18-23, 26, 27),
+planted after the hints of sessions 2-3 were written (what each rank ran, the structural claims of 01, 02, 03, 13,
+22, 23, 26, 27, the ratio read only as one possibility). Each was chosen from the lesson file alone, then checked
+against the exercise's catalogue (`MISTAKES`, `WRONG`, the structure tests' answers), the first audit's
+(`exercise_slips.SLIPS`) and the second's (`exercise_new_slips.NEW_SLIPS`), and chosen again where it duplicated
+one; what a learner must read to know it was written down before judging. Each was judged once
+(`python scripts/audit_slips.py --third NN`), and nothing in the judge was changed for them. Each is a `Slip`:
+`names` is what the first hint (level 1) says that names it; where it does not, `unnamed` says what the hint said
+instead; where no claim fails, `missed` says why."""
+
+from exercise_slips import Slip
+
+THIRD_SLIPS = {
+    "model_parallel_step": Slip(
+        "the receive buffer shaped shapes[p - 1] (A_{p-1} read as the index p - 1), not shapes[p]",
+        "a_in = torch.empty(shapes[p], dtype=x.dtype, device=x.device)",
+        "a_in = torch.empty(shapes[p - 1], dtype=x.dtype, device=x.device)",
+    ),
+    "gpipe": Slip(
+        "Action's micro-batch and stage swapped: Action(kind, r, i)",
+        "Action(kind, i, r)",
+        "Action(kind, r, i)",
+    ),
+    "one_f_one_b": Slip(
+        "the steady state's pair in the other order: the oldest backward before the newest forward",
+        'order += [Action("F", warmup + k, r), Action("I", k, r)]',
+        'order += [Action("I", k, r), Action("F", warmup + k, r)]',
+    ),
+    "pipeline_for_rank": Slip(
+        "the PipelineStage built for M stages: microbatches passed where num_stages goes",
+        "pipelining.PipelineStage(module, p, num_ranks, device)",
+        "pipelining.PipelineStage(module, p, microbatches, device)",
+    ),
+    "all_reduce_gradients": Slip(
+        "the parameters all-reduced, not their gradients (then each gradient divided by P)",
+        "dist.all_reduce(param.grad)",
+        "dist.all_reduce(param.data)",
+    ),
+    "zero1": Slip(
+        "the gathered weights copied in without torch.no_grad(): an in-place copy into leaves that require grad",
+        "        with torch.no_grad():\n"
+        "            for unit, shard in zip(z.units, z.shards):\n"
+        "                for p, new in zip(unit.params, unit.unflatten(z.ring.all_gather(shard.detach()))):\n"
+        "                    p.copy_(new)",
+        "        for unit, shard in zip(z.units, z.shards):\n"
+        "            for p, new in zip(unit.params, unit.unflatten(z.ring.all_gather(shard.detach()))):\n"
+        "                p.copy_(new)",
+    ),
+    "expert_parallel_moe": Slip(
+        "the gate weights detached (routing read as not differentiable): the router learns from L_aux alone",
+        "weight = routing.weights[plan.tokens, plan.slots].unsqueeze(-1)",
+        "weight = routing.weights[plan.tokens, plan.slots].unsqueeze(-1).detach()",
+    ),
+    "ulysses_attention": Slip(
+        "the way back's transpose dropped: heads_to_seq cuts the output by positions as it lies",
+        "by_rank = y.view(mine, p, local, head_dim).transpose(0, 1).reshape(p * mine, local * head_dim)",
+        "by_rank = y.view(mine, p, local, head_dim).reshape(p * mine, local * head_dim)",
+        within="heads_to_seq",
+    ),
+    "all_gather_matmul": Slip(
+        "the held block's source read as (r + k) mod P, not (r - k) mod P: the ring right, the blocks misplaced",
+        "source = (r - k) % P",
+        "source = (r + k) % P",
+    ),
+    "dualpipev": Slip(
+        "the way up runs no W: phase 3's held-back W never taken (me.weight() left out)",
+        '            me.add(me.split(b))\n            me.weight()\n            me.add(me.next("F", b))',
+        '            me.add(me.split(b))\n            me.add(me.next("F", b))',
+    ),
+    "outer_step_by_hand": Slip(
+        "theta kept as the weights themselves (detach without clone): theta moves with every inner step",
+        "theta[param] = param.detach().clone()",
+        "theta[param] = param.detach()",
+    ),
+    "global_loss_times_p": Slip(
+        "the factor P put on the reported value, not on the loss back-propagated",
+        "return rt.world_size * loss, value",
+        "return loss, rt.world_size * value",
+    ),
+    "local_clip_loss": Slip(
+        "the logit scale s left out of the second direction's logits: z_y Z_x^T, not s z_y Z_x^T",
+        "logits_y = s * local_z_y @ all_z_x.T",
+        "logits_y = local_z_y @ all_z_x.T",
+    ),
+    "gather_all_reduce": Slip(
+        "the backward returns its rows of the gradient it received, not of the all-reduced sum",
+        "return summed[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c]",
+        "return grad[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c]",
+        within="AllGatherSumBackward",
+    ),
+    "ring_by_hand": Slip(
+        "the sign inside the sigmoid slipped: D = -eps sigma(eps S) / N, not -eps sigma(-eps S) / N",
+        "torch.sigmoid(-labels * (s * x @ block.T + beta))",
+        "torch.sigmoid(labels * (s * x @ block.T + beta))",
+    ),
+    "clip_step": Slip(
+        "the gradients zeroed after the backward, not before it: clip and step see no gradient",
+        "    optimizer.zero_grad(set_to_none=True)\n"
+        "    with torch.autocast(images.device.type, torch.bfloat16, enabled=bf16):\n"
+        "        loss = distributed_backward(ddp, images, captions, config)  # the exact global gradient, added\n",
+        "    with torch.autocast(images.device.type, torch.bfloat16, enabled=bf16):\n"
+        "        loss = distributed_backward(ddp, images, captions, config)  # the exact global gradient, added\n"
+        "    optimizer.zero_grad(set_to_none=True)\n",
+    ),
+}

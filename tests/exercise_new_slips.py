@@ -157,7 +157,7 @@ NEW_SLIPS = {
         "dL/ds multiplied by s, not divided (the derivative of s x read as s)",
         "g_s = (z_x[glob] * g_x).sum() / s",
         "g_s = (z_x[glob] * g_x).sum() * s",
-        unnamed="only logit_scale missed: the hint of a scale with no gradient, another mistake",
+        names=r"the gradient that reached s is 100 x P dL/ds \(= s\^2 at s = 10\)",
     ),
     "ring_by_hand": Slip(
         "the bias beta left out of the logits inside the sigmoid",

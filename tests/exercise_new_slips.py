@@ -151,7 +151,7 @@ NEW_SLIPS = {
         "the cached gradient cut into B pieces (chunk), not pieces of B rows (split)",
         "leaf.grad.split(b)",
         "leaf.grad.chunk(b)",
-        missed="the judged sizes cut the cached gradient into as many pieces as a piece has rows",
+        names=r"tower x's part of rows 0\.\.2 received rows 0\.\.3 of G_x",
     ),
     "streamed_backward": Slip(
         "dL/ds multiplied by s, not divided (the derivative of s x read as s)",

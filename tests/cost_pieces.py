@@ -49,6 +49,8 @@ def parts(model, batch, parallel, e: int, item: str) -> dict[str, tuple[Fraction
         return {
             "the region between the parallel layers (2 d + 4 a token)": ((2 * d + 4) * each, parallel.sp),
             "the gathered inputs of q, k, v and fc1 (2 d a token)": (2 * d * each, False),
+            "one of the two gathered inputs, q, k, v's or fc1's (d a token)": (d * each, False),
+            "attention's log-sum-exp (one a head and token)": (model.heads * each, True),
             "the inside of attention and the MLP (4 d + 2 d_ff a token)": ((4 * d + 2 * f) * each, True),
             "each block's output (d a token)": (d * each, None),
         }
@@ -84,12 +86,19 @@ def _widths(diff: int, model, e: int, tp: int) -> list[tuple]:
     return [fit[1:] for fit in sorted(fits)]
 
 
-def _in_words(a: int, b: int, where: str) -> str:
+def _in_words(a: int, b: int, where: str, model=None, tp: int = 1) -> str:
+    """The reading in words; for d - d_ff (or the reverse), the block's tensors of the width that went missing."""
+    sized = ""
+    if model is not None and a == -b:
+        width, other = (model.ffn, "d") if b < 0 else (model.dim, "d_ff")
+        share = tp if where else 1  # the tensor holds width / share elements on this rank
+        names = [w.name for w in model.block_weights() if w.on_rank(tp) * share == width]
+        sized = f": every block's {' or '.join(names)} sized {other}?" if names else ""
     terms = " ".join(
         f"{'+' if k > 0 else '-'} {f'{abs(k)} ' if abs(k) > 1 else ''}{n}" for k, n in ((a, "d"), (b, "d_ff")) if k
     )
     terms = terms.removeprefix("+ ").replace("- ", "-", 1) if terms.startswith("- ") else terms.removeprefix("+ ")
-    return f"{terms}{where} elements in each block: a tensor sized with the wrong width?"
+    return f"{terms}{where} elements in each block" + (sized or ": a tensor sized with the wrong width?")
 
 
 def in_widths(diff: int, model, e: int, tp: int) -> str:
@@ -141,7 +150,7 @@ def explain(shapes: list[tuple], e: int = 4) -> str:
         return f"{diff:+} bytes: exactly {_said(common, tp)}{every}"
     widths = [w for w in _widths(diff, model, e, tp) if all(w in _widths(g - r, m, e, t) for g, r, _, t, m in missed)]
     if widths:
-        return f"off by {diff:+} bytes = {_in_words(*widths[0])}{every}"
+        return f"off by {diff:+} bytes = {_in_words(*widths[0], model, tp)}{every}"
     if each[0]:
         shown = "; ".join(f"{s[0] - s[1]:+}" for s in missed[1:])
         return (

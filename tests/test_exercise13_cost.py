@@ -2,8 +2,10 @@
 2 (P - 1)/P part: a naive all-reduce's price equals the ring's at P = 2 only) against what the lesson's own runs
 hold and send there (DDP, DDP recomputing every block, TP, TP + SP, float32, a 2-block stack; and DDP at a width
 d = 100 whose block P = 3 does not divide, where the ring's padding shows), and against `distlab.cost`'s prediction.
-A number that misses is explained in named pieces where one fits exactly (`explain`: which tensors' bytes, the
-ring's padding, one pass, left out, counted twice, cut by tp where whole): what the answer counted, not a ratio.
+Then, the answer being a pure function, at three more shapes (`EXTRA`: other d, d_ff, blocks, tokens, a group of 5)
+against `distlab.cost` alone. A number that misses is explained in named pieces where one fits exactly at every shape
+where it missed (`cost_pieces.explain`: which tensors' bytes, the ring's padding, one pass, left out, counted twice,
+cut by tp where whole, a ring priced as whole tensors): what the answer counted, not a ratio.
 
 Each rank runs every configuration once with `distlab.cost.trial.Trial` (what it holds by storage, what its forward
 keeps, what its collectives send per step) and calls the answer. The claims: weights, gradients, AdamW's

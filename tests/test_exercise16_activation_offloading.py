@@ -145,11 +145,11 @@ def _views(offloader, claims) -> None:
     plain, want, _ = _halves_step(None)
     grads, got, off = _halves_step(offloader)
     restored = _restored(got, want)
-    claims.equal(
+    claims.holds(
         "two views of one storage (h[:, :K], h[:, K:]) each come back with their own values",
-        restored,
-        "each view came back with its own values",
+        restored == "each view came back with its own values",
         what="what Halves' backward got back",
+        note=restored,
         hints=("two views of one storage at different offsets are two saved tensors: a key must tell them apart",),
     )
     saved = 8 * ARGS.global_batch * (16 + K + K + K + 8 + 8)  # x, both halves, the product, the loss's two

@@ -111,7 +111,7 @@ def _ranks(rt, streamed_backward, claims) -> None:
         total,
         want,
         what="dL/ds x P",
-        note=_reaching_s(total, want, s),
+        note=_reaching_s(total, want, s) + _others(grads_of(model), ref),
         hints=("S_ij = s z_i^x . z_j^y, so dL/ds = sum_ij dL/dS_ij S_ij / s = (1/s) sum_i z_i^x . G_x,i",),
     )
     mine_flat = torch.cat([g.flatten() for g in grads_of(model).values() if g is not None])
@@ -153,6 +153,13 @@ def _reaching_s(got: torch.Tensor, want: torch.Tensor, s: float) -> str:
     forms = {"s^2": s * s, "s": s, "1/s": 1 / s, "1/s^2": 1 / (s * s), "-1": -1.0}
     named = next((f" (= {f} at s = {s:.6g})" for f, v in forms.items() if math.isclose(k, v, rel_tol=1e-9)), "")
     return f"the gradient that reached s is {k:.6g} x P dL/ds{named}"
+
+
+def _others(got: dict, want: dict) -> str:
+    """ "; every other parameter's gradient is right" when only logit_scale's may be wrong."""
+    others = [n for n in want if n != "logit_scale"]
+    right = all(got.get(n) is not None and torch.allclose(got[n], want[n], rtol=1e-10, atol=0) for n in others)
+    return "; every other parameter's gradient is right" if right else ""
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ NEW_SLIPS = {
         "a saved tensor keyed by its storage alone: two views of one storage share one copy",
         "key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())",
         "key = (storage.data_ptr(),)",
-        missed="no layer of the judged model saves two views of one storage at different offsets",
+        names=r"the saved view at offset 6 \(columns 6\.\.\) came back holding the half at offset 0's values",
     ),
     "powersgd_hook": Slip(
         "the error feedback's sign slipped: Delta_r = what every rank uses - M_r",
@@ -151,13 +151,13 @@ NEW_SLIPS = {
         "the cached gradient cut into B pieces (chunk), not pieces of B rows (split)",
         "leaf.grad.split(b)",
         "leaf.grad.chunk(b)",
-        missed="the judged sizes cut the cached gradient into as many pieces as a piece has rows",
+        names=r"tower x's part of rows 0\.\.2 received rows 0\.\.3 of G_x",
     ),
     "streamed_backward": Slip(
         "dL/ds multiplied by s, not divided (the derivative of s x read as s)",
         "g_s = (z_x[glob] * g_x).sum() / s",
         "g_s = (z_x[glob] * g_x).sum() * s",
-        unnamed="only logit_scale missed: the hint of a scale with no gradient, another mistake",
+        names=r"the gradient that reached s is 100 x P dL/ds \(= s\^2 at s = 10\)",
     ),
     "ring_by_hand": Slip(
         "the bias beta left out of the logits inside the sigmoid",

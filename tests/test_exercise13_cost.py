@@ -2,21 +2,24 @@
 2 (P - 1)/P part: a naive all-reduce's price equals the ring's at P = 2 only) against what the lesson's own runs
 hold and send there (DDP, DDP recomputing every block, TP, TP + SP, float32, a 2-block stack; and DDP at a width
 d = 100 whose block P = 3 does not divide, where the ring's padding shows), and against `distlab.cost`'s prediction.
-A number that misses is explained in named pieces where one fits exactly (`explain`: which tensors' bytes, the
-ring's padding, one pass, left out, counted twice, cut by tp where whole): what the answer counted, not a ratio.
+Then, the answer being a pure function, at three more shapes (`EXTRA`: other d, d_ff, blocks, tokens, a group of 5)
+against `distlab.cost` alone. A number that misses is explained in named pieces where one fits exactly at every shape
+where it missed (`cost_pieces.explain`: which tensors' bytes, the ring's padding, one pass, left out, counted twice,
+cut by tp where whole, a ring priced as whole tensors): what the answer counted, not a ratio.
 
 Each rank runs every configuration once with `distlab.cost.trial.Trial` (what it holds by storage, what its forward
 keeps, what its collectives send per step) and calls the answer. The claims: weights, gradients, AdamW's
 moments, activations and bytes sent each equal the measurement and the cost model, exactly."""
 
-from fractions import Fraction
+import dataclasses
 from pathlib import Path
 
+from cost_pieces import explain, parts
 from exercise_kit import Exercise, solution
 from exercise_signatures import Equals, Mistake
 
 from distlab.cost import memory, traffic
-from distlab.cost.inputs import PRECISIONS, Batch
+from distlab.cost.inputs import PRECISIONS, Batch, ParallelDims
 from distlab.cost.step import step_cost
 from distlab.cost.trial import Stack, Trial
 from distlab.proof.sizes import Transformer
@@ -50,16 +53,16 @@ def measured(rt, name: str, parallel, stack: Stack = STACK) -> dict[str, int]:
     return _MEASURED[key]
 
 
-def predicted(model, parallel) -> dict[str, int]:
+def predicted(model, parallel, batch: Batch = BATCH) -> dict[str, int]:
     """distlab.cost's numbers for the same configuration."""
-    rank = step_cost(model, BATCH, parallel, "float32").ranks[0]
-    kept = memory.stage_activations(model, BATCH, parallel, 0, PRECISIONS["float32"], E)
+    rank = step_cost(model, batch, parallel, "float32").ranks[0]
+    kept = memory.stage_activations(model, batch, parallel, 0, PRECISIONS["float32"], E)
     return {k: rank.memory[k] for k in ITEMS[:3]} | {"activations": kept, "sent": rank.traffic.total}
 
 
-def wrong_values(model, parallel, right: dict[str, int]) -> dict[str, dict[str, int]]:
+def wrong_values(model, parallel, right: dict[str, int], batch: Batch = BATCH) -> dict[str, dict[str, int]]:
     """What each catalogued misreading computes, from the right numbers (never from the answer)."""
-    tp, tokens, d = parallel.tp, BATCH.tokens, model.dim
+    tp, tokens, d = parallel.tp, batch.tokens, model.dim
     out = {"moments": {ONE_MOMENT: right["moments"] // 2}}
     if tp == 1:
         f, p = model.ffn, parallel.world
@@ -72,128 +75,38 @@ def wrong_values(model, parallel, right: dict[str, int]) -> dict[str, dict[str, 
     if parallel.sp:
         gathered = 2 * tokens * d * E * model.layers
         out["activations"] = {ALL_CUT: right["activations"] - gathered + gathered // tp}
-        vectors = traffic.per_rank(model, BATCH, parallel, "float32").sent["tp", "all_reduce"]
+        vectors = traffic.per_rank(model, batch, parallel, "float32").sent["tp", "all_reduce"]
         out["sent"] = {NO_VECTORS: right["sent"] - vectors}
     return out
 
 
-# ---- a byte difference explained: which tensors' bytes, and how they were counted --------------------------
-
-SINGLE = "every block's "  # how a lone tensor of the block is named among the pieces
-_GROUPS = {  # named groups of a block's tensors, each held whole or cut by tp as `Transformer.block_weights` says
-    "the whole biases, attn.out.bias and mlp.fc2.bias": ("attn.out.bias", "mlp.fc2.bias"),
-    "every bias": (
-        "ln1.bias",
-        "attn.q.bias",
-        "attn.k.bias",
-        "attn.v.bias",
-        "attn.out.bias",
-        "ln2.bias",
-        "mlp.fc1.bias",
-        "mlp.fc2.bias",
-    ),
-    "the LayerNorms' weights and biases": ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"),
-    "the attention's tensors": ("attn.q", "attn.k", "attn.v", "attn.out"),
-    "the MLP's tensors": ("mlp.fc1", "mlp.fc2"),
-}
+# Three more shapes, judged against distlab.cost alone (the answer is a pure function: no run, no rank): the blocks,
+# d, d_ff, the tokens and (the last) the group apart from the judged one's, so pieces of equal bytes there part
+EXTRA = (
+    ("3 blocks, d = 48, d_ff = 120, 6 x 24 tokens", Transformer(3, 48, 6, 120), Batch(6, 24), 0),
+    ("1 block, d = 60, d_ff = 300, 6 x 12 tokens", Transformer(1, 60, 6, 300), Batch(6, 12), 0),
+    ("2 blocks, d = 40, d_ff = 100, 10 x 20 tokens, a group of 5", Transformer(2, 40, 5, 100), Batch(10, 20), 5),
+)
 
 
-def parts(model, batch, parallel, e: int, item: str) -> dict[str, tuple[Fraction, bool | None]]:
-    """The named pieces `item`'s right number is made of, on one rank: name -> (bytes, whether tp cuts it, or
-    None where cutting it means nothing), from the model's sizes alone (never from the answer)."""
-    tp, layers = parallel.tp, model.layers
-    if item in ("weights", "gradients", "moments"):
-        copies = 2 if item == "moments" else 1
-        weights = model.block_weights()
-        held = {w.name: (Fraction(w.on_rank(tp) * layers * e * copies), w.split != "whole") for w in weights}
-        total = sum(v for v, _ in held.values())
-        out = {"one of AdamW's two moments (m or v)": (total / 2, None)} if item == "moments" else {}
-        for name, members in _GROUPS.items():  # the groups first: a group's reading before a lone tensor's
-            chosen = [n for n in held if any(n == m or n.startswith(m + ".") for m in members)]
-            cuts = {held[n][1] for n in chosen}
-            out[name] = (sum(held[n][0] for n in chosen), cuts.pop() if len(cuts) == 1 else None)
-        if tp > 1:  # by how tensor parallelism holds them: what a share taken for the whole, or the reverse, misses
-            out["every tensor tp cuts"] = (sum(v for v, cut in held.values() if cut), True)
-            out["every tensor held whole on every rank"] = (sum(v for v, cut in held.values() if not cut), False)
-        out["one of the blocks (the layers counted one off)"] = (total / layers, None)
-        return out | {f"{SINGLE}{name}": value for name, value in held.items()}
-    tokens, d, f = batch.global_batch // parallel.dp * batch.seq, model.dim, model.ffn
-    if item == "activations":
-        each = Fraction(tokens * layers * e)  # bytes of one element a token, over every block
-        return {
-            "the region between the parallel layers (2 d + 4 a token)": ((2 * d + 4) * each, parallel.sp),
-            "the gathered inputs of q, k, v and fc1 (2 d a token)": (2 * d * each, False),
-            "the inside of attention and the MLP (4 d + 2 d_ff a token)": ((4 * d + 2 * f) * each, True),
-            "each block's output (d a token)": (d * each, None),
-        }
-    if tp == 1:
-        psi_b = sum(w.numel for w in model.block_weights())
-        exact = Fraction(layers * 2 * (parallel.world - 1) * psi_b * e, parallel.world)
-        right = layers * 2 * (parallel.world - 1) * -(-psi_b // parallel.world) * e
-        return {
-            "the ring's padding of each block's gradient to P equal chunks": (right - exact, None),
-            "one pass of the ring (a reduce-scatter or an all-gather)": (Fraction(right, 2), None),
-            "one block's all-reduce": (Fraction(right, layers), None),
-        }
-    passes = Fraction(layers * 4 * (tp - 1) * tokens * d * e, tp)
-    out = {"the forward's all-reduces (f-bar, g)": (passes, None), "the backward's all-reduces": (passes, None)}
-    if parallel.sp:
-        out["the LayerNorms' and row biases' all-reduce"] = (Fraction(2 * (tp - 1) * 6 * d * layers * e, tp), None)
+def elsewhere(parallel) -> list[tuple]:
+    """The extra shapes `parallel` fits (on its own group, or a group of 5): (label, model, batch, parallel)."""
+    out = []
+    for label, model, batch, group in EXTRA:
+        dims = (ParallelDims(dp=group) if parallel.tp == 1 else ParallelDims(tp=group)) if group else parallel.dims
+        there = dataclasses.replace(parallel, dims=dims)
+        tp, sp = there.tp, there.sp
+        if (
+            batch.global_batch % there.dp
+            or model.dim % tp
+            or model.ffn % tp
+            or model.heads % tp
+            or sp
+            and batch.seq % tp
+        ):
+            continue
+        out.append((label, model, batch, there))
     return out
-
-
-def in_widths(diff: int, model, e: int, tp: int) -> str:
-    """A difference read as a d + b d_ff elements in each block (on this rank, or a tp-th of it) with small
-    integers a, b, the simplest first: a tensor sized with the wrong width (d where d_ff belongs), "" when none
-    fits."""
-    d, f = model.dim, model.ffn
-    shares = ((1, ""), (tp, " / tp")) if tp > 1 else ((1, ""),)
-    fits = [
-        (abs(a) + abs(b), a, b, where)
-        for share, where in shares
-        for a in range(-4, 5)
-        for b in range(-4, 5)
-        if (a or b) and a * d + b * f == Fraction(diff * share, model.layers * e)
-    ]
-    if not fits:
-        return ""
-    _, a, b, where = min(fits)
-    terms = " ".join(
-        f"{'+' if k > 0 else '-'} {f'{abs(k)} ' if abs(k) > 1 else ''}{n}" for k, n in ((a, "d"), (b, "d_ff")) if k
-    )
-    terms = terms.removeprefix("+ ").replace("- ", "-", 1) if terms.startswith("- ") else terms.removeprefix("+ ")
-    return f"{terms}{where} elements in each block: a tensor sized with the wrong width?"
-
-
-def explain(got, want: int, pieces: dict[str, tuple[Fraction, bool | None]], tp: int, model=None, e: int = 4) -> str:
-    """What a byte difference got - want is, exactly, in named pieces: a piece left out or counted twice, cut by
-    tp where it is whole, counted whole where tp cuts it (within a byte: an answer may floor a fraction); else
-    in the block's widths (`in_widths`). Single tensors that fit alike (bytes cannot tell the block's
-    d-element vectors apart) are named together, every one of them, as one reading."""
-    if not isinstance(got, int) or got == want:
-        return ""
-    diff, found, alike = got - want, [], {}
-    for name, (size, cut) in pieces.items():
-        ways = {"left out": -size, "counted twice": size}
-        if tp > 1 and cut is False:
-            ways["cut by tp, though whole on every rank"] = size / tp - size
-        if tp > 1 and cut:
-            ways[f"counted whole, though tp = {tp} cuts it"] = size * (tp - 1)
-            ways["cut by tp twice"] = size / tp - size
-        fits = [way for way, value in ways.items() if size and abs(value - diff) < 1]
-        if name.startswith(SINGLE):
-            for way in fits:
-                alike.setdefault(way, []).append(name.removeprefix(SINGLE))
-        else:
-            found += [f"{name} {way}" for way in fits]
-    for way, names in alike.items():
-        one = f"one of every block's {', '.join(names)}" if len(names) > 1 else f"every block's {names[0]}"
-        found.append(f"{one} {way}")
-    said = "; or ".join(found[:3])
-    if found:
-        return f"{diff:+} bytes: exactly {said}"
-    widths = in_widths(diff, model, e, tp) if model is not None else ""
-    return f"off by {diff:+} bytes = {widths}" if widths else f"off by {diff:+} bytes, no one named piece"
 
 
 def _ranks(rt, rank_bytes, claims) -> None:
@@ -203,9 +116,18 @@ def _ranks(rt, rank_bytes, claims) -> None:
     for name, parallel, model, stack in splits:
         got, right = rank_bytes(model, BATCH, parallel, E), predicted(model, parallel)
         wrong, here = wrong_values(model, parallel, right), measured(rt, name, parallel, stack)
+        others = [
+            (label, m, b, par, rank_bytes(m, b, par, E), predicted(m, par, b))
+            for label, m, b, par in elsewhere(parallel)
+        ]
+        misread = [wrong_values(o[1], o[3], o[5], o[2]) for o in others]
         for item in ITEMS:
             value, alternatives = (got or {}).get(item), wrong.get(item, {})
-            note = explain(value, right[item], parts(model, BATCH, parallel, E, item), parallel.tp, model, E)
+            shapes = [(value, right[item], parts(model, BATCH, parallel, E, item), parallel.tp, model)]
+            shapes += [
+                ((g or {}).get(item), r[item], parts(m, b, par, E, item), par.tp, m) for _, m, b, par, g, r in others
+            ]
+            note = explain(shapes, E)
             claims.equal(
                 f"{name}: {item} = measured on {p} ranks",
                 value,
@@ -221,6 +143,14 @@ def _ranks(rt, rank_bytes, claims) -> None:
                 what=f"{item}, bytes",
                 alternatives=alternatives,
                 note=note,
+            )
+            claims.equal(
+                f"{name}: {item} at {len(others)} more shapes = distlab.cost's",
+                tuple(s[0] for s in shapes[1:]),
+                tuple(s[1] for s in shapes[1:]),
+                alternatives={k: tuple(w.get(item, {}).get(k) for w in misread) for k in alternatives},
+                what=f"{item}, bytes at {'; '.join(o[0] for o in others)}",
+                note=explain(shapes[1:], E) and explain(shapes, E),
             )
 
 
@@ -273,7 +203,7 @@ MISTAKES = (
     ),
     Mistake(
         "the gathered inputs cut too",
-        r"TP \+ SP: activations",
+        r"TP \+ SP: activations at",  # there at a group of 5: (P - 1)/P of them cut differs from half of them
         (Equals(ALL_CUT),),
         (
             "sequence parallelism cuts the region between the parallel layers, but not every tensor",

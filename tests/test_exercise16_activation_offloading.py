@@ -4,13 +4,19 @@ The answer (the class `Offloader`) runs the lesson's step in place of the lesson
 48 -> 8 on N = 32 rows, float64, with prefetch. The lesson's claims: the gradients equal those without offloading
 bit for bit; the bytes copied to the host, and back, each equal lesson 07's activation formula; the device peak
 of saved activations equals max (H_k + H_(k-1)) over consecutive groups. The judge reads the counts the contract
-asks the class to keep (`sent`, `received`, `peak`)."""
+asks the class to keep (`sent`, `received`, `peak`). Then, in the same process, Linear 16 -> 12, Halves
+(h[:, :6] * h[:, 6:], whose backward saves two views of one storage at offsets 0 and 6), Linear 6 -> 8: each view
+comes back with its own values (Halves keeps what its backward got), each copied once, the gradients bit for bit."""
 
 import argparse
+import contextlib
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from exercise_kit import Exercise, solution, swapped
 from exercise_signatures import Equals, Mistake
+from torch import nn
 
 from distlab.data_split.sharding.accounting import mlp_activations
 
@@ -66,6 +72,101 @@ def _ranks(rt, offloader, claims) -> None:
         max(a + b for a, b in zip(groups, groups[1:])),
         what="the peak of saved activations resident on the device",
         alternatives={NO_PREFETCH: max(groups), NEVER_FREED: 2 * sum(groups)},  # kept when packed, again fetched
+    )
+    _views(offloader, claims)
+
+
+# ---- a layer whose backward saves two views of one storage -------------------------------------------------
+
+K = 6  # the halves' width: Linear 16 -> 2K, then h[:, :K] * h[:, K:], then Linear K -> 8
+
+
+class Halves(torch.autograd.Function):
+    """h -> h[:, :K] * h[:, K:]: backward needs both halves, two views of h's storage at offsets 0 and K (same
+    shape, same stride); what its backward got back is kept in `restored`."""
+
+    restored: list = []
+
+    @staticmethod
+    def forward(ctx, h):
+        first, second = h[:, :K], h[:, K:]
+        ctx.save_for_backward(first, second)
+        return first * second
+
+    @staticmethod
+    def backward(ctx, g):
+        first, second = ctx.saved_tensors
+        Halves.restored.append((first.detach().clone(), second.detach().clone()))
+        return torch.cat([g * second, g * first], dim=1)
+
+
+def _halves_step(offloader) -> tuple[list, tuple, object]:
+    """One forward and backward of Linear -> Halves -> Linear -> MSE on N rows, offloaded by `offloader` (None:
+    plainly); its gradients, the halves its backward got back and the offloader."""
+    gen = torch.Generator().manual_seed(ARGS.seed)
+    first, last = nn.Linear(16, 2 * K, dtype=torch.float64), nn.Linear(K, 8, dtype=torch.float64)
+    for p in (*first.parameters(), *last.parameters()):
+        p.data = torch.randn(p.shape, generator=gen, dtype=torch.float64) / 4
+    x, y = (torch.randn(ARGS.global_batch, w, generator=gen, dtype=torch.float64) for w in (16, 8))
+    off = offloader([*first.parameters(), *last.parameters()], 0.0, prefetch=True) if offloader else None
+    Halves.restored.clear()
+    with off or contextlib.nullcontext():
+        layers = (first, Halves.apply, last)
+        h = x
+        for k, layer in enumerate(layers):
+            if off:
+                off.group = k
+            h = layer(h)
+        if off:
+            off.group = len(layers)
+        loss = F.mse_loss(h, y)
+        if off:
+            off.drain()
+    loss.backward()
+    if off:
+        off.close()
+    grads = [p.grad for p in (*first.parameters(), *last.parameters())]
+    return grads, Halves.restored[0], off
+
+
+def _restored(got: tuple, want: tuple) -> str:
+    """Which saved half came back holding which values: "the half at offset K came back holding the half at
+    offset 0's values", or that each came back with its own."""
+    said = []
+    for name, g in zip(("offset 0", f"offset {K}"), got):
+        holds = [n for n, w in zip(("offset 0", f"offset {K}"), want) if torch.equal(g, w)]
+        if holds != [name]:
+            what = f"the half at {holds[0]}'s values" if holds else "neither half's values"
+            said.append(f"the saved view at {name} (columns {name[7:]}..) came back holding {what}")
+    return "; ".join(said) or "each view came back with its own values"
+
+
+def _views(offloader, claims) -> None:
+    plain, want, _ = _halves_step(None)
+    grads, got, off = _halves_step(offloader)
+    restored = _restored(got, want)
+    claims.holds(
+        "two views of one storage (h[:, :K], h[:, K:]) each come back with their own values",
+        restored == "each view came back with its own values",
+        what="what Halves' backward got back",
+        note=restored,
+        hints=("two views of one storage at different offsets are two saved tensors: a key must tell them apart",),
+    )
+    saved = 8 * ARGS.global_batch * (16 + K + K + K + 8 + 8)  # x, both halves, the product, the loss's two
+    claims.equal(
+        "bytes to the host = every saved tensor once (two views of one storage: two copies)",
+        off.sent,
+        saved,
+        what="bytes copied to the host, Linear -> Halves -> Linear",
+        note=f"one half is {8 * ARGS.global_batch * K} bytes",
+    )
+    names = [f"parameter {k}" for k in range(len(plain))]
+    claims.tensors(
+        "Linear -> Halves -> Linear: the gradients equal those without offloading, bit for bit",
+        dict(zip(names, grads)),
+        dict(zip(names, plain)),
+        what="the gradients",
+        tol=1e-300,
     )
 
 

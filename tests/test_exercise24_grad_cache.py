@@ -3,8 +3,10 @@
 The reference is plain autograd on the whole batch with the very dropout masks the answer's first pass
 draws: the same seed, the towers run on the same parts in the same order, with a graph. The lesson's
 claims, dropout off and on: the loss equals the reference's, and every parameter's gradient does (float64,
-rtol 1e-10), with parts of b = 3 rows that do not divide n = 8; and beyond numbers, no tower ever runs with
-a graph on more than b rows, and each row runs with a graph once (forward hooks count the rows)."""
+rtol 1e-10), with parts of b = 3 rows that do not divide n = 10 (4 parts: as many parts as rows in a part nowhere);
+and beyond numbers, each part's backward in step (3) receives the rows of G = dL/dH of that very part (the judge
+sees which rows of the reference's G each part's forward with a graph is next given), no tower ever runs with a
+graph on more than b rows, and each row runs with a graph once (forward hooks count the rows)."""
 
 import copy
 from pathlib import Path
@@ -14,6 +16,8 @@ import torch.nn.functional as F
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from distlab.contrastive.losses import clip_loss
 from distlab.pieces.random_state import RandContext
@@ -21,8 +25,8 @@ from distlab.proof.compare import grads_of
 from distlab.proof.models import TwoTower, paired_data
 
 LESSON, NAME = "grad_cache", "grad_cache_step"
-N, B, TAU, SEED = 8, 3, 0.1, 7
-PARTS = -(-N // B)  # K = 3 parts: 3, 3, 2 rows
+N, B, TAU, SEED, D = 10, 3, 0.1, 7, 8  # D: the towers' output width
+PARTS = -(-N // B)  # K = 4 parts: 3, 3, 3, 1 rows (4 parts of 3 rows: cut into B parts, 3 of 4, 4, 2 rows)
 PER_PART = "the gradient of the sum of each part's own loss (the batch cut into K small batches)"
 
 
@@ -46,6 +50,69 @@ def _rows_with_graph(towers: list[nn.Module]) -> list[list[int]]:
     return rows
 
 
+class Received(TorchDispatchMode):
+    """Step (3) as the judge sees it: every forward a tower runs with a graph (which tower, which rows of its
+    input) and, in order, every rows x D tensor (or its flattening) an op is given, a copy. `pairs(G)` reads them:
+    the first block of rows of G (of either tower) given after each forward with a graph is what that part's
+    backward received."""
+
+    def __init__(self, towers: list[nn.Module], inputs: tuple) -> None:
+        super().__init__()
+        self.events: list = []
+        for k, (tower, inp) in enumerate(zip(towers, inputs)):
+            tower.register_forward_hook(lambda module, args, out, k=k, inp=inp: self._forward(k, args[0], inp))
+
+    def _forward(self, k: int, part: torch.Tensor, inp: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            self.events.append(("forward", k, _rows_in(part.detach().reshape(len(part), -1), inp)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and (t.shape[-1:] == (D,) or t.dim() == 1):
+                if t.numel() and t.numel() % D == 0 and t.numel() < N * D:
+                    self.events.append(("given", t.detach().clone().reshape(-1, D)))
+        return func(*args, **(kwargs or {}))
+
+    def pairs(self, caches: list[torch.Tensor]) -> list[tuple]:
+        """(tower, its part's rows, (tower whose G, rows of it) or None) for each part given a block of G."""
+        found, current = [], None
+        for event in self.events:
+            if event[0] == "forward":
+                current = event[1:]
+            elif current is not None:
+                block = next(((k, r) for k, g in enumerate(caches) if (r := _rows_in(event[1], g))), None)
+                if block is not None:
+                    found.append((*current, block))
+                    current = None
+        return found
+
+
+def _rows_in(block: torch.Tensor, whole: torch.Tensor) -> tuple[int, int] | None:
+    """(first, last) when `block` is rows first..last of `whole`, else None."""
+    n = len(block)
+    for a in range(len(whole) - n + 1):
+        if block.shape[1:] == whole.shape[1:] and torch.allclose(block, whole[a : a + n], rtol=1e-9, atol=1e-15):
+            return a, a + n - 1
+    return None
+
+
+def _received(pairs: list[tuple], towers: int) -> tuple[bool, str]:
+    """Whether every part's backward received its own rows of its tower's G, every row once; and what each
+    part received that was not its own."""
+    names = "xy"
+    wrong = [
+        f"tower {names[k]}'s part of rows {rows[0]}..{rows[1]} received rows {got[1][0]}..{got[1][1]} of "
+        f"G_{names[got[0]]}"
+        for k, rows, got in pairs
+        if (k, rows) != (got[0], got[1])
+    ]
+    covered = [sorted(r for k, rows, (g, r) in pairs if k == g == t) for t in range(towers)]
+    whole = all(sum(b - a + 1 for a, b in c) == N and c[0][0] == 0 for c in covered if c)
+    if not wrong and not (all(covered) and whole):
+        wrong = [f"the parts given rows of G cover {', '.join(f'{len(c)}' for c in covered)} parts, not {PARTS}"]
+    return not wrong, "; ".join(wrong) or "every part received its own rows of G"
+
+
 def _per_part(model: TwoTower, x, y) -> dict:
     """The misreading: each part of b pairs treated as a batch of its own, the parts' gradients added."""
     twin = copy.deepcopy(model)
@@ -61,13 +128,34 @@ def _ranks(rt, grad_cache_step, claims) -> None:
         x, y = paired_data(N, seed=2)
         towers = [model.encoder_x, model.encoder_y]
         alternatives = {PER_PART: _per_part(model, x, y)} if not dropout else {}
-        rows = _rows_with_graph(towers)
+        rows, received, raised = _rows_with_graph(towers), Received(towers, (x, y)), None
         torch.manual_seed(SEED)
-        loss = grad_cache_step(towers, (x, y), B, _loss)
+        with received:
+            try:
+                loss = grad_cache_step(towers, (x, y), B, _loss)
+            except NotImplementedError:  # the blank
+                raise
+            except RuntimeError as err:  # told below when a part received rows not its own, else raised again
+                raised = err
         torch.manual_seed(SEED)  # the same masks, drawn in the same order
         parts = [[tower(part) for part in inp.split(B)] for tower, inp in ((ref.encoder_x, x), (ref.encoder_y, y))]
-        ref_loss = _loss(*(torch.cat(p) for p in parts))
+        reps = [torch.cat(p) for p in parts]
+        for rep in reps:
+            rep.retain_grad()
+        ref_loss = _loss(*reps)
         ref_loss.backward()
+        own, said = _received(received.pairs([rep.grad for rep in reps]), len(towers))
+        if raised is not None and own:
+            raise raised
+        claims.holds(
+            f"{case}: in step (3) each part's backward receives the rows of G = dL/dH of that very part",
+            own and raised is None,
+            what="the rows of G each part's backward received",
+            note=said + (f"; then the step raised {type(raised).__name__}: {raised}" if raised else ""),
+            hints=("G = dL/dH has a row per row of the batch: part k of b rows pairs with G's rows kb .. kb + b - 1",),
+        )
+        if raised is not None:
+            return
         claims.equal(
             f"{case}: the loss equals the whole batch's",
             float(loss),

@@ -11,6 +11,7 @@ allocation's shape), and DDP reduces in one backward per step (a comm hook count
 import contextlib
 import copy
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,15 +46,15 @@ class ScaledTowers(TwoTower):
 
 
 def _embedding_grads(model: nn.Module) -> dict[str, list]:
-    """The gradient reaching z_x and z_y of every forward the model runs with a graph, in order."""
-    grads = {"z_x": [], "z_y": []}
+    """The gradient reaching z_x, z_y and s of every forward the model runs with a graph, in order."""
+    grads = {"z_x": [], "z_y": [], "s": []}
 
     def keep(name: str, slot: int):
         return lambda g: grads[name].__setitem__(slot, g.detach().clone())
 
     def hook(module, inputs, outputs):
         if torch.is_grad_enabled():
-            for name, z in zip(grads, outputs[:2]):
+            for name, z in zip(grads, outputs[:3]):
                 grads[name].append(None)
                 z.register_hook(keep(name, len(grads[name]) - 1))
 
@@ -100,6 +101,19 @@ def _ranks(rt, streamed_backward, claims) -> None:
             P * ref_z[name][mine],
             what=f"dL/d{name} x P",
         )
+    s = start.logit_scale.exp().item()
+    reached = [g for g in arrived["s"] if g is not None]
+    total = torch.stack(reached).sum() if reached else torch.zeros((), dtype=torch.float64)
+    dist.all_reduce(total)  # every rank's share of dL/ds, as DDP's reduction adds them
+    want = P * ref["logit_scale"] / s  # logit_scale's gradient is s dL/ds
+    claims.close(
+        "the gradient reaching s, over the recomputes and the ranks, is P dL/ds",
+        total,
+        want,
+        what="dL/ds x P",
+        note=_reaching_s(total, want, s) + _others(grads_of(model), ref),
+        hints=("S_ij = s z_i^x . z_j^y, so dL/ds = sum_ij dL/dS_ij S_ij / s = (1/s) sum_i z_i^x . G_x,i",),
+    )
     mine_flat = torch.cat([g.flatten() for g in grads_of(model).values() if g is not None])
     every = [torch.empty_like(mine_flat) for _ in range(rt.world_size)]
     dist.all_gather(every, mine_flat)  # DDP leaves every rank the same gradients, whatever they are
@@ -129,6 +143,35 @@ def _ranks(rt, streamed_backward, claims) -> None:
         what="backwards that all-reduced",
         hints=("every micro-batch's backward but the last belongs inside ddp.no_sync()",),
     )
+
+
+def _reaching_s(got: torch.Tensor, want: torch.Tensor, s: float) -> str:
+    """What reached s against P dL/ds, in the scale s itself: "100 x P dL/ds (= s^2 at s = 10)", or none."""
+    if not got.abs().max() > 0:
+        return "no gradient reached s in any recompute"
+    k = (got / want).item()
+    forms = {"s^2": s * s, "s": s, "1/s": 1 / s, "1/s^2": 1 / (s * s), "-1": -1.0}
+    named = next((f" (= {f} at s = {s:.6g})" for f, v in forms.items() if math.isclose(k, v, rel_tol=1e-9)), "")
+    return f"the gradient that reached s is {k:.6g} x P dL/ds{named}"
+
+
+def _others(got: dict, want: dict) -> str:
+    """ "; every other parameter's gradient is right" when only logit_scale's may be wrong."""
+    others = [n for n in want if n != "logit_scale"]
+    right = all(got.get(n) is not None and torch.allclose(got[n], want[n], rtol=1e-10, atol=0) for n in others)
+    return "; every other parameter's gradient is right" if right else ""
+
+
+@dataclass(frozen=True)
+class NoGradient:
+    """The 0-dim parameter `name` missed with no factor to its reference: it got no gradient (zero or None)."""
+
+    name: str
+
+    def match(self, failing: dict, world: int) -> str | None:
+        if all(dict(s.ratios).get(self.name, 1.0) is None for s in failing.values()):
+            return f"{self.name}'s gradient is zero: it got none"
+        return None
 
 
 MISTAKES = (
@@ -176,7 +219,7 @@ MISTAKES = (
     Mistake(
         "the logit scale gets no gradient",
         "every parameter",
-        (Tensors(("logit_scale",)),),
+        (Tensors(("logit_scale",)), NoGradient("logit_scale")),
         (
             "s is a parameter too: L depends on it through every S_ij",
             "dL/ds = (1/s) sum_i z_i^x . G_x,i over this rank's rows; back-propagate it with the embeddings",

@@ -20,7 +20,8 @@ Write `rank_bytes`: return, for one rank, the bytes it holds after a step and se
     "sent"                   every byte this rank sends in one step (a ring: lesson 06's fractions)
 
 The judge runs each configuration on 2 real ranks (the lesson's own runs: DDP, DDP recomputing, TP, TP + SP)
-and compares your numbers with what the ranks held and sent, and with `distlab.cost`'s prediction.
+and compares your numbers with what the ranks held and sent, and with `distlab.cost`'s prediction; then with
+`distlab.cost`'s alone at three more shapes (other d, d_ff, blocks, tokens, and a group of 5).
 """
 
 from __future__ import annotations

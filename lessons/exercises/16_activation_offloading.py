@@ -28,7 +28,8 @@ copy take the link's time; `copies` is a `distlab.proof.timeline.Timeline(1)` fo
 
 The judge (one process, an MLP 16 -> 48 -> 48 -> 48 -> 8, N = 32, float64) checks the gradients against no
 offloading, bit for bit, the bytes each way against lesson 07's formula, and the peak against
-max (H_k + H_(k-1)) over consecutive groups.
+max (H_k + H_(k-1)) over consecutive groups; then, on Linear 16 -> 12, h[:, :6] * h[:, 6:] (a layer whose backward
+saves two views of one storage), Linear 6 -> 8, that each view comes back with its own values, once copied each.
 """
 
 from __future__ import annotations

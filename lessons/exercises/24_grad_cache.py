@@ -15,8 +15,8 @@ be the same function as the first forward: the same dropout masks.
 
 The judge runs your step with dropout off and on, compares the loss and every parameter's gradient with
 plain autograd on the whole batch under the masks your first pass drew (float64; parts of b = 3 rows that
-do not divide n = 8), and counts, with forward hooks, the rows each tower runs with a graph: at most b at a
-time, each row once.
+do not divide n = 10), sees which rows of G each part's backward is given, and counts, with forward hooks, the
+rows each tower runs with a graph: at most b at a time, each row once.
 
 What you have: `distlab.pieces.random_state.RandContext` records a random state and restores it.
 """

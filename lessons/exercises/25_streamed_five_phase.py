@@ -22,8 +22,9 @@ The contract, which the judge checks:
   log-sum-exp over tiles, G tile by tile); the judge sees the shape of every tensor you make;
 - DDP averages the ranks' gradients once per step: one reducing backward (its comm hook is counted);
 - the numbers: L, the gradient reaching this rank's embeddings (the judge reads it off the model's outputs:
-  it must be P G for its rows, since DDP's average of P ranks must give the sum), and every parameter's
-  gradient against plain autograd on the whole batch (float64).
+  it must be P G for its rows, since DDP's average of P ranks must give the sum), the gradient reaching s
+  (P dL/ds, over your recomputes and the ranks), and every parameter's gradient against plain autograd on
+  the whole batch (float64).
 """
 
 from __future__ import annotations

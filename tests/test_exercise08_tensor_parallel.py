@@ -13,7 +13,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled
-from exercise_watch import Watch
+from exercise_watch import COLLECTIVE_NAMESPACES, Watch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from distlab.comm.ledger import Ledger
 from distlab.layer_split.tensor_parallel import cost, operators
@@ -28,6 +30,7 @@ SUM_X = "the sum of every rank's input (g's forward: an all-reduce)"
 OWN_GRAD = "this rank's own gradient (an identity backward)"
 WORLD_SUM = "the sum over every rank of the world, not of the group"
 P_TIMES_OWN = "p times this rank's own gradient (as if every rank's were the same)"
+RETURNS = "f's backward returns what its all-reduce produced"
 
 
 def _tensor(group_index: int, q: int, p: int, salt: int) -> torch.Tensor:
@@ -53,7 +56,8 @@ def _ranks(rt, copy, claims) -> None:
     x, ledger = xs[r].clone().requires_grad_(), Ledger()
     with Watch() as watch:
         out = copy.apply(x, group, ledger)
-        (out * ws[r]).sum().backward()
+        with Reduced() as reduced:
+            (out * ws[r]).sum().backward()
     forward = claims.close(
         "forward: f(x) = x on every rank",
         out,
@@ -61,6 +65,16 @@ def _ranks(rt, copy, claims) -> None:
         what="f(x)",
         tol=1e-12,
         alternatives={SUM_X: sum(xs)},
+    )
+    claims.equal(
+        RETURNS,
+        returned(x.grad, ws[r], reduced.results),
+        "the result of its all-reduce",
+        ok=not reduced.results or any(_same(x.grad, t) for t in reduced.results),
+        what="what f's backward returned",
+        hints=(
+            "dist.all_reduce sums in place, into the tensor it is handed: the backward must return that very tensor",
+        ),
     )
     backward = claims.close(
         "backward: the sum of the group's gradients",
@@ -100,6 +114,62 @@ def _ranks(rt, copy, claims) -> None:
     claims.equal("bytes recorded = 2(p-1)/p N seq d e per backward", float(got), float(want), what="bytes recorded")
 
 
+class Reduced(TorchDispatchMode):
+    """The tensors the all-reduces run under it produced (`results`), each copied once it holds the sum: when an
+    op outside the collectives' namespaces reads it (gloo fills an in-place all-reduce after its op, a functional
+    one by its wait, and the answer may change it in place afterwards), or at exit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.results: list[torch.Tensor] = []
+        self._pending: list[torch.Tensor] = []
+
+    def _filled(self, storages=None) -> None:
+        ready = [t for t in self._pending if storages is None or _storage(t) in storages]
+        self._pending = [t for t in self._pending if all(t is not r for r in ready)]  # first: the copies pass here
+        self.results += [t.detach().clone() for t in ready]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace not in COLLECTIVE_NAMESPACES and self._pending:  # not its wait, nor its wrapping
+            self._filled({_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)})
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" and name in ("allreduce_", "allreduce_coalesced_"):
+            self._pending += [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+        elif func.namespace.startswith("_c10d_functional") and name.startswith("all_reduce"):
+            made = args[0] if name.endswith("_") else out
+            self._pending += [t for t in tree_leaves(made) if isinstance(t, torch.Tensor)]
+        return out
+
+    def __exit__(self, *exc):
+        self._filled()
+        return super().__exit__(*exc)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=0)
+
+
+def returned(grad, given, results) -> str:
+    """What f's backward returned, against what its all-reduces produced and the gradient it was given."""
+    if not results:
+        return "the result of its all-reduce (it ran none in backward)"
+    if grad is None:
+        return "nothing: no gradient reached x"
+    for value, words in [(t, "the result of its all-reduce") for t in results] + [(given, "the gradient it was given")]:
+        if grad.shape == value.shape and (value * value).sum() > 0:
+            k = ((grad * value).sum() / (value * value).sum()).item()
+            if _same(grad, k * value):
+                scaled = "" if abs(k - 1) < 1e-12 else f" x {k:.6g}"
+                dropped = " (its all-reduce's result left unused)" if "given" in words else ""
+                return f"{words}{scaled}{dropped}"
+    return "neither the result of its all-reduce nor the gradient it was given"
+
+
 MISTAKES = (
     Mistake(
         "an identity backward",
@@ -111,7 +181,7 @@ MISTAKES = (
             "in backward: grad = grad.contiguous().clone(); dist.all_reduce(grad, group=ctx.group); return grad, "
             "None, None",
         ),
-        holds=("forward:",),
+        holds=("forward:", RETURNS),
     ),
     Mistake(
         "the ranks' gradients averaged",

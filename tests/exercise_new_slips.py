@@ -54,7 +54,7 @@ NEW_SLIPS = {
         "f's backward all-reduces a copy and returns the gradient it was given",
         "dist.all_reduce(grad, group=ctx.group)",
         "dist.all_reduce(grad.clone(), group=ctx.group)",
-        unnamed="'an identity backward': what the copy does, not the copy (a class: its collectives unwatched)",
+        names=r"what f's backward returned: the gradient it was given \(its all-reduce's result left unused\)",
     ),
     "ring_forward": Slip(
         "each tile's positions read from this rank's own pieces, not those of the block it holds",
@@ -90,7 +90,7 @@ NEW_SLIPS = {
         "b's transpose made contiguous (row-major) where _scaled_mm wants it column-major",
         "bt_q.contiguous().t(),",
         "bt_q.t().contiguous(),",
-        missed="on the CPU torch's _scaled_mm takes a row-major b and computes the same product",
+        names=r"handed to torch\._scaled_mm: b row-major in every call, not a row-major, b column-major",
     ),
     "fp8_all_gather": Slip(
         "rho computed and returned but never applied before the cast",

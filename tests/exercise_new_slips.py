@@ -96,7 +96,7 @@ NEW_SLIPS = {
         "rho computed and returned but never applied before the cast",
         "mine = (shard.float() * rho).clamp(-top, top).to(fmt)",
         "mine = shard.float().clamp(-top, top).to(fmt)",
-        unnamed="the exercise's first hint (cast with the agreed scale), not that rho was never applied",
+        names=r"the 8-bit shard it sent was cast at: 1 \(rho never applied\), not rho",
     ),
     "Offloader": Slip(
         "a saved tensor keyed by its storage alone: two views of one storage share one copy",

@@ -108,7 +108,7 @@ NEW_SLIPS = {
         "the error feedback's sign slipped: Delta_r = what every rank uses - M_r",
         "state.errors[index] = before - flat",
         "state.errors[index] = flat - before",
-        unnamed="the parameters off by 5e-2, equal to none of the catalogued variants; the first hint",
+        names=r"the answer kept \(state\.errors\): every compressed step \(2, 3, 4\): what every rank uses - M_r",
     ),
     "all_gather_matmul": Slip(
         "the ring run the other way (sent left, received from the right) with the blocks labelled as before",

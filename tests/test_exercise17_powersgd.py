@@ -110,7 +110,11 @@ def _kept_as(given, before, used, after) -> str:
     if before is not None:
         readings["the error kept before, unchanged"] = before
     name = next((n for n, t in readings.items() if t.shape == after.shape and _close(after, t)), None)
-    return name or "none of M_r - what every rank uses, its negative, G_r - what every rank uses, zero"
+    right = readings[RIGHT]
+    k = (after * right).sum().item() / max((right * right).sum().item(), 1e-300) if after.shape == m.shape else 0
+    if name is None and k and _close(after, k * right):
+        name = f"{RIGHT}, x {k:.6g}"
+    return name or "none of M_r - what every rank uses, its negative or a multiple, G_r - what every rank uses, zero"
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -54,7 +54,7 @@ NEW_SLIPS = {
         "f's backward all-reduces a copy and returns the gradient it was given",
         "dist.all_reduce(grad, group=ctx.group)",
         "dist.all_reduce(grad.clone(), group=ctx.group)",
-        unnamed="'an identity backward': what the copy does, not the copy (a class: its collectives unwatched)",
+        names=r"what f's backward returned: the gradient it was given \(its all-reduce's result left unused\)",
     ),
     "ring_forward": Slip(
         "each tile's positions read from this rank's own pieces, not those of the block it holds",
@@ -90,13 +90,13 @@ NEW_SLIPS = {
         "b's transpose made contiguous (row-major) where _scaled_mm wants it column-major",
         "bt_q.contiguous().t(),",
         "bt_q.t().contiguous(),",
-        missed="on the CPU torch's _scaled_mm takes a row-major b and computes the same product",
+        names=r"handed to torch\._scaled_mm: b row-major in every call, not a row-major, b column-major",
     ),
     "fp8_all_gather": Slip(
         "rho computed and returned but never applied before the cast",
         "mine = (shard.float() * rho).clamp(-top, top).to(fmt)",
         "mine = shard.float().clamp(-top, top).to(fmt)",
-        unnamed="the exercise's first hint (cast with the agreed scale), not that rho was never applied",
+        names=r"the 8-bit shard it sent was cast at: 1 \(rho never applied\), not rho",
     ),
     "Offloader": Slip(
         "a saved tensor keyed by its storage alone: two views of one storage share one copy",
@@ -108,7 +108,7 @@ NEW_SLIPS = {
         "the error feedback's sign slipped: Delta_r = what every rank uses - M_r",
         "state.errors[index] = before - flat",
         "state.errors[index] = flat - before",
-        unnamed="the parameters off by 5e-2, equal to none of the catalogued variants; the first hint",
+        names=r"the answer kept \(state\.errors\): every compressed step \(2, 3, 4\): what every rank uses - M_r",
     ),
     "all_gather_matmul": Slip(
         "the ring run the other way (sent left, received from the right) with the blocks labelled as before",

@@ -72,7 +72,20 @@ def _agreed(ok: bool) -> bool:
 
 
 def _recorded(fn: Callable[..., Any], ran: Ran) -> Callable[..., Any]:
-    """`fn` with every collective it runs recorded in `ran` (a class, an autograd Function, is passed as it is)."""
+    """`fn` with every collective it runs recorded in `ran`: a function's calls, an autograd Function's forward
+    and backward (a subclass of it, whose `apply` runs both under `ran`); any other class is passed as it is."""
+    if inspect.isclass(fn) and issubclass(fn, torch.autograd.Function) and fn.vjp is torch.autograd.Function.vjp:
+
+        def forward(*args, **kwargs):
+            with ran:
+                return fn.forward(*args, **kwargs)
+
+        def backward(*args):
+            with ran:
+                return fn.backward(*args)
+
+        methods = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": fn.__doc__}
+        return type(fn.__name__, (fn,), methods)
     if not inspect.isfunction(fn):
         return fn
 

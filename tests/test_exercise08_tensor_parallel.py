@@ -13,7 +13,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from exercise_kit import Exercise
 from exercise_signatures import Equals, Mistake, Scaled
-from exercise_watch import Watch
+from exercise_watch import NOT_COLLECTIVES, Watch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from distlab.comm.ledger import Ledger
 from distlab.layer_split.tensor_parallel import cost, operators
@@ -28,6 +30,8 @@ SUM_X = "the sum of every rank's input (g's forward: an all-reduce)"
 OWN_GRAD = "this rank's own gradient (an identity backward)"
 WORLD_SUM = "the sum over every rank of the world, not of the group"
 P_TIMES_OWN = "p times this rank's own gradient (as if every rank's were the same)"
+RETURNS = "f's backward returns the all-reduce of the gradient it was given"
+SUMMED = "the all-reduce of the gradient it was given"
 
 
 def _tensor(group_index: int, q: int, p: int, salt: int) -> torch.Tensor:
@@ -53,7 +57,8 @@ def _ranks(rt, copy, claims) -> None:
     x, ledger = xs[r].clone().requires_grad_(), Ledger()
     with Watch() as watch:
         out = copy.apply(x, group, ledger)
-        (out * ws[r]).sum().backward()
+        with Reduced() as reduced:
+            (out * ws[r]).sum().backward()
     forward = claims.close(
         "forward: f(x) = x on every rank",
         out,
@@ -61,6 +66,18 @@ def _ranks(rt, copy, claims) -> None:
         what="f(x)",
         tol=1e-12,
         alternatives={SUM_X: sum(xs)},
+    )
+    said = returned(x.grad, ws[r], reduced.runs())
+    claims.equal(
+        RETURNS,
+        said,
+        SUMMED,
+        ok=said == SUMMED,
+        what="what f's backward returned",
+        hints=(
+            "f's backward is one all-reduce of the gradient it was given, and returns its result: dist.all_reduce "
+            "sums in place, into the tensor it is handed",
+        ),
     )
     backward = claims.close(
         "backward: the sum of the group's gradients",
@@ -78,11 +95,10 @@ def _ranks(rt, copy, claims) -> None:
     recorded = float(ledger.sent_by.get(("backward", "all_reduce"), 0))
     claims.equal(
         "bytes: f's backward sends one all-reduce of the gradient, and records it",
-        recorded,
-        whole,
+        f"{recorded:g} recorded, {watch.sent(rt.world_size):g} sent",
+        f"{whole:g} recorded, {whole:g} sent",
         ok=watch.sent(rt.world_size) == whole == recorded,
-        what="bytes recorded",
-        note=f"the judge saw {watch.sent(rt.world_size):g} sent",
+        what="bytes f's backward recorded and the judge saw it send",
         hints=("the lesson's byte counts come from the ledger you record in: record each all-reduce you run",),
     )
     if not (forward and backward):
@@ -100,6 +116,86 @@ def _ranks(rt, copy, claims) -> None:
     claims.equal("bytes recorded = 2(p-1)/p N seq d e per backward", float(got), float(want), what="bytes recorded")
 
 
+class Reduced(TorchDispatchMode):
+    """Every all-reduce run under it, as (a copy of its input, a copy of its result): the input copied before the
+    op, the result once it holds the sum: when an op but a collective's wait or wrapping reads it (gloo fills an
+    in-place all-reduce after its op, a functional one by its wait, and the answer may change it in place
+    afterwards), or at exit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[torch.Tensor] = []
+        self.results: dict[int, torch.Tensor] = {}
+        self._pending: list[tuple[int, torch.Tensor]] = []
+
+    def _filled(self, storages=None) -> None:
+        ready = [(k, t) for k, t in self._pending if storages is None or _storage(t) in storages]
+        self._pending = [(k, t) for k, t in self._pending if all(k != j for j, _ in ready)]  # first: copies pass here
+        self.results.update((k, t.detach().clone()) for k, t in ready)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in NOT_COLLECTIVES and self._pending:  # not at its wait, nor its wrapping
+            self._filled({_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)})
+        functional = func.namespace.startswith("_c10d_functional") and name.startswith("all_reduce")
+        reduces = functional or (func.namespace == "c10d" and name in ("allreduce_", "allreduce_coalesced_"))
+        given = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)] if reduces else []
+        self.inputs += [t.detach().clone() for t in given]
+        out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)] if functional and name[-1] != "_" else given
+        self._pending += [(len(self.inputs) - len(given) + k, t) for k, t in enumerate(made)]
+        return out
+
+    def __exit__(self, *exc):
+        self._filled()
+        return super().__exit__(*exc)
+
+    def runs(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [(t, self.results.get(k)) for k, t in enumerate(self.inputs)]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _factor(got, value) -> float | None:
+    """k with got = k value, if there is one."""
+    if got is None or value is None or got.shape != value.shape or not (value * value).sum() > 0:
+        return None
+    k = ((got * value).sum() / (value * value).sum()).item()
+    return k if torch.allclose(got, k * value, rtol=1e-12, atol=0) else None
+
+
+def _equal(got, value) -> bool:
+    k = _factor(got, value)
+    return k is not None and abs(k - 1) < 1e-12
+
+
+def _times(k: float) -> str:
+    return "" if abs(k - 1) < 1e-12 else f"{k:.6g} x "
+
+
+def returned(grad, given, runs) -> str:
+    """What f's backward returned, against what its all-reduces produced from what: the all-reduce of the
+    gradient it was given (`SUMMED`), of an earlier all-reduce's result, of a multiple of it, or no all-reduce's."""
+    if not runs:
+        return SUMMED
+    if grad is None:
+        return "nothing: no gradient reached x"
+    for k, (sent, result) in enumerate(runs):
+        if _equal(grad, result):
+            if _factor(sent, given) is not None:
+                return f"the all-reduce of {_times(_factor(sent, given))}the gradient it was given"
+            if any(_equal(sent, earlier) for _, earlier in runs[:k]):
+                return "the all-reduce of an earlier all-reduce's result: the gradient all-reduced twice"
+            return "the all-reduce of something other than the gradient it was given"
+    for value, words in [(t, "the result of its all-reduce") for _, t in runs] + [(given, "the gradient it was given")]:
+        k = _factor(grad, value)
+        if k is not None:
+            return f"{_times(k)}{words}" + (" (its all-reduce's result left unused)" if "given" in words else "")
+    return "neither a multiple of its all-reduce's result nor of the gradient it was given"
+
+
 MISTAKES = (
     Mistake(
         "an identity backward",
@@ -111,7 +207,7 @@ MISTAKES = (
             "in backward: grad = grad.contiguous().clone(); dist.all_reduce(grad, group=ctx.group); return grad, "
             "None, None",
         ),
-        holds=("forward:",),
+        holds=("forward:", RETURNS),
     ),
     Mistake(
         "the ranks' gradients averaged",

@@ -5,6 +5,7 @@ The rank calls the answer as a linear layer's three matmuls and compares each wi
 the rowwise case with torchao's own axiswise casts (`tensor_to_scale`, `to_fp8_saturated`) through
 torch._scaled_mm, bit for bit; and every product against the lesson's a-priori error bound."""
 
+import contextlib
 import copy
 import logging
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from exercise_kit import Exercise, solution
 from exercise_signatures import Equals, Mistake
+from torch.utils._python_dispatch import TorchDispatchMode
 
 for _noisy in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_noisy).setLevel(logging.ERROR)
@@ -27,6 +29,7 @@ UNINVERTED = "_scaled_mm given the scales rho, not 1/rho"
 EMULATED = "the operands unscaled and multiplied in float32 (torchao's emulate mode)"
 ONE_FORMAT = "both operands cast to a_fmt"
 ROUNDED = "the kernel's product rounded to bfloat16 (out_dtype)"
+LAYOUT = "torch._scaled_mm given a row-major, b column-major (the layout its GPU kernel demands)"
 
 
 def _cast(t, fmt, rowwise):
@@ -79,9 +82,10 @@ def _ranks(rt, fp8_matmul, claims) -> None:
         "dW = dY^T X": (dy.t(), x, E5M2, E4M3, False),
     }
     bound = solution(LESSON, "error_bound").load()
-    inside = True
+    inside, layouts = True, Layouts()
     for (name, (a, b, fa, fb, fast)), key in zip(matmuls.items(), ref):
-        got = fp8_matmul(a, b, fa, fb, fast_accum=fast)
+        with layouts.of(name):
+            got = fp8_matmul(a, b, fa, fb, fast_accum=fast)
         claims.close(
             f"{name} equals torchao's Float8Linear bit for bit",
             got,
@@ -96,7 +100,8 @@ def _ranks(rt, fp8_matmul, claims) -> None:
             },
         )
         inside &= bool(((got.double() - a.double() @ b.double()).abs() <= bound(a, b, fa, fb)).all())
-    got = fp8_matmul(x, weight.t(), E4M3, E4M3, rowwise=True)
+    with layouts.of("rowwise Y"):
+        got = fp8_matmul(x, weight.t(), E4M3, E4M3, rowwise=True)
     claims.close(
         "rowwise: Y equals torchao's axiswise casts through _scaled_mm bit for bit",
         got,
@@ -108,6 +113,62 @@ def _ranks(rt, fp8_matmul, claims) -> None:
     error = (got.double() - x.double() @ weight.double().t()).abs()
     inside &= bool((error <= bound(x, weight.t(), E4M3, E4M3, True)).all())
     claims.holds("every product inside its a-priori bound", inside, what="|got - a b| against the lesson's bound")
+    claims.equal(
+        LAYOUT,
+        layouts.wrong() or "a row-major, b column-major in every call",
+        "a row-major, b column-major in every call",
+        what="the operands' layouts the answer handed to torch._scaled_mm",
+        hints=(
+            "torch._scaled_mm's GPU kernel takes a row-major and b column-major (it raises on any other layout; "
+            "the CPU's accepts both): b column-major is the transpose of a contiguous b^T",
+            "cast b.t() (b's columns as rows), make that contiguous, and hand _scaled_mm its .t(): a view, "
+            "column-major, no copy",
+            "torch._scaled_mm(a_q.contiguous(), bt_q.contiguous().t(), ...), not bt_q.t().contiguous()",
+        ),
+    )
+
+
+class Layouts(TorchDispatchMode):
+    """The layouts of the operands of every torch._scaled_mm run under it: (the matmul's name, a's, b's), each
+    "row-major", "column-major" or its strides; `of(name)` enters it for one matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str, str]] = []
+        self.name = ""
+
+    @contextlib.contextmanager
+    def of(self, name: str):
+        self.name = name
+        with self:
+            yield
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten" and func.__name__.split(".")[0] == "_scaled_mm":
+            self.calls.append((self.name, layout(args[0]), layout(args[1])))
+        return func(*args, **(kwargs or {}))
+
+    def wrong(self) -> str:
+        """Each operand's wrong layout and the matmuls it came in: "b row-major in every call"."""
+        parts = []
+        for k, (operand, want) in enumerate((("a", "row-major"), ("b", "column-major")), start=1):
+            where: dict[str, list[str]] = {}
+            for call in self.calls:
+                if call[k] != want:
+                    where.setdefault(call[k], []).append(call[0])
+            for got, names in where.items():
+                parts.append(
+                    f"{operand} {got} in {'every call' if len(names) == len(self.calls) else ', '.join(names)}"
+                )
+        return "; ".join(parts)
+
+
+def layout(t: torch.Tensor) -> str:
+    if t.is_contiguous():
+        return "row-major"
+    if t.dim() == 2 and t.t().is_contiguous():
+        return "column-major"
+    return f"strides {tuple(t.stride())}"
 
 
 MISTAKES = (
@@ -177,6 +238,34 @@ def one_format(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
     return solution(LESSON, NAME).load()(a, b, a_fmt, a_fmt, rowwise, fast_accum)
 
 
+def _scaled(a_q, b_q, a_scale, b_scale, rowwise, fast_accum):
+    scale_b = b_scale.reciprocal().t() if rowwise else b_scale.reciprocal()
+    return torch._scaled_mm(
+        a_q.contiguous(),
+        b_q,
+        scale_a=a_scale.reciprocal(),
+        scale_b=scale_b,
+        out_dtype=torch.float32,
+        use_fast_accum=fast_accum,
+    )
+
+
+def row_major_b(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
+    """Right numbers on the CPU, b handed over row-major: the GPU's kernel raises."""
+    quantize = solution(LESSON, "quantize").load()
+    (a_q, a_scale), (bt_q, b_scale) = quantize(a, a_fmt, rowwise), quantize(b.t(), b_fmt, rowwise)
+    return _scaled(a_q, bt_q.t().contiguous(), a_scale, b_scale, rowwise, fast_accum)
+
+
+def column_major_copy(a, b, a_fmt, b_fmt, rowwise=False, fast_accum=False):
+    """Right, written another way: b's cast copied into a column-major buffer of its own."""
+    quantize = solution(LESSON, "quantize").load()
+    (a_q, a_scale), (bt_q, b_scale) = quantize(a, a_fmt, rowwise), quantize(b.t(), b_fmt, rowwise)
+    b_q = torch.empty_strided(b.shape, (1, b.shape[0]), dtype=b_fmt)
+    b_q.copy_(bt_q.t())
+    return _scaled(a_q, b_q, a_scale, b_scale, rowwise, fast_accum)
+
+
 # World sizes: one process: the lesson splits no work.
 EXERCISE = Exercise(
     LESSON,
@@ -202,6 +291,8 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"row_major_b": "_scaled_mm given"})
+test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["column_major_copy"])
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))
 test_the_judge_rejects_a_second_slip = EXERCISE.audit_test(Path(__file__), second=True)

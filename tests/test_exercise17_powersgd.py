@@ -28,6 +28,8 @@ UNCOMPRESSED, NO_FEEDBACK, SUMMED, COLD = (
     "PowerSGD with a fresh V every step",
 )
 PLAIN_SUMMED = "PowerSGD with the plain steps' gradients summed, not averaged"
+FEEDBACK = "error feedback: Delta_r = M_r - what every rank uses, kept after each compressed step"
+RIGHT = "M_r - what every rank uses"
 
 
 def _lesson():
@@ -59,11 +61,71 @@ def _named(fn):
     return hook
 
 
+def _watched(fn, kept: list):
+    """`fn` as a hook DDP accepts, each compressed step's error feedback kept in `kept`: (the step, G_r as DDP
+    handed it, the error stored before, the buffer the hook returned, the error stored after), read from
+    `state.errors` once the hook's future holds its buffer."""
+    done = [0]  # the steps completed: each ends with its last bucket
+
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        index, step, given = bucket.index(), done[0], bucket.buffer().clone()
+        before = state.errors.get(index)
+        before = None if before is None else before.clone()
+        done[0] += bucket.is_last()
+
+        def record(future):
+            after = state.errors.get(index)
+            if step >= _lesson().START_ITER:
+                kept.append((step, given, before, future.value().clone(), None if after is None else after.clone()))
+            return future.value()
+
+        return fn(state, bucket).then(record)
+
+    return hook
+
+
+def feedback(kept: list) -> str:
+    """What the answer's error feedback held after each compressed step, against Delta_r = M_r - what every rank
+    uses (M_r = G_r + the error it kept before): the steps where it held something else, named."""
+    named = [(step, _kept_as(given, before, used, after)) for step, given, before, used, after in kept]
+    wrong = [(step, name) for step, name in named if name != RIGHT]
+    if not wrong:
+        return RIGHT
+    if len(wrong) == len(named) and len({name for _, name in wrong}) == 1:
+        return f"every compressed step ({', '.join(str(step) for step, _ in wrong)}): {wrong[0][1]}"
+    return f"step {wrong[0][0]} (from 0): {wrong[0][1]}"
+
+
+def _kept_as(given, before, used, after) -> str:
+    if after is None:
+        return "nothing (state.errors holds no error for the bucket)"
+    m = given + (0 if before is None else before)
+    readings = {
+        RIGHT: m - used,
+        "what every rank uses - M_r: the sign flipped": used - m,
+        "G_r - what every rank uses: the error kept before left out of M_r": given - used,
+        "M_r: what every rank uses never subtracted": m,
+        "zero": torch.zeros_like(m),
+    }
+    if before is not None:
+        readings["the error kept before, unchanged"] = before
+    name = next((n for n, t in readings.items() if t.shape == after.shape and _close(after, t)), None)
+    right = readings[RIGHT]
+    k = (after * right).sum().item() / max((right * right).sum().item(), 1e-300) if after.shape == m.shape else 0
+    if name is None and k and _close(after, k * right):
+        name = f"{RIGHT}, x {k:.6g}"
+    return name or "none of M_r - what every rank uses, its negative or a multiple, G_r - what every rank uses, zero"
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool((got - want).abs().max() <= 1e-9 * want.abs().max().clamp(min=1e-300))
+
+
 def _ranks(rt, powersgd_hook, claims) -> None:
-    lesson = _lesson()
+    lesson, kept = _lesson(), []
     with Watch() as watch:
         try:
-            got = _train(rt, _named(powersgd_hook))
+            got = _train(rt, _watched(powersgd_hook, kept))
         except RuntimeError as err:  # DDP wraps what the hook raised
             if "not written yet" in str(err):
                 raise NotImplementedError(str(err).split("NotImplementedError: ")[-1].splitlines()[0]) from err
@@ -71,6 +133,18 @@ def _ranks(rt, powersgd_hook, claims) -> None:
     # DDP's construction broadcasts the parameters and all-gathers their shapes: the hook's traffic is the
     # all-reduces (a learner's other collectives are counted too, by their ring formulas)
     sent = _hook_bytes(watch)
+    kept_as = feedback(kept)
+    claims.equal(
+        FEEDBACK,
+        kept_as,
+        RIGHT,
+        ok=kept_as == RIGHT,
+        what="the error the answer kept (state.errors)",
+        hints=(
+            "Delta_r is what compression took from this rank's M_r = G_r + Delta_r: M_r less what every rank now "
+            "uses, added back to the next step's gradient",
+        ),
+    )
     torch_state = dict(zip(got, lesson.train_ddp(rt, ARGS, "torch", ARGS.approx_rank)[0]))
     claims.tensors(
         "the parameters equal those under torch's powerSGD_hook",
@@ -146,6 +220,11 @@ def wasteful(state, bucket):
     """Right numbers, wrong bytes: the lesson's hook, plus an all-reduce of the whole bucket thrown away."""
     dist.all_reduce(bucket.buffer().clone())
     return _lesson().powersgd_hook(state, bucket)
+
+
+def chained_future(state, bucket):
+    """Right, written another way: the buffer handed back through a future chained on the lesson's."""
+    return _lesson().powersgd_hook(state, bucket).then(lambda future: future.value())
 
 
 MISTAKES = (
@@ -227,6 +306,7 @@ test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mista
     Path(__file__), WRONG
 )
 test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"wasteful": "bytes sent"})
+test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["chained_future"])
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))
 test_the_judge_rejects_a_second_slip = EXERCISE.audit_test(Path(__file__), second=True)

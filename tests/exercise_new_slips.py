@@ -36,7 +36,7 @@ NEW_SLIPS = {
         "the warm-up not capped at M (P - r - 1 forwards even when fewer micro-batches exist)",
         "warmup = min(num_ranks - r - 1, microbatches)",
         "warmup = num_ranks - r - 1",
-        unnamed="caught once M = 1 was judged (after planting); the validator's words and the claim's hint only",
+        names=r"at M = 1, per rank: forwards before the first I 2, 1, 1 \(the lesson's 1, 1, 1\)",
     ),
     "all_reduce_gradients": Slip(
         "the sum divided by P - 1 (the other ranks), not by P",

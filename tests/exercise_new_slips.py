@@ -60,7 +60,7 @@ NEW_SLIPS = {
         "each tile's positions read from this rank's own pieces, not those of the block it holds",
         "for cols, key_positions in layout.pieces(source):",
         "for cols, key_positions in layout.pieces(ring.rank):",
-        unnamed="the tiles after the diagonal counted 108, not 81, and the exercise's first hint",
+        names=r"\(0, 3\) masked with the diagonal's triangle \(as if its keys were piece 0's\), where the lesson's",
     ),
     "expert_parallel_moe": Slip(
         "the combine's all-to-all given the dispatch's splits, not the swapped ones",

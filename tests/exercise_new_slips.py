@@ -78,7 +78,7 @@ NEW_SLIPS = {
         "only the blocks tensor-parallel: the embedding and head left whole on the tp ranks",
         'parallelize_module(model, mesh["tp"], {k: v for k, v in EDGES.items() if getattr(model, k) is not None})',
         "pass",
-        unnamed="a size mismatch raised inside torch's schedule; the ranks' scatters and broadcasts",
+        names=r"tp leaves whole embed\.weight, head\.weight, which the lesson's plan cuts",
     ),
     "rank_bytes": Slip(
         "every bias cut by tp, out's and fc2's too (they stay whole on every rank)",

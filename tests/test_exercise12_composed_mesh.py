@@ -53,20 +53,22 @@ class _Built(Exception):
     """The model the answer built is not cut as the lesson's plan cuts it: the claim said so, no step is run."""
 
 
-def _cut_by(model, mesh, shards) -> dict[str, set[str]]:
-    """Each parameter of the model the answer built: the groups it is cut on (a Shard placement on a mesh dimension
-    of more than one rank), named by their ranks: "tp", "dp x cp" (the flattened mesh: FSDP2's), "dp", "cp"."""
+def _held_on(model, mesh, shards) -> dict[str, dict[str, str]]:
+    """Each parameter of the model the answer built: the groups of more than one rank it is a DTensor on, named by
+    their ranks ("tp", "dp x cp": the flattened mesh, FSDP2's; "dp", "cp"), each "cut" (a Shard) or "replicated"."""
     named = {tuple(dist.get_process_group_ranks(mesh.get_group(d))): d for d in ("dp", "cp", "tp")}
     named[tuple(dist.get_process_group_ranks(shards.get_group()))] = "dp x cp"
-    cut = {}
+    held = {}
     for name, param in model.named_parameters():
         on = param.device_mesh if isinstance(param, DTensor) else None
-        cut[name] = {
-            named.get(tuple(dist.get_process_group_ranks(on.get_group(i))), f"mesh dim {on.mesh_dim_names[i]}")
+        held[name] = {
+            named.get(tuple(dist.get_process_group_ranks(on.get_group(i))), f"mesh dim {on.mesh_dim_names[i]}"): (
+                "cut" if isinstance(placement, CUTS) else "replicated"
+            )
             for i, placement in enumerate(param.placements if on is not None else ())
-            if isinstance(placement, CUTS) and on.size(i) > 1
+            if on.size(i) > 1
         }
-    return cut
+    return held
 
 
 def _lesson_cuts(lesson, name: str) -> bool:
@@ -87,28 +89,33 @@ def _listed(names: list[str]) -> str:
 
 
 def _checked(lesson, parallelize, claims, shape: ParallelDims, at: str):
-    """The answer as `build`, its model's cuts checked as soon as it is built: tensor parallelism cuts what the
-    lesson's plan cuts (which dimension is the answer's: any cut will do), and, said beside it, what FSDP2's dp x cp
-    group cuts. A model cut otherwise stops the shape there, every rank at once, before torch's schedule runs it."""
+    """The answer as `build`, its model checked as soon as it is built: tensor parallelism cuts what the lesson's
+    plan cuts (along any dimension: which is the answer's) and holds the rest replicated on tp, as that plan does;
+    said beside it, what FSDP2's dp x cp group cuts. A model placed otherwise stops the shape there, every rank at
+    once, before torch's schedule runs it."""
 
     def built(model, cfg, shape_, mesh, shards):
         model = parallelize(model, cfg, shape_, mesh, shards)
         try:
-            cut = _cut_by(model, mesh, shards)
+            held = _held_on(model, mesh, shards)
         except (AttributeError, TypeError):  # no model: the training says what went wrong
             return model
-        want = {n for n in cut if shape.tp > 1 and _lesson_cuts(lesson, n)}
-        got = {n for n, on in cut.items() if "tp" in on}
-        fsdp = [n for n, on in cut.items() if "dp x cp" not in on]
+        want = {n for n in held if shape.tp > 1 and _lesson_cuts(lesson, n)}
+        got = {n for n, on in held.items() if on.get("tp") == "cut"}
+        off = sorted(n for n, on in held.items() if shape.tp > 1 and "tp" not in on and n not in want)
+        fsdp = [n for n, on in held.items() if on.get("dp x cp") != "cut"]
         said = [
             f"tp leaves whole {_listed(sorted(want - got))}, which the lesson's plan cuts" if want - got else "",
             f"tp cuts {_listed(sorted(got - want))}, which the lesson's plan leaves whole" if got - want else "",
+            f"{_listed(off)} not on tp at all (no DTensor there), which the lesson's plan replicates on tp"
+            if off
+            else "",
             f"dp x cp (FSDP2) leaves whole {_listed(fsdp)}" if fsdp else "dp x cp (FSDP2) cuts every parameter",
         ]
         note = f"rank {dist.get_rank()}'s model: " + "; ".join(filter(None, said))
         if not claims.holds(
-            f"{at}: tensor parallelism cuts the parameters the lesson's plan cuts",
-            got == want,
+            f"{at}: tensor parallelism cuts the parameters the lesson's plan cuts, the rest replicated on tp",
+            got == want and not off,
             what="the model the answer built",
             note=note,
             hints=("tp: every block's plan and the EDGES (embedding, norm, head), parallelize_module on mesh['tp']",),

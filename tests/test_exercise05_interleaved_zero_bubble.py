@@ -171,7 +171,7 @@ MISTAKES = (
     Mistake(
         "a W before its I",
         "is a schedule",
-        (Says("deadlocks"),),
+        (Says(r"deadlocks:.* at \d+W\d"),),  # a rank stuck at a W: its I had not run
         (
             "a weight gradient needs the output gradient its I received",
             "on every rank W_i comes after I_i, which comes after F_i",

@@ -60,7 +60,7 @@ NEW_SLIPS = {
         "each tile's positions read from this rank's own pieces, not those of the block it holds",
         "for cols, key_positions in layout.pieces(source):",
         "for cols, key_positions in layout.pieces(ring.rank):",
-        names=r"\(0, 3\) masked with the diagonal's triangle \(as if its keys were piece 0's\), where the lesson's",
+        names=r"\(0, 3\) masked with the diagonal's triangle \(as if its queries and keys were one piece\), where the",
     ),
     "expert_parallel_moe": Slip(
         "the combine's all-to-all given the dispatch's splits, not the swapped ones",

@@ -116,7 +116,7 @@ class _Tiles(TorchDispatchMode):
             got = "never folded" if mask is None else "whole" if not mask.any() else "masked otherwise"
             got = "triangle" if mask is not None and torch.equal(mask, triangle) else got
             if got != lesson and (got, lesson) != ("never folded", "skipped"):
-                words = {"triangle": f"{TRIANGLE['triangle']} (as if its keys were piece {a}'s)"}
+                words = {"triangle": f"{TRIANGLE['triangle']} (as if its queries and keys were one piece)"}
                 item = f"({a}, {b}) {words.get(got, got)}, where the lesson's is {TRIANGLE.get(lesson, lesson)}"
                 steps.setdefault((rank - (b if b < P else 2 * P - 1 - b)) % P, []).append(item)
         said = [

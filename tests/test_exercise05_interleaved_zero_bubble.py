@@ -181,7 +181,7 @@ MISTAKES = (
     Mistake(
         "the backward never split",
         "is a schedule",
-        (Says("has no W"),),
+        (Says("no backward has a W"),),  # none split: "some backward has no W" is another slip
         (
             "zero bubble needs the weights' gradient as an action of its own",
             "split each backward into I (the input's gradient, which rank r - 1 waits for) and W (the weights')",

@@ -6,7 +6,8 @@ bubble counted in the schedule's grid is (P-1)/(3M+P-1); and rank r holds min(M,
 measured while running (M = 4 > P). The lists at two more M are judged as data, without a run: M = 5 (not a
 multiple of P) and M = 1 (fewer micro-batches than rank 0's P - r - 1 warm-up forwards, where the warm-up's cap at M
 bites and the bubble formula no longer holds): each is a schedule, rank r's order holds min(M, P) micro-batches, and
-the bubble is (P-1)/(3M+P-1) at M = 5."""
+the bubble is (P-1)/(3M+P-1) at M = 5. Beside the claims, where the answer's order differs from the lesson's at
+that M: each rank's forwards before its first I and W's held back, and where its list first leaves the lesson's."""
 
 from collections import deque
 from pathlib import Path

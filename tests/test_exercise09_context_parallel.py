@@ -6,6 +6,8 @@ rank's out and lse equal one process's (float64, rtol 1e-10); the k/v blocks wen
 blocks sent); the causal tiles after the diagonal were skipped (the products computed equal the layout's
 count); and per rank, at most two k/v blocks are alive at once beyond its own, the one folded and the one
 arriving, never the whole sequence (the judge counts every block-shaped tensor the answer keeps alive).
+Beside out's claim (and the tiles' count), which (query piece, key piece) tiles the rank folded and how masked,
+by ring step, where they differ from the lesson's (read from the score tiles of the same run: `_Tiles`).
 P = 4: at P = 3 holding every block costs no more than two in flight."""
 
 from collections import Counter

@@ -8,8 +8,11 @@ with the answer as its `build`) and one process trains the whole model on every 
 (`lesson.reference`: plain autograd, torch's AdamW). The lesson's claims: every step's loss and every
 parameter this rank holds equal one process's (float64, 1e-10), and the bytes sent on each of the tp, cp and
 dp x cp groups in the measured step equal the lesson's formulas (the judge counts torch's own collectives by
-the group they ran on, `distlab.comm.watch`)."""
+the group they ran on, `distlab.comm.watch`). Before any step, the model the answer built: tensor parallelism cuts
+the parameters the lesson's plan cuts and replicates the rest on tp (what dp x cp cuts said beside it), so a plan
+that differs is named before torch's schedule raises on it."""
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -85,6 +88,8 @@ def _lesson_cuts(lesson, name: str) -> bool:
 
 
 def _listed(names: list[str]) -> str:
+    """The names, every block's alike said once ("layers.*.attn.q.weight"), at most 6."""
+    names = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "layers.*.", n) for n in names))
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "") if names else "none"
 
 

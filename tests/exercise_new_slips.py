@@ -36,7 +36,7 @@ NEW_SLIPS = {
         "the warm-up not capped at M (P - r - 1 forwards even when fewer micro-batches exist)",
         "warmup = min(num_ranks - r - 1, microbatches)",
         "warmup = num_ranks - r - 1",
-        unnamed="caught once M = 1 was judged (after planting); the validator's words and the claim's hint only",
+        names=r"at M = 1, per rank: forwards before the first I 2, 1, 1 \(the lesson's 1, 1, 1\)",
     ),
     "all_reduce_gradients": Slip(
         "the sum divided by P - 1 (the other ranks), not by P",
@@ -60,7 +60,7 @@ NEW_SLIPS = {
         "each tile's positions read from this rank's own pieces, not those of the block it holds",
         "for cols, key_positions in layout.pieces(source):",
         "for cols, key_positions in layout.pieces(ring.rank):",
-        unnamed="the tiles after the diagonal counted 108, not 81, and the exercise's first hint",
+        names=r"\(0, 3\) masked with the diagonal's triangle \(as if its queries and keys were one piece\), where the",
     ),
     "expert_parallel_moe": Slip(
         "the combine's all-to-all given the dispatch's splits, not the swapped ones",
@@ -78,7 +78,7 @@ NEW_SLIPS = {
         "only the blocks tensor-parallel: the embedding and head left whole on the tp ranks",
         'parallelize_module(model, mesh["tp"], {k: v for k, v in EDGES.items() if getattr(model, k) is not None})',
         "pass",
-        unnamed="a size mismatch raised inside torch's schedule; the ranks' scatters and broadcasts",
+        names=r"tp leaves whole embed\.weight, head\.weight, which the lesson's plan cuts",
     ),
     "rank_bytes": Slip(
         "every bias cut by tp, out's and fc2's too (they stay whole on every rank)",

@@ -25,8 +25,10 @@ def why_invalid(schedule, world: int, microbatches: int, split: bool = False, st
             return f"{len(schedule)} lists for {world} ranks"
         if check_schedule(schedule) != microbatches:
             return f"not {microbatches} micro-batches"
-        if split and split_backward(schedule) != {(p, i) for p in range(world) for i in range(microbatches)}:
-            return "some backward has no W: every I must be followed, later, by its W"
+        ws = split_backward(schedule) if split else set()
+        if split and ws != {(p, i) for p in range(world) for i in range(microbatches)}:
+            which = "some backward has no W" if ws else "no backward has a W"  # a few left out, or none split
+            return f"{which}: every I must be followed, later, by its W"
         simulate(schedule)
     except ValueError as err:
         return str(err)

@@ -6,16 +6,17 @@ bubble counted in the schedule's grid is (P-1)/(3M+P-1); and rank r holds min(M,
 measured while running (M = 4 > P). The lists at two more M are judged as data, without a run: M = 5 (not a
 multiple of P) and M = 1 (fewer micro-batches than rank 0's P - r - 1 warm-up forwards, where the warm-up's cap at M
 bites and the bubble formula no longer holds): each is a schedule, rank r's order holds min(M, P) micro-batches, and
-the bubble is (P-1)/(3M+P-1) at M = 5."""
+the bubble is (P-1)/(3M+P-1) at M = 5. Beside the claims, where the answer's order differs from the lesson's at
+that M: each rank's forwards before its first I and W's held back, and where its list first leaves the lesson's."""
 
 from collections import deque
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import Rules, trains_exact, why_invalid
+from exercise_schedules import Rules, departure, trains_exact, why_invalid
 from exercise_signatures import Equals, Mistake, Says
 
-from distlab.model_split.schedules import Action, one_f_one_b
+from distlab.model_split.schedules import Action, one_f_one_b, zero_bubble
 from distlab.model_split.simulator import peak_in_flight, simulate
 from distlab.model_split.training import PipelineConfig
 
@@ -45,12 +46,42 @@ def _held(m: int, r: int) -> dict[str, int]:
     }
 
 
+def _counted(actions) -> tuple[int, int]:
+    """(the forwards before the first I, the most W's still waiting when an F or an I runs) in one rank's list."""
+    kinds = [getattr(a, "kind", None) for a in actions]
+    forwards = kinds.index("I") if "I" in kinds else kinds.count("F")
+    waiting = most = 0
+    for kind in kinds:
+        most = max(most, waiting) if kind in ("F", "I") else most
+        waiting += (kind == "I") - (kind == "W")
+    return forwards, most
+
+
+def _compared(schedule, m: int) -> str:
+    """What the answer's order did differently from the lesson's at M = m, "" when nothing: each rank's forwards
+    before its first I (the warm-up) and W's held back, where they differ, then where a rank's list first leaves
+    the lesson's order. A description beside the claims, never a claim: another valid order is no mistake."""
+    lesson = zero_bubble(P, m)
+    try:
+        got, want = [_counted(a) for a in schedule], [_counted(a) for a in lesson]
+    except (TypeError, AttributeError):
+        return ""
+    said = [
+        f"{words} {', '.join(str(c[i]) for c in got)} (the lesson's {', '.join(str(c[i]) for c in want)})"
+        for i, words in enumerate(("forwards before the first I", "the W's waiting at most when an F or I runs"))
+        if len(got) == len(want) and [c[i] for c in got] != [c[i] for c in want]
+    ]
+    where = departure(schedule, lesson, m)
+    return "; ".join(([f"at M = {m}, per rank: " + "; ".join(said)] if said else []) + ([where] if where else []))
+
+
 def _as_data(rt, zb_h1, claims, m: int) -> None:
     """The lists at another M, judged as data: a schedule, what rank r holds (counted in its order), the bubble."""
     schedule = zb_h1(P, m)
-    why = why_invalid(schedule, P, m, split=True)
+    why, apart = why_invalid(schedule, P, m, split=True), _compared(schedule, m)
     claim = f"M={m}: every rank's order is a schedule ({RULES.words}, no deadlock)"
-    if not claims.holds(claim, not why, what="the schedule", note=why, hints=(RULES.how,)):
+    note = "; ".join(filter(None, (why, apart)))
+    if not claims.holds(claim, not why, what="the schedule", note=note, hints=(RULES.how,)):
         return
     claims.equal(
         f"M={m}: rank r holds min(M, P) micro-batches (counted in its order)",
@@ -59,18 +90,20 @@ def _as_data(rt, zb_h1, claims, m: int) -> None:
         what="micro-batches held at once",
         alternatives=_held(m, rt.rank),
         hints=("the W's held back are capped by the micro-batches there are: min(M, r)",),
+        note=apart,
     )
     if m >= P:  # below P the grid has idle ticks no W can fill
         bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (3 * m + P - 1)
         ok = abs(bubble - formula) < 1e-12
-        claims.equal(f"M={m}: the bubble is (P-1)/(3M+P-1)", bubble, formula, ok=ok, what="the bubble")
+        claims.equal(f"M={m}: the bubble is (P-1)/(3M+P-1)", bubble, formula, ok=ok, what="the bubble", note=apart)
 
 
 def _ranks(rt, zb_h1, claims) -> None:
     schedule = zb_h1(P, M)
-    run = trains_exact(rt, claims, schedule, CFG, RULES)
+    run = trains_exact(rt, claims, schedule, CFG, RULES, reference=zero_bubble(P, M))
     if run is None:
         return
+    apart = _compared(schedule, M)  # beside the claims below, never a claim: another valid order is no mistake
     bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (3 * M + P - 1)
     claims.equal(
         "the bubble counted in the grid is (P-1)/(3M+P-1)",
@@ -79,6 +112,7 @@ def _ranks(rt, zb_h1, claims) -> None:
         ok=abs(bubble - formula) < 1e-12,
         what="the bubble",
         hints=("the W's a rank holds back fill the ticks where it would wait for a gradient",),
+        note=apart,
     )
     claims.equal(
         "rank r holds min(M, P) micro-batches",
@@ -86,6 +120,7 @@ def _ranks(rt, zb_h1, claims) -> None:
         min(M, P),
         what="micro-batches held at once",
         alternatives=_held(M, rt.rank),
+        note=apart,
     )
     for m in OTHER_M:
         _as_data(rt, zb_h1, claims, m)
@@ -137,7 +172,7 @@ MISTAKES = (
     Mistake(
         "a W before its I",
         "is a schedule",
-        (Says("deadlocks"),),
+        (Says(r"deadlocks:.* at \d+W\d"),),  # a rank stuck at a W: its I had not run
         (
             "a weight gradient needs the output gradient its I received",
             "on every rank W_i comes after I_i, which comes after F_i",
@@ -147,7 +182,7 @@ MISTAKES = (
     Mistake(
         "the backward never split",
         "is a schedule",
-        (Says("has no W"),),
+        (Says("no backward has a W"),),  # none split: "some backward has no W" is another slip
         (
             "zero bubble needs the weights' gradient as an action of its own",
             "split each backward into I (the input's gradient, which rank r - 1 waits for) and W (the weights')",

@@ -6,6 +6,8 @@ rank's out and lse equal one process's (float64, rtol 1e-10); the k/v blocks wen
 blocks sent); the causal tiles after the diagonal were skipped (the products computed equal the layout's
 count); and per rank, at most two k/v blocks are alive at once beyond its own, the one folded and the one
 arriving, never the whole sequence (the judge counts every block-shaped tensor the answer keeps alive).
+Beside out's claim (and the tiles' count), which (query piece, key piece) tiles the rank folded and how masked,
+by ring step, where they differ from the lesson's (read from the score tiles of the same run: `_Tiles`).
 P = 4: at P = 3 holding every block costs no more than two in flight."""
 
 from collections import Counter
@@ -16,10 +18,19 @@ import torch.nn.functional as F
 from exercise_kit import Exercise, solution
 from exercise_signatures import Equals, Mistake
 from exercise_watch import Watch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlab.comm.ring import Ring
 from distlab.layer_split.context_parallel.attention import Partial, causal_mask, fold_tile, scores
-from distlab.layer_split.context_parallel.split import SKIP, Layout, count_work, pieces_of, shard, tile_kind
+from distlab.layer_split.context_parallel.split import (
+    SKIP,
+    Layout,
+    count_work,
+    piece_label,
+    pieces_of,
+    shard,
+    tile_kind,
+)
 
 LESSON, NAME = "context_parallel", "ring_forward"
 P, HEADS, SEQ, HEAD_DIM = 4, 2, 24, 4
@@ -27,6 +38,7 @@ BLOCK_SHAPE = (HEADS, SEQ // P, HEAD_DIM)
 BLOCK_CAUSAL = "attention with the diagonal tiles unmasked (a query sees its whole piece)"
 WRONG_WAY = "attention with block a masked as if it were block 2r - a (the ring read the wrong way)"
 OWN_BLOCK = "attention over this rank's own k/v block alone"
+TRIANGLE = {"triangle": "masked with the diagonal's triangle"}
 FUTURE = "attention with the tiles after the diagonal folded in unmasked (only the diagonal tiles masked)"
 
 
@@ -60,6 +72,67 @@ def _misreadings(full: list, rank: int, causal: bool) -> dict:
     }
 
 
+class _Tiles(TorchDispatchMode):
+    """Every score tile the answer formed, read from the tensors of its ops (in-place ones too): a tensor of shape
+    (heads, piece, piece), or a few pieces each way, whose finite entries equal q_a k_b^T / sqrt(d_h) for one of
+    this rank's query pieces a and one key piece b is tile (a, b); its -inf entries are its mask."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, rank: int):
+        super().__init__()
+        self.piece, self.found = SEQ // (2 * P), {}
+        self.mine = [r.start // self.piece for r in pieces_of(rank, P, SEQ, "zigzag")]
+        self.reference = q @ k.transpose(-1, -2) / HEAD_DIM**0.5  # the whole sequence's scores
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.dim() == 3 and t.shape[0] == HEADS:
+                if all(n % self.piece == 0 and 0 < n <= SEQ // P for n in t.shape[1:]):
+                    self._read(t.detach().clone())
+        return out
+
+    def _read(self, t: torch.Tensor) -> None:
+        n = self.piece
+        for i in range(0, t.shape[1], n):
+            for j in range(0, t.shape[2], n):
+                tile = t[:, i : i + n, j : j + n]
+                finite = tile.isfinite()
+                if not finite.any() or not (finite == finite[0]).all():
+                    continue
+                for a in self.mine:
+                    for b in range(2 * P):
+                        want = self.reference[:, a * n : (a + 1) * n, b * n : (b + 1) * n]
+                        if torch.allclose(tile[finite], want[finite], rtol=1e-9, atol=0):
+                            masked = ~finite[0]  # the most entries masked of every version seen: the mask applied
+                            if masked.sum() >= self.found.get((a, b), masked).sum():
+                                self.found[(a, b)] = masked
+
+    def unlike(self, rank: int, causal: bool) -> str:
+        """Rank r's tiles that differ from the lesson's, by ring step ("" when none does): each (a, b) whole, masked
+        with the diagonal's triangle (keys after the query's own position in the piece), masked otherwise, or never
+        folded, against the lesson's whole, triangle or skipped."""
+        triangle, steps = torch.ones(self.piece, self.piece, dtype=torch.bool).triu(1), {}
+        for a, b in [(a, b) for a in self.mine for b in range(2 * P)]:
+            lesson = "whole" if not causal or b < a else "triangle" if b == a else "skipped"
+            mask = self.found.get((a, b))
+            got = "never folded" if mask is None else "whole" if not mask.any() else "masked otherwise"
+            got = "triangle" if mask is not None and torch.equal(mask, triangle) else got
+            if got != lesson and (got, lesson) != ("never folded", "skipped"):
+                words = {"triangle": f"{TRIANGLE['triangle']} (as if its queries and keys were one piece)"}
+                item = f"({a}, {b}) {words.get(got, got)}, where the lesson's is {TRIANGLE.get(lesson, lesson)}"
+                steps.setdefault((rank - (b if b < P else 2 * P - 1 - b)) % P, []).append(item)
+        said = [
+            f"step {s} (rank {(rank - s) % P}'s block, pieces {piece_label((rank - s) % P, P, SEQ)}): " + "; ".join(x)
+            for s, x in sorted(steps.items())
+        ]
+        more = f"; steps {', '.join(map(str, sorted(steps)[2:]))} too" if len(said) > 2 else ""
+        return (
+            f"rank {rank}'s tiles (query piece, key piece) unlike the lesson's: " + "; ".join(said[:2]) + more
+            if said
+            else ""
+        )
+
+
 def _reference(q, k, v, causal):
     """One process, the whole sequence: out by SDPA, lse as the rows' log-sum-exp of the scores."""
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -78,16 +151,19 @@ def _ranks(rt, ring_forward, claims) -> None:
         layout = Layout(P, SEQ, "zigzag", causal)
         ring, tally = Ring(), Counter()
         mine = [shard(t, rt.rank, P, "zigzag") for t in full]
-        with Watch(lambda shape: "k/v block" if shape == BLOCK_SHAPE else None) as watch:
-            out, lse = ring_forward(ring, *mine, layout, tally)
-            held = watch.peak["k/v block"]
+        with _Tiles(full[0], full[1], rt.rank) as tiles:  # outside the Watch: its copies are no answer's tensors
+            with Watch(lambda shape: "k/v block" if shape == BLOCK_SHAPE else None) as watch:
+                out, lse = ring_forward(ring, *mine, layout, tally)
+                held = watch.peak["k/v block"]
+        unlike = tiles.unlike(rt.rank, causal)  # beside the claims, never a claim of its own
         ref_out, ref_lse = _reference(*full, causal)
-        claims.close(
+        out_ok = claims.close(
             f"{name}: out equals SDPA's on the whole sequence",
             out,
             shard(ref_out, rt.rank, P, "zigzag"),
             what="out",
             alternatives=_misreadings(full, rt.rank, causal),
+            note=unlike,
         )
         claims.close(
             f"{name}: lse equals the rows' log-sum-exp",
@@ -109,6 +185,7 @@ def _ranks(rt, ring_forward, claims) -> None:
             want,
             what="products counted",
             hints=("a tile whose keys all come after its queries adds only -inf: skip it, count what you fold",),
+            note=unlike if out_ok else "",  # said once: with out's claim where that failed
         )
         claims.equal(
             f"{name}: at most two k/v blocks alive beyond my own, never the whole sequence",

@@ -8,19 +8,26 @@ with the answer as its `build`) and one process trains the whole model on every 
 (`lesson.reference`: plain autograd, torch's AdamW). The lesson's claims: every step's loss and every
 parameter this rank holds equal one process's (float64, 1e-10), and the bytes sent on each of the tp, cp and
 dp x cp groups in the measured step equal the lesson's formulas (the judge counts torch's own collectives by
-the group they ran on, `distlab.comm.watch`)."""
+the group they ran on, `distlab.comm.watch`). Before any step, the model the answer built: tensor parallelism cuts
+the parameters the lesson's plan cuts and replicates the rest on tp (what dp x cp cuts said beside it), so a plan
+that differs is named before torch's schedule raises on it."""
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from exercise_kit import Exercise
 from exercise_signatures import Mistake, Zero
 from helpers import load_lesson
+from torch.distributed.tensor import DTensor, Shard, placement_types
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from distlab.composed import cost
 from distlab.composed.config import MODEL, RunConfig
 from distlab.composed.dims import ParallelDims
+from distlab.layer_split.tensor_parallel.torch_tp import plan as block_plan
 from distlab.proof.models import attention
 
 LESSON, NAME = "12_composed_mesh", "parallelize"
@@ -42,8 +49,94 @@ def _ranks(rt, parallelize, claims) -> None:
             return
 
 
+CUTS = (Shard, getattr(placement_types, "_StridedShard", Shard))  # FSDP2 over tp shards with a stride: a cut too
+
+
+class _Built(Exception):
+    """The model the answer built is not cut as the lesson's plan cuts it: the claim said so, no step is run."""
+
+
+def _held_on(model, mesh, shards) -> dict[str, dict[str, str]]:
+    """Each parameter of the model the answer built: the groups of more than one rank it is a DTensor on, named by
+    their ranks ("tp", "dp x cp": the flattened mesh, FSDP2's; "dp", "cp"), each "cut" (a Shard) or "replicated"."""
+    named = {tuple(dist.get_process_group_ranks(mesh.get_group(d))): d for d in ("dp", "cp", "tp")}
+    named[tuple(dist.get_process_group_ranks(shards.get_group()))] = "dp x cp"
+    held = {}
+    for name, param in model.named_parameters():
+        on = param.device_mesh if isinstance(param, DTensor) else None
+        held[name] = {
+            named.get(tuple(dist.get_process_group_ranks(on.get_group(i))), f"mesh dim {on.mesh_dim_names[i]}"): (
+                "cut" if isinstance(placement, CUTS) else "replicated"
+            )
+            for i, placement in enumerate(param.placements if on is not None else ())
+            if on.size(i) > 1
+        }
+    return held
+
+
+def _lesson_cuts(lesson, name: str) -> bool:
+    """Whether the lesson's tensor-parallel plan cuts `name` (tp > 1): Colwise all of a module's parameters,
+    Rowwise its weight only (the bias added once the partial sums are reduced); the norms none."""
+    module, _, kind = name.rpartition(".")
+    parts = module.split(".")
+    style = (
+        block_plan(sequence_parallel=True).get(".".join(parts[2:]))
+        if parts[0] == "layers"
+        else lesson.EDGES.get(module)
+    )
+    return isinstance(style, ColwiseParallel) or (isinstance(style, RowwiseParallel) and kind == "weight")
+
+
+def _listed(names: list[str]) -> str:
+    """The names, every block's alike said once ("layers.*.attn.q.weight"), at most 6."""
+    names = list(dict.fromkeys(re.sub(r"^layers\.\d+\.", "layers.*.", n) for n in names))
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "") if names else "none"
+
+
+def _checked(lesson, parallelize, claims, shape: ParallelDims, at: str):
+    """The answer as `build`, its model checked as soon as it is built: tensor parallelism cuts what the lesson's
+    plan cuts (along any dimension: which is the answer's) and holds the rest replicated on tp, as that plan does;
+    said beside it, what FSDP2's dp x cp group cuts. A model placed otherwise stops the shape there, every rank at
+    once, before torch's schedule runs it."""
+
+    def built(model, cfg, shape_, mesh, shards):
+        model = parallelize(model, cfg, shape_, mesh, shards)
+        try:
+            held = _held_on(model, mesh, shards)
+        except (AttributeError, TypeError):  # no model: the training says what went wrong
+            return model
+        want = {n for n in held if shape.tp > 1 and _lesson_cuts(lesson, n)}
+        got = {n for n, on in held.items() if on.get("tp") == "cut"}
+        off = sorted(n for n, on in held.items() if shape.tp > 1 and "tp" not in on and n not in want)
+        fsdp = [n for n, on in held.items() if on.get("dp x cp") != "cut"]
+        said = [
+            f"tp leaves whole {_listed(sorted(want - got))}, which the lesson's plan cuts" if want - got else "",
+            f"tp cuts {_listed(sorted(got - want))}, which the lesson's plan leaves whole" if got - want else "",
+            f"{_listed(off)} not on tp at all (no DTensor there), which the lesson's plan replicates on tp"
+            if off
+            else "",
+            f"dp x cp (FSDP2) leaves whole {_listed(fsdp)}" if fsdp else "dp x cp (FSDP2) cuts every parameter",
+        ]
+        note = f"rank {dist.get_rank()}'s model: " + "; ".join(filter(None, said))
+        if not claims.holds(
+            f"{at}: tensor parallelism cuts the parameters the lesson's plan cuts, the rest replicated on tp",
+            got == want and not off,
+            what="the model the answer built",
+            note=note,
+            hints=("tp: every block's plan and the EDGES (embedding, norm, head), parallelize_module on mesh['tp']",),
+        ):
+            raise _Built
+        return model
+
+    return built
+
+
 def _shape(rt, lesson, ref, shape: ParallelDims, parallelize, claims) -> None:
-    one, at = lesson.train_shape(rt, CFG, shape, build=parallelize), _name(shape)
+    at = _name(shape)
+    try:
+        one = lesson.train_shape(rt, CFG, shape, build=_checked(lesson, parallelize, claims, shape, at))
+    except _Built:
+        return
     losses = torch.tensor(one.run.losses, dtype=torch.float64)
     claims.close(
         f"{at}: every step's loss equals one process's",

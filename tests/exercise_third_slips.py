@@ -58,14 +58,14 @@ THIRD_SLIPS = {
         "the gate weights detached (routing read as not differentiable): the router learns from L_aux alone",
         "weight = routing.weights[plan.tokens, plan.slots].unsqueeze(-1)",
         "weight = routing.weights[plan.tokens, plan.slots].unsqueeze(-1).detach()",
-        unnamed="12 replicated tensors missed, the router among them, no factor; the exercise's hint",
+        names=r"the MoE layer's output carries no graph to moe\.router\.weight",
     ),
     "ulysses_attention": Slip(
         "the way back's transpose dropped: heads_to_seq cuts the output by positions as it lies",
         "by_rank = y.view(mine, p, local, head_dim).transpose(0, 1).reshape(p * mine, local * head_dim)",
         "by_rank = y.view(mine, p, local, head_dim).reshape(p * mine, local * head_dim)",
         within="heads_to_seq",
-        unnamed="out equals none of the four misreadings offered; the exercise's hint",
+        names=r"every row of out is a row of SDPA's output \(the attention right, its rows placed elsewhere\)",
     ),
     "all_gather_matmul": Slip(
         "the held block's source read as (r + k) mod P, not (r - k) mod P: the ring right, the blocks misplaced",
@@ -83,19 +83,19 @@ THIRD_SLIPS = {
         "theta kept as the weights themselves (detach without clone): theta moves with every inner step",
         "theta[param] = param.detach().clone()",
         "theta[param] = param.detach()",
-        unnamed="round 2's weights off, no factor; the claim's hint (the outer step starts from theta)",
+        names=r"theta shares storage with the weights: 0\.0\.weight",
     ),
     "global_loss_times_p": Slip(
         "the factor P put on the reported value, not on the loss back-propagated",
         "return rt.world_size * loss, value",
         "return loss, rt.world_size * value",
-        unnamed="the reported loss P times named; the gradient's miss (1/P) listed with no reading",
+        names=r"the value reported is P x L, the gradient 1/P of what DDP needs",
     ),
     "local_clip_loss": Slip(
         "the logit scale s left out of the second direction's logits: z_y Z_x^T, not s z_y Z_x^T",
         "logits_y = s * local_z_y @ all_z_x.T",
         "logits_y = local_z_y @ all_z_x.T",
-        unnamed="the products formed: s z_x Z_y^T only (the second direction missing at scale s, not unscaled)",
+        names=r"z_y Z_x\^T \(unscaled\), not s z_x Z_y\^T and s z_y Z_x\^T",
     ),
     "gather_all_reduce": Slip(
         "the backward returns its rows of the gradient it received, not of the all-reduced sum",
@@ -109,7 +109,7 @@ THIRD_SLIPS = {
         "the sign inside the sigmoid slipped: D = -eps sigma(eps S) / N, not -eps sigma(-eps S) / N",
         "torch.sigmoid(-labels * (s * x @ block.T + beta))",
         "torch.sigmoid(labels * (s * x @ block.T + beta))",
-        unnamed="G_x and G_y off, no factor, equal to no misreading offered; the exercise's hint",
+        names=r"block\(s\) 0, 1, 2: sigma\(\+eps S_j\); the lesson's is sigma\(-eps S_j\)",
     ),
     "clip_step": Slip(
         "the gradients zeroed after the backward, not before it: clip and step see no gradient",
@@ -119,6 +119,6 @@ THIRD_SLIPS = {
         "    with torch.autocast(images.device.type, torch.bfloat16, enabled=bf16):\n"
         "        loss = distributed_backward(ddp, images, captions, config)  # the exact global gradient, added\n"
         "    optimizer.zero_grad(set_to_none=True)\n",
-        unnamed="raised at optimizer.step(): 'NoneType' object has no attribute 'clone'; the exercise's hint",
+        names=r"\.grad was None on every parameter as optimizer\.step\(\) started \(the answer ran backward, zero_grad",
     ),
 }

@@ -83,6 +83,31 @@ def _sync(block, world) -> None:
         param.grad /= world
 
 
+def reached(t: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors `t`'s graph reaches, read off its autograd nodes (nothing runs backward)."""
+    leaves, seen, stack = set(), set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.add(id(node.variable))
+        stack += [after for after, _ in node.next_functions]
+    return leaves
+
+
+def cut_from(layer, out: torch.Tensor) -> str:
+    """The layer's replicated weights (the router's) that its output carries no graph to: their gradient then
+    comes from L_aux alone, nothing through the gate weights. "" when the output reaches every one."""
+    ids = reached(out)
+    cut = [f"moe.{n}" for n, p in layer.named_parameters() if ".experts." not in f".{n}" and id(p) not in ids]
+    if not cut:
+        return ""
+    through = "its gradient is L_aux's alone, none through the gate weights"
+    return f"the MoE layer's output carries no graph to {', '.join(cut)}: {through}"
+
+
 def _ranks(rt, expert_parallel_moe, claims) -> None:
     lesson = solution(LESSON, NAME).module()
     rows = PROBLEM.rows(rt.rank, P)
@@ -90,7 +115,15 @@ def _ranks(rt, expert_parallel_moe, claims) -> None:
     reference = MoEBlock(CFG)
     block = copy.deepcopy(reference)
     block.moe = layer = lesson.ExpertParallelMoE(block.moe, Ledger())
-    layer.forward = lambda u: expert_parallel_moe(layer, u)
+    graph = {}  # what the answer's output reaches, read as it returns
+
+    def forward(u):
+        result = expert_parallel_moe(layer, u)
+        out = result[0] if isinstance(result, tuple) else result
+        graph["cut"] = cut_from(layer, out) if isinstance(out, torch.Tensor) else ""
+        return result
+
+    layer.forward = forward
     with Watch() as watch:
         z, aux = block(x[rows])
         runs.loss_of((z, aux), target[rows], CFG.aux_weight).backward()
@@ -126,6 +159,7 @@ def _ranks(rt, expert_parallel_moe, claims) -> None:
         {n: got[n] for n in shared},
         {n: want[n] for n in shared},
         what="the router's, attention's and LayerNorms' gradients",
+        note=graph.get("cut", ""),
     )
     if output:
         kept = runs.decisions(CFG, PROBLEM, P).kept_counts

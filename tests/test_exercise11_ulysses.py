@@ -68,6 +68,38 @@ def _arrival_both_ways(full: list, rank: int, causal: bool, P: int) -> torch.Ten
     return torch.cat(back)
 
 
+def placed(out: torch.Tensor, ref: torch.Tensor, r: int) -> str:
+    """Where out's rows (one head at one position, d_h values each) lie in SDPA's output on the whole sequence
+    `ref` (h, seq, d_h), this rank holding positions r seq/P ..: "" when every row is in its place; else, head by
+    head, which block of SDPA's output each of out's misplaced heads holds (the first three), and how many rows
+    are no row of it."""
+    heads, local, seq = out.shape[0], out.shape[1], ref.shape[1]
+    rows, want = out.detach().reshape(-1, out.shape[-1]), ref.detach().reshape(-1, ref.shape[-1])
+    gap = torch.cdist(rows, want, compute_mode="donot_use_mm_for_euclid_dist")  # exact: no |a|^2 - 2ab + |b|^2
+    found = [int(i) if gap[n, i] <= 1e-9 * want.abs().max() else None for n, i in enumerate(gap.argmin(1))]
+    lost, mine = found.count(None), f"positions {r * local}..{(r + 1) * local - 1}"
+    moved = [
+        a for a in range(heads) if found[a * local : (a + 1) * local] != [a * seq + r * local + t for t in range(local)]
+    ]
+    if not moved:
+        return ""
+    words = []
+    for a in moved[:3]:
+        got = found[a * local : (a + 1) * local]
+        if None in got:
+            words.append(f"head {a}: {got.count(None)} of its rows are no row of SDPA's output")
+        elif len({i // seq for i in got}) == 1 and [i % seq for i in got] == list(
+            range(got[0] % seq, got[0] % seq + local)
+        ):
+            words.append(f"head {a} holds SDPA's head {got[0] // seq} at positions {got[0] % seq}..{got[-1] % seq}")
+        else:
+            words.append(f"head {a} holds SDPA's " + ", ".join(f"(head {i // seq}, position {i % seq})" for i in got))
+    where = f"at {mine}, {len(moved)} of out's {heads} heads hold another block of SDPA's output: {'; '.join(words)}"
+    if not lost:  # the attention ran right; only where its rows landed is wrong
+        return f"every row of out is a row of SDPA's output (the attention right, its rows placed elsewhere); {where}"
+    return where
+
+
 def _ranks(rt, ulysses_attention, claims) -> None:
     group, index = _group(rt)
     P, r = dist.get_world_size(group), dist.get_rank(group)  # the group's size and this rank's place in it
@@ -100,6 +132,7 @@ def _ranks(rt, ulysses_attention, claims) -> None:
             shard(ref.detach(), r, P, "contiguous"),
             what="out",
             alternatives=alternatives,
+            note=placed(out, ref, r),
         )
         claims.tensors(
             f"{name}: dq, dk, dv equal SDPA's",

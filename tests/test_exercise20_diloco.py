@@ -24,6 +24,7 @@ P, ROWS, WIDTHS, H, ROUNDS, INNER_LR, LR, MU = 2, 4, (5, 8, 3), 2, 2, 0.1, 0.7, 
 ISLANDS, TWO_EACH = 2, 4  # two islands: of one rank each at P = 2, of two ranks each at P = 4
 OVER_WORLD = "the islands' mean scaled by ISLANDS/P: a mean over the world's ranks, not over the islands"
 SLIP, LOCAL, SUM = "the sign slip: theta_i - theta", "the step taken from the island's own weights", "the sum"
+MOVED = "the weights after this round's inner steps (theta moved with them)"
 
 
 class Nesterov:
@@ -49,6 +50,25 @@ def _inner(model, seed: int) -> None:
                 p -= INNER_LR * p.grad
 
 
+def _theta_kept(claims, model, theta, world, rnd: int) -> None:
+    """Round rnd + 1's theta, after its inner steps: the weights the last outer step left (world's, not yet
+    stepped this round); which of theta's tensors share storage with the weights, where any does."""
+    shared = [n for n, p in model.named_parameters() if _aliases(theta.get(p), p)]
+    claims.tensors(
+        f"round {rnd + 1}: theta after the inner steps still holds the round's start",
+        {n: theta.get(p) for n, p in model.named_parameters()},
+        {n: w.detach().clone() for n, w in world.named_parameters()},
+        what="theta after the inner steps",
+        alternatives={MOVED: {n: p.detach().clone() for n, p in model.named_parameters()}},
+        note=f"theta shares storage with the weights: {', '.join(shared)}" if shared else "",
+        hints=("theta is the round's start: a copy that the inner steps cannot move, not the weights themselves",),
+    )
+
+
+def _aliases(t, param) -> bool:
+    return t is not None and t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+
+
 def _ranks(rt, outer_step_by_hand, claims) -> None:
     island, _, _, across = load_lesson("diloco").island_groups(rt)  # across: this member's group of 2 islands
     model = layered_mlp(WIDTHS, seed=1)
@@ -59,6 +79,8 @@ def _ranks(rt, outer_step_by_hand, claims) -> None:
     outer, size = Nesterov(), sum(p.numel() * 8 for p in model.parameters())
     for rnd in range(ROUNDS):
         _inner(model, seed=10 * rnd + island)  # an island's ranks train alike (its own DDP, in the lesson)
+        if rnd > 0:  # the theta the answer kept last round must be the round's start still, the inner steps taken
+            _theta_kept(claims, model, theta, world, rnd)
         for i, twin in enumerate(twins):
             _inner(twin, seed=10 * rnd + i)
         with torch.no_grad():

@@ -18,6 +18,7 @@ from distlab.contrastive.losses import clip_loss
 LESSON, NAME = "contrastive_global", "global_loss_times_p"
 P, C, D, TAU = 3, 4, 5, 0.1
 HALF, AT_TAU = "the image-to-text half of L alone", "L at logit scale tau instead of 1/tau"
+MOVED = "P L, with L back-propagated: the gradient at z_x is 1/P of the claim's (the full batch's, not P times it)"
 
 
 def _ranks(rt, loss_fn, claims, seed: int) -> None:
@@ -28,6 +29,10 @@ def _ranks(rt, loss_fn, claims, seed: int) -> None:
     ref = clip_loss(ref_x, ref_y, 1 / TAU)  # clip_loss takes the logit scale s = 1/tau
     ref.backward()
     labels = torch.arange(P * C)
+    loss.backward()
+    # which factor the back-propagated loss carried, read off the gradient: offered as a reading of the value
+    # reported only where the gradient is the full batch's itself (the P put on the value, not the loss)
+    bare = z_x.grad is not None and torch.allclose(z_x.grad, ref_x.grad[rows], rtol=1e-9, atol=1e-12)
     claims.equal(
         "the reported loss is the full batch's L",
         float(value),
@@ -37,13 +42,24 @@ def _ranks(rt, loss_fn, claims, seed: int) -> None:
         alternatives={
             HALF: F.cross_entropy(e.full_x @ e.full_y.T / TAU, labels).item(),
             AT_TAU: clip_loss(e.full_x, e.full_y, TAU).item(),
+            **({MOVED: P * ref.item()} if bare else {}),
         },
     )
-    loss.backward()
     claims.close("the gradient at z_x equals P x the full batch's", z_x.grad, P * ref_x.grad[rows], what="dL/dz_x")
 
 
 MISTAKES = (
+    Mistake(
+        "P put on the reported value, not on the loss back-propagated",
+        "reported loss",
+        (Equals(MOVED),),
+        (
+            "the factor P went on the wrong output: the value reported is P x L, the gradient 1/P of what DDP needs",
+            "back-propagate P L (DDP's average divides it by P again) and report L itself",
+            "return (P * L, L.detach()), not (L, P * L.detach())",
+        ),
+        fails=("gradient at z_x",),
+    ),
     Mistake(
         "L back-propagated, not P L",
         "gradient at z_x",
@@ -88,6 +104,12 @@ MISTAKES = (
 )
 
 
+def moved_p(rt, z_x, z_y, tau, gather):
+    """The factor P on the value reported, L itself back-propagated."""
+    loss = clip_loss(gather(z_x), gather(z_y), 1 / tau)
+    return loss, rt.world_size * loss.detach()
+
+
 def plain_loss(rt, z_x, z_y, tau, gather):
     """L back-propagated as it is, which DDP's average turns into dL/dtheta / P."""
     loss = clip_loss(gather(z_x), gather(z_y), 1 / tau)
@@ -129,6 +151,7 @@ EXERCISE = Exercise(
     quantities=lambda p: {"C": C, "N": p * C},
 )
 WRONG = {
+    "P put on the reported value, not on the loss back-propagated": "moved_p",
     "L back-propagated, not P L": "plain_loss",
     "P L reported as the loss": "reports_p_l",
     "one direction of the symmetric loss": "one_direction",

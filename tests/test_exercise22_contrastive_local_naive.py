@@ -54,8 +54,9 @@ LOGITS = ("z_x Z_y^T", "z_y Z_x^T")  # the two directions' products; the others 
 def products(kept: list, z_x, z_y, full_x, full_y) -> str:
     """Which of the products a local loss may form the answer computed, at which scale: each C x N (or N x C,
     transposed) tensor it made, read as k a B^T for a in {z_x, z_y}, B in {Z_x, Z_y}, k in {s, 1/s, 2 s, s/2}
-    ("s z_x Z_y^T"), the unscaled products of the right pairs left out (the step before the scale). Each name
-    once, sorted, joined by "and"; "none of them" when it formed none."""
+    ("s z_x Z_y^T"). An unscaled product is left out where the same pair was also formed at a scale (the step
+    before it), else named "z_y Z_x^T (unscaled)": those logits were never scaled. Each name once, sorted,
+    joined by "and"; "none of them" when it formed none."""
     pairs = {"z_x Z_y^T": z_x @ full_y.T, "z_y Z_x^T": z_y @ full_x.T, "z_x Z_x^T": z_x @ full_x.T}
     pairs["z_y Z_y^T"] = z_y @ full_y.T
     scales = {"s": S, "1/s": 1 / S, "2 s": 2 * S, "s/2": S / 2, "": 1.0}
@@ -66,7 +67,9 @@ def products(kept: list, z_x, z_y, full_x, full_y) -> str:
             for word, k in scales.items():
                 if t.shape == product.shape and torch.allclose(t, k * product, rtol=1e-9, atol=1e-12):
                     found.add(f"{word} {pair}".strip())
-    return " and ".join(sorted(found - set(LOGITS))) or "none of them"
+    scaled = {" ".join(name.split()[-2:]) for name in found if len(name.split()) > 2}
+    found = {name if len(name.split()) > 2 else f"{name} (unscaled)" for name in found if name not in scaled}
+    return " and ".join(sorted(found)) or "none of them"
 
 
 def _ranks(rt, local_clip_loss, claims) -> None:

@@ -70,6 +70,24 @@ def logits_blocks(kept: list, z_x, full_y) -> str:
     return "; ".join(wrong)
 
 
+def sigmoids_taken(kept: list, z_x, full_y, rank: int) -> str:
+    """Which sigmoid of each block's logits S_j = s z_x Z_y[j]^T + beta the answer formed, read in eps_j (+1 on
+    the diagonal of its own block j = r, -1 elsewhere): sigma(-eps S_j), the lesson's, or sigma(+eps S_j), the
+    sign slipped (off the own block eps = -1, so these are sigma(S_j) and sigma(-S_j)). "" when every block
+    took the lesson's; else the blocks grouped by the sigmoid they took ("neither ..." where neither was formed)."""
+    taken = {}
+    for j in range(P):
+        logits = S * z_x @ full_y[j * C : (j + 1) * C].T + BETA
+        eps = 2 * torch.eye(C, dtype=z_x.dtype) * (j == rank) - 1
+        forms = {"sigma(-eps S_j)": torch.sigmoid(-eps * logits), "sigma(+eps S_j)": torch.sigmoid(eps * logits)}
+        found = [w for w, want in forms.items() if any(torch.allclose(t, want, rtol=1e-9, atol=1e-12) for t in kept)]
+        taken.setdefault(found[0] if found else "neither sigma(-eps S_j) nor sigma(+eps S_j)", []).append(j)
+    if set(taken) == {"sigma(-eps S_j)"}:
+        return ""
+    words = "; ".join(f"block(s) {', '.join(map(str, js))}: {w}" for w, js in taken.items())
+    return f"the sigmoid each block took, S_j = s z_x Z_y[j]^T + beta: {words}; the lesson's is sigma(-eps S_j)"
+
+
 def _ranks(rt, ring, claims, seed: int) -> None:
     e = Embeddings.of(rt.rank, P, C, D, seed)
     rows = e.rows
@@ -78,7 +96,10 @@ def _ranks(rt, ring, claims, seed: int) -> None:
     ref_x, ref_y = e.whole()
     sigmoid_loss(ref_x, ref_y, S, BETA).backward()  # plain autograd on the whole batch
     wrong_x, wrong_y = _misreadings(e, rt.rank)
-    claims.close("G_x equals the whole batch's on my rows", g_x, ref_x.grad[rows], what="G_x", alternatives=wrong_x)
+    taken = sigmoids_taken(watch.kept, e.z_x.detach(), e.full_y, rt.rank)  # a description, never a claim
+    claims.close(
+        "G_x equals the whole batch's on my rows", g_x, ref_x.grad[rows], what="G_x", alternatives=wrong_x, note=taken
+    )
     claims.close("G_y equals the whole batch's on my pairs", g_y, ref_y.grad[rows], what="G_y", alternatives=wrong_y)
     want, seen = 8 * ((P - 1) * C * D + P * C * D), watch.sent(P)
     claims.equal(

@@ -59,9 +59,11 @@ def _ranks(rt, clip_step, claims) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
     stepped = []  # the gradient each optimizer step used, recorded as the step starts
     names = {p: n for n, p in model.named_parameters()}
-    optimizer.register_step_pre_hook(lambda opt, *_: stepped.append({names[p]: p.grad.clone() for p in names}))
+    ran = _order(optimizer, ddp, model)  # backward, zero_grad, step, in the order the answer ran them
+    optimizer.register_step_pre_hook(lambda opt, *_: stepped.append(_grads_of(names)))
     for step in (1, 2):
         mine, theirs = _values(model), _values(ref)
+        del ran[:]
         loss = clip_step(ddp, optimizer, images[rows], ids[rows], CONFIG, CLIP_NORM)
         misread, towers = copy.deepcopy(ref), copy.deepcopy(ref)
         _reference_step(misread, images, ids, clamp_first=True)
@@ -87,24 +89,51 @@ def _ranks(rt, clip_step, claims) -> None:
         )
         claims.equal(
             f"step {step}: the optimizer steps with the whole batch's gradient, its global norm clipped",
-            stepped_with(stepped[-1] if len(stepped) == step else None, grads["whole"], grads["clipped"]),
+            stepped_with(stepped[-1] if len(stepped) == step else None, grads["whole"], grads["clipped"], ran),
             "the whole batch's gradient, clipped to the norm bound",
             what="what the optimizer's step used",
             hints=("look at .grad when optimizer.step() starts: clip the global norm, after the backward",),
         )
 
 
+def _order(optimizer, ddp, model) -> list:
+    """A list that fills, as the answer runs, with "backward" (a gradient accumulated into a parameter; once a
+    run of them), "zero_grad" (the optimizer's or the model's) and "step" (the optimizer's)."""
+    ran = []
+    for owner in (optimizer, ddp):
+        plain = owner.zero_grad
+        owner.zero_grad = lambda *a, plain=plain, **k: (ran.append("zero_grad"), plain(*a, **k))[1]
+
+    def backward(_) -> None:
+        if ran[-1:] != ["backward"]:
+            ran.append("backward")
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(backward)
+    optimizer.register_step_pre_hook(lambda *_: ran.append("step"))
+    return ran
+
+
+def _grads_of(names: dict) -> dict:
+    """Every parameter's .grad as an optimizer step starts (None where it has none)."""
+    return {n: None if p.grad is None else p.grad.clone() for p, n in names.items()}
+
+
 def _grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def stepped_with(used: dict | None, whole: dict, clipped: dict) -> str:
+def stepped_with(used: dict | None, whole: dict, clipped: dict, ran: list = ()) -> str:
     """What the gradient an optimizer step used is, in words, told from the whole batch's gradient G and G
     clipped: "the whole batch's gradient, clipped to the norm bound" (right), "... not clipped", "... each
     value clamped to +-the bound", "... each tensor's norm clipped on its own", "k x the whole batch's
     gradient" (clipped to another bound), or its global norm against the bound's."""
     if used is None:
         return "no optimizer step, or more than one, in the call"
+    empty = [n for n, g in used.items() if g is None]
+    if empty:  # what the answer had run by then says where the gradient went
+        which = "every parameter" if len(empty) == len(used) else ", ".join(empty)
+        return f"no gradient: .grad was None on {which} as optimizer.step() started (the answer ran {', '.join(ran)})"
 
     def same(a: dict) -> bool:
         return set(a) == set(used) and all(torch.allclose(used[n], a[n], rtol=1e-9, atol=1e-14) for n in a)

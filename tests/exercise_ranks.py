@@ -143,6 +143,7 @@ def _recorded(fn: Callable[..., Any], ran: Ran) -> Callable[..., Any]:
         with ran:
             return fn(*args, **kwargs)
 
+    recorded.ran = ran  # a body running what the answer returned (04's stage and schedule) records it as the answer's
     return recorded
 
 

@@ -289,7 +289,10 @@ def diagnose(
         if claim != failed[0]:
             where = findings.failing(claim)
             ranks = ", ".join(map(str, where))
-            facts.append(f"'{claim}' failed too, on rank(s) {ranks}: {where[min(where)].amount()}")
+            amount, note = where[min(where)].amount(), failing[min(failing)].note
+            if note and amount.endswith(f" ({note})"):  # the first claim's line says it already
+                amount = amount[: -len(note) - 3]
+            facts.append(f"'{claim}' failed too, on rank(s) {ranks}: {amount}")
     return Diagnosis(failed[0], failing, None, tuple(facts), tuple(failed[1:]), world, quantities)
 
 

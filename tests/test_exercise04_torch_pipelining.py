@@ -1,9 +1,10 @@
-"""Exercise 04: this rank's PipelineStage and schedule in torch.distributed.pipelining, judged on 3 ranks:
-each rank builds its stage and schedule with the answer (first checked: the stage is stage p of P, its
-stage_index and num_stages, before any step runs), the lesson's TorchStep makes the step calls (recorded as the
-answer's: what each rank's answer ran lists torch's sends and receives), and the lesson's claims are checked for GPipe and 1F1B (P = 3, M = 4 equal micro-batches of 3 rows): the
-gradients after step 1 and the parameters after step 2 equal the unsplit model's on the whole batch
-(float64, rtol 1e-10), and PyTorch executes our schedule's order of forwards and backwards on every rank."""
+"""Exercise 04: this rank's PipelineStage and schedule in torch.distributed.pipelining, judged on 3 ranks: each rank
+builds its stage and schedule with the answer (first checked: the stage is stage p of P, its stage_index and
+num_stages, before any step runs), the lesson's TorchStep makes the step calls (recorded as the answer's: what each
+rank's answer ran lists torch's sends and receives), and the lesson's claims are checked for GPipe and 1F1B (P = 3,
+M = 4 equal micro-batches of 3 rows): the gradients after step 1 and the parameters after step 2 equal the unsplit
+model's on the whole batch (float64, rtol 1e-10), and PyTorch executes our schedule's order of forwards and
+backwards on every rank."""
 
 import contextlib
 from pathlib import Path

@@ -6,7 +6,6 @@ M = 4 equal micro-batches of 3 rows): the gradients after step 1 and the paramet
 model's on the whole batch (float64, rtol 1e-10), and PyTorch executes our schedule's order of forwards and
 backwards on every rank."""
 
-import contextlib
 from pathlib import Path
 
 import torch.nn.functional as F
@@ -48,8 +47,8 @@ def _ranks(rt, pipeline_for_rank, claims) -> None:
             ),
         ):
             return  # a stage built wrong leaves torch's engine waiting for a message no rank sends
-        with getattr(pipeline_for_rank, "ran", contextlib.nullcontext()):  # the stage and schedule it returned
-            run = train(rt, cfg, step)
+        _record_steps(step.schedule, getattr(pipeline_for_rank, "ran", None))
+        run = train(rt, cfg, step)
         claims.tensors(
             f"{name}: the gradients equal the unsplit model's",
             run.first_grads,
@@ -72,6 +71,20 @@ def _ranks(rt, pipeline_for_rank, claims) -> None:
                 OVER_P: list(map(str, make_schedule(name, P, P)[rt.rank])),
             },
         )
+
+
+def _record_steps(schedule, ran) -> None:
+    """The schedule the answer returned, its steps recorded as the answer's (`ran`: what the answer runs is
+    listed in words): torch's sends and receives are its doing, the loss shared after them the judge's."""
+    if ran is None:
+        return
+    step = schedule.step
+
+    def recorded(*args, **kwargs):
+        with ran:
+            return step(*args, **kwargs)
+
+    schedule.step = recorded
 
 
 MISTAKES = (

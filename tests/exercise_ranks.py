@@ -58,7 +58,8 @@ def _raised(err: Exception, answer, ran: str = "", logs: str | None = None) -> s
     lines = [line for line in err.child_traceback.splitlines() if line.strip()]
     last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
     if err.child_traceback.startswith("process exited with code"):  # spawn's death note: no Python traceback
-        last = _aborted(logs, err.rank) or lines[0].strip()
+        fatal = [line.strip() for line in lines if line.startswith("Fatal Python error")]  # faulthandler's first
+        last = _aborted(logs, err.rank) or (fatal or [lines[0].strip()])[0]
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', err.child_traceback)
     mine = [f for f in frames if Path(f[0]) == answer.path]
     dumped = [

@@ -342,7 +342,7 @@ def describe(failing: dict[int, Seen], world: int, quantities: dict | None = Non
             facts.append(_equals(failing, s.offered))
         if s.regions:
             facts.append(f"the error is confined to none of: {', '.join(s.regions)}")
-        facts += _placed(failing, s.what)
+        facts += _reordered(failing, s.what)
     return facts
 
 
@@ -357,7 +357,7 @@ def _equals(failing: dict[int, Seen], offered: tuple[str, ...]) -> str:
     return "; ".join(f"on rank{'s' * (len(ranks[m]) > 1)} {', '.join(ranks[m])}: {said[m]}" for m in said)
 
 
-def _placed(failing: dict[int, Seen], what: str) -> list[str]:
+def _reordered(failing: dict[int, Seen], what: str) -> list[str]:
     """Where got is the reference's blocks in another order: "Y's 3 blocks along dim 1 hold the reference's
     blocks 0, 2, 1 on rank 0; 2, 1, 0 on rank 1"."""
     each = {r: s.placed for r, s in failing.items() if s.placed}

@@ -317,6 +317,9 @@ def test_a_native_abort_is_told_by_the_error_it_wrote_not_by_its_crash_dump(tmp_
     assert "gloo::EnforceNotMet: op.preamble.length <= op.nbytes. 384 vs 256. Received data size" in text, text
     assert "rank 1 was sent a message of 384 bytes at its recv from rank 0 on ranks 0-2, its receive buffer" in text
     assert f"06_data_parallel.py:{at} in all_reduce_gradients: {lines[at - 1].strip()}" in text, text
+    (tmp_path / "0-1.err").unlink()  # nothing on its stderr: faulthandler's own first line, never the modules
+    text = _raised(SpawnError(1, dump), answer, "", str(tmp_path))
+    assert text.startswith("your answer raised on rank 1: Fatal Python error: Aborted"), text
 
 
 def test_an_equals_reading_is_said_for_the_ranks_where_it_holds():

@@ -13,7 +13,9 @@ relative: max |got - want| / max |want|), and the traces a mistake leaves behind
             schedule, ...), computed by the check from the reference's math, never from the answer;
 - `confined` the named regions outside which got is right (this rank's shard, the diagonal tiles, ...);
 - `tensors` which of a claim's named tensors missed (the logit scale only, every tower tensor);
-- `note`    the check's own words (a schedule's validator: "deadlocks", "appears twice").
+- `note`    the check's own words (a schedule's validator: "deadlocks", "appears twice");
+- `placed`  got is the reference cut in P blocks along one dimension, the blocks in another order (a ring's
+            block written where another rank's belongs).
 
 `exercise_signatures` reads these across ranks and recognises the catalogued mistakes in them.
 """
@@ -53,6 +55,7 @@ class Seen:
     worst: str = ""  # the named tensor that missed by the most
     note: str = ""
     hints: Hints = ()  # the claim's own hints, for a failure no catalogued mistake explains
+    placed: tuple = ()  # (dim, blocks): got's P blocks along dim are the reference's blocks in this order
 
     def amount(self) -> str:
         """By how much, in one phrase."""
@@ -106,7 +109,25 @@ def tensor_facts(got, want, tol: float, alternatives: dict, regions: dict) -> di
         k = (got * want).sum().item() / denominator
         if k != 0 and _rel(got, k * want) < tol:
             facts["ratio"] = k
+    if facts["error"] >= tol and torch.distributed.is_initialized():
+        facts["placed"] = _placed(got, want, tol, torch.distributed.get_world_size())
     return facts
+
+
+def _placed(got: torch.Tensor, want: torch.Tensor, tol: float, p: int) -> tuple:
+    """(dim, blocks) where got, cut in p equal blocks along dim, holds the reference's blocks in another order
+    (blocks[j]: which of want's blocks got's block j equals; want's blocks all distinct), else ()."""
+    for dim, size in enumerate(want.shape):
+        if size < p or size % p:
+            continue
+        mine, theirs = got.chunk(p, dim), want.chunk(p, dim)
+        same = [[_rel(g, w) < tol for w in theirs] for g in (*mine, *theirs)]
+        if any(sum(row) != 1 for row in same[p:]):  # want's blocks not all distinct: no order to read
+            continue
+        blocks = tuple(row.index(True) if sum(row) == 1 else None for row in same[:p])
+        if None not in blocks and blocks != tuple(range(p)):
+            return dim, blocks
+    return ()
 
 
 def _common_ratio(got: dict, want: dict, tol: float) -> float | None:

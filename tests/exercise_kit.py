@@ -164,7 +164,7 @@ class Exercise:
                 except (SpawnError, TimeoutError) as err:
                     if len(pending) != 1:  # the authors' wrong answers, judged together: a crash there is a bug
                         raise
-                    raised = _raised(err, pending[0], _ran_by_rank(logs, 0, world))
+                    raised = _raised(err, pending[0], _ran_by_rank(logs, 0, world), logs)
                     verdicts[pending[0]] = Verdict(pending[0], None, None, None, world, raised)
                     continue
             quantities = {"P": world, **(self.quantities(world) if self.quantities else {})}

@@ -2,15 +2,20 @@
 through the exercise's body, every claim agreed across ranks before the body goes on (so a slip that leaves some
 ranks right stops every rank at once, a verdict naming them, never one rank left waiting in a collective), every
 collective an answer runs recorded in words (`exercise_watch.Ran`: what each rank sent, to whom, on which group),
-and a failed run told in a few lines: the answer's own line that raised, or, for a transport error (a peer's
+and a failed run told in a few lines: the answer's own line that raised (for a process killed in C++, gloo's or
+c10's abort, the error it wrote on its stderr, kept while each answer runs), or, for a transport error (a peer's
 connection closed, a collective timed out), that the ranks stopped running the same collectives and what each
 rank's answer ran until then, never the fault of the rank that happened to see it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import linecache
+import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,17 +46,28 @@ def _ran_by_rank(logs: str | None, k: int, world: int) -> str:
     return "\n  what each rank's answer ran: " + "; ".join(each)
 
 
-def _raised(err: Exception, answer, ran: str = "") -> str:
+def _raised(err: Exception, answer, ran: str = "", logs: str | None = None) -> str:
     """One rank's failure in a few lines: the error's last line, on which rank, and the answer's own line
     that raised it (the deepest frame in the answer's file), never the judge's traceback. A transport error
     (a peer's connection closed, a collective timed out) is not that rank's fault: it says the ranks stopped
-    running the same collectives, and `ran` (what each rank's answer ran) shows where they parted."""
+    running the same collectives, and `ran` (what each rank's answer ran) shows where they parted. A process
+    that died without a traceback (a C++ abort inside gloo or c10) is told by the error it wrote on its stderr
+    (kept under `logs` by `_rank`), not by the last line of its crash dump."""
     if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
         return f"your answer did not finish: {err} (a collective some rank never joined?){ran}"
     lines = [line for line in err.child_traceback.splitlines() if line.strip()]
     last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
+    if err.child_traceback.startswith("process exited with code"):  # spawn's death note: no Python traceback
+        fatal = [line.strip() for line in lines if line.startswith("Fatal Python error")]  # faulthandler's first
+        last = _aborted(logs, err.rank) or (fatal or [lines[0].strip()])[0]
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', err.child_traceback)
     mine = [f for f in frames if Path(f[0]) == answer.path]
+    dumped = [
+        f for f in re.findall(r'File "([^"]+)", line (\d+) in (\S+)', err.child_traceback) if Path(f[0]) == answer.path
+    ]
+    if not mine and dumped:  # faulthandler's dump: most recent call first, no source line
+        path, line, name = dumped[0]
+        mine = [(path, line, name, linecache.getline(path, int(line)))]
     where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
     if TRANSPORT.search(last):
         return (
@@ -59,6 +75,53 @@ def _raised(err: Exception, answer, ran: str = "") -> str:
             f"gone ({last[:120]}){where}{ran}"
         )
     return f"your answer raised on rank {err.rank}: {last}{where}{ran}"
+
+
+SIZES = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match expected size")
+
+
+def _aborted(logs: str | None, rank: int) -> str:
+    """What a rank that died in C++ wrote on its stderr (`_rank` keeps it in `logs`/0-<rank>.err): the error's
+    type and message ("terminate called after throwing an instance of 'gloo::EnforceNotMet' what(): ..."),
+    without the source location; with gloo's size mismatch, the two sizes in words and the rank's last call."""
+    path = Path(logs or "") / f"0-{rank}.err"
+    text = path.read_text(errors="replace") if logs and path.exists() else ""
+    what = re.search(r"what\(\):\s*(?:\[[^\]]*\]\s*)?(.+)", text)
+    if what is None:
+        said = [line.strip() for line in text.splitlines() if re.search(r"[Ee]rror|[Ee]xception|[Ff]ail", line)]
+        return said[-1] if said else ""
+    kind = re.search(r"instance of '([^']+)'", text)
+    words = f"{kind.group(1) + ': ' if kind else ''}{what.group(1).strip()}"
+    sizes = SIZES.search(words)
+    if sizes:
+        calls = (Path(logs) / f"0-{rank}").read_text().splitlines() if (Path(logs) / f"0-{rank}").exists() else []
+        at = f" at its {calls[-1]}" if calls else ""
+        words += (
+            f" (rank {rank} was sent a message of {sizes.group(1)} bytes{at}, its receive buffer holding "
+            f"{sizes.group(2)} bytes: the sender's tensor and the receiver's buffer differ in shape or dtype)"
+        )
+    return f"its process aborted in C++: {words}"
+
+
+@contextlib.contextmanager
+def _stderr_kept(path: str | None):
+    """This process's stderr (fd 2) written to `path` too while an answer runs: a C++ abort (gloo's, c10's)
+    writes its error there only, before the process dies; echoed to the real stderr when the answer returns."""
+    if path is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w+b") as kept:
+        os.dup2(kept.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            kept.seek(0)
+            os.write(2, kept.read())
 
 
 def _agreed(ok: bool) -> bool:
@@ -94,6 +157,7 @@ def _recorded(fn: Callable[..., Any], ran: Ran) -> Callable[..., Any]:
         with ran:
             return fn(*args, **kwargs)
 
+    recorded.ran = ran  # a body running what the answer returned (04's stage and schedule) records it as the answer's
     return recorded
 
 
@@ -105,7 +169,8 @@ def _rank(rt, body: Callable[..., None], answers: list, args: tuple, logs: str |
         claims, before = Claims(agree=_agreed), len(unknown_ops())
         ran = Ran(str(Path(logs) / f"{k}-{rt.rank}") if logs else None)
         try:
-            body(rt, _recorded(answer.load(), ran), claims, *args)
+            with _stderr_kept(str(Path(logs) / f"{k}-{rt.rank}.err") if logs else None):
+                body(rt, _recorded(answer.load(), ran), claims, *args)
         except NotImplementedError as err:
             reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
             continue

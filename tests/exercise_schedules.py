@@ -1,6 +1,7 @@
 """What the schedule exercises (02, 03, 05, 19) share: whether a learner's lists are a schedule, in the
 validator's own words (the words their catalogued mistakes are recognised by), and, when they are, whether
-the pipeline runner trains with them exactly the unsplit model (`trains_exact`)."""
+the pipeline runner trains with them exactly the unsplit model (`trains_exact`); where a rank's list leaves the
+lesson's order (`departure`) and how its count of each kind differs (`tally`), descriptions beside a claim."""
 
 from __future__ import annotations
 
@@ -70,11 +71,13 @@ def departure(schedule, reference, microbatches: int) -> str:
         return ""
     rank, k = departed[0]
     actions, lesson = schedule[rank], reference[rank]
+    stage = (actions[k] if k < len(actions) else lesson[min(k, len(lesson) - 1)]).stage  # a V rank holds two
     held = [
         i
         for i in range(microbatches)
-        if Action("F", i, rank) in actions[:k] and Action("I", i, rank) not in actions[:k]
+        if Action("F", i, stage) in actions[:k] and Action("I", i, stage) not in actions[:k]
     ]
+    of = f" of stage {stage}" if len({a.stage for a in actions}) > 1 else ""
     got = _said(actions[k]) if k < len(actions) else "nothing (the list ends)"
     want = _said(lesson[k]) if k < len(lesson) else "nothing (its list ends)"
     before = (
@@ -90,8 +93,26 @@ def departure(schedule, reference, microbatches: int) -> str:
     )
     return (
         f"rank {rank}'s action {k} (from 0) is {got}{before}; the lesson's order runs {want} there, "
-        f"rank {rank} holding micro-batches {_listed(held)}{others}"
+        f"rank {rank} holding {f'micro-batches {_listed(held)}' if held else 'no micro-batch'}{of}{others}"
     )
+
+
+def tally(schedule, reference) -> str:
+    """How many actions of each kind every rank runs where that differs from the lesson's order (`reference`),
+    "" when none does: "rank 0 runs 2 W, the lesson's order 3 W". A description, never a claim."""
+    lists = isinstance(schedule, (list, tuple)) and all(isinstance(actions, (list, tuple)) for actions in schedule)
+    if not lists or not all(isinstance(a, Action) for actions in schedule for a in actions):
+        return ""
+    said = []
+    for rank, (actions, lesson) in enumerate(zip(schedule, reference)):
+        kinds = sorted({a.kind for a in [*actions, *lesson]}, key="FIW".find)
+        counts = [(kind, *(sum(a.kind == kind for a in xs) for xs in (actions, lesson))) for kind in kinds]
+        off = [(kind, got, want) for kind, got, want in counts if got != want]
+        if off:
+            runs, lessons = (", ".join(f"{c[i]} {c[0]}" for c in off) for i in (1, 2))
+            said.append(f"rank {rank} runs {runs}, the lesson's order {lessons}")
+    more = f"; {len(said) - 2} more ranks' counts differ" if len(said) > 2 else ""
+    return "; ".join(said[:2]) + more
 
 
 def _listed(numbers: list[int]) -> str:
@@ -124,7 +145,7 @@ def trains_exact(rt, claims, schedule, cfg, rules: Rules, prefix: str = "", refe
     schedule (training them would hang)."""
     why = why_invalid(schedule, rt.world_size, cfg.micro_batches, split=rules.split, stages_of=rules.stages_of)
     if why and reference is not None:
-        where = departure(schedule, reference, cfg.micro_batches)
+        where = "; ".join(filter(None, (departure(schedule, reference, cfg.micro_batches), tally(schedule, reference))))
         why = f"{why}; {where}" if where else why
     if not claims.holds(
         f"{prefix}every rank's order is a schedule ({rules.words}, no deadlock)",

@@ -289,7 +289,10 @@ def diagnose(
         if claim != failed[0]:
             where = findings.failing(claim)
             ranks = ", ".join(map(str, where))
-            facts.append(f"'{claim}' failed too, on rank(s) {ranks}: {where[min(where)].amount()}")
+            amount, note = where[min(where)].amount(), failing[min(failing)].note
+            if note and amount.endswith(f" ({note})"):  # the first claim's line says it already
+                amount = amount[: -len(note) - 3]
+            facts.append(f"'{claim}' failed too, on rank(s) {ranks}: {amount}")
     return Diagnosis(failed[0], failing, None, tuple(facts), tuple(failed[1:]), world, quantities)
 
 
@@ -336,11 +339,37 @@ def describe(failing: dict[int, Seen], world: int, quantities: dict | None = Non
         if s.tensors and right:  # a factor on some tensors only: where it was applied, and where not
             facts.append(f"tensors that held: {', '.join(right)}")
         if s.offered:
-            matched = sorted({m for t in seen for m in t.matches})
-            facts.append(f"equals: {', '.join(matched)}" if matched else f"equals none of: {', '.join(s.offered)}")
+            facts.append(_equals(failing, s.offered))
         if s.regions:
             facts.append(f"the error is confined to none of: {', '.join(s.regions)}")
+        facts += _reordered(failing, s.what)
     return facts
+
+
+def _equals(failing: dict[int, Seen], offered: tuple[str, ...]) -> str:
+    """Which offered alternatives the answer equals: "equals: X" only where every failing rank equals X, else
+    rank by rank ("on rank 0: equals X; on ranks 1, 2: equals none of ...")."""
+    each = {r: tuple(sorted(s.matches)) for r, s in failing.items()}
+    said = {m: f"equals: {', '.join(m)}" if m else f"equals none of: {', '.join(offered)}" for m in each.values()}
+    if len(said) == 1:
+        return next(iter(said.values()))
+    ranks = {m: [str(r) for r in each if each[r] == m] for m in said}
+    return "; ".join(f"on rank{'s' * (len(ranks[m]) > 1)} {', '.join(ranks[m])}: {said[m]}" for m in said)
+
+
+def _reordered(failing: dict[int, Seen], what: str) -> list[str]:
+    """Where got is the reference's blocks in another order: "Y's 3 blocks along dim 1 hold the reference's
+    blocks 0, 2, 1 on rank 0; 2, 1, 0 on rank 1"."""
+    each = {r: s.placed for r, s in failing.items() if s.placed}
+    if not each:
+        return []
+    dims = {dim for dim, _ in each.values()}
+    along = f" along dim {min(dims)}" if len(dims) == 1 else ""
+    said = "; ".join(
+        f"{', '.join(map(str, b))} on rank {r}{'' if along else f' (dim {d})'}" for r, (d, b) in each.items()
+    )
+    count = len(next(iter(each.values()))[1])
+    return [f"{what}'s {count} blocks{along} hold the reference's blocks {said}"]
 
 
 def _ratio(seen: Seen) -> str:

@@ -1,8 +1,10 @@
-"""Exercise 04: this rank's PipelineStage and schedule in torch.distributed.pipelining, judged on 3 ranks:
-each rank builds its stage and schedule with the answer, the lesson's TorchStep makes the step calls,
-and the lesson's claims are checked for GPipe and 1F1B (P = 3, M = 4 equal micro-batches of 3 rows): the
-gradients after step 1 and the parameters after step 2 equal the unsplit model's on the whole batch
-(float64, rtol 1e-10), and PyTorch executes our schedule's order of forwards and backwards on every rank."""
+"""Exercise 04: this rank's PipelineStage and schedule in torch.distributed.pipelining, judged on 3 ranks: each rank
+builds its stage and schedule with the answer (first checked: the stage is stage p of P, its stage_index and
+num_stages, before any step runs), the lesson's TorchStep makes the step calls (recorded as the answer's: what each
+rank's answer ran lists torch's sends and receives), and the lesson's claims are checked for GPipe and 1F1B (P = 3,
+M = 4 equal micro-batches of 3 rows): the gradients after step 1 and the parameters after step 2 equal the unsplit
+model's on the whole batch (float64, rtol 1e-10), and PyTorch executes our schedule's order of forwards and
+backwards on every rank."""
 
 from pathlib import Path
 
@@ -26,8 +28,27 @@ OTHER, OVER_P = "the other schedule's order", "our order over P micro-batches"
 def _ranks(rt, pipeline_for_rank, claims) -> None:
     ref = unsplit_reference(CFG)
     for name, other in (("gpipe", "1f1b"), ("1f1b", "gpipe")):
-        cfg = CFG.replace(schedule=name)
-        run = train(rt, cfg, TorchStep(rt, cfg, pipeline_for_rank))
+        cfg, built = CFG.replace(schedule=name), []
+
+        def build(*args, built=built):
+            stage, schedule = pipeline_for_rank(*args)
+            built.append(stage)
+            return stage, schedule
+
+        step = TorchStep(rt, cfg, build)
+        index, count = (getattr(built[0], key, None) for key in ("stage_index", "num_stages"))
+        if not claims.equal(
+            f"{name}: rank p builds stage p of P",
+            f"stage_index {index}, num_stages {count}",
+            f"stage_index {rt.rank}, num_stages {P}",
+            what="the PipelineStage this rank built",
+            hints=(
+                "PipelineStage(module, stage_index, num_stages, device): this rank's stage p of the P ranks' stages",
+            ),
+        ):
+            return  # a stage built wrong leaves torch's engine waiting for a message no rank sends
+        _record_steps(step.schedule, getattr(pipeline_for_rank, "ran", None))
+        run = train(rt, cfg, step)
         claims.tensors(
             f"{name}: the gradients equal the unsplit model's",
             run.first_grads,
@@ -50,6 +71,20 @@ def _ranks(rt, pipeline_for_rank, claims) -> None:
                 OVER_P: list(map(str, make_schedule(name, P, P)[rt.rank])),
             },
         )
+
+
+def _record_steps(schedule, ran) -> None:
+    """The schedule the answer returned, its steps recorded as the answer's (`ran`: what the answer runs is
+    listed in words): torch's sends and receives are its doing, the loss shared after them the judge's."""
+    if ran is None:
+        return
+    step = schedule.step
+
+    def recorded(*args, **kwargs):
+        with ran:
+            return step(*args, **kwargs)
+
+    schedule.step = recorded
 
 
 MISTAKES = (

@@ -7,7 +7,7 @@ is (P-1)/(6M+P-1); every rank holds 2P + 1 half-stage activations at its peak; t
 from pathlib import Path
 
 from exercise_kit import Exercise
-from exercise_schedules import Rules, trains_exact
+from exercise_schedules import Rules, departure, tally, trains_exact
 from exercise_signatures import Equals, Mistake, Zero
 from helpers import load_lesson
 
@@ -41,10 +41,12 @@ def _flat(ticks):
 
 def _ranks(rt, dualpipev, claims) -> None:
     ticks = dualpipev(P, M)
-    schedule = _flat(ticks)
-    run = trains_exact(rt, claims, schedule, CFG, Rules(WORDS, HOW, stages_of=_v))
+    schedule, lesson = _flat(ticks), _flat(_solution().dualpipev(P, M))
+    run = trains_exact(rt, claims, schedule, CFG, Rules(WORDS, HOW, stages_of=_v), reference=lesson)
     if run is None:
         return
+    # where the order leaves the lesson's, beside the claims it moves (a description, never a claim of its own)
+    note = "; ".join(filter(None, (departure(schedule, lesson, M), tally(schedule, lesson))))
     bubble, formula = simulate(schedule).bubble_fraction(), (P - 1) / (6 * M + P - 1)
     claims.equal(
         "the bubble counted in the grid is (P-1)/(6M+P-1)",
@@ -52,6 +54,7 @@ def _ranks(rt, dualpipev, claims) -> None:
         formula,
         ok=abs(bubble - formula) < 1e-12,
         what="the bubble",
+        note=note,
     )
     claims.equal(
         "rank r holds 2P + 1 activations",
@@ -59,6 +62,7 @@ def _ranks(rt, dualpipev, claims) -> None:
         2 * P + 1,
         what="half-stage activations held at once",
         alternatives={BACKWARD_FIRST: 2 * P, "ZB-V's 2P": peak_in_flight(zbv(P, M))[rt.rank]},
+        note=note,
     )
     r = rt.rank
     pairs = sum(len(unit) == 2 for unit in ticks[r])
@@ -67,6 +71,7 @@ def _ranks(rt, dualpipev, claims) -> None:
         pairs,
         2 * (M - 2 * P + r + 1) - (r == P - 1) + (P - r - 1),
         what="(forward, backward) pairs on this rank",
+        note=note,
     )
     planned = TorchStep(rt, CFG).planned
     claims.holds("torch's ScheduleDualPipeV plans this order", planned == schedule[r], what="rank r's order")

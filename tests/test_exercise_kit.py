@@ -5,6 +5,7 @@ across ranks, that a peer's transport error is never blamed on the rank that saw
 level, that `Watch` counts what is alive and prices collectives by the ring formulas (an all-to-all by the rows
 that leave the rank), and that `pytest --exercises -k NN` collects exercise NN's file alone."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -283,3 +284,74 @@ def test_a_factor_on_some_tensors_only_is_not_read_as_a_factor_on_all():
     claims = Claims()
     claims.tensors("c", {"a": 3 * WANT, "b": 6 * WANT, "frozen": torch.zeros(2)}, want, what="t")
     assert Scaled("P", lambda p: p).match(Findings([claims.seen]).failing("c"), 3)
+
+
+def test_a_native_abort_is_told_by_the_error_it_wrote_not_by_its_crash_dump(tmp_path):
+    """A rank killed inside gloo leaves no Python traceback: spawn's death note carries faulthandler's dump, whose
+    last line lists extension modules. The verdict reads the error the rank wrote on its stderr (`_rank` keeps
+    it), the sizes of gloo's mismatch in words with the rank's last call, and the answer's line from the dump."""
+    from exercise_kit import Answer
+    from exercise_ranks import _raised
+
+    from distlab.processes.spawn import SpawnError
+
+    answer = Answer(ROOT / "lessons/exercises/06_data_parallel.py", "all_reduce_gradients")
+    lines = answer.path.read_text().splitlines()
+    at = next(k for k, line in enumerate(lines) if "raise NotImplementedError" in line) + 1  # the blank's own line
+    (tmp_path / "0-1.err").write_text(
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+        "  what():  [enforce fail at gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 384 vs 256. "
+        "Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?\n"
+    )
+    (tmp_path / "0-1").write_text("recv from rank 0 on ranks 0-2\n")
+    dump = (
+        "process exited with code -6 and no traceback (killed by signal 6); its faulthandler wrote:\n"
+        "Fatal Python error: Aborted\n\nCurrent thread 0x01 (most recent call first):\n"
+        '  File "/torch/distributed/distributed_c10d.py", line 2600 in recv\n'
+        f'  File "{answer.path}", line {at} in all_reduce_gradients\n'
+        '  File "/x/judge.py", line 3 in body\n\n'
+        "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)\n(ranks [0, 2] failed after it)"
+    )
+    text = _raised(SpawnError(1, dump), answer, "", str(tmp_path))
+    assert "Extension modules" not in text, text
+    assert "gloo::EnforceNotMet: op.preamble.length <= op.nbytes. 384 vs 256. Received data size" in text, text
+    assert "rank 1 was sent a message of 384 bytes at its recv from rank 0 on ranks 0-2, its receive buffer" in text
+    assert f"06_data_parallel.py:{at} in all_reduce_gradients: {lines[at - 1].strip()}" in text, text
+    (tmp_path / "0-1.err").unlink()  # nothing on its stderr: faulthandler's own first line, never the modules
+    text = _raised(SpawnError(1, dump), answer, "", str(tmp_path))
+    assert text.startswith("your answer raised on rank 1: Fatal Python error: Aborted"), text
+
+
+def test_an_equals_reading_is_said_for_the_ranks_where_it_holds():
+    """ "equals: X" only where every failing rank equals X, else rank by rank."""
+    findings = _findings([WANT.flip(0), WANT + 1, WANT + 1], alternatives={"flipped": WANT.flip(0)})
+    text = _diagnosed(findings, Scaled("P", lambda p: p)).message(1)
+    assert "on rank 0: equals: flipped; on ranks 1, 2: equals none of: flipped" in text, text
+    findings = _findings([WANT.flip(0)] * 2, alternatives={"flipped": WANT.flip(0)})
+    assert "; equals: flipped" in _diagnosed(findings, Scaled("P", lambda p: p)).message(1)
+
+
+def test_blocks_in_another_order_are_read_as_such():
+    """got is the reference cut in P blocks along a dimension, the blocks in another order: which block is where."""
+    from exercise_claims import _placed
+    from exercise_signatures import describe
+
+    want = torch.arange(12.0, dtype=torch.float64).reshape(2, 6)
+    got = torch.cat([want[:, 4:], want[:, :2], want[:, 2:4]], dim=1)
+    assert _placed(got, want, 1e-12, 3) == (1, (2, 0, 1))
+    assert _placed(want, want, 1e-12, 3) == () and _placed(got + 1, want, 1e-12, 3) == ()
+    seen = Claims()
+    seen.close("c", got, want, what="Y")
+    failing = {0: dataclasses.replace(seen.seen[0], placed=(1, (2, 0, 1))), 2: seen.seen[0]}
+    assert "Y's 3 blocks along dim 1 hold the reference's blocks 2, 0, 1 on rank 0" in "; ".join(describe(failing, 3))
+
+
+def test_a_schedules_count_of_each_kind_is_told_against_the_lessons():
+    from exercise_schedules import departure, tally
+
+    from distlab.model_split.schedules import Action
+
+    lesson = [[Action("F", 0, 0), Action("I", 0, 0), Action("W", 0, 0), Action("F", 0, 3), Action("W", 0, 3)]]
+    mine = [[Action("F", 0, 0), Action("I", 0, 0), Action("F", 0, 3), Action("W", 0, 0), Action("W", 0, 3)]]
+    assert tally(mine, lesson) == "" and "is 3F0" in departure(mine, lesson, 1)
+    assert tally([mine[0][:4]], lesson) == "rank 0 runs 1 W, the lesson's order 2 W"

@@ -1,16 +1,16 @@
 """The judge's `Watch` sees every collective an answer can run, and never crashes on one it cannot price.
 
-One spawn of P = 4 ranks runs every kind of collective once under a `Watch`: torch.distributed's (c10d:
-all-reduce, its coalesced form, all-gather in its three forms, reduce-scatter, reduce, broadcast, gather,
-scatter, all-to-all in its list and single forms, send and receive, the barriers), the functional ones
-(`_functional_collectives`: all_reduce, all_gather_tensor, reduce_scatter_tensor, all_to_all_single, their
-coalesced and autograd forms, broadcast), and `torch.distributed.nn.functional`'s autograd all-gather and
-all-reduce, forward and backward. Each test below checks one kind: what the watch recorded (kind and
-count) and the bytes it priced, against the bytes worked out here by hand from the ring formulas and the
-rank's share: all-reduce 2 (P-1)/P of the tensor, all-gather and reduce-scatter (P-1)/P of the whole,
-broadcast and reduce (P-1)/P, all-to-all, gather, scatter and send what leaves the rank. The all-reduce is
-also run on a sub-group of 2 ranks: priced over its group, not the world. And an op the judge does not
-know is listed and priced at nothing, and the judge turns it into a failed claim naming it."""
+One spawn of P = 4 ranks runs every kind of collective once under a `Watch`: torch.distributed's (c10d: all-reduce,
+its coalesced form, all-gather in its three forms, reduce-scatter, reduce, broadcast, gather, scatter, all-to-all
+in its list and single forms, send and receive, blocking, as isend/irecv and as batch_isend_irecv's P2POps (torch's
+pipelining's way), the barriers), the functional ones (`_functional_collectives`: all_reduce, all_gather_tensor,
+reduce_scatter_tensor, all_to_all_single, their coalesced and autograd forms, broadcast), and
+`torch.distributed.nn.functional`'s autograd all-gather and all-reduce, forward and backward. Each test below
+checks one kind: what the watch recorded (kind and count) and the bytes it priced, against the bytes worked out
+here by hand from the ring formulas and the rank's share: all-reduce 2 (P-1)/P of the tensor, all-gather and
+reduce-scatter (P-1)/P of the whole, broadcast and reduce (P-1)/P, all-to-all, gather, scatter and send what leaves
+the rank. The all-reduce is also run on a sub-group of 2 ranks: priced over its group, not the world. And an op the
+judge does not know is listed and priced at nothing, and the judge turns it into a failed claim naming it."""
 
 import pytest
 import torch
@@ -55,6 +55,10 @@ def _cases(rank: int, pairs) -> dict:
         "all_to_all": lambda: dist.all_to_all([torch.empty_like(p) for p in parts], parts),
         "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(x), x),
         "send and recv": lambda: _ring_pass(rank, x),
+        "isend and irecv": lambda: [q.wait() for q in _ring_ops(rank, x, dist.isend, dist.irecv)],
+        "batch_isend_irecv": lambda: [
+            q.wait() for q in dist.batch_isend_irecv(_ring_ops(rank, x, _op(dist.isend), _op(dist.irecv)))
+        ],
         "barrier": lambda: dist.barrier(),
         "monitored_barrier": lambda: dist.monitored_barrier(),
         "functional all_reduce": lambda: fc.all_reduce(x, "sum", world).wait(),
@@ -89,6 +93,16 @@ def _ring_pass(rank: int, x: torch.Tensor) -> None:
         dist.send(x, after)
 
 
+def _ring_ops(rank: int, x: torch.Tensor, send, recv) -> list:
+    """x to the next rank and a buffer from the one before, posted at once (torch's pipelining's way)."""
+    return [send(x, (rank + 1) % P), recv(torch.empty_like(x), (rank - 1) % P)]
+
+
+def _op(kind):
+    """A `P2POp` of `kind` (dist.isend, dist.irecv), for `batch_isend_irecv`."""
+    return lambda tensor, peer: dist.P2POp(kind, tensor, peer)
+
+
 def _expected(rank: int) -> dict:
     """name -> (the kinds recorded, in order, and the bytes this rank sends), worked out by hand."""
     ar, ag = RING["all_reduce"], RING["gather_like"]
@@ -107,6 +121,8 @@ def _expected(rank: int) -> dict:
         "all_to_all": (["all_to_all"], (P - 1) / P * T),
         "all_to_all_single": (["all_to_all"], (P - 1) / P * T),
         "send and recv": (["send", "recv"] if rank % 2 == 0 else ["recv", "send"], T),
+        "isend and irecv": (["send", "recv"], T),  # the same ops as send and recv, not waited on in them
+        "batch_isend_irecv": (["send", "recv"], T),  # gloo: each P2POp is its isend or irecv
         "barrier": (["barrier"], 0),
         "monitored_barrier": (["barrier"], 0),
         "functional all_reduce": (["all_reduce"], ar * T),
@@ -167,6 +183,7 @@ def test_what_an_answer_ran_is_said_with_its_root_peer_and_group(every_rank):
         assert seen["all_reduce on a sub-group"][3] == [f"all_reduce on ranks {pair}"]
         sent, got = f"send to rank {(rank + 1) % P} on ranks 0-3", f"recv from rank {(rank - 1) % P} on ranks 0-3"
         assert sorted(seen["send and recv"][3]) == sorted([sent, got]), seen["send and recv"][3]
+        assert seen["isend and irecv"][3] == seen["batch_isend_irecv"][3] == [sent, got], seen["batch_isend_irecv"][3]
     assert ran_text(["reduce to rank 0 on ranks 0-3"] * 4 + ["barrier on ranks 0-3"]) == (
         "reduce to rank 0 on ranks 0-3 x4, barrier on ranks 0-3"
     )

@@ -5,7 +5,8 @@ InfoNCE (`local_clip_loss`) and back-propagates. The lesson's claims: the gather
 block in order; the gradient at each rank's embeddings equals P times the full-batch gradient there (each
 rank's loss is a mean over its C rows, and sum_s L_s = P L), the factor DDP's average then removes; and the
 exchange costs no more than the lesson's, an all-gather forward and an all-reduce backward of N x d
-(the judge prices the collectives it sees by the ring formulas)."""
+(the judge prices the collectives it sees by the ring formulas); and the sum reaches every rank by the
+collective's contract, not by what gloo happens to leave (a reduce to one rank is refused)."""
 
 from pathlib import Path
 
@@ -55,6 +56,17 @@ def _ranks(rt, gather, claims, seed: int) -> None:
         f"rows {rt.rank * C}..{rt.rank * C + C - 1} of the sum",
         what="what the backward returned at z_x",
         hints=("rank r's rows of the N x d sum start at r C, not at r: remember r and C in forward",),
+    )
+    # A reduce leaves the sum on its destination only; gloo happens to leave it on every rank at these sizes
+    # (so every number above can hold), NCCL does not: the contract is read from the collectives run.
+    reduces = watch.calls()["reduce"]
+    claims.holds(
+        "the backward's sum reaches every rank (no reduce to one rank)",
+        reduces == 0,
+        what="the collectives the answer ran",
+        note=f"{reduces} reduce(s) to one rank ran: a reduce leaves the sum on its dst alone, the other ranks' "
+        "rows are whatever the transport left there (gloo leaves the sum at these sizes, NCCL does not)",
+        hints=("every rank returns its own rows of the sum: the sum must end on every rank, not on one",),
     )
     bound = 2 * (P - 1) / P * N_D_BYTES + 2 * 2 * (P - 1) / P * N_D_BYTES  # two gathers, two all-reduces
     claims.equal(
@@ -192,6 +204,14 @@ class _GatheredBackward(_Averaged):
         return every.view(-1, *grad.shape).sum(0)[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c]
 
 
+class _ReducedToOne(_Averaged):
+    @staticmethod
+    def backward(ctx, grad):
+        summed = grad.contiguous().clone()
+        dist.reduce(summed, dst=0)  # the sum on rank 0 by contract; gloo leaves it everywhere at these sizes
+        return summed[ctx.rank * ctx.c : (ctx.rank + 1) * ctx.c]
+
+
 # The plain gather (lesson 22's), whose backward keeps only this rank's own loss's term.
 plain_gather = gather_plain
 
@@ -214,6 +234,12 @@ def own_rows_reduced(z):
 def gathered_backward(z):
     """Right numbers, P times the bytes: every rank's whole N x d gradient all-gathered, summed here."""
     return _GatheredBackward.apply(z)
+
+
+def reduced_to_one(z):
+    """Right numbers on gloo, wrong by contract: the sum reduced to rank 0, whose other ranks keep whatever the
+    transport left (gloo the sum at these sizes, NCCL not)."""
+    return _ReducedToOne.apply(z)
 
 
 def library_gather(z):
@@ -254,7 +280,9 @@ WRONG = {
 test_exercise, test_the_blank_is_not_written_yet, test_the_judge_names_the_mistake = EXERCISE.tests(
     Path(__file__), WRONG
 )
-test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(Path(__file__), {"gathered_backward": "bytes sent"})
+test_the_judge_checks_beyond_numbers = EXERCISE.structure_test(
+    Path(__file__), {"gathered_backward": "bytes sent", "reduced_to_one": "reaches every rank"}
+)
 test_the_judge_accepts_another_way = EXERCISE.accepts_test(Path(__file__), ["library_gather", "functional_gather"])
 
 test_the_judge_rejects_a_planted_slip = EXERCISE.audit_test(Path(__file__))

@@ -13,7 +13,12 @@ generally for four of the weaknesses they showed (11:55 UTC, judged again): a ra
 it wrote on stderr and gloo's sizes (01), an 'equals' reading said only on the ranks where it holds and a tensor
 that is the reference's blocks reordered read so (18), the stage each rank built claimed before torch's engine
 steps (04), where the order leaves the lesson's and each kind's count per rank beside the claims (19): the first
-hint names 9 of 16 (56%); each of those four keeps what it said before in a comment."""
+hint names 9 of 16 (56%); each of those four keeps what it said before in a comment. Then the other seven got
+claims or descriptions of what the answer did (10 a graph cut before the router's gate weights, 11 where out's
+rows sit in SDPA's output, 20 theta moving with the weights, 21 P on the reported value with the gradient 1/P,
+22 an unscaled product named, 26 which sigmoid each block took, 27 a None gradient at the step and the order
+run): on the merged judge (12:15 UTC) the first hint names 16 of 16, measured on the slips the changes were
+made for (an "after", not the measure: the fourth audit, `exercise_fourth_slips`, is)."""
 
 from exercise_slips import Slip
 

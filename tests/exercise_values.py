@@ -61,12 +61,19 @@ def _value(node: ast.AST, scope: dict) -> Any:
     return SKIP
 
 
+def _rounded(value: Any) -> Any:
+    """A tensor's values (`tolist`) with its floats to four significant digits."""
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
 def _tensor(t: torch.Tensor) -> str:
     """dtype, shape and graph; a plain tensor of at most six elements with its values."""
     dtype = str(t.dtype).removeprefix("torch.")
     text = f"{dtype} {list(t.shape)}"
     if type(t) is torch.Tensor and t.numel() <= 6 and t.device.type != "meta":
-        text += f" = {t.detach().tolist()}"
+        text += f" = {_rounded(t.detach().tolist())}"
     if not (t.is_floating_point() or t.is_complex()):  # an integer tensor carries no graph
         return text
     if t.grad_fn is not None:
@@ -134,7 +141,8 @@ def _statement(lines: list[str], lineno: int) -> list[ast.AST]:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return []
     body = ("body", "orelse", "finalbody", "handlers", "cases")
-    return [v for field, v in ast.iter_fields(node) if field not in body and isinstance(v, ast.AST)]
+    head = [v for field, v in ast.iter_fields(node) if field not in body]
+    return [n for v in head for n in (v if isinstance(v, list) else [v]) if isinstance(n, ast.AST)]
 
 
 def _parsed(source: str) -> ast.AST | None:

@@ -262,7 +262,8 @@ def test_an_answer_that_raises_is_told_with_the_values_on_its_raising_line(tmp_p
     path = tmp_path / "06_data_parallel.py"
     path.write_text(
         "import torch\n\n\ndef all_reduce_gradients(model):\n    for param in model.parameters():\n"
-        "        torch.add(param.grad, 1)\n\n\ndef loss(x):\n    return x.detach().sum()\n"
+        "        param.data = torch.add(\n            param.grad, 1\n        )\n"
+        "\n\ndef loss(x):\n    return x.detach().sum()\n"
     )
     model = torch.nn.Linear(8, 8, bias=False).double().requires_grad_(False)
     try:
@@ -273,8 +274,9 @@ def test_an_answer_that_raises_is_told_with_the_values_on_its_raising_line(tmp_p
     text = _raised(SpawnError(0, child), Answer(path, "all_reduce_gradients"))
     assert text.startswith("your answer raised on rank 0: TypeError: add(): argument"), text
     assert text.endswith(
-        "06_data_parallel.py:6 in all_reduce_gradients: torch.add(param.grad, 1)\n"
-        "  values at that line: param.grad = None; param: float64 [8, 8], requires_grad False"
+        "06_data_parallel.py:6 in all_reduce_gradients: param.data = torch.add(\n"
+        "  values at that line: param.data: float64 [8, 8], no graph; param: float64 [8, 8], requires_grad False; "
+        "param.grad = None"
     ), text
     returned = Answer(path, "loss").load()(torch.ones(3, requires_grad=True))
     try:

@@ -2,10 +2,11 @@
 through the exercise's body, every claim agreed across ranks before the body goes on (so a slip that leaves some
 ranks right stops every rank at once, a verdict naming them, never one rank left waiting in a collective), every
 collective an answer runs recorded in words (`exercise_watch.Ran`: what each rank sent, to whom, on which group),
-and a failed run told in a few lines: the answer's own line that raised (for a process killed in C++, gloo's or
-c10's abort, the error it wrote on its stderr, kept while each answer runs), or, for a transport error (a peer's
-connection closed, a collective timed out), that the ranks stopped running the same collectives and what each
-rank's answer ran until then, never the fault of the rank that happened to see it."""
+and a failed run told in a few lines: the answer's own line that raised and the values of the names on it
+(`exercise_values`; for a process killed in C++, gloo's or c10's abort, the error it wrote on its stderr, kept
+while each answer runs), or, for a transport error (a peer's connection closed, a collective timed out), that the
+ranks stopped running the same collectives and what each rank's answer ran until then, never the fault of the
+rank that happened to see it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from exercise_claims import Claims
+from exercise_values import RETURNED, SKIP, VALUES, noted
 from exercise_watch import Ran, ran_text, unknown_ops
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -55,7 +57,9 @@ def _raised(err: Exception, answer, ran: str = "", logs: str | None = None) -> s
     (kept under `logs` by `_rank`), not by the last line of its crash dump."""
     if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
         return f"your answer did not finish: {err} (a collective some rank never joined?){ran}"
-    lines = [line for line in err.child_traceback.splitlines() if line.strip()]
+    notes = (VALUES, RETURNED)  # `exercise_values.noted`'s lines, printed after the error's
+    lines = [line for line in err.child_traceback.splitlines() if line.strip() and not line.startswith(notes)]
+    told = [line for line in err.child_traceback.splitlines() if line.startswith(notes)]
     last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
     if err.child_traceback.startswith("process exited with code"):  # spawn's death note: no Python traceback
         fatal = [line.strip() for line in lines if line.startswith("Fatal Python error")]  # faulthandler's first
@@ -69,6 +73,7 @@ def _raised(err: Exception, answer, ran: str = "", logs: str | None = None) -> s
         path, line, name = dumped[0]
         mine = [(path, line, name, linecache.getline(path, int(line)))]
     where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
+    where += f"\n  {told[-1]}" if told else ""  # the values on that line, or what the answer returned
     if TRANSPORT.search(last):
         return (
             f"the ranks stopped running the same collectives: rank {err.rank} was left in one whose peers had "
@@ -155,7 +160,8 @@ def _recorded(fn: Callable[..., Any], ran: Ran) -> Callable[..., Any]:
     @functools.wraps(fn)
     def recorded(*args, **kwargs):
         with ran:
-            return fn(*args, **kwargs)
+            recorded.returned = fn(*args, **kwargs)  # told if the judge's use of it raises (`exercise_values`)
+        return recorded.returned
 
     recorded.ran = ran  # a body running what the answer returned (04's stage and schedule) records it as the answer's
     return recorded
@@ -167,13 +173,17 @@ def _rank(rt, body: Callable[..., None], answers: list, args: tuple, logs: str |
     reports = []
     for k, answer in enumerate(answers):
         claims, before = Claims(agree=_agreed), len(unknown_ops())
-        ran = Ran(str(Path(logs) / f"{k}-{rt.rank}") if logs else None)
+        ran, fn = Ran(str(Path(logs) / f"{k}-{rt.rank}") if logs else None), None
         try:
             with _stderr_kept(str(Path(logs) / f"{k}-{rt.rank}.err") if logs else None):
-                body(rt, _recorded(answer.load(), ran), claims, *args)
+                fn = _recorded(answer.load(), ran)
+                body(rt, fn, claims, *args)
         except NotImplementedError as err:
             reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
             continue
+        except Exception as err:  # told by the parent (`_raised`), with the values on the answer's raising line
+            noted(err, answer.path, getattr(fn, "returned", SKIP))
+            raise
         unknown = sorted(set(unknown_ops(before)))
         if unknown:  # first: what the judge could not price makes every byte claim after it unsure
             claims.holds(

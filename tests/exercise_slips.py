@@ -48,6 +48,7 @@ class Planted(Answer):
         source = self.path.read_text()
         nodes = {n.name: n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         namespace = dict(vars(self.module()))  # the lesson's own globals; the lesson itself stays untouched
+        lines = source.splitlines()  # the source as compiled, for `exercise_values.noted` on a child's raise
         for name in dict.fromkeys((self.within or self.name, self.name)):  # the slipped one first, then its caller
             node = nodes[name]
             first = min([node.lineno] + [d.lineno for d in node.decorator_list])  # its decorators too
@@ -56,8 +57,11 @@ class Planted(Answer):
                 if text.count(self.old) != 1:
                     raise ValueError(f"{name} holds {self.old!r} {text.count(self.old)} times: the slip no longer fits")
                 text = text.replace(self.old, self.new)
+                slipped = text.splitlines()  # the rest keeps its lines where the slip is shorter
+                lines[first - 1 : node.end_lineno] = slipped + [""] * (node.end_lineno - first + 1 - len(slipped))
             padded = "\n" * (first - 1) + text  # the lesson's line numbers, in a traceback
             exec(compile(padded, str(self.path), "exec"), namespace)
+        namespace["__planted_lines__"] = [line + "\n" for line in lines]
         return namespace[self.name]
 
 

@@ -248,6 +248,47 @@ def test_an_answer_that_raises_is_a_verdict_naming_its_own_line_not_a_traceback(
     assert "raised on rank 0" not in text and "rank 1: nothing" in text, text
 
 
+def test_an_answer_that_raises_is_told_with_the_values_on_its_raising_line(tmp_path):
+    """The child notes the names on the answer's raising line and their values (a frozen parameter's .grad is
+    None); a raise outside the answer's file (the judge's backward of its loss) is told by what it returned."""
+    import traceback
+
+    from exercise_kit import Answer
+    from exercise_ranks import _raised
+    from exercise_values import noted
+
+    from distlab.processes.spawn import SpawnError
+
+    path = tmp_path / "06_data_parallel.py"
+    path.write_text(
+        "import torch\n\n\ndef all_reduce_gradients(model):\n    for param in model.parameters():\n"
+        "        param.data = torch.add(\n            param.grad, 1\n        )\n"
+        "\n\ndef loss(x):\n    return x.detach().sum()\n"
+    )
+    model = torch.nn.Linear(8, 8, bias=False).double().requires_grad_(False)
+    try:
+        Answer(path, "all_reduce_gradients").load()(model)
+    except TypeError as err:
+        noted(err, path)
+        child = traceback.format_exc()
+    text = _raised(SpawnError(0, child), Answer(path, "all_reduce_gradients"))
+    assert text.startswith("your answer raised on rank 0: TypeError: add(): argument"), text
+    assert text.endswith(
+        "06_data_parallel.py:6 in all_reduce_gradients: param.data = torch.add(\n"
+        "  values at that line: param.data: float64 [8, 8], no graph; param: float64 [8, 8], requires_grad False; "
+        "param.grad = None"
+    ), text
+    returned = Answer(path, "loss").load()(torch.ones(3, requires_grad=True))
+    try:
+        returned.backward()
+    except RuntimeError as err:
+        noted(err, path, returned)
+        child = traceback.format_exc()
+    text = _raised(SpawnError(1, child), Answer(path, "loss"))
+    assert text.startswith("your answer raised on rank 1: RuntimeError: element 0 of tensors"), text
+    assert text.endswith("\n  the answer's last call returned: float32 [] = 3.0, no graph"), text
+
+
 def test_claims_agree_across_ranks_so_a_body_stops_on_every_rank_at_once():
     """With `agree`, a claim that failed on one rank returns False on all: each Seen keeps its own outcome."""
     claims = Claims(agree=lambda ok: False)  # another rank failed

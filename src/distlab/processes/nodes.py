@@ -146,9 +146,20 @@ def stopped_ranks(world_size: int, settle_s: float = 1.0) -> list[int] | None:
         dead = [
             r for r, (host, pid) in enumerate(enrolled) if host == here and r not in left and _process_stopped(int(pid))
         ]
+        # A survivor marks itself before it stops, so one found stopped had marked itself by then: read the marks
+        # again after the look (another survivor, stopped by the same SIGTERM, may have marked itself and gone
+        # between the first read and the look).
+        dead = [r for r in dead if not _left(store, r)]
         if dead or time.monotonic() > deadline:
             return dead
         time.sleep(0.02)
+
+
+def _left(store, rank: int) -> bool:
+    try:
+        return store.check([f"{PIDS}/left/{rank}"])
+    except Exception:  # noqa: BLE001 - the store is gone: no mark can be read, the rank is taken as it looked
+        return False
 
 
 def leaving(rank: int) -> None:
@@ -266,11 +277,11 @@ def named_then_stopped(signum: int, frame) -> None:
     exit code torchrun expects)."""
     rank = int(os.environ.get("RANK", "0"))
     if rank not in _said and dist.is_initialized():
+        leaving(rank)  # first: the other survivors, stopped at the same moment, must not name this one
         dead = stopped_ranks(dist.get_world_size(), settle_s=0)
         if dead:
             _said.add(rank)
             print(_died(rank, dead, "torchrun's agent stopped this rank (SIGTERM)"), file=sys.stderr, flush=True)
-        leaving(rank)  # the other survivors, stopped at the same moment, must not name this one
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -46,6 +46,7 @@ import torch
 from exercise_claims import Hints
 from exercise_ranks import _raised, _ran_by_rank, _rank
 from exercise_signatures import Diagnosis, Findings, Mistake, diagnose, more_help
+from exercise_trace import DEPARTS
 from exercise_watch import ran_text
 from helpers import lesson_path
 
@@ -114,6 +115,18 @@ def swapped(answer: Answer, **names: Any):
         vars(module).update(before)
 
 
+def _departs(reports: list[dict]) -> str:
+    """Where the answer first departs from the lesson's function: on the lowest rank where it does on its own
+    (not on what arrived from another rank), while it runs (an operation, a name), else where what it left
+    behind does."""
+    found = [
+        ("from another rank" in m["departs"], m["departs"].startswith("after the call"), r, m["departs"])
+        for r, m in enumerate(reports)
+        if m.get("departs")
+    ]
+    return f"{DEPARTS}on rank {min(found)[2]}, {min(found)[3]}" if found else ""
+
+
 @dataclass(frozen=True)
 class Verdict:
     """One answer's judgment: not written yet (`blank`), or every rank's findings and their diagnosis, at
@@ -160,7 +173,9 @@ class Exercise:
                 break
             with tempfile.TemporaryDirectory(prefix="distlab-ran-") as logs:
                 try:
-                    reports = spawn(_rank, world, self.body, pending, self.args, logs, timeout_s=60, limit_s=240)
+                    reports = spawn(
+                        _rank, world, self.body, pending, self.args, logs, self.judged(), timeout_s=60, limit_s=240
+                    )
                 except (SpawnError, TimeoutError) as err:
                     if len(pending) != 1:  # the authors' wrong answers, judged together: a crash there is a bug
                         raise
@@ -177,7 +192,10 @@ class Exercise:
                 findings = Findings([r["seen"] for r in mine])
                 diagnosis = diagnose(findings, self.mistakes, world, quantities, self.numbers)
                 if diagnosis is not None:
-                    diagnosis = dataclasses.replace(diagnosis, ran=tuple(ran_text(r["ran"]) for r in mine))
+                    departs = _departs(mine)
+                    diagnosis = dataclasses.replace(
+                        diagnosis, ran=tuple(ran_text(r["ran"]) for r in mine), departs=departs
+                    )
                 if diagnosis is not None or world == worlds[-1]:
                     verdicts[answer] = Verdict(answer, None, findings, diagnosis, world)
         return [verdicts[a] for a in answers]

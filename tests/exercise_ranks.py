@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from exercise_claims import Claims
+from exercise_trace import DEPARTS, Shadow
 from exercise_values import RETURNED, SKIP, VALUES, noted
 from exercise_watch import Ran, ran_text, unknown_ops
 from torch.utils._python_dispatch import _disable_current_modes
@@ -57,9 +58,10 @@ def _raised(err: Exception, answer, ran: str = "", logs: str | None = None) -> s
     (kept under `logs` by `_rank`), not by the last line of its crash dump."""
     if not isinstance(err, SpawnError):  # a rank that never finished: a collective left waiting
         return f"your answer did not finish: {err} (a collective some rank never joined?){ran}"
-    notes = (VALUES, RETURNED)  # `exercise_values.noted`'s lines, printed after the error's
+    notes = (VALUES, RETURNED, DEPARTS)  # `exercise_values.noted`'s and `_rank`'s lines, after the error's
     lines = [line for line in err.child_traceback.splitlines() if line.strip() and not line.startswith(notes)]
-    told = [line for line in err.child_traceback.splitlines() if line.startswith(notes)]
+    told = [line for line in err.child_traceback.splitlines() if line.startswith(notes[:2])]
+    departs = [line for line in err.child_traceback.splitlines() if line.startswith(DEPARTS)]
     last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
     if err.child_traceback.startswith("process exited with code"):  # spawn's death note: no Python traceback
         fatal = [line.strip() for line in lines if line.startswith("Fatal Python error")]  # faulthandler's first
@@ -74,6 +76,7 @@ def _raised(err: Exception, answer, ran: str = "", logs: str | None = None) -> s
         mine = [(path, line, name, linecache.getline(path, int(line)))]
     where = f"\n  at {answer.path.name}:{mine[-1][1]} in {mine[-1][2]}: {mine[-1][3].strip()}" if mine else ""
     where += f"\n  {told[-1]}" if told else ""  # the values on that line, or what the answer returned
+    where += f"\n  {departs[-1]}" if departs else ""  # where it went its own way before the raise
     if TRANSPORT.search(last):
         return (
             f"the ranks stopped running the same collectives: rank {err.rank} was left in one whose peers had "
@@ -167,22 +170,37 @@ def _recorded(fn: Callable[..., Any], ran: Ran) -> Callable[..., Any]:
     return recorded
 
 
-def _rank(rt, body: Callable[..., None], answers: list, args: tuple, logs: str | None = None) -> list[dict]:
+def _shadow(answer, lesson, fn: Callable[..., Any]) -> Shadow | None:
+    """The lesson's function shadowing an answer's (`exercise_trace`), for a function that is not the lesson's
+    own (the authors' wrong answers, `swapped` into the lesson's module, would shadow themselves) nor a blank."""
+    if lesson is None or answer == lesson or not inspect.isfunction(fn) or answer.is_blank():
+        return None  # a blank raises at once: no lesson's run to compare it with
+    return Shadow(lesson.load(), lesson.path, answer.path, _agreed)
+
+
+def _rank(
+    rt, body: Callable[..., None], answers: list, args: tuple, logs: str | None = None, lesson=None
+) -> list[dict]:
     """One rank: each answer in turn, loaded, run through the check's body; what it recorded and which
-    collectives the answer ran (also logged under `logs`, for a run that never returns), or that it is blank."""
+    collectives the answer ran (also logged under `logs`, for a run that never returns), where it first departs
+    from the `lesson`'s function (`exercise_trace`), or that it is blank."""
     reports = []
     for k, answer in enumerate(answers):
         claims, before = Claims(agree=_agreed), len(unknown_ops())
-        ran, fn = Ran(str(Path(logs) / f"{k}-{rt.rank}") if logs else None), None
+        ran, fn, shadow = Ran(str(Path(logs) / f"{k}-{rt.rank}") if logs else None), None, None
         try:
             with _stderr_kept(str(Path(logs) / f"{k}-{rt.rank}.err") if logs else None):
-                fn = _recorded(answer.load(), ran)
+                loaded = answer.load()
+                shadow = _shadow(answer, lesson, loaded)
+                fn = _recorded(shadow.wrap(loaded) if shadow else loaded, ran)
                 body(rt, fn, claims, *args)
         except NotImplementedError as err:
             reports.append({"blank": str(err) or f"{answer.name} in {answer.path.name}"})
             continue
         except Exception as err:  # told by the parent (`_raised`), with the values on the answer's raising line
             noted(err, answer.path, getattr(fn, "returned", SKIP))
+            if shadow is not None and shadow.departs:
+                err.add_note(f"{DEPARTS}on rank {rt.rank}, {shadow.departs}")
             raise
         unknown = sorted(set(unknown_ops(before)))
         if unknown:  # first: what the judge could not price makes every byte claim after it unsure
@@ -197,5 +215,5 @@ def _rank(rt, body: Callable[..., None], answers: list, args: tuple, logs: str |
                 ),
             )
             claims.seen.insert(0, claims.seen.pop())
-        reports.append({"seen": claims.seen, "ran": ran.calls})
+        reports.append({"seen": claims.seen, "ran": ran.calls, "departs": shadow.departs if shadow else ""})
     return reports

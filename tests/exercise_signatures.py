@@ -176,6 +176,7 @@ class Diagnosis:
     world: int
     quantities: dict = field(default_factory=dict)
     ran: tuple[str, ...] = ()  # what each rank's answer ran (`exercise_watch.ran_text`), rank by rank
+    departs: str = ""  # where the answer first departs from the lesson's function (`exercise_trace`), on a rank
 
     def message(self, level: int, fallback: Hints = ()) -> str:
         """What a learner reads at hint level `level`: the claim and by how much; from level 1 what the judge
@@ -190,6 +191,8 @@ class Diagnosis:
         hints = self.mistake.hints if self.mistake else first.hints + fallback[len(first.hints) :]
         if level >= 1:
             lines.append(f"  the judge saw: {'; '.join(self.observations)}")
+            if self.departs:
+                lines.append(f"  {self.departs}")
             if any(r != "no collective" for r in self.ran):
                 lines.append(f"  what the answer ran: {ran_by_rank(self.ran)}")
             if self.mistake is None and first.hints:

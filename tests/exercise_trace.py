@@ -1,0 +1,596 @@
+"""Where an answer first departs from the lesson's function (`exercise_ranks._rank`): each call of the answer is
+shadowed by the lesson's own function, run first on deep copies of the same arguments (the random state restored
+after it, every watch of the judge's blind to it), and both runs are traced line by line: every value a local
+name of the answer's file takes (a tensor, a number, a short list of them) is kept with the statement that set it.
+The first value of the answer's that differs from the lesson's value of the same name, the same time it was set,
+is where the answer goes its own way: the verdict tells it, with the learner's own statement and how the value
+differs (a factor, a shape, zeros, the value it had before, another of the lesson's values, which rows).
+
+This is a hint, never a verdict: the claims judge against an independent reference; the lesson's function only
+says where to look. It reads only where the answer's names are the lesson's (an exercise's blank keeps the
+lesson's signature; a learner's own names are passed over), and it stays silent where it cannot copy the
+arguments (a torchft manager, a DTensor model), where the answer is a class (an autograd Function), or where the
+lesson's run raises. A buffer allocated without filling (`torch.empty`) is zeroed in both runs, so that what
+the memory held before is not read as a difference; a difference in what arrived from another rank is marked
+so, as that rank's."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import linecache
+import math
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+DEPARTS = "where yours first departs from the lesson's: "
+CALLS = 4  # calls shadowed at most: the first departure is almost always in the first
+LIMIT = 1 << 20  # elements kept of one tensor at most
+JUDGE = str(Path(__file__).parent / "")  # the judge's files: its hooks' operations are not the answer's
+BOOKKEEPING = ("lift_fresh", "lift_fresh_copy", "alias")  # a constant made a tensor, a view of all of one
+CLOCKS = ("perf_counter", "time.time", "monotonic")  # statements whose values differ from run to run
+OTHERS = 2000  # the lesson's other values a departing one is compared with, at most
+
+_ATOMIC: list[type] = [torch.device, torch.dtype]  # shared, never copied: see `_copied`
+if dist.is_available():
+    from torch._C._distributed_c10d import ProcessGroup, Store, Work
+    from torch.distributed.device_mesh import DeviceMesh
+
+    _ATOMIC += [ProcessGroup, Store, Work, DeviceMesh]
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy of the call's arguments, one memo for all (an optimizer keeps pointing at the copied model's
+    parameters); the process groups, stores and meshes are shared, as the lesson's run must talk to the same
+    peers. Raises where something cannot be copied (the shadow is then given up)."""
+    dispatch = copy._deepcopy_dispatch  # type: ignore[attr-defined]
+    saved = {t: dispatch.get(t) for t in _ATOMIC}
+    dispatch.update({t: copy._deepcopy_atomic for t in _ATOMIC})  # type: ignore[attr-defined]
+    try:
+        copies = copy.deepcopy(value)
+    finally:
+        for t, was in saved.items():
+            if was is None:
+                dispatch.pop(t, None)
+            else:
+                dispatch[t] = was
+    for module in _modules(copies):  # the judge's hooks watch the answer's run, not the lesson's
+        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            getattr(module, hooks, {}).clear()
+        for param in module.parameters(recurse=False):
+            param._backward_hooks = None
+            param._post_accumulate_grad_hooks = None
+    return copies
+
+
+def _modules(value: Any, depth: int = 0):
+    """Every module in the copied arguments (inside lists, tuples, dicts and plain objects, a few levels)."""
+    if isinstance(value, torch.nn.Module):
+        yield from value.modules()
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _modules(v, depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for v in value.values():
+            yield from _modules(v, depth + 1)
+    elif depth < 3 and _plain(value):
+        for v in vars(value).values():
+            yield from _modules(v, depth + 1)
+
+
+def _kept(value: Any, depth: int = 0) -> Any:
+    """What is kept of a local's value: a tensor's detached copy, a number or a short string (an atom), a short
+    list or tuple of those, a plain object's public fields (a layout's, a plan's: its tensors and atoms, not its
+    floats, which may be a clock's); None for anything else (a module, a long list), which is not compared."""
+    if isinstance(value, torch.Tensor):
+        if is_traceable_wrapper_subclass(value) or value.layout != torch.strided or value.is_meta:
+            return None  # a DTensor, a float8 wrapper: reading it could run a collective
+        if value.numel() > LIMIT:
+            return None
+        try:
+            return value.detach().to("cpu", copy=True)
+        except Exception:  # a DTensor's local view, a fake tensor: not compared
+            return None
+    if isinstance(value, (bool, int, float)) or value is None:
+        return ("atom", value)
+    if isinstance(value, str) and len(value) <= 80:
+        return ("atom", value)
+    if depth == 0 and _plain(value):  # a dataclass or a plain object: its public fields, one level down
+        fields = [(k, _kept(v, 1)) for k, v in list(vars(value).items())[:32] if not k.startswith("_")]
+        fields = [(k, v) for k, v in fields if not (isinstance(v, tuple) and isinstance(v[1], float))]  # a clock's
+        fields = tuple((k, v) for k, v in fields if v is not None)
+        return ("object", type(value).__name__, fields) if fields else None
+    if isinstance(value, (list, tuple)) and depth == 0 and 0 < len(value) <= 64:
+        items = [_kept(v, 1) for v in value]
+        return None if any(i is None for i in items) else ("list", tuple(items))
+    return None
+
+
+def _plain(value: Any) -> bool:
+    """An object of the lessons' own kind (a layout, a plan, a shape), not a module, a tensor or torch's."""
+    module = type(value).__module__ or ""
+    return (
+        isinstance(getattr(value, "__dict__", None), dict)
+        and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+        and not module.startswith(("torch", "builtins", "numpy"))
+        and not callable(value)
+    )
+
+
+def _print(value: Any) -> Any:
+    """A cheap fingerprint: changes when the local is bound to another object or a tensor is changed in place."""
+    if isinstance(value, torch.Tensor):
+        return (id(value), value._version)
+    if isinstance(value, (list, tuple)):
+        return (id(value), len(value), tuple(_print(v) for v in value[:64]))
+    return (id(value), value) if isinstance(value, (bool, int, float)) else id(value)
+
+
+class _Trace:
+    """Every value the local names of frames of `path` take, in order: (function, name) -> [(line, value)].
+    A value is kept when it first appears or changes, with the line of the statement that set it (the line
+    the frame ran last: a trace's line event comes before its statement runs)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.values: dict[tuple[str, str], list[tuple[int, Any]]] = {}
+        self.order: list[tuple[str, str, int]] = []  # (function, name, index) in the order they were set
+        self.lines: dict[int, str] = {}
+        self._frames: dict[Any, tuple[int, dict]] = {}
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_filename != self.path:
+            return None
+        return self._local
+
+    def _local(self, frame, event, arg):
+        if event in ("line", "return"):
+            self._look(frame)
+            if event == "line":
+                self._frames[frame] = (frame.f_lineno, self._frames[frame][1])
+            else:
+                self._frames.pop(frame, None)
+        return self._local
+
+    def _look(self, frame) -> None:
+        entry = frame not in self._frames  # the arguments (and a comprehension's outer names): the caller's
+        line, seen = self._frames.get(frame, (frame.f_code.co_firstlineno, {}))
+        self._frames[frame] = (line, seen)
+        for name, value in list(frame.f_locals.items()):
+            mark = _print(value)
+            if seen.get(name) == mark:
+                continue
+            seen[name] = mark
+            if entry or any(c in self._source(frame, line) for c in CLOCKS):
+                continue
+            try:
+                with _disable_current_modes():  # the copy is the judge's: no watch of the answer's may see it
+                    kept = _kept(value)
+            except Exception:  # a value that cannot be copied is not compared
+                kept = None
+            if kept is None:
+                continue
+            key = (frame.f_code.co_name, name)
+            self._source(frame, line)  # kept for the verdict: the statement that set it
+            self.values.setdefault(key, []).append((line, kept))
+            self.order.append((*key, len(self.values[key]) - 1))
+
+    def _source(self, frame, line: int) -> str:
+        if line not in self.lines:
+            planted = frame.f_globals.get("__planted_lines__")  # an audit's slip: the source as compiled
+            lines = planted or linecache.getlines(self.path)
+            self.lines[line] = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+        return self.lines[line]
+
+
+def _storage(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage().data_ptr() if t.layout == torch.strided and not t.is_meta else None
+    except Exception:  # a wrapper subclass: no storage of its own
+        return None
+
+
+def _summary(value: Any, sums: bool = True) -> tuple:
+    """An op's output in a few numbers: each tensor's dtype, shape and the sum and the sum of magnitudes of its
+    elements, enough to tell two outputs apart."""
+    tensors = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
+    told = []
+    for t in tensors:
+        sums = None
+        if sums and not (t.is_meta or is_traceable_wrapper_subclass(t)) and t.layout == torch.strided:
+            try:
+                d = t.detach().to("cpu", torch.float64) if not t.is_complex() else t.detach().abs().double()
+                sums = (d.sum().item(), d.abs().sum().item())
+            except Exception:  # a dtype with no double form
+                sums = None
+        told.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), sums))
+    return tuple(told)
+
+
+class _Ops(TorchDispatchMode):
+    """Every tensor operation a run performs, in order: (line of `path` that ran it, op, `_summary` of its
+    output); ops run where no frame of `path` is on the stack are left out."""
+
+    def __init__(self, trace: _Trace) -> None:
+        super().__init__()
+        self.trace, self.ops, self.arrived = trace, [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.removesuffix(".default")
+        if func.namespace == "profiler" or name.split(".")[0] in BOOKKEEPING:
+            return out
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] if self.arrived else []
+        if func.namespace == "c10d":
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        with _disable_current_modes():
+            if name.split(".")[0].endswith(("empty", "empty_like", "empty_strided", "new_empty")):
+                for t in tree_leaves(out):  # both runs alike: what a buffer holds before it is filled
+                    if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+                        t.zero_()
+            if func.namespace == "c10d":  # what arrives from other ranks: a difference there is theirs
+                self.arrived.update(_storage(t) for t in inputs)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename != self.trace.path:
+            if frame.f_code.co_filename.startswith(JUDGE):  # the judge's own hook, watching the answer
+                return out
+            frame = frame.f_back
+        if frame is not None:
+            try:
+                with _disable_current_modes():  # a collective's output fills when it is waited on: not summed
+                    told = _summary(out, sums=func.namespace != "c10d")
+            except Exception:  # an output that cannot be summed is told by its op alone
+                told = ()
+            arrived = any(_storage(t) in self.arrived for t in inputs)
+            self.ops.append((frame.f_lineno, name, told, self.trace._source(frame, frame.f_lineno), arrived))
+        return out
+
+
+def _op_departure(mine: _Ops, theirs: _Ops) -> str | None:
+    """The first operation of the answer's that is not the lesson's (another op, another shape or dtype, other
+    values), with the answer's line that ran it."""
+    for k, (line, name, told, source, arrived) in enumerate(mine.ops):
+        at = f"line {line} ({source[:80]})"
+        if k >= len(theirs.ops):
+            return f"{at} runs {name}, past the end of the lesson's {len(theirs.ops)} operations"
+        their_name, their_told = theirs.ops[k][1:3]
+        if name != their_name:
+            return f"{at} runs {name}{_shapes(told)} where the lesson's runs {their_name}{_shapes(their_told)}"
+        if [t[:2] for t in told] != [t[:2] for t in their_told]:
+            return f"{at}: its {name} gives{_shapes(told)}, the lesson's{_shapes(their_told)}"
+        for (_, _, a), (_, _, b) in zip(told, their_told):
+            if a is not None and b is not None and not all(_close(x, y, b[1]) for x, y in zip(a, b)):
+                got = f"{at}{', on what arrived from another rank' if arrived else ''}"
+                return (
+                    f"{got}: its {name} gives other values than the lesson's (sum {a[0]:.6g}, the lesson's {b[0]:.6g})"
+                )
+    return None
+
+
+def _close(x: float, y: float, scale: float) -> bool:
+    return (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9 * max(abs(scale), 1e-30))
+
+
+def _shapes(told: tuple) -> str:
+    return " -> " + ", ".join(f"{dtype} {list(shape)}" for dtype, shape, _ in told) if told else ""
+
+
+@contextlib.contextmanager
+def _traced(trace: _Trace, ops: _Ops | None = None):
+    before = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        if ops is None:
+            yield
+        else:
+            with ops:
+                yield
+    finally:
+        sys.settrace(before)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype.is_floating_point != b.dtype.is_floating_point:
+            return False
+        if a.dtype in (torch.bool,) or not a.dtype.is_floating_point:
+            return bool(torch.equal(a.to(b.dtype), b))
+        a, b = a.double(), b.double()
+        scale = b[torch.isfinite(b)].abs().max().item() if torch.isfinite(b).any() else 1.0
+        return bool(torch.allclose(a, b, rtol=1e-6, atol=1e-9 * max(scale, 1e-30), equal_nan=True))
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] == "list":
+        return len(a[1]) == len(b[1]) and all(_same(x, y) for x, y in zip(a[1], b[1]))
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] == "object":
+        return (
+            a[1] == b[1]
+            and [k for k, _ in a[2]] == [k for k, _ in b[2]]
+            and all(_same(x, y) for (_, x), (_, y) in zip(a[2], b[2]))
+        )
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] == "atom":
+        x, y = a[1], b[1]
+        if isinstance(x, str) or isinstance(y, str):
+            return x == y
+        if isinstance(x, float) or isinstance(y, float):
+            return x is not None and y is not None and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-12)
+        return x == y
+    return False
+
+
+def _said(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        shape = list(value.shape)
+        if value.numel() <= 4 and value.dtype.is_floating_point:
+            return f"{value.dtype} {shape} = {[round(v, 4) for v in value.double().reshape(-1).tolist()]}"
+        return f"{str(value.dtype).removeprefix('torch.')} {shape}"
+    if value[0] == "atom":
+        v = value[1]
+        return f"{v:.6g}" if isinstance(v, float) else repr(v)
+    if value[0] == "object":
+        return f"a {value[1]}"
+    inner = ", ".join(_said(v) for v in value[1][:3])
+    return f"[{inner}{', ...' if len(value[1]) > 3 else ''}] ({len(value[1])} items)"
+
+
+def _factor(k: float) -> str:
+    for q in (1, 2, 3, 4, 6, 8):
+        for sign in (1, -1):
+            for num in range(1, 65):
+                if abs(k - sign * num / q) <= 1e-6 * max(1.0, abs(k)):
+                    return f"{sign * num}" if q == 1 else f"{sign * num}/{q}"
+    return f"{k:.4g}"
+
+
+def _how(mine: Any, theirs: Any, before: Any, elsewhere: list[tuple[str, Any]]) -> str:
+    """How `mine` differs from the lesson's `theirs`, in the words that point at a slip."""
+    if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+        if mine.shape != theirs.shape:
+            told = f"yours is {_said(mine)}, the lesson's {_said(theirs)}"
+            if mine.dim() == 2 and mine.shape == theirs.t().shape and _same(mine, theirs.t().contiguous()):
+                told += ": the lesson's transposed"
+            elif mine.numel() == theirs.numel() and _same(_sorted(mine), _sorted(theirs)):
+                told += ": the same values in another shape"
+            return told
+        if mine.dtype.is_floating_point and theirs.dtype.is_floating_point:
+            m, t = mine.double(), theirs.double()
+            if torch.isnan(m).any() and not torch.isnan(t).any():
+                return f"yours holds NaN ({int(torch.isnan(m).sum())} of {m.numel()} elements), the lesson's none"
+            if m.abs().max() == 0 and t.abs().max() > 0:
+                return f"yours is all zeros, the lesson's not ({_said(theirs)})"
+            for label, other in [("the value it held before this statement", before)] + elsewhere:
+                if other is not None and _same(mine, other):
+                    return f"yours equals {label}"
+            if m.dim() == 2 and m.shape[0] == m.shape[1] and _same(mine, theirs.t().contiguous()):
+                return "yours is the lesson's transposed"
+            tt = (t * t).sum()
+            if tt > 0:
+                k = ((m * t).sum() / tt).item()
+                if (m - k * t).abs().max() <= 1e-6 * max(t.abs().max().item(), 1e-30):
+                    return f"yours is {_factor(k)} times the lesson's ({_said(mine)})"
+            if _same(_sorted(mine), _sorted(theirs)):
+                return "yours holds the lesson's values in another order"
+            return _where(m, t)
+        return f"yours is {_said(mine)}, the lesson's {_said(theirs)}"
+    if isinstance(mine, tuple) and isinstance(theirs, tuple) and mine[0] == theirs[0] == "atom":
+        for label, other in [("the value it held before this statement", before)] + elsewhere:
+            if other is not None and _same(mine, other):
+                return f"yours is {_said(mine)}, the lesson's {_said(theirs)}: yours equals {label}"
+        x, y = mine[1], theirs[1]
+        said = f"yours is {_said(mine)}, the lesson's {_said(theirs)}"
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y))
+        if numbers and y != 0:
+            said += f" ({_factor(x / y)} times)" if x / y != 1 else ""
+        return said
+    if isinstance(mine, tuple) and isinstance(theirs, tuple) and mine[0] == theirs[0] == "object":
+        if mine[1] != theirs[1] or [k for k, _ in mine[2]] != [k for k, _ in theirs[2]]:
+            return f"yours is a {mine[1]}, the lesson's a {theirs[1]}"
+        k, a, b = next((k, a, b) for (k, a), (_, b) in zip(mine[2], theirs[2]) if not _same(a, b))
+        return f"its field .{k}: " + _how(a, b, None, [])
+    if isinstance(mine, tuple) and isinstance(theirs, tuple) and mine[0] == theirs[0] == "list":
+        if len(mine[1]) != len(theirs[1]):
+            return f"yours holds {len(mine[1])} items, the lesson's {len(theirs[1])}"
+        differ = [k for k, (a, b) in enumerate(zip(mine[1], theirs[1])) if not _same(a, b)]
+        first = differ[0]
+        return f"items {_list(differ)} of {len(mine[1])} differ; item {first}: " + _how(
+            mine[1][first], theirs[1][first], None, []
+        )
+    return f"yours is {_said(mine)}, the lesson's {_said(theirs)}"
+
+
+def _sorted(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).double().sort().values
+
+
+def _list(ks: list[int]) -> str:
+    return ", ".join(map(str, ks[:8])) + (", ..." if len(ks) > 8 else "")
+
+
+def _where(m: torch.Tensor, t: torch.Tensor) -> str:
+    """Which part of a same-shaped tensor differs: the rows (dim 0 indices) or the elements, and by how much."""
+    off = ~torch.isclose(m, t, rtol=1e-6, atol=1e-9 * max(t.abs().max().item(), 1e-30))
+    worst = (m - t).abs().max().item() / max(t.abs().max().item(), 1e-30)
+    if m.dim() >= 2:
+        rows = off.reshape(m.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        if len(rows) < m.shape[0]:
+            return f"rows {_list(rows)} of {m.shape[0]} differ (by up to {worst:.0%} of its largest), the rest agree"
+    return f"{int(off.sum())} of {m.numel()} elements differ, by up to {worst:.0%} of the lesson's largest"
+
+
+def _added(mine: Any, mine_before: Any, theirs: Any, theirs_before: Any) -> str:
+    """A value assigned where the lesson's adds to what it held, or added where the lesson's assigns."""
+    if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in (mine, mine_before, theirs)):
+        return ""
+    if not isinstance(theirs_before, torch.Tensor) or not (mine.shape == theirs.shape == theirs_before.shape):
+        return ""
+    if _same(mine, theirs - theirs_before):
+        return "yours holds only what this statement adds this time; the lesson's adds it to the value before"
+    if mine.shape == mine_before.shape and _same(mine - mine_before, theirs):
+        return "yours adds this statement's value to the one before; the lesson's replaces it"
+    return ""
+
+
+def departure(mine: _Trace, lesson: _Trace) -> str | None:
+    """The first value of the answer's that is not the lesson's (same function, same name, same index), in the
+    words `_how` finds; None when every value of a name the lesson has agrees."""
+    for func, name, k in mine.order:
+        theirs = lesson.values.get((func, name))
+        if theirs is None:  # a name of the learner's own: nothing to compare it with
+            continue
+        line, value = mine.values[(func, name)][k]
+        source = mine.lines.get(line, "")
+        at = f"`{name}` in {func}, set at line {line} ({source[:80]})"
+        if k >= len(theirs):
+            return f"{at}: yours sets it {len(mine.values[(func, name)])} times or more, the lesson's {len(theirs)}"
+        if _same(value, theirs[k][1]):
+            continue
+        before = mine.values[(func, name)][k - 1][1] if k else None
+        if k and _added(value, before, theirs[k][1], theirs[k - 1][1]):
+            return f"{at}: {_added(value, before, theirs[k][1], theirs[k - 1][1])}"
+        elsewhere = [(f"the lesson's value {j + 1} of `{name}`", v) for j, (_, v) in enumerate(theirs) if j != k]
+        elsewhere += [
+            (f"the lesson's `{n}`" + (f" (its value {j + 1})" if len(vs) > 1 else ""), v)
+            for (f, n), vs in lesson.values.items()
+            if f == func and n != name
+            for j, (_, v) in enumerate(vs)
+        ][:OTHERS]
+        return f"{at}: {_how(value, theirs[k][1], before, elsewhere)}"
+    return None
+
+
+def _state(value: Any, label: str, depth: int = 0):
+    """(label, kept value) for what a call can leave changed in its arguments: a tensor and its .grad, a
+    module's parameters, their gradients and its buffers, and the same inside lists, tuples, dicts and plain
+    objects' attributes, a few levels down."""
+    if isinstance(value, torch.Tensor):
+        yield label, _kept(value)
+        if value.is_leaf and value.grad is not None:
+            yield f"{label}.grad", _kept(value.grad)
+    elif isinstance(value, torch.nn.Module):
+        for name, param in value.named_parameters():
+            yield from _state(param, f"{label}.{name}", 3)
+        for name, buffer in value.named_buffers():
+            yield f"{label}.{name}", _kept(buffer)
+        for name, sub in value.named_modules():  # the objects a layer keeps (a layout, a plan), by their fields
+            for k, v in vars(sub).items():
+                if not k.startswith("_") and _plain(v):
+                    yield f"{label}{'.' + name if name else ''}.{k}", _kept(v)
+    elif depth >= 3:
+        return
+    elif isinstance(value, (list, tuple)) and len(value) <= 64:
+        for k, v in enumerate(value):
+            yield from _state(v, f"{label}[{k}]", depth + 1)
+    elif isinstance(value, dict) and len(value) <= 64:
+        for k, v in value.items():
+            yield from _state(v, f"{label}[{k!r}]", depth + 1)
+    elif type(value).__module__ != "builtins" and isinstance(getattr(value, "__dict__", None), dict):
+        for k, v in list(vars(value).items())[:64]:
+            if not k.startswith("_"):
+                yield from _state(v, f"{label}.{k}", depth + 1)
+
+
+def _after(fn: Callable[..., Any], args: tuple, kwargs: dict, returned: Any) -> dict[str, Any]:
+    """What a call left behind: what it returned and its arguments' state (`_state`), by the parameters' names."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {f"argument {k}": a for k, a in enumerate(args)} | kwargs
+    left = dict(_state(returned, "what it returned"))
+    for name, value in bound.items():
+        left.update(_state(value, f"`{name}`"))
+    return {k: v for k, v in left.items() if v is not None}
+
+
+def effect(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """The first thing a call left behind that is not the lesson's (what it returned, then the arguments)."""
+    for label, value in mine.items():
+        if label in theirs and not _same(value, theirs[label]):
+            return f"after the call, {label}: {_how(value, theirs[label], None, [])}"
+    return None
+
+
+def _found(mine: _Trace, theirs: _Trace, ops: _Ops, their_ops: _Ops) -> str:
+    """The first operation that departs and the first name that does, each where found."""
+    first_op, first_name = _op_departure(ops, their_ops), departure(mine, theirs)
+    said = [f"the first operation: {first_op}"] if first_op else []
+    said += [f"the first name: {first_name}"] if first_name else []
+    return "; ".join(said)
+
+
+class Shadow:
+    """An answer's function shadowed by the lesson's (module docstring): `wrap(fn)` runs the lesson's function
+    on copies of each call's arguments, then the answer on the arguments themselves, both traced; `departs` is
+    the first departure found (the rank's), "" while none is."""
+
+    def __init__(
+        self, lesson: Callable[..., Any], lesson_path: Path, answer_path: Path, agree: Callable[[bool], bool]
+    ) -> None:
+        self.lesson, self.lesson_path, self.answer_path = lesson, str(lesson_path), str(answer_path)
+        self.agree = agree  # whether every rank says yes: the lesson's runs, with their collectives, in step
+        self.departs, self.calls, self.broken = "", 0, False
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def shadowed(*args, **kwargs):
+            # every rank shadows the same calls, a departure found or not: the lesson's collectives must pair
+            if self.broken or self.calls >= CALLS:
+                return fn(*args, **kwargs)
+            self.calls += 1
+            theirs = self._lesson(args, kwargs)
+            if theirs is None:
+                return fn(*args, **kwargs)
+            (theirs, their_ops, left), mine, returned = theirs, _Trace(self.answer_path), None
+            ops = _Ops(mine)
+            try:
+                with _traced(mine, ops):
+                    returned = fn(*args, **kwargs)
+                    return returned
+            finally:  # an answer that raises is told where it departed before the raise
+                with _disable_current_modes():
+                    try:  # the describer never raises: what it cannot tell, it leaves out
+                        found = "" if self.departs else _found(mine, theirs, ops, their_ops)
+                        if not found and not self.departs and sys.exc_info()[0] is None:
+                            found = effect(_after(fn, args, kwargs, returned), left)
+                    except Exception:
+                        found = ""
+                if found:
+                    self.departs = (f"in its call {self.calls}, " if self.calls > 1 else "") + found
+
+        return shadowed
+
+    def _lesson(self, args: tuple, kwargs: dict) -> tuple[_Trace, _Ops, dict] | None:
+        """The lesson's run on copies, traced; None (and the shadow given up on every rank) where it cannot
+        run. The copies' failure is agreed before the lesson runs a collective; its run's, after it."""
+        try:
+            with _disable_current_modes():
+                copies = _copied((args, kwargs))
+        except Exception as err:
+            copies = err
+        if not self.agree(not isinstance(copies, Exception)):
+            self.broken = True
+            return None
+        state = torch.get_rng_state(), random.getstate()
+        theirs, ran = _Trace(self.lesson_path), True
+        their_ops = _Ops(theirs)
+        try:
+            with _disable_current_modes():
+                with _traced(theirs, their_ops):
+                    returned = self.lesson(*copies[0], **copies[1])
+                left = _after(self.lesson, *copies, returned)
+        except Exception:
+            ran = False
+        finally:
+            torch.set_rng_state(state[0])
+            random.setstate(state[1])
+        if not self.agree(ran):
+            self.broken = True
+            return None
+        return theirs, their_ops, left

@@ -6,6 +6,7 @@ caught or not, whether the first hint (level 1) names the slip by its `names` wo
     PYTHONPATH=src python scripts/audit_slips.py --second   # the second audit's slips (tests/exercise_new_slips.py)
     PYTHONPATH=src python scripts/audit_slips.py --third 01 # the third audit's (tests/exercise_third_slips.py)
     PYTHONPATH=src python scripts/audit_slips.py --fourth   # the fourth audit's (tests/exercise_fourth_slips.py)
+    PYTHONPATH=src python scripts/audit_slips.py --fifth    # the fifth audit's (tests/exercise_fifth_slips.py)
 
 The same slips are asserted by each exercise's `test_the_judge_rejects_a_planted_slip`; this prints what a learner
 would read, for the table in lessons/exercises/README.md."""
@@ -30,14 +31,15 @@ def _exercise(path: Path):
 
 
 def main(numbers: list[str]) -> None:
+    from exercise_fifth_slips import FIFTH_SLIPS
     from exercise_fourth_slips import FOURTH_SLIPS
     from exercise_new_slips import NEW_SLIPS
     from exercise_slips import SLIPS, Planted
     from exercise_third_slips import THIRD_SLIPS
 
-    second, third, fourth = "--second" in numbers, "--third" in numbers, "--fourth" in numbers
-    numbers = [n for n in numbers if n not in ("--second", "--third", "--fourth")]
-    slips = FOURTH_SLIPS if fourth else THIRD_SLIPS if third else NEW_SLIPS if second else SLIPS
+    audits = {"--second": NEW_SLIPS, "--third": THIRD_SLIPS, "--fourth": FOURTH_SLIPS, "--fifth": FIFTH_SLIPS}
+    slips = next((audits[n] for n in numbers if n in audits), SLIPS)
+    numbers = [n for n in numbers if n not in audits]
 
     for path in sorted((ROOT / "tests").glob("test_exercise[0-9][0-9]_*.py")):
         number = path.stem[len("test_exercise") :][:2]

@@ -6,7 +6,8 @@ and a failed run told in a few lines: the answer's own line that raised and the 
 (`exercise_values`; for a process killed in C++, gloo's or c10's abort, the error it wrote on its stderr, kept
 while each answer runs), or, for a transport error (a peer's connection closed, a collective timed out), that the
 ranks stopped running the same collectives and what each rank's answer ran until then, never the fault of the
-rank that happened to see it."""
+rank that happened to see it. Each call of an answer is shadowed by the lesson's own function (`exercise_trace`),
+so that a verdict can say where the answer first departs from it."""
 
 from __future__ import annotations
 

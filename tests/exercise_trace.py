@@ -37,6 +37,18 @@ DEPARTS = "where yours first departs from the lesson's: "
 CALLS = 4  # calls shadowed at most: the first departure is almost always in the first
 LIMIT = 1 << 20  # elements kept of one tensor at most
 JUDGE = str(Path(__file__).parent / "")  # the judge's files: its hooks' operations are not the answer's
+COLLECTIVES = (
+    "allreduce",
+    "allgather",
+    "reduce_scatter",
+    "broadcast",
+    "alltoall",
+    "send",
+    "recv",
+    "reduce_",
+    "gather",
+    "scatter",
+)
 BOOKKEEPING = ("lift_fresh", "lift_fresh_copy", "alias")  # a constant made a tensor, a view of all of one
 CLOCKS = ("perf_counter", "time.time", "monotonic")  # statements whose values differ from run to run
 OTHERS = 2000  # the lesson's other values a departing one is compared with, at most
@@ -226,6 +238,13 @@ class _Ops(TorchDispatchMode):
         self.trace, self.ops, self.arrived = trace, [], set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        sent = None
+        if func.namespace == "c10d":  # what a collective is handed, read before it runs (its output fills later)
+            try:
+                with _disable_current_modes():
+                    sent = _summary([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+            except Exception:
+                sent = ()
         out = func(*args, **(kwargs or {}))
         name = func.__name__.removesuffix(".default")
         if func.namespace == "profiler" or name.split(".")[0] in BOOKKEEPING:
@@ -247,8 +266,8 @@ class _Ops(TorchDispatchMode):
             frame = frame.f_back
         if frame is not None:
             try:
-                with _disable_current_modes():  # a collective's output fills when it is waited on: not summed
-                    told = _summary(out, sums=func.namespace != "c10d")
+                with _disable_current_modes():
+                    told = sent if sent is not None else _summary(out)
             except Exception:  # an output that cannot be summed is told by its op alone
                 told = ()
             arrived = any(_storage(t) in self.arrived for t in inputs)
@@ -268,13 +287,27 @@ def _op_departure(mine: _Ops, theirs: _Ops) -> str | None:
             return f"{at} runs {name}{_shapes(told)} where the lesson's runs {their_name}{_shapes(their_told)}"
         if [t[:2] for t in told] != [t[:2] for t in their_told]:
             return f"{at}: its {name} gives{_shapes(told)}, the lesson's{_shapes(their_told)}"
-        for (_, _, a), (_, _, b) in zip(told, their_told):
-            if a is not None and b is not None and not all(_close(x, y, b[1]) for x, y in zip(a, b)):
-                got = f"{at}{', on what arrived from another rank' if arrived else ''}"
-                return (
-                    f"{got}: its {name} gives other values than the lesson's (sum {a[0]:.6g}, the lesson's {b[0]:.6g})"
-                )
+        if not _told_same(told, their_told):
+            if name.startswith(COLLECTIVES):  # a collective's summary is of what it was handed
+                earlier = [(o[0], o[3]) for o in theirs.ops[:k] if o[1] == name and _told_same(told, o[2])]
+                was = f": what the lesson's handed its {name} at line {earlier[-1][0]}" if earlier else ""
+                return f"{at}: its {name} is handed other values than the lesson's{was}"
+            a, b = next(
+                (a, b) for (_, _, a), (_, _, b) in zip(told, their_told) if not _told_same(((0, 0, a),), ((0, 0, b),))
+            )
+            got = f"{at}{', on what arrived from another rank' if arrived else ''}"
+            return f"{got}: its {name} gives other values than the lesson's (sum {a[0]:.6g}, the lesson's {b[0]:.6g})"
     return None
+
+
+def _told_same(told: tuple, their_told: tuple) -> bool:
+    """Two `_summary`s alike: the same dtypes and shapes, the sums equal to rounding (unsummed ones pass)."""
+    if [t[:2] for t in told] != [t[:2] for t in their_told]:
+        return False
+    return all(
+        a is None or b is None or all(_close(x, y, b[1]) for x, y in zip(a, b))
+        for (_, _, a), (_, _, b) in zip(told, their_told)
+    )
 
 
 def _close(x: float, y: float, scale: float) -> bool:
@@ -418,6 +451,9 @@ def _where(m: torch.Tensor, t: torch.Tensor) -> str:
     """Which part of a same-shaped tensor differs: the rows (dim 0 indices) or the elements, and by how much."""
     off = ~torch.isclose(m, t, rtol=1e-6, atol=1e-9 * max(t.abs().max().item(), 1e-30))
     worst = (m - t).abs().max().item() / max(t.abs().max().item(), 1e-30)
+    if m.dim() == 2 and m.shape[0] == m.shape[1] and torch.equal(off, torch.eye(len(m), dtype=torch.bool)):
+        mine, theirs = m.diagonal().unique().tolist(), t.diagonal().unique().tolist()
+        return f"only the diagonal differs: yours holds {_few(mine)} there, the lesson's {_few(theirs)}"
     if m.dim() >= 2:
         rows = off.reshape(m.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
         if len(rows) < m.shape[0]:
@@ -425,8 +461,16 @@ def _where(m: torch.Tensor, t: torch.Tensor) -> str:
     return f"{int(off.sum())} of {m.numel()} elements differ, by up to {worst:.0%} of the lesson's largest"
 
 
+def _few(values: list) -> str:
+    return ", ".join(f"{v:.4g}" for v in values[:4]) + (", ..." if len(values) > 4 else "")
+
+
 def _added(mine: Any, mine_before: Any, theirs: Any, theirs_before: Any) -> str:
     """A value assigned where the lesson's adds to what it held, or added where the lesson's assigns."""
+    if all(isinstance(v, tuple) and v[0] == "atom" for v in (mine, mine_before, theirs, theirs_before)):
+        numbers = [v[1] for v in (mine, mine_before, theirs, theirs_before)]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            mine, mine_before, theirs, theirs_before = (torch.tensor(float(v)) for v in numbers)
     if not all(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in (mine, mine_before, theirs)):
         return ""
     if not isinstance(theirs_before, torch.Tensor) or not (mine.shape == theirs.shape == theirs_before.shape):

@@ -93,3 +93,35 @@ def test_an_extra_operation_is_named_before_what_it_leaves_behind():
 
     said = _departs(quiet)
     assert "runs mul" in said, said  # the extra product is an operation the lesson never runs
+
+
+def counted(xs):
+    sent, labels = 0, -torch.ones(3, 3)
+    for x in xs:
+        sent += x.numel()
+    labels += 2 * torch.eye(3)
+    return sent, labels
+
+
+def test_a_count_assigned_where_the_lesson_adds_and_a_diagonal_are_read():
+    def overwritten(xs):  # each count assigned, not added
+        sent, labels = 0, -torch.ones(3, 3)
+        for x in xs:
+            sent = x.numel()
+        labels += 2 * torch.eye(3)
+        return sent, labels
+
+    def diagonal(xs):  # the eye added once: the diagonal 0, not +1
+        sent, labels = 0, -torch.ones(3, 3)
+        for x in xs:
+            sent += x.numel()
+        labels += torch.eye(3)
+        return sent, labels
+
+    xs = [torch.zeros(2), torch.zeros(3)]
+    for answer, words in ((overwritten, "only what this statement adds"), (diagonal, "only the diagonal differs")):
+        answer.__code__ = answer.__code__.replace(co_name="counted")
+        shadow = Shadow(counted, Path(HERE), Path(HERE), agree=lambda ok: ok)
+        shadow.wrap(answer)(xs)
+        assert words in shadow.departs, shadow.departs
+    assert "yours holds 0 there, the lesson's 1" in shadow.departs, shadow.departs

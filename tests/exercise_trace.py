@@ -212,14 +212,14 @@ def _storage(t: torch.Tensor) -> Any:
         return None
 
 
-def _summary(value: Any, sums: bool = True) -> tuple:
-    """An op's output in a few numbers: each tensor's dtype, shape and the sum and the sum of magnitudes of its
-    elements, enough to tell two outputs apart."""
+def _summary(value: Any) -> tuple:
+    """An op's output (or what a collective is handed) in a few numbers: each tensor's dtype, shape and the sum
+    and the sum of magnitudes of its elements, enough to tell two outputs apart."""
     tensors = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.Tensor)]
     told = []
     for t in tensors:
         sums = None
-        if sums and not (t.is_meta or is_traceable_wrapper_subclass(t)) and t.layout == torch.strided:
+        if not (t.is_meta or is_traceable_wrapper_subclass(t)) and t.layout == torch.strided:
             try:
                 d = t.detach().to("cpu", torch.float64) if not t.is_complex() else t.detach().abs().double()
                 sums = (d.sum().item(), d.abs().sum().item())
@@ -275,9 +275,10 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-def _op_departure(mine: _Ops, theirs: _Ops) -> str | None:
+def _op_departure(mine: _Ops, theirs: _Ops, values: bool = True) -> str | None:
     """The first operation of the answer's that is not the lesson's (another op, another shape or dtype, other
-    values), with the answer's line that ran it."""
+    values; with `values` False, the first other op, shape or dtype: another computation, where other values
+    may only carry an earlier difference), with the answer's line that ran it."""
     for k, (line, name, told, source, arrived) in enumerate(mine.ops):
         at = f"line {line} ({source[:80]})"
         if k >= len(theirs.ops):
@@ -287,7 +288,7 @@ def _op_departure(mine: _Ops, theirs: _Ops) -> str | None:
             return f"{at} runs {name}{_shapes(told)} where the lesson's runs {their_name}{_shapes(their_told)}"
         if [t[:2] for t in told] != [t[:2] for t in their_told]:
             return f"{at}: its {name} gives{_shapes(told)}, the lesson's{_shapes(their_told)}"
-        if not _told_same(told, their_told):
+        if values and not _told_same(told, their_told):
             if name.startswith(COLLECTIVES):  # a collective's summary is of what it was handed
                 earlier = [(o[0], o[3]) for o in theirs.ops[:k] if o[1] == name and _told_same(told, o[2])]
                 was = f": what the lesson's handed its {name} at line {earlier[-1][0]}" if earlier else ""
@@ -562,9 +563,12 @@ def effect(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
 
 
 def _found(mine: _Trace, theirs: _Trace, ops: _Ops, their_ops: _Ops) -> str:
-    """The first operation that departs and the first name that does, each where found."""
+    """The first operation that departs, the first that computes otherwise where that is a later one, and the
+    first name that departs, each where found."""
     first_op, first_name = _op_departure(ops, their_ops), departure(mine, theirs)
+    other = _op_departure(ops, their_ops, values=False)
     said = [f"the first operation: {first_op}"] if first_op else []
+    said += [f"the first other operation: {other}"] if other and other != first_op else []
     said += [f"the first name: {first_name}"] if first_name else []
     return "; ".join(said)
 

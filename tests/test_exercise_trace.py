@@ -69,6 +69,7 @@ def test_a_right_answer_departs_nowhere_and_the_caller_keeps_its_state():
 
 def test_a_factor_is_told_at_the_statement_that_made_it():
     said = _departs(factor)
+    assert "the first operation: line 26 (loss = total.sum() / 1): its div.Tensor gives other values" in said, said
     assert "`loss`" in said and "(loss = total.sum() / 1)" in said and "4 times the lesson's" in said, said
 
 

@@ -334,6 +334,8 @@ def _traced(trace: _Trace, ops: _Ops | None = None):
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Two kept values alike: tensors of one shape equal to rounding (1e-6 of the larger's scale), the same
+    atoms, lists and objects alike item by item."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape or a.dtype.is_floating_point != b.dtype.is_floating_point:
             return False
@@ -361,10 +363,12 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _said(value: Any) -> str:
+    """A kept value in a few words: a tensor's dtype and shape (and its values, when it holds at most four)."""
     if isinstance(value, torch.Tensor):
         shape = list(value.shape)
         if value.numel() <= 4 and value.dtype.is_floating_point:
-            return f"{value.dtype} {shape} = {[round(v, 4) for v in value.double().reshape(-1).tolist()]}"
+            values = [round(v, 4) for v in value.double().reshape(-1).tolist()]
+            return f"{str(value.dtype).removeprefix('torch.')} {shape} = {values}"
         return f"{str(value.dtype).removeprefix('torch.')} {shape}"
     if value[0] == "atom":
         v = value[1]
@@ -376,6 +380,7 @@ def _said(value: Any) -> str:
 
 
 def _factor(k: float) -> str:
+    """A ratio as the small fraction it is (3, -1, 1/2, 5/6), else to four figures."""
     for q in (1, 2, 3, 4, 6, 8):
         for sign in (1, -1):
             for num in range(1, 65):

@@ -120,7 +120,7 @@ def _departs(reports: list[dict]) -> str:
     (not on what arrived from another rank), while it runs (an operation, a name), else where what it left
     behind does."""
     found = [
-        ("from another rank" in m["departs"], m["departs"].startswith("after the call"), r, m["departs"])
+        ("from another rank" in m["departs"], m["after"], r, m["departs"])
         for r, m in enumerate(reports)
         if m.get("departs")
     ]

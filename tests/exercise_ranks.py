@@ -61,7 +61,7 @@ def _raised(err: Exception, answer, ran: str = "", logs: str | None = None) -> s
         return f"your answer did not finish: {err} (a collective some rank never joined?){ran}"
     notes = (VALUES, RETURNED, DEPARTS)  # `exercise_values.noted`'s and `_rank`'s lines, after the error's
     lines = [line for line in err.child_traceback.splitlines() if line.strip() and not line.startswith(notes)]
-    told = [line for line in err.child_traceback.splitlines() if line.startswith(notes[:2])]
+    told = [line for line in err.child_traceback.splitlines() if line.startswith((VALUES, RETURNED))]
     departs = [line for line in err.child_traceback.splitlines() if line.startswith(DEPARTS)]
     last = next((line.strip() for line in reversed(lines) if not line.startswith(("(", " "))), lines[-1].strip())
     if err.child_traceback.startswith("process exited with code"):  # spawn's death note: no Python traceback
@@ -216,5 +216,6 @@ def _rank(
                 ),
             )
             claims.seen.insert(0, claims.seen.pop())
-        reports.append({"seen": claims.seen, "ran": ran.calls, "departs": shadow.departs if shadow else ""})
+        departs, after = (shadow.departs, shadow.after) if shadow else ("", False)
+        reports.append({"seen": claims.seen, "ran": ran.calls, "departs": departs, "after": after})
     return reports

@@ -4,12 +4,11 @@ after it, every watch of the judge's blind to it), and both runs are traced: eve
 answer's line that ran it, and every value a local name of the answer's file takes, with the statement that set
 it. Where the two first part is told in words by `exercise_readings`, with the learner's own statement.
 
-This is a hint, never a verdict: the claims judge against an independent reference; the lesson's function only
-says where to look. It reads only where the answer's names are the lesson's (an exercise's blank keeps the
-lesson's signature; a learner's own names are passed over), and it stays silent where it cannot copy the
-arguments (a torchft manager, a DTensor model), where the answer is a class (an autograd Function), or where the
-lesson's run raises. A buffer allocated without filling (`torch.empty`) is zeroed in both runs, so that what
-the memory held before is not read as a difference."""
+A hint, never a verdict: the claims judge against an independent reference; the lesson's function only says
+where to look. It reads only where the answer's names are the lesson's (a blank keeps the lesson's signature),
+and it stays silent where it cannot copy the arguments (a torchft manager, a DTensor model), where the answer is
+a class (an autograd Function), or where the lesson's run raises. A buffer allocated without filling
+(`torch.empty`) is zeroed in both runs: what the memory held before is no difference."""
 
 from __future__ import annotations
 
@@ -222,26 +221,27 @@ class _Ops(TorchDispatchMode):
         self.trace, self.ops, self.arrived = trace, [], set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        collective = func.namespace == "c10d"
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] if collective else []
         sent = None
-        if func.namespace == "c10d":  # what a collective is handed, read before it runs (its output fills later)
+        if collective:  # what a collective is handed, read before it runs (its output fills later)
             try:
                 with _disable_current_modes():
-                    sent = _summary([t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+                    sent = _summary(inputs)
             except Exception:
                 sent = ()
         out = func(*args, **(kwargs or {}))
         name = func.__name__.removesuffix(".default")
         if func.namespace == "profiler" or name.split(".")[0] in BOOKKEEPING:
             return out
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] if self.arrived else []
-        if func.namespace == "c10d":
+        if self.arrived and not collective:
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         with _disable_current_modes():
             if name.split(".")[0].endswith(("empty", "empty_like", "empty_strided", "new_empty")):
                 for t in tree_leaves(out):  # both runs alike: what a buffer holds before it is filled
                     if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
                         t.zero_()
-            if func.namespace == "c10d":  # what arrives from other ranks: a difference there is theirs
+            if collective:  # what arrives from other ranks: a difference there is theirs
                 self.arrived.update(_storage(t) for t in inputs)
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename != self.trace.path:
@@ -337,7 +337,8 @@ class Shadow:
     ) -> None:
         self.lesson, self.lesson_path, self.answer_path = lesson, str(lesson_path), str(answer_path)
         self.agree = agree  # whether every rank says yes: the lesson's runs, with their collectives, in step
-        self.departs, self.calls, self.broken = "", 0, False
+        # `after`: whether `departs` is only what the call left behind, not a difference while it ran
+        self.departs, self.calls, self.broken, self.after = "", 0, False, False
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -361,6 +362,7 @@ class Shadow:
                         found = "" if self.departs else _found(mine, theirs, ops, their_ops)
                         if not found and not self.departs and sys.exc_info()[0] is None:
                             found = effect(_after(fn, args, kwargs, returned), left)
+                            self.after = bool(found)
                     except Exception:
                         found = ""
                 if found:
